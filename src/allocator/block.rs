@@ -1,0 +1,88 @@
+//! Blocks: contiguous pieces of a segment, kept in a host-side arena and linked by id.
+//!
+//! # Invariants
+//! - The blocks of one segment tile it exactly: `prev.ptr + prev.size == ptr` and the links
+//!   agree both ways. A block with neither `prev` nor `next` is a whole segment.
+//! - A block is in exactly one of three states: allocated (handed out); pending free (not
+//!   allocated, waiting on `event_count > 0` events or holding `stream_uses` it could not
+//!   record); free (neither, and then it sits in its pool's free set).
+//! - Sizes and addresses are multiples of 512.
+
+use crate::device::StreamId;
+
+use super::size::PoolKind;
+
+/// Index of a block in the allocator's arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub(crate) struct BlockId(pub u32);
+
+impl BlockId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A block (PyTorch's `Block`).
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    /// Device address.
+    pub ptr: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// The unrounded size of the last request this block served (kept after free).
+    pub requested_size: u64,
+    /// The stream the block was allocated on; it is reused only on that stream.
+    pub stream: StreamId,
+    /// The pool that owns the block.
+    pub pool: PoolKind,
+    /// Handed out to a caller.
+    pub allocated: bool,
+    /// Backed by physical memory (always true outside expandable segments).
+    pub mapped: bool,
+    /// Neighbour below in the same segment.
+    pub prev: Option<BlockId>,
+    /// Neighbour above in the same segment.
+    pub next: Option<BlockId>,
+    /// Outstanding events that must complete before the block can be reused.
+    pub event_count: u32,
+    /// Streams other than `stream` that used the block (`record_stream`).
+    pub stream_uses: Vec<StreamId>,
+    /// The pool's `get_free_blocks_call_count` when the block last entered the free set.
+    pub gc_count_base: u64,
+}
+
+impl Block {
+    /// A whole, unsplit, free segment.
+    pub fn segment(ptr: u64, size: u64, stream: StreamId, pool: PoolKind) -> Block {
+        Block {
+            ptr,
+            size,
+            requested_size: 0,
+            stream,
+            pool,
+            allocated: false,
+            mapped: true,
+            prev: None,
+            next: None,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            gc_count_base: 0,
+        }
+    }
+
+    /// Part of a segment that also holds other blocks.
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+
+    /// Freed by the user but waiting on other streams.
+    pub fn is_pending_free(&self) -> bool {
+        !self.allocated && (self.event_count > 0 || !self.stream_uses.is_empty())
+    }
+
+    /// Neither allocated nor pending: reusable, and in its pool's free set.
+    pub fn is_free(&self) -> bool {
+        !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
+    }
+}

@@ -1,0 +1,87 @@
+//! The allocator's errors. An out-of-memory error carries the figures PyTorch's message
+//! reports, so that a caller (or an operator reading a log) can tell fragmentation from a
+//! full device.
+
+use std::fmt;
+
+use crate::config::ConfigError;
+use crate::device::{DeviceError, DevicePtr};
+
+use super::size::format_size;
+
+/// Why an allocation failed with out-of-memory, with the figures that explain it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Device index.
+    pub device: u32,
+    /// What the allocator tried to obtain: the segment size for the request.
+    pub tried_to_allocate: u64,
+    /// Device memory in total.
+    pub total: u64,
+    /// Device memory the driver reported free.
+    pub free: u64,
+    /// The per-process limit, when a memory fraction is set.
+    pub allowed: Option<u64>,
+    /// Bytes in allocated blocks.
+    pub allocated: u64,
+    /// Bytes reserved from the driver but not allocated: cached free blocks.
+    pub reserved_unallocated: u64,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+            format_size(self.tried_to_allocate),
+            self.device,
+            format_size(self.total),
+            format_size(self.free),
+        )?;
+        if let Some(allowed) = self.allowed {
+            write!(f, "{} allowed; ", format_size(allowed))?;
+        }
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+             When reserved but unallocated memory is large, fragmentation is the likely cause: \
+             set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to let segments grow instead \
+             (or max_split_size_mb to stop large cached blocks from being split). \
+             See the Memory Management section of the CUDA semantics documentation \
+             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+            format_size(self.allocated),
+            format_size(self.reserved_unallocated),
+        )
+    }
+}
+
+/// An allocator operation that failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocError {
+    /// No memory for the request after every recovery step.
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+    /// A request no device could hold (1 EiB or more).
+    #[error("CUDA out of memory. Tried to allocate more than 1EB memory ({0} bytes requested)")]
+    TooLarge(u64),
+    /// A pointer this allocator did not hand out, or already freed.
+    #[error("invalid device pointer: {0:?}")]
+    InvalidPointer(DevicePtr),
+    /// A memory fraction outside `[0, 1]`.
+    #[error("invalid memory fraction {0}: it must be between 0 and 1")]
+    InvalidFraction(f64),
+    /// A rejected configuration string.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The driver failed with something other than out-of-memory.
+    #[error("device error: {0}")]
+    Device(#[from] DeviceError),
+}
+
+impl AllocError {
+    /// Whether this is an out-of-memory failure (of either kind).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge(_))
+    }
+}

@@ -1,0 +1,275 @@
+//! The ordered set of free blocks of one pool, keyed by (stream, size, address).
+//!
+//! PyTorch keeps each pool's free blocks in a `std::set` ordered by (stream, size, address)
+//! and serves a request from the first element at or after `(stream, size, 0)`. This set gives
+//! exactly the same answers, faster: each stream has its own index of size classes
+//! (eight classes per power of two, as TLSF spaces them), each class a vector sorted by
+//! (size, address), and a bitmap of the non-empty classes. A lookup binary-searches one small
+//! vector and, when that holds nothing large enough, jumps with the bitmap to the first
+//! non-empty larger class, whose first entry is the answer.
+//!
+//! # Invariants
+//! - Classes partition sizes monotonically: every size in class `c` is smaller than every
+//!   size in class `c + 1`. Hence "first entry of the first non-empty class above" is the
+//!   ordered successor.
+//! - A class's bit is set in the bitmap iff its vector is non-empty.
+//! - Within a class, entries are sorted by (size, address) and unique by address.
+//! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
+
+use crate::device::StreamId;
+
+use super::block::BlockId;
+
+/// Number of size classes: enough for any size a 64-bit count of 512-byte units can hold.
+const CLASSES: usize = 8 * 53 + 8;
+const BITMAP_WORDS: usize = CLASSES.div_ceil(64);
+
+/// One free block as the set sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct FreeEntry {
+    /// Block size in bytes.
+    pub size: u64,
+    /// Block address.
+    pub ptr: u64,
+    /// The block.
+    pub id: BlockId,
+}
+
+/// The size class of a block size (a multiple of 512): linear below 4 KiB, then eight
+/// classes per power of two.
+fn class_of(size: u64) -> usize {
+    let units = size >> 9;
+    if units < 8 {
+        return units as usize;
+    }
+    let log2 = units.ilog2();
+    let mantissa = (units >> (log2 - 3)) & 7;
+    8 * (log2 as usize - 2) + mantissa as usize
+}
+
+/// The free blocks of one stream.
+#[derive(Debug)]
+struct StreamBins {
+    bitmap: [u64; BITMAP_WORDS],
+    classes: Vec<Vec<FreeEntry>>,
+    len: usize,
+}
+
+impl StreamBins {
+    fn new() -> Self {
+        StreamBins {
+            bitmap: [0; BITMAP_WORDS],
+            classes: (0..CLASSES).map(|_| Vec::new()).collect(),
+            len: 0,
+        }
+    }
+
+    /// The first non-empty class at or above `class`.
+    fn next_class(&self, class: usize) -> Option<usize> {
+        let mut word = class / 64;
+        let mut bits = self.bitmap[word] & (u64::MAX << (class % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            bits = *self.bitmap.get(word)?;
+        }
+    }
+
+    /// The last non-empty class strictly below `class`.
+    fn prev_class(&self, class: usize) -> Option<usize> {
+        if class == 0 {
+            return None;
+        }
+        let last = class - 1;
+        let mut word = last / 64;
+        let mut bits = self.bitmap[word] & (u64::MAX >> (63 - last % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + 63 - bits.leading_zeros() as usize);
+            }
+            word = word.checked_sub(1)?;
+            bits = self.bitmap[word];
+        }
+    }
+
+    fn lower_bound(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
+        let class = class_of(size);
+        let entries = &self.classes[class];
+        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
+        if let Some(e) = entries.get(i) {
+            return Some(*e);
+        }
+        let next = self.next_class(class + 1)?;
+        self.classes[next].first().copied()
+    }
+
+    fn prev_before(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
+        let class = class_of(size);
+        let entries = &self.classes[class];
+        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
+        if i > 0 {
+            return Some(entries[i - 1]);
+        }
+        let prev = self.prev_class(class)?;
+        self.classes[prev].last().copied()
+    }
+
+    fn insert(&mut self, entry: FreeEntry) {
+        let class = class_of(entry.size);
+        let entries = &mut self.classes[class];
+        let i = entries.partition_point(|e| (e.size, e.ptr) < (entry.size, entry.ptr));
+        entries.insert(i, entry);
+        self.bitmap[class / 64] |= 1 << (class % 64);
+        self.len += 1;
+    }
+
+    fn remove(&mut self, size: u64, ptr: u64) -> bool {
+        let class = class_of(size);
+        let entries = &mut self.classes[class];
+        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
+        if entries
+            .get(i)
+            .is_none_or(|e| e.ptr != ptr || e.size != size)
+        {
+            return false;
+        }
+        entries.remove(i);
+        if entries.is_empty() {
+            self.bitmap[class / 64] &= !(1 << (class % 64));
+        }
+        self.len -= 1;
+        true
+    }
+
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &FreeEntry> {
+        self.classes.iter().flatten()
+    }
+}
+
+/// The free blocks of one pool, all streams. See the module documentation.
+#[derive(Debug, Default)]
+pub(crate) struct FreeSet {
+    streams: Vec<(StreamId, StreamBins)>,
+    len: usize,
+}
+
+impl FreeSet {
+    fn bins(&self, stream: StreamId) -> Option<&StreamBins> {
+        // Jobs use a handful of streams: a linear scan beats hashing.
+        self.streams
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, bins)| bins)
+    }
+
+    /// Number of free blocks.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The first block of `stream` at or after `(size, 0)` in (size, address) order: the best
+    /// fit PyTorch's `get_free_block` looks at.
+    pub fn lower_bound(&self, stream: StreamId, size: u64) -> Option<FreeEntry> {
+        self.bins(stream)?.lower_bound(size, 0)
+    }
+
+    /// The block of `stream` just before `(size, ptr)` in (size, address) order.
+    pub fn prev_before(&self, stream: StreamId, size: u64, ptr: u64) -> Option<FreeEntry> {
+        self.bins(stream)?.prev_before(size, ptr)
+    }
+
+    /// Adds a free block.
+    pub fn insert(&mut self, stream: StreamId, entry: FreeEntry) {
+        let i = match self.streams.binary_search_by_key(&stream, |(s, _)| *s) {
+            Ok(i) => i,
+            Err(i) => {
+                self.streams.insert(i, (stream, StreamBins::new()));
+                i
+            }
+        };
+        self.streams[i].1.insert(entry);
+        self.len += 1;
+    }
+
+    /// Removes the block of `stream` with this size and address; false if it is not here.
+    pub fn remove(&mut self, stream: StreamId, size: u64, ptr: u64) -> bool {
+        let Some((_, bins)) = self.streams.iter_mut().find(|(s, _)| *s == stream) else {
+            return false;
+        };
+        let removed = bins.remove(size, ptr);
+        self.len -= usize::from(removed);
+        removed
+    }
+
+    /// All free blocks in PyTorch's set order: by stream, then size, then address.
+    pub fn iter(&self) -> impl Iterator<Item = (StreamId, FreeEntry)> + '_ {
+        self.streams
+            .iter()
+            .flat_map(|(s, bins)| bins.iter().map(move |e| (*s, *e)))
+    }
+
+    /// The largest free block of any stream.
+    pub fn largest(&self) -> Option<FreeEntry> {
+        self.streams
+            .iter()
+            .filter_map(|(_, bins)| bins.iter().next_back().copied())
+            .max_by_key(|e| e.size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn classes_are_monotonic_and_in_range() {
+        let mut last = 0;
+        for units in 1..100_000u64 {
+            let c = class_of(units * 512);
+            assert!(c >= last, "class of {units} units");
+            last = c;
+        }
+        assert!(class_of(u64::MAX & !511) < CLASSES);
+    }
+
+    proptest! {
+        /// The set answers exactly as an ordered set of (stream, size, address) would.
+        #[test]
+        fn matches_an_ordered_set(ops in prop::collection::vec(
+            (0u64..3, 1u64..40_000, 0u64..64, any::<bool>()), 1..400)) {
+            let mut set = FreeSet::default();
+            let mut model = BTreeSet::new();
+            for (i, (stream, units, slot, insert)) in ops.into_iter().enumerate() {
+                let stream = StreamId(stream);
+                // Sizes cluster and spread: many equal sizes and a few huge ones.
+                let size = if units % 7 == 0 { units << 20 } else { (units % 97 + 1) * 512 };
+                let ptr = slot * (1 << 40) + size;
+                if insert && !model.contains(&(stream, size, ptr)) {
+                    model.insert((stream, size, ptr));
+                    set.insert(stream, FreeEntry { size, ptr, id: BlockId(i as u32) });
+                } else if !insert {
+                    let want = model.remove(&(stream, size, ptr));
+                    prop_assert_eq!(set.remove(stream, size, ptr), want);
+                }
+                prop_assert_eq!(set.len(), model.len());
+                let probe = (units % 200 + 1) * 512 * 64;
+                let got = set.lower_bound(stream, probe).map(|e| (stream, e.size, e.ptr));
+                let want = model.range((stream, probe, 0)..).next().copied().filter(|k| k.0 == stream);
+                prop_assert_eq!(got, want);
+                let got = set.prev_before(stream, probe, 0).map(|e| (stream, e.size, e.ptr));
+                let want = model.range(..(stream, probe, 0)).next_back().copied().filter(|k| k.0 == stream);
+                prop_assert_eq!(got, want);
+            }
+            let order: Vec<_> = set.iter().map(|(s, e)| (s, e.size, e.ptr)).collect();
+            prop_assert_eq!(order, model.iter().copied().collect::<Vec<_>>());
+            let largest = set.largest().map(|e| e.size);
+            prop_assert_eq!(largest, model.iter().map(|k| k.1).max());
+        }
+    }
+}

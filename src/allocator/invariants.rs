@@ -1,0 +1,265 @@
+//! `check_invariants()`: a full scan that recomputes everything the allocator keeps
+//! incrementally and compares. Tests run it after every operation; it costs O(blocks).
+
+use rustc_hash::FxHashSet;
+
+use crate::device::Device;
+
+use super::block::BlockId;
+use super::size::{MIN_BLOCK_SIZE, PoolKind};
+use super::stats::StatArray;
+use super::{CachingAllocator, PoolKind as Kind};
+
+/// Per-pool sums of what the blocks hold.
+#[derive(Default, Clone, Copy)]
+struct Sums {
+    allocation: i64,
+    allocated_bytes: i64,
+    active: i64,
+    active_bytes: i64,
+    requested_bytes: i64,
+    segment: i64,
+    reserved_bytes: i64,
+    inactive_split: i64,
+    inactive_split_bytes: i64,
+}
+
+fn check_array(name: &str, array: &StatArray, small: i64, large: i64) -> Result<(), String> {
+    let (all, s, l) = (
+        array.all.get(),
+        array.small_pool.get(),
+        array.large_pool.get(),
+    );
+    if (s.current, l.current, all.current) != (small, large, small + large) {
+        return Err(format!(
+            "{name}: stats say all/small/large = {}/{}/{}, blocks add up to {}/{small}/{large}",
+            all.current,
+            s.current,
+            l.current,
+            small + large
+        ));
+    }
+    for (bucket, v) in [("all", all), ("small_pool", s), ("large_pool", l)] {
+        if v.peak < v.current {
+            return Err(format!(
+                "{name}.{bucket}: peak {} < current {}",
+                v.peak, v.current
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Verifies every structural and accounting invariant (see the module documentation of
+    /// [`crate::allocator`]); returns the first violation found.
+    ///
+    /// # Errors
+    /// A description of the first broken invariant.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut sums = [Sums::default(); 2];
+        let idx = |k: PoolKind| match k {
+            Kind::Small => 0,
+            Kind::Large => 1,
+        };
+        let mut seen: FxHashSet<BlockId> = FxHashSet::default();
+        let mut last_end = 0u64;
+        let mut reserved_total = 0u64;
+        let mut oversize_allocations = 0i64;
+        let mut oversize_segments = 0i64;
+        let max_split = self.config.max_split_size;
+        let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
+        for kind in [Kind::Small, Kind::Large] {
+            for (stream, e) in self.pool(kind).free.iter() {
+                let Some(b) = self.blocks.get(e.id.index()) else {
+                    return Err(format!("free set entry {:#x} names a removed block", e.ptr));
+                };
+                if (b.pool, b.stream, b.size, b.ptr) != (kind, stream, e.size, e.ptr) {
+                    return Err(format!(
+                        "free set entry {:#x} disagrees with its block",
+                        e.ptr
+                    ));
+                }
+                if !in_free_sets.insert(e.id) {
+                    return Err(format!("block {:#x} is in the free sets twice", e.ptr));
+                }
+            }
+        }
+
+        for head in self.segment_heads() {
+            let first = self.block(head);
+            if first.ptr < last_end {
+                return Err(format!(
+                    "segment at {:#x} overlaps the previous one",
+                    first.ptr
+                ));
+            }
+            let (kind, stream) = (first.pool, first.stream);
+            let s = &mut sums[idx(kind)];
+            let mut expected_ptr = first.ptr;
+            let mut prev: Option<BlockId> = None;
+            let mut prev_free = false;
+            let mut segment_size = 0;
+            for (id, b) in self.segment_blocks(head) {
+                seen.insert(id);
+                if b.prev != prev {
+                    return Err(format!("block {:#x}: prev link disagrees", b.ptr));
+                }
+                if let Some(p) = prev
+                    && self.block(p).next != Some(id)
+                {
+                    return Err(format!("block {:#x}: next link disagrees", b.ptr));
+                }
+                if b.ptr != expected_ptr {
+                    return Err(format!("block {:#x}: expected at {expected_ptr:#x}", b.ptr));
+                }
+                if b.size == 0 || b.size % MIN_BLOCK_SIZE != 0 || b.ptr % MIN_BLOCK_SIZE != 0 {
+                    return Err(format!(
+                        "block {:#x}: size {} not 512-aligned",
+                        b.ptr, b.size
+                    ));
+                }
+                if b.pool != kind || b.stream != stream {
+                    return Err(format!(
+                        "block {:#x}: pool or stream differs from its segment",
+                        b.ptr
+                    ));
+                }
+                let free = b.is_free();
+                if free && prev_free {
+                    return Err(format!(
+                        "block {:#x}: two adjacent free blocks unmerged",
+                        b.ptr
+                    ));
+                }
+                let in_set = in_free_sets.contains(&id);
+                if free != in_set {
+                    return Err(format!(
+                        "block {:#x}: free={free} but in its pool's free set={in_set}",
+                        b.ptr
+                    ));
+                }
+                let live = self.live.get(&b.ptr) == Some(&id);
+                if b.allocated != live {
+                    return Err(format!(
+                        "block {:#x}: allocated={} but live={live}",
+                        b.ptr, b.allocated
+                    ));
+                }
+                if b.allocated {
+                    s.allocation += 1;
+                    s.allocated_bytes += b.size as i64;
+                    if b.size >= max_split {
+                        oversize_allocations += 1;
+                    }
+                }
+                if !free {
+                    s.active += 1;
+                    s.active_bytes += b.size as i64;
+                    s.requested_bytes += b.requested_size as i64;
+                } else if b.is_split() {
+                    s.inactive_split += 1;
+                    s.inactive_split_bytes += b.size as i64;
+                }
+                segment_size += b.size;
+                expected_ptr = b.ptr + b.size;
+                prev = Some(id);
+                prev_free = free;
+            }
+            last_end = expected_ptr;
+            s.segment += 1;
+            s.reserved_bytes += segment_size as i64;
+            reserved_total += segment_size;
+            if segment_size >= max_split {
+                oversize_segments += 1;
+            }
+        }
+
+        if seen.len() != self.blocks.len() {
+            return Err(format!(
+                "{} blocks in the arena, {} reachable from segments",
+                self.blocks.len(),
+                seen.len()
+            ));
+        }
+        let free_count = self.small.free.len() + self.large.free.len();
+        if free_count != in_free_sets.len() {
+            return Err(format!(
+                "free sets count {free_count} entries but hold {}",
+                in_free_sets.len()
+            ));
+        }
+        if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated).count() {
+            return Err("the live map holds blocks that are not allocated".into());
+        }
+        let pending: usize = self.pending_events.iter().map(|(_, q)| q.len()).sum();
+        let counted: u64 = self
+            .blocks
+            .iter()
+            .map(|(_, b)| u64::from(b.event_count))
+            .sum();
+        if pending as u64 != counted {
+            return Err(format!("{pending} queued events, blocks wait on {counted}"));
+        }
+        if reserved_total != self.total_allocated_memory {
+            return Err(format!(
+                "segments add up to {reserved_total} bytes, total_allocated_memory is {}",
+                self.total_allocated_memory
+            ));
+        }
+
+        let st = &self.stats;
+        let [sm, lg] = sums;
+        check_array("allocation", &st.allocation, sm.allocation, lg.allocation)?;
+        check_array(
+            "allocated_bytes",
+            &st.allocated_bytes,
+            sm.allocated_bytes,
+            lg.allocated_bytes,
+        )?;
+        check_array("active", &st.active, sm.active, lg.active)?;
+        check_array(
+            "active_bytes",
+            &st.active_bytes,
+            sm.active_bytes,
+            lg.active_bytes,
+        )?;
+        check_array(
+            "requested_bytes",
+            &st.requested_bytes,
+            sm.requested_bytes,
+            lg.requested_bytes,
+        )?;
+        check_array("segment", &st.segment, sm.segment, lg.segment)?;
+        check_array(
+            "reserved_bytes",
+            &st.reserved_bytes,
+            sm.reserved_bytes,
+            lg.reserved_bytes,
+        )?;
+        check_array(
+            "inactive_split",
+            &st.inactive_split,
+            sm.inactive_split,
+            lg.inactive_split,
+        )?;
+        check_array(
+            "inactive_split_bytes",
+            &st.inactive_split_bytes,
+            sm.inactive_split_bytes,
+            lg.inactive_split_bytes,
+        )?;
+        if !self.max_split_size_changed {
+            let (a, s) = (
+                st.oversize_allocations.current(),
+                st.oversize_segments.current(),
+            );
+            if (a, s) != (oversize_allocations, oversize_segments) {
+                return Err(format!(
+                    "oversize allocations/segments: stats {a}/{s}, blocks {oversize_allocations}/{oversize_segments}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

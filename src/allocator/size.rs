@@ -1,0 +1,196 @@
+//! Size policy as pure functions: request rounding, pool choice, segment sizes, and the
+//! human-readable sizes of PyTorch's messages.
+
+use crate::config::AllocatorConfig;
+
+/// Every block is a multiple of this many bytes (`kMinBlockSize`).
+pub const MIN_BLOCK_SIZE: u64 = 512;
+/// Rounded requests up to this size go to the small pool (`kSmallSize`).
+pub const SMALL_SIZE: u64 = 1 << 20;
+/// Segment size of the small pool (`kSmallBuffer`).
+pub const SMALL_BUFFER: u64 = 2 << 20;
+/// Segment size for large requests under [`MIN_LARGE_ALLOC`] (`kLargeBuffer`); also the slack
+/// an oversize request may waste when it reuses a cached oversize block.
+pub const LARGE_BUFFER: u64 = 20 << 20;
+/// Large requests of at least this size get a segment of their own size (`kMinLargeAlloc`).
+pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Granularity of segments for requests of [`MIN_LARGE_ALLOC`] and more (`kRoundLarge`).
+pub const ROUND_LARGE: u64 = 2 << 20;
+/// Requests of this size or more fail at once: no device has an exabyte.
+pub const ONE_EXABYTE: u64 = 1 << 60;
+
+/// Which of the two default pools a block belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolKind {
+    /// Rounded sizes up to 1 MiB, in 2 MiB segments.
+    Small,
+    /// Everything larger.
+    Large,
+}
+
+impl PoolKind {
+    /// The pool for a rounded request size.
+    pub fn for_size(rounded: u64) -> PoolKind {
+        if rounded <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+
+    /// PyTorch's name of the pool in stats keys (`small_pool` / `large_pool`).
+    pub fn stat_name(self) -> &'static str {
+        match self {
+            PoolKind::Small => "small_pool",
+            PoolKind::Large => "large_pool",
+        }
+    }
+
+    /// The snapshot `segment_type` (`small` / `large`).
+    pub fn segment_type(self) -> &'static str {
+        match self {
+            PoolKind::Small => "small",
+            PoolKind::Large => "large",
+        }
+    }
+}
+
+/// Rounds a request as `round_size` does: to 512 bytes, or to the next of `d` divisions of its
+/// power-of-two interval when `roundup_power2_divisions` gives `d > 1` for it.
+pub fn round_size(config: &AllocatorConfig, size: u64) -> u64 {
+    if size < MIN_BLOCK_SIZE {
+        return MIN_BLOCK_SIZE;
+    }
+    let divisions = config.divisions_for(size);
+    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+        return roundup_power2_next_division(size, divisions);
+    }
+    size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+}
+
+/// The next multiple of `floor_pow2(size) / divisions` at or above `size`.
+fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << size.ilog2();
+    let step = floor >> divisions.ilog2();
+    if step == 0 {
+        return floor * 2;
+    }
+    let truncated = size & !(step - 1);
+    if truncated == size {
+        size
+    } else {
+        truncated + step
+    }
+}
+
+/// Size of a new segment for a rounded request (`get_allocation_size`).
+pub fn allocation_size(rounded: u64) -> u64 {
+    if rounded <= SMALL_SIZE {
+        SMALL_BUFFER
+    } else if rounded < MIN_LARGE_ALLOC {
+        LARGE_BUFFER
+    } else {
+        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
+    }
+}
+
+/// Formats a byte count as PyTorch's OOM messages do: "1024 bytes", "1.00 KiB", "2.00 MiB",
+/// "1.00 GiB" (two decimals, switching unit only above 1024 of the smaller one).
+pub fn format_size(bytes: u64) -> String {
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    if bytes <= KIB {
+        format!("{bytes} bytes")
+    } else if bytes <= MIB {
+        format!("{:.2} KiB", bytes as f64 / KIB as f64)
+    } else if bytes <= GIB {
+        format!("{:.2} MiB", bytes as f64 / MIB as f64)
+    } else {
+        format!("{:.2} GiB", bytes as f64 / GIB as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn rounding_and_classification_table() {
+        let c = AllocatorConfig::default();
+        // request → (rounded, pool, new segment size): spec scenario 4.
+        for (req, rounded, pool, seg) in [
+            (1, 512, PoolKind::Small, 2 * MIB),
+            (511, 512, PoolKind::Small, 2 * MIB),
+            (513, 1024, PoolKind::Small, 2 * MIB),
+            (MIB, MIB, PoolKind::Small, 2 * MIB),
+            (MIB + 1, 1_049_088, PoolKind::Large, 20 * MIB),
+            (9 * MIB, 9 * MIB, PoolKind::Large, 20 * MIB),
+            (10 * MIB - 1, 10 * MIB, PoolKind::Large, 10 * MIB),
+            (10 * MIB, 10 * MIB, PoolKind::Large, 10 * MIB),
+            (10 * MIB + 1, 10_486_272, PoolKind::Large, 12 * MIB),
+            (11 * MIB, 11 * MIB, PoolKind::Large, 12 * MIB),
+        ] {
+            let r = round_size(&c, req);
+            assert_eq!(r, rounded, "round_size({req})");
+            assert_eq!(PoolKind::for_size(r), pool, "pool of {req}");
+            assert_eq!(allocation_size(r), seg, "segment for {req}");
+        }
+    }
+
+    #[test]
+    fn power2_divisions_single_value() {
+        // Spec scenario 15.
+        let c = AllocatorConfig::parse("roundup_power2_divisions:4").expect("valid");
+        for (req, want) in [
+            (1200, 1536),
+            (2048, 2048),
+            (2049, 2560),
+            (5000, 5120),
+            (4096, 4096),
+            (3_145_729, 3_670_016),
+            (1_048_577, 1_310_720),
+        ] {
+            assert_eq!(round_size(&c, req), want, "round_size({req})");
+        }
+        assert_eq!(
+            PoolKind::for_size(round_size(&c, 1_048_577)),
+            PoolKind::Large
+        );
+    }
+
+    #[test]
+    fn power2_divisions_list_quirk() {
+        // Spec scenario 16: 1100 MiB falls in the 1 GiB interval, which `>` set to 8.
+        let c = AllocatorConfig::parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
+            .expect("valid");
+        for (req, want) in [
+            (300 * MIB, 300 * MIB),
+            (600 * MIB, 768 * MIB),
+            (1100 * MIB, 1152 * MIB),
+            (1536 * MIB, 1536 * MIB),
+        ] {
+            assert_eq!(round_size(&c, req), want, "round_size({} MiB)", req / MIB);
+        }
+    }
+
+    #[test]
+    fn format_size_table() {
+        for (bytes, want) in [
+            (0, "0 bytes"),
+            (1024, "1024 bytes"),
+            (1025, "1.00 KiB"),
+            (1_048_576, "1024.00 KiB"),
+            (2_097_152, "2.00 MiB"),
+            (1 << 30, "1024.00 MiB"),
+            ((1 << 30) + 1, "1.00 GiB"),
+        ] {
+            assert_eq!(format_size(bytes), want);
+        }
+    }
+}

@@ -1,0 +1,328 @@
+//! The allocator's statistics, with PyTorch's names and update rules, published for lock-free
+//! reads.
+//!
+//! Every counter is an atomic written by exactly one party, the allocator core, which holds
+//! `&mut` access to its state whenever it writes; writers therefore use plain relaxed loads and
+//! stores (no read-modify-write), which cost what plain fields cost. Readers (metrics
+//! collectors, a scrape) clone the `Arc<DeviceStats>` once and read at any time without taking
+//! the allocator's lock.
+//!
+//! # Invariants
+//! - Single writer: only the allocator that created a `DeviceStats` mutates it.
+//! - For every stat array, `all` = `small_pool` + `large_pool` once an operation has finished
+//!   (a reader racing an operation may see one bucket updated before the other).
+//! - `peak >= current` for every stat; `allocated - freed == current` unless accumulated stats
+//!   were reset.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+
+use super::size::PoolKind;
+
+/// One statistic: current value, peak, and the totals added and removed.
+#[derive(Debug, Default)]
+pub struct Stat {
+    current: AtomicI64,
+    peak: AtomicI64,
+    allocated: AtomicI64,
+    freed: AtomicI64,
+}
+
+/// A plain copy of a [`Stat`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatValue {
+    /// Value now.
+    pub current: i64,
+    /// Highest value since creation or the last peak reset.
+    pub peak: i64,
+    /// Sum of increases since creation or the last accumulated reset.
+    pub allocated: i64,
+    /// Sum of decreases since creation or the last accumulated reset.
+    pub freed: i64,
+}
+
+impl Stat {
+    fn add(cell: &AtomicI64, amount: i64) {
+        cell.store(cell.load(Relaxed) + amount, Relaxed);
+    }
+
+    pub(crate) fn increase(&self, amount: i64) {
+        let current = self.current.load(Relaxed) + amount;
+        self.current.store(current, Relaxed);
+        if current > self.peak.load(Relaxed) {
+            self.peak.store(current, Relaxed);
+        }
+        Self::add(&self.allocated, amount);
+    }
+
+    pub(crate) fn decrease(&self, amount: i64) {
+        Self::add(&self.current, -amount);
+        Self::add(&self.freed, amount);
+    }
+
+    /// Adds a signed change: positive increases, negative decreases, zero does nothing.
+    pub(crate) fn update(&self, delta: i64) {
+        if delta > 0 {
+            self.increase(delta);
+        } else if delta < 0 {
+            self.decrease(-delta);
+        }
+    }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.current.load(Relaxed), Relaxed);
+    }
+
+    fn reset_accumulated(&self) {
+        self.allocated.store(0, Relaxed);
+        self.freed.store(0, Relaxed);
+    }
+
+    /// A copy of the four values.
+    pub fn get(&self) -> StatValue {
+        StatValue {
+            current: self.current.load(Relaxed),
+            peak: self.peak.load(Relaxed),
+            allocated: self.allocated.load(Relaxed),
+            freed: self.freed.load(Relaxed),
+        }
+    }
+
+    /// The current value.
+    pub fn current(&self) -> i64 {
+        self.current.load(Relaxed)
+    }
+}
+
+/// A stat kept for all pools together and for each pool.
+#[derive(Debug, Default)]
+pub struct StatArray {
+    /// Both pools.
+    pub all: Stat,
+    /// The small pool.
+    pub small_pool: Stat,
+    /// The large pool.
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    /// The bucket of one pool.
+    pub fn pool(&self, pool: PoolKind) -> &Stat {
+        match pool {
+            PoolKind::Small => &self.small_pool,
+            PoolKind::Large => &self.large_pool,
+        }
+    }
+
+    pub(crate) fn increase(&self, pool: PoolKind, amount: u64) {
+        self.all.increase(amount as i64);
+        self.pool(pool).increase(amount as i64);
+    }
+
+    pub(crate) fn decrease(&self, pool: PoolKind, amount: u64) {
+        self.all.decrease(amount as i64);
+        self.pool(pool).decrease(amount as i64);
+    }
+
+    pub(crate) fn update(&self, pool: PoolKind, delta: i64) {
+        self.all.update(delta);
+        self.pool(pool).update(delta);
+    }
+
+    fn buckets(&self) -> [(&'static str, &Stat); 3] {
+        [
+            ("all", &self.all),
+            ("small_pool", &self.small_pool),
+            ("large_pool", &self.large_pool),
+        ]
+    }
+}
+
+/// A monotonically increasing count (reset only by `reset_accumulated_stats`).
+#[derive(Debug, Default)]
+pub struct Counter(AtomicI64);
+
+impl Counter {
+    pub(crate) fn bump(&self) {
+        self.0.store(self.0.load(Relaxed) + 1, Relaxed);
+    }
+
+    fn reset(&self) {
+        self.0.store(0, Relaxed);
+    }
+
+    /// The count.
+    pub fn get(&self) -> i64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// All statistics of one device's allocator (PyTorch's `DeviceStats`).
+#[derive(Debug, Default)]
+pub struct DeviceStats {
+    /// Allocated blocks (handed out, not yet freed by the user).
+    pub allocation: StatArray,
+    /// Segments obtained from the driver.
+    pub segment: StatArray,
+    /// Blocks allocated or freed but waiting on stream events.
+    pub active: StatArray,
+    /// Free blocks inside split segments (cannot be returned to the driver).
+    pub inactive_split: StatArray,
+    /// Bytes of allocated blocks.
+    pub allocated_bytes: StatArray,
+    /// Bytes of segments obtained from the driver.
+    pub reserved_bytes: StatArray,
+    /// Bytes of active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes of inactive split blocks.
+    pub inactive_split_bytes: StatArray,
+    /// Bytes callers asked for, before rounding, of active blocks.
+    pub requested_bytes: StatArray,
+    /// Allocated blocks of at least `max_split_size`.
+    pub oversize_allocations: Stat,
+    /// Segments of at least `max_split_size`.
+    pub oversize_segments: Stat,
+    /// Allocations that had to flush the whole cache and retry.
+    pub num_alloc_retries: Counter,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: Counter,
+    /// Synchronisations of all pending stream events (each cache flush).
+    pub num_sync_all_streams: Counter,
+    /// Driver allocations (`cudaMalloc`, or an expandable-segment map).
+    pub num_device_alloc: Counter,
+    /// Driver frees (`cudaFree`, or an expandable-segment unmap).
+    pub num_device_free: Counter,
+    /// `max_split_size` when the allocator was created (-1: unlimited).
+    pub max_split_size: i64,
+}
+
+impl DeviceStats {
+    pub(crate) fn new(max_split_size: i64) -> Self {
+        DeviceStats {
+            max_split_size,
+            ..DeviceStats::default()
+        }
+    }
+
+    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    fn counters(&self) -> [(&'static str, &Counter); 5] {
+        [
+            ("num_alloc_retries", &self.num_alloc_retries),
+            ("num_ooms", &self.num_ooms),
+            ("num_sync_all_streams", &self.num_sync_all_streams),
+            ("num_device_alloc", &self.num_device_alloc),
+            ("num_device_free", &self.num_device_free),
+        ]
+    }
+
+    /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 122 keys, sorted.
+    pub fn memory_stats(&self) -> BTreeMap<String, i64> {
+        let mut out = BTreeMap::new();
+        let mut put = |prefix: &str, stat: &Stat| {
+            let v = stat.get();
+            for (field, value) in [
+                ("current", v.current),
+                ("peak", v.peak),
+                ("allocated", v.allocated),
+                ("freed", v.freed),
+            ] {
+                out.insert(format!("{prefix}.{field}"), value);
+            }
+        };
+        for (name, array) in self.arrays() {
+            for (bucket, stat) in array.buckets() {
+                put(&format!("{name}.{bucket}"), stat);
+            }
+        }
+        put("oversize_allocations", &self.oversize_allocations);
+        put("oversize_segments", &self.oversize_segments);
+        for (name, counter) in self.counters() {
+            out.insert(name.to_string(), counter.get());
+        }
+        out.insert("max_split_size".to_string(), self.max_split_size);
+        out
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        for (_, array) in self.arrays() {
+            for (_, stat) in array.buckets() {
+                stat.reset_peak();
+            }
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        for (_, array) in self.arrays() {
+            for (_, stat) in array.buckets() {
+                stat.reset_accumulated();
+            }
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        for (_, counter) in self.counters() {
+            counter.reset();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_rules() {
+        let s = Stat::default();
+        s.increase(10);
+        s.decrease(4);
+        s.increase(1);
+        assert_eq!(
+            s.get(),
+            StatValue {
+                current: 7,
+                peak: 10,
+                allocated: 11,
+                freed: 4
+            }
+        );
+        s.reset_peak();
+        s.reset_accumulated();
+        assert_eq!(
+            s.get(),
+            StatValue {
+                current: 7,
+                peak: 7,
+                allocated: 0,
+                freed: 0
+            }
+        );
+    }
+
+    #[test]
+    fn memory_stats_has_pytorchs_122_keys() {
+        let stats = DeviceStats::new(-1);
+        stats.allocated_bytes.increase(PoolKind::Small, 512);
+        let m = stats.memory_stats();
+        assert_eq!(m.len(), 122);
+        assert_eq!(m["allocated_bytes.all.current"], 512);
+        assert_eq!(m["allocated_bytes.small_pool.peak"], 512);
+        assert_eq!(m["allocated_bytes.large_pool.current"], 0);
+        assert_eq!(m["max_split_size"], -1);
+        assert!(m.contains_key("oversize_segments.freed"));
+        assert!(m.contains_key("num_sync_all_streams"));
+    }
+}

@@ -1,0 +1,180 @@
+//! What the allocator core needs from a GPU, and the GPUs that provide it.
+//!
+//! The [`Device`] trait is the whole contract between the caching allocator and the driver:
+//! segment allocation (`cudaMalloc` / `cudaFree`), memory queries (`cudaMemGetInfo`), events
+//! (create, record on a stream, query, synchronize) and, for expandable segments, the virtual
+//! memory calls (reserve an address range, create physical pages, map, unmap, release).
+//!
+//! Implementations:
+//! - [`SimDevice`]: a deterministic simulated GPU; the default, and what tests use.
+//!
+//! # Invariants
+//! - An out-of-memory answer from the driver is [`DeviceError::OutOfMemory`] and nothing else,
+//!   because the core treats it as recoverable (flush the cache and retry) and every other
+//!   error as fatal for the request.
+//! - Device memory is never dereferenced by anything in this crate: a [`DevicePtr`] is a number.
+
+mod sim;
+
+pub use sim::{SimConfig, SimDevice};
+
+use std::fmt;
+
+/// A device address. `DevicePtr::NULL` is what a zero-byte allocation returns.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null device pointer.
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// Whether this is the null pointer.
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// A stream, identified by its raw handle (`cudaStream_t` as an integer; 0 is the default
+/// stream). Pools order free blocks by this number first, as PyTorch orders them by the
+/// stream handle.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+#[repr(transparent)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The legacy default stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+/// An event handle created by [`Device::create_event`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[repr(transparent)]
+pub struct EventId(pub u64);
+
+/// A physical memory handle created by [`Device::create_physical_page`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[repr(transparent)]
+pub struct PhysicalHandle(pub u64);
+
+/// Free and total device memory, as `cudaMemGetInfo` reports them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct MemInfo {
+    /// Bytes the driver could still hand out on this device (all processes counted).
+    pub free: u64,
+    /// Bytes of memory on the device.
+    pub total: u64,
+}
+
+/// A driver failure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// The driver has no memory for the request (`cudaErrorMemoryAllocation`).
+    #[error("the device is out of memory")]
+    OutOfMemory,
+    /// The device does not offer an operation (for example virtual memory management).
+    #[error("the device does not support {0}")]
+    Unsupported(&'static str),
+    /// A handle or address the device does not know.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Any other driver error, with the driver's own words.
+    #[error("driver error: {0}")]
+    Driver(String),
+}
+
+/// What the caching allocator needs from a GPU.
+///
+/// Every method may fail; the core never panics on a device error. The virtual-memory methods
+/// have default bodies that report [`DeviceError::Unsupported`], so a device without virtual
+/// memory management implements only the first group.
+pub trait Device {
+    /// The device index (`cudaGetDevice`), used in messages and snapshots.
+    fn index(&self) -> u32;
+
+    /// Allocates a segment of `size` bytes (`cudaMalloc`). Implies a device-wide
+    /// synchronisation on real GPUs.
+    fn malloc(&mut self, size: u64) -> Result<DevicePtr, DeviceError>;
+
+    /// Frees a segment obtained from [`Device::malloc`] (`cudaFree`).
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError>;
+
+    /// Free and total memory of the device (`cudaMemGetInfo`).
+    fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError>;
+
+    /// Creates an event with timing disabled.
+    fn create_event(&mut self) -> Result<EventId, DeviceError>;
+
+    /// Records `event` on `stream`: it completes once all work queued on the stream so far has.
+    fn record_event(&mut self, event: EventId, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Whether `event` has completed (`cudaEventQuery`: `Ok(false)` means not ready).
+    fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError>;
+
+    /// Blocks until `event` has completed.
+    fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError>;
+
+    /// Destroys an event.
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError>;
+
+    /// Blocks until all work on every stream of the device has completed.
+    fn synchronize(&mut self) -> Result<(), DeviceError>;
+
+    /// Microseconds since the Unix epoch as this device's clock reads them; trace entries carry
+    /// it as `time_us`.
+    fn time_us(&self) -> u64;
+
+    /// Whether the virtual-memory methods below work (the CUDA VMM API).
+    fn supports_virtual_memory(&self) -> bool {
+        false
+    }
+
+    /// The granularity of physical pages and mappings, in bytes.
+    fn page_granularity(&self) -> Result<u64, DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Reserves `size` bytes of address space (`cuMemAddressReserve`); no memory is used.
+    fn reserve_address_range(&mut self, _size: u64) -> Result<DevicePtr, DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Frees an address range from [`Device::reserve_address_range`] (`cuMemAddressFree`).
+    fn free_address_range(&mut self, _ptr: DevicePtr, _size: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Creates a physical allocation of `size` bytes (`cuMemCreate`); it counts against the
+    /// device's memory from now on.
+    fn create_physical_page(&mut self, _size: u64) -> Result<PhysicalHandle, DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Releases a physical allocation (`cuMemRelease`).
+    fn release_physical_page(&mut self, _handle: PhysicalHandle) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Maps a physical allocation at `ptr` and grants read/write access (`cuMemMap` followed by
+    /// `cuMemSetAccess`).
+    fn map(
+        &mut self,
+        _ptr: DevicePtr,
+        _size: u64,
+        _handle: PhysicalHandle,
+    ) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+
+    /// Unmaps `[ptr, ptr + size)` (`cuMemUnmap`).
+    fn unmap(&mut self, _ptr: DevicePtr, _size: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("virtual memory management"))
+    }
+}

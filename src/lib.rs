@@ -1,0 +1,23 @@
+//! gpumem makes GPU memory visible: where did the memory go when a training job dies with
+//! "CUDA out of memory" while nvidia-smi still shows gigabytes free?
+//!
+//! Its foundation is a faithful implementation of PyTorch's CUDA caching allocator
+//! ([`allocator::CachingAllocator`]) over a device trait ([`device::Device`]), with a
+//! deterministic simulated GPU ([`device::SimDevice`]) that every test runs on.
+//!
+//! - [`config`]: `PYTORCH_CUDA_ALLOC_CONF` parsing.
+//! - [`allocator`]: the caching allocator core, its statistics, snapshots and traces.
+//! - [`device`]: the device trait and the simulated GPU.
+//! - [`shared`]: the thread-safe wrapper with lock-free statistics.
+//! - [`workload`]: a synthetic training workload that exercises the core.
+
+pub mod allocator;
+pub mod config;
+pub mod device;
+pub mod shared;
+pub mod workload;
+
+pub use allocator::{AllocError, CachingAllocator};
+pub use config::AllocatorConfig;
+pub use device::{Device, DevicePtr, SimDevice, StreamId};
+pub use shared::SharedAllocator;

@@ -1,0 +1,183 @@
+//! A synthetic training workload that drives the allocator the way a transformer training
+//! loop does: persistent weights and optimizer state, activations that pile up through the
+//! forward pass and are freed in reverse during the backward pass, gradients, a temporary
+//! workspace per layer, variable sequence lengths from step to step (the classic source of
+//! fragmentation), and gradient buckets handed to a communication stream (`record_stream`).
+//!
+//! Deterministic for a given seed, so runs can be compared across configurations.
+
+use crate::allocator::{AllocError, CachingAllocator};
+use crate::device::{Device, DevicePtr, SimDevice, StreamId};
+
+/// The communication stream's handle (an arbitrary non-default stream).
+pub const COMM_STREAM: StreamId = StreamId(0x5000);
+
+/// Shape of the synthetic model and run.
+#[derive(Clone, Debug)]
+pub struct TrainingWorkload {
+    /// Transformer layers.
+    pub layers: u32,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Micro-batch size.
+    pub batch: u64,
+    /// Longest sequence; each step draws a length between a quarter of it and all of it.
+    pub max_seq: u64,
+    /// Bytes per element (2 for bf16).
+    pub element_bytes: u64,
+    /// Training steps.
+    pub steps: u32,
+    /// Random seed for sequence lengths.
+    pub seed: u64,
+}
+
+impl Default for TrainingWorkload {
+    fn default() -> Self {
+        TrainingWorkload {
+            layers: 24,
+            hidden: 2048,
+            batch: 8,
+            max_seq: 2048,
+            element_bytes: 2,
+            steps: 20,
+            seed: 1,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkloadReport {
+    /// Steps that completed.
+    pub steps_completed: u32,
+    /// Allocations served.
+    pub mallocs: u64,
+    /// The out-of-memory error that stopped the run, if any.
+    pub oom: Option<String>,
+}
+
+/// A small deterministic generator (xorshift64*), enough for sequence lengths.
+#[derive(Clone, Debug)]
+pub struct XorShift(u64);
+
+impl XorShift {
+    /// A generator from a seed (0 is replaced by a fixed odd constant).
+    pub fn new(seed: u64) -> Self {
+        XorShift(if seed == 0 {
+            0x9E37_79B9_7F4A_7C15
+        } else {
+            seed
+        })
+    }
+
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A value in `[low, high]`.
+    pub fn between(&mut self, low: u64, high: u64) -> u64 {
+        low + self.next_u64() % (high - low + 1)
+    }
+}
+
+impl TrainingWorkload {
+    /// Runs the workload on `alloc`, calling `after_step` at the end of every step (where a
+    /// simulated device's communication stream can finish its work). Stops at the first
+    /// out-of-memory error and reports it; device failures are returned.
+    ///
+    /// # Errors
+    /// Any [`AllocError`] other than out-of-memory.
+    pub fn run<D: Device>(
+        &self,
+        alloc: &mut CachingAllocator<D>,
+        mut after_step: impl FnMut(&mut CachingAllocator<D>),
+    ) -> Result<WorkloadReport, AllocError> {
+        let mut report = WorkloadReport::default();
+        let mut held: Vec<DevicePtr> = Vec::new();
+        let served_before = alloc.stats().allocation.all.get().allocated;
+        let outcome = self.run_inner(alloc, &mut report, &mut held, &mut after_step);
+        report.mallocs = (alloc.stats().allocation.all.get().allocated - served_before) as u64;
+        match outcome {
+            Ok(()) => {}
+            Err(e) if e.is_out_of_memory() => report.oom = Some(e.to_string()),
+            Err(e) => return Err(e),
+        }
+        for ptr in held {
+            alloc.free(ptr)?;
+        }
+        Ok(report)
+    }
+
+    fn run_inner<D: Device>(
+        &self,
+        alloc: &mut CachingAllocator<D>,
+        report: &mut WorkloadReport,
+        held: &mut Vec<DevicePtr>,
+        after_step: &mut impl FnMut(&mut CachingAllocator<D>),
+    ) -> Result<(), AllocError> {
+        let h = self.hidden;
+        let e = self.element_bytes;
+        let malloc =
+            |alloc: &mut CachingAllocator<D>, size: u64| alloc.malloc(size, StreamId::DEFAULT);
+        // Weights, gradients' master copy and two Adam moments per layer (fp32 state).
+        let layer_params = 12 * h * h + 13 * h;
+        for _ in 0..self.layers {
+            for bytes in [layer_params * e, layer_params * 4, layer_params * 4] {
+                held.push(malloc(alloc, bytes)?);
+            }
+        }
+        let mut rng = XorShift::new(self.seed);
+        for _ in 0..self.steps {
+            let seq = rng.between(self.max_seq / 4, self.max_seq).max(1);
+            let tokens = self.batch * seq;
+            let mut activations = Vec::new();
+            for _ in 0..self.layers {
+                // Attention inputs, scores (batch × heads × seq²), MLP intermediate, norms.
+                let heads = (h / 128).max(1);
+                for bytes in [
+                    tokens * h * e,
+                    3 * tokens * h * e,
+                    self.batch * heads * seq * seq * e,
+                    4 * tokens * h * e,
+                    tokens * 4,
+                ] {
+                    activations.push(malloc(alloc, bytes)?);
+                }
+                // A short-lived workspace, freed before the next layer.
+                let workspace = malloc(alloc, tokens * h * e / 2)?;
+                alloc.free(workspace)?;
+            }
+            let mut gradient_bucket = Vec::new();
+            for _ in 0..self.layers {
+                for ptr in activations
+                    .drain(activations.len().saturating_sub(5)..)
+                    .rev()
+                {
+                    alloc.free(ptr)?;
+                }
+                let grad = malloc(alloc, layer_params * e)?;
+                // The gradient is all-reduced on the communication stream.
+                alloc.record_stream(grad, COMM_STREAM);
+                gradient_bucket.push(grad);
+                let temp = malloc(alloc, tokens * h * e)?;
+                alloc.free(temp)?;
+            }
+            for grad in gradient_bucket {
+                alloc.free(grad)?;
+            }
+            after_step(alloc);
+            report.steps_completed += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Completes the communication stream's work on a simulated device, as the all-reduce of a
+/// step finishing would.
+pub fn finish_communication(alloc: &mut CachingAllocator<SimDevice>) {
+    alloc.device_mut().complete_stream(COMM_STREAM);
+}
