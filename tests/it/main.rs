@@ -1,1 +1,4 @@
+//! gpumem's integration tests: one binary, sharing helpers.
 
+mod common;
+mod scenarios;

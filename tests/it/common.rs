@@ -1,0 +1,61 @@
+//! Helpers shared by the integration tests: every operation is followed by a full invariant
+//! scan, so a test that passes has also proven the allocator consistent at each step.
+
+use gpumem::allocator::{BlockState, Snapshot};
+use gpumem::device::{SimConfig, SimDevice};
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+pub const S0: StreamId = StreamId(0);
+pub const S1: StreamId = StreamId(1);
+pub const S2: StreamId = StreamId(2);
+
+/// An allocator on a simulated GPU of `capacity` bytes with the given settings, recording
+/// its trace.
+pub fn allocator(capacity: u64, conf: &str) -> CachingAllocator<SimDevice> {
+    let config = AllocatorConfig::parse(conf).expect("valid test configuration");
+    let mut a = CachingAllocator::new(SimDevice::new(SimConfig::with_capacity(capacity)), config);
+    a.record_history(Some(10_000));
+    a
+}
+
+pub fn check(a: &CachingAllocator<SimDevice>) {
+    if let Err(e) = a.check_invariants() {
+        panic!("invariant broken: {e}");
+    }
+}
+
+pub fn malloc(a: &mut CachingAllocator<SimDevice>, size: u64, stream: StreamId) -> DevicePtr {
+    let p = a
+        .malloc(size, stream)
+        .unwrap_or_else(|e| panic!("malloc({size}) failed: {e}"));
+    check(a);
+    p
+}
+
+pub fn free(a: &mut CachingAllocator<SimDevice>, p: DevicePtr) {
+    a.free(p).unwrap_or_else(|e| panic!("free({p:?}) failed: {e}"));
+    check(a);
+}
+
+pub fn empty_cache(a: &mut CachingAllocator<SimDevice>) {
+    a.empty_cache().expect("empty_cache");
+    check(a);
+}
+
+/// One `memory_stats()` value.
+pub fn stat(a: &CachingAllocator<SimDevice>, key: &str) -> i64 {
+    *a.memory_stats()
+        .get(key)
+        .unwrap_or_else(|| panic!("no stat {key}"))
+}
+
+/// Blocks of the snapshot's segments as (address, size, state), in address order.
+pub fn layout(snapshot: &Snapshot) -> Vec<Vec<(u64, u64, BlockState)>> {
+    snapshot
+        .segments
+        .iter()
+        .map(|s| s.blocks.iter().map(|b| (b.address, b.size, b.state)).collect())
+        .collect()
+}
