@@ -35,7 +35,8 @@ pub fn malloc(a: &mut CachingAllocator<SimDevice>, size: u64, stream: StreamId) 
 }
 
 pub fn free(a: &mut CachingAllocator<SimDevice>, p: DevicePtr) {
-    a.free(p).unwrap_or_else(|e| panic!("free({p:?}) failed: {e}"));
+    a.free(p)
+        .unwrap_or_else(|e| panic!("free({p:?}) failed: {e}"));
     check(a);
 }
 
@@ -56,6 +57,11 @@ pub fn layout(snapshot: &Snapshot) -> Vec<Vec<(u64, u64, BlockState)>> {
     snapshot
         .segments
         .iter()
-        .map(|s| s.blocks.iter().map(|b| (b.address, b.size, b.state)).collect())
+        .map(|s| {
+            s.blocks
+                .iter()
+                .map(|b| (b.address, b.size, b.state))
+                .collect()
+        })
         .collect()
 }

@@ -95,9 +95,17 @@ fn s04_size_classification_on_the_allocator() {
         let p = malloc(&mut a, req, S0);
         // 11 MiB takes its whole 12 MiB segment (scenario 5); the others are the rounded size.
         assert_eq!(a.block_size(p), Some(block), "block for {req}");
-        assert_eq!(stat(&a, "reserved_bytes.all.current"), segment as i64, "segment for {req}");
+        assert_eq!(
+            stat(&a, "reserved_bytes.all.current"),
+            segment as i64,
+            "segment for {req}"
+        );
         let pool = if small { "small_pool" } else { "large_pool" };
-        assert_eq!(stat(&a, &format!("segment.{pool}.current")), 1, "pool of {req}");
+        assert_eq!(
+            stat(&a, &format!("segment.{pool}.current")),
+            1,
+            "pool of {req}"
+        );
     }
 }
 
@@ -112,7 +120,10 @@ fn s05_split_rule_on_fresh_large_segments() {
     let p = malloc(&mut a, 10 * MIB + 1, S0);
     assert_eq!(
         layout(&a.snapshot()),
-        [vec![(p.0, 10_486_272, Allocated), (p.0 + 10_486_272, 2_096_640, Free)]]
+        [vec![
+            (p.0, 10_486_272, Allocated),
+            (p.0 + 10_486_272, 2_096_640, Free)
+        ]]
     );
 
     let mut a = allocator(80 * GIB, "");
@@ -198,7 +209,10 @@ fn s09_best_fit_and_no_split_of_small_large_tails() {
 fn s10_max_split_size_oversize_rules() {
     let mut a = allocator(80 * GIB, "max_split_size_mb:100");
     let p150 = malloc(&mut a, 150 * MIB, S0);
-    assert_eq!(layout(&a.snapshot()), [vec![(p150.0, 150 * MIB, Allocated)]]);
+    assert_eq!(
+        layout(&a.snapshot()),
+        [vec![(p150.0, 150 * MIB, Allocated)]]
+    );
     assert_eq!(stat(&a, "oversize_segments.current"), 1);
     assert_eq!(stat(&a, "oversize_allocations.current"), 1);
     free(&mut a, p150);
@@ -210,7 +224,10 @@ fn s10_max_split_size_oversize_rules() {
     assert_eq!(stat(&a, "reserved_bytes.all.current"), 200 * MIB as i64);
     free(&mut a, p140);
     let p120 = malloc(&mut a, 120 * MIB, S0);
-    assert_ne!(p120, p150, "150 MiB wastes 20 MiB or more on a 120 MiB request");
+    assert_ne!(
+        p120, p150,
+        "150 MiB wastes 20 MiB or more on a 120 MiB request"
+    );
     assert_eq!(stat(&a, "reserved_bytes.all.current"), 320 * MIB as i64);
     assert_eq!(stat(&a, "oversize_segments.current"), 2);
     assert_eq!(stat(&a, "oversize_allocations.current"), 1);
@@ -249,7 +266,11 @@ fn s11_memory_fraction_oom_reports_pytorchs_figures() {
     let oom_entry = a.trace().into_iter().last().expect("trace entry");
     assert_eq!(oom_entry.action, TraceAction::Oom);
     assert_eq!(oom_entry.size, 104_857_600);
-    assert_eq!(oom_entry.addr, GIB - 200 * MIB, "device_free is the driver's free memory");
+    assert_eq!(
+        oom_entry.addr,
+        GIB - 200 * MIB,
+        "device_free is the driver's free memory"
+    );
 }
 
 #[test]
@@ -322,7 +343,11 @@ fn s14_garbage_collection_releases_the_oldest_blocks() {
         [(segments[0].0, 100 * MIB), (segments[1].0, 120 * MIB)],
         "A and B go, in size order; C stays"
     );
-    assert_eq!(stat(&a, "num_sync_all_streams"), 0, "GC does not synchronise");
+    assert_eq!(
+        stat(&a, "num_sync_all_streams"),
+        0,
+        "GC does not synchronise"
+    );
 }
 
 #[test]
@@ -340,12 +365,19 @@ fn s15_roundup_power2_divisions_on_the_allocator() {
         let p = malloc(&mut a, req, S0);
         assert_eq!(a.block_size(p), Some(want), "block for {req}");
     }
-    assert_eq!(stat(&a, "segment.large_pool.current"), 1, "1 MiB + 1 went to the large pool");
+    assert_eq!(
+        stat(&a, "segment.large_pool.current"),
+        1,
+        "1 MiB + 1 went to the large pool"
+    );
 }
 
 #[test]
 fn s16_roundup_list_quirk_on_the_allocator() {
-    let mut a = allocator(80 * GIB, "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]");
+    let mut a = allocator(
+        80 * GIB,
+        "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+    );
     for (req, want) in [
         (300 * MIB, 300 * MIB),
         (600 * MIB, 768 * MIB),
@@ -391,7 +423,10 @@ fn s17b_completed_free_merges_and_is_reused() {
     let (mut a, x) = pending_free_setup();
     a.device_mut().complete_stream(S1);
     let y = malloc(&mut a, MIB, S0);
-    assert_eq!(y, x, "X's free completed, merged with the tail, and was reused from B");
+    assert_eq!(
+        y, x,
+        "X's free completed, merged with the tail, and was reused from B"
+    );
     let actions: Vec<_> = a.trace().iter().map(|e| e.action).collect();
     let completed = actions
         .iter()
@@ -421,7 +456,11 @@ fn s19_config_validation_on_the_allocator() {
     ] {
         let err = a.set_allocator_settings(bad).expect_err(bad);
         assert!(matches!(err, AllocError::Config(_)), "{bad}: {err}");
-        assert_eq!(a.config().max_split_size, 100 * MIB, "{bad} changed nothing");
+        assert_eq!(
+            a.config().max_split_size,
+            100 * MIB,
+            "{bad} changed nothing"
+        );
     }
     a.set_allocator_settings(" max_split_size_mb : 256 , expandable_segments : True ")
         .expect("spaces are ignored");
@@ -458,7 +497,9 @@ fn s20_snapshot_shape_after_one_byte() {
             {"address": b.0 + 512, "size": 2_096_640, "requested_size": 0, "state": "inactive", "frames": []},
         ])
     );
-    let trace = snap["device_traces"][0].as_array().expect("one device trace");
+    let trace = snap["device_traces"][0]
+        .as_array()
+        .expect("one device trace");
     let summary: Vec<_> = trace
         .iter()
         .map(|e| (e["action"].clone(), e["addr"].clone(), e["size"].clone()))
@@ -473,7 +514,10 @@ fn s20_snapshot_shape_after_one_byte() {
     assert!(snap["allocator_settings"]["roundup_power2_divisions"].is_object());
     let next = a.snapshot();
     let last = next.device_traces[0].last().expect("snapshot entry");
-    assert_eq!((last.action, last.addr, last.size), (TraceAction::Snapshot, 0, 512));
+    assert_eq!(
+        (last.action, last.addr, last.size),
+        (TraceAction::Snapshot, 0, 512)
+    );
 }
 
 #[test]
@@ -482,7 +526,8 @@ fn s21_max_split_size_stat_is_fixed_at_creation() {
     assert_eq!(stat(&a, "max_split_size"), -1);
     let mut a = allocator(80 * GIB, "max_split_size_mb:100");
     assert_eq!(stat(&a, "max_split_size"), 104_857_600);
-    a.set_allocator_settings("max_split_size_mb:200").expect("valid");
+    a.set_allocator_settings("max_split_size_mb:200")
+        .expect("valid");
     assert_eq!(stat(&a, "max_split_size"), 104_857_600);
 }
 
@@ -522,7 +567,10 @@ fn device_errors_other_than_oom_surface_and_leave_state_intact() {
     a.device_mut()
         .fail_malloc_in(1, DeviceError::Driver("ECC error".into()));
     let err = a.malloc(30 * MIB, S0).expect_err("driver failure");
-    assert!(matches!(err, AllocError::Device(DeviceError::Driver(_))), "{err:?}");
+    assert!(
+        matches!(err, AllocError::Device(DeviceError::Driver(_))),
+        "{err:?}"
+    );
     check(&a);
     assert_eq!(stat(&a, "num_ooms"), 0);
     free(&mut a, p);
@@ -593,7 +641,10 @@ fn events_of_each_stream_complete_independently() {
     free(&mut a, y);
     a.device_mut().complete_stream(S2);
     let z = malloc(&mut a, 4096, S0);
-    assert_eq!(z, y, "y's free completed and merged with the tail; x still waits on S1");
+    assert_eq!(
+        z, y,
+        "y's free completed and merged with the tail; x still waits on S1"
+    );
     let snap = a.snapshot();
     let states: Vec<_> = snap.segments[0].blocks.iter().map(|b| b.state).collect();
     assert_eq!(states, [Pending, Allocated, Free]);
@@ -617,7 +668,10 @@ fn reset_stats() {
 fn memory_fraction_is_validated() {
     let mut a = allocator(GIB, "");
     for bad in [-0.1, 1.5, f64::NAN] {
-        assert!(matches!(a.set_memory_fraction(bad), Err(AllocError::InvalidFraction(_))));
+        assert!(matches!(
+            a.set_memory_fraction(bad),
+            Err(AllocError::InvalidFraction(_))
+        ));
     }
     assert_eq!(a.allowed_memory_maximum(), None);
 }
@@ -639,6 +693,12 @@ fn summary_reflects_the_stats() {
     let mut a = allocator(80 * GIB, "");
     malloc(&mut a, 3 * MIB, S0);
     let text = a.memory_summary(false);
-    assert!(text.contains("| Allocated memory      |   3072 KiB |"), "{text}");
-    assert!(text.contains("| GPU reserved memory   |  20480 KiB |"), "{text}");
+    assert!(
+        text.contains("| Allocated memory      |   3072 KiB |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| GPU reserved memory   |  20480 KiB |"),
+        "{text}"
+    );
 }
