@@ -63,7 +63,9 @@ impl Op {
             97 => Op::SetFraction {
                 fraction: [0.5, 0.8, 1.0][(a % 3) as usize],
             },
-            _ => Op::FailNextMalloc { oom: a % 2 == 0 },
+            _ => Op::FailNextMalloc {
+                oom: a.is_multiple_of(2),
+            },
         }
     }
 }

@@ -47,16 +47,20 @@ fn threads_share_one_allocator_and_end_consistent() {
                 let own = StreamId(t + 1);
                 for _ in 0..OPS_PER_THREAD {
                     let r = rng.next_u64();
-                    if live.len() < 50 && (r % 3 != 0 || live.is_empty()) {
+                    if live.len() < 50 && (!r.is_multiple_of(3) || live.is_empty()) {
                         let size = match r % 4 {
                             0 => 1 + rng.next_u64() % MIB,
                             1 | 2 => MIB + rng.next_u64() % (16 * MIB),
                             _ => 16 * MIB + rng.next_u64() % (64 * MIB),
                         };
                         // Half the allocations share the default stream across threads.
-                        let stream = if r % 2 == 0 { own } else { StreamId::DEFAULT };
+                        let stream = if r.is_multiple_of(2) {
+                            own
+                        } else {
+                            StreamId::DEFAULT
+                        };
                         let ptr = shared.malloc(size, stream).expect("16 GiB is enough");
-                        if r % 7 == 0 {
+                        if r.is_multiple_of(7) {
                             shared.record_stream(ptr, StreamId(100 + t));
                         }
                         live.push(ptr);
@@ -64,7 +68,7 @@ fn threads_share_one_allocator_and_end_consistent() {
                         let i = (rng.next_u64() % live.len() as u64) as usize;
                         shared.free(live.swap_remove(i)).expect("live pointer");
                     }
-                    if r % 97 == 0 {
+                    if r.is_multiple_of(97) {
                         shared.with(|a| a.device_mut().complete_stream(StreamId(100 + t)));
                     }
                 }
