@@ -1,8 +1,9 @@
 //! Allocator hot paths, side by side with `offset-allocator` (an O(1) TLSF-style allocator)
 //! on the same operation sequences:
 //!
-//! - `same_size_hit`: malloc + free of 4 MiB that the cache serves (the steady state of a
-//!   training loop, where every step asks for the same shapes);
+//! - `same_size_hit`: malloc + free that the cache serves (the steady state of a training
+//!   loop, where every step asks for the same shapes), once for a block reused whole and once
+//!   for a block split from a larger segment and merged back;
 //! - `mixed_2000_live`: about 2 000 live blocks of log-uniform sizes (55 % up to 1 MiB, 40 %
 //!   1–32 MiB, 5 % 32–256 MiB); each iteration frees a random live block and allocates a new
 //!   random size in its place.
@@ -41,23 +42,26 @@ fn units(size: u64) -> u32 {
 
 fn same_size_hit(c: &mut Criterion) {
     let mut group = c.benchmark_group("same_size_hit");
-    let size = 4 * MIB;
-    group.bench_function("gpumem", |b| {
-        let mut a = gpumem_allocator();
-        let warm = a.malloc(size, StreamId::DEFAULT).expect("fits");
-        a.free(warm).expect("live");
-        b.iter(|| {
-            let p = a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
-            a.free(p).expect("live");
+    // 12 MiB fills its own 12 MiB segment: the cached block is reused whole. 4 MiB is carved
+    // from a 20 MiB segment: every malloc splits it and every free merges it back.
+    for (name, size) in [("exact_12MiB", 12 * MIB), ("split_4MiB", 4 * MIB)] {
+        group.bench_function(format!("gpumem/{name}"), |b| {
+            let mut a = gpumem_allocator();
+            let warm = a.malloc(size, StreamId::DEFAULT).expect("fits");
+            a.free(warm).expect("live");
+            b.iter(|| {
+                let p = a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
+                a.free(p).expect("live");
+            });
         });
-    });
-    group.bench_function("offset_allocator", |b| {
-        let mut a = offset_allocator();
-        b.iter(|| {
-            let p = a.allocate(black_box(units(size))).expect("fits");
-            a.free(p);
+        group.bench_function(format!("offset_allocator/{name}"), |b| {
+            let mut a = offset_allocator();
+            b.iter(|| {
+                let p = a.allocate(black_box(units(size))).expect("fits");
+                a.free(p);
+            });
         });
-    });
+    }
     group.finish();
 }
 

@@ -98,9 +98,9 @@ impl TrainingWorkload {
     ) -> Result<WorkloadReport, AllocError> {
         let mut report = WorkloadReport::default();
         let mut held: Vec<DevicePtr> = Vec::new();
-        let served_before = alloc.stats().allocation.all.get().allocated;
+        let served_before = alloc.stats().allocation.all().allocated;
         let outcome = self.run_inner(alloc, &mut report, &mut held, &mut after_step);
-        report.mallocs = (alloc.stats().allocation.all.get().allocated - served_before) as u64;
+        report.mallocs = (alloc.stats().allocation.all().allocated - served_before) as u64;
         match outcome {
             Ok(()) => {}
             Err(e) if e.is_out_of_memory() => report.oom = Some(e.to_string()),

@@ -125,6 +125,30 @@ impl StreamBins {
         self.len += 1;
     }
 
+    /// Removes and returns the first entry at or after `(size, 0)` if `accept` takes it.
+    fn take_lower_bound(
+        &mut self,
+        size: u64,
+        accept: impl FnOnce(u64) -> bool,
+    ) -> Option<FreeEntry> {
+        let mut class = class_of(size);
+        let mut i = self.classes[class].partition_point(|e| e.size < size);
+        if i == self.classes[class].len() {
+            class = self.next_class(class + 1)?;
+            i = 0;
+        }
+        let entries = &mut self.classes[class];
+        if !accept(entries[i].size) {
+            return None;
+        }
+        let entry = entries.remove(i);
+        if entries.is_empty() {
+            self.bitmap[class / 64] &= !(1 << (class % 64));
+        }
+        self.len -= 1;
+        Some(entry)
+    }
+
     fn remove(&mut self, size: u64, ptr: u64) -> bool {
         let class = class_of(size);
         let entries = &mut self.classes[class];
@@ -173,6 +197,20 @@ impl FreeSet {
     /// fit PyTorch's `get_free_block` looks at.
     pub fn lower_bound(&self, stream: StreamId, size: u64) -> Option<FreeEntry> {
         self.bins(stream)?.lower_bound(size, 0)
+    }
+
+    /// Takes the best fit out of the set if `accept(size)` agrees: [`FreeSet::lower_bound`]
+    /// and [`FreeSet::remove`] in one search.
+    pub fn take_lower_bound(
+        &mut self,
+        stream: StreamId,
+        size: u64,
+        accept: impl FnOnce(u64) -> bool,
+    ) -> Option<FreeEntry> {
+        let (_, bins) = self.streams.iter_mut().find(|(s, _)| *s == stream)?;
+        let entry = bins.take_lower_bound(size, accept)?;
+        self.len -= 1;
+        Some(entry)
     }
 
     /// The block of `stream` just before `(size, ptr)` in (size, address) order.
@@ -262,6 +300,16 @@ mod tests {
                 let got = set.lower_bound(stream, probe).map(|e| (stream, e.size, e.ptr));
                 let want = model.range((stream, probe, 0)..).next().copied().filter(|k| k.0 == stream);
                 prop_assert_eq!(got, want);
+                if units % 5 == 0 {
+                    let want = model.range((stream, probe, 0)..).next().copied().filter(|k| k.0 == stream);
+                    let accept = units % 10 == 0;
+                    let got = set.take_lower_bound(stream, probe, |_| accept).map(|e| (stream, e.size, e.ptr));
+                    prop_assert_eq!(got, want.filter(|_| accept));
+                    if let Some(k) = got {
+                        model.remove(&k);
+                    }
+                    prop_assert_eq!(set.len(), model.len());
+                }
                 let got = set.prev_before(stream, probe, 0).map(|e| (stream, e.size, e.ptr));
                 let want = model.range(..(stream, probe, 0)).next_back().copied().filter(|k| k.0 == stream);
                 prop_assert_eq!(got, want);

@@ -25,11 +25,7 @@ struct Sums {
 }
 
 fn check_array(name: &str, array: &StatArray, small: i64, large: i64) -> Result<(), String> {
-    let (all, s, l) = (
-        array.all.get(),
-        array.small_pool.get(),
-        array.large_pool.get(),
-    );
+    let (all, s, l) = (array.all(), array.small_pool.get(), array.large_pool.get());
     if (s.current, l.current, all.current) != (small, large, small + large) {
         return Err(format!(
             "{name}: stats say all/small/large = {}/{}/{}, blocks add up to {}/{small}/{large}",

@@ -281,17 +281,18 @@ impl<D: Device> CachingAllocator<D> {
         if gc {
             pool.get_free_blocks_call_count += 1;
         }
-        let entry = pool.free.lower_bound(stream, size)?;
         // A normal request never takes an oversize block; an oversize request takes one only
         // if it wastes less than LARGE_BUFFER.
-        if size < max_split && entry.size >= max_split {
-            return None;
-        }
-        if size >= max_split && entry.size >= size.saturating_add(LARGE_BUFFER) {
-            return None;
-        }
-        pool.free.remove(stream, entry.size, entry.ptr);
-        Some(entry.id)
+        let accept = |found: u64| {
+            if size < max_split {
+                found < max_split
+            } else {
+                found < size.saturating_add(LARGE_BUFFER)
+            }
+        };
+        pool.free
+            .take_lower_bound(stream, size, accept)
+            .map(|entry| entry.id)
     }
 
     /// Obtains a new segment from the driver (`alloc_block`). `Ok(None)` means out of memory
@@ -430,8 +431,8 @@ impl<D: Device> CachingAllocator<D> {
         let info = self.device.mem_get_info()?;
         self.record(TraceAction::Oom, info.free, rounded, stream);
         self.stats.num_ooms.bump();
-        let allocated = self.stats.allocated_bytes.all.current().max(0) as u64;
-        let reserved = self.stats.reserved_bytes.all.current().max(0) as u64;
+        let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
+        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
         Ok(AllocError::OutOfMemory(Box::new(OutOfMemory {
             device: self.device.index(),
             tried_to_allocate: segment_size,

@@ -9,8 +9,8 @@
 //!
 //! # Invariants
 //! - Single writer: only the allocator that created a `DeviceStats` mutates it.
-//! - For every stat array, `all` = `small_pool` + `large_pool` once an operation has finished
-//!   (a reader racing an operation may see one bucket updated before the other).
+//! - For every stat array, `all` is `small_pool` + `large_pool` by construction (it is summed
+//!   when read); its peak is the highest such sum.
 //! - `peak >= current` for every stat; `allocated - freed == current` unless accumulated stats
 //!   were reset.
 
@@ -42,10 +42,12 @@ pub struct StatValue {
 }
 
 impl Stat {
+    #[inline]
     fn add(cell: &AtomicI64, amount: i64) {
         cell.store(cell.load(Relaxed) + amount, Relaxed);
     }
 
+    #[inline]
     pub(crate) fn increase(&self, amount: i64) {
         let current = self.current.load(Relaxed) + amount;
         self.current.store(current, Relaxed);
@@ -55,18 +57,10 @@ impl Stat {
         Self::add(&self.allocated, amount);
     }
 
+    #[inline]
     pub(crate) fn decrease(&self, amount: i64) {
         Self::add(&self.current, -amount);
         Self::add(&self.freed, amount);
-    }
-
-    /// Adds a signed change: positive increases, negative decreases, zero does nothing.
-    pub(crate) fn update(&self, delta: i64) {
-        if delta > 0 {
-            self.increase(delta);
-        } else if delta < 0 {
-            self.decrease(-delta);
-        }
     }
 
     fn reset_peak(&self) {
@@ -94,19 +88,24 @@ impl Stat {
     }
 }
 
-/// A stat kept for all pools together and for each pool.
+/// A stat kept for each pool, and for both together.
+///
+/// The `all` bucket is derived when read (current, allocated and freed are sums of the two
+/// pools); only its peak, which no sum of the pools' peaks gives, is tracked. This halves the
+/// work of every update on the allocation hot path.
 #[derive(Debug, Default)]
 pub struct StatArray {
-    /// Both pools.
-    pub all: Stat,
     /// The small pool.
     pub small_pool: Stat,
     /// The large pool.
     pub large_pool: Stat,
+    /// Highest value of small + large current.
+    all_peak: AtomicI64,
 }
 
 impl StatArray {
     /// The bucket of one pool.
+    #[inline]
     pub fn pool(&self, pool: PoolKind) -> &Stat {
         match pool {
             PoolKind::Small => &self.small_pool,
@@ -114,26 +113,62 @@ impl StatArray {
         }
     }
 
-    pub(crate) fn increase(&self, pool: PoolKind, amount: u64) {
-        self.all.increase(amount as i64);
-        self.pool(pool).increase(amount as i64);
+    /// Both pools together.
+    pub fn all(&self) -> StatValue {
+        let (s, l) = (self.small_pool.get(), self.large_pool.get());
+        StatValue {
+            current: s.current + l.current,
+            peak: self.all_peak.load(Relaxed),
+            allocated: s.allocated + l.allocated,
+            freed: s.freed + l.freed,
+        }
     }
 
+    /// The current value of both pools together.
+    pub fn all_current(&self) -> i64 {
+        self.small_pool.current() + self.large_pool.current()
+    }
+
+    #[inline]
+    pub(crate) fn increase(&self, pool: PoolKind, amount: u64) {
+        self.pool(pool).increase(amount as i64);
+        let all = self.all_current();
+        if all > self.all_peak.load(Relaxed) {
+            self.all_peak.store(all, Relaxed);
+        }
+    }
+
+    #[inline]
     pub(crate) fn decrease(&self, pool: PoolKind, amount: u64) {
-        self.all.decrease(amount as i64);
         self.pool(pool).decrease(amount as i64);
     }
 
+    #[inline]
     pub(crate) fn update(&self, pool: PoolKind, delta: i64) {
-        self.all.update(delta);
-        self.pool(pool).update(delta);
+        if delta > 0 {
+            self.increase(pool, delta as u64);
+        } else if delta < 0 {
+            self.decrease(pool, delta.unsigned_abs());
+        }
     }
 
-    fn buckets(&self) -> [(&'static str, &Stat); 3] {
+    fn reset_peak(&self) {
+        self.small_pool.reset_peak();
+        self.large_pool.reset_peak();
+        self.all_peak.store(self.all_current(), Relaxed);
+    }
+
+    fn reset_accumulated(&self) {
+        self.small_pool.reset_accumulated();
+        self.large_pool.reset_accumulated();
+    }
+
+    /// (bucket name, value) for the three buckets, in PyTorch's order.
+    fn buckets(&self) -> [(&'static str, StatValue); 3] {
         [
-            ("all", &self.all),
-            ("small_pool", &self.small_pool),
-            ("large_pool", &self.large_pool),
+            ("all", self.all()),
+            ("small_pool", self.small_pool.get()),
+            ("large_pool", self.large_pool.get()),
         ]
     }
 }
@@ -143,6 +178,7 @@ impl StatArray {
 pub struct Counter(AtomicI64);
 
 impl Counter {
+    #[inline]
     pub(crate) fn bump(&self) {
         self.0.store(self.0.load(Relaxed) + 1, Relaxed);
     }
@@ -231,8 +267,7 @@ impl DeviceStats {
     /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 122 keys, sorted.
     pub fn memory_stats(&self) -> BTreeMap<String, i64> {
         let mut out = BTreeMap::new();
-        let mut put = |prefix: &str, stat: &Stat| {
-            let v = stat.get();
+        let mut put = |prefix: &str, v: StatValue| {
             for (field, value) in [
                 ("current", v.current),
                 ("peak", v.peak),
@@ -243,12 +278,12 @@ impl DeviceStats {
             }
         };
         for (name, array) in self.arrays() {
-            for (bucket, stat) in array.buckets() {
-                put(&format!("{name}.{bucket}"), stat);
+            for (bucket, value) in array.buckets() {
+                put(&format!("{name}.{bucket}"), value);
             }
         }
-        put("oversize_allocations", &self.oversize_allocations);
-        put("oversize_segments", &self.oversize_segments);
+        put("oversize_allocations", self.oversize_allocations.get());
+        put("oversize_segments", self.oversize_segments.get());
         for (name, counter) in self.counters() {
             out.insert(name.to_string(), counter.get());
         }
@@ -258,9 +293,7 @@ impl DeviceStats {
 
     pub(crate) fn reset_peak(&self) {
         for (_, array) in self.arrays() {
-            for (_, stat) in array.buckets() {
-                stat.reset_peak();
-            }
+            array.reset_peak();
         }
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
@@ -268,9 +301,7 @@ impl DeviceStats {
 
     pub(crate) fn reset_accumulated(&self) {
         for (_, array) in self.arrays() {
-            for (_, stat) in array.buckets() {
-                stat.reset_accumulated();
-            }
+            array.reset_accumulated();
         }
         self.oversize_allocations.reset_accumulated();
         self.oversize_segments.reset_accumulated();

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::stats::{DeviceStats, Stat, StatArray};
+use super::stats::{DeviceStats, StatArray, StatValue};
 
 const WIDTH: usize = 75;
 
@@ -32,8 +32,7 @@ fn format_count(value: i64, reference: i64) -> String {
 
 type Formatter = fn(i64, i64) -> String;
 
-fn row(out: &mut Vec<String>, name: &str, stat: &Stat, reference: &Stat, format: Formatter) {
-    let (v, r) = (stat.get(), reference.get());
+fn row(out: &mut Vec<String>, name: &str, v: StatValue, r: StatValue, format: Formatter) {
     out.push(format!(
         " {name:<21} | {} | {} | {} | {} ",
         format(v.current, r.current),
@@ -81,20 +80,21 @@ pub(crate) fn memory_summary(device: u32, stats: &DeviceStats, abbreviated: bool
     ];
     for (name, array, format) in blocks {
         lines.push(rule("-"));
-        row(&mut lines, name, &array.all, &array.all, format);
+        let all = array.all();
+        row(&mut lines, name, all, all, format);
         if !abbreviated {
             row(
                 &mut lines,
                 "      from large pool",
-                &array.large_pool,
-                &array.all,
+                array.large_pool.get(),
+                all,
                 format,
             );
             row(
                 &mut lines,
                 "      from small pool",
-                &array.small_pool,
-                &array.all,
+                array.small_pool.get(),
+                all,
                 format,
             );
         }
@@ -104,7 +104,7 @@ pub(crate) fn memory_summary(device: u32, stats: &DeviceStats, abbreviated: bool
         ("Oversize allocations", &stats.oversize_allocations),
         ("Oversize GPU segments", &stats.oversize_segments),
     ] {
-        row(&mut lines, name, stat, stat, format_count);
+        row(&mut lines, name, stat.get(), stat.get(), format_count);
     }
     lines.push(rule("="));
     let mut out = String::new();

@@ -29,7 +29,7 @@ fn threads_share_one_allocator_and_end_consistent() {
         thread::spawn(move || {
             let mut reads = 0u64;
             while !done.load(Ordering::Relaxed) {
-                let peak = stats.reserved_bytes.all.get().peak;
+                let peak = stats.reserved_bytes.all().peak;
                 assert!(peak >= 0);
                 reads += 1;
                 std::hint::spin_loop();
