@@ -5,11 +5,14 @@
 //!   agree both ways. A block with neither `prev` nor `next` is a whole segment.
 //! - A block is in exactly one of three states: allocated (handed out); pending free (not
 //!   allocated, waiting on `event_count > 0` events or holding `stream_uses` it could not
-//!   record); free (neither, and then it sits in its pool's free set).
+//!   record); free (neither, and then it sits in its pool's free set, or in its pool's
+//!   unmapped set if it is an unmapped part of an expandable segment).
+//! - Only blocks of expandable segments are ever unmapped; unmapped blocks are free.
 //! - Sizes and addresses are multiples of 512.
 
 use crate::device::StreamId;
 
+use super::expandable::SegmentId;
 use super::size::PoolKind;
 
 /// Index of a block in the allocator's arena.
@@ -50,6 +53,8 @@ pub(crate) struct Block {
     pub stream_uses: Vec<StreamId>,
     /// The pool's `get_free_blocks_call_count` when the block last entered the free set.
     pub gc_count_base: u64,
+    /// The expandable segment the block lies in, if any.
+    pub expandable: Option<SegmentId>,
 }
 
 impl Block {
@@ -68,6 +73,7 @@ impl Block {
             event_count: 0,
             stream_uses: Vec::new(),
             gc_count_base: 0,
+            expandable: None,
         }
     }
 
@@ -81,7 +87,8 @@ impl Block {
         !self.allocated && (self.event_count > 0 || !self.stream_uses.is_empty())
     }
 
-    /// Neither allocated nor pending: reusable, and in its pool's free set.
+    /// Neither allocated nor pending. A free block is in its pool's free set when mapped and
+    /// in its pool's unmapped set otherwise (PyTorch's "allocatable").
     pub fn is_free(&self) -> bool {
         !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
     }

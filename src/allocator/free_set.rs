@@ -213,6 +213,11 @@ impl FreeSet {
         Some(entry)
     }
 
+    /// The block of `stream` just after `(size, ptr)` in (size, address) order.
+    pub fn next_after(&self, stream: StreamId, size: u64, ptr: u64) -> Option<FreeEntry> {
+        self.bins(stream)?.lower_bound(size, ptr + 1)
+    }
+
     /// The block of `stream` just before `(size, ptr)` in (size, address) order.
     pub fn prev_before(&self, stream: StreamId, size: u64, ptr: u64) -> Option<FreeEntry> {
         self.bins(stream)?.prev_before(size, ptr)
@@ -309,6 +314,11 @@ mod tests {
                         model.remove(&k);
                     }
                     prop_assert_eq!(set.len(), model.len());
+                }
+                if let Some(&(_, size, ptr)) = model.iter().find(|k| k.0 == stream) {
+                    let got = set.next_after(stream, size, ptr).map(|e| (stream, e.size, e.ptr));
+                    let want = model.range((stream, size, ptr + 1)..).next().copied().filter(|k| k.0 == stream);
+                    prop_assert_eq!(got, want);
                 }
                 let got = set.prev_before(stream, probe, 0).map(|e| (stream, e.size, e.ptr));
                 let want = model.range(..(stream, probe, 0)).next_back().copied().filter(|k| k.0 == stream);

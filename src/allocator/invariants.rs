@@ -65,6 +65,7 @@ impl<D: Device> CachingAllocator<D> {
         let mut oversize_segments = 0i64;
         let max_split = self.config.max_split_size;
         let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
+        let mut unmapped_blocks = 0usize;
         for kind in [Kind::Small, Kind::Large] {
             for (stream, e) in self.pool(kind).free.iter() {
                 let Some(b) = self.blocks.get(e.id.index()) else {
@@ -91,10 +92,14 @@ impl<D: Device> CachingAllocator<D> {
                 ));
             }
             let (kind, stream) = (first.pool, first.stream);
+            let expandable = first.expandable.is_some();
+            self.check_expandable_pages(head)?;
             let s = &mut sums[idx(kind)];
             let mut expected_ptr = first.ptr;
             let mut prev: Option<BlockId> = None;
-            let mut prev_free = false;
+            // The previous block's (free, mapped) state: free neighbours merge when both
+            // are mapped or both unmapped.
+            let mut prev_state = (false, true);
             let mut segment_size = 0;
             for (id, b) in self.segment_blocks(head) {
                 seen.insert(id);
@@ -115,21 +120,28 @@ impl<D: Device> CachingAllocator<D> {
                         b.ptr, b.size
                     ));
                 }
-                if b.pool != kind || b.stream != stream {
+                if b.pool != kind || b.stream != stream || b.expandable.is_some() != expandable {
                     return Err(format!(
                         "block {:#x}: pool or stream differs from its segment",
                         b.ptr
                     ));
                 }
                 let free = b.is_free();
-                if free && prev_free {
+                if free && prev_state == (true, b.mapped) {
                     return Err(format!(
                         "block {:#x}: two adjacent free blocks unmerged",
                         b.ptr
                     ));
                 }
+                if !b.mapped && (!expandable || !free) {
+                    return Err(format!(
+                        "block {:#x}: unmapped but not a free expandable block",
+                        b.ptr
+                    ));
+                }
+                unmapped_blocks += usize::from(!b.mapped);
                 let in_set = in_free_sets.contains(&id);
-                if free != in_set {
+                if (free && b.mapped) != in_set {
                     return Err(format!(
                         "block {:#x}: free={free} but in its pool's free set={in_set}",
                         b.ptr
@@ -153,21 +165,26 @@ impl<D: Device> CachingAllocator<D> {
                     s.active += 1;
                     s.active_bytes += b.size as i64;
                     s.requested_bytes += b.requested_size as i64;
-                } else if b.is_split() {
+                } else if b.is_split() && !expandable {
                     s.inactive_split += 1;
                     s.inactive_split_bytes += b.size as i64;
                 }
-                segment_size += b.size;
+                if b.mapped {
+                    segment_size += b.size;
+                }
                 expected_ptr = b.ptr + b.size;
                 prev = Some(id);
-                prev_free = free;
+                prev_state = (free, b.mapped);
             }
             last_end = expected_ptr;
-            s.segment += 1;
             s.reserved_bytes += segment_size as i64;
             reserved_total += segment_size;
-            if segment_size >= max_split {
-                oversize_segments += 1;
+            // Expandable segments count in reserved bytes (mapped) but not as segments.
+            if !expandable {
+                s.segment += 1;
+                if segment_size >= max_split {
+                    oversize_segments += 1;
+                }
             }
         }
 
@@ -176,6 +193,23 @@ impl<D: Device> CachingAllocator<D> {
                 "{} blocks in the arena, {} reachable from segments",
                 self.blocks.len(),
                 seen.len()
+            ));
+        }
+        let unmapped_entries = self.small.unmapped.len() + self.large.unmapped.len();
+        if unmapped_entries != unmapped_blocks {
+            return Err(format!(
+                "unmapped sets hold {unmapped_entries} entries for {unmapped_blocks} unmapped blocks"
+            ));
+        }
+        let heads = self.segment_heads();
+        let expandable_heads = heads
+            .iter()
+            .filter(|&&h| self.block(h).expandable.is_some())
+            .count();
+        if expandable_heads != self.expandable_segments.len() {
+            return Err(format!(
+                "{} expandable segments, {expandable_heads} reachable",
+                self.expandable_segments.len()
             ));
         }
         let free_count = self.small.free.len() + self.large.free.len();

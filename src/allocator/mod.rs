@@ -36,6 +36,7 @@
 
 mod block;
 mod error;
+mod expandable;
 mod free_set;
 mod history;
 mod invariants;
@@ -44,7 +45,7 @@ mod snapshot;
 mod stats;
 mod summary;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
@@ -55,6 +56,7 @@ use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
 
 use block::{Block, BlockId};
 pub use error::{AllocError, OutOfMemory};
+use expandable::ExpandableSegment;
 use free_set::{FreeEntry, FreeSet};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
@@ -66,6 +68,8 @@ pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
 #[derive(Debug, Default)]
 struct BlockPool {
     free: FreeSet,
+    /// Unmapped blocks of expandable segments, by (stream, address).
+    unmapped: BTreeMap<(StreamId, u64), BlockId>,
     /// Lookups since creation, counted only while garbage collection is enabled; a block's
     /// age is this minus its `gc_count_base`.
     get_free_blocks_call_count: u64,
@@ -94,6 +98,8 @@ pub struct CachingAllocator<D: Device> {
     /// The per-process limit once a memory fraction is set.
     allowed_memory_maximum: Option<u64>,
     history: History,
+    /// Expandable segments (Note [Expandable segments]).
+    expandable_segments: Slab<ExpandableSegment>,
     /// Whether `max_split_size` changed after blocks were counted as oversize: the oversize
     /// stats then follow PyTorch's (drifting) arithmetic and cannot be checked exactly.
     max_split_size_changed: bool,
@@ -116,6 +122,7 @@ impl<D: Device> CachingAllocator<D> {
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             history: History::default(),
+            expandable_segments: Slab::new(),
             max_split_size_changed: false,
         }
     }
@@ -259,16 +266,16 @@ impl<D: Device> CachingAllocator<D> {
         if self.gc_enabled() {
             self.garbage_collect()?;
         }
-        if let Some(id) = self.alloc_block(kind, stream, segment_size, false)? {
+        if let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)? {
             return Ok(Some(id));
         }
         if self.release_available_cached_blocks(kind, stream, rounded)?
-            && let Some(id) = self.alloc_block(kind, stream, segment_size, false)?
+            && let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)?
         {
             return Ok(Some(id));
         }
         self.release_cached_blocks()?;
-        self.alloc_block(kind, stream, segment_size, true)
+        self.alloc_block(kind, stream, rounded, segment_size, true)
     }
 
     /// The best-fitting cached block of `stream` for a rounded request, taken out of its
@@ -277,10 +284,6 @@ impl<D: Device> CachingAllocator<D> {
     fn get_free_block(&mut self, kind: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
         let gc = self.gc_enabled();
         let max_split = self.config.max_split_size;
-        let pool = self.pool_mut(kind);
-        if gc {
-            pool.get_free_blocks_call_count += 1;
-        }
         // A normal request never takes an oversize block; an oversize request takes one only
         // if it wastes less than LARGE_BUFFER.
         let accept = |found: u64| {
@@ -290,9 +293,57 @@ impl<D: Device> CachingAllocator<D> {
                 found < size.saturating_add(LARGE_BUFFER)
             }
         };
-        pool.free
-            .take_lower_bound(stream, size, accept)
-            .map(|entry| entry.id)
+        let no_expandable = self.expandable_segments.is_empty();
+        let pool = self.pool_mut(kind);
+        if gc {
+            pool.get_free_blocks_call_count += 1;
+        }
+        if no_expandable {
+            return pool
+                .free
+                .take_lower_bound(stream, size, accept)
+                .map(|entry| entry.id);
+        }
+        let entry = self.best_fit_with_expandable(kind, stream, size)?;
+        if !accept(entry.size) {
+            return None;
+        }
+        self.pool_mut(kind)
+            .free
+            .remove(stream, entry.size, entry.ptr);
+        Some(entry.id)
+    }
+
+    /// Best fit when expandable segments exist. With the option on, an expandable block
+    /// counts as the size it could grow to, so a block that cannot grow is preferred; with
+    /// the option off, expandable blocks are passed over.
+    fn best_fit_with_expandable(
+        &self,
+        kind: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Option<FreeEntry> {
+        let free = &self.pool(kind).free;
+        let mut entry = free.lower_bound(stream, size)?;
+        if self.block(entry.id).expandable.is_none() {
+            return Some(entry);
+        }
+        if self.expandable_segments() {
+            while self.block(entry.id).expandable.is_some() {
+                let Some(next) = free.next_after(stream, entry.size, entry.ptr) else {
+                    break;
+                };
+                if self.expandable_size(next.id) >= self.expandable_size(entry.id) {
+                    break;
+                }
+                entry = next;
+            }
+        } else {
+            while self.block(entry.id).expandable.is_some() {
+                entry = free.next_after(stream, entry.size, entry.ptr)?;
+            }
+        }
+        Some(entry)
     }
 
     /// Obtains a new segment from the driver (`alloc_block`). `Ok(None)` means out of memory
@@ -301,16 +352,22 @@ impl<D: Device> CachingAllocator<D> {
         &mut self,
         kind: PoolKind,
         stream: StreamId,
+        rounded: u64,
         segment_size: u64,
         retry: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         if retry {
             self.stats.num_alloc_retries.bump();
         }
+        // Quirk kept from PyTorch: with expandable segments the limit is checked against the
+        // segment size too, though only the missing pages get mapped.
         if let Some(max) = self.allowed_memory_maximum
             && self.total_allocated_memory + segment_size > max
         {
             return Ok(None);
+        }
+        if self.expandable_segments() {
+            return self.try_allocate_expandable_block(kind, stream, rounded);
         }
         let ptr = match self.device.malloc(segment_size) {
             Ok(ptr) => ptr,
@@ -352,12 +409,15 @@ impl<D: Device> CachingAllocator<D> {
     ) -> DevicePtr {
         let block = self.block(id);
         let (kind, stream, was_split) = (block.pool, block.stream, block.is_split());
+        let expandable = block.expandable;
+        // Free blocks of expandable segments never count as inactive splits.
+        let counts_split = expandable.is_none();
         if split {
             let (ptr, prev) = (block.ptr, block.prev);
             let front = self.new_block(Block {
                 prev,
                 next: Some(id),
-                size,
+                expandable,
                 ..Block::segment(ptr, size, stream, kind)
             });
             if let Some(p) = prev {
@@ -369,14 +429,14 @@ impl<D: Device> CachingAllocator<D> {
             rest.size -= size;
             let remaining = rest.size;
             self.insert_free(id);
-            if was_split {
+            if counts_split && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size);
-            } else {
+            } else if counts_split {
                 self.stats.inactive_split_bytes.increase(kind, remaining);
                 self.stats.inactive_split.increase(kind, 1);
             }
             id = front;
-        } else if was_split {
+        } else if was_split && counts_split {
             let block_size = self.block(id).size;
             self.stats.inactive_split_bytes.decrease(kind, block_size);
             self.stats.inactive_split.decrease(kind, 1);
@@ -615,9 +675,12 @@ impl<D: Device> CachingAllocator<D> {
             split_count += 1;
             split_bytes += block.size as i64;
         }
+        let counts_split = block.expandable.is_none();
         let stats = &self.stats;
-        stats.inactive_split.update(kind, split_count);
-        stats.inactive_split_bytes.update(kind, split_bytes);
+        if counts_split {
+            stats.inactive_split.update(kind, split_count);
+            stats.inactive_split_bytes.update(kind, split_bytes);
+        }
         stats.active.decrease(kind, 1);
         stats.active_bytes.decrease(kind, original_size);
         stats.requested_bytes.decrease(kind, requested);
@@ -631,7 +694,12 @@ impl<D: Device> CachingAllocator<D> {
             return 0;
         }
         let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
-        self.remove_free(src);
+        if s.mapped {
+            self.remove_free(src);
+        } else {
+            let (kind, key) = (s.pool, (s.stream, s.ptr));
+            self.pool_mut(kind).unmapped.remove(&key);
+        }
         if self.block(dst).prev == Some(src) {
             let d = self.block_mut(dst);
             d.ptr = src_ptr;
@@ -668,17 +736,33 @@ impl<D: Device> CachingAllocator<D> {
         self.release_blocks(PoolKind::Small)
     }
 
-    /// Releases the whole free segments of a pool, in the pool's order.
+    /// Releases the whole free segments of a pool, in the pool's order, then unmaps the
+    /// whole free pages of its expandable segments (`release_blocks`).
     fn release_blocks(&mut self, kind: PoolKind) -> Result<(), AllocError> {
-        let whole: Vec<BlockId> = self
+        let free: Vec<BlockId> = self.pool(kind).free.iter().map(|(_, e)| e.id).collect();
+        let mut to_unmap = Vec::new();
+        for id in free {
+            let block = self.block(id);
+            if block.expandable.is_some() {
+                to_unmap.push(id);
+            } else if !block.is_split() {
+                self.release_block(id)?;
+            }
+        }
+        for id in to_unmap {
+            self.unmap_block(id)?;
+        }
+        // Segments left wholly unmapped give their address range back, including one whose
+        // first mapping failed (PyTorch keeps those reserved).
+        let empty: Vec<BlockId> = self
             .pool(kind)
-            .free
-            .iter()
-            .map(|(_, e)| e.id)
+            .unmapped
+            .values()
+            .copied()
             .filter(|&id| !self.block(id).is_split())
             .collect();
-        for id in whole {
-            self.release_block(id)?;
+        for id in empty {
+            self.release_expandable_segment(id)?;
         }
         Ok(())
     }
@@ -706,7 +790,7 @@ impl<D: Device> CachingAllocator<D> {
     /// (`release_available_cached_blocks`): the smallest single block of at least
     /// `max(size, max_split_size)`, or else oversize blocks from the largest down until that
     /// much is released. Only whole segments are released (a deviation that matters only
-    /// after `max_split_size` was lowered at run time).
+    /// after `max_split_size` was lowered at run time); expandable blocks are skipped.
     fn release_available_cached_blocks(
         &mut self,
         kind: PoolKind,
@@ -719,8 +803,11 @@ impl<D: Device> CachingAllocator<D> {
         }
         let key = size.max(max_split);
         let free = &self.pool(kind).free;
-        if let Some(entry) = free.lower_bound(stream, key) {
-            if self.block(entry.id).is_split() {
+        let releasable = |b: &Block| !b.is_split() && b.expandable.is_none();
+        if let Some(entry) = free.lower_bound(stream, key)
+            && self.block(entry.id).expandable.is_none()
+        {
+            if !releasable(self.block(entry.id)) {
                 return Ok(false);
             }
             self.release_block(entry.id)?;
@@ -736,7 +823,7 @@ impl<D: Device> CachingAllocator<D> {
                 .pool(kind)
                 .free
                 .prev_before(stream, entry.size, entry.ptr);
-            if !self.block(entry.id).is_split() {
+            if releasable(self.block(entry.id)) {
                 self.release_block(entry.id)?;
                 released += entry.size;
             }
@@ -764,7 +851,7 @@ impl<D: Device> CachingAllocator<D> {
             .free
             .iter()
             .map(|(_, e)| self.block(e.id))
-            .filter(|b| !b.is_split())
+            .filter(|b| !b.is_split() && b.expandable.is_none())
             .fold((0.0, 0u64), |(sum, n), b| (sum + age(b), n + 1));
         let mut reclaimed = 0;
         let mut freed_any = true;
@@ -774,7 +861,7 @@ impl<D: Device> CachingAllocator<D> {
             let candidates: Vec<FreeEntry> = self.large.free.iter().map(|(_, e)| e).collect();
             for entry in candidates {
                 let block = self.block(entry.id);
-                if !block.is_split() && age(block) >= average {
+                if !block.is_split() && block.expandable.is_none() && age(block) >= average {
                     let block_age = age(block);
                     self.release_block(entry.id)?;
                     freed_any = true;
@@ -866,52 +953,54 @@ impl<D: Device> CachingAllocator<D> {
     pub fn snapshot(&mut self) -> Snapshot {
         let device = self.device.index();
         let trace = self.history.entries();
-        let segments: Vec<SegmentInfo> = self
-            .segment_heads()
-            .into_iter()
-            .map(|head| {
-                let first = self.block(head);
-                let mut segment = SegmentInfo {
+        let mut segments = Vec::new();
+        for head in self.segment_heads() {
+            // An expandable segment shows as one segment per contiguous mapped run.
+            let mut current: Option<SegmentInfo> = None;
+            for (_, b) in self.segment_blocks(head) {
+                if !b.mapped {
+                    segments.extend(current.take());
+                    continue;
+                }
+                let segment = current.get_or_insert_with(|| SegmentInfo {
                     device,
-                    address: first.ptr,
+                    address: b.ptr,
                     total_size: 0,
                     allocated_size: 0,
                     active_size: 0,
                     requested_size: 0,
-                    stream: first.stream.0,
-                    segment_type: first.pool.segment_type(),
+                    stream: b.stream.0,
+                    segment_type: b.pool.segment_type(),
                     segment_pool_id: (0, 0),
-                    is_expandable: false,
+                    is_expandable: b.expandable.is_some(),
                     frames: Vec::new(),
                     blocks: Vec::new(),
+                });
+                let state = if b.allocated {
+                    BlockState::ActiveAllocated
+                } else if b.is_pending_free() {
+                    BlockState::ActivePendingFree
+                } else {
+                    BlockState::Inactive
                 };
-                for (_, b) in self.segment_blocks(head) {
-                    let state = if b.allocated {
-                        BlockState::ActiveAllocated
-                    } else if b.is_pending_free() {
-                        BlockState::ActivePendingFree
-                    } else {
-                        BlockState::Inactive
-                    };
-                    segment.total_size += b.size;
-                    if b.allocated {
-                        segment.allocated_size += b.size;
-                    }
-                    if state != BlockState::Inactive {
-                        segment.active_size += b.size;
-                        segment.requested_size += b.requested_size;
-                    }
-                    segment.blocks.push(BlockInfo {
-                        address: b.ptr,
-                        size: b.size,
-                        requested_size: b.requested_size,
-                        state,
-                        frames: Vec::new(),
-                    });
+                segment.total_size += b.size;
+                if b.allocated {
+                    segment.allocated_size += b.size;
                 }
-                segment
-            })
-            .collect();
+                if state != BlockState::Inactive {
+                    segment.active_size += b.size;
+                    segment.requested_size += b.requested_size;
+                }
+                segment.blocks.push(BlockInfo {
+                    address: b.ptr,
+                    size: b.size,
+                    requested_size: b.requested_size,
+                    state,
+                    frames: Vec::new(),
+                });
+            }
+            segments.extend(current);
+        }
         let active: u64 = segments.iter().map(|s| s.active_size).sum();
         self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
         Snapshot {

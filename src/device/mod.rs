@@ -127,6 +127,9 @@ pub trait Device {
     /// Blocks until all work on every stream of the device has completed.
     fn synchronize(&mut self) -> Result<(), DeviceError>;
 
+    /// Blocks until all work queued on `stream` has completed.
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+
     /// Microseconds since the Unix epoch as this device's clock reads them; trace entries carry
     /// it as `time_us`.
     fn time_us(&self) -> u64;

@@ -15,12 +15,16 @@
 //!   with their neighbours, and never overlap a live segment.
 //! - An event is complete exactly when its stream's completed-work mark has reached the mark
 //!   taken when it was recorded; nothing completes by itself.
+//! - Virtual memory: reservations take address space but no memory; physical pages count
+//!   against memory from creation to release; a mapping lies inside one reservation, covers
+//!   exactly one page handle, and never overlaps another mapping. A page is released only
+//!   unmapped, a reservation freed only without mappings.
 
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use super::{Device, DeviceError, DevicePtr, EventId, MemInfo, StreamId};
+use super::{Device, DeviceError, DevicePtr, EventId, MemInfo, PhysicalHandle, StreamId};
 
 /// Configuration of a [`SimDevice`].
 #[derive(Clone, Debug)]
@@ -51,6 +55,16 @@ pub struct SimConfig {
     pub event_ns: u64,
     /// Cost of `cudaMemGetInfo`, in nanoseconds.
     pub mem_get_info_ns: u64,
+    /// Whether the virtual-memory API (expandable segments) is offered.
+    pub virtual_memory: bool,
+    /// Granularity of physical pages and mappings.
+    pub page_granularity: u64,
+    /// Cost of creating a physical page, in nanoseconds.
+    pub create_page_ns: u64,
+    /// Cost of mapping a page and setting its access, in nanoseconds.
+    pub map_ns: u64,
+    /// Cost of unmapping a page and releasing it, in nanoseconds.
+    pub unmap_ns: u64,
 }
 
 impl Default for SimConfig {
@@ -72,6 +86,13 @@ impl Default for SimConfig {
             synchronize_ns: 10_000,
             event_ns: 500,
             mem_get_info_ns: 10_000,
+            virtual_memory: true,
+            page_granularity: 2 << 20,
+            // No vetted per-call figures exist for the VMM calls (see the performance notes);
+            // these are in the range public projects report for a 2 MiB page.
+            create_page_ns: 20_000,
+            map_ns: 20_000,
+            unmap_ns: 20_000,
         }
     }
 }
@@ -91,6 +112,12 @@ impl SimConfig {
 pub struct SimStats {
     /// `malloc` calls, failed ones included.
     pub malloc_calls: u64,
+    /// Physical pages created, failed attempts included.
+    pub page_creates: u64,
+    /// Pages mapped.
+    pub maps: u64,
+    /// Pages unmapped.
+    pub unmaps: u64,
     /// `free` calls.
     pub free_calls: u64,
     /// Events created.
@@ -122,10 +149,11 @@ struct SimEvent {
     recorded: Option<(StreamId, u64)>,
 }
 
-/// A malloc failure to inject.
+/// An allocation failure to inject.
 #[derive(Clone, Debug)]
 struct Fault {
-    /// The malloc call (1-based, counted over the device's life) that fails.
+    /// The allocation call (malloc or page creation; 1-based, counted over the device's life)
+    /// that fails.
     call: u64,
     error: DeviceError,
 }
@@ -143,6 +171,15 @@ pub struct SimDevice {
     next_event: u64,
     faults: Vec<Fault>,
     fail_above: Option<u64>,
+    /// Allocation calls so far (malloc and physical page creation), for fault injection.
+    allocation_calls: u64,
+    /// Address reservations: start → size.
+    reservations: BTreeMap<u64, u64>,
+    /// Physical pages: handle → (size, mapped at).
+    pages: FxHashMap<PhysicalHandle, (u64, Option<u64>)>,
+    next_page: u64,
+    /// Mappings: start → (size, handle).
+    mappings: BTreeMap<u64, (u64, PhysicalHandle)>,
     stats: SimStats,
 }
 
@@ -160,6 +197,11 @@ impl SimDevice {
             next_event: 1,
             faults: Vec::new(),
             fail_above: None,
+            allocation_calls: 0,
+            reservations: BTreeMap::new(),
+            pages: FxHashMap::default(),
+            next_page: 1,
+            mappings: BTreeMap::new(),
             stats: SimStats::default(),
         }
     }
@@ -184,15 +226,69 @@ impl SimDevice {
         self.config.other_process_bytes = bytes;
     }
 
-    /// Makes the `n`-th `malloc` call from now (1 = the next one) fail with `error`.
-    pub fn fail_malloc_in(&mut self, n: u64, error: DeviceError) {
-        let call = self.stats.malloc_calls + n.max(1);
+    /// Makes the `n`-th allocation call from now (1 = the next one; `malloc` and physical
+    /// page creation both count) fail with `error`.
+    pub fn fail_allocation_in(&mut self, n: u64, error: DeviceError) {
+        let call = self.allocation_calls + n.max(1);
         self.faults.push(Fault { call, error });
     }
 
-    /// Makes every `malloc` larger than `size` bytes fail with out-of-memory (`None` clears it).
-    pub fn fail_malloc_above(&mut self, size: Option<u64>) {
+    /// Makes every allocation (`malloc` or page creation) larger than `size` bytes fail with
+    /// out-of-memory (`None` clears it).
+    pub fn fail_allocation_above(&mut self, size: Option<u64>) {
         self.fail_above = size;
+    }
+
+    /// Number of live address reservations.
+    pub fn reservation_count(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Bytes of address space reserved (and not yet freed).
+    pub fn reserved_address_space(&self) -> u64 {
+        self.reservations.values().sum()
+    }
+
+    /// Bytes of physical pages currently mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.mappings.values().map(|&(size, _)| size).sum()
+    }
+
+    /// Whether the whole range `[ptr, ptr + size)` is covered by mappings.
+    pub fn is_mapped(&self, ptr: u64, size: u64) -> bool {
+        let end = ptr + size;
+        let mut at = ptr;
+        while at < end {
+            match self.mappings.range(..=at).next_back() {
+                Some((&start, &(len, _))) if start + len > at => at = start + len,
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Checks a new allocation of `size` bytes against injected faults and free memory.
+    fn admit_allocation(&mut self, size: u64) -> Result<(), DeviceError> {
+        self.allocation_calls += 1;
+        let call = self.allocation_calls;
+        if let Some(i) = self.faults.iter().position(|f| f.call == call) {
+            return Err(self.faults.swap_remove(i).error);
+        }
+        if size == 0 || self.fail_above.is_some_and(|limit| size > limit) || size > self.available()
+        {
+            return Err(DeviceError::OutOfMemory);
+        }
+        Ok(())
+    }
+
+    fn use_bytes(&mut self, size: u64) {
+        self.stats.used_bytes += size;
+        self.stats.peak_used_bytes = self.stats.peak_used_bytes.max(self.stats.used_bytes);
+    }
+
+    fn reservation_containing(&self, ptr: u64, size: u64) -> Option<u64> {
+        let (&start, &len) = self.reservations.range(..=ptr).next_back()?;
+        (ptr + size <= start + len).then_some(start)
     }
 
     /// Completes all work queued so far on `stream`: events recorded on it complete.
@@ -307,20 +403,12 @@ impl Device for SimDevice {
         self.stats.malloc_calls += 1;
         self.charge(self.config.malloc_ns);
         self.charge_implied_synchronize();
-        let call = self.stats.malloc_calls;
-        if let Some(i) = self.faults.iter().position(|f| f.call == call) {
-            return Err(self.faults.swap_remove(i).error);
-        }
-        if size == 0 || self.fail_above.is_some_and(|limit| size > limit) || size > self.available()
-        {
-            return Err(DeviceError::OutOfMemory);
-        }
+        self.admit_allocation(size)?;
         let addr = self
             .take_address_range(size)
             .ok_or(DeviceError::OutOfMemory)?;
         self.segments.insert(addr, size);
-        self.stats.used_bytes += size;
-        self.stats.peak_used_bytes = self.stats.peak_used_bytes.max(self.stats.used_bytes);
+        self.use_bytes(size);
         Ok(DevicePtr(addr))
     }
 
@@ -395,8 +483,145 @@ impl Device for SimDevice {
         Ok(())
     }
 
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
+        self.charge(self.config.synchronize_ns);
+        self.complete_stream(stream);
+        Ok(())
+    }
+
     fn time_us(&self) -> u64 {
         self.config.start_time_us + self.stats.driver_time_ns / 1000
+    }
+
+    fn supports_virtual_memory(&self) -> bool {
+        self.config.virtual_memory
+    }
+
+    fn page_granularity(&self) -> Result<u64, DeviceError> {
+        if !self.config.virtual_memory {
+            return Err(DeviceError::Unsupported("virtual memory management"));
+        }
+        Ok(self.config.page_granularity)
+    }
+
+    fn reserve_address_range(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
+        let granularity = self.page_granularity()?;
+        if size == 0 || !size.is_multiple_of(granularity) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "reservation of {size} bytes is not a multiple of the {granularity}-byte granularity"
+            )));
+        }
+        let addr = self
+            .take_address_range(size)
+            .ok_or(DeviceError::OutOfMemory)?;
+        self.reservations.insert(addr, size);
+        Ok(DevicePtr(addr))
+    }
+
+    fn free_address_range(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
+        if self.reservations.get(&ptr.0) != Some(&size) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "no reservation of {size} bytes at {ptr:?}"
+            )));
+        }
+        if self.mappings.range(ptr.0..ptr.0 + size).next().is_some() {
+            return Err(DeviceError::InvalidArgument(format!(
+                "reservation at {ptr:?} still has mappings"
+            )));
+        }
+        self.reservations.remove(&ptr.0);
+        self.return_address_range(ptr.0, size);
+        Ok(())
+    }
+
+    fn create_physical_page(&mut self, size: u64) -> Result<PhysicalHandle, DeviceError> {
+        let granularity = self.page_granularity()?;
+        self.stats.page_creates += 1;
+        self.charge(self.config.create_page_ns);
+        if !size.is_multiple_of(granularity) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "page of {size} bytes is not a multiple of the {granularity}-byte granularity"
+            )));
+        }
+        self.admit_allocation(size)?;
+        let handle = PhysicalHandle(self.next_page);
+        self.next_page += 1;
+        self.pages.insert(handle, (size, None));
+        self.use_bytes(size);
+        Ok(handle)
+    }
+
+    fn release_physical_page(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
+        match self.pages.get(&handle) {
+            Some(&(size, None)) => {
+                self.pages.remove(&handle);
+                self.stats.used_bytes -= size;
+                Ok(())
+            }
+            Some(&(_, Some(at))) => Err(DeviceError::InvalidArgument(format!(
+                "page {} is still mapped at {at:#x}",
+                handle.0
+            ))),
+            None => Err(DeviceError::InvalidArgument(format!(
+                "unknown page {}",
+                handle.0
+            ))),
+        }
+    }
+
+    fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), DeviceError> {
+        self.stats.maps += 1;
+        self.charge(self.config.map_ns);
+        let Some(&(page_size, mapped_at)) = self.pages.get(&handle) else {
+            return Err(DeviceError::InvalidArgument(format!(
+                "unknown page {}",
+                handle.0
+            )));
+        };
+        if page_size != size || mapped_at.is_some() {
+            return Err(DeviceError::InvalidArgument(format!(
+                "page {} ({page_size} bytes) cannot be mapped as {size} bytes at {ptr:?}",
+                handle.0
+            )));
+        }
+        if self.reservation_containing(ptr.0, size).is_none() {
+            return Err(DeviceError::InvalidArgument(format!(
+                "{ptr:?}+{size} is outside every reservation"
+            )));
+        }
+        let overlaps = self
+            .mappings
+            .range(..ptr.0 + size)
+            .next_back()
+            .is_some_and(|(&start, &(len, _))| start + len > ptr.0);
+        if overlaps {
+            return Err(DeviceError::InvalidArgument(format!(
+                "{ptr:?} is already mapped"
+            )));
+        }
+        self.mappings.insert(ptr.0, (size, handle));
+        self.pages.insert(handle, (size, Some(ptr.0)));
+        Ok(())
+    }
+
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
+        self.stats.unmaps += 1;
+        self.charge(self.config.unmap_ns);
+        match self.mappings.get(&ptr.0) {
+            Some(&(len, handle)) if len == size => {
+                self.mappings.remove(&ptr.0);
+                self.pages.insert(handle, (size, None));
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidArgument(format!(
+                "no mapping of {size} bytes at {ptr:?}"
+            ))),
+        }
     }
 }
 
@@ -456,12 +681,59 @@ mod tests {
                 total: 16 << 20
             }
         );
-        d.fail_malloc_in(2, DeviceError::Driver("boom".into()));
+        d.fail_allocation_in(2, DeviceError::Driver("boom".into()));
         assert!(d.malloc(2 << 20).is_ok());
         assert_eq!(d.malloc(2 << 20), Err(DeviceError::Driver("boom".into())));
         assert!(d.malloc(2 << 20).is_ok());
-        d.fail_malloc_above(Some(1 << 20));
+        d.fail_allocation_above(Some(1 << 20));
         assert_eq!(d.malloc(2 << 20), Err(DeviceError::OutOfMemory));
+    }
+
+    #[test]
+    fn virtual_memory_accounts_pages_not_address_space() {
+        let page = 2 << 20;
+        let mut d = SimDevice::with_capacity(8 << 20);
+        let va = d
+            .reserve_address_range(64 << 20)
+            .expect("address space is not memory");
+        assert_eq!(d.stats().used_bytes, 0);
+        let pages: Vec<_> = (0..4)
+            .map(|_| d.create_physical_page(page).expect("fits"))
+            .collect();
+        assert_eq!(d.create_physical_page(page), Err(DeviceError::OutOfMemory));
+        assert_eq!(d.stats().used_bytes, 8 << 20);
+        d.map(va, page, pages[0]).expect("maps");
+        d.map(DevicePtr(va.0 + page), page, pages[1]).expect("maps");
+        assert!(d.map(va, page, pages[2]).is_err(), "overlapping mapping");
+        assert!(
+            d.map(DevicePtr(va.0 + (64 << 20)), page, pages[2]).is_err(),
+            "outside"
+        );
+        assert!(
+            d.map(DevicePtr(va.0 + 2 * page), page, pages[1]).is_err(),
+            "page mapped twice"
+        );
+        assert!(d.is_mapped(va.0, 2 * page));
+        assert!(!d.is_mapped(va.0, 3 * page));
+        assert!(d.release_physical_page(pages[0]).is_err(), "still mapped");
+        assert!(
+            d.free_address_range(va, 64 << 20).is_err(),
+            "still has mappings"
+        );
+        d.unmap(va, page).expect("mapped");
+        d.unmap(DevicePtr(va.0 + page), page).expect("mapped");
+        for p in pages {
+            d.release_physical_page(p).expect("unmapped");
+        }
+        assert_eq!(d.stats().used_bytes, 0);
+        d.free_address_range(va, 64 << 20)
+            .expect("empty reservation");
+        assert_eq!(d.reservation_count(), 0);
+        let mut plain = SimDevice::new(SimConfig {
+            virtual_memory: false,
+            ..SimConfig::default()
+        });
+        assert!(plain.reserve_address_range(page).is_err());
     }
 
     #[test]

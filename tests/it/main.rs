@@ -1,6 +1,7 @@
 //! gpumem's integration tests: one binary, sharing helpers.
 
 mod common;
+mod expandable;
 mod properties;
 mod scenarios;
 mod stress;

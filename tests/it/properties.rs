@@ -17,13 +17,19 @@ use crate::common::{GIB, MIB, check};
 
 const STREAMS: u64 = 3;
 
-const CONFIGS: [&str; 6] = [
+/// Configurations switched between at run time. Each parse resets the three fragmentation
+/// knobs and keeps `expandable_segments` unless it is named, so expandable segments come and
+/// go while blocks of both kinds are live.
+const CONFIGS: [&str; 9] = [
     "",
     "max_split_size_mb:64",
     "roundup_power2_divisions:4",
     "garbage_collection_threshold:0.7",
     "roundup_power2_divisions:[1:2,8:4,>:8],max_split_size_mb:200",
     "max_split_size_mb:32,garbage_collection_threshold:0.5",
+    "expandable_segments:True",
+    "expandable_segments:True,max_split_size_mb:64",
+    "expandable_segments:False",
 ];
 
 #[derive(Clone, Debug)]
@@ -139,7 +145,7 @@ impl Run {
                 } else {
                     DeviceError::Driver("injected".into())
                 };
-                self.alloc.device_mut().fail_malloc_in(1, error);
+                self.alloc.device_mut().fail_allocation_in(1, error);
             }
         }
         self.alloc.check_invariants()
@@ -165,8 +171,14 @@ impl Run {
                 return Err(format!("{key} = {} after freeing everything", stats[key]));
             }
         }
-        if self.alloc.device().stats().used_bytes != 0 {
-            return Err("the device still holds memory".into());
+        let device = self.alloc.device();
+        if device.stats().used_bytes != 0 || device.reservation_count() != 0 {
+            return Err(format!(
+                "the device still holds {} bytes and {} reservations ({} bytes mapped)",
+                device.stats().used_bytes,
+                device.reservation_count(),
+                device.mapped_bytes()
+            ));
         }
         Ok(())
     }
@@ -241,7 +253,12 @@ fn random_runs_reach_the_recovery_paths() {
     ] {
         assert!(stats[key] > 0, "{key} never moved: {stats:?}");
     }
-    assert!(run.alloc.device().stats().events_created > 0);
+    let sim = run.alloc.device().stats();
+    assert!(
+        sim.maps > 0 && sim.unmaps > 0,
+        "expandable segments never grew and shrank"
+    );
+    assert!(sim.events_created > 0);
     assert!(stats["allocation.all.allocated"] > 5_000);
     run.finish().expect("everything returns to the driver");
 }

@@ -1,9 +1,9 @@
 //! The test scenarios of the allocator specification (section 15), with their exact figures.
-//! Numbered as in the specification; scenario 18 (expandable segments) lives with the
-//! expandable-segments work.
+//! Numbered as in the specification; scenario 18 (expandable segments) is in
+//! `expandable.rs`.
 
 use gpumem::allocator::{AllocError, BlockState, TraceAction};
-use gpumem::device::{Device, DeviceError};
+use gpumem::device::{DeviceError, SimConfig, SimDevice};
 use gpumem::{AllocatorConfig, DevicePtr};
 
 use crate::common::*;
@@ -565,7 +565,7 @@ fn device_errors_other_than_oom_surface_and_leave_state_intact() {
     let mut a = allocator(80 * GIB, "");
     let p = malloc(&mut a, MIB, S0);
     a.device_mut()
-        .fail_malloc_in(1, DeviceError::Driver("ECC error".into()));
+        .fail_allocation_in(1, DeviceError::Driver("ECC error".into()));
     let err = a.malloc(30 * MIB, S0).expect_err("driver failure");
     assert!(
         matches!(err, AllocError::Device(DeviceError::Driver(_))),
@@ -678,14 +678,21 @@ fn memory_fraction_is_validated() {
 
 #[test]
 fn expandable_segments_is_ignored_without_virtual_memory() {
-    // The simulated GPU offers no virtual memory yet: like PyTorch on such a device, the
-    // option is accepted and has no effect.
-    let mut a = allocator(80 * GIB, "expandable_segments:True");
-    assert!(!a.device().supports_virtual_memory());
+    // Like PyTorch on a device without the virtual-memory API, the option is accepted and
+    // has no effect.
+    let device = SimDevice::new(SimConfig {
+        virtual_memory: false,
+        ..SimConfig::default()
+    });
+    let config = AllocatorConfig::parse("expandable_segments:True").expect("valid");
+    let mut a = gpumem::CachingAllocator::new(device, config);
     let p = malloc(&mut a, 3 * MIB, S0);
     assert_eq!(stat(&a, "segment.large_pool.current"), 1);
     assert_eq!(a.block_size(p), Some(3 * MIB));
-    assert!(AllocatorConfig::parse("expandable_segments:True").is_ok());
+    assert_eq!(
+        layout(&a.snapshot())[0].last(),
+        Some(&(p.0 + 3 * MIB, 17 * MIB, Free))
+    );
 }
 
 #[test]

@@ -1,0 +1,455 @@
+//! Expandable segments: one large reserved address range per (stream, pool), backed by
+//! physical pages mapped as the pool grows and unmapped when memory is released
+//! (`expandable_segments:True`).
+//!
+//! # Note [Expandable segments]
+//! A new segment reserves 9/8 of the device's memory in address space, rounded up to whole
+//! pages (2 MiB pages for the small pool, 20 MiB for the large pool), and starts as one
+//! unmapped block. An allocation that no cached block fits grows the lowest-addressed unmapped
+//! area of its stream that, together with the free block just before it, is large enough:
+//! it maps the pages it needs and merges them into that free block, so free space at the end
+//! of a segment grows instead of stranding a new segment. `empty_cache` unmaps every whole free
+//! page, holes in the middle included; a segment whose blocks are all unmapped gives its
+//! address range back.
+//!
+//! Blocks of an expandable segment tile its whole range; mapped and unmapped blocks alternate
+//! with free neighbours merged. Expandable blocks never count in `segment` or
+//! `inactive_split*`; `reserved_bytes` follows the mapped bytes; each map counts in
+//! `num_device_alloc`, each unmap in `num_device_free`.
+//!
+//! # Invariants
+//! - A page has a physical handle iff it lies inside a mapped block.
+//! - Unmapped blocks start and end on page boundaries, and sit in their pool's unmapped set.
+
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
+
+use super::block::{Block, BlockId};
+use super::size::{LARGE_BUFFER, PoolKind, SMALL_BUFFER};
+use super::{AllocError, CachingAllocator, TraceAction};
+
+/// Index of an expandable segment in the allocator's table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub(crate) struct SegmentId(pub u32);
+
+/// One reserved address range and the physical pages mapped into it.
+#[derive(Debug)]
+pub(crate) struct ExpandableSegment {
+    /// Start of the reserved range.
+    pub ptr: u64,
+    /// Size of the reserved range.
+    pub size: u64,
+    /// Size of each physical page.
+    pub page_size: u64,
+    /// The stream whose pool owns the segment (synchronised before pages are unmapped).
+    pub stream: StreamId,
+    /// One slot per page of the range: the page's handle while mapped.
+    pub handles: Vec<Option<PhysicalHandle>>,
+}
+
+/// What an unmap achieved: `[start, start + size)` is no longer mapped. `error` is set when
+/// the driver failed part-way; the pages before the failure are unmapped all the same.
+struct Unmapped {
+    start: u64,
+    size: u64,
+    error: Option<DeviceError>,
+}
+
+impl ExpandableSegment {
+    /// Index of the page that contains `addr`.
+    fn page_floor(&self, addr: u64) -> usize {
+        ((addr - self.ptr) / self.page_size) as usize
+    }
+
+    /// Index of the first page starting at or after `addr`.
+    fn page_ceil(&self, addr: u64) -> usize {
+        (addr - self.ptr).div_ceil(self.page_size) as usize
+    }
+
+    fn page_addr(&self, page: usize) -> u64 {
+        self.ptr + page as u64 * self.page_size
+    }
+
+    /// Maps the pages covering `[ptr, ptr + size)` (`ptr` is page-aligned). Returns the bytes
+    /// mapped, or 0 when the device is out of memory; every page created for this call is
+    /// released again on any failure.
+    fn map<D: Device>(&mut self, device: &mut D, ptr: u64, size: u64) -> Result<u64, DeviceError> {
+        let (begin, end) = (self.page_floor(ptr), self.page_ceil(ptr + size));
+        let mut created = Vec::with_capacity(end - begin);
+        let mut failure = None;
+        for _ in begin..end {
+            match device.create_physical_page(self.page_size) {
+                Ok(handle) => created.push(handle),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if failure.is_none() {
+            for (i, &handle) in created.iter().enumerate() {
+                if let Err(e) =
+                    device.map(DevicePtr(self.page_addr(begin + i)), self.page_size, handle)
+                {
+                    for j in 0..i {
+                        let _ = device.unmap(DevicePtr(self.page_addr(begin + j)), self.page_size);
+                    }
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(error) = failure {
+            // Cleanup is best effort: the error that matters is the one that stopped us.
+            for handle in created {
+                let _ = device.release_physical_page(handle);
+            }
+            return match error {
+                DeviceError::OutOfMemory => Ok(0),
+                e => Err(e),
+            };
+        }
+        for (i, handle) in created.into_iter().enumerate() {
+            self.handles[begin + i] = Some(handle);
+        }
+        Ok((end - begin) as u64 * self.page_size)
+    }
+
+    /// Unmaps and releases every whole page inside `[ptr, ptr + size)`, after the segment's
+    /// stream has finished with them.
+    fn unmap<D: Device>(&mut self, device: &mut D, ptr: u64, size: u64) -> Unmapped {
+        let (begin, end) = (self.page_ceil(ptr), self.page_floor(ptr + size));
+        let start = self.page_addr(begin);
+        let mut outcome = Unmapped {
+            start,
+            size: 0,
+            error: None,
+        };
+        if begin >= end {
+            return outcome;
+        }
+        if let Err(e) = device.synchronize_stream(self.stream) {
+            outcome.error = Some(e);
+            return outcome;
+        }
+        for page in begin..end {
+            let Some(handle) = self.handles[page] else {
+                continue;
+            };
+            let result = device
+                .unmap(DevicePtr(self.page_addr(page)), self.page_size)
+                .and_then(|()| device.release_physical_page(handle));
+            if let Err(e) = result {
+                outcome.error = Some(e);
+                break;
+            }
+            self.handles[page] = None;
+            outcome.size += self.page_size;
+        }
+        outcome
+    }
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Whether a block can take part in an expandable allocation: free (or unmapped).
+    fn allocatable(&self, id: Option<BlockId>) -> bool {
+        id.is_some_and(|id| self.block(id).is_free())
+    }
+
+    /// A block's size counting the unmapped area right after it, which it could grow into.
+    pub(super) fn expandable_size(&self, id: BlockId) -> u64 {
+        let b = self.block(id);
+        let growth = b
+            .next
+            .map(|n| self.block(n))
+            .filter(|n| !n.mapped)
+            .map_or(0, |n| n.size);
+        b.size + growth
+    }
+
+    /// Serves a rounded request from expandable segments, mapping pages as needed
+    /// (`try_allocate_expandable_block`). `Ok(None)` means out of memory.
+    pub(super) fn try_allocate_expandable_block(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let Some(mut candidate) = self.find_expandable_block(kind, stream, size)? else {
+            return Ok(None);
+        };
+        // The candidate starts a run of free and unmapped blocks of at least `size` bytes.
+        if !self.block(candidate).mapped {
+            let first = self.block(candidate).size.min(size);
+            if !self.map_block(candidate, first)? {
+                return Ok(None);
+            }
+        }
+        while self.block(candidate).size < size {
+            let remaining = size - self.block(candidate).size;
+            let Some(next) = self.block(candidate).next else {
+                return Ok(None);
+            };
+            let next_size = self.block(next).size;
+            if !self.map_block(next, remaining.min(next_size))? {
+                return Ok(None);
+            }
+            // Mapping merged the candidate into `next`.
+            candidate = next;
+        }
+        self.remove_free(candidate);
+        Ok(Some(candidate))
+    }
+
+    /// The lowest-addressed place of this stream's expandable segments with room for `size`
+    /// bytes, or a new segment (`find_expandable_block`). `Ok(None)` when no address space is
+    /// left.
+    fn find_expandable_block(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let unmapped: Vec<BlockId> = self
+            .pool(kind)
+            .unmapped
+            .range((stream, 0)..)
+            .take_while(|((s, _), _)| *s == stream)
+            .map(|(_, &id)| id)
+            .collect();
+        for mut c in unmapped {
+            let prev = self.block(c).prev;
+            if self.allocatable(prev) {
+                c = prev.expect("allocatable implies present");
+            }
+            let (mut bytes, mut cursor) = (0, Some(c));
+            while bytes < size && self.allocatable(cursor) {
+                let b = self.block(cursor.expect("allocatable implies present"));
+                bytes += b.size;
+                cursor = b.next;
+            }
+            if bytes >= size {
+                return Ok(Some(c));
+            }
+        }
+        self.new_expandable_segment(kind, stream)
+    }
+
+    /// Reserves a new expandable segment of 9/8 of the device's memory in whole pages, as one
+    /// unmapped block.
+    fn new_expandable_segment(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let page_size = match kind {
+            PoolKind::Small => SMALL_BUFFER,
+            PoolKind::Large => LARGE_BUFFER,
+        };
+        let total = self.device.mem_get_info()?.total;
+        let pages = (total + total / 8).div_ceil(page_size);
+        let size = pages * page_size;
+        let ptr = match self.device.reserve_address_range(size) {
+            Ok(ptr) => ptr.0,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let segment = self.expandable_segments.insert(ExpandableSegment {
+            ptr,
+            size,
+            page_size,
+            stream,
+            handles: vec![None; pages as usize],
+        });
+        let segment = SegmentId(u32::try_from(segment).expect("fewer than 2^32 segments"));
+        let id = self.new_block(Block {
+            mapped: false,
+            expandable: Some(segment),
+            ..Block::segment(ptr, size, stream, kind)
+        });
+        self.pool_mut(kind).unmapped.insert((stream, ptr), id);
+        Ok(Some(id))
+    }
+
+    /// Maps the first `size` bytes (rounded up to pages) of an unmapped block and merges them
+    /// with free mapped neighbours (`map_block`). `Ok(false)` when out of memory.
+    fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
+        let b = self.block(id);
+        debug_assert!(!b.mapped && size <= b.size);
+        let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
+        let segment = b.expandable.expect("only expandable blocks are unmapped");
+        let mapped =
+            self.expandable_segments[segment.0 as usize].map(&mut self.device, ptr, size)?;
+        if mapped == 0 {
+            return Ok(false);
+        }
+        self.pool_mut(kind).unmapped.remove(&(stream, ptr));
+        self.block_mut(id).mapped = true;
+        if mapped < block_size {
+            // The rest stays unmapped, as a block of its own right after this one.
+            let next = self.block(id).next;
+            let rest = self.new_block(Block {
+                mapped: false,
+                expandable: Some(segment),
+                prev: Some(id),
+                next,
+                ..Block::segment(ptr + mapped, block_size - mapped, stream, kind)
+            });
+            if let Some(n) = next {
+                self.block_mut(n).prev = Some(rest);
+            }
+            let b = self.block_mut(id);
+            b.next = Some(rest);
+            b.size = mapped;
+            self.pool_mut(kind)
+                .unmapped
+                .insert((stream, ptr + mapped), rest);
+        }
+        let (prev, next) = (self.block(id).prev, self.block(id).next);
+        for neighbour in [prev, next].into_iter().flatten() {
+            self.try_merge(id, neighbour);
+        }
+        self.insert_free(id);
+        self.total_allocated_memory += mapped;
+        self.stats.reserved_bytes.increase(kind, mapped);
+        self.stats.num_device_alloc.bump();
+        self.record(TraceAction::SegmentMap, ptr, mapped, stream);
+        Ok(true)
+    }
+
+    /// Unmaps the whole free pages of a free mapped block (`unmap_block`); partial pages at
+    /// either end stay mapped as free blocks of their own.
+    pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = self.block(id);
+        let (ptr, size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
+        let segment = b.expandable.expect("only expandable blocks are unmapped");
+        let done = self.expandable_segments[segment.0 as usize].unmap(&mut self.device, ptr, size);
+        if done.size > 0 {
+            self.remove_free(id);
+            let before = done.start - ptr;
+            if before > 0 {
+                self.split_off_front(id, before);
+            }
+            let after = self.block(id).size - done.size;
+            if after > 0 {
+                self.split_off_back(id, after);
+            }
+            self.block_mut(id).mapped = false;
+            let (prev, next) = (self.block(id).prev, self.block(id).next);
+            for neighbour in [prev, next].into_iter().flatten() {
+                self.try_merge(id, neighbour);
+            }
+            let head = self.block(id).ptr;
+            self.pool_mut(kind).unmapped.insert((stream, head), id);
+            self.total_allocated_memory -= done.size;
+            self.stats.reserved_bytes.decrease(kind, done.size);
+            self.stats.num_device_free.bump();
+            self.record(TraceAction::SegmentUnmap, done.start, done.size, stream);
+        }
+        match done.error {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Splits the first `size` bytes of block `id` off as a free mapped block before it.
+    fn split_off_front(&mut self, id: BlockId, size: u64) {
+        let b = self.block(id);
+        let (ptr, stream, kind, prev, segment) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
+        let front = self.new_block(Block {
+            prev,
+            next: Some(id),
+            expandable: segment,
+            ..Block::segment(ptr, size, stream, kind)
+        });
+        if let Some(p) = prev {
+            self.block_mut(p).next = Some(front);
+        }
+        let b = self.block_mut(id);
+        b.prev = Some(front);
+        b.ptr += size;
+        b.size -= size;
+        self.insert_free(front);
+    }
+
+    /// Splits the last `size` bytes of block `id` off as a free mapped block after it.
+    fn split_off_back(&mut self, id: BlockId, size: u64) {
+        let b = self.block(id);
+        let (end, stream, kind, next, segment) =
+            (b.ptr + b.size, b.stream, b.pool, b.next, b.expandable);
+        let back = self.new_block(Block {
+            prev: Some(id),
+            next,
+            expandable: segment,
+            ..Block::segment(end - size, size, stream, kind)
+        });
+        if let Some(n) = next {
+            self.block_mut(n).prev = Some(back);
+        }
+        let b = self.block_mut(id);
+        b.next = Some(back);
+        b.size -= size;
+        self.insert_free(back);
+    }
+
+    /// Gives an expandable segment's address range back once its only block is unmapped
+    /// (`release_expandable_segment`).
+    pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = self.block(id);
+        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
+        let segment = b.expandable.expect("expandable block");
+        let size = self.expandable_segments[segment.0 as usize].size;
+        debug_assert!(!b.mapped && !b.is_split() && b.size == size);
+        self.device.free_address_range(DevicePtr(ptr), size)?;
+        self.expandable_segments.remove(segment.0 as usize);
+        self.pool_mut(kind).unmapped.remove(&(stream, ptr));
+        self.blocks.remove(id.index());
+        Ok(())
+    }
+
+    /// Checks the pages of every expandable segment against its blocks.
+    pub(super) fn check_expandable_pages(&self, head: BlockId) -> Result<(), String> {
+        let Some(segment) = self.block(head).expandable else {
+            return Ok(());
+        };
+        let seg = &self.expandable_segments[segment.0 as usize];
+        if self.block(head).ptr != seg.ptr {
+            return Err(format!(
+                "expandable segment {:#x}: head block elsewhere",
+                seg.ptr
+            ));
+        }
+        let mut end = seg.ptr;
+        for (id, b) in self.segment_blocks(head) {
+            if b.expandable != Some(segment) {
+                return Err(format!("block {:#x} belongs to another segment", b.ptr));
+            }
+            let (first, last) = (seg.page_floor(b.ptr), seg.page_ceil(b.ptr + b.size));
+            if b.mapped {
+                if seg.handles[first..last].iter().any(Option::is_none) {
+                    return Err(format!("mapped block {:#x} covers an unmapped page", b.ptr));
+                }
+            } else {
+                let aligned = (b.ptr - seg.ptr).is_multiple_of(seg.page_size)
+                    && (b.ptr + b.size - seg.ptr).is_multiple_of(seg.page_size);
+                if !aligned || seg.handles[first..last].iter().any(Option::is_some) {
+                    return Err(format!("unmapped block {:#x} covers a mapped page", b.ptr));
+                }
+                if self.pool(b.pool).unmapped.get(&(b.stream, b.ptr)) != Some(&id) {
+                    return Err(format!(
+                        "unmapped block {:#x} not in its unmapped set",
+                        b.ptr
+                    ));
+                }
+            }
+            end = b.ptr + b.size;
+        }
+        if end != seg.ptr + seg.size {
+            return Err(format!(
+                "expandable segment {:#x}: blocks do not tile it",
+                seg.ptr
+            ));
+        }
+        Ok(())
+    }
+}
