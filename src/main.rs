@@ -98,7 +98,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 let peak_reserved = s["reserved_bytes.all.peak"] as u64;
                 println!(
                     "steps {}/{steps}, {} allocations; peak allocated {}, peak reserved {} (ratio {:.3}); \
-                     cudaMalloc {}, cudaFree {}, retries {}, OOMs {}; simulated driver time {:.3} ms",
+                     device allocs {}, device frees {}, retries {}, OOMs {}; simulated driver time {:.3} ms",
                     report.steps_completed,
                     report.mallocs,
                     format_size(peak_alloc),
