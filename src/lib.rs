@@ -9,12 +9,14 @@
 //! - [`allocator`]: the caching allocator core, its statistics, snapshots and traces.
 //! - [`device`]: the device trait and the simulated GPU.
 //! - [`shared`]: the thread-safe wrapper with lock-free statistics.
+//! - [`trace`]: reading PyTorch memory snapshots and replaying their traces.
 //! - [`workload`]: a synthetic training workload that exercises the core.
 
 pub mod allocator;
 pub mod config;
 pub mod device;
 pub mod shared;
+pub mod trace;
 pub mod workload;
 
 pub use allocator::{AllocError, CachingAllocator};

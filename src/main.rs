@@ -1,121 +1,17 @@
-//! The `gpumem` command line.
+//! The `gpumem` command line: parse, dispatch, and turn errors into exit codes.
 
-use std::path::PathBuf;
+mod cli;
+
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use gpumem::allocator::size::format_size;
-use gpumem::device::SimConfig;
-use gpumem::workload::{TrainingWorkload, finish_communication};
-use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
-
-/// GPU memory, made visible: PyTorch's caching allocator on a simulated or real GPU.
-#[derive(Parser)]
-#[command(version, about)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Run a synthetic transformer training loop through the allocator on a simulated GPU and
-    /// print what the allocator did (PyTorch's memory_summary and the key figures).
-    Simulate {
-        /// Allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax.
-        #[arg(long, default_value = "")]
-        config: String,
-        /// Simulated device memory in GiB.
-        #[arg(long, default_value_t = 80)]
-        capacity_gib: u64,
-        /// Training steps.
-        #[arg(long, default_value_t = 20)]
-        steps: u32,
-        /// Transformer layers.
-        #[arg(long, default_value_t = 24)]
-        layers: u32,
-        /// Longest sequence length (each step draws between a quarter of it and all of it).
-        #[arg(long, default_value_t = 2048)]
-        max_seq: u64,
-        /// Seed for sequence lengths.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Print memory_stats() as JSON instead of the summary.
-        #[arg(long)]
-        json: bool,
-        /// Write a memory snapshot (PyTorch's schema, JSON) to this file.
-        #[arg(long)]
-        snapshot: Option<PathBuf>,
-    },
-}
+use clap::Parser;
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    match cli::run(cli::Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("gpumem: {e}");
             ExitCode::from(2)
-        }
-    }
-}
-
-fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    match cli.command {
-        Command::Simulate {
-            config,
-            capacity_gib,
-            steps,
-            layers,
-            max_seq,
-            seed,
-            json,
-            snapshot,
-        } => {
-            let config = AllocatorConfig::parse(&config)?;
-            let capacity = capacity_gib
-                .checked_mul(1 << 30)
-                .ok_or("--capacity-gib is too large")?;
-            let device = SimDevice::new(SimConfig::with_capacity(capacity));
-            let mut alloc = CachingAllocator::new(device, config);
-            alloc.record_history(Some(100_000));
-            let workload = TrainingWorkload {
-                steps,
-                layers,
-                max_seq,
-                seed,
-                ..TrainingWorkload::default()
-            };
-            let report = workload.run(&mut alloc, finish_communication)?;
-            if let Some(path) = snapshot {
-                std::fs::write(&path, serde_json::to_vec(&alloc.snapshot())?)?;
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&alloc.memory_stats())?);
-            } else {
-                print!("{}", alloc.memory_summary(false));
-                let s = alloc.memory_stats();
-                let peak_alloc = s["allocated_bytes.all.peak"] as u64;
-                let peak_reserved = s["reserved_bytes.all.peak"] as u64;
-                println!(
-                    "steps {}/{steps}, {} allocations; peak allocated {}, peak reserved {} (ratio {:.3}); \
-                     device allocs {}, device frees {}, retries {}, OOMs {}; simulated driver time {:.3} ms",
-                    report.steps_completed,
-                    report.mallocs,
-                    format_size(peak_alloc),
-                    format_size(peak_reserved),
-                    peak_reserved as f64 / peak_alloc.max(1) as f64,
-                    s["num_device_alloc"],
-                    s["num_device_free"],
-                    s["num_alloc_retries"],
-                    s["num_ooms"],
-                    alloc.device().stats().driver_time_ns as f64 / 1e6,
-                );
-            }
-            if let Some(oom) = report.oom {
-                eprintln!("{oom}");
-                return Ok(ExitCode::from(1));
-            }
-            Ok(ExitCode::SUCCESS)
         }
     }
 }

@@ -71,6 +71,9 @@ pub enum AllocError {
     /// A memory fraction outside `[0, 1]`.
     #[error("invalid memory fraction {0}: it must be between 0 and 1")]
     InvalidFraction(f64),
+    /// A segment layout to restore that cannot exist.
+    #[error("invalid segment layout: {0}")]
+    InvalidLayout(String),
     /// A rejected configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),

@@ -106,6 +106,11 @@ impl History {
         self.entries.push_back(entry);
     }
 
+    /// Removes and returns the entries, oldest first.
+    pub fn take(&mut self) -> Vec<TraceEntry> {
+        self.entries.drain(..).collect()
+    }
+
     /// Entries, oldest first.
     pub fn entries(&self) -> Vec<TraceEntry> {
         self.entries.iter().copied().collect()

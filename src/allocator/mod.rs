@@ -40,6 +40,7 @@ mod expandable;
 mod free_set;
 mod history;
 mod invariants;
+mod restore;
 pub mod size;
 mod snapshot;
 mod stats;
@@ -60,6 +61,7 @@ use expandable::ExpandableSegment;
 use free_set::{FreeEntry, FreeSet};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
+pub use restore::RestoredBlock;
 use size::{LARGE_BUFFER, MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockState, Frame, SegmentInfo, Snapshot};
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
@@ -221,6 +223,11 @@ impl<D: Device> CachingAllocator<D> {
     /// The recorded trace, oldest first.
     pub fn trace(&self) -> Vec<TraceEntry> {
         self.history.entries()
+    }
+
+    /// Removes and returns the recorded trace, oldest first (recording stays on).
+    pub fn take_trace(&mut self) -> Vec<TraceEntry> {
+        self.history.take()
     }
 
     // ---------------------------------------------------------------------------------------

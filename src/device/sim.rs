@@ -171,6 +171,10 @@ pub struct SimDevice {
     next_event: u64,
     faults: Vec<Fault>,
     fail_above: Option<u64>,
+    /// While set, every allocation fails with out-of-memory.
+    fail_all: bool,
+    /// Addresses the next placements must take, in order (replaying a recording).
+    address_hints: std::collections::VecDeque<u64>,
     /// Allocation calls so far (malloc and physical page creation), for fault injection.
     allocation_calls: u64,
     /// Address reservations: start → size.
@@ -197,6 +201,8 @@ impl SimDevice {
             next_event: 1,
             faults: Vec::new(),
             fail_above: None,
+            fail_all: false,
+            address_hints: std::collections::VecDeque::new(),
             allocation_calls: 0,
             reservations: BTreeMap::new(),
             pages: FxHashMap::default(),
@@ -239,6 +245,23 @@ impl SimDevice {
         self.fail_above = size;
     }
 
+    /// Makes every allocation fail with out-of-memory until cleared, as a recording that
+    /// shows an OOM demands.
+    pub fn fail_all_allocations(&mut self, fail: bool) {
+        self.fail_all = fail;
+    }
+
+    /// Makes the next placements (segments or reservations) take these addresses, in order.
+    /// A placement whose hinted range is not free fails with out-of-memory.
+    pub fn hint_addresses(&mut self, addresses: impl IntoIterator<Item = u64>) {
+        self.address_hints.extend(addresses);
+    }
+
+    /// Forgets unused address hints.
+    pub fn clear_address_hints(&mut self) {
+        self.address_hints.clear();
+    }
+
     /// Number of live address reservations.
     pub fn reservation_count(&self) -> usize {
         self.reservations.len()
@@ -274,7 +297,10 @@ impl SimDevice {
         if let Some(i) = self.faults.iter().position(|f| f.call == call) {
             return Err(self.faults.swap_remove(i).error);
         }
-        if size == 0 || self.fail_above.is_some_and(|limit| size > limit) || size > self.available()
+        if size == 0
+            || self.fail_all
+            || self.fail_above.is_some_and(|limit| size > limit)
+            || size > self.available()
         {
             return Err(DeviceError::OutOfMemory);
         }
@@ -355,6 +381,9 @@ impl SimDevice {
 
     /// First-fit placement of `size` bytes at an aligned address.
     fn take_address_range(&mut self, size: u64) -> Option<u64> {
+        if let Some(addr) = self.address_hints.pop_front() {
+            return self.carve_address_range(addr, size).then_some(addr);
+        }
         let align = self.config.alignment.max(1);
         let (start, len, addr) = self.free_ranges.iter().find_map(|(&start, &len)| {
             let addr = start.checked_next_multiple_of(align)?;
@@ -370,6 +399,27 @@ impl SimDevice {
             self.free_ranges.insert(end, start + len - end);
         }
         Some(addr)
+    }
+
+    /// Takes exactly `[addr, addr + size)` out of the free address space, if it is free.
+    fn carve_address_range(&mut self, addr: u64, size: u64) -> bool {
+        let Some(end) = addr.checked_add(size) else {
+            return false;
+        };
+        let Some((&start, &len)) = self.free_ranges.range(..=addr).next_back() else {
+            return false;
+        };
+        if end > start + len {
+            return false;
+        }
+        self.free_ranges.remove(&start);
+        if addr > start {
+            self.free_ranges.insert(start, addr - start);
+        }
+        if end < start + len {
+            self.free_ranges.insert(end, start + len - end);
+        }
+        true
     }
 
     fn return_address_range(&mut self, addr: u64, size: u64) {

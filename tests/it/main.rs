@@ -3,5 +3,6 @@
 mod common;
 mod expandable;
 mod properties;
+mod replay;
 mod scenarios;
 mod stress;

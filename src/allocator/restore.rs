@@ -1,0 +1,109 @@
+//! Recreating a segment with a given layout: the start state of a recording that began
+//! mid-run, loaded into the core before its trace is replayed.
+
+use crate::device::{Device, DevicePtr, StreamId};
+
+use super::block::{Block, BlockId};
+use super::size::{MIN_BLOCK_SIZE, PoolKind};
+use super::{AllocError, CachingAllocator};
+
+/// One block of a segment to restore, in address order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RestoredBlock {
+    /// Size in bytes (a multiple of 512).
+    pub size: u64,
+    /// `Some(requested bytes)` for a live (allocated) block, `None` for free space.
+    pub allocated: Option<u64>,
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Obtains a segment from the device and lays it out as `blocks` say: allocated blocks
+    /// become live, adjacent free space merges into free blocks. Statistics count it as if
+    /// the blocks had been allocated one by one; no trace entries are recorded.
+    ///
+    /// # Errors
+    /// [`AllocError::Device`] if the device cannot provide the segment;
+    /// [`AllocError::InvalidLayout`] if a block size is not a positive multiple of 512.
+    pub fn restore_segment(
+        &mut self,
+        stream: StreamId,
+        kind: PoolKind,
+        blocks: &[RestoredBlock],
+    ) -> Result<DevicePtr, AllocError> {
+        let size: u64 = blocks.iter().map(|b| b.size).sum();
+        if let Some(b) = blocks
+            .iter()
+            .find(|b| b.size == 0 || !b.size.is_multiple_of(MIN_BLOCK_SIZE))
+        {
+            return Err(AllocError::InvalidLayout(format!(
+                "block of {} bytes is not a positive multiple of {MIN_BLOCK_SIZE}",
+                b.size
+            )));
+        }
+        if size == 0 {
+            return Err(AllocError::InvalidLayout("a segment needs blocks".into()));
+        }
+        let base = self.device.malloc(size)?;
+        self.total_allocated_memory += size;
+        self.stats.segment.increase(kind, 1);
+        self.stats.reserved_bytes.increase(kind, size);
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.stats.num_device_alloc.bump();
+
+        // Merge runs of free space first, so that no two free blocks end up adjacent.
+        let mut merged: Vec<RestoredBlock> = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            match merged.last_mut() {
+                Some(last) if last.allocated.is_none() && b.allocated.is_none() => {
+                    last.size += b.size;
+                }
+                _ => merged.push(b),
+            }
+        }
+        let split = merged.len() > 1;
+        let mut ptr = base.0;
+        let mut prev: Option<BlockId> = None;
+        let mut free = Vec::new();
+        for b in merged {
+            let id = self.new_block(Block {
+                prev,
+                requested_size: b.allocated.unwrap_or(0),
+                allocated: b.allocated.is_some(),
+                ..Block::segment(ptr, b.size, stream, kind)
+            });
+            if let Some(p) = prev {
+                self.block_mut(p).next = Some(id);
+            }
+            match b.allocated {
+                Some(requested) => {
+                    self.live.insert(ptr, id);
+                    let stats = &self.stats;
+                    stats.allocation.increase(kind, 1);
+                    stats.allocated_bytes.increase(kind, b.size);
+                    stats.active.increase(kind, 1);
+                    stats.active_bytes.increase(kind, b.size);
+                    stats.requested_bytes.increase(kind, requested);
+                    if b.size >= self.config.max_split_size {
+                        stats.oversize_allocations.increase(1);
+                    }
+                }
+                None => {
+                    free.push(id);
+                    if split {
+                        self.stats.inactive_split.increase(kind, 1);
+                        self.stats.inactive_split_bytes.increase(kind, b.size);
+                    }
+                }
+            }
+            ptr += b.size;
+            prev = Some(id);
+        }
+        // Free blocks go into the pool once their links are final.
+        for id in free {
+            self.insert_free(id);
+        }
+        Ok(base)
+    }
+}

@@ -1,0 +1,70 @@
+//! Subcommands: `simulate` (a training loop on a simulated GPU) and `replay` (recorded
+//! traces: fidelity check and what-if comparison).
+
+mod replay;
+mod simulate;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Errors reach `main` as boxed errors with a readable message.
+pub(crate) type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+
+/// GPU memory, made visible: PyTorch's caching allocator on a simulated or real GPU.
+#[derive(Parser)]
+#[command(version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a synthetic transformer training loop through the allocator on a simulated GPU and
+    /// print what the allocator did (PyTorch's memory_summary and the key figures).
+    Simulate(simulate::Args),
+    /// Replay a recorded PyTorch memory snapshot (pickle or JSON, optionally gzipped): check
+    /// that gpumem decides exactly as PyTorch did, or compare configurations on it.
+    Replay(replay::Args),
+}
+
+pub(crate) fn run(cli: Cli) -> CliResult {
+    match cli.command {
+        Command::Simulate(args) => simulate::run(args),
+        Command::Replay(args) => replay::run(args),
+    }
+}
+
+/// Parses a byte count: a plain number, or one with a KiB/MiB/GiB/TiB suffix (also K/M/G/T).
+pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" | "KB" => 10,
+        "M" | "MiB" | "MB" => 20,
+        "G" | "GiB" | "GB" => 30,
+        "T" | "TiB" | "TB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (use bytes, KiB, MiB, GiB or TiB)"
+            ));
+        }
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count"))?;
+    let bytes = value * (1u64 << shift) as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("{text:?} is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// A path argument.
+pub(crate) type Path = PathBuf;

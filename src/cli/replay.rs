@@ -1,0 +1,220 @@
+//! `gpumem replay`: the fidelity check and the what-if table.
+
+use std::process::ExitCode;
+
+use gpumem::AllocatorConfig;
+use gpumem::allocator::size::format_size;
+use gpumem::trace::replay::ReplayReport;
+use gpumem::trace::{ReplayOptions, plot, read_recording, replay, state_summary};
+
+use super::{CliResult, Path, parse_bytes};
+
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
+    /// optionally gzipped.
+    trace: Path,
+    /// Replay only this device's trace (default: every device with a trace).
+    #[arg(long)]
+    device: Option<u32>,
+    /// Compare every decision with the recording; exit 1 at the first divergence.
+    #[arg(long)]
+    check: bool,
+    /// Another configuration to compare (PYTORCH_CUDA_ALLOC_CONF syntax); repeatable.
+    #[arg(long = "config", value_name = "CONF")]
+    configs: Vec<String>,
+    /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device, or
+    /// 80 GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    capacity: Option<u64>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG chart of reserved and allocated bytes over the trace.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<Path>,
+}
+
+pub(crate) fn run(args: Args) -> CliResult {
+    let recording = read_recording(&args.trace)?;
+    let devices: Vec<u32> = match args.device {
+        Some(d) => vec![d],
+        None => recording
+            .device_traces
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(d, _)| d as u32)
+            .collect(),
+    };
+    if devices.is_empty() {
+        print!("{}", state_summary(&recording));
+        if args.check || !args.configs.is_empty() {
+            eprintln!("gpumem: the recording has no trace to replay");
+            return Ok(ExitCode::from(1));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut configs: Vec<Option<AllocatorConfig>> = vec![None];
+    for c in &args.configs {
+        configs.push(Some(AllocatorConfig::parse(c)?));
+    }
+    if args.check {
+        return check(&args, &recording, &devices);
+    }
+    let mut results = Vec::new();
+    for &device in &devices {
+        let mut reports = Vec::new();
+        for config in &configs {
+            let options = ReplayOptions {
+                device,
+                config: config.clone(),
+                capacity: args.capacity,
+                check: false,
+                series_points: if args.plot.is_some() { 1000 } else { 0 },
+            };
+            reports.push(replay(&recording, &options)?);
+        }
+        results.push((device, reports));
+    }
+    if let Some(path) = &args.plot {
+        let reports: Vec<ReplayReport> = results.iter().flat_map(|(_, r)| r.clone()).collect();
+        let title = format!("{} — reserved and allocated bytes", args.trace.display());
+        std::fs::write(path, plot::svg(&title, &reports))?;
+    }
+    if args.json {
+        let json: Vec<_> = results
+            .iter()
+            .map(|(device, reports)| {
+                let rows: Vec<_> = reports
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "config": r.config,
+                            "events": r.events,
+                            "peak_allocated": r.peak_allocated,
+                            "peak_reserved": r.peak_reserved,
+                            "reserved_ratio": r.reserved_ratio(),
+                            "device_allocs": r.device_allocs,
+                            "device_frees": r.device_frees,
+                            "alloc_retries": r.alloc_retries,
+                            "ooms": r.ooms,
+                            "driver_time_ns": r.driver_time_ns,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({ "device": device, "results": rows })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", state_summary(&recording));
+    for (device, reports) in &results {
+        println!("device {device}: {} events", reports[0].events);
+        println!(
+            "{:<40} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>5} {:>11}",
+            "config",
+            "peak alloc",
+            "peak resv",
+            "ratio",
+            "dev allc",
+            "dev free",
+            "retries",
+            "OOMs",
+            "driver ms"
+        );
+        for r in reports {
+            println!(
+                "{:<40} {:>12} {:>12} {:>6.3} {:>8} {:>8} {:>8} {:>5} {:>11.3}",
+                truncate(&r.config, 40),
+                format_size(r.peak_allocated),
+                format_size(r.peak_reserved),
+                r.reserved_ratio(),
+                r.device_allocs,
+                r.device_frees,
+                r.alloc_retries,
+                r.ooms,
+                r.driver_time_ns as f64 / 1e6
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn truncate(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        text.to_string()
+    } else {
+        let cut: String = text.chars().take(width - 1).collect();
+        format!("{cut}…")
+    }
+}
+
+fn check(args: &Args, recording: &gpumem::trace::Recording, devices: &[u32]) -> CliResult {
+    let mut all = Vec::new();
+    for &device in devices {
+        let options = ReplayOptions {
+            device,
+            config: None,
+            capacity: args.capacity,
+            check: true,
+            series_points: 0,
+        };
+        let report = replay(recording, &options)?;
+        all.push((device, report));
+    }
+    if args.json {
+        let json: Vec<_> = all
+            .iter()
+            .map(|(device, r)| {
+                serde_json::json!({
+                    "device": device,
+                    "events": r.events,
+                    "compared": r.compared,
+                    "divergence": r.divergence,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    }
+    let mut failed = false;
+    for (device, r) in &all {
+        match &r.divergence {
+            None => {
+                if !args.json {
+                    let c = r.compared;
+                    println!(
+                        "device {device}: {} events match the recording ({} decisions: {} allocs, {} frees, {} segment allocs, {} segment frees, {} segment maps/unmaps, {} OOMs, {} snapshots; start state {} segments)",
+                        r.events,
+                        c.total(),
+                        c.allocs,
+                        c.frees,
+                        c.segment_allocs,
+                        c.segment_frees,
+                        c.segment_maps,
+                        c.ooms,
+                        c.snapshots,
+                        r.start_segments
+                    );
+                }
+            }
+            Some(d) => {
+                failed = true;
+                if !args.json {
+                    println!("device {device}: diverges at event {}", d.index);
+                    println!("  expected: {}", d.expected);
+                    println!("  actual:   {}", d.actual);
+                    for line in &d.context {
+                        println!("  {line}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,571 @@
+//! Replaying one device's recorded trace through the allocator core.
+//!
+//! The recording lists what the allocator did; replay turns it back into what the program
+//! asked for and asks the core again:
+//! - `alloc` becomes a `malloc` of the requested size on the recorded stream;
+//! - `free_requested` becomes a `free` (after a `record_stream` on a stream of its own when
+//!   the recording completes that free later, so that it is deferred the same way);
+//! - a deferred `free_completed` completes that stream's work, so the next `malloc` (or
+//!   cache flush) completes the free where the recording did;
+//! - a run of `segment_free` not followed by an `oom` becomes `empty_cache()`; before an
+//!   `oom` it is the allocator's own flush inside the failing `malloc` (either reading yields
+//!   the same blocks and events; these are the natural ones);
+//! - `oom` becomes a `malloc` that the device refuses (in check mode);
+//! - `snapshot` becomes a snapshot.
+//!
+//! In check mode the simulated device hands out the recorded segment addresses, and every
+//! event the core emits is compared with the recording: the first difference is reported as
+//! a [`Divergence`]. In what-if mode the core decides freely under another configuration,
+//! and recorded addresses are mapped to the ones it chose.
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::Serialize;
+
+use crate::allocator::size::format_size;
+use crate::allocator::{AllocError, CachingAllocator, TraceAction, TraceEntry};
+use crate::config::AllocatorConfig;
+use crate::device::{DevicePtr, SimConfig, SimDevice, StreamId};
+
+use super::start_state::start_state;
+use super::{RecordedEvent, Recording};
+
+/// The device memory assumed when neither the recording nor the user says: the 80 GiB of
+/// the GPUs behind the shared recordings.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// Streams invented to defer frees start here, far from real stream handles.
+const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
+
+/// How to replay.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    /// Which device's trace.
+    pub device: u32,
+    /// The configuration; `None` for the recorded one (or the default).
+    pub config: Option<AllocatorConfig>,
+    /// Device memory; `None` for the recorded device or [`DEFAULT_CAPACITY`].
+    pub capacity: Option<u64>,
+    /// Compare every decision with the recording (and answer as the recorded device did).
+    pub check: bool,
+    /// Number of (allocated, reserved) samples to keep for plots; 0 for none.
+    pub series_points: usize,
+}
+
+/// Decisions compared with the recording, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Compared {
+    /// `alloc` addresses.
+    pub allocs: u64,
+    /// `free_requested` and `free_completed` events.
+    pub frees: u64,
+    /// `segment_alloc` sizes and addresses.
+    pub segment_allocs: u64,
+    /// `segment_free` events, in burst order.
+    pub segment_frees: u64,
+    /// `segment_map` and `segment_unmap` ranges.
+    pub segment_maps: u64,
+    /// `oom` events.
+    pub ooms: u64,
+    /// `snapshot` markers (active bytes).
+    pub snapshots: u64,
+}
+
+impl Compared {
+    /// All decisions compared.
+    pub fn total(&self) -> u64 {
+        self.allocs
+            + self.frees
+            + self.segment_allocs
+            + self.segment_frees
+            + self.segment_maps
+            + self.ooms
+            + self.snapshots
+    }
+}
+
+/// The first point where the core decided differently from the recording.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Divergence {
+    /// Index of the recorded event in the device's trace.
+    pub index: usize,
+    /// The recorded event.
+    pub expected: String,
+    /// What the core did instead.
+    pub actual: String,
+    /// Recorded events around the divergence and the allocator's state.
+    pub context: Vec<String>,
+}
+
+/// One sample of memory over the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SeriesPoint {
+    /// Index of the recorded event.
+    pub event: usize,
+    /// Allocated bytes.
+    pub allocated: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+}
+
+/// What a replay did.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    /// The configuration string replayed under.
+    pub config: String,
+    /// Recorded events processed.
+    pub events: usize,
+    /// Segments in the rebuilt start state.
+    pub start_segments: usize,
+    /// Peak allocated bytes (start state included).
+    pub peak_allocated: u64,
+    /// Peak reserved bytes (start state included).
+    pub peak_reserved: u64,
+    /// Driver allocations (`cudaMalloc` or page maps) during the trace.
+    pub device_allocs: u64,
+    /// Driver frees during the trace.
+    pub device_frees: u64,
+    /// Allocations that flushed the cache and retried.
+    pub alloc_retries: u64,
+    /// Allocations that failed.
+    pub ooms: u64,
+    /// Simulated time spent in driver calls during the trace, in nanoseconds.
+    pub driver_time_ns: u64,
+    /// Decisions compared (check mode).
+    pub compared: Compared,
+    /// The first divergence (check mode).
+    pub divergence: Option<Divergence>,
+    /// Memory over the trace, if asked for.
+    pub series: Vec<SeriesPoint>,
+}
+
+impl ReplayReport {
+    /// Peak reserved over peak allocated: what fragmentation and caching cost.
+    pub fn reserved_ratio(&self) -> f64 {
+        self.peak_reserved as f64 / self.peak_allocated.max(1) as f64
+    }
+}
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The recording has no trace for the device.
+    #[error("the recording has no trace for device {device} ({devices} device traces)")]
+    NoSuchDevice {
+        /// The device asked for.
+        device: u32,
+        /// Device traces in the recording.
+        devices: usize,
+    },
+    /// The state at the start of the trace cannot be rebuilt.
+    #[error("cannot rebuild the state at the start of the trace: {0}")]
+    StartState(String),
+    /// The allocator failed other than by running out of memory.
+    #[error("the allocator failed at event {index}: {source}")]
+    Allocator {
+        /// Index of the recorded event.
+        index: usize,
+        /// The error.
+        source: AllocError,
+    },
+}
+
+/// Replays one device's trace. See the module documentation.
+///
+/// # Errors
+/// A [`ReplayError`] when the replay cannot run at all; a divergence is not an error but part
+/// of the report.
+pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+    let events =
+        recording
+            .device_traces
+            .get(options.device as usize)
+            .ok_or(ReplayError::NoSuchDevice {
+                device: options.device,
+                devices: recording.device_traces.len(),
+            })?;
+    let recorded_config = recording.config.clone().unwrap_or_default();
+    let config = options
+        .config
+        .clone()
+        .unwrap_or_else(|| recorded_config.clone());
+    let capacity = options
+        .capacity
+        .or(recording.simulated_device.map(|d| d.total_bytes))
+        .unwrap_or(DEFAULT_CAPACITY);
+    let mut sim = SimConfig {
+        index: options.device,
+        ..SimConfig::with_capacity(capacity)
+    };
+    if options.check {
+        // Every placement is dictated by the recording: open the whole address space to it.
+        sim.base_address = 1 << 21;
+        sim.address_space = 1 << 56;
+    }
+    let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
+    let at_start = |source| ReplayError::Allocator { index: 0, source };
+    if let Some(fraction) = recording.simulated_device.and_then(|d| d.memory_fraction) {
+        alloc.set_memory_fraction(fraction).map_err(at_start)?;
+    }
+
+    let start = start_state(recording, options.device, &recorded_config)
+        .map_err(ReplayError::StartState)?;
+    let mut ptrs = FxHashMap::default();
+    for segment in &start {
+        alloc.device_mut().hint_addresses([segment.address]);
+        let base = alloc
+            .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
+            .map_err(|e| {
+                ReplayError::StartState(format!(
+                    "segment {:#x} of {} does not fit: {e}",
+                    segment.address,
+                    format_size(segment.size())
+                ))
+            })?;
+        alloc.device_mut().clear_address_hints();
+        let mut at = 0;
+        for b in &segment.blocks {
+            if b.allocated.is_some() {
+                ptrs.insert(segment.address + at, DevicePtr(base.0 + at));
+            }
+            at += b.size;
+        }
+    }
+    alloc.reset_accumulated_stats();
+    alloc.reset_peak_stats();
+    if options.check {
+        alloc.record_history(Some(1 << 16));
+    }
+    let driver_time_before = alloc.device().stats().driver_time_ns;
+
+    let mut engine = Engine {
+        events,
+        alloc,
+        check: options.check,
+        ptrs,
+        failed: FxHashSet::default(),
+        deferred: FxHashMap::default(),
+        next_stream: SYNTHETIC_STREAM_BASE,
+        compared: Compared::default(),
+        divergence: None,
+        series: Vec::new(),
+        series_every: events
+            .len()
+            .checked_div(options.series_points)
+            .map_or(usize::MAX, |every| every.max(1)),
+    };
+    engine.run()?;
+
+    let stats = engine.alloc.memory_stats();
+    let get = |key: &str| stats.get(key).copied().unwrap_or(0).max(0) as u64;
+    Ok(ReplayReport {
+        config: if config.last_settings.is_empty() {
+            "(default)".to_string()
+        } else {
+            config.last_settings.clone()
+        },
+        events: events.len(),
+        start_segments: start.len(),
+        peak_allocated: get("allocated_bytes.all.peak"),
+        peak_reserved: get("reserved_bytes.all.peak"),
+        device_allocs: get("num_device_alloc"),
+        device_frees: get("num_device_free"),
+        alloc_retries: get("num_alloc_retries"),
+        ooms: get("num_ooms"),
+        driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
+        compared: engine.compared,
+        divergence: engine.divergence,
+        series: engine.series,
+    })
+}
+
+struct Engine<'a> {
+    events: &'a [RecordedEvent],
+    alloc: CachingAllocator<SimDevice>,
+    check: bool,
+    /// Recorded address → the pointer the core returned for it.
+    ptrs: FxHashMap<u64, DevicePtr>,
+    /// Recorded addresses whose allocation failed in this replay (what-if mode).
+    failed: FxHashSet<u64>,
+    /// Recorded address of a deferred free → the stream its completion waits on.
+    deferred: FxHashMap<u64, StreamId>,
+    next_stream: u64,
+    compared: Compared,
+    divergence: Option<Divergence>,
+    series: Vec<SeriesPoint>,
+    series_every: usize,
+}
+
+/// Events that drive an operation; everything else is an effect of the next one.
+fn is_driver(action: TraceAction) -> bool {
+    matches!(
+        action,
+        TraceAction::Alloc
+            | TraceAction::Oom
+            | TraceAction::Snapshot
+            | TraceAction::FreeRequested
+            | TraceAction::UserDefined
+    )
+}
+
+fn describe(action: TraceAction, addr: u64, size: u64, stream: u64) -> String {
+    let name = serde_json::to_value(action)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    match action {
+        TraceAction::Oom => format!("oom of {size} bytes on stream {stream:#x}"),
+        TraceAction::Snapshot => format!("snapshot with {size} active bytes"),
+        _ => format!("{name} at {addr:#x} of {size} bytes on stream {stream:#x}"),
+    }
+}
+
+fn describe_recorded(e: &RecordedEvent) -> String {
+    describe(e.action, e.addr, e.size, e.stream)
+}
+
+fn describe_entry(e: &TraceEntry) -> String {
+    describe(e.action, e.addr, e.size, e.stream)
+}
+
+impl Engine<'_> {
+    fn run(&mut self) -> Result<(), ReplayError> {
+        let n = self.events.len();
+        let mut i = 0;
+        while i < n && self.divergence.is_none() {
+            let next = match self.events[i].action {
+                TraceAction::FreeRequested => self.free(i)?,
+                TraceAction::UserDefined => i + 1,
+                _ => self.operation(i)?,
+            };
+            if self.series_every != usize::MAX {
+                for event in i..next {
+                    if event % self.series_every == 0 {
+                        self.sample(event);
+                    }
+                }
+            }
+            i = next;
+        }
+        if self.series_every != usize::MAX {
+            self.sample(n);
+        }
+        Ok(())
+    }
+
+    fn sample(&mut self, event: usize) {
+        let stats = self.alloc.stats();
+        self.series.push(SeriesPoint {
+            event,
+            allocated: stats.allocated_bytes.all_current().max(0) as u64,
+            reserved: stats.reserved_bytes.all_current().max(0) as u64,
+        });
+    }
+
+    fn fail(&self, index: usize, source: AllocError) -> ReplayError {
+        ReplayError::Allocator { index, source }
+    }
+
+    /// `free_requested` at `i` (with its `free_completed` right after, unless deferred).
+    fn free(&mut self, i: usize) -> Result<usize, ReplayError> {
+        let e = self.events[i];
+        let immediate = self
+            .events
+            .get(i + 1)
+            .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
+        let end = i + 1 + usize::from(immediate);
+        let Some(ptr) = self.ptrs.remove(&e.addr) else {
+            if self.failed.remove(&e.addr) {
+                return Ok(end);
+            }
+            self.diverge(
+                i,
+                describe_recorded(&e),
+                "no live block at that address".into(),
+            );
+            return Ok(end);
+        };
+        if !immediate {
+            let stream = StreamId(self.next_stream);
+            self.next_stream += 1;
+            self.alloc.record_stream(ptr, stream);
+            self.deferred.insert(e.addr, stream);
+        }
+        self.alloc.free(ptr).map_err(|err| self.fail(i, err))?;
+        self.compare(i, end);
+        Ok(end)
+    }
+
+    /// The effects starting at `i` and the operation that produced them.
+    fn operation(&mut self, i: usize) -> Result<usize, ReplayError> {
+        let n = self.events.len();
+        let j = (i..n)
+            .find(|&k| is_driver(self.events[k].action))
+            .unwrap_or(n);
+        let driver = self
+            .events
+            .get(j)
+            .filter(|d| {
+                matches!(
+                    d.action,
+                    TraceAction::Alloc | TraceAction::Oom | TraceAction::Snapshot
+                )
+            })
+            .copied();
+        let effects = &self.events[i..j];
+        for effect in effects {
+            if effect.action == TraceAction::FreeCompleted
+                && let Some(stream) = self.deferred.remove(&effect.addr)
+            {
+                self.alloc.device_mut().complete_stream(stream);
+            }
+        }
+        let mallocs =
+            driver.is_some_and(|d| matches!(d.action, TraceAction::Alloc | TraceAction::Oom));
+        let releases = effects.iter().any(|e| {
+            matches!(
+                e.action,
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap
+            )
+        });
+        let completions = effects
+            .iter()
+            .any(|e| e.action == TraceAction::FreeCompleted);
+        let oom = driver.is_some_and(|d| d.action == TraceAction::Oom);
+        // Releases before anything but an OOM, and completions no malloc explains, come from
+        // a flush of the cache.
+        if (releases && !oom) || (completions && !mallocs) {
+            self.alloc.empty_cache().map_err(|err| self.fail(i, err))?;
+        }
+        if self.check {
+            let hints: Vec<u64> = effects
+                .iter()
+                .filter(|e| matches!(e.action, TraceAction::SegmentAlloc))
+                .map(|e| e.addr)
+                .collect();
+            self.alloc.device_mut().hint_addresses(hints);
+        }
+        let end = match driver {
+            Some(d) => {
+                self.drive(j, d)?;
+                j + 1
+            }
+            None => j,
+        };
+        self.alloc.device_mut().clear_address_hints();
+        self.compare(i, end);
+        Ok(end.max(i + 1))
+    }
+
+    fn drive(&mut self, j: usize, d: RecordedEvent) -> Result<(), ReplayError> {
+        let stream = StreamId(d.stream);
+        match d.action {
+            TraceAction::Alloc => match self.alloc.malloc(d.size, stream) {
+                Ok(ptr) => {
+                    self.ptrs.insert(d.addr, ptr);
+                }
+                Err(e) if e.is_out_of_memory() && !self.check => {
+                    self.failed.insert(d.addr);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    // The comparison reports it: the trace has an `oom` where `alloc` was.
+                }
+                Err(e) => return Err(self.fail(j, e)),
+            },
+            TraceAction::Oom => {
+                if self.check {
+                    self.alloc.device_mut().fail_all_allocations(true);
+                }
+                let result = self.alloc.malloc(d.size, stream);
+                self.alloc.device_mut().fail_all_allocations(false);
+                match result {
+                    // Under another configuration the request may fit: the program did not
+                    // keep it, so neither does the replay.
+                    Ok(ptr) => self.alloc.free(ptr).map_err(|e| self.fail(j, e))?,
+                    Err(e) if e.is_out_of_memory() => {}
+                    Err(e) => return Err(self.fail(j, e)),
+                }
+            }
+            TraceAction::Snapshot => {
+                self.alloc.snapshot();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Compares what the core emitted with the recorded events `start..end`.
+    fn compare(&mut self, start: usize, end: usize) {
+        if !self.check || self.divergence.is_some() {
+            return;
+        }
+        let actual = self.alloc.take_trace();
+        let expected = &self.events[start..end];
+        for k in 0..expected.len().max(actual.len()) {
+            match (expected.get(k), actual.get(k)) {
+                (Some(x), Some(a)) if same(x, a) => self.count(x.action),
+                (x, a) => {
+                    let index = start + k.min(expected.len());
+                    let expected = x.map_or("nothing more".to_string(), describe_recorded);
+                    let actual = a.map_or("nothing".to_string(), describe_entry);
+                    self.diverge(index, expected, actual);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn count(&mut self, action: TraceAction) {
+        let c = &mut self.compared;
+        match action {
+            TraceAction::Alloc => c.allocs += 1,
+            TraceAction::FreeRequested | TraceAction::FreeCompleted => c.frees += 1,
+            TraceAction::SegmentAlloc => c.segment_allocs += 1,
+            TraceAction::SegmentFree => c.segment_frees += 1,
+            TraceAction::SegmentMap | TraceAction::SegmentUnmap => c.segment_maps += 1,
+            TraceAction::Oom => c.ooms += 1,
+            TraceAction::Snapshot => c.snapshots += 1,
+            TraceAction::UserDefined => {}
+        }
+    }
+
+    fn diverge(&mut self, index: usize, expected: String, actual: String) {
+        if !self.check {
+            return;
+        }
+        let from = index.saturating_sub(4);
+        let to = (index + 3).min(self.events.len());
+        let mut context: Vec<String> = (from..to)
+            .map(|k| {
+                let mark = if k == index { ">>" } else { "  " };
+                format!("{mark} #{k}: {}", describe_recorded(&self.events[k]))
+            })
+            .collect();
+        let stats = self.alloc.stats();
+        context.push(format!(
+            "allocator: {} allocated, {} reserved in {} segments, largest free block {}",
+            format_size(stats.allocated_bytes.all_current().max(0) as u64),
+            format_size(stats.reserved_bytes.all_current().max(0) as u64),
+            stats.segment.all_current(),
+            format_size(self.alloc.largest_free_block()),
+        ));
+        self.divergence = Some(Divergence {
+            index,
+            expected,
+            actual,
+            context,
+        });
+    }
+}
+
+/// Whether the core's event is the recorded one.
+fn same(x: &RecordedEvent, a: &TraceEntry) -> bool {
+    if x.action != a.action {
+        return false;
+    }
+    match x.action {
+        // The free device memory of an OOM depends on the device, not on the allocator.
+        TraceAction::Oom | TraceAction::Snapshot => x.size == a.size,
+        _ => x.addr == a.addr && x.size == a.size,
+    }
+}

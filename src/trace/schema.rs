@@ -1,0 +1,350 @@
+//! The snapshot schema: from a decoded document to a typed [`Recording`].
+//!
+//! Four layouts exist in the wild (see the traces' SOURCES): the newest dict (with
+//! `allocator_settings`), an older dict without settings, the oldest dict whose blocks carry
+//! `history` and may lack `address`, and a legacy bare list of segments. Frames, annotations
+//! and other metadata are skipped.
+
+use crate::allocator::size::PoolKind;
+use crate::allocator::{BlockState, TraceAction};
+use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS};
+
+use super::TraceError;
+use super::doc::{Doc, Node};
+
+/// Which layout the file had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// A dict with `allocator_settings` (PyTorch 2.1 and later).
+    Newest,
+    /// A dict with `segments` and `device_traces` only.
+    Older,
+    /// A dict whose blocks carry `history` (PyTorch 1.x / 2.0 era).
+    Oldest,
+    /// A bare list of segments (`torch.cuda.memory_snapshot()`).
+    LegacyList,
+}
+
+/// One block of a recorded segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedBlock {
+    /// Address.
+    pub address: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Requested size (stale for free blocks).
+    pub requested_size: u64,
+    /// State.
+    pub state: BlockState,
+}
+
+/// One recorded segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedSegment {
+    /// Device index.
+    pub device: u32,
+    /// Base address.
+    pub address: u64,
+    /// Size in bytes.
+    pub total_size: u64,
+    /// Stream handle.
+    pub stream: u64,
+    /// Pool kind.
+    pub pool: PoolKind,
+    /// Private pool id; `(0, 0)` for the default pools.
+    pub pool_id: (i64, i64),
+    /// Whether this is (a mapped range of) an expandable segment.
+    pub is_expandable: bool,
+    /// Blocks in address order.
+    pub blocks: Vec<RecordedBlock>,
+}
+
+/// One trace event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedEvent {
+    /// What happened.
+    pub action: TraceAction,
+    /// Address (0 for `oom` and `snapshot`).
+    pub addr: u64,
+    /// Bytes (see [`TraceAction`]).
+    pub size: u64,
+    /// Stream handle.
+    pub stream: u64,
+    /// Time, when recorded.
+    pub time_us: Option<u64>,
+    /// Free device bytes, on `oom`.
+    pub device_free: Option<u64>,
+}
+
+/// The device a recording ran on, when the file says (gpumem's snapshots do; PyTorch's
+/// do not).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SimulatedDevice {
+    /// Device memory in bytes.
+    pub total_bytes: u64,
+    /// The per-process memory fraction, if one was set.
+    pub memory_fraction: Option<f64>,
+    /// The per-process limit in bytes, if one was set.
+    pub allowed_memory_maximum: Option<u64>,
+}
+
+/// A decoded snapshot.
+#[derive(Clone, Debug)]
+pub struct Recording {
+    /// The layout of the file.
+    pub format: Format,
+    /// Final allocator state, all devices, in file order.
+    pub segments: Vec<RecordedSegment>,
+    /// Events per device (empty when history was not recorded).
+    pub device_traces: Vec<Vec<RecordedEvent>>,
+    /// The allocator configuration in force, when recorded.
+    pub config: Option<AllocatorConfig>,
+    /// The device the recording ran on, when recorded.
+    pub simulated_device: Option<SimulatedDevice>,
+}
+
+fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
+    TraceError::Schema {
+        path: node.path().to_string(),
+        expected: expected.to_string(),
+        found,
+    }
+}
+
+pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
+    let root = doc.root();
+    if !root.is_dict() {
+        let segments = segments(&root)?;
+        return Ok(Recording {
+            format: Format::LegacyList,
+            segments,
+            device_traces: Vec::new(),
+            config: None,
+            simulated_device: None,
+        });
+    }
+    let segments = segments(&root.field("segments")?)?;
+    let device_traces = match root.get("device_traces")? {
+        Some(traces) => traces
+            .items()?
+            .map(|events| events.items()?.map(|e| event(&e)).collect())
+            .collect::<Result<Vec<Vec<_>>, _>>()?,
+        None => Vec::new(),
+    };
+    let config = root
+        .get("allocator_settings")?
+        .map(|s| settings(&s))
+        .transpose()?;
+    let oldest = root
+        .field("segments")?
+        .items()?
+        .next()
+        .map(|s| s.get("blocks"))
+        .transpose()?
+        .flatten()
+        .and_then(|b| b.items().ok()?.next())
+        .map(|b| b.get("history"))
+        .transpose()?
+        .flatten()
+        .is_some();
+    let format = if config.is_some() {
+        Format::Newest
+    } else if oldest {
+        Format::Oldest
+    } else {
+        Format::Older
+    };
+    let simulated_device = root
+        .get("simulated_device")?
+        .map(|d| simulated_device(&d))
+        .transpose()?;
+    Ok(Recording {
+        format,
+        segments,
+        device_traces,
+        config,
+        simulated_device,
+    })
+}
+
+fn segments(list: &Node<'_>) -> Result<Vec<RecordedSegment>, TraceError> {
+    list.items()?.map(|s| segment(&s)).collect()
+}
+
+fn segment(node: &Node<'_>) -> Result<RecordedSegment, TraceError> {
+    let address = node.field("address")?.uint()?;
+    let total_size = node.field("total_size")?.uint()?;
+    let pool = match node.field("segment_type")?.str()? {
+        "small" => PoolKind::Small,
+        "large" => PoolKind::Large,
+        other => {
+            return Err(schema_error(
+                &node.field("segment_type")?,
+                "\"small\" or \"large\"",
+                format!("{other:?}"),
+            ));
+        }
+    };
+    let pool_id = match node.get("segment_pool_id")? {
+        Some(id) => {
+            let parts: Vec<_> = id.items()?.collect();
+            if parts.len() != 2 {
+                return Err(schema_error(
+                    &id,
+                    "a pair of ints",
+                    format!("{} items", parts.len()),
+                ));
+            }
+            (parts[0].int()?, parts[1].int()?)
+        }
+        None => (0, 0),
+    };
+    let mut blocks = Vec::new();
+    let mut next_address = address;
+    for b in node.field("blocks")?.items()? {
+        // The oldest layout leaves out block addresses: blocks are contiguous.
+        let block_address = match b.get("address")? {
+            Some(a) => a.uint()?,
+            None => next_address,
+        };
+        let size = b.field("size")?.uint()?;
+        let state_node = b.field("state")?;
+        let state = match state_node.str()? {
+            "active_allocated" => BlockState::ActiveAllocated,
+            "active_pending_free" | "active_awaiting_free" => BlockState::ActivePendingFree,
+            "inactive" => BlockState::Inactive,
+            other => {
+                return Err(schema_error(
+                    &state_node,
+                    "\"active_allocated\", \"active_pending_free\" or \"inactive\"",
+                    format!("{other:?}"),
+                ));
+            }
+        };
+        let requested_size = match b.get("requested_size")? {
+            Some(r) => r.uint()?,
+            None => size,
+        };
+        next_address = block_address.saturating_add(size);
+        blocks.push(RecordedBlock {
+            address: block_address,
+            size,
+            requested_size,
+            state,
+        });
+    }
+    Ok(RecordedSegment {
+        device: u32::try_from(node.field("device")?.uint()?)
+            .map_err(|_| schema_error(node, "a device index", "a huge number".into()))?,
+        address,
+        total_size,
+        stream: stream(node)?,
+        pool,
+        pool_id,
+        is_expandable: match node.get("is_expandable")? {
+            Some(e) => e.bool()?,
+            None => false,
+        },
+        blocks,
+    })
+}
+
+/// A stream handle: PyTorch writes it as a (possibly huge) unsigned pointer value.
+fn stream(node: &Node<'_>) -> Result<u64, TraceError> {
+    match node.get("stream")? {
+        Some(s) => Ok(s.int()? as u64),
+        None => Ok(0),
+    }
+}
+
+fn event(node: &Node<'_>) -> Result<RecordedEvent, TraceError> {
+    let action_node = node.field("action")?;
+    let action = match action_node.str()? {
+        "alloc" => TraceAction::Alloc,
+        "free_requested" => TraceAction::FreeRequested,
+        "free_completed" => TraceAction::FreeCompleted,
+        "segment_alloc" => TraceAction::SegmentAlloc,
+        "segment_free" => TraceAction::SegmentFree,
+        "segment_map" => TraceAction::SegmentMap,
+        "segment_unmap" => TraceAction::SegmentUnmap,
+        "snapshot" => TraceAction::Snapshot,
+        "oom" => TraceAction::Oom,
+        "user_defined" => TraceAction::UserDefined,
+        other => {
+            return Err(schema_error(
+                &action_node,
+                "a trace action (alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap, snapshot, oom, user_defined)",
+                format!("{other:?}"),
+            ));
+        }
+    };
+    let addr = match node.get("addr")? {
+        Some(a) => a.uint()?,
+        None => 0,
+    };
+    Ok(RecordedEvent {
+        action,
+        addr,
+        size: node.field("size")?.uint()?,
+        stream: stream(node)?,
+        time_us: node.get("time_us")?.map(|t| t.uint()).transpose()?,
+        device_free: node.get("device_free")?.map(|t| t.uint()).transpose()?,
+    })
+}
+
+fn settings(node: &Node<'_>) -> Result<AllocatorConfig, TraceError> {
+    let mut config = AllocatorConfig::default();
+    if let Some(s) = node.get("PYTORCH_CUDA_ALLOC_CONF")? {
+        config.last_settings = s.str()?.to_string();
+    }
+    if let Some(m) = node.get("max_split_size")? {
+        let v = m.int()?;
+        config.max_split_size = if v < 0 { u64::MAX } else { v as u64 };
+    }
+    if let Some(t) = node.get("garbage_collection_threshold")? {
+        let v = t.float()?;
+        if !(0.0..1.0).contains(&v) {
+            return Err(schema_error(&t, "a threshold in [0, 1)", v.to_string()));
+        }
+        config.garbage_collection_threshold = v;
+    }
+    if let Some(e) = node.get("expandable_segments")? {
+        config.expandable_segments = e.bool()?;
+    }
+    if let Some(r) = node.get("release_lock_on_cudamalloc")? {
+        config.release_lock_on_cudamalloc = r.bool()?;
+    }
+    if let Some(p) = node.get("pinned_use_cuda_host_register")? {
+        config.pinned_use_cuda_host_register = p.bool()?;
+    }
+    if let Some(p) = node.get("pinned_num_register_threads")? {
+        config.pinned_num_register_threads = p.uint()?;
+    }
+    if let Some(divisions) = node.get("roundup_power2_divisions")? {
+        for i in 0..ROUNDUP_INTERVALS {
+            let key = (1u64 << i).to_string();
+            if let Some(d) = divisions.get(&key)? {
+                let v = d.uint()?;
+                if v != 0 && !v.is_power_of_two() {
+                    return Err(schema_error(&d, "0 or a power of two", v.to_string()));
+                }
+                config.roundup_power2_divisions[i] = v;
+            }
+        }
+    }
+    Ok(config)
+}
+
+fn simulated_device(node: &Node<'_>) -> Result<SimulatedDevice, TraceError> {
+    Ok(SimulatedDevice {
+        total_bytes: node.field("total_bytes")?.uint()?,
+        memory_fraction: match node.get("memory_fraction")? {
+            Some(f) if !f.is_none() => Some(f.float()?),
+            _ => None,
+        },
+        allowed_memory_maximum: match node.get("allowed_memory_maximum")? {
+            Some(m) if !m.is_none() => Some(m.uint()?),
+            _ => None,
+        },
+    })
+}

@@ -1,0 +1,186 @@
+//! The allocator state at the start of a trace that began mid-run, rebuilt from the final
+//! segments and the trace read backwards.
+//!
+//! Walking the events from last to first undoes them: an `alloc` makes its block not yet
+//! live, a `free_requested` makes it live again, a `segment_alloc` removes its segment, a
+//! `segment_free` restores it. What remains is the set of segments and live blocks at the
+//! first event. Blocks known only from their request get the size the allocator would have
+//! given them: the request rounded, plus, in the large pool, any gap of at most 1 MiB before
+//! the next live block (a large-pool remainder that small is never split off, so it cannot be
+//! a free block). Every other gap is one free block.
+
+use std::collections::BTreeMap;
+
+use crate::allocator::size::{PoolKind, SMALL_BUFFER, SMALL_SIZE, round_size};
+use crate::allocator::{BlockState, RestoredBlock, TraceAction};
+use crate::config::AllocatorConfig;
+
+use super::Recording;
+
+/// A segment as it was when the trace started.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StartSegment {
+    /// Base address.
+    pub address: u64,
+    /// Stream handle.
+    pub stream: u64,
+    /// Pool.
+    pub pool: PoolKind,
+    /// Blocks in address order; they add up to the segment size.
+    pub blocks: Vec<RestoredBlock>,
+}
+
+impl StartSegment {
+    /// Segment size.
+    pub fn size(&self) -> u64 {
+        self.blocks.iter().map(|b| b.size).sum()
+    }
+}
+
+/// A block live at the start: its size if the final state knows it, and its request.
+#[derive(Clone, Copy, Debug)]
+struct LiveBlock {
+    size: Option<u64>,
+    requested: u64,
+}
+
+/// Rebuilds the start state of `device`'s trace.
+///
+/// # Errors
+/// A message when the recording cannot describe a consistent start: expandable or
+/// private-pool segments, live blocks outside every segment or overlapping each other.
+pub fn start_state(
+    recording: &Recording,
+    device: u32,
+    config: &AllocatorConfig,
+) -> Result<Vec<StartSegment>, String> {
+    let mut segments: BTreeMap<u64, (u64, u64, PoolKind)> = BTreeMap::new();
+    let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
+    for seg in recording.segments.iter().filter(|s| s.device == device) {
+        if seg.is_expandable {
+            return Err(format!(
+                "segment {:#x} is expandable: rebuilding such a start state is not supported",
+                seg.address
+            ));
+        }
+        if seg.pool_id != (0, 0) {
+            return Err(format!(
+                "segment {:#x} belongs to private pool {:?}, which replay does not model",
+                seg.address, seg.pool_id
+            ));
+        }
+        segments.insert(seg.address, (seg.total_size, seg.stream, seg.pool));
+        for b in &seg.blocks {
+            if b.state != BlockState::Inactive {
+                live.insert(
+                    b.address,
+                    LiveBlock {
+                        size: Some(b.size),
+                        requested: b.requested_size,
+                    },
+                );
+            }
+        }
+    }
+    let events = recording
+        .device_traces
+        .get(device as usize)
+        .map_or(&[][..], Vec::as_slice);
+    for e in events.iter().rev() {
+        match e.action {
+            TraceAction::Alloc => {
+                live.remove(&e.addr);
+            }
+            TraceAction::FreeRequested => {
+                live.insert(
+                    e.addr,
+                    LiveBlock {
+                        size: None,
+                        requested: e.size,
+                    },
+                );
+            }
+            TraceAction::SegmentAlloc => {
+                segments.remove(&e.addr);
+            }
+            TraceAction::SegmentFree => {
+                let pool = if e.size == SMALL_BUFFER {
+                    PoolKind::Small
+                } else {
+                    PoolKind::Large
+                };
+                segments.insert(e.addr, (e.size, e.stream, pool));
+            }
+            TraceAction::SegmentMap | TraceAction::SegmentUnmap => {
+                return Err("the trace maps expandable segments: rebuilding such a start state is not supported".into());
+            }
+            _ => {}
+        }
+    }
+
+    let mut out = Vec::with_capacity(segments.len());
+    for (&address, &(size, stream, pool)) in &segments {
+        let end = address + size;
+        let inside: Vec<(u64, LiveBlock)> =
+            live.range(address..end).map(|(&a, &b)| (a, b)).collect();
+        let mut blocks = Vec::new();
+        let mut at = address;
+        for (i, &(addr, block)) in inside.iter().enumerate() {
+            if addr < at {
+                return Err(format!("live blocks overlap at {addr:#x}"));
+            }
+            if addr > at {
+                blocks.push(RestoredBlock {
+                    size: addr - at,
+                    allocated: None,
+                });
+            }
+            let next = inside.get(i + 1).map_or(end, |&(a, _)| a);
+            let size = match block.size {
+                Some(size) => size,
+                None => {
+                    let rounded = round_size(config, block.requested);
+                    let gap = next.saturating_sub(addr + rounded);
+                    if pool == PoolKind::Large && gap <= SMALL_SIZE {
+                        rounded + gap
+                    } else {
+                        rounded
+                    }
+                }
+            };
+            if addr + size > next {
+                return Err(format!(
+                    "live block {addr:#x} of {size} bytes runs into {next:#x}"
+                ));
+            }
+            blocks.push(RestoredBlock {
+                size,
+                allocated: Some(block.requested),
+            });
+            at = addr + size;
+        }
+        if at < end {
+            blocks.push(RestoredBlock {
+                size: end - at,
+                allocated: None,
+            });
+        }
+        out.push(StartSegment {
+            address,
+            stream,
+            pool,
+            blocks,
+        });
+    }
+    let placed: usize = out
+        .iter()
+        .map(|s| s.blocks.iter().filter(|b| b.allocated.is_some()).count())
+        .sum();
+    if placed != live.len() {
+        return Err(format!(
+            "{} live blocks lie outside every segment",
+            live.len() - placed
+        ));
+    }
+    Ok(out)
+}

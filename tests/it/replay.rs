@@ -1,0 +1,362 @@
+//! Replaying real recordings: the fidelity check (every decision equals PyTorch's), the
+//! what-if comparison, the end-state summaries, and bad inputs.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gpumem::AllocatorConfig;
+use gpumem::trace::{
+    Format, ReplayOptions, TraceError, parse_recording, read_recording, replay, state_summary,
+};
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// The shared recordings, where they exist (CI has them; a bare clone may not).
+fn shared_traces() -> Option<PathBuf> {
+    let dir = std::env::var_os("GPUMEM_TRACES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"));
+    dir.is_dir().then_some(dir)
+}
+
+fn check(recording: &gpumem::trace::Recording, device: u32) -> gpumem::trace::ReplayReport {
+    let options = ReplayOptions {
+        device,
+        check: true,
+        ..ReplayOptions::default()
+    };
+    let report = replay(recording, &options).expect("replay runs");
+    if let Some(d) = &report.divergence {
+        panic!(
+            "diverges at event {}: expected {}, got {}\n{}",
+            d.index,
+            d.expected,
+            d.actual,
+            d.context.join("\n")
+        );
+    }
+    report
+}
+
+/// (file, events, allocs, segment allocs, start segments) — counts from the recordings'
+/// documentation; every event is a compared decision.
+const BUNDLED: [(&str, usize, u64, u64, usize); 5] = [
+    ("cs336_attention_tiny_complete", 97, 36, 9, 0),
+    ("opt125m_zo_fedtrain_complete", 23_105, 7_946, 61, 0),
+    ("cs336_lm_fwd_bwd_step", 19_464, 6_488, 0, 999),
+    ("cs336_lm_compiled_train", 6_486, 2_162, 0, 96),
+    ("cs336_lm_forward_bf16", 2_811, 937, 0, 43),
+];
+
+#[test]
+fn bundled_recordings_replay_exactly() {
+    for (name, events, allocs, segment_allocs, start) in BUNDLED {
+        let rec = read_recording(&data(&format!("{name}.noframes.json.gz"))).expect(name);
+        let r = check(&rec, 0);
+        assert_eq!(r.events, events, "{name}");
+        assert_eq!(
+            r.compared.total(),
+            events as u64,
+            "{name}: every event compared"
+        );
+        assert_eq!(r.compared.allocs, allocs, "{name}");
+        assert_eq!(r.compared.segment_allocs, segment_allocs, "{name}");
+        assert_eq!(r.start_segments, start, "{name}");
+    }
+}
+
+#[test]
+fn every_shared_recording_with_a_trace_replays_exactly() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found: skipped");
+        return;
+    };
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(&dir).expect("readable") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "pickle") {
+            continue;
+        }
+        let rec = read_recording(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let expandable = rec.segments.iter().any(|s| s.is_expandable);
+        for (device, events) in rec.device_traces.iter().enumerate() {
+            if events.is_empty() || expandable {
+                continue;
+            }
+            let r = check(&rec, device as u32);
+            assert_eq!(
+                r.compared.total(),
+                events.len() as u64,
+                "{}",
+                path.display()
+            );
+            replayed += 1;
+        }
+    }
+    // 14 recordings with a default-configuration trace.
+    assert!(replayed >= 14, "only {replayed} traces replayed");
+}
+
+#[test]
+fn oom_and_empty_cache_recordings_reproduce_at_the_same_event() {
+    let Some(dir) = shared_traces() else {
+        return;
+    };
+    let rec = read_recording(&dir.join("dit_discrete_diffusion_train_oom_complete.pickle"))
+        .expect("readable");
+    let r = check(&rec, 0);
+    assert_eq!((r.compared.ooms, r.ooms), (1, 1));
+    assert_eq!(r.compared.segment_frees, 6);
+    let rec =
+        read_recording(&dir.join("qwen2_7b_layerwise_calib_emptycache.pickle")).expect("readable");
+    assert_eq!(check(&rec, 0).compared.segment_frees, 420);
+    let rec =
+        read_recording(&dir.join("llama_offload_inference_multistream.pickle")).expect("readable");
+    let streams: std::collections::BTreeSet<u64> =
+        rec.device_traces[0].iter().map(|e| e.stream).collect();
+    assert_eq!(streams.len(), 10);
+    check(&rec, 0);
+}
+
+#[test]
+fn pickle_and_json_copies_decode_to_the_same_recording() {
+    let Some(dir) = shared_traces() else {
+        return;
+    };
+    for name in [
+        "cs336_attention_tiny_complete",
+        "opt125m_zo_fedtrain_complete",
+    ] {
+        let pickled = read_recording(&dir.join(format!("{name}.pickle"))).expect("pickle");
+        let json = read_recording(&data(&format!("{name}.noframes.json.gz"))).expect("json");
+        assert_eq!(pickled.segments, json.segments, "{name}");
+        assert_eq!(pickled.device_traces, json.device_traces, "{name}");
+        assert_eq!(pickled.config, json.config, "{name}");
+    }
+}
+
+/// Rewrites one event of a bundled recording and checks that replay points at it.
+fn diverges_at(edit: impl Fn(&mut serde_json::Value) -> usize) {
+    let bytes =
+        std::fs::read(data("cs336_attention_tiny_complete.noframes.json.gz")).expect("data");
+    let mut json = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut json)
+        .expect("gzip");
+    let mut doc: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let index = edit(&mut doc);
+    let rec = parse_recording(doc.to_string().as_bytes()).expect("still valid");
+    let options = ReplayOptions {
+        check: true,
+        ..ReplayOptions::default()
+    };
+    let report = replay(&rec, &options).expect("replay runs");
+    let d = report.divergence.expect("the edit is caught");
+    assert_eq!(d.index, index, "{d:?}");
+}
+
+#[test]
+fn a_changed_decision_is_reported_where_it_happens() {
+    // Event 5 allocates a 512 MiB block that event 9 frees: move both.
+    diverges_at(|doc| {
+        for i in [5, 9] {
+            let e = &mut doc["device_traces"][0][i];
+            assert_eq!(e["size"], 536_870_912);
+            e["addr"] = (e["addr"].as_u64().expect("addr") + 512).into();
+        }
+        5
+    });
+    // A segment of another size than the allocator would take.
+    diverges_at(|doc| {
+        let e = &mut doc["device_traces"][0][0];
+        assert_eq!(e["action"], "segment_alloc");
+        e["size"] = (e["size"].as_u64().expect("size") * 2).into();
+        0
+    });
+    // An empty_cache the allocator would not have needed to release that segment.
+    diverges_at(|doc| {
+        let events = doc["device_traces"][0].as_array_mut().expect("events");
+        let seg = events[0].clone();
+        let mut free = seg.clone();
+        free["action"] = "segment_free".into();
+        events.insert(1, free);
+        1
+    });
+}
+
+#[test]
+fn what_if_compares_configurations() {
+    let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
+    let run = |conf: Option<&str>| {
+        let options = ReplayOptions {
+            config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
+            series_points: 100,
+            ..ReplayOptions::default()
+        };
+        replay(&rec, &options).expect("replay runs")
+    };
+    let recorded = run(None);
+    let checked = check(&rec, 0);
+    assert_eq!(recorded.peak_reserved, checked.peak_reserved);
+    assert_eq!(recorded.peak_allocated, checked.peak_allocated);
+    assert_eq!(recorded.device_allocs, 61);
+    assert!(recorded.reserved_ratio() > 1.0);
+    let expandable = run(Some("expandable_segments:True"));
+    assert!(expandable.peak_reserved < recorded.peak_reserved);
+    let rounded = run(Some("roundup_power2_divisions:4"));
+    assert!(
+        rounded.peak_allocated > recorded.peak_allocated,
+        "coarser rounding costs bytes"
+    );
+    assert!(recorded.series.len() >= 100);
+    let svg = gpumem::trace::plot::svg("opt125m", &[recorded, expandable]);
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 4);
+}
+
+#[test]
+fn a_smaller_device_runs_out_of_memory_in_what_if() {
+    let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
+    let options = ReplayOptions {
+        capacity: Some(1 << 30),
+        ..ReplayOptions::default()
+    };
+    let r = replay(&rec, &options).expect("replay runs");
+    assert!(r.ooms > 0 && r.alloc_retries > 0, "{r:?}");
+    assert!(r.peak_reserved <= 1 << 30);
+}
+
+#[test]
+fn end_state_files_load_and_summarise() {
+    let verl = read_recording(&data("state_verl_vllm_qwen2.noframes.json.gz")).expect("verl");
+    assert_eq!(verl.format, Format::Newest);
+    let text = state_summary(&verl);
+    assert!(text.contains("127 segments"), "{text}");
+    assert!(text.contains("68 in private pools"), "{text}");
+    assert!(text.contains("9 pending free"), "{text}");
+    let old = read_recording(&data(
+        "state_oldformat_flexgen_opt1p3b_oom.noframes.json.gz",
+    ))
+    .expect("oldest layout");
+    assert_eq!(old.format, Format::Oldest);
+    assert_eq!(old.segments.len(), 176);
+    assert_eq!(
+        old.segments.iter().map(|s| s.blocks.len()).sum::<usize>(),
+        463
+    );
+    // Its only event is a snapshot marker, which the rebuilt state must reproduce.
+    assert_eq!(check(&old, 0).compared.snapshots, 1);
+    if let Some(dir) = shared_traces() {
+        let legacy = read_recording(&dir.join("state_legacy_segment_list.pickle")).expect("legacy");
+        assert_eq!(legacy.format, Format::LegacyList);
+        assert_eq!(legacy.segments.len(), 255);
+        assert!(state_summary(&legacy).contains("255 segments (123 large, 132 small)"));
+    }
+}
+
+#[test]
+fn bad_inputs_get_clear_errors() {
+    let tiny = std::fs::read(data("cs336_attention_tiny_complete.noframes.json.gz")).expect("data");
+    let mut json = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&tiny[..]), &mut json)
+        .expect("gz");
+    // Truncated JSON and truncated gzip.
+    assert!(matches!(
+        parse_recording(&json[..json.len() / 2]),
+        Err(TraceError::Json(_))
+    ));
+    assert!(matches!(
+        parse_recording(&tiny[..tiny.len() / 2]),
+        Err(TraceError::Gzip(_))
+    ));
+    // Wrong types, with the path of the field.
+    let mut doc: serde_json::Value = serde_json::from_slice(&json).expect("json");
+    doc["device_traces"][0][3]["size"] = "big".into();
+    let err = parse_recording(doc.to_string().as_bytes()).expect_err("wrong type");
+    assert_eq!(
+        err.to_string(),
+        "at $.device_traces[0][3].size: expected an int, found a string"
+    );
+    let err = parse_recording(b"{\"segments\": 3}").expect_err("not a list");
+    assert_eq!(
+        err.to_string(),
+        "at $.segments: expected a list, found an int"
+    );
+    let err = parse_recording(b"GIF89a").expect_err("not a snapshot");
+    assert!(matches!(err, TraceError::UnknownFormat(_)), "{err}");
+    // A pickle that names a class.
+    let err =
+        parse_recording(b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.")
+            .expect_err("refused");
+    assert!(err.to_string().contains("names a class"), "{err}");
+    // A size field claiming 2 GiB.
+    let err = parse_recording(b"\x80\x04X\x00\x00\x00\x80abc.").expect_err("refused");
+    assert!(err.to_string().contains("truncated"), "{err}");
+    // A gzip bomb: 64 MiB of zeros against a 1 MiB limit.
+    let mut bomb = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    bomb.write_all(&vec![0u8; 64 << 20]).expect("compress");
+    let bomb = bomb.finish().expect("compress");
+    assert!(bomb.len() < 1 << 20);
+    let err = gpumem::trace::parse_recording_with_limit(&bomb, 1 << 20).expect_err("bomb");
+    assert!(
+        matches!(
+            err,
+            TraceError::TooLarge {
+                decompressed: true,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_command_line_checks_and_fails_cleanly() {
+    let bin = env!("CARGO_BIN_EXE_gpumem");
+    let ok = Command::new(bin)
+        .args(["replay", "--check"])
+        .arg(data("cs336_attention_tiny_complete.noframes.json.gz"))
+        .output()
+        .expect("runs");
+    assert!(ok.status.success(), "{ok:?}");
+    let out = String::from_utf8_lossy(&ok.stdout);
+    assert!(out.contains("97 events match the recording"), "{out}");
+
+    let dir = std::env::temp_dir().join(format!("gpumem-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let broken = dir.join("broken.json");
+    std::fs::write(&broken, b"{\"segments\": [").expect("write");
+    let bad = Command::new(bin)
+        .args(["replay"])
+        .arg(&broken)
+        .output()
+        .expect("runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("JSON error"));
+
+    let svg = dir.join("plot.svg");
+    let what_if = Command::new(bin)
+        .args([
+            "replay",
+            "--json",
+            "--config",
+            "expandable_segments:True",
+            "--plot",
+        ])
+        .arg(&svg)
+        .arg(data("cs336_lm_forward_bf16.noframes.json.gz"))
+        .output()
+        .expect("runs");
+    assert!(what_if.status.success(), "{what_if:?}");
+    let json: serde_json::Value = serde_json::from_slice(&what_if.stdout).expect("json");
+    assert_eq!(json[0]["results"].as_array().map(Vec::len), Some(2));
+    assert!(
+        std::fs::read_to_string(&svg)
+            .expect("svg")
+            .contains("<polyline")
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
