@@ -267,6 +267,14 @@ impl SimDevice {
         self.reservations.len()
     }
 
+    /// Whether `addr` lies in a live address reservation.
+    pub fn is_reserved(&self, addr: u64) -> bool {
+        self.reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, &len)| addr < start + len)
+    }
+
     /// Bytes of address space reserved (and not yet freed).
     pub fn reserved_address_space(&self) -> u64 {
         self.reservations.values().sum()

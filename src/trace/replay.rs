@@ -438,9 +438,16 @@ impl Engine<'_> {
             self.alloc.empty_cache().map_err(|err| self.fail(i, err))?;
         }
         if self.check {
+            // New segments, and the first map of a new expandable segment (its base), go
+            // where the recording put them.
+            let sim = self.alloc.device();
             let hints: Vec<u64> = effects
                 .iter()
-                .filter(|e| matches!(e.action, TraceAction::SegmentAlloc))
+                .filter(|e| match e.action {
+                    TraceAction::SegmentAlloc => true,
+                    TraceAction::SegmentMap => !sim.is_reserved(e.addr),
+                    _ => false,
+                })
                 .map(|e| e.addr)
                 .collect();
             self.alloc.device_mut().hint_addresses(hints);
@@ -541,6 +548,18 @@ impl Engine<'_> {
                 format!("{mark} #{k}: {}", describe_recorded(&self.events[k]))
             })
             .collect();
+        let recorded = self.events.get(index);
+        if recorded.is_some_and(|e| {
+            matches!(
+                e.action,
+                TraceAction::SegmentMap | TraceAction::SegmentAlloc
+            )
+        }) {
+            context.push(format!(
+                "hint: segments are placed where the recording put them; if that place is taken by the address range reserved for an expandable segment, the simulated device ({}) is larger than the recorded one: pass --capacity with the recorded device's memory",
+                format_size(self.alloc.device().config().capacity)
+            ));
+        }
         let stats = self.alloc.stats();
         context.push(format!(
             "allocator: {} allocated, {} reserved in {} segments, largest free block {}",

@@ -56,20 +56,28 @@ pub fn start_state(
 ) -> Result<Vec<StartSegment>, String> {
     let mut segments: BTreeMap<u64, (u64, u64, PoolKind)> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
+    // Bytes mapped into expandable segments; walking back over their maps and unmaps must
+    // bring this to zero (a trace that starts with expandable memory mapped is not rebuilt).
+    let mut mapped: i128 = 0;
+    let mut expandable_live: Vec<u64> = Vec::new();
     for seg in recording.segments.iter().filter(|s| s.device == device) {
-        if seg.is_expandable {
-            return Err(format!(
-                "segment {:#x} is expandable: rebuilding such a start state is not supported",
-                seg.address
-            ));
-        }
         if seg.pool_id != (0, 0) {
             return Err(format!(
                 "segment {:#x} belongs to private pool {:?}, which replay does not model",
                 seg.address, seg.pool_id
             ));
         }
-        segments.insert(seg.address, (seg.total_size, seg.stream, seg.pool));
+        if seg.is_expandable {
+            mapped += i128::from(seg.total_size);
+            expandable_live.extend(
+                seg.blocks
+                    .iter()
+                    .filter(|b| b.state != BlockState::Inactive)
+                    .map(|b| b.address),
+            );
+        } else {
+            segments.insert(seg.address, (seg.total_size, seg.stream, seg.pool));
+        }
         for b in &seg.blocks {
             if b.state != BlockState::Inactive {
                 live.insert(
@@ -111,13 +119,18 @@ pub fn start_state(
                 };
                 segments.insert(e.addr, (e.size, e.stream, pool));
             }
-            TraceAction::SegmentMap | TraceAction::SegmentUnmap => {
-                return Err("the trace maps expandable segments: rebuilding such a start state is not supported".into());
-            }
+            TraceAction::SegmentMap => mapped -= i128::from(e.size),
+            TraceAction::SegmentUnmap => mapped += i128::from(e.size),
             _ => {}
         }
     }
 
+    if mapped != 0 || expandable_live.iter().any(|a| live.contains_key(a)) {
+        return Err(format!(
+            "the trace starts with {} bytes mapped in expandable segments; rebuilding such a start state is not supported",
+            mapped
+        ));
+    }
     let mut out = Vec::with_capacity(segments.len());
     for (&address, &(size, stream, pool)) in &segments {
         let end = address + size;

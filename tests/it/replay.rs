@@ -24,10 +24,21 @@ fn shared_traces() -> Option<PathBuf> {
     dir.is_dir().then_some(dir)
 }
 
-fn check(recording: &gpumem::trace::Recording, device: u32) -> gpumem::trace::ReplayReport {
+/// The device memory the qwen3 recording's address layout implies (79.15 GiB, an
+/// "80 GB" GPU): its expandable segments' reservations sit exactly that far apart. The
+/// recording itself does not say.
+const QWEN3_DEVICE_BYTES: u64 = 84_987_740_160;
+
+fn check(
+    recording: &gpumem::trace::Recording,
+    device: u32,
+    capacity: Option<u64>,
+) -> gpumem::trace::ReplayReport {
+    let expandable = recording.segments.iter().any(|s| s.is_expandable);
     let options = ReplayOptions {
         device,
         check: true,
+        capacity: capacity.or(expandable.then_some(QWEN3_DEVICE_BYTES)),
         ..ReplayOptions::default()
     };
     let report = replay(recording, &options).expect("replay runs");
@@ -57,7 +68,7 @@ const BUNDLED: [(&str, usize, u64, u64, usize); 5] = [
 fn bundled_recordings_replay_exactly() {
     for (name, events, allocs, segment_allocs, start) in BUNDLED {
         let rec = read_recording(&data(&format!("{name}.noframes.json.gz"))).expect(name);
-        let r = check(&rec, 0);
+        let r = check(&rec, 0, None);
         assert_eq!(r.events, events, "{name}");
         assert_eq!(
             r.compared.total(),
@@ -83,12 +94,11 @@ fn every_shared_recording_with_a_trace_replays_exactly() {
             continue;
         }
         let rec = read_recording(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let expandable = rec.segments.iter().any(|s| s.is_expandable);
         for (device, events) in rec.device_traces.iter().enumerate() {
-            if events.is_empty() || expandable {
+            if events.is_empty() {
                 continue;
             }
-            let r = check(&rec, device as u32);
+            let r = check(&rec, device as u32, None);
             assert_eq!(
                 r.compared.total(),
                 events.len() as u64,
@@ -98,8 +108,8 @@ fn every_shared_recording_with_a_trace_replays_exactly() {
             replayed += 1;
         }
     }
-    // 14 recordings with a default-configuration trace.
-    assert!(replayed >= 14, "only {replayed} traces replayed");
+    // 14 recordings with a trace, one of them with three devices.
+    assert!(replayed >= 17, "only {replayed} traces replayed");
 }
 
 #[test]
@@ -109,18 +119,49 @@ fn oom_and_empty_cache_recordings_reproduce_at_the_same_event() {
     };
     let rec = read_recording(&dir.join("dit_discrete_diffusion_train_oom_complete.pickle"))
         .expect("readable");
-    let r = check(&rec, 0);
+    let r = check(&rec, 0, None);
     assert_eq!((r.compared.ooms, r.ooms), (1, 1));
     assert_eq!(r.compared.segment_frees, 6);
     let rec =
         read_recording(&dir.join("qwen2_7b_layerwise_calib_emptycache.pickle")).expect("readable");
-    assert_eq!(check(&rec, 0).compared.segment_frees, 420);
+    assert_eq!(check(&rec, 0, None).compared.segment_frees, 420);
     let rec =
         read_recording(&dir.join("llama_offload_inference_multistream.pickle")).expect("readable");
     let streams: std::collections::BTreeSet<u64> =
         rec.device_traces[0].iter().map(|e| e.stream).collect();
     assert_eq!(streams.len(), 10);
-    check(&rec, 0);
+    check(&rec, 0, None);
+}
+
+#[test]
+fn expandable_recording_replays_exactly_on_all_three_devices() {
+    let Some(dir) = shared_traces() else {
+        return;
+    };
+    let rec = read_recording(&dir.join("qwen3_gnn_3gpu_expandable_oom_complete.pickle"))
+        .expect("readable");
+    let config = rec.config.clone().expect("recorded settings");
+    assert!(config.expandable_segments);
+    // (events, segment maps and unmaps, OOMs) per device, from the recording's documentation.
+    for (device, events, maps, ooms) in [(0, 6_445, 175, 0), (1, 596, 46, 1), (2, 882, 78, 0)] {
+        let r = check(&rec, device, Some(QWEN3_DEVICE_BYTES));
+        assert_eq!(r.compared.total(), events, "device {device}");
+        assert_eq!(r.compared.segment_maps, maps, "device {device}");
+        assert_eq!(r.compared.ooms, ooms, "device {device}");
+    }
+    // On a device larger than the recorded one, the reservations no longer fit where the
+    // recording put them, and the divergence says so.
+    let options = ReplayOptions {
+        device: 0,
+        check: true,
+        capacity: Some(80 << 30),
+        ..ReplayOptions::default()
+    };
+    let d = replay(&rec, &options)
+        .expect("runs")
+        .divergence
+        .expect("diverges");
+    assert!(d.context.iter().any(|l| l.contains("--capacity")), "{d:?}");
 }
 
 #[test]
@@ -200,7 +241,7 @@ fn what_if_compares_configurations() {
         replay(&rec, &options).expect("replay runs")
     };
     let recorded = run(None);
-    let checked = check(&rec, 0);
+    let checked = check(&rec, 0, None);
     assert_eq!(recorded.peak_reserved, checked.peak_reserved);
     assert_eq!(recorded.peak_allocated, checked.peak_allocated);
     assert_eq!(recorded.device_allocs, 61);
@@ -248,7 +289,7 @@ fn end_state_files_load_and_summarise() {
         463
     );
     // Its only event is a snapshot marker, which the rebuilt state must reproduce.
-    assert_eq!(check(&old, 0).compared.snapshots, 1);
+    assert_eq!(check(&old, 0, None).compared.snapshots, 1);
     if let Some(dir) = shared_traces() {
         let legacy = read_recording(&dir.join("state_legacy_segment_list.pickle")).expect("legacy");
         assert_eq!(legacy.format, Format::LegacyList);
