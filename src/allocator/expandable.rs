@@ -21,6 +21,8 @@
 //! - A page has a physical handle iff it lies inside a mapped block.
 //! - Unmapped blocks start and end on page boundaries, and sit in their pool's unmapped set.
 
+use std::collections::BTreeMap;
+
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use super::block::{Block, BlockId};
@@ -33,7 +35,7 @@ use super::{AllocError, CachingAllocator, TraceAction};
 pub(crate) struct SegmentId(pub u32);
 
 /// One reserved address range and the physical pages mapped into it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct ExpandableSegment {
     /// Start of the reserved range.
     pub ptr: u64,
@@ -43,8 +45,9 @@ pub(crate) struct ExpandableSegment {
     pub page_size: u64,
     /// The stream whose pool owns the segment (synchronised before pages are unmapped).
     pub stream: StreamId,
-    /// One slot per page of the range: the page's handle while mapped.
-    pub handles: Vec<Option<PhysicalHandle>>,
+    /// Page index → handle, for the mapped pages (sparse: a reservation can span far more
+    /// pages than are ever mapped).
+    pub handles: BTreeMap<usize, PhysicalHandle>,
 }
 
 /// What an unmap achieved: `[start, start + size)` is no longer mapped. `error` is set when
@@ -110,7 +113,7 @@ impl ExpandableSegment {
             };
         }
         for (i, handle) in created.into_iter().enumerate() {
-            self.handles[begin + i] = Some(handle);
+            self.handles.insert(begin + i, handle);
         }
         Ok((end - begin) as u64 * self.page_size)
     }
@@ -133,7 +136,7 @@ impl ExpandableSegment {
             return outcome;
         }
         for page in begin..end {
-            let Some(handle) = self.handles[page] else {
+            let Some(&handle) = self.handles.get(&page) else {
                 continue;
             };
             let result = device
@@ -143,7 +146,7 @@ impl ExpandableSegment {
                 outcome.error = Some(e);
                 break;
             }
-            self.handles[page] = None;
+            self.handles.remove(&page);
             outcome.size += self.page_size;
         }
         outcome
@@ -247,8 +250,8 @@ impl<D: Device> CachingAllocator<D> {
             PoolKind::Large => LARGE_BUFFER,
         };
         let total = self.device.mem_get_info()?.total;
-        let pages = (total + total / 8).div_ceil(page_size);
-        let size = pages * page_size;
+        let pages = total.saturating_add(total / 8).div_ceil(page_size);
+        let size = pages.saturating_mul(page_size);
         let ptr = match self.device.reserve_address_range(size) {
             Ok(ptr) => ptr.0,
             Err(DeviceError::OutOfMemory) => return Ok(None),
@@ -259,7 +262,7 @@ impl<D: Device> CachingAllocator<D> {
             size,
             page_size,
             stream,
-            handles: vec![None; pages as usize],
+            handles: BTreeMap::new(),
         });
         let segment = SegmentId(u32::try_from(segment).expect("fewer than 2^32 segments"));
         let id = self.new_block(Block {
@@ -426,13 +429,13 @@ impl<D: Device> CachingAllocator<D> {
             }
             let (first, last) = (seg.page_floor(b.ptr), seg.page_ceil(b.ptr + b.size));
             if b.mapped {
-                if seg.handles[first..last].iter().any(Option::is_none) {
+                if seg.handles.range(first..last).count() != last - first {
                     return Err(format!("mapped block {:#x} covers an unmapped page", b.ptr));
                 }
             } else {
                 let aligned = (b.ptr - seg.ptr).is_multiple_of(seg.page_size)
                     && (b.ptr + b.size - seg.ptr).is_multiple_of(seg.page_size);
-                if !aligned || seg.handles[first..last].iter().any(Option::is_some) {
+                if !aligned || seg.handles.range(first..last).next().is_some() {
                     return Err(format!("unmapped block {:#x} covers a mapped page", b.ptr));
                 }
                 if self.pool(b.pool).unmapped.get(&(b.stream, b.ptr)) != Some(&id) {

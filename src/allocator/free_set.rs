@@ -48,7 +48,7 @@ fn class_of(size: u64) -> usize {
 }
 
 /// The free blocks of one stream.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct StreamBins {
     bitmap: [u64; BITMAP_WORDS],
     classes: Vec<Vec<FreeEntry>>,
@@ -173,7 +173,7 @@ impl StreamBins {
 }
 
 /// The free blocks of one pool, all streams. See the module documentation.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct FreeSet {
     streams: Vec<(StreamId, StreamBins)>,
     len: usize,

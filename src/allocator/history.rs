@@ -71,7 +71,7 @@ impl Serialize for TraceEntry {
 }
 
 /// The ring buffer of trace entries.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct History {
     entries: VecDeque<TraceEntry>,
     /// 0 when recording is off.

@@ -63,11 +63,11 @@ use history::History;
 pub use history::{TraceAction, TraceEntry};
 pub use restore::RestoredBlock;
 use size::{LARGE_BUFFER, MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind, SMALL_SIZE};
-pub use snapshot::{BlockInfo, BlockState, Frame, SegmentInfo, Snapshot};
+pub use snapshot::{BlockInfo, BlockState, Frame, SegmentInfo, SimulatedDeviceInfo, Snapshot};
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct BlockPool {
     free: FreeSet,
     /// Unmapped blocks of expandable segments, by (stream, address).
@@ -97,14 +97,40 @@ pub struct CachingAllocator<D: Device> {
     stats: Arc<DeviceStats>,
     /// Bytes currently obtained from the driver.
     total_allocated_memory: u64,
-    /// The per-process limit once a memory fraction is set.
+    /// The per-process limit once a memory fraction is set, and the fraction.
     allowed_memory_maximum: Option<u64>,
+    memory_fraction: Option<f64>,
     history: History,
     /// Expandable segments (Note [Expandable segments]).
     expandable_segments: Slab<ExpandableSegment>,
     /// Whether `max_split_size` changed after blocks were counted as oversize: the oversize
     /// stats then follow PyTorch's (drifting) arithmetic and cannot be checked exactly.
     max_split_size_changed: bool,
+}
+
+/// A clone is an independent allocator in the same state, statistics included (copied into
+/// a new [`DeviceStats`], not shared): replay uses it to try one reading of a recording and
+/// fall back to another.
+impl<D: Device + Clone> Clone for CachingAllocator<D> {
+    fn clone(&self) -> Self {
+        CachingAllocator {
+            device: self.device.clone(),
+            config: self.config.clone(),
+            blocks: self.blocks.clone(),
+            small: self.small.clone(),
+            large: self.large.clone(),
+            live: self.live.clone(),
+            pending_events: self.pending_events.clone(),
+            event_pool: self.event_pool.clone(),
+            stats: Arc::new(self.stats.copy()),
+            total_allocated_memory: self.total_allocated_memory,
+            allowed_memory_maximum: self.allowed_memory_maximum,
+            memory_fraction: self.memory_fraction,
+            history: self.history.clone(),
+            expandable_segments: self.expandable_segments.clone(),
+            max_split_size_changed: self.max_split_size_changed,
+        }
+    }
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -123,6 +149,7 @@ impl<D: Device> CachingAllocator<D> {
             stats,
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
+            memory_fraction: None,
             history: History::default(),
             expandable_segments: Slab::new(),
             max_split_size_changed: false,
@@ -896,6 +923,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         let total = self.device.mem_get_info()?.total;
         self.allowed_memory_maximum = Some((fraction * total as f64) as u64);
+        self.memory_fraction = Some(fraction);
         Ok(())
     }
 
@@ -1010,10 +1038,20 @@ impl<D: Device> CachingAllocator<D> {
         }
         let active: u64 = segments.iter().map(|s| s.active_size).sum();
         self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
+        let simulated_device = self
+            .device
+            .mem_get_info()
+            .ok()
+            .map(|info| SimulatedDeviceInfo {
+                total_bytes: info.total,
+                memory_fraction: self.memory_fraction,
+                allowed_memory_maximum: self.allowed_memory_maximum,
+            });
         Snapshot {
             segments,
             device_traces: vec![trace],
             allocator_settings: self.config.settings(),
+            simulated_device,
         }
     }
 

@@ -4,7 +4,7 @@
 use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::{Block, BlockId};
-use super::size::{MIN_BLOCK_SIZE, PoolKind};
+use super::size::{MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind};
 use super::{AllocError, CachingAllocator};
 
 /// One block of a segment to restore, in address order.
@@ -30,7 +30,13 @@ impl<D: Device> CachingAllocator<D> {
         kind: PoolKind,
         blocks: &[RestoredBlock],
     ) -> Result<DevicePtr, AllocError> {
-        let size: u64 = blocks.iter().map(|b| b.size).sum();
+        let size = blocks
+            .iter()
+            .try_fold(0u64, |sum, b| sum.checked_add(b.size))
+            .filter(|&size| size < ONE_EXABYTE)
+            .ok_or_else(|| {
+                AllocError::InvalidLayout("the blocks add up to an exabyte or more".into())
+            })?;
         if let Some(b) = blocks
             .iter()
             .find(|b| b.size == 0 || !b.size.is_multiple_of(MIN_BLOCK_SIZE))

@@ -74,6 +74,18 @@ pub struct SegmentInfo {
     pub blocks: Vec<BlockInfo>,
 }
 
+/// The device a snapshot was taken on: not in PyTorch's snapshots, but needed to replay one
+/// faithfully (OOMs, garbage collection and flushes depend on it).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SimulatedDeviceInfo {
+    /// Device memory in bytes.
+    pub total_bytes: u64,
+    /// The per-process memory fraction, if one was set.
+    pub memory_fraction: Option<f64>,
+    /// The per-process limit in bytes, if one was set.
+    pub allowed_memory_maximum: Option<u64>,
+}
+
 /// A whole snapshot.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Snapshot {
@@ -83,4 +95,7 @@ pub struct Snapshot {
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// The configuration in force.
     pub allocator_settings: AllocatorSettings,
+    /// The device, when it could be queried.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulated_device: Option<SimulatedDeviceInfo>,
 }

@@ -44,12 +44,14 @@ pub struct StatValue {
 impl Stat {
     #[inline]
     fn add(cell: &AtomicI64, amount: i64) {
-        cell.store(cell.load(Relaxed) + amount, Relaxed);
+        // Totals can exceed i64 over a long enough run; like PyTorch's counters they wrap
+        // rather than abort.
+        cell.store(cell.load(Relaxed).wrapping_add(amount), Relaxed);
     }
 
     #[inline]
     pub(crate) fn increase(&self, amount: i64) {
-        let current = self.current.load(Relaxed) + amount;
+        let current = self.current.load(Relaxed).wrapping_add(amount);
         self.current.store(current, Relaxed);
         if current > self.peak.load(Relaxed) {
             self.peak.store(current, Relaxed);
@@ -86,6 +88,16 @@ impl Stat {
     pub fn current(&self) -> i64 {
         self.current.load(Relaxed)
     }
+
+    fn copy(&self) -> Stat {
+        let v = self.get();
+        Stat {
+            current: AtomicI64::new(v.current),
+            peak: AtomicI64::new(v.peak),
+            allocated: AtomicI64::new(v.allocated),
+            freed: AtomicI64::new(v.freed),
+        }
+    }
 }
 
 /// A stat kept for each pool, and for both together.
@@ -117,16 +129,18 @@ impl StatArray {
     pub fn all(&self) -> StatValue {
         let (s, l) = (self.small_pool.get(), self.large_pool.get());
         StatValue {
-            current: s.current + l.current,
+            current: s.current.wrapping_add(l.current),
             peak: self.all_peak.load(Relaxed),
-            allocated: s.allocated + l.allocated,
-            freed: s.freed + l.freed,
+            allocated: s.allocated.wrapping_add(l.allocated),
+            freed: s.freed.wrapping_add(l.freed),
         }
     }
 
     /// The current value of both pools together.
     pub fn all_current(&self) -> i64 {
-        self.small_pool.current() + self.large_pool.current()
+        self.small_pool
+            .current()
+            .wrapping_add(self.large_pool.current())
     }
 
     #[inline]
@@ -149,6 +163,14 @@ impl StatArray {
             self.increase(pool, delta as u64);
         } else if delta < 0 {
             self.decrease(pool, delta.unsigned_abs());
+        }
+    }
+
+    fn copy(&self) -> StatArray {
+        StatArray {
+            small_pool: self.small_pool.copy(),
+            large_pool: self.large_pool.copy(),
+            all_peak: AtomicI64::new(self.all_peak.load(Relaxed)),
         }
     }
 
@@ -180,7 +202,7 @@ pub struct Counter(AtomicI64);
 impl Counter {
     #[inline]
     pub(crate) fn bump(&self) {
-        self.0.store(self.0.load(Relaxed) + 1, Relaxed);
+        self.0.store(self.0.load(Relaxed).wrapping_add(1), Relaxed);
     }
 
     fn reset(&self) {
@@ -190,6 +212,10 @@ impl Counter {
     /// The count.
     pub fn get(&self) -> i64 {
         self.0.load(Relaxed)
+    }
+
+    fn copy(&self) -> Counter {
+        Counter(AtomicI64::new(self.get()))
     }
 }
 
@@ -237,6 +263,29 @@ impl DeviceStats {
         DeviceStats {
             max_split_size,
             ..DeviceStats::default()
+        }
+    }
+
+    /// An independent copy of every value.
+    pub(crate) fn copy(&self) -> DeviceStats {
+        DeviceStats {
+            allocation: self.allocation.copy(),
+            segment: self.segment.copy(),
+            active: self.active.copy(),
+            inactive_split: self.inactive_split.copy(),
+            allocated_bytes: self.allocated_bytes.copy(),
+            reserved_bytes: self.reserved_bytes.copy(),
+            active_bytes: self.active_bytes.copy(),
+            inactive_split_bytes: self.inactive_split_bytes.copy(),
+            requested_bytes: self.requested_bytes.copy(),
+            oversize_allocations: self.oversize_allocations.copy(),
+            oversize_segments: self.oversize_segments.copy(),
+            num_alloc_retries: self.num_alloc_retries.copy(),
+            num_ooms: self.num_ooms.copy(),
+            num_sync_all_streams: self.num_sync_all_streams.copy(),
+            num_device_alloc: self.num_device_alloc.copy(),
+            num_device_free: self.num_device_free.copy(),
+            max_split_size: self.max_split_size,
         }
     }
 

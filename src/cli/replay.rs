@@ -1,11 +1,14 @@
 //! `gpumem replay`: the fidelity check and the what-if table.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::trace::replay::ReplayReport;
-use gpumem::trace::{ReplayOptions, plot, read_recording, replay, state_summary};
+use gpumem::trace::{
+    Recording, ReplayOptions, plot, read_recording, replay_with_progress, state_summary,
+};
 
 use super::{CliResult, Path, parse_bytes};
 
@@ -73,7 +76,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 check: false,
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
             };
-            reports.push(replay(&recording, &options)?);
+            reports.push(replay_shown(&recording, &options)?);
         }
         results.push((device, reports));
     }
@@ -142,6 +145,30 @@ pub(crate) fn run(args: Args) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Traces at least this long get a progress bar (when stderr is a terminal).
+const PROGRESS_MIN_EVENTS: usize = 100_000;
+
+/// Replays with a progress bar on stderr for long traces, when stderr is a terminal.
+fn replay_shown(
+    recording: &Recording,
+    options: &ReplayOptions,
+) -> Result<ReplayReport, gpumem::trace::ReplayError> {
+    let events = recording
+        .device_traces
+        .get(options.device as usize)
+        .map_or(0, Vec::len);
+    if events < PROGRESS_MIN_EVENTS || !std::io::stderr().is_terminal() {
+        return replay_with_progress(recording, options, &mut |_, _| {});
+    }
+    let bar = indicatif::ProgressBar::new(events as u64);
+    bar.set_message(format!("device {}", options.device));
+    let result = replay_with_progress(recording, options, &mut |done, _| {
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    result
+}
+
 fn truncate(text: &str, width: usize) -> String {
     if text.chars().count() <= width {
         text.to_string()
@@ -151,7 +178,7 @@ fn truncate(text: &str, width: usize) -> String {
     }
 }
 
-fn check(args: &Args, recording: &gpumem::trace::Recording, devices: &[u32]) -> CliResult {
+fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
     let mut all = Vec::new();
     for &device in devices {
         let options = ReplayOptions {
@@ -161,7 +188,7 @@ fn check(args: &Args, recording: &gpumem::trace::Recording, devices: &[u32]) -> 
             check: true,
             series_points: 0,
         };
-        let report = replay(recording, &options)?;
+        let report = replay_shown(recording, &options)?;
         all.push((device, report));
     }
     if args.json {

@@ -17,6 +17,10 @@ pub(crate) struct Args {
     /// Simulated device memory in GiB.
     #[arg(long, default_value_t = 80)]
     capacity_gib: u64,
+    /// Per-process memory fraction (set_per_process_memory_fraction; enables
+    /// garbage_collection_threshold).
+    #[arg(long)]
+    memory_fraction: Option<f64>,
     /// Training steps.
     #[arg(long, default_value_t = 20)]
     steps: u32,
@@ -45,6 +49,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         .ok_or("--capacity-gib is too large")?;
     let device = SimDevice::new(SimConfig::with_capacity(capacity));
     let mut alloc = CachingAllocator::new(device, config);
+    if let Some(fraction) = args.memory_fraction {
+        alloc.set_memory_fraction(fraction)?;
+    }
     alloc.record_history(Some(100_000));
     let workload = TrainingWorkload {
         steps: args.steps,

@@ -159,7 +159,7 @@ struct Fault {
 }
 
 /// A deterministic simulated GPU. See the module documentation.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SimDevice {
     config: SimConfig,
     /// Free address ranges: start → length.

@@ -23,7 +23,9 @@ mod summary;
 use std::io::Read;
 use std::path::Path;
 
-pub use replay::{Divergence, ReplayError, ReplayOptions, ReplayReport, replay};
+pub use replay::{
+    Divergence, ReplayError, ReplayOptions, ReplayReport, replay, replay_with_progress,
+};
 pub use schema::{
     Format, RecordedBlock, RecordedEvent, RecordedSegment, Recording, SimulatedDevice,
 };

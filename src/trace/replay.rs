@@ -33,6 +33,10 @@ use super::{RecordedEvent, Recording};
 /// the GPUs behind the shared recordings.
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
 
+/// The largest simulated device: 64 PiB, far beyond any GPU, small enough that no byte
+/// count derived from it overflows.
+pub const MAX_CAPACITY: u64 = 1 << 56;
+
 /// Streams invented to defer frees start here, far from real stream handles.
 const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
 
@@ -176,6 +180,50 @@ pub enum ReplayError {
 /// A [`ReplayError`] when the replay cannot run at all; a divergence is not an error but part
 /// of the report.
 pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+    replay_with_progress(recording, options, &mut |_, _| {})
+}
+
+/// [`replay()`], calling `progress(events done, events in all)` every few thousand events.
+///
+/// # Errors
+/// As [`replay()`].
+pub fn replay_with_progress(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayReport, ReplayError> {
+    // What-if replays follow the readings of ambiguous releases that reproduce the recording
+    // under its own configuration (Note [Reading releases]).
+    let releases_in_malloc = if options.check {
+        FxHashSet::default()
+    } else {
+        let check = ReplayOptions {
+            config: None,
+            check: true,
+            series_points: 0,
+            ..options.clone()
+        };
+        run(recording, &check, &mut |_, _| {})?.1
+    };
+    let (report, _) = run_with(recording, options, progress, releases_in_malloc)?;
+    Ok(report)
+}
+
+/// One replay: the report and the readings found (see [`replay_with_progress`]).
+fn run(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
+    run_with(recording, options, progress, FxHashSet::default())
+}
+
+fn run_with(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+    releases_in_malloc: FxHashSet<usize>,
+) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
     let events =
         recording
             .device_traces
@@ -192,7 +240,8 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
     let capacity = options
         .capacity
         .or(recording.simulated_device.map(|d| d.total_bytes))
-        .unwrap_or(DEFAULT_CAPACITY);
+        .unwrap_or(DEFAULT_CAPACITY)
+        .min(MAX_CAPACITY);
     let mut sim = SimConfig {
         index: options.device,
         ..SimConfig::with_capacity(capacity)
@@ -211,7 +260,7 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
     let start = start_state(recording, options.device, &recorded_config)
         .map_err(ReplayError::StartState)?;
     let mut ptrs = FxHashMap::default();
-    for segment in &start {
+    for segment in &start.segments {
         alloc.device_mut().hint_addresses([segment.address]);
         let base = alloc
             .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
@@ -231,6 +280,19 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
             at += b.size;
         }
     }
+    // Frees requested before the trace and completed in it start out pending.
+    let mut deferred = FxHashMap::default();
+    let mut next_stream = SYNTHETIC_STREAM_BASE;
+    for addr in &start.pending_frees {
+        let Some(ptr) = ptrs.remove(addr) else {
+            continue;
+        };
+        let stream = StreamId(next_stream);
+        next_stream += 1;
+        alloc.record_stream(ptr, stream);
+        alloc.free(ptr).map_err(at_start)?;
+        deferred.insert(*addr, stream);
+    }
     alloc.reset_accumulated_stats();
     alloc.reset_peak_stats();
     if options.check {
@@ -244,8 +306,8 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
         check: options.check,
         ptrs,
         failed: FxHashSet::default(),
-        deferred: FxHashMap::default(),
-        next_stream: SYNTHETIC_STREAM_BASE,
+        deferred,
+        next_stream,
         compared: Compared::default(),
         divergence: None,
         series: Vec::new(),
@@ -253,19 +315,20 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
             .len()
             .checked_div(options.series_points)
             .map_or(usize::MAX, |every| every.max(1)),
+        releases_in_malloc,
     };
-    engine.run()?;
+    engine.run(progress)?;
 
     let stats = engine.alloc.memory_stats();
     let get = |key: &str| stats.get(key).copied().unwrap_or(0).max(0) as u64;
-    Ok(ReplayReport {
+    let report = ReplayReport {
         config: if config.last_settings.is_empty() {
             "(default)".to_string()
         } else {
             config.last_settings.clone()
         },
         events: events.len(),
-        start_segments: start.len(),
+        start_segments: start.segments.len(),
         peak_allocated: get("allocated_bytes.all.peak"),
         peak_reserved: get("reserved_bytes.all.peak"),
         device_allocs: get("num_device_alloc"),
@@ -276,7 +339,8 @@ pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayRe
         compared: engine.compared,
         divergence: engine.divergence,
         series: engine.series,
-    })
+    };
+    Ok((report, engine.releases_in_malloc))
 }
 
 struct Engine<'a> {
@@ -294,6 +358,9 @@ struct Engine<'a> {
     divergence: Option<Divergence>,
     series: Vec<SeriesPoint>,
     series_every: usize,
+    /// Starts of the release runs that the allocator made inside a malloc (not a user's
+    /// `empty_cache`): found in check mode, followed in what-if mode.
+    releases_in_malloc: FxHashSet<usize>,
 }
 
 /// Events that drive an operation; everything else is an effect of the next one.
@@ -329,10 +396,16 @@ fn describe_entry(e: &TraceEntry) -> String {
 }
 
 impl Engine<'_> {
-    fn run(&mut self) -> Result<(), ReplayError> {
+    fn run(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<(), ReplayError> {
+        const PROGRESS_EVERY: usize = 4096;
         let n = self.events.len();
         let mut i = 0;
+        let mut reported = 0;
         while i < n && self.divergence.is_none() {
+            if i >= reported + PROGRESS_EVERY {
+                progress(i, n);
+                reported = i;
+            }
             let next = match self.events[i].action {
                 TraceAction::FreeRequested => self.free(i)?,
                 TraceAction::UserDefined => i + 1,
@@ -350,6 +423,7 @@ impl Engine<'_> {
         if self.series_every != usize::MAX {
             self.sample(n);
         }
+        progress(n, n);
         Ok(())
     }
 
@@ -412,6 +486,7 @@ impl Engine<'_> {
                 )
             })
             .copied();
+        let end = if driver.is_some() { j + 1 } else { j };
         let effects = &self.events[i..j];
         for effect in effects {
             if effect.action == TraceAction::FreeCompleted
@@ -420,8 +495,6 @@ impl Engine<'_> {
                 self.alloc.device_mut().complete_stream(stream);
             }
         }
-        let mallocs =
-            driver.is_some_and(|d| matches!(d.action, TraceAction::Alloc | TraceAction::Oom));
         let releases = effects.iter().any(|e| {
             matches!(
                 e.action,
@@ -431,17 +504,55 @@ impl Engine<'_> {
         let completions = effects
             .iter()
             .any(|e| e.action == TraceAction::FreeCompleted);
+        let malloc = driver.is_some_and(|d| d.action == TraceAction::Alloc);
         let oom = driver.is_some_and(|d| d.action == TraceAction::Oom);
-        // Releases before anything but an OOM, and completions no malloc explains, come from
-        // a flush of the cache.
-        if (releases && !oom) || (completions && !mallocs) {
+        // Note [Reading releases]: releases before an OOM are the failing malloc's own flush;
+        // releases before a successful malloc are either a user's `empty_cache` or the
+        // allocator's own (garbage collection, oversize release, a flush after the driver
+        // said no); anything else is a flush. Check mode tries the allocator's reading
+        // first and keeps it if it reproduces the recording; what-if mode reuses the readings
+        // a check pass found.
+        if releases && malloc {
+            if self.check {
+                let saved = self.alloc.clone();
+                self.perform(i, j, driver, false)?;
+                if self.reproduces(i, end) {
+                    self.releases_in_malloc.insert(i);
+                    return Ok(end);
+                }
+                self.alloc = saved;
+                if let Some(d) = driver {
+                    self.ptrs.remove(&d.addr);
+                }
+                self.perform(i, j, driver, true)?;
+            } else {
+                let flush = !self.releases_in_malloc.contains(&i);
+                self.perform(i, j, driver, flush)?;
+            }
+        } else {
+            let flush = (releases && !oom) || (completions && !malloc && !oom);
+            self.perform(i, j, driver, flush)?;
+        }
+        self.compare(i, end);
+        Ok(end.max(i + 1))
+    }
+
+    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`.
+    fn perform(
+        &mut self,
+        i: usize,
+        j: usize,
+        driver: Option<RecordedEvent>,
+        flush: bool,
+    ) -> Result<(), ReplayError> {
+        if flush {
             self.alloc.empty_cache().map_err(|err| self.fail(i, err))?;
         }
         if self.check {
             // New segments, and the first map of a new expandable segment (its base), go
             // where the recording put them.
             let sim = self.alloc.device();
-            let hints: Vec<u64> = effects
+            let hints: Vec<u64> = self.events[i..j]
                 .iter()
                 .filter(|e| match e.action {
                     TraceAction::SegmentAlloc => true,
@@ -452,16 +563,26 @@ impl Engine<'_> {
                 .collect();
             self.alloc.device_mut().hint_addresses(hints);
         }
-        let end = match driver {
-            Some(d) => {
-                self.drive(j, d)?;
-                j + 1
-            }
-            None => j,
-        };
+        if let Some(d) = driver {
+            self.drive(j, d)?;
+        }
         self.alloc.device_mut().clear_address_hints();
-        self.compare(i, end);
-        Ok(end.max(i + 1))
+        Ok(())
+    }
+
+    /// Whether the core's events since the last comparison are exactly the recorded
+    /// `start..end`; if so they are counted, else left for [`Engine::compare`].
+    fn reproduces(&mut self, start: usize, end: usize) -> bool {
+        let actual = self.alloc.take_trace();
+        let expected = &self.events[start..end];
+        let matches =
+            actual.len() == expected.len() && expected.iter().zip(&actual).all(|(x, a)| same(x, a));
+        if matches {
+            for x in expected {
+                self.count(x.action);
+            }
+        }
+        matches
     }
 
     fn drive(&mut self, j: usize, d: RecordedEvent) -> Result<(), ReplayError> {

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::allocator::size::{PoolKind, SMALL_BUFFER, SMALL_SIZE, round_size};
+use crate::allocator::size::{ONE_EXABYTE, PoolKind, SMALL_BUFFER, SMALL_SIZE, round_size};
 use crate::allocator::{BlockState, RestoredBlock, TraceAction};
 use crate::config::AllocatorConfig;
 
@@ -37,6 +37,16 @@ impl StartSegment {
     }
 }
 
+/// The state at the start of a trace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StartState {
+    /// Segments and their blocks.
+    pub segments: Vec<StartSegment>,
+    /// Addresses of blocks whose free was requested before the trace and completes in it:
+    /// they start out allocated and must be freed (deferred) before the trace is replayed.
+    pub pending_frees: Vec<u64>,
+}
+
 /// A block live at the start: its size if the final state knows it, and its request.
 #[derive(Clone, Copy, Debug)]
 struct LiveBlock {
@@ -47,13 +57,14 @@ struct LiveBlock {
 /// Rebuilds the start state of `device`'s trace.
 ///
 /// # Errors
-/// A message when the recording cannot describe a consistent start: expandable or
-/// private-pool segments, live blocks outside every segment or overlapping each other.
+/// A message when the recording cannot describe a consistent start: private-pool segments,
+/// expandable memory mapped before the trace, live blocks outside every segment or
+/// overlapping each other.
 pub fn start_state(
     recording: &Recording,
     device: u32,
     config: &AllocatorConfig,
-) -> Result<Vec<StartSegment>, String> {
+) -> Result<StartState, String> {
     let mut segments: BTreeMap<u64, (u64, u64, PoolKind)> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
     // Bytes mapped into expandable segments; walking back over their maps and unmaps must
@@ -94,12 +105,18 @@ pub fn start_state(
         .device_traces
         .get(device as usize)
         .map_or(&[][..], Vec::as_slice);
+    // Completions seen (walking back) whose request has not been seen yet.
+    let mut awaiting_request: BTreeMap<u64, u64> = BTreeMap::new();
     for e in events.iter().rev() {
         match e.action {
             TraceAction::Alloc => {
                 live.remove(&e.addr);
             }
+            TraceAction::FreeCompleted => {
+                awaiting_request.insert(e.addr, e.size);
+            }
             TraceAction::FreeRequested => {
+                awaiting_request.remove(&e.addr);
                 live.insert(
                     e.addr,
                     LiveBlock {
@@ -125,6 +142,16 @@ pub fn start_state(
         }
     }
 
+    // A completion without its request: the block was pending at the start, so occupied.
+    for (&addr, &requested) in &awaiting_request {
+        live.insert(
+            addr,
+            LiveBlock {
+                size: None,
+                requested,
+            },
+        );
+    }
     if mapped != 0 || expandable_live.iter().any(|a| live.contains_key(a)) {
         return Err(format!(
             "the trace starts with {} bytes mapped in expandable segments; rebuilding such a start state is not supported",
@@ -133,7 +160,10 @@ pub fn start_state(
     }
     let mut out = Vec::with_capacity(segments.len());
     for (&address, &(size, stream, pool)) in &segments {
-        let end = address + size;
+        let end = address
+            .checked_add(size)
+            .filter(|_| size < ONE_EXABYTE)
+            .ok_or_else(|| format!("segment {address:#x} of {size} bytes is impossible"))?;
         let inside: Vec<(u64, LiveBlock)> =
             live.range(address..end).map(|(&a, &b)| (a, b)).collect();
         let mut blocks = Vec::new();
@@ -149,11 +179,14 @@ pub fn start_state(
                 });
             }
             let next = inside.get(i + 1).map_or(end, |&(a, _)| a);
+            if block.size.unwrap_or(block.requested) >= ONE_EXABYTE {
+                return Err(format!("live block {addr:#x} is impossibly large"));
+            }
             let size = match block.size {
                 Some(size) => size,
                 None => {
                     let rounded = round_size(config, block.requested);
-                    let gap = next.saturating_sub(addr + rounded);
+                    let gap = next.saturating_sub(addr.saturating_add(rounded));
                     if pool == PoolKind::Large && gap <= SMALL_SIZE {
                         rounded + gap
                     } else {
@@ -161,7 +194,7 @@ pub fn start_state(
                     }
                 }
             };
-            if addr + size > next {
+            if addr.saturating_add(size) > next {
                 return Err(format!(
                     "live block {addr:#x} of {size} bytes runs into {next:#x}"
                 ));
@@ -195,5 +228,8 @@ pub fn start_state(
             live.len() - placed
         ));
     }
-    Ok(out)
+    Ok(StartState {
+        segments: out,
+        pending_frees: awaiting_request.into_keys().collect(),
+    })
 }
