@@ -1,4 +1,4 @@
-//! Replay throughput on a real recording (opt125m, 23 105 events, bundled in tests/data):
+//! Replay throughput on a real recording (opt125m, 23 105 events, bundled in data/traces):
 //! decoding the file, the fidelity check, and a what-if run under another configuration.
 
 use std::hint::black_box;
@@ -10,7 +10,7 @@ use gpumem::trace::{ReplayOptions, parse_recording, replay};
 
 fn replay_opt125m(c: &mut Criterion) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/opt125m_zo_fedtrain_complete.noframes.json.gz");
+        .join("data/traces/opt125m_zo_fedtrain_complete.noframes.json.gz");
     let bytes = std::fs::read(path).expect("bundled recording");
     let recording = parse_recording(&bytes).expect("valid recording");
     let events = recording.device_traces[0].len() as u64;

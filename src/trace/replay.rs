@@ -224,14 +224,7 @@ fn run_with(
     progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashSet<usize>,
 ) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
-    let events =
-        recording
-            .device_traces
-            .get(options.device as usize)
-            .ok_or(ReplayError::NoSuchDevice {
-                device: options.device,
-                devices: recording.device_traces.len(),
-            })?;
+    let events = device_events(recording, options.device)?;
     let recorded_config = recording.config.clone().unwrap_or_default();
     let config = options
         .config
@@ -252,71 +245,14 @@ fn run_with(
         sim.address_space = 1 << 56;
     }
     let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
-    let at_start = |source| ReplayError::Allocator { index: 0, source };
     if let Some(fraction) = recording.simulated_device.and_then(|d| d.memory_fraction) {
-        alloc.set_memory_fraction(fraction).map_err(at_start)?;
+        alloc
+            .set_memory_fraction(fraction)
+            .map_err(|source| ReplayError::Allocator { index: 0, source })?;
     }
-
-    let start = start_state(recording, options.device, &recorded_config)
-        .map_err(ReplayError::StartState)?;
-    let mut ptrs = FxHashMap::default();
-    for segment in &start.segments {
-        alloc.device_mut().hint_addresses([segment.address]);
-        let base = alloc
-            .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
-            .map_err(|e| {
-                ReplayError::StartState(format!(
-                    "segment {:#x} of {} does not fit: {e}",
-                    segment.address,
-                    format_size(segment.size())
-                ))
-            })?;
-        alloc.device_mut().clear_address_hints();
-        let mut at = 0;
-        for b in &segment.blocks {
-            if b.allocated.is_some() {
-                ptrs.insert(segment.address + at, DevicePtr(base.0 + at));
-            }
-            at += b.size;
-        }
-    }
-    // Frees requested before the trace and completed in it start out pending.
-    let mut deferred = FxHashMap::default();
-    let mut next_stream = SYNTHETIC_STREAM_BASE;
-    for addr in &start.pending_frees {
-        let Some(ptr) = ptrs.remove(addr) else {
-            continue;
-        };
-        let stream = StreamId(next_stream);
-        next_stream += 1;
-        alloc.record_stream(ptr, stream);
-        alloc.free(ptr).map_err(at_start)?;
-        deferred.insert(*addr, stream);
-    }
-    alloc.reset_accumulated_stats();
-    alloc.reset_peak_stats();
-    if options.check {
-        alloc.record_history(Some(1 << 16));
-    }
-    let driver_time_before = alloc.device().stats().driver_time_ns;
-
-    let mut engine = Engine {
-        events,
-        alloc,
-        check: options.check,
-        ptrs,
-        failed: FxHashSet::default(),
-        deferred,
-        next_stream,
-        compared: Compared::default(),
-        divergence: None,
-        series: Vec::new(),
-        series_every: events
-            .len()
-            .checked_div(options.series_points)
-            .map_or(usize::MAX, |every| every.max(1)),
-        releases_in_malloc,
-    };
+    let mut engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    let start_segments = engine.start_segments;
+    let driver_time_before = engine.alloc.device().stats().driver_time_ns;
     engine.run(progress)?;
 
     let stats = engine.alloc.memory_stats();
@@ -328,7 +264,7 @@ fn run_with(
             config.last_settings.clone()
         },
         events: events.len(),
-        start_segments: start.segments.len(),
+        start_segments,
         peak_allocated: get("allocated_bytes.all.peak"),
         peak_reserved: get("reserved_bytes.all.peak"),
         device_allocs: get("num_device_alloc"),
@@ -343,8 +279,95 @@ fn run_with(
     Ok((report, engine.releases_in_malloc))
 }
 
+fn device_events(recording: &Recording, device: u32) -> Result<&[RecordedEvent], ReplayError> {
+    recording
+        .device_traces
+        .get(device as usize)
+        .map(Vec::as_slice)
+        .ok_or(ReplayError::NoSuchDevice {
+            device,
+            devices: recording.device_traces.len(),
+        })
+}
+
+/// A what-if replay driven step by step, on an allocator the caller keeps: the demo's
+/// simulated processes loop recordings at their recorded pace this way.
+pub struct Replayer<'a> {
+    engine: Engine<'a>,
+}
+
+impl<'a> Replayer<'a> {
+    /// Loads the recording's start state for `device` into `alloc` (which should hold no
+    /// memory) and positions the replay at the first event.
+    ///
+    /// # Errors
+    /// [`ReplayError`] if the device has no trace or its start state cannot be rebuilt.
+    pub fn new(
+        recording: &'a Recording,
+        device: u32,
+        alloc: CachingAllocator<SimDevice>,
+    ) -> Result<Self, ReplayError> {
+        let options = ReplayOptions {
+            device,
+            ..ReplayOptions::default()
+        };
+        let engine = Engine::start(recording, &options, alloc, FxHashSet::default())?;
+        Ok(Replayer { engine })
+    }
+
+    /// Replays the events before `event` that have not been replayed yet.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of
+    /// memory (out-of-memory is counted and replay goes on).
+    pub fn advance_to(&mut self, event: usize) -> Result<(), ReplayError> {
+        self.engine.advance(event, &mut |_, _| {})
+    }
+
+    /// Events replayed so far.
+    pub fn position(&self) -> usize {
+        self.engine.position
+    }
+
+    /// Events in the trace.
+    pub fn len(&self) -> usize {
+        self.engine.events.len()
+    }
+
+    /// Whether the trace is empty.
+    pub fn is_empty(&self) -> bool {
+        self.engine.events.is_empty()
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &CachingAllocator<SimDevice> {
+        &self.engine.alloc
+    }
+
+    /// Frees everything the replay still holds, returns all cached memory to the device and
+    /// hands the allocator back, ready for another run.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] if the allocator fails.
+    pub fn finish(mut self) -> Result<CachingAllocator<SimDevice>, ReplayError> {
+        let index = self.engine.position;
+        let fail = |source| ReplayError::Allocator { index, source };
+        for stream in std::mem::take(&mut self.engine.deferred).into_values() {
+            self.engine.alloc.device_mut().complete_stream(stream);
+        }
+        for (_, ptr) in self.engine.ptrs.drain() {
+            self.engine.alloc.free(ptr).map_err(fail)?;
+        }
+        self.engine.alloc.empty_cache().map_err(fail)?;
+        Ok(self.engine.alloc)
+    }
+}
+
 struct Engine<'a> {
     events: &'a [RecordedEvent],
+    /// Index of the next event to replay.
+    position: usize,
+    start_segments: usize,
     alloc: CachingAllocator<SimDevice>,
     check: bool,
     /// Recorded address → the pointer the core returned for it.
@@ -395,13 +418,101 @@ fn describe_entry(e: &TraceEntry) -> String {
     describe(e.action, e.addr, e.size, e.stream)
 }
 
-impl Engine<'_> {
+impl<'a> Engine<'a> {
+    /// Loads the start state of `options.device`'s trace into `alloc`.
+    fn start(
+        recording: &'a Recording,
+        options: &ReplayOptions,
+        mut alloc: CachingAllocator<SimDevice>,
+        releases_in_malloc: FxHashSet<usize>,
+    ) -> Result<Self, ReplayError> {
+        let events = device_events(recording, options.device)?;
+        let recorded_config = recording.config.clone().unwrap_or_default();
+        let start = start_state(recording, options.device, &recorded_config)
+            .map_err(ReplayError::StartState)?;
+        let mut ptrs = FxHashMap::default();
+        for segment in &start.segments {
+            alloc.device_mut().hint_addresses([segment.address]);
+            let base = alloc
+                .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
+                .map_err(|e| {
+                    ReplayError::StartState(format!(
+                        "segment {:#x} of {} does not fit: {e}",
+                        segment.address,
+                        format_size(segment.size())
+                    ))
+                })?;
+            alloc.device_mut().clear_address_hints();
+            let mut at = 0;
+            for b in &segment.blocks {
+                if b.allocated.is_some() {
+                    ptrs.insert(segment.address + at, DevicePtr(base.0 + at));
+                }
+                at += b.size;
+            }
+        }
+        // Frees requested before the trace and completed in it start out pending.
+        let mut deferred = FxHashMap::default();
+        let mut next_stream = SYNTHETIC_STREAM_BASE;
+        for addr in &start.pending_frees {
+            let Some(ptr) = ptrs.remove(addr) else {
+                continue;
+            };
+            let stream = StreamId(next_stream);
+            next_stream += 1;
+            alloc.record_stream(ptr, stream);
+            alloc
+                .free(ptr)
+                .map_err(|source| ReplayError::Allocator { index: 0, source })?;
+            deferred.insert(*addr, stream);
+        }
+        alloc.reset_accumulated_stats();
+        alloc.reset_peak_stats();
+        if options.check {
+            alloc.record_history(Some(1 << 16));
+        }
+        Ok(Engine {
+            events,
+            position: 0,
+            start_segments: start.segments.len(),
+            alloc,
+            check: options.check,
+            ptrs,
+            failed: FxHashSet::default(),
+            deferred,
+            next_stream,
+            compared: Compared::default(),
+            divergence: None,
+            series: Vec::new(),
+            series_every: events
+                .len()
+                .checked_div(options.series_points)
+                .map_or(usize::MAX, |every| every.max(1)),
+            releases_in_malloc,
+        })
+    }
+
     fn run(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<(), ReplayError> {
+        self.advance(self.events.len(), progress)?;
+        if self.series_every != usize::MAX {
+            self.sample(self.events.len());
+        }
+        progress(self.events.len(), self.events.len());
+        Ok(())
+    }
+
+    /// Replays events until `until` (or the first divergence).
+    fn advance(
+        &mut self,
+        until: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(), ReplayError> {
         const PROGRESS_EVERY: usize = 4096;
         let n = self.events.len();
-        let mut i = 0;
-        let mut reported = 0;
-        while i < n && self.divergence.is_none() {
+        let until = until.min(n);
+        let mut i = self.position;
+        let mut reported = i;
+        while i < until && self.divergence.is_none() {
             if i >= reported + PROGRESS_EVERY {
                 progress(i, n);
                 reported = i;
@@ -419,11 +530,8 @@ impl Engine<'_> {
                 }
             }
             i = next;
+            self.position = i;
         }
-        if self.series_every != usize::MAX {
-            self.sample(n);
-        }
-        progress(n, n);
         Ok(())
     }
 

@@ -12,7 +12,7 @@ use gpumem::trace::{
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
+        .join("data/traces")
         .join(name)
 }
 
