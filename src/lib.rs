@@ -10,12 +10,18 @@
 //! - [`device`]: the device trait and the simulated GPU.
 //! - [`shared`]: the thread-safe wrapper with lock-free statistics.
 //! - [`trace`]: reading PyTorch memory snapshots and replaying their traces.
+//! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
+//! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
+//! - [`server`]: the `/metrics` endpoint (axum).
 //! - [`workload`]: a synthetic training workload that exercises the core.
 
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod metrics;
+pub mod server;
 pub mod shared;
+pub mod telemetry;
 pub mod trace;
 pub mod workload;
 

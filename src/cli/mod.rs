@@ -1,6 +1,7 @@
-//! Subcommands: `simulate` (a training loop on a simulated GPU) and `replay` (recorded
-//! traces: fidelity check and what-if comparison).
+//! Subcommands: `demo` and `serve` (the agent), `simulate` (a training loop on a simulated
+//! GPU) and `replay` (recorded traces: fidelity check and what-if comparison).
 
+mod agent;
 mod replay;
 mod simulate;
 
@@ -22,6 +23,11 @@ pub(crate) struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve /metrics for a simulated GPU node (no driver needed): simulated GPUs whose
+    /// processes replay real recorded traces through the allocator.
+    Demo(agent::DemoArgs),
+    /// Serve /metrics on a GPU node: NVML's device and per-process view.
+    Serve(agent::ServeArgs),
     /// Run a synthetic transformer training loop through the allocator on a simulated GPU and
     /// print what the allocator did (PyTorch's memory_summary and the key figures).
     Simulate(simulate::Args),
@@ -32,6 +38,8 @@ enum Command {
 
 pub(crate) fn run(cli: Cli) -> CliResult {
     match cli.command {
+        Command::Demo(args) => agent::demo_command(args),
+        Command::Serve(args) => agent::serve_command(args),
         Command::Simulate(args) => simulate::run(args),
         Command::Replay(args) => replay::run(args),
     }

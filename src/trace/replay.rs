@@ -432,7 +432,11 @@ impl<'a> Engine<'a> {
             .map_err(ReplayError::StartState)?;
         let mut ptrs = FxHashMap::default();
         for segment in &start.segments {
-            alloc.device_mut().hint_addresses([segment.address]);
+            // Check mode places segments where the recording did; what-if lets the device
+            // choose (recorded addresses are mapped to the chosen ones either way).
+            if options.check {
+                alloc.device_mut().hint_addresses([segment.address]);
+            }
             let base = alloc
                 .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
                 .map_err(|e| {

@@ -1,5 +1,6 @@
 //! gpumem's integration tests: one binary, sharing helpers.
 
+mod agent;
 mod common;
 mod expandable;
 mod properties;

@@ -1,0 +1,253 @@
+//! The agent's collector: allocator counters and the node view, read at scrape time.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
+
+use crate::allocator::size::PoolKind;
+use crate::telemetry::{AllocatorSource, SourceReport};
+
+use super::contract::{self as c, CONTRACT, Kind, MetricDef};
+use super::{AllocatorSources, snapshot_sources};
+
+/// Reads the latest report of a polled source, without waiting for the source.
+pub type ReportReader = Box<dyn Fn() -> Arc<SourceReport> + Send + Sync>;
+
+/// Series of one metric, gathered during a scrape.
+struct Family {
+    def: &'static MetricDef,
+    metrics: Vec<proto::Metric>,
+}
+
+impl Family {
+    fn push(&mut self, values: &[&str], value: f64) {
+        debug_assert_eq!(values.len(), self.def.labels.len(), "{}", self.def.name);
+        let labels = self
+            .def
+            .labels
+            .iter()
+            .zip(values)
+            .map(|(name, value)| {
+                let mut pair = LabelPair::default();
+                pair.set_name((*name).to_string());
+                pair.set_value((*value).to_string());
+                pair
+            })
+            .collect();
+        let mut metric = proto::Metric::default();
+        metric.set_label(labels);
+        match self.def.kind {
+            Kind::Gauge => {
+                let mut g = proto::Gauge::default();
+                g.set_value(value);
+                metric.set_gauge(g);
+            }
+            Kind::Counter => {
+                let mut k = proto::Counter::default();
+                k.set_value(value);
+                metric.set_counter(k);
+            }
+        }
+        self.metrics.push(metric);
+    }
+
+    fn into_family(self) -> Option<MetricFamily> {
+        if self.metrics.is_empty() {
+            return None;
+        }
+        let mut family = MetricFamily::default();
+        family.set_name(self.def.name.to_string());
+        family.set_help(self.def.help.to_string());
+        family.set_field_type(match self.def.kind {
+            Kind::Gauge => MetricType::GAUGE,
+            Kind::Counter => MetricType::COUNTER,
+        });
+        family.set_metric(self.metrics);
+        Some(family)
+    }
+}
+
+/// All the agent's metrics, from allocator sources and polled node sources.
+pub struct AgentCollector {
+    descs: Vec<Desc>,
+    allocators: AllocatorSources,
+    reports: Vec<ReportReader>,
+}
+
+/// Builds the collector's descriptors once.
+fn descs() -> Vec<Desc> {
+    CONTRACT
+        .iter()
+        .map(|d| {
+            Desc::new(
+                d.name.to_string(),
+                d.help.to_string(),
+                d.labels.iter().map(|l| (*l).to_string()).collect(),
+                Default::default(),
+            )
+            .expect("the contract's names and labels are valid")
+        })
+        .collect()
+}
+
+impl AgentCollector {
+    /// A collector over these sources.
+    pub fn new(allocators: AllocatorSources, reports: Vec<ReportReader>) -> Self {
+        AgentCollector {
+            descs: descs(),
+            allocators,
+            reports,
+        }
+    }
+}
+
+/// Families by contract position, so collection code names them by constant.
+struct Families(Vec<Family>);
+
+impl Families {
+    fn new() -> Self {
+        Families(
+            CONTRACT
+                .iter()
+                .map(|&def| Family {
+                    def,
+                    metrics: Vec::new(),
+                })
+                .collect(),
+        )
+    }
+
+    fn of(&mut self, def: &MetricDef) -> &mut Family {
+        self.0
+            .iter_mut()
+            .find(|f| std::ptr::eq(f.def, def))
+            .expect("every metric of the contract has a family")
+    }
+}
+
+fn ratio(part: i64, whole: i64) -> f64 {
+    if whole <= 0 {
+        0.0
+    } else {
+        part.max(0) as f64 / whole as f64
+    }
+}
+
+fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
+    let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
+    let base = [gpu.as_str(), s.uuid.as_str(), pid.as_str(), s.allocator];
+    let st = &s.stats;
+    for pool in [PoolKind::Small, PoolKind::Large] {
+        let name = match pool {
+            PoolKind::Small => "small",
+            PoolKind::Large => "large",
+        };
+        let labels = [base[0], base[1], base[2], base[3], name];
+        for (def, array) in [
+            (&c::ALLOCATED_BYTES, &st.allocated_bytes),
+            (&c::RESERVED_BYTES, &st.reserved_bytes),
+            (&c::ACTIVE_BYTES, &st.active_bytes),
+            (&c::INACTIVE_SPLIT_BYTES, &st.inactive_split_bytes),
+            (&c::REQUESTED_BYTES, &st.requested_bytes),
+            (&c::SEGMENTS, &st.segment),
+        ] {
+            f.of(def).push(&labels, array.pool(pool).current() as f64);
+        }
+    }
+    let allocated = st.allocated_bytes.all();
+    let reserved = st.reserved_bytes.all();
+    let inactive_split = st.inactive_split_bytes.all_current();
+    for (def, value) in [
+        (&c::PEAK_ALLOCATED_BYTES, allocated.peak as f64),
+        (&c::PEAK_RESERVED_BYTES, reserved.peak as f64),
+        (&c::ALLOC_RETRIES, st.num_alloc_retries.get() as f64),
+        (&c::OOMS, st.num_ooms.get() as f64),
+        (&c::DEVICE_ALLOCS, st.num_device_alloc.get() as f64),
+        (&c::DEVICE_FREES, st.num_device_free.get() as f64),
+        (&c::SYNC_ALL_STREAMS, st.num_sync_all_streams.get() as f64),
+        (
+            &c::FRAGMENTATION_RATIO,
+            ratio(reserved.current - allocated.current, reserved.current),
+        ),
+        (
+            &c::INACTIVE_SPLIT_RATIO,
+            ratio(inactive_split, reserved.current),
+        ),
+        (
+            &c::LARGEST_FREE_BLOCK,
+            s.largest_free_block.load(Ordering::Relaxed) as f64,
+        ),
+    ] {
+        f.of(def).push(&base, value);
+    }
+    f.of(&c::ALLOCATOR_INFO).push(
+        &[base[0], base[1], base[2], base[3], &s.version, &s.config],
+        1.0,
+    );
+}
+
+fn collect_report(f: &mut Families, report: &SourceReport) {
+    f.of(&c::SOURCE_UP)
+        .push(&[report.source], if report.up { 1.0 } else { 0.0 });
+    f.of(&c::COLLECT_DURATION)
+        .push(&[report.source], report.duration_seconds);
+    let Some(node) = &report.sample else {
+        return;
+    };
+    let simulated = if node.simulated { "true" } else { "false" };
+    for gpu in &node.gpus {
+        let index = gpu.index.to_string();
+        let labels = [index.as_str(), gpu.uuid.as_str()];
+        f.of(&c::DEVICE_TOTAL).push(&labels, gpu.total as f64);
+        f.of(&c::DEVICE_USED).push(&labels, gpu.used as f64);
+        f.of(&c::DEVICE_FREE).push(&labels, gpu.free as f64);
+        if let Some(reserved) = gpu.reserved {
+            f.of(&c::DEVICE_RESERVED).push(&labels, reserved as f64);
+        }
+        f.of(&c::DEVICE_INFO).push(
+            &[
+                &index,
+                &gpu.uuid,
+                &gpu.model,
+                &node.driver_version,
+                simulated,
+            ],
+            1.0,
+        );
+        for p in &gpu.processes {
+            if let Some(used) = p.used {
+                let pid = p.pid.to_string();
+                f.of(&c::PROCESS_USED)
+                    .push(&[&index, &gpu.uuid, &pid, &p.name], used as f64);
+            }
+        }
+    }
+}
+
+impl Collector for AgentCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let mut f = Families::new();
+        let started = Instant::now();
+        let allocators = snapshot_sources(&self.allocators);
+        for source in &allocators {
+            collect_allocator(&mut f, source);
+        }
+        if !allocators.is_empty() {
+            f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
+            f.of(&c::COLLECT_DURATION)
+                .push(&["allocator"], started.elapsed().as_secs_f64());
+        }
+        for read in &self.reports {
+            collect_report(&mut f, &read());
+        }
+        f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
+        f.0.into_iter().filter_map(Family::into_family).collect()
+    }
+}

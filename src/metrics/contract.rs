@@ -1,0 +1,276 @@
+//! The metric contract: every name, type, label set and help text that dashboards, alerts and
+//! the chart rely on (DESIGN section 4). Change them only together with those.
+
+/// Prometheus metric type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A value that goes up and down.
+    Gauge,
+    /// A monotonically increasing count (names end in `_total`).
+    Counter,
+}
+
+/// One metric of the contract.
+#[derive(Debug)]
+pub struct MetricDef {
+    /// Full name.
+    pub name: &'static str,
+    /// HELP text.
+    pub help: &'static str,
+    /// Type.
+    pub kind: Kind,
+    /// Label names, in the order collectors give their values.
+    pub labels: &'static [&'static str],
+}
+
+const ALLOCATOR: &[&str] = &["gpu", "UUID", "pid", "allocator"];
+const ALLOCATOR_POOL: &[&str] = &["gpu", "UUID", "pid", "allocator", "pool"];
+const DEVICE: &[&str] = &["gpu", "UUID"];
+
+macro_rules! metric {
+    ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
+        #[doc = $help]
+        pub const $id: MetricDef = MetricDef {
+            name: $name,
+            help: $help,
+            kind: Kind::$kind,
+            labels: $labels,
+        };
+    };
+}
+
+metric!(
+    ALLOCATED_BYTES,
+    "gpumem_allocator_allocated_bytes",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Bytes in blocks the caching allocator has handed out (PyTorch allocated_bytes.<pool>.current)."
+);
+metric!(
+    RESERVED_BYTES,
+    "gpumem_allocator_reserved_bytes",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Bytes in segments the caching allocator obtained from the driver (PyTorch reserved_bytes)."
+);
+metric!(
+    ACTIVE_BYTES,
+    "gpumem_allocator_active_bytes",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Bytes allocated plus bytes freed but still waiting on other streams (PyTorch active_bytes)."
+);
+metric!(
+    INACTIVE_SPLIT_BYTES,
+    "gpumem_allocator_inactive_split_bytes",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Free bytes inside split segments, which cannot be returned to the driver: external fragmentation."
+);
+metric!(
+    REQUESTED_BYTES,
+    "gpumem_allocator_requested_bytes",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Bytes callers asked for, before rounding; allocated minus requested is the rounding loss."
+);
+metric!(
+    PEAK_ALLOCATED_BYTES,
+    "gpumem_allocator_peak_allocated_bytes",
+    Gauge,
+    ALLOCATOR,
+    "Highest allocated bytes since start or the last peak reset (torch.cuda.max_memory_allocated)."
+);
+metric!(
+    PEAK_RESERVED_BYTES,
+    "gpumem_allocator_peak_reserved_bytes",
+    Gauge,
+    ALLOCATOR,
+    "Highest reserved bytes since start or the last peak reset (torch.cuda.max_memory_reserved)."
+);
+metric!(
+    SEGMENTS,
+    "gpumem_allocator_segments",
+    Gauge,
+    ALLOCATOR_POOL,
+    "Segments the caching allocator holds (expandable segments are not counted)."
+);
+metric!(
+    ALLOC_RETRIES,
+    "gpumem_allocator_alloc_retries_total",
+    Counter,
+    ALLOCATOR,
+    "Allocations that had to flush the whole cache and retry (num_alloc_retries); rising means memory pressure."
+);
+metric!(
+    OOMS,
+    "gpumem_allocator_ooms_total",
+    Counter,
+    ALLOCATOR,
+    "Allocations that failed with CUDA out of memory (num_ooms)."
+);
+metric!(
+    DEVICE_ALLOCS,
+    "gpumem_allocator_device_allocs_total",
+    Counter,
+    ALLOCATOR,
+    "cudaMalloc calls (or expandable-segment page maps) made by the allocator."
+);
+metric!(
+    DEVICE_FREES,
+    "gpumem_allocator_device_frees_total",
+    Counter,
+    ALLOCATOR,
+    "cudaFree calls (or expandable-segment page unmaps) made by the allocator."
+);
+metric!(
+    SYNC_ALL_STREAMS,
+    "gpumem_allocator_sync_all_streams_total",
+    Counter,
+    ALLOCATOR,
+    "Device-wide synchronisations caused by cache flushes (num_sync_all_streams)."
+);
+metric!(
+    FRAGMENTATION_RATIO,
+    "gpumem_allocator_fragmentation_ratio",
+    Gauge,
+    ALLOCATOR,
+    "(reserved - allocated) / reserved: the share of reserved memory no tensor uses; 0 when nothing is reserved."
+);
+metric!(
+    INACTIVE_SPLIT_RATIO,
+    "gpumem_allocator_inactive_split_ratio",
+    Gauge,
+    ALLOCATOR,
+    "inactive split bytes / reserved bytes: the share of reserved memory stranded in split segments."
+);
+metric!(
+    LARGEST_FREE_BLOCK,
+    "gpumem_allocator_largest_free_block_bytes",
+    Gauge,
+    ALLOCATOR,
+    "Largest cached free block: the biggest request the allocator can serve without the driver."
+);
+metric!(
+    ALLOCATOR_INFO,
+    "gpumem_allocator_info",
+    Gauge,
+    &["gpu", "UUID", "pid", "allocator", "version", "config"],
+    "The allocator and its configuration (PYTORCH_CUDA_ALLOC_CONF syntax); always 1."
+);
+metric!(
+    DEVICE_TOTAL,
+    "gpumem_device_total_bytes",
+    Gauge,
+    DEVICE,
+    "Device memory, as NVML (nvidia-smi) reports it."
+);
+metric!(
+    DEVICE_USED,
+    "gpumem_device_used_bytes",
+    Gauge,
+    DEVICE,
+    "Device memory in use by all processes, as NVML (nvidia-smi) reports it."
+);
+metric!(
+    DEVICE_FREE,
+    "gpumem_device_free_bytes",
+    Gauge,
+    DEVICE,
+    "Device memory free, as NVML (nvidia-smi) reports it."
+);
+metric!(
+    DEVICE_RESERVED,
+    "gpumem_device_reserved_bytes",
+    Gauge,
+    DEVICE,
+    "Device memory the driver reserves for itself, as NVML reports it."
+);
+metric!(
+    PROCESS_USED,
+    "gpumem_process_used_bytes",
+    Gauge,
+    &["gpu", "UUID", "pid", "process"],
+    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces)."
+);
+metric!(
+    DEVICE_INFO,
+    "gpumem_device_info",
+    Gauge,
+    &["gpu", "UUID", "model", "driver_version", "simulated"],
+    "GPU identity; always 1. simulated=\"true\" for the simulated node of gpumem demo."
+);
+metric!(
+    SOURCE_UP,
+    "gpumem_source_up",
+    Gauge,
+    &["source"],
+    "1 when the source (nvml, simulated, allocator) was read successfully at the last attempt, else 0."
+);
+metric!(
+    COLLECT_DURATION,
+    "gpumem_collect_duration_seconds",
+    Gauge,
+    &["source"],
+    "How long the last read of the source took."
+);
+metric!(
+    BUILD_INFO,
+    "gpumem_build_info",
+    Gauge,
+    &["version"],
+    "gpumem's version; always 1."
+);
+
+/// Every metric of the contract.
+pub const CONTRACT: [&MetricDef; 26] = [
+    &ALLOCATED_BYTES,
+    &RESERVED_BYTES,
+    &ACTIVE_BYTES,
+    &INACTIVE_SPLIT_BYTES,
+    &REQUESTED_BYTES,
+    &PEAK_ALLOCATED_BYTES,
+    &PEAK_RESERVED_BYTES,
+    &SEGMENTS,
+    &ALLOC_RETRIES,
+    &OOMS,
+    &DEVICE_ALLOCS,
+    &DEVICE_FREES,
+    &SYNC_ALL_STREAMS,
+    &FRAGMENTATION_RATIO,
+    &INACTIVE_SPLIT_RATIO,
+    &LARGEST_FREE_BLOCK,
+    &ALLOCATOR_INFO,
+    &DEVICE_TOTAL,
+    &DEVICE_USED,
+    &DEVICE_FREE,
+    &DEVICE_RESERVED,
+    &PROCESS_USED,
+    &DEVICE_INFO,
+    &SOURCE_UP,
+    &COLLECT_DURATION,
+    &BUILD_INFO,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut names: Vec<_> = CONTRACT.iter().map(|d| d.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CONTRACT.len(), "names are unique");
+        for d in CONTRACT {
+            assert!(d.name.starts_with("gpumem_"), "{}", d.name);
+            assert_eq!(
+                d.kind == Kind::Counter,
+                d.name.ends_with("_total"),
+                "{}",
+                d.name
+            );
+            assert!(!d.help.is_empty());
+        }
+    }
+}

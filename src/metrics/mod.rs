@@ -1,0 +1,62 @@
+//! Prometheus metrics: the contract, and collectors that read their sources at scrape time.
+//!
+//! Collectors hold no state beyond their descriptors: the allocator collector reads each
+//! allocator's published counters (never its lock), the node collector reads the latest report
+//! of each polled source (never the source itself).
+
+mod collectors;
+pub mod contract;
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus::{Encoder, Registry, TextEncoder};
+
+pub use collectors::{AgentCollector, ReportReader};
+
+use crate::telemetry::AllocatorSource;
+
+/// The allocators exported by an agent; the list may change while it runs.
+pub type AllocatorSources = Arc<Mutex<Vec<Arc<AllocatorSource>>>>;
+
+/// Everything `/metrics` serves.
+pub struct Metrics {
+    registry: Registry,
+}
+
+impl Metrics {
+    /// A registry with the allocator collector over `allocators` and the node collector over
+    /// `reports` (one reader per polled source).
+    ///
+    /// # Errors
+    /// A registration error, which only a collector defect can cause.
+    pub fn new(
+        allocators: AllocatorSources,
+        reports: Vec<ReportReader>,
+    ) -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        registry.register(Box::new(AgentCollector::new(allocators, reports)))?;
+        Ok(Metrics { registry })
+    }
+
+    /// The text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut buffer = Vec::with_capacity(64 * 1024);
+        let families = self.registry.gather();
+        if let Err(e) = TextEncoder::new().encode(&families, &mut buffer) {
+            tracing::error!(error = %e, "encoding metrics failed");
+        }
+        String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+/// A fresh, empty list of allocator sources.
+pub fn allocator_sources(sources: Vec<Arc<AllocatorSource>>) -> AllocatorSources {
+    Arc::new(Mutex::new(sources))
+}
+
+pub(crate) fn snapshot_sources(sources: &AllocatorSources) -> Vec<Arc<AllocatorSource>> {
+    sources
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+}

@@ -1,0 +1,99 @@
+//! Where the device view comes from: NVML on a real node, a simulated node otherwise.
+//!
+//! A [`GpuSource`] answers one question, "what does the node look like now?", with a
+//! [`NodeSample`] of plain data: per GPU its identity, total/used/free/reserved memory and the
+//! processes using it. A [`Poller`] asks on its own thread at a fixed interval and publishes
+//! the latest answer, so a slow or hung source never delays a scrape.
+//!
+//! # Invariants
+//! - A failed sample is data, not a crash: the poller publishes `up = false` with the reason,
+//!   logs it once per change, and keeps asking.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use crate::allocator::DeviceStats;
+
+mod nvml;
+mod poller;
+pub mod sim_node;
+
+pub use nvml::NvmlSource;
+pub use poller::{Poller, SourceReport};
+pub use sim_node::{SimNode, SimNodeConfig};
+
+/// One process using a GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessSample {
+    /// Process id (in the agent's PID namespace).
+    pub pid: u32,
+    /// Process name (`/proc/<pid>/comm`), or empty when unknown.
+    pub name: String,
+    /// Bytes of device memory it uses, when the driver reports it.
+    pub used: Option<u64>,
+}
+
+/// One GPU as nvidia-smi sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSample {
+    /// Index (as `nvidia-smi` numbers it).
+    pub index: u32,
+    /// UUID, spelled `GPU-…` as DCGM spells it.
+    pub uuid: String,
+    /// Model name.
+    pub model: String,
+    /// Device memory.
+    pub total: u64,
+    /// Memory in use.
+    pub used: u64,
+    /// Memory free.
+    pub free: u64,
+    /// Memory the driver reserves for itself, where it reports it.
+    pub reserved: Option<u64>,
+    /// Processes using the GPU.
+    pub processes: Vec<ProcessSample>,
+}
+
+/// A whole node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeSample {
+    /// Driver version.
+    pub driver_version: String,
+    /// Whether the GPUs are simulated.
+    pub simulated: bool,
+    /// The GPUs.
+    pub gpus: Vec<GpuSample>,
+}
+
+/// An allocator whose counters are exported: where it runs and its published statistics.
+#[derive(Debug)]
+pub struct AllocatorSource {
+    /// GPU index.
+    pub gpu: u32,
+    /// GPU UUID.
+    pub uuid: String,
+    /// Process id.
+    pub pid: u32,
+    /// Whose counters: `gpumem` (gpumem's allocator) or `pytorch` (pushed by PyTorch).
+    pub allocator: &'static str,
+    /// Allocator version.
+    pub version: String,
+    /// The configuration string in force.
+    pub config: String,
+    /// The counters, read without any lock.
+    pub stats: Arc<DeviceStats>,
+    /// The largest cached free block, as last published by the allocator's owner.
+    pub largest_free_block: Arc<AtomicU64>,
+}
+
+/// A source of node samples.
+pub trait GpuSource: Send {
+    /// The `source` label of its metrics (`nvml`, `simulated`).
+    fn name(&self) -> &'static str;
+
+    /// Reads the node now.
+    ///
+    /// # Errors
+    /// Why the node could not be read (library missing, driver not loaded, GPU lost...).
+    fn sample(&mut self) -> Result<NodeSample, String>;
+}

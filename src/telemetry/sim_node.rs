@@ -1,0 +1,363 @@
+//! A simulated GPU node for machines without GPUs (`gpumem demo`, tests).
+//!
+//! Each simulated GPU hosts a few simulated processes. Each process owns a caching allocator
+//! on a simulated device and replays a real recorded trace (the licensed recordings bundled in
+//! `data/traces`) at its recorded pace, in a loop. The node's NVML view is computed from them:
+//! a process uses its allocator's reserved bytes plus a CUDA-context overhead outside the
+//! allocator, and a GPU's used memory is the sum over its processes, so that
+//! device used = Σ reserved + memory outside the allocator, as on a real node.
+//!
+//! # Invariants
+//! - Every process's allocator holds at most its share of its GPU (capacity / processes,
+//!   less the context), so the GPU's used memory never exceeds its capacity.
+//! - The replay thread stops when the node is dropped.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::CachingAllocator;
+use crate::allocator::size::format_size;
+use crate::config::AllocatorConfig;
+use crate::device::{SimConfig, SimDevice};
+use crate::trace::replay::Replayer;
+use crate::trace::{Recording, parse_recording};
+
+use super::{AllocatorSource, GpuSample, GpuSource, NodeSample, ProcessSample, SourceReport};
+
+/// The bundled recordings a simulated process replays (licensed for redistribution; see
+/// `data/traces/README.md`).
+pub const BUNDLED_TRACES: [(&str, &[u8]); 5] = [
+    (
+        "opt125m_zo_fedtrain",
+        include_bytes!("../../data/traces/opt125m_zo_fedtrain_complete.noframes.json.gz"),
+    ),
+    (
+        "cs336_lm_fwd_bwd_step",
+        include_bytes!("../../data/traces/cs336_lm_fwd_bwd_step.noframes.json.gz"),
+    ),
+    (
+        "cs336_lm_compiled_train",
+        include_bytes!("../../data/traces/cs336_lm_compiled_train.noframes.json.gz"),
+    ),
+    (
+        "cs336_lm_forward_bf16",
+        include_bytes!("../../data/traces/cs336_lm_forward_bf16.noframes.json.gz"),
+    ),
+    (
+        "cs336_attention_tiny",
+        include_bytes!("../../data/traces/cs336_attention_tiny_complete.noframes.json.gz"),
+    ),
+];
+
+/// Pace for recordings without timestamps.
+const EVENTS_PER_SECOND_UNTIMED: u64 = 2_000;
+/// Pause between two runs of a recording.
+const PAUSE_BETWEEN_RUNS: Duration = Duration::from_secs(1);
+
+/// Shape of the simulated node.
+#[derive(Clone, Debug)]
+pub struct SimNodeConfig {
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// Memory per GPU.
+    pub capacity: u64,
+    /// Processes per GPU.
+    pub processes_per_gpu: u32,
+    /// Memory each process uses outside its allocator (CUDA context, cuBLAS workspaces).
+    pub context_overhead: u64,
+    /// Memory the driver reserves on each GPU.
+    pub driver_reserved: u64,
+    /// Replay speed relative to the recordings' own pace.
+    pub speed: f64,
+    /// How often the replay thread advances the processes.
+    pub tick: Duration,
+    /// The allocator configuration of every process.
+    pub config: AllocatorConfig,
+}
+
+impl Default for SimNodeConfig {
+    /// Two 80 GiB GPUs with three processes each.
+    fn default() -> Self {
+        SimNodeConfig {
+            gpus: 2,
+            capacity: 80 << 30,
+            processes_per_gpu: 3,
+            context_overhead: 512 << 20,
+            driver_reserved: 512 << 20,
+            speed: 1.0,
+            tick: Duration::from_millis(100),
+            config: AllocatorConfig::default(),
+        }
+    }
+}
+
+/// A simulated GPU node whose processes replay recordings on a thread of its own.
+pub struct SimNode {
+    config: SimNodeConfig,
+    processes: Vec<Arc<AllocatorSource>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The UUID of simulated GPU `index`, in the `GPU-…` form DCGM uses.
+pub fn simulated_uuid(index: u32) -> String {
+    format!("GPU-5e1a7ed0-0000-4000-8000-{index:012x}")
+}
+
+/// One process's replay state, living on the replay thread.
+struct Run<'a> {
+    source: Arc<AllocatorSource>,
+    recording: &'a Recording,
+    /// Offset of each event from the first, in microseconds of the recording's clock.
+    offsets: Vec<u64>,
+    replayer: Option<Replayer<'a>>,
+    spare: Option<CachingAllocator<SimDevice>>,
+    started: Instant,
+    finished_at: Option<Instant>,
+}
+
+impl SimNode {
+    /// Builds the node and starts replaying.
+    ///
+    /// # Errors
+    /// A message if a bundled recording cannot be read (a build defect) or the node's shape
+    /// leaves a process no memory.
+    pub fn start(config: SimNodeConfig) -> Result<SimNode, String> {
+        let processes_per_gpu = config.processes_per_gpu.max(1);
+        let share =
+            config.capacity.saturating_sub(config.driver_reserved) / u64::from(processes_per_gpu);
+        let limit = share
+            .checked_sub(config.context_overhead)
+            .filter(|&l| l > 0)
+            .ok_or_else(|| {
+                format!(
+                    "a GPU of {} shared by {processes_per_gpu} processes leaves no memory after a {} context",
+                    format_size(config.capacity),
+                    format_size(config.context_overhead)
+                )
+            })?;
+        let recordings: Vec<Recording> = BUNDLED_TRACES
+            .iter()
+            .map(|(name, bytes)| parse_recording(bytes).map_err(|e| format!("{name}: {e}")))
+            .collect::<Result<_, _>>()?;
+        let mut allocators = Vec::new();
+        let mut processes = Vec::new();
+        for gpu in 0..config.gpus {
+            for k in 0..processes_per_gpu {
+                let device = SimDevice::new(SimConfig {
+                    index: gpu,
+                    process_limit: Some(limit),
+                    ..SimConfig::with_capacity(config.capacity)
+                });
+                let alloc = CachingAllocator::new(device, config.config.clone());
+                let which = ((gpu * processes_per_gpu + k) as usize) % recordings.len();
+                processes.push(Arc::new(AllocatorSource {
+                    gpu,
+                    uuid: simulated_uuid(gpu),
+                    pid: 10_000 + gpu * 100 + k,
+                    allocator: "gpumem",
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    config: config.config.last_settings.clone(),
+                    stats: Arc::clone(alloc.stats()),
+                    largest_free_block: Arc::new(AtomicU64::new(0)),
+                }));
+                allocators.push((which, alloc));
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            let sources = processes.clone();
+            let (speed, tick) = (config.speed.max(0.0), config.tick);
+            std::thread::Builder::new()
+                .name("gpumem-sim-node".into())
+                .spawn(move || replay_loop(recordings, allocators, sources, speed, tick, &stop))
+                .map_err(|e| format!("cannot start the replay thread: {e}"))?
+        };
+        Ok(SimNode {
+            config,
+            processes,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The processes' allocators, for the allocator collector.
+    pub fn allocator_sources(&self) -> Vec<Arc<AllocatorSource>> {
+        self.processes.clone()
+    }
+
+    /// A [`GpuSource`] giving the node's NVML view.
+    pub fn gpu_source(&self) -> SimNodeSource {
+        SimNodeSource {
+            config: self.config.clone(),
+            processes: self.processes.clone(),
+        }
+    }
+
+    /// A reader of the node's NVML view computed when called. Reading costs next to nothing
+    /// and needs no lock, so a scrape computes it directly: the device view then matches the
+    /// allocator counters read in the same scrape (a real node's NVML is polled instead).
+    pub fn report_reader(&self) -> impl Fn() -> Arc<SourceReport> + Send + Sync + 'static {
+        let source = self.gpu_source();
+        move || {
+            let started = Instant::now();
+            let sample = source.view();
+            Arc::new(SourceReport {
+                source: SIMULATED,
+                up: true,
+                sample: Some(sample),
+                error: None,
+                duration_seconds: started.elapsed().as_secs_f64(),
+            })
+        }
+    }
+}
+
+impl Drop for SimNode {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn offsets(recording: &Recording) -> Vec<u64> {
+    let events = recording
+        .device_traces
+        .first()
+        .map_or(&[][..], Vec::as_slice);
+    let first = events.iter().find_map(|e| e.time_us);
+    events
+        .iter()
+        .enumerate()
+        .map(|(k, e)| match (e.time_us, first) {
+            (Some(t), Some(t0)) => t.saturating_sub(t0),
+            _ => k as u64 * 1_000_000 / EVENTS_PER_SECOND_UNTIMED,
+        })
+        .collect()
+}
+
+fn replay_loop(
+    recordings: Vec<Recording>,
+    allocators: Vec<(usize, CachingAllocator<SimDevice>)>,
+    sources: Vec<Arc<AllocatorSource>>,
+    speed: f64,
+    tick: Duration,
+    stop: &AtomicBool,
+) {
+    let mut runs: Vec<Run<'_>> = allocators
+        .into_iter()
+        .zip(sources)
+        .map(|((which, alloc), source)| Run {
+            source,
+            recording: &recordings[which],
+            offsets: offsets(&recordings[which]),
+            replayer: None,
+            spare: Some(alloc),
+            started: Instant::now(),
+            finished_at: None,
+        })
+        .collect();
+    while !stop.load(Ordering::Relaxed) {
+        for run in &mut runs {
+            if let Err(e) = step(run, speed) {
+                tracing::warn!(pid = run.source.pid, error = %e, "simulated process stopped");
+                run.replayer = None;
+                run.spare = None;
+            }
+        }
+        std::thread::sleep(tick);
+    }
+}
+
+/// Advances one process to where its recording's clock says it should be.
+fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
+    if run.replayer.is_none() {
+        let Some(alloc) = run.spare.take() else {
+            return Ok(());
+        };
+        run.replayer = Some(Replayer::new(run.recording, 0, alloc).map_err(|e| e.to_string())?);
+        run.started = Instant::now();
+        run.finished_at = None;
+    }
+    let replayer = run.replayer.as_mut().expect("started above");
+    let elapsed_us = (run.started.elapsed().as_secs_f64() * speed * 1e6) as u64;
+    let due = run.offsets.partition_point(|&t| t <= elapsed_us);
+    replayer.advance_to(due).map_err(|e| e.to_string())?;
+    run.source
+        .largest_free_block
+        .store(replayer.allocator().largest_free_block(), Ordering::Relaxed);
+    if replayer.position() >= replayer.len() {
+        let finished = *run.finished_at.get_or_insert_with(Instant::now);
+        if finished.elapsed() >= PAUSE_BETWEEN_RUNS {
+            let replayer = run.replayer.take().expect("running");
+            run.spare = Some(replayer.finish().map_err(|e| e.to_string())?);
+        }
+    }
+    Ok(())
+}
+
+/// The NVML view of a [`SimNode`].
+pub struct SimNodeSource {
+    config: SimNodeConfig,
+    processes: Vec<Arc<AllocatorSource>>,
+}
+
+/// The `source` label of the simulated node.
+const SIMULATED: &str = "simulated";
+
+impl GpuSource for SimNodeSource {
+    fn name(&self) -> &'static str {
+        SIMULATED
+    }
+
+    fn sample(&mut self) -> Result<NodeSample, String> {
+        Ok(self.view())
+    }
+}
+
+impl SimNodeSource {
+    /// The node as NVML would report it now.
+    pub fn view(&self) -> NodeSample {
+        let gpus = (0..self.config.gpus)
+            .map(|gpu| {
+                let processes: Vec<ProcessSample> = self
+                    .processes
+                    .iter()
+                    .filter(|p| p.gpu == gpu)
+                    .map(|p| ProcessSample {
+                        pid: p.pid,
+                        name: "python".into(),
+                        used: Some(
+                            p.stats.reserved_bytes.all_current().max(0) as u64
+                                + self.config.context_overhead,
+                        ),
+                    })
+                    .collect();
+                let used: u64 = processes.iter().filter_map(|p| p.used).sum();
+                GpuSample {
+                    index: gpu,
+                    uuid: simulated_uuid(gpu),
+                    model: "Simulated GPU".into(),
+                    total: self.config.capacity,
+                    used,
+                    free: self
+                        .config
+                        .capacity
+                        .saturating_sub(used + self.config.driver_reserved),
+                    reserved: Some(self.config.driver_reserved),
+                    processes,
+                }
+            })
+            .collect();
+        NodeSample {
+            driver_version: "simulated".into(),
+            simulated: true,
+            gpus,
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The agent: the metric contract on /metrics for a simulated node, promtool's verdict on a
+//! scrape, `gpumem serve` without a driver, and a real Prometheus scraping `gpumem demo`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpumem::metrics::contract::CONTRACT;
+use gpumem::metrics::{Metrics, ReportReader, allocator_sources};
+use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, app};
+use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+fn manifest() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A simulated node running fast, with its metrics.
+fn demo_metrics() -> (SimNode, Poller, Metrics) {
+    // The demo reads the node's view at scrape time; the poller (NVML's path) is used by
+    // the line-up test.
+    let node = SimNode::start(SimNodeConfig {
+        speed: 50.0,
+        tick: Duration::from_millis(10),
+        ..SimNodeConfig::default()
+    })
+    .expect("starts");
+    let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
+    let reader: ReportReader = Box::new(node.report_reader());
+    let metrics =
+        Metrics::new(allocator_sources(node.allocator_sources()), vec![reader]).expect("registers");
+    // Let the processes replay a while, so that every series has moved.
+    std::thread::sleep(Duration::from_millis(400));
+    (node, poller, metrics)
+}
+
+async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
+    let request = axum::http::Request::get(path)
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let response = router.oneshot(request).await.expect("responds");
+    let status = response.status().as_u16();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        content_type,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// The `# TYPE` lines of an exposition, sorted: the shape the contract fixes.
+fn types(exposition: &str) -> String {
+    let mut lines: Vec<&str> = exposition
+        .lines()
+        .filter(|l| l.starts_with("# TYPE "))
+        .collect();
+    lines.sort_unstable();
+    lines.join("\n") + "\n"
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_serves_the_whole_contract() {
+    let (_node, _poller, metrics) = demo_metrics();
+    let router = app(AppState {
+        metrics: std::sync::Arc::new(metrics),
+    });
+    let (status, content_type, body) = get(router.clone(), "/metrics").await;
+    assert_eq!(status, 200);
+    assert_eq!(content_type, EXPOSITION_CONTENT_TYPE);
+    for def in CONTRACT {
+        assert!(
+            body.contains(&format!("\n{}{{", def.name))
+                || body.starts_with(&format!("{}{{", def.name)),
+            "{} missing from the scrape",
+            def.name
+        );
+    }
+    assert!(body.contains(r#"simulated="true""#));
+    assert!(body.contains(r#"gpumem_source_up{source="simulated"} 1"#));
+    assert!(body.contains(r#"gpumem_source_up{source="allocator"} 1"#));
+    // The golden file fixes every metric's name and type.
+    let golden = manifest().join("tests/golden/metric-types.txt");
+    let expected = std::fs::read_to_string(&golden).unwrap_or_default();
+    if std::env::var_os("GPUMEM_BLESS").is_some() {
+        std::fs::write(&golden, types(&body)).expect("bless");
+    } else {
+        assert_eq!(
+            types(&body),
+            expected,
+            "run with GPUMEM_BLESS=1 to accept a contract change"
+        );
+    }
+    // promtool's verdict on the exposition.
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is installed (scripts/test-all installs Debian's prometheus package)");
+    promtool
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(body.as_bytes())
+        .expect("write");
+    let out = promtool.wait_with_output().expect("promtool runs");
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let (status, _, body) = get(router.clone(), "/healthz").await;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, _, body) = get(router.clone(), "/").await;
+    assert_eq!(status, 200);
+    assert!(body.contains(r#"href="/metrics""#));
+    let (status, _, _) = get(router, "/nope").await;
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn the_line_up_holds_on_the_simulated_node() {
+    let (node, poller, _metrics) = demo_metrics();
+    assert!(poller.latest().up, "the polled view is up too");
+    let read = node.report_reader();
+    for _ in 0..20 {
+        // Allocator counters first, then the device view, as a scrape reads them.
+        let reserved: Vec<i64> = (0..2)
+            .map(|gpu| {
+                node.allocator_sources()
+                    .iter()
+                    .filter(|p| p.gpu == gpu)
+                    .map(|p| p.stats.reserved_bytes.all_current())
+                    .sum()
+            })
+            .collect();
+        let report = read();
+        let sample = report.sample.as_ref().expect("simulated node is up");
+        for gpu in &sample.gpus {
+            let processes: u64 = gpu.processes.iter().filter_map(|p| p.used).sum();
+            assert_eq!(gpu.used, processes, "device used is the processes' sum");
+            assert!(
+                (reserved[gpu.index as usize] as u64) < gpu.used,
+                "memory outside the allocator exists"
+            );
+            assert!(gpu.used + gpu.free + gpu.reserved.unwrap_or(0) <= gpu.total);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A free loopback port (bound and released: another process could take it, which would
+/// fail the test loudly rather than silently).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A plain HTTP/1.0 GET on loopback (no chunked encoding to undo); `None` until the server
+/// answers 200.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?;
+    (status == "200").then(|| body.to_string())
+}
+
+/// Polls `probe` every 100 ms for at most `limit`.
+fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Some(value) = probe() {
+            return Some(value);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    None
+}
+
+/// Kills the child when the test ends, however it ends.
+struct Reaper(Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("gpumem-serve-{port}.log"));
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--interval",
+            "0.2",
+        ])
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("starts");
+    let mut child = Reaper(child);
+    let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
+        .expect("serve answers /metrics");
+    if body.contains(r#"gpumem_source_up{source="nvml"} 1"#) {
+        eprintln!("an NVIDIA driver is present: NVML is up");
+    } else {
+        assert!(
+            body.contains(r#"gpumem_source_up{source="nvml"} 0"#),
+            "{body}"
+        );
+        assert!(body.contains("gpumem_build_info"));
+        let log_text = std::fs::read_to_string(&log).expect("log");
+        assert!(log_text.contains("source is down"), "{log_text}");
+        assert!(
+            log_text.contains("NVML") || log_text.contains("driver"),
+            "{log_text}"
+        );
+        assert_eq!(log_text.matches("source is down").count(), 1, "logged once");
+    }
+    // Still serving after several polls; then SIGTERM shuts it down cleanly.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(http_get(port, "/healthz").is_some());
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let exited = wait_for(Duration::from_secs(10), || {
+        child.0.try_wait().ok().flatten()
+    })
+    .expect("exits after SIGTERM");
+    assert!(exited.success(), "{exited:?}");
+    let _ = std::fs::remove_file(log);
+}
+
+fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Value> {
+    let encoded: String = query
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let body = http_get(port, &format!("/api/v1/query?query={encoded}"))?;
+    let json: serde_json::Value = serde_json::from_str(&body).ok()?;
+    (json["status"] == "success").then(|| json["data"]["result"].clone())
+}
+
+#[test]
+fn a_real_prometheus_scrapes_the_demo() {
+    let agent_port = free_port();
+    let prom_port = free_port();
+    let dir: PathBuf = std::env::temp_dir().join(format!("gpumem-prom-{prom_port}"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let config = dir.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+        ),
+    )
+    .expect("config");
+    let _agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "demo",
+                "--listen",
+                &format!("127.0.0.1:{agent_port}"),
+                "--interval",
+                "0.2",
+                "--speed",
+                "20",
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("demo starts"),
+    );
+    let _prometheus = Reaper(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus is installed (scripts/test-all installs Debian's package)"),
+    );
+    // Two scrapes of the agent, at most a minute.
+    let scraped = wait_for(Duration::from_secs(60), || {
+        let result = prometheus_query(prom_port, "count_over_time(up{job=\"gpumem\"}[1m])")?;
+        let count: f64 = result[0]["value"][1].as_str()?.parse().ok()?;
+        let up = prometheus_query(prom_port, "up{job=\"gpumem\"}")?;
+        (count >= 2.0 && up[0]["value"][1] == "1").then_some(())
+    });
+    assert!(scraped.is_some(), "Prometheus scraped the demo twice");
+    for def in CONTRACT {
+        let result = prometheus_query(prom_port, def.name).expect("query answers");
+        assert!(
+            result.as_array().is_some_and(|r| !r.is_empty()),
+            "no data for {}",
+            def.name
+        );
+    }
+    let lineup = prometheus_query(
+        prom_port,
+        "sum by (gpu) (gpumem_allocator_reserved_bytes) < sum by (gpu) (gpumem_device_used_bytes)",
+    )
+    .expect("query answers");
+    assert_eq!(
+        lineup.as_array().map(Vec::len),
+        Some(2),
+        "reserved is below device used on both simulated GPUs: {lineup}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
