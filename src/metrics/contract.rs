@@ -29,7 +29,7 @@ const DEVICE: &[&str] = &["gpu", "UUID"];
 
 macro_rules! metric {
     ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
-        #[doc = $help]
+        #[doc = concat!("`", $name, "`")]
         pub const $id: MetricDef = MetricDef {
             name: $name,
             help: $help,
