@@ -33,9 +33,10 @@ pub fn app(state: AppState) -> Router {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let body = tokio::task::spawn_blocking(move || state.metrics.encode())
-        .await
-        .unwrap_or_default();
+    // Encoded inline: a scrape takes milliseconds, scrapes come one at a time, and staying on
+    // the runtime's thread keeps the agent to one heap (a blocking-pool thread would grow a
+    // second malloc arena as large as the exposition).
+    let body = state.metrics.encode();
     ([(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)], body)
 }
 

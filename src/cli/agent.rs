@@ -61,9 +61,9 @@ fn parse_interval(text: &str) -> Result<f64, String> {
 }
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    // Two workers: scrapes are short, and the agent should stay small on a GPU node.
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread: scrapes are short and serial, and the agent should stay small on a GPU
+    // node (sources are polled on threads of their own).
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
 }

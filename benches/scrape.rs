@@ -1,0 +1,208 @@
+//! The agent under load: a scrape at 8 GPUs × 64 processes, each with allocator series.
+//!
+//! Prints the median and p99 latency of a scrape (encoding all families, and through the
+//! HTTP router), the resident memory of the process holding what an agent holds (the
+//! published counters and a node view, not the allocators), and the allocator's same-size
+//! hot path side by side with and without a scraper thread reading its counters.
+//!
+//! `cargo bench --bench scrape`; without `--bench` (as `cargo test` runs it) a short smoke run.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use gpumem::device::{SimConfig, SimDevice};
+use gpumem::metrics::{Metrics, ReportReader, allocator_sources};
+use gpumem::server::{AppState, app};
+use gpumem::telemetry::sim_node::simulated_uuid;
+use gpumem::telemetry::{AllocatorSource, GpuSample, NodeSample, ProcessSample, SourceReport};
+use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+const GPUS: u32 = 8;
+const PROCESSES: u32 = 64;
+const MIB: u64 = 1 << 20;
+
+/// A `/proc/self/status` figure in KiB (`VmRSS`: resident now; `VmHWM`: the peak).
+fn status_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// 512 allocator sources. They share the counters of one allocator that did some work: an
+/// agent holds only the published counters, and sharing keeps the allocators' own memory out
+/// of the measurement while every series is still encoded.
+fn sources() -> Vec<Arc<AllocatorSource>> {
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(80 << 30)),
+        AllocatorConfig::default(),
+    );
+    let a = alloc.malloc(30 * MIB, StreamId::DEFAULT).expect("fits");
+    let _b = alloc.malloc(4096, StreamId::DEFAULT).expect("fits");
+    alloc.free(a).expect("live");
+    let stats = Arc::clone(alloc.stats());
+    let largest = alloc.largest_free_block();
+    let mut out = Vec::new();
+    for gpu in 0..GPUS {
+        for p in 0..PROCESSES {
+            out.push(Arc::new(AllocatorSource {
+                gpu,
+                uuid: simulated_uuid(gpu),
+                pid: 100_000 + gpu * 1000 + p,
+                allocator: "pytorch",
+                version: "2.5.1".into(),
+                config: "expandable_segments:True".into(),
+                stats: Arc::clone(&stats),
+                largest_free_block: Arc::new(AtomicU64::new(largest)),
+            }));
+        }
+    }
+    out
+}
+
+fn node() -> Arc<SourceReport> {
+    let gpus = (0..GPUS)
+        .map(|gpu| GpuSample {
+            index: gpu,
+            uuid: simulated_uuid(gpu),
+            model: "NVIDIA H200".into(),
+            total: 141 << 30,
+            used: 100 << 30,
+            free: 40 << 30,
+            reserved: Some(1 << 30),
+            processes: (0..PROCESSES)
+                .map(|p| ProcessSample {
+                    pid: 100_000 + gpu * 1000 + p,
+                    name: "python3".into(),
+                    used: Some(u64::from(p + 1) << 28),
+                })
+                .collect(),
+        })
+        .collect();
+    Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "560.35.03".into(),
+            simulated: false,
+            gpus,
+        }),
+        error: None,
+        duration_seconds: 0.004,
+    })
+}
+
+fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+/// ns per same-size malloc+free pair, best of `rounds`.
+fn hot_path(iterations: u64, rounds: u32, scraper: Option<&Metrics>) -> f64 {
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(80 << 30)),
+        AllocatorConfig::default(),
+    );
+    let stop = AtomicBool::new(false);
+    let mut best = f64::MAX;
+    std::thread::scope(|scope| {
+        if let Some(metrics) = scraper {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    black_box(metrics.encode());
+                }
+            });
+        }
+        for _ in 0..rounds {
+            let started = Instant::now();
+            for _ in 0..iterations {
+                let p = alloc
+                    .malloc(black_box(12 * MIB), StreamId::DEFAULT)
+                    .expect("fits");
+                alloc.free(p).expect("live");
+            }
+            best = best.min(started.elapsed().as_nanos() as f64 / iterations as f64);
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    best
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let (scrapes, iterations, rounds) = if full {
+        (300, 2_000_000, 7)
+    } else {
+        (3, 1_000, 1)
+    };
+
+    let rss_start = status_kib("VmRSS:");
+    let sources = sources();
+    let report = node();
+    let reader: ReportReader = Box::new(move || Arc::clone(&report));
+    let metrics =
+        Arc::new(Metrics::new(allocator_sources(sources), vec![reader]).expect("registers"));
+    let body = metrics.encode();
+    let series = body.lines().filter(|l| !l.starts_with('#')).count();
+
+    let encode: Vec<Duration> = (0..scrapes)
+        .map(|_| {
+            let started = Instant::now();
+            black_box(metrics.encode());
+            started.elapsed()
+        })
+        .collect();
+    let rss_encode = status_kib("VmHWM:");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let router = app(AppState {
+        metrics: Arc::clone(&metrics),
+    });
+    let http: Vec<Duration> = runtime.block_on(async {
+        let mut out = Vec::new();
+        for _ in 0..scrapes {
+            let started = Instant::now();
+            let request = axum::http::Request::get("/metrics")
+                .body(axum::body::Body::empty())
+                .expect("request");
+            let response = router.clone().oneshot(request).await.expect("responds");
+            black_box(response.into_body().collect().await.expect("body"));
+            out.push(started.elapsed());
+        }
+        out
+    });
+    let (rss, peak) = (status_kib("VmRSS:"), status_kib("VmHWM:"));
+    let (encode_p50, encode_p99) = percentiles(encode);
+    let (http_p50, http_p99) = percentiles(http);
+    println!(
+        "scrape of {GPUS} GPUs x {PROCESSES} processes: {series} series, {} KiB of text",
+        body.len() / 1024
+    );
+    println!("  encode:         p50 {encode_p50:?}  p99 {encode_p99:?}");
+    println!("  HTTP /metrics:  p50 {http_p50:?}  p99 {http_p99:?}");
+    println!(
+        "  resident memory: {:.1} MiB after the scrapes, peak {:.1} MiB (process start {:.1} MiB; peak after encoding only {:.1} MiB)",
+        rss as f64 / 1024.0,
+        peak as f64 / 1024.0,
+        rss_start as f64 / 1024.0,
+        rss_encode as f64 / 1024.0
+    );
+
+    let alone = hot_path(iterations, rounds, None);
+    let scraped = hot_path(iterations, rounds, Some(&metrics));
+    println!(
+        "allocator same-size hot path: {alone:.1} ns/pair alone, {scraped:.1} ns/pair while a thread scrapes without pause ({:+.1} %)",
+        (scraped / alone - 1.0) * 100.0
+    );
+}
