@@ -260,6 +260,57 @@ fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
     let _ = std::fs::remove_file(log);
 }
 
+/// An NVML library that loads but whose init fails as a machine without a loaded driver
+/// answers (`NVML_ERROR_DRIVER_NOT_LOADED`): serve must report why and keep serving.
+#[test]
+fn serve_reports_a_failed_nvml_init() {
+    let dir = std::env::temp_dir().join(format!("gpumem-nvml-stub-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let source = dir.join("stub.c");
+    std::fs::write(
+        &source,
+        "int nvmlInit_v2(void) { return 9; }\n\
+         int nvmlInitWithFlags(unsigned int f) { return 9; }\n\
+         int nvmlShutdown(void) { return 0; }\n\
+         const char *nvmlErrorString(int r) { return \"Driver Not Loaded\"; }\n",
+    )
+    .expect("stub source");
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libnvidia-ml.so.1"))
+        .arg(&source)
+        .status()
+        .expect("a C compiler (gcc) is installed");
+    assert!(built.success());
+    let port = free_port();
+    let log = dir.join("serve.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--interval",
+            "0.2",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("starts");
+    let _child = Reaper(child);
+    let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
+        .expect("serve answers /metrics");
+    assert!(
+        body.contains(r#"gpumem_source_up{source="nvml"} 0"#),
+        "{body}"
+    );
+    let log_text = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        log_text.contains("the NVIDIA driver is not loaded"),
+        "{log_text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Value> {
     let encoded: String = query
         .bytes()
