@@ -382,6 +382,16 @@ fn a_real_prometheus_scrapes_the_demo() {
             def.name
         );
     }
+    // Every dashboard panel's query, with its variables set to "All", returns data.
+    for (file, title, expr) in crate::assets::dashboard_expressions() {
+        let query = crate::assets::substitute(&expr);
+        let result = prometheus_query(prom_port, &query)
+            .unwrap_or_else(|| panic!("{file}: {title}: query failed: {query}"));
+        assert!(
+            result.as_array().is_some_and(|r| !r.is_empty()),
+            "{file}: {title}: no data for {query}"
+        );
+    }
     let lineup = prometheus_query(
         prom_port,
         "sum by (gpu) (gpumem_allocator_reserved_bytes) < sum by (gpu) (gpumem_device_used_bytes)",

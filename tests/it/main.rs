@@ -1,6 +1,7 @@
 //! gpumem's integration tests: one binary, sharing helpers.
 
 mod agent;
+mod assets;
 mod common;
 mod expandable;
 mod properties;
