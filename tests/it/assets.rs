@@ -186,3 +186,31 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
         assert!(cases >= 2, "{line} has {cases} test cases");
     }
 }
+
+#[test]
+fn the_chart_carries_exact_copies_of_the_dashboards_and_rules() {
+    let chart = root().join("helm/gpumem/files");
+    let read = |p: PathBuf| std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    assert_eq!(
+        read(chart.join("gpumem.rules.yml")),
+        read(root().join("alerts/gpumem.rules.yml")),
+        "helm/gpumem/files/gpumem.rules.yml differs from alerts/: copy it again"
+    );
+    let names = |dir: PathBuf| {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let canonical = names(root().join("dashboards"));
+    assert_eq!(names(chart.join("dashboards")), canonical);
+    for name in canonical {
+        assert_eq!(
+            read(chart.join("dashboards").join(&name)),
+            read(root().join("dashboards").join(&name)),
+            "helm/gpumem/files/dashboards/{name} differs from dashboards/: copy it again"
+        );
+    }
+}
