@@ -14,7 +14,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "gpumem"
-SCHEMAS = Path(__import__("os").environ.get("GPUMEM_SCHEMAS", ROOT.parent / "shared" / "schemas"))
+SCHEMAS = ROOT / "helm" / "schemas"
 OPERATOR_KINDS = {
     "ServiceMonitor": "servicemonitor.json",
     "PodMonitor": "podmonitor.json",
