@@ -2,7 +2,7 @@
 """Renders the Helm chart with the real Helm engine (helm-python-sdk) under the default
 values and with every optional feature on, lints it, and validates every rendered object
 offline: Kubernetes objects with kubernetes-validate --strict, prometheus-operator objects
-against the JSON schemas in ../shared/schemas. Exits non-zero on any finding."""
+against the JSON schemas in helm/schemas. Exits non-zero on any finding."""
 
 import subprocess
 import sys
