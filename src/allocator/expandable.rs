@@ -331,7 +331,8 @@ impl<D: Device> CachingAllocator<D> {
             self.remove_free(id);
             let before = done.start - ptr;
             if before > 0 {
-                self.split_off_front(id, before);
+                let front = self.split_front(id, before);
+                self.insert_free(front);
             }
             let after = self.block(id).size - done.size;
             if after > 0 {
@@ -353,26 +354,6 @@ impl<D: Device> CachingAllocator<D> {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
-    }
-
-    /// Splits the first `size` bytes of block `id` off as a free mapped block before it.
-    fn split_off_front(&mut self, id: BlockId, size: u64) {
-        let b = self.block(id);
-        let (ptr, stream, kind, prev, segment) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
-        let front = self.new_block(Block {
-            prev,
-            next: Some(id),
-            expandable: segment,
-            ..Block::segment(ptr, size, stream, kind)
-        });
-        if let Some(p) = prev {
-            self.block_mut(p).next = Some(front);
-        }
-        let b = self.block_mut(id);
-        b.prev = Some(front);
-        b.ptr += size;
-        b.size -= size;
-        self.insert_free(front);
     }
 
     /// Splits the last `size` bytes of block `id` off as a free mapped block after it.

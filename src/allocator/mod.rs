@@ -447,21 +447,8 @@ impl<D: Device> CachingAllocator<D> {
         // Free blocks of expandable segments never count as inactive splits.
         let counts_split = expandable.is_none();
         if split {
-            let (ptr, prev) = (block.ptr, block.prev);
-            let front = self.new_block(Block {
-                prev,
-                next: Some(id),
-                expandable,
-                ..Block::segment(ptr, size, stream, kind)
-            });
-            if let Some(p) = prev {
-                self.block_mut(p).next = Some(front);
-            }
-            let rest = self.block_mut(id);
-            rest.prev = Some(front);
-            rest.ptr += size;
-            rest.size -= size;
-            let remaining = rest.size;
+            let front = self.split_front(id, size);
+            let remaining = self.block(id).size;
             self.insert_free(id);
             if counts_split && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size);
@@ -491,6 +478,27 @@ impl<D: Device> CachingAllocator<D> {
             stats.oversize_allocations.increase(1);
         }
         DevicePtr(ptr)
+    }
+
+    /// Carves the first `size` bytes of block `id` into a new block just before it (same
+    /// stream, pool and segment) and returns it; `id` keeps the rest. Neither is put in a set.
+    fn split_front(&mut self, id: BlockId, size: u64) -> BlockId {
+        let b = self.block(id);
+        let (ptr, stream, kind, prev, expandable) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
+        let front = self.new_block(Block {
+            prev,
+            next: Some(id),
+            expandable,
+            ..Block::segment(ptr, size, stream, kind)
+        });
+        if let Some(p) = prev {
+            self.block_mut(p).next = Some(front);
+        }
+        let rest = self.block_mut(id);
+        rest.prev = Some(front);
+        rest.ptr += size;
+        rest.size -= size;
+        front
     }
 
     /// Puts a free block into its pool's free set, stamping its GC age base.

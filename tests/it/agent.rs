@@ -166,6 +166,24 @@ fn the_line_up_holds_on_the_simulated_node() {
     }
 }
 
+/// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log`.
+fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--interval",
+            "0.2",
+        ])
+        .stderr(std::fs::File::create(log).expect("log file"));
+    if let Some(dir) = library_path {
+        command.env("LD_LIBRARY_PATH", dir);
+    }
+    Reaper(command.spawn().expect("starts"))
+}
+
 /// A free loopback port (bound and released: another process could take it, which would
 /// fail the test loudly rather than silently).
 fn free_port() -> u16 {
@@ -214,18 +232,7 @@ impl Drop for Reaper {
 fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
     let port = free_port();
     let log = std::env::temp_dir().join(format!("gpumem-serve-{port}.log"));
-    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--interval",
-            "0.2",
-        ])
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("starts");
-    let mut child = Reaper(child);
+    let mut child = spawn_serve(port, &log, None);
     let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
         .expect("serve answers /metrics");
     if body.contains(r#"gpumem_source_up{source="nvml"} 1"#) {
@@ -284,19 +291,7 @@ fn serve_reports_a_failed_nvml_init() {
     assert!(built.success());
     let port = free_port();
     let log = dir.join("serve.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--interval",
-            "0.2",
-        ])
-        .env("LD_LIBRARY_PATH", &dir)
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("starts");
-    let _child = Reaper(child);
+    let _child = spawn_serve(port, &log, Some(&dir));
     let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
         .expect("serve answers /metrics");
     assert!(
