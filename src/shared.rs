@@ -72,6 +72,16 @@ impl<D: Device> SharedAllocator<D> {
         f(&mut self.lock())
     }
 
+    /// Runs `f` with the allocator if no other thread holds it now; `None` otherwise. For
+    /// observers (a metrics refresher) that must never make an allocation wait.
+    pub fn try_with<R>(&self, f: impl FnOnce(&mut CachingAllocator<D>) -> R) -> Option<R> {
+        match self.inner.try_lock() {
+            Ok(mut guard) => Some(f(&mut guard)),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(f(&mut p.into_inner())),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// The allocator, unwrapped.
     pub fn into_inner(self) -> CachingAllocator<D> {
         self.inner

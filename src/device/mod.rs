@@ -7,6 +7,7 @@
 //!
 //! Implementations:
 //! - [`SimDevice`]: a deterministic simulated GPU; the default, and what tests use.
+//! - `CudaDevice` (feature `cuda`): a real GPU through the CUDA driver API.
 //!
 //! # Invariants
 //! - An out-of-memory answer from the driver is [`DeviceError::OutOfMemory`] and nothing else,
@@ -14,8 +15,12 @@
 //!   error as fatal for the request.
 //! - Device memory is never dereferenced by anything in this crate: a [`DevicePtr`] is a number.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod sim;
 
+#[cfg(feature = "cuda")]
+pub use cuda::CudaDevice;
 pub use sim::{SimConfig, SimDevice};
 
 use std::fmt;

@@ -1,0 +1,299 @@
+//! gpumem's caching allocator as PyTorch's pluggable CUDA allocator.
+//!
+//! `torch.cuda.memory.CUDAPluggableAllocator("libgpumem_torch.so", "gpumem_alloc",
+//! "gpumem_free")` loads these entry points (the Python helper in `python/gpumem_torch` does
+//! it). Each device gets one thread-safe allocator, created on first use and configured from
+//! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax). With `GPUMEM_METRICS_LISTEN`
+//! set (for example `127.0.0.1:9418`), a background thread serves the allocators' counters on
+//! `/metrics`, with the agent's metric contract; it never holds an allocator's lock while
+//! an allocation waits.
+//!
+//! # Invariants
+//! - No panic crosses the C boundary: every entry point catches unwinding and reports it.
+//! - A failed allocation returns null (PyTorch then raises its out-of-memory error); a free of
+//!   a pointer gpumem does not hold is reported and ignored.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use gpumem::allocator::AllocError;
+use gpumem::metrics::{AllocatorSources, Metrics, allocator_sources};
+use gpumem::telemetry::AllocatorSource;
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
+
+#[cfg(not(any(feature = "cuda", feature = "sim")))]
+compile_error!("gpumem-torch needs a backend: the `cuda` feature (real GPUs) or `sim` (tests)");
+
+#[cfg(all(feature = "cuda", not(feature = "sim")))]
+mod backend {
+    use gpumem::device::{CudaDevice, DeviceError};
+
+    /// The device behind the entry points.
+    pub type Device = CudaDevice;
+
+    pub fn open(ordinal: i32) -> Result<Device, DeviceError> {
+        CudaDevice::new(ordinal)
+    }
+
+    pub fn uuid(ordinal: i32) -> String {
+        format!("GPU-cuda-{ordinal}")
+    }
+}
+
+#[cfg(feature = "sim")]
+mod backend {
+    use gpumem::device::{DeviceError, SimConfig, SimDevice};
+
+    /// The device behind the entry points: simulated, sized by `GPUMEM_SIM_CAPACITY` bytes
+    /// (default 80 GiB).
+    pub type Device = SimDevice;
+
+    pub fn open(ordinal: i32) -> Result<Device, DeviceError> {
+        let capacity = std::env::var("GPUMEM_SIM_CAPACITY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(80 << 30);
+        Ok(SimDevice::new(SimConfig {
+            index: u32::try_from(ordinal)
+                .map_err(|_| DeviceError::InvalidArgument(format!("device {ordinal}")))?,
+            ..SimConfig::with_capacity(capacity)
+        }))
+    }
+
+    pub fn uuid(ordinal: i32) -> String {
+        gpumem::telemetry::sim_node::simulated_uuid(ordinal.max(0) as u32)
+    }
+}
+
+/// Devices a process can use.
+const MAX_DEVICES: usize = 64;
+
+struct DeviceSlot {
+    allocator: SharedAllocator<backend::Device>,
+    largest_free_block: Arc<AtomicU64>,
+}
+
+static SLOTS: [OnceLock<Option<DeviceSlot>>; MAX_DEVICES] =
+    [const { OnceLock::new() }; MAX_DEVICES];
+static SOURCES: OnceLock<AllocatorSources> = OnceLock::new();
+
+fn report(message: &str) {
+    eprintln!("gpumem: {message}");
+}
+
+fn config() -> AllocatorConfig {
+    let text = std::env::var("GPUMEM_ALLOC_CONF").unwrap_or_default();
+    AllocatorConfig::parse(&text).unwrap_or_else(|e| {
+        report(&format!("{e}; using the default configuration"));
+        AllocatorConfig::default()
+    })
+}
+
+/// The allocator of `device`, created on first use.
+fn slot(device: c_int) -> Option<&'static DeviceSlot> {
+    let index = usize::try_from(device).ok().filter(|&i| i < MAX_DEVICES)?;
+    SLOTS[index]
+        .get_or_init(|| match backend::open(device) {
+            Ok(dev) => {
+                let config = config();
+                let settings = config.last_settings.clone();
+                let allocator = SharedAllocator::new(CachingAllocator::new(dev, config));
+                let largest_free_block = Arc::new(AtomicU64::new(0));
+                register_metrics(AllocatorSource {
+                    gpu: device as u32,
+                    uuid: backend::uuid(device),
+                    pid: std::process::id(),
+                    allocator: "gpumem",
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    config: settings,
+                    stats: Arc::clone(allocator.stats()),
+                    largest_free_block: Arc::clone(&largest_free_block),
+                });
+                Some(DeviceSlot {
+                    allocator,
+                    largest_free_block,
+                })
+            }
+            Err(e) => {
+                report(&format!("cannot open CUDA device {device}: {e}"));
+                None
+            }
+        })
+        .as_ref()
+}
+
+/// Runs `f`, turning a panic into `fallback` and a report.
+fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        report(&format!("internal error in {what}; the call was refused"));
+        fallback
+    })
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` (PyTorch's pluggable `alloc`).
+/// Returns null when the memory cannot be provided.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    let stream = StreamId(stream as usize as u64);
+    guarded("gpumem_alloc", std::ptr::null_mut(), || {
+        let Some(slot) = slot(device) else {
+            return std::ptr::null_mut();
+        };
+        match slot.allocator.malloc(size as u64, stream) {
+            Ok(ptr) => ptr.0 as usize as *mut c_void,
+            Err(e @ (AllocError::OutOfMemory(_) | AllocError::TooLarge(_))) => {
+                report(&e.to_string());
+                std::ptr::null_mut()
+            }
+            Err(e) => {
+                report(&format!("allocation of {size} bytes failed: {e}"));
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Frees a pointer from [`gpumem_alloc`] (PyTorch's pluggable `free`). A pointer gpumem does
+/// not hold is reported and ignored.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpumem_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    let _ = (size, stream);
+    guarded("gpumem_free", (), || {
+        let Some(slot) = slot(device) else {
+            return;
+        };
+        if let Err(e) = slot.allocator.free(DevicePtr(ptr as usize as u64)) {
+            report(&format!("free of {ptr:?} on device {device} ignored: {e}"));
+        }
+    });
+}
+
+/// Returns every whole cached segment of every device to the driver (`empty_cache`).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpumem_empty_cache() {
+    guarded("gpumem_empty_cache", (), || {
+        for slot in SLOTS.iter().filter_map(|s| s.get()).flatten() {
+            if let Err(e) = slot.allocator.empty_cache() {
+                report(&format!("empty_cache failed: {e}"));
+            }
+        }
+    });
+}
+
+/// Limits this process to `fraction` of `device`'s memory
+/// (`set_per_process_memory_fraction`).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpumem_set_memory_fraction(fraction: f64, device: c_int) {
+    guarded("gpumem_set_memory_fraction", (), || {
+        if let Some(slot) = slot(device)
+            && let Err(e) = slot.allocator.with(|a| a.set_memory_fraction(fraction))
+        {
+            report(&e.to_string());
+        }
+    });
+}
+
+/// Marks a live block as used by `stream` (`record_stream`).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpumem_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    let stream = StreamId(stream as usize as u64);
+    guarded("gpumem_record_stream", (), || {
+        for slot in SLOTS.iter().filter_map(|s| s.get()).flatten() {
+            slot.allocator
+                .record_stream(DevicePtr(ptr as usize as u64), stream);
+        }
+    });
+}
+
+/// Adds a device's allocator to `/metrics`, starting the server on first use when
+/// `GPUMEM_METRICS_LISTEN` is set.
+fn register_metrics(source: AllocatorSource) {
+    let Ok(listen) = std::env::var("GPUMEM_METRICS_LISTEN") else {
+        return;
+    };
+    let sources = SOURCES.get_or_init(|| {
+        let sources = allocator_sources(Vec::new());
+        start_server(&listen, Arc::clone(&sources));
+        sources
+    });
+    sources
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(Arc::new(source));
+}
+
+fn start_server(listen: &str, sources: AllocatorSources) {
+    let address = match listen.parse() {
+        Ok(address) => address,
+        Err(e) => {
+            report(&format!(
+                "GPUMEM_METRICS_LISTEN={listen:?} is not an address: {e}"
+            ));
+            return;
+        }
+    };
+    let metrics = match Metrics::new(sources, Vec::new()) {
+        Ok(m) => Arc::new(m),
+        Err(e) => {
+            report(&format!("metrics unavailable: {e}"));
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("gpumem-metrics".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => return report(&format!("metrics server cannot start: {e}")),
+            };
+            runtime.block_on(async move {
+                tokio::spawn(refresh_largest_free_blocks());
+                let state = gpumem::server::AppState { metrics };
+                match gpumem::server::bind(address).await {
+                    Ok(listener) => {
+                        let app = gpumem::server::app(state);
+                        if let Err(e) =
+                            gpumem::server::serve(listener, app, std::future::pending()).await
+                        {
+                            report(&format!("metrics server stopped: {e}"));
+                        }
+                    }
+                    Err(e) => report(&e.to_string()),
+                }
+            });
+        });
+    if let Err(e) = spawned {
+        report(&format!("metrics server cannot start: {e}"));
+    }
+}
+
+/// Publishes each allocator's largest free block every second, skipping an allocator whose
+/// lock is busy rather than making an allocation wait.
+async fn refresh_largest_free_blocks() {
+    loop {
+        for slot in SLOTS.iter().filter_map(|s| s.get()).flatten() {
+            if let Some(largest) = slot.allocator.try_with(|a| a.largest_free_block()) {
+                slot.largest_free_block.store(largest, Ordering::Relaxed);
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The allocator statistics of `device` in PyTorch's `memory_stats()` form, for tests and
+/// diagnostics (`None` if the device is not open).
+pub fn memory_stats(device: c_int) -> Option<std::collections::BTreeMap<String, i64>> {
+    slot(device).map(|s| s.allocator.stats().memory_stats())
+}
+
+/// Serialises tests that share the process-wide allocators.
+#[doc(hidden)]
+pub static TEST_LOCK: Mutex<()> = Mutex::new(());

@@ -1,0 +1,220 @@
+//! The C entry points on simulated GPUs (`--features sim`): allocation and free through the
+//! same functions PyTorch calls, from several threads at once, bad input refused without a
+//! crash, the in-process /metrics server, and the library loaded by Python's ctypes.
+
+use std::ffi::c_void;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpumem_torch::{
+    gpumem_alloc, gpumem_empty_cache, gpumem_free, gpumem_record_stream, memory_stats,
+};
+
+const MIB: usize = 1 << 20;
+
+fn metrics(port: u16) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// One test: the allocators are process-wide, so the steps share one order.
+#[test]
+fn entry_points_on_simulated_gpus() {
+    let port = free_port();
+    // SAFETY of the test: set before any allocator exists, while no other thread runs.
+    unsafe {
+        std::env::set_var("GPUMEM_ALLOC_CONF", "max_split_size_mb:64");
+        std::env::set_var("GPUMEM_METRICS_LISTEN", format!("127.0.0.1:{port}"));
+    }
+    let stream = 7usize as *mut c_void;
+
+    // Allocate and free.
+    let p = gpumem_alloc(3 * MIB, 0, stream);
+    assert!(!p.is_null());
+    let stats = memory_stats(0).expect("device 0 open");
+    assert_eq!(stats["allocated_bytes.all.current"], 3 * MIB as i64);
+    assert_eq!(
+        stats["max_split_size"],
+        64 * MIB as i64,
+        "GPUMEM_ALLOC_CONF applies"
+    );
+    gpumem_record_stream(p, 9usize as *mut c_void);
+    gpumem_free(p, 3 * MIB, 0, stream);
+    assert_eq!(
+        memory_stats(0).expect("open")["allocated_bytes.all.current"],
+        0
+    );
+
+    // Bad input: refused, reported, no crash, nothing changes.
+    let before = memory_stats(0).expect("open");
+    gpumem_free(0xdead_0000usize as *mut c_void, 512, 0, stream);
+    gpumem_free(std::ptr::null_mut(), 0, 0, stream);
+    assert!(gpumem_alloc(MIB, -1, stream).is_null(), "negative device");
+    assert!(gpumem_alloc(MIB, 999, stream).is_null(), "no such device");
+    assert!(gpumem_alloc(1 << 61, 0, stream).is_null(), "1 EiB or more");
+    assert!(
+        gpumem_alloc(200 << 30, 0, stream).is_null(),
+        "more than the device"
+    );
+    let after = memory_stats(0).expect("open");
+    assert_eq!(
+        before["allocated_bytes.all.current"],
+        after["allocated_bytes.all.current"]
+    );
+
+    // Eight threads, two devices, each thread keeping a few live blocks.
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let device = (t % 2) as i32;
+                let stream = (100 + t) as *mut c_void;
+                let mut live: Vec<(usize, usize)> = Vec::new();
+                for i in 0..2_000usize {
+                    if live.len() < 16 && (i * 7 + t) % 3 != 0 {
+                        let size = 512 + (i * 4099 + t * 997) % (24 * MIB);
+                        let p = gpumem_alloc(size, device, stream);
+                        assert!(!p.is_null(), "80 GiB is enough");
+                        live.push((p as usize, size));
+                    } else if let Some((p, size)) = live.pop() {
+                        gpumem_free(p as *mut c_void, size, device, stream);
+                    }
+                }
+                for (p, size) in live {
+                    gpumem_free(p as *mut c_void, size, device, stream);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("no panic");
+    }
+    gpumem_empty_cache();
+    for device in 0..2 {
+        let s = memory_stats(device).expect("open");
+        assert_eq!(s["allocated_bytes.all.current"], 0, "device {device}");
+        assert_eq!(s["reserved_bytes.all.current"], 0, "device {device}");
+        assert!(s["allocation.all.allocated"] > 1_000, "device {device}");
+    }
+
+    // The in-process metrics server.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        if let Some(text) = metrics(port).filter(|t| t.contains("gpumem_allocator_allocated_bytes"))
+        {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "the /metrics server answers");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(text.contains(&format!("pid=\"{}\"", std::process::id())));
+    assert!(text.contains(r#"config="max_split_size_mb:64""#));
+    assert!(text.contains(r#"gpumem_source_up{source="allocator"} 1"#));
+}
+
+fn library() -> PathBuf {
+    // The cdylib of this very build (features included) sits beside the test binary.
+    let exe = std::env::current_exe().expect("test binary");
+    exe.parent().expect("deps dir").join("libgpumem_torch.so")
+}
+
+#[test]
+fn python_loads_the_library_and_calls_it_through_ctypes() {
+    let lib = library();
+    assert!(lib.is_file(), "{} built", lib.display());
+    let script = r#"
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.gpumem_alloc.restype = ctypes.c_void_p
+lib.gpumem_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lib.gpumem_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+p = lib.gpumem_alloc(1 << 20, 0, None)
+assert p, "allocated"
+lib.gpumem_free(p, 1 << 20, 0, None)
+lib.gpumem_free(12345 * 512, 512, 0, None)   # unknown: reported, ignored
+assert not lib.gpumem_alloc(1 << 62, 0, None)
+lib.gpumem_empty_cache()
+print("ok")
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&lib)
+        .env_remove("GPUMEM_METRICS_LISTEN")
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ignored"), "{stderr}");
+}
+
+#[test]
+fn the_python_helper_swaps_the_allocator_before_cuda_starts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = r#"
+import sys, types, os
+calls = []
+class Memory:
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc, free):
+            calls.append(("allocator", os.path.basename(path), alloc, free))
+    @staticmethod
+    def change_current_allocator(a):
+        calls.append(("swap",))
+class Cuda:
+    initialised = False
+    memory = Memory
+    @classmethod
+    def is_initialized(cls):
+        return cls.initialised
+torch = types.ModuleType("torch")
+torch.cuda = Cuda
+sys.modules["torch"] = torch
+sys.path.insert(0, sys.argv[1])
+import gpumem_torch
+try:
+    gpumem_torch.enable(library="/nonexistent/libgpumem_torch.so")
+    raise SystemExit("a missing library must be refused")
+except FileNotFoundError as e:
+    assert "does not exist" in str(e)
+gpumem_torch.enable(conf="expandable_segments:True", library=sys.argv[2])
+assert calls == [("allocator", "libgpumem_torch.so", "gpumem_alloc", "gpumem_free"), ("swap",)], calls
+assert os.environ["GPUMEM_ALLOC_CONF"] == "expandable_segments:True"
+Cuda.initialised = True
+try:
+    gpumem_torch.enable(library=sys.argv[2])
+    raise SystemExit("enable after CUDA init must be refused")
+except RuntimeError as e:
+    assert "already initialised" in str(e)
+print("ok")
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(root.join("python"))
+        .arg(library())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
