@@ -4,6 +4,8 @@ mod agent;
 mod assets;
 mod common;
 mod expandable;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod properties;
 mod replay;
 mod scenarios;

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU checks for a machine with one NVIDIA GPU (under 5 minutes). Run from the repository root:
+#
+#   ./scripts/gpu-check.sh
+#
+# Output, in order:
+#   1. "== build": the library, the agent and libgpumem_torch.so built with the `cuda` feature.
+#   2. "== core on the GPU": the GPU tests of tests/it/gpu.rs, which the normal test command
+#      skips: the specification's scenarios on real cudaMalloc, a free deferred behind real work
+#      on a second stream, expandable segments mapping real pages, and a line
+#      "GPU timings: cudaMalloc(2 MiB) …, cudaFree …, create+map+set access of a 20 MiB page …,
+#      cache hit (malloc+free of 4 MiB) …".
+#   3. "== agent": `gpumem serve` for two seconds: gpumem_source_up{source="nvml"} must be 1,
+#      and the NVML device totals are printed.
+#   4. "== PyTorch with gpumem as its allocator" (only where `import torch` finds CUDA): a few
+#      training steps of a small model with gpumem as the pluggable allocator, then the
+#      allocator's /metrics beside NVML's used memory for this process.
+#   A final "GPU checks passed" line, or the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "build"
+cargo build --release --features cuda
+cargo build --release -p gpumem-torch
+
+step "core on the GPU"
+cargo test --release --features cuda --test it gpu -- --ignored --nocapture --test-threads 1
+
+step "agent"
+./target/release/gpumem serve --listen 127.0.0.1:19417 --interval 0.5 2>/dev/null &
+agent=$!
+trap 'kill $agent 2>/dev/null || true' EXIT
+sleep 2
+curl -s 127.0.0.1:19417/metrics | grep -E '^gpumem_(source_up|device_(total|used|free)_bytes)'
+curl -s 127.0.0.1:19417/metrics | grep -q 'gpumem_source_up{source="nvml"} 1'
+kill $agent
+
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    step "PyTorch with gpumem as its allocator"
+    GPUMEM_TORCH_LIB="$PWD/target/release/libgpumem_torch.so" PYTHONPATH="$PWD/python" \
+        python3 scripts/gpu_torch_check.py
+else
+    step "PyTorch with gpumem as its allocator: skipped (no PyTorch with CUDA)"
+fi
+echo "GPU checks passed"
