@@ -122,6 +122,27 @@ impl CudaDevice {
         Ok(cuda)
     }
 
+    /// The GPU's UUID in the `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` form NVML and DCGM use,
+    /// so that the allocator's series join nvidia-smi's.
+    ///
+    /// # Errors
+    /// What the driver answered.
+    pub fn uuid(&self) -> Result<String, DeviceError> {
+        let uuid = result::device::get_uuid(self.device).map_err(driver_error)?;
+        let b: Vec<u8> = uuid.bytes.iter().map(|&c| c as u8).collect();
+        let hex = |range: std::ops::Range<usize>| -> String {
+            b[range].iter().map(|x| format!("{x:02x}")).collect()
+        };
+        Ok(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        ))
+    }
+
     /// Makes the primary context current on this thread.
     fn bind(&self) -> Result<(), DeviceError> {
         // SAFETY: the context was retained in `new` and is released only in `drop`.

@@ -40,8 +40,10 @@ mod backend {
         CudaDevice::new(ordinal)
     }
 
-    pub fn uuid(ordinal: i32) -> String {
-        format!("GPU-cuda-{ordinal}")
+    pub fn uuid(device: &Device, ordinal: i32) -> String {
+        device
+            .uuid()
+            .unwrap_or_else(|_| format!("GPU-unknown-{ordinal}"))
     }
 }
 
@@ -65,7 +67,7 @@ mod backend {
         }))
     }
 
-    pub fn uuid(ordinal: i32) -> String {
+    pub fn uuid(_device: &Device, ordinal: i32) -> String {
         gpumem::telemetry::sim_node::simulated_uuid(ordinal.max(0) as u32)
     }
 }
@@ -100,13 +102,14 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
     SLOTS[index]
         .get_or_init(|| match backend::open(device) {
             Ok(dev) => {
+                let uuid = backend::uuid(&dev, device);
                 let config = config();
                 let settings = config.last_settings.clone();
                 let allocator = SharedAllocator::new(CachingAllocator::new(dev, config));
                 let largest_free_block = Arc::new(AtomicU64::new(0));
                 register_metrics(AllocatorSource {
                     gpu: device as u32,
-                    uuid: backend::uuid(device),
+                    uuid,
                     pid: std::process::id(),
                     allocator: "gpumem",
                     version: env!("CARGO_PKG_VERSION").to_string(),
