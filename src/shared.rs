@@ -28,9 +28,15 @@ impl<D: Device> SharedAllocator<D> {
     }
 
     fn lock(&self) -> MutexGuard<'_, CachingAllocator<D>> {
-        // The core does not panic on any input; a poisoned lock can only follow a panic in a
-        // caller's closure given to `with`, which cannot leave the core half-updated.
+        // A panic inside the lock (a defect: the core does not panic on input) poisons it;
+        // the state is still served, and callers that must not trust it check `is_poisoned`.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a panic happened while the allocator was locked: its state may be half
+    /// updated, and a careful caller stops using it.
+    pub fn is_poisoned(&self) -> bool {
+        self.inner.is_poisoned()
     }
 
     /// See [`CachingAllocator::malloc`].

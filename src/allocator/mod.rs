@@ -191,10 +191,16 @@ impl<D: Device> CachingAllocator<D> {
         self.allowed_memory_maximum
     }
 
-    /// Whether expandable segments are in effect: asked for and offered by the device (the
-    /// option is ignored on devices without virtual memory, as PyTorch ignores it there).
+    /// Whether expandable segments are in effect: asked for and offered by the device with
+    /// a page granularity that divides the 2 MiB pages (the option is ignored otherwise, as
+    /// PyTorch ignores it on devices without virtual memory).
     fn expandable_segments(&self) -> bool {
-        self.config.expandable_segments && self.device.supports_virtual_memory()
+        self.config.expandable_segments
+            && self.device.supports_virtual_memory()
+            && self
+                .device
+                .page_granularity()
+                .is_ok_and(|g| size::SMALL_BUFFER.is_multiple_of(g))
     }
 
     fn gc_enabled(&self) -> bool {
@@ -646,12 +652,13 @@ impl<D: Device> CachingAllocator<D> {
         &mut self.pending_events[i].1
     }
 
-    /// An event of block `id` completed: when it was the last, the free completes.
+    /// An event of block `id` completed: when it was the last, and no stream use is left
+    /// unrecorded (see `free_after_synchronize`), the free completes.
     fn event_completed(&mut self, event: EventId, id: BlockId) {
         self.event_pool.push(event);
         let block = self.block_mut(id);
-        block.event_count -= 1;
-        if block.event_count == 0 {
+        block.event_count = block.event_count.saturating_sub(1);
+        if block.event_count == 0 && block.stream_uses.is_empty() {
             self.free_block(id);
         }
     }

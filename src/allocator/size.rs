@@ -62,7 +62,7 @@ pub fn round_size(config: &AllocatorConfig, size: u64) -> u64 {
         return MIN_BLOCK_SIZE;
     }
     let divisions = config.divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+    if divisions > 1 && size > MIN_BLOCK_SIZE.saturating_mul(divisions) {
         return roundup_power2_next_division(size, divisions);
     }
     size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
@@ -177,6 +177,19 @@ mod tests {
         ] {
             assert_eq!(round_size(&c, req), want, "round_size({} MiB)", req / MIB);
         }
+    }
+
+    #[test]
+    fn huge_divisions_do_not_overflow() {
+        let c = AllocatorConfig {
+            roundup_power2_divisions: [1 << 62; 16],
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(
+            round_size(&c, 5000),
+            5120,
+            "no division fits: plain 512-byte rounding"
+        );
     }
 
     #[test]

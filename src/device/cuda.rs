@@ -7,8 +7,9 @@
 //! cudarc's owning wrappers, which free on drop, do not fit; raw handles are used instead.
 //!
 //! # Invariants
-//! - Every driver call runs with the device's primary context current on the calling thread
-//!   (`bind`), whichever thread the allocator is called from.
+//! - Every driver call runs with the device's primary context current on the calling thread,
+//!   and the thread's previous context is restored afterwards (`enter`), so the caller's
+//!   current device (PyTorch's) never changes behind its back.
 //! - No `sys` function is called unless the library was found (`is_culib_present`) and, for
 //!   the virtual-memory calls, unless every symbol they need exists: cudarc panics on a missing
 //!   symbol, so presence is checked first.
@@ -102,7 +103,7 @@ impl CudaDevice {
             virtual_memory: false,
             granularity: 2 << 20,
         };
-        cuda.bind()?;
+        let context = cuda.enter()?;
         if VMM_SYMBOLS.iter().all(|s| has_symbol(s)) {
             let prop = cuda.allocation_prop();
             let mut granularity = 0usize;
@@ -119,6 +120,7 @@ impl CudaDevice {
                 cuda.granularity = granularity as u64;
             }
         }
+        drop(context);
         Ok(cuda)
     }
 
@@ -143,10 +145,18 @@ impl CudaDevice {
         ))
     }
 
-    /// Makes the primary context current on this thread.
-    fn bind(&self) -> Result<(), DeviceError> {
+    /// Makes the primary context current on this thread until the guard drops, which puts
+    /// the thread's previous context back.
+    fn enter(&self) -> Result<ContextGuard, DeviceError> {
+        let previous = result::ctx::get_current().map_err(driver_error)?;
+        if previous == Some(self.context) {
+            return Ok(ContextGuard { restore: None });
+        }
         // SAFETY: the context was retained in `new` and is released only in `drop`.
-        unsafe { result::ctx::set_current(self.context) }.map_err(driver_error)
+        unsafe { result::ctx::set_current(self.context) }.map_err(driver_error)?;
+        Ok(ContextGuard {
+            restore: Some(previous.unwrap_or(std::ptr::null_mut())),
+        })
     }
 
     fn allocation_prop(&self) -> sys::CUmemAllocationProp {
@@ -176,6 +186,21 @@ impl CudaDevice {
     }
 }
 
+/// Restores a thread's previous CUDA context.
+struct ContextGuard {
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // SAFETY: `previous` was current on this thread a moment ago (or null, meaning
+            // none); making it current again has no other precondition.
+            let _ = unsafe { result::ctx::set_current(previous) };
+        }
+    }
+}
+
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         // SAFETY: `device`'s primary context was retained once in `new`.
@@ -189,21 +214,21 @@ impl Device for CudaDevice {
     }
 
     fn malloc(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the context is current; the returned allocation is owned by the caller.
         let ptr = unsafe { result::malloc_sync(size as usize) }.map_err(driver_error)?;
         Ok(DevicePtr(ptr))
     }
 
     fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: `ptr` came from `malloc` on this device and is freed once (the allocator
         // releases a segment only when all its blocks are free).
         unsafe { result::free_sync(ptr.0) }.map_err(driver_error)
     }
 
     fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         let (free, total) = result::mem_get_info().map_err(driver_error)?;
         Ok(MemInfo {
             free: free as u64,
@@ -212,14 +237,14 @@ impl Device for CudaDevice {
     }
 
     fn create_event(&mut self) -> Result<EventId, DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(driver_error)?;
         Ok(EventId(event as usize as u64))
     }
 
     fn record_event(&mut self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the event came from `create_event`; the stream handle is the caller's
         // (PyTorch's) live stream, as `record_stream` promised.
         unsafe { result::event::record(Self::event(event), Self::stream(stream)) }
@@ -227,7 +252,7 @@ impl Device for CudaDevice {
     }
 
     fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the event came from `create_event` and has not been destroyed.
         match unsafe { result::event::query(Self::event(event)) } {
             Ok(()) => Ok(true),
@@ -237,24 +262,24 @@ impl Device for CudaDevice {
     }
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: as for `query_event`.
         unsafe { result::event::synchronize(Self::event(event)) }.map_err(driver_error)
     }
 
     fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the event came from `create_event` and is destroyed once.
         unsafe { result::event::destroy(Self::event(event)) }.map_err(driver_error)
     }
 
     fn synchronize(&mut self) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         result::ctx::synchronize().map_err(driver_error)
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the stream handle is the caller's live stream.
         unsafe { result::stream::synchronize(Self::stream(stream)) }.map_err(driver_error)
     }
@@ -278,7 +303,7 @@ impl Device for CudaDevice {
 
     fn reserve_address_range(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: the symbol exists (checked in `new`); `ptr` is a live local.
         check(unsafe { sys::cuMemAddressReserve(&mut ptr, size as usize, 0, 0, 0) })?;
@@ -287,14 +312,14 @@ impl Device for CudaDevice {
 
     fn free_address_range(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the range came from `reserve_address_range` and holds no mappings any more.
         check(unsafe { sys::cuMemAddressFree(ptr.0, size as usize) })
     }
 
     fn create_physical_page(&mut self, size: u64) -> Result<PhysicalHandle, DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         let prop = self.allocation_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: the symbol exists; `handle` and `prop` are live locals.
@@ -304,7 +329,7 @@ impl Device for CudaDevice {
 
     fn release_physical_page(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the handle came from `create_physical_page` and is no longer mapped.
         check(unsafe { sys::cuMemRelease(handle.0) })
     }
@@ -316,7 +341,7 @@ impl Device for CudaDevice {
         handle: PhysicalHandle,
     ) -> Result<(), DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: `ptr..ptr+size` lies in a reserved range and is not mapped; the handle is a
         // live physical allocation of `size` bytes.
         check(unsafe { sys::cuMemMap(ptr.0, size as usize, 0, handle.0, 0) })?;
@@ -339,7 +364,7 @@ impl Device for CudaDevice {
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
         self.page_granularity()?;
-        self.bind()?;
+        let _context = self.enter()?;
         // SAFETY: the range was mapped by `map` and no block in it is in use (the allocator
         // unmaps only whole free pages, after synchronising their stream).
         check(unsafe { sys::cuMemUnmap(ptr.0, size as usize) })

@@ -51,6 +51,10 @@ pub const BUNDLED_TRACES: [(&str, &[u8]); 5] = [
     ),
 ];
 
+/// Bounds of the node's shape (each process holds an allocator and replays a recording).
+const MAX_GPUS: u32 = 64;
+const MAX_PROCESSES_PER_GPU: u32 = 64;
+
 /// Pace for recordings without timestamps.
 const EVENTS_PER_SECOND_UNTIMED: u64 = 2_000;
 /// Pause between two runs of a recording.
@@ -125,7 +129,19 @@ impl SimNode {
     /// A message if a bundled recording cannot be read (a build defect) or the node's shape
     /// leaves a process no memory.
     pub fn start(config: SimNodeConfig) -> Result<SimNode, String> {
-        let processes_per_gpu = config.processes_per_gpu.max(1);
+        if config.gpus == 0 || config.gpus > MAX_GPUS {
+            return Err(format!(
+                "a simulated node has 1 to {MAX_GPUS} GPUs, not {}",
+                config.gpus
+            ));
+        }
+        if config.processes_per_gpu == 0 || config.processes_per_gpu > MAX_PROCESSES_PER_GPU {
+            return Err(format!(
+                "a simulated GPU runs 1 to {MAX_PROCESSES_PER_GPU} processes, not {}",
+                config.processes_per_gpu
+            ));
+        }
+        let processes_per_gpu = config.processes_per_gpu;
         let share =
             config.capacity.saturating_sub(config.driver_reserved) / u64::from(processes_per_gpu);
         let limit = share

@@ -4,8 +4,8 @@
 //! # Invariants
 //! - Containers hold node ids, never nested values: dropping or walking a document never
 //!   recurses, whatever its nesting (pickles can even contain cycles).
-//! - The arena grows by at most one node per input opcode or JSON value, so its size is
-//!   bounded by the input's.
+//! - The arena grows by at most one node per input opcode, or two per JSON value (an object
+//!   entry's key and value), so its size is bounded by the input's.
 
 use super::TraceError;
 

@@ -130,13 +130,19 @@ pub fn parse_recording_with_limit(bytes: &[u8], limit: u64) -> Result<Recording,
         bytes
     };
     let doc = match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-        Some(0x80) => pickle::decode(bytes)?,
+        // A pickle starts with its PROTO opcode; only JSON may start with whitespace.
+        Some(0x80) if bytes[0] == 0x80 => pickle::decode(bytes)?,
         Some(b'{' | b'[') => {
             let json: serde_json::Value =
                 serde_json::from_slice(bytes).map_err(|e| TraceError::Json(e.to_string()))?;
             doc::Doc::from_json(&json)
         }
-        Some(b) => return Err(TraceError::UnknownFormat(format!("byte {b:#04x}"))),
+        Some(b) => {
+            return Err(TraceError::UnknownFormat(format!(
+                "byte {b:#04x} after {} bytes of whitespace",
+                bytes.iter().take_while(|b| b.is_ascii_whitespace()).count()
+            )));
+        }
         None => return Err(TraceError::UnknownFormat("an empty input".into())),
     };
     schema::recording(&doc)

@@ -203,21 +203,13 @@ pub fn replay_with_progress(
             series_points: 0,
             ..options.clone()
         };
-        run(recording, &check, &mut |_, _| {})?.1
+        run_with(recording, &check, &mut |_, _| {}, FxHashSet::default())?.1
     };
     let (report, _) = run_with(recording, options, progress, releases_in_malloc)?;
     Ok(report)
 }
 
-/// One replay: the report and the readings found (see [`replay_with_progress`]).
-fn run(
-    recording: &Recording,
-    options: &ReplayOptions,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
-    run_with(recording, options, progress, FxHashSet::default())
-}
-
+/// One replay following the given readings: the report and the readings found.
 fn run_with(
     recording: &Recording,
     options: &ReplayOptions,
@@ -291,7 +283,9 @@ fn device_events(recording: &Recording, device: u32) -> Result<&[RecordedEvent],
 }
 
 /// A what-if replay driven step by step, on an allocator the caller keeps: the demo's
-/// simulated processes loop recordings at their recorded pace this way.
+/// simulated processes loop recordings at their recorded pace this way. Unlike [`replay()`],
+/// it does not first look for the readings of ambiguous release runs: each run of releases
+/// before an allocation is replayed as an `empty_cache()`.
 pub struct Replayer<'a> {
     engine: Engine<'a>,
 }
@@ -473,7 +467,8 @@ impl<'a> Engine<'a> {
         alloc.reset_accumulated_stats();
         alloc.reset_peak_stats();
         if options.check {
-            alloc.record_history(Some(1 << 16));
+            // Drained after every operation; the bound only guards against a runaway.
+            alloc.record_history(Some(1 << 40));
         }
         Ok(Engine {
             events,

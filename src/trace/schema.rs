@@ -111,10 +111,27 @@ fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
     }
 }
 
+/// How many segments, blocks and events a document may yield: one per node of the document.
+/// A pickle can reference one container many times through its memo for a few bytes each;
+/// without this bound a small file could ask for unbounded memory.
+struct Budget(usize);
+
+impl Budget {
+    fn take(&mut self, node: &Node<'_>) -> Result<(), TraceError> {
+        self.0 = self.0.checked_sub(1).ok_or_else(|| TraceError::Schema {
+            path: node.path().to_string(),
+            expected: "each segment, block and event to appear once".to_string(),
+            found: "more references to shared lists than the file has values".to_string(),
+        })?;
+        Ok(())
+    }
+}
+
 pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
     let root = doc.root();
+    let budget = &mut Budget(doc.nodes.len());
     if !root.is_dict() {
-        let segments = segments(&root)?;
+        let segments = segments(&root, budget)?;
         return Ok(Recording {
             format: Format::LegacyList,
             segments,
@@ -123,11 +140,11 @@ pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
             simulated_device: None,
         });
     }
-    let segments = segments(&root.field("segments")?)?;
+    let segments = segments(&root.field("segments")?, budget)?;
     let device_traces = match root.get("device_traces")? {
         Some(traces) => traces
             .items()?
-            .map(|events| events.items()?.map(|e| event(&e)).collect())
+            .map(|events| events.items()?.map(|e| event(&e, budget)).collect())
             .collect::<Result<Vec<Vec<_>>, _>>()?,
         None => Vec::new(),
     };
@@ -167,11 +184,12 @@ pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
     })
 }
 
-fn segments(list: &Node<'_>) -> Result<Vec<RecordedSegment>, TraceError> {
-    list.items()?.map(|s| segment(&s)).collect()
+fn segments(list: &Node<'_>, budget: &mut Budget) -> Result<Vec<RecordedSegment>, TraceError> {
+    list.items()?.map(|s| segment(&s, budget)).collect()
 }
 
-fn segment(node: &Node<'_>) -> Result<RecordedSegment, TraceError> {
+fn segment(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedSegment, TraceError> {
+    budget.take(node)?;
     let address = node.field("address")?.uint()?;
     let total_size = node.field("total_size")?.uint()?;
     let pool = match node.field("segment_type")?.str()? {
@@ -202,6 +220,7 @@ fn segment(node: &Node<'_>) -> Result<RecordedSegment, TraceError> {
     let mut blocks = Vec::new();
     let mut next_address = address;
     for b in node.field("blocks")?.items()? {
+        budget.take(&b)?;
         // The oldest layout leaves out block addresses: blocks are contiguous.
         let block_address = match b.get("address")? {
             Some(a) => a.uint()?,
@@ -257,7 +276,8 @@ fn stream(node: &Node<'_>) -> Result<u64, TraceError> {
     }
 }
 
-fn event(node: &Node<'_>) -> Result<RecordedEvent, TraceError> {
+fn event(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedEvent, TraceError> {
+    budget.take(node)?;
     let action_node = node.field("action")?;
     let action = match action_node.str()? {
         "alloc" => TraceAction::Alloc,

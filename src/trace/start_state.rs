@@ -159,11 +159,16 @@ pub fn start_state(
         ));
     }
     let mut out = Vec::with_capacity(segments.len());
+    let mut previous_end = 0;
     for (&address, &(size, stream, pool)) in &segments {
         let end = address
             .checked_add(size)
             .filter(|_| size < ONE_EXABYTE)
             .ok_or_else(|| format!("segment {address:#x} of {size} bytes is impossible"))?;
+        if address < previous_end {
+            return Err(format!("segment {address:#x} overlaps the one before it"));
+        }
+        previous_end = end;
         let inside: Vec<(u64, LiveBlock)> =
             live.range(address..end).map(|(&a, &b)| (a, b)).collect();
         let mut blocks = Vec::new();
@@ -225,7 +230,7 @@ pub fn start_state(
     if placed != live.len() {
         return Err(format!(
             "{} live blocks lie outside every segment",
-            live.len() - placed
+            live.len().abs_diff(placed)
         ));
     }
     Ok(StartState {

@@ -354,6 +354,43 @@ fn bad_inputs_get_clear_errors() {
     );
 }
 
+/// A pickle that references one list of events many times through its memo: each reference
+/// costs a few bytes, and materialising them all would need unbounded memory.
+#[test]
+fn memo_amplification_is_refused() {
+    // {"segments": [], "device_traces": [L, L, ... x 50 000]} with L = [event] * 1000, L shared.
+    let mut p: Vec<u8> = b"\x80\x04}(\x8c\x08segments]\x8c\x0ddevice_traces](".to_vec();
+    // L: a list of 1000 references to one event dict, memoized as entry 0.
+    p.extend_from_slice(b"](}(\x8c\x06action\x8c\x05alloc\x8c\x04addrK\x00\x8c\x04sizeK\x01u\x94");
+    for _ in 0..999 {
+        p.extend_from_slice(b"h\x00");
+    }
+    p.extend_from_slice(b"e\x94");
+    for _ in 0..49_999 {
+        p.extend_from_slice(b"h\x01");
+    }
+    p.extend_from_slice(b"eu.");
+    assert!(p.len() < 200_000);
+    let err = parse_recording(&p).expect_err("refused");
+    assert!(err.to_string().contains("more references"), "{err}");
+}
+
+#[test]
+fn overlapping_segments_are_refused() {
+    let doc = serde_json::json!({
+        "segments": [
+            {"device": 0, "address": 0x100000, "total_size": 2097152, "stream": 0, "segment_type": "small",
+             "blocks": [{"address": 0x100000, "size": 2097152, "requested_size": 512, "state": "active_allocated"}]},
+            {"device": 0, "address": 0x200000, "total_size": 2097152, "stream": 0, "segment_type": "small",
+             "blocks": [{"address": 0x200000, "size": 2097152, "requested_size": 512, "state": "inactive"}]}
+        ],
+        "device_traces": [[{"action": "free_requested", "addr": 0x100000, "size": 512, "stream": 0}]]
+    });
+    let rec = parse_recording(doc.to_string().as_bytes()).expect("valid schema");
+    let err = replay(&rec, &ReplayOptions::default()).expect_err("inconsistent");
+    assert!(err.to_string().contains("overlaps"), "{err}");
+}
+
 #[test]
 fn the_command_line_checks_and_fails_cleanly() {
     let bin = env!("CARGO_BIN_EXE_gpumem");

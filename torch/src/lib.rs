@@ -96,10 +96,12 @@ fn config() -> AllocatorConfig {
     })
 }
 
-/// The allocator of `device`, created on first use.
+/// The allocator of `device`, created on first use; `None` if the device cannot be opened or
+/// its allocator was left half updated by an internal error (then every later call is
+/// refused rather than served from an inconsistent state).
 fn slot(device: c_int) -> Option<&'static DeviceSlot> {
     let index = usize::try_from(device).ok().filter(|&i| i < MAX_DEVICES)?;
-    SLOTS[index]
+    let slot = SLOTS[index]
         .get_or_init(|| match backend::open(device) {
             Ok(dev) => {
                 let uuid = backend::uuid(&dev, device);
@@ -127,7 +129,14 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                 None
             }
         })
-        .as_ref()
+        .as_ref()?;
+    if slot.allocator.is_poisoned() {
+        report(&format!(
+            "device {device}: refusing calls after an internal error"
+        ));
+        return None;
+    }
+    Some(slot)
 }
 
 /// Runs `f`, turning a panic into `fallback` and a report.
