@@ -79,6 +79,9 @@ pub struct SimNodeConfig {
     pub tick: Duration,
     /// The allocator configuration of every process.
     pub config: AllocatorConfig,
+    /// A memory limit for the last process of the last GPU, so that the node shows what
+    /// memory pressure looks like (cache flushes and retries); `None` for none.
+    pub tight_process_limit: Option<u64>,
 }
 
 impl Default for SimNodeConfig {
@@ -93,6 +96,9 @@ impl Default for SimNodeConfig {
             speed: 1.0,
             tick: Duration::from_millis(100),
             config: AllocatorConfig::default(),
+            // Just above what the opt125m recording needs at its peak: its allocator flushes
+            // its cache and retries a few times per run, without running out.
+            tight_process_limit: Some(1_879_048_192),
         }
     }
 }
@@ -162,9 +168,14 @@ impl SimNode {
         let mut processes = Vec::new();
         for gpu in 0..config.gpus {
             for k in 0..processes_per_gpu {
+                let last = gpu + 1 == config.gpus && k + 1 == processes_per_gpu;
+                let process_limit = match config.tight_process_limit {
+                    Some(tight) if last => tight.min(limit),
+                    _ => limit,
+                };
                 let device = SimDevice::new(SimConfig {
                     index: gpu,
-                    process_limit: Some(limit),
+                    process_limit: Some(process_limit),
                     ..SimConfig::with_capacity(config.capacity)
                 });
                 let alloc = CachingAllocator::new(device, config.config.clone());

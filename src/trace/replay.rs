@@ -243,6 +243,9 @@ fn run_with(
             .map_err(|source| ReplayError::Allocator { index: 0, source })?;
     }
     let mut engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    // The report covers the trace: counters start at zero, peaks at the start state.
+    engine.alloc.reset_accumulated_stats();
+    engine.alloc.reset_peak_stats();
     let start_segments = engine.start_segments;
     let driver_time_before = engine.alloc.device().stats().driver_time_ns;
     engine.run(progress)?;
@@ -292,7 +295,8 @@ pub struct Replayer<'a> {
 
 impl<'a> Replayer<'a> {
     /// Loads the recording's start state for `device` into `alloc` (which should hold no
-    /// memory) and positions the replay at the first event.
+    /// memory) and positions the replay at the first event. The allocator's statistics go on
+    /// from where they were, as a process's do.
     ///
     /// # Errors
     /// [`ReplayError`] if the device has no trace or its start state cannot be rebuilt.
@@ -464,8 +468,6 @@ impl<'a> Engine<'a> {
                 .map_err(|source| ReplayError::Allocator { index: 0, source })?;
             deferred.insert(*addr, stream);
         }
-        alloc.reset_accumulated_stats();
-        alloc.reset_peak_stats();
         if options.check {
             // Drained after every operation; the bound only guards against a runaway.
             alloc.record_history(Some(1 << 40));
