@@ -150,7 +150,7 @@ fn main() {
     let report = node();
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
     let metrics =
-        Arc::new(Metrics::new(allocator_sources(sources), vec![reader]).expect("registers"));
+        Arc::new(Metrics::new(allocator_sources(sources), vec![reader], None).expect("registers"));
     let body = metrics.encode();
     let series = body.lines().filter(|l| !l.starts_with('#')).count();
 
@@ -168,6 +168,7 @@ fn main() {
         .expect("runtime");
     let router = app(AppState {
         metrics: Arc::clone(&metrics),
+        ingest: None,
     });
     let http: Vec<Duration> = runtime.block_on(async {
         let mut out = Vec::new();

@@ -12,12 +12,14 @@
 //! - [`trace`]: reading PyTorch memory snapshots and replaying their traces.
 //! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
+//! - [`ingest`]: statistics pushed by unmodified PyTorch jobs.
 //! - [`server`]: the `/metrics` endpoint (axum).
 //! - [`workload`]: a synthetic training workload that exercises the core.
 
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod ingest;
 pub mod metrics;
 pub mod server;
 pub mod shared;

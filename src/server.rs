@@ -1,4 +1,5 @@
-//! The HTTP shell: `/metrics` (text exposition), `/healthz`, and `/` (a page linking both).
+//! The HTTP shell: `/metrics` (text exposition), `/healthz`, `/` (a page linking both) and,
+//! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only.
 //! [`app`] builds the router, so tests call it without a socket; [`serve`] binds it.
 
 use std::future::Future;
@@ -6,12 +7,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
-use axum::http::header;
-use axum::response::{Html, IntoResponse};
-use axum::routing::get;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
 
-use crate::metrics::Metrics;
+use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
+use crate::metrics::{AllocatorSources, Metrics, ReportReader};
 
 /// The media type of the Prometheus text exposition format.
 pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -21,6 +23,26 @@ pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=ut
 pub struct AppState {
     /// The metrics to serve.
     pub metrics: Arc<Metrics>,
+    /// Where pushed statistics go, if the agent accepts them.
+    pub ingest: Option<Arc<PushStore>>,
+}
+
+/// The agent's state: metrics over `sources` and `reports`, with pushes from this host
+/// accepted into `sources`.
+///
+/// # Errors
+/// A registration error, which only a collector defect can cause.
+pub fn agent_state(
+    sources: AllocatorSources,
+    reports: Vec<ReportReader>,
+    ingest: IngestConfig,
+) -> Result<AppState, prometheus::Error> {
+    let store = Arc::new(PushStore::new(ingest, Arc::clone(&sources)));
+    let metrics = Metrics::new(sources, reports, Some(Arc::clone(&store)))?;
+    Ok(AppState {
+        metrics: Arc::new(metrics),
+        ingest: Some(store),
+    })
 }
 
 /// The router.
@@ -29,6 +51,7 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/", get(index))
+        .route("/api/v1/push", post(push))
         .with_state(state)
 }
 
@@ -38,6 +61,50 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     // second malloc arena as large as the exposition).
     let body = state.metrics.encode();
     ([(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)], body)
+}
+
+fn json(status: StatusCode, body: serde_json::Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// Accepts a push from a process on this host (see [`crate::ingest`]).
+async fn push(State(state): State<AppState>, request: Request) -> Response {
+    let Some(store) = state.ingest else {
+        return json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "this agent does not accept pushes"}),
+        );
+    };
+    // Only processes on this node may push: the connection must come from loopback.
+    let local = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .is_some_and(|c| c.0.ip().is_loopback());
+    if !local {
+        return json(
+            StatusCode::FORBIDDEN,
+            serde_json::json!({"error": "pushes are accepted from this host only"}),
+        );
+    }
+    let Ok(body) = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES).await else {
+        store.count_refusal(Refusal::TooLarge);
+        return json(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            serde_json::json!({"error": format!("the body exceeds {MAX_BODY_BYTES} bytes"), "reason": "too_large"}),
+        );
+    };
+    match store.push(&body) {
+        Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
+        Err(rejected) => json(
+            StatusCode::from_u16(rejected.refusal.status()).unwrap_or(StatusCode::BAD_REQUEST),
+            serde_json::json!({"error": rejected.message, "reason": rejected.refusal.label()}),
+        ),
+    }
 }
 
 async fn healthz() -> &'static str {
@@ -63,9 +130,12 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
 /// Completes on SIGINT or SIGTERM.

@@ -89,6 +89,15 @@ impl Stat {
         self.current.load(Relaxed)
     }
 
+    fn from_value(v: StatValue) -> Stat {
+        Stat {
+            current: AtomicI64::new(v.current),
+            peak: AtomicI64::new(v.peak),
+            allocated: AtomicI64::new(v.allocated),
+            freed: AtomicI64::new(v.freed),
+        }
+    }
+
     fn copy(&self) -> Stat {
         let v = self.get();
         Stat {
@@ -313,6 +322,44 @@ impl DeviceStats {
         ]
     }
 
+    /// The inverse of [`DeviceStats::memory_stats`]: statistics from PyTorch's flat map (as
+    /// `torch.cuda.memory_stats()` returns it). Missing keys read as 0; unknown keys are
+    /// ignored.
+    pub fn from_memory_stats(map: &BTreeMap<String, i64>) -> DeviceStats {
+        let get = |key: String| map.get(&key).copied().unwrap_or(0);
+        let value = |prefix: &str| StatValue {
+            current: get(format!("{prefix}.current")),
+            peak: get(format!("{prefix}.peak")),
+            allocated: get(format!("{prefix}.allocated")),
+            freed: get(format!("{prefix}.freed")),
+        };
+        let array = |name: &str| StatArray {
+            small_pool: Stat::from_value(value(&format!("{name}.small_pool"))),
+            large_pool: Stat::from_value(value(&format!("{name}.large_pool"))),
+            all_peak: AtomicI64::new(get(format!("{name}.all.peak"))),
+        };
+        let counter = |name: &str| Counter(AtomicI64::new(get(name.to_string())));
+        DeviceStats {
+            allocation: array("allocation"),
+            segment: array("segment"),
+            active: array("active"),
+            inactive_split: array("inactive_split"),
+            allocated_bytes: array("allocated_bytes"),
+            reserved_bytes: array("reserved_bytes"),
+            active_bytes: array("active_bytes"),
+            inactive_split_bytes: array("inactive_split_bytes"),
+            requested_bytes: array("requested_bytes"),
+            oversize_allocations: Stat::from_value(value("oversize_allocations")),
+            oversize_segments: Stat::from_value(value("oversize_segments")),
+            num_alloc_retries: counter("num_alloc_retries"),
+            num_ooms: counter("num_ooms"),
+            num_sync_all_streams: counter("num_sync_all_streams"),
+            num_device_alloc: counter("num_device_alloc"),
+            num_device_free: counter("num_device_free"),
+            max_split_size: map.get("max_split_size").copied().unwrap_or(-1),
+        }
+    }
+
     /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 122 keys, sorted.
     pub fn memory_stats(&self) -> BTreeMap<String, i64> {
         let mut out = BTreeMap::new();
@@ -390,6 +437,18 @@ mod tests {
                 freed: 0
             }
         );
+    }
+
+    #[test]
+    fn memory_stats_round_trip() {
+        let stats = DeviceStats::new(1 << 27);
+        stats.allocated_bytes.increase(PoolKind::Small, 512);
+        stats.allocated_bytes.increase(PoolKind::Large, 4 << 20);
+        stats.allocated_bytes.decrease(PoolKind::Large, 1 << 20);
+        stats.num_ooms.bump();
+        stats.oversize_segments.increase(1);
+        let map = stats.memory_stats();
+        assert_eq!(DeviceStats::from_memory_stats(&map).memory_stats(), map);
     }
 
     #[test]

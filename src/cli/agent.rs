@@ -2,12 +2,12 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use gpumem::AllocatorConfig;
-use gpumem::metrics::{Metrics, ReportReader, allocator_sources};
-use gpumem::server::{AppState, app, bind, serve, shutdown_signal};
+use gpumem::ingest::IngestConfig;
+use gpumem::metrics::{ReportReader, allocator_sources};
+use gpumem::server::{AppState, agent_state, app, bind, serve, shutdown_signal};
 use gpumem::telemetry::{NvmlSource, Poller, SimNode, SimNodeConfig};
 
 use super::{CliResult, parse_bytes};
@@ -68,10 +68,7 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-fn run_server(listen: SocketAddr, metrics: Metrics) -> CliResult {
-    let state = AppState {
-        metrics: Arc::new(metrics),
-    };
+fn run_server(listen: SocketAddr, state: AppState) -> CliResult {
     runtime()?.block_on(async move {
         let listener = bind(listen).await?;
         serve(listener, app(state), shutdown_signal()).await
@@ -85,8 +82,12 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Duration::from_secs_f64(args.interval),
     );
     let reader: ReportReader = Box::new(poller.reader());
-    let metrics = Metrics::new(allocator_sources(Vec::new()), vec![reader])?;
-    run_server(args.listen, metrics)
+    let state = agent_state(
+        allocator_sources(Vec::new()),
+        vec![reader],
+        IngestConfig::default(),
+    )?;
+    run_server(args.listen, state)
 }
 
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
@@ -105,8 +106,12 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         "simulated node replaying recorded traces"
     );
     let reader: ReportReader = Box::new(node.report_reader());
-    let metrics = Metrics::new(allocator_sources(node.allocator_sources()), vec![reader])?;
-    let result = run_server(args.listen, metrics);
+    let state = agent_state(
+        allocator_sources(node.allocator_sources()),
+        vec![reader],
+        IngestConfig::default(),
+    )?;
+    let result = run_server(args.listen, state);
     drop(node);
     result
 }

@@ -8,6 +8,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
+use crate::ingest::PushStore;
 use crate::telemetry::{AllocatorSource, SourceReport};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
@@ -75,6 +76,7 @@ pub struct AgentCollector {
     descs: Vec<Desc>,
     allocators: AllocatorSources,
     reports: Vec<ReportReader>,
+    ingest: Option<Arc<PushStore>>,
 }
 
 /// Builds the collector's descriptors once.
@@ -95,11 +97,16 @@ fn descs() -> Vec<Desc> {
 
 impl AgentCollector {
     /// A collector over these sources.
-    pub fn new(allocators: AllocatorSources, reports: Vec<ReportReader>) -> Self {
+    pub fn new(
+        allocators: AllocatorSources,
+        reports: Vec<ReportReader>,
+        ingest: Option<Arc<PushStore>>,
+    ) -> Self {
         AgentCollector {
             descs: descs(),
             allocators,
             reports,
+            ingest,
         }
     }
 }
@@ -246,6 +253,14 @@ impl Collector for AgentCollector {
         }
         for read in &self.reports {
             collect_report(&mut f, &read());
+        }
+        if let Some(ingest) = &self.ingest {
+            ingest.expire();
+            for (result, count) in ingest.counts() {
+                f.of(&c::INGEST_PAYLOADS).push(&[result], count as f64);
+            }
+            f.of(&c::INGEST_TRACKED)
+                .push(&[], ingest.tracked_processes() as f64);
         }
         f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
         f.0.into_iter().filter_map(Family::into_family).collect()

@@ -215,6 +215,20 @@ metric!(
     "How long the last read of the source took."
 );
 metric!(
+    INGEST_PAYLOADS,
+    "gpumem_ingest_payloads_total",
+    Counter,
+    &["result"],
+    "Pushed statistics payloads, by result: accepted, or why they were refused (malformed, invalid, stale, rate_limited, capacity, too_large)."
+);
+metric!(
+    INGEST_TRACKED,
+    "gpumem_ingest_tracked_processes",
+    Gauge,
+    &[],
+    "Processes whose pushed statistics the agent currently serves."
+);
+metric!(
     BUILD_INFO,
     "gpumem_build_info",
     Gauge,
@@ -223,7 +237,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 26] = [
+pub const CONTRACT: [&MetricDef; 28] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -249,6 +263,8 @@ pub const CONTRACT: [&MetricDef; 26] = [
     &DEVICE_INFO,
     &SOURCE_UP,
     &COLLECT_DURATION,
+    &INGEST_PAYLOADS,
+    &INGEST_TRACKED,
     &BUILD_INFO,
 ];
 

@@ -13,6 +13,7 @@ use prometheus::{Encoder, Registry, TextEncoder};
 
 pub use collectors::{AgentCollector, ReportReader};
 
+use crate::ingest::PushStore;
 use crate::telemetry::AllocatorSource;
 
 /// The allocators exported by an agent; the list may change while it runs.
@@ -24,17 +25,18 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// A registry with the allocator collector over `allocators` and the node collector over
-    /// `reports` (one reader per polled source).
+    /// A registry with the collector over `allocators`, `reports` (one reader per polled
+    /// source) and, when given, the push ingest's counters.
     ///
     /// # Errors
     /// A registration error, which only a collector defect can cause.
     pub fn new(
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
+        ingest: Option<Arc<PushStore>>,
     ) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
-        registry.register(Box::new(AgentCollector::new(allocators, reports)))?;
+        registry.register(Box::new(AgentCollector::new(allocators, reports, ingest)))?;
         Ok(Metrics { registry })
     }
 

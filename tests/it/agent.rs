@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpumem::ingest::IngestConfig;
 use gpumem::metrics::contract::CONTRACT;
-use gpumem::metrics::{Metrics, ReportReader, allocator_sources};
-use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, app};
+use gpumem::metrics::{ReportReader, allocator_sources};
+use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
 use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -19,7 +20,7 @@ fn manifest() -> &'static Path {
 }
 
 /// A simulated node running fast, with its metrics.
-fn demo_metrics() -> (SimNode, Poller, Metrics) {
+fn demo_metrics() -> (SimNode, Poller, AppState) {
     // The demo reads the node's view at scrape time; the poller (NVML's path) is used by
     // the line-up test.
     let node = SimNode::start(SimNodeConfig {
@@ -30,11 +31,15 @@ fn demo_metrics() -> (SimNode, Poller, Metrics) {
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
     let reader: ReportReader = Box::new(node.report_reader());
-    let metrics =
-        Metrics::new(allocator_sources(node.allocator_sources()), vec![reader]).expect("registers");
+    let state = agent_state(
+        allocator_sources(node.allocator_sources()),
+        vec![reader],
+        IngestConfig::default(),
+    )
+    .expect("registers");
     // Let the processes replay a while, so that every series has moved.
     std::thread::sleep(Duration::from_millis(400));
-    (node, poller, metrics)
+    (node, poller, state)
 }
 
 async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
@@ -74,20 +79,17 @@ fn types(exposition: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_serves_the_whole_contract() {
-    let (_node, _poller, metrics) = demo_metrics();
-    let router = app(AppState {
-        metrics: std::sync::Arc::new(metrics),
-    });
+    let (_node, _poller, state) = demo_metrics();
+    let router = app(state);
     let (status, content_type, body) = get(router.clone(), "/metrics").await;
     assert_eq!(status, 200);
     assert_eq!(content_type, EXPOSITION_CONTENT_TYPE);
     for def in CONTRACT {
-        assert!(
-            body.contains(&format!("\n{}{{", def.name))
-                || body.starts_with(&format!("{}{{", def.name)),
-            "{} missing from the scrape",
-            def.name
-        );
+        let present = body.lines().any(|l| {
+            l.strip_prefix(def.name)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        });
+        assert!(present, "{} missing from the scrape", def.name);
     }
     assert!(body.contains(r#"simulated="true""#));
     assert!(body.contains(r#"gpumem_source_up{source="simulated"} 1"#));

@@ -6,6 +6,7 @@ mod common;
 mod expandable;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod ingest;
 mod properties;
 mod replay;
 mod scenarios;

@@ -249,7 +249,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             return;
         }
     };
-    let metrics = match Metrics::new(sources, Vec::new()) {
+    let metrics = match Metrics::new(sources, Vec::new(), None) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             report(&format!("metrics unavailable: {e}"));
@@ -268,7 +268,10 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             };
             runtime.block_on(async move {
                 tokio::spawn(refresh_largest_free_blocks());
-                let state = gpumem::server::AppState { metrics };
+                let state = gpumem::server::AppState {
+                    metrics,
+                    ingest: None,
+                };
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);

@@ -1,0 +1,481 @@
+//! Allocator statistics pushed by unmodified PyTorch jobs (`POST /api/v1/push`).
+//!
+//! A job posts, per device, `torch.cuda.memory_stats()` (the flat dict) with its pid and the
+//! device's UUID; the store validates it, turns it into the same [`AllocatorSource`] the
+//! agent's own allocators publish (with `allocator="pytorch"`), so the one collector serves it
+//! under the metric contract. Unknown statistics keys are ignored.
+//!
+//! # Invariants
+//! - Memory is bounded whatever clients send: bodies are capped by the server
+//!   ([`MAX_BODY_BYTES`]), every list and map in a payload is capped, and at most
+//!   `max_processes` processes are tracked (pushes from others are refused and counted).
+//! - A process's series disappear `ttl` after its last accepted push.
+//! - Every refusal has a reason, returned to the client and counted in
+//!   `gpumem_ingest_payloads_total{result=<reason>}`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+use serde::Deserialize;
+
+use crate::allocator::DeviceStats;
+use crate::metrics::AllocatorSources;
+use crate::telemetry::AllocatorSource;
+
+/// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
+pub const MAX_BODY_BYTES: usize = 512 * 1024;
+const MAX_DEVICES: usize = 64;
+const MAX_STATS_KEYS: usize = 1024;
+const MAX_TEXT: usize = 256;
+
+/// Why a payload was refused; the `result` label of the ingest counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Not JSON, or not the payload's shape.
+    Malformed,
+    /// The right shape with impossible values (negative sizes, a zero pid, ...).
+    Invalid,
+    /// Older than the last accepted push of the same process.
+    Stale,
+    /// The process pushes faster than the rate limit.
+    RateLimited,
+    /// Too many processes are tracked already.
+    Capacity,
+    /// The body exceeds [`MAX_BODY_BYTES`].
+    TooLarge,
+}
+
+impl Refusal {
+    /// All reasons, in the order the counter lists them.
+    pub const ALL: [Refusal; 6] = [
+        Refusal::Malformed,
+        Refusal::Invalid,
+        Refusal::Stale,
+        Refusal::RateLimited,
+        Refusal::Capacity,
+        Refusal::TooLarge,
+    ];
+
+    /// The metric label and the error's kind.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Malformed => "malformed",
+            Refusal::Invalid => "invalid",
+            Refusal::Stale => "stale",
+            Refusal::RateLimited => "rate_limited",
+            Refusal::Capacity => "capacity",
+            Refusal::TooLarge => "too_large",
+        }
+    }
+
+    /// The HTTP status of the refusal.
+    pub fn status(self) -> u16 {
+        match self {
+            Refusal::Malformed => 400,
+            Refusal::Invalid => 422,
+            Refusal::Stale => 409,
+            Refusal::RateLimited | Refusal::Capacity => 429,
+            Refusal::TooLarge => 413,
+        }
+    }
+}
+
+/// A refused payload: why, in words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejected {
+    /// The kind of refusal.
+    pub refusal: Refusal,
+    /// What was wrong.
+    pub message: String,
+}
+
+#[derive(Deserialize)]
+struct Push {
+    pid: u32,
+    seq: u64,
+    #[serde(default)]
+    torch_version: Option<String>,
+    #[serde(default)]
+    alloc_conf: Option<String>,
+    devices: Vec<PushedDevice>,
+}
+
+#[derive(Deserialize)]
+struct PushedDevice {
+    index: u32,
+    uuid: String,
+    stats: BTreeMap<String, serde_json::Value>,
+}
+
+/// Ingest settings.
+#[derive(Clone, Copy, Debug)]
+pub struct IngestConfig {
+    /// How long a process's series live after its last push.
+    pub ttl: Duration,
+    /// Most processes tracked at once.
+    pub max_processes: usize,
+    /// Least time between two accepted pushes of one process.
+    pub min_interval: Duration,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            ttl: Duration::from_secs(60),
+            max_processes: 4096,
+            min_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+struct Tracked {
+    seq: u64,
+    last: Instant,
+    sources: Vec<Arc<AllocatorSource>>,
+}
+
+/// The pushed processes and the ingest's own counters.
+pub struct PushStore {
+    config: IngestConfig,
+    sources: AllocatorSources,
+    tracked: Mutex<FxHashMap<u32, Tracked>>,
+    accepted: AtomicU64,
+    refused: [AtomicU64; Refusal::ALL.len()],
+}
+
+fn invalid(message: impl Into<String>) -> Rejected {
+    Rejected {
+        refusal: Refusal::Invalid,
+        message: message.into(),
+    }
+}
+
+fn text(what: &str, value: &str) -> Result<(), Rejected> {
+    if value.len() > MAX_TEXT || value.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "{what} must be at most {MAX_TEXT} printable characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Statistics as integers: sizes and counts must be whole and, but for `max_split_size`
+/// (-1 means unlimited), not negative.
+fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> {
+    if device.stats.len() > MAX_STATS_KEYS {
+        return Err(invalid(format!(
+            "device {}: more than {MAX_STATS_KEYS} statistics",
+            device.index
+        )));
+    }
+    let mut out = BTreeMap::new();
+    for (key, value) in &device.stats {
+        text("a statistics key", key)?;
+        let Some(number) = value.as_i64() else {
+            return Err(invalid(format!(
+                "device {}: {key} must be an integer, not {value}",
+                device.index
+            )));
+        };
+        if number < 0 && key != "max_split_size" {
+            return Err(invalid(format!(
+                "device {}: {key} is negative ({number})",
+                device.index
+            )));
+        }
+        out.insert(key.clone(), number);
+    }
+    Ok(out)
+}
+
+impl PushStore {
+    /// A store publishing into `sources` (the list the collector reads).
+    pub fn new(config: IngestConfig, sources: AllocatorSources) -> PushStore {
+        PushStore {
+            config,
+            sources,
+            tracked: Mutex::new(FxHashMap::default()),
+            accepted: AtomicU64::new(0),
+            refused: Default::default(),
+        }
+    }
+
+    fn refuse(&self, rejected: Rejected) -> Rejected {
+        let i = Refusal::ALL
+            .iter()
+            .position(|r| *r == rejected.refusal)
+            .unwrap_or(0);
+        self.refused[i].fetch_add(1, Ordering::Relaxed);
+        rejected
+    }
+
+    /// Counts a body refused before it reached the store (too large).
+    pub fn count_refusal(&self, refusal: Refusal) {
+        let _ = self.refuse(Rejected {
+            refusal,
+            message: String::new(),
+        });
+    }
+
+    /// Accepts a payload, or says why not.
+    ///
+    /// # Errors
+    /// A [`Rejected`] with the reason; nothing changes then.
+    pub fn push(&self, body: &[u8]) -> Result<(), Rejected> {
+        self.push_at(body, Instant::now())
+            .map_err(|rejected| self.refuse(rejected))
+    }
+
+    fn push_at(&self, body: &[u8], now: Instant) -> Result<(), Rejected> {
+        if body.len() > MAX_BODY_BYTES {
+            return Err(Rejected {
+                refusal: Refusal::TooLarge,
+                message: format!("the body exceeds {MAX_BODY_BYTES} bytes"),
+            });
+        }
+        let push: Push = serde_json::from_slice(body).map_err(|e| Rejected {
+            refusal: Refusal::Malformed,
+            message: format!("not a push payload: {e}"),
+        })?;
+        if push.pid == 0 {
+            return Err(invalid("pid must be a process id, not 0"));
+        }
+        if push.devices.is_empty() || push.devices.len() > MAX_DEVICES {
+            return Err(invalid(format!(
+                "devices must list 1 to {MAX_DEVICES} devices"
+            )));
+        }
+        let version = push.torch_version.unwrap_or_default();
+        let config = push.alloc_conf.unwrap_or_default();
+        text("torch_version", &version)?;
+        text("alloc_conf", &config)?;
+        let mut sources = Vec::with_capacity(push.devices.len());
+        for device in &push.devices {
+            text("uuid", &device.uuid)?;
+            let stats = statistics(device)?;
+            sources.push(Arc::new(AllocatorSource {
+                gpu: device.index,
+                uuid: device.uuid.clone(),
+                pid: push.pid,
+                allocator: "pytorch",
+                version: version.clone(),
+                config: config.clone(),
+                stats: Arc::new(DeviceStats::from_memory_stats(&stats)),
+                // PyTorch's memory_stats() does not say; 0 until a push carries it.
+                largest_free_block: Arc::new(AtomicU64::new(0)),
+            }));
+        }
+
+        let mut tracked = self.tracked.lock().unwrap_or_else(PoisonError::into_inner);
+        match tracked.get(&push.pid) {
+            Some(t) if push.seq <= t.seq => {
+                return Err(Rejected {
+                    refusal: Refusal::Stale,
+                    message: format!(
+                        "seq {} is not after the last accepted seq {} of pid {}",
+                        push.seq, t.seq, push.pid
+                    ),
+                });
+            }
+            Some(t) if now.duration_since(t.last) < self.config.min_interval => {
+                return Err(Rejected {
+                    refusal: Refusal::RateLimited,
+                    message: format!(
+                        "pid {} pushes more often than every {:?}",
+                        push.pid, self.config.min_interval
+                    ),
+                });
+            }
+            None if tracked.len() >= self.config.max_processes => {
+                return Err(Rejected {
+                    refusal: Refusal::Capacity,
+                    message: format!(
+                        "already tracking {} processes, the most this agent keeps",
+                        self.config.max_processes
+                    ),
+                });
+            }
+            _ => {}
+        }
+        tracked.insert(
+            push.pid,
+            Tracked {
+                seq: push.seq,
+                last: now,
+                sources,
+            },
+        );
+        self.publish(&tracked);
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Drops the processes that stopped pushing more than `ttl` ago.
+    pub fn expire(&self) {
+        self.expire_at(Instant::now());
+    }
+
+    fn expire_at(&self, now: Instant) {
+        let mut tracked = self.tracked.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = tracked.len();
+        tracked.retain(|_, t| now.duration_since(t.last) < self.config.ttl);
+        if tracked.len() != before {
+            self.publish(&tracked);
+        }
+    }
+
+    /// Replaces the pushed sources in the collector's list by the tracked ones.
+    fn publish(&self, tracked: &FxHashMap<u32, Tracked>) {
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        sources.retain(|s| s.allocator != "pytorch");
+        let mut pushed: Vec<_> = tracked
+            .values()
+            .flat_map(|t| t.sources.iter().cloned())
+            .collect();
+        pushed.sort_by_key(|s| (s.pid, s.gpu));
+        sources.extend(pushed);
+    }
+
+    /// Processes tracked now.
+    pub fn tracked_processes(&self) -> usize {
+        self.tracked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// (result label, count) for the ingest counter: `accepted`, then each refusal.
+    pub fn counts(&self) -> Vec<(&'static str, u64)> {
+        let mut out = vec![("accepted", self.accepted.load(Ordering::Relaxed))];
+        for (r, count) in Refusal::ALL.iter().zip(&self.refused) {
+            out.push((r.label(), count.load(Ordering::Relaxed)));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::allocator_sources;
+
+    fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
+        serde_json::json!({
+            "pid": pid, "seq": seq, "torch_version": "2.5.1",
+            "devices": [{"index": 0, "uuid": "GPU-abc", "stats": stats}]
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    fn store(max_processes: usize) -> (PushStore, AllocatorSources) {
+        let sources = allocator_sources(Vec::new());
+        let config = IngestConfig {
+            max_processes,
+            ..IngestConfig::default()
+        };
+        (PushStore::new(config, Arc::clone(&sources)), sources)
+    }
+
+    #[test]
+    fn a_push_becomes_a_pytorch_allocator_source() {
+        let (store, sources) = store(10);
+        let stats = serde_json::json!({
+            "allocated_bytes.large_pool.current": 4096, "reserved_bytes.large_pool.current": 8192,
+            "num_ooms": 2, "some_future_key": 7
+        });
+        store.push(&payload(42, 1, stats)).expect("accepted");
+        let list = sources.lock().expect("lock").clone();
+        assert_eq!(list.len(), 1);
+        let s = &list[0];
+        assert_eq!(
+            (s.pid, s.gpu, s.allocator, s.uuid.as_str()),
+            (42, 0, "pytorch", "GPU-abc")
+        );
+        assert_eq!(s.stats.allocated_bytes.large_pool.current(), 4096);
+        assert_eq!(s.stats.num_ooms.get(), 2);
+        assert_eq!(store.tracked_processes(), 1);
+    }
+
+    #[test]
+    fn refusals_say_why_and_are_counted() {
+        let (store, _) = store(2);
+        let ok = serde_json::json!({"allocated_bytes.all.current": 1});
+        let cases: Vec<(Vec<u8>, Refusal)> = vec![
+            (b"{not json".to_vec(), Refusal::Malformed),
+            (
+                br#"{"pid": "x", "seq": 1, "devices": []}"#.to_vec(),
+                Refusal::Malformed,
+            ),
+            (payload(0, 1, ok.clone()), Refusal::Invalid),
+            (
+                payload(7, 1, serde_json::json!({"reserved_bytes.all.current": -5})),
+                Refusal::Invalid,
+            ),
+            (
+                payload(7, 1, serde_json::json!({"reserved_bytes.all.current": 1.5})),
+                Refusal::Invalid,
+            ),
+            (vec![b' '; MAX_BODY_BYTES + 1], Refusal::TooLarge),
+        ];
+        for (body, refusal) in cases {
+            let err = store.push(&body).expect_err("refused");
+            assert_eq!(err.refusal, refusal, "{}", err.message);
+            assert!(!err.message.is_empty());
+        }
+        store.push(&payload(7, 5, ok.clone())).expect("accepted");
+        assert_eq!(
+            store
+                .push(&payload(7, 5, ok.clone()))
+                .map_err(|e| e.refusal),
+            Err(Refusal::Stale)
+        );
+        assert_eq!(
+            store
+                .push(&payload(7, 6, ok.clone()))
+                .map_err(|e| e.refusal),
+            Err(Refusal::RateLimited)
+        );
+        store
+            .push(&payload(8, 1, ok.clone()))
+            .expect("second process");
+        assert_eq!(
+            store.push(&payload(9, 1, ok)).map_err(|e| e.refusal),
+            Err(Refusal::Capacity)
+        );
+        let counts: BTreeMap<_, _> = store.counts().into_iter().collect();
+        assert_eq!(counts["accepted"], 2);
+        assert_eq!(counts["malformed"], 2);
+        assert_eq!(counts["invalid"], 3);
+        assert_eq!(counts["too_large"], 1);
+        assert_eq!(
+            (counts["stale"], counts["rate_limited"], counts["capacity"]),
+            (1, 1, 1)
+        );
+    }
+
+    #[test]
+    fn silent_processes_expire() {
+        let (store, sources) = store(10);
+        let start = Instant::now();
+        let ok = serde_json::json!({"allocated_bytes.all.current": 1});
+        store
+            .push_at(&payload(1, 1, ok.clone()), start)
+            .expect("accepted");
+        store
+            .push_at(&payload(2, 1, ok), start + Duration::from_secs(50))
+            .expect("accepted");
+        store.expire_at(start + Duration::from_secs(70));
+        let pids: Vec<u32> = sources
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(|s| s.pid)
+            .collect();
+        assert_eq!(pids, [2]);
+        assert_eq!(store.tracked_processes(), 1);
+    }
+}

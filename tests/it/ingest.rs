@@ -1,0 +1,255 @@
+//! Statistics pushed by PyTorch jobs: `POST /api/v1/push` accepts them from this host only,
+//! refuses bad payloads with a reason, stays bounded under a flood, and serves what was pushed
+//! under the metric contract, value for value.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::ConnectInfo;
+use gpumem::ingest::{IngestConfig, PushStore};
+use gpumem::metrics::{Metrics, allocator_sources};
+use gpumem::server::{AppState, app};
+use gpumem::workload::TrainingWorkload;
+use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
+    let sources = allocator_sources(Vec::new());
+    let config = IngestConfig {
+        max_processes,
+        min_interval: std::time::Duration::ZERO,
+        ..IngestConfig::default()
+    };
+    let store = Arc::new(PushStore::new(config, Arc::clone(&sources)));
+    let metrics = Metrics::new(sources, Vec::new(), Some(Arc::clone(&store))).expect("registers");
+    let router = app(AppState {
+        metrics: Arc::new(metrics),
+        ingest: Some(Arc::clone(&store)),
+    });
+    (router, store)
+}
+
+async fn post(
+    router: &axum::Router,
+    body: Vec<u8>,
+    from: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let mut request = axum::http::Request::post("/api/v1/push")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .expect("request");
+    if let Some(addr) = from {
+        let addr: SocketAddr = addr.parse().expect("address");
+        request.extensions_mut().insert(ConnectInfo(addr));
+    }
+    let response = router.clone().oneshot(request).await.expect("responds");
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+async fn scrape(router: &axum::Router) -> String {
+    let request = axum::http::Request::get("/metrics")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let response = router.clone().oneshot(request).await.expect("responds");
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+fn payload(pid: u32, seq: u64, stats: &std::collections::BTreeMap<String, i64>) -> Vec<u8> {
+    serde_json::json!({
+        "pid": pid, "seq": seq, "torch_version": "2.5.1", "alloc_conf": "expandable_segments:True",
+        "devices": [{"index": 1, "uuid": "GPU-11111111-2222-3333-4444-555555555555", "stats": stats}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+const LOCAL: Option<&str> = Some("127.0.0.1:40000");
+
+/// The value of one series in an exposition.
+fn value(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test]
+async fn pushed_statistics_round_trip_exactly() {
+    let (router, _) = agent(16);
+    // Real statistics: the core running a training workload on a simulated GPU.
+    let mut alloc = CachingAllocator::new(
+        SimDevice::with_capacity(80 << 30),
+        AllocatorConfig::default(),
+    );
+    let workload = TrainingWorkload {
+        steps: 3,
+        ..TrainingWorkload::default()
+    };
+    let mut held = Vec::new();
+    workload
+        .run(&mut alloc, |a| held.push(a.memory_stats()))
+        .expect("runs");
+    for (seq, stats) in held.iter().enumerate() {
+        let (status, body) = post(&router, payload(4242, seq as u64 + 1, stats), LOCAL).await;
+        assert_eq!(status, 202, "{body}");
+        let text = scrape(&router).await;
+        let labels = r#"gpu="1",UUID="GPU-11111111-2222-3333-4444-555555555555",pid="4242",allocator="pytorch""#;
+        for (metric, key) in [
+            (
+                "gpumem_allocator_allocated_bytes",
+                "allocated_bytes.large_pool.current",
+            ),
+            (
+                "gpumem_allocator_reserved_bytes",
+                "reserved_bytes.large_pool.current",
+            ),
+            (
+                "gpumem_allocator_active_bytes",
+                "active_bytes.large_pool.current",
+            ),
+            (
+                "gpumem_allocator_inactive_split_bytes",
+                "inactive_split_bytes.large_pool.current",
+            ),
+            (
+                "gpumem_allocator_requested_bytes",
+                "requested_bytes.large_pool.current",
+            ),
+            ("gpumem_allocator_segments", "segment.large_pool.current"),
+        ] {
+            let series = format!("{metric}{{{labels},pool=\"large\"}}");
+            assert_eq!(value(&text, &series), Some(stats[key] as f64), "{series}");
+        }
+        for (metric, key) in [
+            (
+                "gpumem_allocator_peak_allocated_bytes",
+                "allocated_bytes.all.peak",
+            ),
+            (
+                "gpumem_allocator_peak_reserved_bytes",
+                "reserved_bytes.all.peak",
+            ),
+            ("gpumem_allocator_device_allocs_total", "num_device_alloc"),
+            ("gpumem_allocator_alloc_retries_total", "num_alloc_retries"),
+        ] {
+            let series = format!("{metric}{{{labels}}}");
+            assert_eq!(value(&text, &series), Some(stats[key] as f64), "{series}");
+        }
+        assert!(text.contains(r#"config="expandable_segments:True""#));
+    }
+    let text = scrape(&router).await;
+    assert_eq!(value(&text, "gpumem_ingest_tracked_processes"), Some(1.0));
+    assert_eq!(
+        value(&text, r#"gpumem_ingest_payloads_total{result="accepted"}"#),
+        Some(held.len() as f64)
+    );
+}
+
+#[tokio::test]
+async fn bad_pushes_get_a_reason_and_change_nothing() {
+    let (router, store) = agent(16);
+    let stats: std::collections::BTreeMap<String, i64> =
+        [("allocated_bytes.all.current".to_string(), 5)].into();
+    assert_eq!(
+        post(&router, payload(1, 1, &stats), None).await.0,
+        403,
+        "no peer"
+    );
+    assert_eq!(
+        post(&router, payload(1, 1, &stats), Some("10.1.2.3:5000"))
+            .await
+            .0,
+        403
+    );
+    for (body, status, reason) in [
+        (b"{]".to_vec(), 400, "malformed"),
+        (br#"{"pid": 1, "seq": "one", "devices": []}"#.to_vec(), 400, "malformed"),
+        (
+            serde_json::json!({"pid": 1, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-x", "stats": {"reserved_bytes.all.current": -1}}]})
+                .to_string()
+                .into_bytes(),
+            422,
+            "invalid",
+        ),
+        (vec![b'x'; 10 << 20], 413, "too_large"),
+    ] {
+        let (got, body) = post(&router, body, LOCAL).await;
+        assert_eq!(got, status, "{body}");
+        assert_eq!(body["reason"], reason, "{body}");
+        assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{body}");
+    }
+    assert_eq!(store.tracked_processes(), 0);
+    assert_eq!(post(&router, payload(1, 2, &stats), LOCAL).await.0, 202);
+    assert_eq!(
+        post(&router, payload(1, 2, &stats), LOCAL).await.0,
+        409,
+        "stale"
+    );
+    let text = scrape(&router).await;
+    assert_eq!(
+        value(&text, r#"gpumem_ingest_payloads_total{result="malformed"}"#),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(&text, r#"gpumem_ingest_payloads_total{result="too_large"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&text, r#"gpumem_ingest_payloads_total{result="stale"}"#),
+        Some(1.0)
+    );
+}
+
+/// 10 000 fake pids, 32 at a time, against a cap of 1 000: the agent keeps 1 000, refuses the
+/// rest with a reason, and a tracked process's pushes keep being accepted meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_processes_stays_bounded() {
+    let (router, store) = agent(1000);
+    let stats: std::collections::BTreeMap<String, i64> =
+        [("allocated_bytes.large_pool.current".to_string(), 7)].into();
+    assert_eq!(post(&router, payload(1, 1, &stats), LOCAL).await.0, 202);
+    let mut refused = 0;
+    let mut seq = 1;
+    for chunk in (2..10_002u32).collect::<Vec<_>>().chunks(32) {
+        let tasks: Vec<_> = chunk
+            .iter()
+            .map(|&pid| {
+                let router = router.clone();
+                let body = payload(pid, 1, &stats);
+                tokio::spawn(async move { post(&router, body, LOCAL).await.0 })
+            })
+            .collect();
+        for t in tasks {
+            if t.await.expect("task") == 429 {
+                refused += 1;
+            }
+        }
+        seq += 1;
+        assert_eq!(
+            post(&router, payload(1, seq, &stats), LOCAL).await.0,
+            202,
+            "valid push kept"
+        );
+    }
+    assert_eq!(store.tracked_processes(), 1000);
+    assert_eq!(refused, 10_000 - 999);
+    let counts: std::collections::BTreeMap<_, _> = store.counts().into_iter().collect();
+    assert_eq!(counts["capacity"], 10_000 - 999);
+}
