@@ -62,6 +62,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 config: "expandable_segments:True".into(),
                 stats: Arc::clone(&stats),
                 largest_free_block: Arc::new(AtomicU64::new(largest)),
+                labels: Vec::new(),
             }));
         }
     }

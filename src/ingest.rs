@@ -30,6 +30,19 @@ pub const MAX_BODY_BYTES: usize = 512 * 1024;
 const MAX_DEVICES: usize = 64;
 const MAX_STATS_KEYS: usize = 1024;
 const MAX_TEXT: usize = 256;
+const MAX_LABELS: usize = 8;
+/// Label names a push may not use: the contract's own, Prometheus's.
+const RESERVED_LABELS: [&str; 9] = [
+    "gpu",
+    "UUID",
+    "pid",
+    "allocator",
+    "pool",
+    "version",
+    "config",
+    "instance",
+    "le",
+];
 
 /// Why a payload was refused; the `result` label of the ingest counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,6 +110,8 @@ struct Push {
     pid: u32,
     seq: u64,
     #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
     torch_version: Option<String>,
     #[serde(default)]
     alloc_conf: Option<String>,
@@ -160,6 +175,30 @@ fn text(what: &str, value: &str) -> Result<(), Rejected> {
         )));
     }
     Ok(())
+}
+
+/// Extra labels: a few, with Prometheus label names the contract does not use.
+fn labels(labels: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, Rejected> {
+    if labels.len() > MAX_LABELS {
+        return Err(invalid(format!("at most {MAX_LABELS} labels")));
+    }
+    for (name, value) in labels {
+        let valid = name
+            .chars()
+            .enumerate()
+            .all(|(i, c)| c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()));
+        if name.is_empty()
+            || !valid
+            || name.starts_with("__")
+            || RESERVED_LABELS.contains(&name.as_str())
+        {
+            return Err(invalid(format!(
+                "label {name:?} is not a free Prometheus label name"
+            )));
+        }
+        text("a label value", value)?;
+    }
+    Ok(labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
 /// Statistics as integers: sizes and counts must be whole and, but for `max_split_size`
@@ -252,6 +291,7 @@ impl PushStore {
         let config = push.alloc_conf.unwrap_or_default();
         text("torch_version", &version)?;
         text("alloc_conf", &config)?;
+        let extra = labels(&push.labels)?;
         let mut sources = Vec::with_capacity(push.devices.len());
         for device in &push.devices {
             text("uuid", &device.uuid)?;
@@ -266,6 +306,7 @@ impl PushStore {
                 stats: Arc::new(DeviceStats::from_memory_stats(&stats)),
                 // PyTorch's memory_stats() does not say; 0 until a push carries it.
                 largest_free_block: Arc::new(AtomicU64::new(0)),
+                labels: extra.clone(),
             }));
         }
 

@@ -23,20 +23,28 @@ struct Family {
     metrics: Vec<proto::Metric>,
 }
 
+fn pair(name: &str, value: &str) -> LabelPair {
+    let mut pair = LabelPair::default();
+    pair.set_name(name.to_string());
+    pair.set_value(value.to_string());
+    pair
+}
+
 impl Family {
     fn push(&mut self, values: &[&str], value: f64) {
+        self.push_with(values, &[], value);
+    }
+
+    /// A series with the contract's labels, then `extra` ones.
+    fn push_with(&mut self, values: &[&str], extra: &[(String, String)], value: f64) {
         debug_assert_eq!(values.len(), self.def.labels.len(), "{}", self.def.name);
         let labels = self
             .def
             .labels
             .iter()
             .zip(values)
-            .map(|(name, value)| {
-                let mut pair = LabelPair::default();
-                pair.set_name((*name).to_string());
-                pair.set_value((*value).to_string());
-                pair
-            })
+            .map(|(name, value)| pair(name, value))
+            .chain(extra.iter().map(|(name, value)| pair(name, value)))
             .collect();
         let mut metric = proto::Metric::default();
         metric.set_label(labels);
@@ -161,7 +169,8 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
             (&c::REQUESTED_BYTES, &st.requested_bytes),
             (&c::SEGMENTS, &st.segment),
         ] {
-            f.of(def).push(&labels, array.pool(pool).current() as f64);
+            f.of(def)
+                .push_with(&labels, &s.labels, array.pool(pool).current() as f64);
         }
     }
     let allocated = st.allocated_bytes.all();
@@ -188,10 +197,11 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
             s.largest_free_block.load(Ordering::Relaxed) as f64,
         ),
     ] {
-        f.of(def).push(&base, value);
+        f.of(def).push_with(&base, &s.labels, value);
     }
-    f.of(&c::ALLOCATOR_INFO).push(
+    f.of(&c::ALLOCATOR_INFO).push_with(
         &[base[0], base[1], base[2], base[3], &s.version, &s.config],
+        &s.labels,
         1.0,
     );
 }

@@ -84,6 +84,8 @@ pub struct AllocatorSource {
     pub stats: Arc<DeviceStats>,
     /// The largest cached free block, as last published by the allocator's owner.
     pub largest_free_block: Arc<AtomicU64>,
+    /// Extra labels the process asked for (job, rank), added to each of its series.
+    pub labels: Vec<(String, String)>,
 }
 
 /// A source of node samples.

@@ -189,6 +189,7 @@ impl SimNode {
                     config: config.config.last_settings.clone(),
                     stats: Arc::clone(alloc.stats()),
                     largest_free_block: Arc::new(AtomicU64::new(0)),
+                    labels: Vec::new(),
                 }));
                 allocators.push((which, alloc));
             }

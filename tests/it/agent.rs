@@ -169,7 +169,7 @@ fn the_line_up_holds_on_the_simulated_node() {
 }
 
 /// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log`.
-fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
+pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
     command
         .args([
@@ -188,7 +188,7 @@ fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
 
 /// A free loopback port (bound and released: another process could take it, which would
 /// fail the test loudly rather than silently).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -197,7 +197,7 @@ fn free_port() -> u16 {
 
 /// A plain HTTP/1.0 GET on loopback (no chunked encoding to undo); `None` until the server
 /// answers 200.
-fn http_get(port: u16, path: &str) -> Option<String> {
+pub(crate) fn http_get(port: u16, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
@@ -209,7 +209,7 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 }
 
 /// Polls `probe` every 100 ms for at most `limit`.
-fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+pub(crate) fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if let Some(value) = probe() {
@@ -221,7 +221,7 @@ fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<
 }
 
 /// Kills the child when the test ends, however it ends.
-struct Reaper(Child);
+pub(crate) struct Reaper(pub(crate) Child);
 
 impl Drop for Reaper {
     fn drop(&mut self) {
@@ -308,7 +308,7 @@ fn serve_reports_a_failed_nvml_init() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Value> {
+pub(crate) fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Value> {
     let encoded: String = query
         .bytes()
         .map(|b| match b {

@@ -253,3 +253,135 @@ async fn a_flood_of_processes_stays_bounded() {
     let counts: std::collections::BTreeMap<_, _> = store.counts().into_iter().collect();
     assert_eq!(counts["capacity"], 10_000 - 999);
 }
+
+/// The whole path: a real Python process runs `gpumem_push` (with a stand-in `torch` whose
+/// `memory_stats()` replays statistics gpumem's core produced during a training workload),
+/// pushing to a real `gpumem serve`, scraped by a real Prometheus: the pushed series carry the
+/// process's labels and the last values exactly.
+#[test]
+fn python_pushes_through_serve_to_prometheus() {
+    use crate::agent::{Reaper, free_port, prometheus_query, spawn_serve, wait_for};
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    let dir = std::env::temp_dir().join(format!("gpumem-push-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mut alloc = CachingAllocator::new(
+        SimDevice::with_capacity(80 << 30),
+        AllocatorConfig::default(),
+    );
+    let workload = TrainingWorkload {
+        steps: 4,
+        ..TrainingWorkload::default()
+    };
+    let mut sequence = Vec::new();
+    workload
+        .run(&mut alloc, |a| sequence.push(a.memory_stats()))
+        .expect("runs");
+    let last = sequence.last().cloned().expect("steps");
+    let stats_file = dir.join("stats.json");
+    std::fs::write(&stats_file, serde_json::to_vec(&sequence).expect("json")).expect("write");
+
+    let agent_port = free_port();
+    let _agent = spawn_serve(agent_port, &dir.join("serve.log"), None);
+    assert!(
+        wait_for(Duration::from_secs(20), || crate::agent::http_get(
+            agent_port, "/healthz"
+        ))
+        .is_some()
+    );
+    let script = r#"
+import json, sys, time, types
+sequence = json.load(open(sys.argv[1]))
+calls = {"n": 0}
+def memory_stats(index):
+    i = min(calls["n"], len(sequence) - 1)
+    calls["n"] += 1
+    return sequence[i]
+class Props:
+    uuid = "11111111-2222-3333-4444-555555555555"
+torch = types.ModuleType("torch")
+torch.__version__ = "2.5.1"
+torch.cuda = types.SimpleNamespace(
+    is_initialized=lambda: True, device_count=lambda: 1,
+    memory_stats=memory_stats, get_device_properties=lambda i: Props)
+sys.modules["torch"] = torch
+sys.path.insert(0, sys.argv[3])
+import gpumem_push
+gpumem_push.start(url=sys.argv[2], interval=0.6, labels={"job": "llama", "rank": "3"})
+deadline = time.time() + 30
+while calls["n"] < len(sequence) + 2 and time.time() < deadline:
+    time.sleep(0.1)
+time.sleep(0.7)
+s = gpumem_push.stats()
+print(json.dumps(s))
+assert s["sent"] >= len(sequence), s
+"#;
+    let python = Command::new("python3")
+        .args(["-c", script])
+        .arg(&stats_file)
+        .arg(format!("http://127.0.0.1:{agent_port}/api/v1/push"))
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .output()
+        .expect("python3 runs");
+    assert!(
+        python.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&python.stdout),
+        String::from_utf8_lossy(&python.stderr)
+    );
+
+    let prom_port = free_port();
+    let config = dir.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+        ),
+    )
+    .expect("config");
+    let _prometheus = Reaper(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus is installed"),
+    );
+    let query = r#"gpumem_allocator_allocated_bytes{allocator="pytorch",pool="large"}"#;
+    let result = wait_for(Duration::from_secs(60), || {
+        let r = prometheus_query(prom_port, query)?;
+        r.as_array().is_some_and(|a| !a.is_empty()).then_some(r)
+    })
+    .expect("Prometheus has the pushed series");
+    let series = &result[0];
+    assert_eq!(series["metric"]["exported_job"], "llama", "{series}");
+    assert_eq!(series["metric"]["rank"], "3", "{series}");
+    assert_eq!(
+        series["metric"]["UUID"],
+        "GPU-11111111-2222-3333-4444-555555555555"
+    );
+    let value: f64 = series["value"][1]
+        .as_str()
+        .expect("value")
+        .parse()
+        .expect("number");
+    assert_eq!(value, last["allocated_bytes.large_pool.current"] as f64);
+    let retries = prometheus_query(
+        prom_port,
+        r#"gpumem_allocator_peak_reserved_bytes{allocator="pytorch"}"#,
+    )
+    .expect("query");
+    let peak: f64 = retries[0]["value"][1]
+        .as_str()
+        .expect("value")
+        .parse()
+        .expect("number");
+    assert_eq!(peak, last["reserved_bytes.all.peak"] as f64);
+    let _ = std::fs::remove_dir_all(&dir);
+}

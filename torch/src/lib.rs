@@ -118,6 +118,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     config: settings,
                     stats: Arc::clone(allocator.stats()),
                     largest_free_block: Arc::clone(&largest_free_block),
+                    labels: Vec::new(),
                 });
                 Some(DeviceSlot {
                     allocator,

@@ -1,0 +1,139 @@
+"""Push a PyTorch job's allocator statistics to the gpumem agent on its node.
+
+    import gpumem_push
+    gpumem_push.start()            # before or after CUDA starts; never raises into training
+
+A daemon thread posts, every `interval` seconds and for each CUDA device PyTorch has used,
+`torch.cuda.memory_stats(device)` with the pid, the device's UUID, a sequence number and
+optional labels, to the agent's `POST /api/v1/push`. An out-of-memory error is pushed at once.
+Only the standard library is used (and torch, at run time). Nothing here initialises CUDA:
+devices are read only once PyTorch has initialised it. When the agent cannot be reached,
+payloads are dropped and counted (`stats()`), and the job goes on.
+"""
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+__all__ = ["start", "stop", "stats"]
+
+DEFAULT_URL = "http://127.0.0.1:9417/api/v1/push"
+
+_lock = threading.Lock()
+_state = {"thread": None, "stop": None, "seq": 0, "sent": 0, "dropped": 0, "errors": 0,
+          "last_error": None}
+
+
+def stats():
+    """Counters of this process's pushes: sent, dropped (agent unreachable or refusing)."""
+    with _lock:
+        return {k: _state[k] for k in ("sent", "dropped", "errors", "last_error")}
+
+
+def _devices(torch):
+    if not torch.cuda.is_initialized():
+        return []
+    out = []
+    for index in range(torch.cuda.device_count()):
+        stats = torch.cuda.memory_stats(index)
+        if not stats:
+            continue
+        try:
+            uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
+        except Exception:  # older PyTorch: no uuid property
+            uuid = f"GPU-index-{index}"
+        out.append({"index": index, "uuid": uuid,
+                    "stats": {k: int(v) for k, v in stats.items()}})
+    return out
+
+
+def _payload(torch, labels):
+    with _lock:
+        _state["seq"] += 1
+        seq = _state["seq"]
+    return {
+        "pid": os.getpid(),
+        "seq": seq,
+        "torch_version": str(getattr(torch, "__version__", "")),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "labels": dict(labels or {}),
+        "devices": _devices(torch),
+    }
+
+
+def _post(url, payload, timeout):
+    if not payload["devices"]:
+        return
+    body = json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+        with _lock:
+            _state["sent"] += 1
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        with _lock:
+            _state["dropped"] += 1
+            _state["last_error"] = str(error)
+
+
+def _run(url, interval, labels, stop):
+    import torch
+    while not stop.wait(interval):
+        try:
+            _post(url, _payload(torch, labels), timeout=min(interval, 2.0))
+        except Exception as error:  # never let the thread die on a surprise
+            with _lock:
+                _state["errors"] += 1
+                _state["last_error"] = repr(error)
+
+
+def _observe_oom(url, labels):
+    import torch
+    attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return
+
+    def observer(device, alloc, device_alloc, device_free):
+        try:
+            _post(url, _payload(torch, labels), timeout=1.0)
+        except Exception:
+            with _lock:
+                _state["errors"] += 1
+
+    try:
+        attach(observer)
+    except Exception:
+        pass
+
+
+def start(url=None, interval=5.0, labels=None):
+    """Starts pushing (once per process; later calls return the running thread).
+
+    url: the agent's push endpoint (default GPUMEM_PUSH_URL, else http://127.0.0.1:9417/api/v1/push).
+    interval: seconds between pushes.
+    labels: optional {name: value} (for example {"job": "llama", "rank": "0"}).
+    """
+    url = url or os.environ.get("GPUMEM_PUSH_URL", DEFAULT_URL)
+    with _lock:
+        if _state["thread"] is not None and _state["thread"].is_alive():
+            return _state["thread"]
+        stop = threading.Event()
+        thread = threading.Thread(target=_run, args=(url, float(interval), labels, stop),
+                                  name="gpumem-push", daemon=True)
+        _state["thread"], _state["stop"] = thread, stop
+    _observe_oom(url, labels)
+    thread.start()
+    return thread
+
+
+def stop():
+    """Stops pushing (the thread ends after its current push)."""
+    with _lock:
+        stop_event = _state["stop"]
+    if stop_event is not None:
+        stop_event.set()
