@@ -14,6 +14,7 @@ use std::sync::atomic::AtomicU64;
 
 use crate::allocator::DeviceStats;
 
+pub mod cgroup;
 mod nvml;
 mod poller;
 pub mod sim_node;
