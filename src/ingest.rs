@@ -264,21 +264,34 @@ impl PushStore {
     /// # Errors
     /// A [`Rejected`] with the reason; nothing changes then.
     pub fn push(&self, body: &[u8]) -> Result<(), Rejected> {
-        self.push_at(body, Instant::now())
+        self.push_from(body, None)
+    }
+
+    /// Accepts a payload from a process the kernel named (a Unix-socket peer): its pid
+    /// replaces the payload's, which inside a container is the container's pid namespace's
+    /// and so would not match the pids NVML reports.
+    ///
+    /// # Errors
+    /// A [`Rejected`] with the reason; nothing changes then.
+    pub fn push_from(&self, body: &[u8], peer_pid: Option<u32>) -> Result<(), Rejected> {
+        self.push_at(body, peer_pid, Instant::now())
             .map_err(|rejected| self.refuse(rejected))
     }
 
-    fn push_at(&self, body: &[u8], now: Instant) -> Result<(), Rejected> {
+    fn push_at(&self, body: &[u8], peer_pid: Option<u32>, now: Instant) -> Result<(), Rejected> {
         if body.len() > MAX_BODY_BYTES {
             return Err(Rejected {
                 refusal: Refusal::TooLarge,
                 message: format!("the body exceeds {MAX_BODY_BYTES} bytes"),
             });
         }
-        let push: Push = serde_json::from_slice(body).map_err(|e| Rejected {
+        let mut push: Push = serde_json::from_slice(body).map_err(|e| Rejected {
             refusal: Refusal::Malformed,
             message: format!("not a push payload: {e}"),
         })?;
+        if let Some(pid) = peer_pid {
+            push.pid = pid;
+        }
         if push.pid == 0 {
             return Err(invalid("pid must be a process id, not 0"));
         }
@@ -504,10 +517,10 @@ mod tests {
         let start = Instant::now();
         let ok = serde_json::json!({"allocated_bytes.all.current": 1});
         store
-            .push_at(&payload(1, 1, ok.clone()), start)
+            .push_at(&payload(1, 1, ok.clone()), None, start)
             .expect("accepted");
         store
-            .push_at(&payload(2, 1, ok), start + Duration::from_secs(50))
+            .push_at(&payload(2, 1, ok), None, start + Duration::from_secs(50))
             .expect("accepted");
         store.expire_at(start + Duration::from_secs(70));
         let pids: Vec<u32> = sources

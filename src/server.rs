@@ -1,16 +1,20 @@
 //! The HTTP shell: `/metrics` (text exposition), `/healthz`, `/` (a page linking both) and,
-//! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only.
-//! [`app`] builds the router, so tests call it without a socket; [`serve`] binds it.
+//! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
+//! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
+//! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] binds it.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::IncomingStream;
+use tokio::net::UnixListener;
 
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{AllocatorSources, Metrics, ReportReader};
@@ -80,12 +84,14 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
             serde_json::json!({"error": "this agent does not accept pushes"}),
         );
     };
-    // Only processes on this node may push: the connection must come from loopback.
-    let local = request
-        .extensions()
+    // Only processes on this node may push: over the Unix socket (the kernel names the
+    // process) or from loopback.
+    let extensions = request.extensions();
+    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
+    let loopback = extensions
         .get::<ConnectInfo<SocketAddr>>()
         .is_some_and(|c| c.0.ip().is_loopback());
-    if !local {
+    if unix.is_none() && !loopback {
         return json(
             StatusCode::FORBIDDEN,
             serde_json::json!({"error": "pushes are accepted from this host only"}),
@@ -98,7 +104,7 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
             serde_json::json!({"error": format!("the body exceeds {MAX_BODY_BYTES} bytes"), "reason": "too_large"}),
         );
     };
-    match store.push(&body) {
+    match store.push_from(&body, unix.and_then(|peer| peer.pid)) {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => json(
             StatusCode::from_u16(rejected.refusal.status()).unwrap_or(StatusCode::BAD_REQUEST),
@@ -174,4 +180,77 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListene
         eprintln!("gpumem: serving http://{local}/metrics");
     }
     Ok(listener)
+}
+
+/// Binds a Unix socket at `path` for pushes from any local user: creates its directory,
+/// replaces a stale socket left by an earlier run (never another kind of file), and makes it
+/// connectable by all (access is already limited to whoever can reach the path).
+///
+/// # Errors
+/// The error, with the path.
+pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let context = |e: std::io::Error| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on {}: {e}", path.display()),
+        )
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(context)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(context)?,
+        Ok(_) => {
+            return Err(context(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            )));
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(context)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(context)?;
+    tracing::info!(path = %path.display(), "accepting pushes");
+    eprintln!("gpumem: accepting pushes on unix:{}", path.display());
+    Ok(listener)
+}
+
+/// The process at the other end of a Unix-socket connection, as the kernel reports it
+/// (`SO_PEERCRED`, in the agent's pid namespace).
+#[derive(Clone, Copy, Debug)]
+pub struct UnixPeer {
+    /// The peer's pid; `None` where the kernel does not say.
+    pub pid: Option<u32>,
+}
+
+impl Connected<IncomingStream<'_, UnixListener>> for UnixPeer {
+    fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
+        let pid = stream
+            .io()
+            .peer_cred()
+            .ok()
+            .and_then(|cred| cred.pid())
+            .and_then(|pid| u32::try_from(pid).ok())
+            .filter(|&pid| pid != 0);
+        UnixPeer { pid }
+    }
+}
+
+/// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to
+/// the connecting process's pid.
+///
+/// # Errors
+/// An I/O error from the listener.
+pub async fn serve_unix(
+    listener: UnixListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<UnixPeer>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }

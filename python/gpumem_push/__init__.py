@@ -6,13 +6,18 @@
 A daemon thread posts, every `interval` seconds and for each CUDA device PyTorch has used,
 `torch.cuda.memory_stats(device)` with the pid, the device's UUID, a sequence number and
 optional labels, to the agent's `POST /api/v1/push`. An out-of-memory error is pushed at once.
+The agent's Unix socket (`unix:/run/gpumem/push.sock`, used when it exists) lets the agent
+name the pushing process itself, which a job in a container cannot: its own pid is its
+container's, not the host's that nvidia-smi shows.
 Only the standard library is used (and torch, at run time). Nothing here initialises CUDA:
 devices are read only once PyTorch has initialised it. When the agent cannot be reached,
 payloads are dropped and counted (`stats()`), and the job goes on.
 """
 
+import http.client
 import json
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -20,7 +25,9 @@ import urllib.request
 
 __all__ = ["start", "stop", "stats"]
 
+DEFAULT_SOCKET = "/run/gpumem/push.sock"
 DEFAULT_URL = "http://127.0.0.1:9417/api/v1/push"
+PUSH_PATH = "/api/v1/push"
 
 _lock = threading.Lock()
 _state = {"thread": None, "stop": None, "seq": 0, "sent": 0, "dropped": 0, "errors": 0,
@@ -64,18 +71,50 @@ def _payload(torch, labels):
     }
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket."""
+
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _send(url, body, timeout):
+    headers = {"Content-Type": "application/json"}
+    if url.startswith("unix:"):
+        connection = _UnixConnection(url[len("unix:"):], timeout)
+        try:
+            connection.request("POST", PUSH_PATH, body=body, headers=headers)
+            response = connection.getresponse()
+            reply = response.read()
+            if response.status >= 400:
+                raise ValueError(f"HTTP {response.status}: {reply[:200].decode(errors='replace')}")
+        finally:
+            connection.close()
+        return
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        response.read()
+
+
 def _post(url, payload, timeout):
     if not payload["devices"]:
         return
-    body = json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
+        _send(url, json.dumps(payload).encode(), timeout)
         with _lock:
             _state["sent"] += 1
-    except (urllib.error.URLError, OSError, ValueError) as error:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as error:
         with _lock:
             _state["dropped"] += 1
             _state["last_error"] = str(error)
@@ -111,14 +150,20 @@ def _observe_oom(url, labels):
         pass
 
 
+def _default_url():
+    return "unix:" + DEFAULT_SOCKET if os.path.exists(DEFAULT_SOCKET) else DEFAULT_URL
+
+
 def start(url=None, interval=5.0, labels=None):
     """Starts pushing (once per process; later calls return the running thread).
 
-    url: the agent's push endpoint (default GPUMEM_PUSH_URL, else http://127.0.0.1:9417/api/v1/push).
+    url: the agent's push endpoint, `unix:<socket path>` or an http URL (default
+         GPUMEM_PUSH_URL, else unix:/run/gpumem/push.sock where it exists, else
+         http://127.0.0.1:9417/api/v1/push).
     interval: seconds between pushes.
     labels: optional {name: value} (for example {"job": "llama", "rank": "0"}).
     """
-    url = url or os.environ.get("GPUMEM_PUSH_URL", DEFAULT_URL)
+    url = url or os.environ.get("GPUMEM_PUSH_URL") or _default_url()
     with _lock:
         if _state["thread"] is not None and _state["thread"].is_alive():
             return _state["thread"]

@@ -1,19 +1,24 @@
 //! `gpumem demo` and `gpumem serve`: the node agent, on a simulated node or on real GPUs.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use gpumem::AllocatorConfig;
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::{ReportReader, allocator_sources};
-use gpumem::server::{AppState, agent_state, app, bind, serve, shutdown_signal};
+use gpumem::server::{
+    AppState, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
+};
 use gpumem::telemetry::{NvmlSource, Poller, SimNode, SimNodeConfig};
 
 use super::{CliResult, parse_bytes};
 
 /// The agent's port: clear of DCGM (9400), node_exporter (9100) and the other GPU exporters.
 const DEFAULT_LISTEN: &str = "127.0.0.1:9417";
+/// Where jobs on the node push their statistics (the chart shares this directory with them).
+const DEFAULT_PUSH_SOCKET: &str = "/run/gpumem/push.sock";
 
 #[derive(clap::Args)]
 pub(crate) struct ServeArgs {
@@ -23,6 +28,10 @@ pub(crate) struct ServeArgs {
     /// Seconds between NVML polls.
     #[arg(long, default_value_t = 5.0, value_parser = parse_interval)]
     interval: f64,
+    /// Unix socket for pushes from jobs on this node, attributed to the connecting pid;
+    /// an empty value turns it off (pushes are still accepted from loopback).
+    #[arg(long, default_value = DEFAULT_PUSH_SOCKET)]
+    push_socket: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -68,10 +77,38 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-fn run_server(listen: SocketAddr, state: AppState) -> CliResult {
+fn run_server(listen: SocketAddr, push_socket: Option<PathBuf>, state: AppState) -> CliResult {
     runtime()?.block_on(async move {
         let listener = bind(listen).await?;
-        serve(listener, app(state), shutdown_signal()).await
+        let router = app(state);
+        // The socket is optional: without it, pushes still come over loopback.
+        let unix = push_socket.and_then(|path| match bind_unix(&path) {
+            Ok(listener) => Some((listener, path)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no push socket");
+                eprintln!("gpumem: warning: {e}; pushes are accepted from loopback only");
+                None
+            }
+        });
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let signal = async move {
+            shutdown_signal().await;
+            let _ = stop.send(true);
+        };
+        let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|&stopped| stopped).await;
+        };
+        tokio::spawn(signal);
+        let tcp = serve(listener, router.clone(), until_stopped(stopped.clone()));
+        match unix {
+            Some((listener, path)) => {
+                let served =
+                    tokio::try_join!(tcp, serve_unix(listener, router, until_stopped(stopped)));
+                let _ = std::fs::remove_file(&path);
+                served.map(|_| ())
+            }
+            None => tcp.await,
+        }
     })?;
     Ok(ExitCode::SUCCESS)
 }
@@ -87,7 +124,8 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         vec![reader],
         IngestConfig::default(),
     )?;
-    run_server(args.listen, state)
+    let socket = Some(args.push_socket).filter(|p| !p.as_os_str().is_empty());
+    run_server(args.listen, socket, state)
 }
 
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
@@ -111,7 +149,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         vec![reader],
         IngestConfig::default(),
     )?;
-    let result = run_server(args.listen, state);
+    let result = run_server(args.listen, None, state);
     drop(node);
     result
 }

@@ -168,7 +168,8 @@ fn the_line_up_holds_on_the_simulated_node() {
     }
 }
 
-/// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log`.
+/// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log` and its push socket
+/// beside it (`log` with the extension `sock`).
 pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
     command
@@ -178,7 +179,9 @@ pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) ->
             &format!("127.0.0.1:{port}"),
             "--interval",
             "0.2",
+            "--push-socket",
         ])
+        .arg(log.with_extension("sock"))
         .stderr(std::fs::File::create(log).expect("log file"));
     if let Some(dir) = library_path {
         command.env("LD_LIBRARY_PATH", dir);

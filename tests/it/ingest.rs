@@ -256,8 +256,8 @@ async fn a_flood_of_processes_stays_bounded() {
 
 /// The whole path: a real Python process runs `gpumem_push` (with a stand-in `torch` whose
 /// `memory_stats()` replays statistics gpumem's core produced during a training workload),
-/// pushing to a real `gpumem serve`, scraped by a real Prometheus: the pushed series carry the
-/// process's labels and the last values exactly.
+/// pushing over `gpumem serve`'s Unix socket, scraped by a real Prometheus: the pushed series
+/// carry the process's labels, its pid as the kernel names it, and the last values exactly.
 #[test]
 fn python_pushes_through_serve_to_prometheus() {
     use crate::agent::{Reaper, free_port, prometheus_query, spawn_serve, wait_for};
@@ -307,7 +307,9 @@ torch.cuda = types.SimpleNamespace(
     memory_stats=memory_stats, get_device_properties=lambda i: Props)
 sys.modules["torch"] = torch
 sys.path.insert(0, sys.argv[3])
-import gpumem_push
+import gpumem_push, os
+# Inside a container a job's own pid is its namespace's; the agent must not trust it.
+os.getpid = lambda: 7
 gpumem_push.start(url=sys.argv[2], interval=0.6, labels={"job": "llama", "rank": "3"})
 deadline = time.time() + 30
 while calls["n"] < len(sequence) + 2 and time.time() < deadline:
@@ -317,13 +319,18 @@ s = gpumem_push.stats()
 print(json.dumps(s))
 assert s["sent"] >= len(sequence), s
 "#;
-    let python = Command::new("python3")
+    let socket = dir.join("serve.sock");
+    let child = Command::new("python3")
         .args(["-c", script])
         .arg(&stats_file)
-        .arg(format!("http://127.0.0.1:{agent_port}/api/v1/push"))
+        .arg(format!("unix:{}", socket.display()))
         .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("python3 runs");
+    let python_pid = child.id();
+    let python = child.wait_with_output().expect("python3 ends");
     assert!(
         python.status.success(),
         "{}{}",
@@ -363,6 +370,11 @@ assert s["sent"] >= len(sequence), s
     assert_eq!(series["metric"]["exported_job"], "llama", "{series}");
     assert_eq!(series["metric"]["rank"], "3", "{series}");
     assert_eq!(
+        series["metric"]["pid"],
+        python_pid.to_string(),
+        "the socket's peer, not the payload's pid 7: {series}"
+    );
+    assert_eq!(
         series["metric"]["UUID"],
         "GPU-11111111-2222-3333-4444-555555555555"
     );
@@ -383,5 +395,29 @@ assert s["sent"] >= len(sequence), s
         .parse()
         .expect("number");
     assert_eq!(peak, last["reserved_bytes.all.peak"] as f64);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The push socket replaces a stale socket from an earlier run but never another file, and
+/// anyone on the node may connect to it.
+#[tokio::test]
+async fn the_push_socket_replaces_only_stale_sockets() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("gpumem-sock-{}", std::process::id()));
+    let path = dir.join("run").join("push.sock");
+    let first = gpumem::server::bind_unix(&path).expect("binds, creating its directory");
+    let mode = std::fs::metadata(&path)
+        .expect("socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o666);
+    drop(first);
+    assert!(path.exists(), "a dropped listener leaves its socket file");
+    let _second = gpumem::server::bind_unix(&path).expect("replaces the stale socket");
+    let file = dir.join("run").join("data");
+    std::fs::write(&file, b"keep me").expect("write");
+    let refused = gpumem::server::bind_unix(&file).expect_err("not a socket");
+    assert!(refused.to_string().contains("not a socket"), "{refused}");
+    assert_eq!(std::fs::read(&file).expect("still there"), b"keep me");
     let _ = std::fs::remove_dir_all(&dir);
 }
