@@ -9,7 +9,9 @@
 //! - Memory is bounded whatever clients send: bodies are capped by the server
 //!   ([`MAX_BODY_BYTES`]), every list and map in a payload is capped, and at most
 //!   `max_processes` processes are tracked (pushes from others are refused and counted).
-//! - A process's series disappear `ttl` after its last accepted push.
+//! - A process's series disappear `ttl` after its last accepted push, or at the first expiry
+//!   after its pid vanishes from `/proc` when the kernel named that pid (a Unix-socket push;
+//!   a payload's own pid may belong to another pid namespace and is never looked up).
 //! - Every refusal has a reason, returned to the client and counted in
 //!   `gpumem_ingest_payloads_total{result=<reason>}`.
 
@@ -149,6 +151,8 @@ impl Default for IngestConfig {
 struct Tracked {
     seq: u64,
     last: Instant,
+    /// The kernel named the pid (so `/proc/<pid>` is this process).
+    kernel_pid: bool,
     sources: Vec<Arc<AllocatorSource>>,
 }
 
@@ -359,6 +363,7 @@ impl PushStore {
             Tracked {
                 seq: push.seq,
                 last: now,
+                kernel_pid: peer_pid.is_some(),
                 sources,
             },
         );
@@ -367,15 +372,20 @@ impl PushStore {
         Ok(())
     }
 
-    /// Drops the processes that stopped pushing more than `ttl` ago.
+    /// Drops the processes that stopped pushing more than `ttl` ago, and those the kernel
+    /// named whose pid is gone.
     pub fn expire(&self) {
-        self.expire_at(Instant::now());
+        self.expire_at(Instant::now(), |pid| {
+            std::path::Path::new(&format!("/proc/{pid}")).exists()
+        });
     }
 
-    fn expire_at(&self, now: Instant) {
+    fn expire_at(&self, now: Instant, alive: impl Fn(u32) -> bool) {
         let mut tracked = self.tracked.lock().unwrap_or_else(PoisonError::into_inner);
         let before = tracked.len();
-        tracked.retain(|_, t| now.duration_since(t.last) < self.config.ttl);
+        tracked.retain(|&pid, t| {
+            now.duration_since(t.last) < self.config.ttl && (!t.kernel_pid || alive(pid))
+        });
         if tracked.len() != before {
             self.publish(&tracked);
         }
@@ -522,14 +532,36 @@ mod tests {
         store
             .push_at(&payload(2, 1, ok), None, start + Duration::from_secs(50))
             .expect("accepted");
-        store.expire_at(start + Duration::from_secs(70));
+        store.expire_at(start + Duration::from_secs(70), |_| false);
         let pids: Vec<u32> = sources
             .lock()
             .expect("lock")
             .iter()
             .map(|s| s.pid)
             .collect();
-        assert_eq!(pids, [2]);
+        assert_eq!(pids, [2], "a payload's own pid is never looked up");
+        assert_eq!(store.tracked_processes(), 1);
+    }
+
+    #[test]
+    fn a_vanished_pid_named_by_the_kernel_expires_at_once() {
+        let (store, sources) = store(10);
+        let start = Instant::now();
+        let ok = serde_json::json!({"allocated_bytes.all.current": 1});
+        // Both payloads claim pid 1; the kernel says 40 and 41.
+        store
+            .push_at(&payload(1, 1, ok.clone()), Some(40), start)
+            .expect("accepted");
+        store
+            .push_at(&payload(1, 1, ok), Some(41), start)
+            .expect("accepted");
+        let pids = || -> Vec<u32> {
+            let sources = sources.lock().expect("lock");
+            sources.iter().map(|s| s.pid).collect()
+        };
+        assert_eq!(pids(), [40, 41]);
+        store.expire_at(start + Duration::from_secs(1), |pid| pid == 41);
+        assert_eq!(pids(), [41]);
         assert_eq!(store.tracked_processes(), 1);
     }
 }
