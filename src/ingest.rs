@@ -411,6 +411,18 @@ impl PushStore {
             .len()
     }
 
+    /// Each tracked pid and the time since its last accepted push, by pid.
+    pub fn push_ages(&self) -> Vec<(u32, Duration)> {
+        let now = Instant::now();
+        let tracked = self.tracked.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ages: Vec<_> = tracked
+            .iter()
+            .map(|(&pid, t)| (pid, now.duration_since(t.last)))
+            .collect();
+        ages.sort_unstable_by_key(|&(pid, _)| pid);
+        ages
+    }
+
     /// (result label, count) for the ingest counter: `accepted`, then each refusal.
     pub fn counts(&self) -> Vec<(&'static str, u64)> {
         let mut out = vec![("accepted", self.accepted.load(Ordering::Relaxed))];

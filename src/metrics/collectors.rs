@@ -252,6 +252,10 @@ impl Collector for AgentCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let mut f = Families::new();
         let started = Instant::now();
+        // Expired pushes go first, so that one scrape never shows a process half gone.
+        if let Some(ingest) = &self.ingest {
+            ingest.expire();
+        }
         let allocators = snapshot_sources(&self.allocators);
         for source in &allocators {
             collect_allocator(&mut f, source);
@@ -265,12 +269,15 @@ impl Collector for AgentCollector {
             collect_report(&mut f, &read());
         }
         if let Some(ingest) = &self.ingest {
-            ingest.expire();
             for (result, count) in ingest.counts() {
                 f.of(&c::INGEST_PAYLOADS).push(&[result], count as f64);
             }
             f.of(&c::INGEST_TRACKED)
                 .push(&[], ingest.tracked_processes() as f64);
+            for (pid, age) in ingest.push_ages() {
+                f.of(&c::INGEST_LAST_PUSH_AGE)
+                    .push(&[&pid.to_string()], age.as_secs_f64());
+            }
         }
         f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
         f.0.into_iter().filter_map(Family::into_family).collect()

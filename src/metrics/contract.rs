@@ -229,6 +229,13 @@ metric!(
     "Processes whose pushed statistics the agent currently serves."
 );
 metric!(
+    INGEST_LAST_PUSH_AGE,
+    "gpumem_ingest_last_push_age_seconds",
+    Gauge,
+    &["pid"],
+    "Seconds since the process's last accepted push (a job that stopped pushing grows old here before its series expire)."
+);
+metric!(
     BUILD_INFO,
     "gpumem_build_info",
     Gauge,
@@ -237,7 +244,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 28] = [
+pub const CONTRACT: [&MetricDef; 29] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -265,6 +272,7 @@ pub const CONTRACT: [&MetricDef; 28] = [
     &COLLECT_DURATION,
     &INGEST_PAYLOADS,
     &INGEST_TRACKED,
+    &INGEST_LAST_PUSH_AGE,
     &BUILD_INFO,
 ];
 

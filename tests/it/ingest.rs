@@ -316,26 +316,42 @@ while calls["n"] < len(sequence) + 2 and time.time() < deadline:
     time.sleep(0.1)
 time.sleep(0.7)
 s = gpumem_push.stats()
-print(json.dumps(s))
-assert s["sent"] >= len(sequence), s
+print(json.dumps(s), flush=True)
+# Stay alive (the agent ends a socket-attributed process's series when it exits) until the
+# test closes stdin.
+sys.stdin.read()
 "#;
     let socket = dir.join("serve.sock");
-    let child = Command::new("python3")
+    let mut child = Command::new("python3")
         .args(["-c", script])
         .arg(&stats_file)
         .arg(format!("unix:{}", socket.display()))
         .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("python3 runs");
     let python_pid = child.id();
-    let python = child.wait_with_output().expect("python3 ends");
+    let mut pushed = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+        &mut pushed,
+    )
+    .expect("python3 reports");
+    let mut python = Reaper(child);
+    let report: serde_json::Value = serde_json::from_str(&pushed).unwrap_or_else(|_| {
+        let _ = python.0.kill();
+        let mut err = String::new();
+        let _ =
+            std::io::Read::read_to_string(&mut python.0.stderr.take().expect("stderr"), &mut err);
+        panic!("python3 did not report its pushes: {pushed}{err}")
+    });
     assert!(
-        python.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&python.stdout),
-        String::from_utf8_lossy(&python.stderr)
+        report["sent"]
+            .as_u64()
+            .is_some_and(|n| n >= sequence.len() as u64),
+        "{report}"
     );
 
     let prom_port = free_port();
@@ -374,6 +390,16 @@ assert s["sent"] >= len(sequence), s
         python_pid.to_string(),
         "the socket's peer, not the payload's pid 7: {series}"
     );
+    let age = prometheus_query(
+        prom_port,
+        &format!("gpumem_ingest_last_push_age_seconds{{pid=\"{python_pid}\"}}"),
+    )
+    .expect("query");
+    let age: f64 = age[0]["value"][1]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .expect("the pushing process has a last-push age");
+    assert!((0.0..60.0).contains(&age), "{age}");
     assert_eq!(
         series["metric"]["UUID"],
         "GPU-11111111-2222-3333-4444-555555555555"
