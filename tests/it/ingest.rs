@@ -447,3 +447,141 @@ async fn the_push_socket_replaces_only_stale_sockets() {
     assert_eq!(std::fs::read(&file).expect("still there"), b"keep me");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One HTTP/1.1 POST to `/api/v1/push` on loopback; the status, or `None` when the agent
+/// closed the connection first (it may, mid-way through an oversized body).
+fn post_tcp(port: u16, body: &[u8]) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .ok()?;
+    let head = format!(
+        "POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).ok()?;
+    // A refused oversized body may reset the connection; the status may still be readable.
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    text.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
+}
+
+/// The agent's peak resident memory (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+/// A real `gpumem serve` under a bounded, concurrent flood on loopback (10 MiB bodies,
+/// malformed and ill-typed JSON, negative sizes, 10,000 fake pids) while one process keeps
+/// pushing: every valid push is accepted, every bad one refused with a 4xx, and the agent's
+/// peak memory stays under the chart's 64 MiB limit, even scraped with every process tracked.
+#[test]
+fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
+    use crate::agent::{free_port, spawn_serve, wait_for};
+    use std::time::Duration;
+
+    let dir = std::env::temp_dir().join(format!("gpumem-flood-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let port = free_port();
+    let agent = spawn_serve(port, &dir.join("serve.log"), None);
+    assert!(
+        wait_for(Duration::from_secs(20), || crate::agent::http_get(
+            port, "/healthz"
+        ))
+        .is_some()
+    );
+    let stats = |n: i64| -> std::collections::BTreeMap<String, i64> {
+        [
+            ("allocated_bytes.all.current".to_string(), n),
+            ("reserved_bytes.large_pool.current".to_string(), n * 2),
+            ("num_alloc_retries".to_string(), 1),
+        ]
+        .into()
+    };
+    assert_eq!(post_tcp(port, &payload(1, 1, &stats(1))), Some(202));
+    let before = peak_rss_kib(agent.0.id());
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let valid = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut statuses = Vec::new();
+            let mut seq = 1;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && statuses.len() < 100 {
+                std::thread::sleep(Duration::from_millis(600));
+                seq += 1;
+                statuses.push(post_tcp(port, &payload(1, seq, &stats(seq as i64))));
+            }
+            statuses
+        })
+    };
+    let flooders: Vec<_> = (0..4u32)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                for i in 0..2500u32 {
+                    let body = match i % 500 {
+                        0 => vec![b'{'; 10 << 20],
+                        1 => b"{]".to_vec(),
+                        2 => br#"{"pid": 5, "seq": "one", "devices": []}"#.to_vec(),
+                        3 => serde_json::json!({"pid": 6, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-x", "stats": {"allocated_bytes.all.current": -4}}]})
+                            .to_string()
+                            .into_bytes(),
+                        _ => payload(1_000_000 + t * 10_000 + i, 1, &stats(1)),
+                    };
+                    statuses.push((i % 500, post_tcp(port, &body)));
+                }
+                statuses
+            })
+        })
+        .collect();
+    let mut fake_accepted = 0;
+    for flooder in flooders {
+        for (kind, status) in flooder.join().expect("flooder") {
+            match kind {
+                // An oversized body: 413, or the connection closed before the answer.
+                0 => assert!(matches!(status, Some(413) | None), "{status:?}"),
+                1..=3 => assert!(
+                    status.is_some_and(|s| (400..500).contains(&s)),
+                    "{kind}: {status:?}"
+                ),
+                _ => match status {
+                    Some(202) => fake_accepted += 1,
+                    Some(429) => {}
+                    other => panic!("a fake pid got {other:?}"),
+                },
+            }
+        }
+    }
+    let flooded = peak_rss_kib(agent.0.id());
+    // A scrape with every tracked process, then the pusher's last pushes.
+    let text = crate::agent::http_get(port, "/metrics").expect("scrape");
+    let cap = IngestConfig::default().max_processes;
+    assert!(
+        text.contains(&format!("gpumem_ingest_tracked_processes {cap}\n")),
+        "the cap"
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = valid.join().expect("pusher");
+    assert!(statuses.len() >= 3, "the pusher pushed during the flood");
+    assert!(
+        statuses.iter().all(|s| *s == Some(202)),
+        "every valid push accepted: {statuses:?}"
+    );
+    assert_eq!(fake_accepted, cap - 1, "the cap, less the real process");
+    let after = peak_rss_kib(agent.0.id());
+    eprintln!(
+        "agent peak RSS: {before} KiB before, {flooded} KiB after the flood, {after} KiB after a full scrape"
+    );
+    assert!(after < 64 * 1024, "peak RSS {after} KiB");
+    let _ = std::fs::remove_dir_all(&dir);
+}
