@@ -81,6 +81,7 @@ fn node() -> Arc<SourceReport> {
             reserved: Some(1 << 30),
             processes: (0..PROCESSES)
                 .map(|p| ProcessSample {
+                    container: None,
                     pid: 100_000 + gpu * 1000 + p,
                     name: "python3".into(),
                     used: Some(u64::from(p + 1) << 28),

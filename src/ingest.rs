@@ -26,6 +26,7 @@ use serde::Deserialize;
 use crate::allocator::DeviceStats;
 use crate::metrics::AllocatorSources;
 use crate::telemetry::AllocatorSource;
+use crate::telemetry::cgroup::{self, ContainerRef};
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -34,10 +35,13 @@ const MAX_STATS_KEYS: usize = 1024;
 const MAX_TEXT: usize = 256;
 const MAX_LABELS: usize = 8;
 /// Label names a push may not use: the contract's own, Prometheus's.
-const RESERVED_LABELS: [&str; 9] = [
+const RESERVED_LABELS: [&str; 12] = [
     "gpu",
     "UUID",
     "pid",
+    "process",
+    "pod_uid",
+    "container_id",
     "allocator",
     "pool",
     "version",
@@ -136,6 +140,8 @@ pub struct IngestConfig {
     pub max_processes: usize,
     /// Least time between two accepted pushes of one process.
     pub min_interval: Duration,
+    /// The pod and container of a pid the kernel named (read from `/proc` by default).
+    pub resolve: fn(u32) -> Option<ContainerRef>,
 }
 
 impl Default for IngestConfig {
@@ -146,6 +152,7 @@ impl Default for IngestConfig {
             // stays within a few MiB (4096 took the agent to 88 MiB).
             max_processes: 256,
             min_interval: Duration::from_millis(500),
+            resolve: cgroup::container_of,
         }
     }
 }
@@ -310,7 +317,12 @@ impl PushStore {
         let config = push.alloc_conf.unwrap_or_default();
         text("torch_version", &version)?;
         text("alloc_conf", &config)?;
-        let extra = labels(&push.labels)?;
+        let mut extra = labels(&push.labels)?;
+        // Only a pid the kernel named is this node's: attribute it to its pod.
+        if let Some(c) = peer_pid.and_then(self.config.resolve) {
+            extra.push(("pod_uid".into(), c.pod_uid));
+            extra.push(("container_id".into(), c.container_id));
+        }
         let mut sources = Vec::with_capacity(push.devices.len());
         for device in &push.devices {
             text("uuid", &device.uuid)?;
@@ -577,5 +589,78 @@ mod tests {
         store.expire_at(start + Duration::from_secs(1), |pid| pid == 41);
         assert_eq!(pids(), [41]);
         assert_eq!(store.tracked_processes(), 1);
+    }
+
+    #[test]
+    fn a_kernel_named_pid_carries_its_pod() {
+        fn resolve(pid: u32) -> Option<ContainerRef> {
+            (pid == 40).then(|| ContainerRef {
+                pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+                container_id: "ab".repeat(32),
+                runtime: cgroup::Runtime::Containerd,
+            })
+        }
+        let sources = allocator_sources(Vec::new());
+        let store = PushStore::new(
+            IngestConfig {
+                resolve,
+                ..IngestConfig::default()
+            },
+            Arc::clone(&sources),
+        );
+        let ok = serde_json::json!({"allocated_bytes.all.current": 1});
+        let start = Instant::now();
+        store
+            .push_at(&payload(1, 1, ok.clone()), Some(40), start)
+            .expect("accepted");
+        // A payload's own pid 40 is not looked up: it may be another namespace's.
+        store
+            .push_at(
+                &payload(40, 2, ok.clone()),
+                None,
+                start + Duration::from_secs(1),
+            )
+            .expect("accepted");
+        let labels: Vec<(u32, Vec<String>)> = sources
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(|s| (s.pid, s.labels.iter().map(|(k, _)| k.clone()).collect()))
+            .collect();
+        assert_eq!(labels.len(), 1, "both pushes are pid 40: {labels:?}");
+        assert!(labels[0].1.is_empty(), "the later, unattributed push wins");
+        store
+            .push_at(
+                &payload(40, 3, ok),
+                Some(40),
+                start + Duration::from_secs(2),
+            )
+            .expect("accepted");
+        let sources = sources.lock().expect("lock");
+        let pod: Vec<&str> = sources[0]
+            .labels
+            .iter()
+            .map(|(k, v)| {
+                if k == "pod_uid" {
+                    v.as_str()
+                } else {
+                    k.as_str()
+                }
+            })
+            .collect();
+        assert_eq!(
+            pod,
+            ["5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30", "container_id"]
+        );
+        drop(sources);
+        // A job cannot claim a pod.
+        let spoof = serde_json::json!({
+            "pid": 9, "seq": 1, "labels": {"pod_uid": "x"},
+            "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {}}]
+        });
+        let refused = store
+            .push_at(spoof.to_string().as_bytes(), None, start)
+            .expect_err("reserved");
+        assert_eq!(refused.refusal, Refusal::Invalid);
     }
 }

@@ -237,8 +237,14 @@ fn collect_report(f: &mut Families, report: &SourceReport) {
         for p in &gpu.processes {
             if let Some(used) = p.used {
                 let pid = p.pid.to_string();
-                f.of(&c::PROCESS_USED)
-                    .push(&[&index, &gpu.uuid, &pid, &p.name], used as f64);
+                let (pod, container) = p
+                    .container
+                    .as_ref()
+                    .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
+                f.of(&c::PROCESS_USED).push(
+                    &[&index, &gpu.uuid, &pid, &p.name, pod, container],
+                    used as f64,
+                );
             }
         }
     }

@@ -190,8 +190,8 @@ metric!(
     PROCESS_USED,
     "gpumem_process_used_bytes",
     Gauge,
-    &["gpu", "UUID", "pid", "process"],
-    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces)."
+    &["gpu", "UUID", "pid", "process", "pod_uid", "container_id"],
+    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one."
 );
 metric!(
     DEVICE_INFO,

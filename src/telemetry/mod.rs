@@ -32,6 +32,8 @@ pub struct ProcessSample {
     pub name: String,
     /// Bytes of device memory it uses, when the driver reports it.
     pub used: Option<u64>,
+    /// Its Kubernetes pod and container, when it runs in one.
+    pub container: Option<cgroup::ContainerRef>,
 }
 
 /// One GPU as nvidia-smi sees it.

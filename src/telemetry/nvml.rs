@@ -55,6 +55,7 @@ impl NvmlSource {
                 processes.push(ProcessSample {
                     pid: p.pid,
                     name: process_name(p.pid),
+                    container: super::cgroup::container_of(p.pid),
                     used: match p.used_gpu_memory {
                         UsedGpuMemory::Used(bytes) => Some(bytes),
                         UsedGpuMemory::Unavailable => None,

@@ -360,6 +360,7 @@ impl SimNodeSource {
                     .map(|p| ProcessSample {
                         pid: p.pid,
                         name: "python".into(),
+                        container: None,
                         used: Some(
                             p.stats.reserved_bytes.all_current().max(0) as u64
                                 + self.config.context_overhead,

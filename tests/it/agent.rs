@@ -419,3 +419,71 @@ fn a_real_prometheus_scrapes_the_demo() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// NVML's per-process series name the pod and container of a process that runs in one, so
+/// that `kube_pod_info{uid}` (kube-state-metrics) joins them to namespace and pod name.
+#[test]
+fn process_series_carry_their_pod() {
+    use gpumem::metrics::Metrics;
+    use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
+    use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
+    use std::sync::Arc;
+
+    let process = |pid: u32, container: Option<ContainerRef>| ProcessSample {
+        pid,
+        name: "python".into(),
+        used: Some(1 << 30),
+        container,
+    };
+    let report = Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "550.54.15".into(),
+            simulated: false,
+            gpus: vec![GpuSample {
+                index: 0,
+                uuid: "GPU-0".into(),
+                model: "H100".into(),
+                total: 80 << 30,
+                used: 3 << 30,
+                free: 77 << 30,
+                reserved: None,
+                processes: vec![
+                    process(
+                        4242,
+                        Some(ContainerRef {
+                            pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+                            container_id: "ab".repeat(32),
+                            runtime: Runtime::CriO,
+                        }),
+                    ),
+                    process(17, None),
+                ],
+            }],
+        }),
+        error: None,
+        duration_seconds: 0.001,
+    });
+    let reader: ReportReader = Box::new(move || Arc::clone(&report));
+    let metrics = Metrics::new(allocator_sources(Vec::new()), vec![reader], None).expect("metrics");
+    let text = metrics.encode();
+    let container = "ab".repeat(32);
+    let line = |pid: &str| {
+        text.lines()
+            .find(|l| l.starts_with("gpumem_process_used_bytes") && l.contains(pid))
+            .unwrap_or_else(|| panic!("no series for {pid}:\n{text}"))
+            .to_string()
+    };
+    let attributed = line(r#"pid="4242""#);
+    assert!(
+        attributed.contains(r#"pod_uid="5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30""#)
+            && attributed.contains(&format!(r#"container_id="{container}""#)),
+        "{attributed}"
+    );
+    let outside = line(r#"pid="17""#);
+    assert!(
+        outside.contains(r#"pod_uid="""#) && outside.contains(r#"container_id="""#),
+        "{outside}"
+    );
+}
