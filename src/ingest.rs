@@ -9,6 +9,8 @@
 //! - Memory is bounded whatever clients send: bodies are capped by the server
 //!   ([`MAX_BODY_BYTES`]), every list and map in a payload is capped, and at most
 //!   `max_processes` processes are tracked (pushes from others are refused and counted).
+//! - A pushed process's largest free block comes only from a memory snapshot (the hook takes
+//!   one at an out-of-memory error) and stands until the next; without one it is not exported.
 //! - A process's series disappear `ttl` after its last accepted push, or at the first expiry
 //!   after its pid vanishes from `/proc` when the kernel named that pid (a Unix-socket push;
 //!   a payload's own pid may belong to another pid namespace and is never looked up).
@@ -25,8 +27,8 @@ use serde::Deserialize;
 
 use crate::allocator::DeviceStats;
 use crate::metrics::AllocatorSources;
-use crate::telemetry::AllocatorSource;
 use crate::telemetry::cgroup::{self, ContainerRef};
+use crate::telemetry::{AllocatorSource, UNKNOWN_SIZE};
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -129,6 +131,9 @@ struct PushedDevice {
     index: u32,
     uuid: String,
     stats: BTreeMap<String, serde_json::Value>,
+    /// From a memory snapshot (the hook takes one on out-of-memory).
+    #[serde(default)]
+    largest_free_block: Option<u64>,
 }
 
 /// Ingest settings.
@@ -335,8 +340,10 @@ impl PushStore {
                 version: version.clone(),
                 config: config.clone(),
                 stats: Arc::new(DeviceStats::from_memory_stats(&stats)),
-                // PyTorch's memory_stats() does not say; 0 until a push carries it.
-                largest_free_block: Arc::new(AtomicU64::new(0)),
+                // memory_stats() does not say; a push carries it only with a snapshot.
+                largest_free_block: Arc::new(AtomicU64::new(
+                    device.largest_free_block.unwrap_or(UNKNOWN_SIZE),
+                )),
                 labels: extra.clone(),
             }));
         }
@@ -371,6 +378,18 @@ impl PushStore {
                 });
             }
             _ => {}
+        }
+        // A snapshot's figure stands until a later snapshot replaces it.
+        if let Some(previous) = tracked.get(&push.pid) {
+            for source in &sources {
+                if source.largest_free_block.load(Ordering::Relaxed) != UNKNOWN_SIZE {
+                    continue;
+                }
+                if let Some(old) = previous.sources.iter().find(|o| o.gpu == source.gpu) {
+                    let figure = old.largest_free_block.load(Ordering::Relaxed);
+                    source.largest_free_block.store(figure, Ordering::Relaxed);
+                }
+            }
         }
         tracked.insert(
             push.pid,

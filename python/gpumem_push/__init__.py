@@ -5,7 +5,8 @@
 
 A daemon thread posts, every `interval` seconds and for each CUDA device PyTorch has used,
 `torch.cuda.memory_stats(device)` with the pid, the device's UUID, a sequence number and
-optional labels, to the agent's `POST /api/v1/push`. An out-of-memory error is pushed at once.
+optional labels, to the agent's `POST /api/v1/push`. An out-of-memory error is pushed at once,
+with each device's largest free block from a memory snapshot taken when it happened.
 The agent's Unix socket (`unix:/run/gpumem/push.sock`, used when it exists) lets the agent
 name the pushing process itself, which a job in a container cannot: its own pid is its
 container's, not the host's that nvidia-smi shows.
@@ -28,10 +29,12 @@ __all__ = ["start", "stop", "stats"]
 DEFAULT_SOCKET = "/run/gpumem/push.sock"
 DEFAULT_URL = "http://127.0.0.1:9417/api/v1/push"
 PUSH_PATH = "/api/v1/push"
+# The agent refuses a process's pushes less than 0.5 s apart.
+MIN_GAP = 0.55
 
 _lock = threading.Lock()
-_state = {"thread": None, "stop": None, "seq": 0, "sent": 0, "dropped": 0, "errors": 0,
-          "last_error": None}
+_state = {"thread": None, "stop": None, "wake": None, "seq": 0, "sent": 0, "dropped": 0,
+          "errors": 0, "last_error": None, "oom_largest": None}
 
 
 def stats():
@@ -40,7 +43,18 @@ def stats():
         return {k: _state[k] for k in ("sent", "dropped", "errors", "last_error")}
 
 
-def _devices(torch):
+def _largest_free_blocks(torch):
+    """{device index: largest free (inactive) block} from a memory snapshot."""
+    largest = {}
+    for segment in torch.cuda.memory_snapshot():
+        device = int(segment.get("device", 0))
+        sizes = [int(b.get("size", 0)) for b in segment.get("blocks", ())
+                 if b.get("state") == "inactive"]
+        largest[device] = max([largest.get(device, 0)] + sizes)
+    return largest
+
+
+def _devices(torch, largest=None):
     if not torch.cuda.is_initialized():
         return []
     out = []
@@ -52,12 +66,14 @@ def _devices(torch):
             uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
         except Exception:  # older PyTorch: no uuid property
             uuid = f"GPU-index-{index}"
-        out.append({"index": index, "uuid": uuid,
-                    "stats": {k: int(v) for k, v in stats.items()}})
+        device = {"index": index, "uuid": uuid, "stats": {k: int(v) for k, v in stats.items()}}
+        if largest is not None:
+            device["largest_free_block"] = largest.get(index, 0)
+        out.append(device)
     return out
 
 
-def _payload(torch, labels):
+def _payload(torch, labels, largest=None):
     with _lock:
         _state["seq"] += 1
         seq = _state["seq"]
@@ -67,7 +83,7 @@ def _payload(torch, labels):
         "torch_version": str(getattr(torch, "__version__", "")),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "labels": dict(labels or {}),
-        "devices": _devices(torch),
+        "devices": _devices(torch, largest),
     }
 
 
@@ -120,29 +136,47 @@ def _post(url, payload, timeout):
             _state["last_error"] = str(error)
 
 
-def _run(url, interval, labels, stop):
+def _run(url, interval, labels, stop, wake):
     import torch
-    while not stop.wait(interval):
+    last = 0.0
+    while True:
+        wake.wait(interval)  # every interval, or at once after an out-of-memory error
+        wake.clear()
+        if stop.is_set():
+            return
+        with _lock:
+            largest, _state["oom_largest"] = _state["oom_largest"], None
+        gap = time.monotonic() - last
+        if gap < MIN_GAP:
+            time.sleep(MIN_GAP - gap)
         try:
-            _post(url, _payload(torch, labels), timeout=min(interval, 2.0))
+            _post(url, _payload(torch, labels, largest), timeout=min(interval, 2.0))
         except Exception as error:  # never let the thread die on a surprise
             with _lock:
                 _state["errors"] += 1
                 _state["last_error"] = repr(error)
+        last = time.monotonic()
 
 
-def _observe_oom(url, labels):
+def _observe_oom(wake):
     import torch
     attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
     if attach is None:
         return
 
     def observer(device, alloc, device_alloc, device_free):
+        # The snapshot is taken now, while the failed request's state is intact; the push
+        # thread sends it (sending here could break the agent's rate limit).
         try:
-            _post(url, _payload(torch, labels), timeout=1.0)
-        except Exception:
+            largest = _largest_free_blocks(torch)
+        except Exception as error:
+            largest = None  # pushed without the figure rather than with a false one
             with _lock:
                 _state["errors"] += 1
+                _state["last_error"] = repr(error)
+        with _lock:
+            _state["oom_largest"] = largest
+        wake.set()
 
     try:
         attach(observer)
@@ -167,11 +201,11 @@ def start(url=None, interval=5.0, labels=None):
     with _lock:
         if _state["thread"] is not None and _state["thread"].is_alive():
             return _state["thread"]
-        stop = threading.Event()
-        thread = threading.Thread(target=_run, args=(url, float(interval), labels, stop),
+        stop, wake = threading.Event(), threading.Event()
+        thread = threading.Thread(target=_run, args=(url, float(interval), labels, stop, wake),
                                   name="gpumem-push", daemon=True)
-        _state["thread"], _state["stop"] = thread, stop
-    _observe_oom(url, labels)
+        _state["thread"], _state["stop"], _state["wake"] = thread, stop, wake
+    _observe_oom(wake)
     thread.start()
     return thread
 
@@ -179,6 +213,7 @@ def start(url=None, interval=5.0, labels=None):
 def stop():
     """Stops pushing (the thread ends after its current push)."""
     with _lock:
-        stop_event = _state["stop"]
+        stop_event, wake = _state["stop"], _state["wake"]
     if stop_event is not None:
         stop_event.set()
+        wake.set()

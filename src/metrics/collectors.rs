@@ -9,7 +9,7 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
 use crate::ingest::PushStore;
-use crate::telemetry::{AllocatorSource, SourceReport};
+use crate::telemetry::{AllocatorSource, SourceReport, UNKNOWN_SIZE};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
 use super::{AllocatorSources, snapshot_sources};
@@ -192,12 +192,13 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
             &c::INACTIVE_SPLIT_RATIO,
             ratio(inactive_split, reserved.current),
         ),
-        (
-            &c::LARGEST_FREE_BLOCK,
-            s.largest_free_block.load(Ordering::Relaxed) as f64,
-        ),
     ] {
         f.of(def).push_with(&base, &s.labels, value);
+    }
+    let largest = s.largest_free_block.load(Ordering::Relaxed);
+    if largest != UNKNOWN_SIZE {
+        f.of(&c::LARGEST_FREE_BLOCK)
+            .push_with(&base, &s.labels, largest as f64);
     }
     f.of(&c::ALLOCATOR_INFO).push_with(
         &[base[0], base[1], base[2], base[3], &s.version, &s.config],

@@ -149,7 +149,7 @@ metric!(
     "gpumem_allocator_largest_free_block_bytes",
     Gauge,
     ALLOCATOR,
-    "Largest cached free block: the biggest request the allocator can serve without the driver."
+    "Largest cached free block: the biggest request the allocator can serve without the driver (for pushed PyTorch processes: as of their last out-of-memory error)."
 );
 metric!(
     ALLOCATOR_INFO,

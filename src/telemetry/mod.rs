@@ -68,6 +68,9 @@ pub struct NodeSample {
     pub gpus: Vec<GpuSample>,
 }
 
+/// A size nobody has reported.
+pub const UNKNOWN_SIZE: u64 = u64::MAX;
+
 /// An allocator whose counters are exported: where it runs and its published statistics.
 #[derive(Debug)]
 pub struct AllocatorSource {
@@ -85,7 +88,9 @@ pub struct AllocatorSource {
     pub config: String,
     /// The counters, read without any lock.
     pub stats: Arc<DeviceStats>,
-    /// The largest cached free block, as last published by the allocator's owner.
+    /// The largest cached free block, as last published by the allocator's owner;
+    /// [`UNKNOWN_SIZE`] while nobody has said (a pushed process reports it only with a
+    /// snapshot), and then it is not exported.
     pub largest_free_block: Arc<AtomicU64>,
     /// Extra labels the process asked for (job, rank), added to each of its series.
     pub labels: Vec<(String, String)>,

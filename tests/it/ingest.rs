@@ -160,6 +160,34 @@ async fn pushed_statistics_round_trip_exactly() {
         value(&text, r#"gpumem_ingest_payloads_total{result="accepted"}"#),
         Some(held.len() as f64)
     );
+    // memory_stats() does not give the largest free block: no series, not a false 0 ...
+    let largest = r#"gpumem_allocator_largest_free_block_bytes{gpu="1",UUID="GPU-11111111-2222-3333-4444-555555555555",pid="4242",allocator="pytorch"}"#;
+    assert_eq!(value(&text, largest), None);
+    // ... until a push carries it (the hook's out-of-memory push, from a snapshot); later
+    // pushes without one keep it.
+    let with_snapshot = serde_json::json!({
+        "pid": 4242, "seq": held.len() + 1,
+        "devices": [{"index": 1, "uuid": "GPU-11111111-2222-3333-4444-555555555555",
+                     "stats": held.last().expect("stats"),
+                     "largest_free_block": alloc.largest_free_block()}]
+    });
+    let (status, body) = post(&router, with_snapshot.to_string().into_bytes(), LOCAL).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(
+        value(&scrape(&router).await, largest),
+        Some(alloc.largest_free_block() as f64)
+    );
+    let (status, body) = post(
+        &router,
+        payload(4242, held.len() as u64 + 2, held.last().expect("stats")),
+        LOCAL,
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(
+        value(&scrape(&router).await, largest),
+        Some(alloc.largest_free_block() as f64)
+    );
 }
 
 #[tokio::test]
@@ -281,6 +309,18 @@ fn python_pushes_through_serve_to_prometheus() {
     let last = sequence.last().cloned().expect("steps");
     let stats_file = dir.join("stats.json");
     std::fs::write(&stats_file, serde_json::to_vec(&sequence).expect("json")).expect("write");
+    // What torch.cuda.memory_snapshot() returns at the out-of-memory error: gpumem's own
+    // snapshot, in PyTorch's format; the hook must push its largest free block.
+    let segments = alloc.snapshot().segments;
+    let largest_free = segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state == gpumem::allocator::BlockState::Inactive)
+        .map(|b| b.size)
+        .max()
+        .expect("the workload leaves free blocks cached");
+    let snapshot_file = dir.join("snapshot.json");
+    std::fs::write(&snapshot_file, serde_json::to_vec(&segments).expect("json")).expect("write");
 
     let agent_port = free_port();
     let _agent = spawn_serve(agent_port, &dir.join("serve.log"), None);
@@ -302,9 +342,13 @@ class Props:
     uuid = "11111111-2222-3333-4444-555555555555"
 torch = types.ModuleType("torch")
 torch.__version__ = "2.5.1"
+snapshot = json.load(open(sys.argv[4]))
+observers = []
 torch.cuda = types.SimpleNamespace(
     is_initialized=lambda: True, device_count=lambda: 1,
-    memory_stats=memory_stats, get_device_properties=lambda i: Props)
+    memory_stats=memory_stats, get_device_properties=lambda i: Props,
+    memory_snapshot=lambda: snapshot)
+torch._C = types.SimpleNamespace(_cuda_attach_out_of_memory_observer=observers.append)
 sys.modules["torch"] = torch
 sys.path.insert(0, sys.argv[3])
 import gpumem_push, os
@@ -315,6 +359,12 @@ deadline = time.time() + 30
 while calls["n"] < len(sequence) + 2 and time.time() < deadline:
     time.sleep(0.1)
 time.sleep(0.7)
+# An out-of-memory error: pushed at once, with the snapshot's largest free block.
+sent = gpumem_push.stats()["sent"]
+observers[0](0, 1 << 40, 0, 0)
+deadline = time.time() + 10
+while gpumem_push.stats()["sent"] == sent and time.time() < deadline:
+    time.sleep(0.05)
 s = gpumem_push.stats()
 print(json.dumps(s), flush=True)
 # Stay alive (the agent ends a socket-attributed process's series when it exits) until the
@@ -327,6 +377,7 @@ sys.stdin.read()
         .arg(&stats_file)
         .arg(format!("unix:{}", socket.display()))
         .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .arg(&snapshot_file)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -350,8 +401,8 @@ sys.stdin.read()
     assert!(
         report["sent"]
             .as_u64()
-            .is_some_and(|n| n >= sequence.len() as u64),
-        "{report}"
+            .is_some_and(|n| n > sequence.len() as u64),
+        "the periodic pushes and the out-of-memory one: {report}"
     );
 
     let prom_port = free_port();
@@ -410,6 +461,16 @@ sys.stdin.read()
         .parse()
         .expect("number");
     assert_eq!(value, last["allocated_bytes.large_pool.current"] as f64);
+    let largest = prometheus_query(
+        prom_port,
+        r#"gpumem_allocator_largest_free_block_bytes{allocator="pytorch"}"#,
+    )
+    .expect("query");
+    assert_eq!(
+        largest[0]["value"][1].as_str(),
+        Some(largest_free.to_string().as_str()),
+        "the out-of-memory push's largest free block: {largest}"
+    );
     let retries = prometheus_query(
         prom_port,
         r#"gpumem_allocator_peak_reserved_bytes{allocator="pytorch"}"#,
