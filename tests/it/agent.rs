@@ -334,12 +334,10 @@ pub(crate) fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Val
     (json["status"] == "success").then(|| json["data"]["result"].clone())
 }
 
-#[test]
-fn a_real_prometheus_scrapes_the_demo() {
-    let agent_port = free_port();
+/// Starts a real Prometheus (data and config in `dir`) scraping the agent on `agent_port`
+/// every second; returns it and its port.
+pub(crate) fn spawn_prometheus(dir: &Path, agent_port: u16) -> (Reaper, u16) {
     let prom_port = free_port();
-    let dir: PathBuf = std::env::temp_dir().join(format!("gpumem-prom-{prom_port}"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
     let config = dir.join("prometheus.yml");
     std::fs::write(
         &config,
@@ -348,6 +346,27 @@ fn a_real_prometheus_scrapes_the_demo() {
         ),
     )
     .expect("config");
+    let prometheus = Reaper(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus is installed (scripts/test-all installs Debian's package)"),
+    );
+    (prometheus, prom_port)
+}
+
+#[test]
+fn a_real_prometheus_scrapes_the_demo() {
+    let agent_port = free_port();
+    let dir: PathBuf = std::env::temp_dir().join(format!("gpumem-prom-{agent_port}"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
     let _agent = Reaper(
         Command::new(env!("CARGO_BIN_EXE_gpumem"))
             .args([
@@ -363,19 +382,7 @@ fn a_real_prometheus_scrapes_the_demo() {
             .spawn()
             .expect("demo starts"),
     );
-    let _prometheus = Reaper(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus is installed (scripts/test-all installs Debian's package)"),
-    );
+    let (_prometheus, prom_port) = spawn_prometheus(&dir, agent_port);
     // Two scrapes of the agent, at most a minute.
     let scraped = wait_for(Duration::from_secs(60), || {
         let result = prometheus_query(prom_port, "count_over_time(up{job=\"gpumem\"}[1m])")?;

@@ -71,6 +71,29 @@ async fn scrape(router: &axum::Router) -> String {
     String::from_utf8_lossy(&body).into_owned()
 }
 
+/// Real statistics: gpumem's core running `steps` of a training workload on a simulated GPU,
+/// `memory_stats()` after each; the allocator as it ends.
+fn training_statistics(
+    steps: u32,
+) -> (
+    CachingAllocator<SimDevice>,
+    Vec<std::collections::BTreeMap<String, i64>>,
+) {
+    let mut alloc = CachingAllocator::new(
+        SimDevice::with_capacity(80 << 30),
+        AllocatorConfig::default(),
+    );
+    let workload = TrainingWorkload {
+        steps,
+        ..TrainingWorkload::default()
+    };
+    let mut sequence = Vec::new();
+    workload
+        .run(&mut alloc, |a| sequence.push(a.memory_stats()))
+        .expect("runs");
+    (alloc, sequence)
+}
+
 fn payload(pid: u32, seq: u64, stats: &std::collections::BTreeMap<String, i64>) -> Vec<u8> {
     serde_json::json!({
         "pid": pid, "seq": seq, "torch_version": "2.5.1", "alloc_conf": "expandable_segments:True",
@@ -94,18 +117,7 @@ fn value(exposition: &str, series: &str) -> Option<f64> {
 async fn pushed_statistics_round_trip_exactly() {
     let (router, _) = agent(16);
     // Real statistics: the core running a training workload on a simulated GPU.
-    let mut alloc = CachingAllocator::new(
-        SimDevice::with_capacity(80 << 30),
-        AllocatorConfig::default(),
-    );
-    let workload = TrainingWorkload {
-        steps: 3,
-        ..TrainingWorkload::default()
-    };
-    let mut held = Vec::new();
-    workload
-        .run(&mut alloc, |a| held.push(a.memory_stats()))
-        .expect("runs");
+    let (alloc, held) = training_statistics(3);
     for (seq, stats) in held.iter().enumerate() {
         let (status, body) = post(&router, payload(4242, seq as u64 + 1, stats), LOCAL).await;
         assert_eq!(status, 202, "{body}");
@@ -294,18 +306,7 @@ fn python_pushes_through_serve_to_prometheus() {
 
     let dir = std::env::temp_dir().join(format!("gpumem-push-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let mut alloc = CachingAllocator::new(
-        SimDevice::with_capacity(80 << 30),
-        AllocatorConfig::default(),
-    );
-    let workload = TrainingWorkload {
-        steps: 4,
-        ..TrainingWorkload::default()
-    };
-    let mut sequence = Vec::new();
-    workload
-        .run(&mut alloc, |a| sequence.push(a.memory_stats()))
-        .expect("runs");
+    let (mut alloc, sequence) = training_statistics(4);
     let last = sequence.last().cloned().expect("steps");
     let stats_file = dir.join("stats.json");
     std::fs::write(&stats_file, serde_json::to_vec(&sequence).expect("json")).expect("write");
@@ -405,28 +406,7 @@ sys.stdin.read()
         "the periodic pushes and the out-of-memory one: {report}"
     );
 
-    let prom_port = free_port();
-    let config = dir.join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
-        ),
-    )
-    .expect("config");
-    let _prometheus = Reaper(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus is installed"),
-    );
+    let (_prometheus, prom_port) = crate::agent::spawn_prometheus(&dir, agent_port);
     let query = r#"gpumem_allocator_allocated_bytes{allocator="pytorch",pool="large"}"#;
     let result = wait_for(Duration::from_secs(60), || {
         let r = prometheus_query(prom_port, query)?;
