@@ -42,11 +42,12 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
     (node, poller, state)
 }
 
-async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
-    let request = axum::http::Request::get(path)
-        .body(axum::body::Body::empty())
-        .expect("request");
-    let response = router.oneshot(request).await.expect("responds");
+/// Sends `request` to `router` in-process: status, content type and the whole body.
+pub(crate) async fn respond(
+    router: &axum::Router,
+    request: axum::http::Request<axum::body::Body>,
+) -> (u16, String, axum::body::Bytes) {
+    let response = router.clone().oneshot(request).await.expect("responds");
     let status = response.status().as_u16();
     let content_type = response
         .headers()
@@ -60,6 +61,14 @@ async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
         .await
         .expect("body")
         .to_bytes();
+    (status, content_type, body)
+}
+
+async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
+    let request = axum::http::Request::get(path)
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let (status, content_type, body) = respond(&router, request).await;
     (
         status,
         content_type,
@@ -179,7 +188,7 @@ fn the_line_up_holds_on_the_simulated_node() {
 }
 
 /// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log` and its push socket
-/// beside it (`log` with the extension `sock`).
+/// beside it (`log` with the extension `sock`); returns once it answers `/healthz`.
 pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
     command
@@ -196,7 +205,14 @@ pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) ->
     if let Some(dir) = library_path {
         command.env("LD_LIBRARY_PATH", dir);
     }
-    Reaper(command.spawn().expect("starts"))
+    let serve = Reaper(command.spawn().expect("starts"));
+    if wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_none() {
+        panic!(
+            "gpumem serve does not answer: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+    }
+    serve
 }
 
 /// A free loopback port (bound and released: another process could take it, which would

@@ -11,8 +11,6 @@ use gpumem::metrics::{Metrics, allocator_sources};
 use gpumem::server::{AppState, app};
 use gpumem::workload::TrainingWorkload;
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
 
 fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
     let sources = allocator_sources(Vec::new());
@@ -43,14 +41,7 @@ async fn post(
         let addr: SocketAddr = addr.parse().expect("address");
         request.extensions_mut().insert(ConnectInfo(addr));
     }
-    let response = router.clone().oneshot(request).await.expect("responds");
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let (status, _, body) = crate::agent::respond(router, request).await;
     (
         status,
         serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
@@ -61,13 +52,7 @@ async fn scrape(router: &axum::Router) -> String {
     let request = axum::http::Request::get("/metrics")
         .body(axum::body::Body::empty())
         .expect("request");
-    let response = router.clone().oneshot(request).await.expect("responds");
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let (_, _, body) = crate::agent::respond(router, request).await;
     String::from_utf8_lossy(&body).into_owned()
 }
 
@@ -325,12 +310,6 @@ fn python_pushes_through_serve_to_prometheus() {
 
     let agent_port = free_port();
     let _agent = spawn_serve(agent_port, &dir.join("serve.log"), None);
-    assert!(
-        wait_for(Duration::from_secs(20), || crate::agent::http_get(
-            agent_port, "/healthz"
-        ))
-        .is_some()
-    );
     let script = r#"
 import json, sys, time, types
 sequence = json.load(open(sys.argv[1]))
@@ -526,19 +505,13 @@ fn peak_rss_kib(pid: u32) -> u64 {
 /// peak memory stays under the chart's 64 MiB limit, even scraped with every process tracked.
 #[test]
 fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
-    use crate::agent::{free_port, spawn_serve, wait_for};
+    use crate::agent::{free_port, spawn_serve};
     use std::time::Duration;
 
     let dir = std::env::temp_dir().join(format!("gpumem-flood-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let port = free_port();
     let agent = spawn_serve(port, &dir.join("serve.log"), None);
-    assert!(
-        wait_for(Duration::from_secs(20), || crate::agent::http_get(
-            port, "/healthz"
-        ))
-        .is_some()
-    );
     let stats = |n: i64| -> std::collections::BTreeMap<String, i64> {
         [
             ("allocated_bytes.all.current".to_string(), n),
