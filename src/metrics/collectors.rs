@@ -279,9 +279,10 @@ impl Collector for AgentCollector {
             for (result, count) in ingest.counts() {
                 f.of(&c::INGEST_PAYLOADS).push(&[result], count as f64);
             }
-            f.of(&c::INGEST_TRACKED)
-                .push(&[], ingest.tracked_processes() as f64);
-            for (pid, age) in ingest.push_ages() {
+            // One look at the tracked processes gives both their count and their ages.
+            let ages = ingest.push_ages();
+            f.of(&c::INGEST_TRACKED).push(&[], ages.len() as f64);
+            for (pid, age) in ages {
                 f.of(&c::INGEST_LAST_PUSH_AGE)
                     .push(&[&pid.to_string()], age.as_secs_f64());
             }
