@@ -62,6 +62,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 config: "expandable_segments:True".into(),
                 stats: Arc::clone(&stats),
                 largest_free_block: Arc::new(AtomicU64::new(largest)),
+                segment_classes: Default::default(),
                 labels: Vec::new(),
             }));
         }
@@ -151,8 +152,9 @@ fn main() {
     let sources = sources();
     let report = node();
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
-    let metrics =
-        Arc::new(Metrics::new(allocator_sources(sources), vec![reader], None).expect("registers"));
+    let metrics = Arc::new(
+        Metrics::new(allocator_sources(sources), vec![reader], None, None).expect("registers"),
+    );
     let body = metrics.encode();
     let series = body.lines().filter(|l| !l.starts_with('#')).count();
 

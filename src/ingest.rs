@@ -9,8 +9,9 @@
 //! - Memory is bounded whatever clients send: bodies are capped by the server
 //!   ([`MAX_BODY_BYTES`]), every list and map in a payload is capped, and at most
 //!   `max_processes` processes are tracked (pushes from others are refused and counted).
-//! - A pushed process's largest free block comes only from a memory snapshot (the hook takes
-//!   one at an out-of-memory error) and stands until the next; without one it is not exported.
+//! - A pushed process's largest free block and segments by size come only from a memory
+//!   snapshot (the hook takes one at an out-of-memory error) and stand until the next; without
+//!   one they are not exported.
 //! - A process's series disappear `ttl` after its last accepted push, or at the first expiry
 //!   after its pid vanishes from `/proc` when the kernel named that pid (a Unix-socket push;
 //!   a payload's own pid may belong to another pid namespace and is never looked up).
@@ -28,7 +29,7 @@ use serde::Deserialize;
 use crate::allocator::DeviceStats;
 use crate::metrics::AllocatorSources;
 use crate::telemetry::cgroup::{self, ContainerRef};
-use crate::telemetry::{AllocatorSource, UNKNOWN_SIZE};
+use crate::telemetry::{AllocatorSource, SegmentClass, UNKNOWN_SIZE};
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -36,16 +37,22 @@ const MAX_DEVICES: usize = 64;
 const MAX_STATS_KEYS: usize = 1024;
 const MAX_TEXT: usize = 256;
 const MAX_LABELS: usize = 8;
+/// Size classes are powers of two: 64 cover every `u64`.
+const MAX_CLASSES: usize = 64;
 /// Label names a push may not use: the contract's own, Prometheus's.
-const RESERVED_LABELS: [&str; 12] = [
+const RESERVED_LABELS: [&str; 16] = [
     "gpu",
     "UUID",
     "pid",
     "process",
     "pod_uid",
     "container_id",
+    "pod_namespace",
+    "pod_name",
+    "container_name",
     "allocator",
     "pool",
+    "segment_size",
     "version",
     "config",
     "instance",
@@ -134,6 +141,17 @@ struct PushedDevice {
     /// From a memory snapshot (the hook takes one on out-of-memory).
     #[serde(default)]
     largest_free_block: Option<u64>,
+    /// From the same snapshot: its segments by size class.
+    #[serde(default)]
+    segments_by_size: Option<Vec<PushedClass>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PushedClass {
+    size: u64,
+    segments: u64,
+    free_bytes: u64,
 }
 
 /// Ingest settings.
@@ -221,6 +239,54 @@ fn labels(labels: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, Re
 
 /// Statistics as integers: sizes and counts must be whole and, but for `max_split_size`
 /// (-1 means unlimited), not negative.
+/// A snapshot's segments by size class: at most one per power of two, each consistent.
+fn pushed_classes(device: &PushedDevice) -> Result<Option<Vec<SegmentClass>>, Rejected> {
+    let Some(pushed) = &device.segments_by_size else {
+        return Ok(None);
+    };
+    if device.largest_free_block.is_none() {
+        return Err(invalid(
+            "segments_by_size comes from a snapshot, with its largest_free_block",
+        ));
+    }
+    if pushed.len() > MAX_CLASSES {
+        return Err(invalid(format!(
+            "segments_by_size lists at most {MAX_CLASSES} classes"
+        )));
+    }
+    let mut classes: Vec<SegmentClass> = Vec::with_capacity(pushed.len());
+    for c in pushed {
+        if !c.size.is_power_of_two() {
+            return Err(invalid(format!(
+                "segments_by_size: class size {} is not a power of two",
+                c.size
+            )));
+        }
+        if c.segments
+            .checked_mul(c.size)
+            .is_none_or(|cap| c.free_bytes > cap)
+        {
+            return Err(invalid(format!(
+                "segments_by_size: {} free bytes do not fit in {} segments of at most {} bytes",
+                c.free_bytes, c.segments, c.size
+            )));
+        }
+        if classes.iter().any(|k| k.size == c.size) {
+            return Err(invalid(format!(
+                "segments_by_size: class size {} is listed twice",
+                c.size
+            )));
+        }
+        classes.push(SegmentClass {
+            size: c.size,
+            segments: c.segments,
+            free_bytes: c.free_bytes,
+        });
+    }
+    classes.sort_by_key(|c| c.size);
+    Ok(Some(classes))
+}
+
 fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> {
     if device.stats.len() > MAX_STATS_KEYS {
         return Err(invalid(format!(
@@ -332,7 +398,8 @@ impl PushStore {
         for device in &push.devices {
             text("uuid", &device.uuid)?;
             let stats = statistics(device)?;
-            sources.push(Arc::new(AllocatorSource {
+            let classes = pushed_classes(device)?;
+            sources.push(AllocatorSource {
                 gpu: device.index,
                 uuid: device.uuid.clone(),
                 pid: push.pid,
@@ -344,8 +411,9 @@ impl PushStore {
                 largest_free_block: Arc::new(AtomicU64::new(
                     device.largest_free_block.unwrap_or(UNKNOWN_SIZE),
                 )),
+                segment_classes: Mutex::new(classes.unwrap_or_default()),
                 labels: extra.clone(),
-            }));
+            });
         }
 
         let mut tracked = self.tracked.lock().unwrap_or_else(PoisonError::into_inner);
@@ -379,18 +447,28 @@ impl PushStore {
             }
             _ => {}
         }
-        // A snapshot's figure stands until a later snapshot replaces it.
+        // A snapshot's figures stand until a later snapshot replaces them.
         if let Some(previous) = tracked.get(&push.pid) {
-            for source in &sources {
+            for source in &mut sources {
                 if source.largest_free_block.load(Ordering::Relaxed) != UNKNOWN_SIZE {
                     continue;
                 }
                 if let Some(old) = previous.sources.iter().find(|o| o.gpu == source.gpu) {
                     let figure = old.largest_free_block.load(Ordering::Relaxed);
                     source.largest_free_block.store(figure, Ordering::Relaxed);
+                    let classes = old
+                        .segment_classes
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    *source
+                        .segment_classes
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner) = classes;
                 }
             }
         }
+        let sources = sources.into_iter().map(Arc::new).collect();
         tracked.insert(
             push.pid,
             Tracked {
@@ -564,6 +642,90 @@ mod tests {
             (counts["stale"], counts["rate_limited"], counts["capacity"]),
             (1, 1, 1)
         );
+    }
+
+    #[test]
+    fn segments_by_size_are_checked_and_stand_until_the_next_snapshot() {
+        let (store, sources) = store(4);
+        let with = |seq: u64, classes: serde_json::Value| {
+            serde_json::json!({
+                "pid": 5, "seq": seq,
+                "devices": [{"index": 0, "uuid": "GPU-a", "stats": {},
+                             "largest_free_block": 1024, "segments_by_size": classes}]
+            })
+            .to_string()
+            .into_bytes()
+        };
+        let mib = 1u64 << 20;
+        let refused = [
+            serde_json::json!([{"size": 3 * mib, "segments": 1, "free_bytes": 0}]),
+            serde_json::json!([{"size": 2 * mib, "segments": 1, "free_bytes": 3 * mib}]),
+            serde_json::json!([{"size": 1u64 << 63, "segments": 4, "free_bytes": 1}]),
+            serde_json::json!([{"size": 2 * mib, "segments": 1, "free_bytes": 0},
+                               {"size": 2 * mib, "segments": 2, "free_bytes": 0}]),
+            serde_json::json!(
+                (0..65)
+                    .map(|i| serde_json::json!(
+                {"size": 1u64 << (i % 64), "segments": 0, "free_bytes": 0}))
+                    .collect::<Vec<_>>()
+            ),
+        ];
+        for (seq, classes) in refused.into_iter().enumerate() {
+            let err = store
+                .push(&with(seq as u64 + 1, classes))
+                .expect_err("refused");
+            assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+        }
+        let negative = serde_json::json!([{"size": 2 * mib, "segments": -1, "free_bytes": 0}]);
+        let err = store.push(&with(9, negative)).expect_err("refused");
+        assert_eq!(err.refusal, Refusal::Malformed, "{}", err.message);
+        // Without the snapshot's largest free block, classes are not a snapshot's.
+        let orphan = serde_json::json!({
+            "pid": 5, "seq": 10,
+            "devices": [{"index": 0, "uuid": "GPU-a", "stats": {},
+                         "segments_by_size": []}]
+        });
+        let err = store
+            .push(orphan.to_string().as_bytes())
+            .expect_err("refused");
+        assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+
+        let classes = serde_json::json!([
+            {"size": 32 * mib, "segments": 2, "free_bytes": 17 * mib},
+            {"size": 2 * mib, "segments": 1, "free_bytes": mib}]);
+        let start = Instant::now();
+        store
+            .push_at(&with(11, classes), None, start)
+            .expect("accepted");
+        let expected = vec![
+            SegmentClass {
+                size: 2 * mib,
+                segments: 1,
+                free_bytes: mib,
+            },
+            SegmentClass {
+                size: 32 * mib,
+                segments: 2,
+                free_bytes: 17 * mib,
+            },
+        ];
+        let published = || {
+            sources.lock().expect("lock")[0]
+                .segment_classes
+                .lock()
+                .expect("lock")
+                .clone()
+        };
+        assert_eq!(published(), expected, "sorted by size");
+        // A later push without a snapshot keeps them.
+        store
+            .push_at(
+                &payload(5, 12, serde_json::json!({})),
+                None,
+                start + Duration::from_secs(1),
+            )
+            .expect("accepted");
+        assert_eq!(published(), expected);
     }
 
     #[test]

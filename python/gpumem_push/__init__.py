@@ -6,7 +6,8 @@
 A daemon thread posts, every `interval` seconds and for each CUDA device PyTorch has used,
 `torch.cuda.memory_stats(device)` with the pid, the device's UUID, a sequence number and
 optional labels, to the agent's `POST /api/v1/push`. An out-of-memory error is pushed at once,
-with each device's largest free block from a memory snapshot taken when it happened.
+with each device's largest free block and segments by size class from a memory snapshot taken
+when it happened.
 The agent's Unix socket (`unix:/run/gpumem/push.sock`, used when it exists) lets the agent
 name the pushing process itself, which a job in a container cannot: its own pid is its
 container's, not the host's that nvidia-smi shows.
@@ -34,7 +35,7 @@ MIN_GAP = 0.55
 
 _lock = threading.Lock()
 _state = {"thread": None, "stop": None, "wake": None, "seq": 0, "sent": 0, "dropped": 0,
-          "errors": 0, "last_error": None, "oom_largest": None}
+          "errors": 0, "last_error": None, "oom_snapshot": None}
 
 
 def stats():
@@ -43,18 +44,25 @@ def stats():
         return {k: _state[k] for k in ("sent", "dropped", "errors", "last_error")}
 
 
-def _largest_free_blocks(torch):
-    """{device index: largest free (inactive) block} from a memory snapshot."""
-    largest = {}
+def _snapshot_summary(torch):
+    """{device index: (largest free block, {size class: [segments, free bytes]})} from a
+    memory snapshot; a segment's class is the power of two at or above its size."""
+    summary = {}
     for segment in torch.cuda.memory_snapshot():
         device = int(segment.get("device", 0))
-        sizes = [int(b.get("size", 0)) for b in segment.get("blocks", ())
-                 if b.get("state") == "inactive"]
-        largest[device] = max([largest.get(device, 0)] + sizes)
-    return largest
+        largest, classes = summary.setdefault(device, (0, {}))
+        free = [int(b.get("size", 0)) for b in segment.get("blocks", ())
+                if b.get("state") == "inactive"]
+        total = int(segment.get("total_size", 0))
+        if total > 0:
+            count = classes.setdefault(1 << (total - 1).bit_length(), [0, 0])
+            count[0] += 1
+            count[1] += sum(free)
+        summary[device] = (max([largest] + free), classes)
+    return summary
 
 
-def _devices(torch, largest=None):
+def _devices(torch, snapshot=None):
     if not torch.cuda.is_initialized():
         return []
     out = []
@@ -67,13 +75,17 @@ def _devices(torch, largest=None):
         except Exception:  # older PyTorch: no uuid property
             uuid = f"GPU-index-{index}"
         device = {"index": index, "uuid": uuid, "stats": {k: int(v) for k, v in stats.items()}}
-        if largest is not None:
-            device["largest_free_block"] = largest.get(index, 0)
+        if snapshot is not None:
+            largest, classes = snapshot.get(index, (0, {}))
+            device["largest_free_block"] = largest
+            device["segments_by_size"] = [
+                {"size": size, "segments": n, "free_bytes": free}
+                for size, (n, free) in sorted(classes.items())]
         out.append(device)
     return out
 
 
-def _payload(torch, labels, largest=None):
+def _payload(torch, labels, snapshot=None):
     with _lock:
         _state["seq"] += 1
         seq = _state["seq"]
@@ -83,7 +95,7 @@ def _payload(torch, labels, largest=None):
         "torch_version": str(getattr(torch, "__version__", "")),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "labels": dict(labels or {}),
-        "devices": _devices(torch, largest),
+        "devices": _devices(torch, snapshot),
     }
 
 
@@ -145,12 +157,12 @@ def _run(url, interval, labels, stop, wake):
         if stop.is_set():
             return
         with _lock:
-            largest, _state["oom_largest"] = _state["oom_largest"], None
+            snapshot, _state["oom_snapshot"] = _state["oom_snapshot"], None
         gap = time.monotonic() - last
         if gap < MIN_GAP:
             time.sleep(MIN_GAP - gap)
         try:
-            _post(url, _payload(torch, labels, largest), timeout=min(interval, 2.0))
+            _post(url, _payload(torch, labels, snapshot), timeout=min(interval, 2.0))
         except Exception as error:  # never let the thread die on a surprise
             with _lock:
                 _state["errors"] += 1
@@ -168,14 +180,14 @@ def _observe_oom(wake):
         # The snapshot is taken now, while the failed request's state is intact; the push
         # thread sends it (sending here could break the agent's rate limit).
         try:
-            largest = _largest_free_blocks(torch)
+            snapshot = _snapshot_summary(torch)
         except Exception as error:
-            largest = None  # pushed without the figure rather than with a false one
+            snapshot = None  # pushed without the figures rather than with false ones
             with _lock:
                 _state["errors"] += 1
                 _state["last_error"] = repr(error)
         with _lock:
-            _state["oom_largest"] = largest
+            _state["oom_snapshot"] = snapshot
         wake.set()
 
     try:

@@ -63,7 +63,10 @@ use history::History;
 pub use history::{TraceAction, TraceEntry};
 pub use restore::RestoredBlock;
 use size::{LARGE_BUFFER, MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind, SMALL_SIZE};
-pub use snapshot::{BlockInfo, BlockState, Frame, SegmentInfo, SimulatedDeviceInfo, Snapshot};
+pub use snapshot::{
+    BlockInfo, BlockState, Frame, SegmentClass, SegmentInfo, SimulatedDeviceInfo, Snapshot,
+    segment_classes,
+};
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).
@@ -973,6 +976,28 @@ impl<D: Device> CachingAllocator<D> {
             .map(|e| e.size)
             .max()
             .unwrap_or(0)
+    }
+
+    /// Segments by size class with their free bytes, as a snapshot would count them (an
+    /// expandable segment counts once per contiguous mapped run).
+    pub fn segments_by_size(&self) -> Vec<SegmentClass> {
+        let mut runs = Vec::new();
+        for head in self.segment_heads() {
+            let mut run: Option<(u64, u64)> = None;
+            for (_, b) in self.segment_blocks(head) {
+                if !b.mapped {
+                    runs.extend(run.take());
+                    continue;
+                }
+                let (total, free) = run.get_or_insert((0, 0));
+                *total += b.size;
+                if !b.allocated && !b.is_pending_free() {
+                    *free += b.size;
+                }
+            }
+            runs.extend(run);
+        }
+        segment_classes(runs)
     }
 
     /// The size of the live block at `ptr` (after rounding and splitting), if `ptr` is live.

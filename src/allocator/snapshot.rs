@@ -7,6 +7,39 @@ use crate::config::AllocatorSettings;
 
 use super::history::TraceEntry;
 
+/// The segments of one size class: sizes in `(size / 2, size]`, `size` a power of two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentClass {
+    /// The class's upper bound (bytes).
+    pub size: u64,
+    /// Segments in the class.
+    pub segments: u64,
+    /// Free (inactive) bytes in them: reserved memory that only requests up to the largest
+    /// free block can use.
+    pub free_bytes: u64,
+}
+
+/// Segments by size class, smallest class first, from each segment's `(total, free)` bytes.
+pub fn segment_classes(segments: impl IntoIterator<Item = (u64, u64)>) -> Vec<SegmentClass> {
+    let mut classes: Vec<SegmentClass> = Vec::new();
+    for (total, free) in segments {
+        let size = total.checked_next_power_of_two().unwrap_or(1 << 63);
+        match classes.iter_mut().find(|c| c.size == size) {
+            Some(class) => {
+                class.segments += 1;
+                class.free_bytes += free;
+            }
+            None => classes.push(SegmentClass {
+                size,
+                segments: 1,
+                free_bytes: free,
+            }),
+        }
+    }
+    classes.sort_by_key(|c| c.size);
+    classes
+}
+
 /// State of a block in a snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

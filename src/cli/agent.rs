@@ -11,6 +11,7 @@ use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::{
     AppState, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
 };
+use gpumem::telemetry::pod_resources::{self, PodResources};
 use gpumem::telemetry::{NvmlSource, Poller, SimNode, SimNodeConfig};
 
 use super::{CliResult, parse_bytes};
@@ -32,6 +33,17 @@ pub(crate) struct ServeArgs {
     /// an empty value turns it off (pushes are still accepted from loopback).
     #[arg(long, default_value = DEFAULT_PUSH_SOCKET)]
     push_socket: PathBuf,
+    /// The kubelet's pod-resources socket, asked every interval which container holds each
+    /// GPU (to name pods); skipped when absent, an empty value turns it off.
+    #[arg(long, default_value = pod_resources::DEFAULT_SOCKET)]
+    pod_resources_socket: PathBuf,
+}
+
+/// The kubelet's pod resources, asked every `interval` on the agent's runtime.
+struct KubeletWatch {
+    pods: PodResources,
+    socket: PathBuf,
+    interval: Duration,
 }
 
 #[derive(clap::Args)]
@@ -77,8 +89,16 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-fn run_server(listen: SocketAddr, push_socket: Option<PathBuf>, state: AppState) -> CliResult {
+fn run_server(
+    listen: SocketAddr,
+    push_socket: Option<PathBuf>,
+    kubelet: Option<KubeletWatch>,
+    state: AppState,
+) -> CliResult {
     runtime()?.block_on(async move {
+        if let Some(k) = kubelet {
+            tokio::spawn(k.pods.run(k.socket, k.interval));
+        }
         let listener = bind(listen).await?;
         let router = app(state);
         // The socket is optional: without it, pushes still come over loopback.
@@ -119,13 +139,32 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Duration::from_secs_f64(args.interval),
     );
     let reader: ReportReader = Box::new(poller.reader());
+    let kubelet = kubelet_watch(args.pod_resources_socket, args.interval);
     let state = agent_state(
         allocator_sources(Vec::new()),
         vec![reader],
         IngestConfig::default(),
+        kubelet.as_ref().map(|k| k.pods.clone()),
     )?;
     let socket = Some(args.push_socket).filter(|p| !p.as_os_str().is_empty());
-    run_server(args.listen, socket, state)
+    run_server(args.listen, socket, kubelet, state)
+}
+
+/// Asks the kubelet where its socket exists: off a Kubernetes node there is nothing to
+/// report down.
+fn kubelet_watch(socket: PathBuf, interval: f64) -> Option<KubeletWatch> {
+    if socket.as_os_str().is_empty() {
+        return None;
+    }
+    if !socket.exists() {
+        tracing::info!(socket = %socket.display(), "no kubelet pod-resources socket; pods are named by UID only");
+        return None;
+    }
+    Some(KubeletWatch {
+        pods: PodResources::new(),
+        socket,
+        interval: Duration::from_secs_f64(interval),
+    })
 }
 
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
@@ -148,8 +187,9 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
+        None,
     )?;
-    let result = run_server(args.listen, None, state);
+    let result = run_server(args.listen, None, None, state);
     drop(node);
     result
 }

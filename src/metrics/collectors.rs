@@ -1,5 +1,7 @@
 //! The agent's collector: allocator counters and the node view, read at scrape time.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -9,6 +11,7 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
 use crate::ingest::PushStore;
+use crate::telemetry::pod_resources::{PodContainer, PodResources, Sighting, name_pods};
 use crate::telemetry::{AllocatorSource, SourceReport, UNKNOWN_SIZE};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
@@ -85,6 +88,7 @@ pub struct AgentCollector {
     allocators: AllocatorSources,
     reports: Vec<ReportReader>,
     ingest: Option<Arc<PushStore>>,
+    pods: Option<PodResources>,
 }
 
 /// Builds the collector's descriptors once.
@@ -104,17 +108,20 @@ fn descs() -> Vec<Desc> {
 }
 
 impl AgentCollector {
-    /// A collector over these sources.
+    /// A collector over these sources; `pods`, when given, names pods from the kubelet's
+    /// pod resources (and is reported as a source of its own).
     pub fn new(
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
         ingest: Option<Arc<PushStore>>,
+        pods: Option<PodResources>,
     ) -> Self {
         AgentCollector {
             descs: descs(),
             allocators,
             reports,
             ingest,
+            pods,
         }
     }
 }
@@ -151,8 +158,69 @@ fn ratio(part: i64, whole: i64) -> f64 {
     }
 }
 
-fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
+/// Pod UID → the kubelet's names, for the pods seen on the node's GPUs now.
+type PodNames = HashMap<String, PodContainer>;
+
+fn pod_uid_label(labels: &[(String, String)]) -> Option<&str> {
+    labels
+        .iter()
+        .find_map(|(k, v)| (k == "pod_uid").then_some(v.as_str()))
+}
+
+fn pod_names(
+    pods: &PodResources,
+    reports: &[Arc<SourceReport>],
+    allocators: &[Arc<AllocatorSource>],
+) -> PodNames {
+    let directory = pods.directory();
+    if directory.is_empty() {
+        return PodNames::new();
+    }
+    let processes = reports
+        .iter()
+        .filter_map(|r| r.sample.as_ref())
+        .flat_map(|node| &node.gpus)
+        .flat_map(|gpu| {
+            gpu.processes.iter().filter_map(|p| {
+                Some(Sighting {
+                    uuid: &gpu.uuid,
+                    index: Some(gpu.index),
+                    pod_uid: &p.container.as_ref()?.pod_uid,
+                })
+            })
+        });
+    let pushed = allocators.iter().filter_map(|s| {
+        Some(Sighting {
+            uuid: &s.uuid,
+            index: None,
+            pod_uid: pod_uid_label(&s.labels)?,
+        })
+    });
+    name_pods(&directory, processes.chain(pushed))
+}
+
+/// The names of a pod, or empty ones.
+fn names_of<'a>(names: &'a PodNames, pod_uid: &str) -> [&'a str; 3] {
+    names.get(pod_uid).map_or(["", "", ""], |n| {
+        [n.namespace.as_str(), n.pod.as_str(), n.container.as_str()]
+    })
+}
+
+fn collect_allocator(f: &mut Families, s: &AllocatorSource, names: &PodNames) {
     let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
+    // A pushed process in a named pod carries the names beside its pod_uid.
+    let extra: Cow<'_, [(String, String)]> = match pod_uid_label(&s.labels) {
+        Some(uid) if names.contains_key(uid) => {
+            let [namespace, pod, container] = names_of(names, uid);
+            let mut all = s.labels.clone();
+            all.push(("pod_namespace".into(), namespace.into()));
+            all.push(("pod_name".into(), pod.into()));
+            all.push(("container_name".into(), container.into()));
+            Cow::Owned(all)
+        }
+        _ => Cow::Borrowed(&s.labels),
+    };
+    let extra = extra.as_ref();
     let base = [gpu.as_str(), s.uuid.as_str(), pid.as_str(), s.allocator];
     let st = &s.stats;
     for pool in [PoolKind::Small, PoolKind::Large] {
@@ -170,7 +238,7 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
             (&c::SEGMENTS, &st.segment),
         ] {
             f.of(def)
-                .push_with(&labels, &s.labels, array.pool(pool).current() as f64);
+                .push_with(&labels, extra, array.pool(pool).current() as f64);
         }
     }
     let allocated = st.allocated_bytes.all();
@@ -193,21 +261,34 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource) {
             ratio(inactive_split, reserved.current),
         ),
     ] {
-        f.of(def).push_with(&base, &s.labels, value);
+        f.of(def).push_with(&base, extra, value);
     }
     let largest = s.largest_free_block.load(Ordering::Relaxed);
     if largest != UNKNOWN_SIZE {
         f.of(&c::LARGEST_FREE_BLOCK)
-            .push_with(&base, &s.labels, largest as f64);
+            .push_with(&base, extra, largest as f64);
+    }
+    let classes = s
+        .segment_classes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    for class in classes {
+        let size = class.size.to_string();
+        let labels = [base[0], base[1], base[2], base[3], size.as_str()];
+        f.of(&c::SEGMENTS_BY_SIZE)
+            .push_with(&labels, extra, class.segments as f64);
+        f.of(&c::SEGMENT_FREE_BYTES_BY_SIZE)
+            .push_with(&labels, extra, class.free_bytes as f64);
     }
     f.of(&c::ALLOCATOR_INFO).push_with(
         &[base[0], base[1], base[2], base[3], &s.version, &s.config],
-        &s.labels,
+        extra,
         1.0,
     );
 }
 
-fn collect_report(f: &mut Families, report: &SourceReport) {
+fn collect_report(f: &mut Families, report: &SourceReport, names: &PodNames) {
     f.of(&c::SOURCE_UP)
         .push(&[report.source], if report.up { 1.0 } else { 0.0 });
     f.of(&c::COLLECT_DURATION)
@@ -238,12 +319,23 @@ fn collect_report(f: &mut Families, report: &SourceReport) {
         for p in &gpu.processes {
             if let Some(used) = p.used {
                 let pid = p.pid.to_string();
-                let (pod, container) = p
+                let (pod_uid, container_id) = p
                     .container
                     .as_ref()
                     .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
+                let [namespace, pod, container] = names_of(names, pod_uid);
                 f.of(&c::PROCESS_USED).push(
-                    &[&index, &gpu.uuid, &pid, &p.name, pod, container],
+                    &[
+                        &index,
+                        &gpu.uuid,
+                        &pid,
+                        &p.name,
+                        pod_uid,
+                        container_id,
+                        namespace,
+                        pod,
+                        container,
+                    ],
                     used as f64,
                 );
             }
@@ -264,16 +356,25 @@ impl Collector for AgentCollector {
             ingest.expire();
         }
         let allocators = snapshot_sources(&self.allocators);
+        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
+        let names = self
+            .pods
+            .as_ref()
+            .map(|pods| pod_names(pods, &reports, &allocators))
+            .unwrap_or_default();
         for source in &allocators {
-            collect_allocator(&mut f, source);
+            collect_allocator(&mut f, source, &names);
         }
         if !allocators.is_empty() {
             f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
             f.of(&c::COLLECT_DURATION)
                 .push(&["allocator"], started.elapsed().as_secs_f64());
         }
-        for read in &self.reports {
-            collect_report(&mut f, &read());
+        for report in &reports {
+            collect_report(&mut f, report, &names);
+        }
+        if let Some(pods) = &self.pods {
+            collect_report(&mut f, &pods.report(), &names);
         }
         if let Some(ingest) = &self.ingest {
             for (result, count) in ingest.counts() {

@@ -25,6 +25,7 @@ pub struct MetricDef {
 
 const ALLOCATOR: &[&str] = &["gpu", "UUID", "pid", "allocator"];
 const ALLOCATOR_POOL: &[&str] = &["gpu", "UUID", "pid", "allocator", "pool"];
+const ALLOCATOR_SIZE: &[&str] = &["gpu", "UUID", "pid", "allocator", "segment_size"];
 const DEVICE: &[&str] = &["gpu", "UUID"];
 
 macro_rules! metric {
@@ -152,6 +153,20 @@ metric!(
     "Largest cached free block: the biggest request the allocator can serve without the driver (for pushed PyTorch processes: as of their last out-of-memory error)."
 );
 metric!(
+    SEGMENTS_BY_SIZE,
+    "gpumem_allocator_segments_by_size",
+    Gauge,
+    ALLOCATOR_SIZE,
+    "Segments whose size is in (segment_size/2, segment_size] (for pushed PyTorch processes: in the memory snapshot of their last out-of-memory error)."
+);
+metric!(
+    SEGMENT_FREE_BYTES_BY_SIZE,
+    "gpumem_allocator_segment_free_bytes_by_size",
+    Gauge,
+    ALLOCATOR_SIZE,
+    "Free bytes cached in the segments of each size class: reserved memory only requests up to the largest free block can use."
+);
+metric!(
     ALLOCATOR_INFO,
     "gpumem_allocator_info",
     Gauge,
@@ -190,8 +205,18 @@ metric!(
     PROCESS_USED,
     "gpumem_process_used_bytes",
     Gauge,
-    &["gpu", "UUID", "pid", "process", "pod_uid", "container_id"],
-    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one."
+    &[
+        "gpu",
+        "UUID",
+        "pid",
+        "process",
+        "pod_uid",
+        "container_id",
+        "pod_namespace",
+        "pod_name",
+        "container_name",
+    ],
+    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one; pod_namespace, pod_name and container_name come from the kubelet where it ties the pod to the GPU, empty otherwise."
 );
 metric!(
     DEVICE_INFO,
@@ -244,7 +269,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 29] = [
+pub const CONTRACT: [&MetricDef; 31] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -261,6 +286,8 @@ pub const CONTRACT: [&MetricDef; 29] = [
     &FRAGMENTATION_RATIO,
     &INACTIVE_SPLIT_RATIO,
     &LARGEST_FREE_BLOCK,
+    &SEGMENTS_BY_SIZE,
+    &SEGMENT_FREE_BYTES_BY_SIZE,
     &ALLOCATOR_INFO,
     &DEVICE_TOTAL,
     &DEVICE_USED,

@@ -15,6 +15,7 @@ pub use collectors::{AgentCollector, ReportReader};
 
 use crate::ingest::PushStore;
 use crate::telemetry::AllocatorSource;
+use crate::telemetry::pod_resources::PodResources;
 
 /// The allocators exported by an agent; the list may change while it runs.
 pub type AllocatorSources = Arc<Mutex<Vec<Arc<AllocatorSource>>>>;
@@ -26,7 +27,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// A registry with the collector over `allocators`, `reports` (one reader per polled
-    /// source) and, when given, the push ingest's counters.
+    /// source) and, when given, the push ingest's counters and the kubelet's pod names.
     ///
     /// # Errors
     /// A registration error, which only a collector defect can cause.
@@ -34,9 +35,12 @@ impl Metrics {
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
         ingest: Option<Arc<PushStore>>,
+        pods: Option<PodResources>,
     ) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
-        registry.register(Box::new(AgentCollector::new(allocators, reports, ingest)))?;
+        registry.register(Box::new(AgentCollector::new(
+            allocators, reports, ingest, pods,
+        )))?;
         Ok(Metrics { registry })
     }
 

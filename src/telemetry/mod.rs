@@ -9,13 +9,15 @@
 //! - A failed sample is data, not a crash: the poller publishes `up = false` with the reason,
 //!   logs it once per change, and keeps asking.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 
 use crate::allocator::DeviceStats;
+pub use crate::allocator::SegmentClass;
 
 pub mod cgroup;
 mod nvml;
+pub mod pod_resources;
 mod poller;
 pub mod sim_node;
 
@@ -92,6 +94,10 @@ pub struct AllocatorSource {
     /// [`UNKNOWN_SIZE`] while nobody has said (a pushed process reports it only with a
     /// snapshot), and then it is not exported.
     pub largest_free_block: Arc<AtomicU64>,
+    /// Its segments by size class, as last published by the allocator's owner (a pushed
+    /// process sends them from the snapshot of its out-of-memory push; they stand until the
+    /// next); empty while nobody has said.
+    pub segment_classes: Mutex<Vec<SegmentClass>>,
     /// Extra labels the process asked for (job, rank), added to each of its series.
     pub labels: Vec<(String, String)>,
 }

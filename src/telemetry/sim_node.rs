@@ -189,6 +189,7 @@ impl SimNode {
                     config: config.config.last_settings.clone(),
                     stats: Arc::clone(alloc.stats()),
                     largest_free_block: Arc::new(AtomicU64::new(0)),
+                    segment_classes: Default::default(),
                     labels: Vec::new(),
                 }));
                 allocators.push((which, alloc));
@@ -319,6 +320,11 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
     run.source
         .largest_free_block
         .store(replayer.allocator().largest_free_block(), Ordering::Relaxed);
+    let classes = replayer.allocator().segments_by_size();
+    *run.source
+        .segment_classes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = classes;
     if replayer.position() >= replayer.len() {
         let finished = *run.finished_at.get_or_insert_with(Instant::now);
         if finished.elapsed() >= PAUSE_BETWEEN_RUNS {

@@ -35,6 +35,7 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
+        None,
     )
     .expect("registers");
     // Let the processes replay a while, so that every series has moved.
@@ -188,8 +189,14 @@ fn the_line_up_holds_on_the_simulated_node() {
 }
 
 /// Starts `gpumem serve` on `port`, polling every 0.2 s, its log in `log` and its push socket
-/// beside it (`log` with the extension `sock`); returns once it answers `/healthz`.
-pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) -> Reaper {
+/// beside it (`log` with the extension `sock`), with `extra` arguments; returns once it
+/// answers `/healthz`.
+pub(crate) fn spawn_serve(
+    port: u16,
+    log: &Path,
+    library_path: Option<&Path>,
+    extra: &[&std::ffi::OsStr],
+) -> Reaper {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
     command
         .args([
@@ -201,6 +208,7 @@ pub(crate) fn spawn_serve(port: u16, log: &Path, library_path: Option<&Path>) ->
             "--push-socket",
         ])
         .arg(log.with_extension("sock"))
+        .args(extra)
         .stderr(std::fs::File::create(log).expect("log file"));
     if let Some(dir) = library_path {
         command.env("LD_LIBRARY_PATH", dir);
@@ -263,7 +271,7 @@ impl Drop for Reaper {
 fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
     let port = free_port();
     let log = std::env::temp_dir().join(format!("gpumem-serve-{port}.log"));
-    let mut child = spawn_serve(port, &log, None);
+    let mut child = spawn_serve(port, &log, None, &[]);
     let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
         .expect("serve answers /metrics");
     if body.contains(r#"gpumem_source_up{source="nvml"} 1"#) {
@@ -322,7 +330,7 @@ fn serve_reports_a_failed_nvml_init() {
     assert!(built.success());
     let port = free_port();
     let log = dir.join("serve.log");
-    let _child = spawn_serve(port, &log, Some(&dir));
+    let _child = spawn_serve(port, &log, Some(&dir), &[]);
     let body = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"))
         .expect("serve answers /metrics");
     assert!(
@@ -489,7 +497,8 @@ fn process_series_carry_their_pod() {
         duration_seconds: 0.001,
     });
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
-    let metrics = Metrics::new(allocator_sources(Vec::new()), vec![reader], None).expect("metrics");
+    let metrics =
+        Metrics::new(allocator_sources(Vec::new()), vec![reader], None, None).expect("metrics");
     let text = metrics.encode();
     let container = "ab".repeat(32);
     let line = |pid: &str| {

@@ -20,7 +20,8 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
         ..IngestConfig::default()
     };
     let store = Arc::new(PushStore::new(config, Arc::clone(&sources)));
-    let metrics = Metrics::new(sources, Vec::new(), Some(Arc::clone(&store))).expect("registers");
+    let metrics =
+        Metrics::new(sources, Vec::new(), Some(Arc::clone(&store)), None).expect("registers");
     let router = app(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(Arc::clone(&store)),
@@ -296,7 +297,8 @@ fn python_pushes_through_serve_to_prometheus() {
     let stats_file = dir.join("stats.json");
     std::fs::write(&stats_file, serde_json::to_vec(&sequence).expect("json")).expect("write");
     // What torch.cuda.memory_snapshot() returns at the out-of-memory error: gpumem's own
-    // snapshot, in PyTorch's format; the hook must push its largest free block.
+    // snapshot, in PyTorch's format; the hook must push its largest free block and its
+    // segments by size.
     let segments = alloc.snapshot().segments;
     let largest_free = segments
         .iter()
@@ -309,7 +311,7 @@ fn python_pushes_through_serve_to_prometheus() {
     std::fs::write(&snapshot_file, serde_json::to_vec(&segments).expect("json")).expect("write");
 
     let agent_port = free_port();
-    let _agent = spawn_serve(agent_port, &dir.join("serve.log"), None);
+    let _agent = spawn_serve(agent_port, &dir.join("serve.log"), None, &[]);
     let script = r#"
 import json, sys, time, types
 sequence = json.load(open(sys.argv[1]))
@@ -430,6 +432,40 @@ sys.stdin.read()
         Some(largest_free.to_string().as_str()),
         "the out-of-memory push's largest free block: {largest}"
     );
+    // The hook's segments by size, counted from PyTorch's snapshot format in Python, equal
+    // what gpumem's core counts from its own blocks.
+    let by_size = |metric: &str| -> Vec<(u64, u64)> {
+        let result = prometheus_query(prom_port, &format!(r#"{metric}{{allocator="pytorch"}}"#))
+            .expect("query");
+        let mut pairs: Vec<(u64, u64)> = result
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| {
+                let size = r["metric"]["segment_size"].as_str()?.parse().ok()?;
+                let value = r["value"][1].as_str()?.parse().ok()?;
+                Some((size, value))
+            })
+            .collect();
+        pairs.sort_unstable();
+        pairs
+    };
+    let classes = alloc.segments_by_size();
+    assert!(!classes.is_empty());
+    assert_eq!(
+        by_size("gpumem_allocator_segments_by_size"),
+        classes
+            .iter()
+            .map(|c| (c.size, c.segments))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        by_size("gpumem_allocator_segment_free_bytes_by_size"),
+        classes
+            .iter()
+            .map(|c| (c.size, c.free_bytes))
+            .collect::<Vec<_>>()
+    );
     let retries = prometheus_query(
         prom_port,
         r#"gpumem_allocator_peak_reserved_bytes{allocator="pytorch"}"#,
@@ -511,7 +547,7 @@ fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
     let dir = std::env::temp_dir().join(format!("gpumem-flood-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let port = free_port();
-    let agent = spawn_serve(port, &dir.join("serve.log"), None);
+    let agent = spawn_serve(port, &dir.join("serve.log"), None, &[]);
     let stats = |n: i64| -> std::collections::BTreeMap<String, i64> {
         [
             ("allocated_bytes.all.current".to_string(), n),

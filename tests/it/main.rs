@@ -7,6 +7,7 @@ mod expandable;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod ingest;
+mod kubelet;
 mod properties;
 mod replay;
 mod scenarios;

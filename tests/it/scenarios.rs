@@ -709,3 +709,43 @@ fn summary_reflects_the_stats() {
         "{text}"
     );
 }
+
+/// Segments by size class, as the agent exports them: each segment counted in the power of two
+/// at or above its size, with the free bytes it caches; the same as counting the snapshot.
+#[test]
+fn segments_by_size_counts_segments_and_their_free_bytes() {
+    use gpumem::allocator::{SegmentClass, segment_classes};
+
+    let mut a = allocator(GIB, "");
+    let _small = malloc(&mut a, MIB, S0); // a 2 MiB small segment, 1 MiB free
+    let _three = malloc(&mut a, 3 * MIB, S0); // a 20 MiB segment, 17 MiB free
+    let _big = malloc(&mut a, 18 * MIB, S0); // fits no free block: an 18 MiB segment
+    let class = |size, segments, free_bytes| SegmentClass {
+        size,
+        segments,
+        free_bytes,
+    };
+    assert_eq!(
+        a.segments_by_size(),
+        vec![class(2 * MIB, 1, MIB), class(32 * MIB, 2, 17 * MIB)]
+    );
+
+    // With expandable segments, each mapped run is a segment, as in the snapshot: six 15 MiB
+    // blocks grow one segment to five 20 MiB pages; two freed blocks and the 10 MiB tail are
+    // its free bytes.
+    let mut e = allocator(GIB, "expandable_segments:True");
+    let ptrs: Vec<_> = (0..6).map(|_| malloc(&mut e, 15 * MIB, S0)).collect();
+    free(&mut e, ptrs[1]);
+    free(&mut e, ptrs[4]);
+    let from_snapshot = segment_classes(e.snapshot().segments.iter().map(|s| {
+        let free = s
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Inactive)
+            .map(|b| b.size)
+            .sum();
+        (s.total_size, free)
+    }));
+    assert_eq!(from_snapshot, vec![class(128 * MIB, 1, 40 * MIB)]);
+    assert_eq!(e.segments_by_size(), from_snapshot);
+}

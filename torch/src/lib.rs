@@ -118,6 +118,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     config: settings,
                     stats: Arc::clone(allocator.stats()),
                     largest_free_block: Arc::clone(&largest_free_block),
+                    segment_classes: Default::default(),
                     labels: Vec::new(),
                 });
                 Some(DeviceSlot {
@@ -250,7 +251,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             return;
         }
     };
-    let metrics = match Metrics::new(sources, Vec::new(), None) {
+    let metrics = match Metrics::new(sources, Vec::new(), None, None) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             report(&format!("metrics unavailable: {e}"));

@@ -1,0 +1,527 @@
+//! Pod and container names from the kubelet's pod-resources API, joined to processes by GPU.
+//!
+//! A process's cgroup names its pod by UID only. The kubelet's `PodResourcesLister.List`
+//! (gRPC over `/var/lib/kubelet/pod-resources/kubelet.sock`) names, for every container, the
+//! devices it was given: for NVIDIA's device plugin, GPU UUIDs (`GPU-…`, `GPU-…::<n>` when
+//! time-sliced) or node indices. A GPU held by exactly one container, on which the processes
+//! run in exactly one pod, ties that pod's UID to its namespace, name and container name.
+//!
+//! # Invariants
+//! - A name is given only when the tie is unique: a GPU shared by several containers
+//!   (time-slicing, MPS), or one on which processes of several pods run, names nobody; a pod
+//!   tied to two different names is named by neither. A missing name is never a wrong one.
+//! - Only processes the cgroup attributes to a pod are named: a host process on a pod's GPU
+//!   keeps empty labels.
+//! - The directory is the last successful answer; while the kubelet does not answer, the
+//!   source is reported down and the last directory stands (pods do not change while their
+//!   kubelet is down). Answers are bounded by the gRPC decoder's 4 MiB limit.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::SourceReport;
+
+/// The kubelet's socket on a node.
+pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+/// The resource whose device IDs may be node indices (the device plugin's index strategy).
+const NVIDIA_GPU: &str = "nvidia.com/gpu";
+/// The `source` label of the kubelet's up and duration metrics.
+pub const SOURCE: &str = "pod_resources";
+
+/// The messages of `k8s.io/kubelet/pkg/apis/podresources/v1`, as far as gpumem reads them
+/// (other fields are skipped by the decoder).
+pub mod api {
+    /// `ListPodResourcesRequest`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListPodResourcesRequest {}
+
+    /// `ListPodResourcesResponse`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListPodResourcesResponse {
+        /// Every pod on the node.
+        #[prost(message, repeated, tag = "1")]
+        pub pod_resources: Vec<PodResources>,
+    }
+
+    /// `PodResources`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PodResources {
+        /// Pod name.
+        #[prost(string, tag = "1")]
+        pub name: String,
+        /// Pod namespace.
+        #[prost(string, tag = "2")]
+        pub namespace: String,
+        /// Its containers.
+        #[prost(message, repeated, tag = "3")]
+        pub containers: Vec<ContainerResources>,
+    }
+
+    /// `ContainerResources`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ContainerResources {
+        /// Container name.
+        #[prost(string, tag = "1")]
+        pub name: String,
+        /// Devices given to it by device plugins.
+        #[prost(message, repeated, tag = "2")]
+        pub devices: Vec<ContainerDevices>,
+    }
+
+    /// `ContainerDevices`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ContainerDevices {
+        /// Extended resource name, e.g. `nvidia.com/gpu`.
+        #[prost(string, tag = "1")]
+        pub resource_name: String,
+        /// The plugin's device IDs.
+        #[prost(string, repeated, tag = "2")]
+        pub device_ids: Vec<String>,
+    }
+
+    /// The method's gRPC path.
+    pub const LIST_PATH: &str = "/v1.PodResourcesLister/List";
+}
+
+/// A container the kubelet gave a device to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PodContainer {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub pod: String,
+    /// The container's name in the pod spec.
+    pub container: String,
+}
+
+/// Who holds each device, from one `List` answer.
+#[derive(Debug, Default)]
+pub struct PodDirectory {
+    /// GPU UUID (or `#<index>` under the index strategy) → its holders, without repeats.
+    holders: HashMap<String, Vec<PodContainer>>,
+}
+
+impl PodDirectory {
+    /// The directory of one answer.
+    pub fn from_list(list: &api::ListPodResourcesResponse) -> Self {
+        let mut holders: HashMap<String, Vec<PodContainer>> = HashMap::new();
+        for pod in &list.pod_resources {
+            for container in &pod.containers {
+                let holder = PodContainer {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: container.name.clone(),
+                };
+                for devices in &container.devices {
+                    for id in &devices.device_ids {
+                        let Some(key) = device_key(&devices.resource_name, id) else {
+                            continue;
+                        };
+                        let list = holders.entry(key).or_default();
+                        if !list.contains(&holder) {
+                            list.push(holder.clone());
+                        }
+                    }
+                }
+            }
+        }
+        PodDirectory { holders }
+    }
+
+    /// The one container holding the GPU with this UUID and node index, if exactly one does.
+    pub fn sole_holder(&self, uuid: &str, index: Option<u32>) -> Option<&PodContainer> {
+        let by_uuid = self
+            .holders
+            .get(uuid)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let by_index = index
+            .and_then(|i| self.holders.get(&format!("#{i}")))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let mut all = by_uuid.iter().chain(by_index);
+        let first = all.next()?;
+        all.all(|other| other == first).then_some(first)
+    }
+
+    /// Whether the kubelet named no device at all.
+    pub fn is_empty(&self) -> bool {
+        self.holders.is_empty()
+    }
+}
+
+/// The directory key of a device ID: the GPU UUID (a time-slice's `::<n>` dropped), or
+/// `#<index>` for an index of `nvidia.com/gpu`; `None` for devices that are not GPUs.
+fn device_key(resource: &str, id: &str) -> Option<String> {
+    let id = id.split_once("::").map_or(id, |(gpu, _)| gpu);
+    if id.starts_with("GPU-") {
+        Some(id.to_string())
+    } else if resource == NVIDIA_GPU && !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()) {
+        id.parse::<u32>().ok().map(|i| format!("#{i}"))
+    } else {
+        None
+    }
+}
+
+/// One sighting of a pod on a GPU: a process the cgroup placed in pod `pod_uid` uses the GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct Sighting<'a> {
+    /// The GPU's UUID.
+    pub uuid: &'a str,
+    /// Its node index, where known (NVML's; a pushing job's own index is not the node's).
+    pub index: Option<u32>,
+    /// The process's pod UID.
+    pub pod_uid: &'a str,
+}
+
+/// Pod UID → name, for every pod the sightings tie uniquely to a device's sole holder.
+pub fn name_pods<'a>(
+    directory: &PodDirectory,
+    sightings: impl IntoIterator<Item = Sighting<'a>>,
+) -> HashMap<String, PodContainer> {
+    // Per GPU: its index and the pods seen on it.
+    let mut gpus: HashMap<&str, (Option<u32>, Vec<&str>)> = HashMap::new();
+    for s in sightings {
+        let (index, pods) = gpus.entry(s.uuid).or_default();
+        *index = index.or(s.index);
+        if !pods.contains(&s.pod_uid) {
+            pods.push(s.pod_uid);
+        }
+    }
+    let mut names: HashMap<String, Option<PodContainer>> = HashMap::new();
+    for (uuid, (index, pods)) in gpus {
+        let [pod_uid] = pods.as_slice() else {
+            continue;
+        };
+        let Some(holder) = directory.sole_holder(uuid, index) else {
+            continue;
+        };
+        names
+            .entry((*pod_uid).to_string())
+            .and_modify(|known| {
+                // A pod holding several GPUs must be named the same way through each.
+                if known
+                    .as_ref()
+                    .is_some_and(|k| k.namespace != holder.namespace || k.pod != holder.pod)
+                {
+                    *known = None;
+                } else if let Some(k) = known.as_mut().filter(|k| k.container != holder.container) {
+                    k.container.clear();
+                }
+            })
+            .or_insert_with(|| Some(holder.clone()));
+    }
+    names
+        .into_iter()
+        .filter_map(|(uid, name)| Some((uid, name?)))
+        .collect()
+}
+
+/// Asks the kubelet once.
+///
+/// # Errors
+/// Why there is no answer: no socket, a refused connection, a gRPC status, a timeout.
+pub async fn list(
+    socket: &Path,
+    timeout: Duration,
+) -> Result<api::ListPodResourcesResponse, String> {
+    use hyper_util::rt::TokioIo;
+    use tonic::transport::Endpoint;
+
+    let path = socket.to_path_buf();
+    // The URI is required by the API and unused: every connection goes to the socket.
+    let channel = Endpoint::from_static("http://kubelet.local")
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(stream))
+            }
+        }))
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot connect to {}: {}",
+                socket.display(),
+                source_chain(&e)
+            )
+        })?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| format!("the kubelet is not ready: {}", source_chain(&e)))?;
+    let answer = grpc
+        .unary(
+            tonic::Request::new(api::ListPodResourcesRequest {}),
+            tonic::codegen::http::uri::PathAndQuery::from_static(api::LIST_PATH),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .map_err(|status| format!("List failed: {}: {}", status.code(), status.message()))?;
+    Ok(answer.into_inner())
+}
+
+/// An error and its causes on one line (tonic's transport errors hide the useful part).
+fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+struct Latest {
+    report: Arc<SourceReport>,
+    directory: Arc<PodDirectory>,
+}
+
+/// The kubelet's latest answer, refreshed by [`PodResources::run`].
+#[derive(Clone)]
+pub struct PodResources {
+    latest: Arc<Mutex<Latest>>,
+}
+
+impl Default for PodResources {
+    fn default() -> Self {
+        PodResources::new()
+    }
+}
+
+impl PodResources {
+    /// No answer yet: down, with an empty directory.
+    pub fn new() -> Self {
+        PodResources {
+            latest: Arc::new(Mutex::new(Latest {
+                report: Arc::new(SourceReport {
+                    source: SOURCE,
+                    up: false,
+                    sample: None,
+                    error: Some("the kubelet has not been asked yet".into()),
+                    duration_seconds: 0.0,
+                }),
+                directory: Arc::default(),
+            })),
+        }
+    }
+
+    /// The latest report (up or down, and why).
+    pub fn report(&self) -> Arc<SourceReport> {
+        Arc::clone(&self.lock().report)
+    }
+
+    /// The last successful answer's directory.
+    pub fn directory(&self) -> Arc<PodDirectory> {
+        Arc::clone(&self.lock().directory)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Latest> {
+        self.latest.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Asks the kubelet once and publishes the answer, logging a change of state once.
+    pub async fn refresh(&self, socket: &Path, timeout: Duration) {
+        let started = Instant::now();
+        let result = list(socket, timeout).await;
+        let duration_seconds = started.elapsed().as_secs_f64();
+        let mut latest = self.lock();
+        let was = Arc::clone(&latest.report);
+        match result {
+            Ok(answer) => {
+                if !was.up {
+                    tracing::info!(socket = %socket.display(), pods = answer.pod_resources.len(), "kubelet pod resources are up");
+                }
+                latest.directory = Arc::new(PodDirectory::from_list(&answer));
+                latest.report = Arc::new(SourceReport {
+                    source: SOURCE,
+                    up: true,
+                    sample: None,
+                    error: None,
+                    duration_seconds,
+                });
+            }
+            Err(reason) => {
+                if was.error.as_deref() != Some(reason.as_str()) {
+                    tracing::warn!(reason = %reason, "kubelet pod resources are down; pods are named by UID only");
+                }
+                latest.report = Arc::new(SourceReport {
+                    source: SOURCE,
+                    up: false,
+                    sample: None,
+                    error: Some(reason),
+                    duration_seconds,
+                });
+            }
+        }
+    }
+
+    /// Refreshes every `interval`, forever (run it as a task; it stops with its runtime).
+    pub async fn run(self, socket: PathBuf, interval: Duration) {
+        let timeout = interval.min(Duration::from_secs(5));
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            self.refresh(&socket, timeout).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::api::{ContainerDevices, ContainerResources, ListPodResourcesResponse};
+    use super::*;
+
+    fn pod(ns: &str, name: &str, containers: &[(&str, &str, &[&str])]) -> api::PodResources {
+        api::PodResources {
+            name: name.into(),
+            namespace: ns.into(),
+            containers: containers
+                .iter()
+                .map(|(c, resource, ids)| ContainerResources {
+                    name: (*c).into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: (*resource).into(),
+                        device_ids: ids.iter().map(|s| (*s).to_string()).collect(),
+                    }],
+                })
+                .collect(),
+        }
+    }
+    fn holder(ns: &str, pod: &str, c: &str) -> PodContainer {
+        PodContainer {
+            namespace: ns.into(),
+            pod: pod.into(),
+            container: c.into(),
+        }
+    }
+
+    fn directory(pods: Vec<api::PodResources>) -> PodDirectory {
+        PodDirectory::from_list(&ListPodResourcesResponse {
+            pod_resources: pods,
+        })
+    }
+
+    #[test]
+    fn uuids_time_slices_and_indices_name_their_holder() {
+        let d = directory(vec![
+            pod(
+                "ml",
+                "train-0",
+                &[("trainer", NVIDIA_GPU, &["GPU-aaa", "GPU-bbb"])],
+            ),
+            pod("ml", "infer", &[("server", NVIDIA_GPU, &["GPU-ccc::0"])]),
+            pod("ml", "infer-2", &[("server", NVIDIA_GPU, &["GPU-ccc::1"])]),
+            pod("batch", "job", &[("main", NVIDIA_GPU, &["3"])]),
+            pod(
+                "net",
+                "sriov",
+                &[("app", "intel.com/sriov", &["0000:3b:02.1", "4"])],
+            ),
+        ]);
+        assert_eq!(
+            d.sole_holder("GPU-aaa", Some(0)),
+            Some(&holder("ml", "train-0", "trainer"))
+        );
+        assert_eq!(
+            d.sole_holder("GPU-bbb", None),
+            Some(&holder("ml", "train-0", "trainer"))
+        );
+        // Two time slices of one GPU: shared, so nobody.
+        assert_eq!(d.sole_holder("GPU-ccc", Some(2)), None);
+        // The index strategy, and only for nvidia.com/gpu.
+        assert_eq!(
+            d.sole_holder("GPU-ddd", Some(3)),
+            Some(&holder("batch", "job", "main"))
+        );
+        assert_eq!(d.sole_holder("GPU-eee", Some(4)), None);
+        assert_eq!(d.sole_holder("GPU-unknown", None), None);
+    }
+
+    #[test]
+    fn pods_are_named_only_through_unique_ties() {
+        let d = directory(vec![
+            pod(
+                "ml",
+                "train-0",
+                &[("trainer", NVIDIA_GPU, &["GPU-a", "GPU-b"])],
+            ),
+            pod("ml", "shared", &[("x", NVIDIA_GPU, &["GPU-s::0"])]),
+            pod("ml", "shared-2", &[("x", NVIDIA_GPU, &["GPU-s::1"])]),
+            pod(
+                "ml",
+                "two",
+                &[
+                    ("c1", NVIDIA_GPU, &["GPU-t1"]),
+                    ("c2", NVIDIA_GPU, &["GPU-t2"]),
+                ],
+            ),
+            pod("ml", "crowded", &[("c", NVIDIA_GPU, &["GPU-c"])]),
+        ]);
+        let seen = |uuid, pod_uid| Sighting {
+            uuid,
+            index: None,
+            pod_uid,
+        };
+        let names = name_pods(
+            &d,
+            [
+                seen("GPU-a", "uid-train"),
+                seen("GPU-b", "uid-train"),
+                seen("GPU-s", "uid-shared"),
+                seen("GPU-t1", "uid-two"),
+                seen("GPU-t2", "uid-two"),
+                // A second pod's process on a GPU held by one container: nobody is named.
+                seen("GPU-c", "uid-crowded"),
+                seen("GPU-c", "uid-intruder"),
+                // The same pod on two GPUs held by different pods: ambiguous.
+                seen("GPU-a", "uid-x"),
+            ],
+        );
+        // GPU-a also runs uid-x, so it names nobody; GPU-b still ties uid-train.
+        assert_eq!(
+            names.get("uid-train"),
+            Some(&holder("ml", "train-0", "trainer"))
+        );
+        assert_eq!(names.get("uid-x"), None);
+        assert_eq!(names.get("uid-shared"), None);
+        assert_eq!(names.get("uid-two"), Some(&holder("ml", "two", "")));
+        assert_eq!(names.get("uid-crowded"), None);
+        assert_eq!(names.get("uid-intruder"), None);
+
+        let names = name_pods(&d, [seen("GPU-a", "uid-p"), seen("GPU-t1", "uid-p")]);
+        assert_eq!(names.get("uid-p"), None, "tied to two pods");
+    }
+
+    #[test]
+    fn unknown_fields_are_skipped_and_garbage_is_an_error() {
+        use prost::Message;
+        // A real answer carries cpu_ids (3), memory (4) and topology (3 in devices).
+        let mut bytes = ListPodResourcesResponse {
+            pod_resources: vec![pod("ml", "p", &[("c", NVIDIA_GPU, &["GPU-a"])])],
+        }
+        .encode_to_vec();
+        bytes.extend_from_slice(&[0x1a, 0x00]); // an empty field 3 at the top level
+        let decoded = ListPodResourcesResponse::decode(bytes.as_slice()).expect("decodes");
+        assert_eq!(decoded.pod_resources.len(), 1);
+        assert!(ListPodResourcesResponse::decode(&[0x0a, 0xff, 0xff][..]).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_missing_socket_is_reported_down_with_the_path() {
+        let pods = PodResources::new();
+        let path = Path::new("/nonexistent/kubelet.sock");
+        pods.refresh(path, Duration::from_millis(500)).await;
+        let report = pods.report();
+        assert!(!report.up);
+        let error = report.error.as_deref().unwrap_or_default();
+        assert!(error.contains("/nonexistent/kubelet.sock"), "{error}");
+        assert!(pods.directory().is_empty());
+    }
+}

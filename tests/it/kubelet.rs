@@ -1,0 +1,352 @@
+//! Pod names from the kubelet's pod-resources API: a stand-in kubelet serves the real gRPC
+//! service (`v1.PodResourcesLister/List`) on a Unix socket; the agent asks it and names the
+//! pods of NVML's processes and of pushed statistics, only where the GPU ties them uniquely.
+
+use std::convert::Infallible;
+use std::future::{Ready, ready};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use gpumem::ingest::IngestConfig;
+use gpumem::metrics::{ReportReader, allocator_sources};
+use gpumem::server::agent_state;
+use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
+use gpumem::telemetry::pod_resources::PodResources;
+use gpumem::telemetry::pod_resources::api::{
+    ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse,
+    PodResources as PodEntry,
+};
+use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
+use tonic::codegen::http;
+
+use crate::agent::{free_port, http_get, spawn_serve, wait_for};
+
+/// The pods a stand-in kubelet lists; tests change them while it runs.
+type Answer = Arc<Mutex<ListPodResourcesResponse>>;
+
+#[derive(Clone)]
+struct Kubelet {
+    answer: Answer,
+}
+
+impl tonic::server::NamedService for Kubelet {
+    const NAME: &'static str = "v1.PodResourcesLister";
+}
+
+struct List(Answer);
+
+impl tonic::server::UnaryService<ListPodResourcesRequest> for List {
+    type Response = ListPodResourcesResponse;
+    type Future = Ready<Result<tonic::Response<Self::Response>, tonic::Status>>;
+
+    fn call(&mut self, _: tonic::Request<ListPodResourcesRequest>) -> Self::Future {
+        let answer = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        ready(Ok(tonic::Response::new(answer)))
+    }
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for Kubelet {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let answer = Arc::clone(&self.answer);
+        Box::pin(async move {
+            if request.uri().path() != "/v1.PodResourcesLister/List" {
+                return Ok(tonic::Status::unimplemented("not served").into_http());
+            }
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+            Ok(grpc.unary(List(answer), request).await)
+        })
+    }
+}
+
+/// A kubelet serving `answer` on `socket` until dropped.
+struct StandIn {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StandIn {
+    fn start(socket: &Path, answer: Answer) -> StandIn {
+        let _ = std::fs::remove_file(socket);
+        let listener = std::os::unix::net::UnixListener::bind(socket).expect("binds the socket");
+        listener.set_nonblocking(true).expect("non-blocking");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
+                let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+                let _ = tonic::transport::Server::builder()
+                    .serve_with_incoming_shutdown(Kubelet { answer }, incoming, async {
+                        let _ = stopped.await;
+                    })
+                    .await;
+            });
+        });
+        StandIn {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn pod(namespace: &str, name: &str, container: &str, gpus: &[&str]) -> PodEntry {
+    PodEntry {
+        name: name.into(),
+        namespace: namespace.into(),
+        containers: vec![ContainerResources {
+            name: container.into(),
+            devices: vec![ContainerDevices {
+                resource_name: "nvidia.com/gpu".into(),
+                device_ids: gpus.iter().map(|g| (*g).to_string()).collect(),
+            }],
+        }],
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpumem-kubelet-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+const TRAIN_UID: &str = "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30";
+const SHARED_UID: &str = "0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f";
+
+fn in_pod(uid: &str) -> Option<ContainerRef> {
+    Some(ContainerRef {
+        pod_uid: uid.into(),
+        container_id: "ab".repeat(32),
+        runtime: Runtime::Containerd,
+    })
+}
+
+/// The training process: this test's own pid, so that the ingest sees it alive in `/proc`.
+fn trainer() -> u32 {
+    std::process::id()
+}
+
+/// Resolves the training process to its pod, as its cgroup would.
+fn resolve(pid: u32) -> Option<ContainerRef> {
+    (pid == trainer()).then(|| in_pod(TRAIN_UID)).flatten()
+}
+
+/// NVML's view: GPU 0 runs the training pod's process and a host process; GPU 1 is
+/// time-sliced between two pods, one process of which is seen.
+fn node_report() -> ReportReader {
+    let process = |pid, container| ProcessSample {
+        pid,
+        name: "python".into(),
+        used: Some(1 << 30),
+        container,
+    };
+    let gpu = |index: u32, processes| GpuSample {
+        index,
+        uuid: format!("GPU-{index}aaa"),
+        model: "H100".into(),
+        total: 80 << 30,
+        used: 4 << 30,
+        free: 76 << 30,
+        reserved: None,
+        processes,
+    };
+    let report = Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "550.54.15".into(),
+            simulated: false,
+            gpus: vec![
+                gpu(
+                    0,
+                    vec![process(trainer(), in_pod(TRAIN_UID)), process(17, None)],
+                ),
+                gpu(1, vec![process(5151, in_pod(SHARED_UID))]),
+            ],
+        }),
+        error: None,
+        duration_seconds: 0.001,
+    });
+    Box::new(move || Arc::clone(&report))
+}
+
+fn line<'a>(text: &'a str, metric: &str, needle: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with(metric) && l.contains(needle))
+        .unwrap_or_else(|| panic!("no {metric} series with {needle}:\n{text}"))
+}
+
+const NAMED: &str = r#"pod_namespace="ml",pod_name="train-0",container_name="trainer""#;
+
+#[test]
+fn the_kubelet_names_pods_of_processes_and_pushes() {
+    let dir = scratch("join");
+    let socket = dir.join("kubelet.sock");
+    let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
+        pod_resources: vec![
+            pod("ml", "train-0", "trainer", &["GPU-0aaa"]),
+            pod("ml", "infer-a", "server", &["GPU-1aaa::0"]),
+            pod("ml", "infer-b", "server", &["GPU-1aaa::1"]),
+        ],
+    }));
+    let kubelet = StandIn::start(&socket, Arc::clone(&answer));
+    // A runtime with a worker of its own, as the agent's is always running: the client's
+    // connection tasks finish between two refreshes.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let pods = PodResources::new();
+    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
+    assert!(pods.report().up, "{:?}", pods.report().error);
+
+    let state = agent_state(
+        allocator_sources(Vec::new()),
+        vec![node_report()],
+        IngestConfig {
+            resolve,
+            ..IngestConfig::default()
+        },
+        Some(pods.clone()),
+    )
+    .expect("registers");
+    let store = state.ingest.as_ref().expect("ingest");
+    let push = serde_json::json!({
+        "pid": 1, "seq": 1,
+        "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"allocated_bytes.all.current": 1024}}],
+    });
+    store
+        .push_from(push.to_string().as_bytes(), Some(trainer()))
+        .expect("accepted");
+
+    let me = format!(r#"pid="{}""#, trainer());
+    let text = state.metrics.encode();
+    assert!(
+        line(&text, "gpumem_process_used_bytes", &me).contains(NAMED),
+        "{text}"
+    );
+    // A host process on the pod's GPU, and a pod on a time-sliced GPU: no names.
+    let empty = r#"pod_namespace="",pod_name="",container_name="""#;
+    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="17""#).contains(empty));
+    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="5151""#).contains(empty));
+    // The pushed statistics of the pod's process carry the same names.
+    let pushed = line(&text, "gpumem_allocator_allocated_bytes", &me);
+    assert!(
+        pushed.contains(&format!(r#"pod_uid="{TRAIN_UID}""#)) && pushed.contains(NAMED),
+        "{pushed}"
+    );
+    assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 1"));
+
+    // The GPU goes to a second container too: the tie is gone, and so are the names.
+    answer
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .pod_resources
+        .push(pod("ml", "sidecar", "debug", &["GPU-0aaa"]));
+    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
+    let text = state.metrics.encode();
+    assert!(line(&text, "gpumem_process_used_bytes", &me).contains(empty));
+
+    // The kubelet stops answering: the source is down, the last answer stands.
+    answer
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .pod_resources
+        .pop();
+    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
+    drop(kubelet);
+    runtime.block_on(pods.refresh(&socket, Duration::from_secs(2)));
+    let report = pods.report();
+    assert!(!report.up);
+    assert!(
+        report
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("kubelet.sock")),
+        "{report:?}"
+    );
+    let text = state.metrics.encode();
+    assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 0"));
+    assert!(line(&text, "gpumem_process_used_bytes", &me).contains(NAMED));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `gpumem serve` asks the kubelet at the socket it is given, reports it up, and down once it
+/// goes; without a socket there is no such source at all.
+#[test]
+fn serve_reports_the_kubelet_up_and_down() {
+    let dir = scratch("serve");
+    let socket = dir.join("kubelet.sock");
+    let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
+        pod_resources: vec![pod("ml", "train-0", "trainer", &["GPU-0aaa"])],
+    }));
+    let kubelet = StandIn::start(&socket, answer);
+    let port = free_port();
+    let _serve = spawn_serve(
+        port,
+        &dir.join("serve.log"),
+        None,
+        &["--pod-resources-socket".as_ref(), socket.as_os_str()],
+    );
+    let up = "gpumem_source_up{source=\"pod_resources\"} 1";
+    let seen = wait_for(Duration::from_secs(20), || {
+        http_get(port, "/metrics").filter(|m| m.contains(up))
+    });
+    assert!(seen.is_some(), "the kubelet is never reported up");
+    drop(kubelet);
+    let down = "gpumem_source_up{source=\"pod_resources\"} 0";
+    let seen = wait_for(Duration::from_secs(20), || {
+        http_get(port, "/metrics").filter(|m| m.contains(down))
+    });
+    assert!(seen.is_some(), "the kubelet is never reported down");
+    let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+    assert_eq!(
+        log.matches("kubelet pod resources are down").count(),
+        1,
+        "logged once:\n{log}"
+    );
+
+    let port = free_port();
+    let _serve = spawn_serve(
+        port,
+        &dir.join("serve-2.log"),
+        None,
+        &[
+            "--pod-resources-socket".as_ref(),
+            dir.join("absent.sock").as_os_str(),
+        ],
+    );
+    let metrics = http_get(port, "/metrics").expect("metrics");
+    assert!(!metrics.contains("source=\"pod_resources\""), "{metrics}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
