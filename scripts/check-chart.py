@@ -86,6 +86,48 @@ everything = check(ALL_ON, "every option on")
 for kind in ["ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"]:
     if kind not in everything:
         fail(f"every option on: no {kind}")
+
+
+def daemonset(values):
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="gpumem", namespace="gpu-monitoring")
+    for template, text in manifests.items():
+        if not template.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc and doc["kind"] == "DaemonSet":
+                return doc["spec"]["template"]["spec"]
+    fail("no DaemonSet rendered")
+    return {}
+
+
+def flag(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+# By default the agent shares the push socket's host directory with jobs, asks the kubelet,
+# and sees host pids; each can be turned off, and then nothing of it is mounted.
+pod = daemonset({})
+container = pod["containers"][0]
+mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", [])}
+expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources"}
+if mounts != expected or hosts != expected:
+    fail(f"default mounts {mounts}, host paths {hosts}")
+if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":
+    fail(f"default push socket: {container['args']}")
+if flag(container["args"], "--pod-resources-socket") != "/var/lib/kubelet/pod-resources/kubelet.sock":
+    fail(f"default kubelet socket: {container['args']}")
+if pod.get("hostPID") is not True:
+    fail("hostPID is not on by default")
+pod = daemonset({"push": {"enabled": False, "hostPath": "/run/gpumem"},
+                 "podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"}})
+container = pod["containers"][0]
+if "volumes" in pod or "volumeMounts" in container:
+    fail(f"push and podResources off still mount: {pod.get('volumes')}")
+if flag(container["args"], "--push-socket") != "" or flag(container["args"], "--pod-resources-socket") != "":
+    fail(f"push and podResources off: {container['args']}")
+print("host directories and sockets: as configured")
 try:
     with helm.Chart.load(str(CHART)) as chart:
         chart.validate_schema({"service": {"port": "not a port"}})
