@@ -1,10 +1,12 @@
 //! `gpumem demo` and `gpumem serve`: the node agent, on a simulated node or on real GPUs.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::{ReportReader, allocator_sources};
@@ -31,12 +33,12 @@ pub(crate) struct ServeArgs {
     interval: f64,
     /// Unix socket for pushes from jobs on this node, attributed to the connecting pid;
     /// an empty value turns it off (pushes are still accepted from loopback).
-    #[arg(long, default_value = DEFAULT_PUSH_SOCKET)]
-    push_socket: PathBuf,
+    #[arg(long, default_value = DEFAULT_PUSH_SOCKET, value_parser = ValueParser::os_string())]
+    push_socket: OsString,
     /// The kubelet's pod-resources socket, asked every interval which container holds each
     /// GPU (to name pods); skipped when absent, an empty value turns it off.
-    #[arg(long, default_value = pod_resources::DEFAULT_SOCKET)]
-    pod_resources_socket: PathBuf,
+    #[arg(long, default_value = pod_resources::DEFAULT_SOCKET, value_parser = ValueParser::os_string())]
+    pod_resources_socket: OsString,
 }
 
 /// The kubelet's pod resources, asked every `interval` on the agent's runtime.
@@ -139,14 +141,15 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Duration::from_secs_f64(args.interval),
     );
     let reader: ReportReader = Box::new(poller.reader());
-    let kubelet = kubelet_watch(args.pod_resources_socket, args.interval);
+    let kubelet = kubelet_watch(args.pod_resources_socket.into(), args.interval);
     let state = agent_state(
         allocator_sources(Vec::new()),
         vec![reader],
         IngestConfig::default(),
         kubelet.as_ref().map(|k| k.pods.clone()),
     )?;
-    let socket = Some(args.push_socket).filter(|p| !p.as_os_str().is_empty());
+    // Empty turns a socket off (clap's path parser would refuse an empty value).
+    let socket = Some(PathBuf::from(args.push_socket)).filter(|p| !p.as_os_str().is_empty());
     run_server(args.listen, socket, kubelet, state)
 }
 

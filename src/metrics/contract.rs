@@ -230,7 +230,7 @@ metric!(
     "gpumem_source_up",
     Gauge,
     &["source"],
-    "1 when the source (nvml, simulated, allocator) was read successfully at the last attempt, else 0."
+    "1 when the source (nvml, simulated, allocator, pod_resources) was read successfully at the last attempt, else 0."
 );
 metric!(
     COLLECT_DURATION,

@@ -306,6 +306,28 @@ fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
     let _ = std::fs::remove_file(log);
 }
 
+/// An empty socket path turns that socket off (the chart passes `""` when a feature is off).
+#[test]
+fn serve_turns_sockets_off_with_empty_values() {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("gpumem-serve-off-{port}.log"));
+    let _child = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--push-socket", "", "--pod-resources-socket", ""])
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("starts"),
+    );
+    let answered = wait_for(Duration::from_secs(20), || http_get(port, "/healthz"));
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(answered.is_some(), "serve does not answer: {log_text}");
+    assert!(!log_text.contains("accepting pushes"), "{log_text}");
+    let metrics = http_get(port, "/metrics").expect("metrics");
+    assert!(!metrics.contains(r#"source="pod_resources""#));
+    let _ = std::fs::remove_file(log);
+}
+
 /// An NVML library that loads but whose init fails as a machine without a loaded driver
 /// answers (`NVML_ERROR_DRIVER_NOT_LOADED`): serve must report why and keep serving.
 #[test]
