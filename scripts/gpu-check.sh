@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks for a machine with one NVIDIA GPU (under 5 minutes). Run from the repository root:
 #
-#   ./scripts/gpu-check.sh
+#   ./scripts/gpu-check.sh                       # builds first (needs cargo)
+#   GPUMEM_BIN_DIR=dir ./scripts/gpu-check.sh    # uses dir/gpumem, dir/it (the integration
+#                                                # tests, feature cuda), dir/libgpumem_torch.so
 #
 # Output, in order:
 #   1. "== build": the library, the agent and libgpumem_torch.so built with the `cuda` feature.
@@ -15,21 +17,32 @@
 #   4. "== PyTorch with gpumem as its allocator" (only where `import torch` finds CUDA): a few
 #      training steps of a small model with gpumem as the pluggable allocator, then the
 #      allocator's /metrics beside NVML's used memory for this process.
+#   5. "== PyTorch pushing to the agent" (likewise): PyTorch's own allocator with gpumem_push,
+#      an out-of-memory error, and the agent's figures checked against memory_stats().
 #   A final "GPU checks passed" line, or the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s\n' "$*"; }
 
-step "build"
-cargo build --release --features cuda
-cargo build --release -p gpumem-torch
+bin="${GPUMEM_BIN_DIR:-}"
+if [[ -z "$bin" ]]; then
+    step "build"
+    cargo build --release --features cuda
+    cargo build --release -p gpumem-torch
+    bin=target/gpu-check
+    mkdir -p "$bin"
+    cp target/release/gpumem target/release/libgpumem_torch.so "$bin/"
+    cp "$(cargo test --release --features cuda --test it --no-run --message-format=json \
+        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')" "$bin/it"
+fi
+bin="$(cd "$bin" && pwd)"
 
 step "core on the GPU"
-cargo test --release --features cuda --test it gpu -- --ignored --nocapture --test-threads 1
+"$bin/it" gpu --ignored --nocapture --test-threads 1
 
 step "agent"
-./target/release/gpumem serve --listen 127.0.0.1:19417 --interval 0.5 2>/dev/null &
+"$bin/gpumem" serve --listen 127.0.0.1:19417 --interval 0.5 --push-socket "" 2>/dev/null &
 agent=$!
 trap 'kill $agent 2>/dev/null || true' EXIT
 sleep 2
@@ -39,8 +52,18 @@ kill $agent
 
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     step "PyTorch with gpumem as its allocator"
-    GPUMEM_TORCH_LIB="$PWD/target/release/libgpumem_torch.so" PYTHONPATH="$PWD/python" \
+    GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" PYTHONPATH="$PWD/python" \
         python3 scripts/gpu_torch_check.py
+
+    step "PyTorch pushing to the agent"
+    socket="$(mktemp -d)/push.sock"
+    "$bin/gpumem" serve --listen 127.0.0.1:19419 --interval 0.5 --push-socket "$socket" \
+        --pod-resources-socket "" 2>/dev/null &
+    pushed=$!
+    trap 'kill $agent $pushed 2>/dev/null || true' EXIT
+    sleep 1
+    PYTHONPATH="$PWD/python" python3 scripts/gpu_push_check.py "$socket" 19419
+    kill $pushed
 else
     step "PyTorch with gpumem as its allocator: skipped (no PyTorch with CUDA)"
 fi

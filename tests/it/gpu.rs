@@ -57,6 +57,13 @@ fn scenarios_on_a_real_gpu() {
 fn a_free_waits_for_work_on_another_stream() {
     let mut a = allocator("");
     let s0 = StreamId::DEFAULT;
+    // The caller's work runs in its own current context, as PyTorch's does (the allocator
+    // leaves the caller's context as it found it): the device's primary context.
+    let device = result::device::get(0).expect("device 0");
+    // SAFETY: `device` is a valid device handle; the retained context outlives the test.
+    let context = unsafe { result::primary_ctx::retain(device) }.expect("primary context");
+    // SAFETY: `context` was just retained.
+    unsafe { result::ctx::set_current(context) }.expect("current context");
     let side = result::stream::create(result::stream::StreamKind::NonBlocking).expect("stream");
     let s1 = StreamId(side as usize as u64);
     let x = a.malloc(256 * MIB, s0).expect("fits");
