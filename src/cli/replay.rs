@@ -30,6 +30,11 @@ pub(crate) struct Args {
     /// 80 GiB.
     #[arg(long, value_parser = parse_bytes)]
     capacity: Option<u64>,
+    /// Start each comparison from the blocks live at the trace's start, allocated afresh under
+    /// its configuration, not from the recorded segments and cache (for traces that begin
+    /// mid-run, whose recorded cache would otherwise decide every configuration's peak).
+    #[arg(long, conflicts_with = "check")]
+    fresh_start: bool,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
@@ -75,6 +80,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 capacity: args.capacity,
                 check: false,
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
+                fresh_start: args.fresh_start,
             };
             reports.push(replay_shown(&recording, &options)?);
         }
@@ -115,6 +121,12 @@ pub(crate) fn run(args: Args) -> CliResult {
     print!("{}", state_summary(&recording));
     for (device, reports) in &results {
         println!("device {device}: {} events", reports[0].events);
+        if args.fresh_start && reports[0].start_segments > 0 {
+            println!(
+                "each configuration starts from the blocks live at the trace's start, allocated afresh (the recording's {} start segments and their cache are set aside)",
+                reports[0].start_segments
+            );
+        }
         println!(
             "{:<40} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>5} {:>11}",
             "config",
@@ -187,6 +199,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             capacity: args.capacity,
             check: true,
             series_points: 0,
+            fresh_start: false,
         };
         let report = replay_shown(recording, &options)?;
         all.push((device, report));

@@ -26,7 +26,7 @@ use crate::allocator::{AllocError, CachingAllocator, TraceAction, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{DevicePtr, SimConfig, SimDevice, StreamId};
 
-use super::start_state::start_state;
+use super::start_state::{StartSegment, start_state};
 use super::{RecordedEvent, Recording};
 
 /// The device memory assumed when neither the recording nor the user says: the 80 GiB of
@@ -53,6 +53,10 @@ pub struct ReplayOptions {
     pub check: bool,
     /// Number of (allocated, reserved) samples to keep for plots; 0 for none.
     pub series_points: usize,
+    /// What-if only: start from the blocks live at the trace's start, allocated afresh (in
+    /// address order) under the configuration, instead of from the recorded segments and
+    /// their cache: what a job started under that configuration would hold there.
+    pub fresh_start: bool,
 }
 
 /// Decisions compared with the recording, by kind.
@@ -201,6 +205,7 @@ pub fn replay_with_progress(
             config: None,
             check: true,
             series_points: 0,
+            fresh_start: false,
             ..options.clone()
         };
         run_with(recording, &check, &mut |_, _| {}, FxHashSet::default())?.1
@@ -429,7 +434,15 @@ impl<'a> Engine<'a> {
         let start = start_state(recording, options.device, &recorded_config)
             .map_err(ReplayError::StartState)?;
         let mut ptrs = FxHashMap::default();
-        for segment in &start.segments {
+        if options.fresh_start && !options.check {
+            Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?;
+        }
+        let restored = if options.fresh_start && !options.check {
+            &[][..]
+        } else {
+            &start.segments[..]
+        };
+        for segment in restored {
             // Check mode places segments where the recording did; what-if lets the device
             // choose (recorded addresses are mapped to the chosen ones either way).
             if options.check {
@@ -491,6 +504,33 @@ impl<'a> Engine<'a> {
                 .map_or(usize::MAX, |every| every.max(1)),
             releases_in_malloc,
         })
+    }
+
+    /// Allocates the live blocks of the recorded start segments, in address order, on their
+    /// streams; the recorded addresses map to the new blocks.
+    fn allocate_afresh(
+        segments: &[StartSegment],
+        alloc: &mut CachingAllocator<SimDevice>,
+        ptrs: &mut FxHashMap<u64, DevicePtr>,
+    ) -> Result<(), ReplayError> {
+        let mut live: Vec<(u64, u64, u64)> = Vec::new();
+        for segment in segments {
+            let mut at = segment.address;
+            for b in &segment.blocks {
+                if let Some(requested) = b.allocated {
+                    live.push((at, segment.stream, requested));
+                }
+                at += b.size;
+            }
+        }
+        live.sort_unstable();
+        for (addr, stream, requested) in live {
+            let ptr = alloc
+                .malloc(requested, StreamId(stream))
+                .map_err(|source| ReplayError::Allocator { index: 0, source })?;
+            ptrs.insert(addr, ptr);
+        }
+        Ok(())
     }
 
     fn run(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<(), ReplayError> {

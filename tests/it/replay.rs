@@ -508,3 +508,96 @@ fn own_snapshots_round_trip_through_replay() {
         }
     }
 }
+
+/// A fresh start sets the recorded cache aside: the blocks live at the trace's start are
+/// allocated anew under each configuration. Here one live 12 MiB block sits in a recorded
+/// 40 MiB segment: recorded, the segment is reserved; afresh, the block takes a 12 MiB segment
+/// (large requests of 10 MiB and more get exact 2 MiB-rounded segments), or one 20 MiB page
+/// with expandable segments.
+#[test]
+fn a_fresh_start_allocates_the_live_blocks_anew() {
+    const MIB: u64 = 1 << 20;
+    let base: u64 = 0x7f00_0000_0000;
+    let doc = serde_json::json!({
+        "segments": [{
+            "device": 0, "address": base, "total_size": 40 * MIB, "allocated_size": 0,
+            "active_size": 0, "requested_size": 0, "stream": 0, "segment_type": "large",
+            "segment_pool_id": [0, 0], "is_expandable": false,
+            "blocks": [
+                {"address": base, "size": 12 * MIB, "requested_size": 12 * MIB, "state": "inactive"},
+                {"address": base + 12 * MIB, "size": 28 * MIB, "requested_size": 0, "state": "inactive"}
+            ]
+        }],
+        "device_traces": [[
+            {"action": "free_requested", "addr": base, "size": 12 * MIB, "stream": 0, "time_us": 1},
+            {"action": "free_completed", "addr": base, "size": 12 * MIB, "stream": 0, "time_us": 2}
+        ]]
+    });
+    let rec = parse_recording(doc.to_string().as_bytes()).expect("valid recording");
+    let run = |conf: Option<&str>, fresh_start| {
+        let options = ReplayOptions {
+            config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
+            fresh_start,
+            ..ReplayOptions::default()
+        };
+        replay(&rec, &options).expect("replay runs")
+    };
+    let recorded = run(None, false);
+    assert_eq!(
+        (recorded.peak_reserved, recorded.peak_allocated),
+        (40 * MIB, 12 * MIB)
+    );
+    let fresh = run(None, true);
+    assert_eq!(
+        (fresh.peak_reserved, fresh.peak_allocated),
+        (12 * MIB, 12 * MIB)
+    );
+    assert_eq!(
+        fresh.start_segments, 1,
+        "the recording's start is still reported"
+    );
+    let expandable = run(Some("expandable_segments:True"), true);
+    assert_eq!(expandable.peak_reserved, 20 * MIB);
+    // The fidelity check never starts afresh: it must see the recorded segments.
+    let checked = replay(
+        &rec,
+        &ReplayOptions {
+            check: true,
+            fresh_start: true,
+            ..ReplayOptions::default()
+        },
+    )
+    .expect("replay runs");
+    assert!(checked.divergence.is_none(), "{:?}", checked.divergence);
+    assert_eq!(checked.peak_reserved, 40 * MIB);
+}
+
+/// On a real mid-run recording served entirely from its recorded cache, a fresh start has to
+/// ask the device, and expandable segments then reserve less than the recorded configuration.
+#[test]
+fn a_fresh_start_on_a_mid_run_recording() {
+    let rec = read_recording(&data("cs336_lm_compiled_train.noframes.json.gz")).expect("data");
+    let run = |conf: Option<&str>, fresh_start| {
+        let options = ReplayOptions {
+            config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
+            fresh_start,
+            ..ReplayOptions::default()
+        };
+        replay(&rec, &options).expect("replay runs")
+    };
+    let recorded = run(None, false);
+    assert_eq!(
+        recorded.device_allocs, 0,
+        "the recorded cache serves every request"
+    );
+    let fresh = run(None, true);
+    assert!(fresh.device_allocs > 0);
+    assert!(fresh.peak_reserved <= recorded.peak_reserved);
+    let expandable = run(Some("expandable_segments:True"), true);
+    assert!(
+        expandable.peak_reserved < fresh.peak_reserved,
+        "{} vs {}",
+        expandable.peak_reserved,
+        fresh.peak_reserved
+    );
+}
