@@ -7,7 +7,8 @@ use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::trace::replay::ReplayReport;
 use gpumem::trace::{
-    Recording, ReplayOptions, plot, read_recording, replay_with_progress, state_summary,
+    Readings, Recording, ReplayOptions, plot, read_recording, replay_following,
+    replay_with_progress, state_summary,
 };
 
 use super::{CliResult, Path, parse_bytes};
@@ -73,6 +74,8 @@ pub(crate) fn run(args: Args) -> CliResult {
     let mut results = Vec::new();
     for &device in &devices {
         let mut reports = Vec::new();
+        // One check replay finds how the trace's release runs read; every row follows it.
+        let mut readings = None;
         for config in &configs {
             let options = ReplayOptions {
                 device,
@@ -82,7 +85,11 @@ pub(crate) fn run(args: Args) -> CliResult {
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
                 fresh_start: args.fresh_start,
             };
-            reports.push(replay_shown(&recording, &options)?);
+            let readings = match &readings {
+                Some(r) => r,
+                None => readings.insert(Readings::of(&recording, &options)?),
+            };
+            reports.push(replay_shown(&recording, &options, Some(readings))?);
         }
         results.push((device, reports));
     }
@@ -161,23 +168,33 @@ pub(crate) fn run(args: Args) -> CliResult {
 const PROGRESS_MIN_EVENTS: usize = 100_000;
 
 /// Replays with a progress bar on stderr for long traces, when stderr is a terminal.
+/// `readings` given, the replay follows them; otherwise it finds its own.
 fn replay_shown(
     recording: &Recording,
     options: &ReplayOptions,
+    readings: Option<&Readings>,
 ) -> Result<ReplayReport, gpumem::trace::ReplayError> {
     let events = recording
         .device_traces
         .get(options.device as usize)
         .map_or(0, Vec::len);
-    if events < PROGRESS_MIN_EVENTS || !std::io::stderr().is_terminal() {
-        return replay_with_progress(recording, options, &mut |_, _| {});
-    }
-    let bar = indicatif::ProgressBar::new(events as u64);
-    bar.set_message(format!("device {}", options.device));
-    let result = replay_with_progress(recording, options, &mut |done, _| {
-        bar.set_position(done as u64);
+    let bar = (events >= PROGRESS_MIN_EVENTS && std::io::stderr().is_terminal()).then(|| {
+        let bar = indicatif::ProgressBar::new(events as u64);
+        bar.set_message(format!("device {}", options.device));
+        bar
     });
-    bar.finish_and_clear();
+    let mut progress = |done: usize, _: usize| {
+        if let Some(bar) = &bar {
+            bar.set_position(done as u64);
+        }
+    };
+    let result = match readings {
+        Some(readings) => replay_following(recording, options, readings, &mut progress),
+        None => replay_with_progress(recording, options, &mut progress),
+    };
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
     result
 }
 
@@ -201,7 +218,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             series_points: 0,
             fresh_start: false,
         };
-        let report = replay_shown(recording, &options)?;
+        let report = replay_shown(recording, &options, None)?;
         all.push((device, report));
     }
     if args.json {

@@ -24,7 +24,8 @@ use std::io::Read;
 use std::path::Path;
 
 pub use replay::{
-    Divergence, ReplayError, ReplayOptions, ReplayReport, replay, replay_with_progress,
+    Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, replay, replay_following,
+    replay_with_progress,
 };
 pub use schema::{
     Format, RecordedBlock, RecordedEvent, RecordedSegment, Recording, SimulatedDevice,

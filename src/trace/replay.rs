@@ -196,11 +196,28 @@ pub fn replay_with_progress(
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<ReplayReport, ReplayError> {
-    // What-if replays follow the readings of ambiguous releases that reproduce the recording
-    // under its own configuration (Note [Reading releases]).
-    let releases_in_malloc = if options.check {
-        FxHashSet::default()
+    let readings = if options.check {
+        Readings::default()
     } else {
+        Readings::of(recording, options)?
+    };
+    replay_following(recording, options, &readings, progress)
+}
+
+/// How a recording's ambiguous release runs read (Note [Reading releases]): the readings that
+/// reproduce it under its own configuration, which what-if replays follow. Found by one check
+/// replay; compute them once for several what-if replays of the same device and capacity.
+#[derive(Clone, Debug, Default)]
+pub struct Readings {
+    releases_in_malloc: FxHashSet<usize>,
+}
+
+impl Readings {
+    /// The readings of `options.device`'s trace on `options.capacity`.
+    ///
+    /// # Errors
+    /// As [`replay()`].
+    pub fn of(recording: &Recording, options: &ReplayOptions) -> Result<Readings, ReplayError> {
         let check = ReplayOptions {
             config: None,
             check: true,
@@ -208,9 +225,29 @@ pub fn replay_with_progress(
             fresh_start: false,
             ..options.clone()
         };
-        run_with(recording, &check, &mut |_, _| {}, FxHashSet::default())?.1
+        let (_, releases_in_malloc) =
+            run_with(recording, &check, &mut |_, _| {}, FxHashSet::default())?;
+        Ok(Readings { releases_in_malloc })
+    }
+}
+
+/// A replay that follows `readings` (ignored in check mode, which finds its own), calling
+/// `progress` as [`replay_with_progress`] does.
+///
+/// # Errors
+/// As [`replay()`].
+pub fn replay_following(
+    recording: &Recording,
+    options: &ReplayOptions,
+    readings: &Readings,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayReport, ReplayError> {
+    let releases = if options.check {
+        FxHashSet::default()
+    } else {
+        readings.releases_in_malloc.clone()
     };
-    let (report, _) = run_with(recording, options, progress, releases_in_malloc)?;
+    let (report, _) = run_with(recording, options, progress, releases)?;
     Ok(report)
 }
 
