@@ -213,7 +213,9 @@ pub struct Readings {
 }
 
 impl Readings {
-    /// The readings of `options.device`'s trace on `options.capacity`.
+    /// The readings of `options.device`'s trace on `options.capacity`. A what-if capacity too
+    /// small for the recording's own start falls back to the recorded device's: the readings
+    /// describe the recording, not the what-if.
     ///
     /// # Errors
     /// As [`replay()`].
@@ -225,8 +227,17 @@ impl Readings {
             fresh_start: false,
             ..options.clone()
         };
-        let (_, releases_in_malloc) =
-            run_with(recording, &check, &mut |_, _| {}, FxHashSet::default())?;
+        let found = match run_with(recording, &check, &mut |_, _| {}, FxHashSet::default()) {
+            Err(ReplayError::StartState(_)) if check.capacity.is_some() => {
+                let recorded = ReplayOptions {
+                    capacity: None,
+                    ..check
+                };
+                run_with(recording, &recorded, &mut |_, _| {}, FxHashSet::default())
+            }
+            other => other,
+        };
+        let (_, releases_in_malloc) = found?;
         Ok(Readings { releases_in_malloc })
     }
 }
@@ -307,7 +318,7 @@ fn run_with(
         device_allocs: get("num_device_alloc"),
         device_frees: get("num_device_free"),
         alloc_retries: get("num_alloc_retries"),
-        ooms: get("num_ooms"),
+        ooms: get("num_ooms") + engine.start_ooms,
         driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
         compared: engine.compared,
         divergence: engine.divergence,
@@ -414,6 +425,9 @@ struct Engine<'a> {
     ptrs: FxHashMap<u64, DevicePtr>,
     /// Recorded addresses whose allocation failed in this replay (what-if mode).
     failed: FxHashSet<u64>,
+    /// Blocks live at the start that a fresh start could not allocate (counted as OOMs; the
+    /// statistics are reset when the trace starts).
+    start_ooms: u64,
     /// Recorded address of a deferred free → the stream its completion waits on.
     deferred: FxHashMap<u64, StreamId>,
     next_stream: u64,
@@ -471,9 +485,11 @@ impl<'a> Engine<'a> {
         let start = start_state(recording, options.device, &recorded_config)
             .map_err(ReplayError::StartState)?;
         let mut ptrs = FxHashMap::default();
-        if options.fresh_start && !options.check {
-            Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?;
-        }
+        let failed = if options.fresh_start && !options.check {
+            Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?
+        } else {
+            FxHashSet::default()
+        };
         let restored = if options.fresh_start && !options.check {
             &[][..]
         } else {
@@ -529,7 +545,8 @@ impl<'a> Engine<'a> {
             alloc,
             check: options.check,
             ptrs,
-            failed: FxHashSet::default(),
+            start_ooms: failed.len() as u64,
+            failed,
             deferred,
             next_stream,
             compared: Compared::default(),
@@ -544,12 +561,14 @@ impl<'a> Engine<'a> {
     }
 
     /// Allocates the live blocks of the recorded start segments, in address order, on their
-    /// streams; the recorded addresses map to the new blocks.
+    /// streams; the recorded addresses map to the new blocks. Returns the addresses of blocks
+    /// that did not fit (out of memory under this configuration), as the trace's own failed
+    /// allocations are kept.
     fn allocate_afresh(
         segments: &[StartSegment],
         alloc: &mut CachingAllocator<SimDevice>,
         ptrs: &mut FxHashMap<u64, DevicePtr>,
-    ) -> Result<(), ReplayError> {
+    ) -> Result<FxHashSet<u64>, ReplayError> {
         let mut live: Vec<(u64, u64, u64)> = Vec::new();
         for segment in segments {
             let mut at = segment.address;
@@ -561,13 +580,19 @@ impl<'a> Engine<'a> {
             }
         }
         live.sort_unstable();
+        let mut failed = FxHashSet::default();
         for (addr, stream, requested) in live {
-            let ptr = alloc
-                .malloc(requested, StreamId(stream))
-                .map_err(|source| ReplayError::Allocator { index: 0, source })?;
-            ptrs.insert(addr, ptr);
+            match alloc.malloc(requested, StreamId(stream)) {
+                Ok(ptr) => {
+                    ptrs.insert(addr, ptr);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    failed.insert(addr);
+                }
+                Err(source) => return Err(ReplayError::Allocator { index: 0, source }),
+            }
         }
-        Ok(())
+        Ok(failed)
     }
 
     fn run(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<(), ReplayError> {

@@ -558,6 +558,17 @@ fn a_fresh_start_allocates_the_live_blocks_anew() {
     );
     let expandable = run(Some("expandable_segments:True"), true);
     assert_eq!(expandable.peak_reserved, 20 * MIB);
+    // On a device too small for the live block, the fresh start counts an OOM and goes on.
+    let small = replay(
+        &rec,
+        &ReplayOptions {
+            fresh_start: true,
+            capacity: Some(8 * MIB),
+            ..ReplayOptions::default()
+        },
+    )
+    .expect("replay runs");
+    assert_eq!((small.ooms, small.peak_reserved), (1, 0));
     // The fidelity check never starts afresh: it must see the recorded segments.
     let checked = replay(
         &rec,
