@@ -111,22 +111,27 @@ pod = daemonset({})
 container = pod["containers"][0]
 mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
 hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", [])}
-expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources"}
+expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources",
+            "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}
 if mounts != expected or hosts != expected:
     fail(f"default mounts {mounts}, host paths {hosts}")
 if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":
     fail(f"default push socket: {container['args']}")
 if flag(container["args"], "--pod-resources-socket") != "/var/lib/kubelet/pod-resources/kubelet.sock":
     fail(f"default kubelet socket: {container['args']}")
+if flag(container["args"], "--kubelet-logs") != "/var/log":
+    fail(f"default kubelet logs: {container['args']}")
 if pod.get("hostPID") is not True:
     fail("hostPID is not on by default")
 pod = daemonset({"push": {"enabled": False, "hostPath": "/run/gpumem"},
-                 "podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"}})
+                 "podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"},
+                 "kubeletLogs": {"enabled": False, "hostPath": "/var/log"}})
 container = pod["containers"][0]
 if "volumes" in pod or "volumeMounts" in container:
-    fail(f"push and podResources off still mount: {pod.get('volumes')}")
-if flag(container["args"], "--push-socket") != "" or flag(container["args"], "--pod-resources-socket") != "":
-    fail(f"push and podResources off: {container['args']}")
+    fail(f"push, podResources and kubeletLogs off still mount: {pod.get('volumes')}")
+for name in ["--push-socket", "--pod-resources-socket", "--kubelet-logs"]:
+    if flag(container["args"], name) != "":
+        fail(f"{name} is not turned off: {container['args']}")
 print("host directories and sockets: as configured")
 try:
     with helm.Chart.load(str(CHART)) as chart:
