@@ -153,7 +153,13 @@ fn main() {
     let report = node();
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
     let metrics = Arc::new(
-        Metrics::new(allocator_sources(sources), vec![reader], None, None).expect("registers"),
+        Metrics::new(
+            allocator_sources(sources),
+            vec![reader],
+            None,
+            Default::default(),
+        )
+        .expect("registers"),
     );
     let body = metrics.encode();
     let series = body.lines().filter(|l| !l.starts_with('#')).count();

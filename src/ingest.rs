@@ -237,8 +237,6 @@ fn labels(labels: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, Re
     Ok(labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
-/// Statistics as integers: sizes and counts must be whole and, but for `max_split_size`
-/// (-1 means unlimited), not negative.
 /// A snapshot's segments by size class: at most one per power of two, each consistent.
 fn pushed_classes(device: &PushedDevice) -> Result<Option<Vec<SegmentClass>>, Rejected> {
     let Some(pushed) = &device.segments_by_size else {
@@ -287,6 +285,8 @@ fn pushed_classes(device: &PushedDevice) -> Result<Option<Vec<SegmentClass>>, Re
     Ok(Some(classes))
 }
 
+/// Statistics as integers: sizes and counts must be whole and, but for `max_split_size`
+/// (-1 means unlimited), not negative.
 fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> {
     if device.stats.len() > MAX_STATS_KEYS {
         return Err(invalid(format!(

@@ -18,7 +18,7 @@ use tokio::net::UnixListener;
 
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{AllocatorSources, Metrics, ReportReader};
-use crate::telemetry::pod_resources::PodResources;
+use crate::telemetry::Kubelet;
 
 /// The media type of the Prometheus text exposition format.
 pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -32,8 +32,8 @@ pub struct AppState {
     pub ingest: Option<Arc<PushStore>>,
 }
 
-/// The agent's state: metrics over `sources` and `reports` (pods named by `pods` where
-/// given), with pushes from this host accepted into `sources`.
+/// The agent's state: metrics over `sources` and `reports` (with what the `kubelet` says,
+/// where it says), with pushes from this host accepted into `sources`.
 ///
 /// # Errors
 /// A registration error, which only a collector defect can cause.
@@ -41,10 +41,10 @@ pub fn agent_state(
     sources: AllocatorSources,
     reports: Vec<ReportReader>,
     ingest: IngestConfig,
-    pods: Option<PodResources>,
+    kubelet: Kubelet,
 ) -> Result<AppState, prometheus::Error> {
     let store = Arc::new(PushStore::new(ingest, Arc::clone(&sources)));
-    let metrics = Metrics::new(sources, reports, Some(Arc::clone(&store)), pods)?;
+    let metrics = Metrics::new(sources, reports, Some(Arc::clone(&store)), kubelet)?;
     Ok(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(store),

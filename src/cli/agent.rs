@@ -2,7 +2,7 @@
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -13,6 +13,8 @@ use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::{
     AppState, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
 };
+use gpumem::telemetry::Kubelet;
+use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::{self, PodResources};
 use gpumem::telemetry::{NvmlSource, Poller, SimNode, SimNodeConfig};
 
@@ -35,17 +37,65 @@ pub(crate) struct ServeArgs {
     /// an empty value turns it off (pushes are still accepted from loopback).
     #[arg(long, default_value = DEFAULT_PUSH_SOCKET, value_parser = ValueParser::os_string())]
     push_socket: OsString,
-    /// The kubelet's pod-resources socket, asked every interval which container holds each
-    /// GPU (to name pods); skipped when absent, an empty value turns it off.
+    /// The kubelet's pod-resources socket, asked which containers each GPU is assigned to;
+    /// skipped where its directory does not exist, an empty value turns it off.
     #[arg(long, default_value = pod_resources::DEFAULT_SOCKET, value_parser = ValueParser::os_string())]
     pod_resources_socket: OsString,
+    /// The node's log directory, whose `pods/` and `containers/` entries name the pods and
+    /// containers of processes; skipped where `pods/` does not exist, an empty value turns it
+    /// off.
+    #[arg(long, default_value = "/var/log", value_parser = ValueParser::os_string())]
+    kubelet_logs: OsString,
 }
 
-/// The kubelet's pod resources, asked every `interval` on the agent's runtime.
+/// The least time between two questions to the kubelet (its pod-resources API is
+/// rate-limited), whatever the polling interval.
+const KUBELET_MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What the agent asks the kubelet, and how often (on the agent's runtime).
 struct KubeletWatch {
-    pods: PodResources,
+    kubelet: Kubelet,
     socket: PathBuf,
     interval: Duration,
+}
+
+impl KubeletWatch {
+    /// The parts of the kubelet this node has: on a Kubernetes node its directories exist
+    /// (even while the kubelet restarts); elsewhere there is nothing to report down.
+    fn new(socket: PathBuf, logs: PathBuf, interval: f64) -> KubeletWatch {
+        let present = |path: &Path| !path.as_os_str().is_empty() && path.is_dir();
+        let names = present(&logs.join("pods"))
+            .then(|| PodNames::new(logs.join("pods"), logs.join("containers")));
+        let resources = socket
+            .parent()
+            .is_some_and(|dir| !socket.as_os_str().is_empty() && present(dir))
+            .then(PodResources::new);
+        if names.is_none() && resources.is_none() {
+            tracing::info!("not a Kubernetes node: pods are named by UID only");
+        }
+        KubeletWatch {
+            kubelet: Kubelet { names, resources },
+            socket,
+            interval: Duration::from_secs_f64(interval).max(KUBELET_MIN_INTERVAL),
+        }
+    }
+
+    /// Refreshes what the kubelet says every interval, forever.
+    async fn run(self) {
+        let timeout = self.interval.min(Duration::from_secs(5));
+        let mut ticks = tokio::time::interval(self.interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if let Some(names) = &self.kubelet.names {
+                // Listing two directories takes well under a millisecond.
+                names.refresh();
+            }
+            if let Some(resources) = &self.kubelet.resources {
+                resources.refresh(&self.socket, timeout).await;
+            }
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -98,8 +148,8 @@ fn run_server(
     state: AppState,
 ) -> CliResult {
     runtime()?.block_on(async move {
-        if let Some(k) = kubelet {
-            tokio::spawn(k.pods.run(k.socket, k.interval));
+        if let Some(watch) = kubelet {
+            tokio::spawn(watch.run());
         }
         let listener = bind(listen).await?;
         let router = app(state);
@@ -141,33 +191,20 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Duration::from_secs_f64(args.interval),
     );
     let reader: ReportReader = Box::new(poller.reader());
-    let kubelet = kubelet_watch(args.pod_resources_socket.into(), args.interval);
+    let watch = KubeletWatch::new(
+        args.pod_resources_socket.into(),
+        args.kubelet_logs.into(),
+        args.interval,
+    );
     let state = agent_state(
         allocator_sources(Vec::new()),
         vec![reader],
         IngestConfig::default(),
-        kubelet.as_ref().map(|k| k.pods.clone()),
+        watch.kubelet.clone(),
     )?;
     // Empty turns a socket off (clap's path parser would refuse an empty value).
     let socket = Some(PathBuf::from(args.push_socket)).filter(|p| !p.as_os_str().is_empty());
-    run_server(args.listen, socket, kubelet, state)
-}
-
-/// Asks the kubelet where its socket exists: off a Kubernetes node there is nothing to
-/// report down.
-fn kubelet_watch(socket: PathBuf, interval: f64) -> Option<KubeletWatch> {
-    if socket.as_os_str().is_empty() {
-        return None;
-    }
-    if !socket.exists() {
-        tracing::info!(socket = %socket.display(), "no kubelet pod-resources socket; pods are named by UID only");
-        return None;
-    }
-    Some(KubeletWatch {
-        pods: PodResources::new(),
-        socket,
-        interval: Duration::from_secs_f64(interval),
-    })
+    run_server(args.listen, socket, Some(watch), state)
 }
 
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
@@ -190,7 +227,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
-        None,
+        Kubelet::default(),
     )?;
     let result = run_server(args.listen, None, None, state);
     drop(node);

@@ -1,7 +1,6 @@
 //! The agent's collector: allocator counters and the node view, read at scrape time.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -11,8 +10,9 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
 use crate::ingest::PushStore;
-use crate::telemetry::pod_resources::{PodContainer, PodResources, Sighting, name_pods};
-use crate::telemetry::{AllocatorSource, SourceReport, UNKNOWN_SIZE};
+use crate::telemetry::pod_names::{NameDirectory, PodNames};
+use crate::telemetry::pod_resources::{PodDirectory, PodResources};
+use crate::telemetry::{AllocatorSource, Kubelet, SourceReport, UNKNOWN_SIZE};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
 use super::{AllocatorSources, snapshot_sources};
@@ -88,7 +88,7 @@ pub struct AgentCollector {
     allocators: AllocatorSources,
     reports: Vec<ReportReader>,
     ingest: Option<Arc<PushStore>>,
-    pods: Option<PodResources>,
+    kubelet: Kubelet,
 }
 
 /// Builds the collector's descriptors once.
@@ -108,20 +108,20 @@ fn descs() -> Vec<Desc> {
 }
 
 impl AgentCollector {
-    /// A collector over these sources; `pods`, when given, names pods from the kubelet's
-    /// pod resources (and is reported as a source of its own).
+    /// A collector over these sources; the `kubelet`'s parts, where given, name pods and
+    /// list GPU assignments (each reported as a source of its own).
     pub fn new(
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
         ingest: Option<Arc<PushStore>>,
-        pods: Option<PodResources>,
+        kubelet: Kubelet,
     ) -> Self {
         AgentCollector {
             descs: descs(),
             allocators,
             reports,
             ingest,
-            pods,
+            kubelet,
         }
     }
 }
@@ -158,64 +158,36 @@ fn ratio(part: i64, whole: i64) -> f64 {
     }
 }
 
-/// Pod UID → the kubelet's names, for the pods seen on the node's GPUs now.
-type PodNames = HashMap<String, PodContainer>;
+/// The pod and container names of this scrape, from the kubelet's log directories.
+#[derive(Clone, Copy)]
+struct Names<'a>(Option<&'a NameDirectory>);
 
-fn pod_uid_label(labels: &[(String, String)]) -> Option<&str> {
+impl Names<'_> {
+    /// (namespace, pod, container) of a pod UID and container ID, or empty strings.
+    fn of(&self, pod_uid: &str, container_id: &str) -> [String; 3] {
+        self.0
+            .and_then(|d| d.name(pod_uid, container_id))
+            .map_or_else(Default::default, |n| [n.namespace, n.pod, n.container])
+    }
+}
+
+fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
     labels
         .iter()
-        .find_map(|(k, v)| (k == "pod_uid").then_some(v.as_str()))
+        .find_map(|(k, v)| (k == name).then_some(v.as_str()))
 }
 
-fn pod_names(
-    pods: &PodResources,
-    reports: &[Arc<SourceReport>],
-    allocators: &[Arc<AllocatorSource>],
-) -> PodNames {
-    let directory = pods.directory();
-    if directory.is_empty() {
-        return PodNames::new();
-    }
-    let processes = reports
-        .iter()
-        .filter_map(|r| r.sample.as_ref())
-        .flat_map(|node| &node.gpus)
-        .flat_map(|gpu| {
-            gpu.processes.iter().filter_map(|p| {
-                Some(Sighting {
-                    uuid: &gpu.uuid,
-                    index: Some(gpu.index),
-                    pod_uid: &p.container.as_ref()?.pod_uid,
-                })
-            })
-        });
-    let pushed = allocators.iter().filter_map(|s| {
-        Some(Sighting {
-            uuid: &s.uuid,
-            index: None,
-            pod_uid: pod_uid_label(&s.labels)?,
-        })
-    });
-    name_pods(&directory, processes.chain(pushed))
-}
-
-/// The names of a pod, or empty ones.
-fn names_of<'a>(names: &'a PodNames, pod_uid: &str) -> [&'a str; 3] {
-    names.get(pod_uid).map_or(["", "", ""], |n| {
-        [n.namespace.as_str(), n.pod.as_str(), n.container.as_str()]
-    })
-}
-
-fn collect_allocator(f: &mut Families, s: &AllocatorSource, names: &PodNames) {
+fn collect_allocator(f: &mut Families, s: &AllocatorSource, names: Names<'_>) {
     let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
     // A pushed process in a named pod carries the names beside its pod_uid.
-    let extra: Cow<'_, [(String, String)]> = match pod_uid_label(&s.labels) {
-        Some(uid) if names.contains_key(uid) => {
-            let [namespace, pod, container] = names_of(names, uid);
+    let uid = label(&s.labels, "pod_uid").unwrap_or_default();
+    let id = label(&s.labels, "container_id").unwrap_or_default();
+    let extra: Cow<'_, [(String, String)]> = match names.of(uid, id) {
+        [namespace, pod, container] if !pod.is_empty() => {
             let mut all = s.labels.clone();
-            all.push(("pod_namespace".into(), namespace.into()));
-            all.push(("pod_name".into(), pod.into()));
-            all.push(("container_name".into(), container.into()));
+            all.push(("pod_namespace".into(), namespace));
+            all.push(("pod_name".into(), pod));
+            all.push(("container_name".into(), container));
             Cow::Owned(all)
         }
         _ => Cow::Borrowed(&s.labels),
@@ -288,7 +260,12 @@ fn collect_allocator(f: &mut Families, s: &AllocatorSource, names: &PodNames) {
     );
 }
 
-fn collect_report(f: &mut Families, report: &SourceReport, names: &PodNames) {
+fn collect_report(
+    f: &mut Families,
+    report: &SourceReport,
+    names: Names<'_>,
+    assigned: Option<&PodDirectory>,
+) {
     f.of(&c::SOURCE_UP)
         .push(&[report.source], if report.up { 1.0 } else { 0.0 });
     f.of(&c::COLLECT_DURATION)
@@ -316,6 +293,21 @@ fn collect_report(f: &mut Families, report: &SourceReport, names: &PodNames) {
             ],
             1.0,
         );
+        for holder in assigned
+            .map(|d| d.holders(&gpu.uuid, Some(gpu.index)))
+            .unwrap_or_default()
+        {
+            f.of(&c::GPU_ASSIGNED).push(
+                &[
+                    &index,
+                    &gpu.uuid,
+                    &holder.namespace,
+                    &holder.pod,
+                    &holder.container,
+                ],
+                1.0,
+            );
+        }
         for p in &gpu.processes {
             if let Some(used) = p.used {
                 let pid = p.pid.to_string();
@@ -323,7 +315,7 @@ fn collect_report(f: &mut Families, report: &SourceReport, names: &PodNames) {
                     .container
                     .as_ref()
                     .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
-                let [namespace, pod, container] = names_of(names, pod_uid);
+                let [namespace, pod, container] = names.of(pod_uid, container_id);
                 f.of(&c::PROCESS_USED).push(
                     &[
                         &index,
@@ -332,9 +324,9 @@ fn collect_report(f: &mut Families, report: &SourceReport, names: &PodNames) {
                         &p.name,
                         pod_uid,
                         container_id,
-                        namespace,
-                        pod,
-                        container,
+                        &namespace,
+                        &pod,
+                        &container,
                     ],
                     used as f64,
                 );
@@ -356,25 +348,26 @@ impl Collector for AgentCollector {
             ingest.expire();
         }
         let allocators = snapshot_sources(&self.allocators);
-        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
-        let names = self
-            .pods
-            .as_ref()
-            .map(|pods| pod_names(pods, &reports, &allocators))
-            .unwrap_or_default();
+        let directory = self.kubelet.names.as_ref().map(PodNames::directory);
+        let names = Names(directory.as_deref());
+        let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
         for source in &allocators {
-            collect_allocator(&mut f, source, &names);
+            collect_allocator(&mut f, source, names);
         }
         if !allocators.is_empty() {
             f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
             f.of(&c::COLLECT_DURATION)
                 .push(&["allocator"], started.elapsed().as_secs_f64());
         }
-        for report in &reports {
-            collect_report(&mut f, report, &names);
+        for read in &self.reports {
+            collect_report(&mut f, &read(), names, assigned.as_deref());
         }
-        if let Some(pods) = &self.pods {
-            collect_report(&mut f, &pods.report(), &names);
+        let kubelet_reports = [
+            self.kubelet.names.as_ref().map(PodNames::report),
+            self.kubelet.resources.as_ref().map(PodResources::report),
+        ];
+        for report in kubelet_reports.into_iter().flatten() {
+            collect_report(&mut f, &report, names, None);
         }
         if let Some(ingest) = &self.ingest {
             for (result, count) in ingest.counts() {

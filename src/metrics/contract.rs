@@ -216,7 +216,14 @@ metric!(
         "pod_name",
         "container_name",
     ],
-    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one; pod_namespace, pod_name and container_name come from the kubelet where it ties the pod to the GPU, empty otherwise."
+    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one; pod_namespace, pod_name and container_name name them, from the kubelet's log directories, where the agent can read them."
+);
+metric!(
+    GPU_ASSIGNED,
+    "gpumem_gpu_assigned_info",
+    Gauge,
+    &["gpu", "UUID", "pod_namespace", "pod_name", "container_name"],
+    "1 for each container the kubelet assigned the GPU to (pod-resources API; a time-sliced GPU lists several)."
 );
 metric!(
     DEVICE_INFO,
@@ -230,7 +237,7 @@ metric!(
     "gpumem_source_up",
     Gauge,
     &["source"],
-    "1 when the source (nvml, simulated, allocator, pod_resources) was read successfully at the last attempt, else 0."
+    "1 when the source (nvml, simulated, allocator, pod_logs, pod_resources) was read successfully at the last attempt, else 0."
 );
 metric!(
     COLLECT_DURATION,
@@ -269,7 +276,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 31] = [
+pub const CONTRACT: [&MetricDef; 32] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -294,6 +301,7 @@ pub const CONTRACT: [&MetricDef; 31] = [
     &DEVICE_FREE,
     &DEVICE_RESERVED,
     &PROCESS_USED,
+    &GPU_ASSIGNED,
     &DEVICE_INFO,
     &SOURCE_UP,
     &COLLECT_DURATION,

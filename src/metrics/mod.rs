@@ -15,7 +15,7 @@ pub use collectors::{AgentCollector, ReportReader};
 
 use crate::ingest::PushStore;
 use crate::telemetry::AllocatorSource;
-use crate::telemetry::pod_resources::PodResources;
+use crate::telemetry::Kubelet;
 
 /// The allocators exported by an agent; the list may change while it runs.
 pub type AllocatorSources = Arc<Mutex<Vec<Arc<AllocatorSource>>>>;
@@ -27,7 +27,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// A registry with the collector over `allocators`, `reports` (one reader per polled
-    /// source) and, when given, the push ingest's counters and the kubelet's pod names.
+    /// source) and, when given, the push ingest's counters, and what the kubelet says (pod names, GPU assignments).
     ///
     /// # Errors
     /// A registration error, which only a collector defect can cause.
@@ -35,11 +35,11 @@ impl Metrics {
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
         ingest: Option<Arc<PushStore>>,
-        pods: Option<PodResources>,
+        kubelet: Kubelet,
     ) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         registry.register(Box::new(AgentCollector::new(
-            allocators, reports, ingest, pods,
+            allocators, reports, ingest, kubelet,
         )))?;
         Ok(Metrics { registry })
     }

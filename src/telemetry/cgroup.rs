@@ -103,7 +103,7 @@ fn pod_uid(component: &str) -> Option<String> {
         }
         None => component.strip_prefix("pod")?.to_owned(),
     };
-    is_uid(&raw).then_some(raw)
+    is_pod_uid(&raw).then_some(raw)
 }
 
 fn container(component: &str) -> Option<(String, Runtime)> {
@@ -125,7 +125,8 @@ fn container(component: &str) -> Option<(String, Runtime)> {
     is_container_id(id).then(|| (id.to_owned(), runtime))
 }
 
-fn is_uid(s: &str) -> bool {
+/// A pod UID in its canonical 8-4-4-4-12 hex form.
+pub(crate) fn is_pod_uid(s: &str) -> bool {
     let groups: Vec<&str> = s.split('-').collect();
     groups.len() == 5
         && groups
@@ -134,7 +135,8 @@ fn is_uid(s: &str) -> bool {
             .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
-fn is_container_id(s: &str) -> bool {
+/// A container ID: 64 hex digits.
+pub(crate) fn is_container_id(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 

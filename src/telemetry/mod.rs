@@ -17,6 +17,7 @@ pub use crate::allocator::SegmentClass;
 
 pub mod cgroup;
 mod nvml;
+pub mod pod_names;
 pub mod pod_resources;
 mod poller;
 pub mod sim_node;
@@ -68,6 +69,15 @@ pub struct NodeSample {
     pub simulated: bool,
     /// The GPUs.
     pub gpus: Vec<GpuSample>,
+}
+
+/// What the agent learns from the kubelet on a Kubernetes node, each part where available.
+#[derive(Clone, Default)]
+pub struct Kubelet {
+    /// Pod and container names, from its log directories.
+    pub names: Option<pod_names::PodNames>,
+    /// GPU assignments, from its pod-resources API.
+    pub resources: Option<pod_resources::PodResources>,
 }
 
 /// A size nobody has reported.

@@ -1,23 +1,19 @@
-//! Pod and container names from the kubelet's pod-resources API, joined to processes by GPU.
+//! Which containers the kubelet assigned each GPU, from its pod-resources API.
 //!
-//! A process's cgroup names its pod by UID only. The kubelet's `PodResourcesLister.List`
-//! (gRPC over `/var/lib/kubelet/pod-resources/kubelet.sock`) names, for every container, the
-//! devices it was given: for NVIDIA's device plugin, GPU UUIDs (`GPU-…`, `GPU-…::<n>` when
-//! time-sliced) or node indices. A GPU held by exactly one container, on which the processes
-//! run in exactly one pod, ties that pod's UID to its namespace, name and container name.
+//! `PodResourcesLister.List` (gRPC over `/var/lib/kubelet/pod-resources/kubelet.sock`) names,
+//! for every container, the devices device plugins gave it: for NVIDIA's plugin, GPU UUIDs
+//! (`GPU-…`, `GPU-…::<n>` for a time slice) or node indices. The agent exports the assignment
+//! beside NVML's view, so a GPU assigned to one pod but used by another's processes, or
+//! assigned and idle, shows. (Processes are named from their own cgroups, never from this.)
 //!
 //! # Invariants
-//! - A name is given only when the tie is unique: a GPU shared by several containers
-//!   (time-slicing, MPS), or one on which processes of several pods run, names nobody; a pod
-//!   tied to two different names is named by neither. A missing name is never a wrong one.
-//! - Only processes the cgroup attributes to a pod are named: a host process on a pod's GPU
-//!   keeps empty labels.
+//! - A GPU's holders are listed without repeats; a time-sliced or shared GPU has several.
 //! - The directory is the last successful answer; while the kubelet does not answer, the
-//!   source is reported down and the last directory stands (pods do not change while their
-//!   kubelet is down). Answers are bounded by the gRPC decoder's 4 MiB limit.
+//!   source is reported down and the last directory stands. Answers are bounded by the gRPC
+//!   decoder's 4 MiB limit.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -130,8 +126,8 @@ impl PodDirectory {
         PodDirectory { holders }
     }
 
-    /// The one container holding the GPU with this UUID and node index, if exactly one does.
-    pub fn sole_holder(&self, uuid: &str, index: Option<u32>) -> Option<&PodContainer> {
+    /// The containers holding the GPU with this UUID and node index.
+    pub fn holders(&self, uuid: &str, index: Option<u32>) -> Vec<&PodContainer> {
         let by_uuid = self
             .holders
             .get(uuid)
@@ -141,9 +137,13 @@ impl PodDirectory {
             .and_then(|i| self.holders.get(&format!("#{i}")))
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let mut all = by_uuid.iter().chain(by_index);
-        let first = all.next()?;
-        all.all(|other| other == first).then_some(first)
+        let mut all: Vec<&PodContainer> = Vec::new();
+        for holder in by_uuid.iter().chain(by_index) {
+            if !all.contains(&holder) {
+                all.push(holder);
+            }
+        }
+        all
     }
 
     /// Whether the kubelet named no device at all.
@@ -163,60 +163,6 @@ fn device_key(resource: &str, id: &str) -> Option<String> {
     } else {
         None
     }
-}
-
-/// One sighting of a pod on a GPU: a process the cgroup placed in pod `pod_uid` uses the GPU.
-#[derive(Clone, Copy, Debug)]
-pub struct Sighting<'a> {
-    /// The GPU's UUID.
-    pub uuid: &'a str,
-    /// Its node index, where known (NVML's; a pushing job's own index is not the node's).
-    pub index: Option<u32>,
-    /// The process's pod UID.
-    pub pod_uid: &'a str,
-}
-
-/// Pod UID → name, for every pod the sightings tie uniquely to a device's sole holder.
-pub fn name_pods<'a>(
-    directory: &PodDirectory,
-    sightings: impl IntoIterator<Item = Sighting<'a>>,
-) -> HashMap<String, PodContainer> {
-    // Per GPU: its index and the pods seen on it.
-    let mut gpus: HashMap<&str, (Option<u32>, Vec<&str>)> = HashMap::new();
-    for s in sightings {
-        let (index, pods) = gpus.entry(s.uuid).or_default();
-        *index = index.or(s.index);
-        if !pods.contains(&s.pod_uid) {
-            pods.push(s.pod_uid);
-        }
-    }
-    let mut names: HashMap<String, Option<PodContainer>> = HashMap::new();
-    for (uuid, (index, pods)) in gpus {
-        let [pod_uid] = pods.as_slice() else {
-            continue;
-        };
-        let Some(holder) = directory.sole_holder(uuid, index) else {
-            continue;
-        };
-        names
-            .entry((*pod_uid).to_string())
-            .and_modify(|known| {
-                // A pod holding several GPUs must be named the same way through each.
-                if known
-                    .as_ref()
-                    .is_some_and(|k| k.namespace != holder.namespace || k.pod != holder.pod)
-                {
-                    *known = None;
-                } else if let Some(k) = known.as_mut().filter(|k| k.container != holder.container) {
-                    k.container.clear();
-                }
-            })
-            .or_insert_with(|| Some(holder.clone()));
-    }
-    names
-        .into_iter()
-        .filter_map(|(uid, name)| Some((uid, name?)))
-        .collect()
 }
 
 /// Asks the kubelet once.
@@ -282,7 +228,7 @@ struct Latest {
     directory: Arc<PodDirectory>,
 }
 
-/// The kubelet's latest answer, refreshed by [`PodResources::run`].
+/// The kubelet's latest answer, refreshed by [`PodResources::refresh`].
 #[derive(Clone)]
 pub struct PodResources {
     latest: Arc<Mutex<Latest>>,
@@ -330,25 +276,12 @@ impl PodResources {
         let started = Instant::now();
         let result = list(socket, timeout).await;
         let duration_seconds = started.elapsed().as_secs_f64();
-        let mut latest = self.lock();
-        let was = Arc::clone(&latest.report);
         match result {
-            Ok(answer) => {
-                if !was.up {
-                    tracing::info!(socket = %socket.display(), pods = answer.pod_resources.len(), "kubelet pod resources are up");
-                }
-                latest.directory = Arc::new(PodDirectory::from_list(&answer));
-                latest.report = Arc::new(SourceReport {
-                    source: SOURCE,
-                    up: true,
-                    sample: None,
-                    error: None,
-                    duration_seconds,
-                });
-            }
+            Ok(answer) => self.publish(&answer, duration_seconds),
             Err(reason) => {
-                if was.error.as_deref() != Some(reason.as_str()) {
-                    tracing::warn!(reason = %reason, "kubelet pod resources are down; pods are named by UID only");
+                let mut latest = self.lock();
+                if latest.report.error.as_deref() != Some(reason.as_str()) {
+                    tracing::warn!(reason = %reason, "kubelet pod resources are down; GPU assignments are not refreshed");
                 }
                 latest.report = Arc::new(SourceReport {
                     source: SOURCE,
@@ -361,15 +294,23 @@ impl PodResources {
         }
     }
 
-    /// Refreshes every `interval`, forever (run it as a task; it stops with its runtime).
-    pub async fn run(self, socket: PathBuf, interval: Duration) {
-        let timeout = interval.min(Duration::from_secs(5));
-        let mut ticks = tokio::time::interval(interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            self.refresh(&socket, timeout).await;
+    /// Publishes an answer of the kubelet's, obtained in `duration_seconds`.
+    pub fn publish(&self, answer: &api::ListPodResourcesResponse, duration_seconds: f64) {
+        let mut latest = self.lock();
+        if !latest.report.up {
+            tracing::info!(
+                pods = answer.pod_resources.len(),
+                "kubelet pod resources are up"
+            );
         }
+        latest.directory = Arc::new(PodDirectory::from_list(answer));
+        latest.report = Arc::new(SourceReport {
+            source: SOURCE,
+            up: true,
+            sample: None,
+            error: None,
+            duration_seconds,
+        });
     }
 }
 
@@ -409,15 +350,19 @@ mod tests {
     }
 
     #[test]
-    fn uuids_time_slices_and_indices_name_their_holder() {
+    fn uuids_time_slices_and_indices_find_their_holders() {
         let d = directory(vec![
             pod(
                 "ml",
                 "train-0",
                 &[("trainer", NVIDIA_GPU, &["GPU-aaa", "GPU-bbb"])],
             ),
-            pod("ml", "infer", &[("server", NVIDIA_GPU, &["GPU-ccc::0"])]),
-            pod("ml", "infer-2", &[("server", NVIDIA_GPU, &["GPU-ccc::1"])]),
+            pod(
+                "ml",
+                "infer",
+                &[("server", NVIDIA_GPU, &["GPU-ccc::0", "GPU-ccc::1"])],
+            ),
+            pod("ml", "infer-2", &[("server", NVIDIA_GPU, &["GPU-ccc::2"])]),
             pod("batch", "job", &[("main", NVIDIA_GPU, &["3"])]),
             pod(
                 "net",
@@ -425,78 +370,24 @@ mod tests {
                 &[("app", "intel.com/sriov", &["0000:3b:02.1", "4"])],
             ),
         ]);
+        let trainer = holder("ml", "train-0", "trainer");
+        assert_eq!(d.holders("GPU-aaa", Some(0)), vec![&trainer]);
+        assert_eq!(d.holders("GPU-bbb", None), vec![&trainer]);
+        // Time slices of one GPU: each container once.
         assert_eq!(
-            d.sole_holder("GPU-aaa", Some(0)),
-            Some(&holder("ml", "train-0", "trainer"))
+            d.holders("GPU-ccc", Some(2)),
+            vec![
+                &holder("ml", "infer", "server"),
+                &holder("ml", "infer-2", "server")
+            ]
         );
-        assert_eq!(
-            d.sole_holder("GPU-bbb", None),
-            Some(&holder("ml", "train-0", "trainer"))
-        );
-        // Two time slices of one GPU: shared, so nobody.
-        assert_eq!(d.sole_holder("GPU-ccc", Some(2)), None);
         // The index strategy, and only for nvidia.com/gpu.
         assert_eq!(
-            d.sole_holder("GPU-ddd", Some(3)),
-            Some(&holder("batch", "job", "main"))
+            d.holders("GPU-ddd", Some(3)),
+            vec![&holder("batch", "job", "main")]
         );
-        assert_eq!(d.sole_holder("GPU-eee", Some(4)), None);
-        assert_eq!(d.sole_holder("GPU-unknown", None), None);
-    }
-
-    #[test]
-    fn pods_are_named_only_through_unique_ties() {
-        let d = directory(vec![
-            pod(
-                "ml",
-                "train-0",
-                &[("trainer", NVIDIA_GPU, &["GPU-a", "GPU-b"])],
-            ),
-            pod("ml", "shared", &[("x", NVIDIA_GPU, &["GPU-s::0"])]),
-            pod("ml", "shared-2", &[("x", NVIDIA_GPU, &["GPU-s::1"])]),
-            pod(
-                "ml",
-                "two",
-                &[
-                    ("c1", NVIDIA_GPU, &["GPU-t1"]),
-                    ("c2", NVIDIA_GPU, &["GPU-t2"]),
-                ],
-            ),
-            pod("ml", "crowded", &[("c", NVIDIA_GPU, &["GPU-c"])]),
-        ]);
-        let seen = |uuid, pod_uid| Sighting {
-            uuid,
-            index: None,
-            pod_uid,
-        };
-        let names = name_pods(
-            &d,
-            [
-                seen("GPU-a", "uid-train"),
-                seen("GPU-b", "uid-train"),
-                seen("GPU-s", "uid-shared"),
-                seen("GPU-t1", "uid-two"),
-                seen("GPU-t2", "uid-two"),
-                // A second pod's process on a GPU held by one container: nobody is named.
-                seen("GPU-c", "uid-crowded"),
-                seen("GPU-c", "uid-intruder"),
-                // The same pod on two GPUs held by different pods: ambiguous.
-                seen("GPU-a", "uid-x"),
-            ],
-        );
-        // GPU-a also runs uid-x, so it names nobody; GPU-b still ties uid-train.
-        assert_eq!(
-            names.get("uid-train"),
-            Some(&holder("ml", "train-0", "trainer"))
-        );
-        assert_eq!(names.get("uid-x"), None);
-        assert_eq!(names.get("uid-shared"), None);
-        assert_eq!(names.get("uid-two"), Some(&holder("ml", "two", "")));
-        assert_eq!(names.get("uid-crowded"), None);
-        assert_eq!(names.get("uid-intruder"), None);
-
-        let names = name_pods(&d, [seen("GPU-a", "uid-p"), seen("GPU-t1", "uid-p")]);
-        assert_eq!(names.get("uid-p"), None, "tied to two pods");
+        assert!(d.holders("GPU-eee", Some(4)).is_empty());
+        assert!(d.holders("GPU-unknown", None).is_empty());
     }
 
     #[test]

@@ -11,7 +11,12 @@ use gpumem::ingest::IngestConfig;
 use gpumem::metrics::contract::CONTRACT;
 use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
-use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::pod_resources::PodResources;
+use gpumem::telemetry::pod_resources::api::{
+    self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
+};
+use gpumem::telemetry::sim_node::simulated_uuid;
+use gpumem::telemetry::{Kubelet, Poller, SimNode, SimNodeConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
@@ -31,11 +36,33 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
     let reader: ReportReader = Box::new(node.report_reader());
+    // A kubelet's answer: GPU 0 assigned to one container (tests/it/kubelet.rs asks a real
+    // gRPC server).
+    let resources = PodResources::new();
+    resources.publish(
+        &ListPodResourcesResponse {
+            pod_resources: vec![api::PodResources {
+                name: "train-0".into(),
+                namespace: "ml".into(),
+                containers: vec![ContainerResources {
+                    name: "trainer".into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: "nvidia.com/gpu".into(),
+                        device_ids: vec![simulated_uuid(0)],
+                    }],
+                }],
+            }],
+        },
+        0.001,
+    );
     let state = agent_state(
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
-        None,
+        Kubelet {
+            names: None,
+            resources: Some(resources),
+        },
     )
     .expect("registers");
     // Let the processes replay a while, so that every series has moved.
@@ -438,11 +465,10 @@ fn a_real_prometheus_scrapes_the_demo() {
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
     // Every metric but the one that exists per pushing process (the demo has none; the
-    // ingest tests query it).
-    for def in CONTRACT
-        .into_iter()
-        .filter(|def| def.name != "gpumem_ingest_last_push_age_seconds")
-    {
+    // ingest tests query it) and the kubelet's GPU assignments (tests/it/kubelet.rs).
+    for def in CONTRACT.into_iter().filter(|def| {
+        def.name != "gpumem_ingest_last_push_age_seconds" && def.name != "gpumem_gpu_assigned_info"
+    }) {
         let result = prometheus_query(prom_port, def.name).expect("query answers");
         assert!(
             result.as_array().is_some_and(|r| !r.is_empty()),
@@ -519,8 +545,13 @@ fn process_series_carry_their_pod() {
         duration_seconds: 0.001,
     });
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
-    let metrics =
-        Metrics::new(allocator_sources(Vec::new()), vec![reader], None, None).expect("metrics");
+    let metrics = Metrics::new(
+        allocator_sources(Vec::new()),
+        vec![reader],
+        None,
+        Default::default(),
+    )
+    .expect("metrics");
     let text = metrics.encode();
     let container = "ab".repeat(32);
     let line = |pid: &str| {

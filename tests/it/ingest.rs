@@ -20,8 +20,13 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
         ..IngestConfig::default()
     };
     let store = Arc::new(PushStore::new(config, Arc::clone(&sources)));
-    let metrics =
-        Metrics::new(sources, Vec::new(), Some(Arc::clone(&store)), None).expect("registers");
+    let metrics = Metrics::new(
+        sources,
+        Vec::new(),
+        Some(Arc::clone(&store)),
+        Default::default(),
+    )
+    .expect("registers");
     let router = app(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(Arc::clone(&store)),

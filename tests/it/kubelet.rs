@@ -1,6 +1,6 @@
-//! Pod names from the kubelet's pod-resources API: a stand-in kubelet serves the real gRPC
-//! service (`v1.PodResourcesLister/List`) on a Unix socket; the agent asks it and names the
-//! pods of NVML's processes and of pushed statistics, only where the GPU ties them uniquely.
+//! What the kubelet tells the agent: pod and container names from a node's log directories
+//! (laid out here as the kubelet lays them out), and GPU assignments from a stand-in kubelet
+//! serving the real gRPC service (`v1.PodResourcesLister/List`) on a Unix socket.
 
 use std::convert::Infallible;
 use std::future::{Ready, ready};
@@ -14,12 +14,13 @@ use gpumem::ingest::IngestConfig;
 use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::agent_state;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
+use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::PodResources;
 use gpumem::telemetry::pod_resources::api::{
     ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse,
     PodResources as PodEntry,
 };
-use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
+use gpumem::telemetry::{GpuSample, Kubelet, NodeSample, ProcessSample, SourceReport};
 use tonic::codegen::http;
 
 use crate::agent::{free_port, http_get, spawn_serve, wait_for};
@@ -28,11 +29,11 @@ use crate::agent::{free_port, http_get, spawn_serve, wait_for};
 type Answer = Arc<Mutex<ListPodResourcesResponse>>;
 
 #[derive(Clone)]
-struct Kubelet {
+struct Lister {
     answer: Answer,
 }
 
-impl tonic::server::NamedService for Kubelet {
+impl tonic::server::NamedService for Lister {
     const NAME: &'static str = "v1.PodResourcesLister";
 }
 
@@ -52,7 +53,7 @@ impl tonic::server::UnaryService<ListPodResourcesRequest> for List {
     }
 }
 
-impl tower::Service<http::Request<tonic::body::Body>> for Kubelet {
+impl tower::Service<http::Request<tonic::body::Body>> for Lister {
     type Response = http::Response<tonic::body::Body>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
@@ -94,7 +95,7 @@ impl StandIn {
                 let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
                 let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
                 let _ = tonic::transport::Server::builder()
-                    .serve_with_incoming_shutdown(Kubelet { answer }, incoming, async {
+                    .serve_with_incoming_shutdown(Lister { answer }, incoming, async {
                         let _ = stopped.await;
                     })
                     .await;
@@ -140,12 +141,18 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 const TRAIN_UID: &str = "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30";
-const SHARED_UID: &str = "0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f";
+const INFER_UID: &str = "0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f";
+const DEBUG_UID: &str = "9c1d2e3f-4a5b-4c6d-8e7f-0a1b2c3d4e5f";
+
+fn container_id(uid: &str) -> String {
+    // One container per pod here: its ID derived from the pod's UID.
+    format!("{:0<64}", uid.replace('-', ""))
+}
 
 fn in_pod(uid: &str) -> Option<ContainerRef> {
     Some(ContainerRef {
         pod_uid: uid.into(),
-        container_id: "ab".repeat(32),
+        container_id: container_id(uid),
         runtime: Runtime::Containerd,
     })
 }
@@ -160,8 +167,23 @@ fn resolve(pid: u32) -> Option<ContainerRef> {
     (pid == trainer()).then(|| in_pod(TRAIN_UID)).flatten()
 }
 
-/// NVML's view: GPU 0 runs the training pod's process and a host process; GPU 1 is
-/// time-sliced between two pods, one process of which is seen.
+/// A node's log directories as the kubelet lays them out: `pods/<ns>_<pod>_<uid>/<container>/`
+/// and `containers/<pod>_<ns>_<container>-<id>.log`.
+fn log_dirs(root: &Path, pods: &[(&str, &str, &str, &str)]) -> PodNames {
+    let (pods_dir, containers_dir) = (root.join("pods"), root.join("containers"));
+    std::fs::create_dir_all(&containers_dir).expect("containers dir");
+    for (namespace, pod, container, uid) in pods {
+        std::fs::create_dir_all(pods_dir.join(format!("{namespace}_{pod}_{uid}/{container}")))
+            .expect("pod dir");
+        let link = format!("{pod}_{namespace}_{container}-{}.log", container_id(uid));
+        std::fs::write(containers_dir.join(link), b"").expect("link");
+    }
+    PodNames::new(pods_dir, containers_dir)
+}
+
+/// NVML's view: GPU 0 (assigned to the training pod) runs its process, a host process, and a
+/// debug pod's process that was never assigned a GPU; GPU 1 is time-sliced between two
+/// inference pods, one process of which is seen.
 fn node_report() -> ReportReader {
     let process = |pid, container| ProcessSample {
         pid,
@@ -188,9 +210,13 @@ fn node_report() -> ReportReader {
             gpus: vec![
                 gpu(
                     0,
-                    vec![process(trainer(), in_pod(TRAIN_UID)), process(17, None)],
+                    vec![
+                        process(trainer(), in_pod(TRAIN_UID)),
+                        process(17, None),
+                        process(23, in_pod(DEBUG_UID)),
+                    ],
                 ),
-                gpu(1, vec![process(5151, in_pod(SHARED_UID))]),
+                gpu(1, vec![process(5151, in_pod(INFER_UID))]),
             ],
         }),
         error: None,
@@ -205,10 +231,12 @@ fn line<'a>(text: &'a str, metric: &str, needle: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {metric} series with {needle}:\n{text}"))
 }
 
-const NAMED: &str = r#"pod_namespace="ml",pod_name="train-0",container_name="trainer""#;
+fn names(namespace: &str, pod: &str, container: &str) -> String {
+    format!(r#"pod_namespace="{namespace}",pod_name="{pod}",container_name="{container}""#)
+}
 
 #[test]
-fn the_kubelet_names_pods_of_processes_and_pushes() {
+fn processes_and_pushes_are_named_and_assignments_listed() {
     let dir = scratch("join");
     let socket = dir.join("kubelet.sock");
     let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
@@ -226,9 +254,18 @@ fn the_kubelet_names_pods_of_processes_and_pushes() {
         .enable_all()
         .build()
         .expect("runtime");
-    let pods = PodResources::new();
-    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
-    assert!(pods.report().up, "{:?}", pods.report().error);
+    let resources = PodResources::new();
+    runtime.block_on(resources.refresh(&socket, Duration::from_secs(5)));
+    assert!(resources.report().up, "{:?}", resources.report().error);
+    let pod_names = log_dirs(
+        &dir.join("log"),
+        &[
+            ("ml", "train-0", "trainer", TRAIN_UID),
+            ("ml", "infer-b", "server", INFER_UID),
+            ("tools", "debug", "shell", DEBUG_UID),
+        ],
+    );
+    pod_names.refresh();
 
     let state = agent_state(
         allocator_sources(Vec::new()),
@@ -237,7 +274,10 @@ fn the_kubelet_names_pods_of_processes_and_pushes() {
             resolve,
             ..IngestConfig::default()
         },
-        Some(pods.clone()),
+        Kubelet {
+            names: Some(pod_names),
+            resources: Some(resources.clone()),
+        },
     )
     .expect("registers");
     let store = state.ingest.as_ref().expect("ingest");
@@ -251,42 +291,49 @@ fn the_kubelet_names_pods_of_processes_and_pushes() {
 
     let me = format!(r#"pid="{}""#, trainer());
     let text = state.metrics.encode();
+    let trainer_names = names("ml", "train-0", "trainer");
     assert!(
-        line(&text, "gpumem_process_used_bytes", &me).contains(NAMED),
+        line(&text, "gpumem_process_used_bytes", &me).contains(&trainer_names),
         "{text}"
     );
-    // A host process on the pod's GPU, and a pod on a time-sliced GPU: no names.
-    let empty = r#"pod_namespace="",pod_name="",container_name="""#;
-    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="17""#).contains(empty));
-    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="5151""#).contains(empty));
-    // The pushed statistics of the pod's process carry the same names.
+    // Each process by its own pod, whoever the GPU was assigned to; a host process unnamed.
+    assert!(
+        line(&text, "gpumem_process_used_bytes", r#"pid="23""#)
+            .contains(&names("tools", "debug", "shell"))
+    );
+    assert!(
+        line(&text, "gpumem_process_used_bytes", r#"pid="5151""#)
+            .contains(&names("ml", "infer-b", "server"))
+    );
+    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="17""#).contains(&names("", "", "")));
+    // The pushed statistics of the trainer carry the same names.
     let pushed = line(&text, "gpumem_allocator_allocated_bytes", &me);
     assert!(
-        pushed.contains(&format!(r#"pod_uid="{TRAIN_UID}""#)) && pushed.contains(NAMED),
+        pushed.contains(&format!(r#"pod_uid="{TRAIN_UID}""#)) && pushed.contains(&trainer_names),
         "{pushed}"
     );
+    // The assignments, one series per container holding a GPU.
+    let assigned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gpumem_gpu_assigned_info{"))
+        .collect();
+    assert_eq!(assigned.len(), 3, "{assigned:?}");
+    assert!(line(&text, "gpumem_gpu_assigned_info", r#"gpu="0""#).contains(&trainer_names));
+    for pod in ["infer-a", "infer-b"] {
+        assert!(
+            assigned
+                .iter()
+                .any(|l| l.contains(r#"gpu="1""#) && l.contains(&names("ml", pod, "server"))),
+            "{assigned:?}"
+        );
+    }
     assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 1"));
+    assert!(text.contains("gpumem_source_up{source=\"pod_logs\"} 1"));
 
-    // The GPU goes to a second container too: the tie is gone, and so are the names.
-    answer
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .pod_resources
-        .push(pod("ml", "sidecar", "debug", &["GPU-0aaa"]));
-    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
-    let text = state.metrics.encode();
-    assert!(line(&text, "gpumem_process_used_bytes", &me).contains(empty));
-
-    // The kubelet stops answering: the source is down, the last answer stands.
-    answer
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .pod_resources
-        .pop();
-    runtime.block_on(pods.refresh(&socket, Duration::from_secs(5)));
+    // The kubelet stops answering: its source is down, its last answer stands.
     drop(kubelet);
-    runtime.block_on(pods.refresh(&socket, Duration::from_secs(2)));
-    let report = pods.report();
+    runtime.block_on(resources.refresh(&socket, Duration::from_secs(2)));
+    let report = resources.report();
     assert!(!report.up);
     assert!(
         report
@@ -297,12 +344,13 @@ fn the_kubelet_names_pods_of_processes_and_pushes() {
     );
     let text = state.metrics.encode();
     assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 0"));
-    assert!(line(&text, "gpumem_process_used_bytes", &me).contains(NAMED));
+    assert!(line(&text, "gpumem_gpu_assigned_info", r#"gpu="0""#).contains(&trainer_names));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `gpumem serve` asks the kubelet at the socket it is given, reports it up, and down once it
-/// goes; without a socket there is no such source at all.
+/// `gpumem serve` asks the kubelet at the socket it is given and reads the log directories,
+/// reports both up, and the kubelet down once it goes; where neither exists there is no such
+/// source at all.
 #[test]
 fn serve_reports_the_kubelet_up_and_down() {
     let dir = scratch("serve");
@@ -311,16 +359,25 @@ fn serve_reports_the_kubelet_up_and_down() {
         pod_resources: vec![pod("ml", "train-0", "trainer", &["GPU-0aaa"])],
     }));
     let kubelet = StandIn::start(&socket, answer);
+    let _ = log_dirs(&dir.join("log"), &[("ml", "train-0", "trainer", TRAIN_UID)]);
     let port = free_port();
     let _serve = spawn_serve(
         port,
         &dir.join("serve.log"),
         None,
-        &["--pod-resources-socket".as_ref(), socket.as_os_str()],
+        &[
+            "--pod-resources-socket".as_ref(),
+            socket.as_os_str(),
+            "--kubelet-logs".as_ref(),
+            dir.join("log").as_os_str(),
+        ],
     );
-    let up = "gpumem_source_up{source=\"pod_resources\"} 1";
+    let up = [
+        "gpumem_source_up{source=\"pod_resources\"} 1",
+        "gpumem_source_up{source=\"pod_logs\"} 1",
+    ];
     let seen = wait_for(Duration::from_secs(20), || {
-        http_get(port, "/metrics").filter(|m| m.contains(up))
+        http_get(port, "/metrics").filter(|m| up.iter().all(|u| m.contains(u)))
     });
     assert!(seen.is_some(), "the kubelet is never reported up");
     drop(kubelet);
@@ -337,16 +394,20 @@ fn serve_reports_the_kubelet_up_and_down() {
     );
 
     let port = free_port();
+    let absent = dir.join("absent");
     let _serve = spawn_serve(
         port,
         &dir.join("serve-2.log"),
         None,
         &[
             "--pod-resources-socket".as_ref(),
-            dir.join("absent.sock").as_os_str(),
+            absent.join("kubelet.sock").as_os_str(),
+            "--kubelet-logs".as_ref(),
+            absent.as_os_str(),
         ],
     );
     let metrics = http_get(port, "/metrics").expect("metrics");
     assert!(!metrics.contains("source=\"pod_resources\""), "{metrics}");
+    assert!(!metrics.contains("source=\"pod_logs\""), "{metrics}");
     let _ = std::fs::remove_dir_all(&dir);
 }

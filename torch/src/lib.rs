@@ -77,7 +77,8 @@ const MAX_DEVICES: usize = 64;
 
 struct DeviceSlot {
     allocator: SharedAllocator<backend::Device>,
-    largest_free_block: Arc<AtomicU64>,
+    /// What the metrics server exports for it (the figures the lock-free stats lack).
+    source: Arc<AllocatorSource>,
 }
 
 static SLOTS: [OnceLock<Option<DeviceSlot>>; MAX_DEVICES] =
@@ -108,8 +109,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                 let config = config();
                 let settings = config.last_settings.clone();
                 let allocator = SharedAllocator::new(CachingAllocator::new(dev, config));
-                let largest_free_block = Arc::new(AtomicU64::new(0));
-                register_metrics(AllocatorSource {
+                let source = Arc::new(AllocatorSource {
                     gpu: device as u32,
                     uuid,
                     pid: std::process::id(),
@@ -117,14 +117,12 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     version: env!("CARGO_PKG_VERSION").to_string(),
                     config: settings,
                     stats: Arc::clone(allocator.stats()),
-                    largest_free_block: Arc::clone(&largest_free_block),
+                    largest_free_block: Arc::new(AtomicU64::new(0)),
                     segment_classes: Default::default(),
                     labels: Vec::new(),
                 });
-                Some(DeviceSlot {
-                    allocator,
-                    largest_free_block,
-                })
+                register_metrics(Arc::clone(&source));
+                Some(DeviceSlot { allocator, source })
             }
             Err(e) => {
                 report(&format!("cannot open CUDA device {device}: {e}"));
@@ -226,7 +224,7 @@ pub extern "C" fn gpumem_record_stream(ptr: *mut c_void, stream: *mut c_void) {
 
 /// Adds a device's allocator to `/metrics`, starting the server on first use when
 /// `GPUMEM_METRICS_LISTEN` is set.
-fn register_metrics(source: AllocatorSource) {
+fn register_metrics(source: Arc<AllocatorSource>) {
     let Ok(listen) = std::env::var("GPUMEM_METRICS_LISTEN") else {
         return;
     };
@@ -238,7 +236,7 @@ fn register_metrics(source: AllocatorSource) {
     sources
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(Arc::new(source));
+        .push(source);
 }
 
 fn start_server(listen: &str, sources: AllocatorSources) {
@@ -251,7 +249,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             return;
         }
     };
-    let metrics = match Metrics::new(sources, Vec::new(), None, None) {
+    let metrics = match Metrics::new(sources, Vec::new(), None, Default::default()) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             report(&format!("metrics unavailable: {e}"));
@@ -269,7 +267,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
                 Err(e) => return report(&format!("metrics server cannot start: {e}")),
             };
             runtime.block_on(async move {
-                tokio::spawn(refresh_largest_free_blocks());
+                tokio::spawn(refresh_cache_figures());
                 let state = gpumem::server::AppState {
                     metrics,
                     ingest: None,
@@ -292,13 +290,23 @@ fn start_server(listen: &str, sources: AllocatorSources) {
     }
 }
 
-/// Publishes each allocator's largest free block every second, skipping an allocator whose
-/// lock is busy rather than making an allocation wait.
-async fn refresh_largest_free_blocks() {
+/// Publishes each allocator's largest free block and segments by size every second, skipping
+/// an allocator whose lock is busy rather than making an allocation wait.
+async fn refresh_cache_figures() {
     loop {
         for slot in SLOTS.iter().filter_map(|s| s.get()).flatten() {
-            if let Some(largest) = slot.allocator.try_with(|a| a.largest_free_block()) {
-                slot.largest_free_block.store(largest, Ordering::Relaxed);
+            let figures = slot
+                .allocator
+                .try_with(|a| (a.largest_free_block(), a.segments_by_size()));
+            if let Some((largest, classes)) = figures {
+                slot.source
+                    .largest_free_block
+                    .store(largest, Ordering::Relaxed);
+                *slot
+                    .source
+                    .segment_classes
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = classes;
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

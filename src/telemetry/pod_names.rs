@@ -1,0 +1,288 @@
+//! Pod and container names for the pod UIDs and container IDs a process's cgroup gives, from
+//! the kubelet's log directories.
+//!
+//! The kubelet keeps every container's logs under `/var/log/pods/<namespace>_<pod>_<uid>/`
+//! and links each as `/var/log/containers/<pod>_<namespace>_<container>-<container id>.log`.
+//! Namespaces, pod names and container names are DNS labels or subdomains, which never hold
+//! `_`, so both names split unambiguously. Only the names of entries are read, never a file.
+//!
+//! # Invariants
+//! - A name comes only from an entry naming that exact UID or container ID: a process is
+//!   never named after another pod.
+//! - At most [`MAX_ENTRIES`] entries of each directory are read; a node runs far fewer pods.
+//! - The directory is the last successful read; an unreadable directory reports the source
+//!   down and the last read stands.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use super::SourceReport;
+
+/// Where the kubelet keeps pod logs.
+pub const PODS_DIR: &str = "/var/log/pods";
+/// Where the kubelet links container logs.
+pub const CONTAINERS_DIR: &str = "/var/log/containers";
+/// The `source` label of the directories' up and duration metrics.
+pub const SOURCE: &str = "pod_logs";
+/// Entries read from each directory at most.
+pub const MAX_ENTRIES: usize = 100_000;
+
+/// A process's pod and container, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodName {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub pod: String,
+    /// The container's name in the pod spec; empty when its log link is not there.
+    pub container: String,
+}
+
+/// Pod UID → (namespace, pod) and container ID → container name, from one read.
+#[derive(Debug, Default)]
+pub struct NameDirectory {
+    pods: HashMap<String, (String, String)>,
+    containers: HashMap<String, String>,
+}
+
+/// `<namespace>_<pod>_<uid>` → (uid, namespace, pod).
+fn pod_entry(name: &str) -> Option<(&str, &str, &str)> {
+    let mut parts = name.splitn(3, '_');
+    let (namespace, pod, uid) = (parts.next()?, parts.next()?, parts.next()?);
+    (!namespace.is_empty() && !pod.is_empty() && super::cgroup::is_pod_uid(uid))
+        .then_some((uid, namespace, pod))
+}
+
+/// `<pod>_<namespace>_<container>-<64 hex>.log` → (container id, container).
+fn container_entry(name: &str) -> Option<(&str, &str)> {
+    let stem = name.strip_suffix(".log")?;
+    let (rest, id) = stem.rsplit_once('-')?;
+    if !super::cgroup::is_container_id(id) {
+        return None;
+    }
+    let mut parts = rest.splitn(3, '_');
+    let (_pod, _namespace, container) = (parts.next()?, parts.next()?, parts.next()?);
+    (!container.is_empty() && !container.contains('_')).then_some((id, container))
+}
+
+fn entries(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir)?.take(MAX_ENTRIES) {
+        if let Ok(name) = entry?.file_name().into_string() {
+            names.push(name);
+        }
+    }
+    Ok(names)
+}
+
+impl NameDirectory {
+    /// Reads both directories.
+    ///
+    /// # Errors
+    /// Why a directory could not be listed, naming it.
+    pub fn read(pods_dir: &Path, containers_dir: &Path) -> Result<NameDirectory, String> {
+        let list =
+            |dir: &Path| entries(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()));
+        let mut directory = NameDirectory::default();
+        for name in list(pods_dir)? {
+            if let Some((uid, namespace, pod)) = pod_entry(&name) {
+                directory
+                    .pods
+                    .insert(uid.to_string(), (namespace.to_string(), pod.to_string()));
+            }
+        }
+        for name in list(containers_dir)? {
+            if let Some((id, container)) = container_entry(&name) {
+                directory
+                    .containers
+                    .insert(id.to_ascii_lowercase(), container.to_string());
+            }
+        }
+        Ok(directory)
+    }
+
+    /// The names of the pod with this UID and of its container with this ID.
+    pub fn name(&self, pod_uid: &str, container_id: &str) -> Option<PodName> {
+        let (namespace, pod) = self.pods.get(pod_uid)?;
+        Some(PodName {
+            namespace: namespace.clone(),
+            pod: pod.clone(),
+            container: self
+                .containers
+                .get(container_id)
+                .cloned()
+                .unwrap_or_default(),
+        })
+    }
+
+    /// Number of pods known.
+    pub fn pods(&self) -> usize {
+        self.pods.len()
+    }
+}
+
+struct Latest {
+    report: Arc<SourceReport>,
+    directory: Arc<NameDirectory>,
+}
+
+/// The last read of the log directories, refreshed by [`PodNames::refresh`].
+#[derive(Clone)]
+pub struct PodNames {
+    pods_dir: PathBuf,
+    containers_dir: PathBuf,
+    latest: Arc<Mutex<Latest>>,
+}
+
+impl PodNames {
+    /// Names from these directories; nothing is read until the first refresh.
+    pub fn new(pods_dir: PathBuf, containers_dir: PathBuf) -> Self {
+        PodNames {
+            pods_dir,
+            containers_dir,
+            latest: Arc::new(Mutex::new(Latest {
+                report: Arc::new(SourceReport {
+                    source: SOURCE,
+                    up: false,
+                    sample: None,
+                    error: Some("the log directories have not been read yet".into()),
+                    duration_seconds: 0.0,
+                }),
+                directory: Arc::default(),
+            })),
+        }
+    }
+
+    /// The latest report (up or down, and why).
+    pub fn report(&self) -> Arc<SourceReport> {
+        Arc::clone(&self.lock().report)
+    }
+
+    /// The last successful read.
+    pub fn directory(&self) -> Arc<NameDirectory> {
+        Arc::clone(&self.lock().directory)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Latest> {
+        self.latest.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reads the directories again and publishes the result, logging a change of state once.
+    pub fn refresh(&self) {
+        let started = Instant::now();
+        let result = NameDirectory::read(&self.pods_dir, &self.containers_dir);
+        let duration_seconds = started.elapsed().as_secs_f64();
+        let mut latest = self.lock();
+        let was = Arc::clone(&latest.report);
+        let error = match result {
+            Ok(directory) => {
+                if !was.up {
+                    tracing::info!(
+                        pods = directory.pods(),
+                        "pod names from the kubelet's log directories"
+                    );
+                }
+                latest.directory = Arc::new(directory);
+                None
+            }
+            Err(reason) => {
+                if was.error.as_deref() != Some(reason.as_str()) {
+                    tracing::warn!(reason = %reason, "pod log directories unreadable; pods are named by UID only");
+                }
+                Some(reason)
+            }
+        };
+        latest.report = Arc::new(SourceReport {
+            source: SOURCE,
+            up: error.is_none(),
+            sample: None,
+            error,
+            duration_seconds,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30";
+
+    #[test]
+    fn entries_split_into_names() {
+        assert_eq!(
+            pod_entry(&format!("ml-team_train-0_{UID}")),
+            Some((UID, "ml-team", "train-0"))
+        );
+        let id = "ab".repeat(32);
+        assert_eq!(
+            container_entry(&format!("train-0_ml-team_trainer-{id}.log")),
+            Some((id.as_str(), "trainer"))
+        );
+        // Container names may hold dashes: the ID is what follows the last one.
+        assert_eq!(
+            container_entry(&format!("p_ns_nccl-proxy-{id}.log")),
+            Some((id.as_str(), "nccl-proxy"))
+        );
+        for bad in [
+            "kube-system_coredns".to_string(),
+            format!("ns_pod_{}", &UID[1..]),
+            format!("_pod_{UID}"),
+        ] {
+            assert_eq!(pod_entry(&bad), None, "{bad}");
+        }
+        for bad in [
+            format!("p_ns_c-{}.log", &id[1..]),
+            format!("p_ns_c-{id}.txt"),
+            format!("p_ns_-{id}.log"),
+            format!("p_ns-{id}.log"),
+        ] {
+            assert_eq!(container_entry(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_node_layout_names_its_processes() {
+        let root = std::env::temp_dir().join(format!("gpumem-podnames-{}", std::process::id()));
+        let (pods, containers) = (root.join("pods"), root.join("containers"));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(pods.join(format!("ml_train-0_{UID}/trainer"))).expect("dir");
+        std::fs::create_dir_all(pods.join("not-a-pod")).expect("dir");
+        std::fs::create_dir_all(&containers).expect("dir");
+        let id = "cd".repeat(32);
+        std::fs::write(containers.join(format!("train-0_ml_trainer-{id}.log")), b"").expect("file");
+        let names = PodNames::new(pods.clone(), containers.clone());
+        names.refresh();
+        assert!(names.report().up);
+        let d = names.directory();
+        assert_eq!(
+            d.name(UID, &id),
+            Some(PodName {
+                namespace: "ml".into(),
+                pod: "train-0".into(),
+                container: "trainer".into(),
+            })
+        );
+        // A container whose link is gone still has its pod's names.
+        assert_eq!(
+            d.name(UID, &"ef".repeat(32)).map(|n| n.container),
+            Some(String::new())
+        );
+        assert_eq!(d.name("0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f", &id), None);
+
+        std::fs::remove_dir_all(&root).expect("cleanup");
+        names.refresh();
+        let report = names.report();
+        assert!(!report.up);
+        assert!(
+            report.error.as_deref().is_some_and(|e| e.contains("pods")),
+            "{report:?}"
+        );
+        assert!(
+            names.directory().name(UID, &id).is_some(),
+            "the last read stands"
+        );
+    }
+}
