@@ -112,7 +112,7 @@ container = pod["containers"][0]
 mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
 hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", [])}
 expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources",
-            "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}
+            "logs": "/var/log"}
 if mounts != expected or hosts != expected:
     fail(f"default mounts {mounts}, host paths {hosts}")
 if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":
