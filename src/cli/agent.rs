@@ -64,7 +64,8 @@ impl KubeletWatch {
     /// (even while the kubelet restarts); elsewhere there is nothing to report down.
     fn new(socket: PathBuf, logs: PathBuf, interval: f64) -> KubeletWatch {
         let present = |path: &Path| !path.as_os_str().is_empty() && path.is_dir();
-        let names = present(&logs.join("pods"))
+        // An empty path turns a part off (joined, it would name a relative directory).
+        let names = (present(&logs) && present(&logs.join("pods")))
             .then(|| PodNames::new(logs.join("pods"), logs.join("containers")));
         let resources = socket
             .parent()

@@ -17,7 +17,8 @@
 //!
 //! # Invariants
 //! - Parsing is total: any text yields `Some` only for a pod UID of the canonical 8-4-4-4-12 hex
-//!   form and a 64-hex container ID directly below that pod's cgroup; everything else is `None`.
+//!   form (or a static pod's 32-hex config hash) and a 64-hex container ID directly below that
+//!   pod's cgroup; everything else is `None`.
 //! - CRI-O's `crio-conmon-<id>` monitor is not a container and never matches.
 //! - Reading is bounded ([`MAX_CGROUP_FILE`]); a vanished process is `None`, not an error.
 
@@ -125,8 +126,11 @@ fn container(component: &str) -> Option<(String, Runtime)> {
     is_container_id(id).then(|| (id.to_owned(), runtime))
 }
 
-/// A pod UID in its canonical 8-4-4-4-12 hex form.
+/// A pod UID: the canonical 8-4-4-4-12 hex form, or a static pod's 32-hex config hash.
 pub(crate) fn is_pod_uid(s: &str) -> bool {
+    if s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return true;
+    }
     let groups: Vec<&str> = s.split('-').collect();
     groups.len() == 5
         && groups
@@ -179,6 +183,20 @@ mod tests {
         );
         expect(&format!("0::{pod}/crio-{ID}.scope\n"), Runtime::CriO);
         assert_eq!(parse(&format!("0::{pod}/crio-conmon-{ID}.scope\n")), None);
+    }
+
+    #[test]
+    fn static_pods_are_named_by_their_config_hash() {
+        // A static pod's UID is the hash of its manifest: 32 hex digits, no dashes.
+        let hash = "3f1c9d0e8b7a65432f10e9d8c7b6a594";
+        let found = parse(&format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{hash}.slice/cri-containerd-{ID}.scope\n"
+        ));
+        assert_eq!(found.map(|c| c.pod_uid), Some(hash.to_string()));
+        assert_eq!(
+            parse(&format!("0::/kubepods/pod{}/{ID}\n", &hash[1..])),
+            None
+        );
     }
 
     #[test]

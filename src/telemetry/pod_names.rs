@@ -9,7 +9,9 @@
 //! # Invariants
 //! - A name comes only from an entry naming that exact UID or container ID: a process is
 //!   never named after another pod.
-//! - At most [`MAX_ENTRIES`] entries of each directory are read; a node runs far fewer pods.
+//! - At most [`MAX_ENTRIES`] entries of each directory are read, parsed as they are listed (a
+//!   node runs a few hundred containers at most); reaching the cap is logged.
+//! - `containers/` is optional: without it, pods are named and containers are not.
 //! - The directory is the last successful read; an unreadable directory reports the source
 //!   down and the last read stands.
 
@@ -27,7 +29,7 @@ pub const CONTAINERS_DIR: &str = "/var/log/containers";
 /// The `source` label of the directories' up and duration metrics.
 pub const SOURCE: &str = "pod_logs";
 /// Entries read from each directory at most.
-pub const MAX_ENTRIES: usize = 100_000;
+pub const MAX_ENTRIES: usize = 10_000;
 
 /// A process's pod and container, by name.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -67,14 +69,19 @@ fn container_entry(name: &str) -> Option<(&str, &str)> {
     (!container.is_empty() && !container.contains('_')).then_some((id, container))
 }
 
-fn entries(dir: &Path) -> std::io::Result<Vec<String>> {
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir(dir)?.take(MAX_ENTRIES) {
-        if let Ok(name) = entry?.file_name().into_string() {
-            names.push(name);
+/// Calls `each` with the name of every entry of `dir`, up to [`MAX_ENTRIES`].
+fn for_each_entry(dir: &Path, mut each: impl FnMut(&str)) -> Result<(), String> {
+    let context = |e: std::io::Error| format!("cannot list {}: {e}", dir.display());
+    for (seen, entry) in std::fs::read_dir(dir).map_err(context)?.enumerate() {
+        if seen == MAX_ENTRIES {
+            tracing::warn!(dir = %dir.display(), "more than {MAX_ENTRIES} entries; the rest are not read");
+            break;
+        }
+        if let Some(name) = entry.map_err(context)?.file_name().to_str() {
+            each(name);
         }
     }
-    Ok(names)
+    Ok(())
 }
 
 impl NameDirectory {
@@ -83,22 +90,22 @@ impl NameDirectory {
     /// # Errors
     /// Why a directory could not be listed, naming it.
     pub fn read(pods_dir: &Path, containers_dir: &Path) -> Result<NameDirectory, String> {
-        let list =
-            |dir: &Path| entries(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()));
         let mut directory = NameDirectory::default();
-        for name in list(pods_dir)? {
-            if let Some((uid, namespace, pod)) = pod_entry(&name) {
+        for_each_entry(pods_dir, |name| {
+            if let Some((uid, namespace, pod)) = pod_entry(name) {
                 directory
                     .pods
                     .insert(uid.to_string(), (namespace.to_string(), pod.to_string()));
             }
-        }
-        for name in list(containers_dir)? {
-            if let Some((id, container)) = container_entry(&name) {
-                directory
-                    .containers
-                    .insert(id.to_ascii_lowercase(), container.to_string());
-            }
+        })?;
+        if containers_dir.is_dir() {
+            for_each_entry(containers_dir, |name| {
+                if let Some((id, container)) = container_entry(name) {
+                    directory
+                        .containers
+                        .insert(id.to_ascii_lowercase(), container.to_string());
+                }
+            })?;
         }
         Ok(directory)
     }
@@ -271,6 +278,15 @@ mod tests {
             Some(String::new())
         );
         assert_eq!(d.name("0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f", &id), None);
+
+        // Without containers/, pods are still named.
+        std::fs::remove_dir_all(&containers).expect("remove");
+        names.refresh();
+        assert!(names.report().up);
+        assert_eq!(
+            names.directory().name(UID, &id).map(|n| n.pod),
+            Some("train-0".into())
+        );
 
         std::fs::remove_dir_all(&root).expect("cleanup");
         names.refresh();

@@ -333,15 +333,20 @@ fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
     let _ = std::fs::remove_file(log);
 }
 
-/// An empty socket path turns that socket off (the chart passes `""` when a feature is off).
+/// An empty path turns that part off (the chart passes `""` when a feature is off), even
+/// where the working directory holds a `pods/` directory.
 #[test]
 fn serve_turns_sockets_off_with_empty_values() {
     let port = free_port();
-    let log = std::env::temp_dir().join(format!("gpumem-serve-off-{port}.log"));
+    let dir = std::env::temp_dir().join(format!("gpumem-serve-off-{port}"));
+    std::fs::create_dir_all(dir.join("pods")).expect("scratch dir");
+    let log = dir.join("serve.log");
     let _child = Reaper(
         Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .current_dir(&dir)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--push-socket", "", "--pod-resources-socket", ""])
+            .args(["--kubelet-logs", ""])
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
             .expect("starts"),
@@ -352,7 +357,8 @@ fn serve_turns_sockets_off_with_empty_values() {
     assert!(!log_text.contains("accepting pushes"), "{log_text}");
     let metrics = http_get(port, "/metrics").expect("metrics");
     assert!(!metrics.contains(r#"source="pod_resources""#));
-    let _ = std::fs::remove_file(log);
+    assert!(!metrics.contains(r#"source="pod_logs""#));
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// An NVML library that loads but whose init fails as a machine without a loaded driver
