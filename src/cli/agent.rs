@@ -228,7 +228,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
-        Kubelet::default(),
+        node.kubelet(),
     )?;
     let result = run_server(args.listen, None, None, state);
     drop(node);

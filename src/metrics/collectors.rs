@@ -1,6 +1,7 @@
 //! The agent's collector: allocator counters and the node view, read at scrape time.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -10,6 +11,7 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
 use crate::ingest::PushStore;
+use crate::telemetry::cgroup::ContainerRef;
 use crate::telemetry::pod_names::{NameDirectory, PodNames};
 use crate::telemetry::pod_resources::{PodDirectory, PodResources};
 use crate::telemetry::{AllocatorSource, Kubelet, SourceReport, UNKNOWN_SIZE};
@@ -177,21 +179,64 @@ fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .find_map(|(k, v)| (k == name).then_some(v.as_str()))
 }
 
-fn collect_allocator(f: &mut Families, s: &AllocatorSource, names: Names<'_>) {
-    let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
-    // A pushed process in a named pod carries the names beside its pod_uid.
-    let uid = label(&s.labels, "pod_uid").unwrap_or_default();
-    let id = label(&s.labels, "container_id").unwrap_or_default();
-    let extra: Cow<'_, [(String, String)]> = match names.of(uid, id) {
-        [namespace, pod, container] if !pod.is_empty() => {
-            let mut all = s.labels.clone();
-            all.push(("pod_namespace".into(), namespace));
-            all.push(("pod_name".into(), pod));
-            all.push(("container_name".into(), container));
-            Cow::Owned(all)
+/// The pod and container of each process NVML reports, by (GPU UUID, pid).
+type ProcessPods<'a> = HashMap<(&'a str, u32), &'a ContainerRef>;
+
+fn process_pods(reports: &[Arc<SourceReport>]) -> ProcessPods<'_> {
+    let mut pods = ProcessPods::new();
+    for gpu in reports
+        .iter()
+        .filter_map(|r| r.sample.as_ref())
+        .flat_map(|node| &node.gpus)
+    {
+        for p in &gpu.processes {
+            if let Some(container) = &p.container {
+                pods.insert((gpu.uuid.as_str(), p.pid), container);
+            }
         }
-        _ => Cow::Borrowed(&s.labels),
-    };
+    }
+    pods
+}
+
+/// The extra labels of an allocator's series: its own (a push's job, rank, pod_uid and
+/// container_id), the pod of its process as NVML's view gives it where the source says none,
+/// and the pod's names where known.
+fn allocator_labels<'a>(
+    s: &'a AllocatorSource,
+    pods: &ProcessPods<'_>,
+    names: Names<'_>,
+) -> Cow<'a, [(String, String)]> {
+    let mut labels = Cow::Borrowed(s.labels.as_slice());
+    if label(&s.labels, "pod_uid").is_none()
+        && let Some(container) = pods.get(&(s.uuid.as_str(), s.pid))
+    {
+        let all = labels.to_mut();
+        all.push(("pod_uid".into(), container.pod_uid.clone()));
+        all.push(("container_id".into(), container.container_id.clone()));
+    }
+    let uid = label(&labels, "pod_uid").unwrap_or_default().to_string();
+    let id = label(&labels, "container_id")
+        .unwrap_or_default()
+        .to_string();
+    if let [namespace, pod, container] = names.of(&uid, &id)
+        && !pod.is_empty()
+    {
+        let all = labels.to_mut();
+        all.push(("pod_namespace".into(), namespace));
+        all.push(("pod_name".into(), pod));
+        all.push(("container_name".into(), container));
+    }
+    labels
+}
+
+fn collect_allocator(
+    f: &mut Families,
+    s: &AllocatorSource,
+    pods: &ProcessPods<'_>,
+    names: Names<'_>,
+) {
+    let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
+    let extra = allocator_labels(s, pods, names);
     let extra = extra.as_ref();
     let base = [gpu.as_str(), s.uuid.as_str(), pid.as_str(), s.allocator];
     let st = &s.stats;
@@ -348,19 +393,21 @@ impl Collector for AgentCollector {
             ingest.expire();
         }
         let allocators = snapshot_sources(&self.allocators);
+        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
+        let pods = process_pods(&reports);
         let directory = self.kubelet.names.as_ref().map(PodNames::directory);
         let names = Names(directory.as_deref());
         let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
         for source in &allocators {
-            collect_allocator(&mut f, source, names);
+            collect_allocator(&mut f, source, &pods, names);
         }
         if !allocators.is_empty() {
             f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
             f.of(&c::COLLECT_DURATION)
                 .push(&["allocator"], started.elapsed().as_secs_f64());
         }
-        for read in &self.reports {
-            collect_report(&mut f, &read(), names, assigned.as_deref());
+        for report in &reports {
+            collect_report(&mut f, report, names, assigned.as_deref());
         }
         let kubelet_reports = [
             self.kubelet.names.as_ref().map(PodNames::report),

@@ -110,6 +110,20 @@ impl NameDirectory {
         Ok(directory)
     }
 
+    /// A directory of these (uid, namespace, pod) and (container id, container) names.
+    pub fn from_names(
+        pods: impl IntoIterator<Item = (String, String, String)>,
+        containers: impl IntoIterator<Item = (String, String)>,
+    ) -> NameDirectory {
+        NameDirectory {
+            pods: pods
+                .into_iter()
+                .map(|(uid, namespace, pod)| (uid, (namespace, pod)))
+                .collect(),
+            containers: containers.into_iter().collect(),
+        }
+    }
+
     /// The names of the pod with this UID and of its container with this ID.
     pub fn name(&self, pod_uid: &str, container_id: &str) -> Option<PodName> {
         let (namespace, pod) = self.pods.get(pod_uid)?;
@@ -160,6 +174,22 @@ impl PodNames {
                 directory: Arc::default(),
             })),
         }
+    }
+
+    /// Names that never change, reported up: a simulated node's (never refreshed).
+    pub fn fixed(directory: NameDirectory) -> Self {
+        let names = PodNames::new(PathBuf::new(), PathBuf::new());
+        *names.lock() = Latest {
+            report: Arc::new(SourceReport {
+                source: SOURCE,
+                up: true,
+                sample: None,
+                error: None,
+                duration_seconds: 0.0,
+            }),
+            directory: Arc::new(directory),
+        };
+        names
     }
 
     /// The latest report (up or down, and why).

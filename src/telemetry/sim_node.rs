@@ -24,7 +24,15 @@ use crate::device::{SimConfig, SimDevice};
 use crate::trace::replay::Replayer;
 use crate::trace::{Recording, parse_recording};
 
-use super::{AllocatorSource, GpuSample, GpuSource, NodeSample, ProcessSample, SourceReport};
+use super::cgroup::{ContainerRef, Runtime};
+use super::pod_names::{NameDirectory, PodNames};
+use super::pod_resources::PodResources;
+use super::pod_resources::api::{
+    self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
+};
+use super::{
+    AllocatorSource, GpuSample, GpuSource, Kubelet, NodeSample, ProcessSample, SourceReport,
+};
 
 /// The bundled recordings a simulated process replays (licensed for redistribution; see
 /// `data/traces/README.md`).
@@ -114,6 +122,20 @@ pub struct SimNode {
 /// The UUID of simulated GPU `index`, in the `GPU-…` form DCGM uses.
 pub fn simulated_uuid(index: u32) -> String {
     format!("GPU-5e1a7ed0-0000-4000-8000-{index:012x}")
+}
+
+/// The namespace of the simulated pods.
+const SIM_NAMESPACE: &str = "demo";
+
+/// The pod and container a simulated process runs in: one pod per process, each given a time
+/// slice of its GPU, as a node sharing GPUs between jobs looks.
+fn simulated_pod(pid: u32) -> (ContainerRef, String) {
+    let container = ContainerRef {
+        pod_uid: format!("5e1a7ed0-0000-4000-9000-{pid:012x}"),
+        container_id: format!("{pid:064x}"),
+        runtime: Runtime::Containerd,
+    };
+    (container, format!("train-{pid}"))
 }
 
 /// One process's replay state, living on the replay thread.
@@ -216,6 +238,43 @@ impl SimNode {
     /// The processes' allocators, for the allocator collector.
     pub fn allocator_sources(&self) -> Vec<Arc<AllocatorSource>> {
         self.processes.clone()
+    }
+
+    /// What the kubelet of this simulated node says: each process's pod and container names,
+    /// and each GPU's time slices assigned to them.
+    pub fn kubelet(&self) -> Kubelet {
+        let mut pods = Vec::new();
+        let mut containers = Vec::new();
+        let mut assigned = Vec::new();
+        for p in &self.processes {
+            let (container, pod) = simulated_pod(p.pid);
+            pods.push((container.pod_uid, SIM_NAMESPACE.to_string(), pod.clone()));
+            containers.push((container.container_id, "trainer".to_string()));
+            assigned.push((p.uuid.clone(), pod));
+        }
+        let answer = ListPodResourcesResponse {
+            pod_resources: assigned
+                .iter()
+                .enumerate()
+                .map(|(i, (uuid, pod))| api::PodResources {
+                    name: pod.clone(),
+                    namespace: SIM_NAMESPACE.into(),
+                    containers: vec![ContainerResources {
+                        name: "trainer".into(),
+                        devices: vec![ContainerDevices {
+                            resource_name: "nvidia.com/gpu".into(),
+                            device_ids: vec![format!("{uuid}::{i}")],
+                        }],
+                    }],
+                })
+                .collect(),
+        };
+        let resources = PodResources::new();
+        resources.publish(&answer, 0.0);
+        Kubelet {
+            names: Some(PodNames::fixed(NameDirectory::from_names(pods, containers))),
+            resources: Some(resources),
+        }
     }
 
     /// A [`GpuSource`] giving the node's NVML view.
@@ -366,7 +425,7 @@ impl SimNodeSource {
                     .map(|p| ProcessSample {
                         pid: p.pid,
                         name: "python".into(),
-                        container: None,
+                        container: Some(simulated_pod(p.pid).0),
                         used: Some(
                             p.stats.reserved_bytes.all_current().max(0) as u64
                                 + self.config.context_overhead,

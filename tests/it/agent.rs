@@ -11,12 +11,7 @@ use gpumem::ingest::IngestConfig;
 use gpumem::metrics::contract::CONTRACT;
 use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
-use gpumem::telemetry::pod_resources::PodResources;
-use gpumem::telemetry::pod_resources::api::{
-    self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
-};
-use gpumem::telemetry::sim_node::simulated_uuid;
-use gpumem::telemetry::{Kubelet, Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
@@ -36,33 +31,11 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
     let reader: ReportReader = Box::new(node.report_reader());
-    // A kubelet's answer: GPU 0 assigned to one container (tests/it/kubelet.rs asks a real
-    // gRPC server).
-    let resources = PodResources::new();
-    resources.publish(
-        &ListPodResourcesResponse {
-            pod_resources: vec![api::PodResources {
-                name: "train-0".into(),
-                namespace: "ml".into(),
-                containers: vec![ContainerResources {
-                    name: "trainer".into(),
-                    devices: vec![ContainerDevices {
-                        resource_name: "nvidia.com/gpu".into(),
-                        device_ids: vec![simulated_uuid(0)],
-                    }],
-                }],
-            }],
-        },
-        0.001,
-    );
     let state = agent_state(
         allocator_sources(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
-        Kubelet {
-            names: None,
-            resources: Some(resources),
-        },
+        node.kubelet(),
     )
     .expect("registers");
     // Let the processes replay a while, so that every series has moved.
@@ -139,6 +112,19 @@ async fn demo_serves_the_whole_contract() {
         assert!(present, "{} missing from the scrape", def.name);
     }
     assert!(body.contains(r#"simulated="true""#));
+    // The simulated processes run in pods: NVML's series and their allocators' carry the names.
+    let named = r#"pod_namespace="demo",pod_name="train-10000",container_name="trainer""#;
+    for metric in [
+        "gpumem_process_used_bytes{",
+        "gpumem_allocator_reserved_bytes{",
+    ] {
+        assert!(
+            body.lines()
+                .any(|l| l.starts_with(metric) && l.contains(named)),
+            "{metric} without the pod's names"
+        );
+    }
+    assert!(body.contains("gpumem_gpu_assigned_info{"));
     assert!(body.contains(r#"gpumem_source_up{source="simulated"} 1"#));
     assert!(body.contains(r#"gpumem_source_up{source="allocator"} 1"#));
     // The golden file fixes every metric's name and type.
@@ -471,10 +457,11 @@ fn a_real_prometheus_scrapes_the_demo() {
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
     // Every metric but the one that exists per pushing process (the demo has none; the
-    // ingest tests query it) and the kubelet's GPU assignments (tests/it/kubelet.rs).
-    for def in CONTRACT.into_iter().filter(|def| {
-        def.name != "gpumem_ingest_last_push_age_seconds" && def.name != "gpumem_gpu_assigned_info"
-    }) {
+    // ingest tests query it).
+    for def in CONTRACT
+        .into_iter()
+        .filter(|def| def.name != "gpumem_ingest_last_push_age_seconds")
+    {
         let result = prometheus_query(prom_port, def.name).expect("query answers");
         assert!(
             result.as_array().is_some_and(|r| !r.is_empty()),
@@ -482,6 +469,13 @@ fn a_real_prometheus_scrapes_the_demo() {
             def.name
         );
     }
+    // The simulated node's processes run in pods the agent names.
+    let named = prometheus_query(prom_port, r#"gpumem_process_used_bytes{pod_name!=""}"#)
+        .expect("query answers");
+    assert!(
+        named.as_array().is_some_and(|r| !r.is_empty()),
+        "no named process: {named}"
+    );
     // Every dashboard panel's query, with its variables set to "All", returns data.
     for (file, title, expr) in crate::assets::dashboard_expressions() {
         let query = crate::assets::substitute(&expr);
