@@ -164,13 +164,11 @@ impl PodNames {
             pods_dir,
             containers_dir,
             latest: Arc::new(Mutex::new(Latest {
-                report: Arc::new(SourceReport {
-                    source: SOURCE,
-                    up: false,
-                    sample: None,
-                    error: Some("the log directories have not been read yet".into()),
-                    duration_seconds: 0.0,
-                }),
+                report: Arc::new(SourceReport::down(
+                    SOURCE,
+                    "the log directories have not been read yet".into(),
+                    0.0,
+                )),
                 directory: Arc::default(),
             })),
         }
@@ -180,13 +178,7 @@ impl PodNames {
     pub fn fixed(directory: NameDirectory) -> Self {
         let names = PodNames::new(PathBuf::new(), PathBuf::new());
         *names.lock() = Latest {
-            report: Arc::new(SourceReport {
-                source: SOURCE,
-                up: true,
-                sample: None,
-                error: None,
-                duration_seconds: 0.0,
-            }),
+            report: Arc::new(SourceReport::up(SOURCE, None, 0.0)),
             directory: Arc::new(directory),
         };
         names
@@ -213,7 +205,7 @@ impl PodNames {
         let duration_seconds = started.elapsed().as_secs_f64();
         let mut latest = self.lock();
         let was = Arc::clone(&latest.report);
-        let error = match result {
+        let report = match result {
             Ok(directory) => {
                 if !was.up {
                     tracing::info!(
@@ -222,22 +214,16 @@ impl PodNames {
                     );
                 }
                 latest.directory = Arc::new(directory);
-                None
+                SourceReport::up(SOURCE, None, duration_seconds)
             }
             Err(reason) => {
                 if was.error.as_deref() != Some(reason.as_str()) {
                     tracing::warn!(reason = %reason, "pod log directories unreadable; pods are named by UID only");
                 }
-                Some(reason)
+                SourceReport::down(SOURCE, reason, duration_seconds)
             }
         };
-        latest.report = Arc::new(SourceReport {
-            source: SOURCE,
-            up: error.is_none(),
-            sample: None,
-            error,
-            duration_seconds,
-        });
+        latest.report = Arc::new(report);
     }
 }
 

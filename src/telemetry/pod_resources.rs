@@ -245,13 +245,11 @@ impl PodResources {
     pub fn new() -> Self {
         PodResources {
             latest: Arc::new(Mutex::new(Latest {
-                report: Arc::new(SourceReport {
-                    source: SOURCE,
-                    up: false,
-                    sample: None,
-                    error: Some("the kubelet has not been asked yet".into()),
-                    duration_seconds: 0.0,
-                }),
+                report: Arc::new(SourceReport::down(
+                    SOURCE,
+                    "the kubelet has not been asked yet".into(),
+                    0.0,
+                )),
                 directory: Arc::default(),
             })),
         }
@@ -283,13 +281,7 @@ impl PodResources {
                 if latest.report.error.as_deref() != Some(reason.as_str()) {
                     tracing::warn!(reason = %reason, "kubelet pod resources are down; GPU assignments are not refreshed");
                 }
-                latest.report = Arc::new(SourceReport {
-                    source: SOURCE,
-                    up: false,
-                    sample: None,
-                    error: Some(reason),
-                    duration_seconds,
-                });
+                latest.report = Arc::new(SourceReport::down(SOURCE, reason, duration_seconds));
             }
         }
     }
@@ -304,13 +296,7 @@ impl PodResources {
             );
         }
         latest.directory = Arc::new(PodDirectory::from_list(answer));
-        latest.report = Arc::new(SourceReport {
-            source: SOURCE,
-            up: true,
-            sample: None,
-            error: None,
-            duration_seconds,
-        });
+        latest.report = Arc::new(SourceReport::up(SOURCE, None, duration_seconds));
     }
 }
 

@@ -23,6 +23,30 @@ pub struct SourceReport {
     pub duration_seconds: f64,
 }
 
+impl SourceReport {
+    /// A source read in `duration_seconds`, with its sample where it has one.
+    pub fn up(source: &'static str, sample: Option<NodeSample>, duration_seconds: f64) -> Self {
+        SourceReport {
+            source,
+            up: true,
+            sample,
+            error: None,
+            duration_seconds,
+        }
+    }
+
+    /// A source that could not be read, and why.
+    pub fn down(source: &'static str, reason: String, duration_seconds: f64) -> Self {
+        SourceReport {
+            source,
+            up: false,
+            sample: None,
+            error: Some(reason),
+            duration_seconds,
+        }
+    }
+}
+
 /// Polls a source until dropped.
 pub struct Poller {
     latest: Arc<Mutex<Arc<SourceReport>>>,
@@ -109,25 +133,13 @@ fn take_sample(source: &mut dyn GpuSource, previous: Option<&SourceReport>) -> S
             if previous.is_some_and(|p| !p.up) {
                 tracing::info!(source = name, "source is back up");
             }
-            SourceReport {
-                source: name,
-                up: true,
-                sample: Some(sample),
-                error: None,
-                duration_seconds,
-            }
+            SourceReport::up(name, Some(sample), duration_seconds)
         }
         Err(reason) => {
             if previous.and_then(|p| p.error.as_deref()) != Some(reason.as_str()) {
                 tracing::warn!(source = name, reason = %reason, "source is down; serving without it");
             }
-            SourceReport {
-                source: name,
-                up: false,
-                sample: None,
-                error: Some(reason),
-                duration_seconds,
-            }
+            SourceReport::down(name, reason, duration_seconds)
         }
     }
 }

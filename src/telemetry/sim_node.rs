@@ -293,13 +293,11 @@ impl SimNode {
         move || {
             let started = Instant::now();
             let sample = source.view();
-            Arc::new(SourceReport {
-                source: SIMULATED,
-                up: true,
-                sample: Some(sample),
-                error: None,
-                duration_seconds: started.elapsed().as_secs_f64(),
-            })
+            Arc::new(SourceReport::up(
+                SIMULATED,
+                Some(sample),
+                started.elapsed().as_secs_f64(),
+            ))
         }
     }
 }
