@@ -509,6 +509,21 @@ fn own_snapshots_round_trip_through_replay() {
     }
 }
 
+/// A what-if replay of `rec` under `conf` (its recorded configuration for `None`), from a
+/// fresh start or from the recorded segments.
+fn what_if(
+    rec: &gpumem::trace::Recording,
+    conf: Option<&str>,
+    fresh_start: bool,
+) -> gpumem::trace::ReplayReport {
+    let options = ReplayOptions {
+        config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
+        fresh_start,
+        ..ReplayOptions::default()
+    };
+    replay(rec, &options).expect("replay runs")
+}
+
 /// A fresh start sets the recorded cache aside: the blocks live at the trace's start are
 /// allocated anew under each configuration. Here one live 12 MiB block sits in a recorded
 /// 40 MiB segment: recorded, the segment is reserved; afresh, the block takes a 12 MiB segment
@@ -534,20 +549,12 @@ fn a_fresh_start_allocates_the_live_blocks_anew() {
         ]]
     });
     let rec = parse_recording(doc.to_string().as_bytes()).expect("valid recording");
-    let run = |conf: Option<&str>, fresh_start| {
-        let options = ReplayOptions {
-            config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
-            fresh_start,
-            ..ReplayOptions::default()
-        };
-        replay(&rec, &options).expect("replay runs")
-    };
-    let recorded = run(None, false);
+    let recorded = what_if(&rec, None, false);
     assert_eq!(
         (recorded.peak_reserved, recorded.peak_allocated),
         (40 * MIB, 12 * MIB)
     );
-    let fresh = run(None, true);
+    let fresh = what_if(&rec, None, true);
     assert_eq!(
         (fresh.peak_reserved, fresh.peak_allocated),
         (12 * MIB, 12 * MIB)
@@ -556,7 +563,7 @@ fn a_fresh_start_allocates_the_live_blocks_anew() {
         fresh.start_segments, 1,
         "the recording's start is still reported"
     );
-    let expandable = run(Some("expandable_segments:True"), true);
+    let expandable = what_if(&rec, Some("expandable_segments:True"), true);
     assert_eq!(expandable.peak_reserved, 20 * MIB);
     // On a device too small for the live block, the fresh start counts an OOM and goes on.
     let small = replay(
@@ -588,23 +595,15 @@ fn a_fresh_start_allocates_the_live_blocks_anew() {
 #[test]
 fn a_fresh_start_on_a_mid_run_recording() {
     let rec = read_recording(&data("cs336_lm_compiled_train.noframes.json.gz")).expect("data");
-    let run = |conf: Option<&str>, fresh_start| {
-        let options = ReplayOptions {
-            config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
-            fresh_start,
-            ..ReplayOptions::default()
-        };
-        replay(&rec, &options).expect("replay runs")
-    };
-    let recorded = run(None, false);
+    let recorded = what_if(&rec, None, false);
     assert_eq!(
         recorded.device_allocs, 0,
         "the recorded cache serves every request"
     );
-    let fresh = run(None, true);
+    let fresh = what_if(&rec, None, true);
     assert!(fresh.device_allocs > 0);
     assert!(fresh.peak_reserved <= recorded.peak_reserved);
-    let expandable = run(Some("expandable_segments:True"), true);
+    let expandable = what_if(&rec, Some("expandable_segments:True"), true);
     assert!(
         expandable.peak_reserved < fresh.peak_reserved,
         "{} vs {}",
