@@ -16,6 +16,7 @@ use crate::allocator::DeviceStats;
 pub use crate::allocator::SegmentClass;
 
 pub mod cgroup;
+mod latest;
 mod nvml;
 pub mod pod_names;
 pub mod pod_resources;

@@ -17,10 +17,11 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::SourceReport;
+use super::latest::Latest;
 
 /// Where the kubelet keeps pod logs.
 pub const PODS_DIR: &str = "/var/log/pods";
@@ -144,17 +145,12 @@ impl NameDirectory {
     }
 }
 
-struct Latest {
-    report: Arc<SourceReport>,
-    directory: Arc<NameDirectory>,
-}
-
 /// The last read of the log directories, refreshed by [`PodNames::refresh`].
 #[derive(Clone)]
 pub struct PodNames {
     pods_dir: PathBuf,
     containers_dir: PathBuf,
-    latest: Arc<Mutex<Latest>>,
+    latest: Latest<NameDirectory>,
 }
 
 impl PodNames {
@@ -163,39 +159,25 @@ impl PodNames {
         PodNames {
             pods_dir,
             containers_dir,
-            latest: Arc::new(Mutex::new(Latest {
-                report: Arc::new(SourceReport::down(
-                    SOURCE,
-                    "the log directories have not been read yet".into(),
-                    0.0,
-                )),
-                directory: Arc::default(),
-            })),
+            latest: Latest::new(SOURCE, "the log directories have not been read yet"),
         }
     }
 
     /// Names that never change, reported up: a simulated node's (never refreshed).
     pub fn fixed(directory: NameDirectory) -> Self {
         let names = PodNames::new(PathBuf::new(), PathBuf::new());
-        *names.lock() = Latest {
-            report: Arc::new(SourceReport::up(SOURCE, None, 0.0)),
-            directory: Arc::new(directory),
-        };
+        names.latest.up(directory, 0.0);
         names
     }
 
     /// The latest report (up or down, and why).
     pub fn report(&self) -> Arc<SourceReport> {
-        Arc::clone(&self.lock().report)
+        self.latest.report()
     }
 
     /// The last successful read.
     pub fn directory(&self) -> Arc<NameDirectory> {
-        Arc::clone(&self.lock().directory)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Latest> {
-        self.latest.lock().unwrap_or_else(PoisonError::into_inner)
+        self.latest.answer()
     }
 
     /// Reads the directories again and publishes the result, logging a change of state once.
@@ -203,27 +185,19 @@ impl PodNames {
         let started = Instant::now();
         let result = NameDirectory::read(&self.pods_dir, &self.containers_dir);
         let duration_seconds = started.elapsed().as_secs_f64();
-        let mut latest = self.lock();
-        let was = Arc::clone(&latest.report);
-        let report = match result {
+        match result {
             Ok(directory) => {
-                if !was.up {
-                    tracing::info!(
-                        pods = directory.pods(),
-                        "pod names from the kubelet's log directories"
-                    );
+                let pods = directory.pods();
+                if self.latest.up(directory, duration_seconds) {
+                    tracing::info!(pods, "pod names from the kubelet's log directories");
                 }
-                latest.directory = Arc::new(directory);
-                SourceReport::up(SOURCE, None, duration_seconds)
             }
             Err(reason) => {
-                if was.error.as_deref() != Some(reason.as_str()) {
+                if self.latest.down(reason.clone(), duration_seconds) {
                     tracing::warn!(reason = %reason, "pod log directories unreadable; pods are named by UID only");
                 }
-                SourceReport::down(SOURCE, reason, duration_seconds)
             }
-        };
-        latest.report = Arc::new(report);
+        }
     }
 }
 

@@ -14,10 +14,11 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::SourceReport;
+use super::latest::Latest;
 
 /// The kubelet's socket on a node.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -223,15 +224,10 @@ fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-struct Latest {
-    report: Arc<SourceReport>,
-    directory: Arc<PodDirectory>,
-}
-
 /// The kubelet's latest answer, refreshed by [`PodResources::refresh`].
 #[derive(Clone)]
 pub struct PodResources {
-    latest: Arc<Mutex<Latest>>,
+    latest: Latest<PodDirectory>,
 }
 
 impl Default for PodResources {
@@ -244,29 +240,18 @@ impl PodResources {
     /// No answer yet: down, with an empty directory.
     pub fn new() -> Self {
         PodResources {
-            latest: Arc::new(Mutex::new(Latest {
-                report: Arc::new(SourceReport::down(
-                    SOURCE,
-                    "the kubelet has not been asked yet".into(),
-                    0.0,
-                )),
-                directory: Arc::default(),
-            })),
+            latest: Latest::new(SOURCE, "the kubelet has not been asked yet"),
         }
     }
 
     /// The latest report (up or down, and why).
     pub fn report(&self) -> Arc<SourceReport> {
-        Arc::clone(&self.lock().report)
+        self.latest.report()
     }
 
     /// The last successful answer's directory.
     pub fn directory(&self) -> Arc<PodDirectory> {
-        Arc::clone(&self.lock().directory)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Latest> {
-        self.latest.lock().unwrap_or_else(PoisonError::into_inner)
+        self.latest.answer()
     }
 
     /// Asks the kubelet once and publishes the answer, logging a change of state once.
@@ -277,26 +262,24 @@ impl PodResources {
         match result {
             Ok(answer) => self.publish(&answer, duration_seconds),
             Err(reason) => {
-                let mut latest = self.lock();
-                if latest.report.error.as_deref() != Some(reason.as_str()) {
+                if self.latest.down(reason.clone(), duration_seconds) {
                     tracing::warn!(reason = %reason, "kubelet pod resources are down; GPU assignments are not refreshed");
                 }
-                latest.report = Arc::new(SourceReport::down(SOURCE, reason, duration_seconds));
             }
         }
     }
 
     /// Publishes an answer of the kubelet's, obtained in `duration_seconds`.
     pub fn publish(&self, answer: &api::ListPodResourcesResponse, duration_seconds: f64) {
-        let mut latest = self.lock();
-        if !latest.report.up {
+        if self
+            .latest
+            .up(PodDirectory::from_list(answer), duration_seconds)
+        {
             tracing::info!(
                 pods = answer.pod_resources.len(),
                 "kubelet pod resources are up"
             );
         }
-        latest.directory = Arc::new(PodDirectory::from_list(answer));
-        latest.report = Arc::new(SourceReport::up(SOURCE, None, duration_seconds));
     }
 }
 
