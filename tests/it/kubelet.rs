@@ -296,6 +296,14 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         line(&text, "gpumem_process_used_bytes", &me).contains(&trainer_names),
         "{text}"
     );
+    // NVML's series carry the cgroup's pod UID and container ID (what kube-state-metrics'
+    // kube_pod_info{uid} joins on), and the names.
+    let trainer_line = line(&text, "gpumem_process_used_bytes", &me);
+    assert!(
+        trainer_line.contains(&format!(r#"pod_uid="{TRAIN_UID}""#))
+            && trainer_line.contains(&format!(r#"container_id="{}""#, container_id(TRAIN_UID))),
+        "{trainer_line}"
+    );
     // Each process by its own pod, whoever the GPU was assigned to; a host process unnamed.
     assert!(
         line(&text, "gpumem_process_used_bytes", r#"pid="23""#)
@@ -305,7 +313,11 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         line(&text, "gpumem_process_used_bytes", r#"pid="5151""#)
             .contains(&names("ml", "infer-b", "server"))
     );
-    assert!(line(&text, "gpumem_process_used_bytes", r#"pid="17""#).contains(&names("", "", "")));
+    let host = line(&text, "gpumem_process_used_bytes", r#"pid="17""#);
+    assert!(
+        host.contains(r#"pod_uid="",container_id="""#) && host.contains(&names("", "", "")),
+        "{host}"
+    );
     // The pushed statistics of the trainer carry the same names.
     let pushed = line(&text, "gpumem_allocator_allocated_bytes", &me);
     assert!(
