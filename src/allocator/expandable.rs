@@ -73,6 +73,16 @@ impl ExpandableSegment {
         self.ptr + page as u64 * self.page_size
     }
 
+    /// Unmaps and releases every mapped page and frees the reserved range, ignoring driver
+    /// errors (Note [Drop]).
+    pub(super) fn release_all<D: Device>(&self, device: &mut D) {
+        for (&page, &handle) in &self.handles {
+            let _ = device.unmap(DevicePtr(self.page_addr(page)), self.page_size);
+            let _ = device.release_physical_page(handle);
+        }
+        let _ = device.free_address_range(DevicePtr(self.ptr), self.size);
+    }
+
     /// Maps the pages covering `[ptr, ptr + size)` (`ptr` is page-aligned). Returns the bytes
     /// mapped, or 0 when the device is out of memory; every page created for this call is
     /// released again on any failure.

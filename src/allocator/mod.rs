@@ -23,6 +23,13 @@
 //! cache and a last new segment (counted in `num_alloc_retries`). Only then does it fail with
 //! [`AllocError::OutOfMemory`] (counted in `num_ooms`).
 //!
+//! # Note [Drop]
+//! Dropping the allocator gives the device back everything it holds: it waits for the device,
+//! destroys its events, frees every segment and unmaps, releases and unreserves every
+//! expandable segment, live blocks included (as a pool allocator's destruction does: pointers
+//! still held dangle). Driver errors are ignored then, as nothing could report them; a device
+//! that has vanished has nothing left to return.
+//!
 //! # Invariants
 //! Checked by [`CachingAllocator::check_invariants`] (see `invariants.rs`) after every
 //! operation in tests:
@@ -132,6 +139,29 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             history: self.history.clone(),
             expandable_segments: self.expandable_segments.clone(),
             max_split_size_changed: self.max_split_size_changed,
+        }
+    }
+}
+
+/// See Note [Drop].
+impl<D: Device> Drop for CachingAllocator<D> {
+    fn drop(&mut self) {
+        let device = &mut self.device;
+        let _ = device.synchronize();
+        let pending = self.pending_events.drain(..).flat_map(|(_, queue)| queue);
+        for event in pending
+            .map(|(event, _)| event)
+            .chain(self.event_pool.drain(..))
+        {
+            let _ = device.destroy_event(event);
+        }
+        for (_, block) in &self.blocks {
+            if block.prev.is_none() && block.expandable.is_none() {
+                let _ = device.free(DevicePtr(block.ptr));
+            }
+        }
+        for (_, segment) in &self.expandable_segments {
+            segment.release_all(device);
         }
     }
 }

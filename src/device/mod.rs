@@ -186,3 +186,73 @@ pub trait Device {
         Err(DeviceError::Unsupported("virtual memory management"))
     }
 }
+
+/// A device lent to an allocator: the caller keeps it, and can look at it once the allocator
+/// is dropped (tests do, to check that everything came back).
+impl<D: Device + ?Sized> Device for &mut D {
+    fn index(&self) -> u32 {
+        (**self).index()
+    }
+    fn malloc(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
+        (**self).malloc(size)
+    }
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        (**self).free(ptr)
+    }
+    fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError> {
+        (**self).mem_get_info()
+    }
+    fn create_event(&mut self) -> Result<EventId, DeviceError> {
+        (**self).create_event()
+    }
+    fn record_event(&mut self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
+        (**self).record_event(event, stream)
+    }
+    fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError> {
+        (**self).query_event(event)
+    }
+    fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
+        (**self).synchronize_event(event)
+    }
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError> {
+        (**self).destroy_event(event)
+    }
+    fn synchronize(&mut self) -> Result<(), DeviceError> {
+        (**self).synchronize()
+    }
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
+        (**self).synchronize_stream(stream)
+    }
+    fn time_us(&self) -> u64 {
+        (**self).time_us()
+    }
+    fn supports_virtual_memory(&self) -> bool {
+        (**self).supports_virtual_memory()
+    }
+    fn page_granularity(&self) -> Result<u64, DeviceError> {
+        (**self).page_granularity()
+    }
+    fn reserve_address_range(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
+        (**self).reserve_address_range(size)
+    }
+    fn free_address_range(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
+        (**self).free_address_range(ptr, size)
+    }
+    fn create_physical_page(&mut self, size: u64) -> Result<PhysicalHandle, DeviceError> {
+        (**self).create_physical_page(size)
+    }
+    fn release_physical_page(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
+        (**self).release_physical_page(handle)
+    }
+    fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), DeviceError> {
+        (**self).map(ptr, size, handle)
+    }
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
+        (**self).unmap(ptr, size)
+    }
+}

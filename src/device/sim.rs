@@ -351,6 +351,11 @@ impl SimDevice {
         self.segments.len()
     }
 
+    /// Number of events created and not destroyed.
+    pub fn event_count(&self) -> usize {
+        self.events.len()
+    }
+
     fn is_recorded_complete(&self, event: &SimEvent) -> bool {
         match event.recorded {
             None => true,

@@ -8,6 +8,7 @@ mod expandable;
 mod gpu;
 mod ingest;
 mod kubelet;
+mod lifecycle;
 mod properties;
 mod replay;
 mod scenarios;
