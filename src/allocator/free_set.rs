@@ -15,6 +15,8 @@
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
 //! - Within a class, entries are sorted by (size, address) and unique by address.
 //! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
+//! - At most [`SPARE_STREAMS`] streams without free blocks keep their (empty) bins: a job that
+//!   creates streams in a loop does not grow the set without bound.
 
 use crate::device::StreamId;
 
@@ -23,6 +25,9 @@ use super::block::BlockId;
 /// Number of size classes: enough for any size a 64-bit count of 512-byte units can hold.
 const CLASSES: usize = 8 * 53 + 8;
 const BITMAP_WORDS: usize = CLASSES.div_ceil(64);
+/// Streams whose bins are kept while empty. Below this many, bins are never dropped, so jobs
+/// with a handful of streams never pay to rebuild them.
+const SPARE_STREAMS: usize = 16;
 
 /// One free block as the set sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -227,7 +232,13 @@ impl FreeSet {
     pub fn insert(&mut self, stream: StreamId, entry: FreeEntry) {
         let i = match self.streams.binary_search_by_key(&stream, |(s, _)| *s) {
             Ok(i) => i,
-            Err(i) => {
+            Err(i) if self.streams.len() < SPARE_STREAMS => {
+                self.streams.insert(i, (stream, StreamBins::new()));
+                i
+            }
+            Err(_) => {
+                self.streams.retain(|(_, bins)| bins.len > 0);
+                let i = self.streams.partition_point(|(s, _)| *s < stream);
                 self.streams.insert(i, (stream, StreamBins::new()));
                 i
             }
@@ -281,13 +292,48 @@ mod tests {
         assert!(class_of(!511) < CLASSES);
     }
 
+    #[test]
+    fn streams_without_free_blocks_do_not_accumulate() {
+        let mut set = FreeSet::default();
+        for s in 0..1000 {
+            let entry = FreeEntry {
+                size: 512,
+                ptr: 512 * (s + 1),
+                id: BlockId(s as u32),
+            };
+            set.insert(StreamId(s), entry);
+            assert!(set.remove(StreamId(s), entry.size, entry.ptr));
+        }
+        assert!(
+            set.streams.len() <= SPARE_STREAMS,
+            "{} bins kept",
+            set.streams.len()
+        );
+        // Streams that still hold free blocks keep them, in order.
+        let mut set = FreeSet::default();
+        for s in 0..100 {
+            set.insert(
+                StreamId(99 - s),
+                FreeEntry {
+                    size: 512,
+                    ptr: 512 * (s + 1),
+                    id: BlockId(s as u32),
+                },
+            );
+        }
+        assert_eq!(set.len(), 100);
+        let streams: Vec<u64> = set.iter().map(|(s, _)| s.0).collect();
+        assert_eq!(streams, (0..100).collect::<Vec<_>>());
+    }
+
     proptest! {
         /// The set answers exactly as an ordered set of (stream, size, address) would.
         #[test]
         fn matches_an_ordered_set(ops in prop::collection::vec(
-            (0u64..3, 1u64..40_000, 0u64..64, any::<bool>()), 1..400)) {
+            (0u64..24, 1u64..40_000, 0u64..64, any::<bool>()), 1..400)) {
             let mut set = FreeSet::default();
             let mut model = BTreeSet::new();
+            // 24 streams: more than SPARE_STREAMS, so empty bins get dropped along the way.
             for (i, (stream, units, slot, insert)) in ops.into_iter().enumerate() {
                 let stream = StreamId(stream);
                 // Sizes cluster and spread: many equal sizes and a few huge ones.
