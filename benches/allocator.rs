@@ -8,15 +8,29 @@
 //!   1–32 MiB, 5 % 32–256 MiB); each iteration frees a random live block and allocates a new
 //!   random size in its place.
 //!
-//! Time per iteration is one malloc plus one free for both allocators; divide to compare.
+//! - `recorded`: the allocations and frees of real training recordings (bundled in
+//!   `data/traces`), replayed in their order; blocks still live at the end are freed so that
+//!   every pass starts from the same state. Reported per event.
+//!
+//! Each group also runs offset-allocator behind a pointer map (`offset_allocator_by_address`):
+//! it frees by handle, while gpumem, like PyTorch's allocator, is handed back only the
+//! address and must look the block up. That row prices the interface, not the algorithm; the
+//! plain `offset_allocator` row is the baseline.
+//!
+//! Time per iteration of the first two is one malloc plus one free for both allocators;
+//! divide to compare.
 
+use std::collections::HashMap;
 use std::hint::black_box;
+use std::path::Path;
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::workload::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use offset_allocator::{Allocation, Allocator};
+use rustc_hash::FxHashMap;
 
 const MIB: u64 = 1 << 20;
 const UNIT: u64 = 512;
@@ -38,6 +52,33 @@ fn offset_allocator() -> Allocator<u32> {
 
 fn units(size: u64) -> u32 {
     size.div_ceil(UNIT) as u32
+}
+
+/// offset-allocator freed by address, as a pointer-based API has to: allocations are kept in
+/// a hash map from offset to handle.
+struct ByAddress {
+    allocator: Allocator<u32>,
+    live: FxHashMap<u32, Allocation<u32>>,
+}
+
+impl ByAddress {
+    fn new() -> Self {
+        ByAddress {
+            allocator: offset_allocator(),
+            live: FxHashMap::default(),
+        }
+    }
+
+    fn allocate(&mut self, units: u32) -> u32 {
+        let allocation = self.allocator.allocate(units).expect("fits");
+        self.live.insert(allocation.offset, allocation);
+        allocation.offset
+    }
+
+    fn free(&mut self, offset: u32) {
+        let allocation = self.live.remove(&offset).expect("live");
+        self.allocator.free(allocation);
+    }
 }
 
 fn same_size_hit(c: &mut Criterion) {
@@ -122,8 +163,116 @@ fn mixed_2000_live(c: &mut Criterion) {
             slots[slot] = a.allocate(black_box(units(size))).expect("fits");
         });
     });
+    group.bench_function("offset_allocator_by_address", |b| {
+        let mut a = ByAddress::new();
+        let mut slots: Vec<u32> = initial.iter().map(|&s| a.allocate(units(s))).collect();
+        let mut i = 0;
+        b.iter(|| {
+            let (slot, size) = steps[i % SEQUENCE];
+            i += 1;
+            a.free(slots[slot]);
+            slots[slot] = a.allocate(black_box(units(size)));
+        });
+    });
     group.finish();
 }
 
-criterion_group!(benches, same_size_hit, mixed_2000_live);
+/// One event of a recording: allocate `size` bytes into a slot, or free a slot.
+#[derive(Clone, Copy)]
+enum Event {
+    Alloc { slot: usize, size: u64 },
+    Free { slot: usize },
+}
+
+/// The allocations and frees of a bundled recording's first device, each live block in its
+/// own slot, ending with frees of whatever is still live; and the number of slots.
+fn recorded_events(file: &str) -> (Vec<Event>, usize) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/traces")
+        .join(file);
+    let recording = gpumem::trace::read_recording(&path).expect("bundled recording");
+    let mut events = Vec::new();
+    let mut live = HashMap::new();
+    let mut slots = 0;
+    for event in &recording.device_traces[0] {
+        match event.action {
+            TraceAction::Alloc => {
+                live.insert(event.addr, slots);
+                events.push(Event::Alloc {
+                    slot: slots,
+                    size: event.size,
+                });
+                slots += 1;
+            }
+            // Frees of blocks allocated before the trace began have no slot: skipped.
+            TraceAction::FreeRequested => {
+                if let Some(slot) = live.remove(&event.addr) {
+                    events.push(Event::Free { slot });
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut left: Vec<usize> = live.into_values().collect();
+    left.sort_unstable();
+    events.extend(left.into_iter().map(|slot| Event::Free { slot }));
+    (events, slots)
+}
+
+fn recorded(c: &mut Criterion) {
+    let mut group = c.benchmark_group("recorded");
+    for (name, file) in [
+        ("opt125m", "opt125m_zo_fedtrain_complete.noframes.json.gz"),
+        ("lm_fwd_bwd", "cs336_lm_fwd_bwd_step.noframes.json.gz"),
+    ] {
+        let (events, slots) = recorded_events(file);
+        group.throughput(Throughput::Elements(events.len() as u64));
+        group.bench_function(format!("gpumem/{name}"), |b| {
+            let mut a = gpumem_allocator();
+            let mut live = vec![DevicePtr::NULL; slots];
+            b.iter(|| {
+                for event in &events {
+                    match *event {
+                        Event::Alloc { slot, size } => {
+                            live[slot] =
+                                a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
+                        }
+                        Event::Free { slot } => a.free(live[slot]).expect("live"),
+                    }
+                }
+            });
+        });
+        group.bench_function(format!("offset_allocator/{name}"), |b| {
+            let mut a = offset_allocator();
+            let mut live: Vec<Option<Allocation<u32>>> = vec![None; slots];
+            b.iter(|| {
+                for event in &events {
+                    match *event {
+                        Event::Alloc { slot, size } => {
+                            live[slot] = Some(a.allocate(black_box(units(size))).expect("fits"));
+                        }
+                        Event::Free { slot } => a.free(live[slot].take().expect("live")),
+                    }
+                }
+            });
+        });
+        group.bench_function(format!("offset_allocator_by_address/{name}"), |b| {
+            let mut a = ByAddress::new();
+            let mut live = vec![0; slots];
+            b.iter(|| {
+                for event in &events {
+                    match *event {
+                        Event::Alloc { slot, size } => {
+                            live[slot] = a.allocate(black_box(units(size)))
+                        }
+                        Event::Free { slot } => a.free(live[slot]),
+                    }
+                }
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, same_size_hit, mixed_2000_live, recorded);
 criterion_main!(benches);
