@@ -6,14 +6,20 @@
 //! (eight classes per power of two, as TLSF spaces them), each class a vector sorted by
 //! (size, address), and a bitmap of the non-empty classes. A lookup binary-searches one small
 //! vector and, when that holds nothing large enough, jumps with the bitmap to the first
-//! non-empty larger class, whose first entry is the answer.
+//! non-empty larger class, whose smallest entry is the answer.
+//!
+//! Classes are stored in descending order, smallest entry last: taking a class's smallest
+//! entry, the usual best fit, then moves nothing. This matters when hundreds of equal-size
+//! blocks share a class (whole cached 20 MiB segments after a backward pass): the lowest
+//! address among them is taken from the end instead of shifting all the others.
 //!
 //! # Invariants
 //! - Classes partition sizes monotonically: every size in class `c` is smaller than every
 //!   size in class `c + 1`. Hence "first entry of the first non-empty class above" is the
 //!   ordered successor.
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
-//! - Within a class, entries are sorted by (size, address) and unique by address.
+//! - Within a class, entries are sorted by (size, address), descending, and unique by
+//!   address.
 //! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
 //! - At most [`SPARE_STREAMS`] streams without free blocks keep their (empty) bins: a job that
 //!   creates streams in a loop does not grow the set without bound.
@@ -102,29 +108,29 @@ impl StreamBins {
     fn lower_bound(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
-        if let Some(e) = entries.get(i) {
-            return Some(*e);
+        let at_least = entries.partition_point(|e| (e.size, e.ptr) >= (size, ptr));
+        if at_least > 0 {
+            return Some(entries[at_least - 1]);
         }
         let next = self.next_class(class + 1)?;
-        self.classes[next].first().copied()
+        self.classes[next].last().copied()
     }
 
     fn prev_before(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
-        if i > 0 {
-            return Some(entries[i - 1]);
+        let at_least = entries.partition_point(|e| (e.size, e.ptr) >= (size, ptr));
+        if let Some(e) = entries.get(at_least) {
+            return Some(*e);
         }
         let prev = self.prev_class(class)?;
-        self.classes[prev].last().copied()
+        self.classes[prev].first().copied()
     }
 
     fn insert(&mut self, entry: FreeEntry) {
         let class = class_of(entry.size);
         let entries = &mut self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) < (entry.size, entry.ptr));
+        let i = entries.partition_point(|e| (e.size, e.ptr) > (entry.size, entry.ptr));
         entries.insert(i, entry);
         self.bitmap[class / 64] |= 1 << (class % 64);
         self.len += 1;
@@ -137,12 +143,13 @@ impl StreamBins {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         let mut class = class_of(size);
-        let mut i = self.classes[class].partition_point(|e| e.size < size);
-        if i == self.classes[class].len() {
+        let mut at_least = self.classes[class].partition_point(|e| e.size >= size);
+        if at_least == 0 {
             class = self.next_class(class + 1)?;
-            i = 0;
+            at_least = self.classes[class].len();
         }
         let entries = &mut self.classes[class];
+        let i = at_least - 1;
         if !accept(entries[i].size) {
             return None;
         }
@@ -157,7 +164,7 @@ impl StreamBins {
     fn remove(&mut self, size: u64, ptr: u64) -> bool {
         let class = class_of(size);
         let entries = &mut self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) < (size, ptr));
+        let i = entries.partition_point(|e| (e.size, e.ptr) > (size, ptr));
         if entries
             .get(i)
             .is_none_or(|e| e.ptr != ptr || e.size != size)
@@ -172,8 +179,9 @@ impl StreamBins {
         true
     }
 
+    /// Entries in ascending (size, address) order.
     fn iter(&self) -> impl DoubleEndedIterator<Item = &FreeEntry> {
-        self.classes.iter().flatten()
+        self.classes.iter().flat_map(|class| class.iter().rev())
     }
 }
 
