@@ -10,47 +10,61 @@
 //! - Only blocks of expandable segments are ever unmapped; unmapped blocks are free.
 //! - Sizes and addresses are multiples of 512.
 
+use std::num::NonZeroU32;
+
 use crate::device::StreamId;
 
 use super::expandable::SegmentId;
 use super::size::PoolKind;
 
-/// Index of a block in the allocator's arena.
+/// Index of a block in the allocator's arena, stored plus one so that `Option<BlockId>` takes
+/// four bytes (the neighbour links must fit the block's first cache line).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(transparent)]
-pub(crate) struct BlockId(pub u32);
+pub(crate) struct BlockId(NonZeroU32);
 
 impl BlockId {
+    /// The id of arena slot `index`; `None` from 2^32 - 1 slots on.
+    pub fn new(index: usize) -> Option<BlockId> {
+        let stored = u32::try_from(index).ok()?.checked_add(1)?;
+        NonZeroU32::new(stored).map(BlockId)
+    }
+
     pub fn index(self) -> usize {
-        self.0 as usize
+        (self.0.get() - 1) as usize
     }
 }
 
 /// A block (PyTorch's `Block`).
+///
+/// Laid out for the cache: the first 64 bytes hold everything a neighbour check, a merge and
+/// the free set need (address, size, stream, links, state), so that looking at a neighbour
+/// touches one cache line; what only the block's own malloc and free use follows.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 pub(crate) struct Block {
     /// Device address.
     pub ptr: u64,
     /// Size in bytes.
     pub size: u64,
-    /// The unrounded size of the last request this block served (kept after free).
-    pub requested_size: u64,
     /// The stream the block was allocated on; it is reused only on that stream.
     pub stream: StreamId,
-    /// The pool that owns the block.
-    pub pool: PoolKind,
-    /// Handed out to a caller.
-    pub allocated: bool,
-    /// Backed by physical memory (always true outside expandable segments).
-    pub mapped: bool,
+    /// Streams other than `stream` that used the block (`record_stream`).
+    pub stream_uses: Vec<StreamId>,
     /// Neighbour below in the same segment.
     pub prev: Option<BlockId>,
     /// Neighbour above in the same segment.
     pub next: Option<BlockId>,
     /// Outstanding events that must complete before the block can be reused.
     pub event_count: u32,
-    /// Streams other than `stream` that used the block (`record_stream`).
-    pub stream_uses: Vec<StreamId>,
+    /// The pool that owns the block.
+    pub pool: PoolKind,
+    /// Handed out to a caller.
+    pub allocated: bool,
+    /// Backed by physical memory (always true outside expandable segments).
+    pub mapped: bool,
+    /// The unrounded size of the last request this block served (kept after free).
+    pub requested_size: u64,
     /// The pool's `get_free_blocks_call_count` when the block last entered the free set.
     pub gc_count_base: u64,
     /// The expandable segment the block lies in, if any.
@@ -93,3 +107,6 @@ impl Block {
         !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
     }
 }
+
+// Everything before `requested_size` shares the block's first cache line.
+const _: () = assert!(std::mem::offset_of!(Block, requested_size) <= 64);

@@ -307,7 +307,7 @@ mod tests {
             let entry = FreeEntry {
                 size: 512,
                 ptr: 512 * (s + 1),
-                id: BlockId(s as u32),
+                id: BlockId::new(s as usize).expect("small"),
             };
             set.insert(StreamId(s), entry);
             assert!(set.remove(StreamId(s), entry.size, entry.ptr));
@@ -325,7 +325,7 @@ mod tests {
                 FreeEntry {
                     size: 512,
                     ptr: 512 * (s + 1),
-                    id: BlockId(s as u32),
+                    id: BlockId::new(s as usize).expect("small"),
                 },
             );
         }
@@ -343,7 +343,7 @@ mod tests {
         // 300 whole 20 MiB segments freed in a scrambled address order.
         for i in 0..300u64 {
             let ptr = (i * 7919 % 300 + 1) << 30;
-            let id = BlockId(i as u32);
+            let id = BlockId::new(i as usize).expect("small");
             set.insert(
                 stream,
                 FreeEntry {
@@ -387,7 +387,7 @@ mod tests {
                 let ptr = slot * (1 << 40) + size;
                 if insert && !model.contains(&(stream, size, ptr)) {
                     model.insert((stream, size, ptr));
-                    set.insert(stream, FreeEntry { size, ptr, id: BlockId(i as u32) });
+                    set.insert(stream, FreeEntry { size, ptr, id: BlockId::new(i).expect("small") });
                 } else if !insert {
                     let want = model.remove(&(stream, size, ptr));
                     prop_assert_eq!(set.remove(stream, size, ptr), want);

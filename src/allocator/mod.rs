@@ -264,7 +264,7 @@ impl<D: Device> CachingAllocator<D> {
 
     fn new_block(&mut self, block: Block) -> BlockId {
         let key = self.blocks.insert(block);
-        BlockId(u32::try_from(key).expect("fewer than 2^32 blocks"))
+        BlockId::new(key).expect("fewer than 2^32 - 1 blocks")
     }
 
     fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
@@ -1041,7 +1041,7 @@ impl<D: Device> CachingAllocator<D> {
             .blocks
             .iter()
             .filter(|(_, b)| b.prev.is_none())
-            .map(|(k, b)| (b.ptr, BlockId(k as u32)))
+            .filter_map(|(k, b)| Some((b.ptr, BlockId::new(k)?)))
             .collect();
         heads.sort_unstable();
         heads.into_iter().map(|(_, id)| id).collect()
