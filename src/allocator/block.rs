@@ -4,7 +4,7 @@
 //! - The blocks of one segment tile it exactly: `prev.ptr + prev.size == ptr` and the links
 //!   agree both ways. A block with neither `prev` nor `next` is a whole segment.
 //! - A block is in exactly one of three states: allocated (handed out); pending free (not
-//!   allocated, waiting on `event_count > 0` events or holding `stream_uses` it could not
+//!   allocated, waiting on `event_count > 0` events or holding stream uses it could not
 //!   record); free (neither, and then it sits in its pool's free set, or in its pool's
 //!   unmapped set if it is an unmapped part of an expandable segment).
 //! - Only blocks of expandable segments are ever unmapped; unmapped blocks are free.
@@ -37,9 +37,9 @@ impl BlockId {
 
 /// A block (PyTorch's `Block`).
 ///
-/// Laid out for the cache: the first 64 bytes hold everything a neighbour check, a merge and
-/// the free set need (address, size, stream, links, state), so that looking at a neighbour
-/// touches one cache line; what only the block's own malloc and free use follows.
+/// One cache line: the arena is walked at random (neighbours, the free set's picks), so a
+/// block costs one miss. The streams that used a block (`record_stream`) are rare and live in
+/// the allocator's side table; the block only says whether it has any.
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub(crate) struct Block {
@@ -49,26 +49,27 @@ pub(crate) struct Block {
     pub size: u64,
     /// The stream the block was allocated on; it is reused only on that stream.
     pub stream: StreamId,
-    /// Streams other than `stream` that used the block (`record_stream`).
-    pub stream_uses: Vec<StreamId>,
+    /// The unrounded size of the last request this block served (kept after free).
+    pub requested_size: u64,
+    /// The pool's `get_free_blocks_call_count` when the block last entered the free set.
+    pub gc_count_base: u64,
     /// Neighbour below in the same segment.
     pub prev: Option<BlockId>,
     /// Neighbour above in the same segment.
     pub next: Option<BlockId>,
     /// Outstanding events that must complete before the block can be reused.
     pub event_count: u32,
+    /// The expandable segment the block lies in, if any.
+    pub expandable: Option<SegmentId>,
     /// The pool that owns the block.
     pub pool: PoolKind,
     /// Handed out to a caller.
     pub allocated: bool,
     /// Backed by physical memory (always true outside expandable segments).
     pub mapped: bool,
-    /// The unrounded size of the last request this block served (kept after free).
-    pub requested_size: u64,
-    /// The pool's `get_free_blocks_call_count` when the block last entered the free set.
-    pub gc_count_base: u64,
-    /// The expandable segment the block lies in, if any.
-    pub expandable: Option<SegmentId>,
+    /// Streams other than `stream` used the block and are not yet covered by events: the
+    /// allocator's `stream_uses` table lists them.
+    pub has_stream_uses: bool,
 }
 
 impl Block {
@@ -85,7 +86,7 @@ impl Block {
             prev: None,
             next: None,
             event_count: 0,
-            stream_uses: Vec::new(),
+            has_stream_uses: false,
             gc_count_base: 0,
             expandable: None,
         }
@@ -98,15 +99,14 @@ impl Block {
 
     /// Freed by the user but waiting on other streams.
     pub fn is_pending_free(&self) -> bool {
-        !self.allocated && (self.event_count > 0 || !self.stream_uses.is_empty())
+        !self.allocated && (self.event_count > 0 || self.has_stream_uses)
     }
 
     /// Neither allocated nor pending. A free block is in its pool's free set when mapped and
     /// in its pool's unmapped set otherwise (PyTorch's "allocatable").
     pub fn is_free(&self) -> bool {
-        !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
+        !self.allocated && self.event_count == 0 && !self.has_stream_uses
     }
 }
 
-// Everything before `requested_size` shares the block's first cache line.
-const _: () = assert!(std::mem::offset_of!(Block, requested_size) <= 64);
+const _: () = assert!(std::mem::size_of::<Block>() == 64);

@@ -147,6 +147,13 @@ impl<D: Device> CachingAllocator<D> {
                         b.ptr
                     ));
                 }
+                let uses = self.stream_uses.get(&id).is_some_and(|u| !u.is_empty());
+                if b.has_stream_uses != uses {
+                    return Err(format!(
+                        "block {:#x}: has_stream_uses={} but listed uses={uses}",
+                        b.ptr, b.has_stream_uses
+                    ));
+                }
                 let live = self.live.get(&b.ptr) == Some(&id);
                 if b.allocated != live {
                     return Err(format!(
@@ -221,6 +228,14 @@ impl<D: Device> CachingAllocator<D> {
         }
         if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated).count() {
             return Err("the live map holds blocks that are not allocated".into());
+        }
+        let with_uses = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.has_stream_uses)
+            .count();
+        if self.stream_uses.len() != with_uses {
+            return Err("the stream-use table lists blocks that have none".into());
         }
         let pending: usize = self.pending_events.iter().map(|(_, q)| q.len()).sum();
         let counted: u64 = self

@@ -37,7 +37,8 @@
 //! - no two adjacent free blocks are left unmerged;
 //! - every free block is in exactly its own pool's free set under its own key, and nothing
 //!   else is;
-//! - the live map holds exactly the allocated blocks;
+//! - the live map holds exactly the allocated blocks, the stream-use table exactly the blocks
+//!   flagged as having stream uses;
 //! - every statistic equals what the blocks add up to, and the driver holds exactly the
 //!   reserved bytes.
 
@@ -100,6 +101,9 @@ pub struct CachingAllocator<D: Device> {
     large: BlockPool,
     /// Allocated blocks by address (PyTorch's top-level pointer map).
     live: FxHashMap<u64, BlockId>,
+    /// The streams other than its own that used a block (`record_stream`), until its free
+    /// records events for them: exactly the blocks whose `has_stream_uses` is set.
+    stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Per stream, the events of pending frees in recording order.
     pending_events: Vec<(StreamId, EventQueue)>,
     /// Completed events kept for reuse: creating one is a driver call.
@@ -130,6 +134,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             small: self.small.clone(),
             large: self.large.clone(),
             live: self.live.clone(),
+            stream_uses: self.stream_uses.clone(),
             pending_events: self.pending_events.clone(),
             event_pool: self.event_pool.clone(),
             stats: Arc::new(self.stats.copy()),
@@ -177,6 +182,7 @@ impl<D: Device> CachingAllocator<D> {
             small: BlockPool::default(),
             large: BlockPool::default(),
             live: FxHashMap::default(),
+            stream_uses: FxHashMap::default(),
             pending_events: Vec::new(),
             event_pool: Vec::new(),
             stats,
@@ -607,7 +613,7 @@ impl<D: Device> CachingAllocator<D> {
         block.allocated = false;
         let (kind, size, requested, stream) =
             (block.pool, block.size, block.requested_size, block.stream);
-        let has_uses = !block.stream_uses.is_empty();
+        let has_uses = block.has_stream_uses;
         self.stats.allocation.decrease(kind, 1);
         self.stats.allocated_bytes.decrease(kind, size);
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream);
@@ -629,17 +635,22 @@ impl<D: Device> CachingAllocator<D> {
         let Some(&id) = self.live.get(&ptr.0) else {
             return;
         };
-        let block = self.block_mut(id);
-        if block.stream != stream && !block.stream_uses.contains(&stream) {
-            block.stream_uses.push(stream);
+        if self.block(id).stream == stream {
+            return;
         }
+        let uses = self.stream_uses.entry(id).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        self.block_mut(id).has_stream_uses = true;
     }
 
     /// Records one event per stream that used a freed block (`insert_events`). If the device
     /// cannot record them, waiting for the whole device is just as safe, so the free
     /// completes after a synchronisation.
     fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
-        let streams = std::mem::take(&mut self.block_mut(id).stream_uses);
+        let streams = self.stream_uses.remove(&id).unwrap_or_default();
+        self.block_mut(id).has_stream_uses = false;
         for (i, &stream) in streams.iter().enumerate() {
             let event = match self.event_pool.pop() {
                 Some(e) => Ok(e),
@@ -665,7 +676,8 @@ impl<D: Device> CachingAllocator<D> {
         uncovered: &[StreamId],
     ) -> Result<(), AllocError> {
         if let Err(e) = self.device.synchronize() {
-            self.block_mut(id).stream_uses = uncovered.to_vec();
+            self.stream_uses.insert(id, uncovered.to_vec());
+            self.block_mut(id).has_stream_uses = true;
             return Err(AllocError::Device(e));
         }
         if self.block(id).event_count == 0 {
@@ -691,7 +703,7 @@ impl<D: Device> CachingAllocator<D> {
         self.event_pool.push(event);
         let block = self.block_mut(id);
         block.event_count = block.event_count.saturating_sub(1);
-        if block.event_count == 0 && block.stream_uses.is_empty() {
+        if block.event_count == 0 && !block.has_stream_uses {
             self.free_block(id);
         }
     }
