@@ -109,4 +109,5 @@ impl Block {
     }
 }
 
+// The one cache line `Block`'s documentation promises.
 const _: () = assert!(std::mem::size_of::<Block>() == 64);

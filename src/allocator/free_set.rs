@@ -240,12 +240,10 @@ impl FreeSet {
     pub fn insert(&mut self, stream: StreamId, entry: FreeEntry) {
         let i = match self.streams.binary_search_by_key(&stream, |(s, _)| *s) {
             Ok(i) => i,
-            Err(i) if self.streams.len() < SPARE_STREAMS => {
-                self.streams.insert(i, (stream, StreamBins::new()));
-                i
-            }
             Err(_) => {
-                self.streams.retain(|(_, bins)| bins.len > 0);
+                if self.streams.len() >= SPARE_STREAMS {
+                    self.streams.retain(|(_, bins)| bins.len > 0);
+                }
                 let i = self.streams.partition_point(|(s, _)| *s < stream);
                 self.streams.insert(i, (stream, StreamBins::new()));
                 i
