@@ -2,7 +2,7 @@
 //! scan, so a test that passes has also proven the allocator consistent at each step.
 
 use gpumem::allocator::{BlockState, Snapshot};
-use gpumem::device::{SimConfig, SimDevice};
+use gpumem::device::{Device, SimConfig, SimDevice};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 
 pub const MIB: u64 = 1 << 20;
@@ -20,7 +20,7 @@ pub fn allocator(capacity: u64, conf: &str) -> CachingAllocator<SimDevice> {
     a
 }
 
-pub fn check(a: &CachingAllocator<SimDevice>) {
+pub fn check<D: Device>(a: &CachingAllocator<D>) {
     if let Err(e) = a.check_invariants() {
         panic!("invariant broken: {e}");
     }
