@@ -12,9 +12,9 @@
 
 use std::num::NonZeroU32;
 
-use crate::device::StreamId;
+use crate::device::{Device, StreamId};
 
-use super::expandable::SegmentId;
+use super::CachingAllocator;
 use super::size::PoolKind;
 
 /// Index of a block in the allocator's arena, stored plus one so that `Option<BlockId>` takes
@@ -32,6 +32,22 @@ impl BlockId {
 
     pub fn index(self) -> usize {
         (self.0.get() - 1) as usize
+    }
+}
+
+/// Index of an expandable segment in the allocator's segment table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub(crate) struct SegmentId(u32);
+
+impl SegmentId {
+    /// The id of table slot `index`; `None` from 2^32 slots on.
+    pub fn new(index: usize) -> Option<SegmentId> {
+        u32::try_from(index).ok().map(SegmentId)
+    }
+
+    pub fn index(self) -> usize {
+        self.0 as usize
     }
 }
 
@@ -106,6 +122,42 @@ impl Block {
     /// in its pool's unmapped set otherwise (PyTorch's "allocatable").
     pub fn is_free(&self) -> bool {
         !self.allocated && self.event_count == 0 && !self.has_stream_uses
+    }
+}
+
+/// The arena: blocks by id, and the walk over segments.
+impl<D: Device> CachingAllocator<D> {
+    pub(super) fn block(&self, id: BlockId) -> &Block {
+        &self.blocks[id.index()]
+    }
+
+    pub(super) fn block_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.blocks[id.index()]
+    }
+
+    pub(super) fn new_block(&mut self, block: Block) -> BlockId {
+        let key = self.blocks.insert(block);
+        BlockId::new(key).expect("fewer than 2^32 - 1 blocks")
+    }
+
+    /// Segment head blocks, by address.
+    pub(super) fn segment_heads(&self) -> Vec<BlockId> {
+        let mut heads: Vec<(u64, BlockId)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.prev.is_none())
+            .filter_map(|(k, b)| Some((b.ptr, BlockId::new(k)?)))
+            .collect();
+        heads.sort_unstable();
+        heads.into_iter().map(|(_, id)| id).collect()
+    }
+
+    /// The blocks of the segment starting at `head`, in address order.
+    pub(super) fn segment_blocks(
+        &self,
+        head: BlockId,
+    ) -> impl Iterator<Item = (BlockId, &Block)> + '_ {
+        std::iter::successors(Some(head), |&id| self.block(id).next).map(|id| (id, self.block(id)))
     }
 }
 

@@ -1,4 +1,4 @@
-//! Expandable segments: one large reserved address range per (stream, pool), backed by
+//! Expandable segments: large reserved address ranges of a (stream, pool), backed by
 //! physical pages mapped as the pool grows and unmapped when memory is released
 //! (`expandable_segments:True`).
 //!
@@ -25,14 +25,9 @@ use std::collections::BTreeMap;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::block::{Block, BlockId};
+use super::block::{Block, BlockId, SegmentId};
 use super::size::{LARGE_BUFFER, PoolKind, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
-
-/// Index of an expandable segment in the allocator's table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(transparent)]
-pub(crate) struct SegmentId(pub u32);
 
 /// One reserved address range and the physical pages mapped into it.
 #[derive(Debug, Clone)]
@@ -164,6 +159,18 @@ impl ExpandableSegment {
 }
 
 impl<D: Device> CachingAllocator<D> {
+    /// Whether expandable segments are in effect: asked for and offered by the device with
+    /// a page granularity that divides the 2 MiB pages (the option is ignored otherwise, as
+    /// PyTorch ignores it on devices without virtual memory).
+    pub(super) fn expandable_segments(&self) -> bool {
+        self.config.expandable_segments
+            && self.device.supports_virtual_memory()
+            && self
+                .device
+                .page_granularity()
+                .is_ok_and(|g| SMALL_BUFFER.is_multiple_of(g))
+    }
+
     /// Whether a block can take part in an expandable allocation: free (or unmapped).
     fn allocatable(&self, id: Option<BlockId>) -> bool {
         id.is_some_and(|id| self.block(id).is_free())
@@ -274,7 +281,7 @@ impl<D: Device> CachingAllocator<D> {
             stream,
             handles: BTreeMap::new(),
         });
-        let segment = SegmentId(u32::try_from(segment).expect("fewer than 2^32 segments"));
+        let segment = SegmentId::new(segment).expect("fewer than 2^32 segments");
         let id = self.new_block(Block {
             mapped: false,
             expandable: Some(segment),
@@ -291,8 +298,7 @@ impl<D: Device> CachingAllocator<D> {
         debug_assert!(!b.mapped && size <= b.size);
         let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
         let segment = b.expandable.expect("only expandable blocks are unmapped");
-        let mapped =
-            self.expandable_segments[segment.0 as usize].map(&mut self.device, ptr, size)?;
+        let mapped = self.expandable_segments[segment.index()].map(&mut self.device, ptr, size)?;
         if mapped == 0 {
             return Ok(false);
         }
@@ -336,7 +342,7 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (ptr, size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
         let segment = b.expandable.expect("only expandable blocks are unmapped");
-        let done = self.expandable_segments[segment.0 as usize].unmap(&mut self.device, ptr, size);
+        let done = self.expandable_segments[segment.index()].unmap(&mut self.device, ptr, size);
         if done.size > 0 {
             self.remove_free(id);
             let before = done.start - ptr;
@@ -392,10 +398,10 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let segment = b.expandable.expect("expandable block");
-        let size = self.expandable_segments[segment.0 as usize].size;
+        let size = self.expandable_segments[segment.index()].size;
         debug_assert!(!b.mapped && !b.is_split() && b.size == size);
         self.device.free_address_range(DevicePtr(ptr), size)?;
-        self.expandable_segments.remove(segment.0 as usize);
+        self.expandable_segments.remove(segment.index());
         self.pool_mut(kind).unmapped.remove(&(stream, ptr));
         self.blocks.remove(id.index());
         Ok(())
@@ -406,7 +412,7 @@ impl<D: Device> CachingAllocator<D> {
         let Some(segment) = self.block(head).expandable else {
             return Ok(());
         };
-        let seg = &self.expandable_segments[segment.0 as usize];
+        let seg = &self.expandable_segments[segment.index()];
         if self.block(head).ptr != seg.ptr {
             return Err(format!(
                 "expandable segment {:#x}: head block elsewhere",

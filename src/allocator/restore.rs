@@ -51,12 +51,9 @@ impl<D: Device> CachingAllocator<D> {
         }
         let base = self.device.malloc(size)?;
         self.total_allocated_memory += size;
-        self.stats.segment.increase(kind, 1);
-        self.stats.reserved_bytes.increase(kind, size);
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.increase(1);
-        }
-        self.stats.num_device_alloc.bump();
+        let max_split = self.config.max_split_size;
+        self.stats
+            .count_segment_alloc(kind, size, size >= max_split);
 
         // Merge runs of free space first, so that no two free blocks end up adjacent.
         let mut merged: Vec<RestoredBlock> = Vec::with_capacity(blocks.len());
@@ -85,15 +82,8 @@ impl<D: Device> CachingAllocator<D> {
             match b.allocated {
                 Some(requested) => {
                     self.live.insert(ptr, id);
-                    let stats = &self.stats;
-                    stats.allocation.increase(kind, 1);
-                    stats.allocated_bytes.increase(kind, b.size);
-                    stats.active.increase(kind, 1);
-                    stats.active_bytes.increase(kind, b.size);
-                    stats.requested_bytes.increase(kind, requested);
-                    if b.size >= self.config.max_split_size {
-                        stats.oversize_allocations.increase(1);
-                    }
+                    self.stats
+                        .count_alloc(kind, b.size, requested, b.size >= max_split);
                 }
                 None => {
                     free.push(id);

@@ -1,5 +1,10 @@
-//! Size policy as pure functions: request rounding, pool choice, segment sizes, and the
-//! human-readable sizes of PyTorch's messages.
+//! Size policy as pure functions: request rounding, pool choice, segment sizes, which cached
+//! block may serve a request and whether it is split, and the human-readable sizes of
+//! PyTorch's messages.
+//!
+//! # Invariants
+//! - Every rounded size is a positive multiple of [`MIN_BLOCK_SIZE`] at or above the request.
+//! - A split always leaves a remainder of at least [`MIN_BLOCK_SIZE`] bytes.
 
 use crate::config::AllocatorConfig;
 
@@ -97,6 +102,37 @@ pub fn allocation_size(rounded: u64) -> u64 {
     }
 }
 
+/// Whether a cached free block of `found` bytes may serve a rounded request of `size` bytes
+/// (the `max_split_size` rules of `get_free_block`): a normal request never takes an oversize
+/// block; an oversize request takes one only if it wastes less than [`LARGE_BUFFER`].
+pub fn fits(found: u64, size: u64, max_split_size: u64) -> bool {
+    if size < max_split_size {
+        found < max_split_size
+    } else {
+        found < size.saturating_add(LARGE_BUFFER)
+    }
+}
+
+/// Whether a found block of `block_size` bytes is split for a rounded request of `size`
+/// bytes (`should_split`). Small-pool blocks split when at least [`MIN_BLOCK_SIZE`] would
+/// remain; large-pool blocks when the request is not oversize and more than [`SMALL_SIZE`]
+/// would remain. Quirk kept from PyTorch: with expandable segments in effect every block
+/// follows the small-pool rule, not only blocks of expandable segments.
+pub fn should_split(
+    block_size: u64,
+    size: u64,
+    pool: PoolKind,
+    expandable_segments: bool,
+    max_split_size: u64,
+) -> bool {
+    let remaining = block_size - size;
+    if pool == PoolKind::Small || expandable_segments {
+        remaining >= MIN_BLOCK_SIZE
+    } else {
+        size < max_split_size && remaining > SMALL_SIZE
+    }
+}
+
 /// Formats a byte count as PyTorch's OOM messages do: "1024 bytes", "1.00 KiB", "2.00 MiB",
 /// "1.00 GiB" (two decimals, switching unit only above 1024 of the smaller one).
 pub fn format_size(bytes: u64) -> String {
@@ -190,6 +226,51 @@ mod tests {
             5120,
             "no division fits: plain 512-byte rounding"
         );
+    }
+
+    #[test]
+    fn fit_rule_table() {
+        const UNLIMITED: u64 = u64::MAX;
+        // (found, request, max_split_size) → may serve
+        for (found, size, max_split, want) in [
+            (4 * MIB, 2 * MIB, UNLIMITED, true),
+            (200 * MIB, 2 * MIB, 100 * MIB, false), // normal request, oversize block
+            (99 * MIB, 2 * MIB, 100 * MIB, true),
+            (100 * MIB, 100 * MIB, 100 * MIB, true), // oversize request, exact fit
+            (119 * MIB, 100 * MIB, 100 * MIB, true), // wastes 19 MiB < 20 MiB
+            (120 * MIB, 100 * MIB, 100 * MIB, false), // wastes exactly LARGE_BUFFER
+            (u64::MAX, u64::MAX - 1, 100 * MIB, false), // saturates, no overflow
+        ] {
+            assert_eq!(
+                fits(found, size, max_split),
+                want,
+                "fits({found}, {size}, {max_split})"
+            );
+        }
+    }
+
+    #[test]
+    fn split_rule_table() {
+        const UNLIMITED: u64 = u64::MAX;
+        use PoolKind::{Large, Small};
+        // (block, request, pool, expandable, max_split_size) → split
+        for (block, size, pool, expandable, max_split, want) in [
+            (2 * MIB, 2 * MIB - 512, Small, false, UNLIMITED, true), // 512 B remain
+            (2 * MIB, 2 * MIB - 511, Small, false, UNLIMITED, false),
+            (2 * MIB, 2 * MIB, Small, false, UNLIMITED, false),
+            (20 * MIB, 19 * MIB, Large, false, UNLIMITED, false), // exactly 1 MiB remains
+            (20 * MIB, 19 * MIB - 512, Large, false, UNLIMITED, true),
+            (20 * MIB, 19 * MIB, Large, true, UNLIMITED, true), // expandable: small rule
+            (400 * MIB, 200 * MIB, Large, false, 100 * MIB, false), // oversize request
+            (400 * MIB, 200 * MIB, Large, true, 100 * MIB, true),
+            (400 * MIB, 50 * MIB, Large, false, 100 * MIB, true),
+        ] {
+            assert_eq!(
+                should_split(block, size, pool, expandable, max_split),
+                want,
+                "should_split({block}, {size}, {pool:?}, {expandable}, {max_split})"
+            );
+        }
     }
 
     #[test]

@@ -1,11 +1,22 @@
 //! Memory snapshots in PyTorch's schema (`torch.cuda.memory._snapshot()`), as plain data that
-//! serializes with serde to the same JSON shape the PyTorch memory viewer reads.
+//! serializes with serde to the same JSON shape the PyTorch memory viewer reads, and the
+//! builder that reads them off the allocator's blocks.
+//!
+//! # Invariants
+//! - Segments are listed by address; an expandable segment shows as one segment per
+//!   contiguous run of mapped blocks (as PyTorch shows it), and unmapped blocks never appear.
+//! - A segment's `total_size` is the sum of its blocks; `allocated_size`, `active_size` and
+//!   `requested_size` sum the allocated, active (allocated or pending) blocks.
+//! - [`CachingAllocator::segments_by_size`] counts the same runs as the snapshot does.
 
 use serde::Serialize;
 
 use crate::config::AllocatorSettings;
+use crate::device::{Device, StreamId};
 
-use super::history::TraceEntry;
+use super::block::Block;
+use super::history::{TraceAction, TraceEntry};
+use super::{CachingAllocator, summary};
 
 /// The segments of one size class: sizes in `(size / 2, size]`, `size` a power of two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,4 +142,123 @@ pub struct Snapshot {
     /// The device, when it could be queried.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub simulated_device: Option<SimulatedDeviceInfo>,
+}
+
+impl Block {
+    /// The block's state as a snapshot shows it.
+    fn snapshot_state(&self) -> BlockState {
+        if self.allocated {
+            BlockState::ActiveAllocated
+        } else if self.is_pending_free() {
+            BlockState::ActivePendingFree
+        } else {
+            BlockState::Inactive
+        }
+    }
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// The contiguous mapped runs of blocks, segment by segment in address order: a plain
+    /// segment is one run, an expandable segment one per run of mapped blocks.
+    fn mapped_runs(&self) -> Vec<Vec<&Block>> {
+        let mut runs = Vec::new();
+        for head in self.segment_heads() {
+            let mut run = Vec::new();
+            for (_, b) in self.segment_blocks(head) {
+                if b.mapped {
+                    run.push(b);
+                } else if !run.is_empty() {
+                    runs.push(std::mem::take(&mut run));
+                }
+            }
+            if !run.is_empty() {
+                runs.push(run);
+            }
+        }
+        runs
+    }
+
+    /// Segments by size class with their free bytes, as a snapshot would count them (an
+    /// expandable segment counts once per contiguous mapped run).
+    pub fn segments_by_size(&self) -> Vec<SegmentClass> {
+        segment_classes(self.mapped_runs().into_iter().map(|run| {
+            let total = run.iter().map(|b| b.size).sum();
+            let free = run
+                .iter()
+                .filter(|b| b.snapshot_state() == BlockState::Inactive)
+                .map(|b| b.size)
+                .sum();
+            (total, free)
+        }))
+    }
+
+    /// The segments and blocks (`torch.cuda.memory_snapshot()`), plus the trace and the
+    /// settings (`torch.cuda.memory._snapshot()`). Records a `snapshot` trace entry, which
+    /// appears in the next snapshot's trace, as in PyTorch.
+    pub fn snapshot(&mut self) -> Snapshot {
+        let device = self.device.index();
+        let trace = self.history.entries();
+        let segments: Vec<SegmentInfo> = self
+            .mapped_runs()
+            .into_iter()
+            .map(|run| {
+                let first = run[0];
+                let mut segment = SegmentInfo {
+                    device,
+                    address: first.ptr,
+                    total_size: 0,
+                    allocated_size: 0,
+                    active_size: 0,
+                    requested_size: 0,
+                    stream: first.stream.0,
+                    segment_type: first.pool.segment_type(),
+                    segment_pool_id: (0, 0),
+                    is_expandable: first.expandable.is_some(),
+                    frames: Vec::new(),
+                    blocks: Vec::with_capacity(run.len()),
+                };
+                for b in run {
+                    let state = b.snapshot_state();
+                    segment.total_size += b.size;
+                    if b.allocated {
+                        segment.allocated_size += b.size;
+                    }
+                    if state != BlockState::Inactive {
+                        segment.active_size += b.size;
+                        segment.requested_size += b.requested_size;
+                    }
+                    segment.blocks.push(BlockInfo {
+                        address: b.ptr,
+                        size: b.size,
+                        requested_size: b.requested_size,
+                        state,
+                        frames: Vec::new(),
+                    });
+                }
+                segment
+            })
+            .collect();
+        let active: u64 = segments.iter().map(|s| s.active_size).sum();
+        self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
+        let simulated_device = self
+            .device
+            .mem_get_info()
+            .ok()
+            .map(|info| SimulatedDeviceInfo {
+                total_bytes: info.total,
+                memory_fraction: self.memory_fraction,
+                allowed_memory_maximum: self.allowed_memory_maximum,
+            });
+        Snapshot {
+            segments,
+            device_traces: vec![trace],
+            allocator_settings: self.config.settings(),
+            simulated_device,
+        }
+    }
+
+    /// `torch.cuda.memory_summary()`: PyTorch's text table of the statistics.
+    pub fn memory_summary(&self, abbreviated: bool) -> String {
+        summary::memory_summary(self.device.index(), &self.stats, abbreviated)
+    }
 }

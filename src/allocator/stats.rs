@@ -275,6 +275,57 @@ impl DeviceStats {
         }
     }
 
+    /// A block of `size` bytes was handed out for a request of `requested` bytes.
+    #[inline]
+    pub(crate) fn count_alloc(&self, kind: PoolKind, size: u64, requested: u64, oversize: bool) {
+        self.allocation.increase(kind, 1);
+        self.allocated_bytes.increase(kind, size);
+        self.active.increase(kind, 1);
+        self.active_bytes.increase(kind, size);
+        self.requested_bytes.increase(kind, requested);
+        if oversize {
+            self.oversize_allocations.increase(1);
+        }
+    }
+
+    /// The user freed a block of `size` bytes; it stays active until its free completes.
+    #[inline]
+    pub(crate) fn count_free_requested(&self, kind: PoolKind, size: u64, oversize: bool) {
+        self.allocation.decrease(kind, 1);
+        self.allocated_bytes.decrease(kind, size);
+        if oversize {
+            self.oversize_allocations.decrease(1);
+        }
+    }
+
+    /// The free of a block of `size` bytes (for `requested` bytes) completed.
+    #[inline]
+    pub(crate) fn count_free_completed(&self, kind: PoolKind, size: u64, requested: u64) {
+        self.active.decrease(kind, 1);
+        self.active_bytes.decrease(kind, size);
+        self.requested_bytes.decrease(kind, requested);
+    }
+
+    /// A segment of `size` bytes was obtained from the driver.
+    pub(crate) fn count_segment_alloc(&self, kind: PoolKind, size: u64, oversize: bool) {
+        self.segment.increase(kind, 1);
+        self.reserved_bytes.increase(kind, size);
+        if oversize {
+            self.oversize_segments.increase(1);
+        }
+        self.num_device_alloc.bump();
+    }
+
+    /// A segment of `size` bytes went back to the driver.
+    pub(crate) fn count_segment_free(&self, kind: PoolKind, size: u64, oversize: bool) {
+        self.segment.decrease(kind, 1);
+        self.reserved_bytes.decrease(kind, size);
+        if oversize {
+            self.oversize_segments.decrease(1);
+        }
+        self.num_device_free.bump();
+    }
+
     /// An independent copy of every value.
     pub(crate) fn copy(&self) -> DeviceStats {
         DeviceStats {

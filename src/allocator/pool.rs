@@ -1,0 +1,137 @@
+//! Block pools (PyTorch's `BlockPool`) and the search for a cached block (`get_free_block`).
+//!
+//! Each allocator has two pools, small and large. A pool holds its free mapped blocks in a
+//! [`FreeSet`] ordered by (stream, size, address), and the unmapped blocks of its expandable
+//! segments by (stream, address). A request is served by the best fit of its own stream
+//! only: the first block at or above its rounded size in that order, which the
+//! `max_split_size` rules ([`size::fits`]) may still refuse.
+//!
+//! # Invariants
+//! - A block is in its pool's free set iff it is free and mapped, under its own current
+//!   (stream, size, address) key; in its pool's unmapped set iff it is free and unmapped.
+//! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
+//!   every block in the free set has `gc_count_base` at most that count.
+
+use std::collections::BTreeMap;
+
+use crate::device::{Device, StreamId};
+
+use super::CachingAllocator;
+use super::block::BlockId;
+use super::free_set::{FreeEntry, FreeSet};
+use super::size::{self, PoolKind};
+
+/// A pool of cached free blocks (PyTorch's `BlockPool`).
+#[derive(Debug, Default, Clone)]
+pub(super) struct BlockPool {
+    pub free: FreeSet,
+    /// Unmapped blocks of expandable segments, by (stream, address).
+    pub unmapped: BTreeMap<(StreamId, u64), BlockId>,
+    /// Lookups since creation, counted only while garbage collection is enabled; a block's
+    /// age is this minus its `gc_count_base`.
+    pub get_free_blocks_call_count: u64,
+}
+
+impl<D: Device> CachingAllocator<D> {
+    pub(super) fn pool_mut(&mut self, kind: PoolKind) -> &mut BlockPool {
+        match kind {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
+    }
+
+    pub(super) fn pool(&self, kind: PoolKind) -> &BlockPool {
+        match kind {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
+    }
+
+    /// The best-fitting cached block of `stream` for a rounded request, taken out of its
+    /// pool (`get_free_block`). Only the best fit is considered: the `max_split_size` rules
+    /// may refuse it, and then nothing is returned.
+    pub(super) fn get_free_block(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Option<BlockId> {
+        let gc = self.gc_enabled();
+        let max_split = self.config.max_split_size;
+        let accept = |found: u64| size::fits(found, size, max_split);
+        let no_expandable = self.expandable_segments.is_empty();
+        let pool = self.pool_mut(kind);
+        if gc {
+            pool.get_free_blocks_call_count += 1;
+        }
+        if no_expandable {
+            return pool
+                .free
+                .take_lower_bound(stream, size, accept)
+                .map(|entry| entry.id);
+        }
+        let entry = self.best_fit_with_expandable(kind, stream, size)?;
+        if !accept(entry.size) {
+            return None;
+        }
+        self.pool_mut(kind)
+            .free
+            .remove(stream, entry.size, entry.ptr);
+        Some(entry.id)
+    }
+
+    /// Best fit when expandable segments exist. With the option on, an expandable block
+    /// counts as the size it could grow to, so a block that cannot grow is preferred; with
+    /// the option off, expandable blocks are passed over.
+    fn best_fit_with_expandable(
+        &self,
+        kind: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Option<FreeEntry> {
+        let free = &self.pool(kind).free;
+        let mut entry = free.lower_bound(stream, size)?;
+        if self.block(entry.id).expandable.is_none() {
+            return Some(entry);
+        }
+        if self.expandable_segments() {
+            while self.block(entry.id).expandable.is_some() {
+                let Some(next) = free.next_after(stream, entry.size, entry.ptr) else {
+                    break;
+                };
+                if self.expandable_size(next.id) >= self.expandable_size(entry.id) {
+                    break;
+                }
+                entry = next;
+            }
+        } else {
+            while self.block(entry.id).expandable.is_some() {
+                entry = free.next_after(stream, entry.size, entry.ptr)?;
+            }
+        }
+        Some(entry)
+    }
+
+    /// Puts a free block into its pool's free set, stamping its GC age base.
+    pub(super) fn insert_free(&mut self, id: BlockId) {
+        let block = self.block(id);
+        let (kind, stream) = (block.pool, block.stream);
+        let entry = FreeEntry {
+            size: block.size,
+            ptr: block.ptr,
+            id,
+        };
+        let pool = self.pool_mut(kind);
+        let base = pool.get_free_blocks_call_count;
+        pool.free.insert(stream, entry);
+        self.block_mut(id).gc_count_base = base;
+    }
+
+    /// Takes a free block out of its pool's free set (its key must be current).
+    pub(super) fn remove_free(&mut self, id: BlockId) {
+        let block = self.block(id);
+        let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
+        let removed = self.pool_mut(kind).free.remove(stream, size, ptr);
+        debug_assert!(removed, "free block {ptr:#x} missing from its pool");
+    }
+}

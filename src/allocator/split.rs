@@ -1,0 +1,144 @@
+//! Handing out and taking back blocks: splitting a found block (`alloc_found_block`) and
+//! merging a freed one with its free neighbours (`free_block`, `try_merge_blocks`).
+//!
+//! # Invariants
+//! - A split keeps the segment tiled: the front piece takes the block's place in the links
+//!   and the rest starts where it ends.
+//! - After `free_block`, neither neighbour of the freed block is free and mapped alike
+//!   (merging is eager), so no two adjacent free blocks of one kind exist.
+//! - `inactive_split*` count the free blocks of split non-expandable segments, updated by
+//!   the net change of each operation.
+
+use crate::device::{Device, DevicePtr};
+
+use super::block::{Block, BlockId};
+use super::{CachingAllocator, TraceAction};
+
+impl<D: Device> CachingAllocator<D> {
+    /// Hands out a block, splitting off its tail when `split` (`alloc_found_block`).
+    pub(super) fn alloc_found_block(
+        &mut self,
+        mut id: BlockId,
+        size: u64,
+        requested: u64,
+        split: bool,
+    ) -> DevicePtr {
+        let block = self.block(id);
+        let (kind, stream, was_split) = (block.pool, block.stream, block.is_split());
+        let expandable = block.expandable;
+        // Free blocks of expandable segments never count as inactive splits.
+        let counts_split = expandable.is_none();
+        if split {
+            let front = self.split_front(id, size);
+            let remaining = self.block(id).size;
+            self.insert_free(id);
+            if counts_split && was_split {
+                self.stats.inactive_split_bytes.decrease(kind, size);
+            } else if counts_split {
+                self.stats.inactive_split_bytes.increase(kind, remaining);
+                self.stats.inactive_split.increase(kind, 1);
+            }
+            id = front;
+        } else if was_split && counts_split {
+            let block_size = self.block(id).size;
+            self.stats.inactive_split_bytes.decrease(kind, block_size);
+            self.stats.inactive_split.decrease(kind, 1);
+        }
+        let block = self.block_mut(id);
+        block.allocated = true;
+        block.requested_size = requested;
+        let (ptr, block_size) = (block.ptr, block.size);
+        self.record(TraceAction::Alloc, ptr, requested, stream);
+        self.live.insert(ptr, id);
+        let oversize = block_size >= self.config.max_split_size;
+        self.stats
+            .count_alloc(kind, block_size, requested, oversize);
+        DevicePtr(ptr)
+    }
+
+    /// Carves the first `size` bytes of block `id` into a new block just before it (same
+    /// stream, pool and segment) and returns it; `id` keeps the rest. Neither is put in a set.
+    pub(super) fn split_front(&mut self, id: BlockId, size: u64) -> BlockId {
+        let b = self.block(id);
+        let (ptr, stream, kind, prev, expandable) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
+        let front = self.new_block(Block {
+            prev,
+            next: Some(id),
+            expandable,
+            ..Block::segment(ptr, size, stream, kind)
+        });
+        if let Some(p) = prev {
+            self.block_mut(p).next = Some(front);
+        }
+        let rest = self.block_mut(id);
+        rest.prev = Some(front);
+        rest.ptr += size;
+        rest.size -= size;
+        front
+    }
+
+    /// Makes a block free: merges it with free neighbours and puts it in its pool
+    /// (`free_block`).
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        let block = self.block(id);
+        let (kind, stream, ptr, requested) =
+            (block.pool, block.stream, block.ptr, block.requested_size);
+        let original_size = block.size;
+        let (prev, next) = (block.prev, block.next);
+        self.record(TraceAction::FreeCompleted, ptr, requested, stream);
+        let mut split_count: i64 = 0;
+        let mut split_bytes: i64 = 0;
+        for neighbour in [prev, next].into_iter().flatten() {
+            let merged = self.try_merge(id, neighbour);
+            if merged > 0 {
+                split_count -= 1;
+                split_bytes -= merged as i64;
+            }
+        }
+        self.insert_free(id);
+        let block = self.block(id);
+        if block.is_split() {
+            split_count += 1;
+            split_bytes += block.size as i64;
+        }
+        // Free blocks of expandable segments never count as inactive splits.
+        if block.expandable.is_none() {
+            self.stats.inactive_split.update(kind, split_count);
+            self.stats.inactive_split_bytes.update(kind, split_bytes);
+        }
+        self.stats
+            .count_free_completed(kind, original_size, requested);
+    }
+
+    /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 if `src`
+    /// is not free (`try_merge`).
+    pub(super) fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
+        let s = self.block(src);
+        if !s.is_free() || s.mapped != self.block(dst).mapped {
+            return 0;
+        }
+        let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
+        if s.mapped {
+            self.remove_free(src);
+        } else {
+            let (kind, key) = (s.pool, (s.stream, s.ptr));
+            self.pool_mut(kind).unmapped.remove(&key);
+        }
+        if self.block(dst).prev == Some(src) {
+            let d = self.block_mut(dst);
+            d.ptr = src_ptr;
+            d.prev = src_prev;
+            if let Some(p) = src_prev {
+                self.block_mut(p).next = Some(dst);
+            }
+        } else {
+            self.block_mut(dst).next = src_next;
+            if let Some(n) = src_next {
+                self.block_mut(n).prev = Some(dst);
+            }
+        }
+        self.block_mut(dst).size += src_size;
+        self.blocks.remove(src.index());
+        src_size
+    }
+}
