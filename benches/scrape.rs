@@ -13,10 +13,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gpumem::device::{SimConfig, SimDevice};
-use gpumem::metrics::{Metrics, ReportReader, allocator_sources};
+use gpumem::metrics::{Metrics, ReportReader};
 use gpumem::server::{AppState, app};
+use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
 use gpumem::telemetry::sim_node::simulated_uuid;
-use gpumem::telemetry::{AllocatorSource, GpuSample, NodeSample, ProcessSample, SourceReport};
+use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
 use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -57,13 +58,14 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 gpu,
                 uuid: simulated_uuid(gpu),
                 pid: 100_000 + gpu * 1000 + p,
-                allocator: "pytorch",
+                allocator: AllocatorKind::Pytorch,
                 version: "2.5.1".into(),
                 config: "expandable_segments:True".into(),
                 stats: Arc::clone(&stats),
                 largest_free_block: Arc::new(AtomicU64::new(largest)),
                 segment_classes: Default::default(),
                 labels: Vec::new(),
+                last_oom_unix_seconds: None,
             }));
         }
     }
@@ -154,7 +156,7 @@ fn main() {
     let reader: ReportReader = Box::new(move || Arc::clone(&report));
     let metrics = Arc::new(
         Metrics::new(
-            allocator_sources(sources),
+            AllocatorSources::new(sources),
             vec![reader],
             None,
             Default::default(),

@@ -23,6 +23,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod server;
 pub mod shared;
+pub mod sources;
 pub mod telemetry;
 pub mod trace;
 pub mod workload;

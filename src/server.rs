@@ -17,7 +17,8 @@ use axum::serve::IncomingStream;
 use tokio::net::UnixListener;
 
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
-use crate::metrics::{AllocatorSources, Metrics, ReportReader};
+use crate::metrics::{Metrics, ReportReader};
+use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::Kubelet;
 
 /// The media type of the Prometheus text exposition format.
@@ -43,8 +44,12 @@ pub fn agent_state(
     ingest: IngestConfig,
     kubelet: Kubelet,
 ) -> Result<AppState, prometheus::Error> {
-    let store = Arc::new(PushStore::new(ingest, Arc::clone(&sources)));
-    let metrics = Metrics::new(sources, reports, Some(Arc::clone(&store)), kubelet)?;
+    let store = Arc::new(PushStore::new(ingest, sources.clone()));
+    let reader: IngestReader = {
+        let store = Arc::clone(&store);
+        Arc::new(move || store.report())
+    };
+    let metrics = Metrics::new(sources, reports, Some(reader), kubelet)?;
     Ok(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(store),
@@ -69,6 +74,28 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)], body)
 }
 
+/// The HTTP status of a refusal.
+pub fn status_of(refusal: Refusal) -> StatusCode {
+    match refusal {
+        Refusal::Malformed | Refusal::Truncated => StatusCode::BAD_REQUEST,
+        Refusal::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
+        Refusal::Stale | Refusal::Conflict => StatusCode::CONFLICT,
+        Refusal::RateLimited | Refusal::Capacity | Refusal::SeriesBudget => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        Refusal::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        Refusal::Forbidden => StatusCode::FORBIDDEN,
+    }
+}
+
+fn refused(store: &PushStore, refusal: Refusal, message: &str) -> Response {
+    store.count_refusal(refusal);
+    json(
+        status_of(refusal),
+        serde_json::json!({"error": message, "reason": refusal.label()}),
+    )
+}
+
 fn json(status: StatusCode, body: serde_json::Value) -> Response {
     (
         status,
@@ -90,26 +117,67 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
     // process) or from loopback.
     let extensions = request.extensions();
     let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
+    // A dual-stack listener sees IPv4 loopback as ::ffff:127.0.0.1.
     let loopback = extensions
         .get::<ConnectInfo<SocketAddr>>()
-        .is_some_and(|c| c.0.ip().is_loopback());
+        .is_some_and(|c| c.0.ip().to_canonical().is_loopback());
     if unix.is_none() && !loopback {
         return json(
             StatusCode::FORBIDDEN,
             serde_json::json!({"error": "pushes are accepted from this host only"}),
         );
     }
-    let Ok(body) = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES).await else {
-        store.count_refusal(Refusal::TooLarge);
-        return json(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            serde_json::json!({"error": format!("the body exceeds {MAX_BODY_BYTES} bytes"), "reason": "too_large"}),
+    // A web page open in a browser on the node can send a "simple" cross-site POST to
+    // loopback (text/plain, with an Origin header); a push hook never sends either.
+    let headers = request.headers();
+    if headers.contains_key(header::ORIGIN) {
+        return refused(
+            &store,
+            Refusal::Forbidden,
+            "pushes from web pages (with an Origin header) are refused",
         );
+    }
+    let json_body = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json_body {
+        return refused(
+            &store,
+            Refusal::Forbidden,
+            "a push must be sent as Content-Type: application/json",
+        );
+    }
+    let too_large = format!("the body exceeds {MAX_BODY_BYTES} bytes");
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        // Refused before a byte of the body is read.
+        return refused(&store, Refusal::TooLarge, &too_large);
+    }
+    let body = match axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(e) => {
+            let over = std::error::Error::source(&e)
+                .is_some_and(|cause| cause.is::<http_body_util::LengthLimitError>());
+            return if over {
+                refused(&store, Refusal::TooLarge, &too_large)
+            } else {
+                refused(
+                    &store,
+                    Refusal::Truncated,
+                    &format!("the body could not be read whole: {e}"),
+                )
+            };
+        }
     };
     match store.push_from(&body, unix.and_then(|peer| peer.pid)) {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => json(
-            StatusCode::from_u16(rejected.refusal.status()).unwrap_or(StatusCode::BAD_REQUEST),
+            status_of(rejected.refusal),
             serde_json::json!({"error": rejected.message, "reason": rejected.refusal.label()}),
         ),
     }

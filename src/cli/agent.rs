@@ -9,10 +9,11 @@ use std::time::Duration;
 use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
 use gpumem::ingest::IngestConfig;
-use gpumem::metrics::{ReportReader, allocator_sources};
+use gpumem::metrics::ReportReader;
 use gpumem::server::{
     AppState, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
 };
+use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
 use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::{self, PodResources};
@@ -46,7 +47,24 @@ pub(crate) struct ServeArgs {
     /// off.
     #[arg(long, default_value = "/var/log", value_parser = ValueParser::os_string())]
     kubelet_logs: OsString,
+    /// Seconds a pushing process's last series stay after it exits or falls silent (at
+    /// least two scrape intervals, so that a job that dies of an OOM is still scraped).
+    #[arg(long, default_value_t = 120.0, value_parser = parse_grace)]
+    exited_grace: f64,
 }
+
+fn parse_grace(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(0.0..=86_400.0).contains(&seconds) {
+        return Err("the grace period must be between 0 and 86400 seconds".into());
+    }
+    Ok(seconds)
+}
+
+/// How often ended pushing processes are looked for.
+const EXPIRY_TICK: Duration = Duration::from_secs(1);
 
 /// The least time between two questions to the kubelet (its pod-resources API is
 /// rate-limited), whatever the polling interval.
@@ -152,6 +170,16 @@ fn run_server(
         if let Some(watch) = kubelet {
             tokio::spawn(watch.run());
         }
+        if let Some(store) = state.ingest.clone() {
+            // Ended processes go on the agent's own tick, whether or not anyone scrapes.
+            tokio::spawn(async move {
+                let mut ticks = tokio::time::interval(EXPIRY_TICK);
+                loop {
+                    ticks.tick().await;
+                    store.expire();
+                }
+            });
+        }
         let listener = bind(listen).await?;
         let router = app(state);
         // The socket is optional: without it, pushes still come over loopback.
@@ -197,10 +225,14 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         args.kubelet_logs.into(),
         args.interval,
     );
+    let ingest = IngestConfig {
+        exited_grace: Duration::from_secs_f64(args.exited_grace),
+        ..IngestConfig::default()
+    };
     let state = agent_state(
-        allocator_sources(Vec::new()),
+        AllocatorSources::default(),
         vec![reader],
-        IngestConfig::default(),
+        ingest,
         watch.kubelet.clone(),
     )?;
     // Empty turns a socket off (clap's path parser would refuse an empty value).
@@ -225,7 +257,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     );
     let reader: ReportReader = Box::new(node.report_reader());
     let state = agent_state(
-        allocator_sources(node.allocator_sources()),
+        AllocatorSources::new(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
         node.kubelet(),

@@ -10,14 +10,15 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
-use crate::ingest::PushStore;
+use crate::sources::{
+    AllocatorKind, AllocatorSource, AllocatorSources, IngestReader, IngestReport, UNKNOWN_SIZE,
+};
 use crate::telemetry::cgroup::ContainerRef;
 use crate::telemetry::pod_names::{NameDirectory, PodNames};
 use crate::telemetry::pod_resources::{PodDirectory, PodResources};
-use crate::telemetry::{AllocatorSource, Kubelet, SourceReport, UNKNOWN_SIZE};
+use crate::telemetry::{Kubelet, SourceReport};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
-use super::{AllocatorSources, snapshot_sources};
 
 /// Reads the latest report of a polled source, without waiting for the source.
 pub type ReportReader = Box<dyn Fn() -> Arc<SourceReport> + Send + Sync>;
@@ -89,7 +90,7 @@ pub struct AgentCollector {
     descs: Vec<Desc>,
     allocators: AllocatorSources,
     reports: Vec<ReportReader>,
-    ingest: Option<Arc<PushStore>>,
+    ingest: Option<IngestReader>,
     kubelet: Kubelet,
 }
 
@@ -115,7 +116,7 @@ impl AgentCollector {
     pub fn new(
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
-        ingest: Option<Arc<PushStore>>,
+        ingest: Option<IngestReader>,
         kubelet: Kubelet,
     ) -> Self {
         AgentCollector {
@@ -152,12 +153,24 @@ impl Families {
     }
 }
 
+/// `part / whole`, 0 for an empty whole; never negative, whatever a source reports.
 fn ratio(part: i64, whole: i64) -> f64 {
     if whole <= 0 {
         0.0
     } else {
         part.max(0) as f64 / whole as f64
     }
+}
+
+/// NVML's host index of each GPU, by UUID: a pushed device's index is the job's CUDA
+/// ordinal (in a container given host GPU 5 it says 0), so pushed series take NVML's.
+fn host_indices(reports: &[Arc<SourceReport>]) -> HashMap<&str, u32> {
+    reports
+        .iter()
+        .filter_map(|r| r.sample.as_ref())
+        .flat_map(|node| &node.gpus)
+        .map(|gpu| (gpu.uuid.as_str(), gpu.index))
+        .collect()
 }
 
 /// The pod and container names of this scrape, from the kubelet's log directories.
@@ -234,11 +247,21 @@ fn collect_allocator(
     s: &AllocatorSource,
     pods: &ProcessPods<'_>,
     names: Names<'_>,
+    hosts: &HashMap<&str, u32>,
 ) {
-    let (gpu, pid) = (s.gpu.to_string(), s.pid.to_string());
+    let index = match s.allocator {
+        AllocatorKind::Pytorch => hosts.get(s.uuid.as_str()).copied().unwrap_or(s.gpu),
+        AllocatorKind::Gpumem => s.gpu,
+    };
+    let (gpu, pid) = (index.to_string(), s.pid.to_string());
     let extra = allocator_labels(s, pods, names);
     let extra = extra.as_ref();
-    let base = [gpu.as_str(), s.uuid.as_str(), pid.as_str(), s.allocator];
+    let base = [
+        gpu.as_str(),
+        s.uuid.as_str(),
+        pid.as_str(),
+        s.allocator.label(),
+    ];
     let st = &s.stats;
     for pool in [PoolKind::Small, PoolKind::Large] {
         let name = match pool {
@@ -271,7 +294,10 @@ fn collect_allocator(
         (&c::SYNC_ALL_STREAMS, st.num_sync_all_streams.get() as f64),
         (
             &c::FRAGMENTATION_RATIO,
-            ratio(reserved.current - allocated.current, reserved.current),
+            ratio(
+                reserved.current.saturating_sub(allocated.current),
+                reserved.current,
+            ),
         ),
         (
             &c::INACTIVE_SPLIT_RATIO,
@@ -279,6 +305,9 @@ fn collect_allocator(
         ),
     ] {
         f.of(def).push_with(&base, extra, value);
+    }
+    if let Some(t) = s.last_oom_unix_seconds {
+        f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
     let largest = s.largest_free_block.load(Ordering::Relaxed);
     if largest != UNKNOWN_SIZE {
@@ -380,6 +409,31 @@ fn collect_report(
     }
 }
 
+fn collect_ingest(f: &mut Families, report: &IngestReport, names: Names<'_>) {
+    for (result, count) in &report.results {
+        f.of(&c::INGEST_PAYLOADS).push(&[result], *count as f64);
+    }
+    f.of(&c::INGEST_TRACKED)
+        .push(&[], report.processes.len() as f64);
+    for p in &report.processes {
+        f.of(&c::INGEST_LAST_PUSH_AGE)
+            .push(&[&p.pid.to_string()], p.last_push.elapsed().as_secs_f64());
+    }
+    for pod in &report.pod_ooms {
+        let [namespace, name, container] = names.of(&pod.pod_uid, &pod.container_id);
+        f.of(&c::POD_OOMS).push(
+            &[
+                &pod.pod_uid,
+                &pod.container_id,
+                &namespace,
+                &name,
+                &container,
+            ],
+            pod.ooms as f64,
+        );
+    }
+}
+
 impl Collector for AgentCollector {
     fn desc(&self) -> Vec<&Desc> {
         self.descs.iter().collect()
@@ -388,18 +442,15 @@ impl Collector for AgentCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let mut f = Families::new();
         let started = Instant::now();
-        // Expired pushes go first, so that one scrape never shows a process half gone.
-        if let Some(ingest) = &self.ingest {
-            ingest.expire();
-        }
-        let allocators = snapshot_sources(&self.allocators);
+        let allocators = self.allocators.snapshot();
         let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
         let pods = process_pods(&reports);
+        let hosts = host_indices(&reports);
         let directory = self.kubelet.names.as_ref().map(PodNames::directory);
         let names = Names(directory.as_deref());
         let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
         for source in &allocators {
-            collect_allocator(&mut f, source, &pods, names);
+            collect_allocator(&mut f, source, &pods, names, &hosts);
         }
         if !allocators.is_empty() {
             f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
@@ -416,17 +467,8 @@ impl Collector for AgentCollector {
         for report in kubelet_reports.into_iter().flatten() {
             collect_report(&mut f, &report, names, None);
         }
-        if let Some(ingest) = &self.ingest {
-            for (result, count) in ingest.counts() {
-                f.of(&c::INGEST_PAYLOADS).push(&[result], count as f64);
-            }
-            // One look at the tracked processes gives both their count and their ages.
-            let ages = ingest.push_ages();
-            f.of(&c::INGEST_TRACKED).push(&[], ages.len() as f64);
-            for (pid, age) in ages {
-                f.of(&c::INGEST_LAST_PUSH_AGE)
-                    .push(&[&pid.to_string()], age.as_secs_f64());
-            }
+        if let Some(read) = &self.ingest {
+            collect_ingest(&mut f, &read(), names);
         }
         f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
         f.0.into_iter().filter_map(Family::into_family).collect()

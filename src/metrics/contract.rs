@@ -251,7 +251,7 @@ metric!(
     "gpumem_ingest_payloads_total",
     Counter,
     &["result"],
-    "Pushed statistics payloads, by result: accepted, or why they were refused (malformed, invalid, stale, rate_limited, capacity, too_large)."
+    "Pushed statistics payloads, by result: accepted, or why they were refused (malformed, truncated, invalid, stale, rate_limited, capacity, series_budget, conflict, too_large, forbidden)."
 );
 metric!(
     INGEST_TRACKED,
@@ -268,6 +268,26 @@ metric!(
     "Seconds since the process's last accepted push (a job that stopped pushing grows old here before its series expire)."
 );
 metric!(
+    LAST_OOM_TIMESTAMP,
+    "gpumem_allocator_last_oom_timestamp_seconds",
+    Gauge,
+    ALLOCATOR,
+    "When the process last ran out of memory (Unix seconds), by the job's OOM observer or the agent's receipt of a grown num_ooms; kept while the process's series are, exit grace included."
+);
+metric!(
+    POD_OOMS,
+    "gpumem_pod_ooms_total",
+    Counter,
+    &[
+        "pod_uid",
+        "container_id",
+        "pod_namespace",
+        "pod_name",
+        "container_name",
+    ],
+    "Out-of-memory errors in the container's processes (attributed over the push socket) since the agent first saw the container; kept for the retention period after its last OOM, beyond the processes."
+);
+metric!(
     BUILD_INFO,
     "gpumem_build_info",
     Gauge,
@@ -276,7 +296,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 32] = [
+pub const CONTRACT: [&MetricDef; 34] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -296,6 +316,7 @@ pub const CONTRACT: [&MetricDef; 32] = [
     &SEGMENTS_BY_SIZE,
     &SEGMENT_FREE_BYTES_BY_SIZE,
     &ALLOCATOR_INFO,
+    &LAST_OOM_TIMESTAMP,
     &DEVICE_TOTAL,
     &DEVICE_USED,
     &DEVICE_FREE,
@@ -308,6 +329,7 @@ pub const CONTRACT: [&MetricDef; 32] = [
     &INGEST_PAYLOADS,
     &INGEST_TRACKED,
     &INGEST_LAST_PUSH_AGE,
+    &POD_OOMS,
     &BUILD_INFO,
 ];
 

@@ -7,18 +7,12 @@
 mod collectors;
 pub mod contract;
 
-use std::sync::{Arc, Mutex, PoisonError};
-
 use prometheus::{Encoder, Registry, TextEncoder};
 
 pub use collectors::{AgentCollector, ReportReader};
 
-use crate::ingest::PushStore;
-use crate::telemetry::AllocatorSource;
+use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::Kubelet;
-
-/// The allocators exported by an agent; the list may change while it runs.
-pub type AllocatorSources = Arc<Mutex<Vec<Arc<AllocatorSource>>>>;
 
 /// Everything `/metrics` serves.
 pub struct Metrics {
@@ -27,14 +21,15 @@ pub struct Metrics {
 
 impl Metrics {
     /// A registry with the collector over `allocators`, `reports` (one reader per polled
-    /// source) and, when given, the push ingest's counters, and what the kubelet says (pod names, GPU assignments).
+    /// source), the push ingest's report where the agent takes pushes, and what the kubelet says
+    /// (pod names, GPU assignments).
     ///
     /// # Errors
     /// A registration error, which only a collector defect can cause.
     pub fn new(
         allocators: AllocatorSources,
         reports: Vec<ReportReader>,
-        ingest: Option<Arc<PushStore>>,
+        ingest: Option<IngestReader>,
         kubelet: Kubelet,
     ) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
@@ -53,16 +48,4 @@ impl Metrics {
         }
         String::from_utf8(buffer).unwrap_or_default()
     }
-}
-
-/// A fresh, empty list of allocator sources.
-pub fn allocator_sources(sources: Vec<Arc<AllocatorSource>>) -> AllocatorSources {
-    Arc::new(Mutex::new(sources))
-}
-
-pub(crate) fn snapshot_sources(sources: &AllocatorSources) -> Vec<Arc<AllocatorSource>> {
-    sources
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone()
 }

@@ -9,18 +9,13 @@
 //! - A failed sample is data, not a crash: the poller publishes `up = false` with the reason,
 //!   logs it once per change, and keeps asking.
 
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
-
-use crate::allocator::DeviceStats;
-pub use crate::allocator::SegmentClass;
-
 pub mod cgroup;
 mod latest;
 mod nvml;
 pub mod pod_names;
 pub mod pod_resources;
 mod poller;
+pub mod process;
 pub mod sim_node;
 
 pub use nvml::NvmlSource;
@@ -79,38 +74,6 @@ pub struct Kubelet {
     pub names: Option<pod_names::PodNames>,
     /// GPU assignments, from its pod-resources API.
     pub resources: Option<pod_resources::PodResources>,
-}
-
-/// A size nobody has reported.
-pub const UNKNOWN_SIZE: u64 = u64::MAX;
-
-/// An allocator whose counters are exported: where it runs and its published statistics.
-#[derive(Debug)]
-pub struct AllocatorSource {
-    /// GPU index.
-    pub gpu: u32,
-    /// GPU UUID.
-    pub uuid: String,
-    /// Process id.
-    pub pid: u32,
-    /// Whose counters: `gpumem` (gpumem's allocator) or `pytorch` (pushed by PyTorch).
-    pub allocator: &'static str,
-    /// Allocator version.
-    pub version: String,
-    /// The configuration string in force.
-    pub config: String,
-    /// The counters, read without any lock.
-    pub stats: Arc<DeviceStats>,
-    /// The largest cached free block, as last published by the allocator's owner;
-    /// [`UNKNOWN_SIZE`] while nobody has said (a pushed process reports it only with a
-    /// snapshot), and then it is not exported.
-    pub largest_free_block: Arc<AtomicU64>,
-    /// Its segments by size class, as last published by the allocator's owner (a pushed
-    /// process sends them from the snapshot of its out-of-memory push; they stand until the
-    /// next); empty while nobody has said.
-    pub segment_classes: Mutex<Vec<SegmentClass>>,
-    /// Extra labels the process asked for (job, rank), added to each of its series.
-    pub labels: Vec<(String, String)>,
 }
 
 /// A source of node samples.

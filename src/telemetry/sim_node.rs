@@ -30,9 +30,8 @@ use super::pod_resources::PodResources;
 use super::pod_resources::api::{
     self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
 };
-use super::{
-    AllocatorSource, GpuSample, GpuSource, Kubelet, NodeSample, ProcessSample, SourceReport,
-};
+use super::{GpuSample, GpuSource, Kubelet, NodeSample, ProcessSample, SourceReport};
+use crate::sources::{AllocatorKind, AllocatorSource};
 
 /// The bundled recordings a simulated process replays (licensed for redistribution; see
 /// `data/traces/README.md`).
@@ -206,13 +205,14 @@ impl SimNode {
                     gpu,
                     uuid: simulated_uuid(gpu),
                     pid: 10_000 + gpu * 100 + k,
-                    allocator: "gpumem",
+                    allocator: AllocatorKind::Gpumem,
                     version: env!("CARGO_PKG_VERSION").to_string(),
                     config: config.config.last_settings.clone(),
                     stats: Arc::clone(alloc.stats()),
                     largest_free_block: Arc::new(AtomicU64::new(0)),
                     segment_classes: Default::default(),
                     labels: Vec::new(),
+                    last_oom_unix_seconds: None,
                 }));
                 allocators.push((which, alloc));
             }

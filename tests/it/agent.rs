@@ -8,9 +8,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpumem::ingest::IngestConfig;
+use gpumem::metrics::ReportReader;
 use gpumem::metrics::contract::CONTRACT;
-use gpumem::metrics::{ReportReader, allocator_sources};
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
+use gpumem::sources::AllocatorSources;
+use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
 use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -31,10 +33,22 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
     let reader: ReportReader = Box::new(node.report_reader());
+    // Pid 77, when the kernel names it, runs in a pod: its OOMs count for the pod.
+    fn in_pod(pid: u32) -> Option<ContainerRef> {
+        (pid == 77).then(|| ContainerRef {
+            pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+            container_id: "ab".repeat(32),
+            runtime: Runtime::Containerd,
+        })
+    }
+    let ingest = IngestConfig {
+        resolve: in_pod,
+        ..IngestConfig::default()
+    };
     let state = agent_state(
-        allocator_sources(node.allocator_sources()),
+        AllocatorSources::new(node.allocator_sources()),
         vec![reader],
-        IngestConfig::default(),
+        ingest,
         node.kubelet(),
     )
     .expect("registers");
@@ -90,13 +104,15 @@ fn types(exposition: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_serves_the_whole_contract() {
     let (_node, _poller, state) = demo_metrics();
-    // One pushed process, so that the ingest's per-process series exist too.
+    // One pushed process that ran out of memory in a pod, so that the ingest's per-process
+    // and per-pod series exist too.
     state
         .ingest
         .as_ref()
         .expect("the agent ingests")
-        .push(
-            br#"{"pid": 77, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512}}]}"#,
+        .push_from(
+            br#"{"pid": 1, "seq": 1, "reason": "oom", "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}}]}"#,
+            Some(77),
         )
         .expect("accepted");
     let router = app(state);
@@ -456,11 +472,16 @@ fn a_real_prometheus_scrapes_the_demo() {
         (count >= 2.0 && up[0]["value"][1] == "1").then_some(())
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
-    // Every metric but the one that exists per pushing process (the demo has none; the
-    // ingest tests query it).
+    // Every metric but those that exist per pushing process or after an OOM (the demo has
+    // neither; the ingest tests query them).
+    let pushed_only = [
+        "gpumem_ingest_last_push_age_seconds",
+        "gpumem_allocator_last_oom_timestamp_seconds",
+        "gpumem_pod_ooms_total",
+    ];
     for def in CONTRACT
         .into_iter()
-        .filter(|def| def.name != "gpumem_ingest_last_push_age_seconds")
+        .filter(|def| !pushed_only.contains(&def.name))
     {
         let result = prometheus_query(prom_port, def.name).expect("query answers");
         assert!(

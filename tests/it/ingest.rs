@@ -7,26 +7,27 @@ use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
 use gpumem::ingest::{IngestConfig, PushStore};
-use gpumem::metrics::{Metrics, allocator_sources};
+use gpumem::metrics::Metrics;
 use gpumem::server::{AppState, app};
+use gpumem::sources::{AllocatorSources, IngestReader};
 use gpumem::workload::TrainingWorkload;
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
 fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
-    let sources = allocator_sources(Vec::new());
+    let sources = AllocatorSources::default();
     let config = IngestConfig {
         max_processes,
+        max_tcp_processes: max_processes,
         min_interval: std::time::Duration::ZERO,
         ..IngestConfig::default()
     };
-    let store = Arc::new(PushStore::new(config, Arc::clone(&sources)));
-    let metrics = Metrics::new(
-        sources,
-        Vec::new(),
-        Some(Arc::clone(&store)),
-        Default::default(),
-    )
-    .expect("registers");
+    let store = Arc::new(PushStore::new(config, sources.clone()));
+    let reader: IngestReader = {
+        let store = Arc::clone(&store);
+        Arc::new(move || store.report())
+    };
+    let metrics =
+        Metrics::new(sources, Vec::new(), Some(reader), Default::default()).expect("registers");
     let router = app(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(Arc::clone(&store)),
@@ -619,7 +620,8 @@ fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
     let flooded = peak_rss_kib(agent.0.id());
     // A scrape with every tracked process, then the pusher's last pushes.
     let text = crate::agent::http_get(port, "/metrics").expect("scrape");
-    let cap = IngestConfig::default().max_processes;
+    // The fake pids come over TCP, which has a quota of its own below the process cap.
+    let cap = IngestConfig::default().max_tcp_processes;
     assert!(
         text.contains(&format!("gpumem_ingest_tracked_processes {cap}\n")),
         "the cap"

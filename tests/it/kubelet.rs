@@ -11,8 +11,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use gpumem::ingest::IngestConfig;
-use gpumem::metrics::{ReportReader, allocator_sources};
+use gpumem::metrics::ReportReader;
 use gpumem::server::agent_state;
+use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
 use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::PodResources;
@@ -268,7 +269,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
     pod_names.refresh();
 
     let state = agent_state(
-        allocator_sources(Vec::new()),
+        AllocatorSources::default(),
         vec![node_report()],
         IngestConfig {
             resolve,

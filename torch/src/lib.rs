@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use gpumem::allocator::AllocError;
-use gpumem::metrics::{AllocatorSources, Metrics, allocator_sources};
-use gpumem::telemetry::AllocatorSource;
+use gpumem::metrics::Metrics;
+use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
 
 #[cfg(not(any(feature = "cuda", feature = "sim")))]
@@ -113,13 +113,14 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     gpu: device as u32,
                     uuid,
                     pid: std::process::id(),
-                    allocator: "gpumem",
+                    allocator: AllocatorKind::Gpumem,
                     version: env!("CARGO_PKG_VERSION").to_string(),
                     config: settings,
                     stats: Arc::clone(allocator.stats()),
                     largest_free_block: Arc::new(AtomicU64::new(0)),
                     segment_classes: Default::default(),
                     labels: Vec::new(),
+                    last_oom_unix_seconds: None,
                 });
                 register_metrics(Arc::clone(&source));
                 Some(DeviceSlot { allocator, source })
@@ -229,14 +230,11 @@ fn register_metrics(source: Arc<AllocatorSource>) {
         return;
     };
     let sources = SOURCES.get_or_init(|| {
-        let sources = allocator_sources(Vec::new());
-        start_server(&listen, Arc::clone(&sources));
+        let sources = AllocatorSources::default();
+        start_server(&listen, sources.clone());
         sources
     });
-    sources
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(source);
+    sources.add(source);
 }
 
 fn start_server(listen: &str, sources: AllocatorSources) {

@@ -1,0 +1,715 @@
+//! The push payload: its wire schema and its validation, as pure functions (no clock, no
+//! state, no I/O).
+//!
+//! A job posts, per device it has used, `torch.cuda.memory_stats()` (the flat dict) with its
+//! pid, a sequence number, the device's UUID and optional labels:
+//!
+//! ```json
+//! {"pid": 4242, "seq": 17, "reason": "oom", "last_oom_unix_seconds": 1764576000.5,
+//!  "torch_version": "2.5.1", "alloc_conf": "",
+//!  "labels": {"job": "llama", "rank": "0"},
+//!  "devices": [{"index": 0, "uuid": "GPU-…", "stats": {"reserved_bytes.all.current": 1024},
+//!               "largest_free_block": 512,
+//!               "segments_by_size": [{"size": 2097152, "segments": 1, "free_bytes": 512}]}]}
+//! ```
+//!
+//! `last_oom_unix_seconds`, when the hook's OOM observer last fired, lets the agent tell an
+//! OOM that happened while it ran from one it learns of later (after its own restart).
+//! `reason` is absent on periodic pushes, `"oom"` on the push an out-of-memory error
+//! triggers, `"exit"` on the last push at interpreter exit. Unknown statistics keys and
+//! unknown top-level fields are ignored (newer hooks may send more).
+//!
+//! # Invariants (budgets)
+//! - A payload is at most [`MAX_BODY_BYTES`]; it lists 1 to [`MAX_DEVICES`] distinct devices
+//!   (by index and by UUID), each with at most [`MAX_STATS_KEYS`] statistics and
+//!   [`MAX_CLASSES`] size classes; at most [`MAX_LABELS`] labels, names and values at most
+//!   [`MAX_LABEL_NAME`] and [`MAX_TEXT`] characters, so one process's series are bounded
+//!   ([`ValidPush::series`]) and so is each series' size.
+//! - Every figure is a whole number: byte figures below 2^60 ([`MAX_BYTES`]), counts below
+//!   2^53 ([`MAX_COUNT`]), so the collector's sums of two pools cannot overflow and every
+//!   value is exact as a float. Per pool, `allocated` and `active` never exceed `reserved`.
+//! - A pushed label never overwrites a label of the contract or of Prometheus's and
+//!   Kubernetes's target labels: such a name is exported as `exported_<name>`, Prometheus's
+//!   own convention; a name that is not a label name is refused.
+//! - Every refusal names the key at fault and why.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::allocator::{DeviceStats, SegmentClass};
+use crate::metrics::contract::CONTRACT;
+
+/// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
+pub const MAX_BODY_BYTES: usize = 512 * 1024;
+/// Devices in one push: more than any node has GPUs.
+pub const MAX_DEVICES: usize = 16;
+/// Statistics keys per device (PyTorch's `memory_stats()` has about 120).
+pub const MAX_STATS_KEYS: usize = 512;
+/// Characters of a text field or label value.
+pub const MAX_TEXT: usize = 128;
+/// Characters of a label name.
+pub const MAX_LABEL_NAME: usize = 64;
+/// Labels a push may carry: a job's own and the four of torchrun's rank identity.
+pub const MAX_LABELS: usize = 12;
+/// Size classes are powers of two: 64 cover every `u64`.
+pub const MAX_CLASSES: usize = 64;
+/// Byte figures are below this (an exabyte; no device comes near).
+pub const MAX_BYTES: i64 = 1 << 60;
+/// Counts are below this: exact as a float.
+pub const MAX_COUNT: i64 = 1 << 53;
+/// The largest pid Linux hands out (`PID_MAX_LIMIT`).
+pub const MAX_PID: u32 = 1 << 22;
+/// Series of one device without size classes: six per pool, nine per device, the largest
+/// free block, the last OOM's time and the info series.
+const SERIES_PER_DEVICE: usize = 2 * 6 + 9 + 3;
+
+/// The labels that the targets of Prometheus's Kubernetes service discovery carry, which a
+/// pushed label must not overwrite (with `honorLabels: true` it would).
+pub const TARGET_LABELS: [&str; 9] = [
+    "job",
+    "instance",
+    "namespace",
+    "pod",
+    "container",
+    "node",
+    "service",
+    "endpoint",
+    "cluster",
+];
+
+/// Why a payload was refused; the `result` label of the ingest counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Not JSON, or not the payload's shape.
+    Malformed,
+    /// The body ended early or its chunked encoding was broken.
+    Truncated,
+    /// The right shape with impossible values (negative sizes, a zero pid, ...).
+    Invalid,
+    /// Not after the last accepted push of the same process.
+    Stale,
+    /// The process pushes faster than the rate limit.
+    RateLimited,
+    /// Too many processes are tracked already.
+    Capacity,
+    /// The pushed series would exceed the agent's series budget.
+    SeriesBudget,
+    /// A TCP push for a pid the kernel attributed to a socket pusher.
+    Conflict,
+    /// The body exceeds [`MAX_BODY_BYTES`].
+    TooLarge,
+    /// Not `Content-Type: application/json`, or sent by a browser (an `Origin` header).
+    Forbidden,
+}
+
+impl Refusal {
+    /// All reasons, in the order the counter lists them.
+    pub const ALL: [Refusal; 10] = [
+        Refusal::Malformed,
+        Refusal::Truncated,
+        Refusal::Invalid,
+        Refusal::Stale,
+        Refusal::RateLimited,
+        Refusal::Capacity,
+        Refusal::SeriesBudget,
+        Refusal::Conflict,
+        Refusal::TooLarge,
+        Refusal::Forbidden,
+    ];
+
+    /// The metric label and the error's kind.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Malformed => "malformed",
+            Refusal::Truncated => "truncated",
+            Refusal::Invalid => "invalid",
+            Refusal::Stale => "stale",
+            Refusal::RateLimited => "rate_limited",
+            Refusal::Capacity => "capacity",
+            Refusal::SeriesBudget => "series_budget",
+            Refusal::Conflict => "conflict",
+            Refusal::TooLarge => "too_large",
+            Refusal::Forbidden => "forbidden",
+        }
+    }
+}
+
+/// A refused payload: why, in words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejected {
+    /// The kind of refusal.
+    pub refusal: Refusal,
+    /// What was wrong.
+    pub message: String,
+}
+
+impl Rejected {
+    /// A refusal of `kind` saying `message`.
+    pub fn new(refusal: Refusal, message: impl Into<String>) -> Rejected {
+        Rejected {
+            refusal,
+            message: message.into(),
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Rejected {
+    Rejected::new(Refusal::Invalid, message)
+}
+
+/// Why a push was sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// A periodic push.
+    Interval,
+    /// Right after an out-of-memory error.
+    Oom,
+    /// The process is exiting: its last push.
+    Exit,
+}
+
+#[derive(Deserialize)]
+struct Push {
+    pid: u32,
+    seq: u64,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    torch_version: Option<String>,
+    #[serde(default)]
+    alloc_conf: Option<String>,
+    /// When the job's OOM observer last fired (Unix seconds), if it has.
+    #[serde(default)]
+    last_oom_unix_seconds: Option<f64>,
+    devices: Vec<PushedDevice>,
+}
+
+#[derive(Deserialize)]
+struct PushedDevice {
+    index: u32,
+    uuid: String,
+    stats: BTreeMap<String, serde_json::Value>,
+    /// From a memory snapshot (the hook takes one on out-of-memory).
+    #[serde(default)]
+    largest_free_block: Option<u64>,
+    /// From the same snapshot: its segments by size class.
+    #[serde(default)]
+    segments_by_size: Option<Vec<PushedClass>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PushedClass {
+    size: u64,
+    segments: u64,
+    free_bytes: u64,
+}
+
+/// A payload that passed every check, as plain data.
+#[derive(Debug)]
+pub struct ValidPush {
+    /// The pid the payload names (the kernel's replaces it for a socket push).
+    pub pid: u32,
+    /// Its sequence number.
+    pub seq: u64,
+    /// Why it was sent.
+    pub reason: Reason,
+    /// `torch.__version__`.
+    pub version: String,
+    /// `PYTORCH_CUDA_ALLOC_CONF`.
+    pub config: String,
+    /// Its labels, renamed where they collide (sorted by pushed name).
+    pub labels: Vec<(String, String)>,
+    /// When the job last ran out of memory, by its own clock (Unix seconds).
+    pub last_oom_unix_seconds: Option<f64>,
+    /// Its devices.
+    pub devices: Vec<ValidDevice>,
+}
+
+/// One device of a valid push.
+#[derive(Debug)]
+pub struct ValidDevice {
+    /// The job's CUDA ordinal.
+    pub index: u32,
+    /// The device's UUID.
+    pub uuid: String,
+    /// `memory_stats()`.
+    pub stats: DeviceStats,
+    /// From a snapshot, with its size classes.
+    pub snapshot: Option<(u64, Vec<SegmentClass>)>,
+}
+
+impl ValidPush {
+    /// The series this push adds to a scrape.
+    pub fn series(&self) -> usize {
+        self.devices
+            .iter()
+            .map(|d| SERIES_PER_DEVICE + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len()))
+            .sum()
+    }
+
+    /// OOMs the process counted, over its devices.
+    pub fn ooms(&self) -> u64 {
+        self.devices
+            .iter()
+            .map(|d| d.stats.num_ooms.get().max(0) as u64)
+            .sum()
+    }
+}
+
+/// Parses and checks a payload.
+///
+/// # Errors
+/// A [`Rejected`] naming what is wrong.
+pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
+    if body.len() > MAX_BODY_BYTES {
+        return Err(Rejected::new(
+            Refusal::TooLarge,
+            format!("the body exceeds {MAX_BODY_BYTES} bytes"),
+        ));
+    }
+    let push: Push = serde_json::from_slice(body)
+        .map_err(|e| Rejected::new(Refusal::Malformed, format!("not a push payload: {e}")))?;
+    if push.pid == 0 || push.pid > MAX_PID {
+        return Err(invalid(format!(
+            "pid must be a process id (1 to {MAX_PID}), not {}",
+            push.pid
+        )));
+    }
+    let reason = match push.reason.as_deref() {
+        None | Some("interval") => Reason::Interval,
+        Some("oom") => Reason::Oom,
+        Some("exit") => Reason::Exit,
+        Some(other) => {
+            return Err(invalid(format!(
+                "reason must be \"interval\", \"oom\" or \"exit\", not {:?}",
+                truncate(other)
+            )));
+        }
+    };
+    if push.devices.is_empty() || push.devices.len() > MAX_DEVICES {
+        return Err(invalid(format!(
+            "devices must list 1 to {MAX_DEVICES} devices, not {}",
+            push.devices.len()
+        )));
+    }
+    let version = push.torch_version.unwrap_or_default();
+    let config = push.alloc_conf.unwrap_or_default();
+    text("torch_version", &version)?;
+    text("alloc_conf", &config)?;
+    let labels = labels(&push.labels)?;
+    if let Some(t) = push.last_oom_unix_seconds
+        && !(t.is_finite() && t >= 0.0)
+    {
+        return Err(invalid(format!(
+            "last_oom_unix_seconds must be a time (seconds since 1970), not {t}"
+        )));
+    }
+    let mut devices: Vec<ValidDevice> = Vec::with_capacity(push.devices.len());
+    for device in &push.devices {
+        text("uuid", &device.uuid)?;
+        if device.uuid.is_empty() {
+            return Err(invalid(format!("device {}: uuid is empty", device.index)));
+        }
+        if let Some(twin) = devices
+            .iter()
+            .find(|d| d.index == device.index || d.uuid == device.uuid)
+        {
+            return Err(invalid(format!(
+                "device {} ({}) is listed twice (as device {} ({}))",
+                device.index,
+                truncate(&device.uuid),
+                twin.index,
+                truncate(&twin.uuid)
+            )));
+        }
+        let stats = statistics(device)?;
+        let snapshot = snapshot(device)?;
+        devices.push(ValidDevice {
+            index: device.index,
+            uuid: device.uuid.clone(),
+            stats: DeviceStats::from_memory_stats(&stats),
+            snapshot,
+        });
+    }
+    Ok(ValidPush {
+        pid: push.pid,
+        seq: push.seq,
+        reason,
+        version,
+        config,
+        labels,
+        last_oom_unix_seconds: push.last_oom_unix_seconds,
+        devices,
+    })
+}
+
+/// At most 64 characters of a client's string, for messages.
+fn truncate(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
+fn text(what: &str, value: &str) -> Result<(), Rejected> {
+    if value.chars().count() > MAX_TEXT || value.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "{what} must be at most {MAX_TEXT} printable characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `name` is a Prometheus label name (`[a-zA-Z_][a-zA-Z0-9_]*`).
+pub fn is_label_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+}
+
+/// Whether a pushed label `name` would collide with a label the agent or Prometheus sets: a
+/// label of the metric contract, a target label, or one the agent adds to pushed series.
+pub fn collides(name: &str) -> bool {
+    TARGET_LABELS.contains(&name)
+        || name == "le"
+        || CONTRACT.iter().any(|def| def.labels.contains(&name))
+}
+
+/// A push's labels: valid names, bounded; colliding names exported as `exported_<name>`.
+fn labels(pushed: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, Rejected> {
+    if pushed.len() > MAX_LABELS {
+        return Err(invalid(format!(
+            "at most {MAX_LABELS} labels, not {}",
+            pushed.len()
+        )));
+    }
+    let mut out: Vec<(String, String)> = Vec::with_capacity(pushed.len());
+    for (name, value) in pushed {
+        if name.len() > MAX_LABEL_NAME || !is_label_name(name) || name.starts_with("__") {
+            return Err(invalid(format!(
+                "label {:?} is not a label name (at most {MAX_LABEL_NAME} of [a-zA-Z0-9_], \
+                 not starting with a digit or \"__\")",
+                truncate(name)
+            )));
+        }
+        text(&format!("label {name}"), value)?;
+        let exported = if collides(name) {
+            format!("exported_{name}")
+        } else {
+            name.clone()
+        };
+        if pushed.contains_key(&exported) && exported != *name {
+            return Err(invalid(format!(
+                "labels {name:?} and {exported:?} both given: {name:?} is exported as {exported:?}"
+            )));
+        }
+        out.push((exported, value.clone()));
+    }
+    Ok(out)
+}
+
+/// A snapshot's largest free block and segments by size class: at most one class per power
+/// of two, each consistent.
+fn snapshot(device: &PushedDevice) -> Result<Option<(u64, Vec<SegmentClass>)>, Rejected> {
+    let at = |message: String| invalid(format!("device {}: {message}", device.index));
+    let (largest, pushed) = match (device.largest_free_block, &device.segments_by_size) {
+        (None, None) => return Ok(None),
+        (None, Some(_)) => {
+            return Err(at(
+                "segments_by_size comes from a snapshot, with its largest_free_block".into(),
+            ));
+        }
+        (Some(largest), classes) => (largest, classes.as_deref().unwrap_or_default()),
+    };
+    if largest >= MAX_BYTES as u64 {
+        return Err(at(format!(
+            "largest_free_block {largest} is not below 2^60"
+        )));
+    }
+    if pushed.len() > MAX_CLASSES {
+        return Err(at(format!(
+            "segments_by_size lists at most {MAX_CLASSES} classes"
+        )));
+    }
+    let mut classes: Vec<SegmentClass> = Vec::with_capacity(pushed.len());
+    for c in pushed {
+        if !c.size.is_power_of_two() {
+            return Err(at(format!(
+                "segments_by_size: class size {} is not a power of two",
+                c.size
+            )));
+        }
+        if c.segments >= MAX_COUNT as u64 {
+            return Err(at(format!(
+                "segments_by_size: {} segments is not below 2^53",
+                c.segments
+            )));
+        }
+        if c.segments
+            .checked_mul(c.size)
+            .is_none_or(|cap| c.free_bytes > cap)
+        {
+            return Err(at(format!(
+                "segments_by_size: {} free bytes do not fit in {} segments of at most {} bytes",
+                c.free_bytes, c.segments, c.size
+            )));
+        }
+        if classes.iter().any(|k| k.size == c.size) {
+            return Err(at(format!(
+                "segments_by_size: class size {} is listed twice",
+                c.size
+            )));
+        }
+        classes.push(SegmentClass {
+            size: c.size,
+            segments: c.segments,
+            free_bytes: c.free_bytes,
+        });
+    }
+    classes.sort_by_key(|c| c.size);
+    Ok(Some((largest, classes)))
+}
+
+/// Whether a statistics key holds bytes (else it holds a count).
+fn is_bytes(key: &str) -> bool {
+    key.contains("bytes") || key == "max_split_size"
+}
+
+/// Statistics as integers, bounded: whole, not negative (but `max_split_size`, where -1
+/// means unlimited), bytes below [`MAX_BYTES`], counts below [`MAX_COUNT`]; per pool,
+/// allocated and active bytes within reserved bytes.
+fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> {
+    let index = device.index;
+    if device.stats.len() > MAX_STATS_KEYS {
+        return Err(invalid(format!(
+            "device {index}: more than {MAX_STATS_KEYS} statistics"
+        )));
+    }
+    let mut out = BTreeMap::new();
+    for (key, value) in &device.stats {
+        text("a statistics key", key)?;
+        let Some(number) = value.as_i64() else {
+            return Err(invalid(format!(
+                "device {index}: {key} must be an integer, not {}",
+                truncate(&value.to_string())
+            )));
+        };
+        let (limit, unit) = if is_bytes(key) {
+            (MAX_BYTES, "2^60 bytes")
+        } else {
+            (MAX_COUNT, "2^53")
+        };
+        if number >= limit {
+            return Err(invalid(format!(
+                "device {index}: {key} = {number} is not below {unit}"
+            )));
+        }
+        if number < 0 && !(key == "max_split_size" && number == -1) {
+            return Err(invalid(format!(
+                "device {index}: {key} is negative ({number})"
+            )));
+        }
+        out.insert(key.clone(), number);
+    }
+    for pool in ["all", "small_pool", "large_pool"] {
+        let current = |stat: &str| out.get(&format!("{stat}.{pool}.current")).copied();
+        let Some(reserved) = current("reserved_bytes") else {
+            continue;
+        };
+        for part in ["allocated_bytes", "active_bytes"] {
+            if let Some(value) = current(part)
+                && value > reserved
+            {
+                return Err(invalid(format!(
+                    "device {index}: {part}.{pool}.current ({value}) exceeds \
+                     reserved_bytes.{pool}.current ({reserved})"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_stats(stats: serde_json::Value) -> Vec<u8> {
+        serde_json::json!({"pid": 7, "seq": 1,
+            "devices": [{"index": 0, "uuid": "GPU-a", "stats": stats}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    fn with_labels(labels: serde_json::Value) -> Vec<u8> {
+        serde_json::json!({"pid": 7, "seq": 1, "labels": labels,
+            "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    fn refused(body: &[u8]) -> Rejected {
+        validate(body).expect_err("refused")
+    }
+
+    #[test]
+    fn figures_are_bounded_and_consistent() {
+        let near_max = i64::MAX - 5;
+        for (stats, key) in [
+            (
+                serde_json::json!({"reserved_bytes.all.current": near_max}),
+                "reserved_bytes.all.current",
+            ),
+            (
+                serde_json::json!({"reserved_bytes.large_pool.current": 1_i64 << 60}),
+                "reserved_bytes.large_pool.current",
+            ),
+            (serde_json::json!({"num_ooms": 1_i64 << 53}), "num_ooms"),
+            (
+                serde_json::json!({"reserved_bytes.small_pool.current": 10,
+                                   "allocated_bytes.small_pool.current": 11}),
+                "allocated_bytes.small_pool.current",
+            ),
+            (
+                serde_json::json!({"reserved_bytes.all.current": 10,
+                                   "active_bytes.all.current": 20}),
+                "active_bytes.all.current",
+            ),
+            (serde_json::json!({"max_split_size": -2}), "max_split_size"),
+            (
+                serde_json::json!({"num_alloc_retries": 18446744073709551615_u64}),
+                "num_alloc_retries",
+            ),
+        ] {
+            let err = refused(&with_stats(stats));
+            assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+            assert!(err.message.contains(key), "{key}: {}", err.message);
+        }
+        let ok = validate(&with_stats(serde_json::json!({
+            "reserved_bytes.all.current": (1_i64 << 60) - 1,
+            "allocated_bytes.all.current": 5, "max_split_size": -1,
+            "num_ooms": (1_i64 << 53) - 1})))
+        .expect("at the bounds");
+        assert_eq!(ok.ooms(), (1 << 53) - 1);
+    }
+
+    #[test]
+    fn colliding_labels_are_exported_and_invalid_names_refused() {
+        for name in TARGET_LABELS
+            .iter()
+            .chain(&["gpu", "UUID", "pid", "pod_uid", "le"])
+        {
+            let push = validate(&with_labels(serde_json::json!({*name: "x"}))).expect("valid");
+            assert_eq!(
+                push.labels,
+                [(format!("exported_{name}"), "x".to_string())],
+                "{name}"
+            );
+        }
+        let push = validate(&with_labels(
+            serde_json::json!({"team": "nlp", "rank": "3"}),
+        ))
+        .expect("ok");
+        assert_eq!(
+            push.labels,
+            [("rank".into(), "3".into()), ("team".into(), "nlp".into())]
+        );
+        let long = "a".repeat(MAX_LABEL_NAME + 1);
+        for bad in ["", "1abc", "a-b", "__name__", "é", long.as_str()] {
+            let err = refused(&with_labels(serde_json::json!({bad: "x"})));
+            assert_eq!(err.refusal, Refusal::Invalid, "{bad:?}");
+            assert!(err.message.contains("label"), "{}", err.message);
+        }
+        let err = refused(&with_labels(
+            serde_json::json!({"job": "a", "exported_job": "b"}),
+        ));
+        assert!(err.message.contains("exported_job"), "{}", err.message);
+        let err = refused(&with_labels(
+            serde_json::json!({"team": "x".repeat(MAX_TEXT + 1)}),
+        ));
+        assert!(err.message.contains("label team"), "{}", err.message);
+        let many: serde_json::Map<_, _> = (0..=MAX_LABELS)
+            .map(|i| (format!("l{i}"), serde_json::json!("v")))
+            .collect();
+        let err = refused(&with_labels(serde_json::Value::Object(many)));
+        assert!(err.message.contains("labels"), "{}", err.message);
+    }
+
+    #[test]
+    fn every_contract_label_collides() {
+        // A label added to the contract is protected from pushes without another list.
+        for def in CONTRACT {
+            for label in def.labels {
+                assert!(collides(label), "{} of {}", label, def.name);
+            }
+        }
+        assert!(!collides("team") && !collides("rank"));
+    }
+
+    #[test]
+    fn devices_are_distinct_and_bounded() {
+        for devices in
+            [
+                serde_json::json!([{"index": 0, "uuid": "u", "stats": {}},
+                               {"index": 0, "uuid": "u", "stats": {}}]),
+                serde_json::json!([{"index": 0, "uuid": "u", "stats": {}},
+                               {"index": 1, "uuid": "u", "stats": {}}]),
+                serde_json::json!([{"index": 0, "uuid": "u", "stats": {}},
+                               {"index": 0, "uuid": "v", "stats": {}}]),
+                serde_json::json!([]),
+                serde_json::json!((0..=MAX_DEVICES)
+                .map(|i| serde_json::json!({"index": i, "uuid": format!("u{i}"), "stats": {}}))
+                .collect::<Vec<_>>()),
+                serde_json::json!([{"index": 0, "uuid": "", "stats": {}}]),
+            ]
+        {
+            let body = serde_json::json!({"pid": 7, "seq": 1, "devices": devices}).to_string();
+            let err = refused(body.as_bytes());
+            assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn reasons_and_pids() {
+        let body = |pid: u64, reason: &str| {
+            serde_json::json!({"pid": pid, "seq": 1, "reason": reason,
+                "devices": [{"index": 0, "uuid": "u", "stats": {}}]})
+            .to_string()
+        };
+        assert_eq!(
+            validate(body(5, "oom").as_bytes()).expect("ok").reason,
+            Reason::Oom
+        );
+        assert_eq!(
+            validate(body(5, "exit").as_bytes()).expect("ok").reason,
+            Reason::Exit
+        );
+        assert_eq!(
+            refused(body(5, "panic").as_bytes()).refusal,
+            Refusal::Invalid
+        );
+        assert_eq!(refused(body(0, "oom").as_bytes()).refusal, Refusal::Invalid);
+        assert_eq!(
+            refused(body(u64::from(MAX_PID) + 1, "oom").as_bytes()).refusal,
+            Refusal::Invalid
+        );
+        assert_eq!(
+            refused(body(1 << 40, "oom").as_bytes()).refusal,
+            Refusal::Malformed
+        );
+    }
+
+    #[test]
+    fn series_count_follows_the_snapshot() {
+        let body = serde_json::json!({"pid": 7, "seq": 1, "devices": [
+            {"index": 0, "uuid": "a", "stats": {}},
+            {"index": 1, "uuid": "b", "stats": {}, "largest_free_block": 0,
+             "segments_by_size": [{"size": 2, "segments": 1, "free_bytes": 0},
+                                  {"size": 4, "segments": 1, "free_bytes": 0}]}]});
+        let push = validate(body.to_string().as_bytes()).expect("valid");
+        assert_eq!(push.series(), 2 * SERIES_PER_DEVICE + 4);
+    }
+}

@@ -1,0 +1,521 @@
+//! The pushed processes: who they are, what they last said, and for how long it is served.
+//!
+//! A process is known by its pid and, where the kernel named it (a Unix-socket push), by its
+//! start time from `/proc/<pid>/stat`: a new process that reuses a dead one's pid starts
+//! afresh. Its series are published as [`AllocatorSource`]s of kind
+//! [`AllocatorKind::Pytorch`], so the one collector serves them under the metric contract.
+//!
+//! # Lifecycle
+//! A process is *live* until it is seen to end: its pid vanishes from `/proc` or changes
+//! start time (kernel-named pids only: a payload's own pid may be another pid namespace's and
+//! is never looked up), it sends its `"exit"` push, or it stays silent for `ttl`. Its last
+//! series then stay for `exited_grace` (at least two scrape intervals, so a job that dies of
+//! an OOM is still scraped with its OOM), and go. Expiry runs on the agent's own tick
+//! ([`PushStore::expire`]), not inside a scrape.
+//!
+//! # Invariants (budgets)
+//! - At most `max_processes` processes are kept, live and ended together, of which at most
+//!   `max_tcp_processes` pushed over TCP (so invented TCP pids cannot lock out socket
+//!   pushers); their series together stay within `max_series`, the per-pod OOM counters
+//!   included. When a cap is reached, ended processes are evicted first, oldest first;
+//!   only then is a push refused.
+//! - A pid the kernel attributed to a socket pusher is never written over TCP.
+//! - Sequence numbers of a process only grow, by at most [`MAX_SEQ_JUMP`] a push.
+//! - A process pushes at most once per `min_interval`, except its `"oom"` and `"exit"`
+//!   pushes (at most [`MAX_REASON_PUSHES`] of them), which must get through.
+//! - Per-pod OOM counters never decrease; one is dropped `oom_retention` after its last OOM,
+//!   and at most `max_pods` are kept (the stalest evicted first).
+//! - Every refusal has a reason, returned to the client and counted.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use rustc_hash::FxHashMap;
+
+use crate::sources::{
+    AllocatorKind, AllocatorSource, AllocatorSources, IngestReport, PodOoms, PushedProcess,
+    UNKNOWN_SIZE,
+};
+use crate::telemetry::cgroup::{self, ContainerRef};
+use crate::telemetry::process;
+
+use super::payload::{Reason, Refusal, Rejected, ValidPush, validate};
+
+/// The largest step between two sequence numbers of one process.
+pub const MAX_SEQ_JUMP: u64 = 1 << 20;
+/// `"oom"` and `"exit"` pushes a process may send past the rate limit.
+pub const MAX_REASON_PUSHES: u32 = 8;
+
+/// Ingest settings.
+#[derive(Clone, Copy, Debug)]
+pub struct IngestConfig {
+    /// A process silent for this long has ended.
+    pub ttl: Duration,
+    /// How long an ended process's last series are still served.
+    pub exited_grace: Duration,
+    /// Most processes kept at once (live and ended).
+    pub max_processes: usize,
+    /// Most of them pushing over TCP (unattributed).
+    pub max_tcp_processes: usize,
+    /// Most series served for pushes, per-pod OOM counters included.
+    pub max_series: usize,
+    /// Least time between two accepted pushes of one process.
+    pub min_interval: Duration,
+    /// How long a pod's OOM count is kept after its last OOM.
+    pub oom_retention: Duration,
+    /// Most pods whose OOM counts are kept.
+    pub max_pods: usize,
+    /// The pod and container of a pid the kernel named (read from `/proc` by default).
+    pub resolve: fn(u32) -> Option<ContainerRef>,
+    /// The start time of a pid (clock ticks since boot, `/proc/<pid>/stat`), `None` when
+    /// the pid does not exist.
+    pub start_time: fn(u32) -> Option<u64>,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            ttl: Duration::from_secs(60),
+            exited_grace: Duration::from_secs(120),
+            // A node runs a few CUDA processes per GPU; a scrape of 256 pushed processes
+            // stays within a few MiB (4096 took the agent to 88 MiB).
+            max_processes: 256,
+            max_tcp_processes: 64,
+            max_series: 40_000,
+            min_interval: Duration::from_millis(500),
+            oom_retention: Duration::from_secs(24 * 3600),
+            max_pods: 1024,
+            resolve: cgroup::container_of,
+            start_time: process::start_time,
+        }
+    }
+}
+
+struct Tracked {
+    seq: u64,
+    last: Instant,
+    /// The kernel named the pid (so `/proc/<pid>` is this process).
+    kernel_pid: bool,
+    /// Its start time, where the kernel named it and `/proc` said.
+    start_time: Option<u64>,
+    /// When it was seen to end.
+    ended: Option<Instant>,
+    reason_pushes: u32,
+    /// OOMs it counted at its last push, over its devices.
+    ooms: u64,
+    series: usize,
+    sources: Vec<Arc<AllocatorSource>>,
+}
+
+impl Tracked {
+    /// When it ended, or will have if it stays silent.
+    fn end(&self, ttl: Duration) -> Instant {
+        let silent = self.last + ttl;
+        self.ended.map_or(silent, |ended| ended.min(silent))
+    }
+}
+
+struct PodCount {
+    ooms: u64,
+    last: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    tracked: FxHashMap<u32, Tracked>,
+    pods: BTreeMap<(String, String), PodCount>,
+}
+
+impl State {
+    fn series(&self) -> usize {
+        self.tracked.values().map(|t| t.series).sum::<usize>() + self.pods.len()
+    }
+}
+
+/// The pushed processes and the ingest's own counters.
+pub struct PushStore {
+    config: IngestConfig,
+    sources: AllocatorSources,
+    state: Mutex<State>,
+    /// When the store was made (Unix seconds).
+    started_unix: f64,
+    accepted: AtomicU64,
+    refused: [AtomicU64; Refusal::ALL.len()],
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl PushStore {
+    /// A store publishing into `sources` (the list the collector reads).
+    pub fn new(config: IngestConfig, sources: AllocatorSources) -> PushStore {
+        PushStore {
+            config,
+            sources,
+            state: Mutex::new(State::default()),
+            started_unix: unix_now(),
+            accepted: AtomicU64::new(0),
+            refused: Default::default(),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn refuse(&self, rejected: Rejected) -> Rejected {
+        self.count_refusal(rejected.refusal);
+        rejected
+    }
+
+    /// Counts a body refused before it reached the store (too large, truncated, forbidden).
+    pub fn count_refusal(&self, refusal: Refusal) {
+        let i = Refusal::ALL.iter().position(|r| *r == refusal).unwrap_or(0);
+        self.refused[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Accepts a payload, or says why not.
+    ///
+    /// # Errors
+    /// A [`Rejected`] with the reason; nothing changes then.
+    pub fn push(&self, body: &[u8]) -> Result<(), Rejected> {
+        self.push_from(body, None)
+    }
+
+    /// Accepts a payload from a process the kernel named (a Unix-socket peer): its pid
+    /// replaces the payload's, which inside a container is the container's pid namespace's
+    /// and so would not match the pids NVML reports.
+    ///
+    /// # Errors
+    /// A [`Rejected`] with the reason; nothing changes then.
+    pub fn push_from(&self, body: &[u8], peer_pid: Option<u32>) -> Result<(), Rejected> {
+        self.push_at(body, peer_pid, Instant::now())
+            .map_err(|rejected| self.refuse(rejected))
+    }
+
+    pub(super) fn push_at(
+        &self,
+        body: &[u8],
+        peer_pid: Option<u32>,
+        now: Instant,
+    ) -> Result<(), Rejected> {
+        let mut push = validate(body)?;
+        if let Some(pid) = peer_pid {
+            push.pid = pid;
+        }
+        let pid = push.pid;
+        let kernel_pid = peer_pid.is_some();
+        // Only a pid the kernel named is this node's: attribute it to its pod.
+        let container = peer_pid.and_then(self.config.resolve);
+        let start_time = peer_pid.and_then(self.config.start_time);
+
+        let mut state = self.state();
+        let mut previous = None;
+        if let Some(t) = state.tracked.get(&pid) {
+            let same_process = t.kernel_pid == kernel_pid
+                && (!kernel_pid || t.start_time.is_none() || t.start_time == start_time);
+            if t.kernel_pid && !kernel_pid {
+                return Err(Rejected::new(
+                    Refusal::Conflict,
+                    format!("pid {pid} pushes over the agent's socket; TCP pushes cannot write it"),
+                ));
+            }
+            if same_process {
+                self.check_order(t, &push, now)?;
+                previous = Some(pid);
+            }
+            // Otherwise a new process under a dead one's pid (or the kernel now names a pid
+            // a TCP push claimed): it replaces the old entry.
+        }
+        let series = push.series();
+        let replaced = state.tracked.get(&pid).map_or(0, |t| t.series);
+        self.make_room(
+            &mut state,
+            pid,
+            kernel_pid,
+            series - series.min(replaced),
+            now,
+        )?;
+
+        let old = previous.and_then(|pid| state.tracked.get(&pid));
+        let old_ooms = old.map_or(0, |t| t.ooms);
+        let ooms = push.ooms().max(old_ooms);
+        let new_ooms = ooms - old_ooms;
+        let wall = unix_now();
+        let last_oom = match push.last_oom_unix_seconds {
+            // The job's own clock is the node's; never in the future.
+            Some(t) => Some(t.min(wall)),
+            None if new_ooms > 0 || push.reason == Reason::Oom => Some(wall),
+            None => old
+                .and_then(|t| t.sources.first())
+                .and_then(|s| s.last_oom_unix_seconds),
+        };
+        // OOMs the job dates to before this agent started were counted by its predecessor.
+        let counted = push
+            .last_oom_unix_seconds
+            .is_none_or(|t| t >= self.started_unix);
+        let mut labels = std::mem::take(&mut push.labels);
+        if let Some(c) = &container {
+            labels.push(("pod_uid".into(), c.pod_uid.clone()));
+            labels.push(("container_id".into(), c.container_id.clone()));
+        }
+        let sources: Vec<Arc<AllocatorSource>> = push
+            .devices
+            .into_iter()
+            .map(|device| {
+                // A snapshot's figures stand until a later snapshot replaces them.
+                let kept = old
+                    .and_then(|t| t.sources.iter().find(|s| s.uuid == device.uuid))
+                    .filter(|_| device.snapshot.is_none())
+                    .map(|s| {
+                        let classes = s
+                            .segment_classes
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .clone();
+                        (s.largest_free_block.load(Ordering::Relaxed), classes)
+                    });
+                let (largest, classes) = device
+                    .snapshot
+                    .or(kept)
+                    .unwrap_or((UNKNOWN_SIZE, Vec::new()));
+                Arc::new(AllocatorSource {
+                    gpu: device.index,
+                    uuid: device.uuid,
+                    pid,
+                    allocator: AllocatorKind::Pytorch,
+                    version: push.version.clone(),
+                    config: push.config.clone(),
+                    stats: Arc::new(device.stats),
+                    largest_free_block: Arc::new(AtomicU64::new(largest)),
+                    segment_classes: Mutex::new(classes),
+                    labels: labels.clone(),
+                    last_oom_unix_seconds: last_oom,
+                })
+            })
+            .collect();
+        let reason_pushes = old.map_or(0, |t| t.reason_pushes)
+            + u32::from(push.reason != Reason::Interval && old.is_some());
+        let ended = old
+            .and_then(|t| t.ended)
+            .or_else(|| (push.reason == Reason::Exit).then_some(now));
+        if new_ooms > 0
+            && counted
+            && let Some(c) = &container
+        {
+            let key = (c.pod_uid.clone(), c.container_id.clone());
+            let count = state
+                .pods
+                .entry(key)
+                .or_insert(PodCount { ooms: 0, last: now });
+            count.ooms += new_ooms;
+            count.last = now;
+        }
+        state.tracked.insert(
+            pid,
+            Tracked {
+                seq: push.seq,
+                last: now,
+                kernel_pid,
+                start_time,
+                ended,
+                reason_pushes,
+                ooms,
+                series,
+                sources,
+            },
+        );
+        self.publish(&state);
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A push of a known process: after its last, not too far after, not too soon.
+    fn check_order(&self, t: &Tracked, push: &ValidPush, now: Instant) -> Result<(), Rejected> {
+        let pid = push.pid;
+        if push.seq <= t.seq {
+            return Err(Rejected::new(
+                Refusal::Stale,
+                format!(
+                    "seq {} is not after the last accepted seq {} of pid {pid}",
+                    push.seq, t.seq
+                ),
+            ));
+        }
+        if push.seq - t.seq > MAX_SEQ_JUMP {
+            return Err(Rejected::new(
+                Refusal::Invalid,
+                format!(
+                    "seq {} jumps more than {MAX_SEQ_JUMP} past the last accepted seq {} of pid {pid}",
+                    push.seq, t.seq
+                ),
+            ));
+        }
+        let urgent = push.reason != Reason::Interval && t.reason_pushes < MAX_REASON_PUSHES;
+        if !urgent && now.duration_since(t.last) < self.config.min_interval {
+            return Err(Rejected::new(
+                Refusal::RateLimited,
+                format!(
+                    "pid {pid} pushes more often than every {:?}",
+                    self.config.min_interval
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes room for `pid`'s push adding `series` series: evicts ended processes, oldest
+    /// first, while a cap would be exceeded; refuses when that is not enough.
+    fn make_room(
+        &self,
+        state: &mut State,
+        pid: u32,
+        kernel_pid: bool,
+        series: usize,
+        now: Instant,
+    ) -> Result<(), Rejected> {
+        let config = &self.config;
+        let is_new = !state.tracked.contains_key(&pid);
+        loop {
+            let tcp = state.tracked.values().filter(|t| !t.kernel_pid).count();
+            let over_processes = is_new && state.tracked.len() >= config.max_processes;
+            let over_tcp = is_new && !kernel_pid && tcp >= config.max_tcp_processes;
+            let over_series = state.series() + series > config.max_series;
+            if !(over_processes || over_tcp || over_series) {
+                return Ok(());
+            }
+            let evict = state
+                .tracked
+                .iter()
+                .filter(|&(&p, t)| p != pid && t.end(config.ttl) <= now)
+                .filter(|(_, t)| !over_tcp || over_processes || over_series || !t.kernel_pid)
+                .min_by_key(|(_, t)| t.end(config.ttl))
+                .map(|(&p, _)| p);
+            match evict {
+                Some(p) => {
+                    state.tracked.remove(&p);
+                }
+                None if over_series => {
+                    return Err(Rejected::new(
+                        Refusal::SeriesBudget,
+                        format!(
+                            "the push's {series} series would take the agent past its budget of {} pushed series",
+                            config.max_series
+                        ),
+                    ));
+                }
+                None => {
+                    let (cap, what) = if over_processes {
+                        (config.max_processes, "processes")
+                    } else {
+                        (config.max_tcp_processes, "processes pushing over TCP")
+                    };
+                    return Err(Rejected::new(
+                        Refusal::Capacity,
+                        format!("already tracking {cap} {what}, the most this agent keeps"),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Marks ended processes (vanished pids, silence), drops those past their grace period
+    /// and pod OOM counts past their retention. The agent calls it on its own tick.
+    pub fn expire(&self) {
+        self.expire_at(Instant::now(), self.config.start_time);
+    }
+
+    pub(super) fn expire_at(&self, now: Instant, start_time: impl Fn(u32) -> Option<u64>) {
+        let config = &self.config;
+        let mut state = self.state();
+        let before = state.tracked.len();
+        for (&pid, t) in &mut state.tracked {
+            if t.ended.is_none() && t.kernel_pid {
+                let now_start = start_time(pid);
+                let gone =
+                    now_start.is_none() || (t.start_time.is_some() && now_start != t.start_time);
+                if gone {
+                    t.ended = Some(now);
+                }
+            }
+        }
+        state
+            .tracked
+            .retain(|_, t| now.saturating_duration_since(t.end(config.ttl)) < config.exited_grace);
+        state
+            .pods
+            .retain(|_, p| now.saturating_duration_since(p.last) < config.oom_retention);
+        while state.pods.len() > config.max_pods {
+            let stalest = state
+                .pods
+                .iter()
+                .min_by_key(|(_, p)| p.last)
+                .map(|(k, _)| k.clone());
+            if let Some(key) = stalest {
+                state.pods.remove(&key);
+            }
+        }
+        if state.tracked.len() != before {
+            self.publish(&state);
+        }
+    }
+
+    /// Replaces the pushed sources in the collector's list by the tracked ones.
+    fn publish(&self, state: &State) {
+        let mut pushed: Vec<_> = state
+            .tracked
+            .values()
+            .flat_map(|t| t.sources.iter().cloned())
+            .collect();
+        pushed.sort_by_key(|s| (s.pid, s.gpu));
+        self.sources.replace(AllocatorKind::Pytorch, pushed);
+    }
+
+    /// Processes kept now, live and ended.
+    pub fn tracked_processes(&self) -> usize {
+        self.state().tracked.len()
+    }
+
+    /// (result label, count) for the ingest counter: `accepted`, then each refusal.
+    pub fn counts(&self) -> Vec<(&'static str, u64)> {
+        let mut out = vec![("accepted", self.accepted.load(Ordering::Relaxed))];
+        for (r, count) in Refusal::ALL.iter().zip(&self.refused) {
+            out.push((r.label(), count.load(Ordering::Relaxed)));
+        }
+        out
+    }
+
+    /// What a scrape shows of the ingest.
+    pub fn report(&self) -> IngestReport {
+        let state = self.state();
+        let mut processes: Vec<PushedProcess> = state
+            .tracked
+            .iter()
+            .map(|(&pid, t)| PushedProcess {
+                pid,
+                last_push: t.last,
+            })
+            .collect();
+        processes.sort_unstable_by_key(|p| p.pid);
+        let pod_ooms = state
+            .pods
+            .iter()
+            .map(|((pod_uid, container_id), p)| PodOoms {
+                pod_uid: pod_uid.clone(),
+                container_id: container_id.clone(),
+                ooms: p.ooms,
+            })
+            .collect();
+        drop(state);
+        IngestReport {
+            results: self.counts(),
+            processes,
+            pod_ooms,
+        }
+    }
+}

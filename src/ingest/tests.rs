@@ -1,0 +1,460 @@
+//! The store's rules: refusals and their counts, the lifecycle of a pushed process, the caps.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crate::allocator::SegmentClass;
+use crate::sources::{AllocatorKind, AllocatorSources};
+use crate::telemetry::cgroup::{self, ContainerRef};
+
+use super::payload::{MAX_BODY_BYTES, Refusal};
+use super::store::{IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore};
+
+fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
+    serde_json::json!({
+        "pid": pid, "seq": seq, "torch_version": "2.5.1",
+        "devices": [{"index": 0, "uuid": "GPU-abc", "stats": stats}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn ok() -> serde_json::Value {
+    serde_json::json!({"allocated_bytes.all.current": 1, "reserved_bytes.all.current": 2})
+}
+
+fn with_reason(pid: u32, seq: u64, reason: &str, ooms: u64) -> Vec<u8> {
+    serde_json::json!({
+        "pid": pid, "seq": seq, "reason": reason,
+        "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {"num_ooms": ooms}}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn no_pod(_: u32) -> Option<ContainerRef> {
+    None
+}
+
+/// Every pid is alive with start time 1 (tests pass their own view to `expire_at`).
+fn started_once(_: u32) -> Option<u64> {
+    Some(1)
+}
+
+fn config() -> IngestConfig {
+    IngestConfig {
+        resolve: no_pod,
+        start_time: started_once,
+        ..IngestConfig::default()
+    }
+}
+
+fn store_with(config: IngestConfig) -> (PushStore, AllocatorSources) {
+    let sources = AllocatorSources::default();
+    (PushStore::new(config, sources.clone()), sources)
+}
+
+fn store(max_processes: usize) -> (PushStore, AllocatorSources) {
+    store_with(IngestConfig {
+        max_processes,
+        ..config()
+    })
+}
+
+fn pids(sources: &AllocatorSources) -> Vec<u32> {
+    sources.snapshot().iter().map(|s| s.pid).collect()
+}
+
+#[test]
+fn a_push_becomes_a_pytorch_allocator_source() {
+    let (store, sources) = store(10);
+    let stats = serde_json::json!({
+        "allocated_bytes.large_pool.current": 4096, "reserved_bytes.large_pool.current": 8192,
+        "num_ooms": 2, "some_future_key": 7
+    });
+    store.push(&payload(42, 1, stats)).expect("accepted");
+    let list = sources.snapshot();
+    assert_eq!(list.len(), 1);
+    let s = &list[0];
+    assert_eq!(
+        (s.pid, s.gpu, s.allocator, s.uuid.as_str()),
+        (42, 0, AllocatorKind::Pytorch, "GPU-abc")
+    );
+    assert_eq!(s.stats.allocated_bytes.large_pool.current(), 4096);
+    assert_eq!(s.stats.num_ooms.get(), 2);
+    assert!(
+        s.last_oom_unix_seconds.is_some(),
+        "an OOM in the first push is an OOM"
+    );
+    assert_eq!(store.tracked_processes(), 1);
+}
+
+#[test]
+fn refusals_say_why_and_are_counted() {
+    let (store, _) = store(2);
+    let cases: Vec<(Vec<u8>, Refusal)> = vec![
+        (b"{not json".to_vec(), Refusal::Malformed),
+        (
+            br#"{"pid": "x", "seq": 1, "devices": []}"#.to_vec(),
+            Refusal::Malformed,
+        ),
+        (payload(0, 1, ok()), Refusal::Invalid),
+        (
+            payload(7, 1, serde_json::json!({"reserved_bytes.all.current": -5})),
+            Refusal::Invalid,
+        ),
+        (
+            payload(7, 1, serde_json::json!({"reserved_bytes.all.current": 1.5})),
+            Refusal::Invalid,
+        ),
+        (vec![b' '; MAX_BODY_BYTES + 1], Refusal::TooLarge),
+    ];
+    for (body, refusal) in cases {
+        let err = store.push(&body).expect_err("refused");
+        assert_eq!(err.refusal, refusal, "{}", err.message);
+        assert!(!err.message.is_empty());
+    }
+    store.push(&payload(7, 5, ok())).expect("accepted");
+    let refusal = |body: Vec<u8>| store.push(&body).map_err(|e| e.refusal);
+    assert_eq!(refusal(payload(7, 5, ok())), Err(Refusal::Stale));
+    assert_eq!(refusal(payload(7, 6, ok())), Err(Refusal::RateLimited));
+    store.push(&payload(8, 1, ok())).expect("second process");
+    assert_eq!(refusal(payload(9, 1, ok())), Err(Refusal::Capacity));
+    let counts: BTreeMap<_, _> = store.counts().into_iter().collect();
+    assert_eq!(counts["accepted"], 2);
+    assert_eq!(counts["malformed"], 2);
+    assert_eq!(counts["invalid"], 3);
+    assert_eq!(counts["too_large"], 1);
+    assert_eq!(
+        (counts["stale"], counts["rate_limited"], counts["capacity"]),
+        (1, 1, 1)
+    );
+}
+
+#[test]
+fn segments_by_size_stand_until_the_next_snapshot() {
+    let (store, sources) = store(4);
+    let mib = 1u64 << 20;
+    let body = serde_json::json!({
+        "pid": 5, "seq": 1,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {},
+                     "largest_free_block": 1024, "segments_by_size": [
+            {"size": 32 * mib, "segments": 2, "free_bytes": 17 * mib},
+            {"size": 2 * mib, "segments": 1, "free_bytes": mib}]}]
+    });
+    let start = Instant::now();
+    store
+        .push_at(body.to_string().as_bytes(), None, start)
+        .expect("accepted");
+    let expected = vec![
+        SegmentClass {
+            size: 2 * mib,
+            segments: 1,
+            free_bytes: mib,
+        },
+        SegmentClass {
+            size: 32 * mib,
+            segments: 2,
+            free_bytes: 17 * mib,
+        },
+    ];
+    let published = || {
+        sources.snapshot()[0]
+            .segment_classes
+            .lock()
+            .expect("lock")
+            .clone()
+    };
+    assert_eq!(published(), expected, "sorted by size");
+    let later = serde_json::json!({"pid": 5, "seq": 2,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}}]});
+    store
+        .push_at(
+            later.to_string().as_bytes(),
+            None,
+            start + Duration::from_secs(1),
+        )
+        .expect("accepted");
+    assert_eq!(
+        published(),
+        expected,
+        "a push without a snapshot keeps them"
+    );
+}
+
+#[test]
+fn an_ended_process_stays_for_its_grace_period_then_goes() {
+    let (store, sources) = store_with(IngestConfig {
+        ttl: Duration::from_secs(60),
+        exited_grace: Duration::from_secs(120),
+        ..config()
+    });
+    let start = Instant::now();
+    let at = |s: u64| start + Duration::from_secs(s);
+    store
+        .push_at(&payload(1, 1, ok()), None, start)
+        .expect("tcp");
+    store
+        .push_at(&payload(2, 1, ok()), Some(40), start)
+        .expect("socket");
+    store
+        .push_at(&with_reason(3, 1, "exit", 0), None, start)
+        .expect("exit");
+    // Pid 40 vanishes at 10 s; pid 3 said it exits; pid 1 falls silent (ended at 60 s).
+    let gone = |_: u32| None;
+    store.expire_at(at(10), gone);
+    assert_eq!(pids(&sources), [1, 3, 40], "all kept within their grace");
+    store.expire_at(at(125), gone);
+    assert_eq!(
+        pids(&sources),
+        [1, 40],
+        "said it exits at 0 s: gone at 120 s"
+    );
+    store.expire_at(at(131), gone);
+    assert_eq!(pids(&sources), [1], "vanished at 10 s: gone at 130 s");
+    store.expire_at(at(179), gone);
+    assert_eq!(pids(&sources), [1]);
+    store.expire_at(at(181), gone);
+    assert!(pids(&sources).is_empty(), "silent from 60 s: gone at 180 s");
+    assert_eq!(store.tracked_processes(), 0);
+}
+
+#[test]
+fn a_new_process_reusing_a_pid_starts_afresh() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static START: AtomicU64 = AtomicU64::new(1);
+    fn current(_: u32) -> Option<u64> {
+        Some(START.load(Ordering::Relaxed))
+    }
+    let (store, sources) = store_with(IngestConfig {
+        start_time: current,
+        ..config()
+    });
+    let start = Instant::now();
+    store
+        .push_at(&with_reason(1, 900, "oom", 3), Some(40), start)
+        .expect("first process");
+    // Pid 40 now names another process: its seq 1 is not stale, and it carries nothing over.
+    START.store(2, Ordering::Relaxed);
+    store
+        .push_at(&with_reason(1, 1, "interval", 0), Some(40), start)
+        .expect("a new process under the same pid");
+    let list = sources.snapshot();
+    assert_eq!(list.len(), 1, "one process per pid: no duplicate series");
+    assert_eq!(list[0].stats.num_ooms.get(), 0);
+    assert_eq!(list[0].last_oom_unix_seconds, None);
+    // Expiry sees the start time change too: the first process had ended.
+    START.store(1, Ordering::Relaxed);
+    store
+        .push_at(
+            &with_reason(1, 2, "interval", 0),
+            Some(40),
+            start + Duration::from_secs(1),
+        )
+        .expect("yet another");
+    START.store(3, Ordering::Relaxed);
+    store.expire_at(start + Duration::from_secs(200), current);
+    assert!(
+        sources.snapshot().is_empty(),
+        "ended when its start time changed"
+    );
+}
+
+#[test]
+fn a_tcp_push_cannot_take_over_a_socket_pusher() {
+    let (store, sources) = store(10);
+    let start = Instant::now();
+    store
+        .push_at(&payload(1, 1, ok()), Some(40), start)
+        .expect("socket");
+    let err = store
+        .push_at(
+            &payload(40, u64::MAX, ok()),
+            None,
+            start + Duration::from_secs(1),
+        )
+        .expect_err("refused");
+    assert_eq!(err.refusal, Refusal::Conflict, "{}", err.message);
+    store
+        .push_at(
+            &payload(1, 2, ok()),
+            Some(40),
+            start + Duration::from_secs(2),
+        )
+        .expect("the real process goes on");
+    assert_eq!(pids(&sources), [40]);
+}
+
+#[test]
+fn tcp_pushers_have_a_quota_of_their_own() {
+    let (store, _) = store_with(IngestConfig {
+        max_processes: 8,
+        max_tcp_processes: 3,
+        ..config()
+    });
+    let now = Instant::now();
+    for pid in 1..=3 {
+        store
+            .push_at(&payload(pid, 1, ok()), None, now)
+            .expect("tcp");
+    }
+    let err = store
+        .push_at(&payload(4, 1, ok()), None, now)
+        .expect_err("over the TCP quota");
+    assert_eq!(err.refusal, Refusal::Capacity);
+    assert!(err.message.contains("TCP"), "{}", err.message);
+    for pid in 100..105 {
+        store
+            .push_at(&payload(1, 1, ok()), Some(pid), now)
+            .expect("socket pushers still get in");
+    }
+    assert_eq!(store.tracked_processes(), 8);
+}
+
+#[test]
+fn ended_processes_are_evicted_before_a_push_is_refused() {
+    let (store, sources) = store_with(IngestConfig {
+        max_processes: 2,
+        ..config()
+    });
+    let start = Instant::now();
+    store
+        .push_at(&with_reason(1, 1, "exit", 1), None, start)
+        .expect("ends at once");
+    store
+        .push_at(&payload(2, 1, ok()), None, start)
+        .expect("live");
+    store
+        .push_at(&payload(3, 1, ok()), None, start + Duration::from_secs(1))
+        .expect("takes the ended one's place");
+    assert_eq!(pids(&sources), [2, 3]);
+    let err = store
+        .push_at(&payload(4, 1, ok()), None, start + Duration::from_secs(1))
+        .expect_err("both live");
+    assert_eq!(err.refusal, Refusal::Capacity);
+}
+
+#[test]
+fn the_series_budget_bounds_every_push() {
+    let (store, _) = store_with(IngestConfig {
+        max_series: 50,
+        ..config()
+    });
+    let now = Instant::now();
+    store
+        .push_at(&payload(1, 1, ok()), None, now)
+        .expect("24 series");
+    store
+        .push_at(&payload(2, 1, ok()), None, now)
+        .expect("48 series");
+    let err = store
+        .push_at(&payload(3, 1, ok()), None, now)
+        .expect_err("over budget");
+    assert_eq!(err.refusal, Refusal::SeriesBudget, "{}", err.message);
+    // A process replacing its own series needs no more room.
+    store
+        .push_at(&payload(1, 2, ok()), None, now + Duration::from_secs(1))
+        .expect("same size");
+}
+
+#[test]
+fn sequence_numbers_and_urgent_pushes() {
+    let (store, _) = store(10);
+    let start = Instant::now();
+    store
+        .push_at(&payload(1, 10, ok()), None, start)
+        .expect("first");
+    let err = store
+        .push_at(
+            &payload(1, 11 + MAX_SEQ_JUMP, ok()),
+            None,
+            start + Duration::from_secs(1),
+        )
+        .expect_err("a huge jump");
+    assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+    // OOM and exit pushes get through the rate limit, a few of them.
+    let mut seq = 11;
+    for _ in 0..MAX_REASON_PUSHES {
+        store
+            .push_at(
+                &with_reason(1, seq, "oom", seq),
+                None,
+                start + Duration::from_secs(1),
+            )
+            .expect("urgent");
+        seq += 1;
+    }
+    let err = store
+        .push_at(
+            &with_reason(1, seq, "exit", seq),
+            None,
+            start + Duration::from_secs(1),
+        )
+        .expect_err("past the urgent allowance");
+    assert_eq!(err.refusal, Refusal::RateLimited);
+}
+
+#[test]
+fn pod_ooms_outlive_their_processes() {
+    fn in_pod(pid: u32) -> Option<ContainerRef> {
+        Some(ContainerRef {
+            pod_uid: format!("5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c{pid:02}"),
+            container_id: "ab".repeat(32),
+            runtime: cgroup::Runtime::Containerd,
+        })
+    }
+    let (store, sources) = store_with(IngestConfig {
+        resolve: in_pod,
+        oom_retention: Duration::from_secs(3600),
+        ..config()
+    });
+    let start = Instant::now();
+    store
+        .push_at(&with_reason(1, 1, "interval", 0), Some(30), start)
+        .expect("no OOM yet");
+    assert!(store.report().pod_ooms.is_empty());
+    store
+        .push_at(&with_reason(1, 2, "oom", 1), Some(30), start)
+        .expect("OOM");
+    store
+        .push_at(&with_reason(1, 3, "exit", 1), Some(30), start)
+        .expect("exit");
+    let ooms = store.report().pod_ooms;
+    assert_eq!(ooms.len(), 1);
+    assert_eq!(ooms[0].ooms, 1, "counted once, not per push");
+    assert!(ooms[0].pod_uid.ends_with("7c30"));
+    let source = &sources.snapshot()[0];
+    assert!(source.last_oom_unix_seconds.is_some());
+    assert!(source.labels.iter().any(|(k, _)| k == "pod_uid"));
+    // The process goes after its grace; the pod's count stays for its retention.
+    store.expire_at(start + Duration::from_secs(600), |_| None);
+    assert!(sources.snapshot().is_empty());
+    assert_eq!(store.report().pod_ooms[0].ooms, 1);
+    store.expire_at(start + Duration::from_secs(3601), |_| None);
+    assert!(store.report().pod_ooms.is_empty());
+}
+
+#[test]
+fn an_oom_dated_before_the_agent_started_is_not_counted_again() {
+    fn in_pod(_: u32) -> Option<ContainerRef> {
+        Some(ContainerRef {
+            pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+            container_id: "ab".repeat(32),
+            runtime: cgroup::Runtime::Containerd,
+        })
+    }
+    let (store, sources) = store_with(IngestConfig {
+        resolve: in_pod,
+        ..config()
+    });
+    let body = serde_json::json!({"pid": 1, "seq": 1, "last_oom_unix_seconds": 1000.0,
+        "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {"num_ooms": 2}}]});
+    store
+        .push_at(body.to_string().as_bytes(), Some(30), Instant::now())
+        .expect("accepted");
+    assert!(
+        store.report().pod_ooms.is_empty(),
+        "its predecessor counted it"
+    );
+    assert_eq!(sources.snapshot()[0].last_oom_unix_seconds, Some(1000.0));
+}

@@ -1,0 +1,139 @@
+//! The allocators an agent exports, as plain data shared by whoever fills the list (the
+//! simulated node, the PyTorch plug-in, the push ingest) and the collector that reads it.
+//!
+//! # Invariants
+//! - A source's counters are read without any lock ([`DeviceStats`] are atomics); the list
+//!   itself is swapped under one short lock, so a scrape sees each producer's whole update or
+//!   none of it.
+//! - [`AllocatorSources::replace`] changes only the sources of one [`AllocatorKind`], so the
+//!   ingest never touches the agent's own allocators and the other way round.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use crate::allocator::{DeviceStats, SegmentClass};
+
+/// A size nobody has reported.
+pub const UNKNOWN_SIZE: u64 = u64::MAX;
+
+/// Whose counters a source carries: the `allocator` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllocatorKind {
+    /// gpumem's own caching allocator (simulated node, PyTorch plug-in).
+    Gpumem,
+    /// PyTorch's allocator, as a job pushed its `memory_stats()`.
+    Pytorch,
+}
+
+impl AllocatorKind {
+    /// The `allocator` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            AllocatorKind::Gpumem => "gpumem",
+            AllocatorKind::Pytorch => "pytorch",
+        }
+    }
+}
+
+/// An allocator whose counters are exported: where it runs and its published statistics.
+#[derive(Debug)]
+pub struct AllocatorSource {
+    /// GPU index as the source knows it (a pushed one is the job's CUDA ordinal; the
+    /// collector replaces it by NVML's host index where the UUID is known).
+    pub gpu: u32,
+    /// GPU UUID.
+    pub uuid: String,
+    /// Process id.
+    pub pid: u32,
+    /// Whose counters.
+    pub allocator: AllocatorKind,
+    /// Allocator version.
+    pub version: String,
+    /// The configuration string in force.
+    pub config: String,
+    /// The counters, read without any lock.
+    pub stats: Arc<DeviceStats>,
+    /// The largest cached free block, as last published by the allocator's owner;
+    /// [`UNKNOWN_SIZE`] while nobody has said (a pushed process reports it only with a
+    /// snapshot), and then it is not exported.
+    pub largest_free_block: Arc<AtomicU64>,
+    /// Its segments by size class, as last published by the allocator's owner (a pushed
+    /// process sends them from the snapshot of its out-of-memory push; they stand until the
+    /// next); empty while nobody has said.
+    pub segment_classes: Mutex<Vec<SegmentClass>>,
+    /// Extra labels (a push's own, renamed where they collide, then pod_uid and
+    /// container_id where the kernel named the process), added to each of its series.
+    pub labels: Vec<(String, String)>,
+    /// When the process last ran out of memory (Unix seconds), as far as the exporter saw.
+    pub last_oom_unix_seconds: Option<f64>,
+}
+
+/// The allocators exported by an agent; the list may change while it runs.
+#[derive(Clone, Debug, Default)]
+pub struct AllocatorSources(Arc<Mutex<Vec<Arc<AllocatorSource>>>>);
+
+impl AllocatorSources {
+    /// A list holding `sources`.
+    pub fn new(sources: Vec<Arc<AllocatorSource>>) -> AllocatorSources {
+        AllocatorSources(Arc::new(Mutex::new(sources)))
+    }
+
+    /// Adds one source.
+    pub fn add(&self, source: Arc<AllocatorSource>) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(source);
+    }
+
+    /// The sources now.
+    pub fn snapshot(&self) -> Vec<Arc<AllocatorSource>> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces every source of `kind` by `sources`, in one step.
+    pub fn replace(&self, kind: AllocatorKind, sources: Vec<Arc<AllocatorSource>>) {
+        let mut list = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        list.retain(|s| s.allocator != kind);
+        list.extend(sources);
+    }
+}
+
+/// What the push ingest reports at a scrape, as plain data (the collector never calls into
+/// the ingest).
+#[derive(Clone, Debug, Default)]
+pub struct IngestReport {
+    /// (result, payloads): `accepted`, then each refusal reason.
+    pub results: Vec<(&'static str, u64)>,
+    /// The processes whose series are served, by pid.
+    pub processes: Vec<PushedProcess>,
+    /// Out-of-memory errors counted per pod and container, kept beyond the processes.
+    pub pod_ooms: Vec<PodOoms>,
+}
+
+/// A process whose pushed series are served.
+#[derive(Clone, Copy, Debug)]
+pub struct PushedProcess {
+    /// Its pid.
+    pub pid: u32,
+    /// When its last push was accepted.
+    pub last_push: Instant,
+}
+
+/// The out-of-memory errors of one container, seen in its processes' pushes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodOoms {
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The container's ID.
+    pub container_id: String,
+    /// OOMs counted since the agent first saw the container.
+    pub ooms: u64,
+}
+
+/// Reads the push ingest's report, without waiting for the ingest.
+pub type IngestReader = Arc<dyn Fn() -> IngestReport + Send + Sync>;

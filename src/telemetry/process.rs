@@ -1,0 +1,52 @@
+//! A process's identity beyond its pid: its start time, from `/proc/<pid>/stat`, so that a
+//! new process reusing a dead one's pid is told apart from it.
+//!
+//! # Invariants
+//! - Parsing is total: the command name (field 2) may hold spaces and parentheses, so the
+//!   fields are counted from the last `)`; anything else yields `None`.
+//! - Reading is bounded ([`MAX_STAT_FILE`]); a vanished process is `None`, not an error.
+
+use std::io::Read;
+
+/// The most of a `/proc/<pid>/stat` file that is read (real ones are under 400 bytes).
+pub const MAX_STAT_FILE: u64 = 4096;
+
+/// The start time of `pid` in clock ticks since boot; `None` when it does not exist.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let file = std::fs::File::open(format!("/proc/{pid}/stat")).ok()?;
+    let mut text = String::new();
+    file.take(MAX_STAT_FILE).read_to_string(&mut text).ok()?;
+    parse_start_time(&text)
+}
+
+/// Field 22 (`starttime`) of a `/proc/<pid>/stat` line.
+pub fn parse_start_time(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // After the name come field 3 (state) onwards: starttime is the 20th of those.
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_is_field_22_whatever_the_name() {
+        let tail = "S 1 1 1 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 12345678 300";
+        for name in ["python3", "pt_main thread", "a) b (c", ")"] {
+            let line = format!("4242 ({name}) {tail}\n");
+            assert_eq!(parse_start_time(&line), Some(987_654), "{name:?}");
+        }
+        for bad in ["", "4242 (x)", "4242 (x) S 1 2", "no parenthesis 1 2 3"] {
+            assert_eq!(parse_start_time(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn this_process_has_a_start_time() {
+        let me = std::process::id();
+        let first = start_time(me).expect("readable");
+        assert_eq!(start_time(me), Some(first), "stable");
+        assert_eq!(start_time(u32::MAX), None);
+    }
+}
