@@ -36,7 +36,8 @@ pub enum TraceAction {
     UserDefined,
 }
 
-/// One trace entry (`device_traces[d][i]`).
+/// One trace entry (`device_traces[d][i]`): what the core records, and what a recording's
+/// reader yields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceEntry {
     /// What happened.
@@ -47,13 +48,14 @@ pub struct TraceEntry {
     pub size: u64,
     /// Stream handle.
     pub stream: u64,
-    /// Microseconds since the Unix epoch, on the device's clock.
-    pub time_us: u64,
+    /// Microseconds since the Unix epoch, on the device's clock (always set by the core; a
+    /// recording may lack it).
+    pub time_us: Option<u64>,
 }
 
 impl Serialize for TraceEntry {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut map = serializer.serialize_map(Some(6))?;
+        let mut map = serializer.serialize_map(None)?;
         map.serialize_entry("action", &self.action)?;
         // PyTorch names the address field `device_free` on OOM entries.
         let addr_key = if self.action == TraceAction::Oom {
@@ -64,7 +66,9 @@ impl Serialize for TraceEntry {
         map.serialize_entry(addr_key, &self.addr)?;
         map.serialize_entry("size", &self.size)?;
         map.serialize_entry("stream", &self.stream)?;
-        map.serialize_entry("time_us", &self.time_us)?;
+        if let Some(time_us) = self.time_us {
+            map.serialize_entry("time_us", &time_us)?;
+        }
         map.serialize_entry("frames", &[] as &[()])?;
         map.end()
     }
@@ -127,7 +131,7 @@ mod tests {
             addr,
             size: 1,
             stream: 0,
-            time_us: 0,
+            time_us: Some(0),
         }
     }
 

@@ -76,7 +76,7 @@ use pool::BlockPool;
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{
-    BlockInfo, BlockState, Frame, SegmentClass, SegmentInfo, SimulatedDeviceInfo, Snapshot,
+    BlockInfo, BlockState, Frame, SegmentClass, SegmentInfo, SimulatedDevice, Snapshot,
     segment_classes,
 };
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
@@ -228,7 +228,7 @@ impl<D: Device> CachingAllocator<D> {
                 addr,
                 size,
                 stream: stream.0,
-                time_us,
+                time_us: Some(time_us),
             });
         }
     }

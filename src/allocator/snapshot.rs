@@ -119,9 +119,10 @@ pub struct SegmentInfo {
 }
 
 /// The device a snapshot was taken on: not in PyTorch's snapshots, but needed to replay one
-/// faithfully (OOMs, garbage collection and flushes depend on it).
+/// faithfully (OOMs, garbage collection and flushes depend on it). gpumem's snapshots write
+/// it; the trace reader reads it back where a file has it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct SimulatedDeviceInfo {
+pub struct SimulatedDevice {
     /// Device memory in bytes.
     pub total_bytes: u64,
     /// The per-process memory fraction, if one was set.
@@ -141,7 +142,7 @@ pub struct Snapshot {
     pub allocator_settings: AllocatorSettings,
     /// The device, when it could be queried.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub simulated_device: Option<SimulatedDeviceInfo>,
+    pub simulated_device: Option<SimulatedDevice>,
 }
 
 impl Block {
@@ -240,15 +241,11 @@ impl<D: Device> CachingAllocator<D> {
             .collect();
         let active: u64 = segments.iter().map(|s| s.active_size).sum();
         self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
-        let simulated_device = self
-            .device
-            .mem_get_info()
-            .ok()
-            .map(|info| SimulatedDeviceInfo {
-                total_bytes: info.total,
-                memory_fraction: self.memory_fraction,
-                allowed_memory_maximum: self.allowed_memory_maximum,
-            });
+        let simulated_device = self.device.mem_get_info().ok().map(|info| SimulatedDevice {
+            total_bytes: info.total,
+            memory_fraction: self.memory_fraction,
+            allowed_memory_maximum: self.allowed_memory_maximum,
+        });
         Snapshot {
             segments,
             device_traces: vec![trace],

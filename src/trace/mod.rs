@@ -23,13 +23,12 @@ mod summary;
 use std::io::Read;
 use std::path::Path;
 
+pub use crate::allocator::SimulatedDevice;
 pub use replay::{
     Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, replay, replay_following,
     replay_with_progress,
 };
-pub use schema::{
-    Format, RecordedBlock, RecordedEvent, RecordedSegment, Recording, SimulatedDevice,
-};
+pub use schema::{Format, RecordedBlock, RecordedSegment, Recording};
 pub use summary::state_summary;
 
 /// The largest input accepted, compressed or not: far above any real snapshot (the largest

@@ -6,7 +6,7 @@
 //! and other metadata are skipped.
 
 use crate::allocator::size::PoolKind;
-use crate::allocator::{BlockState, TraceAction};
+use crate::allocator::{BlockState, SimulatedDevice, TraceAction, TraceEntry};
 use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS};
 
 use super::TraceError;
@@ -59,35 +59,6 @@ pub struct RecordedSegment {
     pub blocks: Vec<RecordedBlock>,
 }
 
-/// One trace event.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecordedEvent {
-    /// What happened.
-    pub action: TraceAction,
-    /// Address (0 for `oom` and `snapshot`).
-    pub addr: u64,
-    /// Bytes (see [`TraceAction`]).
-    pub size: u64,
-    /// Stream handle.
-    pub stream: u64,
-    /// Time, when recorded.
-    pub time_us: Option<u64>,
-    /// Free device bytes, on `oom`.
-    pub device_free: Option<u64>,
-}
-
-/// The device a recording ran on, when the file says (gpumem's snapshots do; PyTorch's
-/// do not).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SimulatedDevice {
-    /// Device memory in bytes.
-    pub total_bytes: u64,
-    /// The per-process memory fraction, if one was set.
-    pub memory_fraction: Option<f64>,
-    /// The per-process limit in bytes, if one was set.
-    pub allowed_memory_maximum: Option<u64>,
-}
-
 /// A decoded snapshot.
 #[derive(Clone, Debug)]
 pub struct Recording {
@@ -96,7 +67,7 @@ pub struct Recording {
     /// Final allocator state, all devices, in file order.
     pub segments: Vec<RecordedSegment>,
     /// Events per device (empty when history was not recorded).
-    pub device_traces: Vec<Vec<RecordedEvent>>,
+    pub device_traces: Vec<Vec<TraceEntry>>,
     /// The allocator configuration in force, when recorded.
     pub config: Option<AllocatorConfig>,
     /// The device the recording ran on, when recorded.
@@ -276,7 +247,7 @@ fn stream(node: &Node<'_>) -> Result<u64, TraceError> {
     }
 }
 
-fn event(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedEvent, TraceError> {
+fn event(node: &Node<'_>, budget: &mut Budget) -> Result<TraceEntry, TraceError> {
     budget.take(node)?;
     let action_node = node.field("action")?;
     let action = match action_node.str()? {
@@ -298,17 +269,23 @@ fn event(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedEvent, TraceErr
             ));
         }
     };
-    let addr = match node.get("addr")? {
+    // As in the core's entries, an OOM's `addr` holds the driver's free bytes (which PyTorch
+    // writes as `device_free`).
+    let addr_key = if action == TraceAction::Oom {
+        "device_free"
+    } else {
+        "addr"
+    };
+    let addr = match node.get(addr_key)? {
         Some(a) => a.uint()?,
         None => 0,
     };
-    Ok(RecordedEvent {
+    Ok(TraceEntry {
         action,
         addr,
         size: node.field("size")?.uint()?,
         stream: stream(node)?,
         time_us: node.get("time_us")?.map(|t| t.uint()).transpose()?,
-        device_free: node.get("device_free")?.map(|t| t.uint()).transpose()?,
     })
 }
 

@@ -54,17 +54,79 @@ struct LiveBlock {
     requested: u64,
 }
 
-/// Rebuilds the start state of `device`'s trace.
+/// Why a recording's start state cannot be rebuilt.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartStateError {
+    /// A segment of a private pool (CUDA graphs), which replay does not model.
+    #[error("segment {address:#x} belongs to private pool {pool:?}, which replay does not model")]
+    PrivatePool {
+        /// The segment's address.
+        address: u64,
+        /// The pool's id.
+        pool: (i64, i64),
+    },
+    /// Expandable memory mapped before the trace.
+    #[error(
+        "the trace starts with {mapped} bytes mapped in expandable segments; rebuilding such a start state is not supported"
+    )]
+    ExpandableMapped {
+        /// Bytes mapped at the start (as the trace's maps and unmaps account for them).
+        mapped: i128,
+    },
+    /// A segment whose end is beyond any address.
+    #[error("segment {address:#x} of {size} bytes is impossible")]
+    ImpossibleSegment {
+        /// Its address.
+        address: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// Two segments overlap.
+    #[error("segment {address:#x} overlaps the one before it")]
+    OverlappingSegments {
+        /// The later segment's address.
+        address: u64,
+    },
+    /// Two live blocks overlap.
+    #[error("live blocks overlap at {address:#x}")]
+    OverlappingBlocks {
+        /// Where.
+        address: u64,
+    },
+    /// A live block of an exabyte or more.
+    #[error("live block {address:#x} is impossibly large")]
+    ImpossibleBlock {
+        /// Its address.
+        address: u64,
+    },
+    /// A live block that runs into the next one or past its segment.
+    #[error("live block {address:#x} of {size} bytes runs into {next:#x}")]
+    BlockRunsOver {
+        /// Its address.
+        address: u64,
+        /// Its size.
+        size: u64,
+        /// Where the next block or the segment's end is.
+        next: u64,
+    },
+    /// Live blocks outside every segment.
+    #[error("{count} live blocks lie outside every segment")]
+    OutsideSegments {
+        /// How many.
+        count: usize,
+    },
+}
+
+/// Rebuilds the state at the first event of `device`'s trace.
 ///
 /// # Errors
-/// A message when the recording cannot describe a consistent start: private-pool segments,
-/// expandable memory mapped before the trace, live blocks outside every segment or
-/// overlapping each other.
+/// A [`StartStateError`] when the recording cannot describe a consistent start.
 pub fn start_state(
     recording: &Recording,
     device: u32,
     config: &AllocatorConfig,
-) -> Result<StartState, String> {
+) -> Result<StartState, StartStateError> {
     let mut segments: BTreeMap<u64, (u64, u64, PoolKind)> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
     // Bytes mapped into expandable segments; walking back over their maps and unmaps must
@@ -73,10 +135,10 @@ pub fn start_state(
     let mut expandable_live: Vec<u64> = Vec::new();
     for seg in recording.segments.iter().filter(|s| s.device == device) {
         if seg.pool_id != (0, 0) {
-            return Err(format!(
-                "segment {:#x} belongs to private pool {:?}, which replay does not model",
-                seg.address, seg.pool_id
-            ));
+            return Err(StartStateError::PrivatePool {
+                address: seg.address,
+                pool: seg.pool_id,
+            });
         }
         if seg.is_expandable {
             mapped += i128::from(seg.total_size);
@@ -153,10 +215,7 @@ pub fn start_state(
         );
     }
     if mapped != 0 || expandable_live.iter().any(|a| live.contains_key(a)) {
-        return Err(format!(
-            "the trace starts with {} bytes mapped in expandable segments; rebuilding such a start state is not supported",
-            mapped
-        ));
+        return Err(StartStateError::ExpandableMapped { mapped });
     }
     let mut out = Vec::with_capacity(segments.len());
     let mut previous_end = 0;
@@ -164,9 +223,9 @@ pub fn start_state(
         let end = address
             .checked_add(size)
             .filter(|_| size < ONE_EXABYTE)
-            .ok_or_else(|| format!("segment {address:#x} of {size} bytes is impossible"))?;
+            .ok_or(StartStateError::ImpossibleSegment { address, size })?;
         if address < previous_end {
-            return Err(format!("segment {address:#x} overlaps the one before it"));
+            return Err(StartStateError::OverlappingSegments { address });
         }
         previous_end = end;
         let inside: Vec<(u64, LiveBlock)> =
@@ -175,7 +234,7 @@ pub fn start_state(
         let mut at = address;
         for (i, &(addr, block)) in inside.iter().enumerate() {
             if addr < at {
-                return Err(format!("live blocks overlap at {addr:#x}"));
+                return Err(StartStateError::OverlappingBlocks { address: addr });
             }
             if addr > at {
                 blocks.push(RestoredBlock {
@@ -185,7 +244,7 @@ pub fn start_state(
             }
             let next = inside.get(i + 1).map_or(end, |&(a, _)| a);
             if block.size.unwrap_or(block.requested) >= ONE_EXABYTE {
-                return Err(format!("live block {addr:#x} is impossibly large"));
+                return Err(StartStateError::ImpossibleBlock { address: addr });
             }
             let size = match block.size {
                 Some(size) => size,
@@ -200,9 +259,11 @@ pub fn start_state(
                 }
             };
             if addr.saturating_add(size) > next {
-                return Err(format!(
-                    "live block {addr:#x} of {size} bytes runs into {next:#x}"
-                ));
+                return Err(StartStateError::BlockRunsOver {
+                    address: addr,
+                    size,
+                    next,
+                });
             }
             blocks.push(RestoredBlock {
                 size,
@@ -228,10 +289,9 @@ pub fn start_state(
         .map(|s| s.blocks.iter().filter(|b| b.allocated.is_some()).count())
         .sum();
     if placed != live.len() {
-        return Err(format!(
-            "{} live blocks lie outside every segment",
-            live.len().abs_diff(placed)
-        ));
+        return Err(StartStateError::OutsideSegments {
+            count: live.len().abs_diff(placed),
+        });
     }
     Ok(StartState {
         segments: out,

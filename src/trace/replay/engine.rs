@@ -1,0 +1,408 @@
+//! The stepper: turns recorded events back into the operations that caused them and drives
+//! the core with them, one driving event (and its effects) at a time.
+//!
+//! # Note [Reading releases]
+//! A recording does not say why segments were released right before an allocation: a
+//! user's `empty_cache()`, or the allocator itself (garbage collection, oversize release, a
+//! flush after the driver refused). Check mode tries the allocator's own reading first and
+//! keeps it if it reproduces the recording, else replays an `empty_cache()`; releases
+//! before an `oom` are always the failing allocation's flush. What-if mode follows the
+//! readings a check pass found.
+//!
+//! # Invariants
+//! - Every recorded address maps to at most one live pointer (`ptrs`), or is known to have
+//!   failed in this replay (`failed`, what-if mode).
+//! - A deferred free waits on a synthetic stream of its own, completed exactly where the
+//!   recording completes the free.
+//! - Address hints are cleared after every operation, so no hint outlives its event.
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::allocator::size::format_size;
+use crate::allocator::{AllocError, CachingAllocator, TraceAction, TraceEntry};
+use crate::device::{DevicePtr, SimDevice, StreamId};
+use crate::trace::Recording;
+use crate::trace::start_state::{StartSegment, start_state};
+
+use super::compare::describe;
+use super::report::{Compared, Divergence, SeriesPoint};
+use super::{ReplayError, ReplayOptions, SYNTHETIC_STREAM_BASE, device_events};
+
+pub(super) struct Engine<'a> {
+    pub(super) events: &'a [TraceEntry],
+    /// Index of the next event to replay.
+    pub(super) position: usize,
+    pub(super) start_segments: usize,
+    pub(super) alloc: CachingAllocator<SimDevice>,
+    pub(super) check: bool,
+    /// Recorded address → the pointer the core returned for it.
+    pub(super) ptrs: FxHashMap<u64, DevicePtr>,
+    /// Recorded addresses whose allocation failed in this replay (what-if mode).
+    pub(super) failed: FxHashSet<u64>,
+    /// Blocks live at the start that a fresh start could not allocate (counted as OOMs; the
+    /// statistics are reset when the trace starts).
+    pub(super) start_ooms: u64,
+    /// Recorded address of a deferred free → the stream its completion waits on.
+    pub(super) deferred: FxHashMap<u64, StreamId>,
+    pub(super) next_stream: u64,
+    pub(super) compared: Compared,
+    pub(super) divergence: Option<Divergence>,
+    pub(super) series: Vec<SeriesPoint>,
+    pub(super) series_every: usize,
+    /// Starts of the release runs that the allocator made inside a malloc (not a user's
+    /// `empty_cache`): found in check mode, followed in what-if mode.
+    pub(super) releases_in_malloc: FxHashSet<usize>,
+}
+
+/// Events that drive an operation; everything else is an effect of the next one.
+fn is_driver(action: TraceAction) -> bool {
+    matches!(
+        action,
+        TraceAction::Alloc
+            | TraceAction::Oom
+            | TraceAction::Snapshot
+            | TraceAction::FreeRequested
+            | TraceAction::UserDefined
+    )
+}
+
+impl<'a> Engine<'a> {
+    /// Loads the start state of `options.device`'s trace into `alloc`.
+    pub(super) fn start(
+        recording: &'a Recording,
+        options: &ReplayOptions,
+        mut alloc: CachingAllocator<SimDevice>,
+        releases_in_malloc: FxHashSet<usize>,
+    ) -> Result<Self, ReplayError> {
+        let events = device_events(recording, options.device)?;
+        let recorded_config = recording.config.clone().unwrap_or_default();
+        let start = start_state(recording, options.device, &recorded_config)?;
+        let mut ptrs = FxHashMap::default();
+        let failed = if options.fresh_start && !options.check {
+            Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?
+        } else {
+            FxHashSet::default()
+        };
+        let restored = if options.fresh_start && !options.check {
+            &[][..]
+        } else {
+            &start.segments[..]
+        };
+        for segment in restored {
+            // Check mode places segments where the recording did; what-if lets the device
+            // choose (recorded addresses are mapped to the chosen ones either way).
+            if options.check {
+                alloc.device_mut().hint_addresses([segment.address]);
+            }
+            let base = alloc
+                .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
+                .map_err(|source| ReplayError::StartSegment {
+                    address: segment.address,
+                    size: format_size(segment.size()),
+                    source,
+                })?;
+            alloc.device_mut().clear_address_hints();
+            let mut at = 0;
+            for b in &segment.blocks {
+                if b.allocated.is_some() {
+                    ptrs.insert(segment.address + at, DevicePtr(base.0 + at));
+                }
+                at += b.size;
+            }
+        }
+        // Frees requested before the trace and completed in it start out pending.
+        let mut deferred = FxHashMap::default();
+        let mut next_stream = SYNTHETIC_STREAM_BASE;
+        for addr in &start.pending_frees {
+            let Some(ptr) = ptrs.remove(addr) else {
+                continue;
+            };
+            let stream = StreamId(next_stream);
+            next_stream += 1;
+            alloc.record_stream(ptr, stream);
+            alloc.free(ptr).map_err(ReplayError::BeforeTrace)?;
+            deferred.insert(*addr, stream);
+        }
+        if options.check {
+            // Drained after every operation; the bound only guards against a runaway.
+            alloc.record_history(Some(1 << 40));
+        }
+        Ok(Engine {
+            events,
+            position: 0,
+            start_segments: start.segments.len(),
+            alloc,
+            check: options.check,
+            ptrs,
+            start_ooms: failed.len() as u64,
+            failed,
+            deferred,
+            next_stream,
+            compared: Compared::default(),
+            divergence: None,
+            series: Vec::new(),
+            series_every: events
+                .len()
+                .checked_div(options.series_points)
+                .map_or(usize::MAX, |every| every.max(1)),
+            releases_in_malloc,
+        })
+    }
+
+    /// Allocates the live blocks of the recorded start segments, in address order, on their
+    /// streams; the recorded addresses map to the new blocks. Returns the addresses of blocks
+    /// that did not fit (out of memory under this configuration), as the trace's own failed
+    /// allocations are kept.
+    fn allocate_afresh(
+        segments: &[StartSegment],
+        alloc: &mut CachingAllocator<SimDevice>,
+        ptrs: &mut FxHashMap<u64, DevicePtr>,
+    ) -> Result<FxHashSet<u64>, ReplayError> {
+        let mut live: Vec<(u64, u64, u64)> = Vec::new();
+        for segment in segments {
+            let mut at = segment.address;
+            for b in &segment.blocks {
+                if let Some(requested) = b.allocated {
+                    live.push((at, segment.stream, requested));
+                }
+                at += b.size;
+            }
+        }
+        live.sort_unstable();
+        let mut failed = FxHashSet::default();
+        for (addr, stream, requested) in live {
+            match alloc.malloc(requested, StreamId(stream)) {
+                Ok(ptr) => {
+                    ptrs.insert(addr, ptr);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    failed.insert(addr);
+                }
+                Err(source) => return Err(ReplayError::BeforeTrace(source)),
+            }
+        }
+        Ok(failed)
+    }
+
+    pub(super) fn run(
+        &mut self,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(), ReplayError> {
+        self.advance(self.events.len(), progress)?;
+        if self.series_every != usize::MAX {
+            self.sample(self.events.len());
+        }
+        progress(self.events.len(), self.events.len());
+        Ok(())
+    }
+
+    /// Replays events until `until` (or the first divergence).
+    pub(super) fn advance(
+        &mut self,
+        until: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(), ReplayError> {
+        const PROGRESS_EVERY: usize = 4096;
+        let n = self.events.len();
+        let until = until.min(n);
+        let mut i = self.position;
+        let mut reported = i;
+        while i < until && self.divergence.is_none() {
+            if i >= reported + PROGRESS_EVERY {
+                progress(i, n);
+                reported = i;
+            }
+            let next = match self.events[i].action {
+                TraceAction::FreeRequested => self.free(i)?,
+                TraceAction::UserDefined => i + 1,
+                _ => self.operation(i)?,
+            };
+            if self.series_every != usize::MAX {
+                for event in i..next {
+                    if event % self.series_every == 0 {
+                        self.sample(event);
+                    }
+                }
+            }
+            i = next;
+            self.position = i;
+        }
+        Ok(())
+    }
+
+    fn sample(&mut self, event: usize) {
+        let stats = self.alloc.stats();
+        self.series.push(SeriesPoint {
+            event,
+            allocated: stats.allocated_bytes.all_current().max(0) as u64,
+            reserved: stats.reserved_bytes.all_current().max(0) as u64,
+        });
+    }
+
+    fn fail(&self, index: usize, source: AllocError) -> ReplayError {
+        ReplayError::Allocator { index, source }
+    }
+
+    /// `free_requested` at `i` (with its `free_completed` right after, unless deferred).
+    fn free(&mut self, i: usize) -> Result<usize, ReplayError> {
+        let e = self.events[i];
+        let immediate = self
+            .events
+            .get(i + 1)
+            .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
+        let end = i + 1 + usize::from(immediate);
+        let Some(ptr) = self.ptrs.remove(&e.addr) else {
+            if self.failed.remove(&e.addr) {
+                return Ok(end);
+            }
+            self.diverge(i, describe(&e), "no live block at that address".into());
+            return Ok(end);
+        };
+        if !immediate {
+            let stream = StreamId(self.next_stream);
+            self.next_stream += 1;
+            self.alloc.record_stream(ptr, stream);
+            self.deferred.insert(e.addr, stream);
+        }
+        self.alloc.free(ptr).map_err(|err| self.fail(i, err))?;
+        self.compare(i, end);
+        Ok(end)
+    }
+
+    /// The effects starting at `i` and the operation that produced them.
+    fn operation(&mut self, i: usize) -> Result<usize, ReplayError> {
+        let n = self.events.len();
+        let j = (i..n)
+            .find(|&k| is_driver(self.events[k].action))
+            .unwrap_or(n);
+        let driver = self
+            .events
+            .get(j)
+            .filter(|d| {
+                matches!(
+                    d.action,
+                    TraceAction::Alloc | TraceAction::Oom | TraceAction::Snapshot
+                )
+            })
+            .copied();
+        let end = if driver.is_some() { j + 1 } else { j };
+        let effects = &self.events[i..j];
+        for effect in effects {
+            if effect.action == TraceAction::FreeCompleted
+                && let Some(stream) = self.deferred.remove(&effect.addr)
+            {
+                self.alloc.device_mut().complete_stream(stream);
+            }
+        }
+        let releases = effects.iter().any(|e| {
+            matches!(
+                e.action,
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap
+            )
+        });
+        let completions = effects
+            .iter()
+            .any(|e| e.action == TraceAction::FreeCompleted);
+        let malloc = driver.is_some_and(|d| d.action == TraceAction::Alloc);
+        let oom = driver.is_some_and(|d| d.action == TraceAction::Oom);
+        // Note [Reading releases] (module doc): releases before an OOM are the failing malloc's own flush;
+        // releases before a successful malloc are either a user's `empty_cache` or the
+        // allocator's own (garbage collection, oversize release, a flush after the driver
+        // said no); anything else is a flush. Check mode tries the allocator's reading
+        // first and keeps it if it reproduces the recording; what-if mode reuses the readings
+        // a check pass found.
+        if releases && malloc {
+            if self.check {
+                let saved = self.alloc.clone();
+                self.perform(i, j, driver, false)?;
+                if self.reproduces(i, end) {
+                    self.releases_in_malloc.insert(i);
+                    return Ok(end);
+                }
+                self.alloc = saved;
+                if let Some(d) = driver {
+                    self.ptrs.remove(&d.addr);
+                }
+                self.perform(i, j, driver, true)?;
+            } else {
+                let flush = !self.releases_in_malloc.contains(&i);
+                self.perform(i, j, driver, flush)?;
+            }
+        } else {
+            let flush = (releases && !oom) || (completions && !malloc && !oom);
+            self.perform(i, j, driver, flush)?;
+        }
+        self.compare(i, end);
+        Ok(end.max(i + 1))
+    }
+
+    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`.
+    fn perform(
+        &mut self,
+        i: usize,
+        j: usize,
+        driver: Option<TraceEntry>,
+        flush: bool,
+    ) -> Result<(), ReplayError> {
+        if flush {
+            self.alloc.empty_cache().map_err(|err| self.fail(i, err))?;
+        }
+        if self.check {
+            // New segments, and the first map of a new expandable segment (its base), go
+            // where the recording put them.
+            let sim = self.alloc.device();
+            let hints: Vec<u64> = self.events[i..j]
+                .iter()
+                .filter(|e| match e.action {
+                    TraceAction::SegmentAlloc => true,
+                    TraceAction::SegmentMap => !sim.is_reserved(e.addr),
+                    _ => false,
+                })
+                .map(|e| e.addr)
+                .collect();
+            self.alloc.device_mut().hint_addresses(hints);
+        }
+        if let Some(d) = driver {
+            self.drive(j, d)?;
+        }
+        self.alloc.device_mut().clear_address_hints();
+        Ok(())
+    }
+
+    fn drive(&mut self, j: usize, d: TraceEntry) -> Result<(), ReplayError> {
+        let stream = StreamId(d.stream);
+        match d.action {
+            TraceAction::Alloc => match self.alloc.malloc(d.size, stream) {
+                Ok(ptr) => {
+                    self.ptrs.insert(d.addr, ptr);
+                }
+                Err(e) if e.is_out_of_memory() && !self.check => {
+                    self.failed.insert(d.addr);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    // The comparison reports it: the trace has an `oom` where `alloc` was.
+                }
+                Err(e) => return Err(self.fail(j, e)),
+            },
+            TraceAction::Oom => {
+                if self.check {
+                    self.alloc.device_mut().fail_all_allocations(true);
+                }
+                let result = self.alloc.malloc(d.size, stream);
+                self.alloc.device_mut().fail_all_allocations(false);
+                match result {
+                    // Under another configuration the request may fit: the program did not
+                    // keep it, so neither does the replay.
+                    Ok(ptr) => self.alloc.free(ptr).map_err(|e| self.fail(j, e))?,
+                    Err(e) if e.is_out_of_memory() => {}
+                    Err(e) => return Err(self.fail(j, e)),
+                }
+            }
+            TraceAction::Snapshot => {
+                self.alloc.snapshot();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}

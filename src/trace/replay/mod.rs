@@ -1,0 +1,354 @@
+//! Replaying one device's recorded trace through the allocator core.
+//!
+//! The recording lists what the allocator did; replay turns it back into what the program
+//! asked for and asks the core again:
+//! - `alloc` becomes a `malloc` of the requested size on the recorded stream;
+//! - `free_requested` becomes a `free` (after a `record_stream` on a stream of its own when
+//!   the recording completes that free later, so that it is deferred the same way);
+//! - a deferred `free_completed` completes that stream's work, so the next `malloc` (or
+//!   cache flush) completes the free where the recording did;
+//! - a run of `segment_free` before an `oom` is the failing `malloc`'s own flush; before a
+//!   successful `alloc` it is either a user's `empty_cache()` or the allocator's own release
+//!   (the two readings can leave different blocks and events, see Note [Reading releases]
+//!   in `engine.rs`); anywhere else it is `empty_cache()`;
+//! - `oom` becomes a `malloc` that the device refuses (in check mode);
+//! - `snapshot` becomes a snapshot.
+//!
+//! In check mode the simulated device hands out the recorded segment addresses, and every
+//! event the core emits is compared with the recording: the first difference is reported as
+//! a [`Divergence`]. In what-if mode the core decides freely under another configuration,
+//! and recorded addresses are mapped to the ones it chose.
+
+//!
+//! `mod.rs` holds the public API (options, errors, entry points, the step-by-step
+//! [`Replayer`]); `report.rs` what a replay reports; `engine.rs` the stepper that turns
+//! recorded events into operations; `compare.rs` the comparison with the recording.
+//!
+//! # Invariants
+//! - Replay drives the core only through its public operations (plus `restore_segment` for
+//!   the start state); it compares only what the core records in its own trace.
+//! - In check mode the first difference stops the comparison; nothing after it is counted.
+//! - Errors are the replay's (no trace, a start state that cannot be rebuilt, the allocator
+//!   failing other than by running out of memory); a divergence is part of the report.
+
+mod compare;
+mod engine;
+mod report;
+
+use rustc_hash::FxHashSet;
+
+use crate::allocator::{AllocError, CachingAllocator, TraceEntry};
+use crate::config::AllocatorConfig;
+use crate::device::{SimConfig, SimDevice};
+
+use super::Recording;
+use super::start_state::StartStateError;
+use engine::Engine;
+pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
+
+/// The device memory assumed when neither the recording nor the user says: the 80 GiB of
+/// the GPUs behind the shared recordings.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// The largest simulated device: 64 PiB, far beyond any GPU, small enough that no byte
+/// count derived from it overflows.
+pub const MAX_CAPACITY: u64 = 1 << 56;
+
+/// Streams invented to defer frees start here, far from real stream handles.
+const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
+/// How to replay.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    /// Which device's trace.
+    pub device: u32,
+    /// The configuration; `None` for the recorded one (or the default).
+    pub config: Option<AllocatorConfig>,
+    /// Device memory; `None` for the recorded device or [`DEFAULT_CAPACITY`].
+    pub capacity: Option<u64>,
+    /// Compare every decision with the recording (and answer as the recorded device did).
+    pub check: bool,
+    /// Number of (allocated, reserved) samples to keep for plots; 0 for none.
+    pub series_points: usize,
+    /// What-if only: start from the blocks live at the trace's start, allocated afresh (in
+    /// address order) under the configuration, instead of from the recorded segments and
+    /// their cache: what a job started under that configuration would hold there.
+    pub fresh_start: bool,
+}
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The recording has no trace for the device.
+    #[error("the recording has no trace for device {device} ({devices} device traces)")]
+    NoSuchDevice {
+        /// The device asked for.
+        device: u32,
+        /// Device traces in the recording.
+        devices: usize,
+    },
+    /// The state at the start of the trace cannot be rebuilt.
+    #[error("cannot rebuild the state at the start of the trace: {0}")]
+    StartState(#[from] StartStateError),
+    /// A segment of the start state does not fit on the simulated device.
+    #[error(
+        "cannot rebuild the state at the start of the trace: segment {address:#x} of {size} does not fit: {source}"
+    )]
+    StartSegment {
+        /// The recorded segment's address.
+        address: u64,
+        /// Its size, in words.
+        size: String,
+        /// Why.
+        source: AllocError,
+    },
+    /// The allocator failed while setting up, before the trace's first event.
+    #[error("the allocator failed before the trace's first event: {0}")]
+    BeforeTrace(AllocError),
+    /// The allocator failed other than by running out of memory.
+    #[error("the allocator failed at event {index}: {source}")]
+    Allocator {
+        /// Index of the recorded event.
+        index: usize,
+        /// The error.
+        source: AllocError,
+    },
+}
+/// Replays one device's trace. See the module documentation.
+///
+/// # Errors
+/// A [`ReplayError`] when the replay cannot run at all; a divergence is not an error but part
+/// of the report.
+pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+    replay_with_progress(recording, options, &mut |_, _| {})
+}
+
+/// [`replay()`], calling `progress(events done, events in all)` every few thousand events.
+///
+/// # Errors
+/// As [`replay()`].
+pub fn replay_with_progress(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayReport, ReplayError> {
+    let readings = if options.check {
+        Readings::default()
+    } else {
+        Readings::of(recording, options)?
+    };
+    replay_following(recording, options, &readings, progress)
+}
+
+/// How a recording's ambiguous release runs read (Note [Reading releases]): the readings that
+/// reproduce it under its own configuration, which what-if replays follow. Found by one check
+/// replay; compute them once for several what-if replays of the same device and capacity.
+#[derive(Clone, Debug, Default)]
+pub struct Readings {
+    releases_in_malloc: FxHashSet<usize>,
+}
+
+impl Readings {
+    /// The readings of `options.device`'s trace on `options.capacity`. A what-if capacity too
+    /// small for the recording's own start falls back to the recorded device's: the readings
+    /// describe the recording, not the what-if.
+    ///
+    /// # Errors
+    /// As [`replay()`].
+    pub fn of(recording: &Recording, options: &ReplayOptions) -> Result<Readings, ReplayError> {
+        let check = ReplayOptions {
+            config: None,
+            check: true,
+            series_points: 0,
+            fresh_start: false,
+            ..options.clone()
+        };
+        let found = match run_with(recording, &check, &mut |_, _| {}, FxHashSet::default()) {
+            Err(ReplayError::StartState(_) | ReplayError::StartSegment { .. })
+                if check.capacity.is_some() =>
+            {
+                let recorded = ReplayOptions {
+                    capacity: None,
+                    ..check
+                };
+                run_with(recording, &recorded, &mut |_, _| {}, FxHashSet::default())
+            }
+            other => other,
+        };
+        let (_, releases_in_malloc) = found?;
+        Ok(Readings { releases_in_malloc })
+    }
+}
+
+/// A replay that follows `readings` (ignored in check mode, which finds its own), calling
+/// `progress` as [`replay_with_progress`] does.
+///
+/// # Errors
+/// As [`replay()`].
+pub fn replay_following(
+    recording: &Recording,
+    options: &ReplayOptions,
+    readings: &Readings,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayReport, ReplayError> {
+    let releases = if options.check {
+        FxHashSet::default()
+    } else {
+        readings.releases_in_malloc.clone()
+    };
+    let (report, _) = run_with(recording, options, progress, releases)?;
+    Ok(report)
+}
+
+/// One replay following the given readings: the report and the readings found.
+fn run_with(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+    releases_in_malloc: FxHashSet<usize>,
+) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
+    let events = device_events(recording, options.device)?;
+    let recorded_config = recording.config.clone().unwrap_or_default();
+    let config = options
+        .config
+        .clone()
+        .unwrap_or_else(|| recorded_config.clone());
+    let capacity = options
+        .capacity
+        .or(recording.simulated_device.map(|d| d.total_bytes))
+        .unwrap_or(DEFAULT_CAPACITY)
+        .min(MAX_CAPACITY);
+    let mut sim = SimConfig {
+        index: options.device,
+        ..SimConfig::with_capacity(capacity)
+    };
+    if options.check {
+        // Every placement is dictated by the recording: open the whole address space to it.
+        sim.base_address = 1 << 21;
+        sim.address_space = 1 << 56;
+    }
+    let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
+    if let Some(fraction) = recording.simulated_device.and_then(|d| d.memory_fraction) {
+        alloc
+            .set_memory_fraction(fraction)
+            .map_err(ReplayError::BeforeTrace)?;
+    }
+    let mut engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    // The report covers the trace: counters start at zero, peaks at the start state.
+    engine.alloc.reset_accumulated_stats();
+    engine.alloc.reset_peak_stats();
+    let start_segments = engine.start_segments;
+    let driver_time_before = engine.alloc.device().stats().driver_time_ns;
+    engine.run(progress)?;
+
+    let stats = engine.alloc.memory_stats();
+    let get = |key: &str| stats.get(key).copied().unwrap_or(0).max(0) as u64;
+    let report = ReplayReport {
+        config: if config.last_settings.is_empty() {
+            "(default)".to_string()
+        } else {
+            config.last_settings.clone()
+        },
+        events: events.len(),
+        start_segments,
+        peak_allocated: get("allocated_bytes.all.peak"),
+        peak_reserved: get("reserved_bytes.all.peak"),
+        device_allocs: get("num_device_alloc"),
+        device_frees: get("num_device_free"),
+        alloc_retries: get("num_alloc_retries"),
+        ooms: get("num_ooms") + engine.start_ooms,
+        driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
+        compared: engine.compared,
+        divergence: engine.divergence,
+        series: engine.series,
+    };
+    Ok((report, engine.releases_in_malloc))
+}
+
+pub(super) fn device_events(
+    recording: &Recording,
+    device: u32,
+) -> Result<&[TraceEntry], ReplayError> {
+    recording
+        .device_traces
+        .get(device as usize)
+        .map(Vec::as_slice)
+        .ok_or(ReplayError::NoSuchDevice {
+            device,
+            devices: recording.device_traces.len(),
+        })
+}
+/// A what-if replay driven step by step, on an allocator the caller keeps: the demo's
+/// simulated processes loop recordings at their recorded pace this way. Unlike [`replay()`],
+/// it does not first look for the readings of ambiguous release runs: each run of releases
+/// before an allocation is replayed as an `empty_cache()`.
+pub struct Replayer<'a> {
+    engine: Engine<'a>,
+}
+
+impl<'a> Replayer<'a> {
+    /// Loads the recording's start state for `device` into `alloc` (which should hold no
+    /// memory) and positions the replay at the first event. The allocator's statistics go on
+    /// from where they were, as a process's do.
+    ///
+    /// # Errors
+    /// [`ReplayError`] if the device has no trace or its start state cannot be rebuilt.
+    pub fn new(
+        recording: &'a Recording,
+        device: u32,
+        alloc: CachingAllocator<SimDevice>,
+    ) -> Result<Self, ReplayError> {
+        let options = ReplayOptions {
+            device,
+            ..ReplayOptions::default()
+        };
+        let engine = Engine::start(recording, &options, alloc, FxHashSet::default())?;
+        Ok(Replayer { engine })
+    }
+
+    /// Replays the events before `event` that have not been replayed yet.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of
+    /// memory (out-of-memory is counted and replay goes on).
+    pub fn advance_to(&mut self, event: usize) -> Result<(), ReplayError> {
+        self.engine.advance(event, &mut |_, _| {})
+    }
+
+    /// Events replayed so far.
+    pub fn position(&self) -> usize {
+        self.engine.position
+    }
+
+    /// Events in the trace.
+    pub fn len(&self) -> usize {
+        self.engine.events.len()
+    }
+
+    /// Whether the trace is empty.
+    pub fn is_empty(&self) -> bool {
+        self.engine.events.is_empty()
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &CachingAllocator<SimDevice> {
+        &self.engine.alloc
+    }
+
+    /// Frees everything the replay still holds, returns all cached memory to the device and
+    /// hands the allocator back, ready for another run.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] if the allocator fails.
+    pub fn finish(mut self) -> Result<CachingAllocator<SimDevice>, ReplayError> {
+        let index = self.engine.position;
+        let fail = |source| ReplayError::Allocator { index, source };
+        for stream in std::mem::take(&mut self.engine.deferred).into_values() {
+            self.engine.alloc.device_mut().complete_stream(stream);
+        }
+        for (_, ptr) in self.engine.ptrs.drain() {
+            self.engine.alloc.free(ptr).map_err(fail)?;
+        }
+        self.engine.alloc.empty_cache().map_err(fail)?;
+        Ok(self.engine.alloc)
+    }
+}

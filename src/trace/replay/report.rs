@@ -1,0 +1,98 @@
+//! What a replay reports: the peaks and counters over the trace, the decisions compared and
+//! the first divergence (check mode), and memory over time.
+
+use serde::Serialize;
+
+/// Decisions compared with the recording, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Compared {
+    /// `alloc` addresses.
+    pub allocs: u64,
+    /// `free_requested` and `free_completed` events.
+    pub frees: u64,
+    /// `segment_alloc` sizes and addresses.
+    pub segment_allocs: u64,
+    /// `segment_free` events, in burst order.
+    pub segment_frees: u64,
+    /// `segment_map` and `segment_unmap` ranges.
+    pub segment_maps: u64,
+    /// `oom` events.
+    pub ooms: u64,
+    /// `snapshot` markers (active bytes).
+    pub snapshots: u64,
+}
+
+impl Compared {
+    /// All decisions compared.
+    pub fn total(&self) -> u64 {
+        self.allocs
+            + self.frees
+            + self.segment_allocs
+            + self.segment_frees
+            + self.segment_maps
+            + self.ooms
+            + self.snapshots
+    }
+}
+
+/// The first point where the core decided differently from the recording.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Divergence {
+    /// Index of the recorded event in the device's trace.
+    pub index: usize,
+    /// The recorded event.
+    pub expected: String,
+    /// What the core did instead.
+    pub actual: String,
+    /// Recorded events around the divergence and the allocator's state.
+    pub context: Vec<String>,
+}
+
+/// One sample of memory over the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SeriesPoint {
+    /// Index of the recorded event.
+    pub event: usize,
+    /// Allocated bytes.
+    pub allocated: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+}
+
+/// What a replay did.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    /// The configuration string replayed under.
+    pub config: String,
+    /// Recorded events processed.
+    pub events: usize,
+    /// Segments in the rebuilt start state.
+    pub start_segments: usize,
+    /// Peak allocated bytes (start state included).
+    pub peak_allocated: u64,
+    /// Peak reserved bytes (start state included).
+    pub peak_reserved: u64,
+    /// Driver allocations (`cudaMalloc` or page maps) during the trace.
+    pub device_allocs: u64,
+    /// Driver frees during the trace.
+    pub device_frees: u64,
+    /// Allocations that flushed the cache and retried.
+    pub alloc_retries: u64,
+    /// Allocations that failed.
+    pub ooms: u64,
+    /// Simulated time spent in driver calls during the trace, in nanoseconds.
+    pub driver_time_ns: u64,
+    /// Decisions compared (check mode).
+    pub compared: Compared,
+    /// The first divergence (check mode).
+    pub divergence: Option<Divergence>,
+    /// Memory over the trace, if asked for.
+    pub series: Vec<SeriesPoint>,
+}
+
+impl ReplayReport {
+    /// Peak reserved over peak allocated: what fragmentation and caching cost.
+    pub fn reserved_ratio(&self) -> f64 {
+        self.peak_reserved as f64 / self.peak_allocated.max(1) as f64
+    }
+}
