@@ -181,6 +181,7 @@ fn main() {
     let router = app(AppState {
         metrics: Arc::clone(&metrics),
         ingest: None,
+        body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
     });
     let http: Vec<Duration> = runtime.block_on(async {
         let mut out = Vec::new();

@@ -14,7 +14,10 @@
 #      cache hit (malloc+free of 4 MiB) …".
 #   3. "== agent": `gpumem serve` for two seconds: gpumem_source_up{source="nvml"} must be 1,
 #      and the NVML device totals are printed.
-#   4. "== PyTorch with gpumem as its allocator" (only where `import torch` finds CUDA): a few
+#   4. "== installing gpumem_push and gpumem_torch into a virtual environment" (only where
+#      `import torch` finds CUDA): pip installs python/gpumem_push and python/gpumem_torch into
+#      target/gpu-check-venv, which sees the machine's torch; the next two steps run in it.
+#      "== PyTorch with gpumem as its allocator": a few
 #      training steps of a small model with gpumem as the pluggable allocator, then the
 #      allocator's /metrics beside NVML's used memory for this process.
 #   5. "== PyTorch pushing to the agent" (likewise): PyTorch's own allocator with gpumem_push,
@@ -51,9 +54,34 @@ curl -s 127.0.0.1:19417/metrics | grep -q 'gpumem_source_up{source="nvml"} 1'
 kill $agent
 
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    step "installing gpumem_push and gpumem_torch into a virtual environment"
+    # --system-site-packages: the machine's torch stays visible. A GPU machine may reach no
+    # package index: pip then builds with the setuptools already there, where it can.
+    venv=target/gpu-check-venv
+    clean() {
+        rm -rf python/gpumem_push/build python/gpumem_torch/build \
+            python/gpumem_push/src/*.egg-info python/gpumem_torch/src/*.egg-info
+    }
+    rm -rf "$venv"
+    clean
+    python3 -m venv --system-site-packages "$venv"
+    offline=()
+    if "$venv/bin/python" -c '
+import sys, setuptools
+try:
+    import setuptools.command.bdist_wheel  # setuptools >= 70.1
+except ImportError:
+    import wheel.bdist_wheel
+sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/null; then
+        offline=(--no-build-isolation)
+    fi
+    env -u PYTHONPATH "$venv/bin/python" -m pip install --quiet ${offline[@]+"${offline[@]}"} \
+        ./python/gpumem_push ./python/gpumem_torch
+    clean
+    python="$PWD/$venv/bin/python"
+
     step "PyTorch with gpumem as its allocator"
-    GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" PYTHONPATH="$PWD/python" \
-        python3 scripts/gpu_torch_check.py
+    GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_torch_check.py
 
     step "PyTorch pushing to the agent"
     socket="$(mktemp -d)/push.sock"
@@ -62,7 +90,7 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     pushed=$!
     trap 'kill $agent $pushed 2>/dev/null || true' EXIT
     sleep 1
-    PYTHONPATH="$PWD/python" python3 scripts/gpu_push_check.py "$socket" 19419
+    "$python" scripts/gpu_push_check.py "$socket" 19419
     kill $pushed
 else
     step "PyTorch with gpumem as its allocator: skipped (no PyTorch with CUDA)"

@@ -11,7 +11,7 @@ use gpumem::AllocatorConfig;
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::ReportReader;
 use gpumem::server::{
-    AppState, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
+    AppState, HttpLimits, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
 };
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
@@ -51,6 +51,50 @@ pub(crate) struct ServeArgs {
     /// least two scrape intervals, so that a job that dies of an OOM is still scraped).
     #[arg(long, default_value_t = 120.0, value_parser = parse_grace)]
     exited_grace: f64,
+    /// Seconds to wait for another agent still answering on the push socket to go before
+    /// taking the socket over (a rolling update starts the new agent first).
+    #[arg(long, default_value_t = 30.0, value_parser = parse_grace)]
+    socket_wait: f64,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+/// The HTTP limits (see `gpumem::server::HttpLimits`).
+#[derive(clap::Args)]
+pub(crate) struct HttpArgs {
+    /// Seconds a client has to send a request's headers, from connecting or from the
+    /// previous response (idle keep-alive connections close after it).
+    #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
+    header_timeout: f64,
+    /// Seconds a push's body has to arrive.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
+    body_timeout: f64,
+    /// Connections served at once, per listener; more wait until one closes.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_connections: u32,
+    /// Seconds given to the requests in flight at shutdown.
+    #[arg(long, default_value_t = 5.0, value_parser = parse_timeout)]
+    shutdown_timeout: f64,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> HttpLimits {
+        HttpLimits {
+            header_timeout: Duration::from_secs_f64(self.header_timeout),
+            max_connections: self.max_connections as usize,
+            shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
+        }
+    }
+}
+
+fn parse_timeout(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(0.05..=3600.0).contains(&seconds) {
+        return Err("a timeout must be between 0.05 and 3600 seconds".into());
+    }
+    Ok(seconds)
 }
 
 fn parse_grace(text: &str) -> Result<f64, String> {
@@ -135,11 +179,23 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 3)]
     processes_per_gpu: u32,
     /// Replay speed relative to the recordings' own pace.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_speed)]
     speed: f64,
     /// Allocator settings of the simulated processes (PYTORCH_CUDA_ALLOC_CONF syntax).
     #[arg(long, default_value = "")]
     config: String,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+fn parse_speed(text: &str) -> Result<f64, String> {
+    let speed: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    if !(0.001..=10_000.0).contains(&speed) {
+        return Err("the speed must be between 0.001 and 10000".into());
+    }
+    Ok(speed)
 }
 
 fn parse_interval(text: &str) -> Result<f64, String> {
@@ -160,12 +216,15 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-fn run_server(
-    listen: SocketAddr,
+/// Where and how the agent serves.
+struct Listen {
+    address: SocketAddr,
     push_socket: Option<PathBuf>,
-    kubelet: Option<KubeletWatch>,
-    state: AppState,
-) -> CliResult {
+    socket_wait: Duration,
+    limits: HttpLimits,
+}
+
+fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) -> CliResult {
     runtime()?.block_on(async move {
         if let Some(watch) = kubelet {
             tokio::spawn(watch.run());
@@ -180,17 +239,20 @@ fn run_server(
                 }
             });
         }
-        let listener = bind(listen).await?;
+        let listener = bind(listen.address).await?;
         let router = app(state);
         // The socket is optional: without it, pushes still come over loopback.
-        let unix = push_socket.and_then(|path| match bind_unix(&path) {
-            Ok(listener) => Some((listener, path)),
-            Err(e) => {
-                tracing::warn!(error = %e, "no push socket");
-                eprintln!("gpumem: warning: {e}; pushes are accepted from loopback only");
-                None
-            }
-        });
+        let unix = match listen.push_socket {
+            Some(path) => match bind_unix(&path, listen.socket_wait).await {
+                Ok(listener) => Some((listener, path)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no push socket");
+                    eprintln!("gpumem: warning: {e}; pushes are accepted from loopback only");
+                    None
+                }
+            },
+            None => None,
+        };
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let signal = async move {
             shutdown_signal().await;
@@ -200,11 +262,19 @@ fn run_server(
             let _ = rx.wait_for(|&stopped| stopped).await;
         };
         tokio::spawn(signal);
-        let tcp = serve(listener, router.clone(), until_stopped(stopped.clone()));
+        let limits = listen.limits;
+        let tcp = serve(
+            listener,
+            router.clone(),
+            limits,
+            until_stopped(stopped.clone()),
+        );
         match unix {
             Some((listener, path)) => {
-                let served =
-                    tokio::try_join!(tcp, serve_unix(listener, router, until_stopped(stopped)));
+                let served = tokio::try_join!(
+                    tcp,
+                    serve_unix(listener, router, limits, until_stopped(stopped))
+                );
                 let _ = std::fs::remove_file(&path);
                 served.map(|_| ())
             }
@@ -229,15 +299,21 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         exited_grace: Duration::from_secs_f64(args.exited_grace),
         ..IngestConfig::default()
     };
-    let state = agent_state(
+    let mut state = agent_state(
         AllocatorSources::default(),
         vec![reader],
         ingest,
         watch.kubelet.clone(),
     )?;
-    // Empty turns a socket off (clap's path parser would refuse an empty value).
-    let socket = Some(PathBuf::from(args.push_socket)).filter(|p| !p.as_os_str().is_empty());
-    run_server(args.listen, socket, Some(watch), state)
+    state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    let listen = Listen {
+        address: args.listen,
+        // Empty turns a socket off (clap's path parser would refuse an empty value).
+        push_socket: Some(PathBuf::from(args.push_socket)).filter(|p| !p.as_os_str().is_empty()),
+        socket_wait: Duration::from_secs_f64(args.socket_wait),
+        limits: args.http.limits(),
+    };
+    run_server(listen, Some(watch), state)
 }
 
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
@@ -256,13 +332,20 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         "simulated node replaying recorded traces"
     );
     let reader: ReportReader = Box::new(node.report_reader());
-    let state = agent_state(
+    let mut state = agent_state(
         AllocatorSources::new(node.allocator_sources()),
         vec![reader],
         IngestConfig::default(),
         node.kubelet(),
     )?;
-    let result = run_server(args.listen, None, None, state);
+    state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    let listen = Listen {
+        address: args.listen,
+        push_socket: None,
+        socket_wait: Duration::ZERO,
+        limits: args.http.limits(),
+    };
+    let result = run_server(listen, None, state);
     drop(node);
     result
 }

@@ -23,7 +23,7 @@
 //! - A payload is at most [`MAX_BODY_BYTES`]; it lists 1 to [`MAX_DEVICES`] distinct devices
 //!   (by index and by UUID), each with at most [`MAX_STATS_KEYS`] statistics and
 //!   [`MAX_CLASSES`] size classes; at most [`MAX_LABELS`] labels, names and values at most
-//!   [`MAX_LABEL_NAME`] and [`MAX_TEXT`] characters, so one process's series are bounded
+//!   [`MAX_LABEL_NAME`] characters and [`MAX_TEXT`] bytes, so one process's series are bounded
 //!   ([`ValidPush::series`]) and so is each series' size.
 //! - Every figure is a whole number: byte figures below 2^60 ([`MAX_BYTES`]), counts below
 //!   2^53 ([`MAX_COUNT`]), so the collector's sums of two pools cannot overflow and every
@@ -46,7 +46,7 @@ pub const MAX_BODY_BYTES: usize = 512 * 1024;
 pub const MAX_DEVICES: usize = 16;
 /// Statistics keys per device (PyTorch's `memory_stats()` has about 120).
 pub const MAX_STATS_KEYS: usize = 512;
-/// Characters of a text field or label value.
+/// Bytes (UTF-8) of a text field or label value.
 pub const MAX_TEXT: usize = 128;
 /// Characters of a label name.
 pub const MAX_LABEL_NAME: usize = 64;
@@ -353,9 +353,9 @@ fn truncate(s: &str) -> String {
 }
 
 fn text(what: &str, value: &str) -> Result<(), Rejected> {
-    if value.chars().count() > MAX_TEXT || value.chars().any(char::is_control) {
+    if value.len() > MAX_TEXT || value.chars().any(char::is_control) {
         return Err(invalid(format!(
-            "{what} must be at most {MAX_TEXT} printable characters"
+            "{what} must be at most {MAX_TEXT} bytes of printable text"
         )));
     }
     Ok(())

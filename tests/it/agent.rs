@@ -418,12 +418,25 @@ pub(crate) fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Val
 /// Starts a real Prometheus (data and config in `dir`) scraping the agent on `agent_port`
 /// every second; returns it and its port.
 pub(crate) fn spawn_prometheus(dir: &Path, agent_port: u16) -> (Reaper, u16) {
+    spawn_prometheus_with_rules(dir, agent_port, None)
+}
+
+/// A real Prometheus scraping the agent every second, evaluating `rules` (a rule file) where
+/// given.
+pub(crate) fn spawn_prometheus_with_rules(
+    dir: &Path,
+    agent_port: u16,
+    rules: Option<&Path>,
+) -> (Reaper, u16) {
     let prom_port = free_port();
     let config = dir.join("prometheus.yml");
+    let rule_files = rules.map_or(String::new(), |r| {
+        format!("rule_files:\n  - '{}'\n", r.display())
+    });
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rule_files}scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
         ),
     )
     .expect("config");

@@ -31,6 +31,7 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
     let router = app(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(Arc::clone(&store)),
+        body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
     });
     (router, store)
 }
@@ -364,7 +365,7 @@ sys.stdin.read()
         .args(["-c", script])
         .arg(&stats_file)
         .arg(format!("unix:{}", socket.display()))
-        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/gpumem_push/src"))
         .arg(&snapshot_file)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -436,7 +437,7 @@ sys.stdin.read()
     assert_eq!(
         largest[0]["value"][1].as_str(),
         Some(largest_free.to_string().as_str()),
-        "the out-of-memory push's largest free block: {largest}"
+        "the out-of-memory push's largest free block: {largest} (the hook's counters: {report})"
     );
     // The hook's segments by size, counted from PyTorch's snapshot format in Python, equal
     // what gpumem's core counts from its own blocks.
@@ -493,7 +494,9 @@ async fn the_push_socket_replaces_only_stale_sockets() {
     use std::os::unix::fs::PermissionsExt;
     let dir = std::env::temp_dir().join(format!("gpumem-sock-{}", std::process::id()));
     let path = dir.join("run").join("push.sock");
-    let first = gpumem::server::bind_unix(&path).expect("binds, creating its directory");
+    let first = gpumem::server::bind_unix(&path, std::time::Duration::ZERO)
+        .await
+        .expect("binds, creating its directory");
     let mode = std::fs::metadata(&path)
         .expect("socket")
         .permissions()
@@ -501,10 +504,14 @@ async fn the_push_socket_replaces_only_stale_sockets() {
     assert_eq!(mode & 0o777, 0o666);
     drop(first);
     assert!(path.exists(), "a dropped listener leaves its socket file");
-    let _second = gpumem::server::bind_unix(&path).expect("replaces the stale socket");
+    let _second = gpumem::server::bind_unix(&path, std::time::Duration::ZERO)
+        .await
+        .expect("replaces the stale socket");
     let file = dir.join("run").join("data");
     std::fs::write(&file, b"keep me").expect("write");
-    let refused = gpumem::server::bind_unix(&file).expect_err("not a socket");
+    let refused = gpumem::server::bind_unix(&file, std::time::Duration::ZERO)
+        .await
+        .expect_err("not a socket");
     assert!(refused.to_string().contains("not a socket"), "{refused}");
     assert_eq!(std::fs::read(&file).expect("still there"), b"keep me");
     let _ = std::fs::remove_dir_all(&dir);

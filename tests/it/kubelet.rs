@@ -424,3 +424,52 @@ fn serve_reports_the_kubelet_up_and_down() {
     assert!(!metrics.contains("source=\"pod_logs\""), "{metrics}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// In a container given host GPU 1, the job's CUDA ordinal is 0; its pushed series take NVML's
+/// host index by UUID, so they join NVML's series `on (gpu, UUID, pid)`. A UUID NVML does not
+/// list keeps the pushed index.
+#[test]
+fn a_container_ordinal_joins_nvml_by_uuid() {
+    let state = agent_state(
+        AllocatorSources::default(),
+        vec![node_report()],
+        IngestConfig::default(),
+        Kubelet::default(),
+    )
+    .expect("registers");
+    let store = state.ingest.as_ref().expect("ingest");
+    let push = serde_json::json!({
+        "pid": 5151, "seq": 1,
+        "devices": [
+            {"index": 0, "uuid": "GPU-1aaa", "stats": {"reserved_bytes.all.current": 2048}},
+            {"index": 3, "uuid": "GPU-unknown", "stats": {"reserved_bytes.all.current": 4096}},
+        ],
+    });
+    store.push(push.to_string().as_bytes()).expect("accepted");
+    let text = state.metrics.encode();
+    let pushed = |uuid: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("gpumem_allocator_reserved_bytes{")
+                    && l.contains(&format!("UUID=\"{uuid}\""))
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    let on_host = pushed("GPU-1aaa");
+    assert!(!on_host.is_empty());
+    assert!(
+        on_host.iter().all(|l| l.contains(r#"gpu="1""#)),
+        "NVML's index: {on_host:?}"
+    );
+    let nvml = line(&text, "gpumem_process_used_bytes", r#"pid="5151""#);
+    assert!(
+        nvml.contains(r#"gpu="1""#) && nvml.contains(r#"UUID="GPU-1aaa""#),
+        "{nvml}"
+    );
+    let unknown = pushed("GPU-unknown");
+    assert!(
+        !unknown.is_empty() && unknown.iter().all(|l| l.contains(r#"gpu="3""#)),
+        "the pushed index where NVML does not know the UUID: {unknown:?}"
+    );
+}

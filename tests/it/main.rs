@@ -9,6 +9,7 @@ mod gpu;
 mod ingest;
 mod kubelet;
 mod lifecycle;
+mod oom_path;
 mod properties;
 mod replay;
 mod scenarios;

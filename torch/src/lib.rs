@@ -269,12 +269,18 @@ fn start_server(listen: &str, sources: AllocatorSources) {
                 let state = gpumem::server::AppState {
                     metrics,
                     ingest: None,
+                    body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
                 };
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
-                        if let Err(e) =
-                            gpumem::server::serve(listener, app, std::future::pending()).await
+                        if let Err(e) = gpumem::server::serve(
+                            listener,
+                            app,
+                            gpumem::server::HttpLimits::default(),
+                            std::future::pending(),
+                        )
+                        .await
                         {
                             report(&format!("metrics server stopped: {e}"));
                         }

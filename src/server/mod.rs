@@ -1,20 +1,27 @@
 //! The HTTP shell: `/metrics` (text exposition), `/healthz`, `/` (a page linking both) and,
 //! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
 //! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
-//! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] binds it.
+//! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] serves it
+//! within the [`HttpLimits`] (`listen.rs`).
+//!
+//! # Invariants
+//! - A push is read only from this host, only as `Content-Type: application/json`, never
+//!   from a page in a browser (an `Origin` header), and never beyond [`MAX_BODY_BYTES`] or
+//!   [`AppState::body_timeout`]: a declared larger body is refused before a byte is read.
+//! - Every refusal is answered with its reason and counted by the ingest.
 
-use std::future::Future;
+mod listen;
+
+pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::IncomingStream;
-use tokio::net::UnixListener;
 
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{Metrics, ReportReader};
@@ -31,7 +38,12 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Where pushed statistics go, if the agent accepts them.
     pub ingest: Option<Arc<PushStore>>,
+    /// How long a push's body may take to arrive.
+    pub body_timeout: std::time::Duration,
 }
+
+/// The time a push's body may take by default: a push is at most 512 KiB from this host.
+pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The agent's state: metrics over `sources` and `reports` (with what the `kubelet` says,
 /// where it says), with pushes from this host accepted into `sources`.
@@ -53,6 +65,7 @@ pub fn agent_state(
     Ok(AppState {
         metrics: Arc::new(metrics),
         ingest: Some(store),
+        body_timeout: DEFAULT_BODY_TIMEOUT,
     })
 }
 
@@ -158,7 +171,15 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
         // Refused before a byte of the body is read.
         return refused(&store, Refusal::TooLarge, &too_large);
     }
-    let body = match axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES).await {
+    let read = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES);
+    let Ok(read) = tokio::time::timeout(state.body_timeout, read).await else {
+        return refused(
+            &store,
+            Refusal::Truncated,
+            &format!("the body did not arrive within {:?}", state.body_timeout),
+        );
+    };
+    let body = match read {
         Ok(body) => body,
         Err(e) => {
             let over = std::error::Error::source(&e)
@@ -194,133 +215,4 @@ async fn index() -> Html<&'static str> {
         "<ul><li><a href=\"/metrics\">/metrics</a> (Prometheus)</li>",
         "<li><a href=\"/healthz\">/healthz</a></li></ul></body></html>\n"
     ))
-}
-
-/// Serves `app` on `listener` until `shutdown` completes, then finishes the requests in
-/// flight.
-///
-/// # Errors
-/// An I/O error from the listener.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
-}
-
-/// Completes on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let interrupt = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => {}
-        () = terminate => {}
-    }
-    tracing::info!("shutting down");
-}
-
-/// Binds `address`, logging where the agent listens.
-///
-/// # Errors
-/// The bind error, with the address.
-pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {address}: {e}")))?;
-    if let Ok(local) = listener.local_addr() {
-        tracing::info!(address = %local, "serving /metrics");
-        eprintln!("gpumem: serving http://{local}/metrics");
-    }
-    Ok(listener)
-}
-
-/// Binds a Unix socket at `path` for pushes from any local user: creates its directory,
-/// replaces a stale socket left by an earlier run (never another kind of file), and makes it
-/// connectable by all (access is already limited to whoever can reach the path).
-///
-/// # Errors
-/// The error, with the path.
-pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let context = |e: std::io::Error| {
-        std::io::Error::new(
-            e.kind(),
-            format!("cannot listen on {}: {e}", path.display()),
-        )
-    };
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(context)?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(context)?,
-        Ok(_) => {
-            return Err(context(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "a file that is not a socket is in the way",
-            )));
-        }
-        Err(_) => {}
-    }
-    let listener = UnixListener::bind(path).map_err(context)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(context)?;
-    tracing::info!(path = %path.display(), "accepting pushes");
-    eprintln!("gpumem: accepting pushes on unix:{}", path.display());
-    Ok(listener)
-}
-
-/// The process at the other end of a Unix-socket connection, as the kernel reports it
-/// (`SO_PEERCRED`, in the agent's pid namespace).
-#[derive(Clone, Copy, Debug)]
-pub struct UnixPeer {
-    /// The peer's pid; `None` where the kernel does not say.
-    pub pid: Option<u32>,
-}
-
-impl Connected<IncomingStream<'_, UnixListener>> for UnixPeer {
-    fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
-        let pid = stream
-            .io()
-            .peer_cred()
-            .ok()
-            .and_then(|cred| cred.pid())
-            .and_then(|pid| u32::try_from(pid).ok())
-            .filter(|&pid| pid != 0);
-        UnixPeer { pid }
-    }
-}
-
-/// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to
-/// the connecting process's pid.
-///
-/// # Errors
-/// An I/O error from the listener.
-pub async fn serve_unix(
-    listener: UnixListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<UnixPeer>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
 }

@@ -1,0 +1,107 @@
+"""The simulated devices behind the stand-in torch, and the test's handles on them."""
+
+import os
+import threading
+
+MIB = 1 << 20
+SEGMENT = 2 * MIB
+
+lock = threading.RLock()
+imported = False
+initialized = False
+device_count = int(os.environ.get("FAKE_TORCH_DEVICES", "1"))
+broken = set(filter(None, os.environ.get("FAKE_TORCH_BROKEN", "").split(",")))
+violations = []
+allocator = None  # what change_current_allocator installed
+# Per device: its segments ({"total_size", "blocks": [{"size", "state"}]}) and counters.
+segments = [[] for _ in range(device_count)]
+counters = [{"peak": 0, "ooms": 0, "allocs": 0, "frees": 0} for _ in range(device_count)]
+
+
+def check(call):
+    """Records a call made while `import torch` is still running."""
+    if not imported:
+        violations.append(f"{call} called during `import torch`")
+    if call in broken:
+        raise RuntimeError(f"fake torch: {call} is broken on purpose")
+
+
+def init():
+    global initialized
+    with lock:
+        initialized = True
+
+
+def reserved(device):
+    return sum(s["total_size"] for s in segments[device])
+
+
+def allocated(device):
+    return sum(b["size"] for s in segments[device] for b in s["blocks"]
+               if b["state"] == "active_allocated")
+
+
+def allocate(device, nbytes):
+    """One allocation in a new segment (a multiple of 2 MiB); initialises CUDA as PyTorch
+    does on the first allocation."""
+    init()
+    with lock:
+        total = max(SEGMENT, -(-nbytes // SEGMENT) * SEGMENT)
+        blocks = [{"size": nbytes, "state": "active_allocated"}]
+        if total > nbytes:
+            blocks.append({"size": total - nbytes, "state": "inactive"})
+        segments[device].append({"device": device, "total_size": total, "blocks": blocks,
+                                 "allocated_size": nbytes, "segment_type": "large"})
+        counters[device]["allocs"] += 1
+        counters[device]["peak"] = max(counters[device]["peak"], reserved(device))
+
+
+def free_all(device):
+    """Frees and releases every segment of the device (empty_cache)."""
+    with lock:
+        counters[device]["frees"] += len(segments[device])
+        segments[device].clear()
+
+
+def reset_peak(device):
+    with lock:
+        counters[device]["peak"] = reserved(device)
+
+
+def oom(device, nbytes):
+    """An allocation that fails: the observers run on this thread, then the error is raised."""
+    from . import _C, cuda
+    init()
+    with lock:
+        counters[device]["ooms"] += 1
+        observers = list(_C._oom_observers)
+        used = allocated(device)
+    for observer in observers:
+        observer(device, nbytes, used, 80 * (1 << 30) - reserved(device))
+    raise cuda.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {nbytes} bytes on device {device} (fake)")
+
+
+def stats(device):
+    """memory_stats(device): the flat dict of PyTorch's keys."""
+    with lock:
+        out = {}
+        for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                     "requested_bytes", "allocation", "segment", "active", "inactive_split"):
+            for pool in ("all", "large_pool", "small_pool"):
+                for kind in ("current", "peak", "allocated", "freed"):
+                    out[f"{name}.{pool}.{kind}"] = 0
+        c = counters[device]
+        for pool in ("all", "large_pool"):
+            out[f"reserved_bytes.{pool}.current"] = reserved(device)
+            out[f"reserved_bytes.{pool}.peak"] = c["peak"]
+            out[f"allocated_bytes.{pool}.current"] = allocated(device)
+            out[f"active_bytes.{pool}.current"] = allocated(device)
+            out[f"requested_bytes.{pool}.current"] = allocated(device)
+            out[f"segment.{pool}.current"] = len(segments[device])
+            out[f"allocation.{pool}.allocated"] = c["allocs"]
+        out.update({"num_alloc_retries": 0, "num_ooms": c["ooms"], "num_sync_all_streams": 0,
+                    "num_device_alloc": c["allocs"], "num_device_free": c["frees"],
+                    "max_split_size": -1, "oversize_allocations.current": 0,
+                    "oversize_segments.current": 0})
+        return out

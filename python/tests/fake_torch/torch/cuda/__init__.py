@@ -1,0 +1,67 @@
+"""torch.cuda: what gpumem_push and gpumem_torch call."""
+
+from .. import _fake
+from . import memory  # noqa: F401
+
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+
+class _Uuid:
+    def __init__(self, index):
+        self.index = index
+
+    def __str__(self):
+        return f"6a1f0e2c-0000-4000-8000-{self.index:012d}"
+
+
+class _Properties:
+    def __init__(self, index):
+        self.name = "Fake GPU"
+        self.total_memory = 80 * (1 << 30)
+        self.uuid = _Uuid(index)
+
+
+def is_initialized():
+    _fake.check("is_initialized")
+    return _fake.initialized
+
+
+def init():
+    _fake.init()
+
+
+def device_count():
+    _fake.check("device_count")
+    return _fake.device_count
+
+
+def _index(device):
+    index = 0 if device is None else int(device)
+    if not 0 <= index < _fake.device_count:
+        raise RuntimeError(f"invalid device ordinal {index}")
+    return index
+
+
+def memory_stats(device=None):
+    _fake.check("memory_stats")
+    if not _fake.initialized:
+        return {}
+    return _fake.stats(_index(device))
+
+
+def get_device_properties(device):
+    _fake.check("get_device_properties")
+    _fake.init()  # PyTorch's lazy init
+    return _Properties(_index(device))
+
+
+def memory_snapshot():
+    _fake.check("memory_snapshot")
+    if not _fake.initialized:
+        _fake.violations.append("memory_snapshot before CUDA was initialised")
+        return []
+    with _fake.lock:
+        return [dict(s, blocks=[dict(b) for b in s["blocks"]])
+                for device in _fake.segments for s in device]

@@ -1,0 +1,261 @@
+"""Helpers of the Python tests: a recording stand-in for the agent's push endpoint (over HTTP on
+loopback and over a Unix socket) that applies the agent's rules to every payload, and child
+Python processes that see the stand-in torch (tests/fake_torch) and never this checkout."""
+
+import http.server
+import json
+import os
+import re
+import socket
+import socketserver
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE_TORCH = os.path.join(HERE, "fake_torch")
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "labels", "devices", "reason",
+             "last_oom_unix_seconds"}
+DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size"}
+RANK_LABELS = {"rank", "local_rank", "world_size", "run_id"}
+NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+MIN_INTERVAL = 0.5
+
+
+def text_ok(value):
+    return (isinstance(value, str) and len(value.encode()) <= 128
+            and not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value))
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_payload(p):
+    """Why the agent would refuse this payload (its shape and values), or None."""
+    if not isinstance(p, dict):
+        return "not an object"
+    if set(p) - PUSH_KEYS:
+        return f"unknown keys {sorted(set(p) - PUSH_KEYS)}"
+    if not is_int(p.get("pid")) or p["pid"] <= 0 or not is_int(p.get("seq")) or p["seq"] <= 0:
+        return "pid and seq must be positive integers"
+    for key in ("torch_version", "alloc_conf"):
+        if key in p and not text_ok(p[key]):
+            return f"bad {key}"
+    if "reason" in p and p["reason"] not in ("oom", "exit"):
+        return f"unknown reason {p['reason']!r}"
+    labels = p.get("labels", {})
+    if not isinstance(labels, dict):
+        return "labels must be an object"
+    if len([n for n in labels if n not in RANK_LABELS]) > 8:
+        return "more than 8 labels"
+    for name, value in labels.items():
+        # Names the agent sets itself are exported as exported_<name>, not refused.
+        if (not NAME.match(name) or name.startswith("__") or len(name) > 64
+                or not text_ok(value)):
+            return f"bad label {name!r}={value!r}"
+    devices = p.get("devices")
+    if not isinstance(devices, list) or not 1 <= len(devices) <= 16:
+        return "devices must list 1 to 16 devices"
+    for d in devices:
+        if not isinstance(d, dict) or set(d) - DEVICE_KEYS or not {"index", "uuid", "stats"} <= set(d):
+            return f"bad device {d!r}"
+        if not is_int(d["index"]) or d["index"] < 0 or not text_ok(d["uuid"]):
+            return "bad device index or uuid"
+        for key, value in d["stats"].items():
+            if not text_ok(key) or not is_int(value) or (value < 0 and key != "max_split_size"):
+                return f"bad statistic {key}={value!r}"
+        if "segments_by_size" in d:
+            if not is_int(d.get("largest_free_block")):
+                return "segments_by_size without largest_free_block"
+            sizes = set()
+            for c in d["segments_by_size"]:
+                if set(c) != {"size", "segments", "free_bytes"}:
+                    return f"bad class {c!r}"
+                size = c["size"]
+                if size <= 0 or size & (size - 1) or size in sizes:
+                    return f"bad class size {size}"
+                if c["free_bytes"] > c["segments"] * size:
+                    return f"class {size}: free bytes do not fit"
+                sizes.add(size)
+    return None
+
+
+class Recorder:
+    """Records every push it is sent, and answers as the agent would: 422 for a payload it
+    would refuse, 409 for a sequence number not after the last accepted one of the pid, 429
+    for a push without a reason less than 0.5 s after the pid's previous accepted push.
+    `status` forces every answer (an agent refusing everything)."""
+
+    def __init__(self, status=None):
+        self.status = status
+        self.pushes = []  # dicts: t, payload, status, error, transport, peer_pid
+        self.cond = threading.Condition()
+        self.last = {}  # pid: (seq, time)
+
+    def record(self, path, body, transport, peer_pid):
+        now = time.monotonic()
+        entry = {"t": now, "payload": None, "status": 200, "error": None,
+                 "transport": transport, "peer_pid": peer_pid}
+        try:
+            payload = json.loads(body)
+            entry["payload"] = payload
+            problem = None if path == "/api/v1/push" else f"path {path}"
+            problem = problem or check_payload(payload)
+        except ValueError as error:
+            problem = f"not JSON: {error}"
+        with self.cond:
+            if self.status is not None:
+                entry["status"], entry["error"] = self.status, "refused on purpose"
+            elif problem:
+                entry["status"], entry["error"] = 422, problem
+            else:
+                pid = peer_pid or payload["pid"]
+                seq, last = self.last.get(pid, (0, -1e9))
+                if payload["seq"] <= seq:
+                    entry["status"], entry["error"] = 409, f"seq {payload['seq']} <= {seq}"
+                elif "reason" not in payload and now - last < MIN_INTERVAL:
+                    entry["status"], entry["error"] = 429, f"{now - last:.3f} s after the last"
+                else:
+                    self.last[pid] = (payload["seq"], now)
+            self.pushes.append(entry)
+            self.cond.notify_all()
+        return entry["status"], entry["error"] or "accepted"
+
+    def accepted(self):
+        with self.cond:
+            return [e["payload"] for e in self.pushes if e["status"] == 200]
+
+    def refused(self):
+        with self.cond:
+            return [e for e in self.pushes if e["status"] != 200]
+
+    def wait_for(self, predicate, timeout):
+        """Waits until predicate(accepted payloads) holds; returns whether it did."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                accepted = [e["payload"] for e in self.pushes if e["status"] == 200]
+                if predicate(accepted):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", "0"))
+        body = self.rfile.read(length)
+        peer_pid = None
+        if self.server.transport == "unix" and hasattr(socket, "SO_PEERCRED"):
+            creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("3i"))
+            peer_pid = struct.unpack("3i", creds)[0]
+        status, message = self.server.recorder.record(self.path, body, self.server.transport,
+                                                      peer_pid)
+        reply = json.dumps({"result": message}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+class _HttpServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    transport = "http"
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    transport = "unix"
+
+
+class Agent:
+    """A Recorder served over HTTP on 127.0.0.1 (path None) or a Unix socket (path)."""
+
+    def __init__(self, recorder=None, path=None, port=0):
+        self.recorder = recorder or Recorder()
+        self.path = path
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.server = _UnixServer(path, _Handler)
+            self.url = "unix:" + path
+        else:
+            self.server = _HttpServer(("127.0.0.1", port), _Handler)
+            self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/push"
+        self.server.recorder = self.recorder
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+        if self.path and os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def child_env(tmp, **extra):
+    """The environment of a child job: none of this process's gpumem, torchrun or proxy
+    settings, the stand-in torch on PYTHONPATH, no agent socket unless a test makes one, and
+    a proxy that goes nowhere (pushes to the node's agent must never use one)."""
+    drop = ("GPUMEM_", "PYTORCH_", "FAKE_TORCH_")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(drop) and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                    "TORCHELASTIC_RUN_ID", "PYTHONPATH")
+           and k.lower() not in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")}
+    env.update({
+        "PYTHONPATH": FAKE_TORCH,
+        "PYTHONUNBUFFERED": "1",
+        "GPUMEM_PUSH_SOCKET": os.path.join(tmp, "no-agent", "push.sock"),
+        "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Child:
+    """A child Python job running `code` (dedented); its last stdout line is JSON."""
+
+    def __init__(self, code, env, cwd):
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pid = self.process.pid
+
+    def finish(self, timeout=20):
+        try:
+            out, err = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            out, err = self.process.communicate()
+            raise AssertionError(f"the child ran past {timeout} s; stderr:\n{err}")
+        self.stdout, self.stderr, self.rc = out, err, self.process.returncode
+        self.elapsed = time.monotonic() - self.started
+        lines = out.strip().splitlines()
+        try:
+            self.result = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            self.result = None
+        return self
+
+
+def tempdir(test):
+    """A temporary directory removed after the test (short: Unix socket paths are)."""
+    d = tempfile.TemporaryDirectory(prefix="gpumem-", dir="/tmp")
+    test.addCleanup(d.cleanup)
+    return d.name

@@ -1,0 +1,468 @@
+"""gpumem_push as a job uses it: child Python processes with the stand-in torch push to a
+recording stand-in for the agent, which applies the agent's rules to every payload."""
+
+import os
+import socket
+import textwrap
+import time
+import unittest
+
+from support import Agent, Child, Recorder, child_env, tempdir
+
+MIB = 1 << 20
+UUID0 = "GPU-6a1f0e2c-0000-4000-8000-000000000000"
+
+# The end of most children: what the pusher says about itself, as JSON on the last line.
+REPORT = """
+import json as _json, sys as _sys
+_gp = _sys.modules.get("gpumem_push")
+_torch = _sys.modules.get("torch")
+print(_json.dumps({
+    "loaded": _gp is not None,
+    "stats": _gp.stats() if _gp else None,
+    "settings": _gp.settings() if _gp else None,
+    "violations": _torch._fake.violations if _torch else None,
+    "observers": len(_torch._C._oom_observers) if _torch else None,
+    "initialized": _torch.cuda.is_initialized() if _torch else None,
+}))
+"""
+
+# Waits (bounded) until the pusher has sent `n` pushes; no import of gpumem_push.
+WAIT_SENT = """
+import sys as _s, time as _t
+def wait_sent(n, timeout=10):
+    deadline = _t.monotonic() + timeout
+    while _t.monotonic() < deadline:
+        gp = _s.modules.get("gpumem_push")
+        if gp is not None and gp.stats()["sent"] >= n:
+            return True
+        _t.sleep(0.02)
+    return False
+"""
+
+
+class PushTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempdir(self)
+        self.agent = Agent()
+        self.addCleanup(self.agent.close)
+
+    def env(self, **extra):
+        base = {"GPUMEM_PUSH": "1", "GPUMEM_PUSH_URL": self.agent.url,
+                "GPUMEM_PUSH_INTERVAL": "0.5"}
+        base.update(extra)
+        return child_env(self.tmp, **{k: v for k, v in base.items() if v is not None})
+
+    def spawn(self, body, **env):
+        """A child job running `body` between WAIT_SENT and REPORT."""
+        return Child(WAIT_SENT + textwrap.dedent(body) + REPORT, self.env(**env), self.tmp)
+
+    def run_child(self, body, timeout=20, **env):
+        return self.spawn(body, **env).finish(timeout)
+
+    def assertNoRefusals(self, recorder=None):
+        refused = (recorder or self.agent.recorder).refused()
+        self.assertEqual(refused, [], "the agent would have refused these pushes")
+
+    def assertOrdered(self, payloads):
+        seqs = [p["seq"] for p in payloads]
+        self.assertEqual(seqs, sorted(set(seqs)), "sequence numbers must strictly increase")
+
+
+class Activation(PushTest):
+    def test_gpumem_push_1_pushes_a_job_that_never_imports_it(self):
+        # torch takes a second to import, during which the hook's thread must not touch it.
+        child = self.run_child(
+            """
+            import torch
+            torch._fake.allocate(0, 3 << 20)
+            wait_sent(3)
+            """,
+            FAKE_TORCH_IMPORT_DELAY="1.0",
+            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        self.assertEqual(child.rc, 0, child.stderr)
+        r = child.result
+        self.assertTrue(r["loaded"], "the .pth hook did not load gpumem_push")
+        self.assertEqual(r["violations"], [], "torch was used while `import torch` ran")
+        self.assertGreaterEqual(r["stats"]["sent"], 3)
+        self.assertEqual(r["stats"]["errors"], 0, r["stats"])
+        self.assertTrue(r["settings"]["oom_observer"])
+        self.assertEqual(child.stderr, "")
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertOrdered(pushes)
+        periodic = [p for p in pushes if "reason" not in p]
+        self.assertGreaterEqual(len(periodic), 3)
+        self.assertEqual(pushes[-1].get("reason"), "exit", "the last push is the exit push")
+        for p in pushes:
+            self.assertEqual(p["pid"], child.pid)
+            self.assertEqual(p["torch_version"], "2.5.1+fake")
+            self.assertEqual(p["alloc_conf"], "expandable_segments:True")
+            self.assertEqual(p["labels"], {})
+            self.assertEqual([d["index"] for d in p["devices"]], [0])
+            device = p["devices"][0]
+            self.assertEqual(device["uuid"], UUID0)
+            self.assertEqual(device["stats"]["reserved_bytes.all.current"], 4 * MIB)
+            self.assertEqual(device["stats"]["allocated_bytes.all.current"], 3 * MIB)
+            self.assertEqual(device["stats"]["max_split_size"], -1)
+            self.assertNotIn("largest_free_block", device, "figures only come with a snapshot")
+        times = [e["t"] for e in self.agent.recorder.pushes if "reason" not in e["payload"]]
+        self.assertTrue(all(b - a >= 0.5 for a, b in zip(times, times[1:])), times)
+
+    def test_the_hook_never_imports_torch_nor_initialises_cuda(self):
+        child = self.run_child(
+            """
+            import sys, threading, time
+            time.sleep(1.5)
+            before = {"torch": "torch" in sys.modules,
+                      "threads": [t.name for t in threading.enumerate()]}
+            import torch
+            time.sleep(1.5)  # torch imported, CUDA never initialised
+            print(before)
+            """)
+        self.assertEqual(child.rc, 0, child.stderr)
+        before = eval(child.stdout.splitlines()[0])
+        self.assertFalse(before["torch"], "the pusher imported torch")
+        self.assertIn("gpumem-push", before["threads"])
+        r = child.result
+        self.assertFalse(r["initialized"], "the pusher initialised CUDA")
+        self.assertEqual(r["observers"], 0, "the observer was attached before CUDA started")
+        self.assertEqual(r["violations"], [])
+        self.assertEqual(self.agent.recorder.pushes, [], "nothing to push without CUDA")
+        self.assertEqual(r["stats"], {"sent": 0, "dropped": 0, "errors": 0, "last_error": None})
+
+    def test_without_gpumem_push_the_hook_loads_nothing(self):
+        for value in (None, "0", ""):
+            child = Child("import sys, threading; print([sys.modules.get('gpumem_push'), "
+                          "[t.name for t in threading.enumerate()]])",
+                          self.env(GPUMEM_PUSH=value), self.tmp).finish()
+            self.assertEqual(child.rc, 0, child.stderr)
+            self.assertEqual(child.stdout.strip(), "[None, ['MainThread']]", value)
+            self.assertEqual(child.stderr, "")
+
+    def test_start_twice_is_one_pusher_and_stop_ends_it(self):
+        child = self.run_child(
+            """
+            import threading, time, torch, gpumem_push
+            first = gpumem_push.start(labels={"job": "explicit", "team": "nlp"}, interval=0.6)
+            second = gpumem_push.start()
+            torch._fake.allocate(0, 1 << 20)
+            wait_sent(2)
+            gpumem_push.stop()
+            sent = gpumem_push.stats()["sent"]
+            time.sleep(1.0)
+            print([first is second, first.name,
+                   sum(t.name == "gpumem-push" for t in threading.enumerate()),
+                   gpumem_push.stats()["sent"] - sent])
+            """,
+            GPUMEM_PUSH_LABELS="job=env,zone=a")
+        self.assertEqual(child.rc, 0, child.stderr)
+        same, name, threads, after_stop = eval(child.stdout.splitlines()[0])
+        self.assertTrue(same, "a second start() must return the running thread")
+        self.assertEqual((name, threads, after_stop), ("gpumem-push", 0, 0))
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertGreaterEqual(len(pushes), 2)
+        self.assertOrdered(pushes)
+        for p in pushes:
+            self.assertEqual(p["labels"], {"job": "explicit", "zone": "a", "team": "nlp"})
+            self.assertNotIn("reason", p, "no exit push after stop()")
+        self.assertEqual(child.result["settings"]["interval"], 0.6)
+
+
+class Labels(PushTest):
+    def test_labels_from_the_environment_and_torchrun(self):
+        child = self.run_child(
+            "import torch; torch._fake.allocate(0, 1 << 20); wait_sent(1)",
+            GPUMEM_PUSH_LABELS="job=llama, team=nlp,", RANK="3", LOCAL_RANK="1",
+            WORLD_SIZE="8", TORCHELASTIC_RUN_ID="run-42")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertEqual(child.stderr, "")
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertTrue(pushes)
+        want = {"job": "llama", "team": "nlp", "rank": "3", "local_rank": "1",
+                "world_size": "8", "run_id": "run-42"}
+        for p in pushes:
+            self.assertEqual(p["labels"], want)
+
+    def test_bad_labels_are_dropped_with_one_warning_each(self):
+        long_name, long_value = "n" * 65, "v" * 129
+        bad = ["9bad=x", "__meta=y", "noequals",
+               "a-b=c", "ctl=a\x01b", f"{long_name}=v", f"long={long_value}", "é=e"]
+        # Names the agent sets itself are sent: it exports them as exported_<name>.
+        good = ["job=ok", "instance=i", "namespace=ns", "gpu=1", "pod_uid=z", "_x=1"]
+        child = self.run_child(
+            """
+            import torch, gpumem_push
+            gpumem_push.start()  # the same labels again: no second warning
+            torch._fake.allocate(0, 1 << 20)
+            wait_sent(2)
+            """,
+            GPUMEM_PUSH_LABELS=",".join(good[:3] + bad + good[3:]))
+        self.assertEqual(child.rc, 0, child.stderr)
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertGreaterEqual(len(pushes), 2, "a bad label must not cost the pushes")
+        for p in pushes:
+            self.assertEqual(p["labels"], dict(g.split("=") for g in good))
+        warnings = child.stderr.splitlines()
+        self.assertEqual(len(warnings), len(bad), child.stderr)
+        for item in bad:
+            name = item.split("=")[0]
+            shown = repr(name)
+            self.assertEqual(sum(shown in w for w in warnings), 1, f"{name}: {child.stderr}")
+        self.assertTrue(all(w.startswith("gpumem_push: ") for w in warnings))
+
+    def test_at_most_eight_labels_plus_the_rank_labels(self):
+        labels = [f"l{i}={i}" for i in range(10)]
+        child = self.run_child(
+            "import torch; torch._fake.allocate(0, 1 << 20); wait_sent(1)",
+            GPUMEM_PUSH_LABELS=",".join(labels), RANK="0", WORLD_SIZE="2")
+        self.assertEqual(child.rc, 0, child.stderr)
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertTrue(pushes)
+        want = {f"l{i}": str(i) for i in range(8)}
+        want.update(rank="0", world_size="2")
+        self.assertEqual(pushes[0]["labels"], want)
+        warnings = child.stderr.splitlines()
+        self.assertEqual(len(warnings), 2, child.stderr)
+        self.assertIn("'l8'", warnings[0])
+        self.assertIn("'l9'", warnings[1])
+
+
+class Delivery(PushTest):
+    def test_an_agent_started_after_the_job_and_restarted_is_reached(self):
+        # Until the socket exists, pushes go to the loopback default, held here so that no
+        # agent on this machine answers (bound, not listening: connections are refused).
+        default = socket.socket()
+        try:
+            default.bind(("127.0.0.1", 9417))
+        except OSError:
+            default.close()
+            self.skipTest("127.0.0.1:9417 is in use (an agent on this machine?)")
+        self.addCleanup(default.close)
+        path = os.path.join(self.tmp, "agent", "push.sock")
+        child = self.spawn(
+            """
+            import time, torch
+            torch._fake.allocate(0, 1 << 20)
+            time.sleep(5.5)
+            """,
+            GPUMEM_PUSH_URL=None, GPUMEM_PUSH_SOCKET=path)
+        time.sleep(1.5)
+        first = Agent(path=path)
+        started = time.monotonic()
+        reached = first.recorder.wait_for(lambda p: len(p) >= 2, 3)
+        first_at = first.recorder.pushes[0]["t"] if first.recorder.pushes else None
+        first.close()  # the agent restarts: its socket goes away, then comes back
+        time.sleep(1.0)
+        second = Agent(path=path)
+        self.addCleanup(second.close)
+        restarted = time.monotonic()
+        reached_again = second.recorder.wait_for(lambda p: len(p) >= 1, 3)
+        second_at = second.recorder.pushes[0]["t"] if second.recorder.pushes else None
+        child.finish(20)
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertTrue(reached, "the agent started after the job got no pushes")
+        self.assertLess(first_at - started, 1.2, "reached within one interval")
+        self.assertTrue(reached_again, "the restarted agent got no pushes")
+        self.assertLess(second_at - restarted, 1.2)
+        for recorder in (first.recorder, second.recorder):
+            self.assertNoRefusals(recorder)
+            for e in recorder.pushes:
+                self.assertEqual(e["transport"], "unix")
+                self.assertEqual(e["peer_pid"], child.pid)
+        stats = child.result["stats"]
+        self.assertGreaterEqual(stats["dropped"], 2, "pushes before the agent are dropped")
+        self.assertGreaterEqual(stats["sent"], 3)
+        self.assertEqual(stats["errors"], 0)
+
+    def test_only_devices_the_job_used_are_pushed_and_they_stay(self):
+        child = self.run_child(
+            """
+            import torch
+            torch._fake.allocate(2, 5 << 20)
+            wait_sent(2)
+            torch._fake.free_all(2)
+            torch._fake.reset_peak(2)
+            wait_sent(4)
+            """,
+            FAKE_TORCH_DEVICES="4")
+        self.assertEqual(child.rc, 0, child.stderr)
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertGreaterEqual(len(pushes), 4)
+        for p in pushes:
+            self.assertEqual([d["index"] for d in p["devices"]], [2], p["devices"])
+            self.assertTrue(p["devices"][0]["uuid"].endswith("000000000002"))
+        stats = [p["devices"][0]["stats"] for p in pushes]
+        self.assertEqual(stats[0]["reserved_bytes.all.current"], 6 * MIB)
+        released = [s for s in stats if s["reserved_bytes.all.current"] == 0
+                    and s["reserved_bytes.all.peak"] == 0]
+        self.assertTrue(released, "a device once pushed is pushed after it is released")
+        self.assertEqual(child.result["settings"]["devices"], [2])
+
+    def test_an_agent_that_is_down_or_refuses_costs_the_job_nothing(self):
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        self.addCleanup(closed.close)
+        refusing = Agent(Recorder(status=503))
+        self.addCleanup(refusing.close)
+        code = """
+            import time, torch
+            torch._fake.allocate(0, 1 << 20)
+            time.sleep(1.6)
+            """
+        down = self.spawn(code, GPUMEM_PUSH_URL=f"http://127.0.0.1:{closed.getsockname()[1]}")
+        refused = self.spawn(code, GPUMEM_PUSH_URL=refusing.url)
+        stale = self.spawn(code, GPUMEM_PUSH_URL="unix:" + os.path.join(self.tmp, "x.sock"))
+        for child in (down, refused, stale):
+            child.finish(20)
+            self.assertEqual(child.rc, 0, child.stderr)
+            self.assertLess(child.elapsed, 6, "exit must not wait on an absent agent")
+            stats = child.result["stats"]
+            self.assertEqual((stats["sent"], stats["errors"]), (0, 0), stats)
+            self.assertGreaterEqual(stats["dropped"], 2, stats)
+        self.assertIn("Connection refused", down.result["stats"]["last_error"])
+        self.assertIn("HTTP 503", refused.result["stats"]["last_error"])
+        self.assertIn("x.sock", stale.result["stats"]["last_error"])
+        self.assertGreaterEqual(len(refusing.recorder.pushes), 3, "periodic and exit pushes")
+
+    def test_failures_reading_pytorch_never_reach_training(self):
+        child = self.run_child(
+            """
+            import time, torch
+            torch._fake.allocate(0, 1 << 20)
+            time.sleep(1.2)
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            time.sleep(0.3)
+            """,
+            FAKE_TORCH_BROKEN="memory_stats,memory_snapshot")
+        self.assertEqual(child.rc, 0, child.stderr)
+        stats = child.result["stats"]
+        self.assertGreaterEqual(stats["errors"], 2, stats)
+        self.assertIn("broken on purpose", stats["last_error"])
+        self.assertEqual(self.agent.recorder.pushes, [])
+
+
+class OutOfMemory(PushTest):
+    OOM = textwrap.dedent("""
+        import sys, time, torch
+        torch._fake.allocate(0, 3 << 20)   # a 4 MiB segment, 1 MiB of it free
+        torch._fake.allocate(0, 5 << 20)   # a 6 MiB segment, 1 MiB of it free
+        deadline = time.monotonic() + 10
+        while not torch._C._oom_observers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        print("attached", len(torch._C._oom_observers))
+        """)
+
+    def assertSnapshot(self, device):
+        self.assertEqual(device["largest_free_block"], MIB)
+        self.assertEqual(device["segments_by_size"], [
+            {"size": 4 * MIB, "segments": 1, "free_bytes": MIB},
+            {"size": 8 * MIB, "segments": 1, "free_bytes": MIB}])
+
+    def test_an_oom_that_kills_the_job_is_pushed_then_its_exit(self):
+        # The default interval (5 s): the out-of-memory push does not wait for it.
+        child = self.run_child(self.OOM + "torch._fake.oom(0, 1 << 40)\n",
+                               GPUMEM_PUSH_INTERVAL=None)
+        self.assertEqual(child.rc, 1, child.stderr)
+        self.assertIn("attached 1", child.stdout)
+        self.assertIn("OutOfMemoryError", child.stderr)
+        pushes = self.agent.recorder.accepted()
+        self.assertNoRefusals()
+        self.assertOrdered(pushes)
+        reasons = [p.get("reason") for p in pushes if "reason" in p]
+        self.assertEqual(reasons, ["oom", "exit"])
+        oom = next(p for p in pushes if p.get("reason") == "oom")
+        self.assertEqual(oom["pid"], child.pid)
+        self.assertEqual([d["index"] for d in oom["devices"]], [0])
+        self.assertEqual(oom["devices"][0]["stats"]["num_ooms"], 1)
+        self.assertSnapshot(oom["devices"][0])
+        exit_push = pushes[-1]
+        self.assertEqual(exit_push["reason"], "exit")
+        self.assertNotIn("largest_free_block", exit_push["devices"][0])
+        self.assertEqual(exit_push["devices"][0]["stats"]["num_ooms"], 1)
+
+    def test_ooms_in_a_row_are_pushed_at_most_once_a_second(self):
+        child = self.run_child(self.OOM + textwrap.dedent("""
+            for _ in range(3):
+                try:
+                    torch._fake.oom(0, 1 << 40)
+                except torch.cuda.OutOfMemoryError:
+                    pass
+            time.sleep(1.6)
+            """))
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        entries = [e for e in self.agent.recorder.pushes if "reason" in e["payload"]]
+        reasons = [e["payload"]["reason"] for e in entries]
+        self.assertEqual(reasons, ["oom", "oom", "exit"])
+        first, second = entries[0], entries[1]
+        self.assertGreaterEqual(second["t"] - first["t"], 0.95)
+        self.assertEqual(second["payload"]["devices"][0]["stats"]["num_ooms"], 3)
+        self.assertSnapshot(first["payload"]["devices"][0])
+        self.assertSnapshot(second["payload"]["devices"][0])
+        self.assertOrdered(self.agent.recorder.accepted())
+        self.assertEqual(child.result["stats"]["errors"], 0)
+
+    def test_a_pytorch_without_the_observer_still_pushes(self):
+        child = self.run_child(
+            """
+            import torch
+            torch._fake.allocate(0, 1 << 20)
+            wait_sent(1)
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            """,
+            FAKE_TORCH_NO_OBSERVER="1")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertFalse(child.result["settings"]["oom_observer"])
+        self.assertEqual(child.result["stats"]["errors"], 0)
+        self.assertNoRefusals()
+        reasons = [p.get("reason") for p in self.agent.recorder.accepted()]
+        self.assertEqual(reasons[0], None)
+        self.assertEqual(reasons[-1], "exit")
+        self.assertNotIn("oom", reasons)
+
+
+class Interval(PushTest):
+    def test_bad_intervals_warn_once_and_push_every_5_s(self):
+        code = "import gpumem_push; gpumem_push.start(); print(gpumem_push.settings()['interval'])"
+        cases = {"0.1": 5.0, "0": 5.0, "-1": 5.0, "0.49": 5.0, "nan": 5.0, "inf": 5.0,
+                 "abc": 5.0, "": 5.0, "0.5": 0.5, "2.5": 2.5, " 7 ": 7.0}
+        children = {value: Child(code, self.env(GPUMEM_PUSH_INTERVAL=value), self.tmp)
+                    for value in cases}
+        for value, want in cases.items():
+            child = children[value].finish(20)
+            self.assertEqual(child.rc, 0, child.stderr)
+            self.assertEqual(float(child.stdout.strip()), want, value)
+            warnings = child.stderr.splitlines()
+            if want == 5.0 and value:
+                self.assertEqual(len(warnings), 1, f"{value!r}: {child.stderr}")
+                self.assertIn("GPUMEM_PUSH_INTERVAL", warnings[0])
+                self.assertIn(repr(value.strip()), warnings[0])
+            else:
+                self.assertEqual(warnings, [], value)
+
+    def test_pushes_keep_the_interval(self):
+        child = self.run_child(
+            "import time, torch; torch._fake.allocate(0, 1 << 20); time.sleep(3.2)",
+            GPUMEM_PUSH_INTERVAL="0.8")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        times = [e["t"] for e in self.agent.recorder.pushes if "reason" not in e["payload"]]
+        self.assertTrue(3 <= len(times) <= 5, times)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        self.assertTrue(all(0.7 <= g <= 1.1 for g in gaps), gaps)
+
+
+if __name__ == "__main__":
+    unittest.main()

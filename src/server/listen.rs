@@ -1,0 +1,256 @@
+//! Listening: binding the TCP address and the push socket, and serving connections within
+//! stated limits.
+//!
+//! # Invariants (budgets)
+//! - At most [`HttpLimits::max_connections`] connections are served at once per listener;
+//!   beyond that, new ones wait in the kernel's backlog until one closes.
+//! - A connection that does not send a request's headers within
+//!   [`HttpLimits::header_timeout`], whether new or idle between keep-alive requests, is
+//!   closed; so a slow or idle client holds its slot only that long.
+//! - Shutdown stops accepting at once, lets the requests in flight finish, and returns
+//!   within [`HttpLimits::shutdown_timeout`] whatever the clients do.
+//! - The push socket is taken over only from an agent that no longer answers on it: while one
+//!   answers, binding waits (a rolling update starts the new agent first), up to a bound.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use axum::serve::Listener;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+/// The limits within which connections are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Time to send a request's headers, from connecting or from the previous response.
+    pub header_timeout: Duration,
+    /// Connections served at once on one listener.
+    pub max_connections: usize,
+    /// Time given to the requests in flight when shutting down.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            header_timeout: Duration::from_secs(10),
+            // Scrapers and pushers each open one connection at a time; 512 stays well under
+            // the usual limit of 1024 open files.
+            max_connections: 512,
+            shutdown_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then lets the requests in flight
+/// finish (within the limit). Requests carry the peer's address as `ConnectInfo`.
+///
+/// # Errors
+/// None today: accept errors are retried (as axum does); kept for the callers' `?`.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with(listener, app, limits, shutdown, |_, addr| addr).await;
+    Ok(())
+}
+
+/// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to
+/// the connecting process's pid.
+///
+/// # Errors
+/// As [`serve`].
+pub async fn serve_unix(
+    listener: UnixListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with(listener, app, limits, shutdown, |io: &UnixStream, _| {
+        UnixPeer::of(io)
+    })
+    .await;
+    Ok(())
+}
+
+async fn serve_with<L, C>(
+    mut listener: L,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    info: impl Fn(&L::Io, L::Addr) -> C,
+) where
+    L: Listener,
+    C: Clone + Send + Sync + 'static,
+{
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => slot,
+            () = &mut shutdown => break,
+        };
+        let Ok(slot) = slot else { break };
+        let (io, addr) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let peer = info(&io, addr);
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer.clone()));
+            app.clone().oneshot(request)
+        });
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(io), service));
+        tokio::spawn(async move {
+            // A client's error (a timeout, a reset) ends its connection only.
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(limits.shutdown_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            timeout = ?limits.shutdown_timeout,
+            "connections still open at shutdown were closed"
+        );
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down");
+}
+
+/// Binds `address`, logging where the agent listens.
+///
+/// # Errors
+/// The bind error, with the address.
+pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {address}: {e}")))?;
+    if let Ok(local) = listener.local_addr() {
+        tracing::info!(address = %local, "serving /metrics");
+        eprintln!("gpumem: serving http://{local}/metrics");
+    }
+    Ok(listener)
+}
+
+/// How often a live agent's socket is tried again while waiting to take it over.
+const TAKEOVER_POLL: Duration = Duration::from_millis(250);
+
+/// Binds a Unix socket at `path` for pushes from any local user: creates its directory,
+/// replaces a socket left by an agent that no longer answers on it (never another kind of
+/// file), and makes it connectable by all (access is already limited to whoever can reach the
+/// path). While another agent answers on `path`, waits up to `wait` for it to go (a rolling
+/// update starts the new agent before stopping the old), then takes the socket over.
+///
+/// # Errors
+/// The error, with the path.
+pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let context = |e: std::io::Error| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on {}: {e}", path.display()),
+        )
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(context)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            let deadline = tokio::time::Instant::now() + wait;
+            let mut live = false;
+            while UnixStream::connect(path).await.is_ok() {
+                live = true;
+                if tokio::time::Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep(TAKEOVER_POLL).await;
+            }
+            if live && path.exists() {
+                tracing::warn!(path = %path.display(), ?wait, "taking the push socket over from an agent that still answers on it");
+                eprintln!(
+                    "gpumem: warning: another agent still answers on {} after {wait:?}; taking the socket over",
+                    path.display()
+                );
+            }
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                // The other agent removed it on its way out.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(context(e)),
+            }
+        }
+        Ok(_) => {
+            return Err(context(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            )));
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(context)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(context)?;
+    tracing::info!(path = %path.display(), "accepting pushes");
+    eprintln!("gpumem: accepting pushes on unix:{}", path.display());
+    Ok(listener)
+}
+
+/// The process at the other end of a Unix-socket connection, as the kernel reports it
+/// (`SO_PEERCRED`, in the agent's pid namespace).
+#[derive(Clone, Copy, Debug)]
+pub struct UnixPeer {
+    /// The peer's pid; `None` where the kernel does not say.
+    pub pid: Option<u32>,
+}
+
+impl UnixPeer {
+    fn of(stream: &UnixStream) -> UnixPeer {
+        let pid = stream
+            .peer_cred()
+            .ok()
+            .and_then(|cred| cred.pid())
+            .and_then(|pid| u32::try_from(pid).ok())
+            .filter(|&pid| pid != 0);
+        UnixPeer { pid }
+    }
+}

@@ -1,0 +1,284 @@
+//! The path a real user walks: a job on a GPU node, with the push hook pip-installed and
+//! switched on by environment variables only, runs out of memory and dies; the agent and a
+//! real Prometheus with the shipped alert rules still show who, where and that it happened.
+//!
+//! The job is a real Python process in a fresh virtual environment (`pip install` of
+//! `python/gpumem_push`, as a user would), with the stand-in torch of `python/tests`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::agent::{
+    Reaper, free_port, http_get, prometheus_query, spawn_prometheus_with_rules, wait_for,
+};
+
+fn manifest() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh virtual environment with both packages pip-installed, made once per test run.
+fn python_env() -> &'static Path {
+    static VENV: OnceLock<PathBuf> = OnceLock::new();
+    VENV.get_or_init(|| {
+        let venv = manifest().join("target/it-venv");
+        let _ = std::fs::remove_dir_all(&venv);
+        let made = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("python3 runs");
+        assert!(made.success(), "python3 -m venv");
+        let python = venv.join("bin/python");
+        let out = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg(manifest().join("python/gpumem_push"))
+            .arg(manifest().join("python/gpumem_torch"))
+            .env_remove("PYTHONPATH")
+            .output()
+            .expect("pip runs");
+        assert!(
+            out.status.success(),
+            "pip install: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        venv
+    })
+}
+
+/// A job in the virtual environment: `script` under the stand-in torch, with `env`.
+fn spawn_job(script: &str, env: &[(&str, String)], log: &Path) -> Reaper {
+    let mut command = Command::new(python_env().join("bin/python"));
+    command
+        .args(["-c", script])
+        .current_dir(std::env::temp_dir())
+        // Only the stand-in torch comes from a path; gpumem_push comes from the venv.
+        .env("PYTHONPATH", manifest().join("python/tests/fake_torch"))
+        .env("PYTHONUNBUFFERED", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"));
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    Reaper(command.spawn().expect("the job starts"))
+}
+
+fn serve(port: u16, socket: &Path, log: &Path) -> Reaper {
+    let agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--interval", "0.2", "--pod-resources-socket", ""])
+            .arg("--push-socket")
+            .arg(socket)
+            .stderr(std::fs::File::create(log).expect("log"))
+            .spawn()
+            .expect("gpumem serve starts"),
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some(),
+        "gpumem serve answers"
+    );
+    agent
+}
+
+fn series_of<'a>(text: &'a str, metric: &str, pid: u32) -> Vec<&'a str> {
+    let pid = format!("pid=\"{pid}\"");
+    text.lines()
+        .filter(|l| l.starts_with(metric) && l.contains(&pid))
+        .collect()
+}
+
+/// The headline case, end to end: a job started before the agent is picked up; it runs out
+/// of memory and dies of it; after it exited, the agent still serves its series and
+/// Prometheus shows its OOM and the OOM alert with the job's labels.
+#[test]
+fn a_job_that_dies_of_an_oom_is_still_seen() {
+    let dir = std::env::temp_dir().join(format!("gpumem-oom-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let socket = dir.join("push.sock");
+    let go = dir.join("go");
+    // The training script knows nothing of gpumem: it allocates, waits, and runs out of
+    // memory (the stand-in raises torch.cuda.OutOfMemoryError after PyTorch's observers ran).
+    let script = format!(
+        r#"
+import os, time, torch
+torch._fake.allocate(0, 64 << 20)
+deadline = time.time() + 120
+while not os.path.exists({go:?}) and time.time() < deadline:
+    time.sleep(0.05)
+torch._fake.oom(0, 1 << 36)
+"#,
+        go = go.display().to_string()
+    );
+    let mut job = spawn_job(
+        &script,
+        &[
+            ("GPUMEM_PUSH", "1".into()),
+            ("GPUMEM_PUSH_SOCKET", socket.display().to_string()),
+            ("GPUMEM_PUSH_INTERVAL", "0.5".into()),
+            ("GPUMEM_PUSH_LABELS", "job=llama,team=nlp".into()),
+        ],
+        &dir.join("job.log"),
+    );
+    let pid = job.0.id();
+    // The agent comes up after the job (a node reboot, an agent rollout).
+    std::thread::sleep(Duration::from_millis(1500));
+    let port = free_port();
+    let _agent = serve(port, &socket, &dir.join("serve.log"));
+    let seen = wait_for(Duration::from_secs(20), || {
+        let text = http_get(port, "/metrics")?;
+        (!series_of(&text, "gpumem_allocator_reserved_bytes{", pid).is_empty()).then_some(text)
+    });
+    let text = seen.unwrap_or_else(|| {
+        panic!(
+            "the job's series never appeared; job: {}",
+            std::fs::read_to_string(dir.join("job.log")).unwrap_or_default()
+        )
+    });
+    let reserved = series_of(&text, "gpumem_allocator_reserved_bytes{", pid);
+    assert!(
+        reserved
+            .iter()
+            .any(|l| l.contains(r#"exported_job="llama""#) && l.contains(r#"team="nlp""#)),
+        "labels from GPUMEM_PUSH_LABELS, job exported beside the target's: {reserved:?}"
+    );
+    let rules = manifest().join("alerts/gpumem.rules.yml");
+    let (_prometheus, prom_port) = spawn_prometheus_with_rules(&dir, port, Some(&rules));
+    assert!(
+        wait_for(Duration::from_secs(60), || {
+            let r = prometheus_query(
+                prom_port,
+                &format!("gpumem_allocator_ooms_total{{pid=\"{pid}\"}}"),
+            )?;
+            (r.as_array()?.len() == 1).then_some(())
+        })
+        .is_some(),
+        "Prometheus scrapes the job's series"
+    );
+
+    // The job runs out of memory and dies of it.
+    std::fs::write(&go, b"").expect("go");
+    let status = wait_for(Duration::from_secs(30), || job.0.try_wait().ok().flatten())
+        .expect("the job dies");
+    let log = std::fs::read_to_string(dir.join("job.log")).unwrap_or_default();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("OutOfMemoryError"), "{log}");
+
+    // After its exit, the agent still serves its last word.
+    let text = http_get(port, "/metrics").expect("scrape");
+    let ooms = series_of(&text, "gpumem_allocator_ooms_total{", pid);
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert!(ooms[0].ends_with(" 1"), "{ooms:?}");
+    assert_eq!(
+        series_of(&text, "gpumem_allocator_last_oom_timestamp_seconds{", pid).len(),
+        1
+    );
+    // Prometheus, scraping after the exit, has the OOM at 1 and the alert with the job's
+    // labels.
+    let alert = wait_for(Duration::from_secs(60), || {
+        let r = prometheus_query(
+            prom_port,
+            &format!("ALERTS{{alertname=\"GpumemOutOfMemory\",pid=\"{pid}\"}}"),
+        )?;
+        let first = r.as_array()?.first()?.clone();
+        Some(first)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no OOM alert; agent log: {}",
+            std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default()
+        )
+    });
+    let labels = &alert["metric"];
+    assert!(
+        matches!(labels["alertstate"].as_str(), Some("pending" | "firing")),
+        "{alert}"
+    );
+    assert_eq!(labels["exported_job"], "llama", "{alert}");
+    assert_eq!(labels["team"], "nlp", "{alert}");
+    assert_eq!(labels["severity"], "critical", "{alert}");
+    let value = prometheus_query(
+        prom_port,
+        &format!("gpumem_allocator_ooms_total{{pid=\"{pid}\"}}"),
+    )
+    .expect("query");
+    assert_eq!(value[0]["value"][1], "1", "{value}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// torchrun on a four-GPU node (stand-in), two ranks each on its own device: exactly two
+/// (pid, gpu) allocator series sets, each with its rank identity; no phantom devices.
+#[test]
+fn torchrun_ranks_export_only_the_devices_they_use() {
+    let dir = std::env::temp_dir().join(format!("gpumem-ranks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let socket = dir.join("push.sock");
+    let port = free_port();
+    let _agent = serve(port, &socket, &dir.join("serve.log"));
+    let script = r#"
+import os, time, torch
+torch._fake.allocate(int(os.environ["LOCAL_RANK"]), 32 << 20)
+time.sleep(60)
+"#;
+    let jobs: Vec<Reaper> = (0..2)
+        .map(|rank| {
+            spawn_job(
+                script,
+                &[
+                    ("GPUMEM_PUSH", "1".into()),
+                    ("GPUMEM_PUSH_SOCKET", socket.display().to_string()),
+                    ("GPUMEM_PUSH_INTERVAL", "0.5".into()),
+                    ("FAKE_TORCH_DEVICES", "4".into()),
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("TORCHELASTIC_RUN_ID", "run-7".into()),
+                ],
+                &dir.join(format!("rank{rank}.log")),
+            )
+        })
+        .collect();
+    let pids: Vec<u32> = jobs.iter().map(|j| j.0.id()).collect();
+    let text = wait_for(Duration::from_secs(30), || {
+        let text = http_get(port, "/metrics")?;
+        pids.iter()
+            .all(|&pid| !series_of(&text, "gpumem_allocator_reserved_bytes{", pid).is_empty())
+            .then_some(text)
+    })
+    .expect("both ranks pushed");
+    // One (pid, gpu) set per rank: the large pool's reserved bytes, one series each.
+    let sets: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("gpumem_allocator_reserved_bytes{")
+                && l.contains(r#"allocator="pytorch""#)
+                && l.contains(r#"pool="large""#)
+        })
+        .collect();
+    assert_eq!(sets.len(), 2, "{sets:?}");
+    for (rank, &pid) in pids.iter().enumerate() {
+        let mine = series_of(&text, "gpumem_allocator_reserved_bytes{", pid);
+        assert!(
+            mine.iter().all(|l| {
+                l.contains(&format!("rank=\"{rank}\""))
+                    && l.contains(&format!("local_rank=\"{rank}\""))
+                    && l.contains(r#"world_size="2""#)
+                    && l.contains(r#"run_id="run-7""#)
+                    && l.contains(&format!("gpu=\"{rank}\""))
+            }),
+            "rank {rank}: {mine:?}"
+        );
+    }
+    drop(jobs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
