@@ -17,6 +17,8 @@ fn main() -> ExitCode {
         .init();
     match cli::run(cli::Cli::parse()) {
         Ok(code) => code,
+        // The reader of stdout went away (`gpumem simulate | head`): a normal end.
+        Err(e) if cli::is_broken_pipe(e.as_ref()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gpumem: {e}");
             ExitCode::from(2)

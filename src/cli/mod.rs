@@ -13,6 +13,37 @@ use clap::{Parser, Subcommand};
 /// Errors reach `main` as boxed errors with a readable message.
 pub(crate) type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
 
+/// `print!` that returns the write's error instead of panicking: a closed stdout (`gpumem …
+/// | head`) ends the command normally (see `main`).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
+/// `println!` that returns the write's error instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
+pub(crate) use {out, outln};
+
+/// A file error that names the file.
+pub(crate) fn file_error(path: &std::path::Path, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+/// Whether `error` is a write to a closed pipe (the reader went away: a normal end).
+pub(crate) fn is_broken_pipe(error: &(dyn std::error::Error + 'static)) -> bool {
+    error
+        .downcast_ref::<std::io::Error>()
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
 /// GPU memory, made visible: PyTorch's caching allocator on a simulated or real GPU.
 #[derive(Parser)]
 #[command(version, about)]

@@ -11,7 +11,7 @@ use gpumem::trace::{
     replay_with_progress, state_summary,
 };
 
-use super::{CliResult, Path, parse_bytes};
+use super::{CliResult, Path, out, outln, parse_bytes};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -57,7 +57,7 @@ pub(crate) fn run(args: Args) -> CliResult {
             .collect(),
     };
     if devices.is_empty() {
-        print!("{}", state_summary(&recording));
+        out!("{}", state_summary(&recording))?;
         if args.check || !args.configs.is_empty() {
             eprintln!("gpumem: the recording has no trace to replay");
             return Ok(ExitCode::from(1));
@@ -96,7 +96,8 @@ pub(crate) fn run(args: Args) -> CliResult {
     if let Some(path) = &args.plot {
         let reports: Vec<ReplayReport> = results.iter().flat_map(|(_, r)| r.clone()).collect();
         let title = format!("{} — reserved and allocated bytes", args.trace.display());
-        std::fs::write(path, plot::svg(&title, &reports))?;
+        std::fs::write(path, plot::svg(&title, &reports))
+            .map_err(|e| super::file_error(path, e))?;
     }
     if args.json {
         let json: Vec<_> = results
@@ -122,19 +123,19 @@ pub(crate) fn run(args: Args) -> CliResult {
                 serde_json::json!({ "device": device, "results": rows })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&json)?);
+        outln!("{}", serde_json::to_string_pretty(&json)?)?;
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", state_summary(&recording));
+    out!("{}", state_summary(&recording))?;
     for (device, reports) in &results {
-        println!("device {device}: {} events", reports[0].events);
+        outln!("device {device}: {} events", reports[0].events)?;
         if args.fresh_start && reports[0].start_segments > 0 {
-            println!(
+            outln!(
                 "each configuration starts from the blocks live at the trace's start, allocated afresh (the recording's {} start segments and their cache are set aside)",
                 reports[0].start_segments
-            );
+            )?;
         }
-        println!(
+        outln!(
             "{:<40} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>5} {:>11}",
             "config",
             "peak alloc",
@@ -145,9 +146,9 @@ pub(crate) fn run(args: Args) -> CliResult {
             "retries",
             "OOMs",
             "driver ms"
-        );
+        )?;
         for r in reports {
-            println!(
+            outln!(
                 "{:<40} {:>12} {:>12} {:>6.3} {:>8} {:>8} {:>8} {:>5} {:>11.3}",
                 truncate(&r.config, 40),
                 format_size(r.peak_allocated),
@@ -158,7 +159,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 r.alloc_retries,
                 r.ooms,
                 r.driver_time_ns as f64 / 1e6
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -233,7 +234,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&json)?);
+        outln!("{}", serde_json::to_string_pretty(&json)?)?;
     }
     let mut failed = false;
     for (device, r) in &all {
@@ -241,7 +242,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             None => {
                 if !args.json {
                     let c = r.compared;
-                    println!(
+                    outln!(
                         "device {device}: {} events match the recording ({} decisions: {} allocs, {} frees, {} segment allocs, {} segment frees, {} segment maps/unmaps, {} OOMs, {} snapshots; start state {} segments)",
                         r.events,
                         c.total(),
@@ -253,17 +254,17 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
                         c.ooms,
                         c.snapshots,
                         r.start_segments
-                    );
+                    )?;
                 }
             }
             Some(d) => {
                 failed = true;
                 if !args.json {
-                    println!("device {device}: diverges at event {}", d.index);
-                    println!("  expected: {}", d.expected);
-                    println!("  actual:   {}", d.actual);
+                    outln!("device {device}: diverges at event {}", d.index)?;
+                    outln!("  expected: {}", d.expected)?;
+                    outln!("  actual:   {}", d.actual)?;
                     for line in &d.context {
-                        println!("  {line}");
+                        outln!("  {line}")?;
                     }
                 }
             }

@@ -7,7 +7,7 @@ use gpumem::device::SimConfig;
 use gpumem::workload::{TrainingWorkload, finish_communication};
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
-use super::{CliResult, Path};
+use super::{CliResult, Path, out, outln};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -62,16 +62,17 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     let report = workload.run(&mut alloc, finish_communication)?;
     if let Some(path) = args.snapshot {
-        std::fs::write(&path, serde_json::to_vec(&alloc.snapshot())?)?;
+        std::fs::write(&path, serde_json::to_vec(&alloc.snapshot())?)
+            .map_err(|e| super::file_error(&path, e))?;
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&alloc.memory_stats())?);
+        outln!("{}", serde_json::to_string_pretty(&alloc.memory_stats())?)?;
     } else {
-        print!("{}", alloc.memory_summary(false));
+        out!("{}", alloc.memory_summary(false))?;
         let s = alloc.memory_stats();
         let peak_alloc = s["allocated_bytes.all.peak"] as u64;
         let peak_reserved = s["reserved_bytes.all.peak"] as u64;
-        println!(
+        outln!(
             "steps {}/{}, {} allocations; peak allocated {}, peak reserved {} (ratio {:.3}); \
              device allocs {}, device frees {}, retries {}, OOMs {}; simulated driver time {:.3} ms",
             report.steps_completed,
@@ -85,7 +86,7 @@ pub(crate) fn run(args: Args) -> CliResult {
             s["num_alloc_retries"],
             s["num_ooms"],
             alloc.device().stats().driver_time_ns as f64 / 1e6,
-        );
+        )?;
     }
     if let Some(oom) = report.oom {
         eprintln!("{oom}");

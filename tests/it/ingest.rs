@@ -229,6 +229,36 @@ async fn bad_pushes_get_a_reason_and_change_nothing() {
         assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{body}");
     }
     assert_eq!(store.tracked_processes(), 0);
+    // A dual-stack listener sees IPv4 loopback as an IPv4-mapped address: still this host.
+    assert_eq!(
+        post(
+            &router,
+            payload(2, 1, &stats),
+            Some("[::ffff:127.0.0.1]:5000")
+        )
+        .await
+        .0,
+        202
+    );
+    assert_eq!(
+        post(
+            &router,
+            payload(3, 1, &stats),
+            Some("[::ffff:10.1.2.3]:5000")
+        )
+        .await
+        .0,
+        403
+    );
+    // Two entries for one device would duplicate series: refused.
+    let twice = serde_json::json!({"pid": 5, "seq": 1, "devices": [
+        {"index": 0, "uuid": "u", "stats": {}}, {"index": 0, "uuid": "u", "stats": {}}]});
+    let (got, body) = post(&router, twice.to_string().into_bytes(), LOCAL).await;
+    assert_eq!(
+        (got, body["reason"].as_str()),
+        (422, Some("invalid")),
+        "{body}"
+    );
     assert_eq!(post(&router, payload(1, 2, &stats), LOCAL).await.0, 202);
     assert_eq!(
         post(&router, payload(1, 2, &stats), LOCAL).await.0,

@@ -6,6 +6,7 @@ mod common;
 mod expandable;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hostile;
 mod ingest;
 mod kubelet;
 mod lifecycle;

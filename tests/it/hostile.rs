@@ -1,0 +1,386 @@
+//! The agent and the CLI under hostile and unlucky input: each case a reproducer of a way the
+//! agent used to misbehave, asserting the behaviour it has now (status, reason, counter, exit).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::agent::{Reaper, free_port, http_get, wait_for};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpumem-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// `gpumem serve` on loopback with `extra` arguments, its push socket in `dir`.
+fn serve(dir: &Path, port: u16, extra: &[&str]) -> Reaper {
+    let agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--interval", "0.5", "--pod-resources-socket", ""])
+            .arg("--push-socket")
+            .arg(dir.join("push.sock"))
+            .args(extra)
+            .stderr(std::fs::File::create(dir.join("serve.log")).expect("log"))
+            .spawn()
+            .expect("gpumem serve starts"),
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some(),
+        "gpumem serve answers"
+    );
+    agent
+}
+
+/// Sends `request` raw; the response, or what arrived before the agent closed.
+fn raw(port: u16, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _ = stream.write_all(request);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+fn status(response: &str) -> Option<u16> {
+    response.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
+}
+
+fn push_request(content_type: &str, extra: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+const PUSH: &str = r#"{"pid": 4242, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"reserved_bytes.all.current": 1}}]}"#;
+
+fn counter(port: u16, result: &str) -> f64 {
+    let text = http_get(port, "/metrics").expect("scrape");
+    let series = format!("gpumem_ingest_payloads_total{{result=\"{result}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {series}"))
+}
+
+/// Cross-site pushes (a web page's "simple request"), bodies declared or sent too large, a
+/// truncated body and a bad chunk: each refused with its own reason and status, counted.
+#[test]
+fn hostile_requests_are_refused_with_their_reason() {
+    let dir = temp_dir("hostile-http");
+    let port = free_port();
+    let _agent = serve(&dir, port, &["--body-timeout", "1"]);
+    for (request, code, reason) in [
+        (push_request("text/plain", "", PUSH), 403, "forbidden"),
+        (
+            push_request("application/json", "Origin: http://evil.example\r\n", PUSH),
+            403,
+            "forbidden",
+        ),
+    ] {
+        let response = raw(port, &request);
+        assert_eq!(status(&response), Some(code), "{response}");
+        assert!(response.contains(reason), "{response}");
+    }
+    assert_eq!(counter(port, "forbidden"), 2.0);
+
+    // A declared 10 GB body is refused at once, without reading it.
+    let started = Instant::now();
+    let response = raw(
+        port,
+        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{",
+    );
+    assert_eq!(status(&response), Some(413), "{response}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Expect: 100-continue over the limit: no "100 Continue", the refusal.
+    let response = raw(
+        port,
+        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1048576\r\nExpect: 100-continue\r\n\r\n",
+    );
+    assert!(!response.contains("100 Continue"), "{response}");
+    assert_eq!(status(&response), Some(413), "{response}");
+    assert_eq!(counter(port, "too_large"), 2.0);
+
+    // A body shorter than declared, then silence: truncated (400), not "too large".
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    stream
+        .write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pid\"")
+        .expect("write");
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response);
+    assert_eq!(status(&response), Some(400), "{response}");
+    assert!(response.contains("truncated"), "{response}");
+    // A broken chunk size.
+    let response = raw(
+        port,
+        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    );
+    assert_eq!(status(&response), Some(400), "{response}");
+    assert!(counter(port, "truncated") >= 1.0);
+    assert_eq!(
+        counter(port, "too_large"),
+        2.0,
+        "a bad body is not counted as too large"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Slow and idle clients hold a connection only as long as the header timeout; with many of
+/// them open, `/healthz` still answers, and SIGTERM ends the agent within its bound even
+/// with a request half sent, removing the push socket.
+#[test]
+fn slow_clients_cannot_hold_the_agent() {
+    let dir = temp_dir("hostile-slow");
+    let port = free_port();
+    let mut agent = serve(
+        &dir,
+        port,
+        &[
+            "--header-timeout",
+            "0.5",
+            "--max-connections",
+            "32",
+            "--shutdown-timeout",
+            "1",
+        ],
+    );
+    // Partial headers: closed by the agent after the header timeout.
+    let mut partial = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    partial
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .expect("write");
+    partial
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let _ = partial.read_to_end(&mut buf);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "closed after {:?}",
+        started.elapsed()
+    );
+    // An idle keep-alive connection after a response: closed too.
+    let mut idle = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write");
+    idle.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let _ = idle.read_to_end(&mut buf);
+    assert!(String::from_utf8_lossy(&buf).contains("200 OK"));
+    assert!(started.elapsed() < Duration::from_secs(4), "idle closed");
+
+    // 100 idle connections against a cap of 32: /healthz keeps answering.
+    let crowd: Vec<TcpStream> = (0..100)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(crowd.len() >= 90);
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert!(http_get(port, "/healthz").is_some(), "healthz answers");
+        assert!(started.elapsed() < Duration::from_secs(4));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    drop(crowd);
+
+    // A request half sent, then SIGTERM: the agent ends within its shutdown bound.
+    let mut half = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    half.write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        .expect("write");
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let term = Command::new("kill")
+        .args(["-TERM", &agent.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let exited = wait_for(Duration::from_secs(10), || {
+        agent.0.try_wait().ok().flatten()
+    });
+    let exited = exited.expect("the agent exits on SIGTERM");
+    assert!(exited.success(), "{exited:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        !dir.join("push.sock").exists(),
+        "the socket file is removed"
+    );
+    drop(half);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A second agent on a live agent's socket waits for it instead of stealing it: when the
+/// first stops during the wait, the second binds without a takeover.
+#[test]
+fn a_second_agent_waits_for_the_first_to_leave_the_socket() {
+    let dir = temp_dir("hostile-socket");
+    let (a_port, b_port) = (free_port(), free_port());
+    let mut first = serve(&dir, a_port, &[]);
+    let mut second = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{b_port}")])
+            .args(["--interval", "0.5", "--pod-resources-socket", ""])
+            .arg("--push-socket")
+            .arg(dir.join("push.sock"))
+            .args(["--socket-wait", "20"])
+            .stderr(std::fs::File::create(dir.join("second.log")).expect("log"))
+            .spawn()
+            .expect("starts"),
+    );
+    // While the first answers, the second does not take the socket.
+    std::thread::sleep(Duration::from_millis(1500));
+    let second_log = || std::fs::read_to_string(dir.join("second.log")).unwrap_or_default();
+    assert!(
+        !second_log().contains("accepting pushes"),
+        "{}",
+        second_log()
+    );
+    assert!(first.0.try_wait().expect("status").is_none());
+    // The first leaves (a rolling update's old pod); the second binds at once.
+    let _ = Command::new("kill")
+        .args(["-TERM", &first.0.id().to_string()])
+        .status();
+    let _ = wait_for(Duration::from_secs(10), || {
+        first.0.try_wait().ok().flatten()
+    });
+    assert!(
+        wait_for(Duration::from_secs(10), || second_log()
+            .contains("accepting pushes")
+            .then_some(()))
+        .is_some(),
+        "{}",
+        second_log()
+    );
+    assert!(
+        !second_log().contains("taking the socket over"),
+        "{}",
+        second_log()
+    );
+    assert!(wait_for(Duration::from_secs(10), || http_get(b_port, "/healthz")).is_some());
+    assert!(second.0.try_wait().expect("status").is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A live agent that never leaves: the second takes over after its bounded wait, saying so.
+#[test]
+fn a_socket_is_taken_over_after_the_wait_with_a_warning() {
+    let dir = temp_dir("hostile-takeover");
+    let (a_port, b_port) = (free_port(), free_port());
+    let _first = serve(&dir, a_port, &[]);
+    let _second = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{b_port}")])
+            .args(["--interval", "0.5", "--pod-resources-socket", ""])
+            .arg("--push-socket")
+            .arg(dir.join("push.sock"))
+            .args(["--socket-wait", "1"])
+            .stderr(std::fs::File::create(dir.join("second.log")).expect("log"))
+            .spawn()
+            .expect("starts"),
+    );
+    let log = wait_for(Duration::from_secs(15), || {
+        let log = std::fs::read_to_string(dir.join("second.log")).ok()?;
+        log.contains("accepting pushes").then_some(log)
+    })
+    .expect("the second agent binds after its wait");
+    assert!(log.contains("taking the socket over"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every command that prints and exits ends normally when its stdout is closed.
+#[test]
+fn a_closed_stdout_is_a_normal_end() {
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/traces")
+        .read_dir()
+        .expect("bundled traces")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "gz"))
+        .expect("a bundled trace");
+    let trace = trace.display().to_string();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["simulate", "--steps", "2"],
+        vec!["simulate", "--steps", "2", "--json"],
+        vec!["replay", &trace],
+        vec!["replay", &trace, "--check"],
+        vec!["replay", &trace, "--json"],
+        vec!["replay", &trace, "--config", "expandable_segments:True"],
+        vec!["--help"],
+        vec!["replay", "--help"],
+    ];
+    for args in commands {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starts");
+        // The reader goes away before the command writes.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("ends");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && out.status.code() != Some(101),
+            "{args:?}: {:?} {stderr}",
+            out.status
+        );
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "{args:?}: {:?} {stderr}",
+            out.status
+        );
+    }
+}
+
+/// Numeric options out of range are refused with a message, not accepted.
+#[test]
+fn bad_numbers_are_refused() {
+    for args in [
+        vec!["demo", "--speed", "nan"],
+        vec!["demo", "--speed", "-5"],
+        vec!["demo", "--speed", "inf"],
+        vec!["serve", "--header-timeout", "0"],
+        vec!["serve", "--exited-grace", "-1"],
+        vec!["serve", "--max-connections", "0"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(&args)
+            .output()
+            .expect("runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}");
+    }
+}
+
+/// A write into a missing directory names the path.
+#[test]
+fn file_errors_name_the_path() {
+    let missing = std::env::temp_dir().join("gpumem-no-such-dir/snap.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["simulate", "--steps", "1", "--snapshot"])
+        .arg(&missing)
+        .stdout(Stdio::null())
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&missing.display().to_string()), "{stderr}");
+}
