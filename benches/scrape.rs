@@ -178,11 +178,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let router = app(AppState {
-        metrics: Arc::clone(&metrics),
-        ingest: None,
-        body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
-    });
+    let router = app(AppState::new(Arc::clone(&metrics), None));
     let http: Vec<Duration> = runtime.block_on(async {
         let mut out = Vec::new();
         for _ in 0..scrapes {

@@ -69,6 +69,9 @@ pub(crate) struct HttpArgs {
     /// Seconds a push's body has to arrive.
     #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
     body_timeout: f64,
+    /// Seconds a client may leave a response unread before its connection is closed.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
+    send_timeout: f64,
     /// Connections served at once, per listener; more wait until one closes.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_connections: u32,
@@ -81,6 +84,7 @@ impl HttpArgs {
     fn limits(&self) -> HttpLimits {
         HttpLimits {
             header_timeout: Duration::from_secs_f64(self.header_timeout),
+            send_timeout: Duration::from_secs_f64(self.send_timeout),
             max_connections: self.max_connections as usize,
             shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
         }

@@ -23,8 +23,8 @@
 //! - A payload is at most [`MAX_BODY_BYTES`]; it lists 1 to [`MAX_DEVICES`] distinct devices
 //!   (by index and by UUID), each with at most [`MAX_STATS_KEYS`] statistics and
 //!   [`MAX_CLASSES`] size classes; at most [`MAX_LABELS`] labels, names and values at most
-//!   [`MAX_LABEL_NAME`] characters and [`MAX_TEXT`] bytes, so one process's series are bounded
-//!   ([`ValidPush::series`]) and so is each series' size.
+//!   [`MAX_LABEL_NAME`] characters and [`MAX_TEXT`] bytes, [`MAX_LABEL_BYTES`] together, so
+//!   one process's series are bounded ([`ValidPush::series`]) and so is each series' size.
 //! - Every figure is a whole number: byte figures below 2^60 ([`MAX_BYTES`]), counts below
 //!   2^53 ([`MAX_COUNT`]), so the collector's sums of two pools cannot overflow and every
 //!   value is exact as a float. Per pool, `allocated` and `active` never exceed `reserved`.
@@ -52,6 +52,9 @@ pub const MAX_TEXT: usize = 128;
 pub const MAX_LABEL_NAME: usize = 64;
 /// Labels a push may carry: a job's own and the four of torchrun's rank identity.
 pub const MAX_LABELS: usize = 12;
+/// Bytes of a push's labels together, names and values: they are copied onto every series
+/// of the process.
+pub const MAX_LABEL_BYTES: usize = 512;
 /// Size classes are powers of two: 64 cover every `u64`.
 pub const MAX_CLASSES: usize = 64;
 /// Byte figures are below this (an exabyte; no device comes near).
@@ -386,6 +389,12 @@ fn labels(pushed: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, Re
             pushed.len()
         )));
     }
+    let bytes: usize = pushed.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if bytes > MAX_LABEL_BYTES {
+        return Err(invalid(format!(
+            "labels take {bytes} bytes, names and values together; at most {MAX_LABEL_BYTES}"
+        )));
+    }
     let mut out: Vec<(String, String)> = Vec::with_capacity(pushed.len());
     for (name, value) in pushed {
         if name.len() > MAX_LABEL_NAME || !is_label_name(name) || name.starts_with("__") {
@@ -636,6 +645,11 @@ mod tests {
             .collect();
         let err = refused(&with_labels(serde_json::Value::Object(many)));
         assert!(err.message.contains("labels"), "{}", err.message);
+        let heavy: serde_json::Map<_, _> = (0..5)
+            .map(|i| (format!("l{i}"), serde_json::json!("v".repeat(MAX_TEXT))))
+            .collect();
+        let err = refused(&with_labels(serde_json::Value::Object(heavy)));
+        assert!(err.message.contains("bytes"), "{}", err.message);
     }
 
     #[test]

@@ -83,7 +83,9 @@ impl Default for IngestConfig {
             // stays within a few MiB (4096 took the agent to 88 MiB).
             max_processes: 256,
             max_tcp_processes: 64,
-            max_series: 40_000,
+            // About 9 MB of exposition at worst (every label at its bound; measured in
+            // tests/it/hostile.rs), a few hundred typical processes.
+            max_series: 10_000,
             min_interval: Duration::from_millis(500),
             oom_retention: Duration::from_secs(24 * 3600),
             max_pods: 1024,

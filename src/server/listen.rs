@@ -6,7 +6,8 @@
 //!   beyond that, new ones wait in the kernel's backlog until one closes.
 //! - A connection that does not send a request's headers within
 //!   [`HttpLimits::header_timeout`], whether new or idle between keep-alive requests, is
-//!   closed; so a slow or idle client holds its slot only that long.
+//!   closed; one that stops reading what it is sent for [`HttpLimits::send_timeout`] is
+//!   closed too: so a slow or idle client holds its slot (and a response body) only that long.
 //! - Shutdown stops accepting at once, lets the requests in flight finish, and returns
 //!   within [`HttpLimits::shutdown_timeout`] whatever the clients do.
 //! - The push socket is taken over only from an agent that no longer answers on it: while one
@@ -33,6 +34,9 @@ use tower::ServiceExt;
 pub struct HttpLimits {
     /// Time to send a request's headers, from connecting or from the previous response.
     pub header_timeout: Duration,
+    /// Time a client may leave a response unread (no byte of it accepted) before the
+    /// connection is closed.
+    pub send_timeout: Duration,
     /// Connections served at once on one listener.
     pub max_connections: usize,
     /// Time given to the requests in flight when shutting down.
@@ -43,6 +47,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         HttpLimits {
             header_timeout: Duration::from_secs(10),
+            send_timeout: Duration::from_secs(10),
             // Scrapers and pushers each open one connection at a time; 512 stays well under
             // the usual limit of 1024 open files.
             max_connections: 512,
@@ -116,7 +121,8 @@ async fn serve_with<L, C>(
             request.extensions_mut().insert(ConnectInfo(peer.clone()));
             app.clone().oneshot(request)
         });
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(io), service));
+        let io = TokioIo::new(StallTimeout::new(io, limits.send_timeout));
+        let connection = graceful.watch(http.serve_connection(io, service));
         tokio::spawn(async move {
             // A client's error (a timeout, a reset) ends its connection only.
             let _ = connection.await;
@@ -132,6 +138,107 @@ async fn serve_with<L, C>(
             timeout = ?limits.shutdown_timeout,
             "connections still open at shutdown were closed"
         );
+    }
+}
+
+/// An I/O stream whose writes fail once they have made no progress for a while: a client
+/// that stops reading cannot hold a response (and its memory) forever.
+struct StallTimeout<T> {
+    io: T,
+    limit: Duration,
+    /// Started when a write could not proceed; cleared by any progress.
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> StallTimeout<T> {
+    fn new(io: T, limit: Duration) -> Self {
+        StallTimeout {
+            io,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// After a write returned `Pending`: an error once the stall has lasted `limit`.
+    fn check(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client stopped reading",
+            ))),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StallTimeout<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallTimeout<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match std::pin::Pin::new(&mut self.io).poll_write(cx, buf) {
+            std::task::Poll::Pending => self.check(cx),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match std::pin::Pin::new(&mut self.io).poll_flush(cx) {
+            std::task::Poll::Pending => self.check(cx).map_ok(|_| ()),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs) {
+            std::task::Poll::Pending => self.check(cx),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
     }
 }
 

@@ -9,6 +9,17 @@
 //!   from a page in a browser (an `Origin` header), and never beyond [`MAX_BODY_BYTES`] or
 //!   [`AppState::body_timeout`]: a declared larger body is refused before a byte is read.
 //! - Every refusal is answered with its reason and counted by the ingest.
+//! - At most [`DEFAULT_SCRAPE_SLOTS`] scrape bodies are in flight at once (later scrapes wait
+//!   up to 5 s, then get 503), and a client that stops reading is cut off after the send
+//!   timeout, so memory stays bounded by a few scrapes.
+//!
+//! # Memory budget
+//! A scrape is at most the pushed-series budget (`IngestConfig::max_series`, 10 000) times a
+//! series' largest size (labels at their bounds, about 800 bytes), under 9 MB, plus the
+//! agent's own series. The agent then holds at most four such bodies and one being encoded:
+//! measured at 66 MiB peak resident (the pushed-series budget filled with the worst valid
+//! pushes, four slow scrapers; `tests/it/hostile.rs`), 8 MiB idle. The chart's limit is
+//! 128 MiB.
 
 mod listen;
 
@@ -40,6 +51,21 @@ pub struct AppState {
     pub ingest: Option<Arc<PushStore>>,
     /// How long a push's body may take to arrive.
     pub body_timeout: std::time::Duration,
+    /// Scrapes whose bodies may be in flight at once ([`DEFAULT_SCRAPE_SLOTS`]).
+    pub scrape_slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl AppState {
+    /// The state serving `metrics`, pushes into `ingest` where given, with the default
+    /// limits.
+    pub fn new(metrics: Arc<Metrics>, ingest: Option<Arc<PushStore>>) -> AppState {
+        AppState {
+            metrics,
+            ingest,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+            scrape_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_SCRAPE_SLOTS)),
+        }
+    }
 }
 
 /// The time a push's body may take by default: a push is at most 512 KiB from this host.
@@ -62,11 +88,7 @@ pub fn agent_state(
         Arc::new(move || store.report())
     };
     let metrics = Metrics::new(sources, reports, Some(reader), kubelet)?;
-    Ok(AppState {
-        metrics: Arc::new(metrics),
-        ingest: Some(store),
-        body_timeout: DEFAULT_BODY_TIMEOUT,
-    })
+    Ok(AppState::new(Arc::new(metrics), Some(store)))
 }
 
 /// The router.
@@ -79,12 +101,62 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    // Encoded inline: a scrape takes milliseconds, scrapes come one at a time, and staying on
-    // the runtime's thread keeps the agent to one heap (a blocking-pool thread would grow a
-    // second malloc arena as large as the exposition).
+async fn metrics(State(state): State<AppState>) -> Response {
+    // Each scrape holds its encoded body until the client has read it: a few at once bound
+    // the agent's memory whatever slow scrapers do.
+    let slot =
+        tokio::time::timeout(SCRAPE_WAIT, Arc::clone(&state.scrape_slots).acquire_owned()).await;
+    let Ok(Ok(slot)) = slot else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many scrapes in flight\n",
+        )
+            .into_response();
+    };
+    // Encoded inline: a scrape takes milliseconds, and staying on the runtime's thread keeps
+    // the agent to one heap (a blocking-pool thread would grow a second malloc arena as large
+    // as the exposition).
     let body = state.metrics.encode();
-    ([(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)], body)
+    (
+        [(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)],
+        axum::body::Body::new(HeldBody {
+            body: http_body_util::Full::new(axum::body::Bytes::from(body)),
+            _slot: slot,
+        }),
+    )
+        .into_response()
+}
+
+/// How long a scrape waits for a slot before it is refused (503).
+const SCRAPE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Scrapes whose bodies may be in flight at once, by default.
+pub const DEFAULT_SCRAPE_SLOTS: usize = 4;
+
+/// A response body that holds its scrape slot until it is sent or dropped.
+struct HeldBody {
+    body: http_body_util::Full<axum::body::Bytes>,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl axum::body::HttpBody for HeldBody {
+    type Data = axum::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// The HTTP status of a refusal.

@@ -384,3 +384,151 @@ fn file_errors_name_the_path() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&missing.display().to_string()), "{stderr}");
 }
+
+/// Peak resident memory of a process (VmHWM), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .expect("VmHWM")
+}
+
+fn post(port: u16, body: &[u8]) -> Option<u16> {
+    let mut head = format!(
+        "POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    head.extend_from_slice(body);
+    status(&raw(port, &head))
+}
+
+/// The worst a local client can do to a scrape with valid pushes: every label and text at
+/// its bound, every device and size class, until the agent's series budget refuses more; then
+/// slow scrapers holding their bodies. The scrape stays within the documented budget
+/// (about 9 MB) and the agent within the chart's memory limit.
+#[test]
+fn worst_valid_pushes_stay_within_the_scrape_budget() {
+    const MIB: u64 = 1 << 20;
+    let dir = temp_dir("hostile-budget");
+    let port = free_port();
+    let agent = serve(&dir, port, &["--send-timeout", "2"]);
+    let before = peak_rss_kib(agent.0.id());
+    // Eight labels of 64 bytes: the 512 bytes a push may carry.
+    let labels: serde_json::Map<String, serde_json::Value> = (0..8)
+        .map(|i| (format!("l{i}_{}", "n".repeat(16)), "v".repeat(44).into()))
+        .collect();
+    let text = "t".repeat(128);
+    let stats: serde_json::Map<String, serde_json::Value> = [
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "inactive_split_bytes",
+        "requested_bytes",
+    ]
+    .iter()
+    .flat_map(|stat| {
+        ["all", "small_pool", "large_pool"]
+            .into_iter()
+            .flat_map(move |pool| {
+                ["current", "peak", "allocated", "freed"]
+                    .into_iter()
+                    .map(move |kind| {
+                        (
+                            format!("{stat}.{pool}.{kind}"),
+                            serde_json::json!((1u64 << 59) - 1),
+                        )
+                    })
+            })
+    })
+    .chain(
+        [
+            "num_ooms",
+            "num_alloc_retries",
+            "num_device_alloc",
+            "num_device_free",
+            "num_sync_all_streams",
+        ]
+        .map(|k| (k.to_string(), serde_json::json!((1u64 << 53) - 1))),
+    )
+    .collect();
+    let device = |i: u32, classes: bool| {
+        let mut d = serde_json::json!({
+            "index": i, "uuid": format!("GPU-{i:02}-{}", "u".repeat(120)), "stats": stats,
+        });
+        if classes {
+            d["largest_free_block"] = serde_json::json!(MIB);
+            d["segments_by_size"] = (0..64)
+                .map(|b| serde_json::json!({"size": 1u64 << b, "segments": 1, "free_bytes": 0}))
+                .collect();
+        }
+        d
+    };
+    let push = |pid: u32, devices: Vec<serde_json::Value>| {
+        serde_json::json!({"pid": pid, "seq": 1, "labels": labels, "torch_version": text,
+                           "alloc_conf": text, "devices": devices})
+        .to_string()
+        .into_bytes()
+    };
+    let mut pid = 4_000_000;
+    let mut accepted = 0;
+    let mut refused_budget = false;
+    // Whole worst pushes (16 devices, 64 classes each), then single devices to fill up.
+    for heavy in [true, false] {
+        loop {
+            let devices = if heavy {
+                (0..16).map(|i| device(i, true)).collect()
+            } else {
+                vec![device(0, false)]
+            };
+            pid += 1;
+            match post(port, &push(pid, devices)) {
+                Some(202) => accepted += 1,
+                Some(429) => {
+                    refused_budget = true;
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            assert!(accepted < 1000, "the budget binds");
+        }
+    }
+    assert!(refused_budget && accepted > 0);
+    assert!(counter(port, "series_budget") >= 2.0);
+    let body = http_get(port, "/metrics").expect("scrape");
+    let series = body.lines().filter(|l| !l.starts_with('#')).count();
+    // Four slow scrapers that never read, each holding an encoded body.
+    let slow: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .expect("write");
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // They are cut off after the send timeout; scrapes go on.
+    let started = Instant::now();
+    let again = wait_for(Duration::from_secs(20), || http_get(port, "/metrics"));
+    assert!(again.is_some(), "a scrape gets through the slow ones");
+    let waited = started.elapsed();
+    let peak = peak_rss_kib(agent.0.id());
+    drop(slow);
+    eprintln!(
+        "worst valid pushes: {accepted} processes, {series} series, a {:.1} MB scrape; agent peak RSS {} KiB idle, {} KiB with four slow scrapers (next scrape after {waited:?})",
+        body.len() as f64 / 1e6,
+        before,
+        peak
+    );
+    assert!(
+        body.len() < 12_000_000,
+        "the scrape budget: {} bytes",
+        body.len()
+    );
+    assert!(peak < 128 * 1024, "the chart's 128 MiB limit: {peak} KiB");
+    let _ = std::fs::remove_dir_all(&dir);
+}

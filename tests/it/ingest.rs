@@ -28,11 +28,7 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
     };
     let metrics =
         Metrics::new(sources, Vec::new(), Some(reader), Default::default()).expect("registers");
-    let router = app(AppState {
-        metrics: Arc::new(metrics),
-        ingest: Some(Arc::clone(&store)),
-        body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
-    });
+    let router = app(AppState::new(Arc::new(metrics), Some(Arc::clone(&store))));
     (router, store)
 }
 
@@ -581,7 +577,8 @@ fn peak_rss_kib(pid: u32) -> u64 {
 /// A real `gpumem serve` under a bounded, concurrent flood on loopback (10 MiB bodies,
 /// malformed and ill-typed JSON, negative sizes, 10,000 fake pids) while one process keeps
 /// pushing: every valid push is accepted, every bad one refused with a 4xx, and the agent's
-/// peak memory stays under the chart's 64 MiB limit, even scraped with every process tracked.
+/// peak memory stays under 64 MiB (half the chart's limit), even scraped with every process
+/// tracked.
 #[test]
 fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
     use crate::agent::{free_port, spawn_serve};

@@ -266,11 +266,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             };
             runtime.block_on(async move {
                 tokio::spawn(refresh_cache_figures());
-                let state = gpumem::server::AppState {
-                    metrics,
-                    ingest: None,
-                    body_timeout: gpumem::server::DEFAULT_BODY_TIMEOUT,
-                };
+                let state = gpumem::server::AppState::new(metrics, None);
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
