@@ -22,6 +22,10 @@
 #      allocator's /metrics beside NVML's used memory for this process.
 #   5. "== PyTorch pushing to the agent" (likewise): PyTorch's own allocator with gpumem_push,
 #      an out-of-memory error, and the agent's figures checked against memory_stats().
+#   6. "== an unmodified job, the hook switched on by GPUMEM_PUSH=1, dies of an OOM":
+#      scripts/gpu_oom_job.py (no gpumem import) started before `gpumem serve`; after it died
+#      of torch.OutOfMemoryError, the agent still serves its ooms_total (1), its last OOM's time
+#      and its reserved bytes, labelled exported_job="gpu-check-oom".
 #   A final "GPU checks passed" line, or the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +96,31 @@ sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/nu
     sleep 1
     "$python" scripts/gpu_push_check.py "$socket" 19419
     kill $pushed
+
+    step "an unmodified job, the hook switched on by GPUMEM_PUSH=1, dies of an OOM"
+    socket="$(mktemp -d)/push.sock"
+    GPUMEM_PUSH=1 GPUMEM_PUSH_SOCKET="$socket" GPUMEM_PUSH_INTERVAL=0.5 \
+        GPUMEM_PUSH_LABELS=job=gpu-check-oom "$python" scripts/gpu_oom_job.py \
+        >"$socket.job.log" 2>&1 &
+    job=$!
+    # The agent starts after the job, as after a node reboot.
+    sleep 1.5
+    "$bin/gpumem" serve --listen 127.0.0.1:19421 --interval 0.5 --push-socket "$socket" \
+        --pod-resources-socket "" 2>/dev/null &
+    oom_agent=$!
+    trap 'kill $agent $pushed $oom_agent $job 2>/dev/null || true' EXIT
+    if wait $job; then
+        echo "the job did not die of its OOM" >&2; cat "$socket.job.log" >&2; exit 1
+    fi
+    grep -q OutOfMemoryError "$socket.job.log" || { cat "$socket.job.log" >&2; exit 1; }
+    sleep 1
+    scrape=$(curl -s 127.0.0.1:19421/metrics)
+    echo "$scrape" | grep -E "^gpumem_allocator_(ooms_total|last_oom_timestamp_seconds|reserved_bytes)\{.*pid=\"$job\"" \
+        | grep 'exported_job="gpu-check-oom"'
+    echo "$scrape" | grep -E "^gpumem_allocator_ooms_total\{.*pid=\"$job\".* 1$" >/dev/null \
+        || { echo "the dead job's OOM is not served" >&2; exit 1; }
+    echo "$scrape" | grep -E "^gpumem_process_used_bytes" || true
+    kill $oom_agent
 else
     step "PyTorch with gpumem as its allocator: skipped (no PyTorch with CUDA)"
 fi

@@ -11,6 +11,7 @@
 //!   the values an earlier parse gave them.
 //! - `max_split_size` is `u64::MAX` (unlimited) or more than 20 MiB; every division is 0 or a
 //!   power of two; the GC threshold is 0 (off) or strictly between 0 and 1.
+//! - An option given twice takes its last value, as in PyTorch (whose parser overwrites).
 
 use serde::Serialize;
 
@@ -21,7 +22,7 @@ const MIB: u64 = 1 << 20;
 pub const ROUNDUP_INTERVALS: usize = 16;
 
 /// The smallest `max_split_size_mb` accepted is one more than this.
-const MAX_SPLIT_SIZE_FLOOR_MB: i64 = 20;
+pub const MAX_SPLIT_SIZE_FLOOR_MB: i64 = 20;
 
 /// Upper bound of `pinned_num_register_threads`.
 const PINNED_MAX_REGISTER_THREADS: u64 = 128;
@@ -327,6 +328,11 @@ impl Parser {
                 .next()
                 .ok_or_else(|| format!("`{OPTION}` list is not closed with `]`"))?
                 .to_string();
+            if key == "]" {
+                return Err(format!(
+                    "`{OPTION}` list is empty: give `[size_mb:divisions,...,>:divisions]`"
+                ));
+            }
             self.expect(":", OPTION)?;
             let v = self
                 .next()
@@ -378,6 +384,14 @@ impl Parser {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_division_list_says_so_and_a_repeated_option_takes_its_last_value() {
+        let err = AllocatorConfig::parse("roundup_power2_divisions:[]").expect_err("empty");
+        assert!(err.to_string().contains("list is empty"), "{err}");
+        let c = AllocatorConfig::parse("max_split_size_mb:100,max_split_size_mb:200").expect("ok");
+        assert_eq!(c.max_split_size, 200 * MIB);
+    }
 
     #[test]
     fn rejected_settings_name_the_option() {

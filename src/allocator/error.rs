@@ -69,7 +69,7 @@ pub enum AllocError {
     #[error("invalid device pointer: {0:?}")]
     InvalidPointer(DevicePtr),
     /// A memory fraction outside `[0, 1]`.
-    #[error("invalid memory fraction {0}: it must be between 0 and 1")]
+    #[error("invalid memory fraction {}: it must be between 0 and 1", short(*.0))]
     InvalidFraction(f64),
     /// A segment layout to restore that cannot exist.
     #[error("invalid segment layout: {0}")]
@@ -86,5 +86,14 @@ impl AllocError {
     /// Whether this is an out-of-memory failure (of either kind).
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge(_))
+    }
+}
+
+/// A number short enough for a message: 1e300 as `1e300`, not its 301 digits.
+fn short(x: f64) -> String {
+    if x.is_finite() && (x == 0.0 || (1e-4..1e6).contains(&x.abs())) {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
     }
 }

@@ -296,6 +296,15 @@ fn settings(node: &Node<'_>) -> Result<AllocatorConfig, TraceError> {
     }
     if let Some(m) = node.get("max_split_size")? {
         let v = m.int()?;
+        // As `max_split_size_mb` requires: unlimited (negative), or more than 20 MiB.
+        let floor = crate::config::MAX_SPLIT_SIZE_FLOOR_MB << 20;
+        if (0..=floor).contains(&v) {
+            return Err(schema_error(
+                &m,
+                "a max_split_size of -1 (unlimited) or more than 20 MiB",
+                v.to_string(),
+            ));
+        }
         config.max_split_size = if v < 0 { u64::MAX } else { v as u64 };
     }
     if let Some(t) = node.get("garbage_collection_threshold")? {

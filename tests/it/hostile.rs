@@ -532,3 +532,15 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
     assert!(peak < 128 * 1024, "the chart's 128 MiB limit: {peak} KiB");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A huge memory fraction is refused in a line, not 300 digits.
+#[test]
+fn a_huge_memory_fraction_is_refused_briefly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["simulate", "--steps", "1", "--memory-fraction", "1e300"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("1e300") && stderr.len() < 200, "{stderr}");
+}

@@ -18,6 +18,8 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
     let config = IngestConfig {
         max_processes,
         max_tcp_processes: max_processes,
+        // The process caps are under test here; the series budget in tests/it/hostile.rs.
+        max_series: usize::MAX,
         min_interval: std::time::Duration::ZERO,
         ..IngestConfig::default()
     };

@@ -611,3 +611,25 @@ fn a_fresh_start_on_a_mid_run_recording() {
         fresh.peak_reserved
     );
 }
+
+/// A snapshot's `max_split_size` obeys what `max_split_size_mb` requires: -1 (unlimited) or
+/// more than 20 MiB; 0 is refused with the path of the bad value.
+#[test]
+fn a_recorded_max_split_size_of_zero_is_refused() {
+    for (value, ok) in [
+        (0i64, false),
+        (20 << 20, false),
+        (-1, true),
+        ((20 << 20) + 1, true),
+    ] {
+        let doc = serde_json::json!({
+            "segments": [], "device_traces": [[]],
+            "allocator_settings": {"max_split_size": value},
+        });
+        let read = parse_recording(doc.to_string().as_bytes());
+        assert_eq!(read.is_ok(), ok, "max_split_size {value}: {:?}", read.err());
+        if let Err(e) = read {
+            assert!(e.to_string().contains("max_split_size"), "{e}");
+        }
+    }
+}

@@ -207,7 +207,7 @@ print("ok")
 "#;
     let out = Command::new("python3")
         .args(["-c", script])
-        .arg(root.join("python"))
+        .arg(root.join("python/gpumem_torch/src"))
         .arg(library())
         .output()
         .expect("python3 runs");

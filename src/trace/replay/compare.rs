@@ -11,21 +11,7 @@ use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
 
 use super::engine::Engine;
-use super::report::Divergence;
-
-/// An event in words, for divergence reports.
-pub(super) fn describe(e: &TraceEntry) -> String {
-    let (action, addr, size, stream) = (e.action, e.addr, e.size, e.stream);
-    let name = serde_json::to_value(action)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default();
-    match action {
-        TraceAction::Oom => format!("oom of {size} bytes on stream {stream:#x}"),
-        TraceAction::Snapshot => format!("snapshot with {size} active bytes"),
-        _ => format!("{name} at {addr:#x} of {size} bytes on stream {stream:#x}"),
-    }
-}
+use super::report::{Divergence, describe};
 
 impl Engine<'_> {
     /// Whether the core's events since the last comparison are exactly the recorded

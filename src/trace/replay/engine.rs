@@ -24,8 +24,7 @@ use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::trace::Recording;
 use crate::trace::start_state::{StartSegment, start_state};
 
-use super::compare::describe;
-use super::report::{Compared, Divergence, SeriesPoint};
+use super::report::{Compared, Divergence, SeriesPoint, describe};
 use super::{ReplayError, ReplayOptions, SYNTHETIC_STREAM_BASE, device_events};
 
 pub(super) struct Engine<'a> {

@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use crate::allocator::{TraceAction, TraceEntry};
+
 /// Decisions compared with the recording, by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Compared {
@@ -94,5 +96,19 @@ impl ReplayReport {
     /// Peak reserved over peak allocated: what fragmentation and caching cost.
     pub fn reserved_ratio(&self) -> f64 {
         self.peak_reserved as f64 / self.peak_allocated.max(1) as f64
+    }
+}
+
+/// An event in words, for divergence reports.
+pub(super) fn describe(e: &TraceEntry) -> String {
+    let (action, addr, size, stream) = (e.action, e.addr, e.size, e.stream);
+    let name = serde_json::to_value(action)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    match action {
+        TraceAction::Oom => format!("oom of {size} bytes on stream {stream:#x}"),
+        TraceAction::Snapshot => format!("snapshot with {size} active bytes"),
+        _ => format!("{name} at {addr:#x} of {size} bytes on stream {stream:#x}"),
     }
 }
