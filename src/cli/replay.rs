@@ -117,6 +117,8 @@ pub(crate) fn run(args: Args) -> CliResult {
                             "alloc_retries": r.alloc_retries,
                             "ooms": r.ooms,
                             "driver_time_ns": r.driver_time_ns,
+                            "capacity": r.capacity,
+                            "capacity_inferred": r.capacity_inferred,
                         })
                     })
                     .collect();
@@ -129,6 +131,12 @@ pub(crate) fn run(args: Args) -> CliResult {
     out!("{}", state_summary(&recording))?;
     for (device, reports) in &results {
         outln!("device {device}: {} events", reports[0].events)?;
+        if reports[0].capacity_inferred {
+            outln!(
+                "device memory {}, inferred from the spacing of the recording's expandable reservations (--capacity overrides)",
+                format_size(reports[0].capacity)
+            )?;
+        }
         if args.fresh_start && reports[0].start_segments > 0 {
             outln!(
                 "each configuration starts from the blocks live at the trace's start, allocated afresh (the recording's {} start segments and their cache are set aside)",
@@ -229,6 +237,8 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
                 serde_json::json!({
                     "device": device,
                     "events": r.events,
+                    "capacity": r.capacity,
+                    "capacity_inferred": r.capacity_inferred,
                     "compared": r.compared,
                     "divergence": r.divergence,
                 })
@@ -238,6 +248,13 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
     }
     let mut failed = false;
     for (device, r) in &all {
+        if r.capacity_inferred && !args.json {
+            outln!(
+                "device {device}: device memory {} ({} bytes), inferred from the spacing of the recording's expandable reservations (--capacity overrides)",
+                format_size(r.capacity),
+                r.capacity
+            )?;
+        }
         match &r.divergence {
             None => {
                 if !args.json {

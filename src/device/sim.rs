@@ -269,10 +269,16 @@ impl SimDevice {
 
     /// Whether `addr` lies in a live address reservation.
     pub fn is_reserved(&self, addr: u64) -> bool {
+        self.reservation_at(addr).is_some()
+    }
+
+    /// The live address reservation holding `addr`: (start, size).
+    pub fn reservation_at(&self, addr: u64) -> Option<(u64, u64)> {
         self.reservations
             .range(..=addr)
             .next_back()
-            .is_some_and(|(&start, &len)| addr < start + len)
+            .filter(|&(&start, &len)| addr < start + len)
+            .map(|(&start, &len)| (start, len))
     }
 
     /// Bytes of address space reserved (and not yet freed).

@@ -24,9 +24,9 @@ fn shared_traces() -> Option<PathBuf> {
     dir.is_dir().then_some(dir)
 }
 
-/// The device memory the qwen3 recording's address layout implies (79.15 GiB, an
-/// "80 GB" GPU): its expandable segments' reservations sit exactly that far apart. The
-/// recording itself does not say.
+/// A device memory the qwen3 recording's address layout implies (79.15 GiB, an "80 GB"
+/// GPU): its expandable segments' reservations sit 95 630 131 200 bytes apart, 9/8 of it in
+/// 20 MiB pages. The recording itself does not say.
 const QWEN3_DEVICE_BYTES: u64 = 84_987_740_160;
 
 fn check(
@@ -34,11 +34,10 @@ fn check(
     device: u32,
     capacity: Option<u64>,
 ) -> gpumem::trace::ReplayReport {
-    let expandable = recording.segments.iter().any(|s| s.is_expandable);
     let options = ReplayOptions {
         device,
         check: true,
-        capacity: capacity.or(expandable.then_some(QWEN3_DEVICE_BYTES)),
+        capacity,
         ..ReplayOptions::default()
     };
     let report = replay(recording, &options).expect("replay runs");
@@ -144,10 +143,22 @@ fn expandable_recording_replays_exactly_on_all_three_devices() {
     assert!(config.expandable_segments);
     // (events, segment maps and unmaps, OOMs) per device, from the recording's documentation.
     for (device, events, maps, ooms) in [(0, 6_445, 175, 0), (1, 596, 46, 1), (2, 882, 78, 0)] {
-        let r = check(&rec, device, Some(QWEN3_DEVICE_BYTES));
+        // Without --capacity: the device memory is inferred from the reservations' spacing.
+        let r = check(&rec, device, None);
         assert_eq!(r.compared.total(), events, "device {device}");
         assert_eq!(r.compared.segment_maps, maps, "device {device}");
         assert_eq!(r.compared.ooms, ooms, "device {device}");
+        assert!(r.capacity_inferred, "device {device}: {} bytes", r.capacity);
+        assert_eq!(
+            gpumem::trace::replay::capacity_for_reservation(95_630_131_200),
+            r.capacity,
+            "device {device}"
+        );
+        assert!(r.capacity >= QWEN3_DEVICE_BYTES);
+        // The value the user would pass reproduces it too.
+        let given = check(&rec, device, Some(QWEN3_DEVICE_BYTES));
+        assert!(!given.capacity_inferred);
+        assert_eq!(given.compared, r.compared);
     }
     // On a device larger than the recorded one, the reservations no longer fit where the
     // recording put them, and the divergence says so.

@@ -77,12 +77,18 @@ impl Engine<'_> {
             })
             .collect();
         let recorded = self.events.get(index);
-        if recorded.is_some_and(|e| {
+        if let Some(e) = recorded.filter(|e| {
             matches!(
                 e.action,
                 TraceAction::SegmentMap | TraceAction::SegmentAlloc
             )
         }) {
+            self.reservation_spacing = self
+                .alloc
+                .device()
+                .reservation_at(e.addr)
+                .map(|(start, _)| e.addr - start)
+                .filter(|&spacing| spacing > 0);
             context.push(format!(
                 "hint: segments are placed where the recording put them; if that place is taken by the address range reserved for an expandable segment, the simulated device ({}) is larger than the recorded one: pass --capacity with the recorded device's memory",
                 format_size(self.alloc.device().config().capacity)

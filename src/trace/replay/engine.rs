@@ -51,6 +51,10 @@ pub(super) struct Engine<'a> {
     /// Starts of the release runs that the allocator made inside a malloc (not a user's
     /// `empty_cache`): found in check mode, followed in what-if mode.
     pub(super) releases_in_malloc: FxHashSet<usize>,
+    /// Check mode: when the recording placed a new expandable segment inside a range the
+    /// simulated device had reserved, how far from that range's start: the recorded
+    /// device's reservation size (see `capacity_for_reservation`).
+    pub(super) reservation_spacing: Option<u64>,
 }
 
 /// Events that drive an operation; everything else is an effect of the next one.
@@ -145,6 +149,7 @@ impl<'a> Engine<'a> {
                 .checked_div(options.series_points)
                 .map_or(usize::MAX, |every| every.max(1)),
             releases_in_malloc,
+            reservation_spacing: None,
         })
     }
 

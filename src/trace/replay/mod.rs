@@ -37,6 +37,7 @@ mod report;
 
 use rustc_hash::FxHashSet;
 
+use crate::allocator::size::{LARGE_BUFFER, SMALL_BUFFER};
 use crate::allocator::{AllocError, CachingAllocator, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
@@ -145,6 +146,8 @@ pub fn replay_with_progress(
 #[derive(Clone, Debug, Default)]
 pub struct Readings {
     releases_in_malloc: FxHashSet<usize>,
+    /// The device memory inferred by the check replay, where it had to infer it.
+    inferred_capacity: Option<u64>,
 }
 
 impl Readings {
@@ -162,7 +165,7 @@ impl Readings {
             fresh_start: false,
             ..options.clone()
         };
-        let found = match run_with(recording, &check, &mut |_, _| {}, FxHashSet::default()) {
+        let found = match check_run(recording, &check, &mut |_, _| {}) {
             Err(ReplayError::StartState(_) | ReplayError::StartSegment { .. })
                 if check.capacity.is_some() =>
             {
@@ -170,12 +173,15 @@ impl Readings {
                     capacity: None,
                     ..check
                 };
-                run_with(recording, &recorded, &mut |_, _| {}, FxHashSet::default())
+                check_run(recording, &recorded, &mut |_, _| {})
             }
             other => other,
         };
-        let (_, releases_in_malloc) = found?;
-        Ok(Readings { releases_in_malloc })
+        let run = found?;
+        Ok(Readings {
+            releases_in_malloc: run.releases_in_malloc,
+            inferred_capacity: run.report.capacity_inferred.then_some(run.report.capacity),
+        })
     }
 }
 
@@ -190,22 +196,81 @@ pub fn replay_following(
     readings: &Readings,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<ReplayReport, ReplayError> {
-    let releases = if options.check {
-        FxHashSet::default()
-    } else {
-        readings.releases_in_malloc.clone()
+    if options.check {
+        return Ok(check_run(recording, options, progress)?.report);
+    }
+    let inferred = ReplayOptions {
+        capacity: options.capacity.or(readings.inferred_capacity),
+        ..options.clone()
     };
-    let (report, _) = run_with(recording, options, progress, releases)?;
-    Ok(report)
+    let mut run = run_with(
+        recording,
+        &inferred,
+        progress,
+        readings.releases_in_malloc.clone(),
+    )?;
+    run.report.capacity_inferred =
+        options.capacity.is_none() && readings.inferred_capacity.is_some();
+    Ok(run.report)
 }
 
-/// One replay following the given readings: the report and the readings found.
+/// What one replay found.
+struct Run {
+    report: ReplayReport,
+    /// The readings of ambiguous release runs it found (check mode).
+    releases_in_malloc: FxHashSet<usize>,
+    /// See `Engine::reservation_spacing`.
+    reservation_spacing: Option<u64>,
+}
+
+/// A check replay. Where neither the user nor the recording gives the device's memory and the
+/// recording placed a second expandable reservation inside the simulated device's first, the
+/// spacing of the two is the recorded device's reservation size: the device memory it implies
+/// is replayed again, and the report says it was inferred.
+fn check_run(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Run, ReplayError> {
+    let run = run_with(recording, options, progress, FxHashSet::default())?;
+    let unknown = options.capacity.is_none() && recording.simulated_device.is_none();
+    let Some(spacing) = run.reservation_spacing.filter(|_| unknown) else {
+        return Ok(run);
+    };
+    let inferred = ReplayOptions {
+        capacity: Some(capacity_for_reservation(spacing)),
+        ..options.clone()
+    };
+    let mut again = run_with(recording, &inferred, progress, FxHashSet::default())?;
+    again.report.capacity_inferred = true;
+    Ok(again)
+}
+
+/// The largest device memory whose expandable reservation is `reservation` bytes: a
+/// reservation is 9/8 of the device's memory rounded up to whole pages (2 MiB, or 20 MiB in
+/// the large pool, of which `reservation` is then a multiple).
+pub fn capacity_for_reservation(reservation: u64) -> u64 {
+    let page = if reservation.is_multiple_of(LARGE_BUFFER) {
+        LARGE_BUFFER
+    } else {
+        SMALL_BUFFER
+    };
+    let reserves = |c: u64| c.saturating_add(c / 8).div_ceil(page).saturating_mul(page);
+    // c + c/8 <= reservation, largest such c: start just below and step up.
+    let mut c = (reservation / 9).saturating_mul(8);
+    while reserves(c + 1) <= reservation && c < MAX_CAPACITY {
+        c += 1;
+    }
+    c.min(MAX_CAPACITY)
+}
+
+/// One replay following the given readings.
 fn run_with(
     recording: &Recording,
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashSet<usize>,
-) -> Result<(ReplayReport, FxHashSet<usize>), ReplayError> {
+) -> Result<Run, ReplayError> {
     let events = device_events(recording, options.device)?;
     let recorded_config = recording.config.clone().unwrap_or_default();
     let config = options
@@ -260,8 +325,14 @@ fn run_with(
         compared: engine.compared,
         divergence: engine.divergence,
         series: engine.series,
+        capacity,
+        capacity_inferred: false,
     };
-    Ok((report, engine.releases_in_malloc))
+    Ok(Run {
+        report,
+        releases_in_malloc: engine.releases_in_malloc,
+        reservation_spacing: engine.reservation_spacing,
+    })
 }
 
 pub(super) fn device_events(
@@ -350,5 +421,25 @@ impl<'a> Replayer<'a> {
         }
         self.engine.alloc.empty_cache().map_err(fail)?;
         Ok(self.engine.alloc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inferred_capacity_is_the_largest_that_reserves_the_spacing() {
+        let reserves = |c: u64, page: u64| (c + c / 8).div_ceil(page) * page;
+        for (spacing, page) in [
+            (95_630_131_200, LARGE_BUFFER),
+            (4560 * LARGE_BUFFER + SMALL_BUFFER, SMALL_BUFFER),
+            (9 * SMALL_BUFFER, SMALL_BUFFER),
+        ] {
+            let c = capacity_for_reservation(spacing);
+            assert_eq!(reserves(c, page), spacing, "{spacing}");
+            assert!(reserves(c + 1, page) > spacing, "{spacing}: the largest");
+        }
+        assert_eq!(capacity_for_reservation(u64::MAX), MAX_CAPACITY);
     }
 }

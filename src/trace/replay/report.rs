@@ -90,6 +90,12 @@ pub struct ReplayReport {
     pub divergence: Option<Divergence>,
     /// Memory over the trace, if asked for.
     pub series: Vec<SeriesPoint>,
+    /// The device memory replayed on (`--capacity`, the recording's own, inferred, or the
+    /// default).
+    pub capacity: u64,
+    /// Whether `capacity` was inferred from the spacing of the recording's expandable
+    /// reservations (neither the user nor the recording said).
+    pub capacity_inferred: bool,
 }
 
 impl ReplayReport {
