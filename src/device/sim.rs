@@ -345,13 +345,6 @@ impl SimDevice {
         }
     }
 
-    /// Whether `event` has completed, without charging a driver call.
-    pub fn is_event_complete(&self, event: EventId) -> bool {
-        self.events
-            .get(&event)
-            .is_some_and(|e| self.is_recorded_complete(e))
-    }
-
     /// Number of live segments.
     pub fn segment_count(&self) -> usize {
         self.segments.len()

@@ -25,12 +25,36 @@ fn threads_share_one_allocator_and_end_consistent() {
 
     let reader = {
         let stats = Arc::clone(shared.stats());
+        let shared = Arc::clone(&shared);
         let done = Arc::clone(&done);
         thread::spawn(move || {
             let mut reads = 0u64;
+            let (mut reserved_peak, mut allocated_peak) = (0, 0);
             while !done.load(Ordering::Relaxed) {
-                let peak = stats.reserved_bytes.all().peak;
-                assert!(peak >= 0);
+                // Without the lock: peaks only grow, reads never see them go back.
+                let reserved = stats.reserved_bytes.all().peak;
+                let allocated = stats.allocated_bytes.all().peak;
+                assert!(reserved >= reserved_peak, "{reserved} < {reserved_peak}");
+                assert!(
+                    allocated >= allocated_peak,
+                    "{allocated} < {allocated_peak}"
+                );
+                (reserved_peak, allocated_peak) = (reserved, allocated);
+                // Under the lock, now and then: a consistent view of the figures.
+                if reads.is_multiple_of(64) {
+                    shared.with(|a| {
+                        let s = a.stats();
+                        let allocated = s.allocated_bytes.all_current();
+                        let reserved = s.reserved_bytes.all_current();
+                        assert!(
+                            0 <= allocated && allocated <= reserved,
+                            "{allocated} > {reserved}"
+                        );
+                        assert!(s.active_bytes.all_current() <= reserved);
+                        assert!(reserved <= s.reserved_bytes.all().peak);
+                        assert_eq!(reserved as u64, a.total_allocated_memory());
+                    });
+                }
                 reads += 1;
                 std::hint::spin_loop();
             }
