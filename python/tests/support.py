@@ -21,7 +21,7 @@ FAKE_TORCH = os.path.join(HERE, "fake_torch")
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "labels", "devices", "reason",
-             "last_oom_unix_seconds"}
+             "last_oom_unix_seconds", "start_time"}
 DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size"}
 RANK_LABELS = {"rank", "local_rank", "world_size", "run_id"}
 NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -55,6 +55,8 @@ def check_payload(p):
         return "labels must be an object"
     if len([n for n in labels if n not in RANK_LABELS]) > 8:
         return "more than 8 labels"
+    if sum(len(n.encode()) + len(v.encode()) for n, v in labels.items()) > 512:
+        return "labels take more than 512 bytes together"
     for name, value in labels.items():
         # Names the agent sets itself are exported as exported_<name>, not refused.
         if (not NAME.match(name) or name.startswith("__") or len(name) > 64

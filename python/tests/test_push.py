@@ -231,6 +231,24 @@ class Labels(PushTest):
         self.assertIn("'l8'", warnings[0])
         self.assertIn("'l9'", warnings[1])
 
+    def test_labels_past_512_bytes_and_clashing_exports_are_dropped(self):
+        # Eight labels of 64 bytes with the rank labels on top: the last ones do not fit.
+        labels = [f"l{i}={'v' * 62}" for i in range(8)] + ["job=a", "exported_job=b",
+                                                          "exported_team=c"]
+        child = self.run_child(
+            "import torch; torch._fake.allocate(0, 1 << 20); wait_sent(1)",
+            GPUMEM_PUSH_LABELS=",".join(labels), RANK="3")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        pushes = self.agent.recorder.accepted()
+        self.assertTrue(pushes)
+        sent = pushes[0]["labels"]
+        self.assertEqual(sent.get("rank"), "3", "the rank labels come first")
+        self.assertLessEqual(sum(len(n) + len(v) for n, v in sent.items()), 512)
+        self.assertNotIn("exported_job", sent, "it would clash with job")
+        self.assertIn("past the 512 bytes", child.stderr)
+        self.assertIn("clashes with 'job'", child.stderr)
+
 
 class Delivery(PushTest):
     def test_an_agent_started_after_the_job_and_restarted_is_reached(self):

@@ -47,12 +47,13 @@ pub(crate) struct ServeArgs {
     /// off.
     #[arg(long, default_value = "/var/log", value_parser = ValueParser::os_string())]
     kubelet_logs: OsString,
-    /// Seconds a pushing process's last series stay after it exits or falls silent (at
-    /// least two scrape intervals, so that a job that dies of an OOM is still scraped).
+    /// Seconds a pushing process's last series stay after it exits or falls silent (keep it
+    /// at least two scrape intervals, so that a job that dies of an OOM is still scraped).
     #[arg(long, default_value_t = 120.0, value_parser = parse_grace)]
     exited_grace: f64,
     /// Seconds to wait for another agent still answering on the push socket to go before
-    /// taking the socket over (a rolling update starts the new agent first).
+    /// taking the socket over (an update that starts the new agent before stopping the old,
+    /// or a second agent started by mistake).
     #[arg(long, default_value_t = 30.0, value_parser = parse_grace)]
     socket_wait: f64,
     #[command(flatten)]
@@ -73,7 +74,7 @@ pub(crate) struct HttpArgs {
     #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
     send_timeout: f64,
     /// Connections served at once, per listener; more wait until one closes.
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, default_value_t = 384, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_connections: u32,
     /// Seconds given to the requests in flight at shutdown.
     #[arg(long, default_value_t = 5.0, value_parser = parse_timeout)]
@@ -248,7 +249,7 @@ fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) ->
         // The socket is optional: without it, pushes still come over loopback.
         let unix = match listen.push_socket {
             Some(path) => match bind_unix(&path, listen.socket_wait).await {
-                Ok(listener) => Some((listener, path)),
+                Ok(listener) => Some(listener),
                 Err(e) => {
                     tracing::warn!(error = %e, "no push socket");
                     eprintln!("gpumem: warning: {e}; pushes are accepted from loopback only");
@@ -274,16 +275,15 @@ fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) ->
             until_stopped(stopped.clone()),
         );
         match unix {
-            Some((listener, path)) => {
-                let served = tokio::try_join!(
+            Some(listener) => {
+                tokio::join!(
                     tcp,
                     serve_unix(listener, router, limits, until_stopped(stopped))
                 );
-                let _ = std::fs::remove_file(&path);
-                served.map(|_| ())
             }
             None => tcp.await,
         }
+        Ok::<(), std::io::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
 }

@@ -187,6 +187,10 @@ struct Push {
     /// When the job's OOM observer last fired (Unix seconds), if it has.
     #[serde(default)]
     last_oom_unix_seconds: Option<f64>,
+    /// The process's start time in clock ticks since boot (`/proc/self/stat`), by its own
+    /// word: it tells apart processes that reuse a pid when the kernel does not name them.
+    #[serde(default)]
+    start_time: Option<u64>,
     devices: Vec<PushedDevice>,
 }
 
@@ -228,6 +232,8 @@ pub struct ValidPush {
     pub labels: Vec<(String, String)>,
     /// When the job last ran out of memory, by its own clock (Unix seconds).
     pub last_oom_unix_seconds: Option<f64>,
+    /// Its start time, by its own word (clock ticks since boot).
+    pub start_time: Option<u64>,
     /// Its devices.
     pub devices: Vec<ValidDevice>,
 }
@@ -246,12 +252,14 @@ pub struct ValidDevice {
 }
 
 impl ValidPush {
-    /// The series this push adds to a scrape.
+    /// The series this push adds to a scrape: its devices', and the ingest's last-push age
+    /// of the process.
     pub fn series(&self) -> usize {
-        self.devices
+        1 + self
+            .devices
             .iter()
             .map(|d| SERIES_PER_DEVICE + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len()))
-            .sum()
+            .sum::<usize>()
     }
 
     /// OOMs the process counted, over its devices.
@@ -346,6 +354,7 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         config,
         labels,
         last_oom_unix_seconds: push.last_oom_unix_seconds,
+        start_time: push.start_time,
         devices,
     })
 }
@@ -449,6 +458,12 @@ fn snapshot(device: &PushedDevice) -> Result<Option<(u64, Vec<SegmentClass>)>, R
             return Err(at(format!(
                 "segments_by_size: class size {} is not a power of two",
                 c.size
+            )));
+        }
+        if c.size >= MAX_BYTES as u64 || c.free_bytes >= MAX_BYTES as u64 {
+            return Err(at(format!(
+                "segments_by_size: class size {} or {} free bytes is not below 2^60",
+                c.size, c.free_bytes
             )));
         }
         if c.segments >= MAX_COUNT as u64 {
@@ -724,6 +739,6 @@ mod tests {
              "segments_by_size": [{"size": 2, "segments": 1, "free_bytes": 0},
                                   {"size": 4, "segments": 1, "free_bytes": 0}]}]});
         let push = validate(body.to_string().as_bytes()).expect("valid");
-        assert_eq!(push.series(), 2 * SERIES_PER_DEVICE + 4);
+        assert_eq!(push.series(), 1 + 2 * SERIES_PER_DEVICE + 4);
     }
 }

@@ -9,8 +9,10 @@
 //! A process is *live* until it is seen to end: its pid vanishes from `/proc` or changes
 //! start time (kernel-named pids only: a payload's own pid may be another pid namespace's and
 //! is never looked up), it sends its `"exit"` push, or it stays silent for `ttl`. Its last
-//! series then stay for `exited_grace` (at least two scrape intervals, so a job that dies of
-//! an OOM is still scraped with its OOM), and go. Expiry runs on the agent's own tick
+//! series then stay for `exited_grace` (keep it at least two scrape intervals, so a job that
+//! dies of an OOM is still scraped with its OOM), and go. A push that the kernel did not
+//! attribute is known by its pid and the start time it gives, so two containers' pid 1 do
+//! not merge into one process (they replace each other: push over the socket instead). Expiry runs on the agent's own tick
 //! ([`PushStore::expire`]), not inside a scrape.
 //!
 //! # Invariants (budgets)
@@ -122,6 +124,8 @@ impl Tracked {
 struct PodCount {
     ooms: u64,
     last: Instant,
+    /// The last counted OOM's time, by the job's clock where it said.
+    last_oom_unix: Option<f64>,
 }
 
 #[derive(Default)]
@@ -214,13 +218,19 @@ impl PushStore {
         let kernel_pid = peer_pid.is_some();
         // Only a pid the kernel named is this node's: attribute it to its pod.
         let container = peer_pid.and_then(self.config.resolve);
-        let start_time = peer_pid.and_then(self.config.start_time);
+        // A kernel-named pid's start time comes from /proc; an unattributed push's is its own
+        // word (it tells apart, say, two containers' pid 1).
+        let start_time = match peer_pid {
+            Some(pid) => (self.config.start_time)(pid),
+            None => push.start_time,
+        };
 
         let mut state = self.state();
         let mut previous = None;
+        let mut urgent = false;
         if let Some(t) = state.tracked.get(&pid) {
             let same_process = t.kernel_pid == kernel_pid
-                && (!kernel_pid || t.start_time.is_none() || t.start_time == start_time);
+                && (t.start_time.is_none() || start_time.is_none() || t.start_time == start_time);
             if t.kernel_pid && !kernel_pid {
                 return Err(Rejected::new(
                     Refusal::Conflict,
@@ -228,7 +238,7 @@ impl PushStore {
                 ));
             }
             if same_process {
-                self.check_order(t, &push, now)?;
+                urgent = self.check_order(t, &push, now)?;
                 previous = Some(pid);
             }
             // Otherwise a new process under a dead one's pid (or the kernel now names a pid
@@ -301,22 +311,34 @@ impl PushStore {
                 })
             })
             .collect();
-        let reason_pushes = old.map_or(0, |t| t.reason_pushes)
-            + u32::from(push.reason != Reason::Interval && old.is_some());
+        // Only pushes that needed the allowance use it up.
+        let reason_pushes = old.map_or(0, |t| t.reason_pushes) + u32::from(urgent);
         let ended = old
             .and_then(|t| t.ended)
             .or_else(|| (push.reason == Reason::Exit).then_some(now));
+        let fresh = old.is_none();
         if new_ooms > 0
             && counted
             && let Some(c) = &container
         {
             let key = (c.pod_uid.clone(), c.container_id.clone());
-            let count = state
-                .pods
-                .entry(key)
-                .or_insert(PodCount { ooms: 0, last: now });
-            count.ooms += new_ooms;
-            count.last = now;
+            let count = state.pods.entry(key).or_insert(PodCount {
+                ooms: 0,
+                last: now,
+                last_oom_unix: None,
+            });
+            // A process seen afresh (its entry had gone) brings its whole count again; the
+            // OOMs it dates to at or before the pod's last counted one were counted then.
+            let recounted = fresh
+                && push
+                    .last_oom_unix_seconds
+                    .zip(count.last_oom_unix)
+                    .is_some_and(|(theirs, counted)| theirs <= counted);
+            if !recounted {
+                count.ooms += new_ooms;
+                count.last = now;
+                count.last_oom_unix = last_oom.or(count.last_oom_unix);
+            }
         }
         state.tracked.insert(
             pid,
@@ -337,8 +359,9 @@ impl PushStore {
         Ok(())
     }
 
-    /// A push of a known process: after its last, not too far after, not too soon.
-    fn check_order(&self, t: &Tracked, push: &ValidPush, now: Instant) -> Result<(), Rejected> {
+    /// A push of a known process: after its last, not too far after, not too soon. `true`
+    /// when it is an urgent push that came too soon and uses the allowance.
+    fn check_order(&self, t: &Tracked, push: &ValidPush, now: Instant) -> Result<bool, Rejected> {
         let pid = push.pid;
         if push.seq <= t.seq {
             return Err(Rejected::new(
@@ -358,21 +381,25 @@ impl PushStore {
                 ),
             ));
         }
-        let urgent = push.reason != Reason::Interval && t.reason_pushes < MAX_REASON_PUSHES;
-        if !urgent && now.duration_since(t.last) < self.config.min_interval {
-            return Err(Rejected::new(
-                Refusal::RateLimited,
-                format!(
-                    "pid {pid} pushes more often than every {:?}",
-                    self.config.min_interval
-                ),
-            ));
+        let soon = now.saturating_duration_since(t.last) < self.config.min_interval;
+        if !soon {
+            return Ok(false);
         }
-        Ok(())
+        if push.reason != Reason::Interval && t.reason_pushes < MAX_REASON_PUSHES {
+            return Ok(true);
+        }
+        Err(Rejected::new(
+            Refusal::RateLimited,
+            format!(
+                "pid {pid} pushes more often than every {:?}",
+                self.config.min_interval
+            ),
+        ))
     }
 
-    /// Makes room for `pid`'s push adding `series` series: evicts ended processes, oldest
-    /// first, while a cap would be exceeded; refuses when that is not enough.
+    /// Makes room for `pid`'s push adding `series` series: when a cap would be exceeded,
+    /// evicts ended processes, oldest first, but only if that is enough; otherwise refuses
+    /// and changes nothing.
     fn make_room(
         &self,
         state: &mut State,
@@ -383,47 +410,74 @@ impl PushStore {
     ) -> Result<(), Rejected> {
         let config = &self.config;
         let is_new = !state.tracked.contains_key(&pid);
-        loop {
-            let tcp = state.tracked.values().filter(|t| !t.kernel_pid).count();
-            let over_processes = is_new && state.tracked.len() >= config.max_processes;
-            let over_tcp = is_new && !kernel_pid && tcp >= config.max_tcp_processes;
-            let over_series = state.series() + series > config.max_series;
-            if !(over_processes || over_tcp || over_series) {
-                return Ok(());
-            }
-            let evict = state
-                .tracked
-                .iter()
-                .filter(|&(&p, t)| p != pid && t.end(config.ttl) <= now)
-                .filter(|(_, t)| !over_tcp || over_processes || over_series || !t.kernel_pid)
-                .min_by_key(|(_, t)| t.end(config.ttl))
-                .map(|(&p, _)| p);
-            match evict {
-                Some(p) => {
-                    state.tracked.remove(&p);
-                }
-                None if over_series => {
-                    return Err(Rejected::new(
-                        Refusal::SeriesBudget,
-                        format!(
-                            "the push's {series} series would take the agent past its budget of {} pushed series",
-                            config.max_series
-                        ),
-                    ));
-                }
-                None => {
-                    let (cap, what) = if over_processes {
-                        (config.max_processes, "processes")
-                    } else {
-                        (config.max_tcp_processes, "processes pushing over TCP")
-                    };
-                    return Err(Rejected::new(
-                        Refusal::Capacity,
-                        format!("already tracking {cap} {what}, the most this agent keeps"),
-                    ));
-                }
-            }
+        let mut processes = state.tracked.len() + usize::from(is_new);
+        let mut tcp = state.tracked.values().filter(|t| !t.kernel_pid).count()
+            + usize::from(is_new && !kernel_pid);
+        let mut total = state.series() + series;
+        let fits = |processes: usize, tcp: usize, total: usize| {
+            processes <= config.max_processes
+                && tcp <= config.max_tcp_processes
+                && total <= config.max_series
+        };
+        if fits(processes, tcp, total) {
+            return Ok(());
         }
+        let mut ended: Vec<(Instant, u32)> = state
+            .tracked
+            .iter()
+            .filter(|&(&p, t)| p != pid && t.end(config.ttl) <= now)
+            .map(|(&p, t)| (t.end(config.ttl), p))
+            .collect();
+        ended.sort_unstable();
+        let mut evict = Vec::new();
+        for (_, p) in ended {
+            if fits(processes, tcp, total) {
+                break;
+            }
+            let t = &state.tracked[&p];
+            // An ended socket pusher frees no TCP slot: skip it while only TCP is short.
+            let helps =
+                processes > config.max_processes || total > config.max_series || !t.kernel_pid;
+            if !helps {
+                continue;
+            }
+            processes -= 1;
+            tcp -= usize::from(!t.kernel_pid);
+            total -= t.series;
+            evict.push(p);
+        }
+        if total > config.max_series {
+            return Err(Rejected::new(
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take the agent past its budget of {} pushed series",
+                    config.max_series
+                ),
+            ));
+        }
+        if processes > config.max_processes {
+            return Err(Rejected::new(
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes, the most this agent keeps",
+                    config.max_processes
+                ),
+            ));
+        }
+        if tcp > config.max_tcp_processes {
+            return Err(Rejected::new(
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes pushing over TCP, the most this agent keeps",
+                    config.max_tcp_processes
+                ),
+            ));
+        }
+        // The push is accepted and published right after: the evicted go with it.
+        for p in evict {
+            state.tracked.remove(&p);
+        }
+        Ok(())
     }
 
     /// Marks ended processes (vanished pids, silence), drops those past their grace period

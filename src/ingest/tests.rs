@@ -243,17 +243,20 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
     assert_eq!(list.len(), 1, "one process per pid: no duplicate series");
     assert_eq!(list[0].stats.num_ooms.get(), 0);
     assert_eq!(list[0].last_oom_unix_seconds, None);
-    // Expiry sees the start time change too: the first process had ended.
-    START.store(1, Ordering::Relaxed);
+    // Expiry sees the start time change too: the process ended (seen at 10 s) although it
+    // pushed a moment before, and goes after its grace period.
     store
         .push_at(
             &with_reason(1, 2, "interval", 0),
             Some(40),
-            start + Duration::from_secs(1),
+            start + Duration::from_secs(9),
         )
-        .expect("yet another");
+        .expect("it goes on");
     START.store(3, Ordering::Relaxed);
-    store.expire_at(start + Duration::from_secs(200), current);
+    store.expire_at(start + Duration::from_secs(10), current);
+    store.expire_at(start + Duration::from_secs(129), current);
+    assert_eq!(sources.snapshot().len(), 1, "within its grace period");
+    store.expire_at(start + Duration::from_secs(131), current);
     assert!(
         sources.snapshot().is_empty(),
         "ended when its start time changed"
@@ -372,9 +375,10 @@ fn sequence_numbers_and_urgent_pushes() {
         )
         .expect_err("a huge jump");
     assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
-    // OOM and exit pushes get through the rate limit, a few of them.
+    // OOM and exit pushes get through the rate limit, a few of them (the first of these is
+    // not early, and uses none of the allowance).
     let mut seq = 11;
-    for _ in 0..MAX_REASON_PUSHES {
+    for _ in 0..=MAX_REASON_PUSHES {
         store
             .push_at(
                 &with_reason(1, seq, "oom", seq),
@@ -457,4 +461,56 @@ fn an_oom_dated_before_the_agent_started_is_not_counted_again() {
         "its predecessor counted it"
     );
     assert_eq!(sources.snapshot()[0].last_oom_unix_seconds, Some(1000.0));
+}
+
+#[test]
+fn a_refused_push_evicts_nothing() {
+    let (store, sources) = store_with(IngestConfig {
+        max_processes: 2,
+        max_series: 60,
+        ..config()
+    });
+    let start = Instant::now();
+    store
+        .push_at(&with_reason(1, 1, "exit", 1), None, start)
+        .expect("ends at once, its OOM kept for the grace period");
+    store
+        .push_at(&payload(2, 1, ok()), None, start)
+        .expect("live");
+    // Too many series even with the ended process gone: refused, and the ended one stays.
+    let many = serde_json::json!({"pid": 3, "seq": 1, "devices": [
+        {"index": 0, "uuid": "a", "stats": {}}, {"index": 1, "uuid": "b", "stats": {}}]});
+    let err = store
+        .push_at(many.to_string().as_bytes(), None, start)
+        .expect_err("over budget");
+    assert_eq!(err.refusal, Refusal::SeriesBudget);
+    assert_eq!(pids(&sources), [1, 2], "nothing evicted for a refused push");
+}
+
+#[test]
+fn unattributed_pushes_tell_pid_reuse_by_their_start_time() {
+    let (store, sources) = store(10);
+    let start = Instant::now();
+    let push = |seq: u64, start_time: u64, ooms: u64| {
+        serde_json::json!({"pid": 1, "seq": seq, "start_time": start_time,
+            "devices": [{"index": 0, "uuid": "u", "stats": {"num_ooms": ooms}}]})
+        .to_string()
+        .into_bytes()
+    };
+    store
+        .push_at(&push(500, 100, 2), None, start)
+        .expect("pid 1 of one container");
+    // Another container's pid 1: not stale, and nothing of the first carried over.
+    store
+        .push_at(&push(1, 200, 0), None, start + Duration::from_secs(1))
+        .expect("another process");
+    let list = sources.snapshot();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].stats.num_ooms.get(), 0);
+    assert_eq!(list[0].last_oom_unix_seconds, None);
+    // The same one again is checked in order.
+    let err = store
+        .push_at(&push(1, 200, 0), None, start + Duration::from_secs(2))
+        .expect_err("stale");
+    assert_eq!(err.refusal, Refusal::Stale);
 }

@@ -6,12 +6,15 @@
 //!   beyond that, new ones wait in the kernel's backlog until one closes.
 //! - A connection that does not send a request's headers within
 //!   [`HttpLimits::header_timeout`], whether new or idle between keep-alive requests, is
-//!   closed; one that stops reading what it is sent for [`HttpLimits::send_timeout`] is
-//!   closed too: so a slow or idle client holds its slot (and a response body) only that long.
+//!   closed; one that keeps a response waiting and reads less than 1 MiB of it per
+//!   [`HttpLimits::send_timeout`] is closed too: so a slow or idle client holds its slot (and
+//!   a response body) only that long.
 //! - Shutdown stops accepting at once, lets the requests in flight finish, and returns
 //!   within [`HttpLimits::shutdown_timeout`] whatever the clients do.
-//! - The push socket is taken over only from an agent that no longer answers on it: while one
-//!   answers, binding waits (a rolling update starts the new agent first), up to a bound.
+//! - A push socket that another agent still answers on is not taken at once: binding waits
+//!   for it to go (an update that starts the new agent first, a second agent by mistake), up
+//!   to a bound, then takes the socket over saying so. An agent removes the socket file at
+//!   exit only if it is still its own, never a successor's.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -48,45 +51,61 @@ impl Default for HttpLimits {
         HttpLimits {
             header_timeout: Duration::from_secs(10),
             send_timeout: Duration::from_secs(10),
-            // Scrapers and pushers each open one connection at a time; 512 stays well under
-            // the usual limit of 1024 open files.
-            max_connections: 512,
+            // Scrapers and pushers each open one connection at a time; two listeners of 384
+            // stay under the usual limit of 1024 open files.
+            max_connections: 384,
             shutdown_timeout: Duration::from_secs(5),
         }
     }
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets the requests in flight
-/// finish (within the limit). Requests carry the peer's address as `ConnectInfo`.
-///
-/// # Errors
-/// None today: accept errors are retried (as axum does); kept for the callers' `?`.
+/// finish (within the limit). Requests carry the peer's address as `ConnectInfo`. Accept
+/// errors are retried (as axum does), so serving itself never fails.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_with(listener, app, limits, shutdown, |_, addr| addr).await;
-    Ok(())
+) {
+    serve_with(listener, app, limits, shutdown, |_, addr| addr, || {}).await;
 }
 
 /// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to
-/// the connecting process's pid.
-///
-/// # Errors
-/// As [`serve`].
+/// the connecting process's pid. At shutdown the socket file is removed, before the requests
+/// in flight finish, and only if it is still this listener's (a successor that took it over
+/// keeps its own).
 pub async fn serve_unix(
     listener: UnixListener,
     app: Router,
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_with(listener, app, limits, shutdown, |io: &UnixStream, _| {
-        UnixPeer::of(io)
-    })
+) {
+    use std::os::unix::fs::MetadataExt;
+    let own = listener
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+        .and_then(|path| {
+            let meta = std::fs::metadata(&path).ok()?;
+            Some((path, meta.dev(), meta.ino()))
+        });
+    let remove_own = move || {
+        if let Some((path, dev, ino)) = own
+            && std::fs::metadata(&path).is_ok_and(|m| m.dev() == dev && m.ino() == ino)
+        {
+            let _ = std::fs::remove_file(&path);
+        }
+    };
+    serve_with(
+        listener,
+        app,
+        limits,
+        shutdown,
+        |io: &UnixStream, _| UnixPeer::of(io),
+        remove_own,
+    )
     .await;
-    Ok(())
 }
 
 async fn serve_with<L, C>(
@@ -95,6 +114,7 @@ async fn serve_with<L, C>(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
     info: impl Fn(&L::Io, L::Addr) -> C,
+    stopped: impl FnOnce(),
 ) where
     L: Listener,
     C: Clone + Send + Sync + 'static,
@@ -129,6 +149,7 @@ async fn serve_with<L, C>(
             drop(slot);
         });
     }
+    stopped();
     drop(listener);
     if tokio::time::timeout(limits.shutdown_timeout, graceful.shutdown())
         .await
@@ -141,13 +162,19 @@ async fn serve_with<L, C>(
     }
 }
 
-/// An I/O stream whose writes fail once they have made no progress for a while: a client
-/// that stops reading cannot hold a response (and its memory) forever.
+/// Bytes a client that keeps the agent waiting must read per send timeout.
+const MIN_PROGRESS: usize = 1 << 20;
+
+/// An I/O stream whose writes fail when a client keeps them waiting and reads less than
+/// [`MIN_PROGRESS`] per `limit`: a client that stops reading, or trickles, cannot hold a
+/// response (and its memory) for long.
 struct StallTimeout<T> {
     io: T,
     limit: Duration,
-    /// Started when a write could not proceed; cleared by any progress.
+    /// Started when a write could not proceed; cleared once enough was written since.
     stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes written since the timer started.
+    progress: usize,
 }
 
 impl<T> StallTimeout<T> {
@@ -156,6 +183,18 @@ impl<T> StallTimeout<T> {
             io,
             limit,
             stalled: None,
+            progress: 0,
+        }
+    }
+
+    /// After a write that proceeded: enough progress clears the timer.
+    fn progressed(&mut self, written: usize) {
+        if self.stalled.is_some() {
+            self.progress += written;
+            if self.progress >= MIN_PROGRESS {
+                self.stalled = None;
+                self.progress = 0;
+            }
         }
     }
 
@@ -196,10 +235,11 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallTimeout<T>
     ) -> std::task::Poll<std::io::Result<usize>> {
         match std::pin::Pin::new(&mut self.io).poll_write(cx, buf) {
             std::task::Poll::Pending => self.check(cx),
-            ready => {
-                self.stalled = None;
-                ready
+            std::task::Poll::Ready(Ok(n)) => {
+                self.progressed(n);
+                std::task::Poll::Ready(Ok(n))
             }
+            ready => ready,
         }
     }
 
@@ -209,10 +249,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallTimeout<T>
     ) -> std::task::Poll<std::io::Result<()>> {
         match std::pin::Pin::new(&mut self.io).poll_flush(cx) {
             std::task::Poll::Pending => self.check(cx).map_ok(|_| ()),
-            ready => {
-                self.stalled = None;
-                ready
-            }
+            ready => ready,
         }
     }
 
@@ -230,10 +267,11 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallTimeout<T>
     ) -> std::task::Poll<std::io::Result<usize>> {
         match std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs) {
             std::task::Poll::Pending => self.check(cx),
-            ready => {
-                self.stalled = None;
-                ready
+            std::task::Poll::Ready(Ok(n)) => {
+                self.progressed(n);
+                std::task::Poll::Ready(Ok(n))
             }
+            ready => ready,
         }
     }
 

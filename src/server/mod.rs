@@ -9,17 +9,21 @@
 //!   from a page in a browser (an `Origin` header), and never beyond [`MAX_BODY_BYTES`] or
 //!   [`AppState::body_timeout`]: a declared larger body is refused before a byte is read.
 //! - Every refusal is answered with its reason and counted by the ingest.
+//! - At most [`DEFAULT_PUSH_SLOTS`] push bodies are read at once (a later push waits up to the
+//!   body timeout, then is refused as `rate_limited`).
 //! - At most [`DEFAULT_SCRAPE_SLOTS`] scrape bodies are in flight at once (later scrapes wait
 //!   up to 5 s, then get 503), and a client that stops reading is cut off after the send
 //!   timeout, so memory stays bounded by a few scrapes.
 //!
 //! # Memory budget
 //! A scrape is at most the pushed-series budget (`IngestConfig::max_series`, 10 000) times a
-//! series' largest size (labels at their bounds, about 800 bytes), under 9 MB, plus the
-//! agent's own series. The agent then holds at most four such bodies and one being encoded:
-//! measured at 66 MiB peak resident (the pushed-series budget filled with the worst valid
-//! pushes, four slow scrapers; `tests/it/hostile.rs`), 8 MiB idle. The chart's limit is
-//! 128 MiB.
+//! series' largest size: about 800 bytes with every pushed label and text at its bound (a
+//! 7.8 MB scrape, measured), and up to 500 bytes more where the agent adds a pod's UID,
+//! container ID and names (about 13 MB). The agent holds at most four such bodies in flight
+//! and one being encoded, and at most eight push bodies of 512 KiB being read: measured at
+//! 66 MiB peak resident with the worst valid pushes over TCP and twelve slow scrapers
+//! (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels), 8 MiB idle. The chart's
+//! limit is 128 MiB.
 
 mod listen;
 
@@ -53,7 +57,12 @@ pub struct AppState {
     pub body_timeout: std::time::Duration,
     /// Scrapes whose bodies may be in flight at once ([`DEFAULT_SCRAPE_SLOTS`]).
     pub scrape_slots: Arc<tokio::sync::Semaphore>,
+    /// Push bodies that may be read at once ([`DEFAULT_PUSH_SLOTS`]).
+    pub push_slots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Push bodies read at once, by default: 8 × 512 KiB at most.
+pub const DEFAULT_PUSH_SLOTS: usize = 8;
 
 impl AppState {
     /// The state serving `metrics`, pushes into `ingest` where given, with the default
@@ -64,6 +73,7 @@ impl AppState {
             ingest,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             scrape_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_SCRAPE_SLOTS)),
+            push_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_PUSH_SLOTS)),
         }
     }
 }
@@ -120,7 +130,8 @@ async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)],
         axum::body::Body::new(HeldBody {
-            body: http_body_util::Full::new(axum::body::Bytes::from(body)),
+            body: body.into_bytes(),
+            sent: 0,
             _slot: slot,
         }),
     )
@@ -133,9 +144,16 @@ const SCRAPE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Scrapes whose bodies may be in flight at once, by default.
 pub const DEFAULT_SCRAPE_SLOTS: usize = 4;
 
-/// A response body that holds its scrape slot until it is sent or dropped.
+/// Bytes of a scrape body handed to hyper at a time.
+const SCRAPE_CHUNK: usize = 64 * 1024;
+
+/// A scrape body that holds its slot, and its bytes, until the last of them was taken: it is
+/// handed out in copied chunks, so hyper's write backpressure keeps the slot held while a
+/// slow client reads (one whole chunk would end the body at once and free the slot while the
+/// bytes still waited in hyper's buffer).
 struct HeldBody {
-    body: http_body_util::Full<axum::body::Bytes>,
+    body: Vec<u8>,
+    sent: usize,
     _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -145,17 +163,24 @@ impl axum::body::HttpBody for HeldBody {
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        let start = self.sent;
+        let end = self.body.len().min(start + SCRAPE_CHUNK);
+        if start == end {
+            return std::task::Poll::Ready(None);
+        }
+        self.sent = end;
+        let chunk = axum::body::Bytes::copy_from_slice(&self.body[start..end]);
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.sent == self.body.len()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
+        hyper::body::SizeHint::with_exact((self.body.len() - self.sent) as u64)
     }
 }
 
@@ -173,12 +198,18 @@ pub fn status_of(refusal: Refusal) -> StatusCode {
     }
 }
 
-fn refused(store: &PushStore, refusal: Refusal, message: &str) -> Response {
-    store.count_refusal(refusal);
+/// A refusal's answer: its status, reason and message.
+fn refusal(refusal: Refusal, message: &str) -> Response {
     json(
         status_of(refusal),
         serde_json::json!({"error": message, "reason": refusal.label()}),
     )
+}
+
+/// A refusal before the store saw the body: counted, then answered.
+fn refused(store: &PushStore, kind: Refusal, message: &str) -> Response {
+    store.count_refusal(kind);
+    refusal(kind, message)
 }
 
 fn json(status: StatusCode, body: serde_json::Value) -> Response {
@@ -207,9 +238,10 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
         .get::<ConnectInfo<SocketAddr>>()
         .is_some_and(|c| c.0.ip().to_canonical().is_loopback());
     if unix.is_none() && !loopback {
-        return json(
-            StatusCode::FORBIDDEN,
-            serde_json::json!({"error": "pushes are accepted from this host only"}),
+        return refused(
+            &store,
+            Refusal::Forbidden,
+            "pushes are accepted from this host only",
         );
     }
     // A web page open in a browser on the node can send a "simple" cross-site POST to
@@ -243,6 +275,19 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
         // Refused before a byte of the body is read.
         return refused(&store, Refusal::TooLarge, &too_large);
     }
+    // A few bodies are read at once: each may hold MAX_BODY_BYTES.
+    let Ok(Ok(_reading)) = tokio::time::timeout(
+        state.body_timeout,
+        Arc::clone(&state.push_slots).acquire_owned(),
+    )
+    .await
+    else {
+        return refused(
+            &store,
+            Refusal::RateLimited,
+            "too many pushes are being read at once",
+        );
+    };
     let read = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES);
     let Ok(read) = tokio::time::timeout(state.body_timeout, read).await else {
         return refused(
@@ -269,10 +314,7 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
     };
     match store.push_from(&body, unix.and_then(|peer| peer.pid)) {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
-        Err(rejected) => json(
-            status_of(rejected.refusal),
-            serde_json::json!({"error": rejected.message, "reason": rejected.refusal.label()}),
-        ),
+        Err(rejected) => refusal(rejected.refusal, &rejected.message),
     }
 }
 

@@ -122,13 +122,14 @@ fn hostile_requests_are_refused_with_their_reason() {
     let response = String::from_utf8_lossy(&response);
     assert_eq!(status(&response), Some(400), "{response}");
     assert!(response.contains("truncated"), "{response}");
+    assert_eq!(counter(port, "truncated"), 1.0);
     // A broken chunk size.
     let response = raw(
         port,
         b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
     );
     assert_eq!(status(&response), Some(400), "{response}");
-    assert!(counter(port, "truncated") >= 1.0);
+    assert_eq!(counter(port, "truncated"), 2.0, "the bad chunk too");
     assert_eq!(
         counter(port, "too_large"),
         2.0,
@@ -275,6 +276,8 @@ fn a_second_agent_waits_for_the_first_to_leave_the_socket() {
     );
     assert!(wait_for(Duration::from_secs(10), || http_get(b_port, "/healthz")).is_some());
     assert!(second.0.try_wait().expect("status").is_none());
+    // The first agent, gone, left the second's socket in place.
+    assert!(std::os::unix::net::UnixStream::connect(dir.join("push.sock")).is_ok());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -283,7 +286,7 @@ fn a_second_agent_waits_for_the_first_to_leave_the_socket() {
 fn a_socket_is_taken_over_after_the_wait_with_a_warning() {
     let dir = temp_dir("hostile-takeover");
     let (a_port, b_port) = (free_port(), free_port());
-    let _first = serve(&dir, a_port, &[]);
+    let mut first = serve(&dir, a_port, &[]);
     let _second = Reaper(
         Command::new(env!("CARGO_BIN_EXE_gpumem"))
             .args(["serve", "--listen", &format!("127.0.0.1:{b_port}")])
@@ -301,6 +304,22 @@ fn a_socket_is_taken_over_after_the_wait_with_a_warning() {
     })
     .expect("the second agent binds after its wait");
     assert!(log.contains("taking the socket over"), "{log}");
+    // The first agent's exit does not remove the socket the second now owns.
+    let _ = Command::new("kill")
+        .args(["-TERM", &first.0.id().to_string()])
+        .status();
+    assert!(
+        wait_for(Duration::from_secs(10), || first
+            .0
+            .try_wait()
+            .ok()
+            .flatten())
+        .is_some()
+    );
+    assert!(
+        std::os::unix::net::UnixStream::connect(dir.join("push.sock")).is_ok(),
+        "the second agent still answers on its socket"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -355,10 +374,10 @@ fn a_closed_stdout_is_a_normal_end() {
 fn bad_numbers_are_refused() {
     for args in [
         vec!["demo", "--speed", "nan"],
-        vec!["demo", "--speed", "-5"],
+        vec!["demo", "--speed=-5"],
         vec!["demo", "--speed", "inf"],
         vec!["serve", "--header-timeout", "0"],
-        vec!["serve", "--exited-grace", "-1"],
+        vec!["serve", "--exited-grace=-1"],
         vec!["serve", "--max-connections", "0"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
@@ -366,7 +385,13 @@ fn bad_numbers_are_refused() {
             .output()
             .expect("runs");
         assert_eq!(out.status.code(), Some(2), "{args:?}");
-        assert!(!out.stderr.is_empty(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("between")
+                || stderr.contains("not a number")
+                || stderr.contains("is not in"),
+            "{args:?}: refused by the range check, not as an unknown argument: {stderr}"
+        );
     }
 }
 
@@ -462,7 +487,8 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
         });
         if classes {
             d["largest_free_block"] = serde_json::json!(MIB);
-            d["segments_by_size"] = (0..64)
+            // Every class below 2^60: the most a device can list.
+            d["segments_by_size"] = (0..60)
                 .map(|b| serde_json::json!({"size": 1u64 << b, "segments": 1, "free_bytes": 0}))
                 .collect();
         }
@@ -501,8 +527,8 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
     assert!(counter(port, "series_budget") >= 2.0);
     let body = http_get(port, "/metrics").expect("scrape");
     let series = body.lines().filter(|l| !l.starts_with('#')).count();
-    // Four slow scrapers that never read, each holding an encoded body.
-    let slow: Vec<TcpStream> = (0..4)
+    // Twelve slow scrapers that never read: four hold a body each, the others wait.
+    let slow: Vec<TcpStream> = (0..12)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connects");
             s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -519,7 +545,7 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
     let peak = peak_rss_kib(agent.0.id());
     drop(slow);
     eprintln!(
-        "worst valid pushes: {accepted} processes, {series} series, a {:.1} MB scrape; agent peak RSS {} KiB idle, {} KiB with four slow scrapers (next scrape after {waited:?})",
+        "worst valid pushes: {accepted} processes, {series} series, a {:.1} MB scrape; agent peak RSS {} KiB idle, {} KiB with twelve slow scrapers (next scrape after {waited:?})",
         body.len() as f64 / 1e6,
         before,
         peak

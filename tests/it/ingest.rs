@@ -678,3 +678,59 @@ fn a_loopback_flood_loses_no_valid_push_and_stays_bounded() {
     assert!(after < 64 * 1024, "peak RSS {after} KiB");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The hook's list of names the agent exports as `exported_<name>` is the agent's: the
+/// contract's labels, `le` and the target labels.
+#[test]
+fn the_hook_knows_which_labels_the_agent_renames() {
+    use gpumem::ingest::payload::{TARGET_LABELS, collides};
+    use gpumem::metrics::contract::CONTRACT;
+    let hook = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("python/gpumem_push/src/gpumem_push/__init__.py"),
+    )
+    .expect("the hook's source");
+    let start = hook.find("COLLIDING = frozenset((").expect("COLLIDING");
+    let end = start + hook[start..].find("))").expect("its end");
+    let listed: std::collections::BTreeSet<&str> =
+        hook[start..end].split('"').skip(1).step_by(2).collect();
+    let mut agent: std::collections::BTreeSet<&str> = CONTRACT
+        .iter()
+        .flat_map(|d| d.labels.iter().copied())
+        .collect();
+    agent.extend(TARGET_LABELS);
+    agent.insert("le");
+    assert_eq!(listed, agent);
+    assert!(listed.iter().all(|name| collides(name)));
+}
+
+/// The series budget counts what a scrape shows: a push whose devices have every optional
+/// series (a snapshot's figures, the last OOM's time) yields exactly the series it is charged
+/// for, so no series can get around the budget.
+#[tokio::test]
+async fn a_push_is_charged_the_series_it_shows() {
+    let (router, _) = agent(4);
+    let device = |i: u32| {
+        serde_json::json!({"index": i, "uuid": format!("GPU-{i}"),
+            "stats": {"num_ooms": 1, "reserved_bytes.all.current": 4096},
+            "largest_free_block": 512,
+            "segments_by_size": [{"size": 2048, "segments": 1, "free_bytes": 512},
+                                 {"size": 4096, "segments": 1, "free_bytes": 0}]})
+    };
+    let body = serde_json::json!({"pid": 77, "seq": 1, "reason": "oom",
+        "devices": [device(0), device(1)]});
+    let charged = gpumem::ingest::payload::validate(body.to_string().as_bytes())
+        .expect("valid")
+        .series();
+    let (status, reply) = post(&router, body.to_string().into_bytes(), LOCAL).await;
+    assert_eq!(status, 202, "{reply}");
+    let text = scrape(&router).await;
+    let shown = text
+        .lines()
+        .filter(|l| {
+            (l.starts_with("gpumem_allocator_") || l.starts_with("gpumem_ingest_"))
+                && l.contains(r#"pid="77""#)
+        })
+        .count();
+    assert_eq!(shown, charged, "{text}");
+}

@@ -649,3 +649,76 @@ fn a_recorded_max_split_size_of_zero_is_refused() {
         }
     }
 }
+
+/// Frees deferred on two to four streams and completed together (at one malloc, and in the
+/// synchronisation of an `empty_cache`) are listed by PyTorch in its hash map's order: the
+/// check matches each batch as a set, in whatever order the recording lists it.
+#[test]
+fn frees_completed_together_match_in_any_order() {
+    const MIB: u64 = 1 << 20;
+    let base: u64 = 0x7f00_0000_0000;
+    let others = [base + 0x1000_0000, base + 0x2000_0000, base + 0x3000_0000];
+    let ev = |action: &str, addr: u64, size: u64, stream: u64| serde_json::json!({"action": action, "addr": addr, "size": size, "stream": stream});
+    for streams in 2..=4usize {
+        // Per extra stream, one segment with one block.
+        let extra = &others[..streams - 1];
+        let mut trace = vec![ev("segment_alloc", base, 20 * MIB, 0)];
+        let blocks: Vec<u64> = (0..4).map(|i| base + i * 2 * MIB).collect();
+        for &b in &blocks {
+            trace.push(ev("alloc", b, 2 * MIB, 0));
+        }
+        for (s, &seg) in extra.iter().enumerate() {
+            trace.push(ev("segment_alloc", seg, 20 * MIB, s as u64 + 1));
+            trace.push(ev("alloc", seg, 2 * MIB, s as u64 + 1));
+        }
+        // Requests in one order (gpumem completes them in this order) ...
+        for &b in &blocks[..3] {
+            trace.push(ev("free_requested", b, 2 * MIB, 0));
+        }
+        for (s, &seg) in extra.iter().enumerate() {
+            trace.push(ev("free_requested", seg, 2 * MIB, s as u64 + 1));
+        }
+        // ... completions in another, before the next malloc.
+        for (s, &seg) in extra.iter().enumerate().rev() {
+            trace.push(ev("free_completed", seg, 2 * MIB, s as u64 + 1));
+        }
+        for &b in [blocks[2], blocks[0], blocks[1]].iter() {
+            trace.push(ev("free_completed", b, 2 * MIB, 0));
+        }
+        trace.push(ev("alloc", base, 2 * MIB, 0));
+        // Two more deferred frees, completed together (reversed) by an empty_cache's
+        // synchronisation, then the releases.
+        trace.push(ev("free_requested", blocks[3], 2 * MIB, 0));
+        trace.push(ev("free_requested", base, 2 * MIB, 0));
+        trace.push(ev("free_completed", base, 2 * MIB, 0));
+        trace.push(ev("free_completed", blocks[3], 2 * MIB, 0));
+        trace.push(ev("segment_free", base, 20 * MIB, 0));
+        for (s, &seg) in extra.iter().enumerate() {
+            trace.push(ev("segment_free", seg, 20 * MIB, s as u64 + 1));
+        }
+        let events = trace.len();
+        let doc = serde_json::json!({"segments": [], "device_traces": [trace]});
+        let rec = parse_recording(doc.to_string().as_bytes()).expect("valid recording");
+        let r = check(&rec, 0, None);
+        assert_eq!(r.compared.total(), events as u64, "{streams} streams");
+        assert_eq!(r.compared.segment_frees, streams as u64);
+        // A batch that lacks a member still diverges.
+        let mut broken = doc.clone();
+        let list = broken["device_traces"][0].as_array_mut().expect("trace");
+        let at = list
+            .iter()
+            .position(|e| e["action"] == "free_completed")
+            .expect("a completion");
+        list.remove(at);
+        let rec = parse_recording(broken.to_string().as_bytes()).expect("valid recording");
+        let options = ReplayOptions {
+            check: true,
+            ..ReplayOptions::default()
+        };
+        let report = replay(&rec, &options);
+        assert!(
+            report.as_ref().map_or(true, |r| r.divergence.is_some()),
+            "{streams} streams: a missing completion is a divergence"
+        );
+    }
+}

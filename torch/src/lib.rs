@@ -270,16 +270,13 @@ fn start_server(listen: &str, sources: AllocatorSources) {
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
-                        if let Err(e) = gpumem::server::serve(
+                        gpumem::server::serve(
                             listener,
                             app,
                             gpumem::server::HttpLimits::default(),
                             std::future::pending(),
                         )
-                        .await
-                        {
-                            report(&format!("metrics server stopped: {e}"));
-                        }
+                        .await;
                     }
                     Err(e) => report(&e.to_string()),
                 }

@@ -1,11 +1,13 @@
-//! Comparing what the core did with the recording (check mode): event by event, the first
-//! difference reported with its context.
+//! Comparing what the core did with the recording (check mode): event by event, a batch of
+//! frees completed together as a set, the first difference reported with its context.
 //!
 //! # Invariants
 //! - An OOM or snapshot event matches on its size alone (an OOM's `addr` is the driver's
 //!   free bytes, which depend on the device, not on the allocator); every other event on
 //!   action, address and size.
 //! - Each matched event is counted once, in its kind's `Compared` field.
+//! - A batch of `free_completed` events matches when it holds the same (address, size,
+//!   stream) members, in any order; every other event matches only in order.
 
 use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
@@ -19,8 +21,7 @@ impl Engine<'_> {
     pub(super) fn reproduces(&mut self, start: usize, end: usize) -> bool {
         let actual = self.alloc.take_trace();
         let expected = &self.events[start..end];
-        let matches =
-            actual.len() == expected.len() && expected.iter().zip(&actual).all(|(x, a)| same(x, a));
+        let matches = first_difference(expected, &actual).is_none();
         if matches {
             for x in expected {
                 self.count(x.action);
@@ -36,16 +37,20 @@ impl Engine<'_> {
         }
         let actual = self.alloc.take_trace();
         let expected = &self.events[start..end];
-        for k in 0..expected.len().max(actual.len()) {
-            match (expected.get(k), actual.get(k)) {
-                (Some(x), Some(a)) if same(x, a) => self.count(x.action),
-                (x, a) => {
-                    let index = start + k.min(expected.len());
-                    let expected = x.map_or("nothing more".to_string(), describe);
-                    let actual = a.map_or("nothing".to_string(), describe);
-                    self.diverge(index, expected, actual);
-                    return;
+        match first_difference(expected, &actual) {
+            None => {
+                for x in expected {
+                    self.count(x.action);
                 }
+            }
+            Some(k) => {
+                for x in &expected[..k] {
+                    self.count(x.action);
+                }
+                let index = start + k.min(expected.len());
+                let expected = expected.get(k).map_or("nothing more".to_string(), describe);
+                let actual = actual.get(k).map_or("nothing".to_string(), describe);
+                self.diverge(index, expected, actual);
             }
         }
     }
@@ -111,6 +116,46 @@ impl Engine<'_> {
     }
 }
 
+/// Where the core's events first differ from the recorded ones, `None` if they do not.
+/// A run of `free_completed` events is a batch completed together (one `process_events`, or
+/// the synchronisation before a release): PyTorch lists it in its hash map's order over
+/// streams, which a recording cannot reveal, so a batch matches as a set (every member once,
+/// nothing else); everything else matches in order.
+fn first_difference(expected: &[TraceEntry], actual: &[TraceEntry]) -> Option<usize> {
+    let completed = |e: &TraceEntry| e.action == TraceAction::FreeCompleted;
+    let mut k = 0;
+    while k < expected.len().max(actual.len()) {
+        let (Some(x), Some(a)) = (expected.get(k), actual.get(k)) else {
+            return Some(k);
+        };
+        if completed(x) && completed(a) {
+            let run =
+                |events: &[TraceEntry]| events[k..].iter().take_while(|e| completed(e)).count();
+            let (n, m) = (run(expected), run(actual));
+            let key = |e: &TraceEntry| (e.addr, e.size, e.stream);
+            let mut left: Vec<_> = actual[k..k + m].iter().map(key).collect();
+            for (i, x) in expected[k..k + n].iter().enumerate() {
+                match left.iter().position(|&a| a == key(x)) {
+                    Some(p) => {
+                        left.swap_remove(p);
+                    }
+                    None => return Some(k + i),
+                }
+            }
+            if !left.is_empty() {
+                return Some(k + n);
+            }
+            k += n;
+            continue;
+        }
+        if !same(x, a) {
+            return Some(k);
+        }
+        k += 1;
+    }
+    None
+}
+
 /// Whether the core's event is the recorded one.
 fn same(x: &TraceEntry, a: &TraceEntry) -> bool {
     if x.action != a.action {
@@ -120,5 +165,44 @@ fn same(x: &TraceEntry, a: &TraceEntry) -> bool {
         // The free device memory of an OOM depends on the device, not on the allocator.
         TraceAction::Oom | TraceAction::Snapshot => x.size == a.size,
         _ => x.addr == a.addr && x.size == a.size,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(action: TraceAction, addr: u64) -> TraceEntry {
+        TraceEntry {
+            action,
+            addr,
+            size: 512,
+            stream: 0,
+            time_us: None,
+        }
+    }
+
+    #[test]
+    fn a_batch_of_completed_frees_matches_as_a_set() {
+        use TraceAction::{Alloc, FreeCompleted as Done, SegmentFree};
+        let recorded = [e(Done, 3), e(Done, 1), e(Done, 2), e(Alloc, 9)];
+        let ours = [e(Done, 1), e(Done, 2), e(Done, 3), e(Alloc, 9)];
+        assert_eq!(first_difference(&recorded, &ours), None);
+        // A member missing, one too many, or another member: a difference.
+        let missing = [e(Done, 1), e(Done, 2), e(Alloc, 9)];
+        assert_eq!(
+            first_difference(&recorded, &missing),
+            Some(0),
+            "3 is missing"
+        );
+        let extra = [e(Done, 1), e(Done, 2), e(Done, 3), e(Done, 4), e(Alloc, 9)];
+        assert_eq!(first_difference(&recorded, &extra), Some(3));
+        let other = [e(Done, 1), e(Done, 2), e(Done, 4), e(Alloc, 9)];
+        assert_eq!(first_difference(&recorded, &other), Some(0));
+        // Anything else keeps its order.
+        let releases = [e(SegmentFree, 1), e(SegmentFree, 2)];
+        let swapped = [e(SegmentFree, 2), e(SegmentFree, 1)];
+        assert_eq!(first_difference(&releases, &swapped), Some(0));
+        assert_eq!(first_difference(&releases, &releases[..1]), Some(1));
     }
 }

@@ -68,9 +68,20 @@ PERIODIC_TIMEOUT = 2.0
 # How often the thread looks for torch and initialised CUDA until the observer is attached.
 POLL = 0.25
 
-# The agent's bounds (src/ingest/payload.rs). Names it sets itself (gpu, pid, pod_uid, job,
-# namespace, ...) are accepted: the agent exports them as exported_<name>.
+# The agent's bounds (src/ingest/payload.rs). Names it sets itself are accepted: the agent
+# exports them as exported_<name>.
+# The names the agent exports as exported_<name>: the metric contract's labels, Prometheus's
+# `le` and the target labels of Kubernetes service discovery (tests/it/ingest.rs checks this
+# list against the agent's).
+COLLIDING = frozenset((
+    "UUID", "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
+    "model", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process", "result",
+    "segment_size", "simulated", "source", "version", "le",
+    "job", "instance", "namespace", "pod", "container", "node", "service", "endpoint",
+    "cluster",
+))
 MAX_USER_LABELS = 8
+MAX_LABEL_BYTES = 512  # names and values together, rank labels included
 MAX_NAME = 64
 MAX_TEXT = 128  # bytes of UTF-8, as the agent counts
 MAX_DEVICES = 16
@@ -233,25 +244,52 @@ def _labels(explicit):
             items = []
         for name, value in items:
             merged[str(name)] = value if isinstance(value, str) else str(value)
-    labels = {}
-    for name, value in merged.items():
-        problem = _label_problem(name, value)
-        if problem:
-            _warn(f"label {name!r} {problem}; dropped")
-        elif len(labels) >= MAX_USER_LABELS:
-            _warn(f"label {name!r} is past the {MAX_USER_LABELS} labels allowed; dropped")
-        else:
-            labels[name] = value
+    # The rank labels first: they identify the process, and count in the byte total.
+    ranks = {}
     for name, variable in RANK_LABELS:
         value = os.environ.get(variable)
-        if value is None or name in labels:
+        if value is None or name in merged:
             continue
         problem = _label_problem(name, value)
         if problem:
             _warn(f"label {name!r} (from {variable}) {problem}; dropped")
         else:
+            ranks[name] = value
+    used = sum(_size(n, v) for n, v in ranks.items())
+    labels = {}
+    for name, value in merged.items():
+        problem = _label_problem(name, value)
+        # The agent exports a colliding name as exported_<name>: both given would clash.
+        base = name[len("exported_"):] if name.startswith("exported_") else None
+        if not problem and base in COLLIDING and base in merged:
+            problem = f"clashes with {base!r}, which the agent exports as {name!r}"
+        if problem:
+            _warn(f"label {name!r} {problem}; dropped")
+        elif len(labels) >= MAX_USER_LABELS:
+            _warn(f"label {name!r} is past the {MAX_USER_LABELS} labels allowed; dropped")
+        elif used + _size(name, value) > MAX_LABEL_BYTES:
+            _warn(f"label {name!r} is past the {MAX_LABEL_BYTES} bytes the labels may take "
+                  "together; dropped")
+        else:
             labels[name] = value
+            used += _size(name, value)
+    labels.update(ranks)
     return labels
+
+
+def _start_time():
+    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): with
+    the pid, what tells this process apart from another that reuses its pid."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read(4096).decode("ascii", "replace")
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _size(name, value):
+    return len(name.encode()) + len(value.encode("utf-8", "surrogatepass"))
 
 
 def _interval(explicit):
@@ -502,6 +540,9 @@ def _push(torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None, lock_time
             "labels": dict(config["labels"]),
             "devices": devices,
         }
+        start_time = _start_time()
+        if start_time is not None:
+            payload["start_time"] = start_time
         if reason:
             payload["reason"] = reason
         with _lock:
