@@ -21,6 +21,7 @@ pub mod config;
 pub mod device;
 pub mod ingest;
 pub mod metrics;
+pub mod ops;
 pub mod server;
 pub mod shared;
 pub mod sources;

@@ -5,9 +5,10 @@
 use std::fmt;
 
 use crate::config::ConfigError;
-use crate::device::{DeviceError, DevicePtr};
+use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 
 use super::size::format_size;
+use super::{CachingAllocator, TraceAction};
 
 /// Why an allocation failed with out-of-memory, with the figures that explain it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,5 +96,30 @@ fn short(x: f64) -> String {
         format!("{x}")
     } else {
         format!("{x:e}")
+    }
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// The out-of-memory error, after recording it (trace entry, `num_ooms`).
+    pub(super) fn out_of_memory(
+        &mut self,
+        rounded: u64,
+        segment_size: u64,
+        stream: StreamId,
+    ) -> Result<AllocError, AllocError> {
+        let info = self.device.mem_get_info()?;
+        self.record(TraceAction::Oom, info.free, rounded, stream);
+        self.stats.num_ooms.bump();
+        let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
+        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
+        Ok(AllocError::OutOfMemory(Box::new(OutOfMemory {
+            device: self.device.index(),
+            tried_to_allocate: segment_size,
+            total: info.total,
+            free: info.free,
+            allowed: self.allowed_memory_maximum,
+            allocated,
+            reserved_unallocated: reserved.saturating_sub(allocated),
+        })))
     }
 }

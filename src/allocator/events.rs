@@ -1,5 +1,6 @@
 //! Stream-ordered reuse: the events that hold back a freed block's reuse, and their
-//! completion (PyTorch's `insert_events`, `process_events`, `synchronize_and_free_events`).
+//! completion (PyTorch's `recordStream`, `insert_events`, `process_events`,
+//! `synchronize_and_free_events`).
 //!
 //! # Note [Stream-ordered reuse]
 //! A block freed while other streams may still use it (`record_stream`) cannot be reused at
@@ -19,7 +20,7 @@
 
 use std::collections::VecDeque;
 
-use crate::device::{Device, EventId, StreamId};
+use crate::device::{Device, DevicePtr, EventId, StreamId};
 
 use super::block::BlockId;
 use super::{AllocError, CachingAllocator};
@@ -126,5 +127,27 @@ impl<D: Device> CachingAllocator<D> {
             self.event_completed(event, id);
         }
         Ok(())
+    }
+
+    /// Marks a live block as used by `stream`, so that its reuse after free waits for the
+    /// work queued on `stream` (`recordStream`). Ignored for null, for pointers this
+    /// allocator does not hold, and for the block's own stream.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) {
+        self.record_stream_unchecked(ptr, stream);
+        self.checked("record_stream", ());
+    }
+
+    fn record_stream_unchecked(&mut self, ptr: DevicePtr, stream: StreamId) {
+        let Some(&id) = self.live.get(&ptr.0) else {
+            return;
+        };
+        if self.block(id).stream == stream {
+            return;
+        }
+        let uses = self.stream_uses.entry(id).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        self.block_mut(id).has_stream_uses = true;
     }
 }

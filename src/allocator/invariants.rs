@@ -1,5 +1,10 @@
 //! `check_invariants()`: a full scan that recomputes everything the allocator keeps
-//! incrementally and compares. Tests run it after every operation; it costs O(blocks).
+//! incrementally and compares; it costs O(blocks).
+//!
+//! With the cargo feature `invariants` (which the test command turns on), the core runs it
+//! itself after every mutating public operation and panics, naming the operation, at the
+//! first broken invariant: every test, replay and fuzz run is then checked at each step.
+//! Without the feature the hook compiles to nothing.
 
 use rustc_hash::FxHashSet;
 
@@ -47,6 +52,19 @@ fn check_array(name: &str, array: &StatArray, small: i64, large: i64) -> Result<
 }
 
 impl<D: Device> CachingAllocator<D> {
+    /// After the mutating operation `op`: with the feature `invariants`, panics if an
+    /// invariant broke; passes `result` through.
+    #[inline(always)]
+    pub(super) fn checked<T>(&self, op: &str, result: T) -> T {
+        #[cfg(feature = "invariants")]
+        if let Err(broken) = self.check_invariants() {
+            panic!("allocator invariant broken after {op}: {broken}");
+        }
+        #[cfg(not(feature = "invariants"))]
+        let _ = op;
+        result
+    }
+
     /// Verifies every structural and accounting invariant (see the module documentation of
     /// [`crate::allocator`]); returns the first violation found.
     ///

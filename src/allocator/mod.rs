@@ -260,6 +260,11 @@ impl<D: Device> CachingAllocator<D> {
     /// Note [OOM retry chain]); [`AllocError::TooLarge`] for 1 EiB or more;
     /// [`AllocError::Device`] when the driver fails otherwise.
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        let result = self.malloc_unchecked(size, stream);
+        self.checked("malloc", result)
+    }
+
+    fn malloc_unchecked(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         if size == 0 {
             return Ok(DevicePtr::NULL);
         }
@@ -347,29 +352,6 @@ impl<D: Device> CachingAllocator<D> {
         self.record(TraceAction::SegmentAlloc, ptr.0, segment_size, stream);
         Ok(Some(id))
     }
-    /// The out-of-memory error, after recording it (trace entry, `num_ooms`).
-    fn out_of_memory(
-        &mut self,
-        rounded: u64,
-        segment_size: u64,
-        stream: StreamId,
-    ) -> Result<AllocError, AllocError> {
-        let info = self.device.mem_get_info()?;
-        self.record(TraceAction::Oom, info.free, rounded, stream);
-        self.stats.num_ooms.bump();
-        let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
-        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
-        Ok(AllocError::OutOfMemory(Box::new(OutOfMemory {
-            device: self.device.index(),
-            tried_to_allocate: segment_size,
-            total: info.total,
-            free: info.free,
-            allowed: self.allowed_memory_maximum,
-            allocated,
-            reserved_unallocated: reserved.saturating_sub(allocated),
-        })))
-    }
-
     // ---------------------------------------------------------------------------------------
     // Free
 
@@ -381,6 +363,11 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::Device`] if events could not be recorded and the device could not be
     /// synchronised instead (the block is then kept out of reuse).
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let result = self.free_unchecked(ptr);
+        self.checked("free", result)
+    }
+
+    fn free_unchecked(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
         if ptr.is_null() {
             return Ok(());
         }
@@ -404,23 +391,6 @@ impl<D: Device> CachingAllocator<D> {
         }
     }
 
-    /// Marks a live block as used by `stream`, so that its reuse after free waits for the
-    /// work queued on `stream` (`recordStream`). Ignored for null, for pointers this
-    /// allocator does not hold, and for the block's own stream.
-    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) {
-        let Some(&id) = self.live.get(&ptr.0) else {
-            return;
-        };
-        if self.block(id).stream == stream {
-            return;
-        }
-        let uses = self.stream_uses.entry(id).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
-        }
-        self.block_mut(id).has_stream_uses = true;
-    }
-
     // ---------------------------------------------------------------------------------------
     // Releasing memory
 
@@ -430,7 +400,8 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`AllocError::Device`] if the driver fails; what was released before stays released.
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
-        self.release_cached_blocks()
+        let result = self.release_cached_blocks();
+        self.checked("empty_cache", result)
     }
     // ---------------------------------------------------------------------------------------
     // Settings and queries
@@ -460,7 +431,7 @@ impl<D: Device> CachingAllocator<D> {
         let before = self.config.max_split_size;
         self.config.apply(settings)?;
         self.max_split_size_changed |= self.config.max_split_size != before;
-        Ok(())
+        self.checked("set_allocator_settings", Ok(()))
     }
 
     /// `reset_peak_memory_stats`: every peak becomes the current value.

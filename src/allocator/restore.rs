@@ -100,6 +100,6 @@ impl<D: Device> CachingAllocator<D> {
         for id in free {
             self.insert_free(id);
         }
-        Ok(base)
+        self.checked("restore_segment", Ok(base))
     }
 }
