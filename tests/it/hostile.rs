@@ -570,3 +570,36 @@ fn a_huge_memory_fraction_is_refused_briefly() {
     assert!(!out.status.success());
     assert!(stderr.contains("1e300") && stderr.len() < 200, "{stderr}");
 }
+
+/// `demo` ends on SIGTERM within its shutdown bound too, with a request half sent.
+#[test]
+fn demo_ends_on_sigterm_with_a_request_half_sent() {
+    let port = free_port();
+    let mut demo = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["demo", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--shutdown-timeout", "1"])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("demo starts"),
+    );
+    assert!(wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some());
+    let mut half = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .expect("write");
+    let started = Instant::now();
+    let term = Command::new("kill")
+        .args(["-TERM", &demo.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let exited = wait_for(Duration::from_secs(10), || demo.0.try_wait().ok().flatten())
+        .expect("demo exits on SIGTERM");
+    assert!(exited.success(), "{exited:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(half);
+}
