@@ -1,6 +1,10 @@
 //! The allocator's errors. An out-of-memory error carries the figures PyTorch's message
 //! reports, so that a caller (or an operator reading a log) can tell fragmentation from a
 //! full device.
+//!
+//! # Invariants
+//! - An out-of-memory error is built only after the attempt was recorded (an `oom` trace entry
+//!   whose `addr` holds the driver's free bytes, and `num_ooms`).
 
 use std::fmt;
 

@@ -1,5 +1,12 @@
 //! Recreating a segment with a given layout: the start state of a recording that began
 //! mid-run, loaded into the core before its trace is replayed.
+//!
+//! # Invariants
+//! - A restored segment satisfies every allocator invariant at once: adjacent free space is
+//!   merged, allocated blocks are live, statistics count the blocks as if allocated one by
+//!   one; nothing is recorded in the trace.
+//! - A layout that cannot exist (a zero or unaligned block, an exabyte) is refused before the
+//!   device is asked for anything.
 
 use crate::device::{Device, DevicePtr, StreamId};
 

@@ -1,4 +1,7 @@
 //! `memory_summary()`: the statistics as PyTorch's 75-column text table.
+//!
+//! # Invariants
+//! - Pure formatting of the statistics read once, in PyTorch's rows and layout; no state.
 
 use std::fmt::Write;
 

@@ -1,5 +1,9 @@
 //! What a replay reports: the peaks and counters over the trace, the decisions compared and
 //! the first divergence (check mode), and memory over time.
+//!
+//! # Invariants
+//! - Counters and peaks cover the trace only (reset after the start state is loaded); a
+//!   report's `capacity` is the device memory actually replayed on.
 
 use serde::Serialize;
 
