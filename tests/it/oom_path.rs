@@ -205,7 +205,7 @@ torch._fake.oom(0, 1 << 36)
     );
     assert_eq!(labels["exported_job"], "llama", "{alert}");
     assert_eq!(labels["team"], "nlp", "{alert}");
-    assert_eq!(labels["severity"], "critical", "{alert}");
+    assert_eq!(labels["severity"], "warning", "{alert}");
     let value = prometheus_query(
         prom_port,
         &format!("gpumem_allocator_ooms_total{{pid=\"{pid}\"}}"),
