@@ -391,10 +391,14 @@ impl SimDevice {
         }
     }
 
-    /// First-fit placement of `size` bytes at an aligned address.
-    fn take_address_range(&mut self, size: u64) -> Option<u64> {
+    /// First-fit placement of `size` bytes at an aligned address. A hinted address must be a
+    /// multiple of `hint_alignment` (a driver never hands out less aligned ones, and the
+    /// allocator relies on it): a recording that says otherwise gets out-of-memory, not a
+    /// misaligned segment.
+    fn take_address_range(&mut self, size: u64, hint_alignment: u64) -> Option<u64> {
         if let Some(addr) = self.address_hints.pop_front() {
-            return self.carve_address_range(addr, size).then_some(addr);
+            let aligned = addr.is_multiple_of(hint_alignment.max(1));
+            return (aligned && self.carve_address_range(addr, size)).then_some(addr);
         }
         let align = self.config.alignment.max(1);
         let (start, len, addr) = self.free_ranges.iter().find_map(|(&start, &len)| {
@@ -466,8 +470,9 @@ impl Device for SimDevice {
         self.charge(self.config.malloc_ns);
         self.charge_implied_synchronize();
         self.admit_allocation(size)?;
+        // cudaMalloc's addresses are at least 512-byte aligned (gpumem's block granularity).
         let addr = self
-            .take_address_range(size)
+            .take_address_range(size, 512)
             .ok_or(DeviceError::OutOfMemory)?;
         self.segments.insert(addr, size);
         self.use_bytes(size);
@@ -574,7 +579,7 @@ impl Device for SimDevice {
             )));
         }
         let addr = self
-            .take_address_range(size)
+            .take_address_range(size, granularity)
             .ok_or(DeviceError::OutOfMemory)?;
         self.reservations.insert(addr, size);
         Ok(DevicePtr(addr))

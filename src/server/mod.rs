@@ -12,8 +12,8 @@
 //! - At most [`DEFAULT_PUSH_SLOTS`] push bodies are read at once (a later push waits up to the
 //!   body timeout, then is refused as `rate_limited`).
 //! - At most [`DEFAULT_SCRAPE_SLOTS`] scrape bodies are in flight at once (later scrapes wait
-//!   up to 5 s, then get 503), and a client that stops reading is cut off after the send
-//!   timeout, so memory stays bounded by a few scrapes.
+//!   up to 5 s, then get 503), and a client that keeps its response waiting and reads less
+//!   than 1 MiB per send timeout is cut off, so memory stays bounded by a few scrapes.
 //!
 //! # Memory budget
 //! A scrape is at most the pushed-series budget (`IngestConfig::max_series`, 10 000) times a
