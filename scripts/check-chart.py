@@ -21,17 +21,26 @@ OPERATOR_KINDS = {
     "PrometheusRule": "prometheusrule.json",
 }
 ALL_ON = {
+    "global": {"imageRegistry": "registry.example.com"},
+    "nameOverride": "gpu-memory",
     "hostPID": True,
     "runtimeClassName": "nvidia",
     "priorityClassName": "system-node-critical",
+    "priorityClassQuota": {"enabled": True, "pods": 500},
     "imagePullSecrets": [{"name": "registry"}],
+    "image": {"repository": "registry.example.com/gpumem", "tag": "0.1.0",
+              "digest": "sha256:" + "ab" * 32},
+    "extraEnv": [{"name": "RUST_LOG", "value": "debug"}],
     "extraArgs": ["--interval", "10"],
     "podAnnotations": {"example.com/owner": "gpu-team"},
     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [
             {"key": "nvidia.com/gpu.product", "operator": "Exists"}]}]}}},
-    "serviceMonitor": {"enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"}},
-    "podMonitor": {"enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"}},
+    "serviceMonitor": {"enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"},
+                       "namespace": "monitoring",
+                       "relabelings": [{"targetLabel": "cluster", "replacement": "gpu-a"}],
+                       "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "go_.*",
+                                              "action": "drop"}]},
     "prometheusRule": {"enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"}},
     "dashboards": {"enabled": True, "namespace": "monitoring"},
 }
@@ -83,9 +92,53 @@ defaults = check({}, "default values")
 if defaults != sorted(["DaemonSet", "Service", "ServiceAccount"]):
     fail(f"default values render {defaults}")
 everything = check(ALL_ON, "every option on")
-for kind in ["ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"]:
+for kind in ["ServiceMonitor", "PrometheusRule", "ConfigMap", "ResourceQuota"]:
     if kind not in everything:
         fail(f"every option on: no {kind}")
+pod_monitor = dict(ALL_ON, serviceMonitor={"enabled": False},
+                   podMonitor={"enabled": True, "relabelings": [{"targetLabel": "cluster",
+                                                                 "replacement": "gpu-a"}]})
+if "PodMonitor" not in check(pod_monitor, "a PodMonitor instead"):
+    fail("podMonitor on: no PodMonitor")
+# Both monitors would scrape every agent twice: refused, saying why.
+try:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.render(dict(ALL_ON, podMonitor={"enabled": True}), name="gpumem",
+                     namespace="gpu-monitoring")
+    fail("serviceMonitor and podMonitor both on rendered")
+except Exception as error:
+    if "scrape every agent twice" not in str(error):
+        fail(f"both monitors: unclear refusal {error}")
+    else:
+        print("both monitors on: refused")
+
+
+def rendered(values, kind):
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="gpumem", namespace="gpu-monitoring")
+    return [doc for template, text in manifests.items() if template.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc and doc["kind"] == kind]
+
+
+ds = rendered(ALL_ON, "DaemonSet")[0]
+container = ds["spec"]["template"]["spec"]["containers"][0]
+if not container["image"].endswith("@sha256:" + "ab" * 32):
+    fail(f"image digest not used: {container['image']}")
+if {"name": "RUST_LOG", "value": "debug"} not in container["env"]:
+    fail(f"extraEnv missing: {container['env']}")
+if ds["metadata"]["name"] != "gpumem-gpu-memory":
+    fail(f"nameOverride: {ds['metadata']['name']}")
+if rendered(dict(fullnameOverride="agent"), "DaemonSet")[0]["metadata"]["name"] != "agent":
+    fail("fullnameOverride not used")
+monitor = rendered(ALL_ON, "ServiceMonitor")[0]
+relabel = monitor["spec"]["endpoints"][0]["relabelings"]
+if {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance"} not in relabel \
+        or relabel[-1].get("targetLabel") != "cluster" or monitor["metadata"]["namespace"] != "monitoring":
+    fail(f"ServiceMonitor relabelings or namespace: {monitor}")
+default_pod = rendered({}, "DaemonSet")[0]["spec"]["template"]["spec"]
+if default_pod.get("priorityClassName") != "system-node-critical":
+    fail(f"default priority class: {default_pod.get('priorityClassName')}")
+print("composition options: as configured")
 
 
 def daemonset(values):
