@@ -22,8 +22,6 @@
 //! - CRI-O's `crio-conmon-<id>` monitor is not a container and never matches.
 //! - Reading is bounded ([`MAX_CGROUP_FILE`]); a vanished process is `None`, not an error.
 
-use std::io::Read;
-
 /// The most of a `/proc/<pid>/cgroup` file that is read (real ones are under 2 KiB).
 pub const MAX_CGROUP_FILE: u64 = 64 * 1024;
 
@@ -62,10 +60,7 @@ pub struct ContainerRef {
 
 /// Reads `/proc/<pid>/cgroup`; `None` when the process is gone or outside Kubernetes.
 pub fn container_of(pid: u32) -> Option<ContainerRef> {
-    let file = std::fs::File::open(format!("/proc/{pid}/cgroup")).ok()?;
-    let mut text = String::new();
-    file.take(MAX_CGROUP_FILE).read_to_string(&mut text).ok()?;
-    parse(&text)
+    parse(&super::process::read_proc(pid, "cgroup", MAX_CGROUP_FILE)?)
 }
 
 /// The pod and container named by the contents of a `/proc/<pid>/cgroup` file.

@@ -11,12 +11,18 @@ use std::io::Read;
 /// The most of a `/proc/<pid>/stat` file that is read (real ones are under 400 bytes).
 pub const MAX_STAT_FILE: u64 = 4096;
 
+/// At most `limit` bytes of `/proc/<pid>/<file>`; `None` when the process is gone (or the
+/// file is not text).
+pub fn read_proc(pid: u32, file: &str, limit: u64) -> Option<String> {
+    let file = std::fs::File::open(format!("/proc/{pid}/{file}")).ok()?;
+    let mut text = String::new();
+    file.take(limit).read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
 /// The start time of `pid` in clock ticks since boot; `None` when it does not exist.
 pub fn start_time(pid: u32) -> Option<u64> {
-    let file = std::fs::File::open(format!("/proc/{pid}/stat")).ok()?;
-    let mut text = String::new();
-    file.take(MAX_STAT_FILE).read_to_string(&mut text).ok()?;
-    parse_start_time(&text)
+    parse_start_time(&read_proc(pid, "stat", MAX_STAT_FILE)?)
 }
 
 /// Field 22 (`starttime`) of a `/proc/<pid>/stat` line.
