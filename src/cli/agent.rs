@@ -93,23 +93,11 @@ impl HttpArgs {
 }
 
 fn parse_timeout(text: &str) -> Result<f64, String> {
-    let seconds: f64 = text
-        .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
-    if !(0.05..=3600.0).contains(&seconds) {
-        return Err("a timeout must be between 0.05 and 3600 seconds".into());
-    }
-    Ok(seconds)
+    number_in(text, 0.05, 3600.0, "a timeout", Some("seconds"))
 }
 
 fn parse_grace(text: &str) -> Result<f64, String> {
-    let seconds: f64 = text
-        .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
-    if !(0.0..=86_400.0).contains(&seconds) {
-        return Err("the grace period must be between 0 and 86400 seconds".into());
-    }
-    Ok(seconds)
+    number_in(text, 0.0, 86_400.0, "the grace period", Some("seconds"))
 }
 
 /// How often ended pushing processes are looked for.
@@ -194,23 +182,32 @@ pub(crate) struct DemoArgs {
 }
 
 fn parse_speed(text: &str) -> Result<f64, String> {
-    let speed: f64 = text
-        .parse()
-        .map_err(|_| format!("{text:?} is not a number"))?;
-    if !(0.001..=10_000.0).contains(&speed) {
-        return Err("the speed must be between 0.001 and 10000".into());
-    }
-    Ok(speed)
+    number_in(text, 0.001, 10_000.0, "the speed", None)
 }
 
 fn parse_interval(text: &str) -> Result<f64, String> {
-    let seconds: f64 = text
+    number_in(text, 0.01, 3600.0, "the interval", Some("seconds"))
+}
+
+/// `text` as a number in `[low, high]` (NaN and infinities are not), in `unit` where it has
+/// one, or why not.
+fn number_in(
+    text: &str,
+    low: f64,
+    high: f64,
+    what: &str,
+    unit: Option<&str>,
+) -> Result<f64, String> {
+    let (of, unit) = unit.map_or((String::new(), String::new()), |u| {
+        (format!(" of {u}"), format!(" {u}"))
+    });
+    let value: f64 = text
         .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
-    if !(0.01..=3600.0).contains(&seconds) {
-        return Err("the interval must be between 0.01 and 3600 seconds".into());
+        .map_err(|_| format!("{text:?} is not a number{of}"))?;
+    if !(low..=high).contains(&value) {
+        return Err(format!("{what} must be between {low} and {high}{unit}"));
     }
-    Ok(seconds)
+    Ok(value)
 }
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
