@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::agent::{Reaper, free_port, http_get, wait_for};
+use std::ffi::OsStr;
+
+use crate::agent::{Reaper, free_port, http_get, spawn_serve, wait_for};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gpumem-{name}-{}", std::process::id()));
@@ -18,22 +20,9 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// `gpumem serve` on loopback with `extra` arguments, its push socket in `dir`.
 fn serve(dir: &Path, port: u16, extra: &[&str]) -> Reaper {
-    let agent = Reaper(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--interval", "0.5", "--pod-resources-socket", ""])
-            .arg("--push-socket")
-            .arg(dir.join("push.sock"))
-            .args(extra)
-            .stderr(std::fs::File::create(dir.join("serve.log")).expect("log"))
-            .spawn()
-            .expect("gpumem serve starts"),
-    );
-    assert!(
-        wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some(),
-        "gpumem serve answers"
-    );
-    agent
+    let mut args: Vec<&OsStr> = vec!["--pod-resources-socket".as_ref(), "".as_ref()];
+    args.extend(extra.iter().map(OsStr::new));
+    spawn_serve(port, &dir.join("push.log"), None, &args)
 }
 
 /// Sends `request` raw; the response, or what arrived before the agent closed.

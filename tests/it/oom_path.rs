@@ -11,7 +11,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::agent::{
-    Reaper, free_port, http_get, prometheus_query, spawn_prometheus_with_rules, wait_for,
+    Reaper, free_port, http_get, prometheus_query, spawn_prometheus_with_rules, spawn_serve,
+    wait_for,
 };
 
 fn manifest() -> &'static Path {
@@ -71,22 +72,10 @@ fn spawn_job(script: &str, env: &[(&str, String)], log: &Path) -> Reaper {
     Reaper(command.spawn().expect("the job starts"))
 }
 
-fn serve(port: u16, socket: &Path, log: &Path) -> Reaper {
-    let agent = Reaper(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--interval", "0.2", "--pod-resources-socket", ""])
-            .arg("--push-socket")
-            .arg(socket)
-            .stderr(std::fs::File::create(log).expect("log"))
-            .spawn()
-            .expect("gpumem serve starts"),
-    );
-    assert!(
-        wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some(),
-        "gpumem serve answers"
-    );
-    agent
+/// `gpumem serve` with its push socket at `dir/push.sock` and its log at `dir/push.log`.
+fn serve(port: u16, dir: &Path) -> Reaper {
+    let off: [&std::ffi::OsStr; 2] = ["--pod-resources-socket".as_ref(), "".as_ref()];
+    spawn_serve(port, &dir.join("push.log"), None, &off)
 }
 
 fn series_of<'a>(text: &'a str, metric: &str, pid: u32) -> Vec<&'a str> {
@@ -133,7 +122,7 @@ torch._fake.oom(0, 1 << 36)
     // The agent comes up after the job (a node reboot, an agent rollout).
     std::thread::sleep(Duration::from_millis(1500));
     let port = free_port();
-    let _agent = serve(port, &socket, &dir.join("serve.log"));
+    let _agent = serve(port, &dir);
     let seen = wait_for(Duration::from_secs(20), || {
         let text = http_get(port, "/metrics")?;
         (!series_of(&text, "gpumem_allocator_reserved_bytes{", pid).is_empty()).then_some(text)
@@ -195,7 +184,7 @@ torch._fake.oom(0, 1 << 36)
     .unwrap_or_else(|| {
         panic!(
             "no OOM alert; agent log: {}",
-            std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default()
+            std::fs::read_to_string(dir.join("push.log")).unwrap_or_default()
         )
     });
     let labels = &alert["metric"];
@@ -224,7 +213,7 @@ fn torchrun_ranks_export_only_the_devices_they_use() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let socket = dir.join("push.sock");
     let port = free_port();
-    let _agent = serve(port, &socket, &dir.join("serve.log"));
+    let _agent = serve(port, &dir);
     let script = r#"
 import os, time, torch
 torch._fake.allocate(int(os.environ["LOCAL_RANK"]), 32 << 20)
