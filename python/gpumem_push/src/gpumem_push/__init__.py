@@ -96,9 +96,20 @@ _send_lock = threading.Lock()  # one push at a time, so sequence numbers arrive 
 _state = {}
 
 
+def _start_time():
+    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): with
+    the pid, what tells this process apart from another that reuses its pid."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read(4096).decode("ascii", "replace")
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _fresh_state():
     return {
-        "pid": os.getpid(),
+        "start_time": _start_time(),  # this process's: read again in a forked child
         "thread": None, "stop": None, "wake": None,
         "explicit": {},          # the arguments given to start() (a later call's win)
         "config": None,          # {"url", "interval", "labels"}: what start() settled on
@@ -275,17 +286,6 @@ def _labels(explicit):
             used += _size(name, value)
     labels.update(ranks)
     return labels
-
-
-def _start_time():
-    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): with
-    the pid, what tells this process apart from another that reuses its pid."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            stat = f.read(4096).decode("ascii", "replace")
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _size(name, value):
@@ -518,6 +518,7 @@ def _push(torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None, lock_time
         with _lock:
             config = _state["config"] if _state["active"] else None
             early = min_gap is not None and time.monotonic() - _state["last_push"] < min_gap
+            start_time = _state["start_time"]
         if config is None:
             return "empty"
         if early:
@@ -540,7 +541,6 @@ def _push(torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None, lock_time
             "labels": dict(config["labels"]),
             "devices": devices,
         }
-        start_time = _start_time()
         if start_time is not None:
             payload["start_time"] = start_time
         if reason:
