@@ -7,14 +7,12 @@ use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
 use gpumem::ingest::{IngestConfig, PushStore};
-use gpumem::metrics::Metrics;
-use gpumem::server::{AppState, app};
-use gpumem::sources::{AllocatorSources, IngestReader};
+use gpumem::server::{agent_state, app};
+use gpumem::sources::AllocatorSources;
 use gpumem::workload::TrainingWorkload;
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
 fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
-    let sources = AllocatorSources::default();
     let config = IngestConfig {
         max_processes,
         max_tcp_processes: max_processes,
@@ -23,15 +21,15 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
         min_interval: std::time::Duration::ZERO,
         ..IngestConfig::default()
     };
-    let store = Arc::new(PushStore::new(config, sources.clone()));
-    let reader: IngestReader = {
-        let store = Arc::clone(&store);
-        Arc::new(move || store.report())
-    };
-    let metrics =
-        Metrics::new(sources, Vec::new(), Some(reader), Default::default()).expect("registers");
-    let router = app(AppState::new(Arc::new(metrics), Some(Arc::clone(&store))));
-    (router, store)
+    let state = agent_state(
+        AllocatorSources::default(),
+        Vec::new(),
+        config,
+        Default::default(),
+    )
+    .expect("registers");
+    let store = Arc::clone(state.ingest.as_ref().expect("the agent ingests"));
+    (app(state), store)
 }
 
 async fn post(
