@@ -4,6 +4,7 @@ values and with every optional feature on, lints it, and validates every rendere
 offline: Kubernetes objects with kubernetes-validate --strict, prometheus-operator objects
 against the JSON schemas in helm/schemas. Exits non-zero on any finding."""
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,28 @@ ALL_ON = {
                        "relabelings": [{"targetLabel": "cluster", "replacement": "gpu-a"}],
                        "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "go_.*",
                                               "action": "drop"}]},
-    "prometheusRule": {"enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"}},
+    "prometheusRule": {
+        "enabled": True, "additionalLabels": {"release": "kube-prometheus-stack"},
+        "runbookBaseURL": "https://wiki.example.com/gpu/runbooks", "agentJob": ".*gpu-memory.*",
+        "ruleLabels": {"team": "gpu-platform"},
+        "alerts": {
+            "GpumemOutOfMemory": {"severity": "page", "labels": {"team": "ml"},
+                                  "thresholds": {"windowSeconds": 900}},
+            "GpumemFragmentationUnderPressure": {"for": "30m", "thresholds": {
+                "ratio": 0.5, "minReservedBytes": 4294967296, "deviceUsedRatio": 0.9}},
+            "GpumemDeviceMemoryFillPredicted": {"thresholds": {"horizonSeconds": 3600}},
+            "GpumemMemoryOutsideAllocatorHigh": {"enabled": False},
+        },
+    },
     "dashboards": {"enabled": True, "namespace": "monitoring"},
+    "extraVolumes": [{"name": "scratch", "emptyDir": {}}],
+    "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    "livenessProbe": {"initialDelaySeconds": 10, "periodSeconds": 20, "timeoutSeconds": 3,
+                      "failureThreshold": 5},
+    "readinessProbe": {"periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 2,
+                       "successThreshold": 1},
+    "gpuNodeLabel": {"key": "gpumem.io/gpu", "value": "true"},
+    "nodeSelector": {"kubernetes.io/os": "linux"},
 }
 
 failures = []
@@ -53,8 +74,8 @@ def fail(message):
     print(f"FAIL: {message}")
 
 
-def check(values, label):
-    with helm.Chart.load(str(CHART)) as chart:
+def check(values, label, chart_dir=CHART):
+    with helm.Chart.load(str(chart_dir)) as chart:
         chart.validate_schema(values)
         manifests = chart.render(values, name="gpumem", namespace="gpu-monitoring")
     objects = []
@@ -138,7 +159,122 @@ if {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instanc
 default_pod = rendered({}, "DaemonSet")[0]["spec"]["template"]["spec"]
 if default_pod.get("priorityClassName") != "system-node-critical":
     fail(f"default priority class: {default_pod.get('priorityClassName')}")
+ds_pod = ds["spec"]["template"]["spec"]
+if {"name": "scratch", "emptyDir": {}} not in ds_pod["volumes"] \
+        or {"name": "scratch", "mountPath": "/scratch"} not in container["volumeMounts"]:
+    fail(f"extraVolumes/extraVolumeMounts: {ds_pod['volumes']} {container['volumeMounts']}")
+if container["livenessProbe"] != {"httpGet": {"path": "/healthz", "port": "metrics"},
+                                  **ALL_ON["livenessProbe"]} \
+        or container["readinessProbe"] != {"httpGet": {"path": "/readyz", "port": "metrics"},
+                                           **ALL_ON["readinessProbe"]}:
+    fail(f"probes: {container['livenessProbe']} {container['readinessProbe']}")
+if ds_pod.get("nodeSelector") != {"gpumem.io/gpu": "true", "kubernetes.io/os": "linux"}:
+    fail(f"gpuNodeLabel and nodeSelector: {ds_pod.get('nodeSelector')}")
+if default_pod.get("nodeSelector") != {"nvidia.com/gpu.present": "true"} or "affinity" in default_pod:
+    fail(f"default node selection: {default_pod.get('nodeSelector')} {default_pod.get('affinity')}")
+default_probes = default_pod["containers"][0]
+if default_probes["livenessProbe"]["httpGet"]["path"] != "/healthz" \
+        or default_probes["readinessProbe"]["httpGet"]["path"] != "/readyz":
+    fail(f"default probes: {default_probes['livenessProbe']} {default_probes['readinessProbe']}")
+# Without GPU Feature Discovery: a label of any value is a node-affinity term.
+any_value = rendered({"gpuNodeLabel": {"key": "cloud.google.com/gke-accelerator", "value": ""}},
+                     "DaemonSet")[0]["spec"]["template"]["spec"]
+terms = any_value["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+if "nodeSelector" in any_value or terms["nodeSelectorTerms"] != [{"matchExpressions": [
+        {"key": "cloud.google.com/gke-accelerator", "operator": "Exists"}]}]:
+    fail(f"gpuNodeLabel with any value: {any_value.get('nodeSelector')} {any_value['affinity']}")
+everywhere = rendered({"gpuNodeLabel": {"key": "", "value": ""}}, "DaemonSet")[0]
+if "nodeSelector" in everywhere["spec"]["template"]["spec"]:
+    fail("gpuNodeLabel key \"\" still selects nodes")
 print("composition options: as configured")
+
+
+def refused(values, message, what):
+    """Rendering `values` must fail, saying `message`."""
+    try:
+        with helm.Chart.load(str(CHART)) as chart:
+            chart.render(values, name="gpumem", namespace="gpu-monitoring")
+        fail(f"{what}: rendered")
+    except Exception as error:
+        if message not in str(error):
+            fail(f"{what}: unclear refusal {error}")
+        else:
+            print(f"{what}: refused")
+
+
+refused({"gpuNodeLabel": {"key": "example.com/gpu", "value": ""}, "affinity": ALL_ON["affinity"]},
+        "gpuNodeLabel with an empty value adds a node affinity", "gpuNodeLabel beside nodeAffinity")
+
+# The rules: at default values exactly the repository's file (its {{ $labels }} untouched by
+# Helm), and with every knob set, the knobs applied and the result still valid rules.
+CANONICAL = yaml.safe_load((ROOT / "alerts" / "gpumem.rules.yml").read_text())
+if rendered({"prometheusRule": {"enabled": True}}, "PrometheusRule")[0]["spec"]["groups"] \
+        != CANONICAL["groups"]:
+    fail("the chart's rules at default values differ from alerts/gpumem.rules.yml")
+else:
+    print("rules at default values: equal to alerts/gpumem.rules.yml")
+tuned = rendered(ALL_ON, "PrometheusRule")[0]["spec"]["groups"]
+alerts = {r["alert"]: r for g in tuned for r in g["rules"] if "alert" in r}
+oom, frag = alerts["GpumemOutOfMemory"], alerts["GpumemFragmentationUnderPressure"]
+checks = {
+    "disabled alert left out": "GpumemMemoryOutsideAllocatorHigh" not in alerts,
+    "every other alert kept": len(alerts) == sum(
+        1 for g in CANONICAL["groups"] for r in g["rules"] if "alert" in r) - 1,
+    "severity": oom["labels"] == {"severity": "page", "team": "ml"},
+    "rule labels": frag["labels"] == {"severity": "warning", "team": "gpu-platform"},
+    "for": frag["for"] == "30m",
+    "thresholds": "< 900 # threshold: windowSeconds" in oom["expr"]
+    and "> 0.5 # threshold: ratio" in frag["expr"]
+    and "> 4294967296 # threshold: minReservedBytes" in frag["expr"]
+    and "> 0.9 # threshold: deviceUsedRatio" in frag["expr"]
+    and "3600 # threshold: horizonSeconds" in alerts["GpumemDeviceMemoryFillPredicted"]["expr"],
+    "runbook base": all(r["annotations"]["runbook_url"].startswith(
+        "https://wiki.example.com/gpu/runbooks#gpumem") for r in alerts.values()),
+    "job matcher": 'up{job=~".*gpu-memory.*"} == 0' == alerts["GpumemAgentDown"]["expr"],
+    "templates untouched": "{{ $labels.pid }}" in oom["annotations"]["summary"],
+}
+for what, ok in checks.items():
+    if not ok:
+        fail(f"tuned rules: {what}: {yaml.safe_dump(tuned)}")
+with tempfile.NamedTemporaryFile("w", suffix=".yml") as rules_file:
+    yaml.safe_dump({"groups": tuned}, rules_file)
+    rules_file.flush()
+    result = subprocess.run(["promtool", "check", "rules", rules_file.name],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        fail(f"tuned rules: promtool: {result.stdout}{result.stderr}")
+print("tuned rules: every knob applied, promtool check rules passes")
+refused({"prometheusRule": {"enabled": True, "alerts": {"GpumemOOM": {"enabled": False}}}},
+        "prometheusRule.alerts.GpumemOOM: no such alert", "an unknown alert")
+refused({"prometheusRule": {"enabled": True, "alerts": {
+    "GpumemOutOfMemory": {"thresholds": {"ratio": 0.5}}}}},
+        "GpumemOutOfMemory.thresholds.ratio: the rule has no such threshold", "an unknown threshold")
+# A fullnameOverride the default job matcher does not match would silence AgentDown.
+refused({"fullnameOverride": "gpu-agent", "serviceMonitor": {"enabled": True},
+         "prometheusRule": {"enabled": True}},
+        "does not match the agents' scrape job \"gpu-agent\"", "a job matcher its monitor misses")
+if not rendered({"fullnameOverride": "gpu-agent", "podMonitor": {"enabled": True},
+                 "prometheusRule": {"enabled": True, "agentJob": "gpu-monitoring/gpu-agent"}},
+                "PrometheusRule"):
+    fail("a PodMonitor's job matcher: no PrometheusRule")
+
+# As a dependency of an umbrella chart, with global values: schema-valid and every object
+# valid.
+with tempfile.TemporaryDirectory() as umbrella:
+    umbrella = Path(umbrella)
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "gpumem", "version": version,
+                          "repository": f"file://{CHART}", "condition": "gpumem.enabled"}]}))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "registry.example.com", "clusterName": "gpu-a"},
+        "gpumem": {"enabled": True, "serviceMonitor": {"enabled": True},
+                   "prometheusRule": {"enabled": True}}}))
+    shutil.copytree(CHART, umbrella / "charts" / "gpumem")
+    kinds = check({}, "as an umbrella chart's dependency", umbrella)
+    if "DaemonSet" not in kinds or "PrometheusRule" not in kinds:
+        fail(f"umbrella chart renders {kinds}")
 
 
 def daemonset(values):
@@ -165,7 +301,7 @@ container = pod["containers"][0]
 mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
 hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", [])}
 expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources",
-            "logs": "/var/log"}
+            "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}
 if mounts != expected or hosts != expected:
     fail(f"default mounts {mounts}, host paths {hosts}")
 if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":

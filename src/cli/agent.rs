@@ -17,7 +17,7 @@ use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
 use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::{self, PodResources};
-use gpumem::telemetry::{NvmlSource, Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::{Heartbeat, NvmlSource, Poller, SimNode, SimNodeConfig};
 
 use super::{CliResult, parse_bytes};
 
@@ -112,6 +112,7 @@ struct KubeletWatch {
     kubelet: Kubelet,
     socket: PathBuf,
     interval: Duration,
+    heartbeat: Heartbeat,
 }
 
 impl KubeletWatch {
@@ -129,10 +130,12 @@ impl KubeletWatch {
         if names.is_none() && resources.is_none() {
             tracing::info!("not a Kubernetes node: pods are named by UID only");
         }
+        let interval = Duration::from_secs_f64(interval).max(KUBELET_MIN_INTERVAL);
         KubeletWatch {
             kubelet: Kubelet { names, resources },
             socket,
-            interval: Duration::from_secs_f64(interval).max(KUBELET_MIN_INTERVAL),
+            interval,
+            heartbeat: Heartbeat::new("kubelet", Heartbeat::allowance_for(interval)),
         }
     }
 
@@ -150,6 +153,7 @@ impl KubeletWatch {
             if let Some(resources) = &self.kubelet.resources {
                 resources.refresh(&self.socket, timeout).await;
             }
+            self.heartbeat.beat();
         }
     }
 }
@@ -307,6 +311,8 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         watch.kubelet.clone(),
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    state.health.watch(poller.heartbeat());
+    state.health.watch(watch.heartbeat.clone());
     let listen = Listen {
         address: args.listen,
         // Empty turns a socket off (clap's path parser would refuse an empty value).
@@ -340,6 +346,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         node.kubelet(),
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    state.health.watch(node.heartbeat());
     let listen = Listen {
         address: args.listen,
         push_socket: None,

@@ -1,4 +1,6 @@
-//! The HTTP shell: `/metrics` (text exposition), `/healthz`, `/` (a page linking both) and,
+//! The HTTP shell: `/metrics` (text exposition), `/healthz` (liveness: the runtime answers and
+//! every polling loop keeps finishing rounds, whatever the sources say), `/readyz` (readiness:
+//! every loop's first round is done), `/` (a page linking them) and,
 //! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
 //! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
 //! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] serves it
@@ -41,7 +43,7 @@ use axum::routing::{get, post};
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
-use crate::telemetry::Kubelet;
+use crate::telemetry::{Health, Kubelet};
 
 /// The media type of the Prometheus text exposition format.
 pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -59,6 +61,8 @@ pub struct AppState {
     pub scrape_slots: Arc<tokio::sync::Semaphore>,
     /// Push bodies that may be read at once ([`DEFAULT_PUSH_SLOTS`]).
     pub push_slots: Arc<tokio::sync::Semaphore>,
+    /// The polling loops `/healthz` and `/readyz` report on.
+    pub health: Health,
 }
 
 /// Push bodies read at once, by default: 8 × 512 KiB at most.
@@ -74,6 +78,7 @@ impl AppState {
             body_timeout: DEFAULT_BODY_TIMEOUT,
             scrape_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_SCRAPE_SLOTS)),
             push_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_PUSH_SLOTS)),
+            health: Health::default(),
         }
     }
 }
@@ -106,6 +111,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/", get(index))
         .route("/api/v1/push", post(push))
         .with_state(state)
@@ -318,8 +324,19 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
     }
 }
 
-async fn healthz() -> &'static str {
-    "ok\n"
+async fn healthz(State(state): State<AppState>) -> Response {
+    probe(state.health.live(), "ok\n")
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    probe(state.health.ready(), "ready\n")
+}
+
+fn probe(result: Result<(), String>, ok: &'static str) -> Response {
+    match result {
+        Ok(()) => ok.into_response(),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
+    }
 }
 
 async fn index() -> Html<&'static str> {
@@ -327,6 +344,7 @@ async fn index() -> Html<&'static str> {
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>gpumem</title></head><body>",
         "<h1>gpumem</h1><p>GPU memory as nvidia-smi sees it and as the caching allocator holds it.</p>",
         "<ul><li><a href=\"/metrics\">/metrics</a> (Prometheus)</li>",
-        "<li><a href=\"/healthz\">/healthz</a></li></ul></body></html>\n"
+        "<li><a href=\"/healthz\">/healthz</a> (live)</li>",
+        "<li><a href=\"/readyz\">/readyz</a> (ready)</li></ul></body></html>\n"
     ))
 }

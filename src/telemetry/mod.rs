@@ -10,6 +10,7 @@
 //!   logs it once per change, and keeps asking.
 
 pub mod cgroup;
+mod heartbeat;
 mod latest;
 mod nvml;
 pub mod pod_names;
@@ -18,6 +19,7 @@ mod poller;
 pub mod process;
 pub mod sim_node;
 
+pub use heartbeat::{Health, Heartbeat};
 pub use nvml::NvmlSource;
 pub use poller::{Poller, SourceReport};
 pub use sim_node::{SimNode, SimNodeConfig};

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{GpuSource, NodeSample};
+use super::{GpuSource, Heartbeat, NodeSample};
 
 /// The latest word from a source.
 #[derive(Clone, Debug, Default)]
@@ -50,6 +50,7 @@ impl SourceReport {
 /// Polls a source until dropped.
 pub struct Poller {
     latest: Arc<Mutex<Arc<SourceReport>>>,
+    heartbeat: Heartbeat,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -58,12 +59,15 @@ impl Poller {
     /// Starts polling `source` every `interval` (the first sample is taken before this
     /// returns, so the first scrape has data).
     pub fn start(mut source: Box<dyn GpuSource>, interval: Duration) -> Poller {
+        let heartbeat = Heartbeat::new(source.name(), Heartbeat::allowance_for(interval));
         let first = take_sample(source.as_mut(), None);
+        heartbeat.beat();
         let latest = Arc::new(Mutex::new(Arc::new(first)));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let latest = Arc::clone(&latest);
             let stop = Arc::clone(&stop);
+            let heartbeat = heartbeat.clone();
             std::thread::Builder::new()
                 .name(format!("gpumem-{}", source.name()))
                 .spawn(move || {
@@ -71,12 +75,14 @@ impl Poller {
                         let previous = current(&latest);
                         let report = take_sample(source.as_mut(), Some(&previous));
                         *latest.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(report);
+                        heartbeat.beat();
                     }
                 })
                 .ok()
         };
         Poller {
             latest,
+            heartbeat,
             stop,
             thread,
         }
@@ -85,6 +91,11 @@ impl Poller {
     /// The latest report; never waits for the source.
     pub fn latest(&self) -> Arc<SourceReport> {
         current(&self.latest)
+    }
+
+    /// Beaten after every sample (for `/healthz` and `/readyz`).
+    pub fn heartbeat(&self) -> Heartbeat {
+        self.heartbeat.clone()
     }
 
     /// A handle that reads the latest report, for collectors.

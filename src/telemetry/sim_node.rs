@@ -30,7 +30,7 @@ use super::pod_resources::PodResources;
 use super::pod_resources::api::{
     self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
 };
-use super::{GpuSample, GpuSource, Kubelet, NodeSample, ProcessSample, SourceReport};
+use super::{GpuSample, GpuSource, Heartbeat, Kubelet, NodeSample, ProcessSample, SourceReport};
 use crate::sources::{AllocatorKind, AllocatorSource};
 
 /// The bundled recordings a simulated process replays (licensed for redistribution; see
@@ -115,6 +115,7 @@ pub struct SimNode {
     config: SimNodeConfig,
     processes: Vec<Arc<AllocatorSource>>,
     stop: Arc<AtomicBool>,
+    heartbeat: Heartbeat,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -218,21 +219,33 @@ impl SimNode {
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let heartbeat = Heartbeat::new("sim-node", Heartbeat::allowance_for(config.tick));
         let thread = {
             let stop = Arc::clone(&stop);
+            let heartbeat = heartbeat.clone();
             let sources = processes.clone();
             let (speed, tick) = (config.speed.max(0.0), config.tick);
             std::thread::Builder::new()
                 .name("gpumem-sim-node".into())
-                .spawn(move || replay_loop(recordings, allocators, sources, speed, tick, &stop))
+                .spawn(move || {
+                    replay_loop(
+                        recordings, allocators, sources, speed, tick, &stop, &heartbeat,
+                    )
+                })
                 .map_err(|e| format!("cannot start the replay thread: {e}"))?
         };
         Ok(SimNode {
             config,
             processes,
             stop,
+            heartbeat,
             thread: Some(thread),
         })
+    }
+
+    /// Beaten after every step of the replay thread (for `/healthz` and `/readyz`).
+    pub fn heartbeat(&self) -> Heartbeat {
+        self.heartbeat.clone()
     }
 
     /// The processes' allocators, for the allocator collector.
@@ -334,6 +347,7 @@ fn replay_loop(
     speed: f64,
     tick: Duration,
     stop: &AtomicBool,
+    heartbeat: &Heartbeat,
 ) {
     let mut runs: Vec<Run<'_>> = allocators
         .into_iter()
@@ -356,6 +370,7 @@ fn replay_loop(
                 run.spare = None;
             }
         }
+        heartbeat.beat();
         std::thread::sleep(tick);
     }
 }

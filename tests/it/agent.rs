@@ -13,7 +13,7 @@ use gpumem::metrics::contract::CONTRACT;
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
-use gpumem::telemetry::{Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::{Heartbeat, Poller, SimNode, SimNodeConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
@@ -45,13 +45,15 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
         resolve: in_pod,
         ..IngestConfig::default()
     };
-    let state = agent_state(
+    let mut state = agent_state(
         AllocatorSources::new(node.allocator_sources()),
         vec![reader],
         ingest,
         node.kubelet(),
     )
     .expect("registers");
+    state.health.watch(node.heartbeat());
+    state.health.watch(poller.heartbeat());
     // Let the processes replay a while, so that every series has moved.
     std::thread::sleep(Duration::from_millis(400));
     (node, poller, state)
@@ -179,11 +181,34 @@ async fn demo_serves_the_whole_contract() {
 
     let (status, _, body) = get(router.clone(), "/healthz").await;
     assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, _, body) = get(router.clone(), "/readyz").await;
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
     let (status, _, body) = get(router.clone(), "/").await;
     assert_eq!(status, 200);
     assert!(body.contains(r#"href="/metrics""#));
     let (status, _, _) = get(router, "/nope").await;
     assert_eq!(status, 404);
+}
+
+/// A loop that never finishes its first round: not ready, and once past its allowance not
+/// live either, each saying which loop.
+#[tokio::test]
+async fn a_stalled_loop_fails_the_probes_by_name() {
+    let (_node, _poller, mut state) = demo_metrics();
+    let stuck = Heartbeat::new("nvml", Duration::from_millis(50));
+    state.health.watch(stuck);
+    let router = app(state);
+    let (status, _, body) = get(router.clone(), "/readyz").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "first collection not done: nvml\n")
+    );
+    let (status, _, _) = get(router.clone(), "/healthz").await;
+    assert_eq!(status, 200, "within its allowance");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, _, body) = get(router, "/healthz").await;
+    assert_eq!(status, 503);
+    assert!(body.starts_with("nvml: no round finished for"), "{body}");
 }
 
 #[test]
@@ -319,9 +344,11 @@ fn serve_without_a_driver_reports_nvml_down_and_keeps_serving() {
         );
         assert_eq!(log_text.matches("source is down").count(), 1, "logged once");
     }
-    // Still serving after several polls; then SIGTERM shuts it down cleanly.
+    // Still serving after several polls, live and ready with NVML down (a driverless node
+    // must not be restarted forever); then SIGTERM shuts it down cleanly.
     std::thread::sleep(Duration::from_millis(600));
-    assert!(http_get(port, "/healthz").is_some());
+    assert_eq!(http_get(port, "/healthz").as_deref(), Some("ok\n"));
+    assert_eq!(http_get(port, "/readyz").as_deref(), Some("ready\n"));
     let status = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
         .status()

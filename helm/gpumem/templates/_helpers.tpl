@@ -48,3 +48,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The job label Prometheus gives the agents' targets: the Service's name for a
+ServiceMonitor, <namespace>/<name> for a PodMonitor; "" when neither is on. */}}
+{{- define "gpumem.scrapeJob" -}}
+{{- if .Values.serviceMonitor.enabled -}}
+{{- include "gpumem.fullname" . -}}
+{{- else if .Values.podMonitor.enabled -}}
+{{- printf "%s/%s" (.Values.podMonitor.namespace | default .Release.Namespace) (include "gpumem.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Refuses an agent-job matcher that this chart's own monitor does not match: the
+agent-down and agents-absent alerts would then never fire (a fullnameOverride without
+"gpumem" in it, for example). */}}
+{{- define "gpumem.checkAgentJob" -}}
+{{- $job := include "gpumem.scrapeJob" . -}}
+{{- if and $job (not (regexMatch (printf "^(?:%s)$" .Values.prometheusRule.agentJob) $job)) -}}
+{{- fail (printf "prometheusRule.agentJob %q does not match the agents' scrape job %q: GpumemAgentDown and GpumemAgentsAbsent would never fire; set prometheusRule.agentJob (a regex) to match it" .Values.prometheusRule.agentJob $job) -}}
+{{- end -}}
+{{- end -}}
