@@ -258,6 +258,15 @@ if not rendered({"fullnameOverride": "gpu-agent", "podMonitor": {"enabled": True
                 "PrometheusRule"):
     fail("a PodMonitor's job matcher: no PrometheusRule")
 
+# The README's PodMonitor for jobs that serve gpumem_torch's metrics is a valid object.
+example = ROOT / "docs" / "examples" / "podmonitor-gpumem-torch.yaml"
+result = subprocess.run(["check-jsonschema", "--schemafile", str(SCHEMAS / "podmonitor.json"),
+                         str(example)], capture_output=True, text=True)
+if result.returncode != 0:
+    fail(f"{example.name}: {result.stdout}{result.stderr}")
+else:
+    print(f"{example.name}: valid")
+
 # As a dependency of an umbrella chart, with global values: schema-valid and every object
 # valid.
 with tempfile.TemporaryDirectory() as umbrella:

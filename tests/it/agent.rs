@@ -547,6 +547,14 @@ fn a_real_prometheus_scrapes_the_demo() {
             "{file}: {title}: no data for {query}"
         );
     }
+    // Annotation queries are valid (the demo has no OOM to mark).
+    for (file, name, expr) in crate::assets::annotation_expressions() {
+        let query = crate::assets::substitute(&expr);
+        assert!(
+            prometheus_query(prom_port, &query).is_some(),
+            "{file}: annotation {name}: query failed: {query}"
+        );
+    }
     let lineup = prometheus_query(
         prom_port,
         "sum by (gpu) (gpumem_allocator_reserved_bytes) < sum by (gpu) (gpumem_device_used_bytes)",

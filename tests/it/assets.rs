@@ -39,6 +39,15 @@ pub fn dashboards() -> Vec<(PathBuf, serde_json::Value)> {
     out
 }
 
+/// The panels of a dashboard that query (rows only group them).
+fn query_panels(d: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    d["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .filter(|p| p["type"] != "row")
+}
+
 /// (dashboard, panel title, expression) for every panel target.
 pub fn dashboard_expressions() -> Vec<(String, String, String)> {
     let mut out = Vec::new();
@@ -48,7 +57,7 @@ pub fn dashboard_expressions() -> Vec<(String, String, String)> {
             .expect("name")
             .to_string_lossy()
             .into_owned();
-        for panel in d["panels"].as_array().expect("panels") {
+        for panel in query_panels(&d) {
             let title = panel["title"].as_str().unwrap_or_default().to_string();
             for t in panel["targets"].as_array().expect("targets") {
                 let expr = t["expr"].as_str().expect("expr").to_string();
@@ -59,12 +68,194 @@ pub fn dashboard_expressions() -> Vec<(String, String, String)> {
     out
 }
 
+/// (dashboard, annotation name, expression) for every annotation query.
+pub fn annotation_expressions() -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for (path, d) in dashboards() {
+        let file = path.display().to_string();
+        for a in d["annotations"]["list"].as_array().expect("annotations") {
+            let name = a["name"].as_str().unwrap_or_default().to_string();
+            out.push((file.clone(), name, a["expr"].as_str().expect("expr").into()));
+        }
+    }
+    out
+}
+
 /// An expression with the template variables replaced as "All" and a short rate interval.
 pub fn substitute(expr: &str) -> String {
-    expr.replace("$cluster", ".*")
-        .replace("$node", ".*")
-        .replace("$gpu", ".*")
+    ["$cluster", "$node", "$gpu", "$namespace", "$pod"]
+        .iter()
+        .fold(expr.to_string(), |e, var| e.replace(var, ".*"))
         .replace("$__rate_interval", "1m")
+}
+
+/// What a query's values measure, from its metrics' suffixes and its functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Measure {
+    Bytes,
+    /// 0..1: a `_ratio` metric, or bytes divided by bytes.
+    Ratio,
+    /// `rate()` of a counter.
+    PerSecond,
+    /// A count: `increase()` of a counter, or a gauge of things (segments, up).
+    Count,
+    /// An info metric: its labels are the data.
+    Labels,
+}
+
+fn measure(expr: &str) -> Measure {
+    if expr.contains("rate(") {
+        return Measure::PerSecond;
+    }
+    if expr.contains("increase(") {
+        return Measure::Count;
+    }
+    let names = metric_names(expr);
+    let kind = |n: &String| {
+        // A recording rule's metric is its middle part; a `_by_<label>` qualifier follows
+        // the unit (`gpumem_allocator_segment_free_bytes_by_size`).
+        let base = n.split(':').nth(1).unwrap_or(n);
+        let base = base.rsplit_once("_by_").map_or(base, |(unit, _)| unit);
+        if base.ends_with("_bytes") {
+            Measure::Bytes
+        } else if base.ends_with("_ratio") {
+            Measure::Ratio
+        } else if base.ends_with("_info") {
+            Measure::Labels
+        } else {
+            Measure::Count
+        }
+    };
+    let first = names.first().map_or(Measure::Count, kind);
+    assert!(
+        names.iter().all(|n| kind(n) == first),
+        "{expr}: metrics of different measures"
+    );
+    if first == Measure::Bytes && expr.contains(") / ") {
+        Measure::Ratio
+    } else {
+        first
+    }
+}
+
+/// The Grafana units that show `measure` right.
+fn units_for(measure: Measure) -> &'static [&'static str] {
+    match measure {
+        Measure::Bytes => &["bytes"],
+        Measure::Ratio => &["percentunit"],
+        Measure::PerSecond => &["ops", "reqps", "cps"],
+        Measure::Count => &["short", "none", ""],
+        Measure::Labels => &["none", ""],
+    }
+}
+
+/// The unit a panel shows target `refid`'s values in: a field override (by query, or by the
+/// name a table gives its value column), else the panel's default.
+fn unit_of(panel: &serde_json::Value, refid: &str, targets: usize) -> String {
+    let config = &panel["fieldConfig"];
+    let value_column = if targets == 1 {
+        "Value".to_string()
+    } else {
+        format!("Value #{refid}")
+    };
+    let shown = panel["transformations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|t| t["options"]["renameByName"][&value_column].as_str())
+        .unwrap_or(&value_column)
+        .to_string();
+    let overridden = config["overrides"].as_array().into_iter().flatten().find(|o| {
+        let (id, option) = (&o["matcher"]["id"], &o["matcher"]["options"]);
+        (id == "byFrameRefID" && option == refid) || (id == "byName" && *option == *shown)
+    });
+    overridden
+        .and_then(|o| {
+            o["properties"]
+                .as_array()?
+                .iter()
+                .find(|p| p["id"] == "unit")
+        })
+        .and_then(|p| p["value"].as_str())
+        .or_else(|| config["defaults"]["unit"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn the_unit_check_tells_measures_apart() {
+    let cases = [
+        ("sum(gpumem_device_used_bytes)", Measure::Bytes),
+        (
+            "sum(gpumem_device_used_bytes) / sum(gpumem_device_total_bytes)",
+            Measure::Ratio,
+        ),
+        ("max(gpumem_allocator_fragmentation_ratio)", Measure::Ratio),
+        (
+            "sum(rate(gpumem_allocator_alloc_retries_total[1m]))",
+            Measure::PerSecond,
+        ),
+        ("sum(increase(gpumem_allocator_ooms_total[1h]))", Measure::Count),
+        ("gpumem_source_up", Measure::Count),
+        ("max by (config) (gpumem_allocator_info)", Measure::Labels),
+        ("gpu:gpumem_device_used_bytes:sum", Measure::Bytes),
+        ("gpumem_allocator_segment_free_bytes_by_size", Measure::Bytes),
+        ("gpumem_allocator_segments_by_size", Measure::Count),
+    ];
+    for (expr, expected) in cases {
+        assert_eq!(measure(expr), expected, "{expr}");
+    }
+    // A ratio on a bytes axis (the defect this check exists for) is caught.
+    let panel = serde_json::json!({
+        "fieldConfig": {"defaults": {"unit": "bytes"}, "overrides": []},
+        "targets": [{"refId": "A", "expr": "gpumem_allocator_inactive_split_ratio"}]
+    });
+    let unit = unit_of(&panel, "A", 1);
+    assert!(!units_for(measure("gpumem_allocator_inactive_split_ratio")).contains(&unit.as_str()));
+    // An override names a table column's unit.
+    let table = serde_json::json!({
+        "fieldConfig": {"defaults": {}, "overrides": [{"matcher": {"id": "byName", "options": "free"},
+            "properties": [{"id": "unit", "value": "bytes"}]}]},
+        "transformations": [{"id": "organize", "options": {"renameByName": {"Value #B": "free"}}}]
+    });
+    assert_eq!(unit_of(&table, "B", 2), "bytes");
+    assert_eq!(unit_of(&table, "A", 2), "");
+}
+
+#[test]
+fn every_panel_shows_its_query_in_the_right_unit() {
+    for (path, d) in dashboards() {
+        for panel in query_panels(&d) {
+            let title = panel["title"].as_str().unwrap_or_default();
+            let targets = panel["targets"].as_array().expect("targets");
+            for t in targets {
+                let refid = t["refId"].as_str().expect("refId");
+                let expr = t["expr"].as_str().expect("expr");
+                let unit = unit_of(panel, refid, targets.len());
+                let allowed = units_for(measure(expr));
+                assert!(
+                    allowed.contains(&unit.as_str()),
+                    "{}: {title} ({refid}): unit {unit:?}, but {expr} is {:?} (wants one of {allowed:?})",
+                    path.display(),
+                    measure(expr)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_dashboards_are_what_their_generator_writes() {
+    let out = Command::new("python3")
+        .arg(root().join("scripts/dashboards.py"))
+        .arg("--check")
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -81,7 +272,7 @@ fn dashboards_are_well_formed_and_use_only_the_contract() {
             Some("datasource".into()),
             "{name}"
         );
-        for v in ["cluster", "node", "gpu"] {
+        for v in ["cluster", "node", "gpu", "namespace", "pod"] {
             let v = var(v).unwrap_or_else(|| panic!("{name}: variable {v}"));
             let query = v["definition"].as_str().expect("definition");
             for m in metric_names(query) {
@@ -91,7 +282,14 @@ fn dashboards_are_well_formed_and_use_only_the_contract() {
                 );
             }
         }
-        for panel in d["panels"].as_array().expect("panels") {
+        // Each links to the other, keeping the time range and variables.
+        assert!(
+            d["links"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|l| l["tags"][0] == "gpumem")),
+            "{name}: links to the other dashboards"
+        );
+        for panel in query_panels(d) {
             let title = panel["title"].as_str().expect("title");
             let description = panel["description"].as_str().unwrap_or_default();
             assert!(
