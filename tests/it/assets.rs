@@ -165,10 +165,14 @@ fn unit_of(panel: &serde_json::Value, refid: &str, targets: usize) -> String {
         .find_map(|t| t["options"]["renameByName"][&value_column].as_str())
         .unwrap_or(&value_column)
         .to_string();
-    let overridden = config["overrides"].as_array().into_iter().flatten().find(|o| {
-        let (id, option) = (&o["matcher"]["id"], &o["matcher"]["options"]);
-        (id == "byFrameRefID" && option == refid) || (id == "byName" && *option == *shown)
-    });
+    let overridden = config["overrides"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|o| {
+            let (id, option) = (&o["matcher"]["id"], &o["matcher"]["options"]);
+            (id == "byFrameRefID" && option == refid) || (id == "byName" && *option == *shown)
+        });
     overridden
         .and_then(|o| {
             o["properties"]
@@ -195,11 +199,17 @@ fn the_unit_check_tells_measures_apart() {
             "sum(rate(gpumem_allocator_alloc_retries_total[1m]))",
             Measure::PerSecond,
         ),
-        ("sum(increase(gpumem_allocator_ooms_total[1h]))", Measure::Count),
+        (
+            "sum(increase(gpumem_allocator_ooms_total[1h]))",
+            Measure::Count,
+        ),
         ("gpumem_source_up", Measure::Count),
         ("max by (config) (gpumem_allocator_info)", Measure::Labels),
         ("gpu:gpumem_device_used_bytes:sum", Measure::Bytes),
-        ("gpumem_allocator_segment_free_bytes_by_size", Measure::Bytes),
+        (
+            "gpumem_allocator_segment_free_bytes_by_size",
+            Measure::Bytes,
+        ),
         ("gpumem_allocator_segments_by_size", Measure::Count),
     ];
     for (expr, expected) in cases {
