@@ -1,109 +1,412 @@
-//! A decoded document (from a pickle or JSON) as a flat arena of plain values, and a cursor
-//! over it that reports schema errors with the path where they occurred.
+//! A decoded document (from a pickle or JSON) in compact form, and a cursor over it that
+//! reports schema errors with the path where they occurred.
+//!
+//! Values are 16-byte [`Val`]s. Strings are interned; containers live in an arena of
+//! [`Obj`]s. Stack frames are reduced as they are stored into their parent: a dict of
+//! exactly `filename`, `line` and `name` becomes an interned [`Frame`](super::frames::Frame),
+//! and a list of only frames an interned stack, and their containers are freed for reuse. So
+//! memory grows with the events and the distinct frames a recording has, not with the frame
+//! dicts its file repeats. The cursor reads a reduced frame or stack as the dict or list it
+//! was.
 //!
 //! # Invariants
-//! - Containers hold node ids, never nested values: dropping or walking a document never
+//! - Containers hold values, never nested containers: dropping or walking a document never
 //!   recurses, whatever its nesting (pickles can even contain cycles).
-//! - The arena grows by at most one node per input opcode, or two per JSON value (an object
-//!   entry's key and value), so its size is bounded by the input's.
+//! - A container is reduced when it is first stored into a parent (Python's pickler writes
+//!   every container whole before storing it). Its memo entry is rewritten to the reduced
+//!   value; any other reference to it (a DUP, a memo read, a second memo entry) resolves to
+//!   the reduced value through its emptied slot. A reduced value is immutable: extending one
+//!   is an error.
+//! - [`Doc::bytes`] accounts what the document holds (arena, containers' values, interned
+//!   tables), and [`Doc::work`] counts the reading work (values built, dict entries looked
+//!   at), so that callers can bound both in proportion to the input.
+
+use std::cell::{Cell, RefCell};
+
+use rustc_hash::FxHashMap;
 
 use super::TraceError;
+use super::frames::{Frame, FrameId, Frames, StackId, StringId};
 
-/// Index of a node in a [`Doc`].
-pub(crate) type NodeId = u32;
+/// Index of a container in a [`Doc`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ObjId(pub u32);
 
 /// One decoded value.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Value {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Val {
     None,
     Bool(bool),
     Int(i64),
     /// An integer outside `i64` (kept only to say so in errors).
     BigInt,
     Float(f64),
-    Str(String),
-    List(Vec<NodeId>),
-    Tuple(Vec<NodeId>),
-    Dict(Vec<(NodeId, NodeId)>),
+    Str(StringId),
+    /// A reduced `{"filename", "line", "name"}` dict.
+    Frame(FrameId),
+    /// A reduced list of frames.
+    Stack(StackId),
+    Obj(ObjId),
 }
 
-impl Value {
-    fn kind(&self) -> &'static str {
-        match self {
-            Value::None => "None",
-            Value::Bool(_) => "a bool",
-            Value::Int(_) => "an int",
-            Value::BigInt => "an int wider than 64 bits",
-            Value::Float(_) => "a float",
-            Value::Str(_) => "a string",
-            Value::List(_) => "a list",
-            Value::Tuple(_) => "a tuple",
-            Value::Dict(_) => "a dict",
+/// A container.
+#[derive(Debug)]
+pub(crate) enum Obj {
+    List(Vec<Val>),
+    Tuple(Vec<Val>),
+    Dict(Vec<(Val, Val)>),
+}
+
+/// No memo entry.
+pub(crate) const NO_MEMO: u32 = u32::MAX;
+
+#[derive(Debug)]
+struct Slot {
+    obj: Obj,
+    /// The memo index it was stored under, if once.
+    memo: u32,
+    /// Referred to from more than one place before it was stored: never reduced.
+    shared: bool,
+    /// Stored into a parent (or made the root): its one chance of reduction is past.
+    stored: bool,
+    /// What it was reduced to, for the other references a shared container has.
+    reduced: Option<Val>,
+}
+
+/// Dicts at least this large get a key index on their first lookup, so that a dict read many
+/// times (through the memo) costs its size once, not on every read.
+const INDEXED_DICT: usize = 16;
+
+/// Bytes accounted per arena slot, per list value and per dict entry.
+const SLOT_BYTES: u64 = 72;
+const VAL_BYTES: u64 = 16;
+const ENTRY_BYTES: u64 = 32;
+
+/// The document: its root, its containers and its interned strings, frames and stacks.
+#[derive(Debug)]
+pub(crate) struct Doc {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    pub frames: Frames,
+    pub root: Val,
+    keys: [StringId; 3],
+    /// Bytes held by the arena and containers (the interned tables count separately).
+    held: u64,
+    /// Values created (the schema's budget of events, blocks and segments).
+    values: u64,
+    work: Cell<u64>,
+    index: RefCell<FxHashMap<u32, FxHashMap<StringId, Val>>>,
+}
+
+impl Default for Doc {
+    fn default() -> Self {
+        let mut frames = Frames::default();
+        let keys = [
+            frames.string("filename"),
+            frames.string("line"),
+            frames.string("name"),
+        ];
+        Doc {
+            slots: Vec::new(),
+            free: Vec::new(),
+            frames,
+            root: Val::None,
+            keys,
+            held: 0,
+            values: 0,
+            work: Cell::new(0),
+            index: RefCell::default(),
         }
     }
 }
 
-/// A decoded document.
-#[derive(Debug, Default)]
-pub(crate) struct Doc {
-    pub nodes: Vec<Value>,
-    pub root: NodeId,
-}
-
 impl Doc {
-    pub fn push(&mut self, value: Value) -> NodeId {
-        self.nodes.push(value);
-        (self.nodes.len() - 1) as NodeId
+    /// A new empty container.
+    pub fn new_obj(&mut self, obj: Obj) -> Val {
+        self.values += 1;
+        self.held += SLOT_BYTES;
+        let slot = Slot {
+            obj,
+            memo: NO_MEMO,
+            shared: false,
+            stored: false,
+            reduced: None,
+        };
+        match self.free.pop() {
+            Some(i) => {
+                // Reuse the freed container's allocation where it has the same kind.
+                let old = &mut self.slots[i as usize];
+                match (&mut old.obj, slot.obj) {
+                    (Obj::List(v), Obj::List(_)) | (Obj::Tuple(v), Obj::Tuple(_)) => v.clear(),
+                    (Obj::Dict(v), Obj::Dict(_)) => v.clear(),
+                    (o, new) => *o = new,
+                }
+                old.memo = NO_MEMO;
+                old.shared = false;
+                old.stored = false;
+                old.reduced = None;
+                Val::Obj(ObjId(i))
+            }
+            None => {
+                self.slots.push(slot);
+                Val::Obj(ObjId((self.slots.len() - 1) as u32))
+            }
+        }
     }
 
-    pub fn get(&self, id: NodeId) -> &Value {
-        &self.nodes[id as usize]
+    /// A string value (interned).
+    pub fn str(&mut self, s: &str) -> Val {
+        self.values += 1;
+        Val::Str(self.frames.string(s))
     }
 
-    pub fn get_mut(&mut self, id: NodeId) -> &mut Value {
-        &mut self.nodes[id as usize]
+    /// Counts one scalar value built.
+    pub fn scalar(&mut self, v: Val) -> Val {
+        self.values += 1;
+        v
+    }
+
+    /// The container `id`.
+    pub fn obj(&self, id: ObjId) -> &Obj {
+        &self.slots[id.0 as usize].obj
+    }
+
+    /// Appends `items` (already [`stored`](Self::store)) to a list.
+    ///
+    /// # Errors
+    /// A message when `list` is not a list.
+    pub fn extend_list(&mut self, list: Val, items: &[Val]) -> Result<(), &'static str> {
+        let list = self.resolve(list);
+        let Val::Obj(id) = list else {
+            return Err(match list {
+                Val::Stack(_) => "a list of frames is extended after it was stored",
+                _ => "APPEND to something that is not a list",
+            });
+        };
+        match &mut self.slots[id.0 as usize].obj {
+            Obj::List(v) => {
+                v.extend_from_slice(items);
+                self.held += VAL_BYTES * items.len() as u64;
+                Ok(())
+            }
+            _ => Err("APPEND to something that is not a list"),
+        }
+    }
+
+    /// Sets key-value pairs (already [`stored`](Self::store)) in a dict.
+    ///
+    /// # Errors
+    /// A message when `dict` is not a dict.
+    pub fn extend_dict(&mut self, dict: Val, pairs: &[Val]) -> Result<(), &'static str> {
+        if !pairs.len().is_multiple_of(2) {
+            return Err("SETITEMS with an odd number of values");
+        }
+        let dict = self.resolve(dict);
+        let Val::Obj(id) = dict else {
+            return Err(match dict {
+                Val::Frame(_) => "a frame dict is extended after it was stored",
+                _ => "SETITEM on something that is not a dict",
+            });
+        };
+        match &mut self.slots[id.0 as usize].obj {
+            Obj::Dict(v) => {
+                v.extend(pairs.chunks_exact(2).map(|kv| (kv[0], kv[1])));
+                self.held += ENTRY_BYTES * (pairs.len() / 2) as u64;
+                Ok(())
+            }
+            _ => Err("SETITEM on something that is not a dict"),
+        }
+    }
+
+    /// Fills a new tuple with `items` (already [`stored`](Self::store)).
+    pub fn fill_tuple(&mut self, tuple: Val, items: &[Val]) {
+        if let Val::Obj(id) = tuple
+            && let Obj::Tuple(v) = &mut self.slots[id.0 as usize].obj
+        {
+            v.extend_from_slice(items);
+            self.held += VAL_BYTES * items.len() as u64;
+        }
+    }
+
+    /// Notes that `v` was put in the memo under `index`. A container memoized twice is
+    /// shared.
+    pub fn memoized(&mut self, v: Val, index: u32) {
+        if let Val::Obj(id) = v {
+            let slot = &mut self.slots[id.0 as usize];
+            if slot.memo == NO_MEMO && !slot.stored {
+                slot.memo = index;
+            } else {
+                slot.shared = true;
+            }
+        }
+    }
+
+    /// Notes a second reference to `v` (a DUP, or a memo read): if it is reduced, its slot
+    /// stays to forward the other references.
+    pub fn shared(&mut self, v: Val) {
+        if let Val::Obj(id) = v {
+            self.slots[id.0 as usize].shared = true;
+        }
+    }
+
+    /// The value `v` stands for: what a reduced container became.
+    pub fn resolve(&self, v: Val) -> Val {
+        match v {
+            Val::Obj(id) => self.slots[id.0 as usize].reduced.unwrap_or(v),
+            _ => v,
+        }
+    }
+
+    /// Stores `v` into a parent (or as the root): a frame-shaped dict or a list of frames is
+    /// reduced the first time it is stored, its container freed (or, when other references
+    /// to it remain, emptied and left to forward them). Returns the value to store, and the
+    /// memo index to rewrite with it where the container had one.
+    pub fn store(&mut self, v: Val) -> (Val, u32) {
+        let v = self.resolve(v);
+        let Val::Obj(id) = v else {
+            return (v, NO_MEMO);
+        };
+        let slot = &mut self.slots[id.0 as usize];
+        if slot.stored {
+            return (v, NO_MEMO);
+        }
+        slot.stored = true;
+        let keys = self.keys;
+        let reduced = match &self.slots[id.0 as usize].obj {
+            Obj::Dict(entries) => frame_of(keys, entries).map(|f| Val::Frame(self.frames.frame(f))),
+            Obj::List(items) => {
+                let frames: Option<Vec<FrameId>> = items
+                    .iter()
+                    .map(|v| match v {
+                        Val::Frame(f) => Some(*f),
+                        _ => None,
+                    })
+                    .collect();
+                frames.map(|f| Val::Stack(self.frames.stack(&f)))
+            }
+            Obj::Tuple(_) => None,
+        };
+        let Some(reduced) = reduced else {
+            return (v, NO_MEMO);
+        };
+        let slot = &mut self.slots[id.0 as usize];
+        let memo = slot.memo;
+        self.held -= match &mut slot.obj {
+            Obj::List(v) | Obj::Tuple(v) => {
+                let n = v.len();
+                v.clear();
+                VAL_BYTES * n as u64
+            }
+            Obj::Dict(v) => {
+                let n = v.len();
+                v.clear();
+                ENTRY_BYTES * n as u64
+            }
+        };
+        if slot.shared {
+            slot.reduced = Some(reduced);
+        } else {
+            self.held -= SLOT_BYTES;
+            self.free.push(id.0);
+        }
+        (reduced, memo)
+    }
+
+    /// Bytes the document holds: arena, containers and interned tables.
+    pub fn bytes(&self) -> u64 {
+        self.held + self.frames.bytes()
+    }
+
+    /// Values created while reading.
+    pub fn values(&self) -> u64 {
+        self.values
+    }
+
+    /// Reading work so far: values built plus dict entries looked at.
+    pub fn work(&self) -> u64 {
+        self.work.get()
+    }
+
+    /// Adds `n` to the work counter.
+    pub fn count_work(&self, n: u64) {
+        self.work.set(self.work.get().saturating_add(n));
     }
 
     /// A cursor at the root.
     pub fn root(&self) -> Node<'_> {
         Node {
             doc: self,
-            id: self.root,
+            val: self.resolve(self.root),
             path: String::from("$"),
         }
     }
 
-    /// Converts parsed JSON into a document.
-    pub fn from_json(json: &serde_json::Value) -> Doc {
-        let mut doc = Doc::default();
-        doc.root = doc.add_json(json);
-        doc
+    /// The value of `key` in the dict `id` (the last one set, as Python keeps).
+    fn lookup(&self, id: ObjId, entries: &[(Val, Val)], key: StringId) -> Option<Val> {
+        if entries.len() < INDEXED_DICT {
+            self.count_work(entries.len() as u64);
+            return entries
+                .iter()
+                .rev()
+                .find(|(k, _)| *k == Val::Str(key))
+                .map(|&(_, v)| v);
+        }
+        self.count_work(1);
+        let mut index = self.index.borrow_mut();
+        let keys = index.entry(id.0).or_insert_with(|| {
+            self.count_work(entries.len() as u64);
+            entries
+                .iter()
+                .filter_map(|&(k, v)| match k {
+                    Val::Str(s) => Some((s, v)),
+                    _ => None,
+                })
+                .collect()
+        });
+        keys.get(&key).copied()
     }
+}
 
-    fn add_json(&mut self, json: &serde_json::Value) -> NodeId {
-        // serde_json limits nesting to 128 levels, which bounds this recursion.
-        use serde_json::Value as J;
-        let value = match json {
-            J::Null => Value::None,
-            J::Bool(b) => Value::Bool(*b),
-            J::Number(n) => match (n.as_i64(), n.as_f64()) {
-                (Some(i), _) => Value::Int(i),
-                (None, _) if n.is_u64() => Value::BigInt,
-                (None, Some(f)) => Value::Float(f),
-                (None, None) => Value::BigInt,
+/// The frame a dict holds, if it is exactly PyTorch's frame dict (`keys` are the ids of
+/// "filename", "line" and "name").
+fn frame_of(keys: [StringId; 3], entries: &[(Val, Val)]) -> Option<Frame> {
+    let [filename, line, name] = keys;
+    let (mut f, mut l, mut n) = (None, None, None);
+    if entries.len() != 3 {
+        return None;
+    }
+    for (k, v) in entries {
+        match (*k, *v) {
+            (Val::Str(k), Val::Str(s)) if k == filename => f = Some(s),
+            (Val::Str(k), Val::Int(i)) if k == line => l = Some(i),
+            (Val::Str(k), Val::Str(s)) if k == name => n = Some(s),
+            _ => return None,
+        }
+    }
+    Some(Frame {
+        filename: f?,
+        line: l?,
+        name: n?,
+    })
+}
+
+impl Val {
+    fn kind(&self, doc: &Doc) -> &'static str {
+        match self {
+            Val::None => "None",
+            Val::Bool(_) => "a bool",
+            Val::Int(_) => "an int",
+            Val::BigInt => "an int wider than 64 bits",
+            Val::Float(_) => "a float",
+            Val::Str(_) => "a string",
+            Val::Frame(_) => "a dict",
+            Val::Stack(_) => "a list",
+            Val::Obj(id) => match doc.obj(*id) {
+                Obj::List(_) => "a list",
+                Obj::Tuple(_) => "a tuple",
+                Obj::Dict(_) => "a dict",
             },
-            J::String(s) => Value::Str(s.clone()),
-            J::Array(items) => Value::List(items.iter().map(|v| self.add_json(v)).collect()),
-            J::Object(map) => Value::Dict(
-                map.iter()
-                    .map(|(k, v)| {
-                        let key = self.push(Value::Str(k.clone()));
-                        (key, self.add_json(v))
-                    })
-                    .collect(),
-            ),
-        };
-        self.push(value)
+        }
     }
 }
 
@@ -111,50 +414,65 @@ impl Doc {
 #[derive(Clone)]
 pub(crate) struct Node<'a> {
     doc: &'a Doc,
-    id: NodeId,
+    val: Val,
     path: String,
 }
 
 impl<'a> Node<'a> {
-    fn value(&self) -> &'a Value {
-        self.doc.get(self.id)
-    }
-
     fn error(&self, expected: &str) -> TraceError {
         TraceError::Schema {
             path: self.path.clone(),
             expected: expected.to_string(),
-            found: self.value().kind().to_string(),
+            found: self.val.kind(self.doc).to_string(),
         }
     }
 
-    fn child(&self, id: NodeId, segment: impl std::fmt::Display) -> Node<'a> {
+    fn child(&self, val: Val, segment: impl std::fmt::Display) -> Node<'a> {
         Node {
             doc: self.doc,
-            id,
+            val: self.doc.resolve(val),
             path: format!("{}{segment}", self.path),
         }
     }
 
     /// Whether this node is a dict.
     pub fn is_dict(&self) -> bool {
-        matches!(self.value(), Value::Dict(_))
+        match self.val {
+            Val::Frame(_) => true,
+            Val::Obj(id) => matches!(self.doc.obj(id), Obj::Dict(_)),
+            _ => false,
+        }
     }
 
     /// Whether this node is None.
     pub fn is_none(&self) -> bool {
-        matches!(self.value(), Value::None)
+        self.val == Val::None
     }
 
     /// The value under `key`, if this is a dict that has it.
     pub fn get(&self, key: &str) -> Result<Option<Node<'a>>, TraceError> {
-        let Value::Dict(entries) = self.value() else {
-            return Err(self.error("a dict"));
+        let doc = self.doc;
+        let found = match self.val {
+            Val::Frame(f) => {
+                let frame = doc.frames.get(f);
+                match key {
+                    "filename" => Some(Val::Str(frame.filename)),
+                    "line" => Some(Val::Int(frame.line)),
+                    "name" => Some(Val::Str(frame.name)),
+                    _ => None,
+                }
+            }
+            Val::Obj(id) => match doc.obj(id) {
+                Obj::Dict(entries) => match doc.frames.find_string(key) {
+                    Some(k) => doc.lookup(id, entries, k),
+                    // No string in the whole document is this key.
+                    None => None,
+                },
+                _ => return Err(self.error("a dict")),
+            },
+            _ => return Err(self.error("a dict")),
         };
-        Ok(entries
-            .iter()
-            .find(|(k, _)| matches!(self.doc.get(*k), Value::Str(s) if s == key))
-            .map(|&(_, v)| self.child(v, format_args!(".{key}"))))
+        Ok(found.map(|v| self.child(v, format_args!(".{key}"))))
     }
 
     /// The value under `key`, which must be there.
@@ -168,21 +486,34 @@ impl<'a> Node<'a> {
 
     /// The elements of a list or tuple.
     pub fn items(&self) -> Result<impl Iterator<Item = Node<'a>> + 'a, TraceError> {
-        let (Value::List(items) | Value::Tuple(items)) = self.value() else {
-            return Err(self.error("a list"));
+        let doc = self.doc;
+        let items: Box<dyn Iterator<Item = Val> + 'a> = match self.val {
+            Val::Stack(s) => Box::new(doc.frames.frames_of(s).iter().map(|&f| Val::Frame(f))),
+            Val::Obj(id) => match doc.obj(id) {
+                Obj::List(v) | Obj::Tuple(v) => Box::new(v.iter().copied()),
+                Obj::Dict(_) => return Err(self.error("a list")),
+            },
+            _ => return Err(self.error("a list")),
         };
         let this = self.clone();
         Ok(items
-            .iter()
             .enumerate()
-            .map(move |(i, &id)| this.child(id, format_args!("[{i}]"))))
+            .map(move |(i, v)| this.child(v, format_args!("[{i}]"))))
+    }
+
+    /// The interned stack this node is: a list of frames (an empty list is the empty stack).
+    pub fn stack(&self) -> Option<StackId> {
+        match self.val {
+            Val::Stack(s) => Some(s),
+            _ => None,
+        }
     }
 
     /// An integer.
     pub fn int(&self) -> Result<i64, TraceError> {
-        match self.value() {
-            Value::Int(i) => Ok(*i),
-            Value::Bool(b) => Ok(i64::from(*b)),
+        match self.val {
+            Val::Int(i) => Ok(i),
+            Val::Bool(b) => Ok(i64::from(b)),
             _ => Err(self.error("an int")),
         }
     }
@@ -194,26 +525,26 @@ impl<'a> Node<'a> {
 
     /// A number.
     pub fn float(&self) -> Result<f64, TraceError> {
-        match self.value() {
-            Value::Float(f) => Ok(*f),
-            Value::Int(i) => Ok(*i as f64),
+        match self.val {
+            Val::Float(f) => Ok(f),
+            Val::Int(i) => Ok(i as f64),
             _ => Err(self.error("a number")),
         }
     }
 
     /// A bool.
     pub fn bool(&self) -> Result<bool, TraceError> {
-        match self.value() {
-            Value::Bool(b) => Ok(*b),
-            Value::Int(i) => Ok(*i != 0),
+        match self.val {
+            Val::Bool(b) => Ok(b),
+            Val::Int(i) => Ok(i != 0),
             _ => Err(self.error("a bool")),
         }
     }
 
     /// A string.
     pub fn str(&self) -> Result<&'a str, TraceError> {
-        match self.value() {
-            Value::Str(s) => Ok(s),
+        match self.val {
+            Val::Str(s) => Ok(self.doc.frames.str(s)),
             _ => Err(self.error("a string")),
         }
     }
@@ -221,5 +552,111 @@ impl<'a> Node<'a> {
     /// The path of this node, for messages.
     pub fn path(&self) -> &str {
         &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame_dict(doc: &mut Doc, file: &str, line: i64) -> Val {
+        let d = doc.new_obj(Obj::Dict(Vec::new()));
+        let pairs = [
+            doc.str("filename"),
+            doc.str(file),
+            doc.str("line"),
+            Val::Int(line),
+            doc.str("name"),
+            doc.str("f"),
+        ];
+        doc.extend_dict(d, &pairs).expect("a dict");
+        d
+    }
+
+    #[test]
+    fn frames_and_stacks_are_reduced_when_stored_and_read_back_as_dicts_and_lists() {
+        let mut doc = Doc::default();
+        let list = doc.new_obj(Obj::List(Vec::new()));
+        let first = frame_dict(&mut doc, "a.py", 1);
+        let (a, _) = doc.store(first);
+        let second = frame_dict(&mut doc, "a.py", 1);
+        let (b, _) = doc.store(second);
+        assert!(matches!(a, Val::Frame(_)));
+        assert_eq!(a, b, "one frame, interned");
+        doc.extend_list(list, &[a, b]).expect("a list");
+        let (stack, _) = doc.store(list);
+        assert!(matches!(stack, Val::Stack(_)));
+        assert_eq!(doc.bytes(), doc.frames.bytes(), "every container freed");
+        doc.root = stack;
+        let items: Vec<_> = doc.root().items().expect("list").collect();
+        assert_eq!(items.len(), 2);
+        let file = items[1].field("filename").expect("filename");
+        assert_eq!(file.str().expect("str"), "a.py");
+        assert_eq!(file.path(), "$[1].filename");
+        assert_eq!(items[0].field("line").expect("line").int().expect("int"), 1);
+    }
+
+    #[test]
+    fn a_shared_container_forwards_its_other_references_and_irregular_ones_stay() {
+        let mut doc = Doc::default();
+        let d = frame_dict(&mut doc, "a.py", 1);
+        doc.shared(d);
+        let (frame, _) = doc.store(d);
+        assert!(matches!(frame, Val::Frame(_)));
+        assert_eq!(doc.resolve(d), frame, "the other reference sees the frame");
+        assert_eq!(doc.store(d).0, frame);
+        assert_eq!(
+            doc.extend_dict(d, &[Val::None, Val::None]),
+            Err("a frame dict is extended after it was stored")
+        );
+        let extra = doc.new_obj(Obj::Dict(Vec::new()));
+        let pairs = [
+            doc.str("filename"),
+            doc.str("x"),
+            doc.str("line"),
+            Val::Int(2),
+        ];
+        doc.extend_dict(extra, &pairs).expect("dict");
+        assert_eq!(doc.store(extra).0, extra, "not a frame: kept");
+        let d = frame_dict(&mut doc, "b.py", 3);
+        let frame = doc.store(d).0;
+        assert_eq!(
+            doc.extend_dict(frame, &[Val::None, Val::None]),
+            Err("a frame dict is extended after it was stored")
+        );
+    }
+
+    #[test]
+    fn a_memoized_container_gives_its_memo_index_to_rewrite() {
+        let mut doc = Doc::default();
+        let d = frame_dict(&mut doc, "a.py", 1);
+        doc.memoized(d, 7);
+        let (v, memo) = doc.store(d);
+        assert!(matches!(v, Val::Frame(_)));
+        assert_eq!(memo, 7);
+    }
+
+    #[test]
+    fn the_last_of_repeated_keys_wins_and_large_dicts_are_indexed_once() {
+        let mut doc = Doc::default();
+        let d = doc.new_obj(Obj::Dict(Vec::new()));
+        let mut pairs = Vec::new();
+        for i in 0..100 {
+            pairs.push(doc.str(&format!("k{i}")));
+            pairs.push(Val::Int(i));
+        }
+        pairs.push(doc.str("k5"));
+        pairs.push(Val::Int(-5));
+        doc.extend_dict(d, &pairs).expect("dict");
+        doc.root = d;
+        let before = doc.work();
+        for _ in 0..1000 {
+            assert_eq!(doc.root().field("k5").expect("k5").int().expect("int"), -5);
+        }
+        let spent = doc.work() - before;
+        assert!(
+            spent < 1000 + 2 * 101,
+            "indexed once, then one step a read: {spent}"
+        );
     }
 }

@@ -1,18 +1,23 @@
 //! Recorded allocator traces: reading PyTorch memory snapshots and replaying them.
 //!
 //! A snapshot (`torch.cuda.memory._dump_snapshot`) holds the allocator's final `segments`
-//! and, when history was recorded, each device's trace of events. It arrives as a pickle or
-//! as the same schema in JSON, either optionally gzipped. [`read_recording`] turns any of
-//! them into a [`Recording`]; [`replay()`] runs a device's trace through the allocator core.
+//! and, when history was recorded, each device's trace of events, each with its stack. It
+//! arrives as a pickle or as the same schema in JSON, either optionally gzipped.
+//! [`read_recording`] streams any of them once into a [`Recording`], stack frames interned
+//! ([`Frames`]); [`replay()`] runs a device's trace through the allocator core.
 //!
 //! # Invariants
-//! - Reading never executes anything from the file and never allocates more than the
-//!   (bounded) input size justifies: inputs, decompressed data included, are capped at
-//!   [`MAX_INPUT_BYTES`].
+//! - Reading never executes anything from the file. It streams the input through a fixed
+//!   buffer, within [`ReadLimits`]: at most `max_input_bytes` of input (decompressed data
+//!   included) and at most `max_memory_bytes` held while reading (see `pickle.rs` for what
+//!   counts), whatever the file says; time is linear in the decoded input.
 //! - Every error names what was expected and where (byte offset, JSON line, or the path of
 //!   the offending field).
 
 mod doc;
+pub mod frames;
+mod input;
+mod json;
 mod pickle;
 pub mod plot;
 pub mod replay;
@@ -24,6 +29,7 @@ use std::io::Read;
 use std::path::Path;
 
 pub use crate::allocator::SimulatedDevice;
+pub use frames::{Frame, FrameId, Frames, StackId, StringId};
 pub use replay::{
     Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, replay, replay_following,
     replay_with_progress,
@@ -31,9 +37,41 @@ pub use replay::{
 pub use schema::{Format, RecordedBlock, RecordedSegment, Recording};
 pub use summary::state_summary;
 
-/// The largest input accepted, compressed or not: far above any real snapshot (the largest
-/// known is a few MiB), far below what would exhaust a machine.
-pub const MAX_INPUT_BYTES: u64 = 1 << 30;
+/// The largest input accepted by default, compressed or not: real dumps with stacks reach
+/// several GB (PyTorch's 100 000-entry ring buffer with C++ and Python frames).
+pub const MAX_INPUT_BYTES: u64 = 16 << 30;
+
+/// The most memory the reader may hold by default while reading.
+pub const MAX_MEMORY_BYTES: u64 = 4 << 30;
+
+/// What reading a recording may consume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Bytes of input, decompressed data included.
+    pub max_input_bytes: u64,
+    /// Bytes held while reading: the decoded document, the pickle memo and stack.
+    pub max_memory_bytes: u64,
+}
+
+impl Default for ReadLimits {
+    fn default() -> Self {
+        ReadLimits {
+            max_input_bytes: MAX_INPUT_BYTES,
+            max_memory_bytes: MAX_MEMORY_BYTES,
+        }
+    }
+}
+
+/// What reading cost, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadCost {
+    /// Decoded bytes read.
+    pub input_bytes: u64,
+    /// Work: opcodes (or JSON values) plus dict entries looked at.
+    pub work: u64,
+    /// Bytes the decoded document held at the end.
+    pub held_bytes: u64,
+}
 
 /// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -47,13 +85,23 @@ pub enum TraceError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The input (or its decompressed form) is larger than [`MAX_INPUT_BYTES`].
+    /// The input (or its decompressed form) is larger than the input limit.
     #[error("the input exceeds {limit} bytes{}", if *.decompressed { " once decompressed" } else { "" })]
     TooLarge {
         /// The limit.
         limit: u64,
         /// Whether the limit was hit while decompressing.
         decompressed: bool,
+    },
+    /// Reading would hold more memory than the budget.
+    #[error(
+        "reading needs more than the memory budget of {limit} bytes (at byte {offset}); raise it with --max-memory-bytes if the machine has the memory"
+    )]
+    MemoryBudget {
+        /// The budget.
+        limit: u64,
+        /// Decoded bytes read when it was crossed.
+        offset: u64,
     },
     /// The gzip stream is corrupt.
     #[error("corrupt gzip data: {0}")]
@@ -67,7 +115,7 @@ pub enum TraceError {
     #[error("pickle error at byte {offset}: {message}")]
     Pickle {
         /// Byte offset of the opcode at fault.
-        offset: usize,
+        offset: u64,
         /// What was wrong.
         message: String,
     },
@@ -86,29 +134,50 @@ pub enum TraceError {
     },
 }
 
-/// Reads a snapshot file: pickle or JSON, optionally gzipped.
+/// Reads a snapshot file (pickle or JSON, optionally gzipped) within the default limits.
 ///
 /// # Errors
 /// A [`TraceError`] saying what was expected and where.
 pub fn read_recording(path: &Path) -> Result<Recording, TraceError> {
+    read_recording_with(path, ReadLimits::default(), &mut |_| {})
+}
+
+/// Reads a snapshot file within `limits`, telling `progress` how many bytes of the file have
+/// been read so far (about every MiB).
+///
+/// # Errors
+/// A [`TraceError`] saying what was expected and where.
+pub fn read_recording_with(
+    path: &Path,
+    limits: ReadLimits,
+    progress: &mut dyn FnMut(u64),
+) -> Result<Recording, TraceError> {
     let io = |source| TraceError::Io {
         path: path.display().to_string(),
         source,
     };
     let file = std::fs::File::open(path).map_err(io)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_INPUT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
-    parse_recording(&bytes)
+    if file.metadata().map_err(io)?.len() > limits.max_input_bytes {
+        return Err(TraceError::TooLarge {
+            limit: limits.max_input_bytes,
+            decompressed: false,
+        });
+    }
+    let counted = Counted {
+        inner: file,
+        read: 0,
+        progress,
+    };
+    read_from(Box::new(counted), limits).0
 }
 
-/// Parses a snapshot from memory: pickle or JSON, optionally gzipped.
+/// Parses a snapshot from memory (pickle or JSON, optionally gzipped) within the default
+/// limits.
 ///
 /// # Errors
 /// A [`TraceError`] saying what was expected and where.
 pub fn parse_recording(bytes: &[u8]) -> Result<Recording, TraceError> {
-    parse_recording_with_limit(bytes, MAX_INPUT_BYTES)
+    parse_recording_with(bytes, ReadLimits::default()).0
 }
 
 /// [`parse_recording`] with a smaller cap on the input and its decompressed form.
@@ -116,50 +185,90 @@ pub fn parse_recording(bytes: &[u8]) -> Result<Recording, TraceError> {
 /// # Errors
 /// A [`TraceError`] saying what was expected and where.
 pub fn parse_recording_with_limit(bytes: &[u8], limit: u64) -> Result<Recording, TraceError> {
-    if bytes.len() as u64 > limit {
-        return Err(TraceError::TooLarge {
-            limit,
-            decompressed: false,
-        });
-    }
-    let inflated;
-    let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
-        inflated = gunzip(bytes, limit)?;
-        &inflated[..]
-    } else {
-        bytes
+    let limits = ReadLimits {
+        max_input_bytes: limit,
+        ..ReadLimits::default()
     };
-    let doc = match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-        // A pickle starts with its PROTO opcode; only JSON may start with whitespace.
-        Some(0x80) if bytes[0] == 0x80 => pickle::decode(bytes)?,
-        Some(b'{' | b'[') => {
-            let json: serde_json::Value =
-                serde_json::from_slice(bytes).map_err(|e| TraceError::Json(e.to_string()))?;
-            doc::Doc::from_json(&json)
-        }
-        Some(b) => {
-            return Err(TraceError::UnknownFormat(format!(
-                "byte {b:#04x} after {} bytes of whitespace",
-                bytes.iter().take_while(|b| b.is_ascii_whitespace()).count()
-            )));
-        }
-        None => return Err(TraceError::UnknownFormat("an empty input".into())),
-    };
-    schema::recording(&doc)
+    parse_recording_with(bytes, limits).0
 }
 
-/// Decompresses gzip data, refusing to produce more than `limit` bytes.
-fn gunzip(bytes: &[u8], limit: u64) -> Result<Vec<u8>, TraceError> {
-    let mut out = Vec::new();
-    flate2::read::MultiGzDecoder::new(bytes)
-        .take(limit + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| TraceError::Gzip(e.to_string()))?;
-    if out.len() as u64 > limit {
-        return Err(TraceError::TooLarge {
-            limit,
-            decompressed: true,
-        });
+/// Parses a snapshot from memory within `limits`, saying what reading cost (also when it
+/// failed).
+pub fn parse_recording_with(
+    bytes: &[u8],
+    limits: ReadLimits,
+) -> (Result<Recording, TraceError>, ReadCost) {
+    if bytes.len() as u64 > limits.max_input_bytes {
+        let err = TraceError::TooLarge {
+            limit: limits.max_input_bytes,
+            decompressed: false,
+        };
+        return (Err(err), ReadCost::default());
     }
-    Ok(out)
+    read_from(Box::new(bytes), limits)
+}
+
+/// Streams a recording from `reader`.
+fn read_from(
+    reader: Box<dyn Read + '_>,
+    limits: ReadLimits,
+) -> (Result<Recording, TraceError>, ReadCost) {
+    let mut doc = doc::Doc::default();
+    let mut cost = ReadCost::default();
+    let decode_all = || {
+        let mut input = input::Input::new(reader, limits.max_input_bytes)?;
+        let decoded = decode(&mut input, &mut doc, limits.max_memory_bytes);
+        cost.input_bytes = input.offset();
+        decoded
+    };
+    let decoded = decode_all();
+    cost.held_bytes = doc.bytes();
+    let result = decoded.and_then(|()| schema::recording(&mut doc));
+    cost.work = doc.work();
+    (result, cost)
+}
+
+/// Decodes whichever format the input is.
+fn decode(
+    input: &mut input::Input<'_>,
+    doc: &mut doc::Doc,
+    max_memory: u64,
+) -> Result<(), TraceError> {
+    let mut skipped = 0u64;
+    loop {
+        match input.peek()? {
+            // A pickle starts with its PROTO opcode; only JSON may start with whitespace.
+            Some(0x80) if skipped == 0 => return pickle::decode(input, doc, max_memory),
+            Some(b'{' | b'[') => return json::decode(input, doc, max_memory),
+            Some(b) if b.is_ascii_whitespace() => {
+                input.byte()?;
+                skipped += 1;
+            }
+            Some(b) => {
+                return Err(TraceError::UnknownFormat(format!(
+                    "byte {b:#04x} after {skipped} bytes of whitespace"
+                )));
+            }
+            None => return Err(TraceError::UnknownFormat("an empty input".into())),
+        }
+    }
+}
+
+/// A reader that reports how much it has read.
+struct Counted<'p, R> {
+    inner: R,
+    read: u64,
+    progress: &'p mut dyn FnMut(u64),
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let before = self.read;
+        self.read += n as u64;
+        if before >> 20 != self.read >> 20 || n == 0 {
+            (self.progress)(self.read);
+        }
+        Ok(n)
+    }
 }

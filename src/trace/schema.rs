@@ -2,8 +2,9 @@
 //!
 //! Four layouts exist in the wild (see the traces' SOURCES): the newest dict (with
 //! `allocator_settings`), an older dict without settings, the oldest dict whose blocks carry
-//! `history` and may lack `address`, and a legacy bare list of segments. Frames, annotations
-//! and other metadata are skipped.
+//! `history` and may lack `address`, and a legacy bare list of segments. Each event's and
+//! block's `frames` are kept as an interned stack ([`StackId`]); annotations and other
+//! metadata are skipped.
 
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, SimulatedDevice, TraceAction, TraceEntry};
@@ -11,6 +12,7 @@ use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS};
 
 use super::TraceError;
 use super::doc::{Doc, Node};
+use super::frames::{Frames, StackId};
 
 /// Which layout the file had.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub struct RecordedBlock {
     pub requested_size: u64,
     /// State.
     pub state: BlockState,
+    /// Where it was allocated ([`StackId::EMPTY`] when the file has no frames for it).
+    pub stack: StackId,
 }
 
 /// One recorded segment.
@@ -68,6 +72,10 @@ pub struct Recording {
     pub segments: Vec<RecordedSegment>,
     /// Events per device (empty when history was not recorded).
     pub device_traces: Vec<Vec<TraceEntry>>,
+    /// Each event's stack, beside `device_traces` ([`StackId::EMPTY`] where it has none).
+    pub event_stacks: Vec<Vec<StackId>>,
+    /// The stacks' frames and strings.
+    pub frames: Frames,
     /// The allocator configuration in force, when recorded.
     pub config: Option<AllocatorConfig>,
     /// The device the recording ran on, when recorded.
@@ -82,10 +90,10 @@ fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
     }
 }
 
-/// How many segments, blocks and events a document may yield: one per node of the document.
+/// How many segments, blocks and events a document may yield: one per value the input built.
 /// A pickle can reference one container many times through its memo for a few bytes each;
 /// without this bound a small file could ask for unbounded memory.
-struct Budget(usize);
+struct Budget(u64);
 
 impl Budget {
     fn take(&mut self, node: &Node<'_>) -> Result<(), TraceError> {
@@ -98,27 +106,42 @@ impl Budget {
     }
 }
 
-pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
+/// The recording a document holds (its interned frames move into it).
+pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
+    let mut recording = read(doc)?;
+    recording.frames = std::mem::take(&mut doc.frames);
+    Ok(recording)
+}
+
+fn read(doc: &Doc) -> Result<Recording, TraceError> {
     let root = doc.root();
-    let budget = &mut Budget(doc.nodes.len());
+    let budget = &mut Budget(doc.values());
     if !root.is_dict() {
         let segments = segments(&root, budget)?;
         return Ok(Recording {
             format: Format::LegacyList,
             segments,
             device_traces: Vec::new(),
+            event_stacks: Vec::new(),
+            frames: Frames::default(),
             config: None,
             simulated_device: None,
         });
     }
     let segments = segments(&root.field("segments")?, budget)?;
-    let device_traces = match root.get("device_traces")? {
-        Some(traces) => traces
-            .items()?
-            .map(|events| events.items()?.map(|e| event(&e, budget)).collect())
-            .collect::<Result<Vec<Vec<_>>, _>>()?,
-        None => Vec::new(),
-    };
+    let mut device_traces = Vec::new();
+    let mut event_stacks = Vec::new();
+    if let Some(traces) = root.get("device_traces")? {
+        for events in traces.items()? {
+            let (mut entries, mut stacks) = (Vec::new(), Vec::new());
+            for e in events.items()? {
+                entries.push(event(&e, budget)?);
+                stacks.push(stack_of(&e)?);
+            }
+            device_traces.push(entries);
+            event_stacks.push(stacks);
+        }
+    }
     let config = root
         .get("allocator_settings")?
         .map(|s| settings(&s))
@@ -150,9 +173,20 @@ pub(super) fn recording(doc: &Doc) -> Result<Recording, TraceError> {
         format,
         segments,
         device_traces,
+        event_stacks,
+        frames: Frames::default(),
         config,
         simulated_device,
     })
+}
+
+/// The stack of an event or block: its `frames` list, interned as it was read (a list that is
+/// not all frames, or none, gives the empty stack).
+fn stack_of(node: &Node<'_>) -> Result<StackId, TraceError> {
+    Ok(node
+        .get("frames")?
+        .and_then(|f| f.stack())
+        .unwrap_or(StackId::EMPTY))
 }
 
 fn segments(list: &Node<'_>, budget: &mut Budget) -> Result<Vec<RecordedSegment>, TraceError> {
@@ -221,6 +255,7 @@ fn segment(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedSegment, Trac
             size,
             requested_size,
             state,
+            stack: stack_of(&b)?,
         });
     }
     Ok(RecordedSegment {
