@@ -17,8 +17,8 @@
 //!   value; any other reference to it (a DUP, a memo read, a second memo entry) resolves to
 //!   the reduced value through its emptied slot. A reduced value is immutable: extending one
 //!   is an error.
-//! - [`Doc::bytes`] accounts what the document holds (arena, containers' values, interned
-//!   tables), and [`Doc::work`] counts the reading work (values built, dict entries looked
+//! - [`Doc::bytes`] accounts what the document holds (arena slots, containers' allocations,
+//!   interned tables; a container past a million values grows by a quarter at a time), and [`Doc::work`] counts the reading work (values built, dict entries looked
 //!   at), so that callers can bound both in proportion to the input.
 
 use std::cell::{Cell, RefCell};
@@ -95,6 +95,8 @@ pub(crate) struct Doc {
     /// Values created (the schema's budget of events, blocks and segments).
     values: u64,
     work: Cell<u64>,
+    /// The most bytes a decoder accounted while reading (its stack and memo included).
+    peak: u64,
     index: RefCell<FxHashMap<u32, FxHashMap<StringId, Val>>>,
 }
 
@@ -115,6 +117,7 @@ impl Default for Doc {
             held: 0,
             values: 0,
             work: Cell::new(0),
+            peak: 0,
             index: RefCell::default(),
         }
     }
@@ -122,9 +125,9 @@ impl Default for Doc {
 
 impl Doc {
     /// A new empty container.
+    #[inline]
     pub fn new_obj(&mut self, obj: Obj) -> Val {
         self.values += 1;
-        self.held += SLOT_BYTES;
         let slot = Slot {
             obj,
             memo: NO_MEMO,
@@ -139,7 +142,13 @@ impl Doc {
                 match (&mut old.obj, slot.obj) {
                     (Obj::List(v), Obj::List(_)) | (Obj::Tuple(v), Obj::Tuple(_)) => v.clear(),
                     (Obj::Dict(v), Obj::Dict(_)) => v.clear(),
-                    (o, new) => *o = new,
+                    (o, new) => {
+                        self.held -= match o {
+                            Obj::List(v) | Obj::Tuple(v) => VAL_BYTES * v.capacity() as u64,
+                            Obj::Dict(v) => ENTRY_BYTES * v.capacity() as u64,
+                        };
+                        *o = new;
+                    }
                 }
                 old.memo = NO_MEMO;
                 old.shared = false;
@@ -148,6 +157,7 @@ impl Doc {
                 Val::Obj(ObjId(i))
             }
             None => {
+                self.held += SLOT_BYTES;
                 self.slots.push(slot);
                 Val::Obj(ObjId((self.slots.len() - 1) as u32))
             }
@@ -155,15 +165,28 @@ impl Doc {
     }
 
     /// A string value (interned).
+    #[inline]
     pub fn str(&mut self, s: &str) -> Val {
         self.values += 1;
         Val::Str(self.frames.string(s))
     }
 
     /// Counts one scalar value built.
+    #[inline]
     pub fn scalar(&mut self, v: Val) -> Val {
         self.values += 1;
         v
+    }
+
+    /// Counts `n` values built.
+    #[inline]
+    pub fn count_values(&mut self, n: u64) {
+        self.values += n;
+    }
+
+    /// The ids of the frame dict's keys: "filename", "line" and "name".
+    pub fn frame_keys(&self) -> [StringId; 3] {
+        self.keys
     }
 
     /// The container `id`.
@@ -175,6 +198,7 @@ impl Doc {
     ///
     /// # Errors
     /// A message when `list` is not a list.
+    #[inline]
     pub fn extend_list(&mut self, list: Val, items: &[Val]) -> Result<(), &'static str> {
         let list = self.resolve(list);
         let Val::Obj(id) = list else {
@@ -185,8 +209,10 @@ impl Doc {
         };
         match &mut self.slots[id.0 as usize].obj {
             Obj::List(v) => {
+                let before = v.capacity();
+                grow(v, items.len());
                 v.extend_from_slice(items);
-                self.held += VAL_BYTES * items.len() as u64;
+                self.held += VAL_BYTES * (v.capacity() - before) as u64;
                 Ok(())
             }
             _ => Err("APPEND to something that is not a list"),
@@ -197,6 +223,7 @@ impl Doc {
     ///
     /// # Errors
     /// A message when `dict` is not a dict.
+    #[inline]
     pub fn extend_dict(&mut self, dict: Val, pairs: &[Val]) -> Result<(), &'static str> {
         if !pairs.len().is_multiple_of(2) {
             return Err("SETITEMS with an odd number of values");
@@ -210,8 +237,10 @@ impl Doc {
         };
         match &mut self.slots[id.0 as usize].obj {
             Obj::Dict(v) => {
+                let before = v.capacity();
+                grow(v, pairs.len() / 2);
                 v.extend(pairs.chunks_exact(2).map(|kv| (kv[0], kv[1])));
-                self.held += ENTRY_BYTES * (pairs.len() / 2) as u64;
+                self.held += ENTRY_BYTES * (v.capacity() - before) as u64;
                 Ok(())
             }
             _ => Err("SETITEM on something that is not a dict"),
@@ -223,13 +252,15 @@ impl Doc {
         if let Val::Obj(id) = tuple
             && let Obj::Tuple(v) = &mut self.slots[id.0 as usize].obj
         {
+            let before = v.capacity();
             v.extend_from_slice(items);
-            self.held += VAL_BYTES * items.len() as u64;
+            self.held += VAL_BYTES * (v.capacity() - before) as u64;
         }
     }
 
     /// Notes that `v` was put in the memo under `index`. A container memoized twice is
     /// shared.
+    #[inline]
     pub fn memoized(&mut self, v: Val, index: u32) {
         if let Val::Obj(id) = v {
             let slot = &mut self.slots[id.0 as usize];
@@ -243,6 +274,7 @@ impl Doc {
 
     /// Notes a second reference to `v` (a DUP, or a memo read): if it is reduced, its slot
     /// stays to forward the other references.
+    #[inline]
     pub fn shared(&mut self, v: Val) {
         if let Val::Obj(id) = v {
             self.slots[id.0 as usize].shared = true;
@@ -250,6 +282,7 @@ impl Doc {
     }
 
     /// The value `v` stands for: what a reduced container became.
+    #[inline]
     pub fn resolve(&self, v: Val) -> Val {
         match v {
             Val::Obj(id) => self.slots[id.0 as usize].reduced.unwrap_or(v),
@@ -291,22 +324,25 @@ impl Doc {
         };
         let slot = &mut self.slots[id.0 as usize];
         let memo = slot.memo;
-        self.held -= match &mut slot.obj {
-            Obj::List(v) | Obj::Tuple(v) => {
-                let n = v.len();
-                v.clear();
-                VAL_BYTES * n as u64
-            }
-            Obj::Dict(v) => {
-                let n = v.len();
-                v.clear();
-                ENTRY_BYTES * n as u64
-            }
-        };
+        // A freed container keeps its allocation for reuse (still held); a forwarding one
+        // gives it back.
+        if slot.shared {
+            self.held -= match &mut slot.obj {
+                Obj::List(v) | Obj::Tuple(v) => {
+                    let n = v.capacity();
+                    *v = Vec::new();
+                    VAL_BYTES * n as u64
+                }
+                Obj::Dict(v) => {
+                    let n = v.capacity();
+                    *v = Vec::new();
+                    ENTRY_BYTES * n as u64
+                }
+            };
+        }
         if slot.shared {
             slot.reduced = Some(reduced);
         } else {
-            self.held -= SLOT_BYTES;
             self.free.push(id.0);
         }
         (reduced, memo)
@@ -315,6 +351,16 @@ impl Doc {
     /// Bytes the document holds: arena, containers and interned tables.
     pub fn bytes(&self) -> u64 {
         self.held + self.frames.bytes()
+    }
+
+    /// Notes `bytes` held by a decoder (with what it holds beside the document).
+    pub fn note_peak(&mut self, bytes: u64) {
+        self.peak = self.peak.max(bytes);
+    }
+
+    /// The most bytes held while reading, as far as noted.
+    pub fn peak(&self) -> u64 {
+        self.peak.max(self.bytes())
     }
 
     /// Values created while reading.
@@ -364,6 +410,22 @@ impl Doc {
                 .collect()
         });
         keys.get(&key).copied()
+    }
+}
+
+/// Containers past this many values grow by a quarter, not double, so that one growth never
+/// takes much more than the budget checked before it.
+const LARGE: usize = 1 << 20;
+
+/// Makes room in `v` for `n` more values.
+fn grow<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() - v.len() >= n {
+        return;
+    }
+    if v.len() < LARGE {
+        v.reserve(n);
+    } else {
+        v.reserve_exact(n.max(v.len() / 4));
     }
 }
 
@@ -583,10 +645,14 @@ mod tests {
         let (b, _) = doc.store(second);
         assert!(matches!(a, Val::Frame(_)));
         assert_eq!(a, b, "one frame, interned");
+        // A freed container is reused: the same again holds nothing more.
+        let held = doc.bytes();
+        let again = frame_dict(&mut doc, "a.py", 1);
+        assert_eq!(doc.store(again).0, a);
+        assert_eq!(doc.bytes(), held, "container reused");
         doc.extend_list(list, &[a, b]).expect("a list");
         let (stack, _) = doc.store(list);
         assert!(matches!(stack, Val::Stack(_)));
-        assert_eq!(doc.bytes(), doc.frames.bytes(), "every container freed");
         doc.root = stack;
         let items: Vec<_> = doc.root().items().expect("list").collect();
         assert_eq!(items.len(), 2);

@@ -140,6 +140,19 @@ impl<'r> Input<'r> {
         Ok(Some(b))
     }
 
+    /// The bytes buffered and not consumed yet (possibly none; nothing is read).
+    #[inline]
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Consumes `n` of the [`buffered`](Self::buffered) bytes.
+    #[inline]
+    pub fn consume(&mut self, n: usize) {
+        debug_assert!(n <= self.end - self.start);
+        self.start += n;
+    }
+
     /// The next byte, if any, without consuming it.
     ///
     /// # Errors
@@ -227,10 +240,18 @@ mod tests {
         let mut i = input(&data, u64::MAX);
         assert_eq!(i.byte().expect("ok"), Some(0));
         assert_eq!(i.next_bytes(10).expect("ok"), Some(&data[1..11]));
-        let long = i.next_bytes(2 * BUFFER).expect("ok").expect("there").to_vec();
+        let long = i
+            .next_bytes(2 * BUFFER)
+            .expect("ok")
+            .expect("there")
+            .to_vec();
         assert_eq!(long, &data[11..11 + 2 * BUFFER]);
         assert_eq!(i.offset(), 11 + 2 * BUFFER as u64);
-        let rest = i.next_bytes(BUFFER + 6).expect("ok").expect("there").to_vec();
+        let rest = i
+            .next_bytes(BUFFER + 6)
+            .expect("ok")
+            .expect("there")
+            .to_vec();
         assert_eq!(rest, &data[11 + 2 * BUFFER..]);
         assert_eq!(i.byte().expect("ok"), None);
         assert_eq!(i.next_bytes(1).expect("ok"), None);
@@ -242,7 +263,10 @@ mod tests {
         std::io::Write::write_all(&mut gz, &vec![b'N'; 5 << 20]).expect("write");
         let gz = gz.finish().expect("finish");
         let mut i = input(&gz, u64::MAX);
-        assert_eq!(i.next_bytes(5 << 20).expect("ok").map(<[u8]>::len), Some(5 << 20));
+        assert_eq!(
+            i.next_bytes(5 << 20).expect("ok").map(<[u8]>::len),
+            Some(5 << 20)
+        );
         let mut i = input(&gz, 1 << 20);
         let err = i.next_bytes(5 << 20).expect_err("limit");
         assert!(err.to_string().contains("once decompressed"), "{err}");

@@ -30,9 +30,13 @@ impl Builder<'_> {
         Ok(v)
     }
 
-    fn check<E: de::Error>(&self) -> Result<(), E> {
-        if self.doc.values().is_multiple_of(CHECK_EVERY) && self.doc.bytes() > self.max_memory {
-            return Err(E::custom(BUDGET));
+    fn check<E: de::Error>(&mut self) -> Result<(), E> {
+        if self.doc.values().is_multiple_of(CHECK_EVERY) {
+            let held = self.doc.bytes();
+            self.doc.note_peak(held);
+            if held > self.max_memory {
+                return Err(E::custom(BUDGET));
+            }
         }
         Ok(())
     }

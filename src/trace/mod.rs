@@ -69,8 +69,9 @@ pub struct ReadCost {
     pub input_bytes: u64,
     /// Work: opcodes (or JSON values) plus dict entries looked at.
     pub work: u64,
-    /// Bytes the decoded document held at the end.
-    pub held_bytes: u64,
+    /// The most bytes held while reading (the document, and a pickle's stack and memo), as
+    /// accounted every 4 096 values and at the end.
+    pub peak_bytes: u64,
 }
 
 /// Why a trace could not be read.
@@ -222,7 +223,7 @@ fn read_from(
         decoded
     };
     let decoded = decode_all();
-    cost.held_bytes = doc.bytes();
+    cost.peak_bytes = doc.peak();
     let result = decoded.and_then(|()| schema::recording(&mut doc));
     cost.work = doc.work();
     (result, cost)

@@ -12,8 +12,10 @@
 //! memo entries plus the document: 4 bytes a memo entry (16 more for an entry holding a plain
 //! number, which Python never memoizes), 16 bytes a stack value, and the document's own
 //! accounting ([`Doc::bytes`]). The total is checked against the memory budget every 4 096
-//! opcodes and before any string is read, so a file that needs more fails with
-//! [`TraceError::MemoryBudget`] at the offset where it crossed.
+//! opcodes (the stack reserving room for the next 4 096 values within it) and before any
+//! string is read, so a file that needs more fails with [`TraceError::MemoryBudget`] at the
+//! offset where it crossed, having held at most the budget plus what 4 096 opcodes add to
+//! the document.
 //!
 //! # Invariants
 //! - Lengths read from the input never size an allocation: string bytes are gathered as they
@@ -40,6 +42,7 @@ const TAG_SHIFT: u32 = 29;
 const PAYLOAD: u32 = (1 << TAG_SHIFT) - 1;
 
 impl Memo {
+    #[inline]
     fn pack(&mut self, v: Val) -> u32 {
         let (tag, id) = match v {
             Val::Str(s) => (1, s.0),
@@ -55,6 +58,7 @@ impl Memo {
         (5 << TAG_SHIFT) | ((self.others.len() - 1) as u32 & PAYLOAD)
     }
 
+    #[inline]
     fn unpack(&self, packed: u32) -> Option<Val> {
         use super::frames::{FrameId, StackId, StringId};
         let id = packed & PAYLOAD;
@@ -68,6 +72,7 @@ impl Memo {
         })
     }
 
+    #[inline]
     fn put(&mut self, index: u32, v: Val) {
         let i = index as usize;
         if i < self.dense.len() {
@@ -80,6 +85,7 @@ impl Memo {
         }
     }
 
+    #[inline]
     fn get(&self, index: u32) -> Option<Val> {
         match self.dense.get(index as usize) {
             Some(&packed) => self.unpack(packed),
@@ -92,6 +98,9 @@ impl Memo {
     }
 }
 
+/// How often (in opcodes) memory is checked against the budget.
+const CHECK_EVERY: u64 = 4096;
+
 struct Machine<'i, 'r> {
     input: &'i mut Input<'r>,
     doc: &'i mut Doc,
@@ -100,8 +109,6 @@ struct Machine<'i, 'r> {
     marks: Vec<usize>,
     memo: Memo,
     next_memo: u32,
-    /// Values popped to a MARK (reused).
-    items: Vec<Val>,
     max_memory: u64,
     ops: u64,
     /// Offset of the opcode being run.
@@ -126,7 +133,6 @@ pub(crate) fn decode(
         marks: Vec::new(),
         memo: Memo::default(),
         next_memo: 0,
-        items: Vec::new(),
         max_memory,
         ops: 0,
         at: 0,
@@ -151,12 +157,26 @@ impl Machine<'_, '_> {
     fn bytes(&self) -> u64 {
         self.doc.bytes()
             + self.memo.bytes()
-            + (self.stack.capacity() + self.items.capacity()) as u64 * 16
+            + self.stack.capacity() as u64 * 16
             + self.marks.capacity() as u64 * 8
     }
 
-    fn check_memory(&self, more: u64) -> Result<(), TraceError> {
+    /// Makes room for the next [`CHECK_EVERY`] values on the stack (an opcode pushes at most
+    /// one), within the budget: the stack never grows unchecked in between.
+    fn reserve_stack(&mut self) -> Result<(), TraceError> {
+        let room = self.stack.capacity() - self.stack.len();
+        if room >= CHECK_EVERY as usize {
+            return Ok(());
+        }
+        let grown = (self.stack.capacity() * 2).max(self.stack.len() + CHECK_EVERY as usize);
+        self.check_memory(((grown - self.stack.capacity()) * 16) as u64)?;
+        self.stack.reserve_exact(grown - self.stack.len());
+        Ok(())
+    }
+
+    fn check_memory(&mut self, more: u64) -> Result<(), TraceError> {
         let held = self.bytes();
+        self.doc.note_peak(held);
         if held.saturating_add(more) > self.max_memory {
             return Err(TraceError::MemoryBudget {
                 limit: self.max_memory,
@@ -166,6 +186,7 @@ impl Machine<'_, '_> {
         Ok(())
     }
 
+    #[inline]
     fn take<const N: usize>(&mut self, what: &str) -> Result<[u8; N], TraceError> {
         match self.input.next_bytes(N)? {
             Some(b) => {
@@ -177,8 +198,12 @@ impl Machine<'_, '_> {
         }
     }
 
+    #[inline]
     fn byte(&mut self, what: &str) -> Result<u8, TraceError> {
-        Ok(self.take::<1>(what)?[0])
+        match self.input.byte()? {
+            Some(b) => Ok(b),
+            None => Err(self.truncated(what)),
+        }
     }
 
     fn u16(&mut self, what: &str) -> Result<u16, TraceError> {
@@ -193,10 +218,12 @@ impl Machine<'_, '_> {
         Ok(u64::from_le_bytes(self.take(what)?))
     }
 
+    #[inline]
     fn push(&mut self, v: Val) {
         self.stack.push(v);
     }
 
+    #[inline]
     fn pop(&mut self) -> Result<Val, TraceError> {
         if self.marks.last() == Some(&self.stack.len()) {
             return Err(self.fail("a value was expected, found a MARK"));
@@ -206,6 +233,7 @@ impl Machine<'_, '_> {
             .ok_or_else(|| self.fail("the stack is empty"))
     }
 
+    #[inline]
     fn top(&self) -> Result<Val, TraceError> {
         match self.stack.last() {
             Some(v) if self.marks.last() != Some(&self.stack.len()) => Ok(*v),
@@ -214,6 +242,7 @@ impl Machine<'_, '_> {
     }
 
     /// Stores `v` into a parent: reduced where it can be, the memo rewritten to match.
+    #[inline]
     fn store(&mut self, v: Val) -> Val {
         let (stored, memo) = self.doc.store(v);
         if memo != NO_MEMO {
@@ -222,19 +251,29 @@ impl Machine<'_, '_> {
         stored
     }
 
-    /// Pops everything down to the last MARK into `self.items`, each stored.
-    fn pop_mark(&mut self) -> Result<(), TraceError> {
+    /// Pops the last MARK and stores the values above it, in place: they are
+    /// `self.stack[mark..]` (the caller moves them into their container, then truncates).
+    fn mark_items(&mut self) -> Result<usize, TraceError> {
         let mark = self
             .marks
             .pop()
             .ok_or_else(|| self.fail("no MARK on the stack"))?;
-        self.items.clear();
-        self.items.extend(self.stack.drain(mark..));
-        for i in 0..self.items.len() {
-            let stored = self.store(self.items[i]);
-            self.items[i] = stored;
+        for i in mark..self.stack.len() {
+            // Only containers change when stored (most values are strings and numbers).
+            if let Val::Obj(_) = self.stack[i] {
+                let stored = self.store(self.stack[i]);
+                self.stack[i] = stored;
+            }
         }
-        Ok(())
+        Ok(mark)
+    }
+
+    /// The value just below `mark` (the container an APPENDS or SETITEMS extends).
+    fn below(&self, mark: usize) -> Result<Val, TraceError> {
+        match mark.checked_sub(1).and_then(|i| self.stack.get(i)) {
+            Some(v) if self.marks.last() != Some(&mark) => Ok(*v),
+            _ => Err(self.fail("a value was expected below the MARK")),
+        }
     }
 
     fn string(&mut self, len: u64) -> Result<(), TraceError> {
@@ -276,6 +315,7 @@ impl Machine<'_, '_> {
         Ok(())
     }
 
+    #[inline]
     fn memo_get(&mut self, index: u32) -> Result<(), TraceError> {
         let v = self
             .memo
@@ -286,6 +326,7 @@ impl Machine<'_, '_> {
         Ok(())
     }
 
+    #[inline]
     fn memo_put(&mut self, index: u32) -> Result<(), TraceError> {
         let v = self.top()?;
         self.doc.memoized(v, index);
@@ -293,17 +334,50 @@ impl Machine<'_, '_> {
         Ok(())
     }
 
+    #[inline]
     fn new_container(&mut self, obj: Obj) {
         let v = self.doc.new_obj(obj);
         self.push(v);
+    }
+
+    /// After `}`: a frame dict as Python writes one, `MEMOIZE ( key value key value key value
+    /// SETITEMS`, its keys and strings memo references or short strings, its line a small int,
+    /// read in one step into an interned frame (the same value the generic path reduces it
+    /// to when it is stored). False, with nothing consumed, when the buffered bytes are
+    /// anything else.
+    fn frame_dict(&mut self) -> Result<bool, TraceError> {
+        let keys = self.doc.frame_keys();
+        let next_memo = self.next_memo;
+        let parsed = {
+            let buf = self.input.buffered();
+            let memo = &self.memo;
+            let frames = &mut self.doc.frames;
+            parse_frame(buf, memo, frames, keys, next_memo)
+        };
+        let Some(parsed) = parsed else {
+            return Ok(false);
+        };
+        let v = Val::Frame(self.doc.frames.frame(parsed.frame));
+        self.memo.put(next_memo, v);
+        for &(index, s) in &parsed.strings[..parsed.new_strings] {
+            self.memo.put(index, Val::Str(s));
+        }
+        self.next_memo += 1 + parsed.new_strings as u32;
+        self.input.consume(parsed.len);
+        self.push(v);
+        // As the generic path counts: the dict, its MEMOIZE, MARK, six values, SETITEMS.
+        self.ops += 9 + parsed.new_strings as u64;
+        self.doc.count_values(7);
+        Ok(true)
     }
 
     fn run(&mut self) -> Result<(), TraceError> {
         loop {
             self.at = self.input.offset();
             self.ops += 1;
-            if self.ops.is_multiple_of(4096) {
+            if self.ops.is_multiple_of(CHECK_EVERY) {
                 self.check_memory(0)?;
+                self.reserve_stack()?;
             }
             let Some(op) = self.input.byte()? else {
                 return Err(self.fail("truncated: the pickle ends before STOP"));
@@ -348,32 +422,35 @@ impl Machine<'_, '_> {
                     self.doc.shared(v);
                     self.push(v);
                 }
-                b'}' => self.new_container(Obj::Dict(Vec::new())),
+                b'}' => {
+                    if !self.frame_dict()? {
+                        self.new_container(Obj::Dict(Vec::new()));
+                    }
+                }
                 b']' => self.new_container(Obj::List(Vec::new())),
                 b')' => self.new_container(Obj::Tuple(Vec::new())),
                 b'l' | b't' => {
-                    self.pop_mark()?;
+                    let mark = self.mark_items()?;
                     let v = self.doc.new_obj(if op == b'l' {
                         Obj::List(Vec::new())
                     } else {
                         Obj::Tuple(Vec::new())
                     });
-                    let items = std::mem::take(&mut self.items);
                     if op == b'l' {
-                        self.doc.extend_list(v, &items).map_err(|e| self.fail(e))?;
+                        let result = self.doc.extend_list(v, &self.stack[mark..]);
+                        result.map_err(|e| self.fail(e))?;
                     } else {
-                        self.doc.fill_tuple(v, &items);
+                        self.doc.fill_tuple(v, &self.stack[mark..]);
                     }
-                    self.items = items;
+                    self.stack.truncate(mark);
                     self.push(v);
                 }
                 b'd' => {
-                    self.pop_mark()?;
+                    let mark = self.mark_items()?;
                     let v = self.doc.new_obj(Obj::Dict(Vec::new()));
-                    let items = std::mem::take(&mut self.items);
-                    let result = self.doc.extend_dict(v, &items);
-                    self.items = items;
+                    let result = self.doc.extend_dict(v, &self.stack[mark..]);
                     result.map_err(|e| self.fail(e))?;
+                    self.stack.truncate(mark);
                     self.push(v);
                 }
                 0x85..=0x87 => {
@@ -399,12 +476,11 @@ impl Machine<'_, '_> {
                         .map_err(|e| self.fail(e))?;
                 }
                 b'e' => {
-                    self.pop_mark()?;
-                    let list = self.top()?;
-                    let items = std::mem::take(&mut self.items);
-                    let result = self.doc.extend_list(list, &items);
-                    self.items = items;
+                    let mark = self.mark_items()?;
+                    let list = self.below(mark)?;
+                    let result = self.doc.extend_list(list, &self.stack[mark..]);
                     result.map_err(|e| self.fail(e))?;
+                    self.stack.truncate(mark);
                 }
                 b's' => {
                     let value = self.pop()?;
@@ -416,12 +492,11 @@ impl Machine<'_, '_> {
                         .map_err(|e| self.fail(e))?;
                 }
                 b'u' => {
-                    self.pop_mark()?;
-                    let dict = self.top()?;
-                    let items = std::mem::take(&mut self.items);
-                    let result = self.doc.extend_dict(dict, &items);
-                    self.items = items;
+                    let mark = self.mark_items()?;
+                    let dict = self.below(mark)?;
+                    let result = self.doc.extend_dict(dict, &self.stack[mark..]);
                     result.map_err(|e| self.fail(e))?;
+                    self.stack.truncate(mark);
                 }
                 0x94 => {
                     let index = self.next_memo;
@@ -508,6 +583,108 @@ impl Machine<'_, '_> {
             }
         }
     }
+}
+
+/// A frame dict read by [`Machine::frame_dict`].
+struct ParsedFrame {
+    frame: super::frames::Frame,
+    /// Bytes after the `}`.
+    len: usize,
+    /// Strings first seen in it, with the memo indices they were stored under.
+    strings: [(u32, super::frames::StringId); 6],
+    new_strings: usize,
+}
+
+/// Parses a frame dict's bytes after its `}` (see [`Machine::frame_dict`]). Strings new to the
+/// document are interned even when the parse then fails (the generic path interns them
+/// again, to the same ids).
+#[inline]
+fn parse_frame(
+    buf: &[u8],
+    memo: &Memo,
+    frames: &mut super::frames::Frames,
+    [filename_key, line_key, name_key]: [super::frames::StringId; 3],
+    next_memo: u32,
+) -> Option<ParsedFrame> {
+    use super::frames::StringId;
+    let mut p = 0;
+    let mut strings = [(0, StringId(0)); 6];
+    let mut new_strings = 0;
+    let next = |p: &mut usize| -> Option<u8> {
+        let b = *buf.get(*p)?;
+        *p += 1;
+        Some(b)
+    };
+    if next(&mut p)? != 0x94 || next(&mut p)? != b'(' {
+        return None;
+    }
+    let (mut filename, mut line, mut name) = (None, None, None);
+    for _ in 0..3 {
+        let mut string = |p: &mut usize| -> Option<StringId> {
+            let v = match next(p)? {
+                b'h' => memo.get(u32::from(next(p)?))?,
+                b'j' => {
+                    let b = buf.get(*p..*p + 4)?;
+                    *p += 4;
+                    memo.get(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?
+                }
+                0x8c => {
+                    let n = usize::from(next(p)?);
+                    let bytes = buf.get(*p..*p + n)?;
+                    *p += n;
+                    let id = frames.string(std::str::from_utf8(bytes).ok()?);
+                    if buf.get(*p) == Some(&0x94) {
+                        *p += 1;
+                        strings[new_strings] = (next_memo + 1 + new_strings as u32, id);
+                        new_strings += 1;
+                    }
+                    Val::Str(id)
+                }
+                _ => return None,
+            };
+            match v {
+                Val::Str(s) => Some(s),
+                _ => None,
+            }
+        };
+        let key = string(&mut p)?;
+        if key == line_key && line.is_none() {
+            let v = match next(&mut p)? {
+                b'K' => i64::from(next(&mut p)?),
+                b'M' => {
+                    let b = buf.get(p..p + 2)?;
+                    p += 2;
+                    i64::from(u16::from_le_bytes([b[0], b[1]]))
+                }
+                b'J' => {
+                    let b = buf.get(p..p + 4)?;
+                    p += 4;
+                    i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                }
+                _ => return None,
+            };
+            line = Some(v);
+        } else if key == filename_key && filename.is_none() {
+            filename = Some(string(&mut p)?);
+        } else if key == name_key && name.is_none() {
+            name = Some(string(&mut p)?);
+        } else {
+            return None;
+        }
+    }
+    if next(&mut p)? != b'u' {
+        return None;
+    }
+    Some(ParsedFrame {
+        frame: super::frames::Frame {
+            filename: filename?,
+            line: line?,
+            name: name?,
+        },
+        len: p,
+        strings,
+        new_strings,
+    })
 }
 
 #[cfg(test)]

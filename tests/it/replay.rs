@@ -399,6 +399,129 @@ fn memo_amplification_is_refused() {
     assert!(err.to_string().contains("more references"), "{err}");
 }
 
+/// One dict padded with `pairs` filler pairs (DUPs, a byte each) and read as `refs` events
+/// through the memo (two bytes each): the reproducer of a reader whose dict lookups scan.
+fn padded_dict_pickle(pairs: usize, refs: usize) -> Vec<u8> {
+    let s = |x: &str| [&[0x8c, x.len() as u8], x.as_bytes()].concat();
+    let mut p = b"\x80\x04}(".to_vec();
+    p.extend(s("segments"));
+    p.push(b']');
+    p.extend(s("device_traces"));
+    p.extend(b"]](}q\x00(N");
+    p.extend(std::iter::repeat_n(b'2', 2 * pairs - 1));
+    p.extend(s("action"));
+    p.extend(s("user_defined"));
+    p.extend(s("size"));
+    p.extend(b"K\x00u");
+    for _ in 1..refs {
+        p.extend(b"h\x00");
+    }
+    p.extend(b"ea");
+    p.extend(s("junk"));
+    p.push(b'(');
+    p.extend(std::iter::repeat_n(b'N', refs));
+    p.extend(b"lu.");
+    p
+}
+
+/// Reading costs work (opcodes plus dict entries looked at) and memory in proportion to the
+/// decoded input, whatever its shape: `(work per byte, held bytes per byte)` of each input.
+fn costs_per_byte(inputs: &[Vec<u8>]) -> Vec<(f64, f64)> {
+    inputs
+        .iter()
+        .map(|p| {
+            let (result, cost) = gpumem::trace::parse_recording_with(p, Default::default());
+            result.unwrap_or_else(|e| panic!("{} bytes: {e}", p.len()));
+            assert_eq!(cost.input_bytes, p.len() as u64);
+            let bytes = cost.input_bytes as f64;
+            (cost.work as f64 / bytes, cost.peak_bytes as f64 / bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn a_dict_read_many_times_costs_its_size_once() {
+    let inputs: Vec<_> = [10_000, 20_000, 40_000, 80_000]
+        .iter()
+        .map(|&n| padded_dict_pickle(n, n))
+        .collect();
+    let (first, _) = parse_recording_with_events(&inputs[3]);
+    assert_eq!(first, 80_000, "every reference is an event");
+    let costs = costs_per_byte(&inputs);
+    for (i, &(work, held)) in costs.iter().enumerate() {
+        // Quadratic lookups would make the work per byte double with each doubling.
+        assert!(work < 8.0, "input {i}: {work:.1} work a byte");
+        assert!(held < 64.0, "input {i}: {held:.1} bytes held a byte");
+        assert!(
+            work < costs[0].0 * 1.25 + 0.5,
+            "work per byte grows: {costs:?}"
+        );
+    }
+}
+
+fn parse_recording_with_events(p: &[u8]) -> (usize, usize) {
+    let rec = parse_recording(p).expect("readable");
+    (rec.device_traces[0].len(), rec.segments.len())
+}
+
+#[test]
+fn a_pickle_of_nones_is_held_in_proportion_and_within_the_budget() {
+    // ["N" * n]: 16 bytes a value on the stack and in the list, at most.
+    let nones = |n: usize| {
+        let mut p = b"\x80\x04(".to_vec();
+        p.extend(std::iter::repeat_n(b'N', n));
+        p.extend(b"l.");
+        p
+    };
+    let sizes = [1 << 18, 1 << 20, 1 << 22];
+    for n in sizes {
+        // A list is no snapshot: the reading cost is what is measured.
+        let (result, cost) = gpumem::trace::parse_recording_with(&nones(n), Default::default());
+        assert!(
+            matches!(result, Err(TraceError::Schema { .. })),
+            "{result:?}"
+        );
+        let held = cost.peak_bytes as f64 / n as f64;
+        let work = cost.work as f64 / n as f64;
+        assert!(
+            (15.0..=64.0).contains(&held),
+            "{n}: {held:.1} bytes held a None"
+        );
+        assert!(work < 3.0, "{n}: {work:.1} work a None");
+    }
+    // Past the budget: a clear error at the offset it was crossed, not an abort.
+    let limits = gpumem::trace::ReadLimits {
+        max_memory_bytes: 8 << 20,
+        ..Default::default()
+    };
+    let (result, _) = gpumem::trace::parse_recording_with(&nones(1 << 22), limits);
+    let err = result.expect_err("over budget");
+    assert!(
+        matches!(err, TraceError::MemoryBudget { limit, offset } if limit == 8 << 20 && offset < 1 << 22),
+        "{err}"
+    );
+    // The same through gzip (a 128 MiB pickle of Nones in 130 KB): refused, bounded.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(&nones(128 << 20)).expect("compress");
+    let gz = gz.finish().expect("compress");
+    assert!(gz.len() < 1 << 20);
+    let limits = gpumem::trace::ReadLimits {
+        max_memory_bytes: 256 << 20,
+        ..Default::default()
+    };
+    let (result, cost) = gpumem::trace::parse_recording_with(&gz, limits);
+    assert!(
+        matches!(result, Err(TraceError::MemoryBudget { .. })),
+        "{result:?}"
+    );
+    // Checked every 4 096 opcodes: at most that many values past the budget.
+    assert!(
+        cost.peak_bytes <= (256 << 20) + 4096 * 32,
+        "held {}",
+        cost.peak_bytes
+    );
+}
+
 #[test]
 fn overlapping_segments_are_refused() {
     let doc = serde_json::json!({
