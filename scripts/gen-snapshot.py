@@ -170,15 +170,16 @@ def simulated_trace(gpumem, entries):
     """A valid snapshot from gpumem's own allocator with at least `entries` events."""
     steps = entries // EVENTS_PER_STEP + 2
     with tempfile.TemporaryDirectory() as tmp:
-        while True:
+        for _ in range(8):
             path = os.path.join(tmp, "sim.json")
-            subprocess.run([gpumem, "simulate", "--steps", str(steps), "--snapshot", path],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([gpumem, "simulate", "--steps", str(steps), "--history", str(entries),
+                            "--snapshot", path], check=True, stdout=subprocess.DEVNULL)
             with open(path) as f:
                 snapshot = json.load(f)
             if len(snapshot["device_traces"][0]) >= entries:
                 return snapshot
             steps *= 2
+    sys.exit(f"gen-snapshot: {gpumem} simulate records fewer than {entries} events")
 
 
 def main():

@@ -1,16 +1,31 @@
-//! Arbitrary bytes as a snapshot file: reading must fail cleanly or succeed, and whatever it
-//! reads must summarise and replay (both modes) without a panic.
+//! Arbitrary bytes as a snapshot file: reading must fail cleanly or succeed within the read
+//! limits (the same `ReadLimits` the commands take, set small), and whatever it reads must
+//! summarise, walk its stacks and replay (both modes) without a panic.
 
 #![no_main]
 
-use gpumem::trace::{ReplayOptions, parse_recording_with_limit, replay, state_summary};
+use gpumem::trace::{ReadLimits, ReplayOptions, parse_recording_with, replay, state_summary};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(recording) = parse_recording_with_limit(data, 1 << 20) else {
+    let limits = ReadLimits {
+        max_input_bytes: 1 << 20,
+        max_memory_bytes: 64 << 20,
+    };
+    let (result, cost) = parse_recording_with(data, limits);
+    assert!(cost.peak_bytes <= limits.max_memory_bytes + (1 << 20), "{cost:?}");
+    let Ok(recording) = result else {
         return;
     };
     let _ = state_summary(&recording);
+    for stacks in &recording.event_stacks {
+        for &stack in stacks {
+            for &frame in recording.frames.frames_of(stack) {
+                let f = recording.frames.get(frame);
+                let _ = (recording.frames.str(f.filename), recording.frames.str(f.name));
+            }
+        }
+    }
     for device in 0..recording.device_traces.len().min(2) {
         for check in [false, true] {
             let options = ReplayOptions {

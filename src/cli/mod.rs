@@ -77,6 +77,58 @@ pub(crate) fn run(cli: Cli) -> CliResult {
 }
 
 /// Parses a byte count: a plain number, or one with a KiB/MiB/GiB/TiB suffix (also K/M/G/T).
+/// How a recording is read: the limits every command that reads one shares.
+#[derive(clap::Args)]
+pub(crate) struct ReadArgs {
+    /// The largest recording read (bytes, or with a KiB/MiB/GiB suffix), decompressed data
+    /// included.
+    #[arg(long, value_parser = parse_bytes, default_value = "16GiB", value_name = "BYTES")]
+    max_input_bytes: u64,
+    /// The most memory reading may hold (the decoded document, interned frames, the pickle's
+    /// memo); a recording that needs more is refused, saying where.
+    #[arg(long, value_parser = parse_bytes, default_value = "4GiB", value_name = "BYTES")]
+    max_memory_bytes: u64,
+}
+
+/// Files from this size on get a progress bar while they are read (on a terminal).
+const READ_PROGRESS_MIN_BYTES: u64 = 64 << 20;
+
+impl ReadArgs {
+    /// Reads `path` within the limits, with a progress bar on stderr for a large file when
+    /// stderr is a terminal.
+    pub(crate) fn read(
+        &self,
+        path: &std::path::Path,
+    ) -> Result<gpumem::trace::Recording, gpumem::trace::TraceError> {
+        let limits = gpumem::trace::ReadLimits {
+            max_input_bytes: self.max_input_bytes,
+            max_memory_bytes: self.max_memory_bytes,
+        };
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        let bar = (size >= READ_PROGRESS_MIN_BYTES
+            && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .then(|| {
+            let bar = indicatif::ProgressBar::new(size);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "reading {bar:40} {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        let result = gpumem::trace::read_recording_with(path, limits, &mut |read| {
+            if let Some(bar) = &bar {
+                bar.set_position(read);
+            }
+        });
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        result
+    }
+}
+
 pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text

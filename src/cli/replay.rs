@@ -7,11 +7,10 @@ use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::trace::replay::ReplayReport;
 use gpumem::trace::{
-    Readings, Recording, ReplayOptions, plot, read_recording, replay_following,
-    replay_with_progress, state_summary,
+    Readings, Recording, ReplayOptions, plot, replay_following, replay_with_progress, state_summary,
 };
 
-use super::{CliResult, Path, out, outln, parse_bytes};
+use super::{CliResult, Path, ReadArgs, out, outln, parse_bytes};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -42,10 +41,12 @@ pub(crate) struct Args {
     /// Write an SVG chart of reserved and allocated bytes over the trace.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<Path>,
+    #[command(flatten)]
+    read: ReadArgs,
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let recording = read_recording(&args.trace)?;
+    let recording = args.read.read(&args.trace)?;
     let devices: Vec<u32> = match args.device {
         Some(d) => vec![d],
         None => recording

@@ -39,6 +39,10 @@ pub(crate) struct Args {
     /// Write a memory snapshot (PyTorch's schema, JSON) to this file.
     #[arg(long)]
     snapshot: Option<Path>,
+    /// Trace entries the snapshot keeps, newest last (`_record_memory_history`'s
+    /// `max_entries`; PyTorch's default is 100 000).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    history: u64,
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
@@ -52,7 +56,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     if let Some(fraction) = args.memory_fraction {
         alloc.set_memory_fraction(fraction)?;
     }
-    alloc.record_history(Some(100_000));
+    alloc.record_history(Some(args.history as usize));
     let workload = TrainingWorkload {
         steps: args.steps,
         layers: args.layers,

@@ -2,7 +2,7 @@
 //! gzip decompressed on the way where the data starts with gzip's magic, within a byte limit.
 //!
 //! # Invariants
-//! - At most [`BUFFER`] bytes are buffered, plus, for one value longer than that (a huge
+//! - At most [`BUFFER`] bytes are buffered (fewer for a small input), plus, for one value longer than that (a huge
 //!   string), a scratch buffer that grows only as the value's bytes actually arrive: a length
 //!   field never sizes an allocation by itself.
 //! - Reading past `limit` decoded bytes is an error ([`TraceError::TooLarge`]), as is input
@@ -33,11 +33,16 @@ pub(crate) struct Input<'r> {
 
 impl<'r> Input<'r> {
     /// Decoded bytes of `reader` (gunzipped where they start with gzip's magic), at most
-    /// `limit` of them.
+    /// `limit` of them; `size` is the input's size where known (a small input gets a small
+    /// buffer).
     ///
     /// # Errors
     /// The reader's error.
-    pub fn new(mut reader: Box<dyn Read + 'r>, limit: u64) -> Result<Input<'r>, TraceError> {
+    pub fn new(
+        mut reader: Box<dyn Read + 'r>,
+        limit: u64,
+        size: Option<u64>,
+    ) -> Result<Input<'r>, TraceError> {
         let mut magic = [0u8; 2];
         let mut got = 0;
         while got < 2 {
@@ -51,6 +56,10 @@ impl<'r> Input<'r> {
         let head = std::io::Cursor::new(magic[..got].to_vec());
         let joined: Box<dyn Read + 'r> = Box::new(head.chain(reader));
         let compressed = magic[..got] == [0x1f, 0x8b];
+        let buffer = match size {
+            Some(n) if !compressed => (n as usize).clamp(64, BUFFER),
+            _ => BUFFER,
+        };
         let reader: Box<dyn Read + 'r> = if compressed {
             Box::new(flate2::read::MultiGzDecoder::new(joined))
         } else {
@@ -58,7 +67,7 @@ impl<'r> Input<'r> {
         };
         Ok(Input {
             reader,
-            buf: vec![0; BUFFER].into_boxed_slice(),
+            buf: vec![0; buffer].into_boxed_slice(),
             start: 0,
             end: 0,
             base: 0,
@@ -179,7 +188,7 @@ impl<'r> Input<'r> {
     }
 
     fn next_bytes_slow(&mut self, n: usize) -> Result<Option<&[u8]>, TraceError> {
-        if n <= BUFFER {
+        if n <= self.buf.len() {
             while self.end - self.start < n {
                 if !self.fill()? {
                     self.start = self.end;
@@ -231,7 +240,7 @@ mod tests {
     use super::*;
 
     fn input(bytes: &[u8], limit: u64) -> Input<'_> {
-        Input::new(Box::new(bytes), limit).expect("readable")
+        Input::new(Box::new(bytes), limit, None).expect("readable")
     }
 
     #[test]

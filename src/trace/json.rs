@@ -150,7 +150,7 @@ mod tests {
     use super::*;
 
     fn read(text: &str, budget: u64) -> Result<Doc, TraceError> {
-        let mut input = Input::new(Box::new(text.as_bytes()), u64::MAX)?;
+        let mut input = Input::new(Box::new(text.as_bytes()), u64::MAX, None)?;
         let mut doc = Doc::default();
         decode(&mut input, &mut doc, budget)?;
         Ok(doc)

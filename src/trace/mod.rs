@@ -18,6 +18,7 @@ mod doc;
 pub mod frames;
 mod input;
 mod json;
+mod memo;
 mod pickle;
 pub mod plot;
 pub mod replay;
@@ -158,7 +159,8 @@ pub fn read_recording_with(
         source,
     };
     let file = std::fs::File::open(path).map_err(io)?;
-    if file.metadata().map_err(io)?.len() > limits.max_input_bytes {
+    let size = file.metadata().map_err(io)?.len();
+    if size > limits.max_input_bytes {
         return Err(TraceError::TooLarge {
             limit: limits.max_input_bytes,
             decompressed: false,
@@ -169,7 +171,7 @@ pub fn read_recording_with(
         read: 0,
         progress,
     };
-    read_from(Box::new(counted), limits).0
+    read_from(Box::new(counted), limits, Some(size)).0
 }
 
 /// Parses a snapshot from memory (pickle or JSON, optionally gzipped) within the default
@@ -206,18 +208,19 @@ pub fn parse_recording_with(
         };
         return (Err(err), ReadCost::default());
     }
-    read_from(Box::new(bytes), limits)
+    read_from(Box::new(bytes), limits, Some(bytes.len() as u64))
 }
 
 /// Streams a recording from `reader`.
 fn read_from(
     reader: Box<dyn Read + '_>,
     limits: ReadLimits,
+    size: Option<u64>,
 ) -> (Result<Recording, TraceError>, ReadCost) {
     let mut doc = doc::Doc::default();
     let mut cost = ReadCost::default();
     let decode_all = || {
-        let mut input = input::Input::new(reader, limits.max_input_bytes)?;
+        let mut input = input::Input::new(reader, limits.max_input_bytes, size)?;
         let decoded = decode(&mut input, &mut doc, limits.max_memory_bytes);
         cost.input_bytes = input.offset();
         decoded

@@ -9,11 +9,12 @@
 //!
 //! # Memory bound
 //! The memo may refer to any earlier object, so what the decoder holds is bounded by its
-//! memo entries plus the document: 4 bytes a memo entry (16 more for an entry holding a plain
-//! number, which Python never memoizes), 16 bytes a stack value, and the document's own
-//! accounting ([`Doc::bytes`]). The total is checked against the memory budget every 4 096
+//! memo entries plus the document: about 2 bytes a memo entry in runs of frame dicts, at most
+//! about 4.5 otherwise (16 more for an entry holding a plain number, which Python never
+//! memoizes; `memo.rs`), 16 bytes a stack value, and the document's own accounting
+//! ([`Doc::bytes`]). The total is checked against the memory budget every 4 096
 //! opcodes (the stack reserving room for the next 4 096 values within it) and before any
-//! string is read, so a file that needs more fails with [`TraceError::MemoryBudget`] at the
+//! string longer than 64 KiB is read, so a file that needs more fails with [`TraceError::MemoryBudget`] at the
 //! offset where it crossed, having held at most the budget plus what 4 096 opcodes add to
 //! the document.
 //!
@@ -24,82 +25,17 @@
 //! - Each opcode does work bounded by what it consumes (a MARK-ending opcode moves the values
 //!   it pops once), so time is linear in the decoded input; [`Doc::work`] counts opcodes.
 
-use rustc_hash::FxHashMap;
-
 use super::TraceError;
 use super::doc::{Doc, NO_MEMO, Obj, Val};
 use super::input::Input;
-
-/// Memo slots: tagged 32-bit references (a plain number goes to a side table).
-#[derive(Default)]
-struct Memo {
-    dense: Vec<u32>,
-    sparse: FxHashMap<u32, Val>,
-    others: Vec<Val>,
-}
-
-const TAG_SHIFT: u32 = 29;
-const PAYLOAD: u32 = (1 << TAG_SHIFT) - 1;
-
-impl Memo {
-    #[inline]
-    fn pack(&mut self, v: Val) -> u32 {
-        let (tag, id) = match v {
-            Val::Str(s) => (1, s.0),
-            Val::Frame(f) => (2, f.0),
-            Val::Stack(s) => (3, s.0),
-            Val::Obj(o) => (4, o.0),
-            _ => (5, u32::MAX),
-        };
-        if id <= PAYLOAD {
-            return (tag << TAG_SHIFT) | id;
-        }
-        self.others.push(v);
-        (5 << TAG_SHIFT) | ((self.others.len() - 1) as u32 & PAYLOAD)
-    }
-
-    #[inline]
-    fn unpack(&self, packed: u32) -> Option<Val> {
-        use super::frames::{FrameId, StackId, StringId};
-        let id = packed & PAYLOAD;
-        Some(match packed >> TAG_SHIFT {
-            1 => Val::Str(StringId(id)),
-            2 => Val::Frame(FrameId(id)),
-            3 => Val::Stack(StackId(id)),
-            4 => Val::Obj(super::doc::ObjId(id)),
-            5 => *self.others.get(id as usize)?,
-            _ => return None,
-        })
-    }
-
-    #[inline]
-    fn put(&mut self, index: u32, v: Val) {
-        let i = index as usize;
-        if i < self.dense.len() {
-            self.dense[i] = self.pack(v);
-        } else if i == self.dense.len() {
-            let packed = self.pack(v);
-            self.dense.push(packed);
-        } else {
-            self.sparse.insert(index, v);
-        }
-    }
-
-    #[inline]
-    fn get(&self, index: u32) -> Option<Val> {
-        match self.dense.get(index as usize) {
-            Some(&packed) => self.unpack(packed),
-            None => self.sparse.get(&index).copied(),
-        }
-    }
-
-    fn bytes(&self) -> u64 {
-        (self.dense.capacity() * 4 + self.sparse.len() * 32 + self.others.len() * 16) as u64
-    }
-}
+use super::memo::Memo;
 
 /// How often (in opcodes) memory is checked against the budget.
 const CHECK_EVERY: u64 = 4096;
+
+/// Strings and long integers longer than this are checked against the budget before they are
+/// read.
+const LONG_VALUE: u64 = 64 << 10;
 
 struct Machine<'i, 'r> {
     input: &'i mut Input<'r>,
@@ -277,7 +213,11 @@ impl Machine<'_, '_> {
     }
 
     fn string(&mut self, len: u64) -> Result<(), TraceError> {
-        self.check_memory(len)?;
+        // Short strings are covered by the periodic check; a long one is checked before its
+        // bytes are gathered.
+        if len > LONG_VALUE {
+            self.check_memory(len)?;
+        }
         let len = usize::try_from(len).map_err(|_| self.truncated("a string"))?;
         let Some(bytes) = self.input.next_bytes(len)? else {
             return Err(self.truncated("a string"));
@@ -291,7 +231,9 @@ impl Machine<'_, '_> {
     }
 
     fn long(&mut self, len: usize) -> Result<(), TraceError> {
-        self.check_memory(len as u64)?;
+        if len as u64 > LONG_VALUE {
+            self.check_memory(len as u64)?;
+        }
         let Some(bytes) = self.input.next_bytes(len)? else {
             return Err(self.truncated("a long integer"));
         };
@@ -692,7 +634,7 @@ mod tests {
     use super::*;
 
     fn decode_bytes(data: &[u8]) -> Result<Doc, TraceError> {
-        let mut input = Input::new(Box::new(data), u64::MAX)?;
+        let mut input = Input::new(Box::new(data), u64::MAX, None)?;
         let mut doc = Doc::default();
         decode(&mut input, &mut doc, u64::MAX)?;
         Ok(doc)
@@ -783,7 +725,7 @@ mod tests {
         let err = decode_bytes(data).expect_err("2 GiB string in 4 bytes");
         assert!(err.to_string().contains("inside a string"), "{err}");
         let data = b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\xffabc.";
-        let mut input = Input::new(Box::new(&data[..]), u64::MAX).expect("input");
+        let mut input = Input::new(Box::new(&data[..]), u64::MAX, None).expect("input");
         let err = decode(&mut input, &mut Doc::default(), 1 << 30).expect_err("budget");
         assert!(matches!(err, TraceError::MemoryBudget { .. }), "{err}");
         let data = b"\x80\x04j\xff\xff\xff\xff.";

@@ -888,3 +888,100 @@ fn a_misaligned_recorded_segment_is_refused_cleanly() {
         }
     }
 }
+
+/// A generated recording with stacks (scripts/gen-snapshot.py, about 70 MB): `replay --check`
+/// is exact on it, reads it with a progress bar only where stderr is a terminal, and keeps to
+/// the limits given.
+#[test]
+fn a_large_recording_with_stacks_streams_within_its_limits() {
+    let dir = std::env::temp_dir().join(format!("gpumem-large-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("large.pickle");
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let generated = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
+        .args(["--entries", "20000", "--frames", "160", "--gpumem", gpumem])
+        .arg(&file)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        generated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    let size = std::fs::metadata(&file).expect("written").len();
+    assert!(
+        size > 64 << 20,
+        "{size} bytes: past the progress bar's threshold"
+    );
+
+    let rec = read_recording(&file).expect("readable");
+    assert_eq!(rec.device_traces[0].len(), 20_000);
+    let stacks = &rec.event_stacks[0];
+    assert!(stacks.iter().all(|&s| rec.frames.frames_of(s).len() == 160));
+    assert!(
+        rec.frames.stack_count() <= 2001,
+        "at most the generator's 2000, interned"
+    );
+    let first = rec.frames.get(rec.frames.frames_of(stacks[0])[0]);
+    assert!(
+        rec.frames.str(first.filename).ends_with(".py")
+            || rec.frames.str(first.filename).contains("lib")
+    );
+
+    let run = |args: &[&str]| {
+        Command::new(gpumem)
+            .arg("replay")
+            .args(args)
+            .arg(&file)
+            .output()
+            .expect("gpumem runs")
+    };
+    let checked = run(&["--check"]);
+    let stderr = String::from_utf8_lossy(&checked.stderr);
+    assert!(checked.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("20000 events match"));
+    assert!(
+        !stderr.contains("reading"),
+        "no bar off a terminal: {stderr}"
+    );
+    // On a terminal (script(1) gives it one), the bar shows while reading.
+    let command = format!("{gpumem} replay --check {}", file.display());
+    let tty = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("TERM", "xterm")
+        .output()
+        .expect("script runs");
+    let transcript = String::from_utf8_lossy(&tty.stdout);
+    assert!(tty.status.success(), "{transcript}");
+    assert!(
+        transcript.contains("reading"),
+        "a bar on a terminal: {transcript}"
+    );
+    // Limits: a clear refusal, saying which to raise.
+    let small = run(&["--max-memory-bytes", "4MiB"]);
+    let stderr = String::from_utf8_lossy(&small.stderr);
+    assert!(!small.status.success());
+    assert!(
+        stderr.contains("memory budget of 4194304 bytes") && stderr.contains("--max-memory-bytes"),
+        "{stderr}"
+    );
+    let short = run(&["--max-input-bytes", "1MiB"]);
+    assert!(String::from_utf8_lossy(&short.stderr).contains("exceeds 1048576 bytes"));
+    // Truncated or corrupted in the middle: a fast error with the byte offset.
+    let bytes = std::fs::read(&file).expect("readable");
+    let err = parse_recording(&bytes[..bytes.len() / 2]).expect_err("truncated");
+    assert!(
+        matches!(&err, TraceError::Pickle { offset, message } if *offset > 0 && message.contains("truncated")),
+        "{err}"
+    );
+    let mut corrupt = bytes.clone();
+    let at = corrupt.len() / 3;
+    corrupt[at..at + 64].fill(b'c');
+    let err = parse_recording(&corrupt).expect_err("corrupt");
+    assert!(
+        matches!(&err, TraceError::Pickle { offset, .. } if (*offset as usize).abs_diff(at) < 4096),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
