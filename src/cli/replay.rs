@@ -35,6 +35,11 @@ pub(crate) struct Args {
     /// mid-run, whose recorded cache would otherwise decide every configuration's peak).
     #[arg(long, conflicts_with = "check")]
     fresh_start: bool,
+    /// The device memory the job's allocator may have (bytes, or with a KiB/MiB/GiB
+    /// suffix), the rest of the device held by others: at an OOM, its reserved bytes plus the
+    /// `oom` entry's `device_free`. Each what-if row replays within it.
+    #[arg(long, value_parser = parse_bytes, conflicts_with = "check")]
+    available: Option<u64>,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
@@ -85,6 +90,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 check: false,
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
                 fresh_start: args.fresh_start,
+                available: args.available,
             };
             let readings = match &readings {
                 Some(r) => r,
@@ -120,6 +126,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                             "driver_time_ns": r.driver_time_ns,
                             "capacity": r.capacity,
                             "capacity_inferred": r.capacity_inferred,
+                            "available": args.available,
                         })
                     })
                     .collect();
@@ -135,6 +142,13 @@ pub(crate) fn run(args: Args) -> CliResult {
         if reports[0].capacity_inferred {
             outln!(
                 "device memory {}, inferred from the spacing of the recording's expandable reservations (--capacity overrides)",
+                format_size(reports[0].capacity)
+            )?;
+        }
+        if let Some(available) = args.available {
+            outln!(
+                "the allocator may have {} of the device's {} (the rest is held by others)",
+                format_size(available.min(reports[0].capacity)),
                 format_size(reports[0].capacity)
             )?;
         }
@@ -227,6 +241,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             check: true,
             series_points: 0,
             fresh_start: false,
+            available: None,
         };
         let report = replay_shown(recording, &options, None)?;
         all.push((device, report));

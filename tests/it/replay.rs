@@ -985,3 +985,45 @@ fn a_large_recording_with_stacks_streams_within_its_limits() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `available`: the what-if runs within the memory the job had, the rest of the device held
+/// by others. Enough for the recording's own peak: no OOM; half of it: OOMs.
+#[test]
+fn what_if_runs_within_the_available_memory() {
+    let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
+    let what_if = |available: Option<u64>| {
+        let options = ReplayOptions {
+            config: Some(AllocatorConfig::parse("expandable_segments:True").expect("valid")),
+            available,
+            ..ReplayOptions::default()
+        };
+        replay(&rec, &options).expect("replays")
+    };
+    let free = what_if(None);
+    assert_eq!(free.ooms, 0);
+    let enough = what_if(Some(free.peak_reserved + (64 << 20)));
+    assert_eq!(enough.ooms, 0, "the recording's own peak fits");
+    assert_eq!(
+        enough.capacity, free.capacity,
+        "the device is the same size"
+    );
+    let half = what_if(Some(free.peak_reserved / 2));
+    assert!(half.ooms > 0, "half the peak cannot hold it");
+    assert!(half.peak_reserved <= free.peak_reserved / 2);
+    // The command line says so, and its JSON carries it.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["replay", "--json", "--available"])
+        .arg((free.peak_reserved / 2).to_string())
+        .arg(data("opt125m_zo_fedtrain_complete.noframes.json.gz"))
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let row = &json[0]["results"][0];
+    assert_eq!(row["available"], free.peak_reserved / 2);
+    assert!(row["ooms"].as_u64().is_some_and(|o| o > 0), "{row}");
+}

@@ -74,6 +74,10 @@ pub struct ReplayOptions {
     /// address order) under the configuration, instead of from the recorded segments and
     /// their cache: what a job started under that configuration would hold there.
     pub fresh_start: bool,
+    /// What-if only: the device memory the allocator may have, the rest of `capacity` held
+    /// by others (other processes, the CUDA context, libraries). At an OOM, what the job had
+    /// is its reserved bytes plus the `oom` entry's `device_free`; `None` for all of it.
+    pub available: Option<u64>,
 }
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -163,6 +167,7 @@ impl Readings {
             check: true,
             series_points: 0,
             fresh_start: false,
+            available: None,
             ..options.clone()
         };
         let found = match check_run(recording, &check, &mut |_, _| {}) {
@@ -290,6 +295,8 @@ fn run_with(
         // Every placement is dictated by the recording: open the whole address space to it.
         sim.base_address = 1 << 21;
         sim.address_space = 1 << 56;
+    } else if let Some(available) = options.available {
+        sim.other_process_bytes = capacity.saturating_sub(available);
     }
     let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
     if let Some(fraction) = recording.simulated_device.and_then(|d| d.memory_fraction) {
