@@ -249,6 +249,10 @@ refused({"prometheusRule": {"enabled": True, "alerts": {"GpumemOOM": {"enabled":
 refused({"prometheusRule": {"enabled": True, "alerts": {
     "GpumemOutOfMemory": {"thresholds": {"ratio": 0.5}}}}},
         "GpumemOutOfMemory.thresholds.ratio: the rule has no such threshold", "an unknown threshold")
+refused({"prometheusRule": {"enabled": True, "alerts": {
+    "GpumemOutOfMemory": {"enabled": False, "thresholds": {"ratio": 0.5}}}}},
+        "GpumemOutOfMemory.thresholds.ratio: the rule has no such threshold",
+        "an unknown threshold on a disabled alert")
 # A fullnameOverride the default job matcher does not match would silence AgentDown.
 refused({"fullnameOverride": "gpu-agent", "serviceMonitor": {"enabled": True},
          "prometheusRule": {"enabled": True}},

@@ -133,8 +133,12 @@ class Frames:
         frames = self.pool.stacks[self.stack]
         w.write(b"]" + w.memoize())
         for i in range(0, len(frames), 1000):
+            batch = frames[i:i + 1000]
+            if len(batch) == 1:  # as CPython: APPEND for a batch of one
+                w.write(self.pool.frame_bytes(w, batch[0]) + b"a")
+                continue
             w.write(b"(")
-            w.write(b"".join(self.pool.frame_bytes(w, f) for f in frames[i:i + 1000]))
+            w.write(b"".join(self.pool.frame_bytes(w, f) for f in batch))
             w.write(b"e")
 
 

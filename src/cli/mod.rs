@@ -76,7 +76,6 @@ pub(crate) fn run(cli: Cli) -> CliResult {
     }
 }
 
-/// Parses a byte count: a plain number, or one with a KiB/MiB/GiB/TiB suffix (also K/M/G/T).
 /// How a recording is read: the limits every command that reads one shares.
 #[derive(clap::Args)]
 pub(crate) struct ReadArgs {
@@ -129,6 +128,7 @@ impl ReadArgs {
     }
 }
 
+/// Parses a byte count: a plain number, or one with a KiB/MiB/GiB/TiB suffix (also K/M/G/T).
 pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text

@@ -11,7 +11,8 @@
 //!
 //! # Invariants
 //! - Containers hold values, never nested containers: dropping or walking a document never
-//!   recurses, whatever its nesting (pickles can even contain cycles).
+//!   recurses, whatever its nesting. A list stored into itself (a cycle) is reduced when it is
+//!   stored, so extending it afterwards is refused; dicts and tuples may be cyclic.
 //! - A container is reduced when it is first stored into a parent (Python's pickler writes
 //!   every container whole before storing it). Its memo entry is rewritten to the reduced
 //!   value; any other reference to it (a DUP, a memo read, a second memo entry) resolves to
@@ -277,7 +278,10 @@ impl Doc {
     #[inline]
     pub fn shared(&mut self, v: Val) {
         if let Val::Obj(id) = v {
-            self.slots[id.0 as usize].shared = true;
+            let slot = &mut self.slots[id.0 as usize];
+            slot.shared = true;
+            // Its memo entry now resolves through the slot; it is not rewritten.
+            slot.memo = NO_MEMO;
         }
     }
 

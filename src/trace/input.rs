@@ -29,6 +29,18 @@ pub(crate) struct Input<'r> {
     scratch: Vec<u8>,
     /// The error behind a failed [`Read::read`], kept with its type for the caller.
     failed: Option<TraceError>,
+    /// A bound on the bytes read between two values (see [`Input::guard_values`]).
+    guard: Option<ValueGuard>,
+}
+
+/// Bounds the bytes a streaming parser may read without producing a value: serde_json holds
+/// a string whole before handing it over, so one string could otherwise take any memory.
+struct ValueGuard {
+    values: std::rc::Rc<std::cell::Cell<u64>>,
+    seen: u64,
+    since: u64,
+    limit: u64,
+    budget: u64,
 }
 
 impl<'r> Input<'r> {
@@ -76,12 +88,42 @@ impl<'r> Input<'r> {
             compressed,
             scratch: Vec::new(),
             failed: None,
+            guard: None,
         })
     }
 
     /// The error a [`Read::read`] of this input failed with, if one did.
     pub fn take_error(&mut self) -> Option<TraceError> {
         self.failed.take()
+    }
+
+    /// Fails [`Read::read`] with [`TraceError::MemoryBudget`] (of `budget`) once more than
+    /// `limit` bytes are read while `values` (counted by the parser's consumer) stays the same.
+    pub fn guard_values(
+        &mut self,
+        values: std::rc::Rc<std::cell::Cell<u64>>,
+        limit: u64,
+        budget: u64,
+    ) {
+        self.guard = Some(ValueGuard {
+            seen: values.get(),
+            values,
+            since: 0,
+            limit,
+            budget,
+        });
+    }
+
+    /// Bytes the scratch buffer of a long value holds.
+    pub fn scratch_bytes(&self) -> u64 {
+        self.scratch.capacity() as u64
+    }
+
+    /// Gives back a long value's scratch buffer once the value has been taken.
+    pub fn shrink_scratch(&mut self) {
+        if self.scratch.capacity() > BUFFER {
+            self.scratch = Vec::new();
+        }
     }
 
     /// The offset (in decoded bytes) of the next byte.
@@ -229,6 +271,23 @@ impl Read for Input<'_> {
             }
         }
         let n = out.len().min(self.end - self.start);
+        if let Some(g) = &mut self.guard {
+            if g.values.get() != g.seen {
+                g.seen = g.values.get();
+                g.since = 0;
+            }
+            g.since += n as u64;
+            if g.since > g.limit {
+                let budget = g.budget;
+                self.failed = Some(TraceError::MemoryBudget {
+                    limit: budget,
+                    offset: self.offset(),
+                });
+                return Err(std::io::Error::other(
+                    "one value is larger than the memory budget allows",
+                ));
+            }
+        }
         out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
         self.start += n;
         Ok(n)

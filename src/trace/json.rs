@@ -4,10 +4,15 @@
 //!
 //! # Invariants
 //! - Nesting is bounded by serde_json's limit (128 levels), which bounds the recursion.
-//! - Memory is checked against the budget as containers grow; past it, reading stops with
-//!   [`TraceError::MemoryBudget`].
+//! - Memory is checked against the budget as containers grow, and no more than a quarter of
+//!   it may be read between two values (serde_json holds a string whole before handing it
+//!   over); past either, reading stops with [`TraceError::MemoryBudget`]. JSON's lone
+//!   surrogate escapes (`\udcXX`, which Python's `json` writes for undecodable path bytes)
+//!   are refused by serde_json as invalid.
 
+use std::cell::Cell;
 use std::fmt;
+use std::rc::Rc;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
@@ -21,6 +26,8 @@ const CHECK_EVERY: u64 = 4096;
 struct Builder<'d> {
     doc: &'d mut Doc,
     max_memory: u64,
+    /// Values seen, shared with the input's guard on the bytes between two values.
+    seen: Rc<Cell<u64>>,
 }
 
 impl Builder<'_> {
@@ -31,7 +38,9 @@ impl Builder<'_> {
     }
 
     fn check<E: de::Error>(&mut self) -> Result<(), E> {
-        if self.doc.values().is_multiple_of(CHECK_EVERY) {
+        let seen = self.seen.get() + 1;
+        self.seen.set(seen);
+        if seen.is_multiple_of(CHECK_EVERY) {
             let held = self.doc.bytes();
             self.doc.note_peak(held);
             if held > self.max_memory {
@@ -121,7 +130,14 @@ pub(crate) fn decode(
     doc: &mut Doc,
     max_memory: u64,
 ) -> Result<(), TraceError> {
-    let mut builder = Builder { doc, max_memory };
+    let seen = Rc::new(Cell::new(0));
+    // serde_json holds a string whole: no more than a quarter of the budget between values.
+    input.guard_values(Rc::clone(&seen), max_memory / 4, max_memory);
+    let mut builder = Builder {
+        doc,
+        max_memory,
+        seen,
+    };
     let mut de = serde_json::Deserializer::from_reader(&mut *input);
     let result = (&mut builder)
         .deserialize(&mut de)
@@ -178,6 +194,14 @@ mod tests {
             .expect("stack");
         assert_eq!(doc.frames.frames_of(stack).len(), 2);
         assert_eq!(doc.frames.frame_count(), 1);
+    }
+
+    #[test]
+    fn one_huge_string_is_refused_within_the_budget() {
+        let text = format!("[\"{}\"]", "x".repeat(1 << 20));
+        let err = read(&text, 1 << 20).expect_err("a string of the whole budget");
+        assert!(matches!(err, TraceError::MemoryBudget { .. }), "{err}");
+        assert!(read(&text, 16 << 20).is_ok());
     }
 
     #[test]

@@ -9,9 +9,9 @@
 //!
 //! # Invariants
 //! - `get(i)` returns the last value `put(i, _)` stored, whatever the representation.
-//! - A chunk stays narrow only while its exceptions are at most an eighth of its entries;
-//!   past that it is widened back to 32 bits, so an entry costs at most about 4 bytes plus
-//!   its share of the exceptions.
+//! - A narrow chunk holds at most 512 exceptions (an eighth of its entries, each found in
+//!   one step); past that it is widened back to 32 bits, so an entry costs at most about 4
+//!   bytes plus its share of the exceptions.
 
 use rustc_hash::FxHashMap;
 
@@ -22,18 +22,18 @@ use super::frames::{FrameId, StackId, StringId};
 pub(crate) const CHUNK: usize = 4096;
 const TAG_SHIFT: u32 = 29;
 const PAYLOAD: u32 = (1 << TAG_SHIFT) - 1;
-/// A narrow entry that is an exception.
-const EXCEPTION: u16 = u16::MAX;
-/// Exceptions a narrow chunk may hold.
-const MAX_EXCEPTIONS: usize = CHUNK / 8;
+/// Narrow entries from here up name an exception (its index in the chunk's exceptions).
+const EXCEPTIONS_FROM: u16 = 0xFE00;
+/// Exceptions a narrow chunk may hold: an eighth of its entries.
+const MAX_EXCEPTIONS: usize = (u16::MAX - EXCEPTIONS_FROM) as usize + 1;
 
 enum Chunk {
     Wide(Box<[u32]>),
     Narrow {
         base: u32,
+        /// An offset from `base`, or `EXCEPTIONS_FROM + k` for `exceptions[k]`.
         low: Box<[u16]>,
-        /// (offset in the chunk, packed value), sorted by offset.
-        exceptions: Vec<(u16, u32)>,
+        exceptions: Vec<u32>,
     },
 }
 
@@ -54,17 +54,18 @@ impl Chunk {
             .unwrap_or(0);
         let mut low = Vec::with_capacity(entries.len());
         let mut exceptions = Vec::new();
-        for (i, &e) in entries.iter().enumerate() {
-            match e.checked_sub(base).filter(|&d| d < u32::from(EXCEPTION)) {
+        for &e in entries {
+            match e
+                .checked_sub(base)
+                .filter(|&d| d < u32::from(EXCEPTIONS_FROM))
+            {
                 Some(d) => low.push(d as u16),
-                None => {
-                    low.push(EXCEPTION);
-                    exceptions.push((i as u16, e));
+                None if exceptions.len() < MAX_EXCEPTIONS => {
+                    low.push(EXCEPTIONS_FROM + exceptions.len() as u16);
+                    exceptions.push(e);
                 }
+                None => return Chunk::Wide(entries.into()),
             }
-        }
-        if exceptions.len() > MAX_EXCEPTIONS {
-            return Chunk::Wide(entries.into());
         }
         Chunk::Narrow {
             base,
@@ -73,6 +74,7 @@ impl Chunk {
         }
     }
 
+    #[inline]
     fn get(&self, i: usize) -> u32 {
         match self {
             Chunk::Wide(v) => v[i],
@@ -81,52 +83,44 @@ impl Chunk {
                 low,
                 exceptions,
             } => match low[i] {
-                EXCEPTION => exceptions
-                    .binary_search_by_key(&(i as u16), |&(at, _)| at)
-                    .map_or(0, |k| exceptions[k].1),
+                l if l >= EXCEPTIONS_FROM => exceptions[usize::from(l - EXCEPTIONS_FROM)],
                 d => base + u32::from(d),
             },
         }
     }
 
     fn set(&mut self, i: usize, packed: u32) {
-        match self {
-            Chunk::Wide(v) => v[i] = packed,
-            Chunk::Narrow {
-                base,
-                low,
-                exceptions,
-            } => {
-                let at = i as u16;
-                let found = exceptions.binary_search_by_key(&at, |&(a, _)| a);
-                match packed
-                    .checked_sub(*base)
-                    .filter(|&d| d < u32::from(EXCEPTION))
-                {
-                    Some(d) => {
-                        low[i] = d as u16;
-                        if let Ok(k) = found {
-                            exceptions.remove(k);
-                        }
-                    }
-                    None => {
-                        low[i] = EXCEPTION;
-                        match found {
-                            Ok(k) => exceptions[k].1 = packed,
-                            Err(k) => exceptions.insert(k, (at, packed)),
-                        }
-                    }
-                }
-            }
-        }
         if let Chunk::Narrow {
-            low, exceptions, ..
+            base,
+            low,
+            exceptions,
         } = self
-            && exceptions.len() > MAX_EXCEPTIONS
         {
-            let n = low.len();
-            let wide: Vec<u32> = (0..n).map(|j| self.get(j)).collect();
+            match packed
+                .checked_sub(*base)
+                .filter(|&d| d < u32::from(EXCEPTIONS_FROM))
+            {
+                Some(d) => {
+                    low[i] = d as u16;
+                    return;
+                }
+                None if low[i] >= EXCEPTIONS_FROM => {
+                    exceptions[usize::from(low[i] - EXCEPTIONS_FROM)] = packed;
+                    return;
+                }
+                None if exceptions.len() < MAX_EXCEPTIONS => {
+                    low[i] = EXCEPTIONS_FROM + exceptions.len() as u16;
+                    exceptions.push(packed);
+                    return;
+                }
+                // Out of exception slots: widened below.
+                None => {}
+            }
+            let wide: Vec<u32> = (0..low.len()).map(|j| self.get(j)).collect();
             *self = Chunk::Wide(wide.into());
+        }
+        if let Chunk::Wide(v) = self {
+            v[i] = packed;
         }
     }
 
@@ -135,7 +129,7 @@ impl Chunk {
             Chunk::Wide(v) => v.len() * 4,
             Chunk::Narrow {
                 low, exceptions, ..
-            } => low.len() * 2 + exceptions.capacity() * 8,
+            } => low.len() * 2 + exceptions.capacity() * 4,
         }
     }
 }
@@ -237,8 +231,8 @@ impl Memo {
         (self.chunk_bytes
             + self.chunks.capacity() * 48
             + self.open.capacity() * 4
-            + self.sparse.len() * 32
-            + self.others.len() * 16) as u64
+            + self.sparse.capacity() * 32
+            + self.others.capacity() * 16) as u64
     }
 }
 

@@ -23,7 +23,12 @@
 //!   arrive and checked against the budget first; memo indices are looked up (a dense table
 //!   grows only by one at a time, other indices go to a map).
 //! - Each opcode does work bounded by what it consumes (a MARK-ending opcode moves the values
-//!   it pops once), so time is linear in the decoded input; [`Doc::work`] counts opcodes.
+//!   it pops once, after checking that their container fits the budget), so time is linear
+//!   in the decoded input; [`Doc::work`] counts opcodes.
+//! - A frame dict is read in one step when its bytes are the ones Python writes for one; the
+//!   frame it gives is immutable, so a pickle that extends that dict later (Python never
+//!   does) is refused, and a string that is not UTF-8 (a lone surrogate, which CPython writes
+//!   for a path's undecodable bytes) is kept with U+FFFD in its place.
 
 use super::TraceError;
 use super::doc::{Doc, NO_MEMO, Obj, Val};
@@ -47,6 +52,8 @@ struct Machine<'i, 'r> {
     next_memo: u32,
     max_memory: u64,
     ops: u64,
+    /// When (in `ops`) memory is checked next.
+    next_check: u64,
     /// Offset of the opcode being run.
     at: u64,
 }
@@ -71,6 +78,7 @@ pub(crate) fn decode(
         next_memo: 0,
         max_memory,
         ops: 0,
+        next_check: CHECK_EVERY,
         at: 0,
     };
     let result = m.run();
@@ -93,6 +101,7 @@ impl Machine<'_, '_> {
     fn bytes(&self) -> u64 {
         self.doc.bytes()
             + self.memo.bytes()
+            + self.input.scratch_bytes()
             + self.stack.capacity() as u64 * 16
             + self.marks.capacity() as u64 * 8
     }
@@ -194,6 +203,8 @@ impl Machine<'_, '_> {
             .marks
             .pop()
             .ok_or_else(|| self.fail("no MARK on the stack"))?;
+        // The values move into a container: room for them must fit the budget first.
+        self.check_memory(((self.stack.len() - mark) * 32) as u64)?;
         for i in mark..self.stack.len() {
             // Only containers change when stored (most values are strings and numbers).
             if let Val::Obj(_) = self.stack[i] {
@@ -222,10 +233,16 @@ impl Machine<'_, '_> {
         let Some(bytes) = self.input.next_bytes(len)? else {
             return Err(self.truncated("a string"));
         };
-        let Ok(s) = std::str::from_utf8(bytes) else {
-            return Err(self.fail("a string is not valid UTF-8"));
+        // CPython writes lone surrogates (a path's undecodable bytes) as they are: such a
+        // string is kept with U+FFFD in their place, as the rest of the file is still data.
+        let v = match std::str::from_utf8(bytes) {
+            Ok(s) => self.doc.str(s),
+            Err(_) => {
+                let s = String::from_utf8_lossy(bytes).into_owned();
+                self.doc.str(&s)
+            }
         };
-        let v = self.doc.str(s);
+        self.input.shrink_scratch();
         self.push(v);
         Ok(())
     }
@@ -252,6 +269,7 @@ impl Machine<'_, '_> {
         } else {
             Val::BigInt
         };
+        self.input.shrink_scratch();
         let v = self.doc.scalar(value);
         self.push(v);
         Ok(())
@@ -271,6 +289,12 @@ impl Machine<'_, '_> {
     #[inline]
     fn memo_put(&mut self, index: u32) -> Result<(), TraceError> {
         let v = self.top()?;
+        // A container losing its memo entry must not rewrite it when reduced later.
+        if let Some(old @ Val::Obj(_)) = self.memo.get(index)
+            && old != v
+        {
+            self.doc.shared(old);
+        }
         self.doc.memoized(v, index);
         self.memo.put(index, v);
         Ok(())
@@ -304,7 +328,10 @@ impl Machine<'_, '_> {
         for &(index, s) in &parsed.strings[..parsed.new_strings] {
             self.memo.put(index, Val::Str(s));
         }
-        self.next_memo += 1 + parsed.new_strings as u32;
+        self.next_memo = self
+            .next_memo
+            .checked_add(1 + parsed.new_strings as u32)
+            .ok_or_else(|| self.fail("more than 2^32 memo entries"))?;
         self.input.consume(parsed.len);
         self.push(v);
         // As the generic path counts: the dict, its MEMOIZE, MARK, six values, SETITEMS.
@@ -317,7 +344,9 @@ impl Machine<'_, '_> {
         loop {
             self.at = self.input.offset();
             self.ops += 1;
-            if self.ops.is_multiple_of(CHECK_EVERY) {
+            // Compared, not divided: the frame-dict step adds several opcodes at once.
+            if self.ops >= self.next_check {
+                self.next_check = self.ops + CHECK_EVERY;
                 self.check_memory(0)?;
                 self.reserve_stack()?;
             }
@@ -563,12 +592,28 @@ fn parse_frame(
     let (mut filename, mut line, mut name) = (None, None, None);
     for _ in 0..3 {
         let mut string = |p: &mut usize| -> Option<StringId> {
-            let v = match next(p)? {
-                b'h' => memo.get(u32::from(next(p)?))?,
-                b'j' => {
-                    let b = buf.get(*p..*p + 4)?;
-                    *p += 4;
-                    memo.get(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?
+            let op = next(p)?;
+            let v = match op {
+                b'h' | b'j' => {
+                    let index = if op == b'h' {
+                        u32::from(next(p)?)
+                    } else {
+                        let b = buf.get(*p..*p + 4)?;
+                        *p += 4;
+                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                    };
+                    // A string memoized earlier in this same dict (a name equal to its
+                    // file, say) is not in the memo yet: the dict's pending entries first.
+                    let pending = if new_strings > 0 {
+                        strings[..new_strings].iter().find(|&&(i, _)| i == index)
+                    } else {
+                        None
+                    };
+                    match pending {
+                        Some(&(_, s)) => Val::Str(s),
+                        None if index == next_memo => return None,
+                        None => memo.get(index)?,
+                    }
                 }
                 0x8c => {
                     let n = usize::from(next(p)?);
@@ -577,7 +622,8 @@ fn parse_frame(
                     let id = frames.string(std::str::from_utf8(bytes).ok()?);
                     if buf.get(*p) == Some(&0x94) {
                         *p += 1;
-                        strings[new_strings] = (next_memo + 1 + new_strings as u32, id);
+                        let index = next_memo.checked_add(1 + new_strings as u32)?;
+                        strings[new_strings] = (index, id);
                         new_strings += 1;
                     }
                     Val::Str(id)
@@ -734,6 +780,57 @@ mod tests {
                 .expect_err("bad memo")
                 .to_string()
                 .contains("never stored")
+        );
+    }
+
+    /// `s = "??"; pickle.dumps([{"filename": s, "line": 1, "name": s}], 4)`: the name is a
+    /// memo reference to the string the same dict stored a moment before.
+    const SAME_STRING: &[u8] = b"\x80\x04\x95*\x00\x00\x00\x00\x00\x00\x00]\x94}\x94(\x8c\x08filename\x94\x8c\x02??\x94\x8c\x04line\x94K\x01\x8c\x04name\x94h\x03ua.";
+
+    #[test]
+    fn a_frame_naming_a_string_it_just_stored_reads_as_python_reads_it() {
+        let doc = decode_bytes(SAME_STRING).expect("valid");
+        let frames: Vec<_> = doc.root().items().expect("list").collect();
+        assert_eq!(
+            frames[0].field("name").expect("name").str().expect("str"),
+            "??"
+        );
+        assert_eq!(
+            frames[0].field("filename").expect("f").str().expect("str"),
+            "??"
+        );
+        assert!(doc.root().stack().is_some(), "a stack of one frame");
+    }
+
+    /// Frame dicts read in one step still count towards the periodic memory check (each adds
+    /// several opcodes at once, so a check "every 4096th opcode" could be stepped over).
+    #[test]
+    fn frames_read_in_one_step_stay_within_the_budget() {
+        let mut p = b"\x80\x04(".to_vec();
+        p.extend_from_slice(b"}\x94(\x8c\x08filename\x94\x8c\x01a\x94\x8c\x04line\x94K\x01\x8c\x04name\x94\x8c\x01f\x94u");
+        for line in 0..200_000i32 {
+            p.extend_from_slice(b"}\x94(h\x01h\x02h\x03J");
+            p.extend_from_slice(&line.to_le_bytes());
+            p.extend_from_slice(b"h\x04h\x05u");
+        }
+        p.extend_from_slice(b"l.");
+        let mut input = Input::new(Box::new(&p[..]), u64::MAX, None).expect("input");
+        let mut doc = Doc::default();
+        let err = decode(&mut input, &mut doc, 1 << 20).expect_err("over budget");
+        assert!(matches!(err, TraceError::MemoryBudget { .. }), "{err}");
+        assert!(doc.peak() < 2 << 20, "held {}", doc.peak());
+        let doc = decode_bytes(&p).expect("within a large budget");
+        assert_eq!(doc.frames.frame_count(), 200_000, "line 1 twice");
+    }
+
+    #[test]
+    fn a_list_stored_into_itself_is_refused_clearly() {
+        // l = []; l.append(l)
+        let err = decode_bytes(b"\x80\x04\x95\x06\x00\x00\x00\x00\x00\x00\x00]\x94h\x00a.")
+            .expect_err("a cycle through a list");
+        assert!(
+            err.to_string().contains("extended after it was stored"),
+            "{err}"
         );
     }
 
