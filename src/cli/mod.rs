@@ -2,6 +2,7 @@
 //! GPU) and `replay` (recorded traces: fidelity check and what-if comparison).
 
 mod agent;
+mod explain;
 mod replay;
 mod simulate;
 
@@ -65,6 +66,9 @@ enum Command {
     /// Replay a recorded PyTorch memory snapshot (pickle or JSON, optionally gzipped): check
     /// that gpumem decides exactly as PyTorch did, or compare configurations on it.
     Replay(replay::Args),
+    /// Explain an out-of-memory error of a recording: the request, where the device's memory
+    /// was, and which part kept the request from fitting.
+    Explain(explain::Args),
 }
 
 pub(crate) fn run(cli: Cli) -> CliResult {
@@ -73,6 +77,7 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Serve(args) => agent::serve_command(args),
         Command::Simulate(args) => simulate::run(args),
         Command::Replay(args) => replay::run(args),
+        Command::Explain(args) => explain::run(args),
     }
 }
 

@@ -15,6 +15,7 @@
 //!   the offending field).
 
 mod doc;
+pub mod explain;
 pub mod frames;
 mod input;
 mod json;

@@ -4,6 +4,7 @@ mod agent;
 mod assets;
 mod common;
 mod expandable;
+mod explain;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod hostile;

@@ -269,14 +269,36 @@ pub fn capacity_for_reservation(reservation: u64) -> u64 {
     c.min(MAX_CAPACITY)
 }
 
-/// One replay following the given readings.
-fn run_with(
+/// The allocator as an exact (check) replay of `device`'s trace on `capacity` bytes leaves
+/// it just after event `stop`: at an `oom` entry, the state the failing allocation left
+/// (its cache flushed), which is what PyTorch's own snapshot at the error shows. Also says
+/// where the replay first differed from the recording, if it did before `stop`.
+///
+/// # Errors
+/// As [`replay()`].
+pub fn state_after(
     recording: &Recording,
+    device: u32,
+    capacity: u64,
+    stop: usize,
+) -> Result<(CachingAllocator<SimDevice>, Option<Divergence>), ReplayError> {
+    let options = ReplayOptions {
+        device,
+        capacity: Some(capacity),
+        check: true,
+        ..ReplayOptions::default()
+    };
+    let (mut engine, _) = engine_for(recording, &options, FxHashSet::default())?;
+    engine.advance(stop.saturating_add(1), &mut |_, _| {})?;
+    Ok((engine.alloc, engine.divergence))
+}
+
+/// The engine of one replay, at the trace's start, with its configuration.
+fn engine_for<'a>(
+    recording: &'a Recording,
     options: &ReplayOptions,
-    progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashSet<usize>,
-) -> Result<Run, ReplayError> {
-    let events = device_events(recording, options.device)?;
+) -> Result<(Engine<'a>, AllocatorConfig), ReplayError> {
     let recorded_config = recording.config.clone().unwrap_or_default();
     let config = options
         .config
@@ -304,7 +326,20 @@ fn run_with(
             .set_memory_fraction(fraction)
             .map_err(ReplayError::BeforeTrace)?;
     }
-    let mut engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    let engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    Ok((engine, config))
+}
+
+/// One replay following the given readings.
+fn run_with(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+    releases_in_malloc: FxHashSet<usize>,
+) -> Result<Run, ReplayError> {
+    let events = device_events(recording, options.device)?;
+    let (mut engine, config) = engine_for(recording, options, releases_in_malloc)?;
+    let capacity = engine.alloc.device().config().capacity;
     // The report covers the trace: counters start at zero, peaks at the start state.
     engine.alloc.reset_accumulated_stats();
     engine.alloc.reset_peak_stats();

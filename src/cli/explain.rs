@@ -1,0 +1,114 @@
+//! `gpumem explain`: why a recorded allocation failed, in figures and one sentence.
+
+use std::process::ExitCode;
+
+use gpumem::allocator::size::format_size;
+use gpumem::trace::explain::{At, explain};
+
+use super::{CliResult, Path, ReadArgs, outln, parse_bytes};
+
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
+    /// optionally gzipped.
+    trace: Path,
+    /// The device whose trace to explain.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// The moment: `oom` (the first out-of-memory error) or an event's index in the trace.
+    #[arg(long, default_value = "oom", value_parser = parse_at)]
+    at: At,
+    /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
+    /// else inferred from expandable reservations, else 80 GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    capacity: Option<u64>,
+    /// Print every figure as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    read: ReadArgs,
+}
+
+fn parse_at(text: &str) -> Result<At, String> {
+    match text {
+        "oom" => Ok(At::FirstOom),
+        n => n
+            .parse()
+            .map(At::Event)
+            .map_err(|_| format!("{n:?} is neither `oom` nor an event index")),
+    }
+}
+
+pub(crate) fn run(args: Args) -> CliResult {
+    let recording = args.read.read(&args.trace)?;
+    let e = explain(&recording, args.device, args.at, args.capacity)?;
+    if args.json {
+        outln!("{}", serde_json::to_string_pretty(&e)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let f = format_size;
+    let r = &e.request;
+    outln!(
+        "device {}, event {}: a request of {} ({} rounded, {} pool, stream {:#x})",
+        e.device,
+        r.event,
+        f(r.bytes),
+        f(r.rounded),
+        r.pool,
+        r.stream
+    )?;
+    outln!("{}", e.sentence)?;
+    if let Some(d) = &e.divergence {
+        outln!(
+            "warning: the replay differed from the recording at event {}; these figures are the replay's",
+            d.index
+        )?;
+    }
+    let b = &e.breakdown;
+    if e.total_known {
+        outln!("\nwhere the device's {} were:", f(e.total))?;
+    } else {
+        outln!(
+            "\nwhere the memory was (the device's size is not recorded: --capacity gives it, and with it what sat outside the allocator):"
+        )?;
+    }
+    let row = |name: &str, bytes: Option<u64>| match bytes {
+        Some(v) => outln!("  {name:<44} {:>12}", f(v)),
+        None => outln!("  {name:<44} {:>12}", "unknown"),
+    };
+    row("live tensors (requested)", Some(b.requested))?;
+    row("rounding of live tensors", Some(b.rounding))?;
+    row(
+        "cached, free, too small for the request",
+        Some(b.fragmented),
+    )?;
+    row("cached, free, other streams' pools", Some(b.other_streams))?;
+    row(
+        "freed, waiting on other streams (record_stream)",
+        Some(b.pending_stream_frees),
+    )?;
+    row("free on the device", b.free)?;
+    row("outside the allocator", b.outside_allocator)?;
+    outln!(
+        "\nreserved {}, allocated {}, largest usable free block {} ({} segments with free memory)",
+        f(e.reserved),
+        f(e.allocated),
+        f(e.largest_free_block),
+        e.segments_with_free
+    )?;
+    if !e.pinning.is_empty() {
+        outln!(
+            "\nwhat pins the free memory (live blocks in segments with free space, by where they were allocated):"
+        )?;
+        for g in &e.pinning {
+            outln!(
+                "  {:>12} free pinned by {} blocks ({}) from {}",
+                f(g.pinned_free_bytes),
+                g.blocks,
+                f(g.live_bytes),
+                g.frame
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

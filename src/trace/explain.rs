@@ -1,0 +1,489 @@
+//! Why an allocation failed: the request, where the device's memory was at that moment, and
+//! which of those places kept the request from fitting, from an exact replay of the recording.
+//!
+//! The replay stops just after the recording's `oom` entry (or after a chosen event), so the
+//! allocator holds what PyTorch's held at the error, its cache already flushed. The memory
+//! the job had is its reserved bytes plus the `oom` entry's `device_free`; the device's total
+//! is the replay's capacity (`--capacity`, else the recording's device, else inferred from
+//! expandable reservations), and what neither accounts for sat outside the allocator. Where
+//! the total is only assumed (80 GiB), memory outside the allocator is unknown.
+//!
+//! Frees waiting on other streams' events are part of the breakdown, but rarely of an OOM's:
+//! before failing, the allocator (as PyTorch's) synchronizes those events and frees the
+//! blocks, so at an `oom` entry they are usually gone.
+//!
+//! # Invariants
+//! - The breakdown adds up: requested + rounding + fragmented + other streams + pending
+//!   stream frees is the reserved memory, and with free and outside the allocator (where the
+//!   `oom` entry says how much was free) the device's total.
+//! - Every figure is read from the replayed allocator's own snapshot; nothing is estimated.
+
+use serde::Serialize;
+
+use crate::allocator::size::{PoolKind, format_size, round_size};
+use crate::allocator::{BlockState, TraceAction};
+
+use super::Recording;
+use super::replay::{Divergence, ReplayError, ReplayOptions, replay, state_after};
+
+/// Which moment to explain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// The recording's first `oom` entry.
+    FirstOom,
+    /// Just after this event (its index in the device's trace).
+    Event(usize),
+}
+
+/// The failing (or, at another event, the last) request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Request {
+    /// Index of the event in the device's trace.
+    pub event: usize,
+    /// Bytes asked for.
+    pub bytes: u64,
+    /// Bytes after the allocator's rounding.
+    pub rounded: u64,
+    /// The pool that serves it: "small" or "large".
+    pub pool: &'static str,
+    /// The stream it was asked on.
+    pub stream: u64,
+}
+
+/// Where the device's memory was, in bytes; the parts add up to `total` (see the module's
+/// invariants).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Breakdown {
+    /// What live tensors asked for.
+    pub requested: u64,
+    /// What rounding added to them.
+    pub rounding: u64,
+    /// Cached and free in the request's pool and stream, in blocks smaller than it (and in
+    /// the other pool, which it cannot use).
+    pub fragmented: u64,
+    /// Cached and free, but in pools of other streams.
+    pub other_streams: u64,
+    /// Freed by the program, waiting on other streams' events (`record_stream`).
+    pub pending_stream_frees: u64,
+    /// Free on the device, as the `oom` entry recorded it.
+    pub free: Option<u64>,
+    /// Held outside the allocator: other processes, the CUDA context, libraries.
+    pub outside_allocator: Option<u64>,
+}
+
+/// Which part kept the request from fitting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Live tensors and the request need more than the job had: no allocator setting helps.
+    TooBig,
+    /// Enough was cached, in pieces too small.
+    Fragmentation,
+    /// Memory freed by the program waited on other streams.
+    PendingStreamFrees,
+    /// Enough was cached, on other streams.
+    OtherStreams,
+    /// Memory outside the allocator made the difference.
+    OutsideAllocator,
+}
+
+/// The explanation of one moment of a recording.
+#[derive(Clone, Debug, Serialize)]
+pub struct Explanation {
+    /// The device.
+    pub device: u32,
+    /// The request at that moment.
+    pub request: Request,
+    /// The device's memory.
+    pub total: u64,
+    /// Whether `total` is known (given, recorded or inferred), not assumed: only then is
+    /// memory outside the allocator known.
+    pub total_known: bool,
+    /// Reserved by the allocator.
+    pub reserved: u64,
+    /// Allocated by the allocator (requested plus rounding).
+    pub allocated: u64,
+    /// What the job had: reserved plus the device's free bytes (where recorded).
+    pub available: Option<u64>,
+    /// The largest cached free block the request could have used (its pool and stream).
+    pub largest_free_block: u64,
+    /// Segments of the request's pool and stream that hold free memory.
+    pub segments_with_free: usize,
+    /// Where the memory was.
+    pub breakdown: Breakdown,
+    /// Which part kept the request from fitting, most to blame first.
+    pub kinds: Vec<Kind>,
+    /// The explanation in one sentence.
+    pub sentence: String,
+    /// What pins the free memory: the live blocks in segments that hold free space, grouped
+    /// by where they were allocated, the groups keeping the most free bytes first (at most
+    /// [`PIN_GROUPS`]).
+    pub pinning: Vec<PinGroup>,
+    /// Where the replay first differed from the recording, if it did (the figures are then
+    /// not the recording's).
+    pub divergence: Option<Divergence>,
+}
+
+/// The most pinning groups an explanation lists.
+pub const PIN_GROUPS: usize = 10;
+
+/// Live blocks allocated at one place in the program (their stacks' innermost own frame), in
+/// segments that hold free space: while they live, those segments can be neither released
+/// nor merged into larger free blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PinGroup {
+    /// The innermost frame of the stack in the program's own code (a Python file outside
+    /// torch), else the innermost frame, as `file:line in function`; "(no stack recorded)"
+    /// for blocks whose allocation the recording did not keep.
+    pub frame: String,
+    /// The frames of the first such block's stack, innermost first, as `file:line in
+    /// function` (at most 8).
+    pub frames: Vec<String>,
+    /// Its live blocks in those segments.
+    pub blocks: usize,
+    /// Their bytes.
+    pub live_bytes: u64,
+    /// Free bytes of the segments they sit in (each segment counted once for the group).
+    pub pinned_free_bytes: u64,
+}
+
+/// Why an explanation could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExplainError {
+    /// The replay could not run.
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+    /// The recording has no `oom` entry.
+    #[error("device {device}'s trace has no out-of-memory event; choose one with --at EVENT")]
+    NoOom {
+        /// The device.
+        device: u32,
+    },
+    /// The event index is outside the trace.
+    #[error("event {event} is outside device {device}'s trace of {events} events")]
+    NoSuchEvent {
+        /// The device.
+        device: u32,
+        /// The index asked for.
+        event: usize,
+        /// Events in the trace.
+        events: usize,
+    },
+}
+
+/// Explains `at` on `device` of `recording`, the device `capacity` bytes large where given.
+///
+/// # Errors
+/// [`ExplainError`] when there is nothing to explain or the replay cannot run.
+pub fn explain(
+    recording: &Recording,
+    device: u32,
+    at: At,
+    capacity: Option<u64>,
+) -> Result<Explanation, ExplainError> {
+    let events = super::replay::device_events(recording, device)?;
+    let event = match at {
+        At::FirstOom => events
+            .iter()
+            .position(|e| e.action == TraceAction::Oom)
+            .ok_or(ExplainError::NoOom { device })?,
+        At::Event(i) if i < events.len() => i,
+        At::Event(event) => {
+            return Err(ExplainError::NoSuchEvent {
+                device,
+                event,
+                events: events.len(),
+            });
+        }
+    };
+    // The device's size as the check replay settles it (inferred where it must be).
+    let check = ReplayOptions {
+        device,
+        capacity,
+        check: true,
+        ..ReplayOptions::default()
+    };
+    let report = replay(recording, &check)?;
+    let total = report.capacity;
+    let total_known =
+        capacity.is_some() || recording.simulated_device.is_some() || report.capacity_inferred;
+    let (mut alloc, divergence) = state_after(recording, device, total, event)?;
+    let config = alloc.config().clone();
+    let entry = events[event];
+    // At another event the request is the last allocation up to it.
+    let asked = events[..=event]
+        .iter()
+        .rev()
+        .find(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc))
+        .copied()
+        .unwrap_or(entry);
+    let rounded = round_size(&config, asked.size);
+    let pool = PoolKind::for_size(rounded);
+    let request = Request {
+        event,
+        bytes: asked.size,
+        rounded,
+        pool: match pool {
+            PoolKind::Small => "small",
+            PoolKind::Large => "large",
+        },
+        stream: asked.stream,
+    };
+    let snapshot = alloc.snapshot();
+    let mut b = Breakdown::default();
+    let (mut reserved, mut allocated, mut largest, mut segments_with_free) = (0, 0, 0, 0);
+    for segment in snapshot.segments.iter().filter(|s| s.device == device) {
+        reserved += segment.total_size;
+        let usable = segment.stream == request.stream && segment.segment_type == request.pool;
+        let mut has_free = false;
+        for block in &segment.blocks {
+            match block.state {
+                BlockState::ActiveAllocated => {
+                    allocated += block.size;
+                    b.requested += block.requested_size;
+                    b.rounding += block.size - block.requested_size.min(block.size);
+                }
+                BlockState::ActivePendingFree => {
+                    allocated += block.size;
+                    b.pending_stream_frees += block.size;
+                }
+                BlockState::Inactive if usable || segment.stream == request.stream => {
+                    b.fragmented += block.size;
+                    if usable {
+                        largest = largest.max(block.size);
+                        has_free = true;
+                    }
+                }
+                BlockState::Inactive => b.other_streams += block.size,
+            }
+        }
+        segments_with_free += usize::from(has_free);
+    }
+    let pinning = pinning(recording, device as usize, &events[..=event], &snapshot);
+    let available = (entry.action == TraceAction::Oom).then(|| reserved + entry.addr);
+    b.free = (entry.action == TraceAction::Oom).then_some(entry.addr);
+    b.outside_allocator = available
+        .filter(|_| total_known)
+        .map(|a| total.saturating_sub(a));
+    let kinds = kinds(&b, rounded, available, total_known.then_some(total));
+    let sentence = sentence(
+        &b,
+        &request,
+        reserved,
+        largest,
+        segments_with_free,
+        available,
+        kinds[0],
+    );
+    Ok(Explanation {
+        device,
+        request,
+        total,
+        total_known,
+        reserved,
+        allocated,
+        available,
+        largest_free_block: largest,
+        segments_with_free,
+        breakdown: b,
+        kinds,
+        sentence,
+        pinning,
+        divergence,
+    })
+}
+
+/// The pinning groups (see [`PinGroup`]) of the replayed state after `events`.
+fn pinning(
+    recording: &Recording,
+    device: usize,
+    events: &[crate::allocator::TraceEntry],
+    snapshot: &crate::allocator::Snapshot,
+) -> Vec<PinGroup> {
+    use rustc_hash::FxHashMap;
+
+    use super::frames::StackId;
+    // Which stack allocated each live block: its allocation in the trace, else (a block
+    // live since before the trace) the recording's final segments, where it survived.
+    let stacks = recording.event_stacks.get(device);
+    let mut live: FxHashMap<u64, StackId> = FxHashMap::default();
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            TraceAction::Alloc => {
+                let stack = stacks.and_then(|s| s.get(i)).copied();
+                live.insert(e.addr, stack.unwrap_or(StackId::EMPTY));
+            }
+            TraceAction::FreeCompleted => {
+                live.remove(&e.addr);
+            }
+            _ => {}
+        }
+    }
+    let at_end: FxHashMap<u64, StackId> = recording
+        .segments
+        .iter()
+        .filter(|s| s.device as usize == device)
+        .flat_map(|s| s.blocks.iter().map(|b| (b.address, b.stack)))
+        .collect();
+    // Grouped by the frame they are named by (stacks that differ only below it are one).
+    let mut groups: FxHashMap<String, PinGroup> = FxHashMap::default();
+    for segment in snapshot
+        .segments
+        .iter()
+        .filter(|s| s.device as usize == device)
+    {
+        let free: u64 = segment
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Inactive)
+            .map(|b| b.size)
+            .sum();
+        if free == 0 {
+            continue;
+        }
+        let mut counted = rustc_hash::FxHashSet::default();
+        for block in segment
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::ActiveAllocated)
+        {
+            let stack = live
+                .get(&block.address)
+                .or_else(|| at_end.get(&block.address))
+                .copied()
+                .unwrap_or(StackId::EMPTY);
+            let named = group_of(recording, stack);
+            let key = named.frame.clone();
+            let group = groups.entry(key.clone()).or_insert(named);
+            group.blocks += 1;
+            group.live_bytes += block.size;
+            if counted.insert(key) {
+                group.pinned_free_bytes += free;
+            }
+        }
+    }
+    let mut groups: Vec<PinGroup> = groups.into_values().collect();
+    groups.sort_by(|a, b| {
+        (b.pinned_free_bytes, b.live_bytes, &a.frame).cmp(&(
+            a.pinned_free_bytes,
+            a.live_bytes,
+            &b.frame,
+        ))
+    });
+    groups.truncate(PIN_GROUPS);
+    groups
+}
+
+/// An empty group for `stack`, named by its frames.
+fn group_of(recording: &Recording, stack: super::frames::StackId) -> PinGroup {
+    let f = &recording.frames;
+    let name = |id: super::frames::FrameId| {
+        let frame = f.get(id);
+        format!(
+            "{}:{} in {}",
+            f.str(frame.filename),
+            frame.line,
+            f.str(frame.name)
+        )
+    };
+    let frames = f.frames_of(stack);
+    // The program's own code: a Python file that is not torch's.
+    let own = frames.iter().copied().find(|&id| {
+        let file = f.str(f.get(id).filename);
+        file.ends_with(".py") && !file.contains("/torch/")
+    });
+    PinGroup {
+        frame: own
+            .or_else(|| frames.first().copied())
+            .map_or_else(|| "(no stack recorded)".to_string(), name),
+        frames: frames.iter().take(8).map(|&id| name(id)).collect(),
+        blocks: 0,
+        live_bytes: 0,
+        pinned_free_bytes: 0,
+    }
+}
+
+/// The parts to blame, most first. When live tensors and the request exceed what the job
+/// had: the memory outside the allocator if the device could have held them, else nothing
+/// helps (too big). Otherwise the cached parts that, given back, would have made room,
+/// largest first.
+fn kinds(b: &Breakdown, rounded: u64, available: Option<u64>, total: Option<u64>) -> Vec<Kind> {
+    let need = b.requested + b.rounding + rounded;
+    if let Some(available) = available
+        && need > available
+    {
+        return match total {
+            Some(total) if need <= total => vec![Kind::OutsideAllocator],
+            _ => vec![Kind::TooBig],
+        };
+    }
+    let mut parts = vec![
+        (b.fragmented, Kind::Fragmentation),
+        (b.pending_stream_frees, Kind::PendingStreamFrees),
+        (b.other_streams, Kind::OtherStreams),
+    ];
+    parts.retain(|&(bytes, _)| bytes > 0);
+    parts.sort_by_key(|&(bytes, _)| std::cmp::Reverse(bytes));
+    let mut kinds: Vec<Kind> = parts.into_iter().map(|(_, k)| k).collect();
+    if kinds.is_empty() {
+        kinds.push(Kind::TooBig);
+    }
+    kinds
+}
+
+fn sentence(
+    b: &Breakdown,
+    request: &Request,
+    reserved: u64,
+    largest: u64,
+    split_segments: usize,
+    available: Option<u64>,
+    kind: Kind,
+) -> String {
+    let f = format_size;
+    let live = b.requested + b.rounding;
+    match kind {
+        Kind::TooBig => match available {
+            Some(a) => format!(
+                "No allocator setting avoids this: {} live plus the {} request exceed the {} the job had (reserved {} plus {} free on the device).",
+                f(live),
+                f(request.rounded),
+                f(a),
+                f(reserved),
+                f(b.free.unwrap_or(0))
+            ),
+            None => format!(
+                "{} live plus the {} request need more than the allocator could get.",
+                f(live),
+                f(request.rounded)
+            ),
+        },
+        Kind::Fragmentation => format!(
+            "{} were cached but the largest free block the {} request could use was {}: {} sit in {} segments split around live blocks.",
+            f(b.fragmented),
+            f(request.rounded),
+            f(largest),
+            f(b.fragmented),
+            split_segments
+        ),
+        Kind::PendingStreamFrees => format!(
+            "{} freed by the program were still waiting on other streams' work (record_stream) when the {} request came.",
+            f(b.pending_stream_frees),
+            f(request.rounded)
+        ),
+        Kind::OtherStreams => format!(
+            "{} were cached free, but in other streams' pools, which the {} request on stream {:#x} cannot use.",
+            f(b.other_streams),
+            f(request.rounded),
+            request.stream
+        ),
+        Kind::OutsideAllocator => format!(
+            "{} of the device were held outside the allocator (other processes, the CUDA context, libraries): the job had {}, and {} live plus the {} request would have fit on the device without them.",
+            f(b.outside_allocator.unwrap_or(0)),
+            f(available.unwrap_or(0)),
+            f(live),
+            f(request.rounded)
+        ),
+    }
+}

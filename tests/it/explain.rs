@@ -1,0 +1,280 @@
+//! `gpumem explain`: the figures at a real recording's OOM, derived again here from the
+//! recording's own entries, and synthetic OOMs of each kind made by gpumem's allocator.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gpumem::allocator::TraceAction;
+use gpumem::device::{SimConfig, SimDevice, StreamId};
+use gpumem::trace::explain::{At, Explanation, Kind, explain};
+use gpumem::trace::{Recording, parse_recording, read_recording};
+use gpumem::{AllocatorConfig, CachingAllocator};
+
+fn shared_traces() -> Option<PathBuf> {
+    let dir = std::env::var_os("GPUMEM_TRACES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"));
+    dir.is_dir().then_some(dir)
+}
+
+/// The breakdown adds up to the reserved memory and, with free and outside, to the device.
+fn assert_adds_up(e: &Explanation) {
+    let b = &e.breakdown;
+    let cached = b.requested + b.rounding + b.fragmented + b.other_streams + b.pending_stream_frees;
+    assert_eq!(cached, e.reserved, "{e:?}");
+    if let (Some(free), Some(outside)) = (b.free, b.outside_allocator) {
+        assert_eq!(cached + free + outside, e.total, "{e:?}");
+    }
+}
+
+/// Reserved bytes and the live requests' bytes just after event `at`, from the entries alone,
+/// for a trace that starts from an empty allocator.
+fn from_entries(rec: &Recording, device: usize, at: usize) -> (u64, u64) {
+    let (mut reserved, mut allocated) = (0i64, 0i64);
+    for e in &rec.device_traces[device][..=at] {
+        let size = e.size as i64;
+        match e.action {
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap => reserved += size,
+            TraceAction::SegmentFree | TraceAction::SegmentUnmap => reserved -= size,
+            TraceAction::Alloc => allocated += size,
+            TraceAction::FreeCompleted => allocated -= size,
+            _ => {}
+        }
+    }
+    (reserved as u64, allocated as u64)
+}
+
+#[test]
+fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found: skipped");
+        return;
+    };
+    for (name, device, capacity) in [
+        ("dit_discrete_diffusion_train_oom_complete.pickle", 0, None),
+        (
+            "qwen3_gnn_3gpu_expandable_oom_complete.pickle",
+            1,
+            Some(84_987_740_160),
+        ),
+    ] {
+        let rec = read_recording(&dir.join(name)).expect("readable");
+        let e = explain(&rec, device as u32, At::FirstOom, capacity).expect(name);
+        let events = &rec.device_traces[device];
+        let oom = events
+            .iter()
+            .position(|e| e.action == TraceAction::Oom)
+            .expect("an OOM");
+        assert_eq!(e.request.event, oom, "{name}");
+        assert_eq!(e.request.bytes, events[oom].size, "{name}");
+        assert_eq!(e.request.stream, events[oom].stream, "{name}");
+        assert_eq!(
+            e.breakdown.free,
+            Some(events[oom].addr),
+            "{name}: device_free"
+        );
+        assert!(e.divergence.is_none(), "{name}: replayed exactly");
+        // The entries carry requested sizes: they sum to the live tensors' requests.
+        let (reserved, requested) = from_entries(&rec, device, oom);
+        assert_eq!(
+            (e.reserved, e.breakdown.requested),
+            (reserved, requested),
+            "{name}"
+        );
+        assert_eq!(
+            e.allocated,
+            requested + e.breakdown.rounding + e.breakdown.pending_stream_frees
+        );
+        assert_eq!(e.available, Some(reserved + events[oom].addr), "{name}");
+        assert_adds_up(&e);
+        // Both are beyond any setting: live tensors and the request exceed what the job had.
+        assert_eq!(e.kinds[0], Kind::TooBig, "{name}: {}", e.sentence);
+        assert!(
+            e.breakdown.requested + e.breakdown.rounding + e.request.rounded
+                > reserved + events[oom].addr
+        );
+        assert!(
+            e.sentence.starts_with("No allocator setting avoids this"),
+            "{}",
+            e.sentence
+        );
+        assert!(e.largest_free_block < e.request.rounded, "{name}");
+        // What pins the free memory, named by the file's own frames.
+        assert!(!e.pinning.is_empty(), "{name}");
+        let live: u64 = e.pinning.iter().map(|g| g.live_bytes).sum();
+        assert!(live <= e.allocated, "{name}");
+        for g in &e.pinning {
+            let file = g.frame.rsplit_once(':').map_or("", |(file, _)| file);
+            assert!(file.ends_with(".py"), "{name}: {}", g.frame);
+            assert!(
+                rec.frames.find_string(file).is_some(),
+                "{name}: {file} is the file's"
+            );
+            assert!(g.pinned_free_bytes > 0 && g.blocks > 0, "{name}: {g:?}");
+        }
+        assert!(
+            e.pinning
+                .windows(2)
+                .all(|w| w[0].pinned_free_bytes >= w[1].pinned_free_bytes),
+            "{name}: most pinned first"
+        );
+        match capacity {
+            Some(capacity) => {
+                // 657 MiB of the Qwen3 job's device were held outside its allocator.
+                assert_eq!(
+                    e.breakdown.outside_allocator,
+                    Some(capacity - reserved - events[oom].addr)
+                );
+                assert_eq!(e.breakdown.outside_allocator, Some(689_307_648));
+            }
+            // The DiT recording does not say how large its device was: outside is unknown.
+            None => assert_eq!(
+                (e.total_known, e.breakdown.outside_allocator),
+                (false, None)
+            ),
+        }
+    }
+}
+
+/// A recording made by gpumem's allocator on a simulated device of `capacity` bytes (others
+/// holding `outside` of it), driven by `program`, which ends in an OOM.
+fn recorded(
+    capacity: u64,
+    outside: u64,
+    program: impl FnOnce(&mut CachingAllocator<SimDevice>),
+) -> Recording {
+    let mut device = SimDevice::new(SimConfig::with_capacity(capacity));
+    device.set_other_process_bytes(outside);
+    let mut alloc = CachingAllocator::new(device, AllocatorConfig::default());
+    alloc.record_history(Some(1 << 20));
+    program(&mut alloc);
+    let json = serde_json::to_vec(&alloc.snapshot()).expect("serialises");
+    parse_recording(&json).expect("reads back")
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn synthetic_ooms_are_told_apart_with_their_figures() {
+    let s = StreamId::DEFAULT;
+    // Fragmentation: 40 blocks of 20 MiB in one segment-sized run, every other one freed,
+    // then 40 MiB asked for: 400 MiB cached, none of it in a piece that large.
+    let fragmented = recorded(900 * MIB, 0, |a| {
+        let big = a.malloc(800 * MIB, s).expect("fits");
+        a.free(big).expect("frees");
+        let blocks: Vec<_> = (0..40)
+            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
+            .collect();
+        for b in blocks.iter().step_by(2) {
+            a.free(*b).expect("frees");
+        }
+        assert!(a.malloc(140 * MIB, s).is_err(), "out of memory");
+    });
+    let e = explain(&fragmented, 0, At::FirstOom, None).expect("explains");
+    assert_adds_up(&e);
+    assert_eq!(e.kinds[0], Kind::Fragmentation, "{}", e.sentence);
+    assert_eq!(e.largest_free_block, 20 * MIB);
+    assert!(e.breakdown.fragmented >= 400 * MIB, "{e:?}");
+    assert!(e.sentence.contains("largest free block"), "{}", e.sentence);
+
+    // Frees waiting on another stream: in the breakdown at the moment they wait; before an
+    // OOM the allocator synchronizes them away, so the request that needs them succeeds.
+    let pending = recorded(900 * MIB, 0, |a| {
+        let other = StreamId(7);
+        let blocks: Vec<_> = (0..4)
+            .map(|_| a.malloc(200 * MIB, s).expect("fits"))
+            .collect();
+        for b in &blocks[..3] {
+            a.record_stream(*b, other);
+            a.free(*b).expect("frees");
+        }
+        let _ = a
+            .malloc(300 * MIB, s)
+            .expect("the waiting frees are synchronized away");
+    });
+    let frees = pending.device_traces[0]
+        .iter()
+        .rposition(|e| e.action == TraceAction::FreeRequested)
+        .expect("frees");
+    let e = explain(&pending, 0, At::Event(frees), None).expect("explains");
+    assert_adds_up(&e);
+    assert_eq!(e.breakdown.pending_stream_frees, 600 * MIB);
+    assert_eq!(e.kinds[0], Kind::PendingStreamFrees, "{}", e.sentence);
+
+    // Outside the allocator: another process holds most of the device.
+    let crowded = recorded(1024 * MIB, 700 * MIB, |a| {
+        let _live = a.malloc(100 * MIB, s).expect("fits");
+        assert!(a.malloc(400 * MIB, s).is_err(), "out of memory");
+    });
+    let e = explain(&crowded, 0, At::FirstOom, None).expect("explains");
+    assert_adds_up(&e);
+    assert_eq!(e.kinds[0], Kind::OutsideAllocator, "{}", e.sentence);
+    assert_eq!(e.breakdown.outside_allocator, Some(700 * MIB));
+    assert_eq!(e.available, Some(324 * MIB));
+
+    // Genuinely too big: more than the whole device.
+    let huge = recorded(1024 * MIB, 0, |a| {
+        let _live = a.malloc(100 * MIB, s).expect("fits");
+        assert!(a.malloc(2048 * MIB, s).is_err(), "out of memory");
+    });
+    let e = explain(&huge, 0, At::FirstOom, None).expect("explains");
+    assert_adds_up(&e);
+    assert_eq!(e.kinds, [Kind::TooBig], "{}", e.sentence);
+
+    // No OOM: a clear error; another moment by index.
+    let none = recorded(1024 * MIB, 0, |a| {
+        let _ = a.malloc(MIB, s).expect("fits");
+    });
+    let err = explain(&none, 0, At::FirstOom, None).expect_err("nothing to explain");
+    assert!(err.to_string().contains("no out-of-memory event"), "{err}");
+    let e = explain(&none, 0, At::Event(0), None).expect("an event");
+    assert_adds_up(&e);
+    assert!(explain(&none, 0, At::Event(99), None).is_err());
+}
+
+#[test]
+fn the_command_prints_the_sentence_and_the_json_every_figure() {
+    let s = StreamId::DEFAULT;
+    let rec_json = {
+        let mut device = SimDevice::new(SimConfig::with_capacity(1024 * MIB));
+        device.set_other_process_bytes(700 * MIB);
+        let mut a = CachingAllocator::new(device, AllocatorConfig::default());
+        a.record_history(Some(1000));
+        let _live = a.malloc(100 * MIB, s).expect("fits");
+        assert!(a.malloc(400 * MIB, s).is_err());
+        serde_json::to_vec(&a.snapshot()).expect("json")
+    };
+    let dir = std::env::temp_dir().join(format!("gpumem-explain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("oom.json");
+    std::fs::write(&file, rec_json).expect("write");
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("explain")
+            .args(extra)
+            .arg(&file)
+            .output()
+            .expect("runs")
+    };
+    let text = run(&[]);
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.status.success(),
+        "{}",
+        String::from_utf8_lossy(&text.stderr)
+    );
+    assert!(stdout.contains("held outside the allocator"), "{stdout}");
+    assert!(
+        stdout.contains("outside the allocator") && stdout.contains("700.00 MiB"),
+        "{stdout}"
+    );
+    let json = run(&["--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    assert_eq!(v["breakdown"]["outside_allocator"], 700 * MIB);
+    assert_eq!(v["kinds"][0], "outside_allocator");
+    assert_eq!(v["request"]["bytes"], 400 * MIB);
+    let bad = run(&["--at", "later"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("neither `oom` nor an event index"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
