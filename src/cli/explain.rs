@@ -96,6 +96,37 @@ pub(crate) fn run(args: Args) -> CliResult {
         f(e.largest_free_block),
         e.segments_with_free
     )?;
+    if let Some(available) = e.available.filter(|_| !e.candidates.is_empty()) {
+        outln!(
+            "\nwhat would have avoided it (the whole trace replayed under each setting, within the {} the job had):",
+            f(available)
+        )?;
+        for c in &e.candidates {
+            let verdict = if c.ooms == 0 {
+                "no OOM".to_string()
+            } else {
+                format!("{} OOMs", c.ooms)
+            };
+            outln!(
+                "  {:<52} {:>9}, peak reserved {:>11}",
+                c.config,
+                verdict,
+                f(c.peak_reserved)
+            )?;
+        }
+        if let Some(best) = e.candidates.iter().find(|c| c.ooms == 0) {
+            outln!(
+                "confirm: gpumem replay {} --device {} --capacity {} --available {} --config {}",
+                args.trace.display(),
+                e.device,
+                e.total,
+                available,
+                best.config
+            )?;
+        } else {
+            outln!("none of these settings avoids it")?;
+        }
+    }
     if !e.pinning.is_empty() {
         outln!(
             "\nwhat pins the free memory (live blocks in segments with free space, by where they were allocated):"

@@ -122,7 +122,37 @@ pub struct Explanation {
     /// Where the replay first differed from the recording, if it did (the figures are then
     /// not the recording's).
     pub divergence: Option<Divergence>,
+    /// At an OOM that a setting might avoid: each candidate configuration, replayed over the
+    /// whole trace within the memory the job had, those with no OOM first (least peak
+    /// reserved first). Empty when live tensors and the request exceed what the job had:
+    /// no setting can help then.
+    pub candidates: Vec<Candidate>,
 }
+
+/// A configuration tried against the recording.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Candidate {
+    /// In `PYTORCH_CUDA_ALLOC_CONF` syntax.
+    pub config: String,
+    /// Out-of-memory errors replaying the whole trace under it, within the memory the job had.
+    pub ooms: u64,
+    /// Its peak reserved bytes.
+    pub peak_reserved: u64,
+}
+
+/// The configurations tried: the settings that change how memory is split, merged and
+/// rounded, and pairs of them.
+pub const CANDIDATES: &[&str] = &[
+    "expandable_segments:True",
+    "max_split_size_mb:64",
+    "max_split_size_mb:128",
+    "max_split_size_mb:256",
+    "max_split_size_mb:512",
+    "roundup_power2_divisions:4",
+    "roundup_power2_divisions:8",
+    "expandable_segments:True,roundup_power2_divisions:4",
+    "max_split_size_mb:128,roundup_power2_divisions:4",
+];
 
 /// The most pinning groups an explanation lists.
 pub const PIN_GROUPS: usize = 10;
@@ -267,6 +297,12 @@ pub fn explain(
         .filter(|_| total_known)
         .map(|a| total.saturating_sub(a));
     let kinds = kinds(&b, rounded, available, total_known.then_some(total));
+    let candidates = match available {
+        Some(available) if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator) => {
+            search(recording, device, total, available)?
+        }
+        _ => Vec::new(),
+    };
     let sentence = sentence(
         &b,
         &request,
@@ -291,7 +327,45 @@ pub fn explain(
         sentence,
         pinning,
         divergence,
+        candidates,
     })
+}
+
+/// Replays the whole trace under each of [`CANDIDATES`] on a device of `total` bytes of which
+/// the allocator may have `available`.
+fn search(
+    recording: &Recording,
+    device: u32,
+    total: u64,
+    available: u64,
+) -> Result<Vec<Candidate>, ExplainError> {
+    let base = ReplayOptions {
+        device,
+        capacity: Some(total),
+        available: Some(available),
+        ..ReplayOptions::default()
+    };
+    let readings = super::replay::Readings::of(recording, &base)?;
+    let mut tried = Vec::new();
+    for conf in CANDIDATES {
+        let options = ReplayOptions {
+            config: Some(crate::AllocatorConfig::parse(conf).map_err(|e| {
+                ExplainError::Replay(ReplayError::BeforeTrace(
+                    crate::allocator::AllocError::from(e),
+                ))
+            })?),
+            ..base.clone()
+        };
+        let report =
+            super::replay::replay_following(recording, &options, &readings, &mut |_, _| {})?;
+        tried.push(Candidate {
+            config: (*conf).to_string(),
+            ooms: report.ooms,
+            peak_reserved: report.peak_reserved,
+        });
+    }
+    tried.sort_by_key(|c| (c.ooms, c.peak_reserved));
+    Ok(tried)
 }
 
 /// The pinning groups (see [`PinGroup`]) of the replayed state after `events`.

@@ -93,6 +93,7 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
             e.breakdown.requested + e.breakdown.rounding + e.request.rounded
                 > reserved + events[oom].addr
         );
+        assert!(e.candidates.is_empty(), "{name}: nothing to recommend");
         assert!(
             e.sentence.starts_with("No allocator setting avoids this"),
             "{}",
@@ -143,13 +144,21 @@ fn recorded(
     outside: u64,
     program: impl FnOnce(&mut CachingAllocator<SimDevice>),
 ) -> Recording {
+    parse_recording(&recorded_json(capacity, outside, program)).expect("reads back")
+}
+
+/// [`recorded`], as the snapshot's JSON.
+fn recorded_json(
+    capacity: u64,
+    outside: u64,
+    program: impl FnOnce(&mut CachingAllocator<SimDevice>),
+) -> Vec<u8> {
     let mut device = SimDevice::new(SimConfig::with_capacity(capacity));
     device.set_other_process_bytes(outside);
     let mut alloc = CachingAllocator::new(device, AllocatorConfig::default());
     alloc.record_history(Some(1 << 20));
     program(&mut alloc);
-    let json = serde_json::to_vec(&alloc.snapshot()).expect("serialises");
-    parse_recording(&json).expect("reads back")
+    serde_json::to_vec(&alloc.snapshot()).expect("serialises")
 }
 
 const MIB: u64 = 1 << 20;
@@ -159,7 +168,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let s = StreamId::DEFAULT;
     // Fragmentation: 40 blocks of 20 MiB in one segment-sized run, every other one freed,
     // then 40 MiB asked for: 400 MiB cached, none of it in a piece that large.
-    let fragmented = recorded(900 * MIB, 0, |a| {
+    let fragmented_json = recorded_json(900 * MIB, 0, |a| {
         let big = a.malloc(800 * MIB, s).expect("fits");
         a.free(big).expect("frees");
         let blocks: Vec<_> = (0..40)
@@ -170,12 +179,46 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         }
         assert!(a.malloc(140 * MIB, s).is_err(), "out of memory");
     });
+    let fragmented = parse_recording(&fragmented_json).expect("reads back");
     let e = explain(&fragmented, 0, At::FirstOom, None).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds[0], Kind::Fragmentation, "{}", e.sentence);
     assert_eq!(e.largest_free_block, 20 * MIB);
     assert!(e.breakdown.fragmented >= 400 * MIB, "{e:?}");
     assert!(e.sentence.contains("largest free block"), "{}", e.sentence);
+    // A setting avoids it, and gpumem replay confirms each one that is said to.
+    let avoiding: Vec<_> = e.candidates.iter().filter(|c| c.ooms == 0).collect();
+    assert!(!avoiding.is_empty(), "{:?}", e.candidates);
+    assert!(
+        e.candidates.iter().any(|c| c.ooms > 0),
+        "not every setting helps: {:?}",
+        e.candidates
+    );
+    let available = e.available.expect("at an OOM");
+    let file = std::env::temp_dir().join(format!("gpumem-frag-{}.json", std::process::id()));
+    std::fs::write(&file, &fragmented_json).expect("write");
+    for c in &avoiding {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["replay", "--json", "--capacity"])
+            .arg(e.total.to_string())
+            .arg("--available")
+            .arg(available.to_string())
+            .args(["--config", &c.config])
+            .arg(&file)
+            .output()
+            .expect("runs");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let row = &json[0]["results"][1];
+        assert_eq!(row["config"], c.config);
+        assert_eq!(row["ooms"], 0, "{}: {row}", c.config);
+        // The recorded configuration itself runs out, as it did.
+        assert!(
+            json[0]["results"][0]["ooms"]
+                .as_u64()
+                .is_some_and(|o| o > 0)
+        );
+    }
+    let _ = std::fs::remove_file(&file);
 
     // Frees waiting on another stream: in the breakdown at the moment they wait; before an
     // OOM the allocator synchronizes them away, so the request that needs them succeeds.
@@ -220,6 +263,10 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let e = explain(&huge, 0, At::FirstOom, None).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds, [Kind::TooBig], "{}", e.sentence);
+    assert!(
+        e.candidates.is_empty(),
+        "no setting is tried where none can work"
+    );
 
     // No OOM: a clear error; another moment by index.
     let none = recorded(1024 * MIB, 0, |a| {
