@@ -1,5 +1,7 @@
-//! Why an allocation failed: the request, where the device's memory was at that moment, and
-//! which of those places kept the request from fitting, from an exact replay of the recording.
+//! Why an allocation failed: the request, where the device's memory was at that moment,
+//! which of those places kept the request from fitting, what pins the free memory (by the
+//! recording's frames), and which settings would have avoided it, from an exact replay of the
+//! recording and what-if replays within the memory the job had.
 //!
 //! The replay stops just after the recording's `oom` entry (or after a chosen event), so the
 //! allocator holds what PyTorch's held at the error, its cache already flushed. The memory
@@ -17,6 +19,9 @@
 //!   stream frees is the reserved memory, and with free and outside the allocator (where the
 //!   `oom` entry says how much was free) the device's total.
 //! - Every figure is read from the replayed allocator's own snapshot; nothing is estimated.
+//! - Candidate settings are tried only where one could help (the job had room for live
+//!   tensors and the request), each over the whole trace within the memory the job had, so a
+//!   candidate without OOMs is one `gpumem replay --available --config` confirms.
 
 use serde::Serialize;
 
