@@ -15,9 +15,11 @@ pub(crate) struct Args {
     /// The device whose trace to explain.
     #[arg(long, default_value_t = 0)]
     device: u32,
-    /// The moment: `oom` (the first out-of-memory error) or an event's index in the trace.
-    #[arg(long, default_value = "oom", value_parser = parse_at)]
-    at: At,
+    /// The moment: `oom` (the first out-of-memory error), `peak` (where the allocator reserved
+    /// the most) or an event's index in the trace. Default: `oom`, or `peak` when the trace
+    /// has no OOM.
+    #[arg(long, value_parser = parse_at)]
+    at: Option<At>,
     /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
     /// else inferred from expandable reservations, else 80 GiB.
     #[arg(long, value_parser = parse_bytes)]
@@ -32,16 +34,26 @@ pub(crate) struct Args {
 fn parse_at(text: &str) -> Result<At, String> {
     match text {
         "oom" => Ok(At::FirstOom),
+        "peak" => Ok(At::PeakReserved),
         n => n
             .parse()
             .map(At::Event)
-            .map_err(|_| format!("{n:?} is neither `oom` nor an event index")),
+            .map_err(|_| format!("{n:?} is neither `oom`, `peak` nor an event index")),
     }
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
-    let e = explain(&recording, args.device, args.at, args.capacity)?;
+    let e = match args.at {
+        Some(at) => explain(&recording, args.device, at, args.capacity)?,
+        None => match explain(&recording, args.device, At::FirstOom, args.capacity) {
+            Err(gpumem::trace::explain::ExplainError::NoOom { .. }) => {
+                outln!("no out-of-memory error in the trace: the moment of peak reserved memory")?;
+                explain(&recording, args.device, At::PeakReserved, args.capacity)?
+            }
+            other => other?,
+        },
+    };
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&e)?)?;
         return Ok(ExitCode::SUCCESS);

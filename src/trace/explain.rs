@@ -36,6 +36,9 @@ use super::replay::{Divergence, ReplayError, ReplayOptions, replay, state_after}
 pub enum At {
     /// The recording's first `oom` entry.
     FirstOom,
+    /// The event after which the allocator reserved the most (the first such, where the trace
+    /// has no OOM to explain).
+    PeakReserved,
     /// Just after this event (its index in the device's trace).
     Event(usize),
 }
@@ -223,6 +226,11 @@ pub fn explain(
             .iter()
             .position(|e| e.action == TraceAction::Oom)
             .ok_or(ExplainError::NoOom { device })?,
+        At::PeakReserved => peak_reserved_event(events).ok_or(ExplainError::NoSuchEvent {
+            device,
+            event: 0,
+            events: 0,
+        })?,
         At::Event(i) if i < events.len() => i,
         At::Event(event) => {
             return Err(ExplainError::NoSuchEvent {
@@ -334,6 +342,25 @@ pub fn explain(
         divergence,
         candidates,
     })
+}
+
+/// The first event after which reserved memory is highest: segments allocated or mapped,
+/// minus those freed or unmapped, from the trace's start (whatever the start state holds is
+/// the same at every event).
+fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize> {
+    let mut reserved = 0i128;
+    let mut peak = None;
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap => reserved += i128::from(e.size),
+            TraceAction::SegmentFree | TraceAction::SegmentUnmap => reserved -= i128::from(e.size),
+            _ => {}
+        }
+        if peak.is_none_or(|(_, best)| reserved > best) {
+            peak = Some((i, reserved));
+        }
+    }
+    peak.map(|(i, _)| i)
 }
 
 /// Replays the whole trace under each of [`CANDIDATES`] on a device of `total` bytes of which

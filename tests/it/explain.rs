@@ -276,6 +276,19 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     assert!(err.to_string().contains("no out-of-memory event"), "{err}");
     let e = explain(&none, 0, At::Event(0), None).expect("an event");
     assert_adds_up(&e);
+    // The peak of reserved memory, found in the entries.
+    let peaked = recorded(1024 * MIB, 0, |a| {
+        let big = a.malloc(600 * MIB, s).expect("fits");
+        a.free(big).expect("frees");
+        a.empty_cache().expect("empties");
+        let _ = a.malloc(100 * MIB, s).expect("fits");
+    });
+    let e = explain(&peaked, 0, At::PeakReserved, None).expect("the peak");
+    assert_eq!(e.reserved, 600 * MIB, "{e:?}");
+    assert_eq!(
+        peaked.device_traces[0][e.request.event].action,
+        TraceAction::SegmentAlloc
+    );
     assert!(explain(&none, 0, At::Event(99), None).is_err());
 }
 
@@ -322,6 +335,8 @@ fn the_command_prints_the_sentence_and_the_json_every_figure() {
     assert_eq!(v["request"]["bytes"], 400 * MIB);
     let bad = run(&["--at", "later"]);
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("neither `oom` nor an event index"));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("neither `oom`, `peak` nor an event index")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
