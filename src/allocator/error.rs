@@ -1,6 +1,7 @@
 //! The allocator's errors. An out-of-memory error carries the figures PyTorch's message
-//! reports, so that a caller (or an operator reading a log) can tell fragmentation from a
-//! full device.
+//! reports and the breakdown `gpumem explain` gives (`breakdown.rs`), computed from the
+//! allocator's blocks only when the allocation has failed, so that a caller (or an operator
+//! reading a log) can tell fragmentation from a full device.
 //!
 //! # Invariants
 //! - An out-of-memory error is built only after the attempt was recorded (an `oom` trace entry
@@ -11,7 +12,8 @@ use std::fmt;
 use crate::config::ConfigError;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 
-use super::size::format_size;
+use super::breakdown::{Accounting, Kind, Request};
+use super::size::{PoolKind, format_size};
 use super::{CachingAllocator, TraceAction};
 
 /// Why an allocation failed with out-of-memory, with the figures that explain it.
@@ -31,6 +33,13 @@ pub struct OutOfMemory {
     pub allocated: u64,
     /// Bytes reserved from the driver but not allocated: cached free blocks.
     pub reserved_unallocated: u64,
+    /// Where the device's memory was when the allocation failed, and what the request could
+    /// have used of it.
+    pub accounting: Accounting,
+    /// Which part kept the request from fitting, most to blame first.
+    pub kinds: Vec<Kind>,
+    /// The explanation in one sentence.
+    pub why: String,
 }
 
 impl fmt::Display for OutOfMemory {
@@ -56,7 +65,8 @@ impl fmt::Display for OutOfMemory {
              (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
             format_size(self.allocated),
             format_size(self.reserved_unallocated),
-        )
+        )?;
+        write!(f, ". Why: {}", self.why)
     }
 }
 
@@ -116,6 +126,29 @@ impl<D: Device> CachingAllocator<D> {
         self.stats.num_ooms.bump();
         let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
         let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
+        // Only now, on the failure path: the blocks as they are after the flush.
+        let request = Request {
+            rounded,
+            pool: PoolKind::for_size(rounded).segment_type(),
+            stream: stream.0,
+        };
+        let mut accounting = Accounting::default();
+        for run in self.mapped_runs() {
+            let (stream, pool) = (run[0].stream.0, run[0].pool.segment_type());
+            let blocks = run
+                .iter()
+                .map(|b| (b.size, b.requested_size, b.snapshot_state()));
+            accounting.add_segment(request, stream, pool, blocks);
+        }
+        // The limit of a memory fraction is the job's device.
+        let total = self
+            .allowed_memory_maximum
+            .unwrap_or(info.total)
+            .min(info.total);
+        let free = info.free.min(total.saturating_sub(accounting.reserved));
+        accounting.finish(Some(free), Some(total));
+        let kinds = accounting.kinds(request, Some(total));
+        let why = accounting.sentence(request, kinds[0]);
         Ok(AllocError::OutOfMemory(Box::new(OutOfMemory {
             device: self.device.index(),
             tried_to_allocate: segment_size,
@@ -124,6 +157,9 @@ impl<D: Device> CachingAllocator<D> {
             allowed: self.allowed_memory_maximum,
             allocated,
             reserved_unallocated: reserved.saturating_sub(allocated),
+            accounting,
+            kinds,
+            why,
         })))
     }
 }

@@ -43,6 +43,7 @@
 //!   reserved bytes.
 
 mod block;
+pub mod breakdown;
 mod error;
 mod events;
 mod expandable;

@@ -147,7 +147,7 @@ pub struct Snapshot {
 
 impl Block {
     /// The block's state as a snapshot shows it.
-    fn snapshot_state(&self) -> BlockState {
+    pub(super) fn snapshot_state(&self) -> BlockState {
         if self.allocated {
             BlockState::ActiveAllocated
         } else if self.is_pending_free() {
@@ -161,7 +161,7 @@ impl Block {
 impl<D: Device> CachingAllocator<D> {
     /// The contiguous mapped runs of blocks, segment by segment in address order: a plain
     /// segment is one run, an expandable segment one per run of mapped blocks.
-    fn mapped_runs(&self) -> Vec<Vec<&Block>> {
+    pub(super) fn mapped_runs(&self) -> Vec<Vec<&Block>> {
         let mut runs = Vec::new();
         for head in self.segment_heads() {
             let mut run = Vec::new();

@@ -25,7 +25,9 @@
 
 use serde::Serialize;
 
-use crate::allocator::size::{PoolKind, format_size, round_size};
+use crate::allocator::breakdown::{self, Accounting};
+pub use crate::allocator::breakdown::{Breakdown, Kind};
+use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, TraceAction};
 
 use super::Recording;
@@ -56,43 +58,6 @@ pub struct Request {
     pub pool: &'static str,
     /// The stream it was asked on.
     pub stream: u64,
-}
-
-/// Where the device's memory was, in bytes; the parts add up to `total` (see the module's
-/// invariants).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Breakdown {
-    /// What live tensors asked for.
-    pub requested: u64,
-    /// What rounding added to them.
-    pub rounding: u64,
-    /// Cached and free in the request's pool and stream, in blocks smaller than it (and in
-    /// the other pool, which it cannot use).
-    pub fragmented: u64,
-    /// Cached and free, but in pools of other streams.
-    pub other_streams: u64,
-    /// Freed by the program, waiting on other streams' events (`record_stream`).
-    pub pending_stream_frees: u64,
-    /// Free on the device, as the `oom` entry recorded it.
-    pub free: Option<u64>,
-    /// Held outside the allocator: other processes, the CUDA context, libraries.
-    pub outside_allocator: Option<u64>,
-}
-
-/// Which part kept the request from fitting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Kind {
-    /// Live tensors and the request need more than the job had: no allocator setting helps.
-    TooBig,
-    /// Enough was cached, in pieces too small.
-    Fragmentation,
-    /// Memory freed by the program waited on other streams.
-    PendingStreamFrees,
-    /// Enough was cached, on other streams.
-    OtherStreams,
-    /// Memory outside the allocator made the difference.
-    OutsideAllocator,
 }
 
 /// The explanation of one moment of a recording.
@@ -274,57 +239,38 @@ pub fn explain(
         stream: asked.stream,
     };
     let snapshot = alloc.snapshot();
-    let mut b = Breakdown::default();
-    let (mut reserved, mut allocated, mut largest, mut segments_with_free) = (0, 0, 0, 0);
+    let wanted = breakdown::Request {
+        rounded,
+        pool: request.pool,
+        stream: request.stream,
+    };
+    let mut accounting = Accounting::default();
     for segment in snapshot.segments.iter().filter(|s| s.device == device) {
-        reserved += segment.total_size;
-        let usable = segment.stream == request.stream && segment.segment_type == request.pool;
-        let mut has_free = false;
-        for block in &segment.blocks {
-            match block.state {
-                BlockState::ActiveAllocated => {
-                    allocated += block.size;
-                    b.requested += block.requested_size;
-                    b.rounding += block.size - block.requested_size.min(block.size);
-                }
-                BlockState::ActivePendingFree => {
-                    allocated += block.size;
-                    b.pending_stream_frees += block.size;
-                }
-                BlockState::Inactive if usable || segment.stream == request.stream => {
-                    b.fragmented += block.size;
-                    if usable {
-                        largest = largest.max(block.size);
-                        has_free = true;
-                    }
-                }
-                BlockState::Inactive => b.other_streams += block.size,
-            }
-        }
-        segments_with_free += usize::from(has_free);
+        let blocks = segment
+            .blocks
+            .iter()
+            .map(|b| (b.size, b.requested_size, b.state));
+        accounting.add_segment(wanted, segment.stream, segment.segment_type, blocks);
     }
     let pinning = pinning(recording, device as usize, &events[..=event], &snapshot);
-    let available = (entry.action == TraceAction::Oom).then(|| reserved + entry.addr);
-    b.free = (entry.action == TraceAction::Oom).then_some(entry.addr);
-    b.outside_allocator = available
-        .filter(|_| total_known)
-        .map(|a| total.saturating_sub(a));
-    let kinds = kinds(&b, rounded, available, total_known.then_some(total));
+    let free = (entry.action == TraceAction::Oom).then_some(entry.addr);
+    accounting.finish(free, total_known.then_some(total));
+    let available = accounting.available();
+    let kinds = accounting.kinds(wanted, total_known.then_some(total));
     let candidates = match available {
         Some(available) if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator) => {
             search(recording, device, total, available)?
         }
         _ => Vec::new(),
     };
-    let sentence = sentence(
-        &b,
-        &request,
+    let sentence = accounting.sentence(wanted, kinds[0]);
+    let Accounting {
+        breakdown,
         reserved,
-        largest,
+        allocated,
+        largest_free_block,
         segments_with_free,
-        available,
-        kinds[0],
-    );
+    } = accounting;
     Ok(Explanation {
         device,
         request,
@@ -333,9 +279,9 @@ pub fn explain(
         reserved,
         allocated,
         available,
-        largest_free_block: largest,
+        largest_free_block,
         segments_with_free,
-        breakdown: b,
+        breakdown,
         kinds,
         sentence,
         pinning,
@@ -507,89 +453,5 @@ fn group_of(recording: &Recording, stack: super::frames::StackId) -> PinGroup {
         blocks: 0,
         live_bytes: 0,
         pinned_free_bytes: 0,
-    }
-}
-
-/// The parts to blame, most first. When live tensors and the request exceed what the job
-/// had: the memory outside the allocator if the device could have held them, else nothing
-/// helps (too big). Otherwise the cached parts that, given back, would have made room,
-/// largest first.
-fn kinds(b: &Breakdown, rounded: u64, available: Option<u64>, total: Option<u64>) -> Vec<Kind> {
-    let need = b.requested + b.rounding + rounded;
-    if let Some(available) = available
-        && need > available
-    {
-        return match total {
-            Some(total) if need <= total => vec![Kind::OutsideAllocator],
-            _ => vec![Kind::TooBig],
-        };
-    }
-    let mut parts = vec![
-        (b.fragmented, Kind::Fragmentation),
-        (b.pending_stream_frees, Kind::PendingStreamFrees),
-        (b.other_streams, Kind::OtherStreams),
-    ];
-    parts.retain(|&(bytes, _)| bytes > 0);
-    parts.sort_by_key(|&(bytes, _)| std::cmp::Reverse(bytes));
-    let mut kinds: Vec<Kind> = parts.into_iter().map(|(_, k)| k).collect();
-    if kinds.is_empty() {
-        kinds.push(Kind::TooBig);
-    }
-    kinds
-}
-
-fn sentence(
-    b: &Breakdown,
-    request: &Request,
-    reserved: u64,
-    largest: u64,
-    split_segments: usize,
-    available: Option<u64>,
-    kind: Kind,
-) -> String {
-    let f = format_size;
-    let live = b.requested + b.rounding;
-    match kind {
-        Kind::TooBig => match available {
-            Some(a) => format!(
-                "No allocator setting avoids this: {} live plus the {} request exceed the {} the job had (reserved {} plus {} free on the device).",
-                f(live),
-                f(request.rounded),
-                f(a),
-                f(reserved),
-                f(b.free.unwrap_or(0))
-            ),
-            None => format!(
-                "{} live plus the {} request need more than the allocator could get.",
-                f(live),
-                f(request.rounded)
-            ),
-        },
-        Kind::Fragmentation => format!(
-            "{} were cached but the largest free block the {} request could use was {}: {} sit in {} segments split around live blocks.",
-            f(b.fragmented),
-            f(request.rounded),
-            f(largest),
-            f(b.fragmented),
-            split_segments
-        ),
-        Kind::PendingStreamFrees => format!(
-            "{} freed by the program were still waiting on other streams' work (record_stream) when the {} request came.",
-            f(b.pending_stream_frees),
-            f(request.rounded)
-        ),
-        Kind::OtherStreams => format!(
-            "{} were cached free, but in other streams' pools, which the {} request on stream {:#x} cannot use.",
-            f(b.other_streams),
-            f(request.rounded),
-            request.stream
-        ),
-        Kind::OutsideAllocator => format!(
-            "{} of the device were held outside the allocator (other processes, the CUDA context, libraries): the job had {}, and {} live plus the {} request would have fit on the device without them.",
-            f(b.outside_allocator.unwrap_or(0)),
-            f(available.unwrap_or(0)),
-            f(live),
-            f(request.rounded)
-        ),
     }
 }

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use gpumem::allocator::AllocError;
 use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::trace::explain::{At, Explanation, Kind, explain};
@@ -168,6 +169,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let s = StreamId::DEFAULT;
     // Fragmentation: 40 blocks of 20 MiB in one segment-sized run, every other one freed,
     // then 40 MiB asked for: 400 MiB cached, none of it in a piece that large.
+    let mut error = None;
     let fragmented_json = recorded_json(900 * MIB, 0, |a| {
         let big = a.malloc(800 * MIB, s).expect("fits");
         a.free(big).expect("frees");
@@ -177,10 +179,22 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         for b in blocks.iter().step_by(2) {
             a.free(*b).expect("frees");
         }
-        assert!(a.malloc(140 * MIB, s).is_err(), "out of memory");
+        error = Some(a.malloc(140 * MIB, s).expect_err("out of memory"));
     });
     let fragmented = parse_recording(&fragmented_json).expect("reads back");
     let e = explain(&fragmented, 0, At::FirstOom, None).expect("explains");
+    // The allocator's own error says the same, from its blocks at the failure.
+    let Some(AllocError::OutOfMemory(oom)) = error else {
+        panic!("an out-of-memory error: {error:?}");
+    };
+    assert_eq!(oom.accounting.breakdown, e.breakdown);
+    assert_eq!(oom.accounting.largest_free_block, e.largest_free_block);
+    assert_eq!(oom.kinds, e.kinds);
+    assert_eq!(oom.why, e.sentence);
+    assert!(
+        oom.to_string().ends_with(&format!("Why: {}", e.sentence)),
+        "{oom}"
+    );
     assert_adds_up(&e);
     assert_eq!(e.kinds[0], Kind::Fragmentation, "{}", e.sentence);
     assert_eq!(e.largest_free_block, 20 * MIB);

@@ -1,0 +1,235 @@
+//! Where a device's memory is at one moment, in parts that add up, and which part kept a
+//! request from fitting. The out-of-memory error computes it from the allocator's own blocks
+//! when an allocation fails (only then: the hot path never pays for it); `gpumem explain`
+//! computes it from a replayed snapshot. One accounting, so the two always agree.
+//!
+//! # Invariants
+//! - requested + rounding + fragmented + other streams + pending stream frees is the reserved
+//!   memory; with free and outside the allocator (where known) it is the device's total.
+
+use serde::Serialize;
+
+use super::size::format_size;
+use super::snapshot::BlockState;
+
+/// Where the device's memory was, in bytes; the parts add up (see the module's invariants).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Breakdown {
+    /// What live tensors asked for.
+    pub requested: u64,
+    /// What rounding added to them.
+    pub rounding: u64,
+    /// Cached and free in the request's pool and stream, in blocks smaller than it (and in
+    /// the other pool, which it cannot use).
+    pub fragmented: u64,
+    /// Cached and free, but in pools of other streams.
+    pub other_streams: u64,
+    /// Freed by the program, waiting on other streams' events (`record_stream`).
+    pub pending_stream_frees: u64,
+    /// Free on the device, as the `oom` entry recorded it.
+    pub free: Option<u64>,
+    /// Held outside the allocator: other processes, the CUDA context, libraries.
+    pub outside_allocator: Option<u64>,
+}
+
+/// Which part kept the request from fitting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Live tensors and the request need more than the job had: no allocator setting helps.
+    TooBig,
+    /// Enough was cached, in pieces too small.
+    Fragmentation,
+    /// Memory freed by the program waited on other streams.
+    PendingStreamFrees,
+    /// Enough was cached, on other streams.
+    OtherStreams,
+    /// Memory outside the allocator made the difference.
+    OutsideAllocator,
+}
+
+/// The request an accounting is about: its rounded size, pool ("small" or "large") and
+/// stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Bytes after rounding.
+    pub rounded: u64,
+    /// "small" or "large".
+    pub pool: &'static str,
+    /// The stream it was asked on.
+    pub stream: u64,
+}
+
+/// The breakdown of the segments, and what the request could have used of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// Where the memory was.
+    pub breakdown: Breakdown,
+    /// Reserved: every segment's bytes.
+    pub reserved: u64,
+    /// Allocated: live and pending-free blocks.
+    pub allocated: u64,
+    /// The largest free block of the request's pool and stream.
+    pub largest_free_block: u64,
+    /// Segments of the request's pool and stream that hold free memory.
+    pub segments_with_free: usize,
+}
+
+impl Accounting {
+    /// Adds one segment (or mapped run) on `stream` in `pool`: its blocks' sizes, requested
+    /// sizes and states.
+    pub fn add_segment(
+        &mut self,
+        request: Request,
+        stream: u64,
+        pool: &str,
+        blocks: impl IntoIterator<Item = (u64, u64, BlockState)>,
+    ) {
+        let same_stream = stream == request.stream;
+        let usable = same_stream && pool == request.pool;
+        let b = &mut self.breakdown;
+        let mut has_free = false;
+        for (size, requested, state) in blocks {
+            self.reserved += size;
+            match state {
+                BlockState::ActiveAllocated => {
+                    self.allocated += size;
+                    b.requested += requested.min(size);
+                    b.rounding += size - requested.min(size);
+                }
+                BlockState::ActivePendingFree => {
+                    self.allocated += size;
+                    b.pending_stream_frees += size;
+                }
+                BlockState::Inactive if same_stream => {
+                    b.fragmented += size;
+                    if usable {
+                        self.largest_free_block = self.largest_free_block.max(size);
+                        has_free = true;
+                    }
+                }
+                BlockState::Inactive => b.other_streams += size,
+            }
+        }
+        self.segments_with_free += usize::from(has_free);
+    }
+
+    /// Completes the breakdown with the device's free bytes (where known) and its total
+    /// (where known): what sat outside the allocator is what neither accounts for.
+    pub fn finish(&mut self, free: Option<u64>, total: Option<u64>) {
+        self.breakdown.free = free;
+        self.breakdown.outside_allocator = match (free, total) {
+            (Some(free), Some(total)) => Some(total.saturating_sub(self.reserved + free)),
+            _ => None,
+        };
+    }
+
+    /// What the job had: reserved plus free, where free is known.
+    pub fn available(&self) -> Option<u64> {
+        self.breakdown.free.map(|f| self.reserved + f)
+    }
+
+    /// The parts to blame for `request`, most first: when live tensors and the request exceed
+    /// what the job had, the memory outside the allocator if the device could have held them,
+    /// else too big; otherwise the cached parts that would have made room, largest first.
+    pub fn kinds(&self, request: Request, total: Option<u64>) -> Vec<Kind> {
+        kinds(&self.breakdown, request.rounded, self.available(), total)
+    }
+
+    /// The explanation in one sentence, blaming `kind`.
+    pub fn sentence(&self, request: Request, kind: Kind) -> String {
+        sentence(
+            &self.breakdown,
+            request,
+            self.reserved,
+            self.largest_free_block,
+            self.segments_with_free,
+            self.available(),
+            kind,
+        )
+    }
+}
+
+/// The parts to blame, most first. When live tensors and the request exceed what the job
+/// had: the memory outside the allocator if the device could have held them, else nothing
+/// helps (too big). Otherwise the cached parts that, given back, would have made room,
+/// largest first.
+fn kinds(b: &Breakdown, rounded: u64, available: Option<u64>, total: Option<u64>) -> Vec<Kind> {
+    let need = b.requested + b.rounding + rounded;
+    if let Some(available) = available
+        && need > available
+    {
+        return match total {
+            Some(total) if need <= total => vec![Kind::OutsideAllocator],
+            _ => vec![Kind::TooBig],
+        };
+    }
+    let mut parts = vec![
+        (b.fragmented, Kind::Fragmentation),
+        (b.pending_stream_frees, Kind::PendingStreamFrees),
+        (b.other_streams, Kind::OtherStreams),
+    ];
+    parts.retain(|&(bytes, _)| bytes > 0);
+    parts.sort_by_key(|&(bytes, _)| std::cmp::Reverse(bytes));
+    let mut kinds: Vec<Kind> = parts.into_iter().map(|(_, k)| k).collect();
+    if kinds.is_empty() {
+        kinds.push(Kind::TooBig);
+    }
+    kinds
+}
+
+fn sentence(
+    b: &Breakdown,
+    request: Request,
+    reserved: u64,
+    largest: u64,
+    split_segments: usize,
+    available: Option<u64>,
+    kind: Kind,
+) -> String {
+    let f = format_size;
+    let live = b.requested + b.rounding;
+    match kind {
+        Kind::TooBig => match available {
+            Some(a) => format!(
+                "No allocator setting avoids this: {} live plus the {} request exceed the {} the job had (reserved {} plus {} free on the device).",
+                f(live),
+                f(request.rounded),
+                f(a),
+                f(reserved),
+                f(b.free.unwrap_or(0))
+            ),
+            None => format!(
+                "{} live plus the {} request need more than the allocator could get.",
+                f(live),
+                f(request.rounded)
+            ),
+        },
+        Kind::Fragmentation => format!(
+            "{} were cached but the largest free block the {} request could use was {}: {} sit in {} segments split around live blocks.",
+            f(b.fragmented),
+            f(request.rounded),
+            f(largest),
+            f(b.fragmented),
+            split_segments
+        ),
+        Kind::PendingStreamFrees => format!(
+            "{} freed by the program were still waiting on other streams' work (record_stream) when the {} request came.",
+            f(b.pending_stream_frees),
+            f(request.rounded)
+        ),
+        Kind::OtherStreams => format!(
+            "{} were cached free, but in other streams' pools, which the {} request on stream {:#x} cannot use.",
+            f(b.other_streams),
+            f(request.rounded),
+            request.stream
+        ),
+        Kind::OutsideAllocator => format!(
+            "{} of the device were held outside the allocator (other processes, the CUDA context, libraries): the job had {}, and {} live plus the {} request would have fit on the device without them.",
+            f(b.outside_allocator.unwrap_or(0)),
+            f(available.unwrap_or(0)),
+            f(live),
+            f(request.rounded)
+        ),
+    }
+}
