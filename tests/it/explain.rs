@@ -1,7 +1,6 @@
 //! `gpumem explain`: the figures at a real recording's OOM, derived again here from the
 //! recording's own entries, and synthetic OOMs of each kind made by gpumem's allocator.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpumem::allocator::AllocError;
@@ -11,12 +10,7 @@ use gpumem::trace::explain::{At, Explanation, Kind, explain};
 use gpumem::trace::{Recording, parse_recording, read_recording};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
-fn shared_traces() -> Option<PathBuf> {
-    let dir = std::env::var_os("GPUMEM_TRACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"));
-    dir.is_dir().then_some(dir)
-}
+use crate::replay::shared_traces;
 
 /// The breakdown adds up to the reserved memory and, with free and outside, to the device.
 fn assert_adds_up(e: &Explanation) {

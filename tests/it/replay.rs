@@ -17,7 +17,7 @@ fn data(name: &str) -> PathBuf {
 }
 
 /// The shared recordings, where they exist (CI has them; a bare clone may not).
-fn shared_traces() -> Option<PathBuf> {
+pub(crate) fn shared_traces() -> Option<PathBuf> {
     let dir = std::env::var_os("GPUMEM_TRACES")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"));
