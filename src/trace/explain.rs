@@ -31,7 +31,7 @@ use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, TraceAction};
 
 use super::Recording;
-use super::replay::{Divergence, ReplayError, ReplayOptions, replay, state_after};
+use super::replay::{Divergence, MAX_CAPACITY, ReplayError, ReplayOptions, replay, state_after};
 
 /// Which moment to explain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,17 +205,21 @@ pub fn explain(
             });
         }
     };
-    // The device's size as the check replay settles it (inferred where it must be).
-    let check = ReplayOptions {
-        device,
-        capacity,
-        check: true,
-        ..ReplayOptions::default()
+    // The device's size: given or recorded, else as a whole check replay settles it
+    // (inferred from expandable reservations where it can be, else assumed).
+    let (total, total_known) = match capacity.or(recording.simulated_device.map(|d| d.total_bytes))
+    {
+        Some(known) => (known.min(MAX_CAPACITY), true),
+        None => {
+            let check = ReplayOptions {
+                device,
+                check: true,
+                ..ReplayOptions::default()
+            };
+            let report = replay(recording, &check)?;
+            (report.capacity, report.capacity_inferred)
+        }
     };
-    let report = replay(recording, &check)?;
-    let total = report.capacity;
-    let total_known =
-        capacity.is_some() || recording.simulated_device.is_some() || report.capacity_inferred;
     let (mut alloc, divergence) = state_after(recording, device, total, event)?;
     let config = alloc.config().clone();
     let entry = events[event];
@@ -227,15 +231,11 @@ pub fn explain(
         .copied()
         .unwrap_or(entry);
     let rounded = round_size(&config, asked.size);
-    let pool = PoolKind::for_size(rounded);
     let request = Request {
         event,
         bytes: asked.size,
         rounded,
-        pool: match pool {
-            PoolKind::Small => "small",
-            PoolKind::Large => "large",
-        },
+        pool: PoolKind::for_size(rounded).segment_type(),
         stream: asked.stream,
     };
     let snapshot = alloc.snapshot();
