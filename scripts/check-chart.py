@@ -141,6 +141,15 @@ def rendered(values, kind):
             for doc in yaml.safe_load_all(text) if doc and doc["kind"] == kind]
 
 
+def daemonset(values):
+    """The pod spec of the DaemonSet `values` render."""
+    found = rendered(values, "DaemonSet")
+    if not found:
+        fail("no DaemonSet rendered")
+        return {}
+    return found[0]["spec"]["template"]["spec"]
+
+
 ds = rendered(ALL_ON, "DaemonSet")[0]
 container = ds["spec"]["template"]["spec"]["containers"][0]
 if not container["image"].endswith("@sha256:" + "ab" * 32):
@@ -156,7 +165,7 @@ relabel = monitor["spec"]["endpoints"][0]["relabelings"]
 if {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance"} not in relabel \
         or relabel[-1].get("targetLabel") != "cluster" or monitor["metadata"]["namespace"] != "monitoring":
     fail(f"ServiceMonitor relabelings or namespace: {monitor}")
-default_pod = rendered({}, "DaemonSet")[0]["spec"]["template"]["spec"]
+default_pod = daemonset({})
 if default_pod.get("priorityClassName") != "system-node-critical":
     fail(f"default priority class: {default_pod.get('priorityClassName')}")
 ds_pod = ds["spec"]["template"]["spec"]
@@ -177,14 +186,12 @@ if default_probes["livenessProbe"]["httpGet"]["path"] != "/healthz" \
         or default_probes["readinessProbe"]["httpGet"]["path"] != "/readyz":
     fail(f"default probes: {default_probes['livenessProbe']} {default_probes['readinessProbe']}")
 # Without GPU Feature Discovery: a label of any value is a node-affinity term.
-any_value = rendered({"gpuNodeLabel": {"key": "cloud.google.com/gke-accelerator", "value": ""}},
-                     "DaemonSet")[0]["spec"]["template"]["spec"]
+any_value = daemonset({"gpuNodeLabel": {"key": "cloud.google.com/gke-accelerator", "value": ""}})
 terms = any_value["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 if "nodeSelector" in any_value or terms["nodeSelectorTerms"] != [{"matchExpressions": [
         {"key": "cloud.google.com/gke-accelerator", "operator": "Exists"}]}]:
     fail(f"gpuNodeLabel with any value: {any_value.get('nodeSelector')} {any_value['affinity']}")
-everywhere = rendered({"gpuNodeLabel": {"key": "", "value": ""}}, "DaemonSet")[0]
-if "nodeSelector" in everywhere["spec"]["template"]["spec"]:
+if "nodeSelector" in daemonset({"gpuNodeLabel": {"key": "", "value": ""}}):
     fail("gpuNodeLabel key \"\" still selects nodes")
 print("composition options: as configured")
 
@@ -288,19 +295,6 @@ with tempfile.TemporaryDirectory() as umbrella:
     kinds = check({}, "as an umbrella chart's dependency", umbrella)
     if "DaemonSet" not in kinds or "PrometheusRule" not in kinds:
         fail(f"umbrella chart renders {kinds}")
-
-
-def daemonset(values):
-    with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values, name="gpumem", namespace="gpu-monitoring")
-    for template, text in manifests.items():
-        if not template.endswith(".yaml"):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc and doc["kind"] == "DaemonSet":
-                return doc["spec"]["template"]["spec"]
-    fail("no DaemonSet rendered")
-    return {}
 
 
 def flag(args, name):
