@@ -157,6 +157,9 @@ pub enum ExplainError {
     /// The replay could not run.
     #[error(transparent)]
     Replay(#[from] ReplayError),
+    /// A candidate configuration does not parse (a defect of [`CANDIDATES`]).
+    #[error("candidate configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
     /// The recording has no `oom` entry.
     #[error("device {device}'s trace has no out-of-memory event; choose one with --at EVENT")]
     NoOom {
@@ -327,11 +330,7 @@ fn search(
     let mut tried = Vec::new();
     for conf in CANDIDATES {
         let options = ReplayOptions {
-            config: Some(crate::AllocatorConfig::parse(conf).map_err(|e| {
-                ExplainError::Replay(ReplayError::BeforeTrace(
-                    crate::allocator::AllocError::from(e),
-                ))
-            })?),
+            config: Some(crate::AllocatorConfig::parse(conf)?),
             ..base.clone()
         };
         let report =
