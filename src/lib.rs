@@ -14,6 +14,7 @@
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
 //! - [`ingest`]: statistics pushed by unmodified PyTorch jobs.
 //! - [`server`]: the `/metrics` endpoint (axum).
+//! - [`view`]: self-contained HTML pages and SVG drawings (the explanation's page).
 //! - [`workload`]: a synthetic training workload that exercises the core.
 
 pub mod allocator;
@@ -27,6 +28,7 @@ pub mod shared;
 pub mod sources;
 pub mod telemetry;
 pub mod trace;
+pub mod view;
 pub mod workload;
 
 pub use allocator::{AllocError, CachingAllocator};

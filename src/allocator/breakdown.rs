@@ -206,12 +206,17 @@ fn sentence(
             ),
         },
         Kind::Fragmentation => format!(
-            "{} were cached but the largest free block the {} request could use was {}: {} sit in {} segments split around live blocks.",
+            "{} were cached but the largest free block the {} request could use was {}: {} sit in {} {} split around live blocks.",
             f(b.fragmented),
             f(request.rounded),
             f(largest),
             f(b.fragmented),
-            split_segments
+            split_segments,
+            if split_segments == 1 {
+                "segment"
+            } else {
+                "segments"
+            }
         ),
         Kind::PendingStreamFrees => format!(
             "{} freed by the program were still waiting on other streams' work (record_stream) when the {} request came.",

@@ -27,6 +27,10 @@ pub(crate) struct Args {
     /// Print every figure as JSON.
     #[arg(long)]
     json: bool,
+    /// Also write the explanation as a self-contained HTML page (no network needed to open
+    /// it) to this file.
+    #[arg(long, value_name = "FILE")]
+    html: Option<Path>,
     #[command(flatten)]
     read: ReadArgs,
 }
@@ -54,6 +58,15 @@ pub(crate) fn run(args: Args) -> CliResult {
             other => other?,
         },
     };
+    let confirm = confirm_command(&args, &e);
+    if let Some(file) = &args.html {
+        let name = args.trace.file_name().map_or_else(
+            || args.trace.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let page = gpumem::view::explain::page_of(&name, &e, confirm.as_deref());
+        std::fs::write(file, page).map_err(|err| super::file_error(file, err))?;
+    }
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&e)?)?;
         return Ok(ExitCode::SUCCESS);
@@ -126,15 +139,8 @@ pub(crate) fn run(args: Args) -> CliResult {
                 f(c.peak_reserved)
             )?;
         }
-        if let Some(best) = e.candidates.iter().find(|c| c.ooms == 0) {
-            outln!(
-                "confirm: gpumem replay {} --device {} --capacity {} --available {} --config {}",
-                args.trace.display(),
-                e.device,
-                e.total,
-                available,
-                best.config
-            )?;
+        if let Some(command) = &confirm {
+            outln!("confirm: {command}")?;
         } else {
             outln!("none of these settings avoids it")?;
         }
@@ -154,4 +160,48 @@ pub(crate) fn run(args: Args) -> CliResult {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The replay that confirms the best candidate without OOMs, where there is one.
+fn confirm_command(args: &Args, e: &gpumem::trace::explain::Explanation) -> Option<String> {
+    let available = e.available?;
+    let best = e.candidates.iter().find(|c| c.ooms == 0)?;
+    Some(format!(
+        "gpumem replay {} --device {} --capacity {} --available {} --config {}",
+        shell_quoted(&args.trace.display().to_string()),
+        e.device,
+        e.total,
+        available,
+        shell_quoted(&best.config)
+    ))
+}
+
+/// `text` as one word for a POSIX shell: as it is where that is safe, else single-quoted.
+fn shell_quoted(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-:,=+@%".contains(&b));
+    if plain {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_quoted;
+
+    #[test]
+    fn words_are_quoted_only_where_a_shell_would_split_or_expand_them() {
+        assert_eq!(shell_quoted("/t/a.pickle"), "/t/a.pickle");
+        assert_eq!(
+            shell_quoted("expandable_segments:True,max_split_size_mb:128"),
+            "expandable_segments:True,max_split_size_mb:128"
+        );
+        assert_eq!(shell_quoted("my trace <1>.json"), "'my trace <1>.json'");
+        assert_eq!(shell_quoted("it's"), r"'it'\''s'");
+        assert_eq!(shell_quoted(""), "''");
+    }
 }

@@ -4,6 +4,7 @@
 use std::fmt::Write;
 
 use super::replay::ReplayReport;
+use crate::view::escape;
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 480.0;
@@ -11,13 +12,6 @@ const MARGIN: f64 = 60.0;
 const COLOURS: [&str; 6] = [
     "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
 ];
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
 
 /// Renders the series of `reports` (which must have been replayed with series points).
 pub fn svg(title: &str, reports: &[ReplayReport]) -> String {

@@ -348,3 +348,174 @@ fn the_command_prints_the_sentence_and_the_json_every_figure() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every scalar of `json` by its dotted path (`breakdown.free`, `candidates.0.ooms`).
+fn scalars(json: &serde_json::Value, prefix: &str, out: &mut Vec<(String, serde_json::Value)>) {
+    let path = |key: &str| {
+        if prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{prefix}.{key}")
+        }
+    };
+    match json {
+        serde_json::Value::Object(map) => map.iter().for_each(|(k, v)| scalars(v, &path(k), out)),
+        serde_json::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .for_each(|(i, v)| scalars(v, &path(&i.to_string()), out)),
+        scalar => out.push((prefix.to_string(), scalar.clone())),
+    }
+}
+
+/// Opens `page` in Chromium and checks it against `json`: every figure the page shows (its
+/// `data-field` elements) equals the JSON's, every scalar of the JSON is shown (but the
+/// divergence's details and the pinning groups' frame lists), strings are shown as text, the
+/// console has no errors, and no markup from the recording came alive. Returns the DOM's
+/// figures.
+fn check_page(
+    browser: &crate::browser::Browser,
+    page: &std::path::Path,
+    json: &serde_json::Value,
+    shot: &str,
+) {
+    browser.open(&format!("file://{}", page.display()));
+    let shown = browser.eval(
+        "return Array.from(document.querySelectorAll('[data-field]')).map(e => \
+         [e.dataset.field, e.dataset.value, (e.querySelector('summary') || e).textContent]);",
+    );
+    let shown = shown.as_array().expect("a list");
+    let mut expected = Vec::new();
+    scalars(json, "", &mut expected);
+    let expected: std::collections::BTreeMap<_, _> = expected
+        .into_iter()
+        .filter(|(path, _)| {
+            let detail = path.starts_with("divergence.") && path != "divergence.index";
+            let stack = path.starts_with("pinning.") && path.contains(".frames.");
+            !detail && !stack
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for entry in shown {
+        let field = entry[0].as_str().expect("a field");
+        let value = entry[1].as_str().expect("a value");
+        let text = entry[2].as_str().expect("text");
+        let want = expected
+            .get(field)
+            .unwrap_or_else(|| panic!("the page shows {field}, which the JSON lacks"));
+        match want {
+            serde_json::Value::String(s) => {
+                assert_eq!(value, s, "{field}");
+                assert_eq!(text.trim(), s, "{field} as text");
+            }
+            other => assert_eq!(value, other.to_string(), "{field}"),
+        }
+        assert!(seen.insert(field.to_string()), "{field} shown twice");
+    }
+    let missing: Vec<_> = expected.keys().filter(|k| !seen.contains(*k)).collect();
+    assert!(missing.is_empty(), "the page lacks {missing:?}");
+    let alive =
+        browser.eval("return document.querySelectorAll('script,img,iframe,object').length;");
+    assert_eq!(alive, 0, "no element came from the recording's strings");
+    let errors = browser.console_errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+    let png = browser.screenshot(shot);
+    assert!(std::fs::metadata(&png).expect("screenshot").len() > 1000);
+}
+
+#[test]
+fn the_html_page_shows_the_json_figures_in_chromium() {
+    let s = StreamId::DEFAULT;
+    // The fragmentation OOM (candidates that avoid it), its frames hostile markup.
+    let json = recorded_json(900 * MIB, 0, |a| {
+        let big = a.malloc(800 * MIB, s).expect("fits");
+        a.free(big).expect("frees");
+        let blocks: Vec<_> = (0..40)
+            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
+            .collect();
+        for b in blocks.iter().step_by(2) {
+            a.free(*b).expect("frees");
+        }
+        assert!(a.malloc(140 * MIB, s).is_err());
+    });
+    let mut doc: serde_json::Value = serde_json::from_slice(&json).expect("json");
+    let hostile = serde_json::json!([{
+        "filename": "/job/<img src=x onerror=\"document.title='owned'\">.py",
+        "line": 7,
+        "name": "</td><script>document.title='owned'</script>'&",
+    }]);
+    for entry in doc["device_traces"][0].as_array_mut().expect("a trace") {
+        entry["frames"] = hostile.clone();
+    }
+    let dir = std::env::temp_dir().join(format!("gpumem-explain-page-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("frag <b>&.json");
+    std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
+    let browser = crate::browser::Browser::start();
+    let mut cases = vec![(
+        file.clone(),
+        Vec::<String>::new(),
+        "explain-fragmentation.png",
+    )];
+    if let Some(shared) = shared_traces() {
+        cases.push((
+            shared.join("dit_discrete_diffusion_train_oom_complete.pickle"),
+            Vec::new(),
+            "explain-dit.png",
+        ));
+    }
+    for (trace, extra, shot) in cases {
+        let page = dir.join(format!("{shot}.html"));
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["explain", "--json", "--html"])
+            .arg(&page)
+            .args(&extra)
+            .arg(&trace)
+            .output()
+            .expect("runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        check_page(&browser, &page, &json, shot);
+        if shot == "explain-fragmentation.png" {
+            assert_eq!(json["kinds"][0], "fragmentation");
+            assert!(json["candidates"].as_array().is_some_and(|c| !c.is_empty()));
+            let frame = json["pinning"][0]["frame"].as_str().expect("a frame");
+            assert!(
+                frame.contains("<script>"),
+                "the hostile frame is named: {frame}"
+            );
+            assert_ne!(browser.eval("return document.title;"), "owned");
+            let confirm = browser.eval("return document.getElementById('confirm').textContent;");
+            // The command, pasted into a shell as the page shows it, confirms the setting.
+            let command = confirm
+                .as_str()
+                .and_then(|c| c.strip_prefix("gpumem "))
+                .unwrap_or_else(|| panic!("a gpumem command: {confirm}"));
+            let out = Command::new("sh")
+                .arg("-c")
+                .arg(format!("\"$GPUMEM\" {command} --json"))
+                .env("GPUMEM", env!("CARGO_BIN_EXE_gpumem"))
+                .output()
+                .expect("sh runs");
+            assert!(
+                out.status.success(),
+                "{command}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+            assert_eq!(
+                replayed[0]["results"][1]["ooms"], 0,
+                "{command}: {replayed}"
+            );
+            assert_eq!(
+                replayed[0]["results"][1]["config"],
+                json["candidates"][0]["config"]
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -2,6 +2,7 @@
 
 mod agent;
 mod assets;
+mod browser;
 mod common;
 mod expandable;
 mod explain;

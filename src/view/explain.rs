@@ -1,0 +1,311 @@
+//! The page of `gpumem explain --html`: the same figures as its JSON, each in an element that
+//! names its JSON field (`data-field`, a dotted path such as `breakdown.fragmented` or
+//! `candidates.0.ooms`) and holds its exact value (`data-value`, the JSON scalar as text), so
+//! that a reader (and the browser test) can check the page against the JSON.
+//!
+//! # Invariants
+//! - Every scalar of the explanation's JSON but the divergence's details and the pinning
+//!   groups' frame lists appears once as a `data-field`; strings also as the element's text.
+//! - The breakdown bar's parts are drawn to scale of what they add up to (the device's total
+//!   where known, else the reserved memory), in the order of the table below it.
+
+use std::fmt::Write;
+
+use crate::allocator::size::format_size;
+use crate::trace::explain::Explanation;
+
+use super::{escape, page};
+
+/// The breakdown's parts: JSON field, label, colour.
+const PARTS: [(&str, &str, &str); 7] = [
+    ("requested", "live tensors (requested)", "#1f77b4"),
+    ("rounding", "rounding of live tensors", "#aec7e8"),
+    (
+        "fragmented",
+        "cached, free, too small for the request",
+        "#d62728",
+    ),
+    (
+        "other_streams",
+        "cached, free, other streams' pools",
+        "#ff9896",
+    ),
+    (
+        "pending_stream_frees",
+        "freed, waiting on other streams (record_stream)",
+        "#9467bd",
+    ),
+    ("free", "free on the device", "#2ca02c"),
+    ("outside_allocator", "outside the allocator", "#7f7f7f"),
+];
+
+/// A figure in bytes: readable text, exact value.
+fn bytes_cell(field: &str, bytes: Option<u64>) -> String {
+    match bytes {
+        Some(b) => format!(
+            "<td class=\"num\" data-field=\"{field}\" data-value=\"{b}\" title=\"{b} bytes\">{}</td>",
+            format_size(b)
+        ),
+        None => {
+            format!("<td class=\"num\" data-field=\"{field}\" data-value=\"null\">unknown</td>")
+        }
+    }
+}
+
+/// A plain number or boolean.
+fn value_cell(field: &str, value: impl std::fmt::Display) -> String {
+    format!("<td class=\"num\" data-field=\"{field}\" data-value=\"{value}\">{value}</td>")
+}
+
+/// A string: its text is its value.
+fn text_cell(field: &str, text: &str) -> String {
+    let t = escape(text);
+    format!("<td data-field=\"{field}\" data-value=\"{t}\">{t}</td>")
+}
+
+/// The page for `e`, titled by `name` (the recording's file name). `confirm`, where given, is
+/// the command that confirms the best candidate.
+pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
+    let mut b = String::new();
+    let r = &e.request;
+    // Only an `oom` entry records the device's free memory.
+    let (what, at) = if e.available.is_some() {
+        ("Why", "ran out of memory at")
+    } else {
+        ("The memory of", "after")
+    };
+    let _ = writeln!(
+        b,
+        "<h1>{what} device <span data-field=\"device\" data-value=\"{0}\">{0}</span> {at} event {1}: {2}</h1>",
+        e.device,
+        r.event,
+        escape(name)
+    );
+    let sentence = escape(&e.sentence);
+    let _ = writeln!(
+        b,
+        "<p id=\"sentence\" data-field=\"sentence\" data-value=\"{sentence}\"><strong>{sentence}</strong></p>"
+    );
+    match &e.divergence {
+        Some(d) => {
+            let _ = writeln!(
+                b,
+                "<p class=\"note\" data-field=\"divergence.index\" data-value=\"{0}\">The replay differed from the recording at event {0}: these figures are the replay's.</p>",
+                d.index
+            );
+        }
+        None => {
+            let _ = writeln!(
+                b,
+                "<p data-field=\"divergence\" data-value=\"null\">The replay made every decision the recording shows, up to this moment.</p>"
+            );
+        }
+    }
+    let kinds: Vec<String> = e
+        .kinds
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let name = serde_json::to_value(k)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            format!("<li data-field=\"kinds.{i}\" data-value=\"{name}\">{name}</li>")
+        })
+        .collect();
+    let _ = writeln!(
+        b,
+        "<h2>To blame, most first</h2>\n<ol id=\"kinds\">{}</ol>",
+        kinds.join("")
+    );
+
+    let _ = writeln!(b, "<h2>The request</h2>\n<table id=\"request\">");
+    let _ = writeln!(
+        b,
+        "<tr><th>event</th>{}</tr>",
+        value_cell("request.event", r.event)
+    );
+    let _ = writeln!(
+        b,
+        "<tr><th>asked</th>{}</tr>",
+        bytes_cell("request.bytes", Some(r.bytes))
+    );
+    let _ = writeln!(
+        b,
+        "<tr><th>rounded</th>{}</tr>",
+        bytes_cell("request.rounded", Some(r.rounded))
+    );
+    let _ = writeln!(
+        b,
+        "<tr><th>pool</th>{}</tr>",
+        text_cell("request.pool", r.pool)
+    );
+    let _ = writeln!(
+        b,
+        "<tr><th>stream</th>{}</tr>\n</table>",
+        value_cell("request.stream", r.stream)
+    );
+
+    let _ = writeln!(
+        b,
+        "<h2>The device at that moment</h2>\n<table id=\"device\">"
+    );
+    let total_note = if e.total_known {
+        ""
+    } else {
+        " (assumed: not recorded; --capacity gives it)"
+    };
+    let _ = writeln!(
+        b,
+        "<tr><th>total{total_note}</th>{}</tr>",
+        bytes_cell("total", Some(e.total))
+    );
+    let _ = writeln!(
+        b,
+        "<tr><th>total known</th>{}</tr>",
+        value_cell("total_known", e.total_known)
+    );
+    for (field, label, value) in [
+        ("reserved", "reserved by the allocator", Some(e.reserved)),
+        ("allocated", "allocated", Some(e.allocated)),
+        (
+            "available",
+            "what the job had (reserved + free)",
+            e.available,
+        ),
+        (
+            "largest_free_block",
+            "largest free block the request could use",
+            Some(e.largest_free_block),
+        ),
+    ] {
+        let _ = writeln!(b, "<tr><th>{label}</th>{}</tr>", bytes_cell(field, value));
+    }
+    let _ = writeln!(
+        b,
+        "<tr><th>segments with free memory</th>{}</tr>\n</table>",
+        value_cell("segments_with_free", e.segments_with_free)
+    );
+
+    let parts = breakdown_parts(e);
+    let _ = writeln!(b, "<h2>Where the memory was</h2>");
+    b.push_str(&bar(&parts));
+    let _ = writeln!(b, "<table id=\"breakdown\">");
+    for (field, label, colour, bytes) in &parts {
+        let _ = writeln!(
+            b,
+            "<tr><th><span class=\"swatch\" style=\"background:{colour}\"></span>{label}</th>{}</tr>",
+            bytes_cell(&format!("breakdown.{field}"), *bytes)
+        );
+    }
+    let _ = writeln!(b, "</table>");
+
+    if !e.candidates.is_empty() {
+        let _ = writeln!(
+            b,
+            "<h2>What would have avoided it</h2>\n<p>The whole trace replayed under each setting, within the memory the job had.</p>\n<table id=\"candidates\"><tr><th>configuration</th><th>OOMs</th><th>peak reserved</th></tr>"
+        );
+        for (i, c) in e.candidates.iter().enumerate() {
+            let _ = writeln!(
+                b,
+                "<tr>{}{}{}</tr>",
+                text_cell(&format!("candidates.{i}.config"), &c.config),
+                value_cell(&format!("candidates.{i}.ooms"), c.ooms),
+                bytes_cell(
+                    &format!("candidates.{i}.peak_reserved"),
+                    Some(c.peak_reserved)
+                )
+            );
+        }
+        let _ = writeln!(b, "</table>");
+        match confirm {
+            Some(command) => {
+                let _ = writeln!(
+                    b,
+                    "<p>Confirm: <code id=\"confirm\">{}</code></p>",
+                    escape(command)
+                );
+            }
+            None => {
+                let _ = writeln!(b, "<p>None of these settings avoids it.</p>");
+            }
+        }
+    }
+
+    if !e.pinning.is_empty() {
+        let _ = writeln!(
+            b,
+            "<h2>What pins the free memory</h2>\n<p>Live blocks in segments that hold free space, by where they were allocated.</p>\n<table id=\"pinning\"><tr><th>allocated at</th><th>blocks</th><th>live</th><th>free pinned</th></tr>"
+        );
+        for (i, g) in e.pinning.iter().enumerate() {
+            let frame = escape(&g.frame);
+            let stack = g
+                .frames
+                .iter()
+                .map(|f| format!("<li>{}</li>", escape(f)))
+                .collect::<String>();
+            let _ = writeln!(
+                b,
+                "<tr><td data-field=\"pinning.{i}.frame\" data-value=\"{frame}\"><details><summary>{frame}</summary><ol>{stack}</ol></details></td>{}{}{}</tr>",
+                value_cell(&format!("pinning.{i}.blocks"), g.blocks),
+                bytes_cell(&format!("pinning.{i}.live_bytes"), Some(g.live_bytes)),
+                bytes_cell(
+                    &format!("pinning.{i}.pinned_free_bytes"),
+                    Some(g.pinned_free_bytes)
+                )
+            );
+        }
+        let _ = writeln!(b, "</table>");
+    }
+    let _ = writeln!(
+        b,
+        "<p><small>gpumem explain {}</small></p>",
+        env!("CARGO_PKG_VERSION")
+    );
+    page(&format!("gpumem explain: {name}"), &b)
+}
+
+/// The breakdown's parts in table order, with their bytes (`None` where unknown).
+fn breakdown_parts(
+    e: &Explanation,
+) -> Vec<(&'static str, &'static str, &'static str, Option<u64>)> {
+    let d = &e.breakdown;
+    let bytes = [
+        Some(d.requested),
+        Some(d.rounding),
+        Some(d.fragmented),
+        Some(d.other_streams),
+        Some(d.pending_stream_frees),
+        d.free,
+        d.outside_allocator,
+    ];
+    PARTS
+        .iter()
+        .zip(bytes)
+        .map(|(&(field, label, colour), bytes)| (field, label, colour, bytes))
+        .collect()
+}
+
+/// A horizontal bar of the known parts, each to scale, with its label on hover.
+fn bar(parts: &[(&str, &str, &str, Option<u64>)]) -> String {
+    const WIDTH: f64 = 900.0;
+    let sum: u64 = parts.iter().filter_map(|p| p.3).sum();
+    let mut out = format!(
+        "<svg id=\"bar\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"28\" role=\"img\" aria-label=\"where the memory was\">"
+    );
+    let mut x = 0.0;
+    for &(field, label, colour, bytes) in parts {
+        let Some(bytes) = bytes.filter(|&b| b > 0) else {
+            continue;
+        };
+        let w = WIDTH * bytes as f64 / sum.max(1) as f64;
+        let _ = write!(
+            out,
+            "<rect data-part=\"{field}\" x=\"{x:.2}\" y=\"0\" width=\"{w:.2}\" height=\"28\" fill=\"{colour}\"><title>{label}: {}</title></rect>",
+            format_size(bytes)
+        );
+        x += w;
+    }
+    out.push_str("</svg>\n");
+    out
+}
