@@ -153,7 +153,7 @@ def lineup():
         "A thick 'reserved but unallocated' band with OOMs means fragmentation: try "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A thick 'outside the allocator' band "
         "is invisible to torch.cuda.memory_stats().",
-        (0, 31, 12, 10), targets, "bytes", stacked=True)
+        (0, 39, 12, 10), targets, "bytes", stacked=True)
     p.update(repeat="gpu", repeatDirection="h", maxPerRow=2)
     line = [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
             {"id": "custom.fillOpacity", "value": 0}, {"id": "custom.lineWidth", "value": 2}]
@@ -255,8 +255,21 @@ def overview():
               None, ["instance", "gpu", "pod_namespace", "pod_name", "container_name"],
               {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
                "container_name": "container"}, labels_only=True),
+        table("Last OOM: where the memory was",
+              "Per process that pushed its figures with an out-of-memory error (gpumem_push), "
+              "where its device's memory was at that moment, in parts that add up to the "
+              "device: allocated (live tensors as requested), rounding, fragmented (cached, in "
+              "pieces too small or in the other pool), other_streams, pending_stream_frees, "
+              "free, outside_allocator. Large fragmented or other_streams beside the request "
+              "means a setting can help: run gpumem explain on a memory snapshot.",
+              (0, 30, 24, 8),
+              [target("A", "max by (instance, pod_namespace, pod_name, pid, gpu, kind) "
+                           f"(gpumem_oom_breakdown_bytes{{{POD}}})", table=True)],
+              "bytes", ["instance", "pod_namespace", "pod_name", "pid", "gpu", "kind", "Value #A"],
+              {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
+               "Value #A": "bytes"}, sort="bytes"),
         {"type": "row", "title": "Node $node", "collapsed": False, "repeat": "node",
-         "gridPos": {"x": 0, "y": 30, "w": 24, "h": 1}, "panels": []},
+         "gridPos": {"x": 0, "y": 38, "w": 24, "h": 1}, "panels": []},
         lineup(),
     ]
     return dashboard("gpumem-overview", "gpumem / Overview",

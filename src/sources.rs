@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use crate::allocator::breakdown::{Breakdown, Kind};
 use crate::allocator::{DeviceStats, SegmentClass};
 
 /// A size nobody has reported.
@@ -67,6 +68,21 @@ pub struct AllocatorSource {
     pub labels: Vec<(String, String)>,
     /// When the process last ran out of memory (Unix seconds), as far as the exporter saw.
     pub last_oom_unix_seconds: Option<f64>,
+    /// The explanation of its last out-of-memory error, where its owner sent the figures (a
+    /// pushed process with its OOM push; they stand until the next).
+    pub last_oom: Option<LastOom>,
+}
+
+/// The explanation of an out-of-memory error: where the device's memory was, the part most to
+/// blame, and the sentence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LastOom {
+    /// Where the memory was; it adds up to the device's total.
+    pub breakdown: Breakdown,
+    /// The part most to blame.
+    pub kind: Kind,
+    /// The explanation in one sentence.
+    pub why: String,
 }
 
 /// The allocators exported by an agent; the list may change while it runs.

@@ -22,7 +22,10 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "labels", "devices", "reason",
              "last_oom_unix_seconds", "start_time"}
-DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size"}
+DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size", "oom"}
+OOM_KEYS = {"size", "stream", "device_total", "device_free", "pools"}
+POOL_KEYS = {"pool", "stream", "allocated", "requested", "pending_free", "free", "largest_free",
+             "segments_with_free"}
 RANK_LABELS = {"rank", "local_rank", "world_size", "run_id"}
 NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 MIN_INTERVAL = 0.5
@@ -86,6 +89,33 @@ def check_payload(p):
                 if c["free_bytes"] > c["segments"] * size:
                     return f"class {size}: free bytes do not fit"
                 sizes.add(size)
+        if "oom" in d:
+            problem = check_oom(d["oom"])
+            if problem:
+                return problem
+    return None
+
+
+def check_oom(oom):
+    """Why the agent would refuse a device's out-of-memory figures, or None."""
+    if not isinstance(oom, dict) or set(oom) != OOM_KEYS:
+        return f"bad oom {oom!r}"
+    if not all(is_int(oom[k]) and 0 <= oom[k] < 1 << 60 for k in OOM_KEYS - {"pools"}):
+        return f"bad oom figures {oom!r}"
+    pools = oom["pools"]
+    if not isinstance(pools, list) or len(pools) > 64:
+        return "oom pools must list at most 64 entries"
+    seen = set()
+    for p in pools:
+        if not isinstance(p, dict) or set(p) != POOL_KEYS or p["pool"] not in ("small", "large"):
+            return f"bad oom pool {p!r}"
+        if (p["pool"], p["stream"]) in seen:
+            return f"oom pool listed twice {p!r}"
+        seen.add((p["pool"], p["stream"]))
+        if p["requested"] > p["allocated"] or p["largest_free"] > p["free"]:
+            return f"inconsistent oom pool {p!r}"
+        if (p["segments_with_free"] == 0) != (p["free"] == 0):
+            return f"oom pool segments with free do not match its free bytes {p!r}"
     return None
 
 

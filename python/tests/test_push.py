@@ -7,7 +7,7 @@ import textwrap
 import time
 import unittest
 
-from support import Agent, Child, Recorder, child_env, tempdir
+from support import Agent, Child, Recorder, check_oom, child_env, tempdir
 
 MIB = 1 << 20
 UUID0 = "GPU-6a1f0e2c-0000-4000-8000-000000000000"
@@ -402,9 +402,18 @@ class OutOfMemory(PushTest):
         self.assertEqual([d["index"] for d in oom["devices"]], [0])
         self.assertEqual(oom["devices"][0]["stats"]["num_ooms"], 1)
         self.assertSnapshot(oom["devices"][0])
+        # What the agent explains the error with: the observer's figures and the pools'.
+        total = 80 << 30
+        self.assertEqual(oom["devices"][0]["oom"], {
+            "size": 1 << 40, "stream": 0, "device_total": total,
+            "device_free": total - 10 * MIB,
+            "pools": [{"pool": "large", "stream": 0, "allocated": 8 * MIB,
+                       "requested": 8 * MIB, "pending_free": 0, "free": 2 * MIB,
+                       "largest_free": MIB, "segments_with_free": 2}]})
         exit_push = pushes[-1]
         self.assertEqual(exit_push["reason"], "exit")
         self.assertNotIn("largest_free_block", exit_push["devices"][0])
+        self.assertNotIn("oom", exit_push["devices"][0])
         self.assertEqual(exit_push["devices"][0]["stats"]["num_ooms"], 1)
 
     def test_ooms_in_a_row_are_pushed_at_most_once_a_second(self):
@@ -480,6 +489,37 @@ class Interval(PushTest):
         self.assertTrue(3 <= len(times) <= 5, times)
         gaps = [b - a for a, b in zip(times, times[1:])]
         self.assertTrue(all(0.7 <= g <= 1.1 for g in gaps), gaps)
+
+
+class OomFigures(unittest.TestCase):
+    """The figures of an out-of-memory push, in this process (gpumem_push imported as
+    installed; no pusher started)."""
+
+    def test_pools_past_the_agents_bound_are_added_into_another_streams_entry(self):
+        import gpumem_push
+        pools = {("large", s): {"allocated": s * MIB, "requested": s * MIB, "pending_free": 0,
+                                "free": MIB, "largest_free": MIB, "segments_with_free": 1}
+                 for s in range(1, 101)}
+        pools[("small", 50)] = {"allocated": 0, "requested": 0, "pending_free": MIB,
+                                "free": 0, "largest_free": 0, "segments_with_free": 0}
+        out = gpumem_push._oom_pools(pools, stream=50)
+        self.assertEqual(len(out), gpumem_push.MAX_OOM_POOLS)
+        # The request's stream first, both its pools, then the others by reserved bytes.
+        self.assertEqual([(p["pool"], p["stream"]) for p in out[:3]],
+                         [("large", 50), ("small", 50), ("large", 100)])
+        for key in ("allocated", "requested", "pending_free", "free", "segments_with_free"):
+            self.assertEqual(sum(p[key] for p in out), sum(f[key] for f in pools.values()), key)
+        self.assertNotEqual(out[-1]["stream"], 50)
+        oom = {"size": MIB, "stream": 50, "device_total": 1 << 40, "device_free": 0,
+               "pools": out}
+        self.assertIsNone(check_oom(oom))
+
+    def test_observer_arguments_that_are_not_figures_give_no_request(self):
+        import gpumem_push
+        self.assertIsNone(gpumem_push._oom_request(None, (0, "x", 1, 2)))
+        self.assertIsNone(gpumem_push._oom_request(None, (0, 1, 2)))
+        self.assertIsNone(gpumem_push._oom_request(None, (0, -1, 2, 3)))
+        self.assertEqual(gpumem_push._oom_request(None, (1, 2, 3, 4)), (1, 2, 3, 4, 0))
 
 
 if __name__ == "__main__":

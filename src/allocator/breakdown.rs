@@ -75,6 +75,47 @@ pub struct Accounting {
     pub segments_with_free: usize,
 }
 
+/// One segment's (or a pool's, on one stream) memory by state, in bytes: what the
+/// accounting needs of it. A job that pushes its figures at an OOM sends these per pool and
+/// stream, summed over its snapshot's segments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolFigures {
+    /// Live blocks' bytes.
+    pub allocated: u64,
+    /// What the live blocks asked for (at most `allocated`).
+    pub requested: u64,
+    /// Blocks freed by the program, waiting on other streams' events.
+    pub pending_free: u64,
+    /// Cached free bytes.
+    pub free: u64,
+    /// The largest of the free blocks (at most `free`).
+    pub largest_free: u64,
+    /// Segments that hold free bytes.
+    pub segments_with_free: usize,
+}
+
+impl PoolFigures {
+    /// The figures of one segment's blocks: (size, requested size, state) each.
+    pub fn of_blocks(blocks: impl IntoIterator<Item = (u64, u64, BlockState)>) -> PoolFigures {
+        let mut f = PoolFigures::default();
+        for (size, requested, state) in blocks {
+            match state {
+                BlockState::ActiveAllocated => {
+                    f.allocated += size;
+                    f.requested += requested.min(size);
+                }
+                BlockState::ActivePendingFree => f.pending_free += size,
+                BlockState::Inactive => {
+                    f.free += size;
+                    f.largest_free = f.largest_free.max(size);
+                }
+            }
+        }
+        f.segments_with_free = usize::from(f.free > 0);
+        f
+    }
+}
+
 impl Accounting {
     /// Adds one segment (or mapped run) on `stream` in `pool`: its blocks' sizes, requested
     /// sizes and states.
@@ -85,33 +126,29 @@ impl Accounting {
         pool: &str,
         blocks: impl IntoIterator<Item = (u64, u64, BlockState)>,
     ) {
+        self.add(request, stream, pool, &PoolFigures::of_blocks(blocks));
+    }
+
+    /// Adds the figures of segments on `stream` in `pool`.
+    pub fn add(&mut self, request: Request, stream: u64, pool: &str, f: &PoolFigures) {
         let same_stream = stream == request.stream;
         let usable = same_stream && pool == request.pool;
         let b = &mut self.breakdown;
-        let mut has_free = false;
-        for (size, requested, state) in blocks {
-            self.reserved += size;
-            match state {
-                BlockState::ActiveAllocated => {
-                    self.allocated += size;
-                    b.requested += requested.min(size);
-                    b.rounding += size - requested.min(size);
-                }
-                BlockState::ActivePendingFree => {
-                    self.allocated += size;
-                    b.pending_stream_frees += size;
-                }
-                BlockState::Inactive if same_stream => {
-                    b.fragmented += size;
-                    if usable {
-                        self.largest_free_block = self.largest_free_block.max(size);
-                        has_free = true;
-                    }
-                }
-                BlockState::Inactive => b.other_streams += size,
-            }
+        let requested = f.requested.min(f.allocated);
+        self.reserved += f.allocated + f.pending_free + f.free;
+        self.allocated += f.allocated + f.pending_free;
+        b.requested += requested;
+        b.rounding += f.allocated - requested;
+        b.pending_stream_frees += f.pending_free;
+        if same_stream {
+            b.fragmented += f.free;
+        } else {
+            b.other_streams += f.free;
         }
-        self.segments_with_free += usize::from(has_free);
+        if usable {
+            self.largest_free_block = self.largest_free_block.max(f.largest_free);
+            self.segments_with_free += f.segments_with_free;
+        }
     }
 
     /// Completes the breakdown with the device's free bytes (where known) and its total
@@ -191,6 +228,13 @@ fn sentence(
     let live = b.requested + b.rounding;
     match kind {
         Kind::TooBig => match available {
+            // Nothing cached could have served it, yet the device had room when the error
+            // was recorded: the driver refused memory that was in use at that moment.
+            Some(a) if live + request.rounded <= a => format!(
+                "Nothing cached could serve the {} request and the driver refused it, although {} were free on the device when the error was recorded: memory held outside the allocator at that moment (another process, a library) was released since.",
+                f(request.rounded),
+                f(b.free.unwrap_or(0))
+            ),
             Some(a) => format!(
                 "No allocator setting avoids this: {} live plus the {} request exceed the {} the job had (reserved {} plus {} free on the device).",
                 f(live),

@@ -10,8 +10,13 @@
 //!  "labels": {"job": "llama", "rank": "0"},
 //!  "devices": [{"index": 0, "uuid": "GPU-…", "stats": {"reserved_bytes.all.current": 1024},
 //!               "largest_free_block": 512,
-//!               "segments_by_size": [{"size": 2097152, "segments": 1, "free_bytes": 512}]}]}
+//!               "segments_by_size": [{"size": 2097152, "segments": 1, "free_bytes": 512}],
+//!               "oom": {"size": 2097152, "stream": 0, "device_total": 85899345920,
+//!                       "device_free": 0, "pools": []}}]}
 //! ```
+//!
+//! `oom` (on the device that ran out of memory, in an OOM push) is described in
+//! [`super::oom`].
 //!
 //! `last_oom_unix_seconds`, when the hook's OOM observer last fired, lets the agent tell an
 //! OOM that happened while it ran from one it learns of later (after its own restart).
@@ -39,6 +44,7 @@ use serde::Deserialize;
 
 use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
+use crate::sources::LastOom;
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -66,6 +72,8 @@ pub const MAX_PID: u32 = 1 << 22;
 /// Series of one device without size classes: six per pool, nine per device, the largest
 /// free block, the last OOM's time and the info series.
 const SERIES_PER_DEVICE: usize = 2 * 6 + 9 + 3;
+/// Series of a device's OOM explanation: one per part of the breakdown.
+pub const OOM_BREAKDOWN_SERIES: usize = 7;
 
 /// The labels that the targets of Prometheus's Kubernetes service discovery carry, which a
 /// pushed label must not overwrite (with `honorLabels: true` it would).
@@ -157,7 +165,7 @@ impl Rejected {
     }
 }
 
-fn invalid(message: impl Into<String>) -> Rejected {
+pub(crate) fn invalid(message: impl Into<String>) -> Rejected {
     Rejected::new(Refusal::Invalid, message)
 }
 
@@ -205,6 +213,9 @@ struct PushedDevice {
     /// From the same snapshot: its segments by size class.
     #[serde(default)]
     segments_by_size: Option<Vec<PushedClass>>,
+    /// On the device that ran out of memory: the request and each pool's figures.
+    #[serde(default)]
+    oom: Option<super::oom::PushedOom>,
 }
 
 #[derive(Deserialize)]
@@ -249,6 +260,8 @@ pub struct ValidDevice {
     pub stats: DeviceStats,
     /// From a snapshot, with its size classes.
     pub snapshot: Option<(u64, Vec<SegmentClass>)>,
+    /// The explanation of the out-of-memory error this push reports, on the device that had it.
+    pub last_oom: Option<LastOom>,
 }
 
 impl ValidPush {
@@ -258,7 +271,11 @@ impl ValidPush {
         1 + self
             .devices
             .iter()
-            .map(|d| SERIES_PER_DEVICE + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len()))
+            .map(|d| {
+                SERIES_PER_DEVICE
+                    + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len())
+                    + d.last_oom.as_ref().map_or(0, |_| OOM_BREAKDOWN_SERIES)
+            })
             .sum::<usize>()
     }
 
@@ -339,11 +356,17 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         }
         let stats = statistics(device)?;
         let snapshot = snapshot(device)?;
+        let last_oom = device
+            .oom
+            .as_ref()
+            .map(|oom| super::oom::explain(device.index, oom))
+            .transpose()?;
         devices.push(ValidDevice {
             index: device.index,
             uuid: device.uuid.clone(),
             stats: DeviceStats::from_memory_stats(&stats),
             snapshot,
+            last_oom,
         });
     }
     Ok(ValidPush {

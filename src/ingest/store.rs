@@ -259,7 +259,7 @@ impl PushStore {
         let ooms = push.ooms().max(old_ooms);
         let new_ooms = ooms - old_ooms;
         let wall = unix_now();
-        let last_oom = match push.last_oom_unix_seconds {
+        let last_oom_at = match push.last_oom_unix_seconds {
             // The job's own clock is the node's; never in the future.
             Some(t) => Some(t.min(wall)),
             None if new_ooms > 0 || push.reason == Reason::Oom => Some(wall),
@@ -280,18 +280,22 @@ impl PushStore {
             .devices
             .into_iter()
             .map(|device| {
-                // A snapshot's figures stand until a later snapshot replaces them.
-                let kept = old
-                    .and_then(|t| t.sources.iter().find(|s| s.uuid == device.uuid))
-                    .filter(|_| device.snapshot.is_none())
-                    .map(|s| {
-                        let classes = s
-                            .segment_classes
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .clone();
-                        (s.largest_free_block.load(Ordering::Relaxed), classes)
-                    });
+                // A snapshot's figures stand until a later snapshot replaces them; an OOM's
+                // explanation until the device's next OOM (explained or not).
+                let before = old.and_then(|t| t.sources.iter().find(|s| s.uuid == device.uuid));
+                let last_oom = device.last_oom.or_else(|| {
+                    before
+                        .filter(|s| s.stats.num_ooms.get() >= device.stats.num_ooms.get())
+                        .and_then(|s| s.last_oom.clone())
+                });
+                let kept = before.filter(|_| device.snapshot.is_none()).map(|s| {
+                    let classes = s
+                        .segment_classes
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    (s.largest_free_block.load(Ordering::Relaxed), classes)
+                });
                 let (largest, classes) = device
                     .snapshot
                     .or(kept)
@@ -307,7 +311,8 @@ impl PushStore {
                     largest_free_block: Arc::new(AtomicU64::new(largest)),
                     segment_classes: Mutex::new(classes),
                     labels: labels.clone(),
-                    last_oom_unix_seconds: last_oom,
+                    last_oom_unix_seconds: last_oom_at,
+                    last_oom,
                 })
             })
             .collect();
@@ -337,7 +342,7 @@ impl PushStore {
             if !recounted {
                 count.ooms += new_ooms;
                 count.last = now;
-                count.last_oom_unix = last_oom.or(count.last_oom_unix);
+                count.last_oom_unix = last_oom_at.or(count.last_oom_unix);
             }
         }
         state.tracked.insert(

@@ -514,3 +514,164 @@ fn unattributed_pushes_tell_pid_reuse_by_their_start_time() {
         .expect_err("stale");
     assert_eq!(err.refusal, Refusal::Stale);
 }
+
+/// An OOM push of pid 9 on a device of 1 GiB: `pools` as pushed, `ooms` counted so far.
+fn oom_push(seq: u64, ooms: u64, size: u64, free: u64, pools: serde_json::Value) -> Vec<u8> {
+    serde_json::json!({
+        "pid": 9, "seq": seq, "reason": "oom",
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": ooms},
+                     "oom": {"size": size, "stream": 7, "device_total": 1u64 << 30,
+                             "device_free": free, "pools": pools}}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn an_oom_push_is_explained_with_the_cores_accounting() {
+    use crate::allocator::breakdown::Kind;
+    let mib = 1u64 << 20;
+    let (store, sources) = store(4);
+    // 300 MiB cached on the request's stream in pieces of at most 40 MiB, 100 MiB on another
+    // stream, 512 MiB live: a 200 MiB request fails for fragmentation.
+    let pools = serde_json::json!([
+        {"pool": "large", "stream": 7, "allocated": 512 * mib, "requested": 500 * mib,
+         "pending_free": 0, "free": 300 * mib, "largest_free": 40 * mib, "segments_with_free": 9},
+        {"pool": "large", "stream": 3, "allocated": 0, "requested": 0,
+         "pending_free": 0, "free": 100 * mib, "largest_free": 100 * mib, "segments_with_free": 1},
+        {"pool": "small", "stream": 7, "allocated": 2 * mib, "requested": mib,
+         "pending_free": 0, "free": 0, "largest_free": 0, "segments_with_free": 0}
+    ]);
+    let start = Instant::now();
+    store
+        .push_at(&oom_push(1, 1, 200 * mib, 60 * mib, pools), None, start)
+        .expect("accepted");
+    let oom = sources.snapshot()[0].last_oom.clone().expect("explained");
+    let b = &oom.breakdown;
+    assert_eq!(b.requested, 501 * mib);
+    assert_eq!(b.rounding, 13 * mib);
+    assert_eq!(b.fragmented, 300 * mib);
+    assert_eq!(b.other_streams, 100 * mib);
+    assert_eq!(b.free, Some(60 * mib));
+    // 1 GiB − 914 MiB reserved − 60 MiB free.
+    assert_eq!(b.outside_allocator, Some(50 * mib));
+    let sum = b.requested
+        + b.rounding
+        + b.fragmented
+        + b.other_streams
+        + b.pending_stream_frees
+        + b.free.unwrap_or(0)
+        + b.outside_allocator.unwrap_or(0);
+    assert_eq!(sum, 1 << 30, "the parts add up to the device");
+    assert_eq!(oom.kind, Kind::Fragmentation, "{}", oom.why);
+    assert!(oom.why.contains("40.00 MiB"), "{}", oom.why);
+
+    // A later periodic push keeps the explanation; the next OOM without figures drops it.
+    let periodic = serde_json::json!({"pid": 9, "seq": 2,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 1}}]});
+    store
+        .push_at(
+            periodic.to_string().as_bytes(),
+            None,
+            start + Duration::from_secs(1),
+        )
+        .expect("accepted");
+    assert!(sources.snapshot()[0].last_oom.is_some(), "it stands");
+    let again = serde_json::json!({"pid": 9, "seq": 3,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 2}}]});
+    store
+        .push_at(
+            again.to_string().as_bytes(),
+            None,
+            start + Duration::from_secs(2),
+        )
+        .expect("accepted");
+    assert!(
+        sources.snapshot()[0].last_oom.is_none(),
+        "an older OOM's explanation is not shown for a newer OOM"
+    );
+
+    // More than live tensors and the request can fit: too big, whatever is cached.
+    let (store, sources) = store_with(config());
+    let pools = serde_json::json!([
+        {"pool": "large", "stream": 7, "allocated": 900 * mib, "requested": 900 * mib,
+         "pending_free": 0, "free": 20 * mib, "largest_free": 20 * mib, "segments_with_free": 1}
+    ]);
+    store
+        .push_at(&oom_push(1, 1, 400 * mib, 0, pools), None, start)
+        .expect("accepted");
+    let oom = sources.snapshot()[0].last_oom.clone().expect("explained");
+    assert_eq!(oom.kind, Kind::TooBig, "{}", oom.why);
+}
+
+#[test]
+fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
+    let mib = 1u64 << 20;
+    let pool = |pool: &str,
+                stream: u64,
+                allocated: u64,
+                requested: u64,
+                free: u64,
+                largest: u64,
+                segs: u64| {
+        serde_json::json!({"pool": pool, "stream": stream, "allocated": allocated,
+            "requested": requested, "pending_free": 0, "free": free, "largest_free": largest,
+            "segments_with_free": segs})
+    };
+    let huge = 1u64 << 59;
+    for (pools, says) in [
+        (
+            serde_json::json!([pool("medium", 0, 0, 0, 0, 0, 0)]),
+            "\"small\" or \"large\"",
+        ),
+        (
+            serde_json::json!([
+                pool("large", 0, 0, 0, 0, 0, 0),
+                pool("large", 0, 0, 0, 0, 0, 0)
+            ]),
+            "listed twice",
+        ),
+        (
+            serde_json::json!([pool("large", 0, mib, 2 * mib, 0, 0, 0)]),
+            "requested exceeds",
+        ),
+        (
+            serde_json::json!([pool("large", 0, 0, 0, mib, 2 * mib, 1)]),
+            "largest_free exceeds",
+        ),
+        (
+            serde_json::json!([pool("large", 0, 0, 0, mib, mib, 0)]),
+            "segments with free",
+        ),
+        (
+            serde_json::json!([pool("large", 0, 0, 0, 1u64 << 60, 0, 1)]),
+            "not below 2^60",
+        ),
+        (
+            serde_json::json!([
+                pool("large", 0, huge, 0, 0, 0, 0),
+                pool("large", 1, huge, 0, 0, 0, 0)
+            ]),
+            "reserved memory",
+        ),
+        (
+            serde_json::Value::Array((0..65).map(|s| pool("large", s, 0, 0, 0, 0, 0)).collect()),
+            "at most 64",
+        ),
+    ] {
+        let (store, sources) = store(4);
+        let err = store
+            .push(&oom_push(1, 1, mib, 0, pools))
+            .expect_err("refused");
+        assert_eq!(err.refusal, Refusal::Invalid);
+        assert!(err.message.contains(says), "{says}: {}", err.message);
+        assert!(err.message.contains("oom"), "{}", err.message);
+        assert!(sources.snapshot().is_empty(), "nothing kept");
+    }
+    // Its series are counted in the budget: one per part.
+    let body = oom_push(1, 1, mib, 0, serde_json::json!([]));
+    let plain = with_reason(9, 1, "oom", 1);
+    let with = super::payload::validate(&body).expect("valid").series();
+    let without = super::payload::validate(&plain).expect("valid").series();
+    assert_eq!(with - without, super::payload::OOM_BREAKDOWN_SERIES);
+}

@@ -309,6 +309,24 @@ fn collect_allocator(
     if let Some(t) = s.last_oom_unix_seconds {
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
+    if let Some(oom) = &s.last_oom {
+        let b = &oom.breakdown;
+        for (kind, bytes) in [
+            ("allocated", Some(b.requested)),
+            ("rounding", Some(b.rounding)),
+            ("fragmented", Some(b.fragmented)),
+            ("other_streams", Some(b.other_streams)),
+            ("pending_stream_frees", Some(b.pending_stream_frees)),
+            ("free", b.free),
+            ("outside_allocator", b.outside_allocator),
+        ] {
+            if let Some(bytes) = bytes {
+                let labels = [base[0], base[1], base[2], base[3], kind];
+                f.of(&c::OOM_BREAKDOWN)
+                    .push_with(&labels, extra, bytes as f64);
+            }
+        }
+    }
     let largest = s.largest_free_block.load(Ordering::Relaxed);
     if largest != UNKNOWN_SIZE {
         f.of(&c::LARGEST_FREE_BLOCK)

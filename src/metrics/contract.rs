@@ -26,6 +26,7 @@ pub struct MetricDef {
 const ALLOCATOR: &[&str] = &["gpu", "UUID", "pid", "allocator"];
 const ALLOCATOR_POOL: &[&str] = &["gpu", "UUID", "pid", "allocator", "pool"];
 const ALLOCATOR_SIZE: &[&str] = &["gpu", "UUID", "pid", "allocator", "segment_size"];
+const ALLOCATOR_KIND: &[&str] = &["gpu", "UUID", "pid", "allocator", "kind"];
 const DEVICE: &[&str] = &["gpu", "UUID"];
 
 macro_rules! metric {
@@ -268,6 +269,13 @@ metric!(
     "Seconds since the process's last accepted push (a job that stopped pushing grows old here before its series expire)."
 );
 metric!(
+    OOM_BREAKDOWN,
+    "gpumem_oom_breakdown_bytes",
+    Gauge,
+    ALLOCATOR_KIND,
+    "Where the device's memory was at the process's last out-of-memory error, in parts that add up to the device's total (kind: allocated, rounding, fragmented, other_streams, pending_stream_frees, free, outside_allocator); kept with the process's series, until its next OOM."
+);
+metric!(
     LAST_OOM_TIMESTAMP,
     "gpumem_allocator_last_oom_timestamp_seconds",
     Gauge,
@@ -296,7 +304,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 34] = [
+pub const CONTRACT: [&MetricDef; 35] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -317,6 +325,7 @@ pub const CONTRACT: [&MetricDef; 34] = [
     &SEGMENT_FREE_BYTES_BY_SIZE,
     &ALLOCATOR_INFO,
     &LAST_OOM_TIMESTAMP,
+    &OOM_BREAKDOWN,
     &DEVICE_TOTAL,
     &DEVICE_USED,
     &DEVICE_FREE,

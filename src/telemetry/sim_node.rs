@@ -214,6 +214,7 @@ impl SimNode {
                     segment_classes: Default::default(),
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
+                    last_oom: None,
                 }));
                 allocators.push((which, alloc));
             }

@@ -104,7 +104,7 @@ torch._fake.allocate(0, 64 << 20)
 deadline = time.time() + 120
 while not os.path.exists({go:?}) and time.time() < deadline:
     time.sleep(0.05)
-torch._fake.oom(0, 1 << 36)
+torch._fake.oom(0, 1 << 37)
 "#,
         go = go.display().to_string()
     );
@@ -171,6 +171,23 @@ torch._fake.oom(0, 1 << 36)
         series_of(&text, "gpumem_allocator_last_oom_timestamp_seconds{", pid).len(),
         1
     );
+    // Its explanation: where the device's 80 GiB were, in parts that add up; 128 GiB asked.
+    let parts = series_of(&text, "gpumem_oom_breakdown_bytes{", pid);
+    let value = |kind: &str| -> f64 {
+        parts
+            .iter()
+            .find(|l| l.contains(&format!("kind=\"{kind}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {kind} part: {parts:?}"))
+    };
+    assert_eq!(parts.len(), 7, "{parts:?}");
+    assert_eq!(value("allocated"), f64::from(64u32 << 20));
+    assert_eq!(value("free"), (80u64 << 30) as f64 - f64::from(64u32 << 20));
+    let sum: f64 = parts
+        .iter()
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(sum, (80u64 << 30) as f64, "{parts:?}");
     // Prometheus, scraping after the exit, has the OOM at 1 and the alert with the job's
     // labels.
     let alert = wait_for(Duration::from_secs(60), || {
@@ -201,6 +218,31 @@ torch._fake.oom(0, 1 << 36)
     )
     .expect("query");
     assert_eq!(value[0]["value"][1], "1", "{value}");
+    // The dashboards' OOM panels have the job's breakdown, and the alert's description
+    // lists it.
+    for (file, title, expr) in crate::assets::dashboard_expressions()
+        .into_iter()
+        .filter(|(_, _, expr)| expr.contains("gpumem_oom_breakdown_bytes"))
+    {
+        let query = crate::assets::substitute(&expr);
+        let rows = wait_for(Duration::from_secs(30), || {
+            let r = prometheus_query(prom_port, &query)?;
+            (r.as_array()?.len() == 7).then_some(r)
+        });
+        assert!(rows.is_some(), "{file}: {title}: no breakdown from {query}");
+    }
+    let description = wait_for(Duration::from_secs(30), || {
+        let r = http_get(prom_port, "/api/v1/alerts")?;
+        let v: serde_json::Value = serde_json::from_str(&r).ok()?;
+        v["data"]["alerts"]
+            .as_array()?
+            .iter()
+            .find(|a| a["labels"]["alertname"] == "GpumemOutOfMemory")
+            .and_then(|a| a["annotations"]["description"].as_str().map(str::to_string))
+            .filter(|d| d.contains("Where the device's memory was"))
+    })
+    .expect("the alert's description lists the breakdown");
+    assert!(description.contains("allocated 64MiB"), "{description}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

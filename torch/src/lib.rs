@@ -121,6 +121,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     segment_classes: Default::default(),
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
+                    last_oom: None,
                 });
                 register_metrics(Arc::clone(&source));
                 Some(DeviceSlot { allocator, source })

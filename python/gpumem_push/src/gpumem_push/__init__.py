@@ -75,7 +75,7 @@ POLL = 0.25
 # list against the agent's).
 COLLIDING = frozenset((
     "UUID", "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
-    "model", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process", "result",
+    "kind", "model", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process", "result",
     "segment_size", "simulated", "source", "version", "le",
     "job", "instance", "namespace", "pod", "container", "node", "service", "endpoint",
     "cluster",
@@ -365,22 +365,67 @@ def _torch():
     return module
 
 
-def _snapshot_summary(torch):
-    """{device index: (largest free block, {size class: [segments, free bytes]})} from a
-    memory snapshot; a segment's class is the power of two at or above its size."""
+MAX_OOM_POOLS = 64  # (pool, stream) entries in an out-of-memory push (the agent's bound)
+
+
+def _snapshot_summary(torch, request=None):
+    """{device index: {"largest": largest free block, "classes": {size class: [segments, free
+    bytes]}, "pools": {(pool, stream): figures}}} from a memory snapshot; a segment's class is
+    the power of two at or above its size. With `request` (the observer's device, size,
+    total and free, and the failing thread's stream), the failing device's entry also gets
+    the "oom" object the agent explains."""
     summary = {}
     for segment in torch.cuda.memory_snapshot():
         device = int(segment.get("device", 0))
-        largest, classes = summary.setdefault(device, (0, {}))
-        free = [int(b.get("size", 0)) for b in segment.get("blocks", ())
-                if b.get("state") == "inactive"]
+        entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
+        blocks = segment.get("blocks", ())
+        free = [int(b.get("size", 0)) for b in blocks if b.get("state") == "inactive"]
         total = int(segment.get("total_size", 0))
         if total > 0:
-            count = classes.setdefault(1 << (total - 1).bit_length(), [0, 0])
+            count = entry["classes"].setdefault(1 << (total - 1).bit_length(), [0, 0])
             count[0] += 1
             count[1] += sum(free)
-        summary[device] = (max([largest] + free), classes)
+        entry["largest"] = max([entry["largest"]] + free)
+        pool = "small" if segment.get("segment_type") == "small" else "large"
+        figures = entry["pools"].setdefault(
+            (pool, int(segment.get("stream", 0) or 0)),
+            {"allocated": 0, "requested": 0, "pending_free": 0, "free": 0, "largest_free": 0,
+             "segments_with_free": 0})
+        for b in blocks:
+            size, state = int(b.get("size", 0)), b.get("state")
+            if state == "active_allocated":
+                figures["allocated"] += size
+                figures["requested"] += min(size, int(b.get("requested_size", size)))
+            elif state == "active_pending_free":
+                figures["pending_free"] += size
+            elif state == "inactive":
+                figures["free"] += size
+                figures["largest_free"] = max(figures["largest_free"], size)
+        figures["segments_with_free"] += 1 if free and sum(free) > 0 else 0
+    if request is not None:
+        device, size, device_total, device_free, stream = request
+        entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
+        entry["oom"] = {"size": size, "stream": stream, "device_total": device_total,
+                        "device_free": device_free, "pools": _oom_pools(entry["pools"], stream)}
     return summary
+
+
+def _oom_pools(pools, stream):
+    """The (pool, stream) figures as the agent takes them: the request's stream first, then
+    the others by reserved bytes; past the agent's bound, the rest are added into the last
+    entry of another stream (they count as other streams' memory either way)."""
+    def reserved(item):
+        f = item[1]
+        return f["allocated"] + f["pending_free"] + f["free"]
+    ordered = sorted(pools.items(), key=lambda item: (item[0][1] != stream, -reserved(item)))
+    out = [dict(f, pool=pool, stream=s) for (pool, s), f in ordered[:MAX_OOM_POOLS]]
+    if len(ordered) > MAX_OOM_POOLS:
+        last = out[-1]
+        for _, f in ordered[MAX_OOM_POOLS:]:
+            for key in ("allocated", "requested", "pending_free", "free", "segments_with_free"):
+                last[key] += f[key]
+            last["largest_free"] = max(last["largest_free"], f["largest_free"])
+    return out
 
 
 def _is_used(stats):
@@ -445,11 +490,13 @@ def _devices(torch, snapshot=None):
             _error(error)
             continue
         if snapshot is not None:
-            largest, classes = snapshot.get(index, (0, {}))
-            device["largest_free_block"] = largest
+            entry = snapshot.get(index, {"largest": 0, "classes": {}})
+            device["largest_free_block"] = entry["largest"]
             device["segments_by_size"] = [
                 {"size": size, "segments": n, "free_bytes": free}
-                for size, (n, free) in sorted(classes.items())]
+                for size, (n, free) in sorted(entry["classes"].items())]
+            if "oom" in entry:
+                device["oom"] = entry["oom"]
         out.append(device)
     return out
 
@@ -620,7 +667,7 @@ def _observer(*args):
             _wake()
             return
         try:
-            snapshot = _snapshot_summary(torch)
+            snapshot = _snapshot_summary(torch, _oom_request(torch, args))
         except Exception as error:
             snapshot = None  # pushed without the figures rather than with false ones
             _error(error)
@@ -631,6 +678,22 @@ def _observer(*args):
             _wake()
     except Exception as error:
         _error(error)
+
+
+def _oom_request(torch, args):
+    """(device, size, total, free, stream) of the failing allocation, from the observer's
+    arguments (device, the size it tried to obtain, the device's total or the limit of a
+    memory fraction, the device's free bytes) and the failing thread's current stream; None
+    when the arguments are not four whole numbers."""
+    if len(args) != 4 or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0
+                                 for a in args):
+        return None
+    device, size, total, free = args
+    try:
+        stream = int(torch.cuda.current_stream(device).cuda_stream)
+    except Exception:  # no current stream to ask for: the default stream's id
+        stream = 0
+    return device, size, total, free, max(stream, 0)
 
 
 def _attach_observer(torch):

@@ -5,6 +5,7 @@ import threading
 
 MIB = 1 << 20
 SEGMENT = 2 * MIB
+TOTAL = 80 << 30  # each device's memory
 
 lock = threading.RLock()
 imported = False
@@ -75,9 +76,8 @@ def oom(device, nbytes):
     with lock:
         counters[device]["ooms"] += 1
         observers = list(_C._oom_observers)
-        used = allocated(device)
     for observer in observers:
-        observer(device, nbytes, used, 80 * (1 << 30) - reserved(device))
+        observer(device, nbytes, TOTAL, TOTAL - reserved(device))
     raise cuda.OutOfMemoryError(
         f"CUDA out of memory. Tried to allocate {nbytes} bytes on device {device} (fake)")
 

@@ -1,0 +1,159 @@
+//! What a job's push says of its out-of-memory error, and the explanation the agent makes of
+//! it with the same accounting as `gpumem explain` and gpumem's own OOM error.
+//!
+//! The hook's out-of-memory observer gets, from PyTorch, the device, the size it tried to
+//! obtain (the segment size of the request), the device's total (the limit of a memory
+//! fraction, where one is set) and its free bytes; the hook adds the failing thread's current
+//! stream and, from the memory snapshot it takes at the error, each pool's figures per
+//! stream:
+//!
+//! ```json
+//! "oom": {"size": 2147483648, "stream": 0, "device_total": 85899345920,
+//!         "device_free": 268435456,
+//!         "pools": [{"pool": "large", "stream": 0, "allocated": 1024, "requested": 1000,
+//!                    "pending_free": 0, "free": 512, "largest_free": 512,
+//!                    "segments_with_free": 1}]}
+//! ```
+//!
+//! The request's pool follows from the segment size (2 MiB segments serve the small pool), and
+//! the request counts as that size: up to 2 MiB more than the rounded request of a large
+//! allocation (19 MiB for one of 1 to 10 MiB), so the verdict errs only at that margin.
+//!
+//! # Invariants (budgets)
+//! - At most [`MAX_POOLS`] (pool, stream) entries, each listed once; every byte figure below
+//!   2^60 and the reserved memory they add up to too, so the sums cannot overflow; requested
+//!   at most allocated, the largest free block at most the free bytes, segments with free
+//!   bytes only where there are free bytes and at most 2^53.
+//! - The breakdown adds up to the device's total as the observer gave it (free is capped at
+//!   what the reserved memory leaves of it, as in the core's own OOM error).
+
+use serde::Deserialize;
+
+use super::payload::{MAX_BYTES, MAX_COUNT, Rejected, invalid};
+use crate::allocator::breakdown::{Accounting, PoolFigures, Request};
+use crate::allocator::size::SMALL_BUFFER;
+use crate::sources::LastOom;
+
+/// (pool, stream) entries in one OOM: both pools on 32 streams.
+pub const MAX_POOLS: usize = 64;
+
+/// The `oom` object of a pushed device.
+#[derive(Deserialize)]
+pub(crate) struct PushedOom {
+    size: u64,
+    #[serde(default)]
+    stream: u64,
+    device_total: u64,
+    device_free: u64,
+    pools: Vec<PushedPool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PushedPool {
+    pool: String,
+    stream: u64,
+    allocated: u64,
+    requested: u64,
+    pending_free: u64,
+    free: u64,
+    largest_free: u64,
+    segments_with_free: u64,
+}
+
+/// The explanation of device `index`'s OOM, or why its figures are refused.
+pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> {
+    let at = |message: String| invalid(format!("device {index}: oom: {message}"));
+    let bytes = |name: &str, v: u64| {
+        if v < MAX_BYTES as u64 {
+            Ok(v)
+        } else {
+            Err(at(format!("{name} {v} is not below 2^60")))
+        }
+    };
+    bytes("size", oom.size)?;
+    bytes("device_total", oom.device_total)?;
+    bytes("device_free", oom.device_free)?;
+    if oom.pools.len() > MAX_POOLS {
+        return Err(at(format!("pools lists at most {MAX_POOLS} entries")));
+    }
+    let request = Request {
+        rounded: oom.size,
+        pool: if oom.size <= SMALL_BUFFER {
+            "small"
+        } else {
+            "large"
+        },
+        stream: oom.stream,
+    };
+    let mut accounting = Accounting::default();
+    let mut seen: Vec<(&str, u64)> = Vec::with_capacity(oom.pools.len());
+    for p in &oom.pools {
+        let pool = match p.pool.as_str() {
+            "small" => "small",
+            "large" => "large",
+            other => {
+                return Err(at(format!(
+                    "pool must be \"small\" or \"large\", not {:?}",
+                    other.chars().take(64).collect::<String>()
+                )));
+            }
+        };
+        if seen.contains(&(pool, p.stream)) {
+            return Err(at(format!(
+                "the {pool} pool of stream {} is listed twice",
+                p.stream
+            )));
+        }
+        seen.push((pool, p.stream));
+        for (name, v) in [
+            ("allocated", p.allocated),
+            ("requested", p.requested),
+            ("pending_free", p.pending_free),
+            ("free", p.free),
+            ("largest_free", p.largest_free),
+        ] {
+            bytes(name, v)?;
+        }
+        if p.requested > p.allocated || p.largest_free > p.free {
+            return Err(at(format!(
+                "the {pool} pool of stream {}: requested exceeds allocated or largest_free exceeds free",
+                p.stream
+            )));
+        }
+        if p.segments_with_free >= MAX_COUNT as u64 || (p.segments_with_free == 0) != (p.free == 0)
+        {
+            return Err(at(format!(
+                "the {pool} pool of stream {}: {} segments with free bytes for {} free bytes",
+                p.stream, p.segments_with_free, p.free
+            )));
+        }
+        let reserved = accounting.reserved + p.allocated + p.pending_free + p.free;
+        bytes("the reserved memory", reserved)?;
+        accounting.add(
+            request,
+            p.stream,
+            pool,
+            &PoolFigures {
+                allocated: p.allocated,
+                requested: p.requested,
+                pending_free: p.pending_free,
+                free: p.free,
+                largest_free: p.largest_free,
+                segments_with_free: usize::try_from(p.segments_with_free).unwrap_or(usize::MAX),
+            },
+        );
+    }
+    let total = oom.device_total;
+    let free = oom
+        .device_free
+        .min(total.saturating_sub(accounting.reserved));
+    accounting.finish(Some(free), Some(total));
+    let kinds = accounting.kinds(request, Some(total));
+    let why = accounting.sentence(request, kinds[0]);
+    Ok(LastOom {
+        breakdown: accounting.breakdown,
+        kind: kinds[0],
+        why,
+    })
+}
