@@ -113,19 +113,33 @@ pub struct Candidate {
     pub peak_reserved: u64,
 }
 
-/// The configurations tried: the settings that change how memory is split, merged and
-/// rounded, and pairs of them.
+/// The single settings tried: those that change how memory is split, merged and rounded.
+/// `garbage_collection_threshold` is tried too where the recording has a memory fraction
+/// ([`GC_CANDIDATES`]): PyTorch collects garbage only under one.
 pub const CANDIDATES: &[&str] = &[
     "expandable_segments:True",
+    "max_split_size_mb:32",
     "max_split_size_mb:64",
     "max_split_size_mb:128",
     "max_split_size_mb:256",
     "max_split_size_mb:512",
+    "max_split_size_mb:1024",
+    "roundup_power2_divisions:2",
     "roundup_power2_divisions:4",
     "roundup_power2_divisions:8",
-    "expandable_segments:True,roundup_power2_divisions:4",
-    "max_split_size_mb:128,roundup_power2_divisions:4",
+    "roundup_power2_divisions:16",
+    "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
 ];
+
+/// Garbage-collection thresholds tried under a memory fraction.
+pub const GC_CANDIDATES: &[&str] = &[
+    "garbage_collection_threshold:0.6",
+    "garbage_collection_threshold:0.8",
+];
+
+/// How many of the best single settings (of different keys) are combined, in pairs and all
+/// together.
+pub const COMBINED: usize = 3;
 
 /// The most pinning groups an explanation lists.
 pub const PIN_GROUPS: usize = 10;
@@ -312,8 +326,9 @@ fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize>
     peak.map(|(i, _)| i)
 }
 
-/// Replays the whole trace under each of [`CANDIDATES`] on a device of `total` bytes of which
-/// the allocator may have `available`.
+/// Replays the whole trace under each of [`CANDIDATES`] (and [`GC_CANDIDATES`] where the
+/// recording has a memory fraction), then under combinations of the [`COMBINED`] best of
+/// different keys, on a device of `total` bytes of which the allocator may have `available`.
 fn search(
     recording: &Recording,
     device: u32,
@@ -327,19 +342,53 @@ fn search(
         ..ReplayOptions::default()
     };
     let readings = super::replay::Readings::of(recording, &base)?;
-    let mut tried = Vec::new();
-    for conf in CANDIDATES {
+    let try_one = |conf: &str| -> Result<Candidate, ExplainError> {
         let options = ReplayOptions {
             config: Some(crate::AllocatorConfig::parse(conf)?),
             ..base.clone()
         };
         let report =
             super::replay::replay_following(recording, &options, &readings, &mut |_, _| {})?;
-        tried.push(Candidate {
-            config: (*conf).to_string(),
+        Ok(Candidate {
+            config: conf.to_string(),
             ooms: report.ooms,
             peak_reserved: report.peak_reserved,
-        });
+        })
+    };
+    let fraction = recording
+        .simulated_device
+        .and_then(|d| d.memory_fraction)
+        .is_some_and(|f| f < 1.0);
+    let singles: Vec<&str> = CANDIDATES
+        .iter()
+        .chain(GC_CANDIDATES.iter().filter(|_| fraction))
+        .copied()
+        .collect();
+    let mut tried = singles
+        .iter()
+        .map(|conf| try_one(conf))
+        .collect::<Result<Vec<_>, _>>()?;
+    tried.sort_by_key(|c| (c.ooms, c.peak_reserved));
+    // The best of each key, the best keys first.
+    let key = |conf: &str| conf.split(':').next().unwrap_or_default().to_string();
+    let mut best: Vec<&Candidate> = Vec::new();
+    for c in &tried {
+        if best.len() < COMBINED && best.iter().all(|b| key(&b.config) != key(&c.config)) {
+            best.push(c);
+        }
+    }
+    let mut combos: Vec<String> = Vec::new();
+    for (i, a) in best.iter().enumerate() {
+        for b in &best[i + 1..] {
+            combos.push(format!("{},{}", a.config, b.config));
+        }
+    }
+    if best.len() > 2 {
+        let all: Vec<&str> = best.iter().map(|c| c.config.as_str()).collect();
+        combos.push(all.join(","));
+    }
+    for conf in combos {
+        tried.push(try_one(&conf)?);
     }
     tried.sort_by_key(|c| (c.ooms, c.peak_reserved));
     Ok(tried)

@@ -6,7 +6,7 @@ use std::process::Command;
 use gpumem::allocator::AllocError;
 use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
-use gpumem::trace::explain::{At, Explanation, Kind, explain};
+use gpumem::trace::explain::{At, CANDIDATES, Explanation, GC_CANDIDATES, Kind, explain};
 use gpumem::trace::{Recording, parse_recording, read_recording};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
@@ -202,6 +202,39 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         "not every setting helps: {:?}",
         e.candidates
     );
+    // Every single setting, then the pairs and the triple of the three best keys; no
+    // garbage-collection threshold without a memory fraction.
+    assert_eq!(
+        e.candidates.len(),
+        CANDIDATES.len() + 4,
+        "{:?}",
+        e.candidates
+    );
+    assert!(
+        e.candidates
+            .iter()
+            .all(|c| !c.config.contains("garbage_collection_threshold"))
+    );
+    // Settings in a configuration: its commas outside brackets, plus one.
+    let settings = |c: &str| {
+        let mut depth = 0i32;
+        1 + c
+            .chars()
+            .filter(|&ch| {
+                depth += i32::from(ch == '[') - i32::from(ch == ']');
+                ch == ',' && depth == 0
+            })
+            .count()
+    };
+    assert_eq!(
+        e.candidates
+            .iter()
+            .filter(|c| settings(&c.config) == 3)
+            .count(),
+        1,
+        "one triple: {:?}",
+        e.candidates
+    );
     let available = e.available.expect("at an OOM");
     let file = std::env::temp_dir().join(format!("gpumem-frag-{}.json", std::process::id()));
     std::fs::write(&file, &fragmented_json).expect("write");
@@ -262,6 +295,29 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     assert_eq!(e.kinds[0], Kind::OutsideAllocator, "{}", e.sentence);
     assert_eq!(e.breakdown.outside_allocator, Some(700 * MIB));
     assert_eq!(e.available, Some(324 * MIB));
+
+    // Under a memory fraction, garbage collection is among the settings tried.
+    let limited = recorded(1024 * MIB, 0, |a| {
+        a.set_memory_fraction(0.9).expect("a fraction");
+        let big = a.malloc(800 * MIB, s).expect("fits");
+        a.free(big).expect("frees");
+        let blocks: Vec<_> = (0..40)
+            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
+            .collect();
+        for b in blocks.iter().step_by(2) {
+            a.free(*b).expect("frees");
+        }
+        assert!(a.malloc(140 * MIB, s).is_err(), "out of memory");
+    });
+    let e = explain(&limited, 0, At::FirstOom, None).expect("explains");
+    assert_adds_up(&e);
+    assert!(
+        GC_CANDIDATES
+            .iter()
+            .all(|gc| e.candidates.iter().any(|c| c.config == *gc)),
+        "{:?}",
+        e.candidates
+    );
 
     // Genuinely too big: more than the whole device.
     let huge = recorded(1024 * MIB, 0, |a| {
