@@ -7,7 +7,7 @@ use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::trace::replay::ReplayReport;
 use gpumem::trace::{
-    Readings, Recording, ReplayOptions, plot, replay_following, replay_with_progress, state_summary,
+    Readings, Recording, ReplayOptions, replay_following, replay_with_progress, state_summary,
 };
 
 use super::{CliResult, Path, ReadArgs, out, outln, parse_bytes};
@@ -101,9 +101,38 @@ pub(crate) fn run(args: Args) -> CliResult {
         results.push((device, reports));
     }
     if let Some(path) = &args.plot {
-        let reports: Vec<ReplayReport> = results.iter().flat_map(|(_, r)| r.clone()).collect();
-        let title = format!("{} — reserved and allocated bytes", args.trace.display());
-        std::fs::write(path, plot::svg(&title, &reports))
+        let several = results.len() > 1;
+        let names: Vec<String> = results
+            .iter()
+            .flat_map(|(device, reports)| {
+                reports.iter().map(move |r| {
+                    let config = if r.config.is_empty() {
+                        "(default)"
+                    } else {
+                        &r.config
+                    };
+                    if several {
+                        format!("device {device}, {config}")
+                    } else {
+                        config.to_string()
+                    }
+                })
+            })
+            .collect();
+        let runs: Vec<gpumem::view::timeline::Run<'_>> = results
+            .iter()
+            .flat_map(|(_, reports)| reports.iter())
+            .zip(&names)
+            .map(|(r, name)| gpumem::view::timeline::Run {
+                name,
+                points: &r.series,
+            })
+            .collect();
+        let title = args.trace.file_name().map_or_else(
+            || args.trace.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        std::fs::write(path, gpumem::view::timeline::svg(&title, &runs))
             .map_err(|e| super::file_error(path, e))?;
     }
     if args.json {

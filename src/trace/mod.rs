@@ -21,7 +21,6 @@ mod input;
 mod json;
 mod memo;
 mod pickle;
-pub mod plot;
 pub mod replay;
 mod schema;
 pub mod start_state;
@@ -33,8 +32,8 @@ use std::path::Path;
 pub use crate::allocator::SimulatedDevice;
 pub use frames::{Frame, FrameId, Frames, StackId, StringId};
 pub use replay::{
-    Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, replay, replay_following,
-    replay_with_progress,
+    Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, SeriesPoint, replay,
+    replay_following, replay_with_progress,
 };
 pub use schema::{Format, RecordedBlock, RecordedSegment, Recording};
 pub use summary::state_summary;

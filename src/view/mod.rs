@@ -8,6 +8,7 @@
 //!   opens the same on an air-gapped machine and a recording cannot make it fetch anything.
 
 pub mod explain;
+pub mod timeline;
 
 use std::fmt::Write;
 

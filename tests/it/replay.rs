@@ -274,8 +274,24 @@ fn what_if_compares_configurations() {
         "coarser rounding costs bytes"
     );
     assert!(recorded.series.len() >= 100);
-    let svg = gpumem::trace::plot::svg("opt125m", &[recorded, expandable]);
+    use gpumem::view::timeline::{Run, svg};
+    let runs = [
+        Run {
+            name: "recorded",
+            points: &recorded.series,
+        },
+        Run {
+            name: "expandable",
+            points: &expandable.series,
+        },
+    ];
+    let svg = svg("opt125m", &runs);
     assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 4);
+    assert_eq!(svg.matches("class=\"band\"").count(), 2);
+    // Each point holds the most of its stretch: the series' peak is the replay's.
+    let most = |f: fn(&gpumem::trace::SeriesPoint) -> u64| recorded.series.iter().map(f).max();
+    assert_eq!(most(|p| p.reserved), Some(recorded.peak_reserved));
+    assert_eq!(most(|p| p.allocated), Some(recorded.peak_allocated));
 }
 
 #[test]
@@ -1026,4 +1042,71 @@ fn what_if_runs_within_the_available_memory() {
     let row = &json[0]["results"][0];
     assert_eq!(row["available"], free.peak_reserved / 2);
     assert!(row["ooms"].as_u64().is_some_and(|o| o > 0), "{row}");
+}
+
+/// `replay --plot` in a real browser: labelled axes with several ticks, the file's name as
+/// the title, a legend entry per run below the plotting area (clear of the data), a band per
+/// run, no console errors.
+#[test]
+fn the_plot_opens_in_chromium_with_labelled_axes_and_a_legend_clear_of_the_data() {
+    let dir = std::env::temp_dir().join(format!("gpumem-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let svg = dir.join("plot.svg");
+    let trace = data("cs336_lm_forward_bf16.noframes.json.gz");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["replay", "--config", "expandable_segments:True", "--plot"])
+        .arg(&svg)
+        .arg(&trace)
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let browser = crate::browser::Browser::start();
+    browser.open(&format!("file://{}", svg.display()));
+    let seen = browser.eval(
+        "const plot = document.getElementById('plot').getBBox(); \
+         const legend = Array.from(document.querySelectorAll('.legend')).map(g => g.getBBox()); \
+         return {title: document.getElementById('title').textContent, \
+                 xlabel: document.getElementById('xlabel').textContent, \
+                 ylabel: document.getElementById('ylabel').textContent, \
+                 yticks: Array.from(document.querySelectorAll('.ytick text')).map(t => t.textContent), \
+                 xticks: document.querySelectorAll('.xtick').length, \
+                 bands: document.querySelectorAll('.band').length, \
+                 legend: legend.length, \
+                 clear: legend.every(b => b.y >= plot.y + plot.height + 20)};",
+    );
+    let name = trace.file_name().and_then(|n| n.to_str()).expect("a name");
+    assert_eq!(seen["title"], name, "{seen}");
+    // Time where the recording has it.
+    let rec = read_recording(&trace).expect("data");
+    let timed = rec
+        .device_traces
+        .iter()
+        .flatten()
+        .all(|e| e.time_us.is_some());
+    assert_eq!(
+        seen["xlabel"],
+        if timed { "time (s)" } else { "event" },
+        "{seen}"
+    );
+    assert_eq!(seen["ylabel"], "bytes", "{seen}");
+    let yticks = seen["yticks"].as_array().expect("ticks");
+    assert!(yticks.len() >= 4, "{seen}");
+    assert!(
+        yticks
+            .iter()
+            .all(|t| t.as_str().is_some_and(|t| t.ends_with("B"))),
+        "binary units: {seen}"
+    );
+    assert!(seen["xticks"].as_u64().is_some_and(|n| n >= 4), "{seen}");
+    assert_eq!(seen["bands"], 2, "{seen}");
+    assert_eq!(seen["legend"], 2, "{seen}");
+    assert_eq!(seen["clear"], true, "the legend is below the plot: {seen}");
+    let errors = browser.console_errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+    browser.screenshot("replay-plot.png");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -48,6 +48,8 @@ pub(super) struct Engine<'a> {
     pub(super) divergence: Option<Divergence>,
     pub(super) series: Vec<SeriesPoint>,
     pub(super) series_every: usize,
+    /// The most allocated and reserved bytes since the last series point.
+    bucket: (u64, u64),
     /// Starts of the release runs that the allocator made inside a malloc (not a user's
     /// `empty_cache`): found in check mode, followed in what-if mode.
     pub(super) releases_in_malloc: FxHashSet<usize>,
@@ -148,6 +150,7 @@ impl<'a> Engine<'a> {
                 .len()
                 .checked_div(options.series_points)
                 .map_or(usize::MAX, |every| every.max(1)),
+            bucket: (0, 0),
             releases_in_malloc,
             reservation_spacing: None,
         })
@@ -222,10 +225,10 @@ impl<'a> Engine<'a> {
                 _ => self.operation(i)?,
             };
             if self.series_every != usize::MAX {
-                for event in i..next {
-                    if event % self.series_every == 0 {
-                        self.sample(event);
-                    }
+                let (allocated, reserved) = self.current();
+                self.bucket = (self.bucket.0.max(allocated), self.bucket.1.max(reserved));
+                if (i..next).any(|event| event % self.series_every == 0) {
+                    self.sample(next - 1);
                 }
             }
             i = next;
@@ -234,12 +237,29 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    fn sample(&mut self, event: usize) {
+    /// Allocated and reserved bytes now.
+    fn current(&self) -> (u64, u64) {
         let stats = self.alloc.stats();
+        (
+            stats.allocated_bytes.all_current().max(0) as u64,
+            stats.reserved_bytes.all_current().max(0) as u64,
+        )
+    }
+
+    /// A series point at `event`: the most allocated and reserved since the previous one (so
+    /// no peak between two points is lost), and the event's time where recorded.
+    fn sample(&mut self, event: usize) {
+        let (allocated, reserved) = self.current();
+        let (most_allocated, most_reserved) = std::mem::take(&mut self.bucket);
+        let time_us = self
+            .events
+            .get(event.min(self.events.len().saturating_sub(1)))
+            .and_then(|e| e.time_us);
         self.series.push(SeriesPoint {
             event,
-            allocated: stats.allocated_bytes.all_current().max(0) as u64,
-            reserved: stats.reserved_bytes.all_current().max(0) as u64,
+            allocated: allocated.max(most_allocated),
+            reserved: reserved.max(most_reserved),
+            time_us,
         });
     }
 

@@ -59,10 +59,12 @@ pub struct Divergence {
 pub struct SeriesPoint {
     /// Index of the recorded event.
     pub event: usize,
-    /// Allocated bytes.
+    /// The most allocated bytes since the previous point.
     pub allocated: u64,
-    /// Reserved bytes.
+    /// The most reserved bytes since the previous point.
     pub reserved: u64,
+    /// The event's time (microseconds), where the recording has it.
+    pub time_us: Option<u64>,
 }
 
 /// What a replay did.
