@@ -13,8 +13,9 @@
 //! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
 //! - [`ingest`]: statistics pushed by unmodified PyTorch jobs.
-//! - [`server`]: the `/metrics` endpoint (axum).
-//! - [`view`]: self-contained HTML pages and SVG drawings (the explanation's page).
+//! - [`server`]: the `/metrics` endpoint and `gpumem view`'s (axum).
+//! - [`view`]: pages and drawings: the explanation's page, the timeline, `gpumem view`'s
+//!   segment maps and state.
 //! - [`workload`]: a synthetic training workload that exercises the core.
 
 pub mod allocator;

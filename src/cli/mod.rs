@@ -5,6 +5,7 @@ mod agent;
 mod explain;
 mod replay;
 mod simulate;
+mod view;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -69,6 +70,9 @@ enum Command {
     /// Explain an out-of-memory error of a recording: the request, where the device's memory
     /// was, and which part kept the request from fitting.
     Explain(explain::Args),
+    /// Open a recording in the browser: its timeline, the segment map at any event, the
+    /// explanation of each OOM, and a what-if configuration beside the recorded one.
+    View(view::Args),
 }
 
 pub(crate) fn run(cli: Cli) -> CliResult {
@@ -78,6 +82,7 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Simulate(args) => simulate::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Explain(args) => explain::run(args),
+        Command::View(args) => view::run(args),
     }
 }
 

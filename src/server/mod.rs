@@ -28,6 +28,7 @@
 //! limit is 128 MiB.
 
 mod listen;
+pub mod view;
 
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
 

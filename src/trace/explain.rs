@@ -310,7 +310,7 @@ pub fn explain(
 /// The first event after which reserved memory is highest: segments allocated or mapped,
 /// minus those freed or unmapped, from the trace's start (whatever the start state holds is
 /// the same at every event).
-fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize> {
+pub(crate) fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize> {
     let mut reserved = 0i128;
     let mut peak = None;
     for (i, e) in events.iter().enumerate() {
@@ -403,29 +403,7 @@ fn pinning(
 ) -> Vec<PinGroup> {
     use rustc_hash::FxHashMap;
 
-    use super::frames::StackId;
-    // Which stack allocated each live block: its allocation in the trace, else (a block
-    // live since before the trace) the recording's final segments, where it survived.
-    let stacks = recording.event_stacks.get(device);
-    let mut live: FxHashMap<u64, StackId> = FxHashMap::default();
-    for (i, e) in events.iter().enumerate() {
-        match e.action {
-            TraceAction::Alloc => {
-                let stack = stacks.and_then(|s| s.get(i)).copied();
-                live.insert(e.addr, stack.unwrap_or(StackId::EMPTY));
-            }
-            TraceAction::FreeCompleted => {
-                live.remove(&e.addr);
-            }
-            _ => {}
-        }
-    }
-    let at_end: FxHashMap<u64, StackId> = recording
-        .segments
-        .iter()
-        .filter(|s| s.device as usize == device)
-        .flat_map(|s| s.blocks.iter().map(|b| (b.address, b.stack)))
-        .collect();
+    let stacks = super::block_stacks::BlockStacks::new(recording, device, events);
     // Grouped by the frame they are named by (stacks that differ only below it are one).
     let mut groups: FxHashMap<String, PinGroup> = FxHashMap::default();
     for segment in snapshot
@@ -448,12 +426,7 @@ fn pinning(
             .iter()
             .filter(|b| b.state == BlockState::ActiveAllocated)
         {
-            let stack = live
-                .get(&block.address)
-                .or_else(|| at_end.get(&block.address))
-                .copied()
-                .unwrap_or(StackId::EMPTY);
-            let named = group_of(recording, stack);
+            let named = group_of(recording, stacks.of(block.address));
             let key = named.frame.clone();
             let group = groups.entry(key.clone()).or_insert(named);
             group.blocks += 1;
@@ -478,15 +451,7 @@ fn pinning(
 /// An empty group for `stack`, named by its frames.
 fn group_of(recording: &Recording, stack: super::frames::StackId) -> PinGroup {
     let f = &recording.frames;
-    let name = |id: super::frames::FrameId| {
-        let frame = f.get(id);
-        format!(
-            "{}:{} in {}",
-            f.str(frame.filename),
-            frame.line,
-            f.str(frame.name)
-        )
-    };
+    let name = |id: super::frames::FrameId| f.describe(id);
     let frames = f.frames_of(stack);
     // The program's own code: a Python file that is not torch's.
     let own = frames.iter().copied().find(|&id| {

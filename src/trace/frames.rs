@@ -123,6 +123,17 @@ impl Frames {
         self.frames[id.0 as usize]
     }
 
+    /// A frame as people read it: `file:line in function`.
+    pub fn describe(&self, id: FrameId) -> String {
+        let frame = self.get(id);
+        format!(
+            "{}:{} in {}",
+            self.str(frame.filename),
+            frame.line,
+            self.str(frame.name)
+        )
+    }
+
     /// A stack's frames, innermost first.
     pub fn frames_of(&self, id: StackId) -> &[FrameId] {
         let i = id.0 as usize;

@@ -14,6 +14,7 @@
 //! - Every error names what was expected and where (byte offset, JSON line, or the path of
 //!   the offending field).
 
+pub mod block_stacks;
 mod doc;
 pub mod explain;
 pub mod frames;

@@ -1,13 +1,19 @@
-//! Pages and drawings for people: self-contained HTML (inline styles, no scripts fetched, no
-//! network) and SVG, built as strings from plain data.
+//! Pages and drawings for people: the explanation as one self-contained HTML page, the
+//! timeline SVG, and what `gpumem view` serves (the segment map, the recording's state behind
+//! its API, the page's embedded assets).
 //!
 //! # Invariants
 //! - Every string that came from a recording or a user (file names, frames, configurations)
-//!   passes through [`escape`] before it enters markup; numbers are written by the formatter.
-//! - A page declares a Content-Security-Policy that allows nothing from the network, so it
-//!   opens the same on an air-gapped machine and a recording cannot make it fetch anything.
+//!   passes through [`escape`] before it enters markup built here; the view's script puts
+//!   such strings into the page only as text. Numbers are written by the formatter.
+//! - A page declares a Content-Security-Policy: the explanation's allows nothing from the
+//!   network ([`CONTENT_SECURITY_POLICY`]), the view's only its own origin's script, style and
+//!   API (`server::view`), so both open the same on an air-gapped machine and a recording
+//!   cannot make them fetch anything.
 
 pub mod explain;
+pub mod recording;
+pub mod segments;
 pub mod timeline;
 
 use std::fmt::Write;

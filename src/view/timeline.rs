@@ -34,11 +34,23 @@ pub struct Run<'a> {
     pub points: &'a [SeriesPoint],
 }
 
-/// The SVG of `runs` under `title`.
+/// The SVG of `runs` under `title`, over time where every point has one, else over events.
 pub fn svg(title: &str, runs: &[Run<'_>]) -> String {
-    let timed = runs
-        .iter()
-        .all(|r| !r.points.is_empty() && r.points.iter().all(|p| p.time_us.is_some()));
+    draw(title, runs, true)
+}
+
+/// The SVG of `runs` under `title` over events (the web view's slider moves along them). The
+/// root element says where the axis lies: `data-left` and `data-width` (pixels) span events 0
+/// to `data-xmax`.
+pub fn svg_by_event(title: &str, runs: &[Run<'_>]) -> String {
+    draw(title, runs, false)
+}
+
+fn draw(title: &str, runs: &[Run<'_>], by_time: bool) -> String {
+    let timed = by_time
+        && runs
+            .iter()
+            .all(|r| !r.points.is_empty() && r.points.iter().all(|p| p.time_us.is_some()));
     let start = runs
         .iter()
         .flat_map(|r| r.points.iter().filter_map(|p| p.time_us))
@@ -71,7 +83,7 @@ pub fn svg(title: &str, runs: &[Run<'_>]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12" data-left="{LEFT}" data-width="{plot_w}" data-xmax="{x_top}" data-top="{TOP}" data-height="{PLOT_HEIGHT}">"#
     );
     let _ = writeln!(
         out,

@@ -143,7 +143,7 @@ fn recorded(
 }
 
 /// [`recorded`], as the snapshot's JSON.
-fn recorded_json(
+pub(crate) fn recorded_json(
     capacity: u64,
     outside: u64,
     program: impl FnOnce(&mut CachingAllocator<SimDevice>),

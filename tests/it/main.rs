@@ -17,3 +17,4 @@ mod properties;
 mod replay;
 mod scenarios;
 mod stress;
+mod view;

@@ -288,9 +288,84 @@ pub fn state_after(
         check: true,
         ..ReplayOptions::default()
     };
-    let (mut engine, _) = engine_for(recording, &options, FxHashSet::default())?;
-    engine.advance(stop.saturating_add(1), &mut |_, _| {})?;
+    let mut cursor = Cursor::new(recording, &options, &Readings::default())?;
+    cursor.seek(stop)?;
+    let Cursor { engine, .. } = cursor;
     Ok((engine.alloc, engine.divergence))
+}
+
+/// A replay that moves to any event of a trace: forward by replaying on, backward by
+/// starting again. A check replay (`options.check`) follows the recording exactly; a what-if
+/// one follows `readings`. Series points and fresh starts are not its business (ignored).
+pub struct Cursor<'a> {
+    recording: &'a Recording,
+    options: ReplayOptions,
+    releases: FxHashSet<usize>,
+    engine: Engine<'a>,
+}
+
+impl<'a> Cursor<'a> {
+    /// A cursor before the first event of `options.device`'s trace.
+    ///
+    /// # Errors
+    /// As [`replay()`].
+    pub fn new(
+        recording: &'a Recording,
+        options: &ReplayOptions,
+        readings: &Readings,
+    ) -> Result<Cursor<'a>, ReplayError> {
+        let options = ReplayOptions {
+            capacity: options.capacity.or(readings.inferred_capacity),
+            series_points: 0,
+            fresh_start: false,
+            ..options.clone()
+        };
+        let releases = if options.check {
+            FxHashSet::default()
+        } else {
+            readings.releases_in_malloc.clone()
+        };
+        let (engine, _) = engine_for(recording, &options, releases.clone())?;
+        Ok(Cursor {
+            recording,
+            options,
+            releases,
+            engine,
+        })
+    }
+
+    /// Moves to just after event `event` (an `oom` entry: with the failing allocation's
+    /// cache flushed).
+    ///
+    /// # Errors
+    /// As [`replay()`].
+    pub fn seek(&mut self, event: usize) -> Result<(), ReplayError> {
+        let target = event.saturating_add(1);
+        if target < self.engine.position {
+            self.engine = engine_for(self.recording, &self.options, self.releases.clone())?.0;
+        }
+        self.engine.advance(target, &mut |_, _| {})
+    }
+
+    /// Events replayed so far.
+    pub fn position(&self) -> usize {
+        self.engine.position
+    }
+
+    /// The allocator as the replay has it now.
+    pub fn allocator(&self) -> &CachingAllocator<SimDevice> {
+        &self.engine.alloc
+    }
+
+    /// The allocator's snapshot now.
+    pub fn snapshot(&mut self) -> crate::allocator::Snapshot {
+        self.engine.alloc.snapshot()
+    }
+
+    /// Where the replay first differed from the recording, if it did (check replays).
+    pub fn divergence(&self) -> Option<&Divergence> {
+        self.engine.divergence.as_ref()
+    }
 }
 
 /// The engine of one replay, at the trace's start, with its configuration.

@@ -1,0 +1,189 @@
+//! The HTTP shell of `gpumem view`: the page and its assets (embedded in the binary), and the
+//! JSON and SVG it draws from, under `/api/v1/`:
+//!
+//! - `GET /api/v1/recording`: the file's name, its recorded configuration, and per device the
+//!   number of events, the `oom` entries and the event of peak reserved memory;
+//! - `GET /api/v1/timeline.svg?device=N[&config=C]`: allocated and reserved over the trace,
+//!   as recorded and, with `config`, under that configuration too;
+//! - `GET /api/v1/segments?device=N&event=E[&config=C]`: the segment map just after event E
+//!   (`view::segments`);
+//! - `GET /api/v1/explain?device=N&event=E`: `gpumem explain --at E --json`.
+//!
+//! # Invariants
+//! - Only requests whose `Host` is the address the view listens on (or `localhost`,
+//!   `127.0.0.1` or `[::1]`, with its port or none) are answered: a page of another site that a DNS
+//!   rebinding points at this port is refused with 421, so it cannot read the recording.
+//! - Every page and asset is sent with a Content-Security-Policy that allows only this
+//!   origin's script and style and no network beyond it; replies are never cached.
+//! - Work that replays runs off the event loop, one request at a time per cursor
+//!   (`view::recording`); a bad parameter is a 400 with its reason, a failed replay a 422.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Deserialize;
+
+use crate::view::recording::{RecordingView, ViewError};
+
+/// The policy of the view's page.
+pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+const INDEX: &str = include_str!("../view/assets/index.html");
+const SCRIPT: &str = include_str!("../view/assets/view.js");
+const STYLE: &str = include_str!("../view/assets/view.css");
+
+#[derive(Clone)]
+struct ViewState {
+    view: Arc<RecordingView>,
+    hosts: Arc<Vec<String>>,
+}
+
+/// The `Host` values a view listening on `port` answers to, beside `listen` itself: the
+/// loopback names, with the port or without (a rebinding page's requests carry its own
+/// host name, never these).
+pub fn allowed_hosts(listen: &str, port: u16) -> Vec<String> {
+    let mut hosts = vec![listen.to_ascii_lowercase()];
+    for name in ["localhost", "127.0.0.1", "[::1]"] {
+        hosts.push(format!("{name}:{port}"));
+        hosts.push(name.to_string());
+    }
+    hosts
+}
+
+/// The view's router: `view` served to clients whose `Host` is one of `hosts`.
+pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
+    let state = ViewState {
+        view,
+        hosts: Arc::new(hosts),
+    };
+    Router::new()
+        .route(
+            "/",
+            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
+        )
+        .route(
+            "/assets/view.js",
+            get(|| async { asset(SCRIPT, "text/javascript; charset=utf-8") }),
+        )
+        .route(
+            "/assets/view.css",
+            get(|| async { asset(STYLE, "text/css; charset=utf-8") }),
+        )
+        .route("/api/v1/recording", get(recording))
+        .route("/api/v1/timeline.svg", get(timeline))
+        .route("/api/v1/segments", get(segments))
+        .route("/api/v1/explain", get(explain))
+        .layer(middleware::from_fn_with_state(state.clone(), check_host))
+        .with_state(state)
+}
+
+async fn check_host(State(state): State<ViewState>, request: Request, next: Next) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_ascii_lowercase);
+    match host {
+        Some(h) if state.hosts.contains(&h) => {
+            let mut response = next.run(request).await;
+            let headers = response.headers_mut();
+            headers.insert(
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(VIEW_CSP),
+            );
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            headers.insert(
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            );
+            response
+        }
+        _ => (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this view answers only to the address it listens on (Host header)\n",
+        )
+            .into_response(),
+    }
+}
+
+fn asset(body: &'static str, content_type: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+}
+
+/// `device` and, where the route needs one, `event`; `config` for a what-if.
+#[derive(Deserialize)]
+struct Of {
+    device: u32,
+    config: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct At {
+    device: u32,
+    event: usize,
+    config: Option<String>,
+}
+
+fn error(e: &ViewError) -> Response {
+    let status = match e {
+        ViewError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        ViewError::Replay(_) | ViewError::Explain(_) => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    (status, format!("{e}\n")).into_response()
+}
+
+fn json(value: &impl serde::Serialize) -> Response {
+    match serde_json::to_string(value) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the reply could not be written\n",
+        )
+            .into_response(),
+    }
+}
+
+/// Runs `work` on the blocking pool (replays take milliseconds to seconds) and answers with
+/// `ok` of its value, or its error.
+async fn reply<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ViewError> + Send + 'static,
+    ok: impl FnOnce(T) -> Response,
+) -> Response {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(Ok(value)) => ok(value),
+        Ok(Err(e)) => error(&e),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "the request failed\n").into_response(),
+    }
+}
+
+async fn recording(State(state): State<ViewState>) -> Response {
+    json(&state.view.overview())
+}
+
+async fn timeline(State(state): State<ViewState>, Query(of): Query<Of>) -> Response {
+    let view = Arc::clone(&state.view);
+    reply(
+        move || view.timeline(of.device, of.config.as_deref()),
+        |svg| ([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response(),
+    )
+    .await
+}
+
+async fn segments(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
+    let view = Arc::clone(&state.view);
+    reply(
+        move || view.segments(at.device, at.event, at.config.as_deref()),
+        |map| json(&map),
+    )
+    .await
+}
+
+async fn explain(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
+    let view = Arc::clone(&state.view);
+    reply(move || view.explain(at.device, at.event), |e| json(&*e)).await
+}

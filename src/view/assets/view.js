@@ -1,0 +1,256 @@
+// gpumem view: draws what the server aggregates (a timeline as SVG, one event's segment map
+// as JSON at a time). Strings from the recording (frames, names) only ever reach the page as
+// text nodes or attribute values, never as markup.
+'use strict';
+
+const SVG = 'http://www.w3.org/2000/svg';
+const $ = (id) => document.getElementById(id);
+const state = { overview: null, device: 0, event: 0, whatIf: '', events: 0 };
+// Milliseconds each map took to arrive and draw, for the tests' log.
+window.gpumemTimings = [];
+
+function fmt(bytes) {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+  let unit = 0;
+  while (unit + 1 < units.length && bytes >= 2 ** (10 * (unit + 1))) unit += 1;
+  const value = bytes / 2 ** (10 * unit);
+  return `${unit === 0 ? value : value.toFixed(2)} ${units[unit]}`;
+}
+
+function node(tag, attributes, text) {
+  const svg = ['svg', 'rect', 'g', 'line', 'title', 'text'].includes(tag);
+  const e = svg ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attributes || {})) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = String(text);
+  return e;
+}
+
+async function get(path, kind) {
+  const response = await fetch(path);
+  if (!response.ok) throw new Error(`${response.status}: ${await response.text()}`);
+  return kind === 'text' ? response.text() : response.json();
+}
+
+function query(extra) {
+  const q = new URLSearchParams({ device: state.device, ...extra });
+  return q.toString();
+}
+
+function showError(error) {
+  $('error').textContent = error ? String(error.message || error) : '';
+}
+
+async function init() {
+  const overview = await get('api/v1/recording');
+  state.overview = overview;
+  $('name').textContent = overview.name;
+  document.title = `gpumem view: ${overview.name}`;
+  const select = $('device');
+  for (const d of overview.devices) select.append(node('option', { value: d.device }, `${d.device}`));
+  select.addEventListener('change', () => selectDevice(Number(select.value)));
+  $('slider').addEventListener('input', () => setEvent(Number($('slider').value)));
+  $('apply').addEventListener('click', () => {
+    state.whatIf = $('whatif').value.trim();
+    loadTimeline();
+    requestMaps();
+  });
+  if (overview.devices.length === 0) {
+    showError('this recording has no trace to view');
+    return;
+  }
+  await selectDevice(overview.devices[0].device);
+}
+
+async function selectDevice(device) {
+  state.device = device;
+  const d = state.overview.devices.find((x) => x.device === device);
+  state.events = d.events;
+  $('slider').max = String(d.events - 1);
+  $('events').textContent = String(d.events);
+  const jumps = $('jumps');
+  jumps.replaceChildren();
+  const jump = (label, event) => {
+    const b = node('button', { type: 'button', class: 'jump', 'data-event': event }, label);
+    b.addEventListener('click', () => setEvent(event));
+    jumps.append(b);
+  };
+  if (d.peak !== null) jump('peak', d.peak);
+  d.ooms.slice(0, 50).forEach((event, i) => jump(`OOM ${i + 1}`, event));
+  await loadTimeline();
+  setEvent(d.ooms.length ? d.ooms[0] : (d.peak ?? 0));
+}
+
+async function loadTimeline() {
+  try {
+    const extra = state.whatIf ? { config: state.whatIf } : {};
+    const text = await get(`api/v1/timeline.svg?${query(extra)}`, 'text');
+    const parsed = new DOMParser().parseFromString(text, 'image/svg+xml');
+    const svg = document.importNode(parsed.documentElement, true);
+    $('timeline').replaceChildren(svg);
+    drawMarker();
+    showError(null);
+  } catch (error) {
+    showError(error);
+  }
+}
+
+function drawMarker() {
+  const svg = $('timeline').querySelector('svg');
+  if (!svg) return;
+  const left = Number(svg.dataset.left);
+  const width = Number(svg.dataset.width);
+  const xmax = Number(svg.dataset.xmax) || 1;
+  const top = Number(svg.dataset.top);
+  const height = Number(svg.dataset.height);
+  const x = left + (width * state.event) / xmax;
+  let marker = svg.querySelector('#marker');
+  if (!marker) {
+    marker = node('line', { id: 'marker', stroke: '#000', 'stroke-width': 1 });
+    svg.append(marker);
+  }
+  for (const [k, v] of Object.entries({ x1: x, x2: x, y1: top, y2: top + height })) {
+    marker.setAttribute(k, String(v));
+  }
+}
+
+function setEvent(event) {
+  state.event = Math.max(0, Math.min(event, state.events - 1));
+  $('slider').value = String(state.event);
+  $('event').textContent = String(state.event);
+  drawMarker();
+  requestMaps();
+}
+
+// One request at a time; a slider moved meanwhile asks again for where it ended.
+let inflight = false;
+let again = false;
+
+async function requestMaps() {
+  if (inflight) {
+    again = true;
+    return;
+  }
+  inflight = true;
+  try {
+    do {
+      again = false;
+      const event = state.event;
+      const started = performance.now();
+      const recorded = await get(`api/v1/segments?${query({ event })}`);
+      drawMap($('map-recorded'), $('summary-recorded'), recorded);
+      drawTop(recorded);
+      $('map-event').textContent = String(event);
+      const column = $('whatif-column');
+      column.hidden = !state.whatIf;
+      if (state.whatIf) {
+        const other = await get(`api/v1/segments?${query({ event, config: state.whatIf })}`);
+        $('whatif-title').textContent = state.whatIf;
+        drawMap($('map-whatif'), $('summary-whatif'), other);
+      }
+      window.gpumemTimings.push(performance.now() - started);
+      const d = state.overview.devices.find((x) => x.device === state.device);
+      if (d.ooms.includes(event)) {
+        drawExplain(await get(`api/v1/explain?${query({ event })}`));
+      } else {
+        $('explain').hidden = true;
+      }
+      showError(null);
+    } while (again);
+  } catch (error) {
+    showError(error);
+  } finally {
+    inflight = false;
+  }
+}
+
+function stackText(map, index) {
+  return index === null || index === undefined ? '' : map.stacks[index].join('\n');
+}
+
+function drawMap(container, summary, map) {
+  const width = 880;
+  const row = 16;
+  const label = 90;
+  const height = Math.max(row, map.segments.length * row);
+  const svg = node('svg', {
+    viewBox: `0 0 ${width + label} ${height}`,
+    'data-event': map.event,
+  });
+  map.segments.forEach((segment, i) => {
+    const g = node('g', { class: 'segment', transform: `translate(0 ${i * row})` });
+    g.append(node('text', { x: label - 6, y: row - 4, 'text-anchor': 'end', 'font-size': 11 }, fmt(segment.size)));
+    for (const block of segment.blocks) {
+      const x = label + (width * block.offset) / segment.size;
+      const w = Math.max(0.5, (width * block.size) / segment.size);
+      const rect = node('rect', {
+        x: x.toFixed(2), y: 1, width: w.toFixed(2), height: row - 2,
+        class: `block ${block.state}`, 'data-state': block.state,
+      });
+      const frames = stackText(map, block.stack);
+      const asked = block.state === 'allocated' ? `, ${fmt(block.requested)} requested` : '';
+      rect.append(node('title', {}, `${block.state.replace('_', ' ')}: ${fmt(block.size)}${asked}` +
+        ` at +${block.offset}, stream ${segment.stream}, ${segment.pool} pool${frames ? `\n${frames}` : ''}`));
+      g.append(rect);
+    }
+    svg.append(g);
+  });
+  container.replaceChildren(svg);
+  const left = map.segments_total - map.segments.length;
+  const plural = map.segments_total === 1 ? 'segment' : 'segments';
+  summary.textContent = `${map.segments_total} ${plural}, ${fmt(map.reserved)} reserved, ` +
+    `${fmt(map.allocated)} allocated` + (left > 0 ? ` (${left} segments not drawn)` : '');
+}
+
+function cell(text, numeric) {
+  return node('td', numeric ? { class: 'num' } : {}, text);
+}
+
+function drawTop(map) {
+  const table = $('top');
+  table.replaceChildren();
+  const head = node('tr');
+  for (const h of ['size', 'requested', 'allocated at']) head.append(node('th', {}, h));
+  table.append(head);
+  for (const b of map.top) {
+    const tr = node('tr');
+    tr.append(cell(fmt(b.size), true), cell(fmt(b.requested), true));
+    const frames = node('td', { class: 'frames' }, stackText(map, b.stack) || '(no stack recorded)');
+    tr.append(frames);
+    table.append(tr);
+  }
+}
+
+function drawExplain(e) {
+  $('explain').hidden = false;
+  $('sentence').textContent = e.sentence;
+  const parts = [
+    ['live tensors (requested)', e.breakdown.requested],
+    ['rounding of live tensors', e.breakdown.rounding],
+    ['cached, free, too small for the request', e.breakdown.fragmented],
+    ["cached, free, other streams' pools", e.breakdown.other_streams],
+    ['freed, waiting on other streams', e.breakdown.pending_stream_frees],
+    ['free on the device', e.breakdown.free],
+    ['outside the allocator', e.breakdown.outside_allocator],
+  ];
+  const table = $('breakdown');
+  table.replaceChildren();
+  for (const [name, bytes] of parts) {
+    const tr = node('tr', { 'data-part': name });
+    tr.append(node('th', {}, name), cell(bytes === null ? 'unknown' : fmt(bytes), true));
+    table.append(tr);
+  }
+  const candidates = $('candidates');
+  candidates.replaceChildren();
+  if (e.candidates.length) {
+    const head = node('tr');
+    for (const h of ['configuration', 'OOMs', 'peak reserved']) head.append(node('th', {}, h));
+    candidates.append(head);
+    for (const c of e.candidates) {
+      const tr = node('tr');
+      tr.append(cell(c.config), cell(c.ooms, true), cell(fmt(c.peak_reserved), true));
+      candidates.append(tr);
+    }
+  }
+}
+
+init().catch(showError);

@@ -1,0 +1,327 @@
+//! A recording as `gpumem view` serves it: its devices and their moments of interest, the
+//! timeline of a device under one or two configurations, the segment map at any event, and
+//! the explanation of an event. Synchronous; the server calls it off its event loop.
+//!
+//! The recorded configuration is replayed as the fidelity check does (every address as
+//! recorded); a what-if configuration follows the check's readings. One cursor per device
+//! and configuration stays where the last map left it, so moving the slider forward replays
+//! only the events in between (backward starts again).
+//!
+//! # Invariants (budgets)
+//! - A configuration string is at most [`MAX_CONFIG_BYTES`] and must parse; an event index
+//!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
+//! - At most [`MAX_CURSORS`] cursors, [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`]
+//!   explanations are kept (the oldest go first), so memory does not grow with requests.
+//! - The browser gets down-sampled series ([`SERIES_POINTS`] a run) and one event's map at a
+//!   time, never the recording.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use serde::Serialize;
+
+use crate::AllocatorConfig;
+use crate::allocator::TraceAction;
+use crate::trace::explain::{At, ExplainError, Explanation, explain, peak_reserved_event};
+use crate::trace::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
+use crate::trace::{Recording, ReplayReport};
+
+use super::segments::{self, SegmentMap};
+use super::timeline::{self, Run};
+
+/// Bytes of a what-if configuration string.
+pub const MAX_CONFIG_BYTES: usize = 512;
+/// Cursors kept (device × configuration).
+pub const MAX_CURSORS: usize = 4;
+/// Timelines kept.
+pub const MAX_TIMELINES: usize = 16;
+/// Explanations kept.
+pub const MAX_EXPLANATIONS: usize = 32;
+/// Points of a timeline run.
+pub const SERIES_POINTS: usize = 1000;
+
+/// Why a view request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ViewError {
+    /// The request names something that is not there or does not parse.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The replay could not run.
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+    /// The explanation could not be made.
+    #[error(transparent)]
+    Explain(#[from] ExplainError),
+}
+
+/// A device of the recording, and its moments of interest.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceOverview {
+    /// The device.
+    pub device: u32,
+    /// Events in its trace.
+    pub events: usize,
+    /// The `oom` entries' indices.
+    pub ooms: Vec<usize>,
+    /// The event after which reserved memory peaked.
+    pub peak: Option<usize>,
+}
+
+/// What the page shows first.
+#[derive(Clone, Debug, Serialize)]
+pub struct Overview {
+    /// The recording's file name.
+    pub name: String,
+    /// The configuration it was recorded under.
+    pub config: String,
+    /// Its devices with a trace.
+    pub devices: Vec<DeviceOverview>,
+}
+
+type Key = (u32, Option<String>);
+/// Values by key, oldest first.
+type Cache<K, V> = Mutex<Vec<(K, Arc<V>)>>;
+
+/// A recording being viewed.
+pub struct RecordingView {
+    recording: &'static Recording,
+    name: String,
+    capacity: Option<u64>,
+    readings: Cache<u32, Readings>,
+    cursors: Mutex<Vec<(Key, Cursor<'static>)>>,
+    timelines: Cache<Key, ReplayReport>,
+    explanations: Cache<(u32, usize), Explanation>,
+}
+
+/// Keeps at most `max` entries, dropping the oldest.
+fn bounded<T>(list: &mut Vec<T>, max: usize) {
+    if list.len() > max {
+        let excess = list.len() - max;
+        list.drain(..excess);
+    }
+}
+
+impl RecordingView {
+    /// A view of `recording` (kept for the life of the process), named `name`, on a device
+    /// of `capacity` bytes where given (else the recording's, else inferred, else 80 GiB).
+    pub fn new(recording: &'static Recording, name: String, capacity: Option<u64>) -> Self {
+        RecordingView {
+            recording,
+            name,
+            capacity,
+            readings: Mutex::default(),
+            cursors: Mutex::default(),
+            timelines: Mutex::default(),
+            explanations: Mutex::default(),
+        }
+    }
+
+    /// The devices and their moments.
+    pub fn overview(&self) -> Overview {
+        let devices = self
+            .recording
+            .device_traces
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(d, t)| DeviceOverview {
+                device: d as u32,
+                events: t.len(),
+                ooms: t
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| e.action == TraceAction::Oom)
+                    .map(|(i, _)| i)
+                    .collect(),
+                peak: peak_reserved_event(t),
+            })
+            .collect();
+        Overview {
+            name: self.name.clone(),
+            config: self
+                .recording
+                .config
+                .as_ref()
+                .map(|c| c.last_settings.clone())
+                .unwrap_or_default(),
+            devices,
+        }
+    }
+
+    fn events(&self, device: u32) -> Result<usize, ViewError> {
+        match self.recording.device_traces.get(device as usize) {
+            Some(t) if !t.is_empty() => Ok(t.len()),
+            _ => Err(ViewError::BadRequest(format!(
+                "device {device} has no trace in this recording"
+            ))),
+        }
+    }
+
+    fn event(&self, device: u32, event: usize) -> Result<usize, ViewError> {
+        let events = self.events(device)?;
+        if event < events {
+            Ok(event)
+        } else {
+            Err(ViewError::BadRequest(format!(
+                "event {event} is outside device {device}'s trace of {events} events"
+            )))
+        }
+    }
+
+    /// The options of a replay under `config` (`None`: as recorded, checked).
+    fn options(&self, device: u32, config: Option<&str>) -> Result<ReplayOptions, ViewError> {
+        let config = match config {
+            None => None,
+            Some(text) if text.len() > MAX_CONFIG_BYTES => {
+                return Err(ViewError::BadRequest(format!(
+                    "a configuration is at most {MAX_CONFIG_BYTES} bytes"
+                )));
+            }
+            Some(text) => Some(
+                AllocatorConfig::parse(text)
+                    .map_err(|e| ViewError::BadRequest(format!("configuration: {e}")))?,
+            ),
+        };
+        Ok(ReplayOptions {
+            device,
+            capacity: self.capacity,
+            check: config.is_none(),
+            config,
+            ..ReplayOptions::default()
+        })
+    }
+
+    fn readings(&self, device: u32) -> Result<Arc<Readings>, ViewError> {
+        let mut list = self.readings.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, r)) = list.iter().find(|(d, _)| *d == device) {
+            return Ok(Arc::clone(r));
+        }
+        let options = ReplayOptions {
+            device,
+            capacity: self.capacity,
+            ..ReplayOptions::default()
+        };
+        let readings = Arc::new(Readings::of(self.recording, &options)?);
+        list.push((device, Arc::clone(&readings)));
+        Ok(readings)
+    }
+
+    fn run(&self, device: u32, config: Option<&str>) -> Result<Arc<ReplayReport>, ViewError> {
+        let key: Key = (device, config.map(str::to_string));
+        if let Some((_, r)) = self
+            .timelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(k, _)| *k == key)
+        {
+            return Ok(Arc::clone(r));
+        }
+        let options = ReplayOptions {
+            series_points: SERIES_POINTS,
+            ..self.options(device, config)?
+        };
+        let readings = self.readings(device)?;
+        let report = Arc::new(replay_following(
+            self.recording,
+            &options,
+            &readings,
+            &mut |_, _| {},
+        )?);
+        let mut list = self
+            .timelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        list.push((key, Arc::clone(&report)));
+        bounded(&mut list, MAX_TIMELINES);
+        Ok(report)
+    }
+
+    /// The timeline of `device` as recorded and, where given, under `what_if`, as SVG over
+    /// events.
+    ///
+    /// # Errors
+    /// [`ViewError`] for a device without a trace, a bad configuration or a replay failure.
+    pub fn timeline(&self, device: u32, what_if: Option<&str>) -> Result<String, ViewError> {
+        self.events(device)?;
+        let recorded = self.run(device, None)?;
+        let other = what_if.map(|c| self.run(device, Some(c))).transpose()?;
+        let recorded_name = match recorded.config.as_str() {
+            "(default)" => "as recorded".to_string(),
+            config => format!("as recorded: {config}"),
+        };
+        let mut runs = vec![Run {
+            name: &recorded_name,
+            points: &recorded.series,
+        }];
+        if let (Some(report), Some(name)) = (&other, what_if) {
+            runs.push(Run {
+                name,
+                points: &report.series,
+            });
+        }
+        Ok(timeline::svg_by_event(
+            &format!("{}, device {device}", self.name),
+            &runs,
+        ))
+    }
+
+    /// The segment map of `device` just after `event`, as recorded or under `what_if`.
+    ///
+    /// # Errors
+    /// As [`RecordingView::timeline`], and for an event outside the trace.
+    pub fn segments(
+        &self,
+        device: u32,
+        event: usize,
+        what_if: Option<&str>,
+    ) -> Result<SegmentMap, ViewError> {
+        let event = self.event(device, event)?;
+        let key: Key = (device, what_if.map(str::to_string));
+        let options = self.options(device, what_if)?;
+        let readings = self.readings(device)?;
+        let mut cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = match cursors.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                let cursor = Cursor::new(self.recording, &options, &readings)?;
+                cursors.push((key, cursor));
+                bounded(&mut cursors, MAX_CURSORS);
+                cursors.len() - 1
+            }
+        };
+        let cursor = &mut cursors[at].1;
+        cursor.seek(event)?;
+        let snapshot = cursor.snapshot();
+        Ok(segments::map(self.recording, device, event, &snapshot))
+    }
+
+    /// The explanation of `device`'s event `event`.
+    ///
+    /// # Errors
+    /// As [`RecordingView::segments`].
+    pub fn explain(&self, device: u32, event: usize) -> Result<Arc<Explanation>, ViewError> {
+        let event = self.event(device, event)?;
+        if let Some((_, e)) = self
+            .explanations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(k, _)| *k == (device, event))
+        {
+            return Ok(Arc::clone(e));
+        }
+        let e = Arc::new(explain(
+            self.recording,
+            device,
+            At::Event(event),
+            self.capacity,
+        )?);
+        let mut list = self
+            .explanations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        list.push(((device, event), Arc::clone(&e)));
+        bounded(&mut list, MAX_EXPLANATIONS);
+        Ok(e)
+    }
+}

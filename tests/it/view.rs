@@ -1,0 +1,278 @@
+//! `gpumem view` in a real browser: the page of a recording made by the tests (a
+//! fragmentation OOM whose frames are hostile markup), its segment map checked against the
+//! replayed allocator at two events (the slider moved between them), the explanation at the
+//! OOM, a what-if configuration beside the recorded one, the Host check; and a generated
+//! 1 GB snapshot, whose first page and slider steps are timed in the log.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpumem::allocator::TraceAction;
+use gpumem::device::StreamId;
+use gpumem::trace::explain::{At, explain};
+use gpumem::trace::read_recording;
+use gpumem::trace::replay::state_after;
+
+use crate::agent::{Reaper, free_port, http_get, wait_for};
+use crate::browser::Browser;
+
+const MIB: u64 = 1 << 20;
+
+/// Starts `gpumem view FILE` on a free loopback port; waits (bounded) until it answers.
+fn spawn_view(file: &Path, log: &Path) -> (Reaper, u16) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .arg("view")
+        .arg(file)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("gpumem view starts");
+    let view = Reaper(child);
+    wait_for(Duration::from_secs(120), || {
+        http_get(port, "/api/v1/recording")
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the view answers: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    });
+    (view, port)
+}
+
+/// A raw GET with the given `Host`; the status code.
+fn status_with_host(port: u16, host: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET /api/v1/recording HTTP/1.0\r\nHost: {host}\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Waits until the recorded map shows `event`; its number of segment rows.
+fn rows_at(browser: &Browser, event: usize) -> u64 {
+    let found = wait_for(Duration::from_secs(30), || {
+        let v = browser.eval(&format!(
+            "const svg = document.querySelector('#map-recorded svg'); \
+             return svg && svg.dataset.event === '{event}' ? \
+                 svg.querySelectorAll('g.segment').length : null;"
+        ));
+        v.as_u64()
+    });
+    found.unwrap_or_else(|| panic!("the map never showed event {event}"))
+}
+
+#[test]
+fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
+    let s = StreamId::DEFAULT;
+    let json = crate::explain::recorded_json(900 * MIB, 0, |a| {
+        let big = a.malloc(800 * MIB, s).expect("fits");
+        a.free(big).expect("frees");
+        let blocks: Vec<_> = (0..40)
+            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
+            .collect();
+        for b in blocks.iter().step_by(2) {
+            a.free(*b).expect("frees");
+        }
+        let _small: Vec<_> = (0..5).map(|_| a.malloc(4096, s).expect("fits")).collect();
+        assert!(a.malloc(140 * MIB, s).is_err());
+    });
+    let mut doc: serde_json::Value = serde_json::from_slice(&json).expect("json");
+    let hostile = "</title><script>document.title='owned'</script><img src=x onerror=\"document.title='owned'\">";
+    for entry in doc["device_traces"][0].as_array_mut().expect("a trace") {
+        entry["frames"] =
+            serde_json::json!([{"filename": "/job/train.py", "line": 3, "name": hostile}]);
+    }
+    let dir = std::env::temp_dir().join(format!("gpumem-view-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("frag.json");
+    std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
+    let rec = read_recording(&file).expect("reads back");
+    let events = &rec.device_traces[0];
+    let oom = events
+        .iter()
+        .position(|e| e.action == TraceAction::Oom)
+        .expect("an OOM");
+    let total = rec.simulated_device.expect("recorded").total_bytes;
+    let segments_at = |event: usize| {
+        let (mut alloc, divergence) = state_after(&rec, 0, total, event).expect("replays");
+        assert!(divergence.is_none());
+        alloc.snapshot().segments.len() as u64
+    };
+    // After the 800 MiB block's free: one whole free segment; at the OOM, split ones.
+    let early = events
+        .iter()
+        .position(|e| e.action == TraceAction::FreeCompleted)
+        .expect("a free");
+
+    let (_view, port) = spawn_view(&file, &dir.join("view.log"));
+    assert_eq!(status_with_host(port, "evil.example:80"), Some(421));
+    assert_eq!(
+        status_with_host(port, &format!("localhost:{port}")),
+        Some(200)
+    );
+
+    let browser = Browser::start();
+    browser.open(&format!("http://127.0.0.1:{port}/"));
+    // The page opens at the first OOM.
+    assert_eq!(rows_at(&browser, oom), segments_at(oom));
+    let shown = browser.eval(
+        "return {sentence: document.getElementById('sentence').textContent, \
+                 hidden: document.getElementById('explain').hidden, \
+                 candidates: document.querySelectorAll('#candidates tr').length, \
+                 split: document.querySelectorAll('#map-recorded rect[data-state=inactive_split]').length, \
+                 frames: document.getElementById('top').textContent, \
+                 alive: document.querySelectorAll('script:not([src]),img,iframe').length, \
+                 title: document.title};",
+    );
+    let e = explain(&rec, 0, At::Event(oom), None).expect("explains");
+    assert_eq!(shown["sentence"], e.sentence.as_str(), "{shown}");
+    assert_eq!(shown["hidden"], false, "{shown}");
+    assert_eq!(
+        shown["candidates"],
+        e.candidates.len() as u64 + 1,
+        "{shown}"
+    );
+    assert!(shown["split"].as_u64().is_some_and(|n| n >= 20), "{shown}");
+    // The hostile frame is text, and nothing it holds came alive.
+    assert!(
+        shown["frames"]
+            .as_str()
+            .is_some_and(|t| t.contains(hostile)),
+        "{shown}"
+    );
+    assert_eq!(shown["alive"], 0, "{shown}");
+    assert_ne!(shown["title"], "owned");
+    browser.screenshot("view-oom.png");
+    browser.eval("document.querySelector('.maps').scrollIntoView(); return true;");
+    browser.screenshot("view-segments.png");
+
+    // The slider, moved back to just after the first free: the map follows.
+    browser.eval(&format!(
+        "const s = document.getElementById('slider'); s.value = '{early}'; \
+         s.dispatchEvent(new Event('input')); return true;"
+    ));
+    assert_eq!(rows_at(&browser, early), segments_at(early));
+    let states = browser.eval(
+        "return Array.from(document.querySelectorAll('#map-recorded rect')).map(r => r.dataset.state);",
+    );
+    assert_eq!(
+        states,
+        serde_json::json!(["free"]),
+        "one free 800 MiB segment"
+    );
+    assert_eq!(
+        browser.eval("return document.getElementById('explain').hidden;"),
+        true
+    );
+
+    // A what-if configuration beside the recorded one.
+    browser.eval(
+        "document.getElementById('whatif').value = 'expandable_segments:True'; \
+         document.getElementById('apply').click(); return true;",
+    );
+    let compared = wait_for(Duration::from_secs(30), || {
+        let v = browser.eval(
+            "const col = document.getElementById('whatif-column'); \
+             const legend = document.querySelectorAll('#timeline .legend').length; \
+             return !col.hidden && legend === 2 && document.querySelector('#map-whatif svg') ? legend : null;",
+        );
+        v.as_u64()
+    });
+    assert_eq!(compared, Some(2));
+    let errors = browser.console_errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+    assert_eq!(
+        browser.eval("return document.getElementById('error').textContent;"),
+        ""
+    );
+    browser.eval("document.querySelector('.maps').scrollIntoView(); return true;");
+    browser.screenshot("view-what-if.png");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A generated 1 GB snapshot (100 000 events, 480 frames each): how long the view takes to
+/// answer after reading, and each slider step, written to the test's log (timings are not
+/// asserted: these machines are noisy). Steps go forward (replaying on) and back (starting
+/// again), and each map must show the event asked for.
+#[test]
+fn a_large_recording_opens_and_steps_quickly() {
+    let dir = std::env::temp_dir().join(format!("gpumem-view-large-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("large.pickle");
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let generated = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
+        .args(["--entries", "100000", "--frames", "480", "--gpumem", gpumem])
+        .arg(&file)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        generated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    let size = std::fs::metadata(&file).expect("written").len();
+    let log = dir.join("view.log");
+    let started = Instant::now();
+    let (_view, port) = spawn_view(&file, &log);
+    let answered = started.elapsed();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    let browser = Browser::start();
+    let opened = Instant::now();
+    browser.open(&format!("http://127.0.0.1:{port}/"));
+    let events = read_events(port);
+    let first = wait_for(Duration::from_secs(60), || {
+        browser
+            .eval("return document.querySelector('#map-recorded svg') ? 1 : null;")
+            .as_u64()
+    });
+    assert!(first.is_some(), "the first map is drawn");
+    let first_page = opened.elapsed();
+    let forward = (1..=10).map(|step| events * step / 11);
+    let back = (1..=10).rev().map(|step| events * step / 13);
+    for event in forward.chain(back) {
+        browser.eval(&format!(
+            "const s = document.getElementById('slider'); s.value = '{event}'; \
+             s.dispatchEvent(new Event('input')); return true;"
+        ));
+        let _ = rows_at(&browser, event);
+    }
+    let timings = browser.eval("return window.gpumemTimings;");
+    let steps: Vec<f64> = timings
+        .as_array()
+        .expect("timings")
+        .iter()
+        .filter_map(serde_json::Value::as_f64)
+        .collect();
+    let mean = steps.iter().sum::<f64>() / steps.len().max(1) as f64;
+    let worst = steps.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "view of a {:.0} MB snapshot ({events} events): answering {:.1} s after start ({}), first page drawn {:.0} ms after opening; {} map steps: mean {mean:.0} ms, worst {worst:.0} ms",
+        size as f64 / 1e6,
+        answered.as_secs_f64(),
+        said.trim(),
+        first_page.as_secs_f64() * 1000.0,
+        steps.len()
+    );
+    assert_eq!(steps.len(), 21, "the first map and each step's");
+    assert!(browser.console_errors().is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The first device's event count, from the view's API.
+fn read_events(port: u16) -> usize {
+    let body = http_get(port, "/api/v1/recording").expect("recording");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    v["devices"][0]["events"].as_u64().expect("events") as usize
+}
