@@ -79,6 +79,17 @@ pub(crate) struct HttpArgs {
     /// Seconds given to the requests in flight at shutdown.
     #[arg(long, default_value_t = 5.0, value_parser = parse_timeout)]
     shutdown_timeout: f64,
+    /// The live page at / and its API (/api/v1/node): `on`, or `off` for an agent reachable
+    /// beyond loopback that should not show pids, pod names and configurations there.
+    #[arg(long, value_enum, default_value_t = Ui::On)]
+    ui: Ui,
+}
+
+/// Whether the agent serves its page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Ui {
+    On,
+    Off,
 }
 
 impl HttpArgs {
@@ -175,7 +186,8 @@ pub(crate) struct DemoArgs {
     /// Simulated processes per GPU, each replaying a recorded training or inference trace.
     #[arg(long, default_value_t = 3)]
     processes_per_gpu: u32,
-    /// Replay speed relative to the recordings' own pace.
+    /// Replay speed relative to the recordings' own pace; 0 holds each simulated process where
+    /// its recording reserved the most (a still picture, for screenshots and tests).
     #[arg(long, default_value_t = 1.0, value_parser = parse_speed)]
     speed: f64,
     /// Allocator settings of the simulated processes (PYTORCH_CUDA_ALLOC_CONF syntax).
@@ -186,7 +198,12 @@ pub(crate) struct DemoArgs {
 }
 
 fn parse_speed(text: &str) -> Result<f64, String> {
-    number_in(text, 0.001, 10_000.0, "the speed", None)
+    match number_in(text, 0.0, 10_000.0, "the speed", None)? {
+        s if s > 0.0 && s < 0.001 => Err(format!(
+            "the speed is 0 (held) or at least 0.001, not {text}"
+        )),
+        s => Ok(s),
+    }
 }
 
 fn parse_interval(text: &str) -> Result<f64, String> {
@@ -311,6 +328,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         watch.kubelet.clone(),
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    state.ui = args.http.ui == Ui::On;
     state.health.watch(poller.heartbeat());
     state.health.watch(watch.heartbeat.clone());
     let listen = Listen {
@@ -346,6 +364,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         node.kubelet(),
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
+    state.ui = args.http.ui == Ui::On;
     state.health.watch(node.heartbeat());
     let listen = Listen {
         address: args.listen,

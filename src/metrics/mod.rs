@@ -39,6 +39,11 @@ impl Metrics {
         Ok(Metrics { registry })
     }
 
+    /// Every metric family, as one scrape reads them.
+    pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.registry.gather()
+    }
+
     /// The text exposition of every metric.
     pub fn encode(&self) -> String {
         let mut buffer = Vec::with_capacity(64 * 1024);

@@ -1,6 +1,8 @@
 //! The HTTP shell: `/metrics` (text exposition), `/healthz` (liveness: the runtime answers and
 //! every polling loop keeps finishing rounds, whatever the sources say), `/readyz` (readiness:
-//! every loop's first round is done), `/` (a page linking them) and,
+//! every loop's first round is done), `/` (the live page, drawn from `GET /api/v1/node`:
+//! `view::node` over one gather of the same metrics; with [`AppState::ui`] off, only links)
+//! and,
 //! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
 //! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
 //! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] serves it
@@ -64,6 +66,8 @@ pub struct AppState {
     pub push_slots: Arc<tokio::sync::Semaphore>,
     /// The polling loops `/healthz` and `/readyz` report on.
     pub health: Health,
+    /// Whether `/` is the live page (with `/api/v1/node`), or only links.
+    pub ui: bool,
 }
 
 /// Push bodies read at once, by default: 8 × 512 KiB at most.
@@ -80,6 +84,7 @@ impl AppState {
             scrape_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_SCRAPE_SLOTS)),
             push_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_PUSH_SLOTS)),
             health: Health::default(),
+            ui: true,
         }
     }
 }
@@ -114,6 +119,9 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/", get(index))
+        .route("/assets/agent.js", get(agent_script))
+        .route("/assets/view.css", get(agent_style))
+        .route("/api/v1/node", get(node))
         .route("/api/v1/push", post(push))
         .with_state(state)
 }
@@ -340,7 +348,10 @@ fn probe(result: Result<(), String>, ok: &'static str) -> Response {
     }
 }
 
-async fn index() -> Html<&'static str> {
+async fn index(State(state): State<AppState>) -> Response {
+    if state.ui {
+        return page_asset(AGENT_PAGE, "text/html; charset=utf-8");
+    }
     Html(concat!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>gpumem</title></head><body>",
         "<h1>gpumem</h1><p>GPU memory as nvidia-smi sees it and as the caching allocator holds it.</p>",
@@ -348,4 +359,64 @@ async fn index() -> Html<&'static str> {
         "<li><a href=\"/healthz\">/healthz</a> (live)</li>",
         "<li><a href=\"/readyz\">/readyz</a> (ready)</li></ul></body></html>\n"
     ))
+    .into_response()
+}
+
+const AGENT_PAGE: &str = include_str!("../view/assets/agent.html");
+const AGENT_SCRIPT: &str = include_str!("../view/assets/agent.js");
+const STYLE: &str = include_str!("../view/assets/view.css");
+
+/// An embedded asset of the live page, under the view's policy (its own script and style
+/// only); 404 with the page turned off.
+fn page_asset(body: &'static str, content_type: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_SECURITY_POLICY, view::VIEW_CSP),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn ui_off() -> Response {
+    (StatusCode::NOT_FOUND, "the page is turned off (--ui off)\n").into_response()
+}
+
+async fn agent_script(State(state): State<AppState>) -> Response {
+    if !state.ui {
+        return ui_off();
+    }
+    page_asset(AGENT_SCRIPT, "text/javascript; charset=utf-8")
+}
+
+async fn agent_style(State(state): State<AppState>) -> Response {
+    if !state.ui {
+        return ui_off();
+    }
+    page_asset(STYLE, "text/css; charset=utf-8")
+}
+
+/// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
+async fn node(State(state): State<AppState>) -> Response {
+    if !state.ui {
+        return ui_off();
+    }
+    let view = crate::view::node::view(&state.metrics.gather());
+    match serde_json::to_string(&view) {
+        Ok(body) => (
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::CACHE_CONTROL, "no-store"),
+            ],
+            body,
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the view could not be written\n",
+        )
+            .into_response(),
+    }
 }

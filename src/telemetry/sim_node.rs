@@ -80,7 +80,8 @@ pub struct SimNodeConfig {
     pub context_overhead: u64,
     /// Memory the driver reserves on each GPU.
     pub driver_reserved: u64,
-    /// Replay speed relative to the recordings' own pace.
+    /// Replay speed relative to the recordings' own pace; 0 holds each process where its
+    /// recording reserved the most (a still picture).
     pub speed: f64,
     /// How often the replay thread advances the processes.
     pub tick: Duration,
@@ -387,8 +388,18 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
         run.finished_at = None;
     }
     let replayer = run.replayer.as_mut().expect("started above");
-    let elapsed_us = (run.started.elapsed().as_secs_f64() * speed * 1e6) as u64;
-    let due = run.offsets.partition_point(|&t| t <= elapsed_us);
+    let due = if speed > 0.0 {
+        let elapsed_us = (run.started.elapsed().as_secs_f64() * speed * 1e6) as u64;
+        run.offsets.partition_point(|&t| t <= elapsed_us)
+    } else {
+        // A still picture: each process held where its recording reserved the most.
+        let events = run
+            .recording
+            .device_traces
+            .first()
+            .map_or(&[][..], Vec::as_slice);
+        crate::trace::explain::peak_reserved_event(events).map_or(0, |i| i + 1)
+    };
     replayer.advance_to(due).map_err(|e| e.to_string())?;
     run.source
         .largest_free_block
@@ -398,7 +409,7 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
         .segment_classes
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner) = classes;
-    if replayer.position() >= replayer.len() {
+    if speed > 0.0 && replayer.position() >= replayer.len() {
         let finished = *run.finished_at.get_or_insert_with(Instant::now);
         if finished.elapsed() >= PAUSE_BETWEEN_RUNS {
             let replayer = run.replayer.take().expect("running");

@@ -121,6 +121,22 @@ async fn demo_serves_the_whole_contract() {
     let (status, content_type, body) = get(router.clone(), "/metrics").await;
     assert_eq!(status, 200);
     assert!(body.contains(r#"gpumem_ingest_last_push_age_seconds{pid="77"}"#));
+    // The live page's API: the pushed process in the table with its OOM's breakdown, which
+    // adds up to the device its observer named.
+    let (status, _, api) = get(router.clone(), "/api/v1/node").await;
+    assert_eq!(status, 200);
+    let node: serde_json::Value = serde_json::from_str(&api).expect("json");
+    let pushed = node["processes"]
+        .as_array()
+        .and_then(|p| p.iter().find(|r| r["pid"] == "77"))
+        .unwrap_or_else(|| panic!("the pushed process: {node}"));
+    assert_eq!(pushed["allocator"], "pytorch");
+    assert_eq!(pushed["ooms"], 1.0);
+    let breakdown = pushed["oom_breakdown"].as_object().expect("a breakdown");
+    assert_eq!(breakdown.len(), 7, "{breakdown:?}");
+    assert_eq!(breakdown["fragmented"], 512.0);
+    let sum: f64 = breakdown.values().filter_map(serde_json::Value::as_f64).sum();
+    assert_eq!(sum, 8192.0, "{breakdown:?}");
     assert_eq!(content_type, EXPOSITION_CONTENT_TYPE);
     for def in CONTRACT {
         let present = body.lines().any(|l| {
@@ -183,9 +199,12 @@ async fn demo_serves_the_whole_contract() {
     assert_eq!((status, body.as_str()), (200, "ok\n"));
     let (status, _, body) = get(router.clone(), "/readyz").await;
     assert_eq!((status, body.as_str()), (200, "ready\n"));
+    // The live page, its script and its policy (the page is tested in a browser by view.rs).
     let (status, _, body) = get(router.clone(), "/").await;
     assert_eq!(status, 200);
-    assert!(body.contains(r#"href="/metrics""#));
+    assert!(body.contains(r#"href="metrics""#) && body.contains("assets/agent.js"));
+    let (status, content_type, _) = get(router.clone(), "/assets/agent.js").await;
+    assert_eq!((status, content_type.as_str()), (200, "text/javascript; charset=utf-8"));
     let (status, _, _) = get(router, "/nope").await;
     assert_eq!(status, 404);
 }

@@ -276,3 +276,156 @@ fn read_events(port: u16) -> usize {
     let v: serde_json::Value = serde_json::from_str(&body).expect("json");
     v["devices"][0]["events"].as_u64().expect("events") as usize
 }
+
+/// Starts `gpumem demo` on a free loopback port with `extra` arguments; waits until ready.
+fn spawn_demo(extra: &[&str], log: &Path) -> (Reaper, u16) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .arg("demo")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("gpumem demo starts");
+    let demo = Reaper(child);
+    wait_for(Duration::from_secs(60), || http_get(port, "/readyz")).unwrap_or_else(|| {
+        panic!(
+            "the demo is ready: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    });
+    (demo, port)
+}
+
+/// A sample's value in an exposition: the series of `metric` whose labels include every one
+/// of `labels`, summed.
+fn metric_sum(exposition: &str, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn the_agents_live_page_lines_up_with_its_metrics() {
+    let dir = std::env::temp_dir().join(format!("gpumem-live-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    // Held still, so the page and /metrics can be read at the same state.
+    let (_demo, port) = spawn_demo(
+        &["--speed", "0", "--interval", "0.1"],
+        &dir.join("demo.log"),
+    );
+    let browser = Browser::start();
+    browser.open(&format!("http://127.0.0.1:{port}/"));
+    let read_page = || {
+        browser.eval(
+            "return {drawn: window.gpumemDrawn, \
+              gpus: Array.from(document.querySelectorAll('section.gpu')).map(s => ({ \
+                gpu: s.dataset.gpu, uuid: s.dataset.uuid, \
+                parts: s.querySelectorAll('rect.part').length, \
+                figures: Object.fromEntries(Array.from(s.querySelectorAll('[data-field]')).map(e => [e.dataset.field, Number(e.dataset.value)]))})), \
+              processes: Array.from(document.querySelectorAll('#processes tr[data-pid]')).map(r => ({ \
+                pid: r.dataset.pid, uuid: r.dataset.uuid, \
+                reserved: Number(r.querySelector('[data-field=reserved]').dataset.value), \
+                allocated: Number(r.querySelector('[data-field=allocated]').dataset.value), \
+                retries: Number(r.querySelector('[data-field=retries]').dataset.value)}))};",
+        )
+    };
+    // Two draws that agree, with /metrics read between them: the same state.
+    let (page, exposition) = wait_for(Duration::from_secs(60), || {
+        let before = read_page();
+        if before["drawn"].as_u64()? < 2 {
+            return None;
+        }
+        let exposition = http_get(port, "/metrics")?;
+        let drawn = before["drawn"].as_u64()?;
+        wait_for(Duration::from_secs(10), || {
+            (browser.eval("return window.gpumemDrawn;").as_u64()? > drawn).then_some(())
+        })?;
+        let after = read_page();
+        (before["gpus"] == after["gpus"] && before["processes"] == after["processes"])
+            .then_some((after, exposition))
+    })
+    .expect("the page settles");
+    let gpus = page["gpus"].as_array().expect("gpus");
+    assert_eq!(gpus.len(), 2, "the demo's two GPUs: {page}");
+    let mut pids = 0;
+    for g in gpus {
+        let uuid = g["uuid"].as_str().expect("uuid");
+        let f = &g["figures"];
+        let device = |metric: &str| metric_sum(&exposition, metric, &[("UUID", uuid)]);
+        assert_eq!(f["total"], device("gpumem_device_total_bytes"), "{uuid}");
+        assert_eq!(f["used"], device("gpumem_device_used_bytes"), "{uuid}");
+        assert_eq!(f["free"], device("gpumem_device_free_bytes"), "{uuid}");
+        assert_eq!(
+            f["driver_reserved"],
+            device("gpumem_device_reserved_bytes"),
+            "{uuid}"
+        );
+        // The parts meet nvidia-smi's total.
+        let parts: f64 = f
+            .as_object()
+            .expect("figures")
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "total" | "used"))
+            .map(|(_, v)| v.as_f64().unwrap_or(0.0))
+            .sum();
+        assert_eq!(parts, f["total"].as_f64().expect("total"), "{uuid}: {f}");
+        assert!(g["parts"].as_u64().is_some_and(|n| n >= 5), "{g}");
+        for p in page["processes"].as_array().expect("rows") {
+            if p["uuid"] != uuid {
+                continue;
+            }
+            pids += 1;
+            let pid = p["pid"].as_str().expect("pid");
+            let of =
+                |metric: &str| metric_sum(&exposition, metric, &[("UUID", uuid), ("pid", pid)]);
+            assert_eq!(
+                p["reserved"],
+                of("gpumem_allocator_reserved_bytes"),
+                "{pid}"
+            );
+            assert_eq!(
+                p["allocated"],
+                of("gpumem_allocator_allocated_bytes"),
+                "{pid}"
+            );
+            assert_eq!(
+                p["retries"],
+                of("gpumem_allocator_alloc_retries_total"),
+                "{pid}"
+            );
+            assert_eq!(
+                f[&format!("process.{pid}.allocated")],
+                p["allocated"],
+                "the line-up and the table agree"
+            );
+            let used = of("gpumem_process_used_bytes");
+            assert_eq!(
+                f[&format!("process.{pid}.outside")].as_f64(),
+                Some((used - of("gpumem_allocator_reserved_bytes")).max(0.0)),
+                "{pid}"
+            );
+        }
+    }
+    assert_eq!(pids, 6, "three processes a GPU: {page}");
+    let errors = browser.console_errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+    browser.screenshot("agent-live.png");
+
+    // Turned off, the page and its API are gone; /metrics stays.
+    let (_off, off_port) = spawn_demo(&["--ui", "off"], &dir.join("off.log"));
+    let index = http_get(off_port, "/").expect("the links page");
+    assert!(!index.contains("agent.js"), "{index}");
+    assert!(http_get(off_port, "/api/v1/node").is_none(), "no API");
+    assert!(http_get(off_port, "/assets/agent.js").is_none());
+    assert!(http_get(off_port, "/metrics").is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,137 @@
+// The agent's live page: the line-up of each GPU and the process table, redrawn from
+// /api/v1/node (one scrape of the agent's metrics) every few seconds. Names from the node
+// (pods, configurations) reach the page only as text.
+'use strict';
+
+const SVG = 'http://www.w3.org/2000/svg';
+const $ = (id) => document.getElementById(id);
+const EVERY_MS = 2000;
+// How many times the page has drawn the node, for tests.
+window.gpumemDrawn = 0;
+
+function fmt(bytes) {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+  let unit = 0;
+  while (unit + 1 < units.length && bytes >= 2 ** (10 * (unit + 1))) unit += 1;
+  const value = bytes / 2 ** (10 * unit);
+  return `${unit === 0 ? value : value.toFixed(2)} ${units[unit]}`;
+}
+
+function node(tag, attributes, text) {
+  const svg = ['svg', 'rect', 'title'].includes(tag);
+  const e = svg ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attributes || {})) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = String(text);
+  return e;
+}
+
+function parts(gpu) {
+  const out = [];
+  for (const p of gpu.processes) {
+    out.push({ kind: 'allocated', who: p, bytes: p.allocated, label: `${p.name} (pid ${p.pid}): allocated` });
+    out.push({ kind: 'unallocated', who: p, bytes: p.reserved_unallocated, label: `${p.name} (pid ${p.pid}): reserved, not allocated` });
+    out.push({ kind: 'outside', who: p, bytes: p.outside, label: `${p.name} (pid ${p.pid}): outside the allocator` });
+  }
+  out.push({ kind: 'others', bytes: gpu.other_processes, label: 'other processes' });
+  out.push({ kind: 'unattributed', bytes: gpu.unattributed, label: 'used, no process charged' });
+  out.push({ kind: 'driver', bytes: gpu.driver_reserved, label: 'driver reserved' });
+  out.push({ kind: 'free', bytes: gpu.free, label: 'free' });
+  return out;
+}
+
+function drawGpu(gpu) {
+  const card = node('section', { class: 'gpu', 'data-gpu': gpu.gpu, 'data-uuid': gpu.uuid });
+  card.append(node('h2', {}, `GPU ${gpu.gpu}${gpu.model ? ` (${gpu.model})` : ''}: ` +
+    `${fmt(gpu.used)} used of ${fmt(gpu.total)}`));
+  const width = 900;
+  const svg = node('svg', { viewBox: `0 0 ${width} 28`, class: 'lineup' });
+  const all = parts(gpu);
+  const sum = all.reduce((s, p) => s + p.bytes, 0) || 1;
+  let x = 0;
+  for (const p of all) {
+    if (p.bytes <= 0) continue;
+    const w = (width * p.bytes) / sum;
+    const rect = node('rect', { x: x.toFixed(2), y: 0, width: w.toFixed(2), height: 28, class: `part ${p.kind}` });
+    rect.append(node('title', {}, `${p.label}: ${fmt(p.bytes)}`));
+    svg.append(rect);
+    x += w;
+  }
+  card.append(svg);
+  const table = node('table', { class: 'figures' });
+  const row = (name, field, bytes) => {
+    const tr = node('tr');
+    tr.append(node('th', {}, name));
+    tr.append(node('td', { class: 'num', 'data-field': field, 'data-value': bytes }, fmt(bytes)));
+    table.append(tr);
+  };
+  row('total (nvidia-smi)', 'total', gpu.total);
+  row('used (nvidia-smi)', 'used', gpu.used);
+  for (const p of gpu.processes) {
+    row(`${p.name} (pid ${p.pid}): allocated`, `process.${p.pid}.allocated`, p.allocated);
+    row(`${p.name} (pid ${p.pid}): reserved, not allocated`, `process.${p.pid}.reserved_unallocated`, p.reserved_unallocated);
+    row(`${p.name} (pid ${p.pid}): outside the allocator`, `process.${p.pid}.outside`, p.outside);
+  }
+  row('other processes', 'other_processes', gpu.other_processes);
+  row('used, no process charged', 'unattributed', gpu.unattributed);
+  row('driver reserved', 'driver_reserved', gpu.driver_reserved);
+  row('free', 'free', gpu.free);
+  const details = node('details');
+  details.append(node('summary', {}, 'figures'), table);
+  card.append(details);
+  return card;
+}
+
+function drawProcesses(processes) {
+  const table = $('processes');
+  table.replaceChildren();
+  const head = node('tr');
+  for (const h of ['GPU', 'pid', 'pod', 'allocator', 'configuration', 'reserved', 'allocated',
+    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM']) {
+    head.append(node('th', {}, h));
+  }
+  table.append(head);
+  for (const p of processes) {
+    const tr = node('tr', { 'data-pid': p.pid, 'data-uuid': p.uuid });
+    const cell = (text, field, value) => {
+      const attrs = field ? { 'data-field': field, 'data-value': value } : {};
+      if (typeof value === 'number') attrs.class = 'num';
+      tr.append(node('td', attrs, text));
+    };
+    const pod = p.pod_name ? `${p.pod_namespace}/${p.pod_name}${p.container_name ? ` (${p.container_name})` : ''}` : '';
+    cell(p.gpu); cell(p.pid); cell(pod); cell(p.allocator); cell(p.config || '(default)');
+    cell(fmt(p.reserved), 'reserved', p.reserved);
+    cell(fmt(p.allocated), 'allocated', p.allocated);
+    cell(`${(100 * p.fragmentation).toFixed(1)} %`, 'fragmentation', p.fragmentation);
+    cell(p.largest_free_block === null ? '' : fmt(p.largest_free_block), 'largest_free_block', p.largest_free_block ?? '');
+    cell(String(p.retries), 'retries', p.retries);
+    cell(String(p.ooms), 'ooms', p.ooms);
+    let last = '';
+    if (p.last_oom !== null) {
+      last = new Date(p.last_oom * 1000).toISOString();
+      const kinds = Object.entries(p.oom_breakdown).filter(([, v]) => v > 0)
+        .map(([k, v]) => `${k} ${fmt(v)}`);
+      if (kinds.length) last += `: ${kinds.join(', ')}`;
+    }
+    cell(last);
+    table.append(tr);
+  }
+}
+
+async function refresh() {
+  try {
+    const response = await fetch('api/v1/node');
+    if (!response.ok) throw new Error(`${response.status}: ${await response.text()}`);
+    const view = await response.json();
+    $('gpus').replaceChildren(...view.gpus.map(drawGpu));
+    drawProcesses(view.processes);
+    $('updated').textContent = new Date().toISOString();
+    $('error').textContent = '';
+    window.gpumemDrawn += 1;
+  } catch (error) {
+    $('error').textContent = String(error.message || error);
+  }
+}
+
+$('every').textContent = String(EVERY_MS / 1000);
+refresh();
+setInterval(refresh, EVERY_MS);

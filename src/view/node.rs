@@ -1,0 +1,294 @@
+//! The agent's live view, read off the metric families of one scrape (so it always agrees
+//! with `/metrics`): per GPU the line-up as the dashboards draw it, and a row per process with
+//! an allocator.
+//!
+//! The line-up of a GPU, as the overview dashboard stacks it: what the caching allocators
+//! have allocated, what they reserve beyond that, what their processes use outside them (CUDA
+//! context, NCCL, libraries: NVML's per-process figure minus the allocator's reserved), what
+//! processes without allocator figures use, what nvidia-smi counts used but charges to no
+//! process, the driver's reservation and free memory.
+//!
+//! # Invariants
+//! - Every figure is a series of the scrape, or a sum or difference of them; nothing else is
+//!   read. A process is joined to its allocator by (GPU UUID, pid).
+//! - Differences that NVML's and the allocators' timing can make negative are clamped at 0.
+
+use std::collections::BTreeMap;
+
+use prometheus::proto::MetricFamily;
+use serde::Serialize;
+
+/// The node at one scrape.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct NodeView {
+    /// Its GPUs, by index.
+    pub gpus: Vec<GpuView>,
+    /// Processes with an allocator's figures, by GPU and pid.
+    pub processes: Vec<ProcessRow>,
+}
+
+/// One GPU's line-up.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GpuView {
+    /// Its index.
+    pub gpu: String,
+    /// Its UUID.
+    pub uuid: String,
+    /// Its model.
+    pub model: String,
+    /// nvidia-smi's total, used and free bytes, and the driver's reservation.
+    pub total: f64,
+    /// Used, as nvidia-smi shows it.
+    pub used: f64,
+    /// Free.
+    pub free: f64,
+    /// Reserved by the driver.
+    pub driver_reserved: f64,
+    /// Per process using it: its parts of the line-up.
+    pub processes: Vec<ProcessPart>,
+    /// Used by processes without allocator figures.
+    pub other_processes: f64,
+    /// Counted used by nvidia-smi but charged to no process.
+    pub unattributed: f64,
+}
+
+/// A process's part of a GPU's line-up.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ProcessPart {
+    /// Its pid.
+    pub pid: String,
+    /// `namespace/pod` where known, else the process name.
+    pub name: String,
+    /// Its allocator's allocated bytes.
+    pub allocated: f64,
+    /// Reserved beyond allocated.
+    pub reserved_unallocated: f64,
+    /// Used outside the allocator (NVML's figure minus reserved), where NVML charges it.
+    pub outside: f64,
+}
+
+/// A process with an allocator's figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ProcessRow {
+    /// Its GPU's index.
+    pub gpu: String,
+    /// Its GPU's UUID.
+    pub uuid: String,
+    /// Its pid.
+    pub pid: String,
+    /// Its pod's namespace, name and container, where known.
+    pub pod_namespace: String,
+    /// The pod's name.
+    pub pod_name: String,
+    /// The container's name.
+    pub container_name: String,
+    /// `gpumem` or `pytorch`.
+    pub allocator: String,
+    /// Its configuration.
+    pub config: String,
+    /// Reserved bytes.
+    pub reserved: f64,
+    /// Allocated bytes.
+    pub allocated: f64,
+    /// (reserved − allocated) / reserved.
+    pub fragmentation: f64,
+    /// The largest cached free block, where reported.
+    pub largest_free_block: Option<f64>,
+    /// Allocations that flushed the cache and retried.
+    pub retries: f64,
+    /// Allocations that failed.
+    pub ooms: f64,
+    /// When it last ran out of memory (Unix seconds), where it did.
+    pub last_oom: Option<f64>,
+    /// Where its device's memory was at that OOM, by part, where it said.
+    pub oom_breakdown: BTreeMap<String, f64>,
+}
+
+/// Each series of `name` in `families`: its labels and value.
+fn series<'a>(
+    families: &'a [MetricFamily],
+    name: &str,
+) -> impl Iterator<Item = (BTreeMap<&'a str, &'a str>, f64)> + 'a {
+    let name = name.to_string();
+    families
+        .iter()
+        .filter(move |f| f.name() == name)
+        .flat_map(|f| f.get_metric())
+        .map(|m| {
+            let labels = m
+                .get_label()
+                .iter()
+                .map(|l| (l.name(), l.value()))
+                .collect();
+            let value = m.get_gauge().get_value() + m.get_counter().get_value();
+            (labels, value)
+        })
+}
+
+type ProcKey = (String, String);
+/// A series' labels.
+type Labels<'a> = BTreeMap<&'a str, &'a str>;
+
+fn key(labels: &BTreeMap<&str, &str>) -> ProcKey {
+    let get = |k: &str| labels.get(k).copied().unwrap_or_default().to_string();
+    (get("UUID"), get("pid"))
+}
+
+/// The view of one scrape's `families`.
+pub fn view(families: &[MetricFamily]) -> NodeView {
+    let label = |labels: &BTreeMap<&str, &str>, k: &str| {
+        labels.get(k).copied().unwrap_or_default().to_string()
+    };
+    // Allocators by (UUID, pid).
+    let mut rows: BTreeMap<ProcKey, ProcessRow> = BTreeMap::new();
+    let row = |labels: &BTreeMap<&str, &str>| -> ProcessRow {
+        ProcessRow {
+            gpu: label(labels, "gpu"),
+            uuid: label(labels, "UUID"),
+            pid: label(labels, "pid"),
+            pod_namespace: label(labels, "pod_namespace"),
+            pod_name: label(labels, "pod_name"),
+            container_name: label(labels, "container_name"),
+            allocator: label(labels, "allocator"),
+            ..ProcessRow::default()
+        }
+    };
+    for (labels, v) in series(families, "gpumem_allocator_reserved_bytes") {
+        rows.entry(key(&labels))
+            .or_insert_with(|| row(&labels))
+            .reserved += v;
+    }
+    for (labels, v) in series(families, "gpumem_allocator_allocated_bytes") {
+        rows.entry(key(&labels))
+            .or_insert_with(|| row(&labels))
+            .allocated += v;
+    }
+    let mut each = |name: &str, set: &mut dyn FnMut(&mut ProcessRow, &Labels<'_>, f64)| {
+        for (labels, v) in series(families, name) {
+            if let Some(r) = rows.get_mut(&key(&labels)) {
+                set(r, &labels, v);
+            }
+        }
+    };
+    each("gpumem_allocator_info", &mut |r, l, _| {
+        r.config = l.get("config").copied().unwrap_or_default().to_string();
+    });
+    each(
+        "gpumem_allocator_largest_free_block_bytes",
+        &mut |r, _, v| {
+            r.largest_free_block = Some(v);
+        },
+    );
+    each("gpumem_allocator_alloc_retries_total", &mut |r, _, v| {
+        r.retries = v
+    });
+    each("gpumem_allocator_ooms_total", &mut |r, _, v| r.ooms = v);
+    each(
+        "gpumem_allocator_last_oom_timestamp_seconds",
+        &mut |r, _, v| {
+            r.last_oom = Some(v);
+        },
+    );
+    each("gpumem_oom_breakdown_bytes", &mut |r, l, v| {
+        let kind = l.get("kind").copied().unwrap_or_default().to_string();
+        r.oom_breakdown.insert(kind, v);
+    });
+    for r in rows.values_mut() {
+        r.fragmentation = if r.reserved > 0.0 {
+            (r.reserved - r.allocated).max(0.0) / r.reserved
+        } else {
+            0.0
+        };
+    }
+
+    // GPUs by UUID.
+    let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
+    let gpu = |labels: &BTreeMap<&str, &str>| -> GpuView {
+        GpuView {
+            gpu: label(labels, "gpu"),
+            uuid: label(labels, "UUID"),
+            ..GpuView::default()
+        }
+    };
+    for (name, pick) in [
+        ("gpumem_device_total_bytes", 0),
+        ("gpumem_device_used_bytes", 1),
+        ("gpumem_device_free_bytes", 2),
+        ("gpumem_device_reserved_bytes", 3),
+    ] {
+        for (labels, v) in series(families, name) {
+            let g = gpus
+                .entry(label(&labels, "UUID"))
+                .or_insert_with(|| gpu(&labels));
+            match pick {
+                0 => g.total = v,
+                1 => g.used = v,
+                2 => g.free = v,
+                _ => g.driver_reserved = v,
+            }
+        }
+    }
+    for (labels, _) in series(families, "gpumem_device_info") {
+        if let Some(g) = gpus.get_mut(&label(&labels, "UUID")) {
+            g.model = label(&labels, "model");
+        }
+    }
+    let mut charged: BTreeMap<String, f64> = BTreeMap::new();
+    for (labels, used) in series(families, "gpumem_process_used_bytes") {
+        let k = key(&labels);
+        *charged.entry(k.0.clone()).or_default() += used;
+        let Some(g) = gpus.get_mut(&k.0) else {
+            continue;
+        };
+        match rows.get(&k) {
+            Some(r) => {
+                let name = if r.pod_name.is_empty() {
+                    label(&labels, "process")
+                } else {
+                    format!("{}/{}", r.pod_namespace, r.pod_name)
+                };
+                g.processes.push(ProcessPart {
+                    pid: k.1.clone(),
+                    name,
+                    allocated: r.allocated,
+                    reserved_unallocated: (r.reserved - r.allocated).max(0.0),
+                    outside: (used - r.reserved).max(0.0),
+                });
+            }
+            None => g.other_processes += used,
+        }
+    }
+    // Allocators NVML charges no memory to (a pushed process it does not list) still hold
+    // their reserved memory.
+    for (k, r) in &rows {
+        if let Some(g) = gpus.get_mut(&k.0)
+            && !g.processes.iter().any(|p| p.pid == k.1)
+        {
+            g.processes.push(ProcessPart {
+                pid: k.1.clone(),
+                name: if r.pod_name.is_empty() {
+                    format!("pid {}", k.1)
+                } else {
+                    format!("{}/{}", r.pod_namespace, r.pod_name)
+                },
+                allocated: r.allocated,
+                reserved_unallocated: (r.reserved - r.allocated).max(0.0),
+                outside: 0.0,
+            });
+        }
+    }
+    for g in gpus.values_mut() {
+        g.unattributed = (g.used - charged.get(&g.uuid).copied().unwrap_or(0.0)).max(0.0);
+        g.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
+    }
+    let mut gpus: Vec<GpuView> = gpus.into_values().collect();
+    gpus.sort_by(|a, b| {
+        (a.gpu.parse::<u32>().ok(), &a.gpu).cmp(&(b.gpu.parse::<u32>().ok(), &b.gpu))
+    });
+    let mut processes: Vec<ProcessRow> = rows.into_values().collect();
+    processes.sort_by(|a, b| {
+        (a.gpu.parse::<u32>().ok(), a.pid.parse::<u32>().ok())
+            .cmp(&(b.gpu.parse::<u32>().ok(), b.pid.parse::<u32>().ok()))
+    });
+    NodeView { gpus, processes }
+}
