@@ -135,7 +135,10 @@ async fn demo_serves_the_whole_contract() {
     let breakdown = pushed["oom_breakdown"].as_object().expect("a breakdown");
     assert_eq!(breakdown.len(), 7, "{breakdown:?}");
     assert_eq!(breakdown["fragmented"], 512.0);
-    let sum: f64 = breakdown.values().filter_map(serde_json::Value::as_f64).sum();
+    let sum: f64 = breakdown
+        .values()
+        .filter_map(serde_json::Value::as_f64)
+        .sum();
     assert_eq!(sum, 8192.0, "{breakdown:?}");
     assert_eq!(content_type, EXPOSITION_CONTENT_TYPE);
     for def in CONTRACT {
@@ -204,7 +207,10 @@ async fn demo_serves_the_whole_contract() {
     assert_eq!(status, 200);
     assert!(body.contains(r#"href="metrics""#) && body.contains("assets/agent.js"));
     let (status, content_type, _) = get(router.clone(), "/assets/agent.js").await;
-    assert_eq!((status, content_type.as_str()), (200, "text/javascript; charset=utf-8"));
+    assert_eq!(
+        (status, content_type.as_str()),
+        (200, "text/javascript; charset=utf-8")
+    );
     let (status, _, _) = get(router, "/nope").await;
     assert_eq!(status, 404);
 }

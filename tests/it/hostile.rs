@@ -366,7 +366,6 @@ fn bad_numbers_are_refused() {
         vec!["demo", "--speed=-5"],
         vec!["demo", "--speed", "inf"],
         vec!["demo", "--speed", "0.0001"],
-        vec!["demo", "--ui", "maybe"],
         vec!["serve", "--header-timeout", "0"],
         vec!["serve", "--exited-grace=-1"],
         vec!["serve", "--max-connections", "0"],
