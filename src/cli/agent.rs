@@ -200,7 +200,7 @@ pub(crate) struct DemoArgs {
 fn parse_speed(text: &str) -> Result<f64, String> {
     match number_in(text, 0.0, 10_000.0, "the speed", None)? {
         s if s > 0.0 && s < 0.001 => Err(format!(
-            "the speed is 0 (held) or at least 0.001, not {text}"
+            "the speed is 0 (held) or between 0.001 and 10000, not {text}"
         )),
         s => Ok(s),
     }
