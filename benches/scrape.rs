@@ -67,6 +67,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 labels: Vec::new(),
                 last_oom_unix_seconds: None,
                 last_oom: None,
+                segments: Default::default(),
             }));
         }
     }

@@ -8,12 +8,12 @@
 //! - [`AllocatorSources::replace`] changes only the sources of one [`AllocatorKind`], so the
 //!   ingest never touches the agent's own allocators and the other way round.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use crate::allocator::breakdown::{Breakdown, Kind};
-use crate::allocator::{DeviceStats, SegmentClass};
+use crate::allocator::{DeviceStats, SegmentClass, SegmentInfo};
 
 /// A size nobody has reported.
 pub const UNKNOWN_SIZE: u64 = u64::MAX;
@@ -71,6 +71,41 @@ pub struct AllocatorSource {
     /// The explanation of its last out-of-memory error, where its owner sent the figures (a
     /// pushed process with its OOM push; they stand until the next).
     pub last_oom: Option<LastOom>,
+    /// Its segments, for a live segment map, where its owner holds the allocator.
+    pub segments: SegmentsOnRequest,
+}
+
+/// An allocator's segments, published by the allocator's owner when someone asks: a reader
+/// [`request`](SegmentsOnRequest::request)s them and gets the latest published list; the
+/// owner, on its own schedule (a refresh round, between replay steps), sees that they were
+/// [`wanted`](SegmentsOnRequest::wanted) and publishes a new list if it can take the
+/// allocator without waiting. So nobody pays for the list while nobody looks, and a reader
+/// never holds up an allocation.
+#[derive(Debug, Default)]
+pub struct SegmentsOnRequest {
+    wanted: AtomicBool,
+    latest: Mutex<Option<Arc<Vec<SegmentInfo>>>>,
+}
+
+impl SegmentsOnRequest {
+    /// Asks for a fresh list; the latest published one, if any.
+    pub fn request(&self) -> Option<Arc<Vec<SegmentInfo>>> {
+        self.wanted.store(true, Ordering::Relaxed);
+        self.latest
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether a reader asked since the last call (the owner's question).
+    pub fn wanted(&self) -> bool {
+        self.wanted.swap(false, Ordering::Relaxed)
+    }
+
+    /// Publishes `segments`.
+    pub fn publish(&self, segments: Vec<SegmentInfo>) {
+        *self.latest.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(segments));
+    }
 }
 
 /// The explanation of an out-of-memory error: where the device's memory was, the part most to

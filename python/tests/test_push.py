@@ -514,6 +514,21 @@ class OomFigures(unittest.TestCase):
                "pools": out}
         self.assertIsNone(check_oom(oom))
 
+    def test_figures_that_cannot_add_up_are_not_sent(self):
+        import types
+        import gpumem_push
+        segment = {"device": 0, "total_size": 4 * MIB, "segment_type": "large", "stream": 0,
+                   "blocks": [{"size": 4 * MIB, "state": "active_allocated",
+                               "requested_size": 3 * MIB}]}
+        torch = types.SimpleNamespace(
+            cuda=types.SimpleNamespace(memory_snapshot=lambda: [segment]))
+        ok = gpumem_push._snapshot_summary(torch, (0, MIB, 8 * MIB, 0, 0))
+        self.assertEqual(ok[0]["oom"]["pools"][0]["requested"], 3 * MIB)
+        self.assertIsNone(check_oom(ok[0]["oom"]))
+        # A device smaller than what is reserved on it (a stand-in's zeros): no figures.
+        bad = gpumem_push._snapshot_summary(torch, (0, MIB, 0, 0, 0))
+        self.assertNotIn("oom", bad[0])
+
     def test_observer_arguments_that_are_not_figures_give_no_request(self):
         import gpumem_push
         self.assertIsNone(gpumem_push._oom_request(None, (0, "x", 1, 2)))

@@ -193,14 +193,12 @@ impl<D: Device> CachingAllocator<D> {
         }))
     }
 
-    /// The segments and blocks (`torch.cuda.memory_snapshot()`), plus the trace and the
-    /// settings (`torch.cuda.memory._snapshot()`). Records a `snapshot` trace entry, which
-    /// appears in the next snapshot's trace, as in PyTorch.
-    pub fn snapshot(&mut self) -> Snapshot {
+    /// The segments (a mapped run of an expandable segment counts as one) and their blocks,
+    /// as [`CachingAllocator::snapshot`] lists them, without recording anything: what a live
+    /// view reads.
+    pub fn segment_infos(&self) -> Vec<SegmentInfo> {
         let device = self.device.index();
-        let trace = self.history.entries();
-        let segments: Vec<SegmentInfo> = self
-            .mapped_runs()
+        self.mapped_runs()
             .into_iter()
             .map(|run| {
                 let first = run[0];
@@ -238,7 +236,15 @@ impl<D: Device> CachingAllocator<D> {
                 }
                 segment
             })
-            .collect();
+            .collect()
+    }
+
+    /// The segments and blocks (`torch.cuda.memory_snapshot()`), plus the trace and the
+    /// settings (`torch.cuda.memory._snapshot()`). Records a `snapshot` trace entry, which
+    /// appears in the next snapshot's trace, as in PyTorch.
+    pub fn snapshot(&mut self) -> Snapshot {
+        let trace = self.history.entries();
+        let segments = self.segment_infos();
         let active: u64 = segments.iter().map(|s| s.active_size).sum();
         self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
         let simulated_device = self.device.mem_get_info().ok().map(|info| SimulatedDevice {

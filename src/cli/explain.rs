@@ -60,10 +60,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     let confirm = confirm_command(&args, &e);
     if let Some(file) = &args.html {
-        let name = args.trace.file_name().map_or_else(
-            || args.trace.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let name = super::file_name(&args.trace);
         let page = gpumem::view::explain::page_of(&name, &e, confirm.as_deref());
         std::fs::write(file, page).map_err(|err| super::file_error(file, err))?;
     }

@@ -34,6 +34,14 @@ macro_rules! outln {
 
 pub(crate) use {out, outln};
 
+/// A recording's name as pages and charts title it: its file name (the path where it has none).
+pub(crate) fn file_name(path: &std::path::Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
 /// A file error that names the file.
 pub(crate) fn file_error(path: &std::path::Path, e: std::io::Error) -> std::io::Error {
     std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))

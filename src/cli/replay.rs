@@ -128,10 +128,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 points: &r.series,
             })
             .collect();
-        let title = args.trace.file_name().map_or_else(
-            || args.trace.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let title = super::file_name(&args.trace);
         std::fs::write(path, gpumem::view::timeline::svg(&title, &runs))
             .map_err(|e| super::file_error(path, e))?;
     }

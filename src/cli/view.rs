@@ -30,10 +30,7 @@ pub(crate) struct Args {
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
     let read_done = Instant::now();
-    let name = args.trace.file_name().map_or_else(
-        || args.trace.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
+    let name = super::file_name(&args.trace);
     // The recording lives as long as the process, and the view's cursors borrow it.
     let recording = Box::leak(Box::new(recording));
     let view = Arc::new(RecordingView::new(recording, name, args.capacity));

@@ -23,7 +23,8 @@
 //! - At most [`MAX_POOLS`] (pool, stream) entries, each listed once; every byte figure below
 //!   2^60 and the reserved memory they add up to too, so the sums cannot overflow; requested
 //!   at most allocated, the largest free block at most the free bytes, segments with free
-//!   bytes only where there are free bytes and at most 2^53.
+//!   bytes only where there are free bytes and at most 2^53; the pools reserve at most the
+//!   device's total.
 //! - The breakdown adds up to the device's total as the observer gave it (free is capped at
 //!   what the reserved memory leaves of it, as in the core's own OOM error).
 
@@ -145,6 +146,12 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
         );
     }
     let total = oom.device_total;
+    if accounting.reserved > total {
+        return Err(at(format!(
+            "the pools reserve {} bytes, more than the device's {total}",
+            accounting.reserved
+        )));
+    }
     let free = oom
         .device_free
         .min(total.saturating_sub(accounting.reserved));

@@ -43,7 +43,7 @@ use crate::sources::{
 use crate::telemetry::cgroup::{self, ContainerRef};
 use crate::telemetry::process;
 
-use super::payload::{Reason, Refusal, Rejected, ValidPush, validate};
+use super::payload::{OOM_BREAKDOWN_SERIES, Reason, Refusal, Rejected, ValidPush, validate};
 
 /// The largest step between two sequence numbers of one process.
 pub const MAX_SEQ_JUMP: u64 = 1 << 20;
@@ -244,7 +244,32 @@ impl PushStore {
             // Otherwise a new process under a dead one's pid (or the kernel now names a pid
             // a TCP push claimed): it replaces the old entry.
         }
-        let series = push.series();
+        // What a snapshot or an OOM's explanation from an earlier push keeps exporting (below)
+        // counts as much as what this push brings.
+        let kept_series: usize = previous
+            .and_then(|pid| state.tracked.get(&pid))
+            .map_or(0, |t| {
+                push.devices
+                    .iter()
+                    .filter_map(|d| Some((d, t.sources.iter().find(|s| s.uuid == d.uuid)?)))
+                    .map(|(d, before)| {
+                        let classes = if d.snapshot.is_none() {
+                            2 * before
+                                .segment_classes
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .len()
+                        } else {
+                            0
+                        };
+                        let explanation = d.last_oom.is_none()
+                            && before.last_oom.is_some()
+                            && before.stats.num_ooms.get() >= d.stats.num_ooms.get();
+                        classes + if explanation { OOM_BREAKDOWN_SERIES } else { 0 }
+                    })
+                    .sum()
+            });
+        let series = push.series() + kept_series;
         let replaced = state.tracked.get(&pid).map_or(0, |t| t.series);
         self.make_room(
             &mut state,
@@ -313,6 +338,7 @@ impl PushStore {
                     labels: labels.clone(),
                     last_oom_unix_seconds: last_oom_at,
                     last_oom,
+                    segments: Default::default(),
                 })
             })
             .collect();

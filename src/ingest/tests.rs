@@ -648,6 +648,10 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
             "not below 2^60",
         ),
         (
+            serde_json::json!([pool("large", 0, 2 << 30, 0, 0, 0, 0)]),
+            "more than the device's",
+        ),
+        (
             serde_json::json!([
                 pool("large", 0, huge, 0, 0, 0, 0),
                 pool("large", 1, huge, 0, 0, 0, 0)
@@ -674,4 +678,33 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
     let with = super::payload::validate(&body).expect("valid").series();
     let without = super::payload::validate(&plain).expect("valid").series();
     assert_eq!(with - without, super::payload::OOM_BREAKDOWN_SERIES);
+}
+
+#[test]
+fn an_explanation_kept_from_an_earlier_push_counts_in_the_series_budget() {
+    // 25 series for a plain push of one device, 7 more while an OOM's explanation is kept.
+    let (store, sources) = store_with(IngestConfig {
+        max_series: 25 + 7 + 25 - 1,
+        ..config()
+    });
+    let now = Instant::now();
+    let pools = serde_json::json!([]);
+    store
+        .push_at(&oom_push(1, 1, 1 << 20, 0, pools), None, now)
+        .expect("fits");
+    // The next push of pid 9 brings no OOM, but its explanation stands and is exported.
+    let periodic = serde_json::json!({"pid": 9, "seq": 2,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 1}}]});
+    store
+        .push_at(
+            periodic.to_string().as_bytes(),
+            None,
+            now + Duration::from_secs(1),
+        )
+        .expect("the same series");
+    assert!(sources.snapshot()[0].last_oom.is_some());
+    let err = store
+        .push_at(&payload(2, 1, ok()), None, now + Duration::from_secs(1))
+        .expect_err("the kept series leave no room for another process");
+    assert_eq!(err.refusal, Refusal::SeriesBudget, "{}", err.message);
 }

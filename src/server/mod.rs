@@ -68,6 +68,8 @@ pub struct AppState {
     pub health: Health,
     /// Whether `/` is the live page (with `/api/v1/node`), or only links.
     pub ui: bool,
+    /// The allocators exported, for the live page's segment maps of those this process holds.
+    pub sources: AllocatorSources,
 }
 
 /// Push bodies read at once, by default: 8 × 512 KiB at most.
@@ -85,6 +87,7 @@ impl AppState {
             push_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_PUSH_SLOTS)),
             health: Health::default(),
             ui: true,
+            sources: AllocatorSources::default(),
         }
     }
 }
@@ -108,8 +111,10 @@ pub fn agent_state(
         let store = Arc::clone(&store);
         Arc::new(move || store.report())
     };
-    let metrics = Metrics::new(sources, reports, Some(reader), kubelet)?;
-    Ok(AppState::new(Arc::new(metrics), Some(store)))
+    let metrics = Metrics::new(sources.clone(), reports, Some(reader), kubelet)?;
+    let mut state = AppState::new(Arc::new(metrics), Some(store));
+    state.sources = sources;
+    Ok(state)
 }
 
 /// The router.
@@ -120,15 +125,26 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/", get(index))
         .route("/assets/agent.js", get(agent_script))
+        .route("/assets/map.js", get(map_script))
         .route("/assets/view.css", get(agent_style))
         .route("/api/v1/node", get(node))
+        .route("/api/v1/segments", get(live_segments))
         .route("/api/v1/push", post(push))
         .with_state(state)
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    // Each scrape holds its encoded body until the client has read it: a few at once bound
-    // the agent's memory whatever slow scrapers do.
+    held(&state, EXPOSITION_CONTENT_TYPE, |m| m.encode()).await
+}
+
+/// A body made from the metrics by `make`, held until the client has read it within one of
+/// the scrape slots: a few at once bound the agent's memory whatever slow clients do (the
+/// exposition and the live page's view alike).
+async fn held(
+    state: &AppState,
+    content_type: &'static str,
+    make: impl FnOnce(&Metrics) -> String,
+) -> Response {
     let slot =
         tokio::time::timeout(SCRAPE_WAIT, Arc::clone(&state.scrape_slots).acquire_owned()).await;
     let Ok(Ok(slot)) = slot else {
@@ -138,12 +154,15 @@ async fn metrics(State(state): State<AppState>) -> Response {
         )
             .into_response();
     };
-    // Encoded inline: a scrape takes milliseconds, and staying on the runtime's thread keeps
+    // Made inline: a scrape takes milliseconds, and staying on the runtime's thread keeps
     // the agent to one heap (a blocking-pool thread would grow a second malloc arena as large
     // as the exposition).
-    let body = state.metrics.encode();
+    let body = make(&state.metrics);
     (
-        [(header::CONTENT_TYPE, EXPOSITION_CONTENT_TYPE)],
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
         axum::body::Body::new(HeldBody {
             body: body.into_bytes(),
             sent: 0,
@@ -364,11 +383,14 @@ async fn index(State(state): State<AppState>) -> Response {
 
 const AGENT_PAGE: &str = include_str!("../view/assets/agent.html");
 const AGENT_SCRIPT: &str = include_str!("../view/assets/agent.js");
-const STYLE: &str = include_str!("../view/assets/view.css");
+/// The segment map's drawing, shared with `gpumem view`'s page.
+pub(crate) const MAP_SCRIPT: &str = include_str!("../view/assets/map.js");
+/// The pages' style, shared with `gpumem view`.
+pub(crate) const STYLE: &str = include_str!("../view/assets/view.css");
 
-/// An embedded asset of the live page, under the view's policy (its own script and style
-/// only); 404 with the page turned off.
-fn page_asset(body: &'static str, content_type: &'static str) -> Response {
+/// An embedded asset of a page (the live page's, `gpumem view`'s), under the pages' policy
+/// (their own script and style only), never cached.
+pub(crate) fn page_asset(body: &'static str, content_type: &'static str) -> Response {
     (
         [
             (header::CONTENT_TYPE, content_type),
@@ -391,6 +413,13 @@ async fn agent_script(State(state): State<AppState>) -> Response {
     page_asset(AGENT_SCRIPT, "text/javascript; charset=utf-8")
 }
 
+async fn map_script(State(state): State<AppState>) -> Response {
+    if !state.ui {
+        return ui_off();
+    }
+    page_asset(MAP_SCRIPT, "text/javascript; charset=utf-8")
+}
+
 async fn agent_style(State(state): State<AppState>) -> Response {
     if !state.ui {
         return ui_off();
@@ -398,13 +427,42 @@ async fn agent_style(State(state): State<AppState>) -> Response {
     page_asset(STYLE, "text/css; charset=utf-8")
 }
 
-/// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
-async fn node(State(state): State<AppState>) -> Response {
+#[derive(serde::Deserialize)]
+struct Allocator {
+    uuid: String,
+    pid: u32,
+}
+
+/// The segment map of an allocator this process holds (`?uuid=GPU-…&pid=N`), as its owner
+/// last published it; asking makes the owner publish a fresh one at its next round (so the
+/// first answer may be 202 "not yet": ask again).
+async fn live_segments(
+    State(state): State<AppState>,
+    axum::extract::Query(at): axum::extract::Query<Allocator>,
+) -> Response {
     if !state.ui {
         return ui_off();
     }
-    let view = crate::view::node::view(&state.metrics.gather());
-    match serde_json::to_string(&view) {
+    let held = state.sources.snapshot().into_iter().find(|s| {
+        s.uuid == at.uuid && s.pid == at.pid && s.allocator == crate::sources::AllocatorKind::Gpumem
+    });
+    let Some(source) = held else {
+        return (
+            StatusCode::NOT_FOUND,
+            "no allocator of this process has that GPU and pid (pushed processes' segments are not known)\n",
+        )
+            .into_response();
+    };
+    let Some(segments) = source.segments.request() else {
+        // Accepted: the owner publishes them at its next round.
+        return (
+            StatusCode::ACCEPTED,
+            "not yet: the allocator publishes its segments at its next round; ask again\n",
+        )
+            .into_response();
+    };
+    let map = crate::view::segments::map(&segments, source.gpu, None, None);
+    match serde_json::to_string(&map) {
         Ok(body) => (
             [
                 (header::CONTENT_TYPE, "application/json"),
@@ -415,8 +473,19 @@ async fn node(State(state): State<AppState>) -> Response {
             .into_response(),
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
-            "the view could not be written\n",
+            "the map could not be written\n",
         )
             .into_response(),
     }
+}
+
+/// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
+async fn node(State(state): State<AppState>) -> Response {
+    if !state.ui {
+        return ui_off();
+    }
+    held(&state, "application/json", |m| {
+        serde_json::to_string(&crate::view::node::view(&m.gather())).unwrap_or_default()
+    })
+    .await
 }

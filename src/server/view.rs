@@ -12,7 +12,11 @@
 //! # Invariants
 //! - Only requests whose `Host` is the address the view listens on (or `localhost`,
 //!   `127.0.0.1` or `[::1]`, with its port or none) are answered: a page of another site that a DNS
-//!   rebinding points at this port is refused with 421, so it cannot read the recording.
+//!   rebinding points at this port is refused with 421, so it cannot read the recording. A
+//!   request another site's page sends here (`Sec-Fetch-Site: cross-site`, or an `Origin`
+//!   not the view's) is refused with 403 before any work, so it cannot make the view replay.
+//! - At most [`REPLAYS_AT_ONCE`] replays run at once; a request waits up to 30 s for its turn,
+//!   then is refused with 503.
 //! - Every page and asset is sent with a Content-Security-Policy that allows only this
 //!   origin's script and style and no network beyond it; replies are never cached.
 //! - Work that replays runs off the event loop, one request at a time per cursor
@@ -35,13 +39,19 @@ pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'se
 
 const INDEX: &str = include_str!("../view/assets/index.html");
 const SCRIPT: &str = include_str!("../view/assets/view.js");
-const STYLE: &str = include_str!("../view/assets/view.css");
 
 #[derive(Clone)]
 struct ViewState {
     view: Arc<RecordingView>,
     hosts: Arc<Vec<String>>,
+    /// Replays running at once.
+    work: Arc<tokio::sync::Semaphore>,
 }
+
+/// Replays (maps, timelines, explanations) running at once; more wait their turn.
+pub const REPLAYS_AT_ONCE: usize = 2;
+/// How long a request waits for its turn before it is refused (503).
+const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The `Host` values a view listening on `port` answers to, beside `listen` itself: the
 /// loopback names, with the port or without (a rebinding page's requests carry its own
@@ -60,19 +70,26 @@ pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
     let state = ViewState {
         view,
         hosts: Arc::new(hosts),
+        work: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE)),
     };
     Router::new()
         .route(
             "/",
-            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
+            get(|| async { super::page_asset(INDEX, "text/html; charset=utf-8") }),
         )
         .route(
             "/assets/view.js",
-            get(|| async { asset(SCRIPT, "text/javascript; charset=utf-8") }),
+            get(|| async { super::page_asset(SCRIPT, "text/javascript; charset=utf-8") }),
+        )
+        .route(
+            "/assets/map.js",
+            get(|| async {
+                super::page_asset(super::MAP_SCRIPT, "text/javascript; charset=utf-8")
+            }),
         )
         .route(
             "/assets/view.css",
-            get(|| async { asset(STYLE, "text/css; charset=utf-8") }),
+            get(|| async { super::page_asset(super::STYLE, "text/css; charset=utf-8") }),
         )
         .route("/api/v1/recording", get(recording))
         .route("/api/v1/timeline.svg", get(timeline))
@@ -88,6 +105,16 @@ async fn check_host(State(state): State<ViewState>, request: Request, next: Next
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
         .map(str::to_ascii_lowercase);
+    // A page of another site may send requests here blindly (no rebinding needed); it is
+    // refused before any work is done.
+    let cross_site = is_cross_site(request.headers(), &state.hosts);
+    if cross_site {
+        return (
+            StatusCode::FORBIDDEN,
+            "this view answers only its own page (a request from another site)\n",
+        )
+            .into_response();
+    }
     match host {
         Some(h) if state.hosts.contains(&h) => {
             let mut response = next.run(request).await;
@@ -111,8 +138,18 @@ async fn check_host(State(state): State<ViewState>, request: Request, next: Next
     }
 }
 
-fn asset(body: &'static str, content_type: &'static str) -> Response {
-    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+/// Whether a request came from another site's page: the browser says so, or its `Origin`
+/// is not one of the view's own.
+fn is_cross_site(headers: &axum::http::HeaderMap, hosts: &[String]) -> bool {
+    let get = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_ascii_lowercase)
+    };
+    get("sec-fetch-site").is_some_and(|site| site == "cross-site")
+        || get("origin")
+            .is_some_and(|origin| !hosts.iter().any(|h| origin == format!("http://{h}")))
 }
 
 /// `device` and, where the route needs one, `event`; `config` for a what-if.
@@ -132,7 +169,9 @@ struct At {
 fn error(e: &ViewError) -> Response {
     let status = match e {
         ViewError::BadRequest(_) => StatusCode::BAD_REQUEST,
-        ViewError::Replay(_) | ViewError::Explain(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        ViewError::Replay(_) | ViewError::Explain(_) | ViewError::Diverged(_) => {
+            StatusCode::UNPROCESSABLE_ENTITY
+        }
     };
     (status, format!("{e}\n")).into_response()
 }
@@ -148,12 +187,21 @@ fn json(value: &impl serde::Serialize) -> Response {
     }
 }
 
-/// Runs `work` on the blocking pool (replays take milliseconds to seconds) and answers with
-/// `ok` of its value, or its error.
+/// Runs `work` on the blocking pool (replays take milliseconds to seconds) in its turn (at
+/// most [`REPLAYS_AT_ONCE`]) and answers with `ok` of its value, or its error.
 async fn reply<T: Send + 'static>(
+    state: &ViewState,
     work: impl FnOnce() -> Result<T, ViewError> + Send + 'static,
     ok: impl FnOnce(T) -> Response,
 ) -> Response {
+    let turn = tokio::time::timeout(TURN_WAIT, Arc::clone(&state.work).acquire_owned()).await;
+    let Ok(Ok(_turn)) = turn else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy replaying; ask again\n",
+        )
+            .into_response();
+    };
     match tokio::task::spawn_blocking(work).await {
         Ok(Ok(value)) => ok(value),
         Ok(Err(e)) => error(&e),
@@ -168,6 +216,7 @@ async fn recording(State(state): State<ViewState>) -> Response {
 async fn timeline(State(state): State<ViewState>, Query(of): Query<Of>) -> Response {
     let view = Arc::clone(&state.view);
     reply(
+        &state,
         move || view.timeline(of.device, of.config.as_deref()),
         |svg| ([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response(),
     )
@@ -177,6 +226,7 @@ async fn timeline(State(state): State<ViewState>, Query(of): Query<Of>) -> Respo
 async fn segments(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
     let view = Arc::clone(&state.view);
     reply(
+        &state,
         move || view.segments(at.device, at.event, at.config.as_deref()),
         |map| json(&map),
     )
@@ -185,5 +235,10 @@ async fn segments(State(state): State<ViewState>, Query(at): Query<At>) -> Respo
 
 async fn explain(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
     let view = Arc::clone(&state.view);
-    reply(move || view.explain(at.device, at.event), |e| json(&*e)).await
+    reply(
+        &state,
+        move || view.explain(at.device, at.event),
+        |e| json(&*e),
+    )
+    .await
 }

@@ -149,6 +149,8 @@ struct Run<'a> {
     spare: Option<CachingAllocator<SimDevice>>,
     started: Instant,
     finished_at: Option<Instant>,
+    /// The event after which its recording reserved the most (where `--speed 0` holds it).
+    peak: usize,
 }
 
 impl SimNode {
@@ -216,6 +218,7 @@ impl SimNode {
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
                     last_oom: None,
+                    segments: Default::default(),
                 }));
                 allocators.push((which, alloc));
             }
@@ -362,6 +365,13 @@ fn replay_loop(
             spare: Some(alloc),
             started: Instant::now(),
             finished_at: None,
+            peak: crate::trace::explain::peak_reserved_event(
+                recordings[which]
+                    .device_traces
+                    .first()
+                    .map_or(&[][..], Vec::as_slice),
+            )
+            .unwrap_or(0),
         })
         .collect();
     while !stop.load(Ordering::Relaxed) {
@@ -393,17 +403,17 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
         run.offsets.partition_point(|&t| t <= elapsed_us)
     } else {
         // A still picture: each process held where its recording reserved the most.
-        let events = run
-            .recording
-            .device_traces
-            .first()
-            .map_or(&[][..], Vec::as_slice);
-        crate::trace::explain::peak_reserved_event(events).map_or(0, |i| i + 1)
+        run.peak + 1
     };
     replayer.advance_to(due).map_err(|e| e.to_string())?;
     run.source
         .largest_free_block
         .store(replayer.allocator().largest_free_block(), Ordering::Relaxed);
+    if run.source.segments.wanted() {
+        run.source
+            .segments
+            .publish(replayer.allocator().segment_infos());
+    }
     let classes = replayer.allocator().segments_by_size();
     *run.source
         .segment_classes

@@ -5,6 +5,8 @@
 //! # Invariants
 //! - A block freed in the trace (its `free_completed`) before the moment has no stack from
 //!   the trace; an address reused later takes the stack of its latest allocation.
+//! - The final segments name a block only if its address is allocated nowhere in the trace:
+//!   otherwise the block there at the end may be a later allocation at the same address.
 //! - Blocks the recording says nothing of get [`StackId::EMPTY`].
 
 use rustc_hash::FxHashMap;
@@ -36,11 +38,20 @@ impl BlockStacks {
                 _ => {}
             }
         }
+        let allocated_in_trace: rustc_hash::FxHashSet<u64> = recording
+            .device_traces
+            .get(device)
+            .into_iter()
+            .flatten()
+            .filter(|e| e.action == TraceAction::Alloc)
+            .map(|e| e.addr)
+            .collect();
         let at_end = recording
             .segments
             .iter()
             .filter(|s| s.device as usize == device)
             .flat_map(|s| s.blocks.iter().map(|b| (b.address, b.stack)))
+            .filter(|(address, _)| !allocated_in_trace.contains(address))
             .collect();
         BlockStacks { live, at_end }
     }

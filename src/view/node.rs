@@ -259,11 +259,13 @@ pub fn view(families: &[MetricFamily]) -> NodeView {
         }
     }
     // Allocators NVML charges no memory to (a pushed process it does not list) still hold
-    // their reserved memory.
+    // their reserved memory, which nvidia-smi counts used: it comes out of the unattributed.
+    let mut uncharged: BTreeMap<String, f64> = BTreeMap::new();
     for (k, r) in &rows {
         if let Some(g) = gpus.get_mut(&k.0)
             && !g.processes.iter().any(|p| p.pid == k.1)
         {
+            *uncharged.entry(k.0.clone()).or_default() += r.reserved;
             g.processes.push(ProcessPart {
                 pid: k.1.clone(),
                 name: if r.pod_name.is_empty() {
@@ -278,7 +280,9 @@ pub fn view(families: &[MetricFamily]) -> NodeView {
         }
     }
     for g in gpus.values_mut() {
-        g.unattributed = (g.used - charged.get(&g.uuid).copied().unwrap_or(0.0)).max(0.0);
+        let accounted = charged.get(&g.uuid).copied().unwrap_or(0.0)
+            + uncharged.get(&g.uuid).copied().unwrap_or(0.0);
+        g.unattributed = (g.used - accounted).max(0.0);
         g.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
     }
     let mut gpus: Vec<GpuView> = gpus.into_values().collect();

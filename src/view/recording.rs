@@ -5,13 +5,16 @@
 //! The recorded configuration is replayed as the fidelity check does (every address as
 //! recorded); a what-if configuration follows the check's readings. One cursor per device
 //! and configuration stays where the last map left it, so moving the slider forward replays
-//! only the events in between (backward starts again).
+//! only the events in between (backward starts again). Requests for one cursor wait for each
+//! other; those for other cursors, timelines and explanations do not (the caches are locked
+//! only to look up and insert).
 //!
 //! # Invariants (budgets)
 //! - A configuration string is at most [`MAX_CONFIG_BYTES`] and must parse; an event index
 //!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
 //! - At most [`MAX_CURSORS`] cursors, [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`]
-//!   explanations are kept (the oldest go first), so memory does not grow with requests.
+//!   explanations are kept (the least recently used go first), and one set of readings per
+//!   device, so memory does not grow with requests.
 //! - The browser gets down-sampled series ([`SERIES_POINTS`] a run) and one event's map at a
 //!   time, never the recording.
 
@@ -51,6 +54,12 @@ pub enum ViewError {
     /// The explanation could not be made.
     #[error(transparent)]
     Explain(#[from] ExplainError),
+    /// The exact replay differed from the recording before the event asked for: the state
+    /// there would not be the recording's.
+    #[error(
+        "the replay differed from the recording at event {0}; `gpumem replay --check` shows where"
+    )]
+    Diverged(usize),
 }
 
 /// A device of the recording, and its moments of interest.
@@ -78,7 +87,8 @@ pub struct Overview {
 }
 
 type Key = (u32, Option<String>);
-/// Values by key, oldest first.
+/// Values by key, the least recently used first; the lock is held only to look up and to
+/// insert, never while a value is computed.
 type Cache<K, V> = Mutex<Vec<(K, Arc<V>)>>;
 
 /// A recording being viewed.
@@ -87,17 +97,34 @@ pub struct RecordingView {
     name: String,
     capacity: Option<u64>,
     readings: Cache<u32, Readings>,
-    cursors: Mutex<Vec<(Key, Cursor<'static>)>>,
+    cursors: Cache<Key, Mutex<Cursor<'static>>>,
     timelines: Cache<Key, ReplayReport>,
     explanations: Cache<(u32, usize), Explanation>,
 }
 
-/// Keeps at most `max` entries, dropping the oldest.
-fn bounded<T>(list: &mut Vec<T>, max: usize) {
+/// The value of `key`, moved to the back (the most recently used).
+fn cached<K: PartialEq, V>(cache: &Cache<K, V>, key: &K) -> Option<Arc<V>> {
+    let mut list = cache.lock().unwrap_or_else(PoisonError::into_inner);
+    let at = list.iter().position(|(k, _)| k == key)?;
+    let entry = list.remove(at);
+    let value = Arc::clone(&entry.1);
+    list.push(entry);
+    Some(value)
+}
+
+/// Keeps `value` under `key` (or the value another request kept meanwhile), dropping the
+/// least recently used beyond `max`; the value kept.
+fn keep<K: PartialEq, V>(cache: &Cache<K, V>, key: K, value: Arc<V>, max: usize) -> Arc<V> {
+    let mut list = cache.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, kept)) = list.iter().find(|(k, _)| *k == key) {
+        return Arc::clone(kept);
+    }
+    list.push((key, Arc::clone(&value)));
     if list.len() > max {
         let excess = list.len() - max;
         list.drain(..excess);
     }
+    value
 }
 
 impl RecordingView {
@@ -191,30 +218,23 @@ impl RecordingView {
     }
 
     fn readings(&self, device: u32) -> Result<Arc<Readings>, ViewError> {
-        let mut list = self.readings.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, r)) = list.iter().find(|(d, _)| *d == device) {
-            return Ok(Arc::clone(r));
+        if let Some(r) = cached(&self.readings, &device) {
+            return Ok(r);
         }
+        // Found without the lock (a whole check replay): requests for other devices go on.
         let options = ReplayOptions {
             device,
             capacity: self.capacity,
             ..ReplayOptions::default()
         };
         let readings = Arc::new(Readings::of(self.recording, &options)?);
-        list.push((device, Arc::clone(&readings)));
-        Ok(readings)
+        Ok(keep(&self.readings, device, readings, usize::MAX))
     }
 
     fn run(&self, device: u32, config: Option<&str>) -> Result<Arc<ReplayReport>, ViewError> {
         let key: Key = (device, config.map(str::to_string));
-        if let Some((_, r)) = self
-            .timelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find(|(k, _)| *k == key)
-        {
-            return Ok(Arc::clone(r));
+        if let Some(r) = cached(&self.timelines, &key) {
+            return Ok(r);
         }
         let options = ReplayOptions {
             series_points: SERIES_POINTS,
@@ -227,13 +247,7 @@ impl RecordingView {
             &readings,
             &mut |_, _| {},
         )?);
-        let mut list = self
-            .timelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        list.push((key, Arc::clone(&report)));
-        bounded(&mut list, MAX_TIMELINES);
-        Ok(report)
+        Ok(keep(&self.timelines, key, report, MAX_TIMELINES))
     }
 
     /// The timeline of `device` as recorded and, where given, under `what_if`, as SVG over
@@ -278,21 +292,31 @@ impl RecordingView {
         let event = self.event(device, event)?;
         let key: Key = (device, what_if.map(str::to_string));
         let options = self.options(device, what_if)?;
-        let readings = self.readings(device)?;
-        let mut cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = match cursors.iter().position(|(k, _)| *k == key) {
-            Some(at) => at,
+        let cursor = match cached(&self.cursors, &key) {
+            Some(cursor) => cursor,
             None => {
+                let readings = self.readings(device)?;
                 let cursor = Cursor::new(self.recording, &options, &readings)?;
-                cursors.push((key, cursor));
-                bounded(&mut cursors, MAX_CURSORS);
-                cursors.len() - 1
+                keep(
+                    &self.cursors,
+                    key,
+                    Arc::new(Mutex::new(cursor)),
+                    MAX_CURSORS,
+                )
             }
         };
-        let cursor = &mut cursors[at].1;
+        // Only this cursor's requests wait for its replay.
+        let mut cursor = cursor.lock().unwrap_or_else(PoisonError::into_inner);
         cursor.seek(event)?;
-        let snapshot = cursor.snapshot();
-        Ok(segments::map(self.recording, device, event, &snapshot))
+        if let Some(d) = cursor.divergence().filter(|d| d.index <= event) {
+            return Err(ViewError::Diverged(d.index));
+        }
+        // Read without recording a `snapshot` entry: the check compares the core's own trace.
+        let segments = cursor.allocator().segment_infos();
+        // A what-if replay places blocks at its own addresses: the recording's stacks are
+        // named by the recorded ones.
+        let recording = what_if.is_none().then_some(self.recording);
+        Ok(segments::map(&segments, device, Some(event), recording))
     }
 
     /// The explanation of `device`'s event `event`.
@@ -301,14 +325,8 @@ impl RecordingView {
     /// As [`RecordingView::segments`].
     pub fn explain(&self, device: u32, event: usize) -> Result<Arc<Explanation>, ViewError> {
         let event = self.event(device, event)?;
-        if let Some((_, e)) = self
-            .explanations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find(|(k, _)| *k == (device, event))
-        {
-            return Ok(Arc::clone(e));
+        if let Some(e) = cached(&self.explanations, &(device, event)) {
+            return Ok(e);
         }
         let e = Arc::new(explain(
             self.recording,
@@ -316,12 +334,11 @@ impl RecordingView {
             At::Event(event),
             self.capacity,
         )?);
-        let mut list = self
-            .explanations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        list.push(((device, event), Arc::clone(&e)));
-        bounded(&mut list, MAX_EXPLANATIONS);
-        Ok(e)
+        Ok(keep(
+            &self.explanations,
+            (device, event),
+            e,
+            MAX_EXPLANATIONS,
+        ))
     }
 }

@@ -1,6 +1,7 @@
 //! The segment map: every segment of a device at one moment, its blocks in address order with
-//! their sizes and states, and the stacks that allocated the live ones; and the largest live
-//! blocks. Plain data (serde) that the web view draws.
+//! their sizes and states, and (at a moment of a recording) the stacks that allocated the
+//! live ones; and the largest live blocks. Plain data (serde) that the web pages draw: the
+//! view of a recording, and the agent's live page for allocators its process holds.
 //!
 //! # Invariants (budgets)
 //! - At most [`MAX_SEGMENTS`] segments and [`MAX_BLOCKS`] blocks are listed (in address
@@ -14,7 +15,7 @@
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::allocator::{BlockState, Snapshot};
+use crate::allocator::{BlockState, SegmentInfo};
 use crate::trace::Recording;
 use crate::trace::block_stacks::BlockStacks;
 use crate::trace::frames::StackId;
@@ -31,8 +32,8 @@ pub const TOP_BLOCKS: usize = 20;
 /// One device's segments at one moment.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct SegmentMap {
-    /// The moment: just after this event.
-    pub event: usize,
+    /// The moment of a recording: just after this event (`None` for a live allocator).
+    pub event: Option<usize>,
     /// Reserved bytes (all segments, listed or not).
     pub reserved: u64,
     /// Allocated bytes (live and pending-free blocks).
@@ -92,19 +93,33 @@ pub struct TopBlock {
     pub stack: Option<usize>,
 }
 
-/// The map of `device`'s segments in `snapshot`, taken just after `event` of `recording`.
-pub fn map(recording: &Recording, device: u32, event: usize, snapshot: &Snapshot) -> SegmentMap {
-    let events = recording
-        .device_traces
-        .get(device as usize)
-        .map_or(&[][..], |t| &t[..(event + 1).min(t.len())]);
-    let stacks = BlockStacks::new(recording, device as usize, events);
+/// The map of `device`'s `segments`, taken just after `event` of a recording where it is
+/// one; with `recording` (whose addresses the segments must carry: the exact replay's, not a
+/// what-if's), the stacks that allocated their blocks.
+pub fn map(
+    segments: &[SegmentInfo],
+    device: u32,
+    event: Option<usize>,
+    recording: Option<&Recording>,
+) -> SegmentMap {
+    let stacks = recording.zip(event).map(|(recording, event)| {
+        let events = recording
+            .device_traces
+            .get(device as usize)
+            .map_or(&[][..], |t| &t[..(event + 1).min(t.len())]);
+        (
+            recording,
+            BlockStacks::new(recording, device as usize, events),
+        )
+    });
     let mut out = SegmentMap {
         event,
         ..SegmentMap::default()
     };
     let mut stack_index: FxHashMap<StackId, usize> = FxHashMap::default();
-    let mut index_of = |stack: StackId, out: &mut SegmentMap| -> Option<usize> {
+    let mut index_of = |address: u64, out: &mut SegmentMap| -> Option<usize> {
+        let (recording, stacks) = stacks.as_ref()?;
+        let stack: StackId = stacks.of(address);
         let frames = recording.frames.frames_of(stack);
         if frames.is_empty() {
             return None;
@@ -121,11 +136,7 @@ pub fn map(recording: &Recording, device: u32, event: usize, snapshot: &Snapshot
         }))
     };
     let mut live: Vec<(u64, u64, u64)> = Vec::new();
-    let mut segments: Vec<_> = snapshot
-        .segments
-        .iter()
-        .filter(|s| s.device == device)
-        .collect();
+    let mut segments: Vec<_> = segments.iter().filter(|s| s.device == device).collect();
     segments.sort_by_key(|s| s.address);
     for segment in segments {
         out.segments_total += 1;
@@ -151,7 +162,7 @@ pub fn map(recording: &Recording, device: u32, event: usize, snapshot: &Snapshot
                 let stack = if b.state == BlockState::Inactive {
                     None
                 } else {
-                    index_of(stacks.of(b.address), &mut out)
+                    index_of(b.address, &mut out)
                 };
                 blocks.push(MapBlock {
                     offset: b.address - segment.address,
@@ -174,7 +185,7 @@ pub fn map(recording: &Recording, device: u32, event: usize, snapshot: &Snapshot
     }
     live.sort_by(|a, b| b.cmp(a));
     for &(size, address, requested) in live.iter().take(TOP_BLOCKS) {
-        let stack = index_of(stacks.of(address), &mut out);
+        let stack = index_of(address, &mut out);
         out.top.push(TopBlock {
             address,
             size,

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gpumem::allocator::TraceAction;
+use gpumem::allocator::{BlockState, TraceAction};
 use gpumem::device::StreamId;
 use gpumem::trace::explain::{At, explain};
 use gpumem::trace::read_recording;
@@ -45,18 +45,30 @@ fn spawn_view(file: &Path, log: &Path) -> (Reaper, u16) {
     (view, port)
 }
 
-/// A raw GET with the given `Host`; the status code.
-fn status_with_host(port: u16, host: &str) -> Option<u16> {
+/// A raw GET of `path` with the given `Host` (and `Origin`, where given): the status code and
+/// the body.
+fn get_with(port: u16, path: &str, host: &str, origin: Option<&str>) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .ok()?;
+    let origin = origin.map_or(String::new(), |o| format!("Origin: {o}\r\n"));
     write!(
         stream,
-        "GET /api/v1/recording HTTP/1.0\r\nHost: {host}\r\n\r\n"
+        "GET {path} HTTP/1.0\r\nHost: {host}\r\n{origin}\r\n"
     )
     .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
-    response.split_whitespace().nth(1)?.parse().ok()
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    Some((
+        head.split_whitespace().nth(1)?.parse().ok()?,
+        body.to_string(),
+    ))
+}
+
+fn status_with_host(port: u16, host: &str) -> Option<u16> {
+    get_with(port, "/api/v1/recording", host, None).map(|(status, _)| status)
 }
 
 /// Waits until the recorded map shows `event`; its number of segment rows.
@@ -121,11 +133,51 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         status_with_host(port, &format!("localhost:{port}")),
         Some(200)
     );
+    // Another site's page cannot make it replay.
+    let (status, _) = get_with(
+        port,
+        "/api/v1/timeline.svg?device=0&config=expandable_segments:True",
+        "127.0.0.1",
+        Some("http://evil.example"),
+    )
+    .expect("answers");
+    assert_eq!(status, 403);
+    // Bad requests are refused with their reason, and the view goes on.
+    let long = "x".repeat(600);
+    for (path, says) in [
+        (
+            "/api/v1/segments?device=0&event=99999".to_string(),
+            "outside device 0's trace",
+        ),
+        ("/api/v1/segments?device=7&event=0".to_string(), "no trace"),
+        ("/api/v1/segments?device=0".to_string(), "event"),
+        ("/api/v1/segments?device=0&event=-1".to_string(), "event"),
+        (
+            "/api/v1/segments?device=0&event=1&config=bogus:1".to_string(),
+            "bogus",
+        ),
+        (
+            format!("/api/v1/timeline.svg?device=0&config={long}"),
+            "at most 512 bytes",
+        ),
+        (
+            "/api/v1/explain?device=0&event=184467440737095516160".to_string(),
+            "event",
+        ),
+    ] {
+        let (status, body) = get_with(port, &path, "127.0.0.1", None).expect("answers");
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body.contains(says), "{path}: {body}");
+    }
 
     let browser = Browser::start();
     browser.open(&format!("http://127.0.0.1:{port}/"));
-    // The page opens at the first OOM.
+    // The page opens at the first OOM, and explains it (fetched after the map).
     assert_eq!(rows_at(&browser, oom), segments_at(oom));
+    wait_for(Duration::from_secs(60), || {
+        (browser.eval("return document.getElementById('explain').hidden;") == false).then_some(())
+    })
+    .expect("the explanation is shown");
     let shown = browser.eval(
         "return {sentence: document.getElementById('sentence').textContent, \
                  hidden: document.getElementById('explain').hidden, \
@@ -175,6 +227,38 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         browser.eval("return document.getElementById('explain').hidden;"),
         true
     );
+
+    // Forward again, past the frees that split the segment: the map is the replayed state
+    // at that event, block by block (a cursor that stopped early would show another).
+    let later = events
+        .iter()
+        .rposition(|e| e.action == TraceAction::FreeCompleted)
+        .expect("frees");
+    browser.eval(&format!(
+        "const s = document.getElementById('slider'); s.value = '{later}'; \
+         s.dispatchEvent(new Event('input')); return true;"
+    ));
+    assert_eq!(rows_at(&browser, later), segments_at(later));
+    let drawn = browser.eval(
+        "return Array.from(document.querySelectorAll('#map-recorded rect')).map(r => r.dataset.state);",
+    );
+    let (mut alloc, _) = state_after(&rec, 0, total, later).expect("replays");
+    let mut replayed = alloc.snapshot().segments;
+    replayed.sort_by_key(|s| s.address);
+    let expected: Vec<&str> = replayed
+        .iter()
+        .flat_map(|s| {
+            let split = s.blocks.len() > 1;
+            s.blocks.iter().map(move |b| match b.state {
+                BlockState::ActiveAllocated => "allocated",
+                BlockState::ActivePendingFree => "pending_free",
+                BlockState::Inactive if split => "inactive_split",
+                BlockState::Inactive => "free",
+            })
+        })
+        .collect();
+    assert!(expected.len() > 20, "{expected:?}");
+    assert_eq!(drawn, serde_json::json!(expected), "block by block");
 
     // A what-if configuration beside the recorded one.
     browser.eval(
@@ -416,6 +500,35 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
         }
     }
     assert_eq!(pids, 6, "three processes a GPU: {page}");
+    // The segments of an allocator the demo holds, drawn on request.
+    browser.eval("document.querySelector('#processes button.segments').click(); return true;");
+    let rows = wait_for(Duration::from_secs(30), || {
+        browser
+            .eval("const s = document.querySelectorAll('#map svg g.segment'); return s.length || null;")
+            .as_u64()
+    })
+    .expect("the live map is drawn");
+    let first = &page["processes"][0];
+    let (uuid, pid) = (
+        first["uuid"].as_str().expect("uuid"),
+        first["pid"].as_str().expect("pid"),
+    );
+    let api = http_get(port, &format!("/api/v1/segments?uuid={uuid}&pid={pid}")).expect("the map");
+    let map: serde_json::Value = serde_json::from_str(&api).expect("json");
+    assert_eq!(map["segments_total"], rows, "{api}");
+    assert_eq!(
+        map["reserved"].as_f64(),
+        Some(metric_sum(
+            &exposition,
+            "gpumem_allocator_reserved_bytes",
+            &[("UUID", uuid), ("pid", pid)]
+        )),
+        "the map holds the reserved memory"
+    );
+    assert!(
+        http_get(port, &format!("/api/v1/segments?uuid={uuid}&pid=1")).is_none(),
+        "not held"
+    );
     let errors = browser.console_errors();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     browser.screenshot("agent-live.png");

@@ -122,6 +122,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
                     last_oom: None,
+                    segments: Default::default(),
                 });
                 register_metrics(Arc::clone(&source));
                 Some(DeviceSlot { allocator, source })
@@ -248,7 +249,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             return;
         }
     };
-    let metrics = match Metrics::new(sources, Vec::new(), None, Default::default()) {
+    let metrics = match Metrics::new(sources.clone(), Vec::new(), None, Default::default()) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             report(&format!("metrics unavailable: {e}"));
@@ -267,7 +268,8 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             };
             runtime.block_on(async move {
                 tokio::spawn(refresh_cache_figures());
-                let state = gpumem::server::AppState::new(metrics, None);
+                let mut state = gpumem::server::AppState::new(metrics, None);
+                state.sources = sources;
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
@@ -288,15 +290,21 @@ fn start_server(listen: &str, sources: AllocatorSources) {
     }
 }
 
-/// Publishes each allocator's largest free block and segments by size every second, skipping
-/// an allocator whose lock is busy rather than making an allocation wait.
+/// Publishes each allocator's largest free block and segments by size every second, and its
+/// segments where the live page asked for them, skipping an allocator whose lock is busy
+/// rather than making an allocation wait.
 async fn refresh_cache_figures() {
     loop {
         for slot in SLOTS.iter().filter_map(|s| s.get()).flatten() {
-            let figures = slot
-                .allocator
-                .try_with(|a| (a.largest_free_block(), a.segments_by_size()));
-            if let Some((largest, classes)) = figures {
+            let wanted = slot.source.segments.wanted();
+            let figures = slot.allocator.try_with(|a| {
+                let segments = wanted.then(|| a.segment_infos());
+                (a.largest_free_block(), a.segments_by_size(), segments)
+            });
+            if let Some((largest, classes, segments)) = figures {
+                if let Some(segments) = segments {
+                    slot.source.segments.publish(segments);
+                }
                 slot.source
                     .largest_free_block
                     .store(largest, Ordering::Relaxed);

@@ -357,11 +357,6 @@ impl<'a> Cursor<'a> {
         &self.engine.alloc
     }
 
-    /// The allocator's snapshot now.
-    pub fn snapshot(&mut self) -> crate::allocator::Snapshot {
-        self.engine.alloc.snapshot()
-    }
-
     /// Where the replay first differed from the recording, if it did (check replays).
     pub fn divergence(&self) -> Option<&Divergence> {
         self.engine.divergence.as_ref()

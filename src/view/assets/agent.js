@@ -3,27 +3,15 @@
 // (pods, configurations) reach the page only as text.
 'use strict';
 
-const SVG = 'http://www.w3.org/2000/svg';
+const { fmt, node, drawMap } = window.gpumem;
 const $ = (id) => document.getElementById(id);
 const EVERY_MS = 2000;
+// The allocator whose segments are shown ({uuid, pid}), if any.
+let mapOf = null;
 // How many times the page has drawn the node, for tests.
 window.gpumemDrawn = 0;
 
-function fmt(bytes) {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
-  let unit = 0;
-  while (unit + 1 < units.length && bytes >= 2 ** (10 * (unit + 1))) unit += 1;
-  const value = bytes / 2 ** (10 * unit);
-  return `${unit === 0 ? value : value.toFixed(2)} ${units[unit]}`;
-}
 
-function node(tag, attributes, text) {
-  const svg = ['svg', 'rect', 'title'].includes(tag);
-  const e = svg ? document.createElementNS(SVG, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attributes || {})) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = String(text);
-  return e;
-}
 
 function parts(gpu) {
   const out = [];
@@ -86,7 +74,7 @@ function drawProcesses(processes) {
   table.replaceChildren();
   const head = node('tr');
   for (const h of ['GPU', 'pid', 'pod', 'allocator', 'configuration', 'reserved', 'allocated',
-    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM']) {
+    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM', '']) {
     head.append(node('th', {}, h));
   }
   table.append(head);
@@ -113,6 +101,17 @@ function drawProcesses(processes) {
       if (kinds.length) last += `: ${kinds.join(', ')}`;
     }
     cell(last);
+    const td = node('td');
+    if (p.allocator === 'gpumem') {
+      // This process holds the allocator: its segments can be drawn.
+      const b = node('button', { type: 'button', class: 'segments' }, 'segments');
+      b.addEventListener('click', () => {
+        mapOf = { uuid: p.uuid, pid: p.pid };
+        refresh();
+      });
+      td.append(b);
+    }
+    tr.append(td);
     table.append(tr);
   }
 }
@@ -124,12 +123,26 @@ async function refresh() {
     const view = await response.json();
     $('gpus').replaceChildren(...view.gpus.map(drawGpu));
     drawProcesses(view.processes);
+    if (mapOf) await refreshMap();
     $('updated').textContent = new Date().toISOString();
     $('error').textContent = '';
     window.gpumemDrawn += 1;
   } catch (error) {
     $('error').textContent = String(error.message || error);
   }
+}
+
+async function refreshMap() {
+  const q = new URLSearchParams(mapOf).toString();
+  const response = await fetch(`api/v1/segments?${q}`);
+  $('live-map').hidden = false;
+  $('map-title').textContent = `Segments of pid ${mapOf.pid} on ${mapOf.uuid}`;
+  if (response.status === 202) {
+    $('map-summary').textContent = await response.text();
+    return;
+  }
+  if (!response.ok) throw new Error(`${response.status}: ${await response.text()}`);
+  drawMap($('map'), $('map-summary'), await response.json());
 }
 
 $('every').textContent = String(EVERY_MS / 1000);

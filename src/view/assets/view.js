@@ -3,27 +3,13 @@
 // text nodes or attribute values, never as markup.
 'use strict';
 
-const SVG = 'http://www.w3.org/2000/svg';
+const { fmt, node, drawMap, stackText } = window.gpumem;
 const $ = (id) => document.getElementById(id);
 const state = { overview: null, device: 0, event: 0, whatIf: '', events: 0 };
 // Milliseconds each map took to arrive and draw, for the tests' log.
 window.gpumemTimings = [];
 
-function fmt(bytes) {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
-  let unit = 0;
-  while (unit + 1 < units.length && bytes >= 2 ** (10 * (unit + 1))) unit += 1;
-  const value = bytes / 2 ** (10 * unit);
-  return `${unit === 0 ? value : value.toFixed(2)} ${units[unit]}`;
-}
 
-function node(tag, attributes, text) {
-  const svg = ['svg', 'rect', 'g', 'line', 'title', 'text'].includes(tag);
-  const e = svg ? document.createElementNS(SVG, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attributes || {})) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = String(text);
-  return e;
-}
 
 async function get(path, kind) {
   const response = await fetch(path);
@@ -161,45 +147,11 @@ async function requestMaps() {
   } finally {
     inflight = false;
   }
+  // The slider moved while a request failed: draw where it ended.
+  if (again) requestMaps();
 }
 
-function stackText(map, index) {
-  return index === null || index === undefined ? '' : map.stacks[index].join('\n');
-}
 
-function drawMap(container, summary, map) {
-  const width = 880;
-  const row = 16;
-  const label = 90;
-  const height = Math.max(row, map.segments.length * row);
-  const svg = node('svg', {
-    viewBox: `0 0 ${width + label} ${height}`,
-    'data-event': map.event,
-  });
-  map.segments.forEach((segment, i) => {
-    const g = node('g', { class: 'segment', transform: `translate(0 ${i * row})` });
-    g.append(node('text', { x: label - 6, y: row - 4, 'text-anchor': 'end', 'font-size': 11 }, fmt(segment.size)));
-    for (const block of segment.blocks) {
-      const x = label + (width * block.offset) / segment.size;
-      const w = Math.max(0.5, (width * block.size) / segment.size);
-      const rect = node('rect', {
-        x: x.toFixed(2), y: 1, width: w.toFixed(2), height: row - 2,
-        class: `block ${block.state}`, 'data-state': block.state,
-      });
-      const frames = stackText(map, block.stack);
-      const asked = block.state === 'allocated' ? `, ${fmt(block.requested)} requested` : '';
-      rect.append(node('title', {}, `${block.state.replace('_', ' ')}: ${fmt(block.size)}${asked}` +
-        ` at +${block.offset}, stream ${segment.stream}, ${segment.pool} pool${frames ? `\n${frames}` : ''}`));
-      g.append(rect);
-    }
-    svg.append(g);
-  });
-  container.replaceChildren(svg);
-  const left = map.segments_total - map.segments.length;
-  const plural = map.segments_total === 1 ? 'segment' : 'segments';
-  summary.textContent = `${map.segments_total} ${plural}, ${fmt(map.reserved)} reserved, ` +
-    `${fmt(map.allocated)} allocated` + (left > 0 ? ` (${left} segments not drawn)` : '');
-}
 
 function cell(text, numeric) {
   return node('td', numeric ? { class: 'num' } : {}, text);

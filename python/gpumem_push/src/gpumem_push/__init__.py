@@ -405,8 +405,14 @@ def _snapshot_summary(torch, request=None):
     if request is not None:
         device, size, device_total, device_free, stream = request
         entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
-        entry["oom"] = {"size": size, "stream": stream, "device_total": device_total,
-                        "device_free": device_free, "pools": _oom_pools(entry["pools"], stream)}
+        reserved = sum(f["allocated"] + f["pending_free"] + f["free"]
+                       for f in entry["pools"].values())
+        # Figures that cannot add up (a device smaller than what is reserved on it) explain
+        # nothing; the agent would refuse the whole push for them.
+        if reserved <= device_total:
+            entry["oom"] = {"size": size, "stream": stream, "device_total": device_total,
+                            "device_free": device_free,
+                            "pools": _oom_pools(entry["pools"], stream)}
     return summary
 
 
