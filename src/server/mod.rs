@@ -485,7 +485,8 @@ async fn node(State(state): State<AppState>) -> Response {
         return ui_off();
     }
     held(&state, "application/json", |m| {
-        serde_json::to_string(&crate::view::node::view(&m.gather())).unwrap_or_default()
+        let sources = state.sources.snapshot();
+        serde_json::to_string(&crate::view::node::view(&m.gather(), &sources)).unwrap_or_default()
     })
     .await
 }

@@ -10,13 +10,16 @@
 //!
 //! # Invariants
 //! - Every figure is a series of the scrape, or a sum or difference of them; nothing else is
-//!   read. A process is joined to its allocator by (GPU UUID, pid).
+//!   read but the last OOM's sentence (from its allocator source). A process is joined to its
+//!   allocator by (GPU UUID, pid).
 //! - Differences that NVML's and the allocators' timing can make negative are clamped at 0.
 
 use std::collections::BTreeMap;
 
 use prometheus::proto::MetricFamily;
 use serde::Serialize;
+
+use crate::sources::AllocatorSource;
 
 /// The node at one scrape.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -102,6 +105,8 @@ pub struct ProcessRow {
     pub last_oom: Option<f64>,
     /// Where its device's memory was at that OOM, by part, where it said.
     pub oom_breakdown: BTreeMap<String, f64>,
+    /// That OOM's explanation in one sentence, where its figures were sent.
+    pub oom_why: Option<String>,
 }
 
 /// Each series of `name` in `families`: its labels and value.
@@ -134,8 +139,21 @@ fn key(labels: &BTreeMap<&str, &str>) -> ProcKey {
     (get("UUID"), get("pid"))
 }
 
-/// The view of one scrape's `families`.
-pub fn view(families: &[MetricFamily]) -> NodeView {
+/// The view of one scrape's `families`, with the sentences of the last OOMs that `sources`
+/// explain (a sentence is not a metric).
+pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource>]) -> NodeView {
+    let mut view = from_families(families);
+    for row in &mut view.processes {
+        row.oom_why = sources
+            .iter()
+            .find(|s| s.uuid == row.uuid && s.pid.to_string() == row.pid)
+            .and_then(|s| s.last_oom.as_ref())
+            .map(|o| o.why.clone());
+    }
+    view
+}
+
+fn from_families(families: &[MetricFamily]) -> NodeView {
     let label = |labels: &BTreeMap<&str, &str>, k: &str| {
         labels.get(k).copied().unwrap_or_default().to_string()
     };

@@ -140,6 +140,13 @@ async fn demo_serves_the_whole_contract() {
         .filter_map(serde_json::Value::as_f64)
         .sum();
     assert_eq!(sum, 8192.0, "{breakdown:?}");
+    // With its sentence: 4 MiB asked of a device of 8 KiB.
+    assert!(
+        pushed["oom_why"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("No allocator setting avoids this")),
+        "{pushed}"
+    );
     assert_eq!(content_type, EXPOSITION_CONTENT_TYPE);
     for def in CONTRACT {
         let present = body.lines().any(|l| {

@@ -16,12 +16,21 @@ use gpumem_torch::{
 const MIB: usize = 1 << 20;
 
 fn metrics(port: u16) -> Option<String> {
+    get(port, "/metrics").map(|(_, body)| body)
+}
+
+/// A GET on loopback: the status code and the body.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
     let mut text = String::new();
     stream.read_to_string(&mut text).ok()?;
-    Some(text)
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    Some((
+        head.split_whitespace().nth(1)?.parse().ok()?,
+        body.to_string(),
+    ))
 }
 
 fn free_port() -> u16 {
@@ -123,6 +132,41 @@ fn entry_points_on_simulated_gpus() {
     assert!(text.contains(&format!("pid=\"{}\"", std::process::id())));
     assert!(text.contains(r#"config="max_split_size_mb:64""#));
     assert!(text.contains(r#"gpumem_source_up{source="allocator"} 1"#));
+
+    // The live page, and the segments of the job's own allocator, published on request.
+    let (status, page) = get(port, "/").expect("the page");
+    assert_eq!(status, 200);
+    assert!(page.contains("assets/agent.js"), "{page}");
+    let uuid = text
+        .lines()
+        .find(|l| l.starts_with("gpumem_allocator_reserved_bytes{"))
+        .and_then(|l| l.split("UUID=\"").nth(1)?.split('"').next())
+        .expect("a UUID")
+        .to_string();
+    let live = gpumem_alloc(5 * MIB, 0, stream);
+    assert!(!live.is_null());
+    let path = format!("/api/v1/segments?uuid={uuid}&pid={}", std::process::id());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let map = loop {
+        match get(port, &path) {
+            Some((200, body)) => break body,
+            Some((202, _)) | None => {}
+            Some(other) => panic!("{path}: {other:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the segments are published within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let map: serde_json::Value = serde_json::from_str(&map).expect("json");
+    let reserved = memory_stats(0).expect("open")["reserved_bytes.all.current"];
+    assert_eq!(map["reserved"], reserved, "{map}");
+    assert!(
+        map["segments_total"].as_u64().is_some_and(|n| n >= 1),
+        "{map}"
+    );
+    gpumem_free(live, 5 * MIB, 0, stream);
 }
 
 fn library() -> PathBuf {

@@ -74,7 +74,7 @@ function drawProcesses(processes) {
   table.replaceChildren();
   const head = node('tr');
   for (const h of ['GPU', 'pid', 'pod', 'allocator', 'configuration', 'reserved', 'allocated',
-    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM', '']) {
+    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM', 'why', '']) {
     head.append(node('th', {}, h));
   }
   table.append(head);
@@ -101,6 +101,7 @@ function drawProcesses(processes) {
       if (kinds.length) last += `: ${kinds.join(', ')}`;
     }
     cell(last);
+    cell(p.oom_why || '');
     const td = node('td');
     if (p.allocator === 'gpumem') {
       // This process holds the allocator: its segments can be drawn.
