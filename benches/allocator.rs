@@ -12,6 +12,10 @@
 //!   `data/traces`), replayed in their order; blocks still live at the end are freed so that
 //!   every pass starts from the same state. Reported per event.
 //!
+//! `recorded` also runs PyTorch's own allocator design (`pytorch_design`: the C++17 peer in
+//! `baseline/`, with its sets, heap blocks, flat hash maps, locks and stat arrays), after
+//! checking that it returns gpumem's addresses and statistics on the same events.
+//!
 //! Each group also runs offset-allocator behind a pointer map (`offset_allocator_by_address`):
 //! it frees by handle, while gpumem, like PyTorch's allocator, is handed back only the
 //! address and must look the block up. That row prices the interface, not the algorithm; the
@@ -29,6 +33,7 @@ use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::workload::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
+use gpumem_baseline::{PytorchDesign, stat_names};
 use offset_allocator::{Allocation, Allocator};
 use rustc_hash::FxHashMap;
 
@@ -38,9 +43,12 @@ const LIVE: usize = 2_000;
 /// Precomputed operations, replayed cyclically.
 const SEQUENCE: usize = 1 << 16;
 
+/// Both allocators' device: 1 TiB.
+const CAPACITY: u64 = 1 << 40;
+
 fn gpumem_allocator() -> CachingAllocator<SimDevice> {
     CachingAllocator::new(
-        SimDevice::new(SimConfig::with_capacity(1 << 40)),
+        SimDevice::new(SimConfig::with_capacity(CAPACITY)),
         AllocatorConfig::default(),
     )
 }
@@ -219,6 +227,40 @@ fn recorded_events(file: &str) -> (Vec<Event>, usize) {
     (events, slots)
 }
 
+/// Checks, before anything is timed, that PyTorch's design (the C++ peer) makes gpumem's
+/// decisions on `events`: the same address for every allocation, and the same statistics
+/// after the pass.
+fn same_decisions(name: &str, events: &[Event], slots: usize) {
+    let mut ours = gpumem_allocator();
+    let mut theirs = PytorchDesign::new(CAPACITY);
+    let mut live = vec![DevicePtr::NULL; slots];
+    for (i, event) in events.iter().enumerate() {
+        match *event {
+            Event::Alloc { slot, size } => {
+                let a = ours.malloc(size, StreamId::DEFAULT).expect("fits");
+                let b = theirs.malloc(size, 0).expect("fits");
+                assert_eq!(
+                    a.0, b,
+                    "{name}: event {i}: gpumem and PyTorch's design place {size} bytes apart"
+                );
+                live[slot] = a;
+            }
+            Event::Free { slot } => {
+                ours.free(live[slot]).expect("live");
+                assert!(theirs.free(live[slot].0), "{name}: event {i}: freed");
+            }
+        }
+    }
+    let stats = ours.memory_stats();
+    for (key, value) in stat_names().iter().zip(theirs.stats()) {
+        assert_eq!(
+            stats.get(key.as_str()).copied(),
+            Some(value),
+            "{name}: {key}"
+        );
+    }
+}
+
 fn recorded(c: &mut Criterion) {
     let mut group = c.benchmark_group("recorded");
     for (name, file) in [
@@ -226,6 +268,7 @@ fn recorded(c: &mut Criterion) {
         ("lm_fwd_bwd", "cs336_lm_fwd_bwd_step.noframes.json.gz"),
     ] {
         let (events, slots) = recorded_events(file);
+        same_decisions(name, &events, slots);
         group.throughput(Throughput::Elements(events.len() as u64));
         group.bench_function(format!("gpumem/{name}"), |b| {
             let mut a = gpumem_allocator();
@@ -238,6 +281,23 @@ fn recorded(c: &mut Criterion) {
                                 a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
                         }
                         Event::Free { slot } => a.free(live[slot]).expect("live"),
+                    }
+                }
+            });
+        });
+        group.bench_function(format!("pytorch_design/{name}"), |b| {
+            let mut a = PytorchDesign::new(CAPACITY);
+            let mut live = vec![0u64; slots];
+            b.iter(|| {
+                for event in &events {
+                    match *event {
+                        Event::Alloc { slot, size } => {
+                            live[slot] = a.malloc(black_box(size), 0).expect("fits");
+                        }
+                        Event::Free { slot } => {
+                            let freed = a.free(live[slot]);
+                            debug_assert!(freed);
+                        }
                     }
                 }
             });
