@@ -229,11 +229,12 @@ fn recorded_events(file: &str) -> (Vec<Event>, usize) {
 
 /// Checks, before anything is timed, that PyTorch's design (the C++ peer) makes gpumem's
 /// decisions on `events`: the same address for every allocation, and the same statistics
-/// after the pass.
+/// after every event.
 fn same_decisions(name: &str, events: &[Event], slots: usize) {
     let mut ours = gpumem_allocator();
     let mut theirs = PytorchDesign::new(CAPACITY);
     let mut live = vec![DevicePtr::NULL; slots];
+    let names = stat_names();
     for (i, event) in events.iter().enumerate() {
         match *event {
             Event::Alloc { slot, size } => {
@@ -250,14 +251,14 @@ fn same_decisions(name: &str, events: &[Event], slots: usize) {
                 assert!(theirs.free(live[slot].0), "{name}: event {i}: freed");
             }
         }
-    }
-    let stats = ours.memory_stats();
-    for (key, value) in stat_names().iter().zip(theirs.stats()) {
-        assert_eq!(
-            stats.get(key.as_str()).copied(),
-            Some(value),
-            "{name}: {key}"
-        );
+        let stats = ours.memory_stats();
+        for (key, value) in names.iter().zip(theirs.stats()) {
+            assert_eq!(
+                stats.get(key.as_str()).copied(),
+                Some(value),
+                "{name}: event {i}: {key}"
+            );
+        }
     }
 }
 

@@ -76,25 +76,31 @@ pub struct AllocatorSource {
 }
 
 /// An allocator's segments, published by the allocator's owner when someone asks: a reader
-/// [`request`](SegmentsOnRequest::request)s them and gets the latest published list; the
-/// owner, on its own schedule (a refresh round, between replay steps), sees that they were
-/// [`wanted`](SegmentsOnRequest::wanted) and publishes a new list if it can take the
-/// allocator without waiting. So nobody pays for the list while nobody looks, and a reader
-/// never holds up an allocation.
+/// [`request`](SegmentsOnRequest::request)s them and gets the latest list if it is fresh
+/// (published within [`SEGMENTS_FRESH`]); the owner, on its own schedule (a refresh round,
+/// between replay steps), sees that they were [`wanted`](SegmentsOnRequest::wanted) and
+/// publishes a new list if it can take the allocator without waiting (else it asks itself
+/// again for the next round). So nobody pays for the list while nobody looks, a reader never
+/// holds up an allocation, and no reader is shown an old map as a current one.
 #[derive(Debug, Default)]
 pub struct SegmentsOnRequest {
     wanted: AtomicBool,
-    latest: Mutex<Option<Arc<Vec<SegmentInfo>>>>,
+    latest: Mutex<Option<(Instant, Arc<Vec<SegmentInfo>>)>>,
 }
 
+/// How old a published list may be and still be served.
+pub const SEGMENTS_FRESH: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl SegmentsOnRequest {
-    /// Asks for a fresh list; the latest published one, if any.
+    /// Asks for a fresh list; the latest published one, if it is fresh.
     pub fn request(&self) -> Option<Arc<Vec<SegmentInfo>>> {
         self.wanted.store(true, Ordering::Relaxed);
         self.latest
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() <= SEGMENTS_FRESH)
+            .map(|(_, segments)| Arc::clone(segments))
     }
 
     /// Whether a reader asked since the last call (the owner's question).
@@ -102,9 +108,15 @@ impl SegmentsOnRequest {
         self.wanted.swap(false, Ordering::Relaxed)
     }
 
+    /// Keeps the question for the owner's next round (it could not answer this one).
+    pub fn ask_again(&self) {
+        self.wanted.store(true, Ordering::Relaxed);
+    }
+
     /// Publishes `segments`.
     pub fn publish(&self, segments: Vec<SegmentInfo>) {
-        *self.latest.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(segments));
+        *self.latest.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((Instant::now(), Arc::new(segments)));
     }
 }
 

@@ -74,8 +74,11 @@ impl PytorchDesign {
 
     /// Frees the block at `ptr`; whether it was allocated.
     pub fn free(&mut self, ptr: u64) -> bool {
-        // SAFETY: `raw` is live until drop; an unknown address is refused, not dereferenced.
-        unsafe { gpumem_baseline_free(self.raw, ptr) == 0 }
+        // 0 is no block's address (the C++ table also refuses it).
+        ptr != 0
+            // SAFETY: `raw` is live until drop; an unknown address is refused, not
+            // dereferenced.
+            && unsafe { gpumem_baseline_free(self.raw, ptr) == 0 }
     }
 
     /// The statistics, named by [`stat_names`].
@@ -107,6 +110,7 @@ mod tests {
         assert_eq!(q, p + 1024, "split from the same 2 MiB small segment");
         assert!(a.free(p) && a.free(q));
         assert!(!a.free(q), "a second free is refused");
+        assert!(!a.free(0) && !a.free(12345), "no block there");
         let names = stat_names();
         let stats = a.stats();
         let get = |key: &str| stats[names.iter().position(|n| n == key).expect(key)];
@@ -117,5 +121,7 @@ mod tests {
         assert_eq!(get("inactive_split.all.current"), 0, "merged back whole");
         assert_eq!(get("num_device_alloc"), 1);
         assert!(a.malloc(2 << 30, 0).is_none(), "more than the device");
+        assert!(a.malloc(u64::MAX - 100, 0).is_none(), "no overflow");
+        assert!(a.malloc(0, 0).is_none());
     }
 }

@@ -113,8 +113,9 @@ template <typename Value> class FlatMap {
     values_[i] = value;
   }
 
-  // Removes `key`; its value, or a default one when absent.
+  // Removes `key`; its value, or a default one when absent (0 is never a key).
   Value take(uint64_t key) {
+    if (key == 0) return Value();
     size_t i = slot(key);
     while (keys_[i] != key) {
       if (keys_[i] == 0) return Value();
@@ -135,6 +136,7 @@ template <typename Value> class FlatMap {
       j = (j + 1) & mask_;
     }
     keys_[hole] = 0;
+    values_[hole] = Value();
     --count_;
     return value;
   }
@@ -177,6 +179,8 @@ class DeviceCachingAllocator {
 
   Block *malloc(uint64_t orig_size, uint64_t stream) {
     std::unique_lock<std::recursive_mutex> lock(mutex_);
+    // More than the device can never be served (and would overflow the rounding).
+    if (orig_size == 0 || orig_size > capacity_) return nullptr;
     const uint64_t size = round_size(orig_size);
     BlockPool &pool = size <= kSmallSize ? small_blocks_ : large_blocks_;
     Block key(stream, size);
@@ -228,7 +232,7 @@ class DeviceCachingAllocator {
     // The simulated driver: 2 MiB-aligned addresses in order (segments are never released
     // here), within the device's capacity.
     const uint64_t reserved = static_cast<uint64_t>(stats_.reserved_bytes[0].current);
-    if (reserved + size > capacity_) return nullptr;
+    if (size > capacity_ - reserved) return nullptr;
     const uint64_t ptr = next_address_;
     next_address_ += (size + kAlignment - 1) / kAlignment * kAlignment;
     const int p = pool.is_small ? 1 : 2;
@@ -273,7 +277,7 @@ class DeviceCachingAllocator {
     }
     block->allocated = true;
     block->requested_size = orig_size;
-    active_blocks_.insert(block->ptr, block);
+    active_blocks_.insert(reinterpret_cast<uintptr_t>(block), block);
     const int p = pool->is_small ? 1 : 2;
     for (int s : {0, p}) {
       update_stat(stats_.inactive_split[s], split_blocks);
@@ -301,7 +305,7 @@ class DeviceCachingAllocator {
         split_bytes -= static_cast<int64_t>(subsumed);
       }
     }
-    active_blocks_.take(block->ptr);
+    active_blocks_.take(reinterpret_cast<uintptr_t>(block));
     pool->blocks.insert(block);
     if (block->is_split()) {
       split_blocks += 1;

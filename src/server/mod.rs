@@ -1,8 +1,8 @@
 //! The HTTP shell: `/metrics` (text exposition), `/healthz` (liveness: the runtime answers and
 //! every polling loop keeps finishing rounds, whatever the sources say), `/readyz` (readiness:
 //! every loop's first round is done), `/` (the live page, drawn from `GET /api/v1/node`:
-//! `view::node` over one gather of the same metrics; with [`AppState::ui`] off, only links)
-//! and,
+//! `view::node` over one gather of the same metrics, and `GET /api/v1/segments` for the
+//! allocators this process holds; with [`AppState::ui`] off, only links) and,
 //! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
 //! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
 //! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] serves it
@@ -443,10 +443,10 @@ async fn live_segments(
     if !state.ui {
         return ui_off();
     }
-    let held = state.sources.snapshot().into_iter().find(|s| {
+    let found = state.sources.snapshot().into_iter().find(|s| {
         s.uuid == at.uuid && s.pid == at.pid && s.allocator == crate::sources::AllocatorKind::Gpumem
     });
-    let Some(source) = held else {
+    let Some(source) = found else {
         return (
             StatusCode::NOT_FOUND,
             "no allocator of this process has that GPU and pid (pushed processes' segments are not known)\n",
@@ -462,21 +462,9 @@ async fn live_segments(
             .into_response();
     };
     let map = crate::view::segments::map(&segments, source.gpu, None, None);
-    match serde_json::to_string(&map) {
-        Ok(body) => (
-            [
-                (header::CONTENT_TYPE, "application/json"),
-                (header::CACHE_CONTROL, "no-store"),
-            ],
-            body,
-        )
-            .into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the map could not be written\n",
-        )
-            .into_response(),
-    }
+    // Within the scrape slots: a map of many blocks is a body of megabytes.
+    let body = serde_json::to_string(&map).unwrap_or_default();
+    held(&state, "application/json", move |_| body).await
 }
 
 /// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.

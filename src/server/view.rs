@@ -13,8 +13,9 @@
 //! - Only requests whose `Host` is the address the view listens on (or `localhost`,
 //!   `127.0.0.1` or `[::1]`, with its port or none) are answered: a page of another site that a DNS
 //!   rebinding points at this port is refused with 421, so it cannot read the recording. A
-//!   request another site's page sends here (`Sec-Fetch-Site: cross-site`, or an `Origin`
-//!   not the view's) is refused with 403 before any work, so it cannot make the view replay.
+//!   request another page sends here (`Sec-Fetch-Site` other than `same-origin` or `none`, or
+//!   an `Origin` not the view's own address and port) is refused with 403 before any work, so
+//!   it cannot make the view replay.
 //! - At most [`REPLAYS_AT_ONCE`] replays run at once; a request waits up to 30 s for its turn,
 //!   then is refused with 503.
 //! - Every page and asset is sent with a Content-Security-Policy that allows only this
@@ -138,8 +139,9 @@ async fn check_host(State(state): State<ViewState>, request: Request, next: Next
     }
 }
 
-/// Whether a request came from another site's page: the browser says so, or its `Origin`
-/// is not one of the view's own.
+/// Whether a request came from another page than the view's own: the browser says it is not
+/// same-origin (nor typed by the user), or its `Origin` is not the view's address with its
+/// port.
 fn is_cross_site(headers: &axum::http::HeaderMap, hosts: &[String]) -> bool {
     let get = |name: &str| {
         headers
@@ -147,9 +149,18 @@ fn is_cross_site(headers: &axum::http::HeaderMap, hosts: &[String]) -> bool {
             .and_then(|h| h.to_str().ok())
             .map(str::to_ascii_lowercase)
     };
-    get("sec-fetch-site").is_some_and(|site| site == "cross-site")
-        || get("origin")
-            .is_some_and(|origin| !hosts.iter().any(|h| origin == format!("http://{h}")))
+    // Only the page itself (same origin) or the user (typing the address) may ask.
+    get("sec-fetch-site").is_some_and(|site| site != "same-origin" && site != "none")
+        || get("origin").is_some_and(|origin| {
+            // An origin names its port: the port-less loopback names do not match one.
+            !hosts
+                .iter()
+                .filter(|h| {
+                    h.rsplit_once(':')
+                        .is_some_and(|(_, port)| !port.contains(']'))
+                })
+                .any(|h| origin == format!("http://{h}"))
+        })
 }
 
 /// `device` and, where the route needs one, `event`; `config` for a what-if.
@@ -195,12 +206,18 @@ async fn reply<T: Send + 'static>(
     ok: impl FnOnce(T) -> Response,
 ) -> Response {
     let turn = tokio::time::timeout(TURN_WAIT, Arc::clone(&state.work).acquire_owned()).await;
-    let Ok(Ok(_turn)) = turn else {
+    let Ok(Ok(turn)) = turn else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             "busy replaying; ask again\n",
         )
             .into_response();
+    };
+    // The turn ends with the work, not with the request: a client that goes away does not
+    // free a turn its replay still uses.
+    let work = move || {
+        let _turn = turn;
+        work()
     };
     match tokio::task::spawn_blocking(work).await {
         Ok(Ok(value)) => ok(value),

@@ -298,9 +298,12 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         }
     }
     for g in gpus.values_mut() {
-        let accounted = charged.get(&g.uuid).copied().unwrap_or(0.0)
-            + uncharged.get(&g.uuid).copied().unwrap_or(0.0);
-        g.unattributed = (g.used - accounted).max(0.0);
+        // What NVML charges to no process holds the uncharged allocators' memory; where it
+        // cannot (a pid NVML names differently, counted among other processes), they fit in
+        // what is left and nothing is counted twice.
+        let left = (g.used - charged.get(&g.uuid).copied().unwrap_or(0.0)).max(0.0);
+        let uncharged = uncharged.get(&g.uuid).copied().unwrap_or(0.0);
+        g.unattributed = (left - uncharged).max(0.0);
         g.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
     }
     let mut gpus: Vec<GpuView> = gpus.into_values().collect();

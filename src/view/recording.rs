@@ -306,7 +306,17 @@ impl RecordingView {
             }
         };
         // Only this cursor's requests wait for its replay.
-        let mut cursor = cursor.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cursor = match cursor.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => {
+                // A replay that panicked midway left the cursor anywhere: start it again.
+                let mut guard = poisoned.into_inner();
+                let readings = self.readings(device)?;
+                *guard = Cursor::new(self.recording, &options, &readings)?;
+                cursor.clear_poison();
+                guard
+            }
+        };
         cursor.seek(event)?;
         if let Some(d) = cursor.divergence().filter(|d| d.index <= event) {
             return Err(ViewError::Diverged(d.index));

@@ -5,8 +5,10 @@
 //! it). Each device gets one thread-safe allocator, created on first use and configured from
 //! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax). With `GPUMEM_METRICS_LISTEN`
 //! set (for example `127.0.0.1:9418`), a background thread serves the allocators' counters on
-//! `/metrics`, with the agent's metric contract; it never holds an allocator's lock while
-//! an allocation waits.
+//! `/metrics`, with the agent's metric contract, and the agent's live page at `/` with the
+//! segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns the page off). It
+//! never waits for an allocator's lock: figures are read with `try_lock` once a second (a
+//! segment list, O(blocks) under the lock, only while the page asks for it).
 //!
 //! # Invariants
 //! - No panic crosses the C boundary: every entry point catches unwinding and reports it.
@@ -270,6 +272,7 @@ fn start_server(listen: &str, sources: AllocatorSources) {
                 tokio::spawn(refresh_cache_figures());
                 let mut state = gpumem::server::AppState::new(metrics, None);
                 state.sources = sources;
+                state.ui = std::env::var("GPUMEM_METRICS_UI").map_or(true, |v| v != "off");
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
@@ -301,6 +304,9 @@ async fn refresh_cache_figures() {
                 let segments = wanted.then(|| a.segment_infos());
                 (a.largest_free_block(), a.segments_by_size(), segments)
             });
+            if figures.is_none() && wanted {
+                slot.source.segments.ask_again();
+            }
             if let Some((largest, classes, segments)) = figures {
                 if let Some(segments) = segments {
                     slot.source.segments.publish(segments);
