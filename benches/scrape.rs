@@ -66,7 +66,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 segment_classes: Default::default(),
                 labels: Vec::new(),
                 last_oom_unix_seconds: None,
-                last_oom: None,
+                last_oom: Default::default(),
                 segments: Default::default(),
             }));
         }

@@ -68,9 +68,10 @@ pub struct AllocatorSource {
     pub labels: Vec<(String, String)>,
     /// When the process last ran out of memory (Unix seconds), as far as the exporter saw.
     pub last_oom_unix_seconds: Option<f64>,
-    /// The explanation of its last out-of-memory error, where its owner sent the figures (a
-    /// pushed process with its OOM push; they stand until the next).
-    pub last_oom: Option<LastOom>,
+    /// The explanation of its last out-of-memory error, as its owner last published it (a
+    /// pushed process with its OOM push, standing until the next; gpumem's own allocator from
+    /// its out-of-memory error); `None` while nobody has said.
+    pub last_oom: Mutex<Option<LastOom>>,
     /// Its segments, for a live segment map, where its owner holds the allocator.
     pub segments: SegmentsOnRequest,
 }
@@ -130,6 +131,30 @@ pub struct LastOom {
     pub kind: Kind,
     /// The explanation in one sentence.
     pub why: String,
+}
+
+impl From<&crate::allocator::OutOfMemory> for LastOom {
+    fn from(oom: &crate::allocator::OutOfMemory) -> LastOom {
+        LastOom {
+            breakdown: oom.accounting.breakdown.clone(),
+            kind: oom
+                .kinds
+                .first()
+                .copied()
+                .unwrap_or(crate::allocator::breakdown::Kind::TooBig),
+            why: oom.why.clone(),
+        }
+    }
+}
+
+impl AllocatorSource {
+    /// The explanation of its last OOM, as last published.
+    pub fn last_oom(&self) -> Option<LastOom> {
+        self.last_oom
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 /// The allocators exported by an agent; the list may change while it runs.

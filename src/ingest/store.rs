@@ -263,7 +263,7 @@ impl PushStore {
                             0
                         };
                         let explanation = d.last_oom.is_none()
-                            && before.last_oom.is_some()
+                            && before.last_oom().is_some()
                             && before.stats.num_ooms.get() >= d.stats.num_ooms.get();
                         classes + if explanation { OOM_BREAKDOWN_SERIES } else { 0 }
                     })
@@ -311,7 +311,7 @@ impl PushStore {
                 let last_oom = device.last_oom.or_else(|| {
                     before
                         .filter(|s| s.stats.num_ooms.get() >= device.stats.num_ooms.get())
-                        .and_then(|s| s.last_oom.clone())
+                        .and_then(|s| s.last_oom())
                 });
                 let kept = before.filter(|_| device.snapshot.is_none()).map(|s| {
                     let classes = s
@@ -337,7 +337,7 @@ impl PushStore {
                     segment_classes: Mutex::new(classes),
                     labels: labels.clone(),
                     last_oom_unix_seconds: last_oom_at,
-                    last_oom,
+                    last_oom: Mutex::new(last_oom),
                     segments: Default::default(),
                 })
             })

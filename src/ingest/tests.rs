@@ -546,7 +546,7 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
     store
         .push_at(&oom_push(1, 1, 200 * mib, 60 * mib, pools), None, start)
         .expect("accepted");
-    let oom = sources.snapshot()[0].last_oom.clone().expect("explained");
+    let oom = sources.snapshot()[0].last_oom().expect("explained");
     let b = &oom.breakdown;
     assert_eq!(b.requested, 501 * mib);
     assert_eq!(b.rounding, 13 * mib);
@@ -576,7 +576,7 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
             start + Duration::from_secs(1),
         )
         .expect("accepted");
-    assert!(sources.snapshot()[0].last_oom.is_some(), "it stands");
+    assert!(sources.snapshot()[0].last_oom().is_some(), "it stands");
     let again = serde_json::json!({"pid": 9, "seq": 3,
         "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 2}}]});
     store
@@ -587,7 +587,7 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
         )
         .expect("accepted");
     assert!(
-        sources.snapshot()[0].last_oom.is_none(),
+        sources.snapshot()[0].last_oom().is_none(),
         "an older OOM's explanation is not shown for a newer OOM"
     );
 
@@ -600,7 +600,7 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
     store
         .push_at(&oom_push(1, 1, 400 * mib, 0, pools), None, start)
         .expect("accepted");
-    let oom = sources.snapshot()[0].last_oom.clone().expect("explained");
+    let oom = sources.snapshot()[0].last_oom().expect("explained");
     assert_eq!(oom.kind, Kind::TooBig, "{}", oom.why);
 }
 
@@ -702,7 +702,7 @@ fn an_explanation_kept_from_an_earlier_push_counts_in_the_series_budget() {
             now + Duration::from_secs(1),
         )
         .expect("the same series");
-    assert!(sources.snapshot()[0].last_oom.is_some());
+    assert!(sources.snapshot()[0].last_oom().is_some());
     let err = store
         .push_at(&payload(2, 1, ok()), None, now + Duration::from_secs(1))
         .expect_err("the kept series leave no room for another process");

@@ -309,7 +309,7 @@ fn collect_allocator(
     if let Some(t) = s.last_oom_unix_seconds {
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
-    if let Some(oom) = &s.last_oom {
+    if let Some(oom) = s.last_oom() {
         let b = &oom.breakdown;
         for (kind, bytes) in [
             ("allocated", Some(b.requested)),

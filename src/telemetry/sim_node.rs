@@ -217,7 +217,7 @@ impl SimNode {
                     segment_classes: Default::default(),
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
-                    last_oom: None,
+                    last_oom: Default::default(),
                     segments: Default::default(),
                 }));
                 allocators.push((which, alloc));

@@ -147,8 +147,8 @@ pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource
         row.oom_why = sources
             .iter()
             .find(|s| s.uuid == row.uuid && s.pid.to_string() == row.pid)
-            .and_then(|s| s.last_oom.as_ref())
-            .map(|o| o.why.clone());
+            .and_then(|s| s.last_oom())
+            .map(|o| o.why);
     }
     view
 }

@@ -123,7 +123,7 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     segment_classes: Default::default(),
                     labels: Vec::new(),
                     last_oom_unix_seconds: None,
-                    last_oom: None,
+                    last_oom: Default::default(),
                     segments: Default::default(),
                 });
                 register_metrics(Arc::clone(&source));
@@ -163,7 +163,17 @@ pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) 
         };
         match slot.allocator.malloc(size as u64, stream) {
             Ok(ptr) => ptr.0 as usize as *mut c_void,
-            Err(e @ (AllocError::OutOfMemory(_) | AllocError::TooLarge(_))) => {
+            Err(AllocError::OutOfMemory(oom)) => {
+                report(&oom.to_string());
+                // Its explanation, for the metrics and the live page.
+                *slot
+                    .source
+                    .last_oom
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((&*oom).into());
+                std::ptr::null_mut()
+            }
+            Err(e @ AllocError::TooLarge(_)) => {
                 report(&e.to_string());
                 std::ptr::null_mut()
             }

@@ -132,6 +132,21 @@ fn entry_points_on_simulated_gpus() {
     assert!(text.contains(&format!("pid=\"{}\"", std::process::id())));
     assert!(text.contains(r#"config="max_split_size_mb:64""#));
     assert!(text.contains(r#"gpumem_source_up{source="allocator"} 1"#));
+    // The out-of-memory error of the 200 GiB request above, explained in the metrics.
+    let parts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gpumem_oom_breakdown_bytes{") && l.contains(r#"gpu="0""#))
+        .collect();
+    assert_eq!(parts.len(), 7, "{parts:?}");
+    let total: f64 = parts
+        .iter()
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        total,
+        (80u64 << 30) as f64,
+        "the parts add up to the device: {parts:?}"
+    );
 
     // The live page, and the segments of the job's own allocator, published on request.
     let (status, page) = get(port, "/").expect("the page");
