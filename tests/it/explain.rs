@@ -158,23 +158,28 @@ pub(crate) fn recorded_json(
 
 const MIB: u64 = 1 << 20;
 
+/// Splits a 900 MiB device's memory into a fragmentation OOM: an 800 MiB segment, cut into 40
+/// blocks of 20 MiB with every other one freed (400 MiB cached, no piece over 20 MiB); the
+/// 140 MiB request that then fails is returned.
+pub(crate) fn fragment(a: &mut CachingAllocator<SimDevice>) -> AllocError {
+    let s = StreamId::DEFAULT;
+    let big = a.malloc(800 * MIB, s).expect("fits");
+    a.free(big).expect("frees");
+    let blocks: Vec<_> = (0..40)
+        .map(|_| a.malloc(20 * MIB, s).expect("fits"))
+        .collect();
+    for b in blocks.iter().step_by(2) {
+        a.free(*b).expect("frees");
+    }
+    a.malloc(140 * MIB, s).expect_err("out of memory")
+}
+
 #[test]
 fn synthetic_ooms_are_told_apart_with_their_figures() {
     let s = StreamId::DEFAULT;
-    // Fragmentation: 40 blocks of 20 MiB in one segment-sized run, every other one freed,
-    // then 40 MiB asked for: 400 MiB cached, none of it in a piece that large.
+    // Fragmentation: 400 MiB cached, none of it in a piece as large as the request.
     let mut error = None;
-    let fragmented_json = recorded_json(900 * MIB, 0, |a| {
-        let big = a.malloc(800 * MIB, s).expect("fits");
-        a.free(big).expect("frees");
-        let blocks: Vec<_> = (0..40)
-            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
-            .collect();
-        for b in blocks.iter().step_by(2) {
-            a.free(*b).expect("frees");
-        }
-        error = Some(a.malloc(140 * MIB, s).expect_err("out of memory"));
-    });
+    let fragmented_json = recorded_json(900 * MIB, 0, |a| error = Some(fragment(a)));
     let fragmented = parse_recording(&fragmented_json).expect("reads back");
     let e = explain(&fragmented, 0, At::FirstOom, None).expect("explains");
     // The allocator's own error says the same, from its blocks at the failure.
@@ -481,18 +486,9 @@ fn check_page(
 
 #[test]
 fn the_html_page_shows_the_json_figures_in_chromium() {
-    let s = StreamId::DEFAULT;
     // The fragmentation OOM (candidates that avoid it), its frames hostile markup.
     let json = recorded_json(900 * MIB, 0, |a| {
-        let big = a.malloc(800 * MIB, s).expect("fits");
-        a.free(big).expect("frees");
-        let blocks: Vec<_> = (0..40)
-            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
-            .collect();
-        for b in blocks.iter().step_by(2) {
-            a.free(*b).expect("frees");
-        }
-        assert!(a.malloc(140 * MIB, s).is_err());
+        fragment(a);
     });
     let mut doc: serde_json::Value = serde_json::from_slice(&json).expect("json");
     let hostile = serde_json::json!([{

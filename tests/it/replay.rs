@@ -905,6 +905,29 @@ fn a_misaligned_recorded_segment_is_refused_cleanly() {
     }
 }
 
+/// Writes a snapshot of `entries` trace entries with `frames` frames each to `file`
+/// (`scripts/gen-snapshot.py`, driven by this build's gpumem); its size.
+pub(crate) fn generate_snapshot(entries: usize, frames: usize, file: &Path) -> u64 {
+    let generated = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
+        .args([
+            "--entries",
+            &entries.to_string(),
+            "--frames",
+            &frames.to_string(),
+        ])
+        .args(["--gpumem", env!("CARGO_BIN_EXE_gpumem")])
+        .arg(file)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        generated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    std::fs::metadata(file).expect("written").len()
+}
+
 /// A generated recording with stacks (scripts/gen-snapshot.py, about 70 MB): `replay --check`
 /// is exact on it, reads it with a progress bar only where stderr is a terminal, and keeps to
 /// the limits given.
@@ -914,18 +937,7 @@ fn a_large_recording_with_stacks_streams_within_its_limits() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let file = dir.join("large.pickle");
     let gpumem = env!("CARGO_BIN_EXE_gpumem");
-    let generated = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
-        .args(["--entries", "20000", "--frames", "160", "--gpumem", gpumem])
-        .arg(&file)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        generated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&generated.stderr)
-    );
-    let size = std::fs::metadata(&file).expect("written").len();
+    let size = generate_snapshot(20_000, 160, &file);
     assert!(
         size > 64 << 20,
         "{size} bytes: past the progress bar's threshold"
