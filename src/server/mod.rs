@@ -119,17 +119,32 @@ pub fn agent_state(
 
 /// The router.
 pub fn app(state: AppState) -> Router {
+    // The live page's assets and API, answered only with the page turned on.
+    let mut page = Router::new()
+        .route(
+            "/assets/agent.js",
+            get(|| async { page_asset(AGENT_SCRIPT, JAVASCRIPT) }),
+        )
+        .route(
+            "/assets/map.js",
+            get(|| async { page_asset(MAP_SCRIPT, JAVASCRIPT) }),
+        )
+        .route(
+            "/assets/view.css",
+            get(|| async { page_asset(STYLE, "text/css; charset=utf-8") }),
+        )
+        .route("/api/v1/node", get(node))
+        .route("/api/v1/segments", get(live_segments));
+    if !state.ui {
+        page = page.route_layer(axum::middleware::from_fn(ui_off));
+    }
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/", get(index))
-        .route("/assets/agent.js", get(agent_script))
-        .route("/assets/map.js", get(map_script))
-        .route("/assets/view.css", get(agent_style))
-        .route("/api/v1/node", get(node))
-        .route("/api/v1/segments", get(live_segments))
         .route("/api/v1/push", post(push))
+        .merge(page)
         .with_state(state)
 }
 
@@ -402,29 +417,12 @@ pub(crate) fn page_asset(body: &'static str, content_type: &'static str) -> Resp
         .into_response()
 }
 
-fn ui_off() -> Response {
+/// The media type of the pages' scripts.
+pub(crate) const JAVASCRIPT: &str = "text/javascript; charset=utf-8";
+
+/// The answer of the live page's routes with the page turned off.
+async fn ui_off(_: Request, _: axum::middleware::Next) -> Response {
     (StatusCode::NOT_FOUND, "the page is turned off (--ui off)\n").into_response()
-}
-
-async fn agent_script(State(state): State<AppState>) -> Response {
-    if !state.ui {
-        return ui_off();
-    }
-    page_asset(AGENT_SCRIPT, "text/javascript; charset=utf-8")
-}
-
-async fn map_script(State(state): State<AppState>) -> Response {
-    if !state.ui {
-        return ui_off();
-    }
-    page_asset(MAP_SCRIPT, "text/javascript; charset=utf-8")
-}
-
-async fn agent_style(State(state): State<AppState>) -> Response {
-    if !state.ui {
-        return ui_off();
-    }
-    page_asset(STYLE, "text/css; charset=utf-8")
 }
 
 #[derive(serde::Deserialize)]
@@ -440,9 +438,6 @@ async fn live_segments(
     State(state): State<AppState>,
     axum::extract::Query(at): axum::extract::Query<Allocator>,
 ) -> Response {
-    if !state.ui {
-        return ui_off();
-    }
     let found = state.sources.snapshot().into_iter().find(|s| {
         s.uuid == at.uuid && s.pid == at.pid && s.allocator == crate::sources::AllocatorKind::Gpumem
     });
@@ -469,9 +464,6 @@ async fn live_segments(
 
 /// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
 async fn node(State(state): State<AppState>) -> Response {
-    if !state.ui {
-        return ui_off();
-    }
     held(&state, "application/json", |m| {
         let sources = state.sources.snapshot();
         serde_json::to_string(&crate::view::node::view(&m.gather(), &sources)).unwrap_or_default()

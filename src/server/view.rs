@@ -80,13 +80,11 @@ pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
         )
         .route(
             "/assets/view.js",
-            get(|| async { super::page_asset(SCRIPT, "text/javascript; charset=utf-8") }),
+            get(|| async { super::page_asset(SCRIPT, super::JAVASCRIPT) }),
         )
         .route(
             "/assets/map.js",
-            get(|| async {
-                super::page_asset(super::MAP_SCRIPT, "text/javascript; charset=utf-8")
-            }),
+            get(|| async { super::page_asset(super::MAP_SCRIPT, super::JAVASCRIPT) }),
         )
         .route(
             "/assets/view.css",

@@ -39,6 +39,11 @@ const PARTS: [(&str, &str, &str); 7] = [
     ("outside_allocator", "outside the allocator", "#7f7f7f"),
 ];
 
+/// A table row: a heading (markup the page writes, never recorded text) and a cell.
+fn row(b: &mut String, heading: &str, cell: String) {
+    let _ = writeln!(b, "<tr><th>{heading}</th>{cell}</tr>");
+}
+
 /// A figure in bytes: readable text, exact value.
 fn bytes_cell(field: &str, bytes: Option<u64>) -> String {
     match bytes {
@@ -120,50 +125,31 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     );
 
     let _ = writeln!(b, "<h2>The request</h2>\n<table id=\"request\">");
-    let _ = writeln!(
-        b,
-        "<tr><th>event</th>{}</tr>",
-        value_cell("request.event", r.event)
+    row(&mut b, "event", value_cell("request.event", r.event));
+    row(&mut b, "asked", bytes_cell("request.bytes", Some(r.bytes)));
+    row(
+        &mut b,
+        "rounded",
+        bytes_cell("request.rounded", Some(r.rounded)),
     );
-    let _ = writeln!(
-        b,
-        "<tr><th>asked</th>{}</tr>",
-        bytes_cell("request.bytes", Some(r.bytes))
-    );
-    let _ = writeln!(
-        b,
-        "<tr><th>rounded</th>{}</tr>",
-        bytes_cell("request.rounded", Some(r.rounded))
-    );
-    let _ = writeln!(
-        b,
-        "<tr><th>pool</th>{}</tr>",
-        text_cell("request.pool", r.pool)
-    );
-    let _ = writeln!(
-        b,
-        "<tr><th>stream</th>{}</tr>\n</table>",
-        value_cell("request.stream", r.stream)
-    );
+    row(&mut b, "pool", text_cell("request.pool", r.pool));
+    row(&mut b, "stream", value_cell("request.stream", r.stream));
+    let _ = writeln!(b, "</table>");
 
     let _ = writeln!(
         b,
         "<h2>The device at that moment</h2>\n<table id=\"device\">"
     );
-    let total_note = if e.total_known {
-        ""
+    let total = if e.total_known {
+        "total"
     } else {
-        " (assumed: not recorded; --capacity gives it)"
+        "total (assumed: not recorded; --capacity gives it)"
     };
-    let _ = writeln!(
-        b,
-        "<tr><th>total{total_note}</th>{}</tr>",
-        bytes_cell("total", Some(e.total))
-    );
-    let _ = writeln!(
-        b,
-        "<tr><th>total known</th>{}</tr>",
-        value_cell("total_known", e.total_known)
+    row(&mut b, total, bytes_cell("total", Some(e.total)));
+    row(
+        &mut b,
+        "total known",
+        value_cell("total_known", e.total_known),
     );
     for (field, label, value) in [
         ("reserved", "reserved by the allocator", Some(e.reserved)),
@@ -179,13 +165,14 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
             Some(e.largest_free_block),
         ),
     ] {
-        let _ = writeln!(b, "<tr><th>{label}</th>{}</tr>", bytes_cell(field, value));
+        row(&mut b, label, bytes_cell(field, value));
     }
-    let _ = writeln!(
-        b,
-        "<tr><th>segments with free memory</th>{}</tr>\n</table>",
-        value_cell("segments_with_free", e.segments_with_free)
+    row(
+        &mut b,
+        "segments with free memory",
+        value_cell("segments_with_free", e.segments_with_free),
     );
+    let _ = writeln!(b, "</table>");
 
     let parts = breakdown_parts(e);
     let _ = writeln!(b, "<h2>Where the memory was</h2>");

@@ -130,11 +130,31 @@ fn series<'a>(
         })
 }
 
+impl ProcessRow {
+    /// Its part of its GPU's line-up, named by its pod where known (else `unnamed`), with
+    /// `outside` bytes used beyond its allocator.
+    fn part(&self, unnamed: String, outside: f64) -> ProcessPart {
+        ProcessPart {
+            pid: self.pid.clone(),
+            name: if self.pod_name.is_empty() {
+                unnamed
+            } else {
+                format!("{}/{}", self.pod_namespace, self.pod_name)
+            },
+            allocated: self.allocated,
+            reserved_unallocated: (self.reserved - self.allocated).max(0.0),
+            outside,
+        }
+    }
+}
+
 type ProcKey = (String, String);
 /// A series' labels.
 type Labels<'a> = BTreeMap<&'a str, &'a str>;
+/// Sets one of a GPU's figures.
+type SetFigure = fn(&mut GpuView, f64);
 
-fn key(labels: &BTreeMap<&str, &str>) -> ProcKey {
+fn key(labels: &Labels<'_>) -> ProcKey {
     let get = |k: &str| labels.get(k).copied().unwrap_or_default().to_string();
     (get("UUID"), get("pid"))
 }
@@ -154,12 +174,11 @@ pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource
 }
 
 fn from_families(families: &[MetricFamily]) -> NodeView {
-    let label = |labels: &BTreeMap<&str, &str>, k: &str| {
-        labels.get(k).copied().unwrap_or_default().to_string()
-    };
+    let label =
+        |labels: &Labels<'_>, k: &str| labels.get(k).copied().unwrap_or_default().to_string();
     // Allocators by (UUID, pid).
     let mut rows: BTreeMap<ProcKey, ProcessRow> = BTreeMap::new();
-    let row = |labels: &BTreeMap<&str, &str>| -> ProcessRow {
+    let row = |labels: &Labels<'_>| -> ProcessRow {
         ProcessRow {
             gpu: label(labels, "gpu"),
             uuid: label(labels, "UUID"),
@@ -221,29 +240,25 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
 
     // GPUs by UUID.
     let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
-    let gpu = |labels: &BTreeMap<&str, &str>| -> GpuView {
+    let gpu = |labels: &Labels<'_>| -> GpuView {
         GpuView {
             gpu: label(labels, "gpu"),
             uuid: label(labels, "UUID"),
             ..GpuView::default()
         }
     };
-    for (name, pick) in [
-        ("gpumem_device_total_bytes", 0),
-        ("gpumem_device_used_bytes", 1),
-        ("gpumem_device_free_bytes", 2),
-        ("gpumem_device_reserved_bytes", 3),
-    ] {
+    let figures: [(&str, SetFigure); 4] = [
+        ("gpumem_device_total_bytes", |g, v| g.total = v),
+        ("gpumem_device_used_bytes", |g, v| g.used = v),
+        ("gpumem_device_free_bytes", |g, v| g.free = v),
+        ("gpumem_device_reserved_bytes", |g, v| g.driver_reserved = v),
+    ];
+    for (name, set) in figures {
         for (labels, v) in series(families, name) {
             let g = gpus
                 .entry(label(&labels, "UUID"))
                 .or_insert_with(|| gpu(&labels));
-            match pick {
-                0 => g.total = v,
-                1 => g.used = v,
-                2 => g.free = v,
-                _ => g.driver_reserved = v,
-            }
+            set(g, v);
         }
     }
     for (labels, _) in series(families, "gpumem_device_info") {
@@ -259,20 +274,9 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             continue;
         };
         match rows.get(&k) {
-            Some(r) => {
-                let name = if r.pod_name.is_empty() {
-                    label(&labels, "process")
-                } else {
-                    format!("{}/{}", r.pod_namespace, r.pod_name)
-                };
-                g.processes.push(ProcessPart {
-                    pid: k.1.clone(),
-                    name,
-                    allocated: r.allocated,
-                    reserved_unallocated: (r.reserved - r.allocated).max(0.0),
-                    outside: (used - r.reserved).max(0.0),
-                });
-            }
+            Some(r) => g
+                .processes
+                .push(r.part(label(&labels, "process"), (used - r.reserved).max(0.0))),
             None => g.other_processes += used,
         }
     }
@@ -284,17 +288,7 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             && !g.processes.iter().any(|p| p.pid == k.1)
         {
             *uncharged.entry(k.0.clone()).or_default() += r.reserved;
-            g.processes.push(ProcessPart {
-                pid: k.1.clone(),
-                name: if r.pod_name.is_empty() {
-                    format!("pid {}", k.1)
-                } else {
-                    format!("{}/{}", r.pod_namespace, r.pod_name)
-                },
-                allocated: r.allocated,
-                reserved_unallocated: (r.reserved - r.allocated).max(0.0),
-                outside: 0.0,
-            });
+            g.processes.push(r.part(format!("pid {}", k.1), 0.0));
         }
     }
     for g in gpus.values_mut() {
