@@ -519,7 +519,7 @@ fn unattributed_pushes_tell_pid_reuse_by_their_start_time() {
 fn oom_push(seq: u64, ooms: u64, size: u64, free: u64, pools: serde_json::Value) -> Vec<u8> {
     serde_json::json!({
         "pid": 9, "seq": seq, "reason": "oom",
-        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": ooms},
+        "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {"num_ooms": ooms},
                      "oom": {"size": size, "stream": 7, "device_total": 1u64 << 30,
                              "device_free": free, "pools": pools}}]
     })
@@ -567,21 +567,18 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
     assert!(oom.why.contains("40.00 MiB"), "{}", oom.why);
 
     // A later periodic push keeps the explanation; the next OOM without figures drops it.
-    let periodic = serde_json::json!({"pid": 9, "seq": 2,
-        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 1}}]});
+    let ooms = |n: u64| serde_json::json!({ "num_ooms": n });
     store
         .push_at(
-            periodic.to_string().as_bytes(),
+            &payload(9, 2, ooms(1)),
             None,
             start + Duration::from_secs(1),
         )
         .expect("accepted");
     assert!(sources.snapshot()[0].last_oom().is_some(), "it stands");
-    let again = serde_json::json!({"pid": 9, "seq": 3,
-        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 2}}]});
     store
         .push_at(
-            again.to_string().as_bytes(),
+            &payload(9, 3, ooms(2)),
             None,
             start + Duration::from_secs(2),
         )
@@ -693,11 +690,9 @@ fn an_explanation_kept_from_an_earlier_push_counts_in_the_series_budget() {
         .push_at(&oom_push(1, 1, 1 << 20, 0, pools), None, now)
         .expect("fits");
     // The next push of pid 9 brings no OOM, but its explanation stands and is exported.
-    let periodic = serde_json::json!({"pid": 9, "seq": 2,
-        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 1}}]});
     store
         .push_at(
-            periodic.to_string().as_bytes(),
+            &payload(9, 2, serde_json::json!({"num_ooms": 1})),
             None,
             now + Duration::from_secs(1),
         )

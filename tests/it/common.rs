@@ -5,6 +5,18 @@ use gpumem::allocator::{BlockState, Snapshot};
 use gpumem::device::{Device, SimConfig, SimDevice};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 
+/// Runs `command` to its end; its output. Fails the test, showing its stderr, unless it
+/// succeeded.
+pub fn succeeded(command: &mut std::process::Command) -> std::process::Output {
+    let out = command.output().expect("the command runs");
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 pub const S0: StreamId = StreamId(0);

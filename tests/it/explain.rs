@@ -10,6 +10,7 @@ use gpumem::trace::explain::{At, CANDIDATES, Explanation, GC_CANDIDATES, Kind, e
 use gpumem::trace::{Recording, parse_recording, read_recording};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
+use crate::common::succeeded;
 use crate::replay::shared_traces;
 
 /// The breakdown adds up to the reserved memory and, with free and outside, to the device.
@@ -504,31 +505,20 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
     let file = dir.join("frag <b>&.json");
     std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
     let browser = crate::browser::Browser::start();
-    let mut cases = vec![(
-        file.clone(),
-        Vec::<String>::new(),
-        "explain-fragmentation.png",
-    )];
+    let mut cases = vec![(file.clone(), "explain-fragmentation.png")];
     if let Some(shared) = shared_traces() {
         cases.push((
             shared.join("dit_discrete_diffusion_train_oom_complete.pickle"),
-            Vec::new(),
             "explain-dit.png",
         ));
     }
-    for (trace, extra, shot) in cases {
+    for (trace, shot) in cases {
         let page = dir.join(format!("{shot}.html"));
-        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["explain", "--json", "--html"])
-            .arg(&page)
-            .args(&extra)
-            .arg(&trace)
-            .output()
-            .expect("runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .args(["explain", "--json", "--html"])
+                .arg(&page)
+                .arg(&trace),
         );
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         check_page(&browser, &page, &json, shot);
@@ -547,16 +537,11 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
                 .as_str()
                 .and_then(|c| c.strip_prefix("gpumem "))
                 .unwrap_or_else(|| panic!("a gpumem command: {confirm}"));
-            let out = Command::new("sh")
-                .arg("-c")
-                .arg(format!("\"$GPUMEM\" {command} --json"))
-                .env("GPUMEM", env!("CARGO_BIN_EXE_gpumem"))
-                .output()
-                .expect("sh runs");
-            assert!(
-                out.status.success(),
-                "{command}: {}",
-                String::from_utf8_lossy(&out.stderr)
+            let out = succeeded(
+                Command::new("sh")
+                    .arg("-c")
+                    .arg(format!("\"$GPUMEM\" {command} --json"))
+                    .env("GPUMEM", env!("CARGO_BIN_EXE_gpumem")),
             );
             let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
             assert_eq!(

@@ -10,6 +10,8 @@ use gpumem::trace::{
     Format, ReplayOptions, TraceError, parse_recording, read_recording, replay, state_summary,
 };
 
+use crate::common::succeeded;
+
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data/traces")
@@ -908,22 +910,17 @@ fn a_misaligned_recorded_segment_is_refused_cleanly() {
 /// Writes a snapshot of `entries` trace entries with `frames` frames each to `file`
 /// (`scripts/gen-snapshot.py`, driven by this build's gpumem); its size.
 pub(crate) fn generate_snapshot(entries: usize, frames: usize, file: &Path) -> u64 {
-    let generated = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
-        .args([
-            "--entries",
-            &entries.to_string(),
-            "--frames",
-            &frames.to_string(),
-        ])
-        .args(["--gpumem", env!("CARGO_BIN_EXE_gpumem")])
-        .arg(file)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        generated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&generated.stderr)
+    succeeded(
+        Command::new("python3")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
+            .args([
+                "--entries",
+                &entries.to_string(),
+                "--frames",
+                &frames.to_string(),
+            ])
+            .args(["--gpumem", env!("CARGO_BIN_EXE_gpumem")])
+            .arg(file),
     );
     std::fs::metadata(file).expect("written").len()
 }
@@ -1065,16 +1062,11 @@ fn the_plot_opens_in_chromium_with_labelled_axes_and_a_legend_clear_of_the_data(
     std::fs::create_dir_all(&dir).expect("dir");
     let svg = dir.join("plot.svg");
     let trace = data("cs336_lm_forward_bf16.noframes.json.gz");
-    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["replay", "--config", "expandable_segments:True", "--plot"])
-        .arg(&svg)
-        .arg(&trace)
-        .output()
-        .expect("runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["replay", "--config", "expandable_segments:True", "--plot"])
+            .arg(&svg)
+            .arg(&trace),
     );
     let browser = crate::browser::Browser::start();
     browser.open(&format!("file://{}", svg.display()));
