@@ -161,6 +161,18 @@ impl Accounting {
         };
     }
 
+    /// Completes the accounting of a request that failed on a device of `total` bytes (the
+    /// limit of a memory fraction, where one is set) of which the driver reported `free`:
+    /// free is capped at what the reserved memory leaves of the total, so the parts add up to
+    /// it. The parts to blame, most first, and the sentence.
+    pub fn blame(&mut self, request: Request, free: u64, total: u64) -> (Vec<Kind>, String) {
+        let free = free.min(total.saturating_sub(self.reserved));
+        self.finish(Some(free), Some(total));
+        let kinds = self.kinds(request, Some(total));
+        let why = self.sentence(request, kinds[0]);
+        (kinds, why)
+    }
+
     /// What the job had: reserved plus free, where free is known.
     pub fn available(&self) -> Option<u64> {
         self.breakdown.free.map(|f| self.reserved + f)

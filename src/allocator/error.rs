@@ -145,10 +145,7 @@ impl<D: Device> CachingAllocator<D> {
             .allowed_memory_maximum
             .unwrap_or(info.total)
             .min(info.total);
-        let free = info.free.min(total.saturating_sub(accounting.reserved));
-        accounting.finish(Some(free), Some(total));
-        let kinds = accounting.kinds(request, Some(total));
-        let why = accounting.sentence(request, kinds[0]);
+        let (kinds, why) = accounting.blame(request, info.free, total);
         Ok(AllocError::OutOfMemory(Box::new(OutOfMemory {
             device: self.device.index(),
             tried_to_allocate: segment_size,

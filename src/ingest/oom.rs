@@ -152,12 +152,7 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
             accounting.reserved
         )));
     }
-    let free = oom
-        .device_free
-        .min(total.saturating_sub(accounting.reserved));
-    accounting.finish(Some(free), Some(total));
-    let kinds = accounting.kinds(request, Some(total));
-    let why = accounting.sentence(request, kinds[0]);
+    let (kinds, why) = accounting.blame(request, oom.device_free, total);
     Ok(LastOom {
         breakdown: accounting.breakdown,
         kind: kinds[0],
