@@ -32,6 +32,42 @@ pub struct Breakdown {
     pub outside_allocator: Option<u64>,
 }
 
+impl Breakdown {
+    /// The parts in the order they are shown: JSON field, what it holds, bytes (`None` where
+    /// unknown).
+    pub fn parts(&self) -> [(&'static str, &'static str, Option<u64>); 7] {
+        [
+            (
+                "requested",
+                "live tensors (requested)",
+                Some(self.requested),
+            ),
+            ("rounding", "rounding of live tensors", Some(self.rounding)),
+            (
+                "fragmented",
+                "cached, free, too small for the request",
+                Some(self.fragmented),
+            ),
+            (
+                "other_streams",
+                "cached, free, other streams' pools",
+                Some(self.other_streams),
+            ),
+            (
+                "pending_stream_frees",
+                "freed, waiting on other streams (record_stream)",
+                Some(self.pending_stream_frees),
+            ),
+            ("free", "free on the device", self.free),
+            (
+                "outside_allocator",
+                "outside the allocator",
+                self.outside_allocator,
+            ),
+        ]
+    }
+}
+
 /// Which part kept the request from fitting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

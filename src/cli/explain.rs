@@ -98,19 +98,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         Some(v) => outln!("  {name:<44} {:>12}", f(v)),
         None => outln!("  {name:<44} {:>12}", "unknown"),
     };
-    row("live tensors (requested)", Some(b.requested))?;
-    row("rounding of live tensors", Some(b.rounding))?;
-    row(
-        "cached, free, too small for the request",
-        Some(b.fragmented),
-    )?;
-    row("cached, free, other streams' pools", Some(b.other_streams))?;
-    row(
-        "freed, waiting on other streams (record_stream)",
-        Some(b.pending_stream_frees),
-    )?;
-    row("free on the device", b.free)?;
-    row("outside the allocator", b.outside_allocator)?;
+    for (_, label, bytes) in b.parts() {
+        row(label, bytes)?;
+    }
     outln!(
         "\nreserved {}, allocated {}, largest usable free block {} ({} segments with free memory)",
         f(e.reserved),

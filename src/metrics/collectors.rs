@@ -310,16 +310,13 @@ fn collect_allocator(
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
     if let Some(oom) = s.last_oom() {
-        let b = &oom.breakdown;
-        for (kind, bytes) in [
-            ("allocated", Some(b.requested)),
-            ("rounding", Some(b.rounding)),
-            ("fragmented", Some(b.fragmented)),
-            ("other_streams", Some(b.other_streams)),
-            ("pending_stream_frees", Some(b.pending_stream_frees)),
-            ("free", b.free),
-            ("outside_allocator", b.outside_allocator),
-        ] {
+        for (field, _, bytes) in oom.breakdown.parts() {
+            // The metric names live tensors' bytes `allocated` (the JSON's `requested`).
+            let kind = if field == "requested" {
+                "allocated"
+            } else {
+                field
+            };
             if let Some(bytes) = bytes {
                 let labels = [base[0], base[1], base[2], base[3], kind];
                 f.of(&c::OOM_BREAKDOWN)

@@ -16,27 +16,9 @@ use crate::trace::explain::Explanation;
 
 use super::{escape, page};
 
-/// The breakdown's parts: JSON field, label, colour.
-const PARTS: [(&str, &str, &str); 7] = [
-    ("requested", "live tensors (requested)", "#1f77b4"),
-    ("rounding", "rounding of live tensors", "#aec7e8"),
-    (
-        "fragmented",
-        "cached, free, too small for the request",
-        "#d62728",
-    ),
-    (
-        "other_streams",
-        "cached, free, other streams' pools",
-        "#ff9896",
-    ),
-    (
-        "pending_stream_frees",
-        "freed, waiting on other streams (record_stream)",
-        "#9467bd",
-    ),
-    ("free", "free on the device", "#2ca02c"),
-    ("outside_allocator", "outside the allocator", "#7f7f7f"),
+/// The colours of the breakdown's parts, in [`Breakdown::parts`](crate::allocator::breakdown::Breakdown::parts)'s order.
+const COLOURS: [&str; 7] = [
+    "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#9467bd", "#2ca02c", "#7f7f7f",
 ];
 
 /// A table row: a heading (markup the page writes, never recorded text) and a cell.
@@ -252,24 +234,16 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     page(&format!("gpumem explain: {name}"), &b)
 }
 
-/// The breakdown's parts in table order, with their bytes (`None` where unknown).
+/// The breakdown's parts in table order: JSON field, label, colour, bytes (`None` where
+/// unknown).
 fn breakdown_parts(
     e: &Explanation,
 ) -> Vec<(&'static str, &'static str, &'static str, Option<u64>)> {
-    let d = &e.breakdown;
-    let bytes = [
-        Some(d.requested),
-        Some(d.rounding),
-        Some(d.fragmented),
-        Some(d.other_streams),
-        Some(d.pending_stream_frees),
-        d.free,
-        d.outside_allocator,
-    ];
-    PARTS
-        .iter()
-        .zip(bytes)
-        .map(|(&(field, label, colour), bytes)| (field, label, colour, bytes))
+    e.breakdown
+        .parts()
+        .into_iter()
+        .zip(COLOURS)
+        .map(|((field, label, bytes), colour)| (field, label, colour, bytes))
         .collect()
 }
 
