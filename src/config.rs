@@ -12,6 +12,11 @@
 //! - `max_split_size` is `u64::MAX` (unlimited) or more than 20 MiB; every division is 0 or a
 //!   power of two; the GC threshold is 0 (off) or strictly between 0 and 1.
 //! - An option given twice takes its last value, as in PyTorch (whose parser overwrites).
+//! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`); where only
+//!   PyTorch's syntax is valid ([`Syntax::PyTorch`]: `PYTORCH_CUDA_ALLOC_CONF`,
+//!   `_set_allocator_settings`) gpumem's keys are refused by name. The plan's path is kept
+//!   as given (it cannot hold `,` `:` `[` `]` or spaces, the syntax's separators); reading
+//!   the file is the caller's business, the configuration stays pure.
 
 use serde::Serialize;
 
@@ -55,8 +60,19 @@ pub struct AllocatorConfig {
     pub pinned_use_cuda_host_register: bool,
     /// Threads for registering pinned memory (accepted for compatibility).
     pub pinned_num_register_threads: u64,
+    /// gpumem only: the file of a placement plan to follow (Note [Planned placement]).
+    pub plan: Option<String>,
     /// The last string parsed, as given.
     pub last_settings: String,
+}
+
+/// Which keys a settings string may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Syntax {
+    /// PyTorch's keys only (`PYTORCH_CUDA_ALLOC_CONF`, `_set_allocator_settings`).
+    PyTorch,
+    /// PyTorch's keys and gpumem's own (`GPUMEM_ALLOC_CONF`, replay, gpumem's snapshots).
+    Gpumem,
 }
 
 impl Default for AllocatorConfig {
@@ -69,6 +85,7 @@ impl Default for AllocatorConfig {
             release_lock_on_cudamalloc: false,
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
+            plan: None,
             last_settings: String::new(),
         }
     }
@@ -102,8 +119,17 @@ impl AllocatorConfig {
     /// # Errors
     /// A [`ConfigError`] naming the first option that is unknown, malformed or out of range.
     pub fn parse(settings: &str) -> Result<Self, ConfigError> {
+        Self::parse_as(settings, Syntax::PyTorch)
+    }
+
+    /// Parses a settings string in `syntax` on top of the defaults.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first option that is unknown (in that syntax), malformed
+    /// or out of range.
+    pub fn parse_as(settings: &str, syntax: Syntax) -> Result<Self, ConfigError> {
         let mut config = AllocatorConfig::default();
-        config.apply(settings)?;
+        config.apply_as(settings, syntax)?;
         Ok(config)
     }
 
@@ -114,6 +140,14 @@ impl AllocatorConfig {
     /// # Errors
     /// A [`ConfigError`] naming the first option that is unknown, malformed or out of range.
     pub fn apply(&mut self, settings: &str) -> Result<(), ConfigError> {
+        self.apply_as(settings, Syntax::PyTorch)
+    }
+
+    /// [`AllocatorConfig::apply`] in `syntax`.
+    ///
+    /// # Errors
+    /// As [`AllocatorConfig::apply`].
+    pub fn apply_as(&mut self, settings: &str, syntax: Syntax) -> Result<(), ConfigError> {
         let mut next = self.clone();
         next.max_split_size = u64::MAX;
         next.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
@@ -121,6 +155,7 @@ impl AllocatorConfig {
         Parser {
             tokens: tokenize(settings),
             pos: 0,
+            syntax,
         }
         .parse_into(&mut next)
         .map_err(|reason| ConfigError {
@@ -190,6 +225,7 @@ fn tokenize(settings: &str) -> Vec<String> {
 struct Parser {
     tokens: Vec<String>,
     pos: usize,
+    syntax: Syntax,
 }
 
 impl Parser {
@@ -278,6 +314,13 @@ impl Parser {
                             ));
                         }
                     }
+                }
+                "plan" if self.syntax == Syntax::PyTorch => {
+                    return Err("`plan` is gpumem's own key: set it in GPUMEM_ALLOC_CONF (or replay's --config), not where PyTorch's syntax is read".into());
+                }
+                "plan" => {
+                    let v = self.value(&option)?;
+                    config.plan = Some(v);
                 }
                 other => return Err(format!("unrecognized option `{other}`")),
             }

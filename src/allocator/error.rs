@@ -92,6 +92,9 @@ pub enum AllocError {
     /// A rejected configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A placement plan that cannot be followed.
+    #[error(transparent)]
+    Plan(#[from] super::PlanError),
     /// The driver failed with something other than out-of-memory.
     #[error("device error: {0}")]
     Device(#[from] DeviceError),

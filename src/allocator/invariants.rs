@@ -101,6 +101,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
 
+        let (in_regions, region_entries) = self.check_plan_regions()?;
         for head in self.segment_heads() {
             let first = self.block(head);
             if first.ptr < last_end {
@@ -159,9 +160,16 @@ impl<D: Device> CachingAllocator<D> {
                 }
                 unmapped_blocks += usize::from(!b.mapped);
                 let in_set = in_free_sets.contains(&id);
-                if (free && b.mapped) != in_set {
+                let in_region = self.plan_region_at(b.ptr).is_some();
+                if (free && b.mapped && !in_region) != in_set {
                     return Err(format!(
                         "block {:#x}: free={free} but in its pool's free set={in_set}",
+                        b.ptr
+                    ));
+                }
+                if (free && in_region) != in_regions.contains(&id) {
+                    return Err(format!(
+                        "block {:#x}: free={free} in a plan's region, but not in its map",
                         b.ptr
                     ));
                 }
@@ -243,6 +251,9 @@ impl<D: Device> CachingAllocator<D> {
                 "free sets count {free_count} entries but hold {}",
                 in_free_sets.len()
             ));
+        }
+        if region_entries != in_regions.len() {
+            return Err("a block is in two regions' free maps".into());
         }
         if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated).count() {
             return Err("the live map holds blocks that are not allocated".into());

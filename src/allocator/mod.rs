@@ -13,14 +13,15 @@
 //! This file holds the allocator's state, its public operations and the retry chain; each
 //! of PyTorch's concepts has a file of its own: `pool.rs` (pools, `get_free_block`),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
-//! (release and garbage collection), `expandable.rs`, `snapshot.rs`, `size.rs` (the pure
+//! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
+//! `snapshot.rs`, `size.rs` (the pure
 //! size, fit and split rules), `stats.rs`.
 //!
 //! # Note [OOM retry chain]
 //! When no cached block fits, `malloc` tries, in PyTorch's order: garbage collection (when a
 //! memory fraction and `garbage_collection_threshold` are set), a new segment, releasing
 //! cached oversize blocks (when `max_split_size` is set) and a new segment, flushing the whole
-//! cache and a last new segment (counted in `num_alloc_retries`). Only then does it fail with
+//! cache (and giving back the regions of a plan that hold no live block) and a last new segment (counted in `num_alloc_retries`). Only then does it fail with
 //! [`AllocError::OutOfMemory`] (counted in `num_ooms`).
 //!
 //! # Note [Drop]
@@ -50,6 +51,7 @@ mod expandable;
 mod free_set;
 mod history;
 mod invariants;
+mod plan;
 mod pool;
 mod release;
 mod restore;
@@ -73,6 +75,11 @@ use events::EventQueue;
 use expandable::ExpandableSegment;
 use history::History;
 pub use history::{TraceAction, TraceEntry};
+use plan::Planned;
+pub use plan::{
+    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry,
+    PlanError, PlanRegion, PlanSource, RESYNC_WINDOW,
+};
 use pool::BlockPool;
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
@@ -111,6 +118,8 @@ pub struct CachingAllocator<D: Device> {
     /// Whether `max_split_size` changed after blocks were counted as oversize: the oversize
     /// stats then follow PyTorch's (drifting) arithmetic and cannot be checked exactly.
     max_split_size_changed: bool,
+    /// The placement plan followed, if any (Note [Planned placement]).
+    planned: Option<Planned>,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
@@ -135,6 +144,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             history: self.history.clone(),
             expandable_segments: self.expandable_segments.clone(),
             max_split_size_changed: self.max_split_size_changed,
+            planned: self.planned.clone(),
         }
     }
 }
@@ -183,6 +193,7 @@ impl<D: Device> CachingAllocator<D> {
             history: History::default(),
             expandable_segments: Slab::new(),
             max_split_size_changed: false,
+            planned: None,
         }
     }
 
@@ -274,6 +285,11 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.process_events()?;
         let rounded = size::round_size(&self.config, size);
+        if self.planned.is_some()
+            && let Some(ptr) = self.plan_malloc(rounded, size, stream)?
+        {
+            return Ok(ptr);
+        }
         let kind = PoolKind::for_size(rounded);
         let segment_size = size::allocation_size(rounded);
         let mut found = self.get_free_block(kind, stream, rounded);
@@ -314,6 +330,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Some(id));
         }
         self.release_cached_blocks()?;
+        self.release_unused_plan_regions()?;
         self.alloc_block(kind, stream, rounded, segment_size, true)
     }
 

@@ -7,7 +7,8 @@
 //! `max_split_size` rules ([`size::fits`]) may still refuse.
 //!
 //! # Invariants
-//! - A block is in its pool's free set iff it is free and mapped, under its own current
+//! - A block is in its pool's free set iff it is free, mapped and outside a plan's region
+//!   (those sit in the region's own map, `plan.rs`), under its own current
 //!   (stream, size, address) key; in its pool's unmapped set iff it is free and unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.
@@ -115,6 +116,9 @@ impl<D: Device> CachingAllocator<D> {
     /// Puts a free block into its pool's free set, stamping its GC age base.
     pub(super) fn insert_free(&mut self, id: BlockId) {
         let block = self.block(id);
+        if let Some(r) = self.plan_region_at(block.ptr) {
+            return self.insert_region_free(r, id);
+        }
         let (kind, stream) = (block.pool, block.stream);
         let entry = FreeEntry {
             size: block.size,
@@ -130,6 +134,9 @@ impl<D: Device> CachingAllocator<D> {
     /// Takes a free block out of its pool's free set (its key must be current).
     pub(super) fn remove_free(&mut self, id: BlockId) {
         let block = self.block(id);
+        if let Some(r) = self.plan_region_at(block.ptr) {
+            return self.remove_region_free(r, id);
+        }
         let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
         let removed = self.pool_mut(kind).free.remove(stream, size, ptr);
         debug_assert!(removed, "free block {ptr:#x} missing from its pool");

@@ -263,6 +263,12 @@ pub struct DeviceStats {
     pub num_device_alloc: Counter,
     /// Driver frees (`cudaFree`, or an expandable-segment unmap).
     pub num_device_free: Counter,
+    /// gpumem's own, outside PyTorch's map: requests a placement plan served from its
+    /// region (Note [Planned placement] in `plan.rs`).
+    pub num_plan_hits: Counter,
+    /// gpumem's own: requests the plan expected but could not serve (another size or stream
+    /// than planned, its range still taken, or no region), served by the caching allocator.
+    pub num_plan_misses: Counter,
     /// `max_split_size` when the allocator was created (-1: unlimited).
     pub max_split_size: i64,
 }
@@ -345,6 +351,8 @@ impl DeviceStats {
             num_sync_all_streams: self.num_sync_all_streams.copy(),
             num_device_alloc: self.num_device_alloc.copy(),
             num_device_free: self.num_device_free.copy(),
+            num_plan_hits: self.num_plan_hits.copy(),
+            num_plan_misses: self.num_plan_misses.copy(),
             max_split_size: self.max_split_size,
         }
     }
@@ -407,6 +415,8 @@ impl DeviceStats {
             num_sync_all_streams: counter("num_sync_all_streams"),
             num_device_alloc: counter("num_device_alloc"),
             num_device_free: counter("num_device_free"),
+            num_plan_hits: Counter::default(),
+            num_plan_misses: Counter::default(),
             max_split_size: map.get("max_split_size").copied().unwrap_or(-1),
         }
     }
@@ -455,6 +465,8 @@ impl DeviceStats {
         for (_, counter) in self.counters() {
             counter.reset();
         }
+        self.num_plan_hits.reset();
+        self.num_plan_misses.reset();
     }
 }
 

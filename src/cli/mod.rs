@@ -3,6 +3,7 @@
 
 mod agent;
 mod explain;
+mod plan;
 mod replay;
 mod simulate;
 mod view;
@@ -81,6 +82,10 @@ enum Command {
     /// Open a recording in the browser: its timeline, the segment map at any event, the
     /// explanation of each OOM, and a what-if configuration beside the recorded one.
     View(view::Args),
+    /// Plan where a recording's repeating iteration places its allocations (within a few
+    /// percent of the bytes live at once), write the plan, and evaluate it against the
+    /// recorded configuration on the iterations it was not made from.
+    Plan(plan::Args),
 }
 
 pub(crate) fn run(cli: Cli) -> CliResult {
@@ -91,6 +96,7 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Replay(args) => replay::run(args),
         Command::Explain(args) => explain::run(args),
         Command::View(args) => view::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }
 

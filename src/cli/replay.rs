@@ -91,6 +91,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
                 fresh_start: args.fresh_start,
                 available: args.available,
+                ..ReplayOptions::default()
             };
             let readings = match &readings {
                 Some(r) => r,
@@ -268,6 +269,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             series_points: 0,
             fresh_start: false,
             available: None,
+            ..ReplayOptions::default()
         };
         let report = replay_shown(recording, &options, None)?;
         all.push((device, report));

@@ -341,6 +341,20 @@ fn search(
         available: Some(available),
         ..ReplayOptions::default()
     };
+    search_configurations(recording, &base)
+}
+
+/// The configuration search of an explanation, each candidate replayed with `base`'s
+/// options (device, memory, window): the candidates with the fewest OOMs and the least peak
+/// reserved first.
+///
+/// # Errors
+/// An [`ExplainError`] when a replay cannot run.
+pub fn search_configurations(
+    recording: &Recording,
+    base: &ReplayOptions,
+) -> Result<Vec<Candidate>, ExplainError> {
+    let base = base.clone();
     let readings = super::replay::Readings::of(recording, &base)?;
     let try_one = |conf: &str| -> Result<Candidate, ExplainError> {
         let options = ReplayOptions {

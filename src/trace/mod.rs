@@ -22,6 +22,7 @@ mod input;
 mod json;
 mod memo;
 mod pickle;
+pub mod plan;
 pub mod replay;
 mod schema;
 pub mod start_state;

@@ -57,6 +57,10 @@ pub(super) struct Engine<'a> {
     /// simulated device had reserved, how far from that range's start: the recorded
     /// device's reservation size (see `capacity_for_reservation`).
     pub(super) reservation_spacing: Option<u64>,
+    /// Where `events` starts in the device's trace (a window, `ReplayOptions::window`).
+    first_event: usize,
+    /// Replaying a window: frees of blocks allocated before it are skipped.
+    windowed: bool,
 }
 
 /// Events that drive an operation; everything else is an effect of the next one.
@@ -79,9 +83,22 @@ impl<'a> Engine<'a> {
         mut alloc: CachingAllocator<SimDevice>,
         releases_in_malloc: FxHashSet<usize>,
     ) -> Result<Self, ReplayError> {
-        let events = device_events(recording, options.device)?;
+        let all = device_events(recording, options.device)?;
+        let window = options.window.clone().filter(|_| !options.check);
+        let (events, first_event) = match &window {
+            Some(w) => {
+                let end = w.end.min(all.len());
+                let start = w.start.min(end);
+                (&all[start..end], start)
+            }
+            None => (all, 0),
+        };
         let recorded_config = recording.config.clone().unwrap_or_default();
-        let start = start_state(recording, options.device, &recorded_config)?;
+        let mut start = start_state(recording, options.device, &recorded_config)?;
+        if window.is_some() {
+            start.segments.clear();
+            start.pending_frees.clear();
+        }
         let mut ptrs = FxHashMap::default();
         let failed = if options.fresh_start && !options.check {
             Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?
@@ -153,6 +170,8 @@ impl<'a> Engine<'a> {
             bucket: (0, 0),
             releases_in_malloc,
             reservation_spacing: None,
+            first_event,
+            windowed: window.is_some(),
         })
     }
 
@@ -276,7 +295,7 @@ impl<'a> Engine<'a> {
             .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
         let end = i + 1 + usize::from(immediate);
         let Some(ptr) = self.ptrs.remove(&e.addr) else {
-            if self.failed.remove(&e.addr) {
+            if self.failed.remove(&e.addr) || self.windowed {
                 return Ok(end);
             }
             self.diverge(i, describe(&e), "no live block at that address".into());
@@ -349,7 +368,7 @@ impl<'a> Engine<'a> {
                 }
                 self.perform(i, j, driver, true)?;
             } else {
-                let flush = !self.releases_in_malloc.contains(&i);
+                let flush = !self.releases_in_malloc.contains(&(self.first_event + i));
                 self.perform(i, j, driver, flush)?;
             }
         } else {

@@ -35,10 +35,12 @@ mod compare;
 mod engine;
 mod report;
 
+use std::sync::Arc;
+
 use rustc_hash::FxHashSet;
 
 use crate::allocator::size::{LARGE_BUFFER, SMALL_BUFFER};
-use crate::allocator::{AllocError, CachingAllocator, TraceEntry};
+use crate::allocator::{AllocError, CachingAllocator, Plan, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 
@@ -78,6 +80,12 @@ pub struct ReplayOptions {
     /// by others (other processes, the CUDA context, libraries). At an OOM, what the job had
     /// is its reserved bytes plus the `oom` entry's `device_free`; `None` for all of it.
     pub available: Option<u64>,
+    /// What-if only: replay just these events of the trace, from an empty allocator (no start
+    /// state); frees of blocks allocated before them are skipped. How a plan is evaluated on
+    /// the iterations it was not made from.
+    pub window: Option<std::ops::Range<usize>>,
+    /// What-if only: follow this placement plan (Note [Planned placement]).
+    pub plan: Option<Arc<Plan>>,
 }
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +176,8 @@ impl Readings {
             series_points: 0,
             fresh_start: false,
             available: None,
+            window: None,
+            plan: None,
             ..options.clone()
         };
         let found = match check_run(recording, &check, &mut |_, _| {}) {
@@ -391,6 +401,11 @@ fn engine_for<'a>(
         sim.other_process_bytes = capacity.saturating_sub(available);
     }
     let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
+    if let Some(plan) = options.plan.as_ref().filter(|_| !options.check) {
+        alloc
+            .set_plan(plan.clone())
+            .map_err(ReplayError::BeforeTrace)?;
+    }
     if let Some(fraction) = recording.simulated_device.and_then(|d| d.memory_fraction) {
         alloc
             .set_memory_fraction(fraction)
@@ -407,7 +422,6 @@ fn run_with(
     progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashSet<usize>,
 ) -> Result<Run, ReplayError> {
-    let events = device_events(recording, options.device)?;
     let (mut engine, config) = engine_for(recording, options, releases_in_malloc)?;
     let capacity = engine.alloc.device().config().capacity;
     // The report covers the trace: counters start at zero, peaks at the start state.
@@ -425,7 +439,7 @@ fn run_with(
         } else {
             config.last_settings.clone()
         },
-        events: events.len(),
+        events: engine.events.len(),
         start_segments,
         peak_allocated: get("allocated_bytes.all.peak"),
         peak_reserved: get("reserved_bytes.all.peak"),
@@ -433,6 +447,8 @@ fn run_with(
         device_frees: get("num_device_free"),
         alloc_retries: get("num_alloc_retries"),
         ooms: get("num_ooms") + engine.start_ooms,
+        plan_hits: engine.alloc.stats().num_plan_hits.get().max(0) as u64,
+        plan_misses: engine.alloc.stats().num_plan_misses.get().max(0) as u64,
         driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
         compared: engine.compared,
         divergence: engine.divergence,

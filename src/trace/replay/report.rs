@@ -88,6 +88,10 @@ pub struct ReplayReport {
     pub alloc_retries: u64,
     /// Allocations that failed.
     pub ooms: u64,
+    /// Requests a placement plan served from its region.
+    pub plan_hits: u64,
+    /// Requests a placement plan expected but could not serve.
+    pub plan_misses: u64,
     /// Simulated time spent in driver calls during the trace, in nanoseconds.
     pub driver_time_ns: u64,
     /// Decisions compared (check mode).

@@ -1,0 +1,231 @@
+//! `gpumem plan`: a placement plan from a recording, evaluated on the iterations it was not
+//! made from.
+
+use std::ops::Range;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use gpumem::AllocatorConfig;
+use gpumem::allocator::size::format_size;
+use gpumem::trace::ReplayOptions;
+use gpumem::trace::explain::search_configurations;
+use gpumem::trace::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
+
+use super::{CliResult, Path, ReadArgs, outln, parse_bytes};
+
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
+    /// optionally gzipped.
+    trace: Path,
+    /// The device whose trace to plan.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// Plan these trace events (`FIRST..END`) instead of the repeating iteration found.
+    #[arg(long, value_parser = parse_range, value_name = "FIRST..END")]
+    events: Option<Range<usize>>,
+    /// The configuration the job runs with (PYTORCH_CUDA_ALLOC_CONF syntax; its rounding
+    /// shapes the plan); default: the recorded one.
+    #[arg(long, value_name = "CONF")]
+    config: Option<String>,
+    /// Device memory for the evaluation (bytes, or with a KiB/MiB/GiB suffix); default: the
+    /// recorded device, or 80 GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    capacity: Option<u64>,
+    /// Write the plan here (JSON), for `GPUMEM_ALLOC_CONF=plan:PATH` or `replay --plan`.
+    #[arg(short, long, value_name = "PLAN.json")]
+    output: Option<Path>,
+    /// Also evaluate `expandable_segments:True` and the best configuration `explain`'s
+    /// search finds, on the same events.
+    #[arg(long)]
+    compare: bool,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    read: ReadArgs,
+}
+
+fn parse_range(text: &str) -> Result<Range<usize>, String> {
+    let (a, b) = text
+        .split_once("..")
+        .ok_or_else(|| format!("{text:?} is not FIRST..END"))?;
+    let (a, b): (usize, usize) = (
+        a.trim()
+            .parse()
+            .map_err(|_| format!("{a:?} is not an event index"))?,
+        b.trim()
+            .parse()
+            .map_err(|_| format!("{b:?} is not an event index"))?,
+    );
+    if a >= b {
+        return Err(format!("{text:?} is empty"));
+    }
+    Ok(a..b)
+}
+
+/// A configuration's row beside the plan.
+#[derive(serde::Serialize)]
+struct Row {
+    config: String,
+    peak_allocated: u64,
+    peak_reserved: u64,
+    ooms: u64,
+}
+
+pub(crate) fn run(args: Args) -> CliResult {
+    let recording = args.read.read(&args.trace)?;
+    let config = args
+        .config
+        .as_deref()
+        .map(AllocatorConfig::parse)
+        .transpose()?;
+    let name = super::file_name(&args.trace);
+    let options = PlanOptions {
+        device: args.device,
+        config: config.clone(),
+        events: args.events.clone(),
+    };
+    let planned = plan(&recording, &name, &options)?;
+    let shared = Arc::new(planned.plan.clone());
+    // Single iteration (or nothing after it): the plan on its own events is the offline
+    // bound, labelled as such.
+    let offline = planned.evaluated.is_empty();
+    let window = if offline {
+        planned.events.clone()
+    } else {
+        planned.evaluated.clone()
+    };
+    let evaluation = evaluate(
+        &recording,
+        args.device,
+        config.clone(),
+        args.capacity,
+        &shared,
+        window.clone(),
+    )?;
+    let mut rows = Vec::new();
+    if args.compare {
+        let base = ReplayOptions {
+            device: args.device,
+            capacity: args.capacity,
+            window: Some(window.clone()),
+            ..ReplayOptions::default()
+        };
+        let candidates = search_configurations(&recording, &base)?;
+        let replay_row = |conf: &str| -> Result<Row, Box<dyn std::error::Error>> {
+            let options = ReplayOptions {
+                config: Some(AllocatorConfig::parse(conf)?),
+                ..base.clone()
+            };
+            let r = gpumem::trace::replay(&recording, &options)?;
+            Ok(Row {
+                config: conf.to_string(),
+                peak_allocated: r.peak_allocated,
+                peak_reserved: r.peak_reserved,
+                ooms: r.ooms,
+            })
+        };
+        rows.push(replay_row("expandable_segments:True")?);
+        if let Some(best) = candidates.first() {
+            rows.push(replay_row(&best.config)?);
+        }
+    }
+    if let Some(path) = &args.output {
+        let text = serde_json::to_string_pretty(&planned.plan)?;
+        std::fs::write(path, text + "\n").map_err(|e| super::file_error(path, e))?;
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "plan": planned,
+            "offline_bound": offline,
+            "evaluation": evaluation,
+            "compare": rows,
+        });
+        outln!("{}", serde_json::to_string_pretty(&json)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    print_text(&planned, &evaluation, offline, &rows)?;
+    if let Some(path) = &args.output {
+        outln!("wrote {}", path.display())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_text(
+    planned: &Planned,
+    evaluation: &Evaluation,
+    offline: bool,
+    rows: &[Row],
+) -> std::io::Result<()> {
+    let source = planned.plan.source.as_ref();
+    outln!(
+        "iteration: {} allocations from allocation {} (events {}..{}), {} in a row",
+        planned.period,
+        planned.first_allocation,
+        planned.events.start,
+        planned.events.end,
+        planned.iterations
+    )?;
+    for r in &planned.plan.regions {
+        outln!("region on stream {:#x}: {}", r.stream, format_size(r.bytes))?;
+    }
+    let unplanned = source.map_or(0, |s| s.unplanned_bytes);
+    let left = planned
+        .plan
+        .entries
+        .iter()
+        .filter(|e| e.offset.is_none())
+        .count();
+    outln!(
+        "lower bound (most bytes live at once): {}; the regions are {:.3}× it; {left} allocations ({}) outlive an iteration and stay with the caching allocator",
+        format_size(planned.lower_bound_bytes),
+        planned.region_bytes as f64 / planned.lower_bound_bytes.max(1) as f64,
+        format_size(unplanned)
+    )?;
+    let what = if offline {
+        "the planned iteration itself (offline bound: one iteration only, nothing after it to evaluate on)"
+    } else {
+        "the iterations after the planned one"
+    };
+    outln!(
+        "evaluated on events {}..{}, {what}, from an empty allocator:",
+        evaluation.events.start,
+        evaluation.events.end
+    )?;
+    outln!(
+        "  {:<40} {:>14} {:>14} {:>7} {:>5}",
+        "",
+        "peak allocated",
+        "peak reserved",
+        "ratio",
+        "OOMs"
+    )?;
+    let line = |name: &str, allocated: u64, reserved: u64, ooms: u64| {
+        outln!(
+            "  {:<40} {:>14} {:>14} {:>6.3}× {:>5}",
+            name,
+            format_size(allocated),
+            format_size(reserved),
+            reserved as f64 / allocated.max(1) as f64,
+            ooms
+        )
+    };
+    let d = &evaluation.default;
+    line(
+        &format!("recorded ({})", d.config),
+        d.peak_allocated,
+        d.peak_reserved,
+        d.ooms,
+    )?;
+    for r in rows {
+        line(&r.config, r.peak_allocated, r.peak_reserved, r.ooms)?;
+    }
+    let p = &evaluation.planned;
+    line("planned", p.peak_allocated, p.peak_reserved, p.ooms)?;
+    outln!(
+        "  plan: {} requests served from the regions, {} misses",
+        p.plan_hits,
+        p.plan_misses
+    )
+}

@@ -1,0 +1,590 @@
+//! The planner (`gpumem plan`): a placement plan from a recording, and its honest evaluation.
+//!
+//! 1. **Allocations.** Each `alloc` of the device's trace, with its rounded size (under the
+//!    configuration planned for), its stream, its event and the event its free completed.
+//! 2. **The iteration.** Candidate periods are the distances between consecutive equal
+//!    (rounded size, stream) pairs, the most frequent [`CANDIDATE_PERIODS`] and their
+//!    multiples up to [`MAX_MULTIPLE`]; each is scored by its longest run of the sequence
+//!    repeating itself. A candidate needs two iterations in a row; the one kept covers the
+//!    most allocations among those whose first iteration can place at least
+//!    [`PLANNABLE_SHARE`] of its bytes (else the best product of the two), the shortest on a
+//!    tie. An allocation is placeable when its free completes less than one iteration (in
+//!    events) after it was made: then it repeats in the same place every iteration.
+//!    `--events A..B` names the iteration instead.
+//! 3. **Placement** (the dynamic storage allocation problem), per stream: lifetimes are
+//!    taken on the iteration's circle (an allocation freed in the next iteration wraps round),
+//!    and allocations are placed one by one at the lowest offset free over their lifetime,
+//!    in several orders (by size, by size × lifetime, by lifetime, by start), first and best
+//!    fit, then improved by local search (the allocation that sets the top moves ahead in
+//!    the order while that lowers the top). The lower bound is the most bytes live at once.
+//! 4. **Evaluation** ([`evaluate`]): the iterations after the planned one are replayed from
+//!    an empty allocator under the recorded configuration, and again following the plan;
+//!    both peaks come from that window alone.
+//!
+//! # Budgets
+//! - Periods up to [`MAX_PERIOD`] allocations; the search is O(allocations × candidates).
+//! - Placement is O(period²) per order and round; local search stops after
+//!   [`LOCAL_SEARCH_ROUNDS`] rounds or [`PLACEMENT_WORK`] overlap tests in all.
+
+use std::ops::Range;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::allocator::size::{ROUND_LARGE, round_size};
+use crate::allocator::{
+    MAX_PLAN_ENTRIES, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion, PlanSource,
+    TraceAction, TraceEntry,
+};
+use crate::config::AllocatorConfig;
+
+use super::Recording;
+use super::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
+
+/// The longest iteration planned, in allocations.
+pub const MAX_PERIOD: usize = 8192;
+/// Distances between equal allocations tried as periods.
+pub const CANDIDATE_PERIODS: usize = 32;
+/// Multiples of each candidate tried too.
+pub const MAX_MULTIPLE: usize = 8;
+/// The share of an iteration's bytes that must be placeable for it to be preferred.
+pub const PLANNABLE_SHARE: f64 = 0.9;
+/// Rounds of local search at most.
+pub const LOCAL_SEARCH_ROUNDS: usize = 64;
+/// Overlap tests the placement may spend in all.
+pub const PLACEMENT_WORK: u64 = 400_000_000;
+
+const _: () = assert!(MAX_PERIOD <= MAX_PLAN_ENTRIES);
+
+/// What to plan.
+#[derive(Clone, Debug, Default)]
+pub struct PlanOptions {
+    /// Which device's trace.
+    pub device: u32,
+    /// The configuration the plan is for (its rounding); `None` for the recorded one.
+    pub config: Option<AllocatorConfig>,
+    /// The trace events of the iteration to plan; `None` to find it.
+    pub events: Option<Range<usize>>,
+}
+
+/// Why no plan could be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanningError {
+    /// The recording has no trace for the device.
+    #[error("the recording has no trace for device {device} ({devices} device traces)")]
+    NoSuchDevice {
+        /// The device asked for.
+        device: u32,
+        /// Device traces in the recording.
+        devices: usize,
+    },
+    /// No allocation sequence repeats itself (or the given range holds no allocation).
+    #[error("{0}")]
+    NoIteration(String),
+    /// The replay for the evaluation failed.
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+}
+
+/// A plan and what the planner found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Planned {
+    /// The plan, as `gpumem plan -o` writes it.
+    pub plan: Plan,
+    /// The planned iteration: its first allocation and length (allocations), how many
+    /// iterations ran in a row, its events.
+    pub first_allocation: usize,
+    /// Allocations per iteration.
+    pub period: usize,
+    /// Iterations found in a row (1 for a given range).
+    pub iterations: usize,
+    /// The planned iteration's events.
+    pub events: Range<usize>,
+    /// The events after it that the plan is evaluated on: the remaining iterations (for a
+    /// given range: the rest of the trace).
+    pub evaluated: Range<usize>,
+    /// The regions' bytes together.
+    pub region_bytes: u64,
+    /// The most bytes the planned allocations hold at once.
+    pub lower_bound_bytes: u64,
+}
+
+/// One allocation of the trace.
+#[derive(Clone, Copy, Debug)]
+struct Allocation {
+    event: usize,
+    size: u64,
+    stream: u64,
+    /// The event at which its free completed.
+    freed: Option<usize>,
+}
+
+/// Plans `options.device`'s trace of `recording` (`name` goes into the plan's source).
+///
+/// # Errors
+/// A [`PlanningError`] when the device has no trace or no iteration is found.
+pub fn plan(
+    recording: &Recording,
+    name: &str,
+    options: &PlanOptions,
+) -> Result<Planned, PlanningError> {
+    let events = recording.device_traces.get(options.device as usize).ok_or(
+        PlanningError::NoSuchDevice {
+            device: options.device,
+            devices: recording.device_traces.len(),
+        },
+    )?;
+    let config = options
+        .config
+        .clone()
+        .or_else(|| recording.config.clone())
+        .unwrap_or_default();
+    let allocations = allocations(events, &config);
+    let (first, period, iterations) = match &options.events {
+        Some(range) => {
+            let first = allocations.partition_point(|a| a.event < range.start);
+            let end = allocations.partition_point(|a| a.event < range.end);
+            if end <= first {
+                return Err(PlanningError::NoIteration(format!(
+                    "events {}..{} hold no allocation",
+                    range.start, range.end
+                )));
+            }
+            if end - first > MAX_PERIOD {
+                return Err(PlanningError::NoIteration(format!(
+                    "events {}..{} hold {} allocations, at most {MAX_PERIOD} are planned",
+                    range.start,
+                    range.end,
+                    end - first
+                )));
+            }
+            (first, end - first, 1)
+        }
+        None => find_iteration(&allocations).ok_or_else(|| {
+            PlanningError::NoIteration(format!(
+                "no sequence of allocations repeats itself in device {}'s trace ({} allocations)",
+                options.device,
+                allocations.len()
+            ))
+        })?,
+    };
+    let iteration = &allocations[first..first + period];
+    let start = iteration[0].event;
+    let end = allocations
+        .get(first + period)
+        .map_or(events.len(), |a| a.event);
+    let evaluated_end = if options.events.is_some() {
+        events.len()
+    } else {
+        allocations
+            .get(first + period * iterations)
+            .map_or(events.len(), |a| a.event)
+    };
+    let placement = place_iteration(iteration, start, end - start);
+    let unplanned_bytes = iteration
+        .iter()
+        .zip(&placement.offsets)
+        .filter(|(_, o)| o.is_none())
+        .map(|(a, _)| a.size)
+        .sum();
+    let plan = Plan {
+        format: PLAN_FORMAT.to_string(),
+        version: PLAN_VERSION,
+        regions: placement.regions.clone(),
+        entries: iteration
+            .iter()
+            .zip(&placement.offsets)
+            .map(|(a, &offset)| PlanEntry {
+                size: a.size,
+                stream: a.stream,
+                offset,
+            })
+            .collect(),
+        source: Some(PlanSource {
+            recording: name.to_string(),
+            device: options.device,
+            first_allocation: first,
+            period,
+            iterations,
+            events: [start, end],
+            evaluated: [end, evaluated_end],
+            lower_bound_bytes: placement.lower_bound,
+            unplanned_bytes,
+        }),
+    };
+    debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
+    Ok(Planned {
+        region_bytes: plan.region_bytes(),
+        plan,
+        first_allocation: first,
+        period,
+        iterations,
+        events: start..end,
+        evaluated: end..evaluated_end,
+        lower_bound_bytes: placement.lower_bound,
+    })
+}
+
+/// The trace's allocations, in order, with the events their frees completed.
+fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocation> {
+    let mut out: Vec<Allocation> = Vec::new();
+    let mut live: FxHashMap<u64, usize> = FxHashMap::default();
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            TraceAction::Alloc => {
+                live.insert(e.addr, out.len());
+                out.push(Allocation {
+                    event: i,
+                    size: round_size(config, e.size),
+                    stream: e.stream,
+                    freed: None,
+                });
+            }
+            TraceAction::FreeCompleted => {
+                if let Some(k) = live.remove(&e.addr) {
+                    out[k].freed = Some(i);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Whether `a` (made `event` events into an iteration of `length` events) repeats in place.
+fn placeable(a: &Allocation, length: usize) -> bool {
+    a.freed.is_some_and(|f| f - a.event < length)
+}
+
+/// The repeating iteration: (first allocation, period, iterations in a row).
+fn find_iteration(allocations: &[Allocation]) -> Option<(usize, usize, usize)> {
+    let n = allocations.len();
+    let token = |i: usize| (allocations[i].size, allocations[i].stream);
+    let mut last: FxHashMap<(u64, u64), usize> = FxHashMap::default();
+    let mut distances: FxHashMap<usize, u32> = FxHashMap::default();
+    for i in 0..n {
+        if let Some(j) = last.insert(token(i), i)
+            && i - j <= MAX_PERIOD
+        {
+            *distances.entry(i - j).or_default() += 1;
+        }
+    }
+    let mut common: Vec<(usize, u32)> = distances.into_iter().collect();
+    common.sort_unstable_by_key(|&(d, count)| (std::cmp::Reverse(count), d));
+    let mut candidates: Vec<usize> = common
+        .iter()
+        .take(CANDIDATE_PERIODS)
+        .flat_map(|&(d, _)| (1..=MAX_MULTIPLE).map(move |m| d * m))
+        .filter(|&p| p <= MAX_PERIOD && 2 * p <= n)
+        .collect();
+    candidates.sort_unstable();
+    candidates.dedup();
+    let mut best: Option<(f64, (usize, usize, usize))> = None;
+    for p in candidates {
+        let (mut run, mut longest, mut longest_start) = (0usize, 0usize, 0usize);
+        for i in 0..n - p {
+            if token(i) == token(i + p) {
+                run += 1;
+                if run > longest {
+                    longest = run;
+                    longest_start = i + 1 - run;
+                }
+            } else {
+                run = 0;
+            }
+        }
+        let iterations = (longest + p) / p;
+        if iterations < 2 {
+            continue;
+        }
+        let first = longest_start;
+        let iteration = &allocations[first..first + p];
+        let length =
+            allocations.get(first + p).map_or(usize::MAX, |a| a.event) - iteration[0].event;
+        let total: u64 = iteration.iter().map(|a| a.size).sum();
+        let placeable_bytes: u64 = iteration
+            .iter()
+            .filter(|a| placeable(a, length))
+            .map(|a| a.size)
+            .sum();
+        let share = placeable_bytes as f64 / total.max(1) as f64;
+        let covered = iterations * p;
+        let score = share * covered as f64;
+        if best.is_none_or(|(s, _)| score > s) {
+            best = Some((score, (first, p, iterations)));
+        }
+    }
+    best.map(|(_, found)| found)
+}
+
+/// Where an iteration's allocations go.
+struct Placement {
+    regions: Vec<PlanRegion>,
+    offsets: Vec<Option<u64>>,
+    lower_bound: u64,
+}
+
+/// One allocation to place: its size and its lifetime on the iteration's circle (one or two
+/// half-open spans of events).
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    size: u64,
+    spans: [(usize, usize); 2],
+}
+
+impl Item {
+    fn overlaps(&self, other: &Item) -> bool {
+        self.spans
+            .iter()
+            .any(|&(a, b)| a < b && other.spans.iter().any(|&(c, d)| c < d && a < d && c < b))
+    }
+
+    fn lifetime(&self) -> usize {
+        self.spans.iter().map(|(a, b)| b - a).sum()
+    }
+}
+
+/// Places the iteration starting at event `start`, `length` events long.
+fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Placement {
+    let mut offsets = vec![None; iteration.len()];
+    let mut regions = Vec::new();
+    let mut streams: Vec<u64> = iteration.iter().map(|a| a.stream).collect();
+    streams.sort_unstable();
+    streams.dedup();
+    let mut all_items = Vec::new();
+    for stream in streams {
+        let (indices, items): (Vec<usize>, Vec<Item>) = iteration
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.stream == stream && placeable(a, length))
+            .map(|(i, a)| {
+                let (from, to) = (a.event - start, a.freed.expect("placeable") - start);
+                let spans = if to <= length {
+                    [(from, to), (0, 0)]
+                } else {
+                    [(from, length), (0, to - length)]
+                };
+                (
+                    i,
+                    Item {
+                        size: a.size,
+                        spans,
+                    },
+                )
+            })
+            .unzip();
+        if items.is_empty() {
+            continue;
+        }
+        let (placed, top) = best_placement(&items);
+        for (&i, &o) in indices.iter().zip(&placed) {
+            offsets[i] = Some(o);
+        }
+        regions.push(PlanRegion {
+            stream,
+            bytes: top.div_ceil(ROUND_LARGE) * ROUND_LARGE,
+        });
+        all_items.extend(items);
+    }
+    Placement {
+        regions,
+        offsets,
+        lower_bound: most_live(&all_items),
+    }
+}
+
+/// The most bytes live at once.
+fn most_live(items: &[Item]) -> u64 {
+    let mut changes: Vec<(usize, i64)> = Vec::new();
+    for item in items {
+        for &(a, b) in item.spans.iter().filter(|(a, b)| a < b) {
+            changes.push((a, item.size as i64));
+            changes.push((b, -(item.size as i64)));
+        }
+    }
+    // Ends before starts at the same event: half-open spans.
+    changes.sort_unstable_by_key(|&(at, delta)| (at, delta));
+    let (mut live, mut most) = (0i64, 0i64);
+    for (_, delta) in changes {
+        live += delta;
+        most = most.max(live);
+    }
+    most as u64
+}
+
+/// The best of several greedy orders, then local search: (offsets, top).
+fn best_placement(items: &[Item]) -> (Vec<u64>, u64) {
+    let n = items.len();
+    let by = |key: &dyn Fn(&Item) -> (u64, u64)| {
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(key(&items[i])));
+        order
+    };
+    let orders = [
+        by(&|it| (it.size, it.lifetime() as u64)),
+        by(&|it| (it.size * it.lifetime() as u64, it.size)),
+        by(&|it| (it.lifetime() as u64, it.size)),
+        {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&i| items[i].spans[0].0);
+            order
+        },
+    ];
+    let mut work = 0u64;
+    let mut best: Option<(Vec<u64>, u64, Vec<usize>, bool)> = None;
+    for order in &orders {
+        for best_fit in [false, true] {
+            let (offsets, top) = greedy(items, order, best_fit, &mut work);
+            if best.as_ref().is_none_or(|b| top < b.1) {
+                best = Some((offsets, top, order.clone(), best_fit));
+            }
+        }
+    }
+    let (mut offsets, mut top, mut order, best_fit) = best.expect("four orders");
+    // Local search: the item that sets the top goes first, while that lowers the top.
+    for _ in 0..LOCAL_SEARCH_ROUNDS {
+        if work > PLACEMENT_WORK {
+            break;
+        }
+        let Some(critical) = (0..n).max_by_key(|&i| offsets[i] + items[i].size) else {
+            break;
+        };
+        let at = order.iter().position(|&i| i == critical).expect("in order");
+        if at == 0 {
+            break;
+        }
+        let mut next = order.clone();
+        let moved = next.remove(at);
+        next.insert(at / 2, moved);
+        let (o, t) = greedy(items, &next, best_fit, &mut work);
+        if t < top {
+            (offsets, top, order) = (o, t, next);
+        } else {
+            break;
+        }
+    }
+    (offsets, top)
+}
+
+/// Places `items` in `order`, each at the lowest (or best-fitting) offset free over its
+/// lifetime among those placed before it.
+fn greedy(items: &[Item], order: &[usize], best_fit: bool, work: &mut u64) -> (Vec<u64>, u64) {
+    let mut offsets = vec![0u64; items.len()];
+    let mut placed: Vec<usize> = Vec::with_capacity(items.len());
+    let mut taken: Vec<(u64, u64)> = Vec::new();
+    let mut top = 0u64;
+    for &i in order {
+        let item = &items[i];
+        taken.clear();
+        taken.extend(
+            placed
+                .iter()
+                .filter(|&&j| item.overlaps(&items[j]))
+                .map(|&j| (offsets[j], offsets[j] + items[j].size)),
+        );
+        *work += placed.len() as u64;
+        taken.sort_unstable();
+        let mut at = 0u64;
+        let mut chosen: Option<(u64, u64)> = None;
+        for &(a, b) in &taken {
+            if a >= at + item.size {
+                let gap = a - at;
+                if !best_fit {
+                    chosen = Some((at, gap));
+                    break;
+                }
+                if chosen.is_none_or(|(_, g)| gap < g) {
+                    chosen = Some((at, gap));
+                }
+            }
+            at = at.max(b);
+        }
+        let offset = chosen.map_or(at, |(o, _)| o);
+        offsets[i] = offset;
+        top = top.max(offset + item.size);
+        placed.push(i);
+    }
+    (offsets, top)
+}
+
+/// A plan's evaluation on the events it was not made from.
+#[derive(Clone, Debug, Serialize)]
+pub struct Evaluation {
+    /// The events replayed.
+    pub events: Range<usize>,
+    /// Under the recorded configuration.
+    pub default: ReplayReport,
+    /// Following the plan (same configuration).
+    pub planned: ReplayReport,
+}
+
+/// Replays `window` of `device`'s trace from an empty allocator, under the recorded
+/// configuration (or `config`) and then following `plan`.
+///
+/// # Errors
+/// A [`ReplayError`] when a replay cannot run.
+pub fn evaluate(
+    recording: &Recording,
+    device: u32,
+    config: Option<AllocatorConfig>,
+    capacity: Option<u64>,
+    plan: &std::sync::Arc<Plan>,
+    window: Range<usize>,
+) -> Result<Evaluation, ReplayError> {
+    let options = ReplayOptions {
+        device,
+        config,
+        capacity,
+        window: Some(window.clone()),
+        ..ReplayOptions::default()
+    };
+    let readings = Readings::of(recording, &options)?;
+    let default = replay_following(recording, &options, &readings, &mut |_, _| {})?;
+    let planned_options = ReplayOptions {
+        plan: Some(plan.clone()),
+        ..options
+    };
+    let planned = replay_following(recording, &planned_options, &readings, &mut |_, _| {})?;
+    Ok(Evaluation {
+        events: window,
+        default,
+        planned,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(size: u64, spans: [(usize, usize); 2]) -> Item {
+        Item { size, spans }
+    }
+
+    #[test]
+    fn wrapped_lifetimes_overlap_both_ends() {
+        let wrapped = item(512, [(8, 10), (0, 2)]);
+        assert!(wrapped.overlaps(&item(512, [(1, 3), (0, 0)])));
+        assert!(wrapped.overlaps(&item(512, [(9, 10), (0, 0)])));
+        assert!(!wrapped.overlaps(&item(512, [(2, 8), (0, 0)])));
+    }
+
+    #[test]
+    fn placement_never_overlaps_and_meets_the_bound_on_a_staircase() {
+        // Sizes 1..=8 units, each live from its start to the end: the bound is their sum.
+        let items: Vec<Item> = (1..=8u64)
+            .map(|k| item(k * 512, [(k as usize, 20), (0, 0)]))
+            .collect();
+        let (offsets, top) = best_placement(&items);
+        for i in 0..items.len() {
+            for j in 0..i {
+                if items[i].overlaps(&items[j]) {
+                    let (a, b) = (offsets[i], offsets[i] + items[i].size);
+                    let (c, d) = (offsets[j], offsets[j] + items[j].size);
+                    assert!(b <= c || d <= a, "{i} and {j} overlap");
+                }
+            }
+        }
+        assert_eq!(top, most_live(&items));
+    }
+}
