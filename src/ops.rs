@@ -9,9 +9,11 @@
 //!   invariant; [`Run::finish`] on anything left with the driver.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use crate::allocator::AllocError;
+use crate::allocator::{AllocError, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion};
 use crate::device::{DeviceError, SimConfig, SimDevice};
+use crate::workload::XorShift;
 use crate::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 
 const MIB: u64 = 1 << 20;
@@ -78,14 +80,68 @@ pub enum Op {
         /// Out of memory rather than a driver error.
         oom: bool,
     },
+    /// Follows a random placement plan ([`random_plan`] of `seed`); refused, and ignored,
+    /// while the current plan's region holds live blocks.
+    SetPlan {
+        /// The plan's seed.
+        seed: u64,
+    },
+    /// `malloc` of the plan's entry `skip % 3` past the one the model expects next (0: the
+    /// plan followed; else a job that diverges from it); a plain malloc without a plan.
+    MallocPlanned {
+        /// Entries skipped.
+        skip: u64,
+        /// Bytes below the entry's size asked for (its rounding must still match).
+        under: u64,
+    },
+}
+
+/// A random but valid plan: up to 24 entries over the [`STREAMS`], regions of up to 256 MiB,
+/// offsets anywhere inside them (so entries may overlap: a bad plan), a tenth unplanned.
+pub fn random_plan(seed: u64) -> Plan {
+    let mut rng = XorShift::new(seed | 1);
+    let mut regions: Vec<PlanRegion> = Vec::new();
+    for stream in 0..STREAMS {
+        if !rng.next_u64().is_multiple_of(4) {
+            let bytes = (1 + rng.next_u64() % (256 * MIB / 512)) * 512;
+            regions.push(PlanRegion { stream, bytes });
+        }
+    }
+    let entries = (0..1 + rng.next_u64() % 24)
+        .map(|_| {
+            let stream = rng.next_u64() % STREAMS;
+            let size = match rng.next_u64() % 4 {
+                0 | 1 => 512 * (1 + rng.next_u64() % 2048),
+                2 => MIB + 512 * (rng.next_u64() % (18 * 2048)),
+                _ => 10 * MIB + 512 * (rng.next_u64() % (180 * 2048)),
+            };
+            let region = regions.iter().find(|r| r.stream == stream);
+            let offset = region
+                .filter(|r| r.bytes >= size && !rng.next_u64().is_multiple_of(10))
+                .map(|r| 512 * (rng.next_u64() % ((r.bytes - size) / 512 + 1)));
+            PlanEntry {
+                size,
+                stream,
+                offset,
+            }
+        })
+        .collect();
+    Plan {
+        format: PLAN_FORMAT.to_string(),
+        version: PLAN_VERSION,
+        regions,
+        entries,
+        source: None,
+    }
 }
 
 impl Op {
-    /// Decodes three random numbers into an operation; mallocs and frees dominate.
+    /// Decodes three random numbers into an operation; mallocs (a third of them a plan's
+    /// entries) and frees dominate.
     pub fn decode(kind: u64, a: u64, b: u64) -> Op {
         let stream = StreamId(b % STREAMS);
         match kind % 100 {
-            0..=39 => {
+            0..=29 => {
                 // Sizes spread over the small pool, the 20 MiB class and the large class.
                 let size = match a % 10 {
                     0..=4 => 1 + (a >> 8) % MIB,
@@ -95,10 +151,15 @@ impl Op {
                 };
                 Op::Malloc { size, stream }
             }
+            30..=39 => Op::MallocPlanned {
+                skip: a,
+                under: (a >> 8) % 512,
+            },
             40..=76 => Op::Free { pick: a },
             77..=84 => Op::RecordStream { pick: a, stream },
-            85..=92 => Op::CompleteStream { stream },
-            93..=94 => Op::EmptyCache,
+            85..=91 => Op::CompleteStream { stream },
+            92 | 94 => Op::EmptyCache,
+            93 => Op::SetPlan { seed: a },
             95..=96 => Op::SetConfig {
                 index: (a % CONFIGS.len() as u64) as usize,
             },
@@ -118,6 +179,8 @@ pub struct Run {
     pub alloc: CachingAllocator<SimDevice>,
     /// Live pointers → block size, to check that hand-outs never overlap.
     live: BTreeMap<u64, u64>,
+    /// The plan set last and the entry the model expects next.
+    plan: Option<(Arc<Plan>, usize)>,
 }
 
 impl Default for Run {
@@ -133,6 +196,7 @@ impl Run {
         Run {
             alloc: CachingAllocator::new(SimDevice::new(SimConfig::with_capacity(2 << 30)), config),
             live: BTreeMap::new(),
+            plan: None,
         }
     }
 
@@ -151,22 +215,27 @@ impl Run {
     /// What went wrong.
     pub fn apply(&mut self, op: &Op) -> Result<(), String> {
         match *op {
-            Op::Malloc { size, stream } => match self.alloc.malloc(size, stream) {
-                Ok(ptr) => {
-                    let block = self.alloc.block_size(ptr).ok_or("live block has no size")?;
-                    if block < size {
-                        return Err(format!("{size} bytes served by a {block}-byte block"));
-                    }
-                    if let Some((&p, &s)) = self.live.range(..ptr.0 + block).next_back()
-                        && p + s > ptr.0
-                    {
-                        return Err(format!("{ptr:?}+{block} overlaps live {p:#x}+{s}"));
-                    }
-                    self.live.insert(ptr.0, block);
+            Op::Malloc { size, stream } => self.malloc(size, stream)?,
+            Op::MallocPlanned { skip, under } => {
+                let Some((plan, next)) = &mut self.plan else {
+                    return self.apply(&Op::Malloc {
+                        size: skip % (4 * MIB) + 1,
+                        stream: StreamId(0),
+                    });
+                };
+                let i = (*next + (skip % 3) as usize) % plan.entries.len();
+                *next = (i + 1) % plan.entries.len();
+                let e = plan.entries[i];
+                self.malloc(e.size - under.min(511), StreamId(e.stream))?;
+            }
+            Op::SetPlan { seed } => {
+                let plan = Arc::new(random_plan(seed));
+                match self.alloc.set_plan(plan.clone()) {
+                    Ok(()) => self.plan = Some((plan, 0)),
+                    Err(AllocError::Plan(_)) => {}
+                    Err(e) => return Err(format!("set_plan: unexpected {e}")),
                 }
-                Err(AllocError::OutOfMemory(_) | AllocError::Device(DeviceError::Driver(_))) => {}
-                Err(e) => return Err(format!("malloc({size}): unexpected {e}")),
-            },
+            }
             Op::Free { pick } => {
                 if let Some(p) = self.pick(pick) {
                     self.live.remove(&p);
@@ -200,6 +269,26 @@ impl Run {
         self.alloc.check_invariants()
     }
 
+    fn malloc(&mut self, size: u64, stream: StreamId) -> Result<(), String> {
+        match self.alloc.malloc(size, stream) {
+            Ok(ptr) => {
+                let block = self.alloc.block_size(ptr).ok_or("live block has no size")?;
+                if block < size {
+                    return Err(format!("{size} bytes served by a {block}-byte block"));
+                }
+                if let Some((&p, &s)) = self.live.range(..ptr.0 + block).next_back()
+                    && p + s > ptr.0
+                {
+                    return Err(format!("{ptr:?}+{block} overlaps live {p:#x}+{s}"));
+                }
+                self.live.insert(ptr.0, block);
+                Ok(())
+            }
+            Err(AllocError::OutOfMemory(_) | AllocError::Device(DeviceError::Driver(_))) => Ok(()),
+            Err(e) => Err(format!("malloc({size}): unexpected {e}")),
+        }
+    }
+
     /// Frees everything and returns all memory: nothing may stay reserved.
     ///
     /// # Errors
@@ -209,6 +298,7 @@ impl Run {
             self.alloc.free(DevicePtr(p)).map_err(|e| e.to_string())?;
         }
         self.alloc.empty_cache().map_err(|e| e.to_string())?;
+        self.alloc.clear_plan().map_err(|e| e.to_string())?;
         self.alloc.check_invariants()?;
         let stats = self.alloc.memory_stats();
         for key in [

@@ -78,7 +78,7 @@ pub use history::{TraceAction, TraceEntry};
 use plan::Planned;
 pub use plan::{
     LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry,
-    PlanError, PlanRegion, PlanSource, RESYNC_WINDOW,
+    PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
 pub use restore::RestoredBlock;

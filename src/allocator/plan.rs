@@ -227,6 +227,15 @@ impl Plan {
     }
 }
 
+/// How a followed plan stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanStatus {
+    /// Bytes of the regions held from the driver now.
+    pub held_bytes: u64,
+    /// Whether requests are matched from the cursor (else: waiting for the first entry).
+    pub following: bool,
+}
+
 /// The allocator's side of a plan it follows.
 #[derive(Debug, Clone)]
 pub(super) struct Planned {
@@ -315,11 +324,9 @@ impl<D: Device> CachingAllocator<D> {
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
         self.release_unused_plan_regions()?;
-        if let Some(p) = &self.planned
-            && p.regions.iter().any(|r| r.base.is_some())
-        {
-            return Err(AllocError::Plan(super::PlanError::Invalid(
-                "the plan followed now still holds live blocks in its region".into(),
+        if self.planned_regions().iter().any(|r| r.base.is_some()) {
+            return Err(AllocError::Plan(PlanError::Invalid(
+                "a region of the plan followed now still holds live blocks".into(),
             )));
         }
         let regions = plan
@@ -342,9 +349,39 @@ impl<D: Device> CachingAllocator<D> {
         self.checked("set_plan", Ok(()))
     }
 
+    /// Stops following the plan and gives its regions back.
+    ///
+    /// # Errors
+    /// [`AllocError::Plan`] while a region holds live blocks (nothing changes then);
+    /// [`AllocError::Device`] if a region cannot be given back.
+    pub fn clear_plan(&mut self) -> Result<(), AllocError> {
+        self.release_unused_plan_regions()?;
+        if self.planned_regions().iter().any(|r| r.base.is_some()) {
+            return Err(AllocError::Plan(PlanError::Invalid(
+                "a region of the plan still holds live blocks".into(),
+            )));
+        }
+        self.planned = None;
+        self.checked("clear_plan", Ok(()))
+    }
+
     /// The plan followed, if any.
     pub fn plan(&self) -> Option<&Plan> {
         self.planned.as_ref().map(|p| &*p.plan)
+    }
+
+    /// How the plan stands, if one is followed.
+    pub fn plan_status(&self) -> Option<PlanStatus> {
+        let planned = self.planned.as_ref()?;
+        Some(PlanStatus {
+            held_bytes: planned
+                .regions
+                .iter()
+                .filter(|r| r.base.is_some())
+                .map(|r| r.bytes)
+                .sum(),
+            following: planned.following,
+        })
     }
 
     /// Serves a rounded request from the plan when it expects it and can: `Ok(None)` sends

@@ -43,6 +43,11 @@ pub(crate) struct Args {
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
+    /// Add a row that follows this placement plan (`gpumem plan -o`). Every row then replays
+    /// from an empty allocator, on the events the plan was not made from when it was made
+    /// from this recording (the rest of its iterations), else on the whole trace.
+    #[arg(long, value_name = "PLAN.json", conflicts_with = "check")]
+    plan: Option<Path>,
     /// Write an SVG chart of reserved and allocated bytes over the trace.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<Path>,
@@ -52,7 +57,16 @@ pub(crate) struct Args {
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
-    let devices: Vec<u32> = match args.device {
+    let plan = args
+        .plan
+        .as_deref()
+        .map(gpumem::trace::plan::read_plan_file)
+        .transpose()?
+        .map(std::sync::Arc::new);
+    let device = args
+        .device
+        .or_else(|| plan.as_ref()?.source.as_ref().map(|s| s.device));
+    let devices: Vec<u32> = match device {
         Some(d) => vec![d],
         None => recording
             .device_traces
@@ -78,7 +92,18 @@ pub(crate) fn run(args: Args) -> CliResult {
         return check(&args, &recording, &devices);
     }
     let mut results = Vec::new();
+    let mut windows = Vec::new();
+    let name = super::file_name(&args.trace);
     for &device in &devices {
+        let events = recording
+            .device_traces
+            .get(device as usize)
+            .map_or(0, Vec::len);
+        // A plan made from this recording is evaluated on what it was not made from.
+        let window = plan.as_ref().map(|p| match &p.source {
+            Some(s) if s.recording == name && s.device == device => s.evaluated[0]..s.evaluated[1],
+            _ => 0..events,
+        });
         let mut reports = Vec::new();
         // One check replay finds how the trace's release runs read; every row follows it.
         let mut readings = None;
@@ -91,6 +116,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 series_points: if args.plot.is_some() { 1000 } else { 0 },
                 fresh_start: args.fresh_start,
                 available: args.available,
+                window: window.clone(),
                 ..ReplayOptions::default()
             };
             let readings = match &readings {
@@ -99,6 +125,21 @@ pub(crate) fn run(args: Args) -> CliResult {
             };
             reports.push(replay_shown(&recording, &options, Some(readings))?);
         }
+        if let (Some(plan), Some(readings)) = (&plan, &readings) {
+            let options = ReplayOptions {
+                device,
+                capacity: args.capacity,
+                series_points: if args.plot.is_some() { 1000 } else { 0 },
+                available: args.available,
+                window: window.clone(),
+                plan: Some(plan.clone()),
+                ..ReplayOptions::default()
+            };
+            let mut report = replay_shown(&recording, &options, Some(readings))?;
+            report.config = format!("planned ({})", report.config);
+            reports.push(report);
+        }
+        windows.push(window);
         results.push((device, reports));
     }
     if let Some(path) = &args.plot {
@@ -136,7 +177,8 @@ pub(crate) fn run(args: Args) -> CliResult {
     if args.json {
         let json: Vec<_> = results
             .iter()
-            .map(|(device, reports)| {
+            .zip(&windows)
+            .map(|((device, reports), window)| {
                 let rows: Vec<_> = reports
                     .iter()
                     .map(|r| {
@@ -150,6 +192,8 @@ pub(crate) fn run(args: Args) -> CliResult {
                             "device_frees": r.device_frees,
                             "alloc_retries": r.alloc_retries,
                             "ooms": r.ooms,
+                            "plan_hits": r.plan_hits,
+                            "plan_misses": r.plan_misses,
                             "driver_time_ns": r.driver_time_ns,
                             "capacity": r.capacity,
                             "capacity_inferred": r.capacity_inferred,
@@ -157,15 +201,22 @@ pub(crate) fn run(args: Args) -> CliResult {
                         })
                     })
                     .collect();
-                serde_json::json!({ "device": device, "results": rows })
+                serde_json::json!({ "device": device, "events": window, "results": rows })
             })
             .collect();
         outln!("{}", serde_json::to_string_pretty(&json)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     out!("{}", state_summary(&recording))?;
-    for (device, reports) in &results {
+    for ((device, reports), window) in results.iter().zip(&windows) {
         outln!("device {device}: {} events", reports[0].events)?;
+        if let Some(w) = window {
+            outln!(
+                "every row replays events {}..{} from an empty allocator (the plan's evaluation)",
+                w.start,
+                w.end
+            )?;
+        }
         if reports[0].capacity_inferred {
             outln!(
                 "device memory {}, inferred from the spacing of the recording's expandable reservations (--capacity overrides)",
@@ -209,6 +260,13 @@ pub(crate) fn run(args: Args) -> CliResult {
                 r.alloc_retries,
                 r.ooms,
                 r.driver_time_ns as f64 / 1e6
+            )?;
+        }
+        if let Some(r) = reports.iter().find(|r| r.plan_hits + r.plan_misses > 0) {
+            outln!(
+                "the plan served {} requests from its regions and missed {}",
+                r.plan_hits,
+                r.plan_misses
             )?;
         }
     }

@@ -306,6 +306,13 @@ fn collect_allocator(
     ] {
         f.of(def).push_with(&base, extra, value);
     }
+    let (hits, misses) = (st.num_plan_hits.get(), st.num_plan_misses.get());
+    if hits + misses > 0 {
+        for (outcome, n) in [("hit", hits), ("miss", misses)] {
+            let labels = [base[0], base[1], base[2], base[3], outcome];
+            f.of(&c::PLAN_REQUESTS).push_with(&labels, extra, n as f64);
+        }
+    }
     if let Some(t) = s.last_oom_unix_seconds {
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }

@@ -105,6 +105,13 @@ metric!(
     "Allocations that had to flush the whole cache and retry (num_alloc_retries); rising means memory pressure."
 );
 metric!(
+    PLAN_REQUESTS,
+    "gpumem_allocator_plan_requests_total",
+    Counter,
+    &["gpu", "UUID", "pid", "allocator", "outcome"],
+    "Requests a placement plan (plan:PATH) expected: outcome hit (served from its region) or miss (the caching allocator served it). Only for allocators that follow a plan."
+);
+metric!(
     OOMS,
     "gpumem_allocator_ooms_total",
     Counter,
@@ -304,7 +311,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 35] = [
+pub const CONTRACT: [&MetricDef; 36] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -314,6 +321,7 @@ pub const CONTRACT: [&MetricDef; 35] = [
     &PEAK_RESERVED_BYTES,
     &SEGMENTS,
     &ALLOC_RETRIES,
+    &PLAN_REQUESTS,
     &OOMS,
     &DEVICE_ALLOCS,
     &DEVICE_FREES,

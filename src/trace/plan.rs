@@ -508,6 +508,59 @@ fn greedy(items: &[Item], order: &[usize], best_fit: bool, work: &mut u64) -> (V
     (offsets, top)
 }
 
+/// The largest plan file read.
+pub const MAX_PLAN_FILE_BYTES: u64 = 256 << 20;
+
+/// Why a plan file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanFileError {
+    /// It cannot be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It is larger than [`MAX_PLAN_FILE_BYTES`].
+    #[error("{path}: larger than {MAX_PLAN_FILE_BYTES} bytes, not a plan")]
+    TooLarge {
+        /// The file.
+        path: String,
+    },
+    /// It is not a valid plan.
+    #[error("{path}: {source}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// Why.
+        source: crate::allocator::PlanError,
+    },
+}
+
+/// Reads and validates a plan file (at most [`MAX_PLAN_FILE_BYTES`]).
+///
+/// # Errors
+/// A [`PlanFileError`] naming the file.
+pub fn read_plan_file(path: &std::path::Path) -> Result<Plan, PlanFileError> {
+    use std::io::Read as _;
+    let name = path.display().to_string();
+    let io = |source| PlanFileError::Io {
+        path: name.clone(),
+        source,
+    };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_PLAN_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_PLAN_FILE_BYTES {
+        return Err(PlanFileError::TooLarge { path: name });
+    }
+    Plan::from_json(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
+}
+
 /// A plan's evaluation on the events it was not made from.
 #[derive(Clone, Debug, Serialize)]
 pub struct Evaluation {

@@ -1,12 +1,16 @@
 //! Property tests: random sequences of malloc, free, record_stream, event completion,
-//! empty_cache, configuration changes, memory fractions and injected driver failures keep
-//! every invariant after every operation, live allocations never overlap, and everything
-//! returns to the driver at the end.
+//! empty_cache, configuration changes, memory fractions, injected driver failures, random
+//! placement plans and requests that follow or diverge from them keep every invariant after
+//! every operation, live allocations never overlap, and everything returns to the driver at
+//! the end. A job diverging from a random plan fails no request that the caching allocator
+//! alone serves unless a plan region holds live blocks.
 //!
 //! The normal run covers 10^5 operations; `GPUMEM_SOAK_OPS=10000000` runs a longer soak.
 
+use gpumem::device::{SimConfig, SimDevice};
 use gpumem::ops::{Op, Run};
 use gpumem::workload::XorShift;
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use proptest::prelude::*;
 
 use crate::common::check;
@@ -88,13 +92,20 @@ fn random_runs_reach_the_recovery_paths() {
     );
     assert!(sim.events_created > 0);
     assert!(stats["allocation.all.allocated"] > 5_000);
+    let st = run.alloc.stats();
+    assert!(
+        st.num_plan_hits.get() > 100 && st.num_plan_misses.get() > 100,
+        "plans were hardly followed: {} hits, {} misses",
+        st.num_plan_hits.get(),
+        st.num_plan_misses.get()
+    );
     run.finish().expect("everything returns to the driver");
 }
 
 #[test]
 fn operations_decode_to_every_kind() {
     let mut rng = XorShift::new(1);
-    let mut seen = [false; 8];
+    let mut seen = [false; 10];
     for _ in 0..10_000 {
         let op = Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64());
         let i = match op {
@@ -106,9 +117,127 @@ fn operations_decode_to_every_kind() {
             Op::SetConfig { .. } => 5,
             Op::SetFraction { .. } => 6,
             Op::FailNextMalloc { .. } => 7,
+            Op::SetPlan { .. } => 8,
+            Op::MallocPlanned { .. } => 9,
         };
         seen[i] = true;
     }
-    assert_eq!(seen, [true; 8]);
+    assert_eq!(seen, [true; 10]);
     check(&Run::new().alloc);
+}
+
+/// A job's requests: entry `entry` of a plan (or, diverging, any size), freed `hold` requests
+/// later.
+#[derive(Clone, Debug)]
+struct Request {
+    size: u64,
+    stream: StreamId,
+    hold: usize,
+}
+
+/// Iterations over a random plan's entries, diverging at random: entries skipped, requests
+/// the plan does not know, lifetimes up to two iterations long.
+fn diverging_job(
+    plan: &gpumem::allocator::Plan,
+    rng: &mut XorShift,
+    iterations: usize,
+) -> Vec<Request> {
+    let n = plan.entries.len();
+    let mut job = Vec::new();
+    for _ in 0..iterations {
+        for e in &plan.entries {
+            match rng.next_u64() % 10 {
+                0 => continue,
+                1 => job.push(Request {
+                    size: 1 + rng.next_u64() % (64 << 20),
+                    stream: StreamId(rng.next_u64() % gpumem::ops::STREAMS),
+                    hold: (rng.next_u64() % (2 * n as u64 + 1)) as usize,
+                }),
+                _ => {}
+            }
+            job.push(Request {
+                size: e.size,
+                stream: StreamId(e.stream),
+                hold: (rng.next_u64() % (2 * n as u64 + 1)) as usize,
+            });
+        }
+    }
+    job
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// The same job on two allocators of one device size, with and without a random plan:
+    /// while both hold the same live allocations, wherever the caching allocator alone
+    /// serves a request and the planned one fails, a plan region still holds live blocks (regions without are given back before the last
+    /// retry), and both keep every invariant.
+    #[test]
+    fn a_plan_fails_nothing_the_cache_serves_unless_a_region_is_pinned(
+        seed in any::<u64>(),
+        capacity_mib in 256u64..2048,
+    ) {
+        let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
+        let mut rng = XorShift::new(seed ^ 0x9e37);
+        let job = diverging_job(&plan, &mut rng, 6);
+        let device = || SimDevice::new(SimConfig::with_capacity(capacity_mib << 20));
+        let mut plain = CachingAllocator::new(device(), AllocatorConfig::default());
+        let mut planned = CachingAllocator::new(device(), AllocatorConfig::default());
+        planned.set_plan(plan.clone()).expect("a valid plan");
+        // Frees due at each request index, per allocator.
+        let mut due: Vec<Vec<(Option<DevicePtr>, Option<DevicePtr>)>> = vec![Vec::new(); job.len() + 1];
+        let mut same_live = true;
+        for (i, r) in job.iter().enumerate() {
+            for (a, b) in std::mem::take(&mut due[i]) {
+                if let Some(p) = a { plain.free(p).expect("live"); }
+                if let Some(p) = b { planned.free(p).expect("live"); }
+            }
+            let a = plain.malloc(r.size, r.stream);
+            let b = planned.malloc(r.size, r.stream);
+            if same_live && a.is_ok() && b.is_err() {
+                let held = planned.plan_status().map_or(0, |s| s.held_bytes);
+                prop_assert!(held > 0, "request {} ({} bytes) failed under the plan with no region held: {:?}", i, r.size, b);
+            }
+            // Once one served what the other refused, they hold different live blocks: the
+            // comparison ends there (the invariants are still checked).
+            same_live &= a.is_ok() == b.is_ok();
+            prop_assert!(plain.check_invariants().is_ok());
+            prop_assert!(planned.check_invariants().is_ok(), "{:?}", planned.check_invariants());
+            due[(i + 1 + r.hold).min(job.len())].push((a.ok(), b.ok()));
+        }
+        for (a, b) in due.into_iter().flatten() {
+            if let Some(p) = a { plain.free(p).expect("live"); }
+            if let Some(p) = b { planned.free(p).expect("live"); }
+        }
+        planned.clear_plan().expect("no live blocks left");
+        planned.empty_cache().expect("empty");
+        prop_assert_eq!(planned.total_allocated_memory(), 0);
+    }
+}
+
+/// A job that repeats a plan's iteration exactly (each allocation freed before the next
+/// begins, so any placement is valid) is served from the region: every planned entry hits,
+/// the caching allocator serves only the unplanned ones, and nothing misses.
+#[test]
+fn a_job_that_follows_its_plan_hits_every_planned_entry() {
+    for seed in 1..=50u64 {
+        let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
+        let mut alloc = CachingAllocator::new(
+            SimDevice::new(SimConfig::with_capacity(4 << 30)),
+            AllocatorConfig::default(),
+        );
+        alloc.set_plan(plan.clone()).expect("valid");
+        let iterations = 3;
+        for _ in 0..iterations {
+            for e in &plan.entries {
+                let p = alloc.malloc(e.size, StreamId(e.stream)).expect("fits");
+                alloc.free(p).expect("live");
+            }
+        }
+        let planned = plan.entries.iter().filter(|e| e.offset.is_some()).count() as i64;
+        let st = alloc.stats();
+        assert_eq!(st.num_plan_hits.get(), planned * iterations, "seed {seed}");
+        assert_eq!(st.num_plan_misses.get(), 0, "seed {seed}");
+        check(&alloc);
+    }
 }

@@ -3,7 +3,8 @@
 //! `torch.cuda.memory.CUDAPluggableAllocator("libgpumem_torch.so", "gpumem_alloc",
 //! "gpumem_free")` loads these entry points (the Python helper in `python/gpumem_torch` does
 //! it). Each device gets one thread-safe allocator, created on first use and configured from
-//! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax). With `GPUMEM_METRICS_LISTEN`
+//! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax, plus gpumem's `plan:PATH`: each
+//! device's allocator follows the placement plan `gpumem plan` wrote there). With `GPUMEM_METRICS_LISTEN`
 //! set (for example `127.0.0.1:9418`), a background thread serves the allocators' counters on
 //! `/metrics`, with the agent's metric contract, and the agent's live page at `/` with the
 //! segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns the page off). It
@@ -23,7 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use gpumem::allocator::AllocError;
+use gpumem::allocator::{AllocError, Plan};
+use gpumem::config::Syntax;
 use gpumem::metrics::Metrics;
 use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
@@ -93,10 +95,26 @@ fn report(message: &str) {
 
 fn config() -> AllocatorConfig {
     let text = std::env::var("GPUMEM_ALLOC_CONF").unwrap_or_default();
-    AllocatorConfig::parse(&text).unwrap_or_else(|e| {
+    AllocatorConfig::parse_as(&text, Syntax::Gpumem).unwrap_or_else(|e| {
         report(&format!("{e}; using the default configuration"));
         AllocatorConfig::default()
     })
+}
+
+/// The plan `plan:PATH` names, read once for every device; `None` (reported) if it cannot
+/// be read: the allocators then run without it.
+fn plan(path: &str) -> Option<Arc<Plan>> {
+    static PLAN: OnceLock<Option<Arc<Plan>>> = OnceLock::new();
+    PLAN.get_or_init(
+        || match gpumem::trace::plan::read_plan_file(std::path::Path::new(path)) {
+            Ok(plan) => Some(Arc::new(plan)),
+            Err(e) => {
+                report(&format!("{e}; running without a plan"));
+                None
+            }
+        },
+    )
+    .clone()
 }
 
 /// The allocator of `device`, created on first use; `None` if the device cannot be opened or
@@ -110,7 +128,14 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                 let uuid = backend::uuid(&dev, device);
                 let config = config();
                 let settings = config.last_settings.clone();
-                let allocator = SharedAllocator::new(CachingAllocator::new(dev, config));
+                let planned = config.plan.as_deref().and_then(plan);
+                let mut core = CachingAllocator::new(dev, config);
+                if let Some(plan) = planned
+                    && let Err(e) = core.set_plan(plan)
+                {
+                    report(&format!("device {device}: {e}; running without a plan"));
+                }
+                let allocator = SharedAllocator::new(core);
                 let source = Arc::new(AllocatorSource {
                     gpu: device as u32,
                     uuid,
