@@ -97,7 +97,8 @@ pub enum Op {
 }
 
 /// A random but valid plan: up to 24 entries over the [`STREAMS`], regions of up to 256 MiB,
-/// offsets anywhere inside them (so entries may overlap: a bad plan), a tenth unplanned.
+/// offsets anywhere inside them (so entries may overlap: a bad plan); of the entries without
+/// an offset (a tenth, and those of streams without a region), half are persistent.
 pub fn random_plan(seed: u64) -> Plan {
     let mut rng = XorShift::new(seed | 1);
     let mut regions: Vec<PlanRegion> = Vec::new();
@@ -123,6 +124,7 @@ pub fn random_plan(seed: u64) -> Plan {
                 size,
                 stream,
                 offset,
+                persistent: offset.is_none() && rng.next_u64().is_multiple_of(2),
             }
         })
         .collect();

@@ -330,7 +330,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Some(id));
         }
         self.release_cached_blocks()?;
-        self.release_unused_plan_regions()?;
+        self.give_back_plan_memory(true)?;
         self.alloc_block(kind, stream, rounded, segment_size, true)
     }
 

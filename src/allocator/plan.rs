@@ -40,8 +40,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 
+use rustc_hash::FxHashSet;
+
 use super::block::{Block, BlockId};
-use super::size::{MIN_BLOCK_SIZE, PoolKind};
+use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use super::{AllocError, CachingAllocator, TraceAction};
 
 /// The most entries a plan may hold.
@@ -96,10 +98,14 @@ pub struct PlanEntry {
     pub size: u64,
     /// The stream it is made on.
     pub stream: u64,
-    /// Its offset in the stream's region; `None` for an allocation the caching allocator
-    /// serves (it outlives an iteration).
+    /// Its offset in the stream's region, when it is freed within an iteration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
+    /// It outlives an iteration: placed one after another in chunks of the stream (each
+    /// the size of an iteration's persistent entries), not in the region. An entry with
+    /// neither goes to the caching allocator.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub persistent: bool,
 }
 
 /// What the planner found (informative: the allocator does not read it).
@@ -203,6 +209,9 @@ impl Plan {
                     e.size
                 ));
             }
+            if e.persistent && e.offset.is_some() {
+                return invalid(format!("entry {i}: both an offset and persistent"));
+            }
             let Some(offset) = e.offset else { continue };
             let Some(region) = self.region_of(e.stream) else {
                 return invalid(format!("entry {i}: no region for stream {}", e.stream));
@@ -230,7 +239,7 @@ impl Plan {
 /// How a followed plan stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanStatus {
-    /// Bytes of the regions held from the driver now.
+    /// Bytes of the regions and chunks held from the driver now.
     pub held_bytes: u64,
     /// Whether requests are matched from the cursor (else: waiting for the first entry).
     pub following: bool,
@@ -240,7 +249,12 @@ pub struct PlanStatus {
 #[derive(Debug, Clone)]
 pub(super) struct Planned {
     plan: Arc<Plan>,
-    regions: Vec<HeldRegion>,
+    /// Per planned stream: its region's size and base while held.
+    regions: Vec<(StreamId, u64, Option<u64>)>,
+    /// Per stream with persistent entries: a chunk's size and the chunk bumped now.
+    chunks: Vec<(StreamId, u64, Option<u64>)>,
+    /// Every region and chunk held, by base.
+    held: BTreeMap<u64, Held>,
     /// The entry the next request is expected to be.
     cursor: usize,
     /// Whether requests are being matched from the cursor (else: waiting for entry 0).
@@ -248,20 +262,31 @@ pub(super) struct Planned {
     misses_in_row: u32,
 }
 
+/// A region or chunk held from the driver.
 #[derive(Debug, Clone)]
-struct HeldRegion {
-    stream: StreamId,
+struct Held {
     bytes: u64,
-    /// The segment's address while it is held.
-    base: Option<u64>,
+    /// A region (else a chunk).
+    region: bool,
     /// Its free blocks by address.
     free: BTreeMap<u64, BlockId>,
 }
 
+impl Held {
+    /// Whether one free block spans it.
+    fn wholly_free(&self, base: u64, blocks: &slab::Slab<Block>) -> bool {
+        self.free
+            .first_key_value()
+            .is_some_and(|(&ptr, id)| ptr == base && blocks[id.index()].size == self.bytes)
+    }
+}
+
 /// What the plan says about a request.
 enum Expect {
-    /// Entry `offset` of region `region`.
+    /// At `offset` in the region of `regions[region]`.
     Placed { region: usize, offset: u64 },
+    /// Bumped into a chunk of `chunks[chunk]`.
+    Persistent { chunk: usize },
     /// An entry the plan leaves to the caching allocator.
     Unplanned,
     /// The plan expected something else.
@@ -271,6 +296,36 @@ enum Expect {
 }
 
 impl Planned {
+    fn new(plan: Arc<Plan>) -> Planned {
+        let regions = plan
+            .regions
+            .iter()
+            .map(|r| (StreamId(r.stream), r.bytes, None))
+            .collect();
+        let mut chunks: Vec<(StreamId, u64, Option<u64>)> = Vec::new();
+        for e in plan.entries.iter().filter(|e| e.persistent) {
+            match chunks.iter_mut().find(|c| c.0.0 == e.stream) {
+                Some(c) => c.1 = c.1.saturating_add(e.size),
+                None => chunks.push((StreamId(e.stream), e.size, None)),
+            }
+        }
+        for c in &mut chunks {
+            c.1 =
+                c.1.div_ceil(ROUND_LARGE)
+                    .saturating_mul(ROUND_LARGE)
+                    .min(MAX_REGION_BYTES);
+        }
+        Planned {
+            plan,
+            regions,
+            chunks,
+            held: BTreeMap::new(),
+            cursor: 0,
+            following: false,
+            misses_in_row: 0,
+        }
+    }
+
     fn expect(&mut self, size: u64, stream: StreamId) -> Expect {
         let entries = &self.plan.entries;
         let matches = |e: &PlanEntry| e.size == size && e.stream == stream.0;
@@ -294,71 +349,60 @@ impl Planned {
         self.following = true;
         self.misses_in_row = 0;
         self.cursor = (j + 1) % entries.len();
-        match entries[j].offset {
-            Some(offset) => Expect::Placed {
-                region: self
-                    .regions
-                    .iter()
-                    .position(|r| r.stream == stream)
-                    .expect("validated: a planned entry's stream has a region"),
+        let e = &entries[j];
+        if let Some(offset) = e.offset {
+            let region = self.regions.iter().position(|r| r.0 == stream);
+            return Expect::Placed {
+                region: region.expect("validated: a planned entry's stream has a region"),
                 offset,
-            },
-            None => Expect::Unplanned,
+            };
         }
+        if e.persistent {
+            let chunk = self.chunks.iter().position(|c| c.0 == stream);
+            return Expect::Persistent {
+                chunk: chunk.expect("a persistent entry's stream has chunks"),
+            };
+        }
+        Expect::Unplanned
     }
 
-    fn region_at(&self, ptr: u64) -> Option<usize> {
-        self.regions
-            .iter()
-            .position(|r| r.base.is_some_and(|b| ptr.wrapping_sub(b) < r.bytes))
+    /// The base of the region or chunk holding `ptr`.
+    fn held_at(&self, ptr: u64) -> Option<u64> {
+        let (&base, held) = self.held.range(..=ptr).next_back()?;
+        (ptr - base < held.bytes).then_some(base)
     }
 }
 
 impl<D: Device> CachingAllocator<D> {
     /// Follows `plan` from the next request on (Note [Planned placement]), instead of any
-    /// plan before it, whose regions must hold no live block (they are given back).
+    /// plan before it, whose regions and chunks must hold no live block (they are given
+    /// back).
     ///
     /// # Errors
-    /// [`AllocError::Plan`] for an invalid plan or while an earlier plan's region holds
-    /// live blocks; [`AllocError::Device`] if a region cannot be given back.
+    /// [`AllocError::Plan`] for an invalid plan or while an earlier plan's region or chunk
+    /// holds live blocks; [`AllocError::Device`] if one cannot be given back.
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
-        self.release_unused_plan_regions()?;
-        if self.planned_regions().iter().any(|r| r.base.is_some()) {
+        self.give_back_plan_memory(true)?;
+        if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
             return Err(AllocError::Plan(PlanError::Invalid(
-                "a region of the plan followed now still holds live blocks".into(),
+                "a region or chunk of the plan followed now still holds live blocks".into(),
             )));
         }
-        let regions = plan
-            .regions
-            .iter()
-            .map(|r| HeldRegion {
-                stream: StreamId(r.stream),
-                bytes: r.bytes,
-                base: None,
-                free: BTreeMap::new(),
-            })
-            .collect();
-        self.planned = Some(Planned {
-            plan,
-            regions,
-            cursor: 0,
-            following: false,
-            misses_in_row: 0,
-        });
+        self.planned = Some(Planned::new(plan));
         self.checked("set_plan", Ok(()))
     }
 
-    /// Stops following the plan and gives its regions back.
+    /// Stops following the plan and gives its regions and chunks back.
     ///
     /// # Errors
-    /// [`AllocError::Plan`] while a region holds live blocks (nothing changes then);
-    /// [`AllocError::Device`] if a region cannot be given back.
+    /// [`AllocError::Plan`] while one holds live blocks (nothing changes then);
+    /// [`AllocError::Device`] if one cannot be given back.
     pub fn clear_plan(&mut self) -> Result<(), AllocError> {
-        self.release_unused_plan_regions()?;
-        if self.planned_regions().iter().any(|r| r.base.is_some()) {
+        self.give_back_plan_memory(true)?;
+        if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
             return Err(AllocError::Plan(PlanError::Invalid(
-                "a region of the plan still holds live blocks".into(),
+                "a region or chunk of the plan still holds live blocks".into(),
             )));
         }
         self.planned = None;
@@ -374,12 +418,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn plan_status(&self) -> Option<PlanStatus> {
         let planned = self.planned.as_ref()?;
         Some(PlanStatus {
-            held_bytes: planned
-                .regions
-                .iter()
-                .filter(|r| r.base.is_some())
-                .map(|r| r.bytes)
-                .sum(),
+            held_bytes: planned.held.values().map(|h| h.bytes).sum(),
             following: planned.following,
         })
     }
@@ -395,21 +434,22 @@ impl<D: Device> CachingAllocator<D> {
         let Some(planned) = self.planned.as_mut() else {
             return Ok(None);
         };
-        let (region, offset) = match planned.expect(rounded, stream) {
-            Expect::Placed { region, offset } => (region, offset),
-            Expect::Miss => {
-                self.stats.num_plan_misses.bump();
-                return Ok(None);
-            }
+        let placed = match planned.expect(rounded, stream) {
+            Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
+            Expect::Persistent { chunk } => self.bump(chunk, rounded, requested)?,
+            Expect::Miss => None,
             Expect::Unplanned | Expect::Idle => return Ok(None),
         };
-        let placed = self.place(region, offset, rounded, requested)?;
         if placed.is_some() {
             self.stats.num_plan_hits.bump();
         } else {
             self.stats.num_plan_misses.bump();
         }
         Ok(placed)
+    }
+
+    fn planned_mut(&mut self) -> &mut Planned {
+        self.planned.as_mut().expect("a plan is followed")
     }
 
     /// Allocates `[offset, offset + size)` of region `r`, obtaining the region first if it
@@ -421,33 +461,127 @@ impl<D: Device> CachingAllocator<D> {
         size: u64,
         requested: u64,
     ) -> Result<Option<DevicePtr>, AllocError> {
-        let Some(base) = self.hold_region(r)? else {
-            return Ok(None);
+        let (stream, bytes, base) = self.planned_mut().regions[r];
+        let base = match base {
+            Some(base) => base,
+            None => {
+                let Some(base) = self.hold(stream, bytes, true)? else {
+                    return Ok(None);
+                };
+                self.planned_mut().regions[r].2 = Some(base);
+                base
+            }
         };
-        let addr = base + offset;
-        let region = &self.planned_regions()[r];
-        let Some((_, &id)) = region.free.range(..=addr).next_back() else {
-            return Ok(None);
+        Ok(self.carve(base, base + offset, size, requested))
+    }
+
+    /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
+    /// or of a wholly free chunk of the stream, or of a new chunk; `Ok(None)` if no chunk can
+    /// be obtained.
+    fn bump(
+        &mut self,
+        c: usize,
+        size: u64,
+        requested: u64,
+    ) -> Result<Option<DevicePtr>, AllocError> {
+        let (stream, bytes, current) = self.planned_mut().chunks[c];
+        if let Some(base) = current {
+            let held = &self.planned_mut().held[&base];
+            let end = base + held.bytes;
+            if let Some((&ptr, &id)) = held.free.last_key_value()
+                && ptr + self.block(id).size == end
+                && end - ptr >= size
+            {
+                return Ok(self.carve(base, ptr, size, requested));
+            }
+        }
+        let planned = self.planned.as_ref().expect("a plan is followed");
+        let reuse = planned
+            .held
+            .iter()
+            .find(|&(&b, h)| {
+                !h.region
+                    && h.bytes >= size
+                    && h.wholly_free(b, &self.blocks)
+                    && self.blocks[h.free[&b].index()].stream == stream
+            })
+            .map(|(&b, _)| b);
+        let base = match reuse {
+            Some(base) => base,
+            None => match self.hold(
+                stream,
+                bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE),
+                false,
+            )? {
+                Some(base) => base,
+                None => return Ok(None),
+            },
         };
-        let block = self.block(id);
-        if block.ptr + block.size < addr + size {
+        self.planned_mut().chunks[c].2 = Some(base);
+        Ok(self.carve(base, base, size, requested))
+    }
+
+    /// Obtains a region or chunk of `bytes` from the driver, as one free block of a
+    /// large-pool segment; `Ok(None)` when the process limit or the driver says no.
+    fn hold(
+        &mut self,
+        stream: StreamId,
+        bytes: u64,
+        region: bool,
+    ) -> Result<Option<u64>, AllocError> {
+        if let Some(max) = self.allowed_memory_maximum
+            && self.total_allocated_memory + bytes > max
+        {
             return Ok(None);
         }
-        let (was_split, whole, start) = (block.is_split(), block.size, block.ptr);
-        self.region_free_mut(r).remove(&start);
+        let ptr = match self.device.malloc(bytes) {
+            Ok(ptr) => ptr.0,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        self.total_allocated_memory += bytes;
+        let kind = PoolKind::Large;
+        let id = self.new_block(Block::segment(ptr, bytes, stream, kind));
+        self.stats
+            .count_segment_alloc(kind, bytes, bytes >= self.config.max_split_size);
+        self.record(TraceAction::SegmentAlloc, ptr, bytes, stream);
+        let free = BTreeMap::from([(ptr, id)]);
+        self.planned_mut().held.insert(
+            ptr,
+            Held {
+                bytes,
+                region,
+                free,
+            },
+        );
+        Ok(Some(ptr))
+    }
+
+    /// Allocates `[addr, addr + size)` of the held segment at `base`, if a free block holds
+    /// it: split off in front and behind as needed, the statistics counted as
+    /// `alloc_found_block` counts them.
+    fn carve(&mut self, base: u64, addr: u64, size: u64, requested: u64) -> Option<DevicePtr> {
+        let free = &self.planned_mut().held.get(&base)?.free;
+        let (&start, &id) = free.range(..=addr).next_back()?;
+        let block = self.block(id);
+        if block.ptr + block.size < addr + size {
+            return None;
+        }
+        let (was_split, whole) = (block.is_split(), block.size);
+        self.held_free_mut(base).remove(&start);
         let (mut pieces, mut piece_bytes) = (0i64, 0i64);
         let mut id = id;
         if addr > start {
             let front = self.split_front(id, addr - start);
-            let (ptr, bytes) = (self.block(front).ptr, self.block(front).size);
-            self.region_free_mut(r).insert(ptr, front);
+            let bytes = self.block(front).size;
+            self.held_free_mut(base).insert(start, front);
             pieces += 1;
             piece_bytes += bytes as i64;
         }
         if self.block(id).size > size {
             let taken = self.split_front(id, size);
             let (ptr, bytes) = (self.block(id).ptr, self.block(id).size);
-            self.region_free_mut(r).insert(ptr, id);
+            self.held_free_mut(base).insert(ptr, id);
             pieces += 1;
             piece_bytes += bytes as i64;
             id = taken;
@@ -467,138 +601,112 @@ impl<D: Device> CachingAllocator<D> {
         self.live.insert(addr, id);
         let oversize = size >= self.config.max_split_size;
         self.stats.count_alloc(kind, size, requested, oversize);
-        Ok(Some(DevicePtr(addr)))
+        Some(DevicePtr(addr))
     }
 
-    /// Region `r`'s address, obtaining it from the driver if it is not held; `Ok(None)` when
-    /// the process limit or the driver says no.
-    fn hold_region(&mut self, r: usize) -> Result<Option<u64>, AllocError> {
-        let region = &self.planned_regions()[r];
-        if let Some(base) = region.base {
-            return Ok(Some(base));
-        }
-        let (bytes, stream) = (region.bytes, region.stream);
-        if let Some(max) = self.allowed_memory_maximum
-            && self.total_allocated_memory + bytes > max
-        {
-            return Ok(None);
-        }
-        let ptr = match self.device.malloc(bytes) {
-            Ok(ptr) => ptr.0,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
+    fn held_free_mut(&mut self, base: u64) -> &mut BTreeMap<u64, BlockId> {
+        &mut self
+            .planned_mut()
+            .held
+            .get_mut(&base)
+            .expect("a held region or chunk")
+            .free
+    }
+
+    /// Gives back every wholly free chunk, and with `regions` every wholly free region too;
+    /// whether any was given back. Chunks go at every cache flush, regions only before the
+    /// last retry of a failing request (and when the plan is replaced).
+    pub(super) fn give_back_plan_memory(&mut self, regions: bool) -> Result<bool, AllocError> {
+        let Some(planned) = self.planned.as_ref() else {
+            return Ok(false);
         };
-        self.total_allocated_memory += bytes;
-        let kind = PoolKind::Large;
-        let id = self.new_block(Block::segment(ptr, bytes, stream, kind));
-        self.stats
-            .count_segment_alloc(kind, bytes, bytes >= self.config.max_split_size);
-        self.record(TraceAction::SegmentAlloc, ptr, bytes, stream);
-        let region = &mut self.planned.as_mut().expect("a plan is followed").regions[r];
-        region.base = Some(ptr);
-        region.free.insert(ptr, id);
-        Ok(Some(ptr))
-    }
-
-    /// Gives back every held region with no live block; whether any was given back.
-    pub(super) fn release_unused_plan_regions(&mut self) -> Result<bool, AllocError> {
-        let mut released = false;
-        for r in 0..self.planned_regions().len() {
-            let region = &self.planned_regions()[r];
-            let (Some(base), Some((_, &id))) = (region.base, region.free.first_key_value()) else {
-                continue;
-            };
-            let block = self.block(id);
-            if block.ptr != base || block.is_split() {
-                continue;
-            }
-            let (size, stream) = (block.size, block.stream);
+        let free: Vec<u64> = planned
+            .held
+            .iter()
+            .filter(|&(&base, h)| (regions || !h.region) && h.wholly_free(base, &self.blocks))
+            .map(|(&base, _)| base)
+            .collect();
+        for &base in &free {
+            let held = &self.planned_mut().held[&base];
+            let (bytes, id) = (held.bytes, held.free[&base]);
+            let stream = self.block(id).stream;
             self.device.free(DevicePtr(base))?;
-            self.record(TraceAction::SegmentFree, base, size, stream);
-            self.total_allocated_memory -= size;
+            self.record(TraceAction::SegmentFree, base, bytes, stream);
+            self.total_allocated_memory -= bytes;
             self.stats.count_segment_free(
                 PoolKind::Large,
-                size,
-                size >= self.config.max_split_size,
+                bytes,
+                bytes >= self.config.max_split_size,
             );
             self.blocks.remove(id.index());
-            let region = &mut self.planned.as_mut().expect("a plan is followed").regions[r];
-            region.base = None;
-            region.free.clear();
-            released = true;
-        }
-        Ok(released)
-    }
-
-    fn planned_regions(&self) -> &[HeldRegion] {
-        self.planned.as_ref().map_or(&[], |p| &p.regions)
-    }
-
-    fn region_free_mut(&mut self, r: usize) -> &mut BTreeMap<u64, BlockId> {
-        &mut self.planned.as_mut().expect("a plan is followed").regions[r].free
-    }
-
-    /// The region holding the block at `ptr`, if it lies in one.
-    #[inline]
-    pub(super) fn plan_region_at(&self, ptr: u64) -> Option<usize> {
-        self.planned.as_ref()?.region_at(ptr)
-    }
-
-    /// Puts a free region block into its region's map (`insert_free` for regions).
-    pub(super) fn insert_region_free(&mut self, r: usize, id: BlockId) {
-        let ptr = self.block(id).ptr;
-        self.region_free_mut(r).insert(ptr, id);
-    }
-
-    /// Takes a free region block out of its region's map.
-    pub(super) fn remove_region_free(&mut self, r: usize, id: BlockId) {
-        let ptr = self.block(id).ptr;
-        let removed = self.region_free_mut(r).remove(&ptr);
-        debug_assert!(removed.is_some(), "free region block {ptr:#x} missing");
-    }
-
-    /// For `check_invariants`: whether `id` is in a region's free map under its address, and
-    /// how many entries the maps hold; or the first held region that is not one segment of
-    /// its size.
-    pub(super) fn check_plan_regions(&self) -> Result<(FxHashSetIds, usize), String> {
-        let mut ids = FxHashSetIds::default();
-        let mut count = 0;
-        for region in self.planned_regions() {
-            let Some(base) = region.base else {
-                if !region.free.is_empty() {
-                    return Err("a region not held has free blocks".into());
+            let planned = self.planned_mut();
+            planned.held.remove(&base);
+            for r in planned.regions.iter_mut().chain(planned.chunks.iter_mut()) {
+                if r.2 == Some(base) {
+                    r.2 = None;
                 }
-                continue;
-            };
-            let Some(head) = self
-                .segment_heads()
-                .into_iter()
-                .find(|&h| self.block(h).ptr == base)
-            else {
-                return Err(format!("region at {base:#x} is not a segment"));
+            }
+        }
+        Ok(!free.is_empty())
+    }
+
+    /// The base of the plan's region or chunk holding `ptr`, if it lies in one.
+    #[inline]
+    pub(super) fn plan_segment_at(&self, ptr: u64) -> Option<u64> {
+        self.planned.as_ref()?.held_at(ptr)
+    }
+
+    /// Puts a free block into its region's or chunk's map (`insert_free` for them).
+    pub(super) fn insert_held_free(&mut self, base: u64, id: BlockId) {
+        let ptr = self.block(id).ptr;
+        self.held_free_mut(base).insert(ptr, id);
+    }
+
+    /// Takes a free block out of its region's or chunk's map.
+    pub(super) fn remove_held_free(&mut self, base: u64, id: BlockId) {
+        let ptr = self.block(id).ptr;
+        let removed = self.held_free_mut(base).remove(&ptr);
+        debug_assert!(removed.is_some(), "free plan block {ptr:#x} missing");
+    }
+
+    /// For `check_invariants`: the blocks in the regions' and chunks' free maps, after
+    /// checking that each held one is one segment of its size whose map holds free blocks
+    /// of its own under their addresses; the first violation otherwise.
+    pub(super) fn check_plan_segments(&self) -> Result<FxHashSet<BlockId>, String> {
+        let mut ids = FxHashSet::default();
+        let Some(planned) = self.planned.as_ref() else {
+            return Ok(ids);
+        };
+        let heads = self.segment_heads();
+        for (&base, held) in &planned.held {
+            let Some(&head) = heads.iter().find(|&&h| self.block(h).ptr == base) else {
+                return Err(format!("plan segment at {base:#x} is not a segment"));
             };
             let size: u64 = self.segment_blocks(head).map(|(_, b)| b.size).sum();
-            if size != region.bytes {
+            if size != held.bytes {
                 return Err(format!(
-                    "region at {base:#x} spans {size} bytes, planned {}",
-                    region.bytes
+                    "plan segment at {base:#x} spans {size} bytes, held {}",
+                    held.bytes
                 ));
             }
-            for (&ptr, &id) in &region.free {
+            for (&ptr, &id) in &held.free {
                 let Some(b) = self.blocks.get(id.index()) else {
-                    return Err(format!("region free map names a removed block {ptr:#x}"));
+                    return Err(format!("plan free map names a removed block {ptr:#x}"));
                 };
-                if b.ptr != ptr || !b.is_free() || ptr.wrapping_sub(base) >= region.bytes {
+                if b.ptr != ptr || !b.is_free() || ptr - base >= held.bytes || !ids.insert(id) {
                     return Err(format!(
-                        "region free map entry {ptr:#x} is not a free block of its region"
+                        "plan free map entry {ptr:#x} is not a free block of its segment"
                     ));
                 }
-                ids.insert(id);
-                count += 1;
             }
         }
-        Ok((ids, count))
+        for (stream, _, base) in planned.regions.iter().chain(&planned.chunks) {
+            if let Some(base) = base
+                && !planned.held.contains_key(base)
+            {
+                return Err(format!("stream {:#x}: names {base:#x}, not held", stream.0));
+            }
+        }
+        Ok(ids)
     }
 }
-
-pub(super) type FxHashSetIds = rustc_hash::FxHashSet<BlockId>;

@@ -7,8 +7,8 @@
 //! `max_split_size` rules ([`size::fits`]) may still refuse.
 //!
 //! # Invariants
-//! - A block is in its pool's free set iff it is free, mapped and outside a plan's region
-//!   (those sit in the region's own map, `plan.rs`), under its own current
+//! - A block is in its pool's free set iff it is free, mapped and outside a plan's regions and
+//!   chunks (those sit in their own maps, `plan.rs`), under its own current
 //!   (stream, size, address) key; in its pool's unmapped set iff it is free and unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.
@@ -116,8 +116,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Puts a free block into its pool's free set, stamping its GC age base.
     pub(super) fn insert_free(&mut self, id: BlockId) {
         let block = self.block(id);
-        if let Some(r) = self.plan_region_at(block.ptr) {
-            return self.insert_region_free(r, id);
+        if let Some(base) = self.plan_segment_at(block.ptr) {
+            return self.insert_held_free(base, id);
         }
         let (kind, stream) = (block.pool, block.stream);
         let entry = FreeEntry {
@@ -134,8 +134,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Takes a free block out of its pool's free set (its key must be current).
     pub(super) fn remove_free(&mut self, id: BlockId) {
         let block = self.block(id);
-        if let Some(r) = self.plan_region_at(block.ptr) {
-            return self.remove_region_free(r, id);
+        if let Some(base) = self.plan_segment_at(block.ptr) {
+            return self.remove_held_free(base, id);
         }
         let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
         let removed = self.pool_mut(kind).free.remove(stream, size, ptr);

@@ -27,7 +27,9 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
         self.synchronize_and_free_events()?;
         self.release_blocks(PoolKind::Large)?;
-        self.release_blocks(PoolKind::Small)
+        self.release_blocks(PoolKind::Small)?;
+        self.give_back_plan_memory(false)?;
+        Ok(())
     }
 
     /// Releases the whole free segments of a pool, in the pool's order, then unmaps the

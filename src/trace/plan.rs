@@ -199,6 +199,7 @@ pub fn plan(
                 size: a.size,
                 stream: a.stream,
                 offset,
+                persistent: offset.is_none(),
             })
             .collect(),
         source: Some(PlanSource {
