@@ -2,15 +2,16 @@
 //!
 //! 1. **Allocations.** Each `alloc` of the device's trace, with its rounded size (under the
 //!    configuration planned for), its stream, its event and the event its free completed.
-//! 2. **The iteration.** Candidate periods are the distances between consecutive equal
-//!    (rounded size, stream) pairs, the most frequent [`CANDIDATE_PERIODS`] and their
-//!    multiples up to [`MAX_MULTIPLE`]; each is scored by its longest run of the sequence
-//!    repeating itself. A candidate needs two iterations in a row; the one kept covers the
-//!    most allocations among those whose first iteration can place at least
-//!    [`PLANNABLE_SHARE`] of its bytes (else the best product of the two), the shortest on a
+//! 2. **The iteration.** Every period up to [`MAX_PERIOD`] allocations is tried (for traces
+//!    too long for [`SCAN_WORK`], the [`CANDIDATE_PERIODS`] most frequent distances between
+//!    consecutive equal (rounded size, stream) pairs and their multiples up to
+//!    [`MAX_MULTIPLE`]), each at its longest run of the sequence repeating itself. A period
+//!    needs two iterations in a row; the one kept maximises the allocations its run covers
+//!    times the share of its first iteration's bytes that are placeable, the shortest on a
 //!    tie. An allocation is placeable when its free completes less than one iteration (in
-//!    events) after it was made: then it repeats in the same place every iteration.
-//!    `--events A..B` names the iteration instead.
+//!    events) after it was made: then it repeats in the same place every iteration; the
+//!    others are persistent (bumped into chunks). `--events A..B` names the iteration
+//!    instead.
 //! 3. **Placement** (the dynamic storage allocation problem), per stream: lifetimes are
 //!    taken on the iteration's circle (an allocation freed in the next iteration wraps round),
 //!    and allocations are placed one by one at the lowest offset free over their lifetime,
@@ -22,7 +23,8 @@
 //!    both peaks come from that window alone.
 //!
 //! # Budgets
-//! - Periods up to [`MAX_PERIOD`] allocations; the search is O(allocations × candidates).
+//! - Periods up to [`MAX_PERIOD`] allocations; the search makes at most [`SCAN_WORK`] token
+//!   comparisons, or O(allocations × candidates) beyond.
 //! - Placement is O(period²) per order and round; local search stops after
 //!   [`LOCAL_SEARCH_ROUNDS`] rounds or [`PLACEMENT_WORK`] overlap tests in all.
 
@@ -43,7 +45,10 @@ use super::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_f
 
 /// The longest iteration planned, in allocations.
 pub const MAX_PERIOD: usize = 8192;
-/// Distances between equal allocations tried as periods.
+/// Token comparisons the period search may make to try every period; longer traces try
+/// only [`CANDIDATE_PERIODS`] common distances and their multiples.
+pub const SCAN_WORK: u64 = 1 << 31;
+/// Distances between equal allocations tried as periods (long traces).
 pub const CANDIDATE_PERIODS: usize = 32;
 /// Multiples of each candidate tried too.
 pub const MAX_MULTIPLE: usize = 8;
@@ -261,31 +266,26 @@ fn placeable(a: &Allocation, length: usize) -> bool {
 /// The repeating iteration: (first allocation, period, iterations in a row).
 fn find_iteration(allocations: &[Allocation]) -> Option<(usize, usize, usize)> {
     let n = allocations.len();
-    let token = |i: usize| (allocations[i].size, allocations[i].stream);
-    let mut last: FxHashMap<(u64, u64), usize> = FxHashMap::default();
-    let mut distances: FxHashMap<usize, u32> = FxHashMap::default();
-    for i in 0..n {
-        if let Some(j) = last.insert(token(i), i)
-            && i - j <= MAX_PERIOD
-        {
-            *distances.entry(i - j).or_default() += 1;
-        }
-    }
-    let mut common: Vec<(usize, u32)> = distances.into_iter().collect();
-    common.sort_unstable_by_key(|&(d, count)| (std::cmp::Reverse(count), d));
-    let mut candidates: Vec<usize> = common
+    // Each (rounded size, stream) as a small id: the scans compare four bytes.
+    let mut ids: FxHashMap<(u64, u64), u32> = FxHashMap::default();
+    let tokens: Vec<u32> = allocations
         .iter()
-        .take(CANDIDATE_PERIODS)
-        .flat_map(|&(d, _)| (1..=MAX_MULTIPLE).map(move |m| d * m))
-        .filter(|&p| p <= MAX_PERIOD && 2 * p <= n)
+        .map(|a| {
+            let next = ids.len() as u32;
+            *ids.entry((a.size, a.stream)).or_insert(next)
+        })
         .collect();
-    candidates.sort_unstable();
-    candidates.dedup();
+    let longest_period = MAX_PERIOD.min(n / 2);
+    let candidates: Vec<usize> = if (n as u64).saturating_mul(longest_period as u64) <= SCAN_WORK {
+        (1..=longest_period).collect()
+    } else {
+        common_distances(&tokens)
+    };
     let mut best: Option<(f64, (usize, usize, usize))> = None;
     for p in candidates {
         let (mut run, mut longest, mut longest_start) = (0usize, 0usize, 0usize);
-        for i in 0..n - p {
-            if token(i) == token(i + p) {
+        for (i, (a, b)) in tokens.iter().zip(&tokens[p..]).enumerate() {
+            if a == b {
                 run += 1;
                 if run > longest {
                     longest = run;
@@ -317,6 +317,31 @@ fn find_iteration(allocations: &[Allocation]) -> Option<(usize, usize, usize)> {
         }
     }
     best.map(|(_, found)| found)
+}
+
+/// Candidate periods for long traces: the most frequent distances between consecutive equal
+/// tokens and their multiples.
+fn common_distances(tokens: &[u32]) -> Vec<usize> {
+    let mut last: FxHashMap<u32, usize> = FxHashMap::default();
+    let mut distances: FxHashMap<usize, u32> = FxHashMap::default();
+    for (i, &t) in tokens.iter().enumerate() {
+        if let Some(j) = last.insert(t, i)
+            && i - j <= MAX_PERIOD
+        {
+            *distances.entry(i - j).or_default() += 1;
+        }
+    }
+    let mut common: Vec<(usize, u32)> = distances.into_iter().collect();
+    common.sort_unstable_by_key(|&(d, count)| (std::cmp::Reverse(count), d));
+    let mut candidates: Vec<usize> = common
+        .iter()
+        .take(CANDIDATE_PERIODS)
+        .flat_map(|&(d, _)| (1..=MAX_MULTIPLE).map(move |m| d * m))
+        .filter(|&p| p <= MAX_PERIOD && 2 * p <= tokens.len())
+        .collect();
+    candidates.sort_unstable();
+    candidates.dedup();
+    candidates
 }
 
 /// Where an iteration's allocations go.

@@ -13,6 +13,7 @@ mod ingest;
 mod kubelet;
 mod lifecycle;
 mod oom_path;
+mod plan;
 mod properties;
 mod replay;
 mod scenarios;

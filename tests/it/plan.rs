@@ -1,0 +1,224 @@
+//! Planned placement end to end: the `plan` key's syntax, plan files refused by name, `gpumem
+//! plan` and `replay --plan` on the bundled recordings (the same figures both ways), and the
+//! evaluation table over the shared recordings.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use gpumem::AllocatorConfig;
+use gpumem::allocator::Plan;
+use gpumem::config::Syntax;
+use gpumem::trace::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
+use gpumem::trace::read_recording;
+
+use crate::common::succeeded;
+use crate::replay::shared_traces;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("plan");
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir.join(name)
+}
+
+#[test]
+fn the_plan_key_is_gpumem_syntax_only() {
+    let refused = AllocatorConfig::parse("expandable_segments:True,plan:/tmp/p.json")
+        .expect_err("PyTorch's syntax has no plan");
+    assert!(
+        refused.reason.contains("gpumem's own key"),
+        "{}",
+        refused.reason
+    );
+    let config = AllocatorConfig::parse_as("plan:/tmp/p.json,max_split_size_mb:64", Syntax::Gpumem)
+        .expect("gpumem's syntax");
+    assert_eq!(config.plan.as_deref(), Some("/tmp/p.json"));
+    assert_eq!(config.max_split_size, 64 << 20);
+    // Snapshots record the string, so a replay sees which plan the job followed.
+    assert!(
+        config
+            .settings()
+            .PYTORCH_CUDA_ALLOC_CONF
+            .contains("plan:/tmp/p.json")
+    );
+    let empty = AllocatorConfig::parse_as("plan:", Syntax::Gpumem).expect_err("a value");
+    assert!(empty.reason.contains("needs a value"), "{}", empty.reason);
+}
+
+#[test]
+fn bad_plan_files_are_refused_by_name() {
+    let valid = serde_json::json!({
+        "format": "gpumem-plan", "version": 1,
+        "regions": [{"stream": 0, "bytes": 4 << 20}],
+        "entries": [{"size": 1 << 20, "stream": 0, "offset": 0}],
+    });
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (serde_json::json!({"format": "other", "version": 1, "regions": [], "entries": []}), "format"),
+        (serde_json::json!({"format": "gpumem-plan", "version": 9, "regions": [], "entries": []}), "version 9"),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": []}),
+            "no entries",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20}],
+                "entries": [{"size": 1 << 20, "stream": 0, "offset": 7 << 19}]}),
+            "inside its region",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20}],
+                "entries": [{"size": 1000, "stream": 0, "offset": 0}]}),
+            "multiple of 512",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20}, {"stream": 0, "bytes": 2 << 20}],
+                "entries": [{"size": 512, "stream": 0}]}),
+            "two regions",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [],
+                "entries": [{"size": 512, "stream": 5, "offset": 0}]}),
+            "no region for stream 5",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20}],
+                "entries": [{"size": 512, "stream": 0, "offset": 0, "persistent": true}]}),
+            "both",
+        ),
+        (serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": [], "extra": 1}), "unknown field"),
+    ];
+    for (json, expected) in cases {
+        let e = Plan::from_json(&json.to_string()).expect_err(expected);
+        assert!(e.to_string().contains(expected), "{expected}: {e}");
+    }
+    assert!(Plan::from_json(&valid.to_string()).is_ok());
+    assert!(Plan::from_json("{\"format\": ").is_err());
+    let missing = read_plan_file(&scratch("missing.json")).expect_err("no file");
+    assert!(matches!(missing, PlanFileError::Io { .. }) && missing.to_string().contains("missing.json"));
+    // The command line says the same and exits with an error, no panic.
+    let bad = scratch("bad-plan.json");
+    std::fs::write(&bad, "not json").expect("write");
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/cs336_lm_forward_bf16.noframes.json.gz");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .arg("replay")
+        .arg(&trace)
+        .arg("--plan")
+        .arg(&bad)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("bad-plan.json") && stderr.contains("not a gpumem plan"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `gpumem plan` on a bundled recording writes a valid plan and evaluates it; `replay --plan`
+/// replays the same events and finds the same figures; the plan never misses on the
+/// recording's own iterations and never reserves more than the recorded configuration.
+#[test]
+fn bundled_recordings_plan_and_replay_alike() {
+    for name in [
+        "opt125m_zo_fedtrain_complete.noframes.json.gz",
+        "cs336_lm_fwd_bwd_step.noframes.json.gz",
+        "cs336_lm_compiled_train.noframes.json.gz",
+    ] {
+        let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces").join(name);
+        let out_plan = scratch(&format!("{name}.plan.json"));
+        let output = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .arg("plan")
+                .arg(&trace)
+                .arg("-o")
+                .arg(&out_plan)
+                .arg("--json"),
+        );
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+        let plan = read_plan_file(&out_plan).expect("the written plan reads back");
+        assert!(plan.region_bytes() >= json["plan"]["lower_bound_bytes"].as_u64().unwrap_or(0) / 2);
+        let eval = &json["evaluation"];
+        let (planned, default) = (&eval["planned"], &eval["default"]);
+        let figure = |v: &serde_json::Value, k: &str| v[k].as_u64().expect(k);
+        assert_eq!(figure(planned, "plan_misses"), 0, "{name}: {planned}");
+        assert!(figure(planned, "plan_hits") > 0, "{name}");
+        assert!(
+            figure(planned, "peak_reserved") <= figure(default, "peak_reserved"),
+            "{name}: planned {} above the recorded configuration's {}",
+            figure(planned, "peak_reserved"),
+            figure(default, "peak_reserved")
+        );
+        assert!(figure(planned, "peak_reserved") >= figure(planned, "peak_allocated"));
+        let replayed = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .arg("replay")
+                .arg(&trace)
+                .arg("--plan")
+                .arg(&out_plan)
+                .arg("--json"),
+        );
+        let rows: serde_json::Value = serde_json::from_slice(&replayed.stdout).expect("JSON");
+        let rows = &rows[0]["results"];
+        assert_eq!(rows.as_array().map(Vec::len), Some(2), "{rows}");
+        for (row, expected) in [(&rows[0], default), (&rows[1], planned)] {
+            for key in ["peak_allocated", "peak_reserved", "plan_hits", "plan_misses"] {
+                assert_eq!(row[key], expected[key], "{name}: {key}");
+            }
+        }
+    }
+}
+
+/// The evaluation over every shared recording in which the planner finds two iterations:
+/// the table of the README, logged; on each, the plan misses nothing on the recording's own
+/// later iterations and its regions hold at least the bytes live at once.
+#[test]
+fn shared_recordings_planned() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+        return;
+    };
+    let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("list")
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
+        .collect();
+    names.sort();
+    let mut planned_on = Vec::new();
+    for path in names {
+        let recording = read_recording(&path).expect("reads");
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let Ok(planned) = plan(&recording, &name, &PlanOptions::default()) else {
+            eprintln!("{name}: no iteration");
+            continue;
+        };
+        if planned.iterations < 2 {
+            continue;
+        }
+        assert!(planned.region_bytes >= planned.lower_bound_bytes, "{name}");
+        let shared = Arc::new(planned.plan.clone());
+        let e = evaluate(&recording, 0, None, None, &shared, planned.evaluated.clone())
+            .expect("replays");
+        let (d, p) = (&e.default, &e.planned);
+        eprintln!(
+            "{name}: {} iterations of {} allocations; default {:.3}×, planned {:.3}× (hits {}, misses {}), bound {:.3}×",
+            planned.iterations,
+            planned.period,
+            d.reserved_ratio(),
+            p.reserved_ratio(),
+            p.plan_hits,
+            p.plan_misses,
+            planned.region_bytes as f64 / planned.lower_bound_bytes.max(1) as f64
+        );
+        assert_eq!(p.plan_misses, 0, "{name}");
+        assert!(p.plan_hits > 0, "{name}");
+        assert_eq!(p.ooms, 0, "{name}");
+        planned_on.push(name);
+    }
+    for required in [
+        "opt125m_zo_fedtrain_complete.pickle",
+        "cnn_counterfactual_eor.pickle",
+        "qwen2_7b_layerwise_calib_emptycache.pickle",
+    ] {
+        assert!(planned_on.iter().any(|n| n == required), "{required} has no two iterations");
+    }
+}
