@@ -1,11 +1,13 @@
 //! Replay throughput on a real recording (opt125m, 23 105 events, bundled in data/traces):
-//! decoding the file, the fidelity check, and a what-if run under another configuration.
+//! decoding the file, the fidelity check, a what-if run under another configuration, and the
+//! placement planner (`gpumem plan`: the iteration search and the placement).
 
 use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumem::AllocatorConfig;
+use gpumem::trace::plan::{PlanOptions, plan};
 use gpumem::trace::{ReplayOptions, parse_recording, replay};
 
 fn replay_opt125m(c: &mut Criterion) {
@@ -32,6 +34,12 @@ fn replay_opt125m(c: &mut Criterion) {
     };
     group.bench_function("what_if_expandable", |b| {
         b.iter(|| replay(black_box(&recording), &what_if).expect("replays"))
+    });
+    // The planner on the largest shared recording by events (this one): finding the
+    // iteration and placing it, beside the replays above.
+    let options = PlanOptions::default();
+    group.bench_function("plan", |b| {
+        b.iter(|| plan(black_box(&recording), "opt125m", &options).expect("plans"))
     });
     group.finish();
 }

@@ -53,8 +53,14 @@ fn bad_plan_files_are_refused_by_name() {
         "entries": [{"size": 1 << 20, "stream": 0, "offset": 0}],
     });
     let cases: Vec<(serde_json::Value, &str)> = vec![
-        (serde_json::json!({"format": "other", "version": 1, "regions": [], "entries": []}), "format"),
-        (serde_json::json!({"format": "gpumem-plan", "version": 9, "regions": [], "entries": []}), "version 9"),
+        (
+            serde_json::json!({"format": "other", "version": 1, "regions": [], "entries": []}),
+            "format",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 9, "regions": [], "entries": []}),
+            "version 9",
+        ),
         (
             serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": []}),
             "no entries",
@@ -88,7 +94,10 @@ fn bad_plan_files_are_refused_by_name() {
                 "entries": [{"size": 512, "stream": 0, "offset": 0, "persistent": true}]}),
             "both",
         ),
-        (serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": [], "extra": 1}), "unknown field"),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": [], "extra": 1}),
+            "unknown field",
+        ),
     ];
     for (json, expected) in cases {
         let e = Plan::from_json(&json.to_string()).expect_err(expected);
@@ -97,11 +106,14 @@ fn bad_plan_files_are_refused_by_name() {
     assert!(Plan::from_json(&valid.to_string()).is_ok());
     assert!(Plan::from_json("{\"format\": ").is_err());
     let missing = read_plan_file(&scratch("missing.json")).expect_err("no file");
-    assert!(matches!(missing, PlanFileError::Io { .. }) && missing.to_string().contains("missing.json"));
+    assert!(
+        matches!(missing, PlanFileError::Io { .. }) && missing.to_string().contains("missing.json")
+    );
     // The command line says the same and exits with an error, no panic.
     let bad = scratch("bad-plan.json");
     std::fs::write(&bad, "not json").expect("write");
-    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/cs336_lm_forward_bf16.noframes.json.gz");
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/traces/cs336_lm_forward_bf16.noframes.json.gz");
     let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
         .arg("replay")
         .arg(&trace)
@@ -110,7 +122,12 @@ fn bad_plan_files_are_refused_by_name() {
         .output()
         .expect("runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("bad-plan.json") && stderr.contains("not a gpumem plan"), "{stderr}");
+    assert!(
+        !out.status.success()
+            && stderr.contains("bad-plan.json")
+            && stderr.contains("not a gpumem plan"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -124,7 +141,9 @@ fn bundled_recordings_plan_and_replay_alike() {
         "cs336_lm_fwd_bwd_step.noframes.json.gz",
         "cs336_lm_compiled_train.noframes.json.gz",
     ] {
-        let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces").join(name);
+        let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("data/traces")
+            .join(name);
         let out_plan = scratch(&format!("{name}.plan.json"));
         let output = succeeded(
             Command::new(env!("CARGO_BIN_EXE_gpumem"))
@@ -161,7 +180,12 @@ fn bundled_recordings_plan_and_replay_alike() {
         let rows = &rows[0]["results"];
         assert_eq!(rows.as_array().map(Vec::len), Some(2), "{rows}");
         for (row, expected) in [(&rows[0], default), (&rows[1], planned)] {
-            for key in ["peak_allocated", "peak_reserved", "plan_hits", "plan_misses"] {
+            for key in [
+                "peak_allocated",
+                "peak_reserved",
+                "plan_hits",
+                "plan_misses",
+            ] {
                 assert_eq!(row[key], expected[key], "{name}: {key}");
             }
         }
@@ -186,7 +210,10 @@ fn shared_recordings_planned() {
     let mut planned_on = Vec::new();
     for path in names {
         let recording = read_recording(&path).expect("reads");
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let Ok(planned) = plan(&recording, &name, &PlanOptions::default()) else {
             eprintln!("{name}: no iteration");
             continue;
@@ -196,8 +223,15 @@ fn shared_recordings_planned() {
         }
         assert!(planned.region_bytes >= planned.lower_bound_bytes, "{name}");
         let shared = Arc::new(planned.plan.clone());
-        let e = evaluate(&recording, 0, None, None, &shared, planned.evaluated.clone())
-            .expect("replays");
+        let e = evaluate(
+            &recording,
+            0,
+            None,
+            None,
+            &shared,
+            planned.evaluated.clone(),
+        )
+        .expect("replays");
         let (d, p) = (&e.default, &e.planned);
         eprintln!(
             "{name}: {} iterations of {} allocations; default {:.3}×, planned {:.3}× (hits {}, misses {}), bound {:.3}×",
@@ -219,6 +253,9 @@ fn shared_recordings_planned() {
         "cnn_counterfactual_eor.pickle",
         "qwen2_7b_layerwise_calib_emptycache.pickle",
     ] {
-        assert!(planned_on.iter().any(|n| n == required), "{required} has no two iterations");
+        assert!(
+            planned_on.iter().any(|n| n == required),
+            "{required} has no two iterations"
+        );
     }
 }
