@@ -21,7 +21,8 @@
 //! When no cached block fits, `malloc` tries, in PyTorch's order: garbage collection (when a
 //! memory fraction and `garbage_collection_threshold` are set), a new segment, releasing
 //! cached oversize blocks (when `max_split_size` is set) and a new segment, flushing the whole
-//! cache (and giving back the regions of a plan that hold no live block) and a last new segment (counted in `num_alloc_retries`). Only then does it fail with
+//! cache (the regions and chunks of a plan that hold no live block with it) and a last new
+//! segment (counted in `num_alloc_retries`). Only then does it fail with
 //! [`AllocError::OutOfMemory`] (counted in `num_ooms`).
 //!
 //! # Note [Drop]
@@ -330,7 +331,6 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Some(id));
         }
         self.release_cached_blocks()?;
-        self.give_back_plan_memory(true)?;
         self.alloc_block(kind, stream, rounded, segment_size, true)
     }
 

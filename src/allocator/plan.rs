@@ -8,20 +8,24 @@
 //! At run time the allocator keeps a cursor into the plan:
 //! - A request that matches the entry at the cursor, or one of the next
 //!   [`RESYNC_WINDOW`] entries (by rounded size and stream), is that entry. A planned entry
-//!   is served at its offset when that range of the region is free (a hit); an entry the
-//!   plan leaves out (it lives longer than an iteration) goes to the caching allocator.
+//!   is served at its offset when that range of the region is free (a hit). A persistent
+//!   entry (it outlives an iteration) is placed right after the last one, in a chunk of its
+//!   stream: a segment the size of one iteration's persistent entries, a new one (or one
+//!   wholly free again) when the current is full. An entry with neither goes to the caching
+//!   allocator.
 //! - A request that matches none of them, or whose range is still taken, or for which the
 //!   region cannot be obtained, is a miss: the caching allocator serves it, from segments
 //!   outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
 //!   that matches its first entry, and follows again from there.
-//! - A region is obtained from the driver at its first hit and kept (an `empty_cache` keeps
-//!   it). The OOM retry chain gives back every region that holds no live block before its
-//!   last attempt, so the plan never costs a request that only the region's memory would
-//!   have let through; a region is obtained again at its next hit.
+//! - A region is obtained from the driver at its first hit and kept while it holds live
+//!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
+//!   attempt) gives back the regions and chunks that hold none, so the plan never costs a
+//!   request that only their memory would have let through; a region is obtained again at
+//!   its next hit.
 //!
-//! Region blocks are ordinary blocks of a large-pool segment, so statistics, the trace,
-//! snapshots and `check_invariants` see them as any other; their free parts are kept out of
-//! the pools' free sets (the caching allocator never carves them), in the region's own map.
+//! Region and chunk blocks are ordinary blocks of large-pool segments, so statistics, the
+//! trace, snapshots and `check_invariants` see them as any other; their free parts are kept
+//! out of the pools' free sets (the caching allocator never carves them), in their own maps.
 //! Reuse of a range stays on one stream (each stream has its own region), which keeps the
 //! stream-ordered reuse of Note [Stream-ordered reuse].
 //!
@@ -31,7 +35,7 @@
 //!   sizes and offsets multiples of 512, every planned range inside its stream's region.
 //! - A held region is one segment of exactly its planned size whose free blocks are exactly
 //!   the entries of its free map, under their addresses; none of them is in a pool.
-//! - A region is given back only when it holds one free block spanning it.
+//! - A region or chunk is given back only when it holds one free block spanning it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -383,7 +387,7 @@ impl<D: Device> CachingAllocator<D> {
     /// holds live blocks; [`AllocError::Device`] if one cannot be given back.
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
-        self.give_back_plan_memory(true)?;
+        self.give_back_plan_memory()?;
         if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
             return Err(AllocError::Plan(PlanError::Invalid(
                 "a region or chunk of the plan followed now still holds live blocks".into(),
@@ -399,7 +403,7 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::Plan`] while one holds live blocks (nothing changes then);
     /// [`AllocError::Device`] if one cannot be given back.
     pub fn clear_plan(&mut self) -> Result<(), AllocError> {
-        self.give_back_plan_memory(true)?;
+        self.give_back_plan_memory()?;
         if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
             return Err(AllocError::Plan(PlanError::Invalid(
                 "a region or chunk of the plan still holds live blocks".into(),
@@ -613,17 +617,16 @@ impl<D: Device> CachingAllocator<D> {
             .free
     }
 
-    /// Gives back every wholly free chunk, and with `regions` every wholly free region too;
-    /// whether any was given back. Chunks go at every cache flush, regions only before the
-    /// last retry of a failing request (and when the plan is replaced).
-    pub(super) fn give_back_plan_memory(&mut self, regions: bool) -> Result<bool, AllocError> {
+    /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
+    /// the retry chain's, and when the plan is replaced); whether any was given back.
+    pub(super) fn give_back_plan_memory(&mut self) -> Result<bool, AllocError> {
         let Some(planned) = self.planned.as_ref() else {
             return Ok(false);
         };
         let free: Vec<u64> = planned
             .held
             .iter()
-            .filter(|&(&base, h)| (regions || !h.region) && h.wholly_free(base, &self.blocks))
+            .filter(|&(&base, h)| h.wholly_free(base, &self.blocks))
             .map(|(&base, _)| base)
             .collect();
         for &base in &free {

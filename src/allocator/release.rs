@@ -28,7 +28,7 @@ impl<D: Device> CachingAllocator<D> {
         self.synchronize_and_free_events()?;
         self.release_blocks(PoolKind::Large)?;
         self.release_blocks(PoolKind::Small)?;
-        self.give_back_plan_memory(false)?;
+        self.give_back_plan_memory()?;
         Ok(())
     }
 

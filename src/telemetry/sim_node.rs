@@ -203,15 +203,36 @@ impl SimNode {
                     process_limit: Some(process_limit),
                     ..SimConfig::with_capacity(config.capacity)
                 });
-                let alloc = CachingAllocator::new(device, config.config.clone());
+                let mut alloc = CachingAllocator::new(device, config.config.clone());
                 let which = ((gpu * processes_per_gpu + k) as usize) % recordings.len();
+                // The node's first process follows a placement plan made from its recording
+                // (as `gpumem plan` makes it): the plan's series and its savings on show.
+                let mut settings = config.config.last_settings.clone();
+                if gpu == 0 && k == 0 {
+                    let (name, _) = BUNDLED_TRACES[which];
+                    let planned = crate::trace::plan::plan(
+                        &recordings[which],
+                        name,
+                        &crate::trace::plan::PlanOptions::default(),
+                    )
+                    .map_err(|e| format!("{name}: {e}"))?;
+                    alloc
+                        .set_plan(Arc::new(planned.plan))
+                        .map_err(|e| format!("{name}: {e}"))?;
+                    let plan = format!("plan:{name}.plan.json");
+                    settings = if settings.is_empty() {
+                        plan
+                    } else {
+                        format!("{settings},{plan}")
+                    };
+                }
                 processes.push(Arc::new(AllocatorSource {
                     gpu,
                     uuid: simulated_uuid(gpu),
                     pid: 10_000 + gpu * 100 + k,
                     allocator: AllocatorKind::Gpumem,
                     version: env!("CARGO_PKG_VERSION").to_string(),
-                    config: config.config.last_settings.clone(),
+                    config: settings,
                     stats: Arc::clone(alloc.stats()),
                     largest_free_block: Arc::new(AtomicU64::new(0)),
                     segment_classes: Default::default(),

@@ -75,7 +75,8 @@ POLL = 0.25
 # list against the agent's).
 COLLIDING = frozenset((
     "UUID", "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
-    "kind", "model", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process", "result",
+    "kind", "model", "outcome", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process",
+    "result",
     "segment_size", "simulated", "source", "version", "le",
     "job", "instance", "namespace", "pod", "container", "node", "service", "endpoint",
     "cluster",
