@@ -16,8 +16,9 @@
 //!    taken on the iteration's circle (an allocation freed in the next iteration wraps round),
 //!    and allocations are placed one by one at the lowest offset free over their lifetime,
 //!    in several orders (by size, by size × lifetime, by lifetime, by start), first and best
-//!    fit, then improved by local search (the allocation that sets the top moves ahead in
-//!    the order while that lowers the top). The lower bound is the most bytes live at once.
+//!    fit, then improved by local search (random moves of the order: the allocation that
+//!    sets the top ahead, or two swapped; kept unless the top rises). The lower bound is the
+//!    most bytes live at once.
 //! 4. **Evaluation** ([`evaluate`]): the iterations after the planned one are replayed from
 //!    an empty allocator under the recorded configuration, and again following the plan;
 //!    both peaks come from that window alone.
@@ -39,6 +40,7 @@ use crate::allocator::{
     TraceAction, TraceEntry,
 };
 use crate::config::AllocatorConfig;
+use crate::workload::XorShift;
 
 use super::Recording;
 use super::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
@@ -55,7 +57,7 @@ pub const MAX_MULTIPLE: usize = 8;
 /// The share of an iteration's bytes that must be placeable for it to be preferred.
 pub const PLANNABLE_SHARE: f64 = 0.9;
 /// Rounds of local search at most.
-pub const LOCAL_SEARCH_ROUNDS: usize = 64;
+pub const LOCAL_SEARCH_ROUNDS: usize = 400;
 /// Overlap tests the placement may spend in all.
 pub const PLACEMENT_WORK: u64 = 400_000_000;
 
@@ -468,26 +470,33 @@ fn best_placement(items: &[Item]) -> (Vec<u64>, u64) {
         }
     }
     let (mut offsets, mut top, mut order, best_fit) = best.expect("four orders");
-    // Local search: the item that sets the top goes first, while that lowers the top.
+    let bound = most_live(items);
+    // Local search from the best: move the item that sets the top to a random earlier
+    // place in the order, or swap two random items; keep a move that does not raise the top
+    // (plateaus are crossed), up to the rounds and the work budget.
+    let mut rng = XorShift::new(0x5eed_0f_91a5);
     for _ in 0..LOCAL_SEARCH_ROUNDS {
-        if work > PLACEMENT_WORK {
-            break;
-        }
-        let Some(critical) = (0..n).max_by_key(|&i| offsets[i] + items[i].size) else {
-            break;
-        };
-        let at = order.iter().position(|&i| i == critical).expect("in order");
-        if at == 0 {
+        if work > PLACEMENT_WORK || top == bound || n < 2 {
             break;
         }
         let mut next = order.clone();
-        let moved = next.remove(at);
-        next.insert(at / 2, moved);
-        let (o, t) = greedy(items, &next, best_fit, &mut work);
-        if t < top {
-            (offsets, top, order) = (o, t, next);
+        let critical = (0..n)
+            .max_by_key(|&i| offsets[i] + items[i].size)
+            .expect("n >= 2");
+        let at = order.iter().position(|&i| i == critical).expect("in order");
+        if at > 0 && rng.next_u64() % 2 == 0 {
+            let moved = next.remove(at);
+            next.insert((rng.next_u64() % at as u64) as usize, moved);
         } else {
-            break;
+            let (a, b) = (
+                (rng.next_u64() % n as u64) as usize,
+                (rng.next_u64() % n as u64) as usize,
+            );
+            next.swap(a, b);
+        }
+        let (o, t) = greedy(items, &next, best_fit, &mut work);
+        if t <= top {
+            (offsets, top, order) = (o, t, next);
         }
     }
     (offsets, top)
