@@ -474,7 +474,7 @@ fn best_placement(items: &[Item]) -> (Vec<u64>, u64) {
     // Local search from the best: move the item that sets the top to a random earlier
     // place in the order, or swap two random items; keep a move that does not raise the top
     // (plateaus are crossed), up to the rounds and the work budget.
-    let mut rng = XorShift::new(0x5eed_0f_91a5);
+    let mut rng = XorShift::new(0x5eed_0f91);
     for _ in 0..LOCAL_SEARCH_ROUNDS {
         if work > PLACEMENT_WORK || top == bound || n < 2 {
             break;
@@ -484,7 +484,7 @@ fn best_placement(items: &[Item]) -> (Vec<u64>, u64) {
             .max_by_key(|&i| offsets[i] + items[i].size)
             .expect("n >= 2");
         let at = order.iter().position(|&i| i == critical).expect("in order");
-        if at > 0 && rng.next_u64() % 2 == 0 {
+        if at > 0 && rng.next_u64().is_multiple_of(2) {
             let moved = next.remove(at);
             next.insert((rng.next_u64() % at as u64) as usize, moved);
         } else {
