@@ -364,6 +364,15 @@ def allocator():
               None, ["instance", "gpu", "pid", "segment_size", "Value #A", "Value #B"],
               {"instance": "node", "segment_size": "segment size", "Value #A": "segments",
                "Value #B": "free bytes"}, sort="free bytes"),
+        timeseries("Placement plan: hits and misses",
+                   "For processes that follow a placement plan (plan:PATH, made by gpumem plan "
+                   "from a recording): requests served at their planned place (hits) and "
+                   "requests the plan expected but the caching allocator served (misses). "
+                   "Misses that keep rising mean the job no longer runs the planned iteration: "
+                   "make a new plan from a recent recording.", (0, 48, 24, 8),
+                   [target("A", f"sum by ({per}, outcome) (rate(gpumem_allocator_plan_requests_total"
+                                f"{{{POD}}}[$__rate_interval]))", legend + " {{outcome}}")],
+                   "ops"),
     ]
     sizes = panels[10]
     sizes["transformations"].insert(1, {"id": "convertFieldType", "options": {"conversions": [
