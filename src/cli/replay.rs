@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
+use gpumem::config::Syntax;
 use gpumem::trace::replay::ReplayReport;
 use gpumem::trace::{
     Readings, Recording, ReplayOptions, replay_following, replay_with_progress, state_summary,
@@ -45,8 +46,9 @@ pub(crate) struct Args {
     json: bool,
     /// Add a row that follows this placement plan (`gpumem plan -o`). Every row then replays
     /// from an empty allocator, on the events the plan was not made from when it was made
-    /// from this recording (the rest of its iterations), else on the whole trace.
-    #[arg(long, value_name = "PLAN.json", conflicts_with = "check")]
+    /// from this recording (the rest of its iterations), else on the whole trace. With
+    /// `--check`: the plan a gpumem job followed, to check its recording.
+    #[arg(long, value_name = "PLAN.json")]
     plan: Option<Path>,
     /// Write an SVG chart of reserved and allocated bytes over the trace.
     #[arg(long, value_name = "FILE.svg")]
@@ -89,7 +91,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         configs.push(Some(AllocatorConfig::parse(c)?));
     }
     if args.check {
-        return check(&args, &recording, &devices);
+        return check(&args, &recording, &devices, plan);
     }
     let mut results = Vec::new();
     let mut windows = Vec::new();
@@ -316,7 +318,22 @@ fn truncate(text: &str, width: usize) -> String {
     }
 }
 
-fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
+fn check(
+    args: &Args,
+    recording: &Recording,
+    devices: &[u32],
+    plan: Option<std::sync::Arc<gpumem::allocator::Plan>>,
+) -> CliResult {
+    let recorded_plan = recording
+        .config
+        .as_ref()
+        .and_then(|c| AllocatorConfig::parse_as(&c.last_settings, Syntax::Gpumem).ok())
+        .and_then(|c| c.plan);
+    if let (Some(path), None) = (&recorded_plan, &plan) {
+        eprintln!(
+            "gpumem: the recorded job followed the placement plan {path}; pass it with --plan to check its decisions"
+        );
+    }
     let mut all = Vec::new();
     for &device in devices {
         let options = ReplayOptions {
@@ -327,6 +344,7 @@ fn check(args: &Args, recording: &Recording, devices: &[u32]) -> CliResult {
             series_points: 0,
             fresh_start: false,
             available: None,
+            plan: plan.clone(),
             ..ReplayOptions::default()
         };
         let report = replay_shown(recording, &options, None)?;

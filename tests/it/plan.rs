@@ -259,3 +259,71 @@ fn shared_recordings_planned() {
         );
     }
 }
+
+/// A gpumem job that follows a plan records it in its snapshot's settings; the snapshot
+/// replays exactly with that plan (and not without it: the plan decided the addresses).
+#[test]
+fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
+    use gpumem::device::{SimConfig, SimDevice};
+    use gpumem::trace::{ReplayOptions, parse_recording, replay};
+    use gpumem::workload::{TrainingWorkload, finish_communication};
+
+    let workload = TrainingWorkload {
+        steps: 6,
+        ..TrainingWorkload::default()
+    };
+    let run = |config: AllocatorConfig, plan: Option<Arc<Plan>>| {
+        let device = SimDevice::new(SimConfig::with_capacity(80 << 30));
+        let mut alloc = gpumem::CachingAllocator::new(device, config);
+        if let Some(plan) = plan {
+            alloc.set_plan(plan).expect("valid");
+        }
+        alloc.record_history(Some(1 << 20));
+        workload
+            .run(&mut alloc, finish_communication)
+            .expect("runs");
+        let hits = alloc.stats().num_plan_hits.get();
+        let json = serde_json::to_vec(&alloc.snapshot()).expect("serialises");
+        (parse_recording(&json).expect("reads back"), hits)
+    };
+    let (first, _) = run(AllocatorConfig::default(), None);
+    let planned = plan(&first, "workload", &PlanOptions::default()).expect("iterations");
+    let path = scratch("workload.plan.json");
+    let shared = Arc::new(planned.plan);
+    let conf = format!("plan:{}", path.display());
+    let config = AllocatorConfig::parse_as(&conf, Syntax::Gpumem).expect("valid");
+    let (recording, hits) = run(config, Some(shared.clone()));
+    assert!(hits > 0, "the job followed its plan");
+    let recorded = recording.config.as_ref().map(|c| c.last_settings.clone());
+    assert_eq!(
+        recorded.as_deref(),
+        Some(conf.as_str()),
+        "the snapshot names the plan"
+    );
+    let with = replay(
+        &recording,
+        &ReplayOptions {
+            check: true,
+            plan: Some(shared),
+            ..ReplayOptions::default()
+        },
+    )
+    .expect("replays");
+    assert!(with.divergence.is_none(), "{:?}", with.divergence);
+    assert_eq!(
+        with.compared.total(),
+        recording.device_traces[0].len() as u64
+    );
+    let without = replay(
+        &recording,
+        &ReplayOptions {
+            check: true,
+            ..ReplayOptions::default()
+        },
+    )
+    .expect("replays");
+    assert!(
+        without.divergence.is_some(),
+        "the plan decided the addresses"
+    );
+}

@@ -84,7 +84,8 @@ pub struct ReplayOptions {
     /// state); frees of blocks allocated before them are skipped. How a plan is evaluated on
     /// the iterations it was not made from.
     pub window: Option<std::ops::Range<usize>>,
-    /// What-if only: follow this placement plan (Note [Planned placement]).
+    /// Follow this placement plan (Note [Planned placement]): in what-if mode a policy to
+    /// evaluate, in check mode the plan the recorded gpumem job followed.
     pub plan: Option<Arc<Plan>>,
 }
 /// Why a replay could not run.
@@ -401,7 +402,7 @@ fn engine_for<'a>(
         sim.other_process_bytes = capacity.saturating_sub(available);
     }
     let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
-    if let Some(plan) = options.plan.as_ref().filter(|_| !options.check) {
+    if let Some(plan) = &options.plan {
         alloc
             .set_plan(plan.clone())
             .map_err(ReplayError::BeforeTrace)?;
