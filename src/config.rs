@@ -12,9 +12,10 @@
 //! - `max_split_size` is `u64::MAX` (unlimited) or more than 20 MiB; every division is 0 or a
 //!   power of two; the GC threshold is 0 (off) or strictly between 0 and 1.
 //! - An option given twice takes its last value, as in PyTorch (whose parser overwrites).
-//! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`); where only
-//!   PyTorch's syntax is valid ([`Syntax::PyTorch`]: `PYTORCH_CUDA_ALLOC_CONF`,
-//!   `_set_allocator_settings`) gpumem's keys are refused by name. The plan's path is kept
+//! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`), read from
+//!   `GPUMEM_ALLOC_CONF` and gpumem's own snapshots; where only PyTorch's syntax is valid
+//!   ([`Syntax::PyTorch`]: `PYTORCH_CUDA_ALLOC_CONF`, `_set_allocator_settings`, the command
+//!   line's `--config`) gpumem's keys are refused by name. The plan's path is kept
 //!   as given (it cannot hold `,` `:` `[` `]` or spaces, the syntax's separators); reading
 //!   the file is the caller's business, the configuration stays pure.
 
@@ -71,7 +72,7 @@ pub struct AllocatorConfig {
 pub enum Syntax {
     /// PyTorch's keys only (`PYTORCH_CUDA_ALLOC_CONF`, `_set_allocator_settings`).
     PyTorch,
-    /// PyTorch's keys and gpumem's own (`GPUMEM_ALLOC_CONF`, replay, gpumem's snapshots).
+    /// PyTorch's keys and gpumem's own (`GPUMEM_ALLOC_CONF`, gpumem's snapshots).
     Gpumem,
 }
 
@@ -316,7 +317,7 @@ impl Parser {
                     }
                 }
                 "plan" if self.syntax == Syntax::PyTorch => {
-                    return Err("`plan` is gpumem's own key: set it in GPUMEM_ALLOC_CONF (or replay's --config), not where PyTorch's syntax is read".into());
+                    return Err("`plan` is gpumem's own key: set it in GPUMEM_ALLOC_CONF (replay takes the file with --plan), not where PyTorch's syntax is read".into());
                 }
                 "plan" => {
                     let v = self.value(&option)?;

@@ -119,8 +119,9 @@ pub struct CachingAllocator<D: Device> {
     /// Whether `max_split_size` changed after blocks were counted as oversize: the oversize
     /// stats then follow PyTorch's (drifting) arithmetic and cannot be checked exactly.
     max_split_size_changed: bool,
-    /// The placement plan followed, if any (Note [Planned placement]).
-    planned: Option<Planned>,
+    /// The placement plan followed, if any (Note [Planned placement]); boxed, so that an
+    /// allocator without one keeps its hot fields as compact as before.
+    planned: Option<Box<Planned>>,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into

@@ -6,8 +6,10 @@
 //! size, its stream and, where planned, an offset inside its stream's region: one segment
 //! per stream, sized so that no two allocations live at once overlap (the planner's work).
 //! At run time the allocator keeps a cursor into the plan:
-//! - A request that matches the entry at the cursor, or one of the next
-//!   [`RESYNC_WINDOW`] entries (by rounded size and stream), is that entry. A planned entry
+//! - A request that matches the entry at the cursor or, the job having skipped some, one of
+//!   the entries after it ([`RESYNC_WINDOW`] in all), by rounded size and stream, is that
+//!   entry. Streams are matched by their handles as the allocator's callers give them: a
+//!   plan made from one process matches another's default stream, not its side streams. A planned entry
 //!   is served at its offset when that range of the region is free (a hit). A persistent
 //!   entry (it outlives an iteration) is placed right after the last one, in a chunk of its
 //!   stream: a segment the size of one iteration's persistent entries, a new one (or one
@@ -31,7 +33,8 @@
 //!
 //! # Invariants
 //! - A plan is valid before the allocator follows it ([`Plan::validate`]): at most
-//!   [`MAX_PLAN_ENTRIES`] entries and [`MAX_PLAN_STREAMS`] regions, one region per stream,
+//!   [`MAX_PLAN_ENTRIES`] entries, [`MAX_PLAN_STREAMS`] regions (one per stream) and as many
+//!   streams with persistent entries,
 //!   sizes and offsets multiples of 512, every planned range inside its stream's region.
 //! - A held region is one segment of exactly its planned size whose free blocks are exactly
 //!   the entries of its free map, under their addresses; none of them is in a pool.
@@ -56,7 +59,8 @@ pub const MAX_PLAN_ENTRIES: usize = 1 << 20;
 pub const MAX_PLAN_STREAMS: usize = 64;
 /// The largest region: 64 PiB, as the largest simulated device.
 pub const MAX_REGION_BYTES: u64 = 1 << 56;
-/// How many entries past the cursor a request may match (allocations the job skipped).
+/// How many entries a request may match: the one expected and those after it (allocations
+/// the job skipped).
 pub const RESYNC_WINDOW: usize = 16;
 /// Misses in a row after which the plan waits for its first entry again.
 pub const LOST_AFTER: u32 = 16;
@@ -131,8 +135,8 @@ pub struct PlanSource {
     pub evaluated: [usize; 2],
     /// The most bytes the planned allocations hold at once: no placement needs less.
     pub lower_bound_bytes: u64,
-    /// Bytes of the allocations left to the caching allocator (they outlive an iteration).
-    pub unplanned_bytes: u64,
+    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks).
+    pub persistent_bytes: u64,
 }
 
 /// Why a plan cannot be followed.
@@ -206,7 +210,16 @@ impl Plan {
                 return invalid(format!("two regions for stream {}", r.stream));
             }
         }
+        let mut persistent_streams: Vec<u64> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
+            if e.persistent && !persistent_streams.contains(&e.stream) {
+                if persistent_streams.len() == MAX_PLAN_STREAMS {
+                    return invalid(format!(
+                        "entry {i}: persistent entries on more than {MAX_PLAN_STREAMS} streams"
+                    ));
+                }
+                persistent_streams.push(e.stream);
+            }
             if e.size == 0 || e.size % MIN_BLOCK_SIZE != 0 || e.size > MAX_REGION_BYTES {
                 return invalid(format!(
                     "entry {i}: size {} is not a positive multiple of 512 up to 2^56",
@@ -245,6 +258,8 @@ impl Plan {
 pub struct PlanStatus {
     /// Bytes of the regions and chunks held from the driver now.
     pub held_bytes: u64,
+    /// Of those, the bytes of regions and chunks that hold a live (or pending) block.
+    pub pinned_bytes: u64,
     /// Whether requests are matched from the cursor (else: waiting for the first entry).
     pub following: bool,
 }
@@ -384,7 +399,8 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// [`AllocError::Plan`] for an invalid plan or while an earlier plan's region or chunk
-    /// holds live blocks; [`AllocError::Device`] if one cannot be given back.
+    /// holds live blocks (the earlier plan stays, its wholly free memory given back);
+    /// [`AllocError::Device`] if one cannot be given back.
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
         self.give_back_plan_memory()?;
@@ -393,15 +409,15 @@ impl<D: Device> CachingAllocator<D> {
                 "a region or chunk of the plan followed now still holds live blocks".into(),
             )));
         }
-        self.planned = Some(Planned::new(plan));
+        self.planned = Some(Box::new(Planned::new(plan)));
         self.checked("set_plan", Ok(()))
     }
 
     /// Stops following the plan and gives its regions and chunks back.
     ///
     /// # Errors
-    /// [`AllocError::Plan`] while one holds live blocks (nothing changes then);
-    /// [`AllocError::Device`] if one cannot be given back.
+    /// [`AllocError::Plan`] while one holds live blocks (the plan stays, its wholly free
+    /// memory given back); [`AllocError::Device`] if one cannot be given back.
     pub fn clear_plan(&mut self) -> Result<(), AllocError> {
         self.give_back_plan_memory()?;
         if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
@@ -421,14 +437,24 @@ impl<D: Device> CachingAllocator<D> {
     /// How the plan stands, if one is followed.
     pub fn plan_status(&self) -> Option<PlanStatus> {
         let planned = self.planned.as_ref()?;
+        let bytes = |pinned: bool| -> u64 {
+            planned
+                .held
+                .iter()
+                .filter(|&(&base, h)| pinned != h.wholly_free(base, &self.blocks))
+                .map(|(_, h)| h.bytes)
+                .sum()
+        };
         Some(PlanStatus {
-            held_bytes: planned.held.values().map(|h| h.bytes).sum(),
+            held_bytes: bytes(true) + bytes(false),
+            pinned_bytes: bytes(true),
             following: planned.following,
         })
     }
 
     /// Serves a rounded request from the plan when it expects it and can: `Ok(None)` sends
-    /// it to the caching allocator.
+    /// it to the caching allocator. Out of line: `malloc` without a plan pays one test.
+    #[inline(never)]
     pub(super) fn plan_malloc(
         &mut self,
         rounded: u64,
@@ -660,12 +686,14 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Puts a free block into its region's or chunk's map (`insert_free` for them).
+    #[cold]
     pub(super) fn insert_held_free(&mut self, base: u64, id: BlockId) {
         let ptr = self.block(id).ptr;
         self.held_free_mut(base).insert(ptr, id);
     }
 
     /// Takes a free block out of its region's or chunk's map.
+    #[cold]
     pub(super) fn remove_held_free(&mut self, base: u64, id: BlockId) {
         let ptr = self.block(id).ptr;
         let removed = self.held_free_mut(base).remove(&ptr);

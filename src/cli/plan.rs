@@ -170,7 +170,7 @@ fn print_text(
     for r in &planned.plan.regions {
         outln!("region on stream {:#x}: {}", r.stream, format_size(r.bytes))?;
     }
-    let unplanned = source.map_or(0, |s| s.unplanned_bytes);
+    let persistent = source.map_or(0, |s| s.persistent_bytes);
     let left = planned
         .plan
         .entries
@@ -178,10 +178,10 @@ fn print_text(
         .filter(|e| e.offset.is_none())
         .count();
     outln!(
-        "lower bound (most bytes live at once): {}; the regions are {:.3}× it; {left} allocations ({}) outlive an iteration and stay with the caching allocator",
+        "lower bound (most bytes live at once): {}; the regions are {:.3}× it; {left} allocations ({}) outlive an iteration: persistent, placed in chunks",
         format_size(planned.lower_bound_bytes),
         planned.region_bytes as f64 / planned.lower_bound_bytes.max(1) as f64,
-        format_size(unplanned)
+        format_size(persistent)
     )?;
     let what = if offline {
         "the planned iteration itself (offline bound: one iteration only, nothing after it to evaluate on)"

@@ -47,7 +47,8 @@ pub(crate) struct Args {
     /// Add a row that follows this placement plan (`gpumem plan -o`). Every row then replays
     /// from an empty allocator, on the events the plan was not made from when it was made
     /// from this recording (the rest of its iterations), else on the whole trace. With
-    /// `--check`: the plan a gpumem job followed, to check its recording.
+    /// `--check`: the plan a gpumem job followed, to check its recording (made from the
+    /// job's start: a plan's cursor is not part of a snapshot).
     #[arg(long, value_name = "PLAN.json")]
     plan: Option<Path>,
     /// Write an SVG chart of reserved and allocated bytes over the trace.

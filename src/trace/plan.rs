@@ -27,7 +27,11 @@
 //! - Periods up to [`MAX_PERIOD`] allocations; the search makes at most [`SCAN_WORK`] token
 //!   comparisons, or O(allocations × candidates) beyond.
 //! - Placement is O(period²) per order and round; local search stops after
-//!   [`LOCAL_SEARCH_ROUNDS`] rounds or [`PLACEMENT_WORK`] overlap tests in all.
+//!   [`LOCAL_SEARCH_ROUNDS`] rounds or once [`PLACEMENT_WORK`] overlap tests were spent.
+//! - Allocations of [`MAX_PLANNED_SIZE`] or more are left out (the trace's sizes are any
+//!   u64), so every sum of sizes stays far from overflowing.
+//! - Plan files are read up to [`MAX_PLAN_FILE_BYTES`], then validated
+//!   ([`Plan::validate`]).
 
 use std::ops::Range;
 
@@ -54,11 +58,13 @@ pub const SCAN_WORK: u64 = 1 << 31;
 pub const CANDIDATE_PERIODS: usize = 32;
 /// Multiples of each candidate tried too.
 pub const MAX_MULTIPLE: usize = 8;
-/// The share of an iteration's bytes that must be placeable for it to be preferred.
-pub const PLANNABLE_SHARE: f64 = 0.9;
+/// Allocations this large or larger are left out of planning: no device holds one, and the
+/// sums of an iteration's sizes stay below [`crate::allocator::MAX_REGION_BYTES`].
+pub const MAX_PLANNED_SIZE: u64 = 1 << 43;
 /// Rounds of local search at most.
 pub const LOCAL_SEARCH_ROUNDS: usize = 400;
-/// Overlap tests the placement may spend in all.
+/// Overlap tests after which the local search stops (the first greedy passes included; they
+/// alone are at most 8 × [`MAX_PERIOD`]² / 2).
 pub const PLACEMENT_WORK: u64 = 400_000_000;
 
 const _: () = assert!(MAX_PERIOD <= MAX_PLAN_ENTRIES);
@@ -189,7 +195,7 @@ pub fn plan(
             .map_or(events.len(), |a| a.event)
     };
     let placement = place_iteration(iteration, start, end - start);
-    let unplanned_bytes = iteration
+    let persistent_bytes = iteration
         .iter()
         .zip(&placement.offsets)
         .filter(|(_, o)| o.is_none())
@@ -218,7 +224,7 @@ pub fn plan(
             events: [start, end],
             evaluated: [end, evaluated_end],
             lower_bound_bytes: placement.lower_bound,
-            unplanned_bytes,
+            persistent_bytes,
         }),
     };
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
@@ -240,7 +246,7 @@ fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocatio
     let mut live: FxHashMap<u64, usize> = FxHashMap::default();
     for (i, e) in events.iter().enumerate() {
         match e.action {
-            TraceAction::Alloc => {
+            TraceAction::Alloc if e.size < MAX_PLANNED_SIZE => {
                 live.insert(e.addr, out.len());
                 out.push(Allocation {
                     event: i,
@@ -451,7 +457,7 @@ fn best_placement(items: &[Item]) -> (Vec<u64>, u64) {
     };
     let orders = [
         by(&|it| (it.size, it.lifetime() as u64)),
-        by(&|it| (it.size * it.lifetime() as u64, it.size)),
+        by(&|it| (it.size.saturating_mul(it.lifetime() as u64), it.size)),
         by(&|it| (it.lifetime() as u64, it.size)),
         {
             let mut order: Vec<usize> = (0..n).collect();

@@ -88,8 +88,9 @@ fn a_job_follows_the_plan_its_configuration_names() {
     assert_eq!(count("hit"), Some(3.0), "{text}");
     assert_eq!(count("miss"), Some(1.0), "{text}");
     assert!(
-        text.contains("plan:"),
-        "gpumem_allocator_info shows the plan in its config"
+        text.lines().any(|l| l.starts_with("gpumem_allocator_info{")
+            && l.contains(&format!("config=\"plan:{}\"", path.display()))),
+        "gpumem_allocator_info shows the plan in its config: {text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -275,7 +275,7 @@ impl<'a> Engine<'a> {
             .get(event.min(self.events.len().saturating_sub(1)))
             .and_then(|e| e.time_us);
         self.series.push(SeriesPoint {
-            event,
+            event: self.first_event + event,
             allocated: allocated.max(most_allocated),
             reserved: reserved.max(most_reserved),
             time_us,
@@ -283,7 +283,10 @@ impl<'a> Engine<'a> {
     }
 
     fn fail(&self, index: usize, source: AllocError) -> ReplayError {
-        ReplayError::Allocator { index, source }
+        ReplayError::Allocator {
+            index: self.first_event + index,
+            source,
+        }
     }
 
     /// `free_requested` at `i` (with its `free_completed` right after, unless deferred).
