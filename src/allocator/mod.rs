@@ -78,8 +78,8 @@ use history::History;
 pub use history::{TraceAction, TraceEntry};
 use plan::Planned;
 pub use plan::{
-    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry,
-    PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
+    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_FORMAT, PLAN_VERSION,
+    Plan, PlanEntry, PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
 pub use restore::RestoredBlock;
