@@ -138,7 +138,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     fn record_stream_unchecked(&mut self, ptr: DevicePtr, stream: StreamId) {
-        let Some(&id) = self.live.get(&ptr.0) else {
+        let Some(id) = self.live.get(ptr.0, &self.blocks) else {
             return;
         };
         if self.block(id).stream == stream {

@@ -180,7 +180,7 @@ impl<D: Device> CachingAllocator<D> {
                         b.ptr, b.has_stream_uses
                     ));
                 }
-                let live = self.live.get(&b.ptr) == Some(&id);
+                let live = self.live.get(b.ptr, &self.blocks) == Some(id);
                 if b.allocated != live {
                     return Err(format!(
                         "block {:#x}: allocated={} but live={live}",

@@ -52,6 +52,7 @@ mod expandable;
 mod free_set;
 mod history;
 mod invariants;
+mod live;
 mod plan;
 mod pool;
 mod release;
@@ -76,6 +77,7 @@ use events::EventQueue;
 use expandable::ExpandableSegment;
 use history::History;
 pub use history::{TraceAction, TraceEntry};
+use live::LiveMap;
 use plan::Planned;
 pub use plan::{
     LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_FORMAT, PLAN_VERSION,
@@ -99,7 +101,7 @@ pub struct CachingAllocator<D: Device> {
     small: BlockPool,
     large: BlockPool,
     /// Allocated blocks by address (PyTorch's top-level pointer map).
-    live: FxHashMap<u64, BlockId>,
+    live: LiveMap,
     /// The streams other than its own that used a block (`record_stream`), until its free
     /// records events for them: exactly the blocks whose `has_stream_uses` is set.
     stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
@@ -184,7 +186,7 @@ impl<D: Device> CachingAllocator<D> {
             blocks: Slab::new(),
             small: BlockPool::default(),
             large: BlockPool::default(),
-            live: FxHashMap::default(),
+            live: LiveMap::default(),
             stream_uses: FxHashMap::default(),
             pending_events: Vec::new(),
             event_pool: Vec::new(),
@@ -392,7 +394,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         let id = self
             .live
-            .remove(&ptr.0)
+            .remove(ptr.0, &self.blocks)
             .ok_or(AllocError::InvalidPointer(ptr))?;
         let block = self.block_mut(id);
         block.allocated = false;
@@ -476,6 +478,8 @@ impl<D: Device> CachingAllocator<D> {
 
     /// The size of the live block at `ptr` (after rounding and splitting), if `ptr` is live.
     pub fn block_size(&self, ptr: DevicePtr) -> Option<u64> {
-        self.live.get(&ptr.0).map(|&id| self.block(id).size)
+        self.live
+            .get(ptr.0, &self.blocks)
+            .map(|id| self.block(id).size)
     }
 }

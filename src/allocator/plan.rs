@@ -628,7 +628,7 @@ impl<D: Device> CachingAllocator<D> {
         block.requested_size = requested;
         let stream = block.stream;
         self.record(TraceAction::Alloc, addr, requested, stream);
-        self.live.insert(addr, id);
+        self.live.insert(addr, id, &self.blocks);
         let oversize = size >= self.config.max_split_size;
         self.stats.count_alloc(kind, size, requested, oversize);
         Some(DevicePtr(addr))

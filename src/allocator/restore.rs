@@ -88,7 +88,7 @@ impl<D: Device> CachingAllocator<D> {
             }
             match b.allocated {
                 Some(requested) => {
-                    self.live.insert(ptr, id);
+                    self.live.insert(ptr, id, &self.blocks);
                     self.stats
                         .count_alloc(kind, b.size, requested, b.size >= max_split);
                 }

@@ -49,7 +49,7 @@ impl<D: Device> CachingAllocator<D> {
         block.requested_size = requested;
         let (ptr, block_size) = (block.ptr, block.size);
         self.record(TraceAction::Alloc, ptr, requested, stream);
-        self.live.insert(ptr, id);
+        self.live.insert(ptr, id, &self.blocks);
         let oversize = block_size >= self.config.max_split_size;
         self.stats
             .count_alloc(kind, block_size, requested, oversize);
