@@ -353,24 +353,39 @@ impl<D: Device> CachingAllocator<D> {
         }
         // Quirk kept from PyTorch: with expandable segments the limit is checked against the
         // segment size too, though only the missing pages get mapped.
-        if let Some(max) = self.allowed_memory_maximum
-            && self.total_allocated_memory + segment_size > max
-        {
+        if !self.within_limit(segment_size) {
             return Ok(None);
         }
         if self.expandable_segments() {
             return self.try_allocate_expandable_block(kind, stream, rounded);
         }
-        let ptr = match self.device.malloc(segment_size) {
+        self.new_segment(segment_size, stream, kind)
+    }
+
+    /// Whether `bytes` more fit under the process limit (a memory fraction), if one is set.
+    fn within_limit(&self, bytes: u64) -> bool {
+        self.allowed_memory_maximum
+            .is_none_or(|max| self.total_allocated_memory + bytes <= max)
+    }
+
+    /// A new segment of `size` bytes from the driver (`cudaMalloc`) as one free block,
+    /// counted and recorded; `Ok(None)` when the driver is out of memory.
+    fn new_segment(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        kind: PoolKind,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let ptr = match self.device.malloc(size) {
             Ok(ptr) => ptr,
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        self.total_allocated_memory += segment_size;
-        let id = self.new_block(Block::segment(ptr.0, segment_size, stream, kind));
-        let oversize = segment_size >= self.config.max_split_size;
-        self.stats.count_segment_alloc(kind, segment_size, oversize);
-        self.record(TraceAction::SegmentAlloc, ptr.0, segment_size, stream);
+        self.total_allocated_memory += size;
+        let id = self.new_block(Block::segment(ptr.0, size, stream, kind));
+        let oversize = size >= self.config.max_split_size;
+        self.stats.count_segment_alloc(kind, size, oversize);
+        self.record(TraceAction::SegmentAlloc, ptr.0, size, stream);
         Ok(Some(id))
     }
     // ---------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{Device, DeviceError, DevicePtr, StreamId};
+use crate::device::{Device, DevicePtr, StreamId};
 
 use rustc_hash::FxHashSet;
 
@@ -559,22 +559,13 @@ impl<D: Device> CachingAllocator<D> {
         bytes: u64,
         region: bool,
     ) -> Result<Option<u64>, AllocError> {
-        if let Some(max) = self.allowed_memory_maximum
-            && self.total_allocated_memory + bytes > max
-        {
+        if !self.within_limit(bytes) {
             return Ok(None);
         }
-        let ptr = match self.device.malloc(bytes) {
-            Ok(ptr) => ptr.0,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
+        let Some(id) = self.new_segment(bytes, stream, PoolKind::Large)? else {
+            return Ok(None);
         };
-        self.total_allocated_memory += bytes;
-        let kind = PoolKind::Large;
-        let id = self.new_block(Block::segment(ptr, bytes, stream, kind));
-        self.stats
-            .count_segment_alloc(kind, bytes, bytes >= self.config.max_split_size);
-        self.record(TraceAction::SegmentAlloc, ptr, bytes, stream);
+        let ptr = self.block(id).ptr;
         let free = BTreeMap::from([(ptr, id)]);
         self.planned_mut().held.insert(
             ptr,
@@ -656,18 +647,9 @@ impl<D: Device> CachingAllocator<D> {
             .map(|(&base, _)| base)
             .collect();
         for &base in &free {
-            let held = &self.planned_mut().held[&base];
-            let (bytes, id) = (held.bytes, held.free[&base]);
-            let stream = self.block(id).stream;
-            self.device.free(DevicePtr(base))?;
-            self.record(TraceAction::SegmentFree, base, bytes, stream);
-            self.total_allocated_memory -= bytes;
-            self.stats.count_segment_free(
-                PoolKind::Large,
-                bytes,
-                bytes >= self.config.max_split_size,
-            );
-            self.blocks.remove(id.index());
+            let id = self.planned_mut().held[&base].free[&base];
+            // As any whole free segment: its free-map entry goes with it.
+            self.release_block(id)?;
             let planned = self.planned_mut();
             planned.held.remove(&base);
             for r in planned.regions.iter_mut().chain(planned.chunks.iter_mut()) {

@@ -64,7 +64,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Returns a whole free segment to the driver (`release_block`).
-    fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+    pub(super) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let block = self.block(id);
         debug_assert!(block.is_free() && !block.is_split());
         let (kind, stream, ptr, size) = (block.pool, block.stream, block.ptr, block.size);
