@@ -43,6 +43,15 @@ pub(crate) fn file_name(path: &std::path::Path) -> String {
     )
 }
 
+/// A configuration as a row's label adds it: `(default)` as it is, another in parentheses.
+pub(crate) fn parenthesised(config: &str) -> String {
+    if config.starts_with('(') {
+        config.to_string()
+    } else {
+        format!("({config})")
+    }
+}
+
 /// A file error that names the file.
 pub(crate) fn file_error(path: &std::path::Path, e: std::io::Error) -> std::io::Error {
     std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))

@@ -11,7 +11,7 @@ use gpumem::trace::ReplayOptions;
 use gpumem::trace::explain::search_configurations;
 use gpumem::trace::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
 
-use super::{CliResult, Path, ReadArgs, outln, parse_bytes};
+use super::{CliResult, Path, ReadArgs, outln, parenthesised, parse_bytes};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -213,7 +213,7 @@ fn print_text(
     };
     let d = &evaluation.default;
     line(
-        &format!("recorded ({})", d.config),
+        &format!("recorded {}", parenthesised(&d.config)),
         d.peak_allocated,
         d.peak_reserved,
         d.ooms,

@@ -139,7 +139,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 ..ReplayOptions::default()
             };
             let mut report = replay_shown(&recording, &options, Some(readings))?;
-            report.config = format!("planned ({})", report.config);
+            report.config = format!("planned {}", super::parenthesised(&report.config));
             reports.push(report);
         }
         windows.push(window);
