@@ -4,12 +4,12 @@
 //! "gpumem_free")` loads these entry points (the Python helper in `python/gpumem_torch` does
 //! it). Each device gets one thread-safe allocator, created on first use and configured from
 //! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax, plus gpumem's `plan:PATH`: each
-//! device's allocator follows the placement plan `gpumem plan` wrote there). With `GPUMEM_METRICS_LISTEN`
-//! set (for example `127.0.0.1:9418`), a background thread serves the allocators' counters on
-//! `/metrics`, with the agent's metric contract, and the agent's live page at `/` with the
-//! segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns the page off). It
-//! never waits for an allocator's lock: figures are read with `try_lock` once a second (a
-//! segment list, O(blocks) under the lock, only while the page asks for it).
+//! device's allocator follows the placement plan `gpumem plan` wrote there). With
+//! `GPUMEM_METRICS_LISTEN` set (for example `127.0.0.1:9418`), a background thread serves the
+//! allocators' counters on `/metrics`, with the agent's metric contract, and the agent's live
+//! page at `/` with the segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns
+//! the page off). It never waits for an allocator's lock: figures are read with `try_lock`
+//! once a second (a segment list, O(blocks) under the lock, only while the page asks for it).
 //!
 //! # Invariants
 //! - No panic crosses the C boundary: every entry point catches unwinding and reports it.
