@@ -20,6 +20,9 @@
 #      "== PyTorch with gpumem as its allocator": a few
 #      training steps of a small model with gpumem as the pluggable allocator, then the
 #      allocator's /metrics beside NVML's used memory for this process.
+#      "== a placement plan …": the same kind of training steps recorded under PyTorch's own
+#      allocator, `gpumem plan` on the recording, and the steps again with gpumem following the
+#      plan (GPUMEM_ALLOC_CONF=plan:PATH): its /metrics must count plan hits.
 #   5. "== PyTorch pushing to the agent" (likewise): PyTorch's own allocator with gpumem_push,
 #      an out-of-memory error, and the agent's figures checked against memory_stats().
 #   6. "== an unmodified job, the hook switched on by GPUMEM_PUSH=1, dies of an OOM":
@@ -86,6 +89,10 @@ sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/nu
 
     step "PyTorch with gpumem as its allocator"
     GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_torch_check.py
+
+    step "a placement plan: recorded under PyTorch's allocator, planned, followed by gpumem's"
+    GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_plan_check.py \
+        "$bin/gpumem" "$(mktemp -d)"
 
     step "PyTorch pushing to the agent"
     socket="$(mktemp -d)/push.sock"
