@@ -1,9 +1,11 @@
 //! Arbitrary bytes as a snapshot file: reading must fail cleanly or succeed within the read
 //! limits (the same `ReadLimits` the commands take, set small), and whatever it reads must
-//! summarise, walk its stacks and replay (both modes) without a panic.
+//! summarise, walk its stacks, replay (both modes) and plan (a valid plan, then followed in a
+//! replay) without a panic.
 
 #![no_main]
 
+use gpumem::trace::plan::{PlanOptions, plan};
 use gpumem::trace::{ReadLimits, ReplayOptions, parse_recording_with, replay, state_summary};
 use libfuzzer_sys::fuzz_target;
 
@@ -36,6 +38,22 @@ fuzz_target!(|data: &[u8]| {
                 ..ReplayOptions::default()
             };
             let _ = replay(&recording, &options);
+        }
+        // The planner, and what it plans: a valid plan, followed without a panic.
+        let options = PlanOptions {
+            device: device as u32,
+            ..PlanOptions::default()
+        };
+        if let Ok(planned) = plan(&recording, "fuzz", &options) {
+            assert!(planned.plan.validate().is_ok(), "{:?}", planned.plan.validate());
+            let followed = ReplayOptions {
+                device: device as u32,
+                capacity: Some(1 << 34),
+                window: Some(planned.evaluated.clone()),
+                plan: Some(std::sync::Arc::new(planned.plan)),
+                ..ReplayOptions::default()
+            };
+            let _ = replay(&recording, &followed);
         }
     }
 });
