@@ -146,6 +146,16 @@ impl Drop for Browser {
 
 /// One WebDriver command: an HTTP/1.1 request on loopback (one connection each), its JSON
 /// answer; an error answer (`value.error`) becomes `Err`.
+/// One read, again when a signal interrupted it (a raw `read` may return `Interrupted`).
+fn read_some(stream: &mut TcpStream, buf: &mut [u8]) -> Result<usize, String> {
+    loop {
+        match stream.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => return other.map_err(|e| e.to_string()),
+        }
+    }
+}
+
 fn request(port: u16, method: &str, path: &str, body: Option<&Value>) -> Result<Value, String> {
     let body = body.map(Value::to_string).unwrap_or_default();
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
@@ -167,7 +177,7 @@ fn request(port: u16, method: &str, path: &str, body: Option<&Value>) -> Result<
         if let Some(at) = response.windows(4).position(|w| w == b"\r\n\r\n") {
             break at;
         }
-        let n = stream.read(&mut buf).map_err(|e| e.to_string())?;
+        let n = read_some(&mut stream, &mut buf)?;
         if n == 0 {
             return Err("the connection closed before the HTTP head ended".into());
         }
@@ -189,7 +199,7 @@ fn request(port: u16, method: &str, path: &str, body: Option<&Value>) -> Result<
         if complete {
             break;
         }
-        let n = stream.read(&mut buf).map_err(|e| e.to_string())?;
+        let n = read_some(&mut stream, &mut buf)?;
         if n == 0 {
             break;
         }
