@@ -305,15 +305,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     // Under a memory fraction, garbage collection is among the settings tried.
     let limited = recorded(1024 * MIB, 0, |a| {
         a.set_memory_fraction(0.9).expect("a fraction");
-        let big = a.malloc(800 * MIB, s).expect("fits");
-        a.free(big).expect("frees");
-        let blocks: Vec<_> = (0..40)
-            .map(|_| a.malloc(20 * MIB, s).expect("fits"))
-            .collect();
-        for b in blocks.iter().step_by(2) {
-            a.free(*b).expect("frees");
-        }
-        assert!(a.malloc(140 * MIB, s).is_err(), "out of memory");
+        fragment(a);
     });
     let e = explain(&limited, 0, At::FirstOom, None).expect("explains");
     assert_adds_up(&e);
