@@ -77,3 +77,11 @@ pub fn layout(snapshot: &Snapshot) -> Vec<Vec<(u64, u64, BlockState)>> {
         })
         .collect()
 }
+
+/// A fresh, empty directory for one test: `gpumem-NAME-PID` under the system's temp dir.
+pub fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpumem-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}

@@ -3,20 +3,14 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use std::ffi::OsStr;
 
 use crate::agent::{Reaper, free_port, http_get, spawn_serve, wait_for};
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
+use crate::common::temp_dir;
 
 /// `gpumem serve` on loopback with `extra` arguments, its push socket in `dir`.
 fn serve(dir: &Path, port: u16, extra: &[&str]) -> Reaper {

@@ -4,12 +4,13 @@
 
 use std::convert::Infallible;
 use std::future::{Ready, ready};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::common::temp_dir;
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::ReportReader;
 use gpumem::server::agent_state;
@@ -134,13 +135,6 @@ fn pod(namespace: &str, name: &str, container: &str, gpus: &[&str]) -> PodEntry 
     }
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-kubelet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
 const TRAIN_UID: &str = "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30";
 const INFER_UID: &str = "0b7e9d14-2c3a-4f5b-8e6d-1a2b3c4d5e6f";
 const DEBUG_UID: &str = "9c1d2e3f-4a5b-4c6d-8e7f-0a1b2c3d4e5f";
@@ -238,7 +232,7 @@ fn names(namespace: &str, pod: &str, container: &str) -> String {
 
 #[test]
 fn processes_and_pushes_are_named_and_assignments_listed() {
-    let dir = scratch("join");
+    let dir = temp_dir("kubelet-join");
     let socket = dir.join("kubelet.sock");
     let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
         pod_resources: vec![
@@ -366,7 +360,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
 /// source at all.
 #[test]
 fn serve_reports_the_kubelet_up_and_down() {
-    let dir = scratch("serve");
+    let dir = temp_dir("kubelet-serve");
     let socket = dir.join("kubelet.sock");
     let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
         pod_resources: vec![pod("ml", "train-0", "trainer", &["GPU-0aaa"])],

@@ -12,14 +12,8 @@ use gpumem::config::Syntax;
 use gpumem::trace::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
 use gpumem::trace::read_recording;
 
-use crate::common::succeeded;
+use crate::common::{succeeded, temp_dir};
 use crate::replay::shared_traces;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("plan");
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir.join(name)
-}
 
 #[test]
 fn the_plan_key_is_gpumem_syntax_only() {
@@ -105,12 +99,13 @@ fn bad_plan_files_are_refused_by_name() {
     }
     assert!(Plan::from_json(&valid.to_string()).is_ok());
     assert!(Plan::from_json("{\"format\": ").is_err());
-    let missing = read_plan_file(&scratch("missing.json")).expect_err("no file");
+    let dir = temp_dir("plan-files");
+    let missing = read_plan_file(&dir.join("missing.json")).expect_err("no file");
     assert!(
         matches!(missing, PlanFileError::Io { .. }) && missing.to_string().contains("missing.json")
     );
     // The command line says the same and exits with an error, no panic.
-    let bad = scratch("bad-plan.json");
+    let bad = dir.join("bad-plan.json");
     std::fs::write(&bad, "not json").expect("write");
     let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data/traces/cs336_lm_forward_bf16.noframes.json.gz");
@@ -136,6 +131,7 @@ fn bad_plan_files_are_refused_by_name() {
 /// recording's own iterations and never reserves more than the recorded configuration.
 #[test]
 fn bundled_recordings_plan_and_replay_alike() {
+    let dir = temp_dir("plan-bundled");
     for name in [
         "opt125m_zo_fedtrain_complete.noframes.json.gz",
         "cs336_lm_fwd_bwd_step.noframes.json.gz",
@@ -144,7 +140,7 @@ fn bundled_recordings_plan_and_replay_alike() {
         let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("data/traces")
             .join(name);
-        let out_plan = scratch(&format!("{name}.plan.json"));
+        let out_plan = dir.join(format!("{name}.plan.json"));
         let output = succeeded(
             Command::new(env!("CARGO_BIN_EXE_gpumem"))
                 .arg("plan")
@@ -292,7 +288,7 @@ fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
     };
     let (first, _) = run(AllocatorConfig::default(), None);
     let planned = plan(&first, "workload", &PlanOptions::default()).expect("iterations");
-    let path = scratch("workload.plan.json");
+    let path = temp_dir("plan-snapshot").join("workload.plan.json");
     let shared = Arc::new(planned.plan);
     let conf = format!("plan:{}", path.display());
     let config = AllocatorConfig::parse_as(&conf, Syntax::Gpumem).expect("valid");
