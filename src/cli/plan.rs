@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
-use gpumem::trace::ReplayOptions;
 use gpumem::trace::explain::search_configurations;
 use gpumem::trace::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
+use gpumem::trace::{Readings, ReplayOptions, replay_following};
 
 use super::{CliResult, Path, ReadArgs, outln, parenthesised, parse_bytes};
 
@@ -96,29 +96,32 @@ pub(crate) fn run(args: Args) -> CliResult {
     } else {
         planned.evaluated.clone()
     };
+    let base = ReplayOptions {
+        device: args.device,
+        capacity: args.capacity,
+        window: Some(window.clone()),
+        ..ReplayOptions::default()
+    };
+    // One check replay reads the trace's release runs; every replay below follows it.
+    let readings = Readings::of(&recording, &base)?;
     let evaluation = evaluate(
         &recording,
         args.device,
         config.clone(),
         args.capacity,
+        &readings,
         &shared,
         window.clone(),
     )?;
     let mut rows = Vec::new();
     if args.compare {
-        let base = ReplayOptions {
-            device: args.device,
-            capacity: args.capacity,
-            window: Some(window.clone()),
-            ..ReplayOptions::default()
-        };
-        let candidates = search_configurations(&recording, &base)?;
+        let candidates = search_configurations(&recording, &base, &readings)?;
         let replay_row = |conf: &str| -> Result<Row, Box<dyn std::error::Error>> {
             let options = ReplayOptions {
                 config: Some(AllocatorConfig::parse(conf)?),
                 ..base.clone()
             };
-            let r = gpumem::trace::replay(&recording, &options)?;
+            let r = replay_following(&recording, &options, &readings, &mut |_, _| {})?;
             Ok(Row {
                 config: conf.to_string(),
                 peak_allocated: r.peak_allocated,

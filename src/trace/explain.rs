@@ -341,28 +341,28 @@ fn search(
         available: Some(available),
         ..ReplayOptions::default()
     };
-    search_configurations(recording, &base)
+    let readings = super::replay::Readings::of(recording, &base)?;
+    search_configurations(recording, &base, &readings)
 }
 
 /// The configuration search of an explanation, each candidate replayed with `base`'s
-/// options (device, memory, window): the candidates with the fewest OOMs and the least peak
-/// reserved first.
+/// options (device, memory, window) after `readings` (the trace's, `Readings::of`): the
+/// candidates with the fewest OOMs and the least peak reserved first.
 ///
 /// # Errors
 /// An [`ExplainError`] when a replay cannot run.
 pub fn search_configurations(
     recording: &Recording,
     base: &ReplayOptions,
+    readings: &super::replay::Readings,
 ) -> Result<Vec<Candidate>, ExplainError> {
-    let base = base.clone();
-    let readings = super::replay::Readings::of(recording, &base)?;
     let try_one = |conf: &str| -> Result<Candidate, ExplainError> {
         let options = ReplayOptions {
             config: Some(crate::AllocatorConfig::parse(conf)?),
             ..base.clone()
         };
         let report =
-            super::replay::replay_following(recording, &options, &readings, &mut |_, _| {})?;
+            super::replay::replay_following(recording, &options, readings, &mut |_, _| {})?;
         Ok(Candidate {
             config: conf.to_string(),
             ooms: report.ooms,

@@ -614,7 +614,8 @@ pub struct Evaluation {
 }
 
 /// Replays `window` of `device`'s trace from an empty allocator, under the recorded
-/// configuration (or `config`) and then following `plan`.
+/// configuration (or `config`) and then following `plan`, both after `readings` (those of the
+/// device's trace, [`Readings::of`]: found once, they serve every replay of it).
 ///
 /// # Errors
 /// A [`ReplayError`] when a replay cannot run.
@@ -623,6 +624,7 @@ pub fn evaluate(
     device: u32,
     config: Option<AllocatorConfig>,
     capacity: Option<u64>,
+    readings: &Readings,
     plan: &std::sync::Arc<Plan>,
     window: Range<usize>,
 ) -> Result<Evaluation, ReplayError> {
@@ -633,13 +635,12 @@ pub fn evaluate(
         window: Some(window.clone()),
         ..ReplayOptions::default()
     };
-    let readings = Readings::of(recording, &options)?;
-    let default = replay_following(recording, &options, &readings, &mut |_, _| {})?;
+    let default = replay_following(recording, &options, readings, &mut |_, _| {})?;
     let planned_options = ReplayOptions {
         plan: Some(plan.clone()),
         ..options
     };
-    let planned = replay_following(recording, &planned_options, &readings, &mut |_, _| {})?;
+    let planned = replay_following(recording, &planned_options, readings, &mut |_, _| {})?;
     Ok(Evaluation {
         events: window,
         default,

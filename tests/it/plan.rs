@@ -10,7 +10,7 @@ use gpumem::AllocatorConfig;
 use gpumem::allocator::Plan;
 use gpumem::config::Syntax;
 use gpumem::trace::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
-use gpumem::trace::read_recording;
+use gpumem::trace::{Readings, ReplayOptions, read_recording};
 
 use crate::common::{succeeded, temp_dir};
 use crate::replay::shared_traces;
@@ -223,11 +223,13 @@ fn shared_recordings_planned() {
         }
         assert!(planned.region_bytes >= planned.lower_bound_bytes, "{name}");
         let shared = Arc::new(planned.plan.clone());
+        let readings = Readings::of(&recording, &ReplayOptions::default()).expect("replays");
         let e = evaluate(
             &recording,
             0,
             None,
             None,
+            &readings,
             &shared,
             planned.evaluated.clone(),
         )
@@ -265,7 +267,7 @@ fn shared_recordings_planned() {
 #[test]
 fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
     use gpumem::device::{SimConfig, SimDevice};
-    use gpumem::trace::{ReplayOptions, parse_recording, replay};
+    use gpumem::trace::{parse_recording, replay};
     use gpumem::workload::{TrainingWorkload, finish_communication};
 
     let workload = TrainingWorkload {
@@ -383,7 +385,9 @@ fn hostile_recordings_plan_or_refuse_without_panicking() {
                 } else {
                     planned.evaluated.clone()
                 };
-                evaluate(&recording, 0, None, None, &shared, window)
+                let readings = Readings::of(&recording, &ReplayOptions::default())
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                evaluate(&recording, 0, None, None, &readings, &shared, window)
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
             }
             Err(e) => assert!(!e.to_string().is_empty(), "{name}"),
