@@ -78,7 +78,7 @@ use expandable::ExpandableSegment;
 use history::History;
 pub use history::{TraceAction, TraceEntry};
 use live::LiveMap;
-use plan::Planned;
+use plan::Following;
 pub use plan::{
     LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_FORMAT, PLAN_VERSION,
     Plan, PlanEntry, PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
@@ -123,7 +123,7 @@ pub struct CachingAllocator<D: Device> {
     max_split_size_changed: bool,
     /// The placement plan followed, if any (Note [Planned placement]); boxed, so that an
     /// allocator without one keeps its hot fields as compact as before.
-    planned: Option<Box<Planned>>,
+    planned: Option<Box<Following>>,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into

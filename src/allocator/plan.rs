@@ -266,7 +266,7 @@ pub struct PlanStatus {
 
 /// The allocator's side of a plan it follows.
 #[derive(Debug, Clone)]
-pub(super) struct Planned {
+pub(super) struct Following {
     plan: Arc<Plan>,
     /// Per planned stream: its region's size and base while held.
     regions: Vec<(StreamId, u64, Option<u64>)>,
@@ -314,8 +314,8 @@ enum Expect {
     Idle,
 }
 
-impl Planned {
-    fn new(plan: Arc<Plan>) -> Planned {
+impl Following {
+    fn new(plan: Arc<Plan>) -> Following {
         let regions = plan
             .regions
             .iter()
@@ -334,7 +334,7 @@ impl Planned {
                     .saturating_mul(ROUND_LARGE)
                     .min(MAX_REGION_BYTES);
         }
-        Planned {
+        Following {
             plan,
             regions,
             chunks,
@@ -403,13 +403,8 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::Device`] if one cannot be given back.
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
-        self.give_back_plan_memory()?;
-        if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
-            return Err(AllocError::Plan(PlanError::Invalid(
-                "a region or chunk of the plan followed now still holds live blocks".into(),
-            )));
-        }
-        self.planned = Some(Box::new(Planned::new(plan)));
+        self.give_back_all_plan_memory()?;
+        self.planned = Some(Box::new(Following::new(plan)));
         self.checked("set_plan", Ok(()))
     }
 
@@ -419,14 +414,21 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::Plan`] while one holds live blocks (the plan stays, its wholly free
     /// memory given back); [`AllocError::Device`] if one cannot be given back.
     pub fn clear_plan(&mut self) -> Result<(), AllocError> {
+        self.give_back_all_plan_memory()?;
+        self.planned = None;
+        self.checked("clear_plan", Ok(()))
+    }
+
+    /// Gives back the plan's wholly free regions and chunks; refuses if any is left (it
+    /// holds live blocks), as replacing or dropping the plan needs.
+    fn give_back_all_plan_memory(&mut self) -> Result<(), AllocError> {
         self.give_back_plan_memory()?;
         if self.planned.as_ref().is_some_and(|p| !p.held.is_empty()) {
             return Err(AllocError::Plan(PlanError::Invalid(
-                "a region or chunk of the plan still holds live blocks".into(),
+                "a region or chunk of the plan followed now still holds live blocks".into(),
             )));
         }
-        self.planned = None;
-        self.checked("clear_plan", Ok(()))
+        Ok(())
     }
 
     /// The plan followed, if any.
@@ -437,17 +439,13 @@ impl<D: Device> CachingAllocator<D> {
     /// How the plan stands, if one is followed.
     pub fn plan_status(&self) -> Option<PlanStatus> {
         let planned = self.planned.as_ref()?;
-        let bytes = |pinned: bool| -> u64 {
-            planned
-                .held
-                .iter()
-                .filter(|&(&base, h)| pinned != h.wholly_free(base, &self.blocks))
-                .map(|(_, h)| h.bytes)
-                .sum()
-        };
+        let held = planned.held.iter();
         Some(PlanStatus {
-            held_bytes: bytes(true) + bytes(false),
-            pinned_bytes: bytes(true),
+            held_bytes: held.clone().map(|(_, h)| h.bytes).sum(),
+            pinned_bytes: held
+                .filter(|&(&base, h)| !h.wholly_free(base, &self.blocks))
+                .map(|(_, h)| h.bytes)
+                .sum(),
             following: planned.following,
         })
     }
@@ -478,7 +476,7 @@ impl<D: Device> CachingAllocator<D> {
         Ok(placed)
     }
 
-    fn planned_mut(&mut self) -> &mut Planned {
+    fn planned_mut(&mut self) -> &mut Following {
         self.planned.as_mut().expect("a plan is followed")
     }
 
