@@ -204,7 +204,7 @@ pub fn plan(
     let plan = Plan {
         format: PLAN_FORMAT.to_string(),
         version: PLAN_VERSION,
-        regions: placement.regions.clone(),
+        regions: placement.regions,
         entries: iteration
             .iter()
             .zip(&placement.offsets)
