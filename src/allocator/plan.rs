@@ -11,10 +11,11 @@
 //!   entry. Streams are matched by their handles as the allocator's callers give them: a
 //!   plan made from one process matches another's default stream, not its side streams. A planned entry
 //!   is served at its offset when that range of the region is free (a hit). A persistent
-//!   entry (it outlives an iteration) is placed right after the last one, in a chunk of its
-//!   stream: a segment the size of one iteration's persistent entries, a new one (or one
-//!   wholly free again) when the current is full. An entry with neither goes to the caching
-//!   allocator.
+//!   entry (it outlived the planned iteration) goes to its offset when it has one and that
+//!   range is free (the planner's bet that it lives shorter this time), else right after the
+//!   last one, in a chunk of its stream: a segment the size of one iteration's persistent
+//!   entries, a new one (or one wholly free again) when the current is full. Either is a
+//!   hit. An entry with neither goes to the caching allocator.
 //! - A request that matches none of them, or whose range is still taken, or for which the
 //!   region cannot be obtained, is a miss: the caching allocator serves it, from segments
 //!   outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
@@ -106,12 +107,13 @@ pub struct PlanEntry {
     pub size: u64,
     /// The stream it is made on.
     pub stream: u64,
-    /// Its offset in the stream's region, when it is freed within an iteration.
+    /// Its offset in the stream's region: where it goes when it is freed within an
+    /// iteration, where it is tried first when persistent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
     /// It outlives an iteration: placed one after another in chunks of the stream (each
-    /// the size of an iteration's persistent entries), not in the region. An entry with
-    /// neither goes to the caching allocator.
+    /// the size of an iteration's persistent entries), unless its offset is given and that
+    /// range is free. An entry with neither goes to the caching allocator.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub persistent: bool,
 }
@@ -226,9 +228,6 @@ impl Plan {
                     e.size
                 ));
             }
-            if e.persistent && e.offset.is_some() {
-                return invalid(format!("entry {i}: both an offset and persistent"));
-            }
             let Some(offset) = e.offset else { continue };
             let Some(region) = self.region_of(e.stream) else {
                 return invalid(format!("entry {i}: no region for stream {}", e.stream));
@@ -304,8 +303,12 @@ impl Held {
 enum Expect {
     /// At `offset` in the region of `regions[region]`.
     Placed { region: usize, offset: u64 },
-    /// Bumped into a chunk of `chunks[chunk]`.
-    Persistent { chunk: usize },
+    /// At `tried` (region, offset) if that range is free, else bumped into a chunk of
+    /// `chunks[chunk]`.
+    Persistent {
+        tried: Option<(usize, u64)>,
+        chunk: usize,
+    },
     /// An entry the plan leaves to the caching allocator.
     Unplanned,
     /// The plan expected something else.
@@ -369,20 +372,24 @@ impl Following {
         self.misses_in_row = 0;
         self.cursor = (j + 1) % entries.len();
         let e = &entries[j];
-        if let Some(offset) = e.offset {
-            let region = self.regions.iter().position(|r| r.0 == stream);
-            return Expect::Placed {
-                region: region.expect("validated: a planned entry's stream has a region"),
+        let region = e.offset.map(|offset| {
+            let r = self.regions.iter().position(|r| r.0 == stream);
+            (
+                r.expect("validated: a planned entry's stream has a region"),
                 offset,
-            };
-        }
+            )
+        });
         if e.persistent {
             let chunk = self.chunks.iter().position(|c| c.0 == stream);
             return Expect::Persistent {
+                tried: region,
                 chunk: chunk.expect("a persistent entry's stream has chunks"),
             };
         }
-        Expect::Unplanned
+        match region {
+            Some((region, offset)) => Expect::Placed { region, offset },
+            None => Expect::Unplanned,
+        }
     }
 
     /// The base of the region or chunk holding `ptr`.
@@ -464,7 +471,16 @@ impl<D: Device> CachingAllocator<D> {
         };
         let placed = match planned.expect(rounded, stream) {
             Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
-            Expect::Persistent { chunk } => self.bump(chunk, rounded, requested)?,
+            Expect::Persistent { tried, chunk } => {
+                let at = match tried {
+                    Some((region, offset)) => self.place(region, offset, rounded, requested)?,
+                    None => None,
+                };
+                match at {
+                    Some(ptr) => Some(ptr),
+                    None => self.bump(chunk, rounded, requested)?,
+                }
+            }
             Expect::Miss => None,
             Expect::Unplanned | Expect::Idle => return Ok(None),
         };

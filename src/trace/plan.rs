@@ -18,16 +18,20 @@
 //!    in several orders (by size, by size × lifetime, by lifetime, by start), first and best
 //!    fit, then improved by local search (random moves of the order: the allocation that
 //!    sets the top ahead, or two swapped; kept unless the top rises). The lower bound is the
-//!    most bytes live at once.
+//!    most bytes live at once. A persistent allocation freed within [`BET_ITERATIONS`]
+//!    iterations is then given the place in its region free longest from its start
+//!    ([`try_offsets`]): tried before its chunk, for the instances that live shorter (the
+//!    first iteration's output held on to is the common case).
 //! 4. **Evaluation** ([`evaluate`]): the iterations after the planned one are replayed from
 //!    an empty allocator under the recorded configuration, and again following the plan;
-//!    both peaks come from that window alone.
+//!    both peaks come from that window alone, beside [`periodic_bound`].
 //!
 //! # Budgets
 //! - Periods up to [`MAX_PERIOD`] allocations; the search makes at most [`SCAN_WORK`] token
 //!   comparisons, or O(allocations × candidates) beyond.
 //! - Placement is O(period²) per order and round; local search stops after
-//!   [`LOCAL_SEARCH_ROUNDS`] rounds or once [`PLACEMENT_WORK`] overlap tests were spent.
+//!   [`LOCAL_SEARCH_ROUNDS`] rounds or once [`PLACEMENT_WORK`] overlap tests were spent;
+//!   choosing where persistent allocations are tried stops after [`TRY_WORK`].
 //! - Allocations of [`MAX_PLANNED_SIZE`] or more are left out (the trace's sizes are any
 //!   u64), so every sum of sizes stays far from overflowing.
 //! - Plan files are read up to [`MAX_PLAN_FILE_BYTES`], then validated
@@ -66,6 +70,11 @@ pub const LOCAL_SEARCH_ROUNDS: usize = 400;
 /// Overlap tests after which the local search stops (the first greedy passes included; they
 /// alone are at most 8 × [`MAX_PERIOD`]² / 2).
 pub const PLACEMENT_WORK: u64 = 400_000_000;
+/// Iterations within which a persistent allocation's free must complete for it to be tried
+/// in the region first ([`bet_on`]).
+pub const BET_ITERATIONS: usize = 3;
+/// Overlap tests spent choosing where persistent allocations are tried first.
+pub const TRY_WORK: u64 = 200_000_000;
 
 const _: () = assert!(MAX_PERIOD <= MAX_PLAN_ENTRIES);
 
@@ -207,11 +216,11 @@ pub fn plan(
         regions: placement.regions,
         entries: iteration
             .iter()
-            .zip(&placement.offsets)
-            .map(|(a, &offset)| PlanEntry {
+            .zip(placement.offsets.iter().zip(&placement.tried))
+            .map(|(a, (&offset, &tried))| PlanEntry {
                 size: a.size,
                 stream: a.stream,
-                offset,
+                offset: offset.or(tried),
                 persistent: offset.is_none(),
             })
             .collect(),
@@ -269,6 +278,15 @@ fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocatio
 /// Whether `a` (made `event` events into an iteration of `length` events) repeats in place.
 fn placeable(a: &Allocation, length: usize) -> bool {
     a.freed.is_some_and(|f| f - a.event < length)
+}
+
+/// Whether persistent `a` is tried in the region first: its free completed within
+/// [`BET_ITERATIONS`] iterations, so a later instance placed there and living as long holds
+/// its range (making the entries planned there misses) for that long at most; one never
+/// freed, or later, is state and goes to its chunk.
+fn bet_on(a: &Allocation, length: usize) -> bool {
+    a.freed
+        .is_some_and(|f| f - a.event < BET_ITERATIONS.saturating_mul(length))
 }
 
 /// The repeating iteration: (first allocation, period, iterations in a row).
@@ -355,7 +373,10 @@ fn common_distances(tokens: &[u32]) -> Vec<usize> {
 /// Where an iteration's allocations go.
 struct Placement {
     regions: Vec<PlanRegion>,
+    /// Per allocation: its offset when placeable.
     offsets: Vec<Option<u64>>,
+    /// Per persistent allocation: the offset tried before its chunk, if any.
+    tried: Vec<Option<u64>>,
     lower_bound: u64,
 }
 
@@ -382,6 +403,7 @@ impl Item {
 /// Places the iteration starting at event `start`, `length` events long.
 fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Placement {
     let mut offsets = vec![None; iteration.len()];
+    let mut tried = vec![None; iteration.len()];
     let mut regions = Vec::new();
     let mut streams: Vec<u64> = iteration.iter().map(|a| a.stream).collect();
     streams.sort_unstable();
@@ -415,17 +437,91 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
         for (&i, &o) in indices.iter().zip(&placed) {
             offsets[i] = Some(o);
         }
-        regions.push(PlanRegion {
-            stream,
-            bytes: top.div_ceil(ROUND_LARGE) * ROUND_LARGE,
-        });
+        let bytes = top.div_ceil(ROUND_LARGE) * ROUND_LARGE;
+        let persistent: Vec<(usize, usize, u64)> = iteration
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.stream == stream && !placeable(a, length) && bet_on(a, length))
+            .map(|(i, a)| (i, a.event - start, a.size))
+            .collect();
+        for (i, o) in try_offsets(&items, &placed, bytes, length, &persistent) {
+            tried[i] = Some(o);
+        }
+        regions.push(PlanRegion { stream, bytes });
         all_items.extend(items);
     }
     Placement {
         regions,
         offsets,
+        tried,
         lower_bound: most_live(&all_items),
     }
+}
+
+/// Offsets in a region of `bytes` where persistent allocations (index, start, size) are
+/// tried first: for each in turn, the place free for the longest stretch of the iteration's
+/// circle from its start, among those free at its start (none if no place is). The stretch
+/// is then taken as its lifetime, so later ones avoid it. A persistent allocation of the
+/// planned iteration may live shorter in the next ones (the first iteration's often do):
+/// then it costs no memory; one that lives past its stretch makes the entry planned there a
+/// miss. At most [`TRY_WORK`] overlap tests; the rest get no offset.
+fn try_offsets(
+    items: &[Item],
+    offsets: &[u64],
+    bytes: u64,
+    length: usize,
+    persistent: &[(usize, usize, u64)],
+) -> Vec<(usize, u64)> {
+    let mut placed: Vec<(Item, u64)> = items.iter().copied().zip(offsets.iter().copied()).collect();
+    let mut tried = Vec::new();
+    let mut work = 0u64;
+    for &(i, from, size) in persistent {
+        // Candidate places: the region's start and the end of each placed range.
+        let mut candidates: Vec<u64> = std::iter::once(0)
+            .chain(placed.iter().map(|(it, o)| o + it.size))
+            .filter(|&o| o + size <= bytes)
+            .collect();
+        candidates.sort_unstable();
+        candidates.dedup();
+        work += (candidates.len() as u64).saturating_mul(placed.len() as u64);
+        if work > TRY_WORK {
+            break;
+        }
+        // The stretch free at `o` from `from`: the wait, round the circle, until the first
+        // span of a placed range overlapping it starts (0 if one is live at `from`).
+        let stretch = |o: u64| {
+            placed
+                .iter()
+                .filter(|(it, p)| *p < o + size && o < p + it.size)
+                .flat_map(|(it, _)| it.spans.iter().filter(|(a, b)| a < b))
+                .map(|&(a, b)| {
+                    if a <= from && from < b {
+                        0
+                    } else {
+                        (a + length - from) % length
+                    }
+                })
+                .min()
+                .unwrap_or(length)
+        };
+        let Some((o, wait)) = candidates
+            .into_iter()
+            .map(|o| (o, stretch(o)))
+            .filter(|&(_, wait)| wait > 0)
+            .max_by_key(|&(o, wait)| (wait, std::cmp::Reverse(o)))
+        else {
+            continue;
+        };
+        let to = from + wait;
+        let spans = if to <= length {
+            [(from, to), (0, 0)]
+        } else {
+            [(from, length), (0, to - length)]
+        };
+        placed.push((Item { size, spans }, o));
+        tried.push((i, o));
+    }
+    tried
 }
 
 /// The most bytes live at once.
@@ -611,6 +707,51 @@ pub struct Evaluation {
     pub default: ReplayReport,
     /// Following the plan (same configuration).
     pub planned: ReplayReport,
+    /// The fewest bytes a plan that serves every iteration from its regions without a miss
+    /// reserves on these events ([`periodic_bound`]); `None` for a plan without its source.
+    pub periodic_bound: Option<u64>,
+}
+
+/// The fewest bytes a plan reserves on `window` if it serves every iteration from its
+/// regions without a miss and what outlived the planned iteration outlives the others too
+/// (the plan's own reading of the trace): the most bytes live at once of the window's
+/// allocations whose entry is planned in a region, plus the most live at once of those
+/// whose entry is persistent and that are still live at the window's end. One of the latter
+/// is live at every point of an iteration, so no planned allocation can share its range.
+/// Allocations outside the plan's iterations, and persistent ones freed within the window
+/// (they did not outlive it), are left out: the figure stays a bound.
+pub fn periodic_bound(
+    events: &[TraceEntry],
+    config: &AllocatorConfig,
+    plan: &Plan,
+    window: Range<usize>,
+) -> Option<u64> {
+    let source = plan.source.as_ref()?;
+    let all = allocations(events, config);
+    let (mut within, mut outliving): (Vec<Item>, Vec<Item>) = (Vec::new(), Vec::new());
+    for (k, a) in all.iter().enumerate().skip(source.first_allocation) {
+        if !window.contains(&a.event) {
+            continue;
+        }
+        let entry = &plan.entries[(k - source.first_allocation) % plan.entries.len()];
+        if (entry.size, entry.stream) != (a.size, a.stream) {
+            continue;
+        }
+        let live_at_end = a.freed.is_none_or(|f| f >= window.end);
+        let item = Item {
+            size: a.size,
+            spans: [
+                (a.event, a.freed.map_or(window.end, |f| f.min(window.end))),
+                (0, 0),
+            ],
+        };
+        match (entry.persistent, live_at_end) {
+            (false, _) => within.push(item),
+            (true, true) => outliving.push(item),
+            (true, false) => {}
+        }
+    }
+    Some(most_live(&within).saturating_add(most_live(&outliving)))
 }
 
 /// Replays `window` of `device`'s trace from an empty allocator, under the recorded
@@ -641,10 +782,22 @@ pub fn evaluate(
         ..options
     };
     let planned = replay_following(recording, &planned_options, readings, &mut |_, _| {})?;
+    let periodic_bound = recording
+        .device_traces
+        .get(device as usize)
+        .and_then(|events| {
+            let config = planned_options
+                .config
+                .clone()
+                .or_else(|| recording.config.clone())
+                .unwrap_or_default();
+            periodic_bound(events, &config, plan, window.clone())
+        });
     Ok(Evaluation {
         events: window,
         default,
         planned,
+        periodic_bound,
     })
 }
 

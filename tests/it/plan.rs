@@ -83,12 +83,6 @@ fn bad_plan_files_are_refused_by_name() {
             "no region for stream 5",
         ),
         (
-            serde_json::json!({"format": "gpumem-plan", "version": 1,
-                "regions": [{"stream": 0, "bytes": 4 << 20}],
-                "entries": [{"size": 512, "stream": 0, "offset": 0, "persistent": true}]}),
-            "both",
-        ),
-        (
             serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": [], "extra": 1}),
             "unknown field",
         ),
@@ -124,6 +118,49 @@ fn bad_plan_files_are_refused_by_name() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A persistent entry with an offset is tried there first: it goes to its chunk only while
+/// that range is taken (here by its own earlier instance, still live), and is a hit both ways.
+#[test]
+fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
+    use gpumem::CachingAllocator;
+    use gpumem::device::{SimConfig, SimDevice, StreamId};
+    const MIB: u64 = 1 << 20;
+    let plan = Plan::from_json(
+        &serde_json::json!({"format": "gpumem-plan", "version": 1,
+            "regions": [{"stream": 0, "bytes": 4 * MIB}],
+            "entries": [{"size": MIB, "stream": 0, "offset": 0, "persistent": true},
+                        {"size": MIB, "stream": 0, "offset": MIB}]})
+        .to_string(),
+    )
+    .expect("valid: an offset tried first");
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(1 << 30)),
+        AllocatorConfig::default(),
+    );
+    alloc.set_plan(Arc::new(plan)).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(MIB, s).expect("fits");
+    let other = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(other.0, first.0 + MIB, "both in the region");
+    alloc.free(other).expect("live");
+    // The next iteration's instance finds its range held by the first: a chunk.
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert!(
+        second.0 >= first.0 + 4 * MIB || second.0 + MIB <= first.0,
+        "{second:?} outside the region"
+    );
+    let other = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(other.0, first.0 + MIB);
+    alloc.free(other).expect("live");
+    alloc.free(first).expect("live");
+    // Once the range is free again, the region is tried first again.
+    let third = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(third, first);
+    let st = alloc.stats();
+    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (5, 0));
+    alloc.check_invariants().expect("consistent");
 }
 
 /// `gpumem plan` on a bundled recording writes a valid plan and evaluates it; `replay --plan`
@@ -246,6 +283,13 @@ fn shared_recordings_planned() {
             planned.region_bytes as f64 / planned.lower_bound_bytes.max(1) as f64
         );
         assert_eq!(p.plan_misses, 0, "{name}");
+        // A plan that never misses reserves at least the bound.
+        let bound = e.periodic_bound.expect("the planner's plan has its source");
+        assert!(
+            bound > 0 && bound <= p.peak_reserved,
+            "{name}: bound {bound} above {}",
+            p.peak_reserved
+        );
         assert!(p.plan_hits > 0, "{name}");
         assert_eq!(p.ooms, 0, "{name}");
         planned_on.push(name);
