@@ -20,7 +20,7 @@
 //!    sets the top ahead, or two swapped; kept unless the top rises). The lower bound is the
 //!    most bytes live at once. A persistent allocation freed within [`BET_ITERATIONS`]
 //!    iterations is then given the place in its region free longest from its start
-//!    ([`try_offsets`]): tried before its chunk, for the instances that live shorter (the
+//!    (`try_offsets`): tried before its chunk, for the instances that live shorter (the
 //!    first iteration's output held on to is the common case).
 //! 4. **Evaluation** ([`evaluate`]): the iterations after the planned one are replayed from
 //!    an empty allocator under the recorded configuration, and again following the plan;
@@ -71,7 +71,7 @@ pub const LOCAL_SEARCH_ROUNDS: usize = 400;
 /// alone are at most 8 × [`MAX_PERIOD`]² / 2).
 pub const PLACEMENT_WORK: u64 = 400_000_000;
 /// Iterations within which a persistent allocation's free must complete for it to be tried
-/// in the region first ([`bet_on`]).
+/// in the region first (`bet_on`).
 pub const BET_ITERATIONS: usize = 3;
 /// Overlap tests spent choosing where persistent allocations are tried first.
 pub const TRY_WORK: u64 = 200_000_000;
