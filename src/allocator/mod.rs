@@ -14,8 +14,7 @@
 //! of PyTorch's concepts has a file of its own: `pool.rs` (pools, `get_free_block`),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
 //! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
-//! `snapshot.rs`, `size.rs` (the pure
-//! size, fit and split rules), `stats.rs`.
+//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`.
 //!
 //! # Note [OOM retry chain]
 //! When no cached block fits, `malloc` tries, in PyTorch's order: garbage collection (when a
