@@ -46,6 +46,19 @@ pub(crate) struct FreeEntry {
     pub id: BlockId,
 }
 
+impl FreeEntry {
+    #[inline]
+    fn key(&self) -> u128 {
+        key(self.size, self.ptr)
+    }
+}
+
+/// (size, address) as one number, in the same order: compared without a branch.
+#[inline]
+fn key(size: u64, ptr: u64) -> u128 {
+    (u128::from(size) << 64) | u128::from(ptr)
+}
+
 /// The size class of a block size (a multiple of 512): linear below 4 KiB, then eight
 /// classes per power of two.
 fn class_of(size: u64) -> usize {
@@ -108,7 +121,8 @@ impl StreamBins {
     fn lower_bound(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let at_least = entries.partition_point(|e| (e.size, e.ptr) >= (size, ptr));
+        let key = key(size, ptr);
+        let at_least = entries.partition_point(|e| e.key() >= key);
         if at_least > 0 {
             return Some(entries[at_least - 1]);
         }
@@ -119,7 +133,8 @@ impl StreamBins {
     fn prev_before(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let at_least = entries.partition_point(|e| (e.size, e.ptr) >= (size, ptr));
+        let key = key(size, ptr);
+        let at_least = entries.partition_point(|e| e.key() >= key);
         if let Some(e) = entries.get(at_least) {
             return Some(*e);
         }
@@ -130,8 +145,14 @@ impl StreamBins {
     fn insert(&mut self, entry: FreeEntry) {
         let class = class_of(entry.size);
         let entries = &mut self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) > (entry.size, entry.ptr));
-        entries.insert(i, entry);
+        let key = entry.key();
+        // Most frees land at the end (an empty class, or below its smallest entry).
+        if entries.last().is_none_or(|e| e.key() > key) {
+            entries.push(entry);
+        } else {
+            let i = entries.partition_point(|e| e.key() > key);
+            entries.insert(i, entry);
+        }
         self.bitmap[class / 64] |= 1 << (class % 64);
         self.len += 1;
     }
@@ -164,11 +185,9 @@ impl StreamBins {
     fn remove(&mut self, size: u64, ptr: u64) -> bool {
         let class = class_of(size);
         let entries = &mut self.classes[class];
-        let i = entries.partition_point(|e| (e.size, e.ptr) > (size, ptr));
-        if entries
-            .get(i)
-            .is_none_or(|e| e.ptr != ptr || e.size != size)
-        {
+        let key = key(size, ptr);
+        let i = entries.partition_point(|e| e.key() > key);
+        if entries.get(i).is_none_or(|e| e.key() != key) {
             return false;
         }
         entries.remove(i);

@@ -336,7 +336,6 @@ impl<D: Device> CachingAllocator<D> {
         self.alloc_block(kind, stream, rounded, segment_size, true)
     }
 
-    /// The best-fitting cached block of `stream` for a rounded request, taken out of its
     /// Obtains a new segment from the driver (`alloc_block`). `Ok(None)` means out of memory
     /// (the process limit or the driver said no); other driver errors are returned.
     fn alloc_block(
