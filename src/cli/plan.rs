@@ -234,10 +234,15 @@ fn print_text(
     )?;
     if let Some(bound) = evaluation.periodic_bound {
         outln!(
-            "  no plan that serves every iteration without a miss reserves less than {} here ({:.3}× the peak allocated): what outlives an iteration is kept beside the ranges the iterations use",
+            "  no plan that serves every iteration without a miss reserves less than {} here ({:.3}× the peak allocated), if what outlived the planned iteration outlives the others too: a plan keeps it beside the ranges its iterations use",
             format_size(bound),
             bound as f64 / p.peak_allocated.max(1) as f64
         )?;
+        if d.peak_reserved < bound {
+            outln!(
+                "  the caching allocator reserves less than that: what outlives each iteration grows into the memory the iteration freed, which a plan keeps for the next; following this plan is not advised"
+            )?;
+        }
     }
     Ok(())
 }
