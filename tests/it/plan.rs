@@ -290,6 +290,15 @@ fn shared_recordings_planned() {
             "{name}: bound {bound} above {}",
             p.peak_reserved
         );
+        if name.starts_with("dit_discrete_diffusion") {
+            // Memory kept from every iteration grows until the job runs out: the caching
+            // allocator beats any plan without misses (the README's account of this row).
+            assert!(
+                d.peak_reserved < bound,
+                "{name}: {} vs {bound}",
+                d.peak_reserved
+            );
+        }
         assert!(p.plan_hits > 0, "{name}");
         assert_eq!(p.ooms, 0, "{name}");
         planned_on.push(name);
