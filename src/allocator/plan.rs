@@ -11,13 +11,14 @@
 //!   entry. Streams are matched by their handles as the allocator's callers give them: a
 //!   plan made from one process matches another's default stream, not its side streams. A planned entry
 //!   is served at its offset when that range of the region is free (a hit). A persistent
-//!   entry (it outlived the planned iteration) goes to its offset when it has one and that
-//!   range is free (the planner's bet that it lives shorter this time), else right after the
-//!   last one, in a chunk of its stream: a segment the size of one iteration's persistent
+//!   entry (it outlived the planned iteration) goes to its offset when it has one, that range
+//!   is free and the region can be obtained (the planner's bet that it lives shorter this
+//!   time), else right after the last one, in a chunk of its stream: a segment the size of one iteration's persistent
 //!   entries, a new one (or one wholly free again) when the current is full. Either is a
 //!   hit. An entry with neither goes to the caching allocator.
-//! - A request that matches none of them, or whose range is still taken, or for which the
-//!   region cannot be obtained, is a miss: the caching allocator serves it, from segments
+//! - A request that matches none of them, or a planned (not persistent) one whose range is
+//!   still taken or whose region cannot be obtained, or a persistent one for which no chunk
+//!   can be obtained, is a miss: the caching allocator serves it, from segments
 //!   outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
 //!   that matches its first entry, and follows again from there.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
@@ -137,7 +138,8 @@ pub struct PlanSource {
     pub evaluated: [usize; 2],
     /// The most bytes the planned allocations hold at once: no placement needs less.
     pub lower_bound_bytes: u64,
-    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks).
+    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks, some
+    /// tried at an offset first).
     pub persistent_bytes: u64,
 }
 
@@ -372,7 +374,7 @@ impl Following {
         self.misses_in_row = 0;
         self.cursor = (j + 1) % entries.len();
         let e = &entries[j];
-        let region = e.offset.map(|offset| {
+        let at = e.offset.map(|offset| {
             let r = self.regions.iter().position(|r| r.0 == stream);
             (
                 r.expect("validated: a planned entry's stream has a region"),
@@ -382,11 +384,11 @@ impl Following {
         if e.persistent {
             let chunk = self.chunks.iter().position(|c| c.0 == stream);
             return Expect::Persistent {
-                tried: region,
+                tried: at,
                 chunk: chunk.expect("a persistent entry's stream has chunks"),
             };
         }
-        match region {
+        match at {
             Some((region, offset)) => Expect::Placed { region, offset },
             None => Expect::Unplanned,
         }

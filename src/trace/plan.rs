@@ -10,8 +10,8 @@
 //!    times the share of its first iteration's bytes that are placeable, the shortest on a
 //!    tie. An allocation is placeable when its free completes less than one iteration (in
 //!    events) after it was made: then it repeats in the same place every iteration; the
-//!    others are persistent (bumped into chunks). `--events A..B` names the iteration
-//!    instead.
+//!    others are persistent (bumped into chunks, some tried in the region first: step 3).
+//!    `--events A..B` names the iteration instead.
 //! 3. **Placement** (the dynamic storage allocation problem), per stream: lifetimes are
 //!    taken on the iteration's circle (an allocation freed in the next iteration wraps round),
 //!    and allocations are placed one by one at the lowest offset free over their lifetime,
@@ -24,7 +24,7 @@
 //!    first iteration's output held on to is the common case).
 //! 4. **Evaluation** ([`evaluate`]): the iterations after the planned one are replayed from
 //!    an empty allocator under the recorded configuration, and again following the plan;
-//!    both peaks come from that window alone, beside [`periodic_bound`].
+//!    both peaks come from that window alone.
 //!
 //! # Budgets
 //! - Periods up to [`MAX_PERIOD`] allocations; the search makes at most [`SCAN_WORK`] token
@@ -281,9 +281,10 @@ fn placeable(a: &Allocation, length: usize) -> bool {
 }
 
 /// Whether persistent `a` is tried in the region first: its free completed within
-/// [`BET_ITERATIONS`] iterations, so a later instance placed there and living as long holds
-/// its range (making the entries planned there misses) for that long at most; one never
-/// freed, or later, is state and goes to its chunk.
+/// [`BET_ITERATIONS`] iterations. A later instance that lives as long holds its range, making
+/// the entries planned there misses, for that long at most, and the next instance finds the
+/// range taken and goes to its chunk; a job whose every instance lives that long pays those
+/// misses again every few iterations. One never freed, or freed later, is state: its chunk.
 fn bet_on(a: &Allocation, length: usize) -> bool {
     a.freed
         .is_some_and(|f| f - a.event < BET_ITERATIONS.saturating_mul(length))
@@ -389,6 +390,17 @@ struct Item {
 }
 
 impl Item {
+    /// Live from `from` to `to` (at most one iteration later) on a circle of `length`
+    /// events: past the end, it wraps round to the start.
+    fn on_circle(size: u64, from: usize, to: usize, length: usize) -> Item {
+        let spans = if to <= length {
+            [(from, to), (0, 0)]
+        } else {
+            [(from, length), (0, to - length)]
+        };
+        Item { size, spans }
+    }
+
     fn overlaps(&self, other: &Item) -> bool {
         self.spans
             .iter()
@@ -409,6 +421,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
     streams.sort_unstable();
     streams.dedup();
     let mut all_items = Vec::new();
+    let mut try_work = 0u64;
     for stream in streams {
         let (indices, items): (Vec<usize>, Vec<Item>) = iteration
             .iter()
@@ -416,18 +429,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
             .filter(|(_, a)| a.stream == stream && placeable(a, length))
             .map(|(i, a)| {
                 let (from, to) = (a.event - start, a.freed.expect("placeable") - start);
-                let spans = if to <= length {
-                    [(from, to), (0, 0)]
-                } else {
-                    [(from, length), (0, to - length)]
-                };
-                (
-                    i,
-                    Item {
-                        size: a.size,
-                        spans,
-                    },
-                )
+                (i, Item::on_circle(a.size, from, to, length))
             })
             .unzip();
         if items.is_empty() {
@@ -444,7 +446,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
             .filter(|(_, a)| a.stream == stream && !placeable(a, length) && bet_on(a, length))
             .map(|(i, a)| (i, a.event - start, a.size))
             .collect();
-        for (i, o) in try_offsets(&items, &placed, bytes, length, &persistent) {
+        for (i, o) in try_offsets(&items, &placed, bytes, length, &persistent, &mut try_work) {
             tried[i] = Some(o);
         }
         regions.push(PlanRegion { stream, bytes });
@@ -464,17 +466,18 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
 /// is then taken as its lifetime, so later ones avoid it. A persistent allocation of the
 /// planned iteration may live shorter in the next ones (the first iteration's often do):
 /// then it costs no memory; one that lives past its stretch makes the entry planned there a
-/// miss. At most [`TRY_WORK`] overlap tests; the rest get no offset.
+/// miss. At most [`TRY_WORK`] overlap tests in `work`, over every stream; the rest get no
+/// offset.
 fn try_offsets(
     items: &[Item],
     offsets: &[u64],
     bytes: u64,
     length: usize,
     persistent: &[(usize, usize, u64)],
+    work: &mut u64,
 ) -> Vec<(usize, u64)> {
     let mut placed: Vec<(Item, u64)> = items.iter().copied().zip(offsets.iter().copied()).collect();
     let mut tried = Vec::new();
-    let mut work = 0u64;
     for &(i, from, size) in persistent {
         // Candidate places: the region's start and the end of each placed range.
         let mut candidates: Vec<u64> = std::iter::once(0)
@@ -483,8 +486,8 @@ fn try_offsets(
             .collect();
         candidates.sort_unstable();
         candidates.dedup();
-        work += (candidates.len() as u64).saturating_mul(placed.len() as u64);
-        if work > TRY_WORK {
+        *work += (candidates.len() as u64).saturating_mul(placed.len() as u64);
+        if *work > TRY_WORK {
             break;
         }
         // The stretch free at `o` from `from`: the wait, round the circle, until the first
@@ -512,13 +515,7 @@ fn try_offsets(
         else {
             continue;
         };
-        let to = from + wait;
-        let spans = if to <= length {
-            [(from, to), (0, 0)]
-        } else {
-            [(from, length), (0, to - length)]
-        };
-        placed.push((Item { size, spans }, o));
+        placed.push((Item::on_circle(size, from, from + wait, length), o));
         tried.push((i, o));
     }
     tried
@@ -707,51 +704,6 @@ pub struct Evaluation {
     pub default: ReplayReport,
     /// Following the plan (same configuration).
     pub planned: ReplayReport,
-    /// The fewest bytes a plan that serves every iteration from its regions without a miss
-    /// reserves on these events ([`periodic_bound`]); `None` for a plan without its source.
-    pub periodic_bound: Option<u64>,
-}
-
-/// The fewest bytes a plan reserves on `window` if it serves every iteration from its
-/// regions without a miss and what outlived the planned iteration outlives the others too
-/// (the plan's own reading of the trace): the most bytes live at once of the window's
-/// allocations whose entry is planned in a region, plus the most live at once of those
-/// whose entry is persistent and that are still live at the window's end. One of the latter
-/// is live at every point of an iteration, so no planned allocation can share its range.
-/// Allocations outside the plan's iterations, and persistent ones freed within the window
-/// (they did not outlive it), are left out: the figure stays a bound.
-pub fn periodic_bound(
-    events: &[TraceEntry],
-    config: &AllocatorConfig,
-    plan: &Plan,
-    window: Range<usize>,
-) -> Option<u64> {
-    let source = plan.source.as_ref()?;
-    let all = allocations(events, config);
-    let (mut within, mut outliving): (Vec<Item>, Vec<Item>) = (Vec::new(), Vec::new());
-    for (k, a) in all.iter().enumerate().skip(source.first_allocation) {
-        if !window.contains(&a.event) {
-            continue;
-        }
-        let entry = &plan.entries[(k - source.first_allocation) % plan.entries.len()];
-        if (entry.size, entry.stream) != (a.size, a.stream) {
-            continue;
-        }
-        let live_at_end = a.freed.is_none_or(|f| f >= window.end);
-        let item = Item {
-            size: a.size,
-            spans: [
-                (a.event, a.freed.map_or(window.end, |f| f.min(window.end))),
-                (0, 0),
-            ],
-        };
-        match (entry.persistent, live_at_end) {
-            (false, _) => within.push(item),
-            (true, true) => outliving.push(item),
-            (true, false) => {}
-        }
-    }
-    Some(most_live(&within).saturating_add(most_live(&outliving)))
 }
 
 /// Replays `window` of `device`'s trace from an empty allocator, under the recorded
@@ -782,22 +734,10 @@ pub fn evaluate(
         ..options
     };
     let planned = replay_following(recording, &planned_options, readings, &mut |_, _| {})?;
-    let periodic_bound = recording
-        .device_traces
-        .get(device as usize)
-        .and_then(|events| {
-            let config = planned_options
-                .config
-                .clone()
-                .or_else(|| recording.config.clone())
-                .unwrap_or_default();
-            periodic_bound(events, &config, plan, window.clone())
-        });
     Ok(Evaluation {
         events: window,
         default,
         planned,
-        periodic_bound,
     })
 }
 

@@ -283,22 +283,6 @@ fn shared_recordings_planned() {
             planned.region_bytes as f64 / planned.lower_bound_bytes.max(1) as f64
         );
         assert_eq!(p.plan_misses, 0, "{name}");
-        // A plan that never misses reserves at least the bound.
-        let bound = e.periodic_bound.expect("the planner's plan has its source");
-        assert!(
-            bound > 0 && bound <= p.peak_reserved,
-            "{name}: bound {bound} above {}",
-            p.peak_reserved
-        );
-        if name.starts_with("dit_discrete_diffusion") {
-            // Memory kept from every iteration grows until the job runs out: the caching
-            // allocator beats any plan without misses (the README's account of this row).
-            assert!(
-                d.peak_reserved < bound,
-                "{name}: {} vs {bound}",
-                d.peak_reserved
-            );
-        }
         assert!(p.plan_hits > 0, "{name}");
         assert_eq!(p.ooms, 0, "{name}");
         planned_on.push(name);
