@@ -9,13 +9,14 @@
 //! - A request that matches the entry at the cursor or, the job having skipped some, one of
 //!   the entries after it ([`RESYNC_WINDOW`] in all), by rounded size and stream, is that
 //!   entry. Streams are matched by their handles as the allocator's callers give them: a
-//!   plan made from one process matches another's default stream, not its side streams. A planned entry
-//!   is served at its offset when that range of the region is free (a hit). A persistent
-//!   entry (it outlived the planned iteration) goes to its offset when it has one, that range
-//!   is free and the region can be obtained (the planner's bet that it lives shorter this
-//!   time), else right after the last one, in a chunk of its stream: a segment the size of one iteration's persistent
-//!   entries, a new one (or one wholly free again) when the current is full. Either is a
-//!   hit. An entry with neither goes to the caching allocator.
+//!   plan made from one process matches another's default stream, not its side streams. A
+//!   planned entry is served at its offset when that range of the region is free (a hit). A
+//!   persistent entry (it outlived the planned iteration) goes to its offset when it has one,
+//!   that range is free and the region can be obtained (the planner's bet that it lives
+//!   shorter this time), else right after the last one, in a chunk of its stream: a segment
+//!   the size of one iteration's persistent entries, a new one (or one wholly free again)
+//!   when the current is full. Either is a hit. An entry with neither goes to the caching
+//!   allocator.
 //! - A request that matches none of them, or a planned (not persistent) one whose range is
 //!   still taken or whose region cannot be obtained, or a persistent one for which no chunk
 //!   can be obtained, is a miss: the caching allocator serves it, from segments
