@@ -363,7 +363,7 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
     );
     let contract = contract_names();
     let alerts = text.matches("- alert: ").count();
-    assert_eq!(alerts, 10);
+    assert_eq!(alerts, 11);
     for m in metric_names(&text) {
         assert!(
             contract.contains(&m.as_str()) || recorded.contains(&m),
