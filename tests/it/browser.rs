@@ -144,8 +144,6 @@ impl Drop for Browser {
     }
 }
 
-/// One WebDriver command: an HTTP/1.1 request on loopback (one connection each), its JSON
-/// answer; an error answer (`value.error`) becomes `Err`.
 /// One read, again when a signal interrupted it (a raw `read` may return `Interrupted`).
 fn read_some(stream: &mut TcpStream, buf: &mut [u8]) -> Result<usize, String> {
     loop {
@@ -156,6 +154,8 @@ fn read_some(stream: &mut TcpStream, buf: &mut [u8]) -> Result<usize, String> {
     }
 }
 
+/// One WebDriver command: an HTTP/1.1 request on loopback (one connection each), its JSON
+/// answer; an error answer (`value.error`) becomes `Err`.
 fn request(port: u16, method: &str, path: &str, body: Option<&Value>) -> Result<Value, String> {
     let body = body.map(Value::to_string).unwrap_or_default();
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
