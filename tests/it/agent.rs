@@ -426,8 +426,7 @@ fn serve_turns_sockets_off_with_empty_values() {
 /// answers (`NVML_ERROR_DRIVER_NOT_LOADED`): serve must report why and keep serving.
 #[test]
 fn serve_reports_a_failed_nvml_init() {
-    let dir = std::env::temp_dir().join(format!("gpumem-nvml-stub-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = crate::common::temp_dir("nvml-stub");
     let source = dir.join("stub.c");
     std::fs::write(
         &source,

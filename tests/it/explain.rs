@@ -366,8 +366,7 @@ fn the_command_prints_the_sentence_and_the_json_every_figure() {
         assert!(a.malloc(400 * MIB, s).is_err());
         serde_json::to_vec(&a.snapshot()).expect("json")
     };
-    let dir = std::env::temp_dir().join(format!("gpumem-explain-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = crate::common::temp_dir("explain");
     let file = dir.join("oom.json");
     std::fs::write(&file, rec_json).expect("write");
     let run = |extra: &[&str]| {
@@ -492,8 +491,7 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
     for entry in doc["device_traces"][0].as_array_mut().expect("a trace") {
         entry["frames"] = hostile.clone();
     }
-    let dir = std::env::temp_dir().join(format!("gpumem-explain-page-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = crate::common::temp_dir("explain-page");
     let file = dir.join("frag <b>&.json");
     std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
     let browser = crate::browser::Browser::start();

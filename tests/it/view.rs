@@ -98,8 +98,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         entry["frames"] =
             serde_json::json!([{"filename": "/job/train.py", "line": 3, "name": hostile}]);
     }
-    let dir = std::env::temp_dir().join(format!("gpumem-view-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = crate::common::temp_dir("view");
     let file = dir.join("frag.json");
     std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
     let rec = read_recording(&file).expect("reads back");
@@ -295,8 +294,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
 /// again), and each map must show the event asked for.
 #[test]
 fn a_large_recording_opens_and_steps_quickly() {
-    let dir = std::env::temp_dir().join(format!("gpumem-view-large-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = crate::common::temp_dir("view-large");
     let file = dir.join("large.pickle");
     let size = crate::replay::generate_snapshot(100_000, 480, &file);
     let log = dir.join("view.log");
@@ -391,8 +389,7 @@ fn metric_sum(exposition: &str, metric: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[test]
 fn the_agents_live_page_lines_up_with_its_metrics() {
-    let dir = std::env::temp_dir().join(format!("gpumem-live-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = crate::common::temp_dir("live");
     // Held still, so the page and /metrics can be read at the same state.
     let (_demo, port) = spawn_demo(
         &["--speed", "0", "--interval", "0.1"],
