@@ -475,13 +475,12 @@ impl<D: Device> CachingAllocator<D> {
         let placed = match planned.expect(rounded, stream) {
             Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
             Expect::Persistent { tried, chunk } => {
-                let at = match tried {
-                    Some((region, offset)) => self.place(region, offset, rounded, requested)?,
-                    None => None,
-                };
-                match at {
-                    Some(ptr) => Some(ptr),
-                    None => self.bump(chunk, rounded, requested)?,
+                if let Some((region, offset)) = tried
+                    && let Some(ptr) = self.place(region, offset, rounded, requested)?
+                {
+                    Some(ptr)
+                } else {
+                    self.bump(chunk, rounded, requested)?
                 }
             }
             Expect::Miss => None,
