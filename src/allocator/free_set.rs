@@ -62,13 +62,22 @@ fn key(size: u64, ptr: u64) -> u128 {
 /// The size class of a block size (a multiple of 512): linear below 4 KiB, then eight
 /// classes per power of two.
 fn class_of(size: u64) -> usize {
+    // Without a branch (the pool's sizes alternate unpredictably): below 8 units the shift is
+    // 0 and the class is the unit count; from 8 on, `units >> shift` is 8 plus the mantissa.
     let units = size >> 9;
-    if units < 8 {
-        return units as usize;
+    let shift = (units | 8).ilog2() - 3;
+    8 * shift as usize + (units >> shift) as usize
+}
+
+/// Removes entry `i`; the last one (the usual best fit) without a call to move nothing.
+#[inline]
+fn take(entries: &mut Vec<FreeEntry>, i: usize) -> FreeEntry {
+    if i + 1 == entries.len()
+        && let Some(last) = entries.pop()
+    {
+        return last;
     }
-    let log2 = units.ilog2();
-    let mantissa = (units >> (log2 - 3)) & 7;
-    8 * (log2 as usize - 2) + mantissa as usize
+    entries.remove(i)
 }
 
 /// The free blocks of one stream.
@@ -164,7 +173,12 @@ impl StreamBins {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         let mut class = class_of(size);
-        let mut at_least = self.classes[class].partition_point(|e| e.size >= size);
+        let entries = &self.classes[class];
+        // Usually the class's smallest entry fits (a size asked for again): no search.
+        let mut at_least = match entries.last() {
+            Some(e) if e.size >= size => entries.len(),
+            _ => entries.partition_point(|e| e.size >= size),
+        };
         if at_least == 0 {
             class = self.next_class(class + 1)?;
             at_least = self.classes[class].len();
@@ -174,10 +188,8 @@ impl StreamBins {
         if !accept(entries[i].size) {
             return None;
         }
-        let entry = entries.remove(i);
-        if entries.is_empty() {
-            self.bitmap[class / 64] &= !(1 << (class % 64));
-        }
+        let entry = take(entries, i);
+        self.clear_if_empty(class);
         self.len -= 1;
         Some(entry)
     }
@@ -190,12 +202,17 @@ impl StreamBins {
         if entries.get(i).is_none_or(|e| e.key() != key) {
             return false;
         }
-        entries.remove(i);
-        if entries.is_empty() {
-            self.bitmap[class / 64] &= !(1 << (class % 64));
-        }
+        take(entries, i);
+        self.clear_if_empty(class);
         self.len -= 1;
         true
+    }
+
+    /// Clears the bit of `class` if it holds nothing now, without a branch.
+    #[inline]
+    fn clear_if_empty(&mut self, class: usize) {
+        let empty = u64::from(self.classes[class].is_empty());
+        self.bitmap[class / 64] &= !(empty << (class % 64));
     }
 
     /// Entries in ascending (size, address) order.
@@ -256,20 +273,27 @@ impl FreeSet {
     }
 
     /// Adds a free block.
+    #[inline]
     pub fn insert(&mut self, stream: StreamId, entry: FreeEntry) {
-        let i = match self.streams.binary_search_by_key(&stream, |(s, _)| *s) {
-            Ok(i) => i,
-            Err(_) => {
-                if self.streams.len() >= SPARE_STREAMS {
-                    self.streams.retain(|(_, bins)| bins.len > 0);
-                }
-                let i = self.streams.partition_point(|(s, _)| *s < stream);
-                self.streams.insert(i, (stream, StreamBins::new()));
-                i
-            }
+        let i = match self.streams.iter().position(|(s, _)| *s == stream) {
+            Some(i) => i,
+            None => self.add_stream(stream),
         };
         self.streams[i].1.insert(entry);
         self.len += 1;
+    }
+
+    /// Makes bins for a stream that has none (rare: kept out of `insert`'s fast path), first
+    /// dropping empty ones beyond [`SPARE_STREAMS`]; returns their index.
+    #[cold]
+    #[inline(never)]
+    fn add_stream(&mut self, stream: StreamId) -> usize {
+        if self.streams.len() >= SPARE_STREAMS {
+            self.streams.retain(|(_, bins)| bins.len > 0);
+        }
+        let i = self.streams.partition_point(|(s, _)| *s < stream);
+        self.streams.insert(i, (stream, StreamBins::new()));
+        i
     }
 
     /// Removes the block of `stream` with this size and address; false if it is not here.
@@ -315,6 +339,22 @@ mod tests {
             last = c;
         }
         assert!(class_of(!511) < CLASSES);
+    }
+
+    #[test]
+    fn classes_follow_their_definition() {
+        // Linear below 4 KiB, then eight classes per power of two, as the branchy form said.
+        let reference = |units: u64| {
+            if units < 8 {
+                return units as usize;
+            }
+            let log2 = units.ilog2();
+            8 * (log2 as usize - 2) + ((units >> (log2 - 3)) & 7) as usize
+        };
+        let big = (0..54).flat_map(|k| [(1u64 << k) - 1, 1 << k, (1 << k) + 1, 3 << k]);
+        for units in (0..70_000u64).chain(big).chain([u64::MAX >> 9]) {
+            assert_eq!(class_of(units << 9), reference(units), "{units} units");
+        }
     }
 
     #[test]

@@ -405,10 +405,10 @@ impl<D: Device> CachingAllocator<D> {
         if ptr.is_null() {
             return Ok(());
         }
-        let id = self
-            .live
-            .remove(ptr.0, &self.blocks)
-            .ok_or(AllocError::InvalidPointer(ptr))?;
+        // Not `ok_or`: an error built eagerly is dropped on every valid free.
+        let Some(id) = self.live.remove(ptr.0, &self.blocks) else {
+            return Err(AllocError::InvalidPointer(ptr));
+        };
         let block = self.block_mut(id);
         block.allocated = false;
         let (kind, size, requested, stream) =

@@ -114,6 +114,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Puts a free block into its pool's free set, stamping its GC age base.
+    #[inline]
     pub(super) fn insert_free(&mut self, id: BlockId) {
         let block = self.block(id);
         if let Some(base) = self.plan_segment_at(block.ptr) {
@@ -132,6 +133,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Takes a free block out of its pool's free set (its key must be current).
+    #[inline]
     pub(super) fn remove_free(&mut self, id: BlockId) {
         let block = self.block(id);
         if let Some(base) = self.plan_segment_at(block.ptr) {

@@ -89,11 +89,12 @@ impl<D: Device> CachingAllocator<D> {
         let mut split_count: i64 = 0;
         let mut split_bytes: i64 = 0;
         for neighbour in [prev, next].into_iter().flatten() {
-            let merged = self.try_merge(id, neighbour);
-            if merged > 0 {
-                split_count -= 1;
-                split_bytes -= merged as i64;
+            if !self.mergeable(id, neighbour) {
+                continue;
             }
+            let merged = self.try_merge(id, neighbour);
+            split_count -= 1;
+            split_bytes -= merged as i64;
         }
         self.insert_free(id);
         let block = self.block(id);
@@ -110,13 +111,21 @@ impl<D: Device> CachingAllocator<D> {
             .count_free_completed(kind, original_size, requested);
     }
 
+    /// Whether `try_merge(dst, src)` would absorb the neighbour `src`: it is free and mapped
+    /// as `dst` is. Checked before the call, which most neighbours (allocated) never need.
+    #[inline]
+    fn mergeable(&self, dst: BlockId, src: BlockId) -> bool {
+        let s = self.block(src);
+        s.is_free() && s.mapped == self.block(dst).mapped
+    }
+
     /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 if `src`
     /// is not free (`try_merge`).
     pub(super) fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
-        let s = self.block(src);
-        if !s.is_free() || s.mapped != self.block(dst).mapped {
+        if !self.mergeable(dst, src) {
             return 0;
         }
+        let s = self.block(src);
         let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
         if s.mapped {
             self.remove_free(src);
