@@ -80,6 +80,14 @@ fn take(entries: &mut Vec<FreeEntry>, i: usize) -> FreeEntry {
     entries.remove(i)
 }
 
+/// Inserts `entry` into a class kept in descending order.
+#[inline(never)]
+fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
+    let key = entry.key();
+    let i = entries.partition_point(|e| e.key() > key);
+    entries.insert(i, entry);
+}
+
 /// The free blocks of one stream.
 #[derive(Debug, Clone)]
 struct StreamBins {
@@ -151,16 +159,18 @@ impl StreamBins {
         self.classes[prev].first().copied()
     }
 
+    #[inline]
     fn insert(&mut self, entry: FreeEntry) {
         let class = class_of(entry.size);
         let entries = &mut self.classes[class];
-        let key = entry.key();
-        // Most frees land at the end (an empty class, or below its smallest entry).
-        if entries.last().is_none_or(|e| e.key() > key) {
+        // Most frees land at the end (an empty class, or below its smallest entry), in room
+        // the class already has: that path is inlined; a search or a growth is not.
+        if entries.len() < entries.capacity()
+            && entries.last().is_none_or(|e| e.key() > entry.key())
+        {
             entries.push(entry);
         } else {
-            let i = entries.partition_point(|e| e.key() > key);
-            entries.insert(i, entry);
+            insert_sorted(entries, entry);
         }
         self.bitmap[class / 64] |= 1 << (class % 64);
         self.len += 1;

@@ -294,13 +294,9 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(ptr);
         }
         let kind = PoolKind::for_size(rounded);
-        let segment_size = size::allocation_size(rounded);
-        let mut found = self.get_free_block(kind, stream, rounded);
-        if found.is_none() {
-            found = self.allocate_segment_with_retries(kind, stream, rounded, segment_size)?;
-        }
-        let Some(id) = found else {
-            return Err(self.out_of_memory(rounded, segment_size, stream)?);
+        let id = match self.get_free_block(kind, stream, rounded) {
+            Some(id) => id,
+            None => self.allocate_segment_with_retries(kind, stream, rounded)?,
         };
         let block = self.block(id);
         let split = size::should_split(
@@ -313,27 +309,30 @@ impl<D: Device> CachingAllocator<D> {
         Ok(self.alloc_found_block(id, rounded, size, split))
     }
 
-    /// The slow path of `malloc`: Note [OOM retry chain].
+    /// The slow path of `malloc`, when no cached block fits: Note [OOM retry chain].
     fn allocate_segment_with_retries(
         &mut self,
         kind: PoolKind,
         stream: StreamId,
         rounded: u64,
-        segment_size: u64,
-    ) -> Result<Option<BlockId>, AllocError> {
+    ) -> Result<BlockId, AllocError> {
+        let segment_size = size::allocation_size(rounded);
         if self.gc_enabled() {
             self.garbage_collect()?;
         }
         if let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)? {
-            return Ok(Some(id));
+            return Ok(id);
         }
         if self.release_available_cached_blocks(kind, stream, rounded)?
             && let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)?
         {
-            return Ok(Some(id));
+            return Ok(id);
         }
         self.release_cached_blocks()?;
-        self.alloc_block(kind, stream, rounded, segment_size, true)
+        match self.alloc_block(kind, stream, rounded, segment_size, true)? {
+            Some(id) => Ok(id),
+            None => Err(self.out_of_memory(rounded, segment_size, stream)?),
+        }
     }
 
     /// Obtains a new segment from the driver (`alloc_block`). `Ok(None)` means out of memory
