@@ -4,8 +4,9 @@
 //! and serves a request from the first element at or after `(stream, size, 0)`. This set gives
 //! exactly the same answers, faster: each stream has its own index of size classes
 //! (eight classes per power of two, as TLSF spaces them), each class a vector sorted by
-//! (size, address), and a bitmap of the non-empty classes. A lookup binary-searches one small
-//! vector and, when that holds nothing large enough, jumps with the bitmap to the first
+//! (size, address), and a bitmap of the non-empty classes. A lookup takes its class's smallest
+//! entry when that fits (usually: the same sizes are asked for again), else binary-searches
+//! the class and, when it holds nothing large enough, jumps with the bitmap to the first
 //! non-empty larger class, whose smallest entry is the answer.
 //!
 //! Classes are stored in descending order, smallest entry last: taking a class's smallest
