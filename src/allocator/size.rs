@@ -127,7 +127,7 @@ pub fn should_split(
 ) -> bool {
     let remaining = block_size - size;
     // Both rules evaluated and one chosen, without branches: the pool alternates unpredictably.
-    let small_rule = pool == PoolKind::Small || expandable_segments;
+    let small_rule = (pool == PoolKind::Small) | expandable_segments;
     let small_split = remaining >= MIN_BLOCK_SIZE;
     let large_split = (size < max_split_size) & (remaining > SMALL_SIZE);
     (small_rule & small_split) | (!small_rule & large_split)

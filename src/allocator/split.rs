@@ -119,8 +119,8 @@ impl<D: Device> CachingAllocator<D> {
         s.is_free() && s.mapped == self.block(dst).mapped
     }
 
-    /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 if `src`
-    /// is not free (`try_merge`).
+    /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 unless
+    /// [`Self::mergeable`] (`try_merge`).
     pub(super) fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
         if !self.mergeable(dst, src) {
             return 0;
