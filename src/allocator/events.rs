@@ -65,7 +65,7 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::Device(e));
         }
         if self.block(id).event_count == 0 {
-            self.free_block(id);
+            self.complete_free(id);
         }
         Ok(())
     }
@@ -88,8 +88,16 @@ impl<D: Device> CachingAllocator<D> {
         let block = self.block_mut(id);
         block.event_count = block.event_count.saturating_sub(1);
         if block.event_count == 0 && !block.has_stream_uses {
-            self.free_block(id);
+            self.complete_free(id);
         }
+    }
+
+    /// The free of pending block `id` completes: counted, then the block is made free.
+    fn complete_free(&mut self, id: BlockId) {
+        let block = self.block(id);
+        let (kind, size, requested) = (block.pool, block.size, block.requested_size);
+        self.stats.count_free_completed(kind, size, requested);
+        self.free_block(id);
     }
 
     /// Completes the frees whose events have completed, looking at each stream's oldest

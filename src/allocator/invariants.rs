@@ -288,10 +288,10 @@ impl<D: Device> CachingAllocator<D> {
             sm.allocated_bytes,
             lg.allocated_bytes,
         )?;
-        check_array("active", &st.active, sm.active, lg.active)?;
+        check_array("active", &st.active(), sm.active, lg.active)?;
         check_array(
             "active_bytes",
-            &st.active_bytes,
+            &st.active_bytes(),
             sm.active_bytes,
             lg.active_bytes,
         )?;

@@ -414,11 +414,12 @@ impl<D: Device> CachingAllocator<D> {
             (block.pool, block.size, block.requested_size, block.stream);
         let has_uses = block.has_stream_uses;
         let oversize = size >= self.config.max_split_size;
-        self.stats.count_free_requested(kind, size, oversize);
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream);
         if has_uses {
+            self.stats.count_free_requested(kind, size, oversize);
             self.insert_events(id)
         } else {
+            self.stats.count_free(kind, size, requested, oversize);
             self.free_block(id);
             Ok(())
         }

@@ -78,12 +78,12 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Makes a block free: merges it with free neighbours and puts it in its pool
-    /// (`free_block`).
+    /// (`free_block`). Its caller counts the free (`count_free`, or `count_free_completed`
+    /// for one that waited on events).
     pub(super) fn free_block(&mut self, id: BlockId) {
         let block = self.block(id);
         let (kind, stream, ptr, requested) =
             (block.pool, block.stream, block.ptr, block.requested_size);
-        let original_size = block.size;
         let (prev, next) = (block.prev, block.next);
         self.record(TraceAction::FreeCompleted, ptr, requested, stream);
         let mut split_count: i64 = 0;
@@ -107,8 +107,6 @@ impl<D: Device> CachingAllocator<D> {
             self.stats.inactive_split.update(kind, split_count);
             self.stats.inactive_split_bytes.update(kind, split_bytes);
         }
-        self.stats
-            .count_free_completed(kind, original_size, requested);
     }
 
     /// Whether `try_merge(dst, src)` would absorb the neighbour `src`: it is free and mapped

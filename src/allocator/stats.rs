@@ -13,9 +13,23 @@
 //!   when read); its peak is the highest such sum.
 //! - `peak >= current` for every stat; `allocated - freed == current` unless accumulated stats
 //!   were reset.
+//! - `active` and `active_bytes` are kept as offsets from `allocation` and `allocated_bytes`;
+//!   while `tracking` is off, the offsets' current values are zero (Note [Active stats]).
+//!
+//! # Note [Active stats]
+//! A block is active from its malloc until its free completes, and allocated until the user
+//! frees it. The two differ only while a free waits on stream events, which training loops
+//! rarely do; yet PyTorch updates both on every malloc and free. Here `active` is stored as
+//! `allocation` plus an offset (current, allocated, freed), and its peaks on their own. A free
+//! that completes at once changes neither offset, and a malloc only `allocation`: while no
+//! free waits, active's peak is the higher of its stored peak and allocation's. That holds
+//! exactly: when tracking stops, allocation's peaks are at most active's stored ones, and
+//! from then on the two move together. A waiting free turns tracking on (each malloc then also
+//! raises active's stored peaks); it goes off again once nothing waits and allocation's peaks
+//! are no higher than active's. `active_bytes` follows `allocated_bytes` the same way.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 
 use super::size::PoolKind;
 
@@ -43,26 +57,19 @@ pub struct StatValue {
 
 impl Stat {
     #[inline]
-    fn add(cell: &AtomicI64, amount: i64) {
-        // Totals can exceed i64 over a long enough run; like PyTorch's counters they wrap
-        // rather than abort.
-        cell.store(cell.load(Relaxed).wrapping_add(amount), Relaxed);
-    }
-
-    #[inline]
     pub(crate) fn increase(&self, amount: i64) {
         let current = self.current.load(Relaxed).wrapping_add(amount);
         self.current.store(current, Relaxed);
         if current > self.peak.load(Relaxed) {
             self.peak.store(current, Relaxed);
         }
-        Self::add(&self.allocated, amount);
+        add(&self.allocated, amount);
     }
 
     #[inline]
     pub(crate) fn decrease(&self, amount: i64) {
-        Self::add(&self.current, -amount);
-        Self::add(&self.freed, amount);
+        add(&self.current, -amount);
+        add(&self.freed, amount);
     }
 
     fn reset_peak(&self) {
@@ -204,6 +211,149 @@ impl StatArray {
     }
 }
 
+/// `active` or `active_bytes` as an offset from its base, `allocation` or `allocated_bytes`
+/// (Note [Active stats]).
+#[derive(Debug, Default)]
+struct Derived {
+    /// Per pool (small, large): this stat minus its base.
+    current: [AtomicI64; 2],
+    allocated: [AtomicI64; 2],
+    freed: [AtomicI64; 2],
+    /// Per pool, and of both together: the peaks, exact while tracking.
+    peak: [AtomicI64; 2],
+    all_peak: AtomicI64,
+}
+
+fn slot(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+#[inline]
+fn add(cell: &AtomicI64, amount: i64) {
+    // Totals can exceed i64 over a long enough run; like PyTorch's counters they wrap rather
+    // than abort.
+    cell.store(cell.load(Relaxed).wrapping_add(amount), Relaxed);
+}
+
+fn raise(cell: &AtomicI64, value: i64) {
+    if value > cell.load(Relaxed) {
+        cell.store(value, Relaxed);
+    }
+}
+
+const POOLS: [PoolKind; 2] = [PoolKind::Small, PoolKind::Large];
+
+impl Derived {
+    /// The offsets and peaks that make `stat` from `base`.
+    fn between(stat: &StatArray, base: &StatArray) -> Derived {
+        let d = Derived::default();
+        for pool in POOLS {
+            let (v, b, i) = (stat.pool(pool).get(), base.pool(pool).get(), slot(pool));
+            d.current[i].store(v.current.wrapping_sub(b.current), Relaxed);
+            d.allocated[i].store(v.allocated.wrapping_sub(b.allocated), Relaxed);
+            d.freed[i].store(v.freed.wrapping_sub(b.freed), Relaxed);
+            d.peak[i].store(v.peak, Relaxed);
+        }
+        d.all_peak.store(stat.all_peak.load(Relaxed), Relaxed);
+        d
+    }
+
+    /// The stat itself, as a stat array of its own.
+    fn value(&self, base: &StatArray, tracking: bool) -> StatArray {
+        let pool = |pool: PoolKind| {
+            let (b, i) = (base.pool(pool).get(), slot(pool));
+            let peak = self.peak[i].load(Relaxed);
+            Stat::from_value(StatValue {
+                current: b.current.wrapping_add(self.current[i].load(Relaxed)),
+                peak: if tracking { peak } else { peak.max(b.peak) },
+                allocated: b.allocated.wrapping_add(self.allocated[i].load(Relaxed)),
+                freed: b.freed.wrapping_add(self.freed[i].load(Relaxed)),
+            })
+        };
+        let all_peak = self.all_peak.load(Relaxed);
+        StatArray {
+            small_pool: pool(PoolKind::Small),
+            large_pool: pool(PoolKind::Large),
+            all_peak: AtomicI64::new(if tracking {
+                all_peak
+            } else {
+                all_peak.max(base.all_peak.load(Relaxed))
+            }),
+        }
+    }
+
+    /// Whether the stat can follow its base: no offset in its current values, and the base's
+    /// peaks no higher than the stored ones.
+    fn follows(&self, base: &StatArray) -> bool {
+        POOLS.into_iter().all(|pool| {
+            let i = slot(pool);
+            self.current[i].load(Relaxed) == 0
+                && base.pool(pool).peak.load(Relaxed) <= self.peak[i].load(Relaxed)
+        }) && base.all_peak.load(Relaxed) <= self.all_peak.load(Relaxed)
+    }
+
+    /// Makes the stored peaks exact again as tracking starts (they may lag the base's).
+    fn settle_peaks(&self, base: &StatArray) {
+        for pool in POOLS {
+            raise(&self.peak[slot(pool)], base.pool(pool).peak.load(Relaxed));
+        }
+        raise(&self.all_peak, base.all_peak.load(Relaxed));
+    }
+
+    /// The stat's current values, per pool.
+    fn currents(&self, base: &StatArray) -> [i64; 2] {
+        POOLS.map(|pool| {
+            let offset = self.current[slot(pool)].load(Relaxed);
+            base.pool(pool).current().wrapping_add(offset)
+        })
+    }
+
+    /// Raises the stored peaks to the stat's values after its base rose (while tracking).
+    fn track_peaks(&self, base: &StatArray) {
+        let [small, large] = self.currents(base);
+        raise(&self.peak[0], small);
+        raise(&self.peak[1], large);
+        raise(&self.all_peak, small.wrapping_add(large));
+    }
+
+    /// A free that waits (`amount` > 0) or its completion (`amount` < 0): the base fell at the
+    /// free, the stat falls at the completion.
+    fn shift(&self, pool: PoolKind, amount: i64) {
+        let i = slot(pool);
+        add(&self.current[i], amount);
+        add(&self.freed[i], -amount);
+    }
+
+    fn reset_peak(&self, base: &StatArray) {
+        let [small, large] = self.currents(base);
+        self.peak[0].store(small, Relaxed);
+        self.peak[1].store(large, Relaxed);
+        self.all_peak.store(small.wrapping_add(large), Relaxed);
+    }
+
+    fn reset_accumulated(&self) {
+        for i in 0..2 {
+            self.allocated[i].store(0, Relaxed);
+            self.freed[i].store(0, Relaxed);
+        }
+    }
+
+    fn copy(&self) -> Derived {
+        let copy =
+            |cells: &[AtomicI64; 2]| cells.each_ref().map(|c| AtomicI64::new(c.load(Relaxed)));
+        Derived {
+            current: copy(&self.current),
+            allocated: copy(&self.allocated),
+            freed: copy(&self.freed),
+            peak: copy(&self.peak),
+            all_peak: AtomicI64::new(self.all_peak.load(Relaxed)),
+        }
+    }
+}
+
 /// A monotonically increasing count (reset only by `reset_accumulated_stats`).
 #[derive(Debug, Default)]
 pub struct Counter(AtomicI64);
@@ -235,16 +385,19 @@ pub struct DeviceStats {
     pub allocation: StatArray,
     /// Segments obtained from the driver.
     pub segment: StatArray,
-    /// Blocks allocated or freed but waiting on stream events.
-    pub active: StatArray,
+    /// Blocks allocated or freed but waiting on stream events: [`DeviceStats::active`].
+    active: Derived,
     /// Free blocks inside split segments (cannot be returned to the driver).
     pub inactive_split: StatArray,
     /// Bytes of allocated blocks.
     pub allocated_bytes: StatArray,
     /// Bytes of segments obtained from the driver.
     pub reserved_bytes: StatArray,
-    /// Bytes of active blocks.
-    pub active_bytes: StatArray,
+    /// Bytes of active blocks: [`DeviceStats::active_bytes`].
+    active_bytes: Derived,
+    /// Whether a free waits on stream events, or `active*` cannot follow their bases for
+    /// another reason: then every malloc raises their peaks (Note [Active stats]).
+    tracking: AtomicBool,
     /// Bytes of inactive split blocks.
     pub inactive_split_bytes: StatArray,
     /// Bytes callers asked for, before rounding, of active blocks.
@@ -281,35 +434,80 @@ impl DeviceStats {
         }
     }
 
+    /// Active blocks (PyTorch's `active`): allocated, or freed and waiting on stream events.
+    pub fn active(&self) -> StatArray {
+        self.active
+            .value(&self.allocation, self.tracking.load(Relaxed))
+    }
+
+    /// Bytes of active blocks (PyTorch's `active_bytes`).
+    pub fn active_bytes(&self) -> StatArray {
+        self.active_bytes
+            .value(&self.allocated_bytes, self.tracking.load(Relaxed))
+    }
+
     /// A block of `size` bytes was handed out for a request of `requested` bytes.
     #[inline]
     pub(crate) fn count_alloc(&self, kind: PoolKind, size: u64, requested: u64, oversize: bool) {
         self.allocation.increase(kind, 1);
         self.allocated_bytes.increase(kind, size);
-        self.active.increase(kind, 1);
-        self.active_bytes.increase(kind, size);
         self.requested_bytes.increase(kind, requested);
         if oversize {
             self.oversize_allocations.increase(1);
         }
+        if self.tracking.load(Relaxed) {
+            self.track_active_peaks();
+        }
     }
 
-    /// The user freed a block of `size` bytes; it stays active until its free completes.
+    #[cold]
+    fn track_active_peaks(&self) {
+        self.active.track_peaks(&self.allocation);
+        self.active_bytes.track_peaks(&self.allocated_bytes);
+    }
+
+    /// The user freed a block of `size` bytes (for `requested` bytes) and the free completed
+    /// at once: `active*` follow their bases.
     #[inline]
-    pub(crate) fn count_free_requested(&self, kind: PoolKind, size: u64, oversize: bool) {
+    pub(crate) fn count_free(&self, kind: PoolKind, size: u64, requested: u64, oversize: bool) {
         self.allocation.decrease(kind, 1);
         self.allocated_bytes.decrease(kind, size);
+        self.requested_bytes.decrease(kind, requested);
         if oversize {
             self.oversize_allocations.decrease(1);
         }
     }
 
-    /// The free of a block of `size` bytes (for `requested` bytes) completed.
-    #[inline]
+    /// The user freed a block of `size` bytes that waits on stream events: it stays active
+    /// until [`DeviceStats::count_free_completed`].
+    pub(crate) fn count_free_requested(&self, kind: PoolKind, size: u64, oversize: bool) {
+        if !self.tracking.load(Relaxed) {
+            self.active.settle_peaks(&self.allocation);
+            self.active_bytes.settle_peaks(&self.allocated_bytes);
+            self.tracking.store(true, Relaxed);
+        }
+        self.allocation.decrease(kind, 1);
+        self.allocated_bytes.decrease(kind, size);
+        self.active.shift(kind, 1);
+        self.active_bytes.shift(kind, size as i64);
+        if oversize {
+            self.oversize_allocations.decrease(1);
+        }
+    }
+
+    /// The waiting free of a block of `size` bytes (for `requested` bytes) completed.
     pub(crate) fn count_free_completed(&self, kind: PoolKind, size: u64, requested: u64) {
-        self.active.decrease(kind, 1);
-        self.active_bytes.decrease(kind, size);
+        self.active.shift(kind, -1);
+        self.active_bytes.shift(kind, -(size as i64));
         self.requested_bytes.decrease(kind, requested);
+        self.update_tracking();
+    }
+
+    /// Tracking stays on exactly while `active*` cannot follow their bases.
+    fn update_tracking(&self) {
+        let follows = self.active.follows(&self.allocation)
+            && self.active_bytes.follows(&self.allocated_bytes);
+        self.tracking.store(!follows, Relaxed);
     }
 
     /// A segment of `size` bytes was obtained from the driver.
@@ -338,6 +536,7 @@ impl DeviceStats {
             allocation: self.allocation.copy(),
             segment: self.segment.copy(),
             active: self.active.copy(),
+            tracking: AtomicBool::new(self.tracking.load(Relaxed)),
             inactive_split: self.inactive_split.copy(),
             allocated_bytes: self.allocated_bytes.copy(),
             reserved_bytes: self.reserved_bytes.copy(),
@@ -357,17 +556,16 @@ impl DeviceStats {
         }
     }
 
-    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+    /// The seven arrays stored as themselves.
+    fn stored_arrays(&self) -> [&StatArray; 7] {
         [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
+            &self.allocation,
+            &self.segment,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.reserved_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
         ]
     }
 
@@ -398,14 +596,18 @@ impl DeviceStats {
             all_peak: AtomicI64::new(get(format!("{name}.all.peak"))),
         };
         let counter = |name: &str| Counter(AtomicI64::new(get(name.to_string())));
-        DeviceStats {
-            allocation: array("allocation"),
+        let (allocation, allocated_bytes) = (array("allocation"), array("allocated_bytes"));
+        let active = Derived::between(&array("active"), &allocation);
+        let active_bytes = Derived::between(&array("active_bytes"), &allocated_bytes);
+        let stats = DeviceStats {
+            active,
+            active_bytes,
+            tracking: AtomicBool::new(true),
+            allocation,
             segment: array("segment"),
-            active: array("active"),
             inactive_split: array("inactive_split"),
-            allocated_bytes: array("allocated_bytes"),
+            allocated_bytes,
             reserved_bytes: array("reserved_bytes"),
-            active_bytes: array("active_bytes"),
             inactive_split_bytes: array("inactive_split_bytes"),
             requested_bytes: array("requested_bytes"),
             oversize_allocations: Stat::from_value(value("oversize_allocations")),
@@ -418,7 +620,9 @@ impl DeviceStats {
             num_plan_hits: Counter::default(),
             num_plan_misses: Counter::default(),
             max_split_size: map.get("max_split_size").copied().unwrap_or(-1),
-        }
+        };
+        stats.update_tracking();
+        stats
     }
 
     /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 122 keys, sorted.
@@ -434,7 +638,18 @@ impl DeviceStats {
                 out.insert(format!("{prefix}.{field}"), value);
             }
         };
-        for (name, array) in self.arrays() {
+        let arrays = [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active()),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes()),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ];
+        for (name, array) in arrays {
             for (bucket, value) in array.buckets() {
                 put(&format!("{name}.{bucket}"), value);
             }
@@ -449,17 +664,22 @@ impl DeviceStats {
     }
 
     pub(crate) fn reset_peak(&self) {
-        for (_, array) in self.arrays() {
+        for array in self.stored_arrays() {
             array.reset_peak();
         }
+        self.active.reset_peak(&self.allocation);
+        self.active_bytes.reset_peak(&self.allocated_bytes);
+        self.update_tracking();
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
     }
 
     pub(crate) fn reset_accumulated(&self) {
-        for (_, array) in self.arrays() {
+        for array in self.stored_arrays() {
             array.reset_accumulated();
         }
+        self.active.reset_accumulated();
+        self.active_bytes.reset_accumulated();
         self.oversize_allocations.reset_accumulated();
         self.oversize_segments.reset_accumulated();
         for (_, counter) in self.counters() {
@@ -472,6 +692,8 @@ impl DeviceStats {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -512,6 +734,82 @@ mod tests {
         stats.oversize_segments.increase(1);
         let map = stats.memory_stats();
         assert_eq!(DeviceStats::from_memory_stats(&map).memory_stats(), map);
+    }
+
+    /// One step of the model test: an index picks a live or pending block where one is needed.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Alloc(bool, u64),
+        FreeNow(usize),
+        FreeWaiting(usize),
+        Complete(usize),
+        ResetPeak,
+        ResetAccumulated,
+        Reload,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => (any::<bool>(), 1u64..1000).prop_map(|(small, size)| Step::Alloc(small, size)),
+            3 => any::<usize>().prop_map(Step::FreeNow),
+            1 => any::<usize>().prop_map(Step::FreeWaiting),
+            1 => any::<usize>().prop_map(Step::Complete),
+            1 => Just(Step::ResetPeak),
+            1 => Just(Step::ResetAccumulated),
+            1 => Just(Step::Reload),
+        ]
+    }
+
+    proptest! {
+        /// `active*` kept as offsets (Note [Active stats]) read exactly as PyTorch's rule,
+        /// applied literally to stat arrays of their own, gives them after every step.
+        #[test]
+        fn active_stats_follow_pytorchs_rule(steps in prop::collection::vec(step(), 1..200)) {
+            let mut stats = DeviceStats::new(-1);
+            let reference = [StatArray::default(), StatArray::default()];
+            let (mut live, mut waiting) = (Vec::new(), Vec::new());
+            for step in steps {
+                match step {
+                    Step::Alloc(small, size) => {
+                        let pool = if small { PoolKind::Small } else { PoolKind::Large };
+                        stats.count_alloc(pool, size, size, false);
+                        reference[0].increase(pool, 1);
+                        reference[1].increase(pool, size);
+                        live.push((pool, size));
+                    }
+                    Step::FreeNow(i) if !live.is_empty() => {
+                        let (pool, size) = live.swap_remove(i % live.len());
+                        stats.count_free(pool, size, size, false);
+                        reference[0].decrease(pool, 1);
+                        reference[1].decrease(pool, size);
+                    }
+                    Step::FreeWaiting(i) if !live.is_empty() => {
+                        let (pool, size) = live.swap_remove(i % live.len());
+                        stats.count_free_requested(pool, size, false);
+                        waiting.push((pool, size));
+                    }
+                    Step::Complete(i) if !waiting.is_empty() => {
+                        let (pool, size) = waiting.swap_remove(i % waiting.len());
+                        stats.count_free_completed(pool, size, size);
+                        reference[0].decrease(pool, 1);
+                        reference[1].decrease(pool, size);
+                    }
+                    Step::ResetPeak => {
+                        stats.reset_peak();
+                        reference.iter().for_each(StatArray::reset_peak);
+                    }
+                    Step::ResetAccumulated => {
+                        stats.reset_accumulated();
+                        reference.iter().for_each(StatArray::reset_accumulated);
+                    }
+                    Step::Reload => stats = DeviceStats::from_memory_stats(&stats.memory_stats()),
+                    _ => {}
+                }
+                for (got, want) in [(stats.active(), &reference[0]), (stats.active_bytes(), &reference[1])] {
+                    prop_assert_eq!(got.buckets(), want.buckets());
+                }
+            }
+        }
     }
 
     #[test]

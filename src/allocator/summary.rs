@@ -68,7 +68,7 @@ pub(crate) fn memory_summary(device: u32, stats: &DeviceStats, abbreviated: bool
     ];
     let blocks: [(&str, &StatArray, Formatter); 9] = [
         ("Allocated memory", &stats.allocated_bytes, format_bytes),
-        ("Active memory", &stats.active_bytes, format_bytes),
+        ("Active memory", &stats.active_bytes(), format_bytes),
         ("Requested memory", &stats.requested_bytes, format_bytes),
         ("GPU reserved memory", &stats.reserved_bytes, format_bytes),
         (
@@ -77,7 +77,7 @@ pub(crate) fn memory_summary(device: u32, stats: &DeviceStats, abbreviated: bool
             format_bytes,
         ),
         ("Allocations", &stats.allocation, format_count),
-        ("Active allocs", &stats.active, format_count),
+        ("Active allocs", &stats.active(), format_count),
         ("GPU reserved segments", &stats.segment, format_count),
         ("Non-releasable allocs", &stats.inactive_split, format_count),
     ];

@@ -272,7 +272,7 @@ fn collect_allocator(
         for (def, array) in [
             (&c::ALLOCATED_BYTES, &st.allocated_bytes),
             (&c::RESERVED_BYTES, &st.reserved_bytes),
-            (&c::ACTIVE_BYTES, &st.active_bytes),
+            (&c::ACTIVE_BYTES, &st.active_bytes()),
             (&c::INACTIVE_SPLIT_BYTES, &st.inactive_split_bytes),
             (&c::REQUESTED_BYTES, &st.requested_bytes),
             (&c::SEGMENTS, &st.segment),

@@ -50,7 +50,7 @@ fn threads_share_one_allocator_and_end_consistent() {
                             0 <= allocated && allocated <= reserved,
                             "{allocated} > {reserved}"
                         );
-                        assert!(s.active_bytes.all_current() <= reserved);
+                        assert!(s.active_bytes().all_current() <= reserved);
                         assert!(reserved <= s.reserved_bytes.all().peak);
                         assert_eq!(reserved as u64, a.total_allocated_memory());
                     });
