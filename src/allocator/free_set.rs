@@ -211,11 +211,16 @@ impl StreamBins {
         let class = class_of(size);
         let entries = &mut self.classes[class];
         let key = key(size, ptr);
-        let i = entries.partition_point(|e| e.key() > key);
-        if entries.get(i).is_none_or(|e| e.key() != key) {
-            return false;
+        // A split's remainder is usually still its class's smallest entry when it merges back.
+        if entries.last().is_some_and(|e| e.key() == key) {
+            entries.pop();
+        } else {
+            let i = entries.partition_point(|e| e.key() > key);
+            if entries.get(i).is_none_or(|e| e.key() != key) {
+                return false;
+            }
+            entries.remove(i);
         }
-        take(entries, i);
         self.clear_if_empty(class);
         self.len -= 1;
         true

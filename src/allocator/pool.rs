@@ -120,16 +120,19 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(base) = self.plan_segment_at(block.ptr) {
             return self.insert_held_free(base, id);
         }
-        let (kind, stream) = (block.pool, block.stream);
-        let entry = FreeEntry {
-            size: block.size,
-            ptr: block.ptr,
-            id,
-        };
-        let pool = self.pool_mut(kind);
-        let base = pool.get_free_blocks_call_count;
-        pool.free.insert(stream, entry);
-        self.block_mut(id).gc_count_base = base;
+        let kind = block.pool;
+        let base = self.pool(kind).get_free_blocks_call_count;
+        let block = self.block_mut(id);
+        block.gc_count_base = base;
+        let (stream, entry) = (
+            block.stream,
+            FreeEntry {
+                size: block.size,
+                ptr: block.ptr,
+                id,
+            },
+        );
+        self.pool_mut(kind).free.insert(stream, entry);
     }
 
     /// Takes a free block out of its pool's free set (its key must be current).

@@ -92,7 +92,7 @@ impl<D: Device> CachingAllocator<D> {
             if !self.mergeable(id, neighbour) {
                 continue;
             }
-            let merged = self.try_merge(id, neighbour);
+            let merged = self.merge(id, neighbour);
             split_count -= 1;
             split_bytes -= merged as i64;
         }
@@ -120,9 +120,15 @@ impl<D: Device> CachingAllocator<D> {
     /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 unless
     /// [`Self::mergeable`] (`try_merge`).
     pub(super) fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
-        if !self.mergeable(dst, src) {
-            return 0;
+        if self.mergeable(dst, src) {
+            self.merge(dst, src)
+        } else {
+            0
         }
+    }
+
+    /// Absorbs `src` into `dst`, which [`Self::mergeable`] allows; returns the bytes absorbed.
+    fn merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
         let s = self.block(src);
         let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
         if s.mapped {
