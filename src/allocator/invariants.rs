@@ -272,6 +272,15 @@ impl<D: Device> CachingAllocator<D> {
         if pending as u64 != counted {
             return Err(format!("{pending} queued events, blocks wait on {counted}"));
         }
+        // The allocator's own stats start at zero, so they track `active*` exactly while a
+        // free waits (Note [Active stats]).
+        let waiting = self.blocks.iter().any(|(_, b)| b.is_pending_free());
+        if self.stats.tracks_active() != waiting {
+            return Err(format!(
+                "active stats tracked: {}, frees waiting: {waiting}",
+                self.stats.tracks_active()
+            ));
+        }
         if reserved_total != self.total_allocated_memory {
             return Err(format!(
                 "segments add up to {reserved_total} bytes, total_allocated_memory is {}",

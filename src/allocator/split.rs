@@ -109,8 +109,8 @@ impl<D: Device> CachingAllocator<D> {
         }
     }
 
-    /// Whether `try_merge(dst, src)` would absorb the neighbour `src`: it is free and mapped
-    /// as `dst` is. Checked before the call, which most neighbours (allocated) never need.
+    /// Whether `dst` can absorb its neighbour `src`: `src` is free and mapped as `dst` is.
+    /// `free_block` checks it before `merge`; `try_merge` checks it itself.
     #[inline]
     fn mergeable(&self, dst: BlockId, src: BlockId) -> bool {
         let s = self.block(src);
@@ -129,6 +129,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Absorbs `src` into `dst`, which [`Self::mergeable`] allows; returns the bytes absorbed.
     fn merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
+        debug_assert!(self.mergeable(dst, src));
         let s = self.block(src);
         let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
         if s.mapped {

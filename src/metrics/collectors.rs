@@ -263,6 +263,7 @@ fn collect_allocator(
         s.allocator.label(),
     ];
     let st = &s.stats;
+    let active_bytes = st.active_bytes();
     for pool in [PoolKind::Small, PoolKind::Large] {
         let name = match pool {
             PoolKind::Small => "small",
@@ -272,7 +273,7 @@ fn collect_allocator(
         for (def, array) in [
             (&c::ALLOCATED_BYTES, &st.allocated_bytes),
             (&c::RESERVED_BYTES, &st.reserved_bytes),
-            (&c::ACTIVE_BYTES, &st.active_bytes()),
+            (&c::ACTIVE_BYTES, &active_bytes),
             (&c::INACTIVE_SPLIT_BYTES, &st.inactive_split_bytes),
             (&c::REQUESTED_BYTES, &st.requested_bytes),
             (&c::SEGMENTS, &st.segment),
