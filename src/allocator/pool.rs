@@ -124,14 +124,12 @@ impl<D: Device> CachingAllocator<D> {
         let base = self.pool(kind).get_free_blocks_call_count;
         let block = self.block_mut(id);
         block.gc_count_base = base;
-        let (stream, entry) = (
-            block.stream,
-            FreeEntry {
-                size: block.size,
-                ptr: block.ptr,
-                id,
-            },
-        );
+        let stream = block.stream;
+        let entry = FreeEntry {
+            size: block.size,
+            ptr: block.ptr,
+            id,
+        };
         self.pool_mut(kind).free.insert(stream, entry);
     }
 

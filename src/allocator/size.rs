@@ -126,11 +126,11 @@ pub fn should_split(
     max_split_size: u64,
 ) -> bool {
     let remaining = block_size - size;
-    // Both rules evaluated and one chosen, without branches: the pool alternates unpredictably.
-    let small_rule = (pool == PoolKind::Small) | expandable_segments;
-    let small_split = remaining >= MIN_BLOCK_SIZE;
-    let large_split = (size < max_split_size) & (remaining > SMALL_SIZE);
-    (small_rule & small_split) | (!small_rule & large_split)
+    if pool == PoolKind::Small || expandable_segments {
+        remaining >= MIN_BLOCK_SIZE
+    } else {
+        size < max_split_size && remaining > SMALL_SIZE
+    }
 }
 
 /// Formats a byte count as PyTorch's OOM messages do: "1024 bytes", "1.00 KiB", "2.00 MiB",
