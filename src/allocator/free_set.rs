@@ -96,7 +96,6 @@ fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
 struct StreamBins {
     bitmap: [u64; BITMAP_WORDS],
     classes: Vec<Vec<FreeEntry>>,
-    len: usize,
 }
 
 impl StreamBins {
@@ -104,7 +103,6 @@ impl StreamBins {
         StreamBins {
             bitmap: [0; BITMAP_WORDS],
             classes: (0..CLASSES).map(|_| Vec::new()).collect(),
-            len: 0,
         }
     }
 
@@ -176,7 +174,6 @@ impl StreamBins {
             insert_sorted(entries, entry);
         }
         self.bitmap[class / 64] |= 1 << (class % 64);
-        self.len += 1;
     }
 
     /// Removes and returns the first entry at or after `(size, 0)` if `accept` takes it.
@@ -203,7 +200,6 @@ impl StreamBins {
         }
         let entry = take(entries, i);
         self.clear_if_empty(class);
-        self.len -= 1;
         Some(entry)
     }
 
@@ -222,7 +218,6 @@ impl StreamBins {
             entries.remove(i);
         }
         self.clear_if_empty(class);
-        self.len -= 1;
         true
     }
 
@@ -231,6 +226,16 @@ impl StreamBins {
     fn clear_if_empty(&mut self, class: usize) {
         let empty = u64::from(self.classes[class].is_empty());
         self.bitmap[class / 64] &= !(empty << (class % 64));
+    }
+
+    /// Number of entries (counted, not kept: only checks and reports ask).
+    fn len(&self) -> usize {
+        self.classes.iter().map(Vec::len).sum()
+    }
+
+    /// Whether no class holds an entry.
+    fn is_empty(&self) -> bool {
+        self.bitmap.iter().all(|&word| word == 0)
     }
 
     /// Entries in ascending (size, address) order.
@@ -243,7 +248,6 @@ impl StreamBins {
 #[derive(Debug, Default, Clone)]
 pub(crate) struct FreeSet {
     streams: Vec<(StreamId, StreamBins)>,
-    len: usize,
 }
 
 impl FreeSet {
@@ -261,9 +265,9 @@ impl FreeSet {
         Some(&mut self.streams[i].1)
     }
 
-    /// Number of free blocks.
+    /// Number of free blocks (summed over the streams: the count is not kept twice).
     pub fn len(&self) -> usize {
-        self.len
+        self.streams.iter().map(|(_, bins)| bins.len()).sum()
     }
 
     /// The first block of `stream` at or after `(size, 0)` in (size, address) order: the best
@@ -280,9 +284,7 @@ impl FreeSet {
         size: u64,
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
-        let entry = self.bins_mut(stream)?.take_lower_bound(size, accept)?;
-        self.len -= 1;
-        Some(entry)
+        self.bins_mut(stream)?.take_lower_bound(size, accept)
     }
 
     /// The block of `stream` just after `(size, ptr)` in (size, address) order.
@@ -303,7 +305,6 @@ impl FreeSet {
             None => self.add_stream(stream),
         };
         self.streams[i].1.insert(entry);
-        self.len += 1;
     }
 
     /// Makes bins for a stream that has none (rare: kept out of `insert`'s fast path), first
@@ -313,7 +314,7 @@ impl FreeSet {
     #[inline(never)]
     fn add_stream(&mut self, stream: StreamId) -> usize {
         if self.streams.len() >= SPARE_STREAMS {
-            self.streams.retain(|(_, bins)| bins.len > 0);
+            self.streams.retain(|(_, bins)| !bins.is_empty());
         }
         let i = self.streams.partition_point(|(s, _)| *s < stream);
         self.streams.insert(i, (stream, StreamBins::new()));
@@ -325,9 +326,7 @@ impl FreeSet {
         let Some(bins) = self.bins_mut(stream) else {
             return false;
         };
-        let removed = bins.remove(size, ptr);
-        self.len -= usize::from(removed);
-        removed
+        bins.remove(size, ptr)
     }
 
     /// All free blocks in PyTorch's set order: by stream, then size, then address.
