@@ -6,7 +6,9 @@
 //! stores (no read-modify-write), which cost what plain fields cost. Readers (metrics
 //! collectors, a scrape) clone the `Arc<DeviceStats>` once and read at any time without taking
 //! the allocator's lock. A read is not atomic across fields: one taken during an update may
-//! mix values from before and after it.
+//! mix values from before and after it, and a `freed` total (derived from two fields, see
+//! [`Stat`]) read so may be off by that update's amount. Reads under the lock, as
+//! `memory_stats()` makes them, are exact.
 //!
 //! # Invariants
 //! - Single writer: only the allocator that created a `DeviceStats` mutates it.
@@ -43,12 +45,16 @@ use std::sync::atomic::{
 use super::size::PoolKind;
 
 /// One statistic: current value, peak, and the totals added and removed.
+///
+/// The total removed is not stored: it is `allocated - current + removed_base`, and the base
+/// changes only when the totals are reset or loaded. A decrease thus writes one value.
 #[derive(Debug, Default)]
 pub struct Stat {
     current: AtomicI64,
     peak: AtomicI64,
     allocated: AtomicI64,
-    freed: AtomicI64,
+    /// `freed - allocated + current`, constant between resets.
+    removed_base: AtomicI64,
 }
 
 /// A plain copy of a [`Stat`].
@@ -67,18 +73,24 @@ pub struct StatValue {
 impl Stat {
     #[inline]
     pub(crate) fn increase(&self, amount: i64) {
+        self.increase_to(amount);
+    }
+
+    /// [`Stat::increase`], returning the new current value.
+    #[inline]
+    fn increase_to(&self, amount: i64) -> i64 {
         let current = self.current.load(Relaxed).wrapping_add(amount);
         self.current.store(current, Relaxed);
         if current > self.peak.load(Relaxed) {
             self.peak.store(current, Relaxed);
         }
         add(&self.allocated, amount);
+        current
     }
 
     #[inline]
     pub(crate) fn decrease(&self, amount: i64) {
         add(&self.current, -amount);
-        add(&self.freed, amount);
     }
 
     fn reset_peak(&self) {
@@ -87,16 +99,19 @@ impl Stat {
 
     fn reset_accumulated(&self) {
         self.allocated.store(0, Relaxed);
-        self.freed.store(0, Relaxed);
+        self.removed_base.store(self.current.load(Relaxed), Relaxed);
     }
 
     /// A copy of the four values.
     pub fn get(&self) -> StatValue {
+        let (current, allocated) = (self.current.load(Relaxed), self.allocated.load(Relaxed));
         StatValue {
-            current: self.current.load(Relaxed),
+            current,
             peak: self.peak.load(Relaxed),
-            allocated: self.allocated.load(Relaxed),
-            freed: self.freed.load(Relaxed),
+            allocated,
+            freed: allocated
+                .wrapping_sub(current)
+                .wrapping_add(self.removed_base.load(Relaxed)),
         }
     }
 
@@ -110,18 +125,12 @@ impl Stat {
             current: AtomicI64::new(v.current),
             peak: AtomicI64::new(v.peak),
             allocated: AtomicI64::new(v.allocated),
-            freed: AtomicI64::new(v.freed),
+            removed_base: AtomicI64::new(v.freed.wrapping_sub(v.allocated).wrapping_add(v.current)),
         }
     }
 
     fn copy(&self) -> Stat {
-        let v = self.get();
-        Stat {
-            current: AtomicI64::new(v.current),
-            peak: AtomicI64::new(v.peak),
-            allocated: AtomicI64::new(v.allocated),
-            freed: AtomicI64::new(v.freed),
-        }
+        Stat::from_value(self.get())
     }
 }
 
@@ -170,8 +179,14 @@ impl StatArray {
 
     #[inline]
     pub(crate) fn increase(&self, pool: PoolKind, amount: u64) {
-        self.pool(pool).increase(amount as i64);
-        let all = self.all_current();
+        let (this, other) = match pool {
+            PoolKind::Small => (&self.small_pool, &self.large_pool),
+            PoolKind::Large => (&self.large_pool, &self.small_pool),
+        };
+        // The sum from the value just computed, not reloaded from the store just made.
+        let all = this
+            .increase_to(amount as i64)
+            .wrapping_add(other.current.load(Relaxed));
         if all > self.all_peak.load(Relaxed) {
             self.all_peak.store(all, Relaxed);
         }
@@ -811,6 +826,62 @@ mod tests {
             -3i64..3,
         );
         prop::option::of(prop::collection::vec(values, MODELLED.len()))
+    }
+
+    /// One operation on a single stat.
+    #[derive(Debug, Clone)]
+    enum StatOp {
+        Increase(i64),
+        Decrease(i64),
+        ResetPeak,
+        ResetAccumulated,
+        Reload,
+    }
+
+    proptest! {
+        /// A stat, whose `freed` is derived, reads as PyTorch's four stored values would, from
+        /// any loaded start and through wrapping totals.
+        #[test]
+        fn stat_follows_the_stored_rule(
+            start in any::<[i64; 4]>(),
+            ops in prop::collection::vec(prop_oneof![
+                4 => any::<i64>().prop_map(StatOp::Increase),
+                4 => any::<i64>().prop_map(StatOp::Decrease),
+                1 => Just(StatOp::ResetPeak),
+                1 => Just(StatOp::ResetAccumulated),
+                1 => Just(StatOp::Reload),
+            ], 1..100),
+        ) {
+            let [current, peak, allocated, freed] = start;
+            let mut want = StatValue { current, peak, allocated, freed };
+            let mut stat = Stat::from_value(want);
+            prop_assert_eq!(stat.get(), want);
+            for op in ops {
+                match op {
+                    StatOp::Increase(amount) => {
+                        stat.increase(amount);
+                        want.current = want.current.wrapping_add(amount);
+                        want.peak = want.peak.max(want.current);
+                        want.allocated = want.allocated.wrapping_add(amount);
+                    }
+                    StatOp::Decrease(amount) => {
+                        stat.decrease(amount);
+                        want.current = want.current.wrapping_sub(amount);
+                        want.freed = want.freed.wrapping_add(amount);
+                    }
+                    StatOp::ResetPeak => {
+                        stat.reset_peak();
+                        want.peak = want.current;
+                    }
+                    StatOp::ResetAccumulated => {
+                        stat.reset_accumulated();
+                        (want.allocated, want.freed) = (0, 0);
+                    }
+                    StatOp::Reload => stat = Stat::from_value(stat.get()),
+                }
+                prop_assert_eq!(stat.get(), want);
+            }
+        }
     }
 
     proptest! {
