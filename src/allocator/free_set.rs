@@ -71,18 +71,6 @@ fn class_of(size: u64) -> usize {
     8 * shift as usize + (units >> shift) as usize
 }
 
-/// Removes entry `i`: the last one (the usual best fit) by `pop`, sparing `remove` its call to
-/// move no elements.
-#[inline]
-fn take(entries: &mut Vec<FreeEntry>, i: usize) -> FreeEntry {
-    if i + 1 == entries.len()
-        && let Some(last) = entries.pop()
-    {
-        return last;
-    }
-    entries.remove(i)
-}
-
 /// Inserts `entry` into a class kept in descending order.
 #[inline(never)]
 fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
@@ -183,24 +171,24 @@ impl StreamBins {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         let mut class = class_of(size);
-        let entries = &self.classes[class];
-        // Usually the class's smallest entry fits (a size asked for again): no search.
-        let mut at_least = match entries.last() {
-            Some(e) if e.size >= size => entries.len(),
-            _ => entries.partition_point(|e| e.size >= size),
-        };
-        if at_least == 0 {
+        let entries = &mut self.classes[class];
+        // Usually the class's smallest entry fits (a size asked for again): no search. When it
+        // does not, a larger one of the class may; otherwise the next class's smallest does.
+        if entries.last().is_none_or(|e| e.size < size) {
+            let at_least = entries.partition_point(|e| e.size >= size);
+            if at_least > 0 {
+                // Not the last entry: the class keeps its bit.
+                return accept(entries[at_least - 1].size).then(|| entries.remove(at_least - 1));
+            }
             class = self.next_class(class + 1)?;
-            at_least = self.classes[class].len();
         }
         let entries = &mut self.classes[class];
-        let i = at_least - 1;
-        if !accept(entries[i].size) {
+        if !accept(entries.last()?.size) {
             return None;
         }
-        let entry = take(entries, i);
+        let entry = entries.pop();
         self.clear_if_empty(class);
-        Some(entry)
+        entry
     }
 
     fn remove(&mut self, size: u64, ptr: u64) -> bool {

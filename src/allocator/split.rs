@@ -25,12 +25,15 @@ impl<D: Device> CachingAllocator<D> {
     ) -> DevicePtr {
         let block = self.block(id);
         let (kind, stream, was_split) = (block.pool, block.stream, block.is_split());
-        let expandable = block.expandable;
+        let (ptr, found_size, expandable) = (block.ptr, block.size, block.expandable);
         // Free blocks of expandable segments never count as inactive splits.
         let counts_split = expandable.is_none();
+        // Sizes and the address follow from what was read here, not from reloading the
+        // stores the split makes.
+        let block_size = if split { size } else { found_size };
         if split {
             let front = self.split_front(id, size);
-            let remaining = self.block(id).size;
+            let remaining = found_size - size;
             self.insert_free(id);
             if counts_split && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size);
@@ -40,14 +43,12 @@ impl<D: Device> CachingAllocator<D> {
             }
             id = front;
         } else if was_split && counts_split {
-            let block_size = self.block(id).size;
-            self.stats.inactive_split_bytes.decrease(kind, block_size);
+            self.stats.inactive_split_bytes.decrease(kind, found_size);
             self.stats.inactive_split.decrease(kind, 1);
         }
         let block = self.block_mut(id);
         block.allocated = true;
         block.requested_size = requested;
-        let (ptr, block_size) = (block.ptr, block.size);
         self.record(TraceAction::Alloc, ptr, requested, stream);
         self.live.insert(ptr, id, &self.blocks);
         let oversize = block_size >= self.config.max_split_size;
