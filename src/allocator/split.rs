@@ -81,8 +81,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Makes a block free: merges it with free neighbours and puts it in its pool
     /// (`free_block`). Its caller counts the free (`count_free`, or `count_free_completed`
     /// for one that waited on events).
-    // Inlined into `free`: the call's register saves and reloads measured ~2 % of a
-    // recorded free.
+    // Inlined into `free`: the call's register saves and restores cost about 2 % of the
+    // recorded benchmark's time.
     #[inline(always)]
     pub(super) fn free_block(&mut self, id: BlockId) {
         let block = self.block(id);
