@@ -71,14 +71,9 @@ pub struct StatValue {
 }
 
 impl Stat {
+    /// Adds `amount`; returns the new current value.
     #[inline]
-    pub(crate) fn increase(&self, amount: i64) {
-        self.increase_to(amount);
-    }
-
-    /// [`Stat::increase`], returning the new current value.
-    #[inline]
-    fn increase_to(&self, amount: i64) -> i64 {
+    pub(crate) fn increase(&self, amount: i64) -> i64 {
         let current = self.current.load(Relaxed).wrapping_add(amount);
         self.current.store(current, Relaxed);
         if current > self.peak.load(Relaxed) {
@@ -185,7 +180,7 @@ impl StatArray {
         };
         // The sum from the value just computed, not reloaded from the store just made.
         let all = this
-            .increase_to(amount as i64)
+            .increase(amount as i64)
             .wrapping_add(other.current.load(Relaxed));
         if all > self.all_peak.load(Relaxed) {
             self.all_peak.store(all, Relaxed);
