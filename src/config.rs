@@ -12,7 +12,8 @@
 //! - `max_split_size` is `u64::MAX` (unlimited) or more than 20 MiB; every division is 0 or a
 //!   power of two; the GC threshold is 0 (off) or strictly between 0 and 1.
 //! - An option given twice takes its last value, as in PyTorch (whose parser overwrites).
-//! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`), read from
+//! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`,
+//!   `pytorch:MAJOR.MINOR`: the release whose decisions the allocator follows), read from
 //!   `GPUMEM_ALLOC_CONF` and gpumem's own snapshots; where only PyTorch's syntax is valid
 //!   ([`Syntax::PyTorch`]: `PYTORCH_CUDA_ALLOC_CONF`, `_set_allocator_settings`, the command
 //!   line's `--config`) gpumem's keys are refused by name. The plan's path is kept
@@ -32,6 +33,62 @@ pub const MAX_SPLIT_SIZE_FLOOR_MB: i64 = 20;
 
 /// Upper bound of `pinned_num_register_threads`.
 const PINNED_MAX_REGISTER_THREADS: u64 = 128;
+
+/// A PyTorch release whose allocator gpumem follows: 2.0 to 2.15 (`--pytorch`,
+/// `pytorch:MAJOR.MINOR`). Releases differ in how the pools order free blocks of equal size
+/// ([`crate::allocator::FitOrder::of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PyTorchVersion {
+    minor: u8,
+}
+
+impl PyTorchVersion {
+    /// The newest release gpumem knows: its default.
+    pub const LATEST: PyTorchVersion = PyTorchVersion { minor: 15 };
+
+    /// Release `major.minor`, if gpumem knows it (2.0 to 2.15).
+    pub fn new(major: u32, minor: u32) -> Option<PyTorchVersion> {
+        (major == 2 && minor <= u32::from(Self::LATEST.minor)).then(|| PyTorchVersion {
+            minor: minor as u8,
+        })
+    }
+
+    /// The minor release number (the major is 2).
+    pub fn minor(self) -> u32 {
+        u32::from(self.minor)
+    }
+}
+
+impl Default for PyTorchVersion {
+    fn default() -> Self {
+        Self::LATEST
+    }
+}
+
+impl std::fmt::Display for PyTorchVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "2.{}", self.minor)
+    }
+}
+
+impl std::str::FromStr for PyTorchVersion {
+    type Err = String;
+
+    /// `MAJOR.MINOR`, 2.0 to 2.15; anything else is refused with the range.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let refuse = || format!("PyTorch version `{s}` is not one gpumem follows: give 2.0 to 2.15 as MAJOR.MINOR");
+        let (major, minor) = s.split_once('.').ok_or_else(refuse)?;
+        let number = |t: &str| {
+            (!t.is_empty() && t.len() <= 3 && t.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| t.parse::<u32>().ok())
+                .flatten()
+        };
+        let (Some(major), Some(minor)) = (number(major), number(minor)) else {
+            return Err(refuse());
+        };
+        PyTorchVersion::new(major, minor).ok_or_else(refuse)
+    }
+}
 
 /// A configuration error that names the option at fault.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,6 +120,9 @@ pub struct AllocatorConfig {
     pub pinned_num_register_threads: u64,
     /// gpumem only: the file of a placement plan to follow (Note [Planned placement]).
     pub plan: Option<String>,
+    /// gpumem only: the PyTorch release whose decisions the allocator follows (read when an
+    /// allocator is built; 2.15 by default).
+    pub pytorch: PyTorchVersion,
     /// The last string parsed, as given.
     pub last_settings: String,
 }
@@ -87,6 +147,7 @@ impl Default for AllocatorConfig {
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
             plan: None,
+            pytorch: PyTorchVersion::LATEST,
             last_settings: String::new(),
         }
     }
@@ -322,6 +383,12 @@ impl Parser {
                 "plan" => {
                     let v = self.value(&option)?;
                     config.plan = Some(v);
+                }
+                "pytorch" if self.syntax == Syntax::PyTorch => {
+                    return Err("`pytorch` is gpumem's own key: set it in GPUMEM_ALLOC_CONF (the commands take --pytorch), not where PyTorch's syntax is read".into());
+                }
+                "pytorch" => {
+                    config.pytorch = self.value(&option)?.parse()?;
                 }
                 other => return Err(format!("unrecognized option `{other}`")),
             }

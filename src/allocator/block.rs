@@ -35,19 +35,21 @@ impl BlockId {
     }
 }
 
-/// Index of an expandable segment in the allocator's segment table.
+/// Index of an expandable segment in the allocator's segment table, stored plus one so that
+/// `Option<SegmentId>` takes four bytes (room in the block's cache line for its counter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(transparent)]
-pub(crate) struct SegmentId(u32);
+pub(crate) struct SegmentId(NonZeroU32);
 
 impl SegmentId {
-    /// The id of table slot `index`; `None` from 2^32 slots on.
+    /// The id of table slot `index`; `None` from 2^32 - 1 slots on.
     pub fn new(index: usize) -> Option<SegmentId> {
-        u32::try_from(index).ok().map(SegmentId)
+        let stored = u32::try_from(index).ok()?.checked_add(1)?;
+        NonZeroU32::new(stored).map(SegmentId)
     }
 
     pub fn index(self) -> usize {
-        self.0 as usize
+        (self.0.get() - 1) as usize
     }
 }
 
@@ -77,6 +79,9 @@ pub(crate) struct Block {
     pub event_count: u32,
     /// The expandable segment the block lies in, if any.
     pub expandable: Option<SegmentId>,
+    /// The segment counter: taken when the block's segment was obtained, inherited by every
+    /// block carved from it (the tie-break of [`super::fit_order::FitOrder::Counter`]).
+    pub counter: u32,
     /// The pool that owns the block.
     pub pool: PoolKind,
     /// Handed out to a caller.
@@ -89,9 +94,10 @@ pub(crate) struct Block {
 }
 
 impl Block {
-    /// A whole, unsplit, free segment.
-    pub fn segment(ptr: u64, size: u64, stream: StreamId, pool: PoolKind) -> Block {
+    /// A whole, unsplit, free segment (or a piece of one, with its segment's counter).
+    pub fn segment(ptr: u64, size: u64, stream: StreamId, pool: PoolKind, counter: u32) -> Block {
         Block {
+            counter,
             ptr,
             size,
             requested_size: 0,

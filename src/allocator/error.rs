@@ -89,6 +89,16 @@ pub enum AllocError {
     /// A segment layout to restore that cannot exist.
     #[error("invalid segment layout: {0}")]
     InvalidLayout(String),
+    /// The device placed a segment beyond the addresses the allocator orders (2^57).
+    #[error(
+        "the device placed a segment of {size} bytes at {ptr:#x}, beyond the 128 PiB of addresses the allocator orders; it was given back"
+    )]
+    BeyondAddressBound {
+        /// Where the segment started.
+        ptr: u64,
+        /// Its size.
+        size: u64,
+    },
     /// A rejected configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),

@@ -274,6 +274,11 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
+        if let Err(e) = super::within_address_bound(ptr, size) {
+            let _ = self.device.free_address_range(DevicePtr(ptr), size);
+            return Err(e);
+        }
+        let counter = self.take_counter();
         let segment = self.expandable_segments.insert(ExpandableSegment {
             ptr,
             size,
@@ -285,7 +290,7 @@ impl<D: Device> CachingAllocator<D> {
         let id = self.new_block(Block {
             mapped: false,
             expandable: Some(segment),
-            ..Block::segment(ptr, size, stream, kind)
+            ..Block::segment(ptr, size, stream, kind, counter)
         });
         self.pool_mut(kind).unmapped.insert((stream, ptr), id);
         Ok(Some(id))
@@ -297,6 +302,7 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         debug_assert!(!b.mapped && size <= b.size);
         let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
+        let counter = b.counter;
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         let mapped = self.expandable_segments[segment.index()].map(&mut self.device, ptr, size)?;
         if mapped == 0 {
@@ -312,7 +318,7 @@ impl<D: Device> CachingAllocator<D> {
                 expandable: Some(segment),
                 prev: Some(id),
                 next,
-                ..Block::segment(ptr + mapped, block_size - mapped, stream, kind)
+                ..Block::segment(ptr + mapped, block_size - mapped, stream, kind, counter)
             });
             if let Some(n) = next {
                 self.block_mut(n).prev = Some(rest);
@@ -377,11 +383,12 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (end, stream, kind, next, segment) =
             (b.ptr + b.size, b.stream, b.pool, b.next, b.expandable);
+        let counter = b.counter;
         let back = self.new_block(Block {
             prev: Some(id),
             next,
             expandable: segment,
-            ..Block::segment(end - size, size, stream, kind)
+            ..Block::segment(end - size, size, stream, kind, counter)
         });
         if let Some(n) = next {
             self.block_mut(n).prev = Some(back);

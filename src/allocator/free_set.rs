@@ -1,10 +1,11 @@
-//! The ordered set of free blocks of one pool, keyed by (stream, size, address).
+//! The ordered set of free blocks of one pool, keyed by (stream, size, tie-break).
 //!
-//! PyTorch keeps each pool's free blocks in a `std::set` ordered by (stream, size, address)
-//! and serves a request from the first element at or after `(stream, size, 0)`. This set gives
+//! PyTorch keeps each pool's free blocks in a `std::set` ordered by stream, size and then its
+//! release's tie-break ([`FitOrder`]: the address, or the segment counter and the address),
+//! and serves a request from the first element at or after `(stream, size)`. This set gives
 //! exactly the same answers, faster: each stream has its own index of size classes
 //! (eight classes per power of two, as TLSF spaces them), each class a vector sorted by
-//! (size, address), and a bitmap of the non-empty classes. A lookup binary-searches its class
+//! the order's key, and a bitmap of the non-empty classes. A lookup binary-searches its class
 //! and, when that holds nothing large enough, jumps with the bitmap to the first non-empty
 //! larger class, whose smallest entry is the answer. Taking the best fit (malloc's lookup)
 //! first looks at its class's smallest entry, which usually fits (the same sizes are asked
@@ -12,16 +13,19 @@
 //!
 //! Classes are stored in descending order, smallest entry last: taking a class's smallest
 //! entry, the usual best fit, then moves nothing. This matters when hundreds of equal-size
-//! blocks share a class (whole cached 20 MiB segments after a backward pass): the lowest
-//! address among them is taken from the end instead of shifting all the others.
+//! blocks share a class (whole cached 20 MiB segments after a backward pass): the first of
+//! them in the order is taken from the end instead of shifting all the others.
+//!
+//! The order is fixed when the set is made; each operation that compares keys runs the code
+//! compiled for it ([`by_order!`]). Keys are 128 bits, laid out as `fit_order.rs` states,
+//! within the bounds the core enforces there.
 //!
 //! # Invariants
 //! - Classes partition sizes monotonically: every size in class `c` is smaller than every
-//!   size in class `c + 1`. Hence "first entry of the first non-empty class above" is the
-//!   ordered successor.
+//!   size in class `c + 1`, and every key orders by size first. Hence "first entry of the
+//!   first non-empty class above" is the ordered successor.
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
-//! - Within a class, entries are sorted by (size, address), descending, and unique by
-//!   address.
+//! - Within a class, entries are sorted by key, descending, and unique by address.
 //! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
 //! - At most [`SPARE_STREAMS`] streams without free blocks keep their (empty) bins: a job that
 //!   creates streams in a loop does not grow the set without bound.
@@ -29,6 +33,7 @@
 use crate::device::StreamId;
 
 use super::block::BlockId;
+use super::fit_order::{FitOrder, Key, by_order};
 
 /// Number of size classes: enough for any size a 64-bit count of 512-byte units can hold.
 const CLASSES: usize = 8 * 53 + 8;
@@ -46,19 +51,16 @@ pub(crate) struct FreeEntry {
     pub ptr: u64,
     /// The block.
     pub id: BlockId,
+    /// The block's segment counter.
+    pub counter: u32,
 }
 
 impl FreeEntry {
-    #[inline]
-    fn key(&self) -> u128 {
-        key(self.size, self.ptr)
+    /// The entry's key in order `K`: compared without a branch.
+    #[inline(always)]
+    fn key<K: Key>(&self) -> u128 {
+        K::key(self.size, self.counter, self.ptr)
     }
-}
-
-/// (size, address) as one number, in the same order: compared without a branch.
-#[inline]
-fn key(size: u64, ptr: u64) -> u128 {
-    (u128::from(size) << 64) | u128::from(ptr)
 }
 
 /// The size class of a block size (a multiple of 512): linear below 4 KiB, then eight
@@ -73,9 +75,9 @@ fn class_of(size: u64) -> usize {
 
 /// Inserts `entry` into a class kept in descending order.
 #[inline(never)]
-fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
-    let key = entry.key();
-    let i = entries.partition_point(|e| e.key() > key);
+fn insert_sorted<K: Key>(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
+    let key = entry.key::<K>();
+    let i = entries.partition_point(|e| e.key::<K>() > key);
     entries.insert(i, entry);
 }
 
@@ -124,11 +126,11 @@ impl StreamBins {
         }
     }
 
-    fn lower_bound(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
+    /// The first entry whose key is at least `key` (of a block of `size` bytes).
+    fn lower_bound<K: Key>(&self, size: u64, key: u128) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let key = key(size, ptr);
-        let at_least = entries.partition_point(|e| e.key() >= key);
+        let at_least = entries.partition_point(|e| e.key::<K>() >= key);
         if at_least > 0 {
             return Some(entries[at_least - 1]);
         }
@@ -136,11 +138,11 @@ impl StreamBins {
         self.classes[next].last().copied()
     }
 
-    fn prev_before(&self, size: u64, ptr: u64) -> Option<FreeEntry> {
+    /// The last entry whose key is below `key` (of a block of `size` bytes).
+    fn prev_before<K: Key>(&self, size: u64, key: u128) -> Option<FreeEntry> {
         let class = class_of(size);
         let entries = &self.classes[class];
-        let key = key(size, ptr);
-        let at_least = entries.partition_point(|e| e.key() >= key);
+        let at_least = entries.partition_point(|e| e.key::<K>() >= key);
         if let Some(e) = entries.get(at_least) {
             return Some(*e);
         }
@@ -149,17 +151,17 @@ impl StreamBins {
     }
 
     #[inline]
-    fn insert(&mut self, entry: FreeEntry) {
+    fn insert<K: Key>(&mut self, entry: FreeEntry) {
         let class = class_of(entry.size);
         let entries = &mut self.classes[class];
         // Most frees land at the end (an empty class, or below its smallest entry), in room
         // the class already has: that path is inlined; a search or a growth is not.
         if entries.len() < entries.capacity()
-            && entries.last().is_none_or(|e| e.key() > entry.key())
+            && entries.last().is_none_or(|e| e.key::<K>() > entry.key::<K>())
         {
             entries.push(entry);
         } else {
-            insert_sorted(entries, entry);
+            insert_sorted::<K>(entries, entry);
         }
         self.bitmap[class / 64] |= 1 << (class % 64);
     }
@@ -191,16 +193,15 @@ impl StreamBins {
         entry
     }
 
-    fn remove(&mut self, size: u64, ptr: u64) -> bool {
+    fn remove<K: Key>(&mut self, size: u64, key: u128) -> bool {
         let class = class_of(size);
         let entries = &mut self.classes[class];
-        let key = key(size, ptr);
         // A split's remainder is usually still its class's smallest entry when it merges back.
-        if entries.last().is_some_and(|e| e.key() == key) {
+        if entries.last().is_some_and(|e| e.key::<K>() == key) {
             entries.pop();
         } else {
-            let i = entries.partition_point(|e| e.key() > key);
-            if entries.get(i).is_none_or(|e| e.key() != key) {
+            let i = entries.partition_point(|e| e.key::<K>() > key);
+            if entries.get(i).is_none_or(|e| e.key::<K>() != key) {
                 return false;
             }
             entries.remove(i);
@@ -226,7 +227,7 @@ impl StreamBins {
         self.bitmap.iter().all(|&word| word == 0)
     }
 
-    /// Entries in ascending (size, address) order.
+    /// Entries in ascending key order.
     fn iter(&self) -> impl DoubleEndedIterator<Item = &FreeEntry> {
         self.classes.iter().flat_map(|class| class.iter().rev())
     }
@@ -235,10 +236,29 @@ impl StreamBins {
 /// The free blocks of one pool, all streams. See the module documentation.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct FreeSet {
+    order: FitOrder,
     streams: Vec<(StreamId, StreamBins)>,
 }
 
 impl FreeSet {
+    /// An empty set in `order`.
+    pub fn new(order: FitOrder) -> Self {
+        FreeSet {
+            order,
+            streams: Vec::new(),
+        }
+    }
+
+    /// The order of the set.
+    pub fn order(&self) -> FitOrder {
+        self.order
+    }
+
+    /// The key of a block in the set's order.
+    pub fn key(&self, size: u64, counter: u32, ptr: u64) -> u128 {
+        by_order!(self.order, K => K::key(size, counter, ptr))
+    }
+
     /// Where `stream`'s bins are. Jobs use a handful of streams: a linear scan beats hashing.
     fn stream_index(&self, stream: StreamId) -> Option<usize> {
         self.streams.iter().position(|(s, _)| *s == stream)
@@ -258,10 +278,11 @@ impl FreeSet {
         self.streams.iter().map(|(_, bins)| bins.len()).sum()
     }
 
-    /// The first block of `stream` at or after `(size, 0)` in (size, address) order: the best
-    /// fit PyTorch's `get_free_block` looks at.
+    /// The first block of `stream` of `size` bytes or more in the set's order: the best fit
+    /// PyTorch's `get_free_block` looks at.
     pub fn lower_bound(&self, stream: StreamId, size: u64) -> Option<FreeEntry> {
-        self.bins(stream)?.lower_bound(size, 0)
+        let bins = self.bins(stream)?;
+        by_order!(self.order, K => bins.lower_bound::<K>(size, K::key(size, 0, 0)))
     }
 
     /// Takes the best fit out of the set if `accept(size)` agrees: [`FreeSet::lower_bound`]
@@ -275,14 +296,22 @@ impl FreeSet {
         self.bins_mut(stream)?.take_lower_bound(size, accept)
     }
 
-    /// The block of `stream` just after `(size, ptr)` in (size, address) order.
-    pub fn next_after(&self, stream: StreamId, size: u64, ptr: u64) -> Option<FreeEntry> {
-        self.bins(stream)?.lower_bound(size, ptr + 1)
+    /// The block of `stream` just after `entry` in the set's order.
+    pub fn next_after(&self, stream: StreamId, entry: &FreeEntry) -> Option<FreeEntry> {
+        let bins = self.bins(stream)?;
+        by_order!(self.order, K => bins.lower_bound::<K>(entry.size, entry.key::<K>() + 1))
     }
 
-    /// The block of `stream` just before `(size, ptr)` in (size, address) order.
-    pub fn prev_before(&self, stream: StreamId, size: u64, ptr: u64) -> Option<FreeEntry> {
-        self.bins(stream)?.prev_before(size, ptr)
+    /// The block of `stream` just before `entry` in the set's order.
+    pub fn prev_before(&self, stream: StreamId, entry: &FreeEntry) -> Option<FreeEntry> {
+        let bins = self.bins(stream)?;
+        by_order!(self.order, K => bins.prev_before::<K>(entry.size, entry.key::<K>()))
+    }
+
+    /// The last block of `stream` smaller than `size` bytes in the set's order.
+    pub fn last_below(&self, stream: StreamId, size: u64) -> Option<FreeEntry> {
+        let bins = self.bins(stream)?;
+        by_order!(self.order, K => bins.prev_before::<K>(size, K::key(size, 0, 0)))
     }
 
     /// Adds a free block.
@@ -292,7 +321,8 @@ impl FreeSet {
             Some(i) => i,
             None => self.add_stream(stream),
         };
-        self.streams[i].1.insert(entry);
+        let bins = &mut self.streams[i].1;
+        by_order!(self.order, K => bins.insert::<K>(entry));
     }
 
     /// Makes bins for a stream that has none (rare: kept out of `insert`'s fast path), first
@@ -309,15 +339,17 @@ impl FreeSet {
         i
     }
 
-    /// Removes the block of `stream` with this size and address; false if it is not here.
-    pub fn remove(&mut self, stream: StreamId, size: u64, ptr: u64) -> bool {
+    /// Removes the block of `stream` with this size, counter and address; false if it is not
+    /// here.
+    pub fn remove(&mut self, stream: StreamId, size: u64, counter: u32, ptr: u64) -> bool {
+        let order = self.order;
         let Some(bins) = self.bins_mut(stream) else {
             return false;
         };
-        bins.remove(size, ptr)
+        by_order!(order, K => bins.remove::<K>(size, K::key(size, counter, ptr)))
     }
 
-    /// All free blocks in PyTorch's set order: by stream, then size, then address.
+    /// All free blocks in PyTorch's set order: by stream, then size, then the tie-break.
     pub fn iter(&self) -> impl Iterator<Item = (StreamId, FreeEntry)> + '_ {
         self.streams
             .iter()
@@ -372,17 +404,22 @@ mod tests {
         }
     }
 
+    fn entry(size: u64, counter: u32, ptr: u64, i: usize) -> FreeEntry {
+        FreeEntry {
+            size,
+            ptr,
+            id: BlockId::new(i).expect("small"),
+            counter,
+        }
+    }
+
     #[test]
     fn streams_without_free_blocks_do_not_accumulate() {
-        let mut set = FreeSet::default();
+        let mut set = FreeSet::new(FitOrder::Counter);
         for s in 0..1000 {
-            let entry = FreeEntry {
-                size: 512,
-                ptr: 512 * (s + 1),
-                id: BlockId::new(s as usize).expect("small"),
-            };
-            set.insert(StreamId(s), entry);
-            assert!(set.remove(StreamId(s), entry.size, entry.ptr));
+            let e = entry(512, s as u32, 512 * (s + 1), s as usize);
+            set.insert(StreamId(s), e);
+            assert!(set.remove(StreamId(s), e.size, e.counter, e.ptr));
         }
         assert!(
             set.streams.len() <= SPARE_STREAMS,
@@ -390,16 +427,9 @@ mod tests {
             set.streams.len()
         );
         // Streams that still hold free blocks keep them, in order.
-        let mut set = FreeSet::default();
+        let mut set = FreeSet::new(FitOrder::Address);
         for s in 0..100 {
-            set.insert(
-                StreamId(99 - s),
-                FreeEntry {
-                    size: 512,
-                    ptr: 512 * (s + 1),
-                    id: BlockId::new(s as usize).expect("small"),
-                },
-            );
+            set.insert(StreamId(99 - s), entry(512, 0, 512 * (s + 1), s as usize));
         }
         assert_eq!(set.len(), 100);
         let streams: Vec<u64> = set.iter().map(|(s, _)| s.0).collect();
@@ -407,49 +437,50 @@ mod tests {
     }
 
     #[test]
-    fn equal_sizes_come_out_in_address_order() {
-        let mut set = FreeSet::default();
-        let mut model = BTreeSet::new();
+    fn equal_sizes_come_out_in_the_order_of_the_set() {
         let stream = StreamId(0);
         let segment = 20 << 20;
-        // 300 whole 20 MiB segments freed in a scrambled address order.
-        for i in 0..300u64 {
-            let ptr = (i * 7919 % 300 + 1) << 30;
-            let id = BlockId::new(i as usize).expect("small");
-            set.insert(
-                stream,
-                FreeEntry {
-                    size: segment,
-                    ptr,
-                    id,
-                },
-            );
-            model.insert(ptr);
+        // 300 whole 20 MiB segments freed in a scrambled address order; segment i was
+        // obtained i-th, at a scrambled address.
+        let ptr_of = |i: u64| (i * 7919 % 300 + 1) << 30;
+        for order in [FitOrder::Address, FitOrder::Counter] {
+            let mut set = FreeSet::new(order);
+            let mut model: Vec<(u64, u32)> = (0..300u64).map(|i| (ptr_of(i), i as u32)).collect();
+            for &(ptr, counter) in model.iter().rev() {
+                set.insert(stream, entry(segment, counter, ptr, counter as usize));
+            }
+            match order {
+                FitOrder::Address => model.sort_unstable(),
+                FitOrder::Counter => model.sort_unstable_by_key(|&(_, c)| c),
+            }
+            let got: Vec<(u64, u32)> = set.iter().map(|(_, e)| (e.ptr, e.counter)).collect();
+            assert_eq!(got, model, "{order:?}");
+            let at = |k: usize| entry(segment, model[k].1, model[k].0, 0);
+            assert_eq!(set.prev_before(stream, &at(150)).map(|e| e.ptr), Some(model[149].0));
+            assert!(set.remove(stream, segment, model[150].1, model[150].0));
+            assert_eq!(set.next_after(stream, &at(149)).map(|e| e.ptr), Some(model[151].0));
+            model.remove(150);
+            // A smaller request takes them in the set's order.
+            for (want, _) in model {
+                let got = set.take_lower_bound(stream, 3 << 20, |_| true);
+                assert_eq!(got.map(|e| e.ptr), Some(want), "{order:?}");
+            }
+            assert_eq!(set.len(), 0);
+            assert!(set.lower_bound(stream, 512).is_none());
         }
-        let order: Vec<u64> = set.iter().map(|(_, e)| e.ptr).collect();
-        assert_eq!(order, model.iter().copied().collect::<Vec<_>>());
-        let prev = set.prev_before(stream, segment, 150 << 30);
-        assert_eq!(prev.map(|e| e.ptr), Some(149 << 30));
-        assert!(set.remove(stream, segment, 150 << 30));
-        let next = set.next_after(stream, segment, 149 << 30);
-        assert_eq!(next.map(|e| e.ptr), Some(151 << 30));
-        model.remove(&(150 << 30));
-        // A smaller request takes them lowest address first.
-        for want in model {
-            let got = set.take_lower_bound(stream, 3 << 20, |_| true);
-            assert_eq!(got.map(|e| e.ptr), Some(want));
-        }
-        assert_eq!(set.len(), 0);
-        assert!(set.lower_bound(stream, 512).is_none());
     }
 
     proptest! {
-        /// The set answers exactly as an ordered set of (stream, size, address) would.
+        /// The set answers exactly as an ordered set of (stream, size, address) would, or of
+        /// (stream, size, counter, address) in the counter order.
         #[test]
-        fn matches_an_ordered_set(ops in prop::collection::vec(
+        fn matches_an_ordered_set(by_counter in any::<bool>(), ops in prop::collection::vec(
             (0u64..24, 1u64..40_000, 0u64..64, any::<bool>()), 1..400)) {
-            let mut set = FreeSet::default();
+            let order = if by_counter { FitOrder::Counter } else { FitOrder::Address };
+            let mut set = FreeSet::new(order);
+            // Model entries: (stream, size, tie-break, ptr), the tie-break the counter or 0.
             let mut model = BTreeSet::new();
+            let tie = |counter: u32| if by_counter { counter } else { 0 };
             for (i, (stream, units, slot, insert)) in ops.into_iter().enumerate() {
                 // A third of the operations on two busy streams (many entries per class), the
                 // rest on sixteen others: more than SPARE_STREAMS, so empty bins get dropped.
@@ -457,38 +488,44 @@ mod tests {
                 // Sizes cluster and spread: many equal sizes and a few huge ones.
                 let size = if units % 7 == 0 { units << 20 } else { (units % 97 + 1) * 512 };
                 let ptr = slot * (1 << 40) + size;
-                if insert && !model.contains(&(stream, size, ptr)) {
-                    model.insert((stream, size, ptr));
-                    set.insert(stream, FreeEntry { size, ptr, id: BlockId::new(i).expect("small") });
+                // Counters unrelated to addresses: a slot's segment was obtained at any time.
+                let counter = (slot * 37 % 64) as u32;
+                let key = (stream, size, tie(counter), ptr);
+                if insert && !model.contains(&key) {
+                    model.insert(key);
+                    set.insert(stream, entry(size, counter, ptr, i));
                 } else if !insert {
-                    let want = model.remove(&(stream, size, ptr));
-                    prop_assert_eq!(set.remove(stream, size, ptr), want);
+                    let want = model.remove(&key);
+                    prop_assert_eq!(set.remove(stream, size, counter, ptr), want);
                 }
                 prop_assert_eq!(set.len(), model.len());
                 let probe = (units % 200 + 1) * 512 * 64;
-                let got = set.lower_bound(stream, probe).map(|e| (stream, e.size, e.ptr));
-                let want = model.range((stream, probe, 0)..).next().copied().filter(|k| k.0 == stream);
+                let view = |e: FreeEntry| (stream, e.size, tie(e.counter), e.ptr);
+                let first = (stream, probe, 0, 0);
+                let got = set.lower_bound(stream, probe).map(view);
+                let want = model.range(first..).next().copied().filter(|k| k.0 == stream);
                 prop_assert_eq!(got, want);
                 if units % 5 == 0 {
-                    let want = model.range((stream, probe, 0)..).next().copied().filter(|k| k.0 == stream);
                     let accept = units % 10 == 0;
-                    let got = set.take_lower_bound(stream, probe, |_| accept).map(|e| (stream, e.size, e.ptr));
+                    let got = set.take_lower_bound(stream, probe, |_| accept).map(view);
                     prop_assert_eq!(got, want.filter(|_| accept));
                     if let Some(k) = got {
                         model.remove(&k);
                     }
                     prop_assert_eq!(set.len(), model.len());
                 }
-                if let Some(&(_, size, ptr)) = model.iter().find(|k| k.0 == stream) {
-                    let got = set.next_after(stream, size, ptr).map(|e| (stream, e.size, e.ptr));
-                    let want = model.range((stream, size, ptr + 1)..).next().copied().filter(|k| k.0 == stream);
-                    prop_assert_eq!(got, want);
+                if let Some(&k) = model.iter().find(|k| k.0 == stream) {
+                    let at = entry(k.1, (k.3 >> 40) as u32 * 37 % 64, k.3, 0);
+                    let next = model.range((k.0, k.1, k.2, k.3 + 1)..).next().copied();
+                    prop_assert_eq!(set.next_after(stream, &at).map(view), next.filter(|n| n.0 == stream));
+                    let prev = model.range(..k).next_back().copied();
+                    prop_assert_eq!(set.prev_before(stream, &at).map(view), prev.filter(|p| p.0 == stream));
                 }
-                let got = set.prev_before(stream, probe, 0).map(|e| (stream, e.size, e.ptr));
-                let want = model.range(..(stream, probe, 0)).next_back().copied().filter(|k| k.0 == stream);
+                let got = set.last_below(stream, probe).map(view);
+                let want = model.range(..first).next_back().copied().filter(|k| k.0 == stream);
                 prop_assert_eq!(got, want);
             }
-            let order: Vec<_> = set.iter().map(|(s, e)| (s, e.size, e.ptr)).collect();
+            let order: Vec<_> = set.iter().map(|(s, e)| (s, e.size, tie(e.counter), e.ptr)).collect();
             prop_assert_eq!(order, model.iter().copied().collect::<Vec<_>>());
             let largest = set.largest().map(|e| e.size);
             prop_assert_eq!(largest, model.iter().map(|k| k.1).max());

@@ -8,7 +8,7 @@
 
 use rustc_hash::FxHashSet;
 
-use crate::device::Device;
+use crate::device::{Device, StreamId};
 
 use super::block::BlockId;
 use super::size::{MIN_BLOCK_SIZE, PoolKind};
@@ -85,11 +85,19 @@ impl<D: Device> CachingAllocator<D> {
         let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
         let mut unmapped_blocks = 0usize;
         for kind in [Kind::Small, Kind::Large] {
-            for (stream, e) in self.pool(kind).free.iter() {
+            let free = &self.pool(kind).free;
+            let mut last: Option<(StreamId, u128)> = None;
+            for (stream, e) in free.iter() {
                 let Some(b) = self.blocks.get(e.id.index()) else {
                     return Err(format!("free set entry {:#x} names a removed block", e.ptr));
                 };
-                if (b.pool, b.stream, b.size, b.ptr) != (kind, stream, e.size, e.ptr) {
+                let key = (stream, free.key(e.size, e.counter, e.ptr));
+                if last.is_some_and(|last| last >= key) {
+                    return Err(format!("free set entry {:#x} is out of order", e.ptr));
+                }
+                last = Some(key);
+                let entry = (kind, stream, e.size, e.counter, e.ptr);
+                if (b.pool, b.stream, b.size, b.counter, b.ptr) != entry {
                     return Err(format!(
                         "free set entry {:#x} disagrees with its block",
                         e.ptr
@@ -102,8 +110,16 @@ impl<D: Device> CachingAllocator<D> {
         }
 
         let in_plan = self.check_plan_segments()?;
+        let mut counters: FxHashSet<u32> = FxHashSet::default();
         for head in self.segment_heads() {
             let first = self.block(head);
+            // Segments' counters: distinct, taken from the sequence, inherited by every block.
+            if first.counter >= self.next_counter || !counters.insert(first.counter) {
+                return Err(format!(
+                    "segment at {:#x}: counter {} is not its own (next {})",
+                    first.ptr, first.counter, self.next_counter
+                ));
+            }
             if first.ptr < last_end {
                 return Err(format!(
                     "segment at {:#x} overlaps the previous one",
@@ -122,6 +138,9 @@ impl<D: Device> CachingAllocator<D> {
             let mut segment_size = 0;
             for (id, b) in self.segment_blocks(head) {
                 seen.insert(id);
+                if b.counter != first.counter {
+                    return Err(format!("block {:#x}: not its segment's counter", b.ptr));
+                }
                 if b.prev != prev {
                     return Err(format!("block {:#x}: prev link disagrees", b.ptr));
                 }

@@ -48,6 +48,7 @@ pub mod breakdown;
 mod error;
 mod events;
 mod expandable;
+pub mod fit_order;
 mod free_set;
 mod history;
 mod invariants;
@@ -74,6 +75,7 @@ use block::{Block, BlockId};
 pub use error::{AllocError, OutOfMemory};
 use events::EventQueue;
 use expandable::ExpandableSegment;
+pub use fit_order::{FitOrder, MAX_ADDRESS};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
 use live::LiveMap;
@@ -90,6 +92,14 @@ pub use snapshot::{
     segment_classes,
 };
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
+
+/// Refuses a segment that ends above [`MAX_ADDRESS`] (`fit_order.rs`'s key bound).
+fn within_address_bound(ptr: u64, size: u64) -> Result<(), AllocError> {
+    match ptr.checked_add(size) {
+        Some(end) if end <= MAX_ADDRESS => Ok(()),
+        _ => Err(AllocError::BeyondAddressBound { ptr, size }),
+    }
+}
 
 /// PyTorch's caching allocator for one device. See the module documentation.
 #[derive(Debug)]
@@ -123,6 +133,9 @@ pub struct CachingAllocator<D: Device> {
     /// The placement plan followed, if any (Note [Planned placement]); boxed, so that an
     /// allocator without one keeps its hot fields as compact as before.
     planned: Option<Box<Following>>,
+    /// The counter the next segment takes (PyTorch's process-wide sequence; per device here,
+    /// which orders one device's segments alike). See `fit_order.rs`.
+    next_counter: u32,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
@@ -148,6 +161,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             expandable_segments: self.expandable_segments.clone(),
             max_split_size_changed: self.max_split_size_changed,
             planned: self.planned.clone(),
+            next_counter: self.next_counter,
         }
     }
 }
@@ -176,15 +190,23 @@ impl<D: Device> Drop for CachingAllocator<D> {
 }
 
 impl<D: Device> CachingAllocator<D> {
-    /// An allocator over `device` with `config`.
+    /// An allocator over `device` with `config`, ordering free blocks as the configured
+    /// PyTorch release does (`pytorch:MAJOR.MINOR`, 2.15 by default).
     pub fn new(device: D, config: AllocatorConfig) -> Self {
+        let order = FitOrder::of(config.pytorch);
+        Self::with_fit_order(device, config, order)
+    }
+
+    /// An allocator over `device` with `config` whose pools order free blocks in `order`,
+    /// whatever release the configuration names (replay uses the order a recording shows).
+    pub fn with_fit_order(device: D, config: AllocatorConfig, order: FitOrder) -> Self {
         let stats = Arc::new(DeviceStats::new(max_split_size_stat(config.max_split_size)));
         CachingAllocator {
             device,
             config,
             blocks: Slab::new(),
-            small: BlockPool::default(),
-            large: BlockPool::default(),
+            small: BlockPool::new(order),
+            large: BlockPool::new(order),
             live: LiveMap::default(),
             stream_uses: FxHashMap::default(),
             pending_events: Vec::new(),
@@ -197,7 +219,13 @@ impl<D: Device> CachingAllocator<D> {
             expandable_segments: Slab::new(),
             max_split_size_changed: false,
             planned: None,
+            next_counter: 0,
         }
+    }
+
+    /// How the pools order free blocks of equal size.
+    pub fn fit_order(&self) -> FitOrder {
+        self.small.free.order()
     }
 
     /// The device.
@@ -378,8 +406,13 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
+        if let Err(e) = within_address_bound(ptr.0, size) {
+            let _ = self.device.free(ptr);
+            return Err(e);
+        }
         self.total_allocated_memory += size;
-        let id = self.new_block(Block::segment(ptr.0, size, stream, kind));
+        let counter = self.take_counter();
+        let id = self.new_block(Block::segment(ptr.0, size, stream, kind, counter));
         let oversize = size >= self.config.max_split_size;
         self.stats.count_segment_alloc(kind, size, oversize);
         self.record(TraceAction::SegmentAlloc, ptr.0, size, stream);
@@ -487,6 +520,47 @@ impl<D: Device> CachingAllocator<D> {
             .map(|e| e.size)
             .max()
             .unwrap_or(0)
+    }
+
+    /// The counter for a new segment. Before the sequence would pass `u32::MAX`, the
+    /// segments' counters are renumbered densely in their order, so that keys never wrap
+    /// (`fit_order.rs`).
+    fn take_counter(&mut self) -> u32 {
+        if self.next_counter == u32::MAX {
+            self.renumber_counters();
+        }
+        let counter = self.next_counter;
+        self.next_counter += 1;
+        counter
+    }
+
+    /// Gives the segments counters 0, 1, ... in the order of their current ones, and puts
+    /// every free block back under its new key.
+    #[cold]
+    fn renumber_counters(&mut self) {
+        let mut counters: Vec<u32> = self.blocks.iter().map(|(_, b)| b.counter).collect();
+        counters.sort_unstable();
+        counters.dedup();
+        let free: Vec<BlockId> = [&self.small, &self.large]
+            .iter()
+            .flat_map(|p| p.free.iter().map(|(_, e)| e.id))
+            .collect();
+        for &id in &free {
+            self.remove_free(id);
+        }
+        for (_, block) in &mut self.blocks {
+            block.counter = counters.partition_point(|&c| c < block.counter) as u32;
+        }
+        for id in free {
+            self.insert_free(id);
+        }
+        self.next_counter = counters.len() as u32;
+    }
+
+    /// Starts the segment counter at `next` (tests of the renumbering).
+    #[doc(hidden)]
+    pub fn set_next_counter(&mut self, next: u32) {
+        self.next_counter = next;
     }
 
     /// The size of the live block at `ptr` (after rounding and splitting), if `ptr` is live.

@@ -1,15 +1,16 @@
 //! Block pools (PyTorch's `BlockPool`) and the search for a cached block (`get_free_block`).
 //!
 //! Each allocator has two pools, small and large. A pool holds its free mapped blocks in a
-//! [`FreeSet`] ordered by (stream, size, address), and the unmapped blocks of its expandable
-//! segments by (stream, address). A request is served by the best fit of its own stream
-//! only: the first block at or above its rounded size in that order, which the
-//! `max_split_size` rules ([`size::fits`]) may still refuse.
+//! [`FreeSet`] ordered by stream, size and the allocator's tie-break ([`FitOrder`]), and the
+//! unmapped blocks of its expandable segments by (stream, address). A request is served by
+//! the best fit of its own stream only: the first block at or above its rounded size in that
+//! order, which the `max_split_size` rules ([`size::fits`]) may still refuse.
 //!
 //! # Invariants
 //! - A block is in its pool's free set iff it is free, mapped and outside a plan's regions and
 //!   chunks (those sit in their own maps, `plan.rs`), under its own current
-//!   (stream, size, address) key; in its pool's unmapped set iff it is free and unmapped.
+//!   (stream, size, counter, address) key; in its pool's unmapped set iff it is free and
+//!   unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.
 
@@ -19,11 +20,12 @@ use crate::device::{Device, StreamId};
 
 use super::CachingAllocator;
 use super::block::BlockId;
+use super::fit_order::FitOrder;
 use super::free_set::{FreeEntry, FreeSet};
 use super::size::{self, PoolKind};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub(super) struct BlockPool {
     pub free: FreeSet,
     /// Unmapped blocks of expandable segments, by (stream, address).
@@ -31,6 +33,17 @@ pub(super) struct BlockPool {
     /// Lookups since creation, counted only while garbage collection is enabled; a block's
     /// age is this minus its `gc_count_base`.
     pub get_free_blocks_call_count: u64,
+}
+
+impl BlockPool {
+    /// An empty pool whose free blocks follow `order`.
+    pub fn new(order: FitOrder) -> Self {
+        BlockPool {
+            free: FreeSet::new(order),
+            unmapped: BTreeMap::new(),
+            get_free_blocks_call_count: 0,
+        }
+    }
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -77,7 +90,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.pool_mut(kind)
             .free
-            .remove(stream, entry.size, entry.ptr);
+            .remove(stream, entry.size, entry.counter, entry.ptr);
         Some(entry.id)
     }
 
@@ -97,7 +110,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         if self.expandable_segments() {
             while self.block(entry.id).expandable.is_some() {
-                let Some(next) = free.next_after(stream, entry.size, entry.ptr) else {
+                let Some(next) = free.next_after(stream, &entry) else {
                     break;
                 };
                 if self.expandable_size(next.id) >= self.expandable_size(entry.id) {
@@ -107,7 +120,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         } else {
             while self.block(entry.id).expandable.is_some() {
-                entry = free.next_after(stream, entry.size, entry.ptr)?;
+                entry = free.next_after(stream, &entry)?;
             }
         }
         Some(entry)
@@ -129,6 +142,7 @@ impl<D: Device> CachingAllocator<D> {
             size: block.size,
             ptr: block.ptr,
             id,
+            counter: block.counter,
         };
         self.pool_mut(kind).free.insert(stream, entry);
     }
@@ -141,7 +155,8 @@ impl<D: Device> CachingAllocator<D> {
             return self.remove_held_free(base, id);
         }
         let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
-        let removed = self.pool_mut(kind).free.remove(stream, size, ptr);
+        let counter = block.counter;
+        let removed = self.pool_mut(kind).free.remove(stream, size, counter, ptr);
         debug_assert!(removed, "free block {ptr:#x} missing from its pool");
     }
 }

@@ -105,16 +105,13 @@ impl<D: Device> CachingAllocator<D> {
             self.release_block(entry.id)?;
             return Ok(true);
         }
-        let mut cursor = free.prev_before(stream, key, 0);
+        let mut cursor = free.last_below(stream, key);
         let mut released = 0;
         while let Some(entry) = cursor {
             if released >= key || entry.size < max_split {
                 break;
             }
-            cursor = self
-                .pool(kind)
-                .free
-                .prev_before(stream, entry.size, entry.ptr);
+            cursor = self.pool(kind).free.prev_before(stream, &entry);
             if releasable(self.block(entry.id)) {
                 self.release_block(entry.id)?;
                 released += entry.size;

@@ -26,7 +26,8 @@ pub struct RestoredBlock {
 impl<D: Device> CachingAllocator<D> {
     /// Obtains a segment from the device and lays it out as `blocks` say: allocated blocks
     /// become live, adjacent free space merges into free blocks. Statistics count it as if
-    /// the blocks had been allocated one by one; no trace entries are recorded.
+    /// the blocks had been allocated one by one; no trace entries are recorded. The segment
+    /// takes the next counter: restore segments in the order they were obtained.
     ///
     /// # Errors
     /// [`AllocError::Device`] if the device cannot provide the segment;
@@ -57,7 +58,12 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::InvalidLayout("a segment needs blocks".into()));
         }
         let base = self.device.malloc(size)?;
+        if let Err(e) = super::within_address_bound(base.0, size) {
+            let _ = self.device.free(base);
+            return Err(e);
+        }
         self.total_allocated_memory += size;
+        let counter = self.take_counter();
         let max_split = self.config.max_split_size;
         self.stats
             .count_segment_alloc(kind, size, size >= max_split);
@@ -81,7 +87,7 @@ impl<D: Device> CachingAllocator<D> {
                 prev,
                 requested_size: b.allocated.unwrap_or(0),
                 allocated: b.allocated.is_some(),
-                ..Block::segment(ptr, b.size, stream, kind)
+                ..Block::segment(ptr, b.size, stream, kind, counter)
             });
             if let Some(p) = prev {
                 self.block_mut(p).next = Some(id);

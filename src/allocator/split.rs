@@ -62,11 +62,12 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn split_front(&mut self, id: BlockId, size: u64) -> BlockId {
         let b = self.block(id);
         let (ptr, stream, kind, prev, expandable) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
+        let counter = b.counter;
         let front = self.new_block(Block {
             prev,
             next: Some(id),
             expandable,
-            ..Block::segment(ptr, size, stream, kind)
+            ..Block::segment(ptr, size, stream, kind, counter)
         });
         if let Some(p) = prev {
             self.block_mut(p).next = Some(front);

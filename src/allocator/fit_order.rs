@@ -1,0 +1,160 @@
+//! Which free block a best fit takes among blocks of one size: the order of PyTorch's pools.
+//!
+//! PyTorch keeps each pool's free blocks in a `std::set` and `get_free_block` takes the
+//! first block at or after (stream, size). Sizes and streams order every release alike;
+//! among blocks of one size the comparator decides, and it changed:
+//! - [`FitOrder::Address`], PyTorch 2.0 to 2.12: (stream, size, address). The block at the
+//!   lowest address wins.
+//! - [`FitOrder::Counter`], PyTorch 2.13 and later (pytorch/pytorch#183591):
+//!   (stream, size, counter, address). The counter is taken from one sequence when backing
+//!   memory is obtained (each segment from the driver, each new expandable segment) and is
+//!   inherited by every block carved from it, so the block of the older segment wins.
+//!
+//! Driver addresses do not follow creation order (a freed range is handed out again), so the
+//! two orders place blocks differently on real recordings.
+//!
+//! The order is a value of the allocator, fixed when it is built; the free set is compiled
+//! once for each order ([`Key`]) and picks one per operation, never per comparison.
+//!
+//! # Key layout and bounds
+//! The free set compares a block by one 128-bit key, its order's [`Key::key`]:
+//! - address order: `size << 64 | address` (no bound);
+//! - counter order: `size / 512 << 80 | counter << 48 | address / 512`, exact while sizes
+//!   and addresses are multiples of 512 below [`MAX_ADDRESS`] (2^57 = 128 PiB: every GPU's
+//!   virtual address space lies below it) and counters fit 32 bits.
+//!
+//! The core refuses a segment that ends above [`MAX_ADDRESS`] under either order (the
+//! driver is asked for nothing more and the memory is given back), and renumbers its
+//! segments' counters densely, in order, before the sequence would pass `u32::MAX`: keys
+//! never wrap.
+
+use crate::config::PyTorchVersion;
+
+/// The largest address a segment may end at: 2^57 (128 PiB).
+pub const MAX_ADDRESS: u64 = 1 << 57;
+
+/// How a pool orders free blocks of equal size. See the module documentation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FitOrder {
+    /// (stream, size, address): PyTorch 2.0 to 2.12.
+    Address,
+    /// (stream, size, segment counter, address): PyTorch 2.13 and later.
+    #[default]
+    Counter,
+}
+
+impl FitOrder {
+    /// The order of PyTorch `version`'s pools.
+    pub fn of(version: PyTorchVersion) -> FitOrder {
+        if version.minor() >= 13 {
+            FitOrder::Counter
+        } else {
+            FitOrder::Address
+        }
+    }
+
+    /// `address` or `counter`, as `--json` reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FitOrder::Address => "address",
+            FitOrder::Counter => "counter",
+        }
+    }
+
+    /// The order in words: "the ordering of PyTorch 2.12 and before (address)".
+    pub fn describe(self) -> &'static str {
+        match self {
+            FitOrder::Address => "the ordering of PyTorch 2.12 and before (address)",
+            FitOrder::Counter => "the PyTorch 2.13+ ordering (segment allocation counter)",
+        }
+    }
+
+    /// The other order.
+    pub fn other(self) -> FitOrder {
+        match self {
+            FitOrder::Address => FitOrder::Counter,
+            FitOrder::Counter => FitOrder::Address,
+        }
+    }
+}
+
+/// An order as a type: how a free block's (size, counter, address) becomes its key.
+pub(crate) trait Key {
+    /// The block's key: keys compare as the order compares blocks.
+    fn key(size: u64, counter: u32, ptr: u64) -> u128;
+}
+
+/// [`FitOrder::Address`] as a type.
+pub(crate) struct ByAddress;
+
+/// [`FitOrder::Counter`] as a type.
+pub(crate) struct ByCounter;
+
+impl Key for ByAddress {
+    #[inline(always)]
+    fn key(size: u64, _counter: u32, ptr: u64) -> u128 {
+        (u128::from(size) << 64) | u128::from(ptr)
+    }
+}
+
+impl Key for ByCounter {
+    #[inline(always)]
+    fn key(size: u64, counter: u32, ptr: u64) -> u128 {
+        debug_assert!(size < MAX_ADDRESS && ptr < MAX_ADDRESS);
+        (u128::from(size >> 9) << 80) | (u128::from(counter) << 48) | u128::from(ptr >> 9)
+    }
+}
+
+/// Runs `$body` with `$k` the type of `$order`: one branch, then code compiled for that order.
+macro_rules! by_order {
+    ($order:expr, $k:ident => $body:expr) => {
+        match $order {
+            $crate::allocator::fit_order::FitOrder::Address => {
+                type $k = $crate::allocator::fit_order::ByAddress;
+                $body
+            }
+            $crate::allocator::fit_order::FitOrder::Counter => {
+                type $k = $crate::allocator::fit_order::ByCounter;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use by_order;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_keys_order_by_size_then_counter_then_address() {
+        let top = MAX_ADDRESS - 512;
+        let triples = [
+            (512, 0, 0),
+            (512, 0, top),
+            (512, 1, 512),
+            (512, u32::MAX, 0),
+            (1024, 0, 0),
+            (top, 0, 0),
+            (top, u32::MAX, top),
+        ];
+        for pair in triples.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            assert!(
+                ByCounter::key(a.0, a.1, a.2) < ByCounter::key(b.0, b.1, b.2),
+                "{a:?} < {b:?}"
+            );
+        }
+        // The address order ignores the counter.
+        assert!(ByAddress::key(512, 9, 512) < ByAddress::key(512, 0, 1024));
+    }
+
+    #[test]
+    fn versions_map_to_orders() {
+        let order = |minor| FitOrder::of(PyTorchVersion::new(2, minor).expect("valid"));
+        assert_eq!(order(0), FitOrder::Address);
+        assert_eq!(order(12), FitOrder::Address);
+        assert_eq!(order(13), FitOrder::Counter);
+        assert_eq!(order(15), FitOrder::Counter);
+    }
+}
