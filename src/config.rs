@@ -48,9 +48,8 @@ impl PyTorchVersion {
 
     /// Release `major.minor`, if gpumem knows it (2.0 to 2.15).
     pub fn new(major: u32, minor: u32) -> Option<PyTorchVersion> {
-        (major == 2 && minor <= u32::from(Self::LATEST.minor)).then(|| PyTorchVersion {
-            minor: minor as u8,
-        })
+        (major == 2 && minor <= u32::from(Self::LATEST.minor))
+            .then(|| PyTorchVersion { minor: minor as u8 })
     }
 
     /// The minor release number (the major is 2).
@@ -76,7 +75,11 @@ impl std::str::FromStr for PyTorchVersion {
 
     /// `MAJOR.MINOR`, 2.0 to 2.15; anything else is refused with the range.
     fn from_str(s: &str) -> Result<Self, String> {
-        let refuse = || format!("PyTorch version `{s}` is not one gpumem follows: give 2.0 to 2.15 as MAJOR.MINOR");
+        let refuse = || {
+            format!(
+                "PyTorch version `{s}` is not one gpumem follows: give 2.0 to 2.15 as MAJOR.MINOR"
+            )
+        };
         let (major, minor) = s.split_once('.').ok_or_else(refuse)?;
         let number = |t: &str| {
             (!t.is_empty() && t.len() <= 3 && t.bytes().all(|b| b.is_ascii_digit()))

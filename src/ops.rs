@@ -11,7 +11,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::allocator::{AllocError, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion};
+use crate::allocator::{
+    AllocError, FitOrder, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion,
+};
 use crate::device::{DeviceError, SimConfig, SimDevice};
 use crate::workload::XorShift;
 use crate::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
@@ -57,6 +59,13 @@ pub enum Op {
         pick: u64,
         /// The using stream.
         stream: StreamId,
+    },
+    /// The device places its next segment (or reservation) at a slot out of creation order,
+    /// so that the counter orders and the address order differ; a slot that is taken makes
+    /// that placement fail as out of memory.
+    HintAddress {
+        /// Which 1 GiB slot of the simulated address space.
+        slot: u64,
     },
     /// The device completes the work queued on `stream`.
     CompleteStream {
@@ -162,7 +171,8 @@ impl Op {
             },
             40..=76 => Op::Free { pick: a },
             77..=84 => Op::RecordStream { pick: a, stream },
-            85..=91 => Op::CompleteStream { stream },
+            85 => Op::HintAddress { slot: a % 64 },
+            86..=91 => Op::CompleteStream { stream },
             92 | 94 => Op::EmptyCache,
             93 => Op::SetPlan { seed: a },
             95..=96 => Op::SetConfig {
@@ -195,11 +205,17 @@ impl Default for Run {
 }
 
 impl Run {
-    /// A fresh allocator with the default configuration.
+    /// A fresh allocator with the default configuration (and so PyTorch 2.15's order).
     pub fn new() -> Self {
+        Run::with_order(FitOrder::default())
+    }
+
+    /// A fresh allocator with the default configuration whose pools follow `order`.
+    pub fn with_order(order: FitOrder) -> Self {
         let config = AllocatorConfig::default();
+        let device = SimDevice::new(SimConfig::with_capacity(2 << 30));
         Run {
-            alloc: CachingAllocator::new(SimDevice::new(SimConfig::with_capacity(2 << 30)), config),
+            alloc: CachingAllocator::with_fit_order(device, config, order),
             live: BTreeMap::new(),
             plan: None,
         }
@@ -251,6 +267,12 @@ impl Run {
                 if let Some(p) = self.pick(pick) {
                     self.alloc.record_stream(DevicePtr(p), stream);
                 }
+            }
+            Op::HintAddress { slot } => {
+                let base = self.alloc.device().config().base_address;
+                self.alloc
+                    .device_mut()
+                    .hint_addresses([base + (slot << 30)]);
             }
             Op::CompleteStream { stream } => self.alloc.device_mut().complete_stream(stream),
             Op::EmptyCache => self.alloc.empty_cache().map_err(|e| e.to_string())?,
@@ -330,6 +352,14 @@ impl Run {
         Ok(())
     }
 }
+
+/// The order a fuzzer input's first byte picks.
+pub fn order_from_byte(byte: u8) -> FitOrder {
+    ORDERS[usize::from(byte) % ORDERS.len()]
+}
+
+/// Every order, for tests that run under each.
+pub const ORDERS: [FitOrder; 3] = [FitOrder::Address, FitOrder::BlockCounter, FitOrder::Counter];
 
 /// Operations from bytes (the fuzzer's input): ten bytes each (kind, eight bytes of
 /// argument, stream); a shorter tail is ignored.

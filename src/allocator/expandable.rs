@@ -313,6 +313,7 @@ impl<D: Device> CachingAllocator<D> {
         if mapped < block_size {
             // The rest stays unmapped, as a block of its own right after this one.
             let next = self.block(id).next;
+            let counter = self.piece_counter(counter);
             let rest = self.new_block(Block {
                 mapped: false,
                 expandable: Some(segment),
@@ -384,6 +385,7 @@ impl<D: Device> CachingAllocator<D> {
         let (end, stream, kind, next, segment) =
             (b.ptr + b.size, b.stream, b.pool, b.next, b.expandable);
         let counter = b.counter;
+        let counter = self.piece_counter(counter);
         let back = self.new_block(Block {
             prev: Some(id),
             next,

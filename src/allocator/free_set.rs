@@ -157,7 +157,9 @@ impl StreamBins {
         // Most frees land at the end (an empty class, or below its smallest entry), in room
         // the class already has: that path is inlined; a search or a growth is not.
         if entries.len() < entries.capacity()
-            && entries.last().is_none_or(|e| e.key::<K>() > entry.key::<K>())
+            && entries
+                .last()
+                .is_none_or(|e| e.key::<K>() > entry.key::<K>())
         {
             entries.push(entry);
         } else {
@@ -456,9 +458,15 @@ mod tests {
             let got: Vec<(u64, u32)> = set.iter().map(|(_, e)| (e.ptr, e.counter)).collect();
             assert_eq!(got, model, "{order:?}");
             let at = |k: usize| entry(segment, model[k].1, model[k].0, 0);
-            assert_eq!(set.prev_before(stream, &at(150)).map(|e| e.ptr), Some(model[149].0));
+            assert_eq!(
+                set.prev_before(stream, &at(150)).map(|e| e.ptr),
+                Some(model[149].0)
+            );
             assert!(set.remove(stream, segment, model[150].1, model[150].0));
-            assert_eq!(set.next_after(stream, &at(149)).map(|e| e.ptr), Some(model[151].0));
+            assert_eq!(
+                set.next_after(stream, &at(149)).map(|e| e.ptr),
+                Some(model[151].0)
+            );
             model.remove(150);
             // A smaller request takes them in the set's order.
             for (want, _) in model {

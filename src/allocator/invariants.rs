@@ -113,13 +113,9 @@ impl<D: Device> CachingAllocator<D> {
         let mut counters: FxHashSet<u32> = FxHashSet::default();
         for head in self.segment_heads() {
             let first = self.block(head);
-            // Segments' counters: distinct, taken from the sequence, inherited by every block.
-            if first.counter >= self.next_counter || !counters.insert(first.counter) {
-                return Err(format!(
-                    "segment at {:#x}: counter {} is not its own (next {})",
-                    first.ptr, first.counter, self.next_counter
-                ));
-            }
+            // Counters are taken from the sequence and distinct per segment, inherited by
+            // every block of it (per block in the block-counter order).
+            let per_block = self.fit_order().pieces_take_counters();
             if first.ptr < last_end {
                 return Err(format!(
                     "segment at {:#x} overlaps the previous one",
@@ -138,8 +134,16 @@ impl<D: Device> CachingAllocator<D> {
             let mut segment_size = 0;
             for (id, b) in self.segment_blocks(head) {
                 seen.insert(id);
-                if b.counter != first.counter {
-                    return Err(format!("block {:#x}: not its segment's counter", b.ptr));
+                let own = if per_block || id == head {
+                    b.counter < self.next_counter && counters.insert(b.counter)
+                } else {
+                    b.counter == first.counter
+                };
+                if !own {
+                    return Err(format!(
+                        "block {:#x}: counter {} is not its own (next {})",
+                        b.ptr, b.counter, self.next_counter
+                    ));
                 }
                 if b.prev != prev {
                     return Err(format!("block {:#x}: prev link disagrees", b.ptr));

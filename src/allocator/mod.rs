@@ -534,13 +534,30 @@ impl<D: Device> CachingAllocator<D> {
         counter
     }
 
-    /// Gives the segments counters 0, 1, ... in the order of their current ones, and puts
+    /// The counter of a block carved from one whose counter is `parent`: its own in the
+    /// block-counter order, else inherited.
+    pub(super) fn piece_counter(&mut self, parent: u32) -> u32 {
+        if self.fit_order().pieces_take_counters() {
+            self.take_counter()
+        } else {
+            parent
+        }
+    }
+
+    /// Gives the blocks counters 0, 1, ... in the order of their current ones, and puts
     /// every free block back under its new key.
     #[cold]
     fn renumber_counters(&mut self) {
         let mut counters: Vec<u32> = self.blocks.iter().map(|(_, b)| b.counter).collect();
         counters.sort_unstable();
         counters.dedup();
+        self.rekey(|c| counters.partition_point(|&x| x < c) as u32);
+        self.next_counter = counters.len() as u32;
+    }
+
+    /// Changes every block's counter by `new` (which must keep distinct counters distinct
+    /// and below `next_counter`), putting every free block back under its new key.
+    fn rekey(&mut self, new: impl Fn(u32) -> u32) {
         let free: Vec<BlockId> = [&self.small, &self.large]
             .iter()
             .flat_map(|p| p.free.iter().map(|(_, e)| e.id))
@@ -549,12 +566,55 @@ impl<D: Device> CachingAllocator<D> {
             self.remove_free(id);
         }
         for (_, block) in &mut self.blocks {
-            block.counter = counters.partition_point(|&c| c < block.counter) as u32;
+            block.counter = new(block.counter);
         }
         for id in free {
             self.insert_free(id);
         }
-        self.next_counter = counters.len() as u32;
+    }
+
+    /// Reorders the first `new_of.len()` counters: counter `c` becomes `new_of[c]`, which
+    /// must be a permutation of `0..new_of.len()`. Replay uses it to put the segments of a
+    /// recording's start state in the order the recording shows they were obtained.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidLayout`] if `new_of` is not such a permutation; nothing changes.
+    pub fn permute_counters(&mut self, new_of: &[u32]) -> Result<(), AllocError> {
+        let n = new_of.len();
+        let mut seen = vec![false; n];
+        let valid = n <= self.next_counter as usize
+            && new_of
+                .iter()
+                .all(|&c| (c as usize) < n && !std::mem::replace(&mut seen[c as usize], true));
+        if !valid {
+            return Err(AllocError::InvalidLayout(
+                "a counter order must be a permutation of the first counters".into(),
+            ));
+        }
+        self.rekey(|c| new_of.get(c as usize).copied().unwrap_or(c));
+        self.checked("permute_counters", Ok(()))
+    }
+
+    /// The cached blocks a request of `size` bytes on `stream` would choose among: those of
+    /// its pool and stream whose size is the best fit's, as (address, counter), in the pools'
+    /// order. Empty when none fits, and when expandable segments or a plan take part in the
+    /// choice. Replay reads off which of them a recording took.
+    pub fn tied_best_fits(&self, size: u64, stream: StreamId) -> Vec<(u64, u32)> {
+        if !self.expandable_segments.is_empty() || self.planned.is_some() {
+            return Vec::new();
+        }
+        let rounded = size::round_size(&self.config, size);
+        let free = &self.pool(PoolKind::for_size(rounded)).free;
+        let ties = std::iter::successors(free.lower_bound(stream, rounded), |e| {
+            free.next_after(stream, e)
+        });
+        let mut ties = ties.peekable();
+        let Some(best) = ties.peek().map(|e| e.size) else {
+            return Vec::new();
+        };
+        ties.take_while(|e| e.size == best)
+            .map(|e| (e.ptr, e.counter))
+            .collect()
     }
 
     /// Starts the segment counter at `next` (tests of the renumbering).

@@ -82,7 +82,13 @@ impl<D: Device> CachingAllocator<D> {
         let mut ptr = base.0;
         let mut prev: Option<BlockId> = None;
         let mut free = Vec::new();
-        for b in merged {
+        for (i, b) in merged.into_iter().enumerate() {
+            // In the block-counter order every block has its own, in address order here.
+            let counter = if i == 0 {
+                counter
+            } else {
+                self.piece_counter(counter)
+            };
             let id = self.new_block(Block {
                 prev,
                 requested_size: b.allocated.unwrap_or(0),

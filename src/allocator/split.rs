@@ -63,6 +63,7 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (ptr, stream, kind, prev, expandable) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
         let counter = b.counter;
+        let counter = self.piece_counter(counter);
         let front = self.new_block(Block {
             prev,
             next: Some(id),

@@ -32,6 +32,8 @@ pub(crate) struct Args {
     #[arg(long, value_name = "FILE")]
     html: Option<Path>,
     #[command(flatten)]
+    pytorch: super::PyTorchArg,
+    #[command(flatten)]
     read: ReadArgs,
 }
 
@@ -48,12 +50,19 @@ fn parse_at(text: &str) -> Result<At, String> {
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
+    let order = args.pytorch.order();
     let e = match args.at {
-        Some(at) => explain(&recording, args.device, at, args.capacity)?,
-        None => match explain(&recording, args.device, At::FirstOom, args.capacity) {
+        Some(at) => explain(&recording, args.device, at, args.capacity, order)?,
+        None => match explain(&recording, args.device, At::FirstOom, args.capacity, order) {
             Err(gpumem::trace::explain::ExplainError::NoOom { .. }) => {
                 outln!("no out-of-memory error in the trace: the moment of peak reserved memory")?;
-                explain(&recording, args.device, At::PeakReserved, args.capacity)?
+                explain(
+                    &recording,
+                    args.device,
+                    At::PeakReserved,
+                    args.capacity,
+                    order,
+                )?
             }
             other => other?,
         },

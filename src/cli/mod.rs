@@ -109,6 +109,22 @@ pub(crate) fn run(cli: Cli) -> CliResult {
     }
 }
 
+/// The PyTorch release whose decisions to follow: `--pytorch MAJOR.MINOR`.
+#[derive(clap::Args)]
+pub(crate) struct PyTorchArg {
+    /// The PyTorch release that made the recording (2.0 to 2.15): replay follows its
+    /// best-fit order. Default: the order found from the recording itself.
+    #[arg(long, value_name = "MAJOR.MINOR")]
+    pytorch: Option<gpumem::config::PyTorchVersion>,
+}
+
+impl PyTorchArg {
+    /// The best-fit order asked for, if one was.
+    pub(crate) fn order(&self) -> Option<gpumem::allocator::FitOrder> {
+        self.pytorch.map(gpumem::allocator::FitOrder::of)
+    }
+}
+
 /// How a recording is read: the limits every command that reads one shares.
 #[derive(clap::Args)]
 pub(crate) struct ReadArgs {

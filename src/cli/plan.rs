@@ -43,6 +43,8 @@ pub(crate) struct Args {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
+    pytorch: super::PyTorchArg,
+    #[command(flatten)]
     read: ReadArgs,
 }
 
@@ -100,6 +102,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         device: args.device,
         capacity: args.capacity,
         window: Some(window.clone()),
+        order: args.pytorch.order(),
         ..ReplayOptions::default()
     };
     // One check replay reads the trace's release runs; every replay below follows it.

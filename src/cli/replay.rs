@@ -55,6 +55,8 @@ pub(crate) struct Args {
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<Path>,
     #[command(flatten)]
+    pytorch: super::PyTorchArg,
+    #[command(flatten)]
     read: ReadArgs,
 }
 
@@ -120,6 +122,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 fresh_start: args.fresh_start,
                 available: args.available,
                 window: window.clone(),
+                order: args.pytorch.order(),
                 ..ReplayOptions::default()
             };
             let readings = match &readings {
@@ -136,6 +139,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 available: args.available,
                 window: window.clone(),
                 plan: Some(plan.clone()),
+                order: args.pytorch.order(),
                 ..ReplayOptions::default()
             };
             let mut report = replay_shown(&recording, &options, Some(readings))?;
@@ -201,6 +205,9 @@ pub(crate) fn run(args: Args) -> CliResult {
                             "capacity": r.capacity,
                             "capacity_inferred": r.capacity_inferred,
                             "available": args.available,
+                            "ordering": r.ordering.ordering,
+                            "ordering_source": r.ordering.ordering_source,
+                            "counter_order": r.ordering.counter_order,
                         })
                     })
                     .collect();
@@ -213,6 +220,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     out!("{}", state_summary(&recording))?;
     for ((device, reports), window) in results.iter().zip(&windows) {
         outln!("device {device}: {} events", reports[0].events)?;
+        outln!("best-fit order: {}", reports[0].ordering.sentence())?;
         if let Some(w) = window {
             outln!(
                 "every row replays events {}..{} from an empty allocator (the plan's evaluation)",
@@ -346,6 +354,7 @@ fn check(
             fresh_start: false,
             available: None,
             plan: plan.clone(),
+            order: args.pytorch.order(),
             ..ReplayOptions::default()
         };
         let report = replay_shown(recording, &options, None)?;
@@ -362,6 +371,11 @@ fn check(
                     "capacity_inferred": r.capacity_inferred,
                     "compared": r.compared,
                     "divergence": r.divergence,
+                    "ordering": r.ordering.ordering,
+                    "ordering_source": r.ordering.ordering_source,
+                    "counter_order": r.ordering.counter_order,
+                    "guessed_segments": r.ordering.guessed_segments,
+                    "ordering_contradiction": r.ordering.contradiction,
                 })
             })
             .collect();
@@ -375,6 +389,9 @@ fn check(
                 format_size(r.capacity),
                 r.capacity
             )?;
+        }
+        if !args.json {
+            outln!("device {device}: {}", r.ordering.sentence())?;
         }
         match &r.divergence {
             None => {

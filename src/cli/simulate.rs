@@ -43,10 +43,16 @@ pub(crate) struct Args {
     /// `max_entries`; PyTorch's default is 100 000).
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
     history: u64,
+    /// The PyTorch release whose decisions the allocator follows (2.0 to 2.15).
+    #[arg(long, value_name = "MAJOR.MINOR", default_value_t = gpumem::config::PyTorchVersion::LATEST)]
+    pytorch: gpumem::config::PyTorchVersion,
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let config = AllocatorConfig::parse(&args.config)?;
+    let config = AllocatorConfig {
+        pytorch: args.pytorch,
+        ..AllocatorConfig::parse(&args.config)?
+    };
     let capacity = args
         .capacity_gib
         .checked_mul(1 << 30)

@@ -24,6 +24,8 @@ pub(crate) struct Args {
     #[arg(long, value_parser = parse_bytes)]
     capacity: Option<u64>,
     #[command(flatten)]
+    pytorch: super::PyTorchArg,
+    #[command(flatten)]
     read: ReadArgs,
 }
 
@@ -33,7 +35,12 @@ pub(crate) fn run(args: Args) -> CliResult {
     let name = super::file_name(&args.trace);
     // The recording lives as long as the process, and the view's cursors borrow it.
     let recording = Box::leak(Box::new(recording));
-    let view = Arc::new(RecordingView::new(recording, name, args.capacity));
+    let view = Arc::new(RecordingView::new(
+        recording,
+        name,
+        args.capacity,
+        args.pytorch.order(),
+    ));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -31,7 +31,11 @@ use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, TraceAction};
 
 use super::Recording;
-use super::replay::{Divergence, MAX_CAPACITY, ReplayError, ReplayOptions, replay, state_after};
+use super::replay::{
+    DEFAULT_CAPACITY, Divergence, MAX_CAPACITY, OrderingReport, Readings, ReplayError,
+    ReplayOptions, state_after,
+};
+use crate::allocator::FitOrder;
 
 /// Which moment to explain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +99,8 @@ pub struct Explanation {
     /// Where the replay first differed from the recording, if it did (the figures are then
     /// not the recording's).
     pub divergence: Option<Divergence>,
+    /// The best-fit order replayed under and how it was found.
+    pub ordering: Option<OrderingReport>,
     /// At an OOM that a setting might avoid: each candidate configuration, replayed over the
     /// whole trace within the memory the job had, those with no OOM first (least peak
     /// reserved first). Empty when live tensors and the request exceed what the job had:
@@ -192,7 +198,8 @@ pub enum ExplainError {
     },
 }
 
-/// Explains `at` on `device` of `recording`, the device `capacity` bytes large where given.
+/// Explains `at` on `device` of `recording`, the device `capacity` bytes large where given,
+/// replayed in `order` where given, else in the order that reproduces the recording.
 ///
 /// # Errors
 /// [`ExplainError`] when there is nothing to explain or the replay cannot run.
@@ -201,6 +208,7 @@ pub fn explain(
     device: u32,
     at: At,
     capacity: Option<u64>,
+    order: Option<FitOrder>,
 ) -> Result<Explanation, ExplainError> {
     let events = super::replay::device_events(recording, device)?;
     let event = match at {
@@ -222,22 +230,22 @@ pub fn explain(
             });
         }
     };
-    // The device's size: given or recorded, else as a whole check replay settles it
-    // (inferred from expandable reservations where it can be, else assumed).
-    let (total, total_known) = match capacity.or(recording.simulated_device.map(|d| d.total_bytes))
-    {
-        Some(known) => (known.min(MAX_CAPACITY), true),
-        None => {
-            let check = ReplayOptions {
-                device,
-                check: true,
-                ..ReplayOptions::default()
-            };
-            let report = replay(recording, &check)?;
-            (report.capacity, report.capacity_inferred)
-        }
+    // The device's size: given or recorded, else as the check replays that find how the
+    // recording reads settle it (inferred from expandable reservations where they can be,
+    // else assumed).
+    let given = capacity.or(recording.simulated_device.map(|d| d.total_bytes));
+    let check = ReplayOptions {
+        device,
+        capacity: given.map(|c| c.min(MAX_CAPACITY)),
+        order,
+        ..ReplayOptions::default()
     };
-    let (mut alloc, divergence) = state_after(recording, device, total, event)?;
+    let readings = Readings::of(recording, &check)?;
+    let (total, total_known) = match (check.capacity, readings.inferred_capacity()) {
+        (Some(known), _) | (None, Some(known)) => (known, true),
+        (None, None) => (DEFAULT_CAPACITY, false),
+    };
+    let (mut alloc, divergence) = state_after(recording, device, total, event, &readings)?;
     let config = alloc.config().clone();
     let entry = events[event];
     // At another event the request is the last allocation up to it.
@@ -276,7 +284,7 @@ pub fn explain(
     let kinds = accounting.kinds(wanted, total_known.then_some(total));
     let candidates = match available {
         Some(available) if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator) => {
-            search(recording, device, total, available)?
+            search(recording, device, total, available, &readings)?
         }
         _ => Vec::new(),
     };
@@ -303,6 +311,7 @@ pub fn explain(
         sentence,
         pinning,
         divergence,
+        ordering: readings.ordering().cloned(),
         candidates,
     })
 }
@@ -334,6 +343,7 @@ fn search(
     device: u32,
     total: u64,
     available: u64,
+    readings: &Readings,
 ) -> Result<Vec<Candidate>, ExplainError> {
     let base = ReplayOptions {
         device,
@@ -341,8 +351,7 @@ fn search(
         available: Some(available),
         ..ReplayOptions::default()
     };
-    let readings = super::replay::Readings::of(recording, &base)?;
-    search_configurations(recording, &base, &readings)
+    search_configurations(recording, &base, readings)
 }
 
 /// The configuration search of an explanation, each candidate replayed with `base`'s

@@ -80,6 +80,8 @@ pub struct Recording {
     pub config: Option<AllocatorConfig>,
     /// The device the recording ran on, when recorded.
     pub simulated_device: Option<SimulatedDevice>,
+    /// Whether trace entries carry `pool_id`, which PyTorch writes from 2.12 on.
+    pub trace_pool_ids: bool,
 }
 
 fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
@@ -126,15 +128,18 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
             frames: Frames::default(),
             config: None,
             simulated_device: None,
+            trace_pool_ids: false,
         });
     }
     let segments = segments(&root.field("segments")?, budget)?;
     let mut device_traces = Vec::new();
     let mut event_stacks = Vec::new();
+    let mut trace_pool_ids = false;
     if let Some(traces) = root.get("device_traces")? {
         for events in traces.items()? {
             let (mut entries, mut stacks) = (Vec::new(), Vec::new());
             for e in events.items()? {
+                trace_pool_ids = trace_pool_ids || e.get("pool_id")?.is_some();
                 entries.push(event(&e, budget)?);
                 stacks.push(stack_of(&e)?);
             }
@@ -177,6 +182,7 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
         frames: Frames::default(),
         config,
         simulated_device,
+        trace_pool_ids,
     })
 }
 

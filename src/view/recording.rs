@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde::Serialize;
 
 use crate::AllocatorConfig;
-use crate::allocator::TraceAction;
+use crate::allocator::{FitOrder, TraceAction};
 use crate::trace::explain::{At, ExplainError, Explanation, explain, peak_reserved_event};
 use crate::trace::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
 use crate::trace::{Recording, ReplayReport};
@@ -96,6 +96,8 @@ pub struct RecordingView {
     recording: &'static Recording,
     name: String,
     capacity: Option<u64>,
+    /// The best-fit order asked for (`--pytorch`); `None`: found in the recording.
+    order: Option<FitOrder>,
     readings: Cache<u32, Readings>,
     cursors: Cache<Key, Mutex<Cursor<'static>>>,
     timelines: Cache<Key, ReplayReport>,
@@ -130,11 +132,17 @@ fn keep<K: PartialEq, V>(cache: &Cache<K, V>, key: K, value: Arc<V>, max: usize)
 impl RecordingView {
     /// A view of `recording` (kept for the life of the process), named `name`, on a device
     /// of `capacity` bytes where given (else the recording's, else inferred, else 80 GiB).
-    pub fn new(recording: &'static Recording, name: String, capacity: Option<u64>) -> Self {
+    pub fn new(
+        recording: &'static Recording,
+        name: String,
+        capacity: Option<u64>,
+        order: Option<FitOrder>,
+    ) -> Self {
         RecordingView {
             recording,
             name,
             capacity,
+            order,
             readings: Mutex::default(),
             cursors: Mutex::default(),
             timelines: Mutex::default(),
@@ -213,6 +221,7 @@ impl RecordingView {
             capacity: self.capacity,
             check: config.is_none(),
             config,
+            order: self.order,
             ..ReplayOptions::default()
         })
     }
@@ -225,6 +234,7 @@ impl RecordingView {
         let options = ReplayOptions {
             device,
             capacity: self.capacity,
+            order: self.order,
             ..ReplayOptions::default()
         };
         let readings = Arc::new(Readings::of(self.recording, &options)?);
@@ -349,6 +359,7 @@ impl RecordingView {
             device,
             At::Event(event),
             self.capacity,
+            self.order,
         )?);
         Ok(keep(
             &self.explanations,

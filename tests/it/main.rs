@@ -6,6 +6,7 @@ mod browser;
 mod common;
 mod expandable;
 mod explain;
+mod fit_order;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod hostile;

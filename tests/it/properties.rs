@@ -7,16 +7,17 @@
 //!
 //! The normal run covers 10^5 operations; `GPUMEM_SOAK_OPS=10000000` runs a longer soak.
 
+use gpumem::allocator::FitOrder;
 use gpumem::device::{SimConfig, SimDevice};
-use gpumem::ops::{Op, Run};
+use gpumem::ops::{ORDERS, Op, Run};
 use gpumem::workload::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use proptest::prelude::*;
 
 use crate::common::check;
 
-fn run_ops(ops: impl IntoIterator<Item = Op>) -> Result<(), String> {
-    let mut run = Run::new();
+fn run_ops(order: FitOrder, ops: impl IntoIterator<Item = Op>) -> Result<(), String> {
+    let mut run = Run::with_order(order);
     for (i, op) in ops.into_iter().enumerate() {
         run.apply(&op)
             .map_err(|e| format!("after op {i} {op:?}: {e}"))?;
@@ -30,10 +31,11 @@ proptest! {
     /// 100 cases × 1000 operations = 10^5 operations per test run.
     #[test]
     fn random_operations_keep_every_invariant(
+        order in 0..ORDERS.len(),
         raw in prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>()), 1000)
     ) {
         let ops = raw.into_iter().map(|(k, a, b)| Op::decode(k, a, b));
-        if let Err(e) = run_ops(ops) {
+        if let Err(e) = run_ops(ORDERS[order], ops) {
             prop_assert!(false, "{}", e);
         }
     }
@@ -56,8 +58,9 @@ fn soak() {
         let ops: Vec<Op> = (0..n)
             .map(|_| Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64()))
             .collect();
-        if let Err(e) = run_ops(ops) {
-            panic!("soak failed after {done} operations: {e}");
+        let order = ORDERS[(done / 100_000) as usize % ORDERS.len()];
+        if let Err(e) = run_ops(order, ops) {
+            panic!("soak failed after {done} operations under {order:?}: {e}");
         }
         done += n;
     }
@@ -105,7 +108,7 @@ fn random_runs_reach_the_recovery_paths() {
 #[test]
 fn operations_decode_to_every_kind() {
     let mut rng = XorShift::new(1);
-    let mut seen = [false; 10];
+    let mut seen = [false; 11];
     for _ in 0..10_000 {
         let op = Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64());
         let i = match op {
@@ -119,10 +122,11 @@ fn operations_decode_to_every_kind() {
             Op::FailNextMalloc { .. } => 7,
             Op::SetPlan { .. } => 8,
             Op::MallocPlanned { .. } => 9,
+            Op::HintAddress { .. } => 10,
         };
         seen[i] = true;
     }
-    assert_eq!(seen, [true; 10]);
+    assert_eq!(seen, [true; 11]);
     check(&Run::new().alloc);
 }
 

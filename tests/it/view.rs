@@ -14,7 +14,7 @@ use gpumem::allocator::{BlockState, TraceAction};
 use gpumem::device::StreamId;
 use gpumem::trace::explain::{At, explain};
 use gpumem::trace::read_recording;
-use gpumem::trace::replay::state_after;
+use gpumem::trace::replay::{Readings, ReplayOptions, state_after};
 
 use crate::agent::{Reaper, free_port, http_get, wait_for};
 use crate::browser::Browser;
@@ -108,8 +108,14 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         .position(|e| e.action == TraceAction::Oom)
         .expect("an OOM");
     let total = rec.simulated_device.expect("recorded").total_bytes;
+    let options = ReplayOptions {
+        capacity: Some(total),
+        ..ReplayOptions::default()
+    };
+    let readings = Readings::of(&rec, &options).expect("replays");
     let segments_at = |event: usize| {
-        let (mut alloc, divergence) = state_after(&rec, 0, total, event).expect("replays");
+        let (mut alloc, divergence) =
+            state_after(&rec, 0, total, event, &readings).expect("replays");
         assert!(divergence.is_none());
         alloc.snapshot().segments.len() as u64
     };
@@ -121,7 +127,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
     // The states of the replayed blocks just after `event`, in address order, as the page
     // names them.
     let states_at = |event: usize| {
-        let (mut alloc, _) = state_after(&rec, 0, total, event).expect("replays");
+        let (mut alloc, _) = state_after(&rec, 0, total, event, &readings).expect("replays");
         let mut replayed = alloc.snapshot().segments;
         replayed.sort_by_key(|s| s.address);
         let states: Vec<&str> = replayed
@@ -199,7 +205,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
                  alive: document.querySelectorAll('script:not([src]),img,iframe').length, \
                  title: document.title};",
     );
-    let e = explain(&rec, 0, At::Event(oom), None).expect("explains");
+    let e = explain(&rec, 0, At::Event(oom), None, None).expect("explains");
     assert_eq!(shown["sentence"], e.sentence.as_str(), "{shown}");
     assert_eq!(shown["hidden"], false, "{shown}");
     assert_eq!(

@@ -24,6 +24,7 @@ use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::trace::Recording;
 use crate::trace::start_state::{StartSegment, start_state};
 
+use super::order::Derivation;
 use super::report::{Compared, Divergence, SeriesPoint, describe};
 use super::{ReplayError, ReplayOptions, SYNTHETIC_STREAM_BASE, device_events};
 
@@ -61,6 +62,9 @@ pub(super) struct Engine<'a> {
     first_event: usize,
     /// Replaying a window: frees of blocks allocated before it are skipped.
     windowed: bool,
+    /// Check mode in a counter order: the start segments' order being read off the
+    /// recording (Note [Finding the order]).
+    pub(super) derivation: Option<Derivation>,
 }
 
 /// Events that drive an operation; everything else is an effect of the next one.
@@ -76,12 +80,17 @@ fn is_driver(action: TraceAction) -> bool {
 }
 
 impl<'a> Engine<'a> {
-    /// Loads the start state of `options.device`'s trace into `alloc`.
+    /// Loads the start state of `options.device`'s trace into `alloc`, its segments in the
+    /// order `start_order` gives (indices; by address without one, or where it does not fit).
+    /// With `derive`, a check replay in a counter order collects the precedences that order
+    /// the start segments.
     pub(super) fn start(
         recording: &'a Recording,
         options: &ReplayOptions,
         mut alloc: CachingAllocator<SimDevice>,
         releases_in_malloc: FxHashSet<usize>,
+        start_order: Option<&[usize]>,
+        derive: bool,
     ) -> Result<Self, ReplayError> {
         let all = device_events(recording, options.device)?;
         let window = options.window.clone().filter(|_| !options.check);
@@ -110,7 +119,16 @@ impl<'a> Engine<'a> {
         } else {
             &start.segments[..]
         };
-        for segment in restored {
+        let by_address: Vec<usize> = (0..restored.len()).collect();
+        let order = start_order
+            .filter(|o| o.len() == restored.len())
+            .unwrap_or(&by_address);
+        let derivation = (derive
+            && options.check
+            && alloc.fit_order() == crate::allocator::FitOrder::Counter
+            && restored.len() > 1)
+            .then(|| Derivation::new(restored.iter().map(|s| s.address).collect(), order));
+        for segment in order.iter().filter_map(|&i| restored.get(i)) {
             // Check mode places segments where the recording did; what-if lets the device
             // choose (recorded addresses are mapped to the chosen ones either way).
             if options.check {
@@ -172,6 +190,7 @@ impl<'a> Engine<'a> {
             reservation_spacing: None,
             first_event,
             windowed: window.is_some(),
+            derivation,
         })
     }
 
@@ -359,13 +378,13 @@ impl<'a> Engine<'a> {
         // a check pass found.
         if releases && malloc {
             if self.check {
-                let saved = self.alloc.clone();
+                let saved = (self.alloc.clone(), self.derivation.clone());
                 self.perform(i, j, driver, false)?;
                 if self.reproduces(i, end) {
                     self.releases_in_malloc.insert(i);
                     return Ok(end);
                 }
-                self.alloc = saved;
+                (self.alloc, self.derivation) = saved;
                 if let Some(d) = driver {
                     self.ptrs.remove(&d.addr);
                 }
@@ -418,18 +437,16 @@ impl<'a> Engine<'a> {
     fn drive(&mut self, j: usize, d: TraceEntry) -> Result<(), ReplayError> {
         let stream = StreamId(d.stream);
         match d.action {
-            TraceAction::Alloc => match self.alloc.malloc(d.size, stream) {
-                Ok(ptr) => {
-                    self.ptrs.insert(d.addr, ptr);
+            TraceAction::Alloc => {
+                if let Some(derivation) = &mut self.derivation {
+                    let ties = self.alloc.tied_best_fits(d.size, stream);
+                    if ties.len() > 1 {
+                        let event = self.first_event + j;
+                        derivation.observe(event, &ties, d.addr, &mut self.alloc);
+                    }
                 }
-                Err(e) if e.is_out_of_memory() && !self.check => {
-                    self.failed.insert(d.addr);
-                }
-                Err(e) if e.is_out_of_memory() => {
-                    // The comparison reports it: the trace has an `oom` where `alloc` was.
-                }
-                Err(e) => return Err(self.fail(j, e)),
-            },
+                self.malloc(j, d)?;
+            }
             TraceAction::Oom => {
                 if self.check {
                     self.alloc.device_mut().fail_all_allocations(true);
@@ -448,6 +465,23 @@ impl<'a> Engine<'a> {
                 self.alloc.snapshot();
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// The recorded allocation `d` at `j`, as a `malloc`.
+    fn malloc(&mut self, j: usize, d: TraceEntry) -> Result<(), ReplayError> {
+        match self.alloc.malloc(d.size, StreamId(d.stream)) {
+            Ok(ptr) => {
+                self.ptrs.insert(d.addr, ptr);
+            }
+            Err(e) if e.is_out_of_memory() && !self.check => {
+                self.failed.insert(d.addr);
+            }
+            Err(e) if e.is_out_of_memory() => {
+                // The comparison reports it: the trace has an `oom` where `alloc` was.
+            }
+            Err(e) => return Err(self.fail(j, e)),
         }
         Ok(())
     }

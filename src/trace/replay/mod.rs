@@ -33,6 +33,7 @@
 
 mod compare;
 mod engine;
+mod order;
 mod report;
 
 use std::sync::Arc;
@@ -40,13 +41,15 @@ use std::sync::Arc;
 use rustc_hash::FxHashSet;
 
 use crate::allocator::size::{LARGE_BUFFER, SMALL_BUFFER};
-use crate::allocator::{AllocError, CachingAllocator, Plan, TraceEntry};
+use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 
 use super::Recording;
 use super::start_state::StartStateError;
 use engine::Engine;
+pub use order::OrderingReport;
+use order::{Derivation, Found};
 pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
 
 /// The device memory assumed when neither the recording nor the user says: the 80 GiB of
@@ -87,6 +90,9 @@ pub struct ReplayOptions {
     /// Follow this placement plan (Note [Planned placement]): in what-if mode a policy to
     /// evaluate, in check mode the plan the recorded gpumem job followed.
     pub plan: Option<Arc<Plan>>,
+    /// The best-fit order of the release that made the recording (`--pytorch`); `None`: the
+    /// order found in the recording (Note [Finding the order]).
+    pub order: Option<FitOrder>,
 }
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -153,14 +159,17 @@ pub fn replay_with_progress(
     replay_following(recording, options, &readings, progress)
 }
 
-/// How a recording's ambiguous release runs read (Note [Reading releases]): the readings that
-/// reproduce it under its own configuration, which what-if replays follow. Found by one check
-/// replay; compute them once for several what-if replays of the same device and capacity.
+/// How a recording reads: its ambiguous release runs (Note [Reading releases]) and its
+/// best-fit order (Note [Finding the order]), as they reproduce it under its own
+/// configuration; what-if replays follow them. Found by check replays; compute them once for
+/// several what-if replays of the same device and capacity.
 #[derive(Clone, Debug, Default)]
 pub struct Readings {
     releases_in_malloc: FxHashSet<usize>,
     /// The device memory inferred by the check replay, where it had to infer it.
     inferred_capacity: Option<u64>,
+    /// The order found, with the start segments' order; `None` before a check replay.
+    found: Option<Found>,
 }
 
 impl Readings {
@@ -197,7 +206,33 @@ impl Readings {
         Ok(Readings {
             releases_in_malloc: run.releases_in_malloc,
             inferred_capacity: run.report.capacity_inferred.then_some(run.report.capacity),
+            found: Some(run.found),
         })
+    }
+
+    /// The device memory the check replays inferred, where they had to infer it.
+    pub fn inferred_capacity(&self) -> Option<u64> {
+        self.inferred_capacity
+    }
+
+    /// How the order was found, once a check replay found it.
+    pub fn ordering(&self) -> Option<&OrderingReport> {
+        self.found.as_ref().map(|f| &f.report)
+    }
+
+    /// The order to follow: the one `options` names (with the start order found for it, if
+    /// the readings were found in it), else the one found, else PyTorch 2.15's.
+    fn found_or(&self, options: &ReplayOptions) -> Found {
+        match (&self.found, options.order) {
+            (Some(found), None) => found.clone(),
+            (Some(found), Some(order)) if found.order == order => found.clone(),
+            (_, Some(order)) => {
+                let mut named = Found::named(order);
+                named.report.ordering_source = "flag";
+                named
+            }
+            (None, None) => Found::named(FitOrder::default()),
+        }
     }
 }
 
@@ -224,6 +259,7 @@ pub fn replay_following(
         &inferred,
         progress,
         readings.releases_in_malloc.clone(),
+        &readings.found_or(options),
     )?;
     run.report.capacity_inferred =
         options.capacity.is_none() && readings.inferred_capacity.is_some();
@@ -237,18 +273,111 @@ struct Run {
     releases_in_malloc: FxHashSet<usize>,
     /// See `Engine::reservation_spacing`.
     reservation_spacing: Option<u64>,
+    /// The order followed, and what is known of the start segments' order.
+    found: Found,
+    /// The precedences a check replay in the counter order collected.
+    derivation: Option<Derivation>,
 }
 
-/// A check replay. Where neither the user nor the recording gives the device's memory and the
-/// recording placed a second expandable reservation inside the simulated device's first, the
-/// spacing of the two is the recorded device's reservation size: the device memory it implies
-/// is replayed again, and the report says it was inferred.
+/// A check replay, in the order `options.order` names or, without one, in the order that
+/// reproduces the recording (Note [Finding the order]).
 fn check_run(
     recording: &Recording,
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Run, ReplayError> {
-    let run = run_with(recording, options, progress, FxHashSet::default())?;
+    if let Some(order) = options.order {
+        let mut run = check_in(recording, options, order, progress)?;
+        run.found.report.ordering_source = "flag";
+        run.report.ordering = run.found.report.clone();
+        return Ok(run);
+    }
+    let [first, second, third] = order::candidates(recording.trace_pool_ids);
+    let run = check_in(recording, options, first, progress)?;
+    if run.report.divergence.is_none() {
+        // Does the other of the two main orders reproduce it too?
+        let other = if first == FitOrder::Address {
+            FitOrder::Counter
+        } else {
+            FitOrder::Address
+        };
+        let again = check_in(recording, options, other, progress)?;
+        if again.report.divergence.is_some() {
+            return Ok(run);
+        }
+        let mut both = if again.found.order == FitOrder::Counter {
+            again
+        } else {
+            run
+        };
+        both.found.report.ordering = "both".to_string();
+        both.report.ordering = both.found.report.clone();
+        return Ok(both);
+    }
+    for order in [second, third] {
+        let again = check_in(recording, options, order, progress)?;
+        if again.report.divergence.is_none() {
+            return Ok(again);
+        }
+    }
+    Ok(run)
+}
+
+/// A check replay in `order`: for the counter order of a recording that starts with two
+/// segments or more, one replay collects the precedences between them and, where it had to
+/// reorder them, one more verifies the order derived.
+fn check_in(
+    recording: &Recording,
+    options: &ReplayOptions,
+    order: FitOrder,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Run, ReplayError> {
+    let mut found = Found::named(order);
+    let mut run = check_on_capacity(recording, options, progress, &found)?;
+    let starts = run.report.start_segments;
+    let report = &mut found.report;
+    report.counter_order = match order {
+        FitOrder::Address => None,
+        _ if starts == 0 || (starts == 1 && order == FitOrder::Counter) => Some("known"),
+        FitOrder::BlockCounter => Some("partly_guessed"),
+        FitOrder::Counter => Some("derived"),
+    };
+    if let Some(derivation) = run.derivation.take() {
+        match derivation.finish() {
+            Ok((start_order, guessed)) => {
+                if !guessed.is_empty() {
+                    report.counter_order = Some("partly_guessed");
+                }
+                report.guessed_segments = guessed;
+                found.start_order = Some(start_order);
+                if derivation.reordered {
+                    run = check_on_capacity(recording, options, progress, &found)?;
+                }
+            }
+            Err(why) => {
+                report.counter_order = None;
+                report.contradiction = Some(why);
+            }
+        }
+    }
+    found.report.reproduces = run.report.divergence.is_none();
+    run.report.ordering = found.report.clone();
+    run.found = found;
+    Ok(run)
+}
+
+/// A check replay in `found`'s order (collecting precedences between the start segments in
+/// the counter order while their order is unknown). Where neither the user nor the recording gives the
+/// device's memory and the recording placed a second expandable reservation inside the
+/// simulated device's first, the spacing of the two is the recorded device's reservation
+/// size: the device memory it implies is replayed again, and the report says it was inferred.
+fn check_on_capacity(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+    found: &Found,
+) -> Result<Run, ReplayError> {
+    let run = run_with(recording, options, progress, FxHashSet::default(), found)?;
     let unknown = options.capacity.is_none() && recording.simulated_device.is_none();
     let Some(spacing) = run.reservation_spacing.filter(|_| unknown) else {
         return Ok(run);
@@ -257,7 +386,7 @@ fn check_run(
         capacity: Some(capacity_for_reservation(spacing)),
         ..options.clone()
     };
-    let mut again = run_with(recording, &inferred, progress, FxHashSet::default())?;
+    let mut again = run_with(recording, &inferred, progress, FxHashSet::default(), found)?;
     again.report.capacity_inferred = true;
     Ok(again)
 }
@@ -283,7 +412,8 @@ pub fn capacity_for_reservation(reservation: u64) -> u64 {
 /// The allocator as an exact (check) replay of `device`'s trace on `capacity` bytes leaves
 /// it just after event `stop`: at an `oom` entry, the state the failing allocation left
 /// (its cache flushed), which is what PyTorch's own snapshot at the error shows. Also says
-/// where the replay first differed from the recording, if it did before `stop`.
+/// where the replay first differed from the recording, if it did before `stop`. In the order
+/// `readings` found (`Readings::of`).
 ///
 /// # Errors
 /// As [`replay()`].
@@ -292,6 +422,7 @@ pub fn state_after(
     device: u32,
     capacity: u64,
     stop: usize,
+    readings: &Readings,
 ) -> Result<(CachingAllocator<SimDevice>, Option<Divergence>), ReplayError> {
     let options = ReplayOptions {
         device,
@@ -299,7 +430,7 @@ pub fn state_after(
         check: true,
         ..ReplayOptions::default()
     };
-    let mut cursor = Cursor::new(recording, &options, &Readings::default())?;
+    let mut cursor = Cursor::new(recording, &options, readings)?;
     cursor.seek(stop)?;
     let Cursor { engine, .. } = cursor;
     Ok((engine.alloc, engine.divergence))
@@ -312,6 +443,7 @@ pub struct Cursor<'a> {
     recording: &'a Recording,
     options: ReplayOptions,
     releases: FxHashSet<usize>,
+    found: Found,
     engine: Engine<'a>,
 }
 
@@ -336,11 +468,13 @@ impl<'a> Cursor<'a> {
         } else {
             readings.releases_in_malloc.clone()
         };
-        let (engine, _) = engine_for(recording, &options, releases.clone())?;
+        let found = readings.found_or(&options);
+        let (engine, _) = engine_for(recording, &options, releases.clone(), &found)?;
         Ok(Cursor {
             recording,
             options,
             releases,
+            found,
             engine,
         })
     }
@@ -353,7 +487,8 @@ impl<'a> Cursor<'a> {
     pub fn seek(&mut self, event: usize) -> Result<(), ReplayError> {
         let target = event.saturating_add(1);
         if target < self.engine.position {
-            self.engine = engine_for(self.recording, &self.options, self.releases.clone())?.0;
+            let releases = self.releases.clone();
+            self.engine = engine_for(self.recording, &self.options, releases, &self.found)?.0;
         }
         self.engine.advance(target, &mut |_, _| {})
     }
@@ -374,11 +509,13 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// The engine of one replay, at the trace's start, with its configuration.
+/// The engine of one replay, at the trace's start, in `found`'s order, with its
+/// configuration.
 fn engine_for<'a>(
     recording: &'a Recording,
     options: &ReplayOptions,
     releases_in_malloc: FxHashSet<usize>,
+    found: &Found,
 ) -> Result<(Engine<'a>, AllocatorConfig), ReplayError> {
     let recorded_config = recording.config.clone().unwrap_or_default();
     let config = options
@@ -401,7 +538,8 @@ fn engine_for<'a>(
     } else if let Some(available) = options.available {
         sim.other_process_bytes = capacity.saturating_sub(available);
     }
-    let mut alloc = CachingAllocator::new(SimDevice::new(sim), config.clone());
+    let mut alloc =
+        CachingAllocator::with_fit_order(SimDevice::new(sim), config.clone(), found.order);
     if let Some(plan) = &options.plan {
         alloc
             .set_plan(plan.clone())
@@ -412,7 +550,15 @@ fn engine_for<'a>(
             .set_memory_fraction(fraction)
             .map_err(ReplayError::BeforeTrace)?;
     }
-    let engine = Engine::start(recording, options, alloc, releases_in_malloc)?;
+    let start_order = found.start_order.as_deref();
+    let engine = Engine::start(
+        recording,
+        options,
+        alloc,
+        releases_in_malloc,
+        start_order,
+        start_order.is_none(),
+    )?;
     Ok((engine, config))
 }
 
@@ -422,8 +568,9 @@ fn run_with(
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashSet<usize>,
+    found: &Found,
 ) -> Result<Run, ReplayError> {
-    let (mut engine, config) = engine_for(recording, options, releases_in_malloc)?;
+    let (mut engine, config) = engine_for(recording, options, releases_in_malloc, found)?;
     let capacity = engine.alloc.device().config().capacity;
     // The report covers the trace: counters start at zero, peaks at the start state.
     engine.alloc.reset_accumulated_stats();
@@ -456,11 +603,14 @@ fn run_with(
         series: engine.series,
         capacity,
         capacity_inferred: false,
+        ordering: found.report.clone(),
     };
     Ok(Run {
         report,
         releases_in_malloc: engine.releases_in_malloc,
         reservation_spacing: engine.reservation_spacing,
+        found: found.clone(),
+        derivation: engine.derivation,
     })
 }
 
@@ -501,7 +651,14 @@ impl<'a> Replayer<'a> {
             device,
             ..ReplayOptions::default()
         };
-        let engine = Engine::start(recording, &options, alloc, FxHashSet::default())?;
+        let engine = Engine::start(
+            recording,
+            &options,
+            alloc,
+            FxHashSet::default(),
+            None,
+            false,
+        )?;
         Ok(Replayer { engine })
     }
 

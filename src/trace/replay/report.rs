@@ -106,6 +106,8 @@ pub struct ReplayReport {
     /// Whether `capacity` was inferred from the spacing of the recording's expandable
     /// reservations (neither the user nor the recording said).
     pub capacity_inferred: bool,
+    /// The best-fit order replayed under and how it was chosen (Note [Finding the order]).
+    pub ordering: super::OrderingReport,
 }
 
 impl ReplayReport {
