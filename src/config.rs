@@ -49,7 +49,7 @@ impl PyTorchVersion {
     /// Release `major.minor`, if gpumem knows it (2.0 to 2.15).
     pub fn new(major: u32, minor: u32) -> Option<PyTorchVersion> {
         (major == 2 && minor <= u32::from(Self::LATEST.minor))
-            .then(|| PyTorchVersion { minor: minor as u8 })
+            .then_some(PyTorchVersion { minor: minor as u8 })
     }
 
     /// The minor release number (the major is 2).

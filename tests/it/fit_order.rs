@@ -151,6 +151,9 @@ fn check_cli(name: &str, json: &[u8], flags: &[&str]) -> (serde_json::Value, boo
     (value[0].clone(), out.status.success())
 }
 
+/// What a recording's job does once history is on.
+type Program = fn(&mut CachingAllocator<SimDevice>, Vec<DevicePtr>);
+
 /// Two cached 20 MiB segments, the older at the higher address, then a 20 MiB request.
 fn two_segments(a: &mut CachingAllocator<SimDevice>, _: Vec<DevicePtr>) {
     let b = base(a);
@@ -165,11 +168,7 @@ fn two_segments(a: &mut CachingAllocator<SimDevice>, _: Vec<DevicePtr>) {
 #[test]
 fn replay_finds_the_order_that_made_a_recording() {
     let nothing = |_: &mut CachingAllocator<SimDevice>| Vec::new();
-    let cases: [(
-        &str,
-        FitOrder,
-        fn(&mut CachingAllocator<SimDevice>, Vec<DevicePtr>),
-    ); 4] = [
+    let cases: [(&str, FitOrder, Program); 4] = [
         ("counter", FitOrder::Counter, two_segments),
         ("address", FitOrder::Address, two_segments),
         ("block_counter", FitOrder::BlockCounter, |a, _| {
