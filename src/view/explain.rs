@@ -50,6 +50,64 @@ fn text_cell(field: &str, text: &str) -> String {
     format!("<td data-field=\"{field}\" data-value=\"{t}\">{t}</td>")
 }
 
+/// A string or null.
+fn optional_text_cell(field: &str, text: Option<&str>) -> String {
+    match text {
+        Some(t) => text_cell(field, t),
+        None => format!("<td data-field=\"{field}\" data-value=\"null\">none</td>"),
+    }
+}
+
+/// The best-fit order the figures were replayed under, and how it was found.
+fn ordering(b: &mut String, e: &Explanation) {
+    let Some(o) = &e.ordering else {
+        let _ = writeln!(
+            b,
+            "<p data-field=\"ordering\" data-value=\"null\">The best-fit order was not established.</p>"
+        );
+        return;
+    };
+    let _ = writeln!(
+        b,
+        "<h2>Best-fit order</h2>\n<p>{}</p>\n<table id=\"ordering\">",
+        escape(&o.sentence())
+    );
+    row(
+        b,
+        "replayed under",
+        text_cell("ordering.replayed", o.replayed.name()),
+    );
+    row(b, "ordering", text_cell("ordering.ordering", &o.ordering));
+    row(
+        b,
+        "found from",
+        text_cell("ordering.ordering_source", o.ordering_source),
+    );
+    row(
+        b,
+        "counter order",
+        optional_text_cell("ordering.counter_order", o.counter_order),
+    );
+    row(
+        b,
+        "reproduces",
+        value_cell("ordering.reproduces", o.reproduces),
+    );
+    row(
+        b,
+        "contradiction",
+        optional_text_cell("ordering.contradiction", o.contradiction.as_deref()),
+    );
+    for (i, address) in o.guessed_segments.iter().enumerate() {
+        row(
+            b,
+            "placed by address",
+            value_cell(&format!("ordering.guessed_segments.{i}"), address),
+        );
+    }
+    let _ = writeln!(b, "</table>");
+}
+
 /// The page for `e`, titled by `name` (the recording's file name). `confirm`, where given, is
 /// the command that confirms the best candidate.
 pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
@@ -117,6 +175,7 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     row(&mut b, "pool", text_cell("request.pool", r.pool));
     row(&mut b, "stream", value_cell("request.stream", r.stream));
     let _ = writeln!(b, "</table>");
+    ordering(&mut b, e);
 
     let _ = writeln!(
         b,

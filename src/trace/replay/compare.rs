@@ -17,17 +17,19 @@ use super::report::{Divergence, describe};
 
 impl Engine<'_> {
     /// Whether the core's events since the last comparison are exactly the recorded
-    /// `start..end`; if so they are counted, else left for [`Engine::compare`].
+    /// `start..end`; if so they are counted, else left for [`Engine::compare`] (where they
+    /// first differed is kept in `reading_differed`).
     pub(super) fn reproduces(&mut self, start: usize, end: usize) -> bool {
         let actual = self.alloc.take_trace();
         let expected = &self.events[start..end];
-        let matches = first_difference(expected, &actual).is_none();
-        if matches {
+        let difference = first_difference(expected, &actual);
+        if difference.is_none() {
             for x in expected {
                 self.count(x.action);
             }
         }
-        matches
+        self.reading_differed = difference.map(|k| (start + k, actual.get(k).copied()));
+        difference.is_none()
     }
 
     /// Compares what the core emitted with the recorded events `start..end`.
@@ -49,6 +51,7 @@ impl Engine<'_> {
                 }
                 let index = start + k.min(expected.len());
                 let expected = expected.get(k).map_or("nothing more".to_string(), describe);
+                self.diverged_as = actual.get(k).copied();
                 let actual = actual.get(k).map_or("nothing".to_string(), describe);
                 self.diverge(index, expected, actual);
             }

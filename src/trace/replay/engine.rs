@@ -24,7 +24,7 @@ use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::trace::Recording;
 use crate::trace::start_state::{StartSegment, start_state};
 
-use super::order::Derivation;
+use super::order::{Derivation, RunReadings};
 use super::report::{Compared, Divergence, SeriesPoint, describe};
 use super::{ReplayError, ReplayOptions, SYNTHETIC_STREAM_BASE, device_events};
 
@@ -65,6 +65,54 @@ pub(super) struct Engine<'a> {
     /// Check mode in a counter order: the start segments' order being read off the
     /// recording (Note [Finding the order]).
     pub(super) derivation: Option<Derivation>,
+    /// What the core did at the divergence, where it did something.
+    pub(super) diverged_as: Option<TraceEntry>,
+    /// Where the allocator's own reading of the last release run first differed from the
+    /// recording, and what the core did there (Note [Reading releases]).
+    pub(super) reading_differed: Option<(usize, Option<TraceEntry>)>,
+}
+
+/// The most times one run of releases is replayed while deriving the start segments' order.
+const MAX_RELEASE_RETRIES: usize = 64;
+
+/// The engine's state before an operation, to try it again (Note [Finding the order]).
+struct Saved {
+    alloc: CachingAllocator<SimDevice>,
+    derivation: Option<Derivation>,
+    ptrs: FxHashMap<u64, DevicePtr>,
+    deferred: FxHashMap<u64, StreamId>,
+    next_stream: u64,
+    releases_in_malloc: FxHashSet<usize>,
+    compared: Compared,
+}
+
+impl Saved {
+    fn of(engine: &Engine<'_>) -> Saved {
+        Saved {
+            alloc: engine.alloc.clone(),
+            derivation: engine.derivation.clone(),
+            ptrs: engine.ptrs.clone(),
+            deferred: engine.deferred.clone(),
+            next_stream: engine.next_stream,
+            releases_in_malloc: engine.releases_in_malloc.clone(),
+            compared: engine.compared,
+        }
+    }
+
+    /// Puts `engine` back as it was.
+    fn restore(&self, engine: &mut Engine<'_>) {
+        engine.alloc = self.alloc.clone();
+        engine.ptrs = self.ptrs.clone();
+        engine.deferred = self.deferred.clone();
+        engine.next_stream = self.next_stream;
+        engine.releases_in_malloc = self.releases_in_malloc.clone();
+        engine.compared = self.compared;
+        engine.divergence = None;
+        engine.diverged_as = None;
+        engine.reading_differed = None;
+        engine.reservation_spacing = None;
+        engine.derivation = self.derivation.clone();
+    }
 }
 
 /// Events that drive an operation; everything else is an effect of the next one.
@@ -191,6 +239,8 @@ impl<'a> Engine<'a> {
             first_event,
             windowed: window.is_some(),
             derivation,
+            diverged_as: None,
+            reading_differed: None,
         })
     }
 
@@ -334,8 +384,112 @@ impl<'a> Engine<'a> {
         Ok(end)
     }
 
-    /// The effects starting at `i` and the operation that produced them.
+    /// The effects starting at `i` and the operation that produced them. While the start
+    /// segments' order is being derived, a run of releases that frees equal-size start
+    /// segments in another order than the recording's says which was obtained first: the
+    /// operation is tried again after each precedence it suggests (Note [Finding the order]).
     fn operation(&mut self, i: usize) -> Result<usize, ReplayError> {
+        let releases = self.events[i..]
+            .iter()
+            .take_while(|e| !is_driver(e.action))
+            .any(|e| e.action == TraceAction::SegmentFree);
+        if self.derivation.is_none() || !releases {
+            return self.operation_once(i);
+        }
+        let saved = Saved::of(self);
+        let mut readings = RunReadings::default();
+        for _ in 0..MAX_RELEASE_RETRIES {
+            let end = self.operation_once(i)?;
+            let Some(d) = self.divergence.as_ref() else {
+                self.settle_releases(&saved.alloc, i, end);
+                return Ok(end);
+            };
+            // Where the release run went another way between two equal start segments: in
+            // the reading that was kept, or in the allocator's own that was not.
+            let derivation = self.derivation.as_ref().expect("deriving");
+            let swapped = |(index, actual): (usize, Option<TraceEntry>)| {
+                let expected = self.events.get(index)?;
+                let actual = actual?;
+                let releases = expected.action == TraceAction::SegmentFree
+                    && actual.action == TraceAction::SegmentFree
+                    && (actual.size, actual.stream) == (expected.size, expected.stream);
+                releases.then_some(())?;
+                let e = derivation.segment_at(expected.addr)?;
+                Some((index, e, derivation.segment_at(actual.addr)?))
+            };
+            let Some((index, e, a)) = swapped((d.index, self.diverged_as))
+                .or_else(|| self.reading_differed.and_then(swapped))
+            else {
+                return Ok(end);
+            };
+            let (first, chain) = self.equal_releases(index);
+            let event = self.first_event + i;
+            let applied = readings.next(first, &chain, e, a).into_iter().find(|next| {
+                saved.restore(self);
+                let derivation = self.derivation.as_mut().expect("deriving");
+                next.edges()
+                    .into_iter()
+                    .all(|(x, y)| derivation.prefer(event, x, y, &mut self.alloc))
+            });
+            match applied {
+                Some(next) => readings = next,
+                None => {
+                    saved.restore(self);
+                    return self.operation_once(i);
+                }
+            }
+        }
+        self.operation_once(i)
+    }
+
+    /// The recorded run of `segment_free` events around `index` of its size and stream: its
+    /// first event, and its start segments in recorded order.
+    fn equal_releases(&self, index: usize) -> (usize, Vec<u32>) {
+        let e = self.events[index];
+        let same = |x: &TraceEntry| {
+            x.action == TraceAction::SegmentFree && (x.size, x.stream) == (e.size, e.stream)
+        };
+        let first = self.events[..index]
+            .iter()
+            .rposition(|x| !same(x))
+            .map_or(0, |k| k + 1);
+        let derivation = self.derivation.as_ref().expect("deriving");
+        let chain = self.events[first..]
+            .iter()
+            .take_while(|x| same(x))
+            .filter_map(|x| derivation.segment_at(x.addr))
+            .collect();
+        (first, chain)
+    }
+
+    /// Keeps what a release run `i..end` that reproduced the recording says of the start
+    /// segments: how each released one stands to every equal whole free one (released or
+    /// not) it was chosen among, as the order it reproduced under has them. `before` is the
+    /// allocator before the run.
+    fn settle_releases(&mut self, before: &CachingAllocator<SimDevice>, i: usize, end: usize) {
+        let Some(derivation) = self.derivation.as_mut() else {
+            return;
+        };
+        let released: Vec<u64> = self.events[i..end]
+            .iter()
+            .filter(|e| e.action == TraceAction::SegmentFree)
+            .map(|e| e.addr)
+            .collect();
+        let whole_free: Vec<(u64, (u64, u64, &'static str))> = before
+            .segment_infos()
+            .into_iter()
+            .filter(|s| {
+                !s.is_expandable
+                    && s.blocks.len() == 1
+                    && s.blocks[0].state == crate::allocator::BlockState::Inactive
+            })
+            .map(|s| (s.address, (s.total_size, s.stream, s.segment_type)))
+            .collect();
+        derivation.settle(&released, &whole_free);
+    }
+
+    /// The effects starting at `i` and the operation that produced them, once.
+    fn operation_once(&mut self, i: usize) -> Result<usize, ReplayError> {
         let n = self.events.len();
         let j = (i..n)
             .find(|&k| is_driver(self.events[k].action))

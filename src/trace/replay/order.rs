@@ -13,10 +13,13 @@
 //! The counter order needs the order in which segments were obtained. Those the trace
 //! creates follow its events, but a recording that starts mid-run lists its first segments
 //! by address. Every allocation that chose among equal-size free blocks of two of those
-//! segments says which was obtained first: [`Derivation`] collects these precedences in
-//! one replay (reordering the replay's counters as they arrive, so that the replay keeps
-//! following the recording), orders the segments topologically (unconstrained ones by
-//! address, and reported as guessed), and one more replay verifies the order. A cycle, or an
+//! segments says which was obtained first, and so does every run of releases that freed
+//! equal-size segments of them in an order of its own (a flush and garbage collection go up
+//! the pool's order, the release of oversize blocks down it: the engine tries the one
+//! precedence, then the other, on that operation alone). [`Derivation`] collects these
+//! precedences in one replay (reordering the replay's counters as they arrive, so that the
+//! replay keeps following the recording), orders the segments topologically (unconstrained
+//! ones by address, and reported as guessed), and one more replay verifies the order. A cycle, or an
 //! allocation that took a block of a newer segment over an equal one of an older, means the
 //! counter order cannot reproduce the recording. In 2.12's block-counter order every block
 //! has its own counter: a start state's blocks are numbered by address, as guessed.
@@ -196,16 +199,75 @@ impl Derivation {
         for &(_, c) in ties.iter().filter(|t| t.1 < n && t.1 != counter) {
             self.edges.insert((a, self.idx_of[c as usize]));
         }
-        if ties.iter().all(|t| t.1 >= counter) {
-            return;
+        if ties.iter().any(|t| t.1 < counter) {
+            self.rerank(event, alloc);
         }
+    }
+
+    /// Keeps, for each start segment in `released` (a release run that reproduced the
+    /// recording), its place in the current order against every other start segment among
+    /// `whole_free` (address, then size, stream and pool) with the same size, stream and
+    /// pool: the run's outcome rests on those places.
+    pub fn settle<K: PartialEq>(&mut self, released: &[u64], whole_free: &[(u64, K)]) {
+        for &r in released {
+            let (Some(e), Some((_, kind))) =
+                (self.segment_at(r), whole_free.iter().find(|w| w.0 == r))
+            else {
+                continue;
+            };
+            for (addr, other) in whole_free {
+                let Some(c) = self.segment_at(*addr).filter(|&c| c != e && other == kind) else {
+                    continue;
+                };
+                let edge = if self.rank_of[e as usize] < self.rank_of[c as usize] {
+                    (e, c)
+                } else {
+                    (c, e)
+                };
+                self.edges.insert(edge);
+            }
+        }
+    }
+
+    /// The start segment at `address`, if one starts there.
+    pub fn segment_at(&self, address: u64) -> Option<u32> {
+        self.addresses
+            .iter()
+            .position(|&a| a == address)
+            .map(|i| i as u32)
+    }
+
+    /// Records that start segment `earlier` was obtained before `later` (a release run's
+    /// order says so) and reorders `alloc`'s counters to agree; false if that contradicts
+    /// what is known (the precedence is then not kept).
+    pub fn prefer(
+        &mut self,
+        event: usize,
+        earlier: u32,
+        later: u32,
+        alloc: &mut CachingAllocator<SimDevice>,
+    ) -> bool {
+        if self.contradiction.is_some() || self.edges.contains(&(later, earlier)) {
+            return false;
+        }
+        self.edges.insert((earlier, later));
+        if self.topological().is_none() {
+            self.edges.remove(&(earlier, later));
+            return false;
+        }
+        self.rerank(event, alloc);
+        self.contradiction.is_none()
+    }
+
+    /// Puts `alloc`'s start segments in an order every precedence holds in.
+    fn rerank(&mut self, event: usize, alloc: &mut CachingAllocator<SimDevice>) {
         let Some(order) = self.topological() else {
             self.contradiction = Some(format!(
                 "event {event}: the recording's choices between its first segments contradict each other"
             ));
             return;
         };
-        let mut new_of = vec![0u32; n as usize];
+        let mut new_of = vec![0u32; order.len()];
         for (rank, &i) in order.iter().enumerate() {
             new_of[self.rank_of[i] as usize] = rank as u32;
         }
@@ -272,6 +334,64 @@ impl Derivation {
             Vec::new()
         };
         Ok((order, guessed))
+    }
+}
+
+/// How the recorded runs of equal releases of one operation are read while it is retried:
+/// each run went up the pool's order (a flush, garbage collection, the oversize release's
+/// single pick: the recorded segment first) or down it (the oversize release's walk: the
+/// recorded segment last), with the precedences that reading implies.
+#[derive(Clone, Debug, Default)]
+pub(super) struct RunReadings {
+    taken: Vec<RunReading>,
+    /// Readings begun, per run and direction: each at most once.
+    tried: FxHashSet<(usize, bool)>,
+}
+
+/// One run's reading: (its first event, down the order, its precedences).
+type RunReading = (usize, bool, Vec<(u32, u32)>);
+
+impl RunReadings {
+    /// The readings to try after the run starting at `first` (its start segments `chain`, in
+    /// recorded order) released `a` where the recording released `e`: the direction this
+    /// run was taken in so far with the new pair, then the other; none when both were tried.
+    pub fn next(&self, first: usize, chain: &[u32], e: u32, a: u32) -> Vec<RunReadings> {
+        let known = self.taken.iter().position(|t| t.0 == first);
+        let directions = match known.map(|k| self.taken[k].1) {
+            Some(down) => [down, !down],
+            None => [false, true],
+        };
+        let mut readings = Vec::new();
+        for down in directions {
+            let pair = if down { (a, e) } else { (e, a) };
+            let mut next = self.clone();
+            let mut edges: Vec<(u32, u32)> = match known.filter(|&k| self.taken[k].1 == down) {
+                // Taken this way already: only a new pair is progress.
+                Some(k) if self.taken[k].2.contains(&pair) => continue,
+                Some(k) => self.taken[k].2.clone(),
+                None if next.tried.insert((first, down)) => {
+                    let mut chain = chain.to_vec();
+                    if down {
+                        chain.reverse();
+                    }
+                    chain.windows(2).map(|w| (w[0], w[1])).collect()
+                }
+                None => continue,
+            };
+            edges.push(pair);
+            next.taken.retain(|t| t.0 != first);
+            next.taken.push((first, down, edges));
+            readings.push(next);
+        }
+        readings
+    }
+
+    /// Every precedence taken.
+    pub fn edges(&self) -> Vec<(u32, u32)> {
+        self.taken
+            .iter()
+            .flat_map(|t| t.2.iter().copied())
+            .collect()
     }
 }
 
