@@ -14,7 +14,11 @@
 //!
 //! `recorded` also runs PyTorch's own allocator design (`pytorch_design`: the C++17 peer in
 //! `baseline/`, with its sets, heap blocks, flat hash maps, locks and stat arrays), after
-//! checking that it returns gpumem's addresses and statistics on the same events.
+//! checking that it returns gpumem's addresses and statistics on the same events. Both run
+//! under each best-fit order, side by side: `address` (PyTorch 2.11 and before) and
+//! `counter` (2.13 and later: the segment counter breaks ties among equal sizes). On these
+//! recordings segments are never released, so addresses follow creation and the two orders
+//! make the same decisions (checked): the rows price the order's comparisons.
 //!
 //! Each group also runs offset-allocator behind a pointer map (`offset_allocator_by_address`):
 //! it frees by handle, while gpumem, like PyTorch's allocator, is handed back only the
@@ -29,7 +33,7 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gpumem::allocator::TraceAction;
+use gpumem::allocator::{FitOrder, TraceAction};
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::workload::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
@@ -50,6 +54,20 @@ fn gpumem_allocator() -> CachingAllocator<SimDevice> {
     CachingAllocator::new(
         SimDevice::new(SimConfig::with_capacity(CAPACITY)),
         AllocatorConfig::default(),
+    )
+}
+
+/// The orders `recorded` runs under: (row suffix, gpumem's order, the C++ peer's).
+const ORDERS: [(&str, FitOrder, bool); 2] = [
+    ("address", FitOrder::Address, false),
+    ("counter", FitOrder::Counter, true),
+];
+
+fn gpumem_in(order: FitOrder) -> CachingAllocator<SimDevice> {
+    CachingAllocator::with_fit_order(
+        SimDevice::new(SimConfig::with_capacity(CAPACITY)),
+        AllocatorConfig::default(),
+        order,
     )
 }
 
@@ -228,11 +246,17 @@ fn recorded_events(file: &str) -> (Vec<Event>, usize) {
 }
 
 /// Checks, before anything is timed, that PyTorch's design (the C++ peer) makes gpumem's
-/// decisions on `events`: the same address for every allocation, and the same statistics
-/// after every event.
-fn same_decisions(name: &str, events: &[Event], slots: usize) {
-    let mut ours = gpumem_allocator();
-    let mut theirs = PytorchDesign::new(CAPACITY);
+/// decisions on `events` in the same order: the same address for every allocation, and the
+/// same statistics after every event. Returns the addresses.
+fn same_decisions(
+    name: &str,
+    events: &[Event],
+    slots: usize,
+    (_, order, counter): (&str, FitOrder, bool),
+) -> Vec<u64> {
+    let mut ours = gpumem_in(order);
+    let mut theirs = PytorchDesign::with_counter_order(CAPACITY, counter);
+    let mut placed = Vec::new();
     let mut live = vec![DevicePtr::NULL; slots];
     let names = stat_names();
     for (i, event) in events.iter().enumerate() {
@@ -245,6 +269,7 @@ fn same_decisions(name: &str, events: &[Event], slots: usize) {
                     "{name}: event {i}: gpumem and PyTorch's design place {size} bytes apart"
                 );
                 live[slot] = a;
+                placed.push(a.0);
             }
             Event::Free { slot } => {
                 ours.free(live[slot]).expect("live");
@@ -260,6 +285,7 @@ fn same_decisions(name: &str, events: &[Event], slots: usize) {
             );
         }
     }
+    placed
 }
 
 fn recorded(c: &mut Criterion) {
@@ -269,40 +295,46 @@ fn recorded(c: &mut Criterion) {
         ("lm_fwd_bwd", "cs336_lm_fwd_bwd_step.noframes.json.gz"),
     ] {
         let (events, slots) = recorded_events(file);
-        same_decisions(name, &events, slots);
+        let placed: Vec<Vec<u64>> = ORDERS
+            .iter()
+            .map(|&order| same_decisions(name, &events, slots, order))
+            .collect();
+        assert_eq!(placed[0], placed[1], "{name}: the orders decide alike here");
         group.throughput(Throughput::Elements(events.len() as u64));
-        group.bench_function(format!("gpumem/{name}"), |b| {
-            let mut a = gpumem_allocator();
-            let mut live = vec![DevicePtr::NULL; slots];
-            b.iter(|| {
-                for event in &events {
-                    match *event {
-                        Event::Alloc { slot, size } => {
-                            live[slot] =
-                                a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
-                        }
-                        Event::Free { slot } => a.free(live[slot]).expect("live"),
-                    }
-                }
-            });
-        });
-        group.bench_function(format!("pytorch_design/{name}"), |b| {
-            let mut a = PytorchDesign::new(CAPACITY);
-            let mut live = vec![0u64; slots];
-            b.iter(|| {
-                for event in &events {
-                    match *event {
-                        Event::Alloc { slot, size } => {
-                            live[slot] = a.malloc(black_box(size), 0).expect("fits");
-                        }
-                        Event::Free { slot } => {
-                            let freed = a.free(live[slot]);
-                            debug_assert!(freed);
+        for (suffix, order, counter) in ORDERS {
+            group.bench_function(format!("gpumem_{suffix}/{name}"), |b| {
+                let mut a = gpumem_in(order);
+                let mut live = vec![DevicePtr::NULL; slots];
+                b.iter(|| {
+                    for event in &events {
+                        match *event {
+                            Event::Alloc { slot, size } => {
+                                live[slot] =
+                                    a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
+                            }
+                            Event::Free { slot } => a.free(live[slot]).expect("live"),
                         }
                     }
-                }
+                });
             });
-        });
+            group.bench_function(format!("pytorch_design_{suffix}/{name}"), |b| {
+                let mut a = PytorchDesign::with_counter_order(CAPACITY, counter);
+                let mut live = vec![0u64; slots];
+                b.iter(|| {
+                    for event in &events {
+                        match *event {
+                            Event::Alloc { slot, size } => {
+                                live[slot] = a.malloc(black_box(size), 0).expect("fits");
+                            }
+                            Event::Free { slot } => {
+                                let freed = a.free(live[slot]);
+                                debug_assert!(freed);
+                            }
+                        }
+                    }
+                });
+            });
+        }
         group.bench_function(format!("offset_allocator/{name}"), |b| {
             let mut a = offset_allocator();
             let mut live: Vec<Option<Allocation<u32>>> = vec![None; slots];

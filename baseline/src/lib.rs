@@ -12,7 +12,7 @@
 use std::ffi::c_void;
 
 unsafe extern "C" {
-    fn gpumem_baseline_new(capacity: u64) -> *mut c_void;
+    fn gpumem_baseline_new(capacity: u64, counter_order: i32) -> *mut c_void;
     fn gpumem_baseline_delete(allocator: *mut c_void);
     fn gpumem_baseline_malloc(allocator: *mut c_void, size: u64, stream: u64) -> u64;
     fn gpumem_baseline_free(allocator: *mut c_void, ptr: u64) -> i32;
@@ -57,10 +57,17 @@ pub struct PytorchDesign {
 unsafe impl Send for PytorchDesign {}
 
 impl PytorchDesign {
-    /// An allocator over a device of `capacity` bytes.
+    /// An allocator over a device of `capacity` bytes whose pools order free blocks by
+    /// (stream, size, address), as PyTorch 2.11 and before.
     pub fn new(capacity: u64) -> PytorchDesign {
-        // SAFETY: the constructor takes a plain integer and returns an owned pointer.
-        let raw = unsafe { gpumem_baseline_new(capacity) };
+        PytorchDesign::with_counter_order(capacity, false)
+    }
+
+    /// An allocator over a device of `capacity` bytes; with `counter_order`, its pools order
+    /// free blocks by (stream, size, segment counter, address), as PyTorch 2.13 and later.
+    pub fn with_counter_order(capacity: u64, counter_order: bool) -> PytorchDesign {
+        // SAFETY: the constructor takes plain integers and returns an owned pointer.
+        let raw = unsafe { gpumem_baseline_new(capacity, i32::from(counter_order)) };
         assert!(!raw.is_null(), "the C++ allocator was created");
         PytorchDesign { raw }
     }

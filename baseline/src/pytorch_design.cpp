@@ -4,8 +4,10 @@
 // side by side on the same allocations.
 //
 // What it keeps of the design, because it costs time on every call:
-// - per pool a std::set<Block*> ordered by (stream, size, address) through a function-pointer
-//   comparator; blocks allocated on the heap, linked to their neighbours in the segment;
+// - per pool a std::set<Block*> ordered by (stream, size, address) (PyTorch 2.11 and before)
+//   or (stream, size, segment counter, address) (2.13 and later) through a function-pointer
+//   comparator; blocks allocated on the heap, linked to their neighbours in the segment, each
+//   carrying its segment's counter;
 // - an open-addressing hash map from address to block behind 67 sharded mutexes (the
 //   allocator's front end), and an open-addressing set of the active blocks (its flat hash
 //   tables);
@@ -83,6 +85,8 @@ struct Block {
   uint64_t requested_size = 0;
   BlockPool *pool;
   uint64_t ptr;
+  // The segment's counter (taken when the segment was obtained, inherited by its pieces).
+  int32_t counter = 0;
   bool allocated = false;
   Block *prev = nullptr;
   Block *next = nullptr;
@@ -92,6 +96,14 @@ struct Block {
 bool by_stream_size_address(const Block *a, const Block *b) {
   if (a->stream != b->stream) return a->stream < b->stream;
   if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
+
+// PyTorch 2.13+: the older segment first among equal sizes. A search key's counter is -1.
+bool by_stream_size_counter_address(const Block *a, const Block *b) {
+  if (a->stream != b->stream) return a->stream < b->stream;
+  if (a->size != b->size) return a->size < b->size;
+  if (a->counter != b->counter) return a->counter < b->counter;
   return a->ptr < b->ptr;
 }
 
@@ -166,10 +178,12 @@ template <typename Value> class FlatMap {
 
 class DeviceCachingAllocator {
  public:
-  explicit DeviceCachingAllocator(uint64_t capacity)
+  DeviceCachingAllocator(uint64_t capacity, bool counter_order)
       : capacity_(capacity),
-        small_blocks_(by_stream_size_address, true),
-        large_blocks_(by_stream_size_address, false) {}
+        small_blocks_(counter_order ? by_stream_size_counter_address : by_stream_size_address,
+                      true),
+        large_blocks_(counter_order ? by_stream_size_counter_address : by_stream_size_address,
+                      false) {}
 
   ~DeviceCachingAllocator() {
     for (BlockPool *pool : {&small_blocks_, &large_blocks_}) {
@@ -184,6 +198,7 @@ class DeviceCachingAllocator {
     const uint64_t size = round_size(orig_size);
     BlockPool &pool = size <= kSmallSize ? small_blocks_ : large_blocks_;
     Block key(stream, size);
+    key.counter = -1;
     Block *block = get_free_block(pool, key);
     if (block == nullptr) {
       block = alloc_block(pool, stream, allocation_size(size));
@@ -241,7 +256,9 @@ class DeviceCachingAllocator {
       update_stat(stats_.reserved_bytes[s], static_cast<int64_t>(size));
     }
     ++stats_.num_device_alloc;
-    return new Block(stream, size, &pool, ptr);
+    Block *segment = new Block(stream, size, &pool, ptr);
+    segment->counter = next_counter_++;
+    return segment;
   }
 
   static bool should_split(const Block *block, uint64_t size) {
@@ -258,6 +275,7 @@ class DeviceCachingAllocator {
     if (should_split(block, size)) {
       Block *remaining = block;
       block = new Block(remaining->stream, size, pool, remaining->ptr);
+      block->counter = remaining->counter;
       block->prev = remaining->prev;
       if (block->prev != nullptr) block->prev->next = block;
       block->next = remaining;
@@ -341,6 +359,7 @@ class DeviceCachingAllocator {
   std::recursive_mutex mutex_;
   uint64_t capacity_;
   uint64_t next_address_ = kBaseAddress;
+  int32_t next_counter_ = 0;
   BlockPool small_blocks_;
   BlockPool large_blocks_;
   FlatMap<Block *> active_blocks_;
@@ -350,7 +369,7 @@ class DeviceCachingAllocator {
 // The front end: the device allocator, and the map from address to block in shards, each
 // behind its own mutex.
 struct NativeAllocator {
-  explicit NativeAllocator(uint64_t capacity) : device(capacity) {}
+  NativeAllocator(uint64_t capacity, bool counter_order) : device(capacity, counter_order) {}
 
   size_t shard(uint64_t ptr) const { return (ptr >> 9) % kShards; }
 
@@ -393,7 +412,9 @@ void put(const StatArray &array, int64_t *&out) {
 
 extern "C" {
 
-void *gpumem_baseline_new(uint64_t capacity) { return new NativeAllocator(capacity); }
+void *gpumem_baseline_new(uint64_t capacity, int counter_order) {
+  return new NativeAllocator(capacity, counter_order != 0);
+}
 
 void gpumem_baseline_delete(void *allocator) { delete static_cast<NativeAllocator *>(allocator); }
 
