@@ -500,6 +500,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_pytorch_key_is_gpumems_own_and_names_a_known_release() {
+        let gpumem = |text: &str| AllocatorConfig::parse_as(text, Syntax::Gpumem);
+        assert_eq!(gpumem("").expect("empty").pytorch, PyTorchVersion::LATEST);
+        let old = gpumem("pytorch:2.11,max_split_size_mb:64").expect("valid");
+        assert_eq!(old.pytorch.to_string(), "2.11");
+        assert_eq!(old.max_split_size, 64 << 20);
+        // Refused by name where only PyTorch's syntax is valid.
+        let e = AllocatorConfig::parse("pytorch:2.11").expect_err("PyTorch's syntax");
+        assert!(e.reason.contains("gpumem's own key"), "{e}");
+        for bad in ["2.16", "3.0", "1.13", "2", "2.", ".5", "2.x", "02.015", "2.1.1", ""] {
+            let e = gpumem(&format!("pytorch:{bad}")).expect_err(bad);
+            assert!(e.reason.contains("2.0 to 2.15"), "{bad}: {e}");
+        }
+        // The old value stays on a bad string.
+        let mut config = old.clone();
+        assert!(config.apply_as("pytorch:9.9", Syntax::Gpumem).is_err());
+        assert_eq!(config, old);
+    }
+
+    #[test]
     fn an_empty_division_list_says_so_and_a_repeated_option_takes_its_last_value() {
         let err = AllocatorConfig::parse("roundup_power2_divisions:[]").expect_err("empty");
         assert!(err.to_string().contains("list is empty"), "{err}");

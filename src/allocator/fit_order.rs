@@ -123,7 +123,11 @@ impl Key for ByCounter {
     #[inline(always)]
     fn key(size: u64, counter: u32, ptr: u64) -> u128 {
         debug_assert!(size < MAX_ADDRESS && ptr < MAX_ADDRESS);
-        (u128::from(size >> 9) << 80) | (u128::from(counter) << 48) | u128::from(ptr >> 9)
+        // Built from its two 64-bit halves: no shift crosses them.
+        let counter = u64::from(counter);
+        let high = ((size >> 9) << 16) | (counter >> 16);
+        let low = ((counter & 0xffff) << 48) | (ptr >> 9);
+        (u128::from(high) << 64) | u128::from(low)
     }
 }
 

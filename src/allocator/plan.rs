@@ -542,15 +542,19 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         let planned = self.planned.as_ref().expect("a plan is followed");
+        // The first wholly free chunk in the pools' order of equal blocks: the lowest address,
+        // or the oldest (PyTorch 2.12 and later).
+        let free = &self.large.free;
         let reuse = planned
             .held
             .iter()
-            .find(|&(&b, h)| {
+            .filter(|&(&b, h)| {
                 !h.region
                     && h.bytes >= size
                     && h.wholly_free(b, &self.blocks)
                     && self.blocks[h.free[&b].index()].stream == stream
             })
+            .min_by_key(|&(&b, h)| free.key(0, self.blocks[h.free[&b].index()].counter, b))
             .map(|(&b, _)| b);
         let base = match reuse {
             Some(base) => base,

@@ -295,3 +295,105 @@ fn a_recording_no_counter_order_explains_says_why() {
     assert!(passed, "{result}");
     assert_eq!(result["ordering"], "address");
 }
+
+#[test]
+fn every_command_takes_a_known_release_and_refuses_others() {
+    let dir = temp_dir("pytorch-flag");
+    let path = dir.join("snapshot.json");
+    let json = recording(FitOrder::Counter, |_| Vec::new(), two_segments);
+    std::fs::write(&path, json).expect("writes");
+    let path = path.to_str().expect("utf-8");
+    let bin = env!("CARGO_BIN_EXE_gpumem");
+    for command in [
+        vec!["replay", "--check", path],
+        vec!["replay", path],
+        vec!["explain", "--at", "peak", path],
+        vec!["plan", path],
+        vec!["view", path],
+        vec!["simulate", "--steps", "1", "--layers", "1", "--capacity-gib", "1"],
+    ] {
+        let bad = Command::new(bin)
+            .args(&command)
+            .args(["--pytorch", "2.16"])
+            .output()
+            .expect("runs");
+        assert_eq!(bad.status.code(), Some(2), "{command:?}");
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert!(stderr.contains("2.0 to 2.15"), "{command:?}: {stderr}");
+    }
+    let ok = Command::new(bin)
+        .args(["replay", "--check", path, "--pytorch", "2.13"])
+        .output()
+        .expect("runs");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    let text = String::from_utf8_lossy(&ok.stdout);
+    assert!(text.contains("as --pytorch asked"), "{text}");
+}
+
+/// The segments an operation released, in order.
+fn released(a: &mut CachingAllocator<SimDevice>) -> Vec<u64> {
+    a.take_trace()
+        .into_iter()
+        .filter(|e| e.action == gpumem::allocator::TraceAction::SegmentFree)
+        .map(|e| e.addr)
+        .collect()
+}
+
+/// An allocator under `order` and `conf` on `capacity` bytes with two cached whole segments
+/// of `size` bytes, the older at the higher address; (older, newer).
+fn two_cached(
+    order: FitOrder,
+    conf: &str,
+    capacity: u64,
+    size: u64,
+) -> (CachingAllocator<SimDevice>, u64, u64) {
+    let device = SimDevice::new(SimConfig::with_capacity(capacity));
+    let config = AllocatorConfig::parse(conf).expect("valid");
+    let mut a = CachingAllocator::with_fit_order(device, config, order);
+    a.record_history(Some(10_000));
+    let b = base(&a);
+    a.device_mut().hint_addresses([b + 8 * GIB, b + GIB]);
+    let older = malloc(&mut a, size, S0);
+    let newer = malloc(&mut a, size, S0);
+    free(&mut a, older);
+    free(&mut a, newer);
+    a.take_trace();
+    (a, older.0, newer.0)
+}
+
+#[test]
+fn releases_go_through_the_pools_in_their_order() {
+    for order in [FitOrder::Address, FitOrder::Counter] {
+        let up = |older, newer| match order {
+            FitOrder::Address => vec![newer, older],
+            _ => vec![older, newer],
+        };
+        // A flush (`release_blocks`) goes up the order.
+        let (mut a, older, newer) = two_cached(order, "", 16 * GIB, 20 * MIB);
+        a.empty_cache().expect("empties");
+        assert_eq!(released(&mut a), up(older, newer), "{order:?}: empty_cache");
+        // The release of oversize blocks walks down it from the largest below the request.
+        let (mut a, older, newer) = two_cached(order, "max_split_size_mb:64", 300 * MIB, 100 * MIB);
+        malloc(&mut a, 150 * MIB, S0);
+        let mut down = up(older, newer);
+        down.reverse();
+        assert_eq!(released(&mut a), down, "{order:?}: oversize release");
+        // Garbage collection goes up it (the two are equally old).
+        let device = SimDevice::new(SimConfig::with_capacity(GIB));
+        let config = AllocatorConfig::parse("garbage_collection_threshold:0.5").expect("valid");
+        let mut a = CachingAllocator::with_fit_order(device, config, order);
+        a.set_memory_fraction(0.5).expect("valid");
+        a.record_history(Some(10_000));
+        let b = base(&a);
+        a.device_mut().hint_addresses([b + 8 * GIB, b + GIB]);
+        let (older, newer) = (malloc(&mut a, 100 * MIB, S0), malloc(&mut a, 100 * MIB, S0));
+        let kept = malloc(&mut a, 100 * MIB, S0);
+        free(&mut a, older);
+        free(&mut a, newer);
+        a.take_trace();
+        // 300 MiB reserved, above half the allowed 512 MiB: the next miss collects.
+        malloc(&mut a, 120 * MIB, S0);
+        assert_eq!(released(&mut a), up(older.0, newer.0), "{order:?}: garbage collection");
+        free(&mut a, kept);
+    }
+}
