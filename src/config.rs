@@ -81,8 +81,10 @@ impl std::str::FromStr for PyTorchVersion {
             )
         };
         let (major, minor) = s.split_once('.').ok_or_else(refuse)?;
+        // Plain decimal numbers without leading zeros, as releases are named.
         let number = |t: &str| {
-            (!t.is_empty() && t.len() <= 3 && t.bytes().all(|b| b.is_ascii_digit()))
+            let plain = matches!(t.len(), 1..=2) && t.bytes().all(|b| b.is_ascii_digit());
+            (plain && (t == "0" || !t.starts_with('0')))
                 .then(|| t.parse::<u32>().ok())
                 .flatten()
         };
@@ -509,10 +511,13 @@ mod tests {
         // Refused by name where only PyTorch's syntax is valid.
         let e = AllocatorConfig::parse("pytorch:2.11").expect_err("PyTorch's syntax");
         assert!(e.reason.contains("gpumem's own key"), "{e}");
-        for bad in ["2.16", "3.0", "1.13", "2", "2.", ".5", "2.x", "02.015", "2.1.1", ""] {
+        for bad in [
+            "2.16", "3.0", "1.13", "2", "2.", ".5", "2.x", "02.015", "2.1.1",
+        ] {
             let e = gpumem(&format!("pytorch:{bad}")).expect_err(bad);
             assert!(e.reason.contains("2.0 to 2.15"), "{bad}: {e}");
         }
+        assert!(gpumem("pytorch:").is_err());
         // The old value stays on a bad string.
         let mut config = old.clone();
         assert!(config.apply_as("pytorch:9.9", Syntax::Gpumem).is_err());

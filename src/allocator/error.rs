@@ -89,9 +89,9 @@ pub enum AllocError {
     /// A segment layout to restore that cannot exist.
     #[error("invalid segment layout: {0}")]
     InvalidLayout(String),
-    /// The device placed a segment beyond the addresses the allocator orders (2^57).
+    /// The device placed a segment beyond the addresses the allocator orders (2^49).
     #[error(
-        "the device placed a segment of {size} bytes at {ptr:#x}, beyond the 128 PiB of addresses the allocator orders; it was given back"
+        "the device placed a segment of {size} bytes at {ptr:#x}, beyond the 512 TiB of addresses the allocator orders; it was given back"
     )]
     BeyondAddressBound {
         /// Where the segment started.
@@ -99,6 +99,10 @@ pub enum AllocError {
         /// Its size.
         size: u64,
     },
+    /// So many blocks are live that the best-fit order's counters cannot number another
+    /// segment (`fit_order.rs`).
+    #[error("{0} live blocks fill the best-fit order's counters: no segment can be added")]
+    TooManySegments(usize),
     /// A rejected configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),

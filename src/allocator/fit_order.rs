@@ -23,26 +23,33 @@
 //! Driver addresses do not follow creation order (a freed range is handed out again), so the
 //! two orders place blocks differently on real recordings.
 //!
-//! The order is a value of the allocator, fixed when it is built; the free set is compiled
-//! once for each order ([`Key`]) and picks one per operation, never per comparison.
+//! The order is a value of the allocator, fixed when it is built. It decides one number per
+//! free block, its tie-break ([`FitOrder::tie`]), computed once when the block enters its
+//! pool's free set; every comparison is then the same branch-free compare of
+//! `size << 64 | tie` whatever the order, so no comparison depends on it.
 //!
-//! # Key layout and bounds
-//! The free set compares a block by one 128-bit key, its order's [`Key::key`]:
-//! - address order: `size << 64 | address` (no bound);
-//! - block-counter order: `size << 64 | counter` (counters are unique per block);
-//! - counter order: `size / 512 << 80 | counter << 48 | address / 512`, exact while sizes
-//!   and addresses are multiples of 512 below [`MAX_ADDRESS`] (2^57 = 128 PiB: every GPU's
-//!   virtual address space lies below it) and counters fit 32 bits.
+//! # Tie-break layout and bounds
+//! - address order: the address (no bound);
+//! - block-counter order: the counter (counters are unique per block);
+//! - counter order: `counter << 40 | address / 512`, exact while addresses are multiples of 512
+//!   below [`MAX_ADDRESS`] (2^49 = 512 TiB: every GPU's virtual address space lies below it,
+//!   48-bit on x86-64 and Arm) and counters below [`SEGMENT_COUNTERS`] (2^24).
 //!
 //! The core refuses a segment that ends above [`MAX_ADDRESS`] under every order (the memory
-//! is given back), and renumbers its blocks' counters densely, in order, before the
-//! sequence would pass `u32::MAX`: keys never wrap. (PyTorch's signed 32-bit counter would
-//! wrap after 2^31 segments, or blocks in 2.12; no recording comes near that.)
+//! is given back), and renumbers its counters densely, in order, before the sequence would
+//! pass its limit (2^24 segments in the counter order, 2^32 blocks in the block-counter
+//! order); it refuses a new segment only when the live blocks alone would fill the counters
+//! (16 million live segments of at least 2 MiB: 32 TiB). Tie-breaks never wrap. (PyTorch's
+//! signed 32-bit counter would wrap after 2^31 segments, or blocks in 2.12; no recording
+//! comes near that.)
 
 use crate::config::PyTorchVersion;
 
-/// The largest address a segment may end at: 2^57 (128 PiB).
-pub const MAX_ADDRESS: u64 = 1 << 57;
+/// The largest address a segment may end at: 2^49 (512 TiB).
+pub const MAX_ADDRESS: u64 = 1 << 49;
+
+/// Counters the counter order's tie-break holds: 2^24.
+pub const SEGMENT_COUNTERS: u32 = 1 << 24;
 
 /// How a pool orders free blocks of equal size. See the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -88,97 +95,60 @@ impl FitOrder {
     pub fn pieces_take_counters(self) -> bool {
         self == FitOrder::BlockCounter
     }
-}
 
-/// An order as a type: how a free block's (size, counter, address) becomes its key.
-pub(crate) trait Key {
-    /// The block's key: keys compare as the order compares blocks.
-    fn key(size: u64, counter: u32, ptr: u64) -> u128;
-}
-
-/// [`FitOrder::Address`] as a type.
-pub(crate) struct ByAddress;
-
-/// [`FitOrder::BlockCounter`] as a type.
-pub(crate) struct ByBlockCounter;
-
-/// [`FitOrder::Counter`] as a type.
-pub(crate) struct ByCounter;
-
-impl Key for ByAddress {
-    #[inline(always)]
-    fn key(size: u64, _counter: u32, ptr: u64) -> u128 {
-        (u128::from(size) << 64) | u128::from(ptr)
+    /// How many counters the order's tie-break holds: the sequence is renumbered before it
+    /// reaches this.
+    pub fn counter_limit(self) -> u32 {
+        match self {
+            FitOrder::Counter => SEGMENT_COUNTERS,
+            FitOrder::Address | FitOrder::BlockCounter => u32::MAX,
+        }
     }
-}
 
-impl Key for ByBlockCounter {
+    /// The tie-break of a free block with this counter and address: among blocks of one
+    /// stream and size, the smaller comes first (layout and bounds in the module doc).
     #[inline(always)]
-    fn key(size: u64, counter: u32, _ptr: u64) -> u128 {
-        (u128::from(size) << 64) | u128::from(counter)
-    }
-}
-
-impl Key for ByCounter {
-    #[inline(always)]
-    fn key(size: u64, counter: u32, ptr: u64) -> u128 {
-        debug_assert!(size < MAX_ADDRESS && ptr < MAX_ADDRESS);
-        // Built from its two 64-bit halves: no shift crosses them.
-        let counter = u64::from(counter);
-        let high = ((size >> 9) << 16) | (counter >> 16);
-        let low = ((counter & 0xffff) << 48) | (ptr >> 9);
-        (u128::from(high) << 64) | u128::from(low)
-    }
-}
-
-/// Runs `$body` with `$k` the type of `$order`: one branch, then code compiled for that order.
-macro_rules! by_order {
-    ($order:expr, $k:ident => $body:expr) => {
-        match $order {
-            $crate::allocator::fit_order::FitOrder::Address => {
-                type $k = $crate::allocator::fit_order::ByAddress;
-                $body
-            }
-            $crate::allocator::fit_order::FitOrder::BlockCounter => {
-                type $k = $crate::allocator::fit_order::ByBlockCounter;
-                $body
-            }
-            $crate::allocator::fit_order::FitOrder::Counter => {
-                type $k = $crate::allocator::fit_order::ByCounter;
-                $body
+    pub fn tie(self, counter: u32, ptr: u64) -> u64 {
+        match self {
+            FitOrder::Address => ptr,
+            FitOrder::BlockCounter => u64::from(counter),
+            FitOrder::Counter => {
+                debug_assert!(counter < SEGMENT_COUNTERS && ptr < MAX_ADDRESS);
+                (u64::from(counter) << 40) | (ptr >> 9)
             }
         }
-    };
+    }
 }
-pub(crate) use by_order;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn counter_keys_order_by_size_then_counter_then_address() {
+    fn ties_order_as_each_release_compares() {
         let top = MAX_ADDRESS - 512;
-        let triples = [
-            (512, 0, 0),
-            (512, 0, top),
-            (512, 1, 512),
-            (512, u32::MAX, 0),
-            (1024, 0, 0),
-            (top, 0, 0),
-            (top, u32::MAX, top),
+        let last = SEGMENT_COUNTERS - 1;
+        // The counter order: by counter, then address, over the whole bounded range.
+        let pairs = [
+            (0, 0),
+            (0, 512),
+            (0, top),
+            (1, 0),
+            (1, top),
+            (last, 0),
+            (last, top),
         ];
-        for pair in triples.windows(2) {
-            let (a, b) = (pair[0], pair[1]);
-            assert!(
-                ByCounter::key(a.0, a.1, a.2) < ByCounter::key(b.0, b.1, b.2),
-                "{a:?} < {b:?}"
-            );
+        for w in pairs.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let tie = |(c, p)| FitOrder::Counter.tie(c, p);
+            assert!(tie(a) < tie(b), "{a:?} < {b:?}");
         }
         // The address order ignores the counter, the block-counter order the address.
-        assert!(ByAddress::key(512, 9, 512) < ByAddress::key(512, 0, 1024));
-        assert!(ByBlockCounter::key(512, 0, 1024) < ByBlockCounter::key(512, 9, 512));
-        assert!(ByBlockCounter::key(512, u32::MAX, 0) < ByBlockCounter::key(1024, 0, 0));
+        assert!(FitOrder::Address.tie(9, 512) < FitOrder::Address.tie(0, 1024));
+        assert!(FitOrder::BlockCounter.tie(0, 1024) < FitOrder::BlockCounter.tie(9, 512));
+        assert!(
+            FitOrder::BlockCounter.tie(u32::MAX - 1, 0) < FitOrder::BlockCounter.tie(u32::MAX, 0)
+        );
     }
 
     #[test]

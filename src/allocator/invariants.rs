@@ -85,26 +85,26 @@ impl<D: Device> CachingAllocator<D> {
         let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
         let mut unmapped_blocks = 0usize;
         for kind in [Kind::Small, Kind::Large] {
-            let free = &self.pool(kind).free;
-            let mut last: Option<(StreamId, u128)> = None;
-            for (stream, e) in free.iter() {
+            let mut last: Option<(StreamId, u64, u64)> = None;
+            for (stream, e) in self.pool(kind).free.iter() {
                 let Some(b) = self.blocks.get(e.id.index()) else {
-                    return Err(format!("free set entry {:#x} names a removed block", e.ptr));
+                    return Err(format!("free set entry {:?} names a removed block", e.id));
                 };
-                let key = (stream, free.key(e.size, e.counter, e.ptr));
+                let key = (stream, e.size, e.tie);
                 if last.is_some_and(|last| last >= key) {
-                    return Err(format!("free set entry {:#x} is out of order", e.ptr));
+                    return Err(format!("free set entry {:#x} is out of order", b.ptr));
                 }
                 last = Some(key);
-                let entry = (kind, stream, e.size, e.counter, e.ptr);
-                if (b.pool, b.stream, b.size, b.counter, b.ptr) != entry {
+                let entry = (kind, stream, e.size, e.tie);
+                let tie = self.fit_order.tie(b.counter, b.ptr);
+                if (b.pool, b.stream, b.size, tie) != entry {
                     return Err(format!(
                         "free set entry {:#x} disagrees with its block",
-                        e.ptr
+                        b.ptr
                     ));
                 }
                 if !in_free_sets.insert(e.id) {
-                    return Err(format!("block {:#x} is in the free sets twice", e.ptr));
+                    return Err(format!("block {:#x} is in the free sets twice", b.ptr));
                 }
             }
         }

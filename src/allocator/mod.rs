@@ -75,7 +75,7 @@ use block::{Block, BlockId};
 pub use error::{AllocError, OutOfMemory};
 use events::EventQueue;
 use expandable::ExpandableSegment;
-pub use fit_order::{FitOrder, MAX_ADDRESS};
+pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
 use live::LiveMap;
@@ -136,6 +136,8 @@ pub struct CachingAllocator<D: Device> {
     /// The counter the next segment takes (PyTorch's process-wide sequence; per device here,
     /// which orders one device's segments alike). See `fit_order.rs`.
     next_counter: u32,
+    /// How free blocks of equal size are ordered.
+    fit_order: FitOrder,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
@@ -162,6 +164,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             max_split_size_changed: self.max_split_size_changed,
             planned: self.planned.clone(),
             next_counter: self.next_counter,
+            fit_order: self.fit_order,
         }
     }
 }
@@ -205,8 +208,8 @@ impl<D: Device> CachingAllocator<D> {
             device,
             config,
             blocks: Slab::new(),
-            small: BlockPool::new(order),
-            large: BlockPool::new(order),
+            small: BlockPool::default(),
+            large: BlockPool::default(),
             live: LiveMap::default(),
             stream_uses: FxHashMap::default(),
             pending_events: Vec::new(),
@@ -220,12 +223,13 @@ impl<D: Device> CachingAllocator<D> {
             max_split_size_changed: false,
             planned: None,
             next_counter: 0,
+            fit_order: order,
         }
     }
 
     /// How the pools order free blocks of equal size.
     pub fn fit_order(&self) -> FitOrder {
-        self.small.free.order()
+        self.fit_order
     }
 
     /// The device.
@@ -406,7 +410,7 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        if let Err(e) = within_address_bound(ptr.0, size) {
+        if let Err(e) = within_address_bound(ptr.0, size).and(self.room_for_segment()) {
             let _ = self.device.free(ptr);
             return Err(e);
         }
@@ -522,11 +526,11 @@ impl<D: Device> CachingAllocator<D> {
             .unwrap_or(0)
     }
 
-    /// The counter for a new segment. Before the sequence would pass `u32::MAX`, the
-    /// segments' counters are renumbered densely in their order, so that keys never wrap
-    /// (`fit_order.rs`).
+    /// The counter for a new segment (or piece). Before the sequence would reach the order's
+    /// limit, the counters are renumbered densely in their order, so that tie-breaks never
+    /// wrap (`fit_order.rs`); [`Self::room_for_segment`] keeps room for that.
     fn take_counter(&mut self) -> u32 {
-        if self.next_counter == u32::MAX {
+        if self.next_counter >= self.fit_order.counter_limit() - 1 {
             self.renumber_counters();
         }
         let counter = self.next_counter;
@@ -541,6 +545,17 @@ impl<D: Device> CachingAllocator<D> {
             self.take_counter()
         } else {
             parent
+        }
+    }
+
+    /// Refuses a new segment when the live blocks alone would fill the order's counters (16
+    /// million segments of 2 MiB or more in the counter order: no device holds that many).
+    fn room_for_segment(&self) -> Result<(), AllocError> {
+        let limit = self.fit_order.counter_limit() as usize;
+        if self.blocks.len() + 2 < limit {
+            Ok(())
+        } else {
+            Err(AllocError::TooManySegments(self.blocks.len()))
         }
     }
 
@@ -613,7 +628,7 @@ impl<D: Device> CachingAllocator<D> {
             return Vec::new();
         };
         ties.take_while(|e| e.size == best)
-            .map(|e| (e.ptr, e.counter))
+            .map(|e| (self.block(e.id).ptr, self.block(e.id).counter))
             .collect()
     }
 

@@ -544,7 +544,7 @@ impl<D: Device> CachingAllocator<D> {
         let planned = self.planned.as_ref().expect("a plan is followed");
         // The first wholly free chunk in the pools' order of equal blocks: the lowest address,
         // or the oldest (PyTorch 2.12 and later).
-        let free = &self.large.free;
+        let order = self.fit_order;
         let reuse = planned
             .held
             .iter()
@@ -554,7 +554,7 @@ impl<D: Device> CachingAllocator<D> {
                     && h.wholly_free(b, &self.blocks)
                     && self.blocks[h.free[&b].index()].stream == stream
             })
-            .min_by_key(|&(&b, h)| free.key(0, self.blocks[h.free[&b].index()].counter, b))
+            .min_by_key(|&(&b, h)| order.tie(self.blocks[h.free[&b].index()].counter, b))
             .map(|(&b, _)| b);
         let base = match reuse {
             Some(base) => base,

@@ -9,8 +9,7 @@
 //! # Invariants
 //! - A block is in its pool's free set iff it is free, mapped and outside a plan's regions and
 //!   chunks (those sit in their own maps, `plan.rs`), under its own current
-//!   (stream, size, counter, address) key; in its pool's unmapped set iff it is free and
-//!   unmapped.
+//!   (stream, size, tie-break) key; in its pool's unmapped set iff it is free and unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.
 
@@ -20,12 +19,11 @@ use crate::device::{Device, StreamId};
 
 use super::CachingAllocator;
 use super::block::BlockId;
-use super::fit_order::FitOrder;
 use super::free_set::{FreeEntry, FreeSet};
 use super::size::{self, PoolKind};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct BlockPool {
     pub free: FreeSet,
     /// Unmapped blocks of expandable segments, by (stream, address).
@@ -33,17 +31,6 @@ pub(super) struct BlockPool {
     /// Lookups since creation, counted only while garbage collection is enabled; a block's
     /// age is this minus its `gc_count_base`.
     pub get_free_blocks_call_count: u64,
-}
-
-impl BlockPool {
-    /// An empty pool whose free blocks follow `order`.
-    pub fn new(order: FitOrder) -> Self {
-        BlockPool {
-            free: FreeSet::new(order),
-            unmapped: BTreeMap::new(),
-            get_free_blocks_call_count: 0,
-        }
-    }
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -90,7 +77,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.pool_mut(kind)
             .free
-            .remove(stream, entry.size, entry.counter, entry.ptr);
+            .remove(stream, entry.size, entry.tie);
         Some(entry.id)
     }
 
@@ -135,14 +122,14 @@ impl<D: Device> CachingAllocator<D> {
         }
         let kind = block.pool;
         let base = self.pool(kind).get_free_blocks_call_count;
+        let order = self.fit_order;
         let block = self.block_mut(id);
         block.gc_count_base = base;
         let stream = block.stream;
         let entry = FreeEntry {
             size: block.size,
-            ptr: block.ptr,
+            tie: order.tie(block.counter, block.ptr),
             id,
-            counter: block.counter,
         };
         self.pool_mut(kind).free.insert(stream, entry);
     }
@@ -155,8 +142,8 @@ impl<D: Device> CachingAllocator<D> {
             return self.remove_held_free(base, id);
         }
         let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
-        let counter = block.counter;
-        let removed = self.pool_mut(kind).free.remove(stream, size, counter, ptr);
+        let tie = self.fit_order.tie(block.counter, ptr);
+        let removed = self.pool_mut(kind).free.remove(stream, size, tie);
         debug_assert!(removed, "free block {ptr:#x} missing from its pool");
     }
 }

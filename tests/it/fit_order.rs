@@ -310,7 +310,15 @@ fn every_command_takes_a_known_release_and_refuses_others() {
         vec!["explain", "--at", "peak", path],
         vec!["plan", path],
         vec!["view", path],
-        vec!["simulate", "--steps", "1", "--layers", "1", "--capacity-gib", "1"],
+        vec![
+            "simulate",
+            "--steps",
+            "1",
+            "--layers",
+            "1",
+            "--capacity-gib",
+            "1",
+        ],
     ] {
         let bad = Command::new(bin)
             .args(&command)
@@ -325,7 +333,11 @@ fn every_command_takes_a_known_release_and_refuses_others() {
         .args(["replay", "--check", path, "--pytorch", "2.13"])
         .output()
         .expect("runs");
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
     let text = String::from_utf8_lossy(&ok.stdout);
     assert!(text.contains("as --pytorch asked"), "{text}");
 }
@@ -393,7 +405,11 @@ fn releases_go_through_the_pools_in_their_order() {
         a.take_trace();
         // 300 MiB reserved, above half the allowed 512 MiB: the next miss collects.
         malloc(&mut a, 120 * MIB, S0);
-        assert_eq!(released(&mut a), up(older.0, newer.0), "{order:?}: garbage collection");
+        assert_eq!(
+            released(&mut a),
+            up(older.0, newer.0),
+            "{order:?}: garbage collection"
+        );
         free(&mut a, kept);
     }
 }
