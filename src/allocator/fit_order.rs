@@ -35,11 +35,11 @@
 //!   below [`MAX_ADDRESS`] (2^49 = 512 TiB: every GPU's virtual address space lies below it,
 //!   48-bit on x86-64 and Arm) and counters below [`SEGMENT_COUNTERS`] (2^24).
 //!
-//! The core refuses a segment that ends above [`MAX_ADDRESS`] under every order (the memory
-//! is given back), and renumbers its counters densely, in order, before the sequence would
+//! In the counter order the core refuses a segment that ends above [`MAX_ADDRESS`] (the
+//! memory is given back), and it renumbers its counters densely, in order, before the sequence would
 //! pass its limit (2^24 segments in the counter order, 2^32 blocks in the block-counter
-//! order); it refuses a new segment only when the live blocks alone would fill the counters
-//! (16 million live segments of at least 2 MiB: 32 TiB). Tie-breaks never wrap. (PyTorch's
+//! order); it refuses a new segment only when the live ones alone would fill the counters
+//! (16 million live segments of at least 2 MiB, 32 TiB, in the counter order). Tie-breaks never wrap. (PyTorch's
 //! signed 32-bit counter would wrap after 2^31 segments, or blocks in 2.12; no recording
 //! comes near that.)
 

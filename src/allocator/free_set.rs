@@ -20,8 +20,8 @@
 //!
 //! # Invariants
 //! - Classes partition sizes monotonically: every size in class `c` is smaller than every
-//!   size in class `c + 1`. Hence "first entry of the
-//!   first non-empty class above" is the ordered successor.
+//!   size in class `c + 1`. Hence "first entry of the first non-empty class above" is the
+//!   ordered successor.
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
 //! - Within a class, entries are sorted by (size, tie), descending, and unique by it.
 //! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
@@ -274,6 +274,11 @@ impl FreeSet {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         self.bins_mut(stream)?.take_lower_bound(size, accept)
+    }
+
+    /// The first block of `stream` at or after (`size`, `tie`) in the set's order.
+    pub fn at_or_after(&self, stream: StreamId, size: u64, tie: u64) -> Option<FreeEntry> {
+        self.bins(stream)?.lower_bound(size, key(size, tie))
     }
 
     /// The block of `stream` just after `entry` in the set's order.

@@ -93,14 +93,6 @@ pub use snapshot::{
 };
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
 
-/// Refuses a segment that ends above [`MAX_ADDRESS`] (`fit_order.rs`'s key bound).
-fn within_address_bound(ptr: u64, size: u64) -> Result<(), AllocError> {
-    match ptr.checked_add(size) {
-        Some(end) if end <= MAX_ADDRESS => Ok(()),
-        _ => Err(AllocError::BeyondAddressBound { ptr, size }),
-    }
-}
-
 /// PyTorch's caching allocator for one device. See the module documentation.
 #[derive(Debug)]
 pub struct CachingAllocator<D: Device> {
@@ -410,7 +402,7 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        if let Err(e) = within_address_bound(ptr.0, size).and(self.room_for_segment()) {
+        if let Err(e) = self.placeable(ptr.0, size).and(self.room_for_segment()) {
             let _ = self.device.free(ptr);
             return Err(e);
         }
@@ -548,14 +540,32 @@ impl<D: Device> CachingAllocator<D> {
         }
     }
 
-    /// Refuses a new segment when the live blocks alone would fill the order's counters (16
-    /// million segments of 2 MiB or more in the counter order: no device holds that many).
+    /// Refuses a new segment when those live alone would fill the order's counters (16
+    /// million segments of 2 MiB or more in the counter order: no device holds that many;
+    /// blocks count in the block-counter order, where each has one).
     fn room_for_segment(&self) -> Result<(), AllocError> {
-        let limit = self.fit_order.counter_limit() as usize;
-        if self.blocks.len() + 2 < limit {
+        let live = match self.fit_order {
+            FitOrder::Counter => {
+                self.stats.segment.all_current().max(0) as usize + self.expandable_segments.len()
+            }
+            _ => self.blocks.len(),
+        };
+        if live + 2 < self.fit_order.counter_limit() as usize {
             Ok(())
         } else {
-            Err(AllocError::TooManySegments(self.blocks.len()))
+            Err(AllocError::TooManySegments(live))
+        }
+    }
+
+    /// Refuses a segment the order's tie-break cannot place: one that ends above
+    /// [`MAX_ADDRESS`] in the counter order (`fit_order.rs`).
+    fn placeable(&self, ptr: u64, size: u64) -> Result<(), AllocError> {
+        if self.fit_order != FitOrder::Counter {
+            return Ok(());
+        }
+        match ptr.checked_add(size) {
+            Some(end) if end <= MAX_ADDRESS => Ok(()),
+            _ => Err(AllocError::BeyondAddressBound { ptr, size }),
         }
     }
 
@@ -571,20 +581,23 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Changes every block's counter by `new` (which must keep distinct counters distinct
-    /// and below `next_counter`), putting every free block back under its new key.
+    /// and below `next_counter`), putting every free block back under its new key with the
+    /// garbage-collection age it had.
     fn rekey(&mut self, new: impl Fn(u32) -> u32) {
-        let free: Vec<BlockId> = [&self.small, &self.large]
+        let free: Vec<(BlockId, u64)> = [&self.small, &self.large]
             .iter()
             .flat_map(|p| p.free.iter().map(|(_, e)| e.id))
+            .map(|id| (id, self.block(id).gc_count_base))
             .collect();
-        for &id in &free {
+        for &(id, _) in &free {
             self.remove_free(id);
         }
         for (_, block) in &mut self.blocks {
             block.counter = new(block.counter);
         }
-        for id in free {
+        for (id, age_base) in free {
             self.insert_free(id);
+            self.block_mut(id).gc_count_base = age_base;
         }
     }
 
@@ -610,26 +623,44 @@ impl<D: Device> CachingAllocator<D> {
         self.checked("permute_counters", Ok(()))
     }
 
-    /// The cached blocks a request of `size` bytes on `stream` would choose among: those of
-    /// its pool and stream whose size is the best fit's, as (address, counter), in the pools'
-    /// order. Empty when none fits, and when expandable segments or a plan take part in the
-    /// choice. Replay reads off which of them a recording took.
-    pub fn tied_best_fits(&self, size: u64, stream: StreamId) -> Vec<(u64, u32)> {
+    /// The cached blocks a request of `size` bytes on `stream` would choose among, once the
+    /// frees whose events completed are done (as `malloc` first does): those of its pool and
+    /// stream whose size is the best fit's, as (address, counter), the first of each counter
+    /// only (the only one the counter order can take of it), in the pools' order. Empty when
+    /// none fits, and when expandable segments or a plan take part in the choice. Replay
+    /// reads off which of them a recording took.
+    ///
+    /// # Errors
+    /// [`AllocError::Device`] if the events of pending frees cannot be queried.
+    pub fn tied_best_fits(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Vec<(u64, u32)>, AllocError> {
+        self.process_events()?;
         if !self.expandable_segments.is_empty() || self.planned.is_some() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let rounded = size::round_size(&self.config, size);
         let free = &self.pool(PoolKind::for_size(rounded)).free;
-        let ties = std::iter::successors(free.lower_bound(stream, rounded), |e| {
-            free.next_after(stream, e)
-        });
-        let mut ties = ties.peekable();
-        let Some(best) = ties.peek().map(|e| e.size) else {
-            return Vec::new();
+        let Some(best) = free.lower_bound(stream, rounded) else {
+            return Ok(Vec::new());
         };
-        ties.take_while(|e| e.size == best)
-            .map(|e| (self.block(e.id).ptr, self.block(e.id).counter))
-            .collect()
+        let order = self.fit_order;
+        let mut ties = Vec::new();
+        let mut next = Some(best);
+        while let Some(entry) = next.filter(|e| e.size == best.size) {
+            let block = self.block(entry.id);
+            ties.push((block.ptr, block.counter));
+            // In the counter order, on to the next counter's first block.
+            next = match order {
+                FitOrder::Counter => (block.counter + 1 < SEGMENT_COUNTERS)
+                    .then(|| free.at_or_after(stream, best.size, order.tie(block.counter + 1, 0)))
+                    .flatten(),
+                _ => free.next_after(stream, &entry),
+            };
+        }
+        Ok(ties)
     }
 
     /// Starts the segment counter at `next` (tests of the renumbering).

@@ -542,8 +542,8 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         let planned = self.planned.as_ref().expect("a plan is followed");
-        // The first wholly free chunk in the pools' order of equal blocks: the lowest address,
-        // or the oldest (PyTorch 2.12 and later).
+        // Of the wholly free chunks large enough, the first by the pools' tie-break: the lowest
+        // address, or the oldest (PyTorch 2.12 and later).
         let order = self.fit_order;
         let reuse = planned
             .held

@@ -58,7 +58,7 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::InvalidLayout("a segment needs blocks".into()));
         }
         let base = self.device.malloc(size)?;
-        if let Err(e) = super::within_address_bound(base.0, size).and(self.room_for_segment()) {
+        if let Err(e) = self.placeable(base.0, size).and(self.room_for_segment()) {
             let _ = self.device.free(base);
             return Err(e);
         }

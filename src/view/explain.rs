@@ -91,7 +91,10 @@ fn ordering(b: &mut String, e: &Explanation) {
     row(
         b,
         "reproduces",
-        value_cell("ordering.reproduces", o.reproduces),
+        match o.reproduces {
+            Some(r) => value_cell("ordering.reproduces", r),
+            None => optional_text_cell("ordering.reproduces", None),
+        },
     );
     row(
         b,

@@ -121,7 +121,10 @@ fn every_shared_recording_with_a_trace_replays_exactly() {
     // 14 recordings with a trace, one of them with three devices; the counter order places
     // blocks differently on 9 of them.
     assert!(replayed >= 17, "only {replayed} traces replayed");
-    assert!(distinguished >= 9, "the orders differ on only {distinguished} traces");
+    assert!(
+        distinguished >= 9,
+        "the orders differ on only {distinguished} traces"
+    );
 }
 
 #[test]

@@ -490,6 +490,7 @@ impl<'a> Engine<'a> {
 
     /// The effects starting at `i` and the operation that produced them, once.
     fn operation_once(&mut self, i: usize) -> Result<usize, ReplayError> {
+        self.reading_differed = None;
         let n = self.events.len();
         let j = (i..n)
             .find(|&k| is_driver(self.events[k].action))
@@ -593,7 +594,13 @@ impl<'a> Engine<'a> {
         match d.action {
             TraceAction::Alloc => {
                 if let Some(derivation) = &mut self.derivation {
-                    let ties = self.alloc.tied_best_fits(d.size, stream);
+                    let ties = match self.alloc.tied_best_fits(d.size, stream) {
+                        Ok(ties) => ties,
+                        Err(e) => {
+                            let index = self.first_event + j;
+                            return Err(ReplayError::Allocator { index, source: e });
+                        }
+                    };
                     if ties.len() > 1 {
                         let event = self.first_event + j;
                         derivation.observe(event, &ties, d.addr, &mut self.alloc);

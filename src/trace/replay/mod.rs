@@ -293,34 +293,42 @@ fn check_run(
         return Ok(run);
     }
     let [first, second, third] = order::candidates(recording.trace_pool_ids);
-    let run = check_in(recording, options, first, progress)?;
-    if run.report.divergence.is_none() {
+    // An order that cannot even start (a start segment beyond what it orders) reproduces
+    // nothing; the first order's error stands only if none runs.
+    let first_run = check_in(recording, options, first, progress);
+    if let Ok(run) = &first_run
+        && run.report.divergence.is_none()
+    {
         // Does the other of the two main orders reproduce it too?
         let other = if first == FitOrder::Address {
             FitOrder::Counter
         } else {
             FitOrder::Address
         };
-        let again = check_in(recording, options, other, progress)?;
+        let Ok(again) = check_in(recording, options, other, progress) else {
+            return first_run;
+        };
         if again.report.divergence.is_some() {
-            return Ok(run);
+            return first_run;
         }
         let mut both = if again.found.order == FitOrder::Counter {
             again
         } else {
-            run
+            first_run?
         };
         both.found.report.ordering = "both".to_string();
         both.report.ordering = both.found.report.clone();
         return Ok(both);
     }
+    let mut shown = first_run;
     for order in [second, third] {
-        let again = check_in(recording, options, order, progress)?;
-        if again.report.divergence.is_none() {
-            return Ok(again);
+        match check_in(recording, options, order, progress) {
+            Ok(again) if again.report.divergence.is_none() => return Ok(again),
+            Ok(again) if shown.is_err() => shown = Ok(again),
+            _ => {}
         }
     }
-    Ok(run)
+    shown
 }
 
 /// A check replay in `order`: for the counter order of a recording that starts with two
@@ -339,7 +347,11 @@ fn check_in(
     report.counter_order = match order {
         FitOrder::Address => None,
         _ if starts == 0 || (starts == 1 && order == FitOrder::Counter) => Some("known"),
-        FitOrder::BlockCounter => Some("partly_guessed"),
+        FitOrder::BlockCounter => {
+            // Every start block's counter is guessed, by address.
+            report.guessed_segments = start_addresses(recording, options)?;
+            Some("partly_guessed")
+        }
         FitOrder::Counter => Some("derived"),
     };
     if let Some(derivation) = run.derivation.take() {
@@ -360,10 +372,20 @@ fn check_in(
             }
         }
     }
-    found.report.reproduces = run.report.divergence.is_none();
+    found.report.reproduces = Some(run.report.divergence.is_none());
     run.report.ordering = found.report.clone();
     run.found = found;
     Ok(run)
+}
+
+/// The start segments' addresses of `options.device`'s trace, in address order.
+fn start_addresses(
+    recording: &Recording,
+    options: &ReplayOptions,
+) -> Result<Vec<u64>, ReplayError> {
+    let config = recording.config.clone().unwrap_or_default();
+    let start = super::start_state::start_state(recording, options.device, &config)?;
+    Ok(start.segments.iter().map(|s| s.address).collect())
 }
 
 /// A check replay in `found`'s order (collecting precedences between the start segments in

@@ -4,11 +4,12 @@
 //! # Note [Finding the order]
 //! Releases of PyTorch order equal-size free blocks differently ([`FitOrder`]), and a
 //! recording does not say which release made it. A check replay first tries the order its
-//! own fields suggest (trace entries with `pool_id` come from 2.12 or later: the 2.13+
-//! order first; otherwise the address order of 2.11 and before), then the other of the two
-//! where the first diverges, and 2.12's block-counter order last. When the first reproduces
-//! the recording the other is tried too, so that the report can say both do; what-if
-//! replays then use the counter order. `--pytorch` names the order instead.
+//! own fields suggest, then the others where it diverges ([`candidates`]: trace entries with
+//! `pool_id` come from 2.12 or later, so the 2.13+ order, then 2.12's, then the address
+//! order; otherwise the address order of 2.11 and before, then the 2.13+ one, then 2.12's).
+//! When the first reproduces the recording the other of address and counter is tried too,
+//! so that the report can say both do; what-if replays then use the counter order.
+//! `--pytorch` names the order instead.
 //!
 //! The counter order needs the order in which segments were obtained. Those the trace
 //! creates follow its events, but a recording that starts mid-run lists its first segments
@@ -25,14 +26,17 @@
 //! has its own counter: a start state's blocks are numbered by address, as guessed.
 //!
 //! # Invariants
-//! - At most two replays per order tried: one that collects precedences, one that verifies.
+//! - At most two replays per order tried, one that collects precedences and one that
+//!   verifies (each run twice where the device's memory is inferred from expandable
+//!   reservations); a run of releases is retried on its operation alone, at most
+//!   `MAX_RELEASE_RETRIES` times.
 //! - `rank_of` and `idx_of` are inverse permutations; the replay's counter of start segment
 //!   `i` (by address) is `rank_of[i]`.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use crate::allocator::{CachingAllocator, FitOrder};
@@ -56,8 +60,8 @@ pub struct OrderingReport {
     pub counter_order: Option<&'static str>,
     /// The start segments whose place in the counter order was guessed (by address).
     pub guessed_segments: Vec<u64>,
-    /// Whether the order reproduces the recording (check replays).
-    pub reproduces: bool,
+    /// Whether the order reproduces the recording; `None` where no check replay said.
+    pub reproduces: Option<bool>,
     /// Why the counter order cannot reproduce the recording, where its choices showed it.
     pub contradiction: Option<String>,
 }
@@ -79,11 +83,12 @@ impl OrderingReport {
                 "both orderings reproduce this recording (address, of PyTorch 2.11 and before, and segment counter, of 2.13+); what-if replays use {}",
                 self.replayed.describe()
             ),
-            (_, true) => format!(
+            (_, Some(true)) => format!(
                 "{} reproduces this recording ({source})",
                 self.replayed.describe()
             ),
-            (_, false) => format!(
+            (_, None) => format!("replayed under {} ({source})", self.replayed.describe()),
+            (_, Some(false)) => format!(
                 "no ordering reproduces this recording; shown under {} ({source})",
                 self.replayed.describe()
             ),
@@ -133,6 +138,8 @@ impl Found {
 pub(super) struct Derivation {
     /// Start segment addresses, by index (the tie-break of the topological order).
     addresses: Vec<u64>,
+    /// Start segment indices, by address.
+    by_address: FxHashMap<u64, u32>,
     rank_of: Vec<u32>,
     idx_of: Vec<u32>,
     /// (earlier, later), as start segment indices.
@@ -155,6 +162,11 @@ impl Derivation {
             idx_of[rank] = i as u32;
         }
         Derivation {
+            by_address: addresses
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| (a, i as u32))
+                .collect(),
             addresses,
             rank_of,
             idx_of,
@@ -204,37 +216,53 @@ impl Derivation {
         }
     }
 
-    /// Keeps, for each start segment in `released` (a release run that reproduced the
-    /// recording), its place in the current order against every other start segment among
-    /// `whole_free` (address, then size, stream and pool) with the same size, stream and
-    /// pool: the run's outcome rests on those places.
+    /// Keeps what a release run that reproduced the recording says of the start segments:
+    /// per kind (size, stream and pool) among `whole_free` (address, kind), the order of
+    /// those it `released` as the current order has them, and, where the run took all of
+    /// them above every other one of the kind (a walk down the pools' order) or below (a
+    /// pick up it), that too. Runs that took them out of order (garbage collection, by age)
+    /// say nothing of the others. Linear in the run and the free segments.
     pub fn settle<K: PartialEq>(&mut self, released: &[u64], whole_free: &[(u64, K)]) {
-        for &r in released {
-            let (Some(e), Some((_, kind))) =
-                (self.segment_at(r), whole_free.iter().find(|w| w.0 == r))
-            else {
+        let mut kinds: Vec<&K> = Vec::new();
+        for (address, kind) in whole_free {
+            if released.contains(address) && !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        let released: FxHashSet<u64> = released.iter().copied().collect();
+        for kind in kinds {
+            let (mut taken, mut rest): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
+            for (address, _) in whole_free.iter().filter(|(_, k)| k == kind) {
+                if let Some(i) = self.segment_at(*address) {
+                    if released.contains(address) {
+                        taken.push(i);
+                    } else {
+                        rest.push(i);
+                    }
+                }
+            }
+            taken.sort_unstable_by_key(|&i| self.rank_of[i as usize]);
+            for w in taken.windows(2) {
+                self.edges.insert((w[0], w[1]));
+            }
+            let (Some(&low), Some(&high)) = (taken.first(), taken.last()) else {
                 continue;
             };
-            for (addr, other) in whole_free {
-                let Some(c) = self.segment_at(*addr).filter(|&c| c != e && other == kind) else {
-                    continue;
-                };
-                let edge = if self.rank_of[e as usize] < self.rank_of[c as usize] {
-                    (e, c)
-                } else {
-                    (c, e)
-                };
-                self.edges.insert(edge);
-            }
+            let rank = |i: u32| self.rank_of[i as usize];
+            let edges: Vec<(u32, u32)> = if rest.iter().all(|&u| rank(u) < rank(low)) {
+                rest.iter().map(|&u| (u, low)).collect()
+            } else if rest.iter().all(|&u| rank(u) > rank(high)) {
+                rest.iter().map(|&u| (high, u)).collect()
+            } else {
+                Vec::new()
+            };
+            self.edges.extend(edges);
         }
     }
 
     /// The start segment at `address`, if one starts there.
     pub fn segment_at(&self, address: u64) -> Option<u32> {
-        self.addresses
-            .iter()
-            .position(|&a| a == address)
-            .map(|i| i as u32)
+        self.by_address.get(&address).copied()
     }
 
     /// Records that start segment `earlier` was obtained before `later` (a release run's
