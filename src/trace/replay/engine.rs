@@ -67,6 +67,8 @@ pub(super) struct Engine<'a> {
     pub(super) derivation: Option<Derivation>,
     /// What the core did at the divergence, where it did something.
     pub(super) diverged_as: Option<TraceEntry>,
+    /// Tries of operations with releases left to this replay ([`RELEASE_TRIES`]).
+    release_retries: usize,
     /// Where the allocator's own reading of the last release run first differed from the
     /// recording, and what the core did there (Note [Reading releases]).
     pub(super) reading_differed: Option<(usize, Option<TraceEntry>)>,
@@ -74,6 +76,10 @@ pub(super) struct Engine<'a> {
 
 /// The most times one run of releases is replayed while deriving the start segments' order.
 const MAX_RELEASE_RETRIES: usize = 64;
+
+/// The most operations with releases one replay runs (and clones its state for) while
+/// deriving the start segments' order: past it, releases teach nothing more.
+const RELEASE_TRIES: usize = 4096;
 
 /// The engine's state before an operation, to try it again (Note [Finding the order]).
 struct Saved {
@@ -241,6 +247,7 @@ impl<'a> Engine<'a> {
             derivation,
             diverged_as: None,
             reading_differed: None,
+            release_retries: RELEASE_TRIES,
         })
     }
 
@@ -393,12 +400,14 @@ impl<'a> Engine<'a> {
             .iter()
             .take_while(|e| !is_driver(e.action))
             .any(|e| e.action == TraceAction::SegmentFree);
-        if self.derivation.is_none() || !releases {
+        if self.derivation.is_none() || !releases || self.release_retries == 0 {
             return self.operation_once(i);
         }
         let saved = Saved::of(self);
         let mut readings = RunReadings::default();
         for _ in 0..MAX_RELEASE_RETRIES {
+            // Each try clones the allocator back: the replay's tries are bounded in all.
+            self.release_retries = self.release_retries.saturating_sub(1);
             let end = self.operation_once(i)?;
             let Some(d) = self.divergence.as_ref() else {
                 self.settle_releases(&saved.alloc, i, end);
@@ -432,7 +441,12 @@ impl<'a> Engine<'a> {
                     .all(|(x, y)| derivation.prefer(event, x, y, &mut self.alloc))
             });
             match applied {
-                Some(next) => readings = next,
+                Some(next) => {
+                    readings = next;
+                    if self.release_retries == 0 {
+                        break;
+                    }
+                }
                 None => {
                     saved.restore(self);
                     return self.operation_once(i);

@@ -28,8 +28,9 @@
 //! # Invariants
 //! - At most two replays per order tried, one that collects precedences and one that
 //!   verifies (each run twice where the device's memory is inferred from expandable
-//!   reservations); a run of releases is retried on its operation alone, at most
-//!   `MAX_RELEASE_RETRIES` times.
+//!   reservations); a run of releases is retried on its operation alone, at most 64 times,
+//!   and a replay tries at most 4 096 operations with releases in all (each try clones the
+//!   allocator's state), after which releases teach the derivation nothing more.
 //! - `rank_of` and `idx_of` are inverse permutations; the replay's counter of start segment
 //!   `i` (by address) is `rank_of[i]`.
 
