@@ -413,3 +413,51 @@ fn releases_go_through_the_pools_in_their_order() {
         free(&mut a, kept);
     }
 }
+
+#[test]
+fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
+    use gpumem::allocator::{PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry};
+    let persistent = PlanEntry {
+        size: 4 * MIB,
+        stream: 0,
+        offset: None,
+        persistent: true,
+    };
+    let plan = std::sync::Arc::new(Plan {
+        format: PLAN_FORMAT.to_string(),
+        version: PLAN_VERSION,
+        regions: Vec::new(),
+        entries: vec![persistent, persistent],
+        source: None,
+    });
+    for order in [FitOrder::Address, FitOrder::Counter] {
+        let mut a = allocator(order);
+        a.set_plan(plan.clone()).expect("a valid plan");
+        let b = base(&a);
+        // Three chunks of two entries: the first high, the second low, the third between.
+        a.device_mut()
+            .hint_addresses([b + 8 * GIB, b + GIB, b + 4 * GIB]);
+        let p: Vec<DevicePtr> = (0..6).map(|_| malloc(&mut a, 4 * MIB, S0)).collect();
+        let chunks = [p[0].0, p[2].0, p[4].0];
+        assert_eq!(
+            chunks,
+            [b + 8 * GIB, b + GIB, b + 4 * GIB],
+            "placed as hinted"
+        );
+        // The first two wholly free, the current one's tail still taken.
+        for &q in &p[..5] {
+            free(&mut a, q);
+        }
+        let got = malloc(&mut a, 4 * MIB, S0);
+        let want = match order {
+            FitOrder::Address => chunks[1],
+            _ => chunks[0],
+        };
+        assert_eq!(got.0, want, "{order:?}: the chunk reused");
+        assert_eq!(
+            a.stats().num_plan_hits.get(),
+            7,
+            "{order:?}: every request a hit"
+        );
+    }
+}
