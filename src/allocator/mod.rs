@@ -663,10 +663,12 @@ impl<D: Device> CachingAllocator<D> {
         Ok(ties)
     }
 
-    /// Starts the segment counter at `next` (tests of the renumbering).
+    /// Moves the counter sequence on to `next` (tests of the renumbering): never back, and
+    /// never past the order's limit.
     #[doc(hidden)]
     pub fn set_next_counter(&mut self, next: u32) {
-        self.next_counter = next;
+        let limit = self.fit_order.counter_limit() - 1;
+        self.next_counter = next.max(self.next_counter).min(limit);
     }
 
     /// The size of the live block at `ptr` (after rounding and splitting), if `ptr` is live.

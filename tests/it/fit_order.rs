@@ -75,7 +75,7 @@ fn in_2_12_a_split_piece_is_newer_than_the_tail_it_came_from() {
 fn counters_are_renumbered_in_order_before_they_wrap() {
     for order in [FitOrder::BlockCounter, FitOrder::Counter] {
         let mut a = allocator(order);
-        a.set_next_counter(u32::MAX - 3);
+        a.set_next_counter(order.counter_limit() - 4);
         let b = base(&a);
         // Segments at descending addresses, so that only their counters order them.
         a.device_mut()
