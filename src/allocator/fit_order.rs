@@ -36,12 +36,12 @@
 //!   48-bit on x86-64 and Arm) and counters below [`SEGMENT_COUNTERS`] (2^24).
 //!
 //! In the counter order the core refuses a segment that ends above [`MAX_ADDRESS`] (the
-//! memory is given back), and it renumbers its counters densely, in order, before the sequence would
-//! pass its limit (2^24 segments in the counter order, 2^32 blocks in the block-counter
-//! order); it refuses a new segment only when the live ones alone would fill the counters
-//! (16 million live segments of at least 2 MiB, 32 TiB, in the counter order). Tie-breaks never wrap. (PyTorch's
-//! signed 32-bit counter would wrap after 2^31 segments, or blocks in 2.12; no recording
-//! comes near that.)
+//! memory is given back). It renumbers its counters densely, in order, before the sequence
+//! would pass its limit (2^24 segments in the counter order, 2^32 blocks in the
+//! block-counter order), and refuses a new segment only when the live ones alone would fill
+//! the counters (16 million live segments of at least 2 MiB, 32 TiB, in the counter order).
+//! Tie-breaks never wrap. (PyTorch's signed 32-bit counter would wrap after 2^31 segments,
+//! or blocks in 2.12; no recording comes near that.)
 
 use crate::config::PyTorchVersion;
 

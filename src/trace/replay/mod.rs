@@ -389,10 +389,11 @@ fn start_addresses(
 }
 
 /// A check replay in `found`'s order (collecting precedences between the start segments in
-/// the counter order while their order is unknown). Where neither the user nor the recording gives the
-/// device's memory and the recording placed a second expandable reservation inside the
-/// simulated device's first, the spacing of the two is the recorded device's reservation
-/// size: the device memory it implies is replayed again, and the report says it was inferred.
+/// the counter order while their order is unknown). Where neither the user nor the
+/// recording gives the device's memory and the recording placed a second expandable
+/// reservation inside the simulated device's first, the spacing of the two is the recorded
+/// device's reservation size: the device memory it implies is replayed again, and the
+/// report says it was inferred.
 fn check_on_capacity(
     recording: &Recording,
     options: &ReplayOptions,

@@ -20,9 +20,9 @@
 //! precedence, then the other, on that operation alone). [`Derivation`] collects these
 //! precedences in one replay (reordering the replay's counters as they arrive, so that the
 //! replay keeps following the recording), orders the segments topologically (unconstrained
-//! ones by address, and reported as guessed), and one more replay verifies the order. A cycle, or an
-//! allocation that took a block of a newer segment over an equal one of an older, means the
-//! counter order cannot reproduce the recording. In 2.12's block-counter order every block
+//! ones by address, and reported as guessed), and one more replay verifies the order. A
+//! cycle, or an allocation that took a block of a newer segment over an equal one of an
+//! older, means the counter order cannot reproduce the recording. In 2.12's block-counter order every block
 //! has its own counter: a start state's blocks are numbered by address, as guessed.
 //!
 //! # Invariants
