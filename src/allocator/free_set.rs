@@ -262,7 +262,7 @@ impl FreeSet {
     /// The first block of `stream` of `size` bytes or more in the set's order: the best fit
     /// PyTorch's `get_free_block` looks at.
     pub fn lower_bound(&self, stream: StreamId, size: u64) -> Option<FreeEntry> {
-        self.bins(stream)?.lower_bound(size, key(size, 0))
+        self.at_or_after(stream, size, 0)
     }
 
     /// Takes the best fit out of the set if `accept(size)` agrees: [`FreeSet::lower_bound`]

@@ -111,11 +111,11 @@ impl<D: Device> CachingAllocator<D> {
 
         let in_plan = self.check_plan_segments()?;
         let mut counters: FxHashSet<u32> = FxHashSet::default();
+        // Counters are taken from the sequence and distinct per segment, inherited by every
+        // block of it (per block in the block-counter order).
+        let per_block = self.fit_order.pieces_take_counters();
         for head in self.segment_heads() {
             let first = self.block(head);
-            // Counters are taken from the sequence and distinct per segment, inherited by
-            // every block of it (per block in the block-counter order).
-            let per_block = self.fit_order().pieces_take_counters();
             if first.ptr < last_end {
                 return Err(format!(
                     "segment at {:#x} overlaps the previous one",

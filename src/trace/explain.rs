@@ -230,22 +230,48 @@ pub fn explain(
             });
         }
     };
-    // The device's size: given or recorded, else as the check replays that find how the
-    // recording reads settle it (inferred from expandable reservations where they can be,
-    // else assumed).
-    let given = capacity.or(recording.simulated_device.map(|d| d.total_bytes));
     let check = ReplayOptions {
         device,
-        capacity: given.map(|c| c.min(MAX_CAPACITY)),
+        capacity: known_capacity(recording, capacity),
         order,
         ..ReplayOptions::default()
     };
     let readings = Readings::of(recording, &check)?;
-    let (total, total_known) = match (check.capacity, readings.inferred_capacity()) {
+    explain_at(recording, device, event, capacity, &readings)
+}
+
+/// The device's memory when given or recorded (at most [`MAX_CAPACITY`]).
+fn known_capacity(recording: &Recording, capacity: Option<u64>) -> Option<u64> {
+    capacity
+        .or(recording.simulated_device.map(|d| d.total_bytes))
+        .map(|c| c.min(MAX_CAPACITY))
+}
+
+/// Explains event `event` (which must be in the trace) on `device` of `recording`, the device
+/// `capacity` bytes large where given, after `readings`: those of the same device, memory and
+/// order ([`Readings::of`]), which a caller explaining several events finds once.
+///
+/// # Errors
+/// [`ExplainError`] when the replay cannot run.
+pub fn explain_at(
+    recording: &Recording,
+    device: u32,
+    event: usize,
+    capacity: Option<u64>,
+    readings: &Readings,
+) -> Result<Explanation, ExplainError> {
+    let events = super::replay::device_events(recording, device)?;
+    // The device's size: given or recorded, else as the check replays that found how the
+    // recording reads settled it (inferred from expandable reservations where they could be,
+    // else assumed).
+    let (total, total_known) = match (
+        known_capacity(recording, capacity),
+        readings.inferred_capacity(),
+    ) {
         (Some(known), _) | (None, Some(known)) => (known, true),
         (None, None) => (DEFAULT_CAPACITY, false),
     };
-    let (mut alloc, divergence) = state_after(recording, device, total, event, &readings)?;
+    let (mut alloc, divergence) = state_after(recording, device, total, event, readings)?;
     let config = alloc.config().clone();
     let entry = events[event];
     // At another event the request is the last allocation up to it.
@@ -284,7 +310,7 @@ pub fn explain(
     let kinds = accounting.kinds(wanted, total_known.then_some(total));
     let candidates = match available {
         Some(available) if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator) => {
-            search(recording, device, total, available, &readings)?
+            search(recording, device, total, available, readings)?
         }
         _ => Vec::new(),
     };

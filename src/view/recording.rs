@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::AllocatorConfig;
 use crate::allocator::{FitOrder, TraceAction};
-use crate::trace::explain::{At, ExplainError, Explanation, explain, peak_reserved_event};
+use crate::trace::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
 use crate::trace::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
 use crate::trace::{Recording, ReplayReport};
 
@@ -354,12 +354,14 @@ impl RecordingView {
         if let Some(e) = cached(&self.explanations, &(device, event)) {
             return Ok(e);
         }
-        let e = Arc::new(explain(
+        // Found once per device (the same device, memory and order as `explain` uses).
+        let readings = self.readings(device)?;
+        let e = Arc::new(explain_at(
             self.recording,
             device,
-            At::Event(event),
+            event,
             self.capacity,
-            self.order,
+            &readings,
         )?);
         Ok(keep(
             &self.explanations,

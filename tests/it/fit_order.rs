@@ -11,7 +11,7 @@ use gpumem::device::{SimConfig, SimDevice};
 use gpumem::trace::{ReplayOptions, parse_recording, replay};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
-use crate::common::{GIB, MIB, S0, check, free, malloc, temp_dir};
+use crate::common::{GIB, MIB, S0, check, free, malloc, succeeded, temp_dir};
 
 fn allocator(order: FitOrder) -> CachingAllocator<SimDevice> {
     let device = SimDevice::new(SimConfig::with_capacity(16 * GIB));
@@ -329,15 +329,7 @@ fn every_command_takes_a_known_release_and_refuses_others() {
         let stderr = String::from_utf8_lossy(&bad.stderr);
         assert!(stderr.contains("2.0 to 2.15"), "{command:?}: {stderr}");
     }
-    let ok = Command::new(bin)
-        .args(["replay", "--check", path, "--pytorch", "2.13"])
-        .output()
-        .expect("runs");
-    assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stdout)
-    );
+    let ok = succeeded(Command::new(bin).args(["replay", "--check", path, "--pytorch", "2.13"]));
     let text = String::from_utf8_lossy(&ok.stdout);
     assert!(text.contains("as --pytorch asked"), "{text}");
 }

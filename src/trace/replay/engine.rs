@@ -607,15 +607,12 @@ impl<'a> Engine<'a> {
         let stream = StreamId(d.stream);
         match d.action {
             TraceAction::Alloc => {
-                if let Some(derivation) = &mut self.derivation {
-                    let ties = match self.alloc.tied_best_fits(d.size, stream) {
-                        Ok(ties) => ties,
-                        Err(e) => {
-                            let index = self.first_event + j;
-                            return Err(ReplayError::Allocator { index, source: e });
-                        }
-                    };
-                    if ties.len() > 1 {
+                if self.derivation.is_some() {
+                    let ties = self
+                        .alloc
+                        .tied_best_fits(d.size, stream)
+                        .map_err(|e| self.fail(j, e))?;
+                    if let Some(derivation) = self.derivation.as_mut().filter(|_| ties.len() > 1) {
                         let event = self.first_event + j;
                         derivation.observe(event, &ties, d.addr, &mut self.alloc);
                     }

@@ -280,18 +280,31 @@ struct Run {
 }
 
 /// A check replay, in the order `options.order` names or, without one, in the order that
-/// reproduces the recording (Note [Finding the order]).
+/// reproduces the recording (Note [Finding the order]); its report says which.
 fn check_run(
     recording: &Recording,
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Run, ReplayError> {
-    if let Some(order) = options.order {
-        let mut run = check_in(recording, options, order, progress)?;
-        run.found.report.ordering_source = "flag";
-        run.report.ordering = run.found.report.clone();
-        return Ok(run);
-    }
+    let mut run = match options.order {
+        Some(order) => {
+            let mut run = check_in(recording, options, order, progress)?;
+            run.found.report.ordering_source = "flag";
+            run
+        }
+        None => find_order(recording, options, progress)?,
+    };
+    run.report.ordering = run.found.report.clone();
+    Ok(run)
+}
+
+/// The check replay of the first order that reproduces the recording, of the candidates in
+/// turn (Note [Finding the order]).
+fn find_order(
+    recording: &Recording,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Run, ReplayError> {
     let [first, second, third] = order::candidates(recording.trace_pool_ids);
     // An order that cannot even start (a start segment beyond what it orders) reproduces
     // nothing; the first order's error stands only if none runs.
@@ -317,7 +330,6 @@ fn check_run(
             first_run?
         };
         both.found.report.ordering = "both".to_string();
-        both.report.ordering = both.found.report.clone();
         return Ok(both);
     }
     let mut shown = first_run;
@@ -373,7 +385,6 @@ fn check_in(
         }
     }
     found.report.reproduces = Some(run.report.divergence.is_none());
-    run.report.ordering = found.report.clone();
     run.found = found;
     Ok(run)
 }

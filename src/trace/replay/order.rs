@@ -224,13 +224,13 @@ impl Derivation {
     /// pick up it), that too. Runs that took them out of order (garbage collection, by age)
     /// say nothing of the others. Linear in the run and the free segments.
     pub fn settle<K: PartialEq>(&mut self, released: &[u64], whole_free: &[(u64, K)]) {
+        let released: FxHashSet<u64> = released.iter().copied().collect();
         let mut kinds: Vec<&K> = Vec::new();
         for (address, kind) in whole_free {
             if released.contains(address) && !kinds.contains(&kind) {
                 kinds.push(kind);
             }
         }
-        let released: FxHashSet<u64> = released.iter().copied().collect();
         for kind in kinds {
             let (mut taken, mut rest): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
             for (address, _) in whole_free.iter().filter(|(_, k)| k == kind) {
@@ -280,22 +280,28 @@ impl Derivation {
             return false;
         }
         self.edges.insert((earlier, later));
-        if self.topological().is_none() {
+        let Some(order) = self.topological() else {
             self.edges.remove(&(earlier, later));
             return false;
-        }
-        self.rerank(event, alloc);
+        };
+        self.apply(event, &order, alloc);
         self.contradiction.is_none()
     }
 
     /// Puts `alloc`'s start segments in an order every precedence holds in.
     fn rerank(&mut self, event: usize, alloc: &mut CachingAllocator<SimDevice>) {
-        let Some(order) = self.topological() else {
-            self.contradiction = Some(format!(
-                "event {event}: the recording's choices between its first segments contradict each other"
-            ));
-            return;
-        };
+        match self.topological() {
+            Some(order) => self.apply(event, &order, alloc),
+            None => {
+                self.contradiction = Some(format!(
+                    "event {event}: the recording's choices between its first segments contradict each other"
+                ));
+            }
+        }
+    }
+
+    /// Gives `alloc`'s start segments counters in `order` (start segment indices).
+    fn apply(&mut self, event: usize, order: &[usize], alloc: &mut CachingAllocator<SimDevice>) {
         let mut new_of = vec![0u32; order.len()];
         for (rank, &i) in order.iter().enumerate() {
             new_of[self.rank_of[i] as usize] = rank as u32;
