@@ -274,7 +274,7 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        if let Err(e) = self.placeable(ptr, size).and(self.room_for_segment()) {
+        if let Err(e) = self.admit_segment(ptr, size) {
             let _ = self.device.free_address_range(DevicePtr(ptr), size);
             return Err(e);
         }

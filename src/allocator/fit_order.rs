@@ -52,15 +52,21 @@ pub const MAX_ADDRESS: u64 = 1 << 49;
 pub const SEGMENT_COUNTERS: u32 = 1 << 24;
 
 /// How a pool orders free blocks of equal size. See the module documentation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FitOrder {
     /// (stream, size, address): PyTorch 2.0 to 2.11.
     Address,
     /// (stream, size, block counter): PyTorch 2.12.
     BlockCounter,
     /// (stream, size, segment counter, address): PyTorch 2.13 and later.
-    #[default]
     Counter,
+}
+
+/// The order of the newest release gpumem follows.
+impl Default for FitOrder {
+    fn default() -> Self {
+        FitOrder::of(PyTorchVersion::LATEST)
+    }
 }
 
 impl FitOrder {

@@ -402,7 +402,7 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        if let Err(e) = self.placeable(ptr.0, size).and(self.room_for_segment()) {
+        if let Err(e) = self.admit_segment(ptr.0, size) {
             let _ = self.device.free(ptr);
             return Err(e);
         }
@@ -520,7 +520,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// The counter for a new segment (or piece). Before the sequence would reach the order's
     /// limit, the counters are renumbered densely in their order, so that tie-breaks never
-    /// wrap (`fit_order.rs`); [`Self::room_for_segment`] keeps room for that.
+    /// wrap (`fit_order.rs`); [`Self::admit_segment`] keeps room for that.
     fn take_counter(&mut self) -> u32 {
         if self.next_counter >= self.fit_order.counter_limit() - 1 {
             self.renumber_counters();
@@ -540,26 +540,21 @@ impl<D: Device> CachingAllocator<D> {
         }
     }
 
-    /// Refuses a new segment when those live alone would fill the order's counters (16
-    /// million segments of 2 MiB or more in the counter order: no device holds that many;
-    /// blocks count in the block-counter order, where each has one).
-    fn room_for_segment(&self) -> Result<(), AllocError> {
+    /// Refuses a new segment at `ptr` of `size` bytes that the order cannot number or place
+    /// (`fit_order.rs`): when the segments live (blocks, in the block-counter order, where
+    /// each has a counter) alone would fill its counters, 16 million segments of 2 MiB or
+    /// more in the counter order, which no device holds; or, in the counter order, when it
+    /// ends above [`MAX_ADDRESS`].
+    fn admit_segment(&self, ptr: u64, size: u64) -> Result<(), AllocError> {
         let live = match self.fit_order {
             FitOrder::Counter => {
                 self.stats.segment.all_current().max(0) as usize + self.expandable_segments.len()
             }
             _ => self.blocks.len(),
         };
-        if live + 2 < self.fit_order.counter_limit() as usize {
-            Ok(())
-        } else {
-            Err(AllocError::TooManySegments(live))
+        if live + 2 >= self.fit_order.counter_limit() as usize {
+            return Err(AllocError::TooManySegments(live));
         }
-    }
-
-    /// Refuses a segment the order's tie-break cannot place: one that ends above
-    /// [`MAX_ADDRESS`] in the counter order (`fit_order.rs`).
-    fn placeable(&self, ptr: u64, size: u64) -> Result<(), AllocError> {
         if self.fit_order != FitOrder::Counter {
             return Ok(());
         }

@@ -58,7 +58,7 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::InvalidLayout("a segment needs blocks".into()));
         }
         let base = self.device.malloc(size)?;
-        if let Err(e) = self.placeable(base.0, size).and(self.room_for_segment()) {
+        if let Err(e) = self.admit_segment(base.0, size) {
             let _ = self.device.free(base);
             return Err(e);
         }
