@@ -77,7 +77,8 @@ impl std::str::FromStr for PyTorchVersion {
     fn from_str(s: &str) -> Result<Self, String> {
         let refuse = || {
             format!(
-                "PyTorch version `{s}` is not one gpumem follows: give 2.0 to 2.15 as MAJOR.MINOR"
+                "PyTorch version `{s}` is not one gpumem follows: give 2.0 to {} as MAJOR.MINOR",
+                Self::LATEST
             )
         };
         let (major, minor) = s.split_once('.').ok_or_else(refuse)?;
