@@ -40,13 +40,19 @@ pub fn stat_names() -> Vec<String> {
             }
         }
     }
-    names.push("num_device_alloc".into());
-    names.push("num_device_free".into());
+    for counter in [
+        "num_device_alloc",
+        "num_device_free",
+        "num_ooms",
+        "num_oom_rejections",
+    ] {
+        names.push(counter.into());
+    }
     names
 }
 
 /// Statistics the C++ side reports.
-const STATS: usize = 9 * 3 * 4 + 2;
+const STATS: usize = 9 * 3 * 4 + 4;
 
 /// One allocator of the C++ design on a simulated device.
 pub struct PytorchDesign {
@@ -130,5 +136,17 @@ mod tests {
         assert!(a.malloc(2 << 30, 0).is_none(), "more than the device");
         assert!(a.malloc(u64::MAX - 100, 0).is_none(), "no overflow");
         assert!(a.malloc(0, 0).is_none());
+        let stats = a.stats();
+        let get = |key: &str| stats[names.iter().position(|n| n == key).expect(key)];
+        assert_eq!(
+            get("num_ooms"),
+            2,
+            "each refused request, not the empty one"
+        );
+        assert_eq!(
+            get("num_oom_rejections"),
+            0,
+            "no memory fraction to refuse at"
+        );
     }
 }

@@ -61,6 +61,10 @@ struct DeviceStats {
       active_bytes, inactive_split_bytes, requested_bytes;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
+  // No retry chain and no memory fraction here: a request the device cannot hold is an OOM,
+  // and none is ever refused at a fraction (throw_on_cudamalloc_oom).
+  int64_t num_ooms = 0;
+  int64_t num_oom_rejections = 0;
   int64_t oversize_allocations = 0;
 };
 
@@ -194,7 +198,11 @@ class DeviceCachingAllocator {
   Block *malloc(uint64_t orig_size, uint64_t stream) {
     std::unique_lock<std::recursive_mutex> lock(mutex_);
     // More than the device can never be served (and would overflow the rounding).
-    if (orig_size == 0 || orig_size > capacity_) return nullptr;
+    if (orig_size == 0) return nullptr;
+    if (orig_size > capacity_) {
+      ++stats_.num_ooms;
+      return nullptr;
+    }
     const uint64_t size = round_size(orig_size);
     BlockPool &pool = size <= kSmallSize ? small_blocks_ : large_blocks_;
     Block key(stream, size);
@@ -202,7 +210,10 @@ class DeviceCachingAllocator {
     Block *block = get_free_block(pool, key);
     if (block == nullptr) {
       block = alloc_block(pool, stream, allocation_size(size));
-      if (block == nullptr) return nullptr;
+      if (block == nullptr) {
+        ++stats_.num_ooms;
+        return nullptr;
+      }
     }
     return alloc_found_block(block, size, orig_size);
   }
@@ -428,7 +439,8 @@ int gpumem_baseline_free(void *allocator, uint64_t ptr) {
 
 // 9 stat arrays × (all, small, large) × (current, peak, allocated, freed), in the order
 // allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
-// inactive_split_bytes, requested_bytes; then num_device_alloc, num_device_free.
+// inactive_split_bytes, requested_bytes; then num_device_alloc, num_device_free, num_ooms,
+// num_oom_rejections.
 void gpumem_baseline_stats(void *allocator, int64_t *out) {
   const DeviceStats &s = static_cast<NativeAllocator *>(allocator)->device.stats();
   for (const StatArray *array :
@@ -438,6 +450,8 @@ void gpumem_baseline_stats(void *allocator, int64_t *out) {
   }
   *out++ = s.num_device_alloc;
   *out++ = s.num_device_free;
+  *out++ = s.num_ooms;
+  *out++ = s.num_oom_rejections;
 }
 
 }  // extern "C"

@@ -4,8 +4,9 @@
 //! reading a log) can tell fragmentation from a full device.
 //!
 //! # Invariants
-//! - An out-of-memory error is built only after the attempt was recorded (an `oom` trace entry
-//!   whose `addr` holds the driver's free bytes, and `num_ooms`).
+//! - An out-of-memory error is built only after the attempt was recorded: an `oom` trace entry
+//!   whose `addr` holds the driver's free bytes, and `num_ooms`; or, for a request refused
+//!   at the memory fraction (`throw_on_cudamalloc_oom`), `num_oom_rejections` alone.
 
 use std::fmt;
 
@@ -40,10 +41,21 @@ pub struct OutOfMemory {
     pub kinds: Vec<Kind>,
     /// The explanation in one sentence.
     pub why: String,
+    /// Refused at the memory fraction before the driver was asked
+    /// (`throw_on_cudamalloc_oom`), the rest of the retry chain skipped.
+    pub rejected: bool,
 }
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rejected {
+            write!(
+                f,
+                "CUDA out of memory, refused before the driver was asked: the request would pass \
+                 the per-process memory fraction (throw_on_cudamalloc_oom:True; set it False to \
+                 retry through the cache instead). "
+            )?;
+        }
         write!(
             f,
             "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
@@ -138,9 +150,34 @@ impl<D: Device> CachingAllocator<D> {
         segment_size: u64,
         stream: StreamId,
     ) -> Result<AllocError, AllocError> {
+        self.failure(rounded, segment_size, stream, false)
+    }
+
+    /// The error of a request refused at the memory fraction (`throw_on_cudamalloc_oom`),
+    /// counted in `num_oom_rejections` only.
+    pub(super) fn rejection(
+        &mut self,
+        rounded: u64,
+        segment_size: u64,
+        stream: StreamId,
+    ) -> Result<AllocError, AllocError> {
+        self.failure(rounded, segment_size, stream, true)
+    }
+
+    fn failure(
+        &mut self,
+        rounded: u64,
+        segment_size: u64,
+        stream: StreamId,
+        rejected: bool,
+    ) -> Result<AllocError, AllocError> {
         let info = self.device.mem_get_info()?;
-        self.record(TraceAction::Oom, info.free, rounded, stream);
-        self.stats.num_ooms.bump();
+        if rejected {
+            self.stats.num_oom_rejections.bump();
+        } else {
+            self.record(TraceAction::Oom, info.free, rounded, stream);
+            self.stats.num_ooms.bump();
+        }
         let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
         let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
         // Only now, on the failure path: the blocks as they are after the flush.
@@ -174,6 +211,7 @@ impl<D: Device> CachingAllocator<D> {
             accounting,
             kinds,
             why,
+            rejected,
         })))
     }
 }

@@ -3,8 +3,9 @@
 //! (`expandable_segments:True`).
 //!
 //! # Note [Expandable segments]
-//! A new segment reserves 9/8 of the device's memory in address space, rounded up to whole
-//! pages (2 MiB pages for the small pool, 20 MiB for the large pool), and starts as one
+//! A new segment reserves 9/8 of the device's memory (or `expandable_segments_reserve`) in
+//! address space, rounded up to whole pages (2 MiB pages for the small pool,
+//! `large_segment_size`, 20 MiB by default, for the large pool), and starts as one
 //! unmapped block. An allocation that no cached block fits grows the lowest-addressed unmapped
 //! area of its stream that, together with the free block just before it, is large enough:
 //! it maps the pages it needs and merges them into that free block, so free space at the end
@@ -26,7 +27,7 @@ use std::collections::BTreeMap;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use super::block::{Block, BlockId, SegmentId};
-use super::size::{LARGE_BUFFER, PoolKind, SMALL_BUFFER};
+use super::size::{PoolKind, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
 
 /// One reserved address range and the physical pages mapped into it.
@@ -252,23 +253,29 @@ impl<D: Device> CachingAllocator<D> {
                 return Ok(Some(c));
             }
         }
-        self.new_expandable_segment(kind, stream)
+        self.new_expandable_segment(kind, stream, size)
     }
 
-    /// Reserves a new expandable segment of 9/8 of the device's memory in whole pages, as one
-    /// unmapped block.
+    /// Reserves a new expandable segment, as one unmapped block: 9/8 of the device's memory
+    /// (or `expandable_segments_reserve`) in whole pages of 2 MiB (small pool) or
+    /// `large_segment_size`. `Ok(None)` when that cannot hold `needed` bytes (a reserve set
+    /// too small fails the request as out of memory, as PyTorch's does).
     fn new_expandable_segment(
         &mut self,
         kind: PoolKind,
         stream: StreamId,
+        needed: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         let page_size = match kind {
             PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => LARGE_BUFFER,
+            PoolKind::Large => self.config.large_segment_size,
         };
         let total = self.device.mem_get_info()?.total;
-        let pages = total.saturating_add(total / 8).div_ceil(page_size);
+        let pages = self.config.expandable_reserve(total).div_ceil(page_size);
         let size = pages.saturating_mul(page_size);
+        if size < needed {
+            return Ok(None);
+        }
         let ptr = match self.device.reserve_address_range(size) {
             Ok(ptr) => ptr.0,
             Err(DeviceError::OutOfMemory) => return Ok(None),

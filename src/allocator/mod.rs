@@ -17,12 +17,21 @@
 //! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`.
 //!
 //! # Note [OOM retry chain]
-//! When no cached block fits, `malloc` tries, in PyTorch's order: garbage collection (when a
-//! memory fraction and `garbage_collection_threshold` are set), a new segment, releasing
-//! cached oversize blocks (when `max_split_size` is set) and a new segment, flushing the whole
-//! cache (the regions and chunks of a plan that hold no live block with it) and a last new
-//! segment (counted in `num_alloc_retries`). Only then does it fail with
-//! [`AllocError::OutOfMemory`] (counted in `num_ooms`).
+//! When no cached block fits, `malloc` tries, in PyTorch's order (2.11 to 2.15): the
+//! free-memory callbacks and, if they gave memory back, the pool again (`callbacks.rs`);
+//! garbage collection (when a memory fraction and `garbage_collection_threshold` are set); a
+//! new segment; releasing cached oversize blocks (when `max_split_size` is set) and a new
+//! segment; flushing the whole cache (the regions and chunks of a plan that hold no live
+//! block with it) and a last new segment (counted in `num_alloc_retries`). Only then does it
+//! fail with [`AllocError::OutOfMemory`] (counted in `num_ooms`). PyTorch's fifth step, the
+//! pools marked `use_on_oom` searched before oversize blocks are released, needs private
+//! pools, which gpumem does not have yet: without them the step has nothing to search.
+//!
+//! With `throw_on_cudamalloc_oom:True` and a memory fraction, a new segment past the limit
+//! is refused before the driver is asked: the request fails at once, skipping the later
+//! steps, counted in `num_oom_rejections` and not in `num_ooms`, with no `oom` trace entry
+//! (PyTorch 2.12+ throws from `alloc_block`, so its OOM bookkeeping in `malloc` never runs;
+//! the callbacks and garbage collection have run by then).
 //!
 //! # Note [Drop]
 //! Dropping the allocator gives the device back everything it holds: it waits for the device,
@@ -45,6 +54,7 @@
 
 mod block;
 pub mod breakdown;
+mod callbacks;
 mod error;
 mod events;
 mod expandable;
@@ -72,6 +82,8 @@ use crate::config::{AllocatorConfig, max_split_size_stat};
 use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
 
 use block::{Block, BlockId};
+use callbacks::Callbacks;
+pub use callbacks::FreeMemoryCallback;
 pub use error::{AllocError, OutOfMemory};
 use events::EventQueue;
 use expandable::ExpandableSegment;
@@ -130,6 +142,8 @@ pub struct CachingAllocator<D: Device> {
     next_counter: u32,
     /// How free blocks of equal size are ordered.
     fit_order: FitOrder,
+    /// Asked for memory before a new segment is obtained (`callbacks.rs`).
+    callbacks: Callbacks,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
@@ -157,6 +171,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             planned: self.planned.clone(),
             next_counter: self.next_counter,
             fit_order: self.fit_order,
+            callbacks: self.callbacks.clone(),
         }
     }
 }
@@ -196,7 +211,7 @@ impl<D: Device> CachingAllocator<D> {
     /// whatever release the configuration names (replay uses the order a recording shows).
     pub fn with_fit_order(device: D, config: AllocatorConfig, order: FitOrder) -> Self {
         let stats = Arc::new(DeviceStats::new(max_split_size_stat(config.max_split_size)));
-        CachingAllocator {
+        let mut allocator = CachingAllocator {
             device,
             config,
             blocks: Slab::new(),
@@ -216,7 +231,12 @@ impl<D: Device> CachingAllocator<D> {
             planned: None,
             next_counter: 0,
             fit_order: order,
+            callbacks: Callbacks::default(),
+        };
+        if allocator.config.per_process_memory_fraction < 1.0 {
+            allocator.limit_from_config();
         }
+        allocator
     }
 
     /// How the pools order free blocks of equal size.
@@ -320,7 +340,10 @@ impl<D: Device> CachingAllocator<D> {
         let kind = PoolKind::for_size(rounded);
         let id = match self.get_free_block(kind, stream, rounded) {
             Some(id) => id,
-            None => self.allocate_segment_with_retries(kind, stream, rounded)?,
+            None => match self.free_memory_then_search(kind, stream, rounded)? {
+                Some(id) => id,
+                None => self.allocate_segment_with_retries(kind, stream, rounded)?,
+            },
         };
         let block = self.block(id);
         let split = size::should_split(
@@ -340,7 +363,7 @@ impl<D: Device> CachingAllocator<D> {
         stream: StreamId,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
-        let segment_size = size::allocation_size(rounded);
+        let segment_size = size::allocation_size(&self.config, rounded);
         if self.gc_enabled() {
             self.garbage_collect()?;
         }
@@ -375,6 +398,10 @@ impl<D: Device> CachingAllocator<D> {
         // Quirk kept from PyTorch: with expandable segments the limit is checked against the
         // segment size too, though only the missing pages get mapped.
         if !self.within_limit(segment_size) {
+            if self.config.throw_on_cudamalloc_oom {
+                // Refused before the driver is asked; the rest of the chain is skipped.
+                return Err(self.rejection(rounded, segment_size, stream)?);
+            }
             return Ok(None);
         }
         if self.expandable_segments() {
@@ -485,15 +512,25 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
+    /// Installs the limit of `per_process_memory_fraction` (PyTorch's constructor does, for
+    /// a fraction below 1). A device that cannot report its memory leaves no limit: every
+    /// later request would fail on that device anyway.
+    fn limit_from_config(&mut self) {
+        let _ = self.set_memory_fraction(self.config.per_process_memory_fraction);
+    }
+
     /// Applies a `PYTORCH_CUDA_ALLOC_CONF` string at run time (`_set_allocator_settings`).
     /// `memory_stats()["max_split_size"]` keeps the value from creation, as in PyTorch.
     ///
     /// # Errors
     /// [`AllocError::Config`] naming the bad option; nothing changes then.
     pub fn set_allocator_settings(&mut self, settings: &str) -> Result<(), AllocError> {
-        let before = self.config.max_split_size;
+        let before = self.config.clone();
         self.config.apply(settings)?;
-        self.max_split_size_changed |= self.config.max_split_size != before;
+        self.max_split_size_changed |= self.config.max_split_size != before.max_split_size;
+        if self.config.per_process_memory_fraction != before.per_process_memory_fraction {
+            self.set_memory_fraction(self.config.per_process_memory_fraction)?;
+        }
         self.checked("set_allocator_settings", Ok(()))
     }
 

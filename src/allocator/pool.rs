@@ -58,8 +58,11 @@ impl<D: Device> CachingAllocator<D> {
         size: u64,
     ) -> Option<BlockId> {
         let gc = self.gc_enabled();
-        let max_split = self.config.max_split_size;
-        let accept = |found: u64| size::fits(found, size, max_split);
+        let (max_split, slack) = (
+            self.config.max_split_size,
+            self.config.max_non_split_rounding_size,
+        );
+        let accept = |found: u64| size::fits(found, size, max_split, slack);
         let no_expandable = self.expandable_segments.is_empty();
         let pool = self.pool_mut(kind);
         if gc {

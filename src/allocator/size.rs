@@ -14,9 +14,10 @@ pub const MIN_BLOCK_SIZE: u64 = 512;
 pub const SMALL_SIZE: u64 = 1 << 20;
 /// Segment size of the small pool (`kSmallBuffer`).
 pub const SMALL_BUFFER: u64 = 2 << 20;
-/// Segment size for large requests under [`MIN_LARGE_ALLOC`] (`kLargeBuffer`); also the slack
-/// an oversize request may waste when it reuses a cached oversize block.
-pub const LARGE_BUFFER: u64 = 20 << 20;
+/// Segment size for large requests under [`MIN_LARGE_ALLOC`] (`kLargeBuffer`) and the default
+/// slack an oversize request may waste when it reuses a cached oversize block; from 2.11 both
+/// are configurable (`large_segment_size_mb`, `max_non_split_rounding_mb`).
+pub const LARGE_BUFFER: u64 = crate::config::DEFAULT_LARGE_SEGMENT_SIZE;
 /// Large requests of at least this size get a segment of their own size (`kMinLargeAlloc`).
 pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Granularity of segments for requests of [`MIN_LARGE_ALLOC`] and more (`kRoundLarge`).
@@ -91,12 +92,14 @@ fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
     }
 }
 
-/// Size of a new segment for a rounded request (`get_allocation_size`).
-pub fn allocation_size(rounded: u64) -> u64 {
+/// Size of a new segment for a rounded request (`get_allocation_size`): 2 MiB for the small
+/// pool, `large_segment_size` (20 MiB unless configured) up to 10 MiB, else the request
+/// rounded up to 2 MiB.
+pub fn allocation_size(config: &AllocatorConfig, rounded: u64) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
-        LARGE_BUFFER
+        config.large_segment_size
     } else {
         rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
     }
@@ -104,12 +107,13 @@ pub fn allocation_size(rounded: u64) -> u64 {
 
 /// Whether a cached free block of `found` bytes may serve a rounded request of `size` bytes
 /// (the `max_split_size` rules of `get_free_block`): a normal request never takes an oversize
-/// block; an oversize request takes one only if it wastes less than [`LARGE_BUFFER`].
-pub fn fits(found: u64, size: u64, max_split_size: u64) -> bool {
+/// block; an oversize request takes one only if it wastes less than `max_non_split_rounding`
+/// ([`LARGE_BUFFER`] unless configured).
+pub fn fits(found: u64, size: u64, max_split_size: u64, max_non_split_rounding: u64) -> bool {
     if size < max_split_size {
         found < max_split_size
     } else {
-        found < size.saturating_add(LARGE_BUFFER)
+        found < size.saturating_add(max_non_split_rounding)
     }
 }
 
@@ -175,7 +179,7 @@ mod tests {
             let r = round_size(&c, req);
             assert_eq!(r, rounded, "round_size({req})");
             assert_eq!(PoolKind::for_size(r), pool, "pool of {req}");
-            assert_eq!(allocation_size(r), seg, "segment for {req}");
+            assert_eq!(allocation_size(&c, r), seg, "segment for {req}");
         }
     }
 
@@ -202,16 +206,25 @@ mod tests {
 
     #[test]
     fn power2_divisions_list_quirk() {
-        // Spec scenario 16: 1100 MiB falls in the 1 GiB interval, which `>` set to 8.
-        let c = AllocatorConfig::parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
-            .expect("valid");
-        for (req, want) in [
-            (300 * MIB, 300 * MIB),
-            (600 * MIB, 768 * MIB),
-            (1100 * MIB, 1152 * MIB),
-            (1536 * MIB, 1536 * MIB),
+        // Spec scenario 16: up to 2.9, 1100 MiB falls in the 1 GiB interval, which `>` set to
+        // 8; from 2.10 `>` leaves that interval its 4 divisions.
+        let list = "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]";
+        let old = AllocatorConfig::parse_for(
+            list,
+            crate::config::Syntax::PyTorch,
+            crate::config::PyTorchVersion::new(2, 9).expect("known"),
+        )
+        .expect("valid");
+        let new = AllocatorConfig::parse(list).expect("valid");
+        for (req, want_old, want_new) in [
+            (300 * MIB, 300 * MIB, 300 * MIB),
+            (600 * MIB, 768 * MIB, 768 * MIB),
+            (1100 * MIB, 1152 * MIB, 1280 * MIB),
+            (1536 * MIB, 1536 * MIB, 1536 * MIB),
+            (2100 * MIB, 2304 * MIB, 2304 * MIB),
         ] {
-            assert_eq!(round_size(&c, req), want, "round_size({} MiB)", req / MIB);
+            assert_eq!(round_size(&old, req), want_old, "2.9: {} MiB", req / MIB);
+            assert_eq!(round_size(&new, req), want_new, "2.15: {} MiB", req / MIB);
         }
     }
 
@@ -242,7 +255,7 @@ mod tests {
             (u64::MAX, u64::MAX - 1, 100 * MIB, false), // saturates, no overflow
         ] {
             assert_eq!(
-                fits(found, size, max_split),
+                fits(found, size, max_split, LARGE_BUFFER),
                 want,
                 "fits({found}, {size}, {max_split})"
             );

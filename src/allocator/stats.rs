@@ -435,6 +435,9 @@ pub struct DeviceStats {
     pub num_alloc_retries: Counter,
     /// Allocations that failed with out-of-memory.
     pub num_ooms: Counter,
+    /// Requests refused before the driver was asked, as past the memory fraction
+    /// (`throw_on_cudamalloc_oom`, 2.12+); not counted in `num_ooms`.
+    pub num_oom_rejections: Counter,
     /// Synchronisations of all pending stream events (each cache flush).
     pub num_sync_all_streams: Counter,
     /// Driver allocations (`cudaMalloc`, or an expandable-segment map).
@@ -583,6 +586,7 @@ impl DeviceStats {
             oversize_segments: self.oversize_segments.copy(),
             num_alloc_retries: self.num_alloc_retries.copy(),
             num_ooms: self.num_ooms.copy(),
+            num_oom_rejections: self.num_oom_rejections.copy(),
             num_sync_all_streams: self.num_sync_all_streams.copy(),
             num_device_alloc: self.num_device_alloc.copy(),
             num_device_free: self.num_device_free.copy(),
@@ -605,10 +609,11 @@ impl DeviceStats {
         ]
     }
 
-    fn counters(&self) -> [(&'static str, &Counter); 5] {
+    fn counters(&self) -> [(&'static str, &Counter); 6] {
         [
             ("num_alloc_retries", &self.num_alloc_retries),
             ("num_ooms", &self.num_ooms),
+            ("num_oom_rejections", &self.num_oom_rejections),
             ("num_sync_all_streams", &self.num_sync_all_streams),
             ("num_device_alloc", &self.num_device_alloc),
             ("num_device_free", &self.num_device_free),
@@ -650,6 +655,7 @@ impl DeviceStats {
             oversize_segments: Stat::from_value(value("oversize_segments")),
             num_alloc_retries: counter("num_alloc_retries"),
             num_ooms: counter("num_ooms"),
+            num_oom_rejections: counter("num_oom_rejections"),
             num_sync_all_streams: counter("num_sync_all_streams"),
             num_device_alloc: counter("num_device_alloc"),
             num_device_free: counter("num_device_free"),
@@ -661,7 +667,7 @@ impl DeviceStats {
         stats
     }
 
-    /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 122 keys, sorted.
+    /// `torch.cuda.memory_stats()`: the flat map with PyTorch's 123 keys (2.12's), sorted.
     pub fn memory_stats(&self) -> BTreeMap<String, i64> {
         let mut out = BTreeMap::new();
         let mut put = |prefix: &str, v: StatValue| {
@@ -1021,7 +1027,7 @@ mod tests {
         let stats = DeviceStats::new(-1);
         stats.allocated_bytes.increase(PoolKind::Small, 512);
         let m = stats.memory_stats();
-        assert_eq!(m.len(), 122);
+        assert_eq!(m.len(), 123);
         assert_eq!(m["allocated_bytes.all.current"], 512);
         assert_eq!(m["allocated_bytes.small_pool.peak"], 512);
         assert_eq!(m["allocated_bytes.large_pool.current"], 0);

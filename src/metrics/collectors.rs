@@ -290,6 +290,7 @@ fn collect_allocator(
         (&c::PEAK_RESERVED_BYTES, reserved.peak as f64),
         (&c::ALLOC_RETRIES, st.num_alloc_retries.get() as f64),
         (&c::OOMS, st.num_ooms.get() as f64),
+        (&c::OOM_REJECTIONS, st.num_oom_rejections.get() as f64),
         (&c::DEVICE_ALLOCS, st.num_device_alloc.get() as f64),
         (&c::DEVICE_FREES, st.num_device_free.get() as f64),
         (&c::SYNC_ALL_STREAMS, st.num_sync_all_streams.get() as f64),

@@ -119,6 +119,13 @@ metric!(
     "Allocations that failed with CUDA out of memory (num_ooms)."
 );
 metric!(
+    OOM_REJECTIONS,
+    "gpumem_allocator_oom_rejections_total",
+    Counter,
+    ALLOCATOR,
+    "Requests refused before the driver was asked, as past the per-process memory fraction (num_oom_rejections; throw_on_cudamalloc_oom, PyTorch 2.12+); not counted in the OOMs."
+);
+metric!(
     DEVICE_ALLOCS,
     "gpumem_allocator_device_allocs_total",
     Counter,
@@ -311,7 +318,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 36] = [
+pub const CONTRACT: [&MetricDef; 37] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -323,6 +330,7 @@ pub const CONTRACT: [&MetricDef; 36] = [
     &ALLOC_RETRIES,
     &PLAN_REQUESTS,
     &OOMS,
+    &OOM_REJECTIONS,
     &DEVICE_ALLOCS,
     &DEVICE_FREES,
     &SYNC_ALL_STREAMS,

@@ -8,7 +8,7 @@
 
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, SimulatedDevice, TraceAction, TraceEntry};
-use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS};
+use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS, Syntax};
 
 use super::TraceError;
 use super::doc::{Doc, Node};
@@ -78,6 +78,9 @@ pub struct Recording {
     pub frames: Frames,
     /// The allocator configuration in force, when recorded.
     pub config: Option<AllocatorConfig>,
+    /// The options of the recorded settings string that could not be applied (a key gpumem
+    /// does not know, a bad value), each with the reason: replay goes on without them.
+    pub settings_problems: Vec<String>,
     /// The device the recording ran on, when recorded.
     pub simulated_device: Option<SimulatedDevice>,
     /// Whether trace entries carry `pool_id`, which PyTorch writes from 2.12 on.
@@ -127,6 +130,7 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
             event_stacks: Vec::new(),
             frames: Frames::default(),
             config: None,
+            settings_problems: Vec::new(),
             simulated_device: None,
             trace_pool_ids: false,
         });
@@ -147,10 +151,13 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
             event_stacks.push(stacks);
         }
     }
-    let config = root
-        .get("allocator_settings")?
-        .map(|s| settings(&s))
-        .transpose()?;
+    let (config, settings_problems) = match root.get("allocator_settings")? {
+        Some(s) => {
+            let (config, problems) = settings(&s)?;
+            (Some(config), problems)
+        }
+        None => (None, Vec::new()),
+    };
     let oldest = root
         .field("segments")?
         .items()?
@@ -181,6 +188,7 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
         event_stacks,
         frames: Frames::default(),
         config,
+        settings_problems,
         simulated_device,
         trace_pool_ids,
     })
@@ -330,19 +338,25 @@ fn event(node: &Node<'_>, budget: &mut Budget) -> Result<TraceEntry, TraceError>
     })
 }
 
-fn settings(node: &Node<'_>) -> Result<AllocatorConfig, TraceError> {
+/// The recorded configuration: the settings string applied as far as it goes (the one
+/// place a recording keeps `large_segment_size_mb`, `throw_on_cudamalloc_oom`, a memory
+/// fraction or a reserve; options it cannot apply are returned, not fatal), then the values
+/// the snapshot reports beside it, which are those in force when it was taken.
+fn settings(node: &Node<'_>) -> Result<(AllocatorConfig, Vec<String>), TraceError> {
     let mut config = AllocatorConfig::default();
+    let mut problems = Vec::new();
     if let Some(s) = node.get("PYTORCH_CUDA_ALLOC_CONF")? {
-        config.last_settings = s.str()?.to_string();
+        problems = config.apply_lenient(s.str()?, Syntax::Gpumem);
     }
     if let Some(m) = node.get("max_split_size")? {
         let v = m.int()?;
-        // As `max_split_size_mb` requires: unlimited (negative), or more than 20 MiB.
-        let floor = crate::config::MAX_SPLIT_SIZE_FLOOR_MB << 20;
-        if (0..=floor).contains(&v) {
+        // As `max_split_size_mb` requires: unlimited (negative), or at least
+        // `large_segment_size_mb` (which releases before 2.11 fix at 20 MiB).
+        let floor = config.large_segment_size.min(i64::MAX as u64) as i64;
+        if (0..floor).contains(&v) {
             return Err(schema_error(
                 &m,
-                "a max_split_size of -1 (unlimited) or more than 20 MiB",
+                "a max_split_size of -1 (unlimited) or at least large_segment_size",
                 v.to_string(),
             ));
         }
@@ -362,10 +376,13 @@ fn settings(node: &Node<'_>) -> Result<AllocatorConfig, TraceError> {
         config.release_lock_on_cudamalloc = r.bool()?;
     }
     if let Some(p) = node.get("pinned_use_cuda_host_register")? {
-        config.pinned_use_cuda_host_register = p.bool()?;
+        config.pinned.use_cuda_host_register = p.bool()?;
     }
     if let Some(p) = node.get("pinned_num_register_threads")? {
-        config.pinned_num_register_threads = p.uint()?;
+        config.pinned.num_register_threads = p.uint()?;
+    }
+    if let Some(r) = node.get("graph_capture_record_stream_reuse")? {
+        config.graph_capture_record_stream_reuse = r.bool()?;
     }
     if let Some(divisions) = node.get("roundup_power2_divisions")? {
         for i in 0..ROUNDUP_INTERVALS {
@@ -379,7 +396,7 @@ fn settings(node: &Node<'_>) -> Result<AllocatorConfig, TraceError> {
             }
         }
     }
-    Ok(config)
+    Ok((config, problems))
 }
 
 fn simulated_device(node: &Node<'_>) -> Result<SimulatedDevice, TraceError> {

@@ -102,6 +102,34 @@ fn value(exposition: &str, series: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// A job of PyTorch 2.12+ with `throw_on_cudamalloc_oom` pushes its refusals apart from its
+/// OOMs; both reach their own counters.
+#[tokio::test]
+async fn pushed_oom_rejections_reach_their_counter() {
+    let (router, _) = agent(16);
+    let stats: std::collections::BTreeMap<String, i64> = [
+        ("num_ooms".to_string(), 1),
+        ("num_oom_rejections".to_string(), 3),
+    ]
+    .into();
+    let (status, body) = post(&router, payload(4243, 1, &stats), LOCAL).await;
+    assert_eq!(status, 202, "{body}");
+    let text = scrape(&router).await;
+    let labels =
+        r#"gpu="1",UUID="GPU-11111111-2222-3333-4444-555555555555",pid="4243",allocator="pytorch""#;
+    assert_eq!(
+        value(
+            &text,
+            &format!("gpumem_allocator_oom_rejections_total{{{labels}}}")
+        ),
+        Some(3.0)
+    );
+    assert_eq!(
+        value(&text, &format!("gpumem_allocator_ooms_total{{{labels}}}")),
+        Some(1.0)
+    );
+}
+
 #[tokio::test]
 async fn pushed_statistics_round_trip_exactly() {
     let (router, _) = agent(16);

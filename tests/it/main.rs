@@ -16,6 +16,7 @@ mod lifecycle;
 mod oom_path;
 mod plan;
 mod properties;
+mod pytorch_keys;
 mod replay;
 mod scenarios;
 mod stress;

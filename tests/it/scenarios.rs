@@ -3,8 +3,9 @@
 //! `expandable.rs`.
 
 use gpumem::allocator::{AllocError, BlockState, TraceAction};
+use gpumem::config::Syntax;
 use gpumem::device::{DeviceError, SimConfig, SimDevice};
-use gpumem::{AllocatorConfig, DevicePtr};
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
 use crate::common::*;
 
@@ -374,18 +375,29 @@ fn s15_roundup_power2_divisions_on_the_allocator() {
 
 #[test]
 fn s16_roundup_list_quirk_on_the_allocator() {
-    let mut a = allocator(
-        80 * GIB,
-        "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
-    );
-    for (req, want) in [
-        (300 * MIB, 300 * MIB),
-        (600 * MIB, 768 * MIB),
-        (1100 * MIB, 1152 * MIB),
-        (1536 * MIB, 1536 * MIB),
-    ] {
-        let p = malloc(&mut a, req, S0);
-        assert_eq!(a.block_size(p), Some(want), "block for {} MiB", req / MIB);
+    // Up to 2.9 `>` overwrote the previous key's interval; 2.10 fixed it.
+    for (release, want_1100) in [("2.9", 1152 * MIB), ("2.15", 1280 * MIB)] {
+        let config = AllocatorConfig::parse_as(
+            &format!("pytorch:{release},roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"),
+            Syntax::Gpumem,
+        )
+        .expect("valid");
+        let mut a =
+            CachingAllocator::new(SimDevice::new(SimConfig::with_capacity(80 * GIB)), config);
+        for (req, want) in [
+            (300 * MIB, 300 * MIB),
+            (600 * MIB, 768 * MIB),
+            (1100 * MIB, want_1100),
+            (1536 * MIB, 1536 * MIB),
+        ] {
+            let p = malloc(&mut a, req, S0);
+            assert_eq!(
+                a.block_size(p),
+                Some(want),
+                "{release}: block for {} MiB",
+                req / MIB
+            );
+        }
     }
 }
 
@@ -444,7 +456,7 @@ fn s19_config_validation_on_the_allocator() {
     let mut a = allocator(80 * GIB, "max_split_size_mb:100");
     assert_eq!(a.config().max_split_size, 100 * MIB);
     for bad in [
-        "max_split_size_mb:20",
+        "max_split_size_mb:19",
         "garbage_collection_threshold:1.0",
         "garbage_collection_threshold:0",
         "roundup_power2_divisions:3",
