@@ -123,6 +123,19 @@ impl PyTorchArg {
     pub(crate) fn order(&self) -> Option<gpumem::allocator::FitOrder> {
         self.pytorch.map(gpumem::allocator::FitOrder::of)
     }
+
+    /// A `--config` string checked against this release's keys and rules (the newest
+    /// release's when none was named).
+    pub(crate) fn config(
+        &self,
+        text: &str,
+    ) -> Result<gpumem::AllocatorConfig, gpumem::config::ConfigError> {
+        gpumem::AllocatorConfig::parse_for(
+            text,
+            gpumem::config::Syntax::PyTorch,
+            self.pytorch.unwrap_or_default(),
+        )
+    }
 }
 
 /// How a recording is read: the limits every command that reads one shares.

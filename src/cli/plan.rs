@@ -5,7 +5,6 @@ use std::ops::Range;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::trace::explain::search_configurations;
 use gpumem::trace::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
@@ -80,7 +79,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     let config = args
         .config
         .as_deref()
-        .map(AllocatorConfig::parse)
+        .map(|c| args.pytorch.config(c))
         .transpose()?;
     let name = super::file_name(&args.trace);
     let options = PlanOptions {
@@ -121,7 +120,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         let candidates = search_configurations(&recording, &base, &readings)?;
         let replay_row = |conf: &str| -> Result<Row, Box<dyn std::error::Error>> {
             let options = ReplayOptions {
-                config: Some(AllocatorConfig::parse(conf)?),
+                config: Some(args.pytorch.config(conf)?),
                 ..base.clone()
             };
             let r = replay_following(&recording, &options, &readings, &mut |_, _| {})?;

@@ -91,7 +91,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     }
     let mut configs: Vec<Option<AllocatorConfig>> = vec![None];
     for c in &args.configs {
-        configs.push(Some(AllocatorConfig::parse(c)?));
+        configs.push(Some(args.pytorch.config(c)?));
     }
     if args.check {
         return check(&args, &recording, &devices, plan);
@@ -204,6 +204,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                             "driver_time_ns": r.driver_time_ns,
                             "capacity": r.capacity,
                             "capacity_inferred": r.capacity_inferred,
+                            "notes": r.notes,
                             "available": args.available,
                             "ordering": r.ordering.ordering,
                             "ordering_source": r.ordering.ordering_source,
@@ -233,6 +234,14 @@ pub(crate) fn run(args: Args) -> CliResult {
                 "device memory {}, inferred from the spacing of the recording's expandable reservations (--capacity overrides)",
                 format_size(reports[0].capacity)
             )?;
+        }
+        for (report, config) in reports.iter().zip(&configs) {
+            let row = config
+                .as_ref()
+                .map_or("recorded", |c| c.last_settings.as_str());
+            for note in &report.notes {
+                outln!("note ({row}): {note}")?;
+            }
         }
         if let Some(available) = args.available {
             outln!(
@@ -369,6 +378,7 @@ fn check(
                     "events": r.events,
                     "capacity": r.capacity,
                     "capacity_inferred": r.capacity_inferred,
+                    "notes": r.notes,
                     "compared": r.compared,
                     "divergence": r.divergence,
                     "ordering": r.ordering.ordering,
@@ -392,6 +402,9 @@ fn check(
         }
         if !args.json {
             outln!("device {device}: {}", r.ordering.sentence())?;
+            for note in &r.notes {
+                outln!("device {device}: note: {note}")?;
+            }
         }
         match &r.divergence {
             None => {

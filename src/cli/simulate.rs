@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use gpumem::allocator::size::format_size;
+use gpumem::config::Syntax;
 use gpumem::device::SimConfig;
 use gpumem::workload::{TrainingWorkload, finish_communication};
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
@@ -49,10 +50,7 @@ pub(crate) struct Args {
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let config = AllocatorConfig {
-        pytorch: args.pytorch,
-        ..AllocatorConfig::parse(&args.config)?
-    };
+    let config = AllocatorConfig::parse_for(&args.config, Syntax::PyTorch, args.pytorch)?;
     let capacity = args
         .capacity_gib
         .checked_mul(1 << 30)

@@ -206,3 +206,106 @@ fn a_callback_returning_a_foreign_pointer_is_an_error_not_a_crash() {
     // The valid pointer was freed all the same.
     assert_eq!(stat(&a, "allocated_bytes.all.current"), 0);
 }
+
+/// A training workload's snapshot under `conf`, as JSON.
+fn recorded_under(conf: &str) -> serde_json::Value {
+    recorded_on(80 * GIB, conf)
+}
+
+/// [`recorded_under`] on a device of `capacity` bytes.
+fn recorded_on(capacity: u64, conf: &str) -> serde_json::Value {
+    use gpumem::workload::{TrainingWorkload, finish_communication};
+    let mut alloc = allocator(capacity, conf);
+    alloc.record_history(Some(1 << 20));
+    // Requests of each segment size class: 2 MiB, `large_segment_size`, their own.
+    let held: Vec<DevicePtr> = [3 * MIB, 700 << 10, 15 * MIB, 5 * MIB]
+        .into_iter()
+        .map(|size| malloc(&mut alloc, size, S0))
+        .collect();
+    free(&mut alloc, held[0]);
+    TrainingWorkload {
+        steps: 6,
+        ..TrainingWorkload::default()
+    }
+    .run(&mut alloc, finish_communication)
+    .expect("runs");
+    serde_json::to_value(alloc.snapshot()).expect("serialises")
+}
+
+fn check_replay(json: &serde_json::Value) -> gpumem::trace::ReplayReport {
+    let bytes = serde_json::to_vec(json).expect("serialises");
+    let recording = gpumem::trace::parse_recording(&bytes).expect("reads back");
+    let options = gpumem::trace::ReplayOptions {
+        check: true,
+        ..gpumem::trace::ReplayOptions::default()
+    };
+    gpumem::trace::replay(&recording, &options).expect("replay runs")
+}
+
+#[test]
+fn recorded_settings_strings_are_applied_by_replay() {
+    for conf in [
+        "large_segment_size_mb:12",
+        "large_segment_size_mb:12,expandable_segments:True",
+        "large_segment_size_mb:32,max_split_size_mb:40,max_non_split_rounding_mb:64",
+    ] {
+        let mut json = recorded_under(conf);
+        let settings = &json["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"];
+        assert_eq!(settings, conf, "the snapshot keeps the string");
+        let r = check_replay(&json);
+        assert!(r.divergence.is_none(), "{conf}: {:?}", r.divergence);
+        assert!(
+            r.compared.total() > 0 && r.notes.is_empty(),
+            "{conf}: {:?}",
+            r.notes
+        );
+        // Without the string the segment (or page) sizes differ at once.
+        json["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] = "".into();
+        let r = check_replay(&json);
+        assert!(
+            r.divergence.is_some(),
+            "{conf}: the string was what made it exact"
+        );
+    }
+}
+
+#[test]
+fn an_unknown_key_in_the_recorded_settings_is_reported_not_fatal() {
+    let mut json = recorded_under("large_segment_size_mb:12");
+    json["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] =
+        "some_key_from_2_16:7,large_segment_size_mb:12,expandable_segments_reserve:lots".into();
+    let r = check_replay(&json);
+    assert!(r.divergence.is_none(), "{:?}", r.divergence);
+    assert_eq!(r.notes.len(), 2, "{:?}", r.notes);
+    assert!(r.notes[0].contains("some_key_from_2_16"), "{:?}", r.notes);
+    assert!(r.notes[1].contains("`lots`"), "{:?}", r.notes);
+}
+
+#[test]
+fn a_per_class_reserve_is_replayed_with_the_default_and_said_so() {
+    // Recorded on a device smaller than replay's default, so that its second reservation
+    // sits inside the replay's first: the spacing that would measure the device.
+    let mut json = recorded_on(24 * GIB, "expandable_segments:True");
+    json.as_object_mut()
+        .expect("a dict")
+        .remove("simulated_device");
+    let r = check_replay(&json);
+    assert!(
+        r.capacity_inferred,
+        "without a reserve key the device is inferred"
+    );
+    // The largest device with the same reservation: 24 GiB up to a page's worth more.
+    assert!(
+        (24 * GIB..24 * GIB + 20 * MIB).contains(&r.capacity),
+        "{}",
+        r.capacity
+    );
+    json["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] =
+        "expandable_segments:True,expandable_segments_reserve_by_class:[serve:0.5]".into();
+    // A reserve key makes the reservations no measure of the device.
+    let r = check_replay(&json);
+    assert!(!r.capacity_inferred);
+    let notes = r.notes.join("\n");
+    assert!(notes.contains("reserve_by_class is set"), "{notes}");
+    assert!(notes.contains("not inferred"), "{notes}");
+}

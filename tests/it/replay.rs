@@ -168,7 +168,7 @@ fn expandable_recording_replays_exactly_on_all_three_devices() {
         assert_eq!(r.compared.ooms, ooms, "device {device}");
         assert!(r.capacity_inferred, "device {device}: {} bytes", r.capacity);
         assert_eq!(
-            gpumem::trace::replay::capacity_for_reservation(95_630_131_200),
+            gpumem::trace::replay::capacity_for_reservation(95_630_131_200, 20 << 20),
             r.capacity,
             "device {device}"
         );

@@ -40,7 +40,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashSet;
 
-use crate::allocator::size::{LARGE_BUFFER, SMALL_BUFFER};
+use crate::allocator::size::SMALL_BUFFER;
 use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
@@ -411,13 +411,20 @@ fn check_on_capacity(
     progress: &mut dyn FnMut(usize, usize),
     found: &Found,
 ) -> Result<Run, ReplayError> {
-    let run = run_with(recording, options, progress, FxHashSet::default(), found)?;
+    let mut run = run_with(recording, options, progress, FxHashSet::default(), found)?;
     let unknown = options.capacity.is_none() && recording.simulated_device.is_none();
     let Some(spacing) = run.reservation_spacing.filter(|_| unknown) else {
         return Ok(run);
     };
+    let config = replayed_config(recording, options);
+    if config.reserve_set() {
+        run.report.notes.push(
+            "the device's memory was not inferred from the expandable reservations: the recording sets an expandable_segments_reserve key, so a reservation does not measure the device (give --capacity)".into(),
+        );
+        return Ok(run);
+    }
     let inferred = ReplayOptions {
-        capacity: Some(capacity_for_reservation(spacing)),
+        capacity: Some(capacity_for_reservation(spacing, config.large_segment_size)),
         ..options.clone()
     };
     let mut again = run_with(recording, &inferred, progress, FxHashSet::default(), found)?;
@@ -425,12 +432,46 @@ fn check_on_capacity(
     Ok(again)
 }
 
+/// The configuration a replay runs under: the what-if one, else the recorded one.
+fn replayed_config(recording: &Recording, options: &ReplayOptions) -> AllocatorConfig {
+    options
+        .config
+        .clone()
+        .or_else(|| recording.config.clone())
+        .unwrap_or_default()
+}
+
+/// What a replay under `config` cannot follow, in sentences (`ReplayReport::notes`).
+fn settings_notes(recording: &Recording, config: &AllocatorConfig, recorded: bool) -> Vec<String> {
+    let mut notes = Vec::new();
+    if recorded {
+        notes.extend(
+            recording
+                .settings_problems
+                .iter()
+                .map(|p| format!("the recorded settings string's option was skipped: {p}")),
+        );
+    }
+    notes.extend(config.ignored.iter().cloned());
+    if !config.expandable_segments_reserve_by_class.is_empty() {
+        let reserve = config
+            .expandable_segments_reserve
+            .map_or("the default reserve (9/8 of the device)".to_string(), |r| {
+                format!("the global reserve {r}")
+            });
+        notes.push(format!(
+            "expandable_segments_reserve_by_class is set, but which class each stream had is set at run time and not recorded: every expandable segment replayed with {reserve}"
+        ));
+    }
+    notes
+}
+
 /// The largest device memory whose expandable reservation is `reservation` bytes: a
-/// reservation is 9/8 of the device's memory rounded up to whole pages (2 MiB, or 20 MiB in
-/// the large pool, of which `reservation` is then a multiple).
-pub fn capacity_for_reservation(reservation: u64) -> u64 {
-    let page = if reservation.is_multiple_of(LARGE_BUFFER) {
-        LARGE_BUFFER
+/// reservation is 9/8 of the device's memory rounded up to whole pages (2 MiB, or the large
+/// pool's `large_page`, `large_segment_size`, of which `reservation` is then a multiple).
+pub fn capacity_for_reservation(reservation: u64, large_page: u64) -> u64 {
+    let page = if reservation.is_multiple_of(large_page.max(1)) {
+        large_page.max(1)
     } else {
         SMALL_BUFFER
     };
@@ -637,6 +678,7 @@ fn run_with(
         series: engine.series,
         capacity,
         capacity_inferred: false,
+        notes: settings_notes(recording, &config, options.config.is_none()),
         ordering: found.report.clone(),
     };
     Ok(Run {
@@ -747,19 +789,30 @@ impl<'a> Replayer<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::allocator::size::LARGE_BUFFER;
 
     #[test]
     fn the_inferred_capacity_is_the_largest_that_reserves_the_spacing() {
         let reserves = |c: u64, page: u64| (c + c / 8).div_ceil(page) * page;
-        for (spacing, page) in [
-            (95_630_131_200, LARGE_BUFFER),
-            (4560 * LARGE_BUFFER + SMALL_BUFFER, SMALL_BUFFER),
-            (9 * SMALL_BUFFER, SMALL_BUFFER),
+        const TWELVE: u64 = 12 << 20;
+        for (spacing, page, large) in [
+            (95_630_131_200, LARGE_BUFFER, LARGE_BUFFER),
+            (
+                4560 * LARGE_BUFFER + SMALL_BUFFER,
+                SMALL_BUFFER,
+                LARGE_BUFFER,
+            ),
+            (9 * SMALL_BUFFER, SMALL_BUFFER, LARGE_BUFFER),
+            // large_segment_size_mb:12: the large pool's reservations are in 12 MiB pages.
+            (7600 * TWELVE, TWELVE, TWELVE),
         ] {
-            let c = capacity_for_reservation(spacing);
+            let c = capacity_for_reservation(spacing, large);
             assert_eq!(reserves(c, page), spacing, "{spacing}");
             assert!(reserves(c + 1, page) > spacing, "{spacing}: the largest");
         }
-        assert_eq!(capacity_for_reservation(u64::MAX), MAX_CAPACITY);
+        assert_eq!(
+            capacity_for_reservation(u64::MAX, LARGE_BUFFER),
+            MAX_CAPACITY
+        );
     }
 }

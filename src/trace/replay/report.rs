@@ -108,6 +108,10 @@ pub struct ReplayReport {
     pub capacity_inferred: bool,
     /// The best-fit order replayed under and how it was chosen (Note [Finding the order]).
     pub ordering: super::OrderingReport,
+    /// What the replay could not follow of the configuration, in sentences: options of the
+    /// recorded settings string it skipped, values PyTorch ignores, a per-class reserve
+    /// replayed as the default, a device size not inferred.
+    pub notes: Vec<String>,
 }
 
 impl ReplayReport {
