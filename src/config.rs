@@ -481,6 +481,12 @@ fn tokenize(settings: &str) -> Vec<String> {
 /// The release that first reads each key added after 2.0 (found in the key names each
 /// release's `libc10` and `libc10_cuda` hold). A key is refused for an older release.
 const KEYS_SINCE: &[(&str, u32)] = &[
+    ("expandable_segments", 1),
+    ("release_lock_on_cudamalloc", 2),
+    ("release_lock_on_hipmalloc", 2),
+    ("pinned_use_cuda_host_register", 2),
+    ("pinned_use_hip_host_register", 2),
+    ("pinned_num_register_threads", 2),
     ("max_non_split_rounding_mb", 6),
     ("pinned_use_background_threads", 6),
     ("graph_capture_record_stream_reuse", 9),
@@ -1095,6 +1101,7 @@ mod tests {
         for &(key, since) in KEYS_SINCE {
             let value = match key {
                 "max_non_split_rounding_mb" => "64",
+                "pinned_num_register_threads" => "8",
                 "large_segment_size_mb" => "12",
                 "per_process_memory_fraction" => "0.5",
                 "pinned_reserve_segment_size_mb"

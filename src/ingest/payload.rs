@@ -69,9 +69,9 @@ pub const MAX_BYTES: i64 = 1 << 60;
 pub const MAX_COUNT: i64 = 1 << 53;
 /// The largest pid Linux hands out (`PID_MAX_LIMIT`).
 pub const MAX_PID: u32 = 1 << 22;
-/// Series of one device without size classes: six per pool, nine per device, the largest
+/// Series of one device without size classes: six per pool, ten per device, the largest
 /// free block, the last OOM's time and the info series.
-const SERIES_PER_DEVICE: usize = 2 * 6 + 9 + 3;
+const SERIES_PER_DEVICE: usize = 2 * 6 + 10 + 3;
 /// Series of a device's OOM explanation: one per part of the breakdown.
 pub const OOM_BREAKDOWN_SERIES: usize = 7;
 

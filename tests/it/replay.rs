@@ -792,12 +792,14 @@ fn a_fresh_start_on_a_mid_run_recording() {
 }
 
 /// A snapshot's `max_split_size` obeys what `max_split_size_mb` requires: -1 (unlimited) or
-/// more than 20 MiB; 0 is refused with the path of the bad value.
+/// at least `large_segment_size` (20 MiB unless the settings string sets it); 0 is refused
+/// with the path of the bad value.
 #[test]
 fn a_recorded_max_split_size_of_zero_is_refused() {
     for (value, ok) in [
         (0i64, false),
-        (20 << 20, false),
+        ((20 << 20) - 1, false),
+        (20 << 20, true),
         (-1, true),
         ((20 << 20) + 1, true),
     ] {
