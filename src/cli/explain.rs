@@ -16,8 +16,9 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 0)]
     device: u32,
     /// The moment: `oom` (the first out-of-memory error), `peak` (where the allocator reserved
-    /// the most) or an event's index in the trace. Default: `oom`, or `peak` when the trace
-    /// has no OOM.
+    /// the most), `snapshot` (the state the snapshot holds) or an event's index in the trace.
+    /// Default: `oom`, or `peak` when the trace has no OOM, or `snapshot` when there is no
+    /// trace.
     #[arg(long, value_parser = parse_at)]
     at: Option<At>,
     /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
@@ -41,18 +42,27 @@ fn parse_at(text: &str) -> Result<At, String> {
     match text {
         "oom" => Ok(At::FirstOom),
         "peak" => Ok(At::PeakReserved),
+        "snapshot" => Ok(At::Snapshot),
         n => n
             .parse()
             .map(At::Event)
-            .map_err(|_| format!("{n:?} is neither `oom`, `peak` nor an event index")),
+            .map_err(|_| format!("{n:?} is neither `oom`, `peak`, `snapshot` nor an event index")),
     }
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
     let order = args.pytorch.order();
+    let traceless = recording
+        .device_traces
+        .get(args.device as usize)
+        .is_none_or(Vec::is_empty);
     let e = match args.at {
         Some(at) => explain(&recording, args.device, at, args.capacity, order)?,
+        None if traceless => {
+            outln!("no trace recorded: the state the snapshot holds")?;
+            explain(&recording, args.device, At::Snapshot, args.capacity, order)?
+        }
         None => match explain(&recording, args.device, At::FirstOom, args.capacity, order) {
             Err(gpumem::trace::explain::ExplainError::NoOom { .. }) => {
                 outln!("no out-of-memory error in the trace: the moment of peak reserved memory")?;
@@ -79,20 +89,41 @@ pub(crate) fn run(args: Args) -> CliResult {
     }
     let f = format_size;
     let r = &e.request;
-    outln!(
-        "device {}, event {}: a request of {} ({} rounded, {} pool, stream {:#x})",
-        e.device,
-        r.event,
-        f(r.bytes),
-        f(r.rounded),
-        r.pool,
-        r.stream
-    )?;
+    if r.hypothetical {
+        outln!(
+            "device {}, at the snapshot: no request recorded; the smallest large request its cache could not serve on stream {:#x} is {} ({} rounded)",
+            e.device,
+            r.stream,
+            f(r.bytes),
+            f(r.rounded)
+        )?;
+    } else {
+        outln!(
+            "device {}, event {}: a request of {} ({} rounded, {} pool, stream {:#x})",
+            e.device,
+            r.event,
+            f(r.bytes),
+            f(r.rounded),
+            r.pool,
+            r.stream
+        )?;
+    }
+    for line in &r.context {
+        outln!("  {line}")?;
+    }
     outln!("{}", e.sentence)?;
     if let Some(d) = &e.divergence {
         outln!(
             "warning: the replay differed from the recording at event {}; these figures are the replay's",
             d.index
+        )?;
+    }
+    if let Some(p) = &e.private_pools {
+        outln!(
+            "{} segments ({}) belong to {} private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far",
+            p.segments,
+            f(p.reserved),
+            p.pools
         )?;
     }
     let b = &e.breakdown;
@@ -153,6 +184,9 @@ pub(crate) fn run(args: Args) -> CliResult {
                 f(g.live_bytes),
                 g.frame
             )?;
+            for line in &g.context {
+                outln!("  {:>12} {line}", "")?;
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -1,6 +1,8 @@
 //! Which stack allocated each block live at a moment of a recording: its allocation in the
 //! trace up to that moment, else (a block live since before the trace began) the stack the
-//! recording's final segments keep for it, where the block survived to the end.
+//! recording's final segments keep for it, where the block survived to the end; and the
+//! context of that allocation (compile context, user metadata, forward frames), which only
+//! trace entries carry.
 //!
 //! # Invariants
 //! - A block freed in the trace (its `free_completed`) before the moment has no stack from
@@ -12,12 +14,12 @@
 use rustc_hash::FxHashMap;
 
 use super::Recording;
-use super::frames::StackId;
+use super::frames::{ContextId, StackId};
 use crate::allocator::{TraceAction, TraceEntry};
 
 /// The allocating stacks of the live blocks after `events` (a prefix of a device's trace).
 pub struct BlockStacks {
-    live: FxHashMap<u64, StackId>,
+    live: FxHashMap<u64, (StackId, ContextId)>,
     at_end: FxHashMap<u64, StackId>,
 }
 
@@ -25,12 +27,20 @@ impl BlockStacks {
     /// The stacks of device `device`'s blocks live after `events`.
     pub fn new(recording: &Recording, device: usize, events: &[TraceEntry]) -> BlockStacks {
         let stacks = recording.event_stacks.get(device);
-        let mut live: FxHashMap<u64, StackId> = FxHashMap::default();
+        let contexts = recording.event_contexts.get(device);
+        let mut live: FxHashMap<u64, (StackId, ContextId)> = FxHashMap::default();
         for (i, e) in events.iter().enumerate() {
             match e.action {
                 TraceAction::Alloc => {
                     let stack = stacks.and_then(|s| s.get(i)).copied();
-                    live.insert(e.addr, stack.unwrap_or(StackId::EMPTY));
+                    let context = contexts.and_then(|c| c.get(i)).copied();
+                    live.insert(
+                        e.addr,
+                        (
+                            stack.unwrap_or(StackId::EMPTY),
+                            context.unwrap_or(ContextId::NONE),
+                        ),
+                    );
                 }
                 TraceAction::FreeCompleted => {
                     live.remove(&e.addr);
@@ -60,8 +70,16 @@ impl BlockStacks {
     pub fn of(&self, address: u64) -> StackId {
         self.live
             .get(&address)
-            .or_else(|| self.at_end.get(&address))
-            .copied()
+            .map(|&(stack, _)| stack)
+            .or_else(|| self.at_end.get(&address).copied())
             .unwrap_or(StackId::EMPTY)
+    }
+
+    /// The context of the allocation of the live block at `address` (none for a block the
+    /// trace did not allocate).
+    pub fn context_of(&self, address: u64) -> ContextId {
+        self.live
+            .get(&address)
+            .map_or(ContextId::NONE, |&(_, context)| context)
     }
 }

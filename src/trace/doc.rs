@@ -3,11 +3,13 @@
 //!
 //! Values are 16-byte [`Val`]s. Strings are interned; containers live in an arena of
 //! [`Obj`]s. Stack frames are reduced as they are stored into their parent: a dict of
-//! exactly `filename`, `line` and `name` becomes an interned [`Frame`](super::frames::Frame),
-//! and a list of only frames an interned stack, and their containers are freed for reuse. So
-//! memory grows with the events and the distinct frames a recording has, not with the frame
-//! dicts its file repeats. The cursor reads a reduced frame or stack as the dict or list it
-//! was.
+//! exactly `filename`, `line` and `name` (and any of the FX fields `fx_node_op`,
+//! `fx_node_name`, `fx_original_trace`, `fx_node_info`, strings or None) becomes an interned
+//! [`Frame`](super::frames::Frame), a list of only frames an interned stack, and a non-empty
+//! list of only strings (a trace entry's `forward_frames`) an interned list; their containers
+//! are freed for reuse. So memory grows with the events and the distinct frames a recording
+//! has, not with the frame dicts its file repeats. The cursor reads a reduced frame, stack or
+//! list as the dict or list it was.
 //!
 //! # Invariants
 //! - Containers hold values, never nested containers: dropping or walking a document never
@@ -27,7 +29,7 @@ use std::cell::{Cell, RefCell};
 use rustc_hash::FxHashMap;
 
 use super::TraceError;
-use super::frames::{Frame, FrameId, Frames, StackId, StringId};
+use super::frames::{Frame, FrameId, Frames, FxNode, ListId, StackId, StringId};
 
 /// Index of a container in a [`Doc`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,6 +49,8 @@ pub(crate) enum Val {
     Frame(FrameId),
     /// A reduced list of frames.
     Stack(StackId),
+    /// A reduced non-empty list of strings.
+    Strings(ListId),
     Obj(ObjId),
 }
 
@@ -91,6 +95,8 @@ pub(crate) struct Doc {
     pub frames: Frames,
     pub root: Val,
     keys: [StringId; 3],
+    /// The ids of "fx_node_op", "fx_node_name", "fx_original_trace", "fx_node_info".
+    fx_keys: [StringId; 4],
     /// Bytes held by the arena and containers (the interned tables count separately).
     held: u64,
     /// Values created (the schema's budget of events, blocks and segments).
@@ -109,12 +115,14 @@ impl Default for Doc {
             frames.string("line"),
             frames.string("name"),
         ];
+        let fx_keys = FX_KEYS.map(|k| frames.string(k));
         Doc {
             slots: Vec::new(),
             free: Vec::new(),
             frames,
             root: Val::None,
             keys,
+            fx_keys,
             held: 0,
             values: 0,
             work: Cell::new(0),
@@ -190,6 +198,11 @@ impl Doc {
         self.keys
     }
 
+    /// The ids of the FX fields' keys, in [`FX_KEYS`]' order.
+    pub fn fx_keys(&self) -> [StringId; 4] {
+        self.fx_keys
+    }
+
     /// The container `id`.
     pub fn obj(&self, id: ObjId) -> &Obj {
         &self.slots[id.0 as usize].obj
@@ -205,6 +218,7 @@ impl Doc {
         let Val::Obj(id) = list else {
             return Err(match list {
                 Val::Stack(_) => "a list of frames is extended after it was stored",
+                Val::Strings(_) => "a list of strings is extended after it was stored",
                 _ => "APPEND to something that is not a list",
             });
         };
@@ -308,9 +322,12 @@ impl Doc {
             return (v, NO_MEMO);
         }
         slot.stored = true;
-        let keys = self.keys;
+        let (keys, fx_keys) = (self.keys, self.fx_keys);
         let reduced = match &self.slots[id.0 as usize].obj {
-            Obj::Dict(entries) => frame_of(keys, entries).map(|f| Val::Frame(self.frames.frame(f))),
+            Obj::Dict(entries) => frame_of(keys, fx_keys, entries).map(|(frame, fx)| {
+                let fx = fx.map(|node| self.frames.fx_node(node));
+                Val::Frame(self.frames.frame(Frame { fx, ..frame }))
+            }),
             Obj::List(items) => {
                 let frames: Option<Vec<FrameId>> = items
                     .iter()
@@ -319,7 +336,19 @@ impl Doc {
                         _ => None,
                     })
                     .collect();
-                frames.map(|f| Val::Stack(self.frames.stack(&f)))
+                match frames {
+                    Some(f) => Some(Val::Stack(self.frames.stack(&f))),
+                    None => {
+                        let strings: Option<Vec<StringId>> = items
+                            .iter()
+                            .map(|v| match v {
+                                Val::Str(s) => Some(*s),
+                                _ => None,
+                            })
+                            .collect();
+                        strings.map(|s| Val::Strings(self.frames.list(&s)))
+                    }
+                }
             }
             Obj::Tuple(_) => None,
         };
@@ -433,12 +462,26 @@ fn grow<T>(v: &mut Vec<T>, n: usize) {
     }
 }
 
-/// The frame a dict holds, if it is exactly PyTorch's frame dict (`keys` are the ids of
-/// "filename", "line" and "name").
-fn frame_of(keys: [StringId; 3], entries: &[(Val, Val)]) -> Option<Frame> {
+/// The FX fields a frame dict may carry (`_snapshot(augment_with_fx_traces=True)`).
+pub(crate) const FX_KEYS: [&str; 4] = [
+    "fx_node_op",
+    "fx_node_name",
+    "fx_original_trace",
+    "fx_node_info",
+];
+
+/// The frame a dict holds, if it is PyTorch's frame dict: `filename`, `line` and `name`
+/// (`keys` are their ids), and any of the FX fields (`fx_keys`), each a string or None, and
+/// nothing else. The FX node, if any field is a string.
+fn frame_of(
+    keys: [StringId; 3],
+    fx_keys: [StringId; 4],
+    entries: &[(Val, Val)],
+) -> Option<(Frame, Option<FxNode>)> {
     let [filename, line, name] = keys;
     let (mut f, mut l, mut n) = (None, None, None);
-    if entries.len() != 3 {
+    let mut fx = [None; 4];
+    if !(3..=7).contains(&entries.len()) {
         return None;
     }
     for (k, v) in entries {
@@ -446,14 +489,33 @@ fn frame_of(keys: [StringId; 3], entries: &[(Val, Val)]) -> Option<Frame> {
             (Val::Str(k), Val::Str(s)) if k == filename => f = Some(s),
             (Val::Str(k), Val::Int(i)) if k == line => l = Some(i),
             (Val::Str(k), Val::Str(s)) if k == name => n = Some(s),
+            (Val::Str(k), v) => {
+                let i = fx_keys.iter().position(|&x| x == k)?;
+                fx[i] = match v {
+                    Val::Str(s) => Some(s),
+                    Val::None => None,
+                    _ => return None,
+                };
+            }
             _ => return None,
         }
     }
-    Some(Frame {
-        filename: f?,
-        line: l?,
-        name: n?,
-    })
+    let [op, fx_name, original_trace, info] = fx;
+    let node = FxNode {
+        op,
+        name: fx_name,
+        original_trace,
+        info,
+    };
+    Some((
+        Frame {
+            filename: f?,
+            line: l?,
+            name: n?,
+            fx: None,
+        },
+        (node != FxNode::default()).then_some(node),
+    ))
 }
 
 impl Val {
@@ -466,7 +528,7 @@ impl Val {
             Val::Float(_) => "a float",
             Val::Str(_) => "a string",
             Val::Frame(_) => "a dict",
-            Val::Stack(_) => "a list",
+            Val::Stack(_) | Val::Strings(_) => "a list",
             Val::Obj(id) => match doc.obj(*id) {
                 Obj::List(_) => "a list",
                 Obj::Tuple(_) => "a tuple",
@@ -521,10 +583,15 @@ impl<'a> Node<'a> {
         let found = match self.val {
             Val::Frame(f) => {
                 let frame = doc.frames.get(f);
+                let fx = frame.fx.map(|id| doc.frames.fx(id)).unwrap_or_default();
                 match key {
                     "filename" => Some(Val::Str(frame.filename)),
                     "line" => Some(Val::Int(frame.line)),
                     "name" => Some(Val::Str(frame.name)),
+                    "fx_node_op" => fx.op.map(Val::Str),
+                    "fx_node_name" => fx.name.map(Val::Str),
+                    "fx_original_trace" => fx.original_trace.map(Val::Str),
+                    "fx_node_info" => fx.info.map(Val::Str),
                     _ => None,
                 }
             }
@@ -555,6 +622,7 @@ impl<'a> Node<'a> {
         let doc = self.doc;
         let items: Box<dyn Iterator<Item = Val> + 'a> = match self.val {
             Val::Stack(s) => Box::new(doc.frames.frames_of(s).iter().map(|&f| Val::Frame(f))),
+            Val::Strings(l) => Box::new(doc.frames.list_of(l).iter().map(|&s| Val::Str(s))),
             Val::Obj(id) => match doc.obj(id) {
                 Obj::List(v) | Obj::Tuple(v) => Box::new(v.iter().copied()),
                 Obj::Dict(_) => return Err(self.error("a list")),
@@ -572,6 +640,22 @@ impl<'a> Node<'a> {
         match self.val {
             Val::Stack(s) => Some(s),
             _ => None,
+        }
+    }
+
+    /// The interned list this node is, if it is a non-empty list of strings.
+    pub fn strings(&self) -> Option<ListId> {
+        match self.val {
+            Val::Strings(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The interned id of a string.
+    pub fn str_id(&self) -> Result<StringId, TraceError> {
+        match self.val {
+            Val::Str(s) => Ok(s),
+            _ => Err(self.error("a string")),
         }
     }
 

@@ -47,13 +47,20 @@ pub enum At {
     PeakReserved,
     /// Just after this event (its index in the device's trace).
     Event(usize),
+    /// The state the snapshot holds: after the trace's last event, or, in a snapshot taken
+    /// without traces (`include_traces=False`), the only moment it has.
+    Snapshot,
 }
 
 /// The failing (or, at another event, the last) request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Request {
-    /// Index of the event in the device's trace.
+    /// Index of the event in the device's trace (the trace's length at the snapshot).
     pub event: usize,
+    /// No request was recorded up to this moment (a snapshot without a trace): this one is
+    /// the smallest large request that the cached blocks of the stream holding the most
+    /// memory could not serve, the first that would need the driver.
+    pub hypothetical: bool,
     /// Bytes asked for.
     pub bytes: u64,
     /// Bytes after the allocator's rounding.
@@ -62,6 +69,9 @@ pub struct Request {
     pub pool: &'static str,
     /// The stream it was asked on.
     pub stream: u64,
+    /// What the recording says of the request beside its stack: its compile context, user
+    /// metadata and forward frames, one line each (empty where it says nothing).
+    pub context: Vec<String>,
 }
 
 /// The explanation of one moment of a recording.
@@ -101,11 +111,41 @@ pub struct Explanation {
     pub divergence: Option<Divergence>,
     /// The best-fit order replayed under and how it was found.
     pub ordering: Option<OrderingReport>,
+    /// The recording's segments of private pools (CUDA graphs, MemPools) on the device, where
+    /// it has any: in a snapshot without a trace they are counted with the default pools
+    /// (gpumem does not model private pools yet); a trace with them is not replayed.
+    pub private_pools: Option<PrivatePools>,
     /// At an OOM that a setting might avoid: each candidate configuration, replayed over the
     /// whole trace within the memory the job had, those with no OOM first (least peak
     /// reserved first). Empty when live tensors and the request exceed what the job had:
     /// no setting can help then.
     pub candidates: Vec<Candidate>,
+}
+
+/// Segments of private pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PrivatePools {
+    /// Distinct private pools.
+    pub pools: usize,
+    /// Their segments.
+    pub segments: usize,
+    /// Their bytes.
+    pub reserved: u64,
+}
+
+/// The private pools' segments of `device` in `recording`, if any.
+fn private_pools(recording: &Recording, device: u32) -> Option<PrivatePools> {
+    let private: Vec<_> = recording
+        .segments
+        .iter()
+        .filter(|s| s.device == device && s.pool_id != (0, 0))
+        .collect();
+    let pools: rustc_hash::FxHashSet<_> = private.iter().map(|s| s.pool_id).collect();
+    (!private.is_empty()).then(|| PrivatePools {
+        pools: pools.len(),
+        segments: private.len(),
+        reserved: private.iter().map(|s| s.total_size).sum(),
+    })
 }
 
 /// A configuration tried against the recording.
@@ -168,7 +208,13 @@ pub struct PinGroup {
     pub live_bytes: u64,
     /// Free bytes of the segments they sit in (each segment counted once for the group).
     pub pinned_free_bytes: u64,
+    /// The context of the first such block's allocation (compile context, user metadata,
+    /// forward frames), one line each: which torch.compile graph or phase allocated it.
+    pub context: Vec<String>,
 }
+
+/// Forward frames listed of a context.
+const CONTEXT_FORWARD_FRAMES: usize = 8;
 
 /// Why an explanation could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -222,6 +268,7 @@ pub fn explain(
             events: 0,
         })?,
         At::Event(i) if i < events.len() => i,
+        At::Snapshot => events.len(),
         At::Event(event) => {
             return Err(ExplainError::NoSuchEvent {
                 device,
@@ -247,9 +294,10 @@ fn known_capacity(recording: &Recording, capacity: Option<u64>) -> Option<u64> {
         .map(|c| c.min(MAX_CAPACITY))
 }
 
-/// Explains event `event` (which must be in the trace) on `device` of `recording`, the device
-/// `capacity` bytes large where given, after `readings`: those of the same device, memory and
-/// order ([`Readings::of`]), which a caller explaining several events finds once.
+/// Explains event `event` (which must be in the trace, or the trace's length for the state
+/// at the snapshot) on `device` of `recording`, the device `capacity` bytes large where given,
+/// after `readings`: those of the same device, memory and order ([`Readings::of`]), which a
+/// caller explaining several events finds once.
 ///
 /// # Errors
 /// [`ExplainError`] when the replay cannot run.
@@ -273,22 +321,36 @@ pub fn explain_at(
     };
     let (mut alloc, divergence) = state_after(recording, device, total, event, readings)?;
     let config = alloc.config().clone();
-    let entry = events[event];
+    let entry = events.get(event).copied();
+    let snapshot = alloc.snapshot();
     // At another event the request is the last allocation up to it.
-    let asked = events[..=event]
+    let asked = events[..(event + 1).min(events.len())]
         .iter()
-        .rev()
-        .find(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc))
-        .copied()
-        .unwrap_or(entry);
-    let rounded = round_size(&config, asked.size);
-    let request = Request {
-        event,
-        bytes: asked.size,
-        rounded,
-        pool: PoolKind::for_size(rounded).segment_type(),
-        stream: asked.stream,
+        .rposition(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc));
+    let request = match asked {
+        Some(i) => {
+            let e = events[i];
+            let rounded = round_size(&config, e.size);
+            let context = recording
+                .event_contexts
+                .get(device as usize)
+                .and_then(|c| c.get(i))
+                .map_or_else(Vec::new, |&c| {
+                    recording.frames.describe_context(c, CONTEXT_FORWARD_FRAMES)
+                });
+            Request {
+                event,
+                hypothetical: false,
+                bytes: e.size,
+                rounded,
+                pool: PoolKind::for_size(rounded).segment_type(),
+                stream: e.stream,
+                context,
+            }
+        }
+        None => first_uncached_request(&snapshot, &config, device, event),
     };
+    let rounded = request.rounded;
     let snapshot = alloc.snapshot();
     let wanted = breakdown::Request {
         rounded,
@@ -303,8 +365,15 @@ pub fn explain_at(
             .map(|b| (b.size, b.requested_size, b.state));
         accounting.add_segment(wanted, segment.stream, segment.segment_type, blocks);
     }
-    let pinning = pinning(recording, device as usize, &events[..=event], &snapshot);
-    let free = (entry.action == TraceAction::Oom).then_some(entry.addr);
+    let pinning = pinning(
+        recording,
+        device as usize,
+        &events[..(event + 1).min(events.len())],
+        &snapshot,
+    );
+    let free = entry
+        .filter(|e| e.action == TraceAction::Oom)
+        .map(|e| e.addr);
     accounting.finish(free, total_known.then_some(total));
     let available = accounting.available();
     let kinds = accounting.kinds(wanted, total_known.then_some(total));
@@ -338,8 +407,48 @@ pub fn explain_at(
         pinning,
         divergence,
         ordering: readings.ordering().cloned(),
+        private_pools: private_pools(recording, device),
         candidates,
     })
+}
+
+/// The request of a moment without one (see [`Request::hypothetical`]): on the stream whose
+/// segments hold the most, the smallest large request no cached block of its large pool
+/// serves.
+fn first_uncached_request(
+    snapshot: &crate::allocator::Snapshot,
+    config: &crate::AllocatorConfig,
+    device: u32,
+    event: usize,
+) -> Request {
+    let mut by_stream: rustc_hash::FxHashMap<u64, (u64, u64)> = Default::default();
+    for segment in snapshot.segments.iter().filter(|s| s.device == device) {
+        let (held, largest) = by_stream.entry(segment.stream).or_default();
+        *held += segment.total_size;
+        if segment.segment_type == PoolKind::Large.segment_type() {
+            let free = segment
+                .blocks
+                .iter()
+                .filter(|b| b.state == BlockState::Inactive);
+            *largest = free.map(|b| b.size).fold(*largest, u64::max);
+        }
+    }
+    let (stream, (_, largest)) = by_stream
+        .into_iter()
+        .max_by_key(|&(stream, (held, _))| (held, std::cmp::Reverse(stream)))
+        .unwrap_or_default();
+    // Above the small pool's sizes, and past the largest cached block.
+    let bytes = largest.max(crate::allocator::size::SMALL_SIZE) + 1;
+    let rounded = round_size(config, bytes);
+    Request {
+        event,
+        hypothetical: true,
+        bytes,
+        rounded,
+        pool: PoolKind::Large.segment_type(),
+        stream,
+        context: Vec::new(),
+    }
 }
 
 /// The first event after which reserved memory is highest: segments allocated or mapped,
@@ -475,7 +584,10 @@ fn pinning(
             .iter()
             .filter(|b| b.state == BlockState::ActiveAllocated)
         {
-            let named = group_of(recording, stacks.of(block.address));
+            let mut named = group_of(recording, stacks.of(block.address));
+            named.context = recording
+                .frames
+                .describe_context(stacks.context_of(block.address), CONTEXT_FORWARD_FRAMES);
             let key = named.frame.clone();
             let group = groups.entry(key.clone()).or_insert(named);
             group.blocks += 1;
@@ -515,5 +627,6 @@ fn group_of(recording: &Recording, stack: super::frames::StackId) -> PinGroup {
         blocks: 0,
         live_bytes: 0,
         pinned_free_bytes: 0,
+        context: Vec::new(),
     }
 }

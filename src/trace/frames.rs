@@ -1,15 +1,20 @@
-//! Stack frames of a recording, interned: each distinct string, frame and stack is stored
-//! once, and events and blocks refer to a stack by its [`StackId`].
+//! Stack frames of a recording, interned: each distinct string, frame, stack, FX node, list
+//! of strings and event context is stored once, and events and blocks refer to a stack by its
+//! [`StackId`] and to their context by its [`ContextId`].
 //!
 //! A snapshot with stacks repeats the same few thousand frames in every one of its entries
 //! (a 1 GB pickle holds tens of millions of frame dicts); interned, they cost a few bytes per
-//! distinct frame and four bytes per frame of each distinct stack.
+//! distinct frame and four bytes per frame of each distinct stack. Frames of a torch.compile
+//! graph (`_snapshot(augment_with_fx_traces=True)`) carry the FX node that ran them; 2.6+
+//! trace entries carry a compile context, user metadata and (2.13+) the frames of the
+//! forward pass a backward allocation belongs to: interned the same way.
 //!
 //! # Invariants
 //! - Ids are dense indices, assigned in first-seen order: `StringId(i)` is the i-th distinct
-//!   string, and likewise for frames and stacks. Interning the same content twice gives the
-//!   same id.
-//! - [`StackId::EMPTY`] is the stack of no frames (an event recorded without stacks).
+//!   string, and likewise for frames, stacks, FX nodes, lists and contexts. Interning the same
+//!   content twice gives the same id.
+//! - [`StackId::EMPTY`] is the stack of no frames (an event recorded without stacks);
+//!   [`ContextId::NONE`] the context of an event that carries none.
 
 use std::hash::BuildHasherDefault;
 
@@ -35,7 +40,25 @@ impl StackId {
     pub const EMPTY: StackId = StackId(0);
 }
 
-/// One frame: PyTorch's `{"filename": ..., "line": ..., "name": ...}`.
+/// A distinct FX node of the recording (`FxId(i)` is the node of index `i - 1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FxId(pub(crate) std::num::NonZeroU32);
+
+/// A distinct list of strings (a trace entry's `forward_frames`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ListId(pub(crate) u32);
+
+/// A distinct event context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub(crate) u32);
+
+impl ContextId {
+    /// The context of an event that carries none.
+    pub const NONE: ContextId = ContextId(0);
+}
+
+/// One frame: PyTorch's `{"filename": ..., "line": ..., "name": ...}`, and the FX node of a
+/// compiled graph that ran it where the snapshot was augmented with FX traces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Frame {
     /// The source file (or the C++ library) of the frame.
@@ -44,6 +67,32 @@ pub struct Frame {
     pub line: i64,
     /// The function.
     pub name: StringId,
+    /// Its FX node, if the frame carries `fx_*` fields.
+    pub fx: Option<FxId>,
+}
+
+/// The `fx_*` fields of a frame: which node of a torch.compile graph it belongs to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FxNode {
+    /// `fx_node_op`: the node's kind (`call_function`, `placeholder`, ...).
+    pub op: Option<StringId>,
+    /// `fx_node_name`: the node's name in the graph.
+    pub name: Option<StringId>,
+    /// `fx_original_trace`: the user code the node was traced from.
+    pub original_trace: Option<StringId>,
+    /// `fx_node_info`: the node's description.
+    pub info: Option<StringId>,
+}
+
+/// What a trace entry carries besides its stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct EventContext {
+    /// `compile_context`: the torch.compile frame and graph it ran in ("N/A" is none).
+    pub compile_context: Option<StringId>,
+    /// `user_metadata`: what the program set with `_set_memory_metadata` (empty is none).
+    pub user_metadata: Option<StringId>,
+    /// `forward_frames`: the forward pass's frames, for an allocation of its backward.
+    pub forward_frames: Option<ListId>,
 }
 
 /// The interned strings, frames and stacks of a recording.
@@ -56,6 +105,9 @@ pub struct Frames {
     stack_ends: Vec<u32>,
     /// Each distinct stack's content, for interning.
     stacks: rustc_hash::FxHashMap<Box<[FrameId]>, StackId>,
+    fx: Set<FxNode>,
+    lists: Set<Box<[StringId]>>,
+    contexts: Set<EventContext>,
     /// What the tables hold, in bytes (content and hash-table slots, estimated).
     bytes: u64,
 }
@@ -68,10 +120,15 @@ impl Default for Frames {
             stack_frames: Vec::new(),
             stack_ends: Vec::new(),
             stacks: rustc_hash::FxHashMap::default(),
+            fx: Set::default(),
+            lists: Set::default(),
+            contexts: Set::default(),
             bytes: 0,
         };
         let empty = frames.stack(&[]);
         debug_assert_eq!(empty, StackId::EMPTY);
+        let none = frames.context(EventContext::default());
+        debug_assert_eq!(none, ContextId::NONE);
         frames
     }
 }
@@ -113,6 +170,78 @@ impl Frames {
         id
     }
 
+    /// The id of an FX node, interning it where new.
+    pub(crate) fn fx_node(&mut self, node: FxNode) -> FxId {
+        let (i, new) = self.fx.insert_full(node);
+        if new {
+            self.bytes += 40;
+        }
+        // At most 2^32 - 2 nodes: a node takes at least a value of the input.
+        FxId(std::num::NonZeroU32::new(i as u32 + 1).unwrap_or(std::num::NonZeroU32::MAX))
+    }
+
+    /// An FX node by id.
+    pub fn fx(&self, id: FxId) -> FxNode {
+        self.fx
+            .get_index(id.0.get() as usize - 1)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The id of a list of strings, interning it where new.
+    pub(crate) fn list(&mut self, strings: &[StringId]) -> ListId {
+        if let Some(i) = self.lists.get_index_of(strings) {
+            return ListId(i as u32);
+        }
+        self.bytes += (strings.len() * 4 + 48) as u64;
+        ListId(self.lists.insert_full(strings.into()).0 as u32)
+    }
+
+    /// A list of strings by id.
+    pub fn list_of(&self, id: ListId) -> &[StringId] {
+        self.lists.get_index(id.0 as usize).map_or(&[], |l| l)
+    }
+
+    /// The id of an event context, interning it where new.
+    pub(crate) fn context(&mut self, context: EventContext) -> ContextId {
+        let (i, new) = self.contexts.insert_full(context);
+        if new {
+            self.bytes += 40;
+        }
+        ContextId(i as u32)
+    }
+
+    /// An event context by id.
+    pub fn context_of(&self, id: ContextId) -> EventContext {
+        self.contexts
+            .get_index(id.0 as usize)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// A context as people read it, one line each: `compile context: ...`, `user metadata:
+    /// ...`, then `forward: ...` for each of the first `max_forward` forward frames.
+    pub fn describe_context(&self, id: ContextId, max_forward: usize) -> Vec<String> {
+        let c = self.context_of(id);
+        let mut lines = Vec::new();
+        if let Some(s) = c.compile_context {
+            lines.push(format!("compile context: {}", self.str(s)));
+        }
+        if let Some(s) = c.user_metadata {
+            lines.push(format!("user metadata: {}", self.str(s)));
+        }
+        if let Some(l) = c.forward_frames {
+            let frames = self.list_of(l);
+            lines.extend(
+                frames
+                    .iter()
+                    .take(max_forward)
+                    .map(|&s| format!("forward: {}", self.str(s))),
+            );
+        }
+        lines
+    }
+
     /// A string by id.
     pub fn str(&self, id: StringId) -> &str {
         self.strings.get_index(id.0 as usize).map_or("", |s| s)
@@ -123,15 +252,27 @@ impl Frames {
         self.frames[id.0 as usize]
     }
 
-    /// A frame as people read it: `file:line in function`.
+    /// A frame as people read it: `file:line in function`, and, for a frame of a compiled
+    /// graph, ` [fx OP NAME]`.
     pub fn describe(&self, id: FrameId) -> String {
         let frame = self.get(id);
-        format!(
+        let mut text = format!(
             "{}:{} in {}",
             self.str(frame.filename),
             frame.line,
             self.str(frame.name)
-        )
+        );
+        if let Some(fx) = frame.fx.map(|f| self.fx(f)) {
+            let parts: Vec<&str> = [fx.op, fx.name]
+                .iter()
+                .flatten()
+                .map(|&s| self.str(s))
+                .collect();
+            if !parts.is_empty() {
+                text.push_str(&format!(" [fx {}]", parts.join(" ")));
+            }
+        }
+        text
     }
 
     /// A stack's frames, innermost first.
@@ -181,21 +322,43 @@ mod tests {
             filename: a,
             line: 10,
             name: b,
+            fx: None,
         });
         let two = f.frame(Frame {
             filename: a,
             line: 11,
             name: b,
+            fx: None,
         });
         assert_ne!(one, two);
         assert_eq!(
             f.frame(Frame {
                 filename: a,
                 line: 10,
-                name: b
+                name: b,
+                fx: None,
             }),
             one
         );
+        // The same line run by an FX node is another frame, described with its node.
+        let (op, node) = (f.string("call_function"), f.string("mm_3"));
+        let fx = f.fx_node(FxNode {
+            op: Some(op),
+            name: Some(node),
+            ..FxNode::default()
+        });
+        let compiled = f.frame(Frame {
+            filename: a,
+            line: 10,
+            name: b,
+            fx: Some(fx),
+        });
+        assert_ne!(compiled, one);
+        assert_eq!(
+            f.describe(compiled),
+            "train.py:10 in forward [fx call_function mm_3]"
+        );
+        assert_eq!(f.describe(one), "train.py:10 in forward");
         let s = f.stack(&[one, two]);
         assert_eq!(f.stack(&[one, two]), s);
         assert_ne!(f.stack(&[two, one]), s);
@@ -203,6 +366,20 @@ mod tests {
         assert_eq!(f.frames_of(StackId::EMPTY), &[]);
         assert_eq!(f.stack(&[]), StackId::EMPTY);
         assert_eq!(f.str(f.get(one).filename), "train.py");
-        assert_eq!((f.frame_count(), f.stack_count()), (2, 3));
+        assert_eq!((f.frame_count(), f.stack_count()), (3, 3));
+        // Contexts: the empty one is NONE; lists and contexts are interned.
+        assert_eq!(f.context(EventContext::default()), ContextId::NONE);
+        let fwd = f.list(&[a, b]);
+        assert_eq!(f.list(&[a, b]), fwd);
+        let c = f.context(EventContext {
+            compile_context: Some(node),
+            forward_frames: Some(fwd),
+            ..EventContext::default()
+        });
+        assert_ne!(c, ContextId::NONE);
+        assert_eq!(
+            f.describe_context(c, 1),
+            ["compile context: mm_3", "forward: train.py"]
+        );
     }
 }

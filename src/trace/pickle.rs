@@ -312,18 +312,23 @@ impl Machine<'_, '_> {
     /// to when it is stored). False, with nothing consumed, when the buffered bytes are
     /// anything else.
     fn frame_dict(&mut self) -> Result<bool, TraceError> {
-        let keys = self.doc.frame_keys();
+        let (keys, fx_keys) = (self.doc.frame_keys(), self.doc.fx_keys());
         let next_memo = self.next_memo;
         let parsed = {
             let buf = self.input.buffered();
             let memo = &self.memo;
             let frames = &mut self.doc.frames;
-            parse_frame(buf, memo, frames, keys, next_memo)
+            parse_frame(buf, memo, frames, keys, fx_keys, next_memo)
         };
         let Some(parsed) = parsed else {
             return Ok(false);
         };
-        let v = Val::Frame(self.doc.frames.frame(parsed.frame));
+        let fx = parsed.fx.map(|node| self.doc.frames.fx_node(node));
+        let v = Val::Frame(
+            self.doc
+                .frames
+                .frame(super::frames::Frame { fx, ..parsed.frame }),
+        );
         self.memo.put(next_memo, v);
         for &(index, s) in &parsed.strings[..parsed.new_strings] {
             self.memo.put(index, Val::Str(s));
@@ -334,9 +339,11 @@ impl Machine<'_, '_> {
             .ok_or_else(|| self.fail("more than 2^32 memo entries"))?;
         self.input.consume(parsed.len);
         self.push(v);
-        // As the generic path counts: the dict, its MEMOIZE, MARK, six values, SETITEMS.
-        self.ops += 9 + parsed.new_strings as u64;
-        self.doc.count_values(7);
+        // As the generic path counts: the dict, its MEMOIZE, MARK, its keys and values,
+        // SETITEMS.
+        let values = 2 * parsed.entries as u64;
+        self.ops += 3 + values + parsed.new_strings as u64;
+        self.doc.count_values(1 + values);
         Ok(true)
     }
 
@@ -559,14 +566,22 @@ impl Machine<'_, '_> {
 /// A frame dict read by [`Machine::frame_dict`].
 struct ParsedFrame {
     frame: super::frames::Frame,
+    /// Its FX fields, where it has any.
+    fx: Option<super::frames::FxNode>,
+    /// Its keys.
+    entries: usize,
     /// Bytes after the `}`.
     len: usize,
     /// Strings first seen in it, with the memo indices they were stored under.
-    strings: [(u32, super::frames::StringId); 6],
+    strings: [(u32, super::frames::StringId); MAX_FRAME_STRINGS],
     new_strings: usize,
 }
 
-/// Parses a frame dict's bytes after its `}` (see [`Machine::frame_dict`]). Strings new to the
+/// The most strings a frame dict can memoize: seven keys and six string values.
+const MAX_FRAME_STRINGS: usize = 13;
+
+/// Parses a frame dict's bytes after its `}` (see [`Machine::frame_dict`]): `filename`,
+/// `line`, `name` and any FX fields (strings or None), in any order. Strings new to the
 /// document are interned even when the parse then fails (the generic path interns them
 /// again, to the same ids).
 #[inline]
@@ -575,11 +590,12 @@ fn parse_frame(
     memo: &Memo,
     frames: &mut super::frames::Frames,
     [filename_key, line_key, name_key]: [super::frames::StringId; 3],
+    fx_keys: [super::frames::StringId; 4],
     next_memo: u32,
 ) -> Option<ParsedFrame> {
     use super::frames::StringId;
     let mut p = 0;
-    let mut strings = [(0, StringId(0)); 6];
+    let mut strings = [(0, StringId(0)); MAX_FRAME_STRINGS];
     let mut new_strings = 0;
     let next = |p: &mut usize| -> Option<u8> {
         let b = *buf.get(*p)?;
@@ -590,52 +606,63 @@ fn parse_frame(
         return None;
     }
     let (mut filename, mut line, mut name) = (None, None, None);
-    for _ in 0..3 {
-        let mut string = |p: &mut usize| -> Option<StringId> {
-            let op = next(p)?;
-            let v = match op {
-                b'h' | b'j' => {
-                    let index = if op == b'h' {
-                        u32::from(next(p)?)
-                    } else {
-                        let b = buf.get(*p..*p + 4)?;
-                        *p += 4;
-                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-                    };
-                    // A string memoized earlier in this same dict (a name equal to its
-                    // file, say) is not in the memo yet: the dict's pending entries first.
-                    let pending = if new_strings > 0 {
-                        strings[..new_strings].iter().find(|&&(i, _)| i == index)
-                    } else {
-                        None
-                    };
-                    match pending {
-                        Some(&(_, s)) => Val::Str(s),
-                        None if index == next_memo => return None,
-                        None => memo.get(index)?,
-                    }
+    let mut fx: [Option<StringId>; 4] = [None; 4];
+    let mut seen_fx = [false; 4];
+    // A string (Some(id)) or None (Some(None) only where `none_ok`).
+    let mut value = |p: &mut usize, none_ok: bool| -> Option<Option<StringId>> {
+        let op = next(p)?;
+        let v = match op {
+            b'N' if none_ok => return Some(None),
+            b'h' | b'j' => {
+                let index = if op == b'h' {
+                    u32::from(next(p)?)
+                } else {
+                    let b = buf.get(*p..*p + 4)?;
+                    *p += 4;
+                    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                };
+                // A string memoized earlier in this same dict (a name equal to its file,
+                // say) is not in the memo yet: the dict's pending entries first.
+                let pending = strings[..new_strings].iter().find(|&&(i, _)| i == index);
+                match pending {
+                    Some(&(_, s)) => Val::Str(s),
+                    None if index == next_memo => return None,
+                    None => memo.get(index)?,
                 }
-                0x8c => {
-                    let n = usize::from(next(p)?);
-                    let bytes = buf.get(*p..*p + n)?;
-                    *p += n;
-                    let id = frames.string(std::str::from_utf8(bytes).ok()?);
-                    if buf.get(*p) == Some(&0x94) {
-                        *p += 1;
-                        let index = next_memo.checked_add(1 + new_strings as u32)?;
-                        strings[new_strings] = (index, id);
-                        new_strings += 1;
-                    }
-                    Val::Str(id)
-                }
-                _ => return None,
-            };
-            match v {
-                Val::Str(s) => Some(s),
-                _ => None,
             }
+            0x8c | b'X' => {
+                let n = if op == 0x8c {
+                    usize::from(next(p)?)
+                } else {
+                    let b = buf.get(*p..*p + 4)?;
+                    *p += 4;
+                    u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+                };
+                let bytes = buf.get(*p..p.checked_add(n)?)?;
+                *p += n;
+                let id = frames.string(std::str::from_utf8(bytes).ok()?);
+                if buf.get(*p) == Some(&0x94) {
+                    *p += 1;
+                    let index = next_memo.checked_add(1 + new_strings as u32)?;
+                    *strings.get_mut(new_strings)? = (index, id);
+                    new_strings += 1;
+                }
+                Val::Str(id)
+            }
+            _ => return None,
         };
-        let key = string(&mut p)?;
+        match v {
+            Val::Str(s) => Some(Some(s)),
+            _ => None,
+        }
+    };
+    let mut entries = 0;
+    for _ in 0..7 {
+        if buf.get(p) == Some(&b'u') {
+            break;
+        }
+        entries += 1;
+        let key = value(&mut p, false)??;
         if key == line_key && line.is_none() {
             let v = match next(&mut p)? {
                 b'K' => i64::from(next(&mut p)?),
@@ -653,22 +680,36 @@ fn parse_frame(
             };
             line = Some(v);
         } else if key == filename_key && filename.is_none() {
-            filename = Some(string(&mut p)?);
+            filename = Some(value(&mut p, false)??);
         } else if key == name_key && name.is_none() {
-            name = Some(string(&mut p)?);
+            name = Some(value(&mut p, false)??);
         } else {
-            return None;
+            let i = fx_keys.iter().position(|&k| k == key)?;
+            if std::mem::replace(&mut seen_fx[i], true) {
+                return None;
+            }
+            fx[i] = value(&mut p, true)?;
         }
     }
     if next(&mut p)? != b'u' {
         return None;
     }
+    let [op, fx_name, original_trace, info] = fx;
+    let node = super::frames::FxNode {
+        op,
+        name: fx_name,
+        original_trace,
+        info,
+    };
     Some(ParsedFrame {
         frame: super::frames::Frame {
             filename: filename?,
             line: line?,
             name: name?,
+            fx: None,
         },
+        fx: (node != super::frames::FxNode::default()).then_some(node),
+        entries,
         len: p,
         strings,
         new_strings,

@@ -12,7 +12,7 @@ use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS, Syntax};
 
 use super::TraceError;
 use super::doc::{Doc, Node};
-use super::frames::{Frames, StackId};
+use super::frames::{ContextId, EventContext, Frames, StackId};
 
 /// Which layout the file had.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +74,9 @@ pub struct Recording {
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// Each event's stack, beside `device_traces` ([`StackId::EMPTY`] where it has none).
     pub event_stacks: Vec<Vec<StackId>>,
+    /// Each event's context (compile context, user metadata, forward frames), beside
+    /// `device_traces`; empty for a device whose events carry none.
+    pub event_contexts: Vec<Vec<ContextId>>,
     /// The stacks' frames and strings.
     pub frames: Frames,
     /// The allocator configuration in force, when recorded.
@@ -113,12 +116,40 @@ impl Budget {
 
 /// The recording a document holds (its interned frames move into it).
 pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
-    let mut recording = read(doc)?;
+    let mut contexts = Contexts::default();
+    let mut recording = read(doc, &mut contexts)?;
+    // The contexts were numbered in first-seen order from NONE, as the frames number them.
+    for &c in contexts.iter().skip(1) {
+        doc.frames.context(c);
+    }
     recording.frames = std::mem::take(&mut doc.frames);
     Ok(recording)
 }
 
-fn read(doc: &Doc) -> Result<Recording, TraceError> {
+/// The contexts met while reading, in first-seen order (the empty one first).
+type Contexts =
+    indexmap::IndexSet<EventContext, std::hash::BuildHasherDefault<rustc_hash::FxHasher>>;
+
+/// An event's context and its id in `contexts` (interned there).
+fn context_of(node: &Node<'_>, contexts: &mut Contexts) -> Result<ContextId, TraceError> {
+    let text = |key: &str, none: &str| -> Result<_, TraceError> {
+        match node.get(key)? {
+            Some(v) if !v.is_none() && v.str()? != none => Ok(Some(v.str_id()?)),
+            _ => Ok(None),
+        }
+    };
+    let context = EventContext {
+        compile_context: text("compile_context", "N/A")?,
+        user_metadata: text("user_metadata", "")?,
+        forward_frames: node.get("forward_frames")?.and_then(|f| f.strings()),
+    };
+    if contexts.is_empty() {
+        contexts.insert(EventContext::default());
+    }
+    Ok(ContextId(contexts.insert_full(context).0 as u32))
+}
+
+fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
     let root = doc.root();
     let budget = &mut Budget(doc.values());
     if !root.is_dict() {
@@ -128,6 +159,7 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
             segments,
             device_traces: Vec::new(),
             event_stacks: Vec::new(),
+            event_contexts: Vec::new(),
             frames: Frames::default(),
             config: None,
             settings_problems: Vec::new(),
@@ -138,17 +170,23 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
     let segments = segments(&root.field("segments")?, budget)?;
     let mut device_traces = Vec::new();
     let mut event_stacks = Vec::new();
+    let mut event_contexts = Vec::new();
     let mut trace_pool_ids = false;
     if let Some(traces) = root.get("device_traces")? {
         for events in traces.items()? {
-            let (mut entries, mut stacks) = (Vec::new(), Vec::new());
+            let (mut entries, mut stacks, mut context_ids) = (Vec::new(), Vec::new(), Vec::new());
             for e in events.items()? {
                 trace_pool_ids = trace_pool_ids || e.get("pool_id")?.is_some();
                 entries.push(event(&e, budget)?);
                 stacks.push(stack_of(&e)?);
+                context_ids.push(context_of(&e, contexts)?);
+            }
+            if context_ids.iter().all(|&c| c == ContextId::NONE) {
+                context_ids = Vec::new();
             }
             device_traces.push(entries);
             event_stacks.push(stacks);
+            event_contexts.push(context_ids);
         }
     }
     let (config, settings_problems) = match root.get("allocator_settings")? {
@@ -186,6 +224,7 @@ fn read(doc: &Doc) -> Result<Recording, TraceError> {
         segments,
         device_traces,
         event_stacks,
+        event_contexts,
         frames: Frames::default(),
         config,
         settings_problems,

@@ -133,8 +133,16 @@ pub fn start_state(
     // bring this to zero (a trace that starts with expandable memory mapped is not rebuilt).
     let mut mapped: i128 = 0;
     let mut expandable_live: Vec<u64> = Vec::new();
+    // Blocks the snapshot shows freed but waiting on other streams' events.
+    let mut pending_at_end: Vec<(u64, u64)> = Vec::new();
+    // Without a trace nothing is replayed: a private pool's segments are loaded as the
+    // default pool's, only to be looked at (an explanation says which they were).
+    let traced = recording
+        .device_traces
+        .get(device as usize)
+        .is_some_and(|t| !t.is_empty());
     for seg in recording.segments.iter().filter(|s| s.device == device) {
-        if seg.pool_id != (0, 0) {
+        if seg.pool_id != (0, 0) && traced {
             return Err(StartStateError::PrivatePool {
                 address: seg.address,
                 pool: seg.pool_id,
@@ -152,6 +160,9 @@ pub fn start_state(
             segments.insert(seg.address, (seg.total_size, seg.stream, seg.pool));
         }
         for b in &seg.blocks {
+            if b.state == BlockState::ActivePendingFree {
+                pending_at_end.push((b.address, b.requested_size));
+            }
             if b.state != BlockState::Inactive {
                 live.insert(
                     b.address,
@@ -204,6 +215,23 @@ pub fn start_state(
         }
     }
 
+    // A block pending at the end that the trace never allocates nor frees was pending at
+    // the start too (its free was requested before the trace and never completed in it).
+    let touched: rustc_hash::FxHashSet<u64> = events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.action,
+                TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted
+            )
+        })
+        .map(|e| e.addr)
+        .collect();
+    for &(addr, requested) in &pending_at_end {
+        if !touched.contains(&addr) {
+            awaiting_request.insert(addr, requested);
+        }
+    }
     // A completion without its request: the block was pending at the start, so occupied.
     for (&addr, &requested) in &awaiting_request {
         live.insert(

@@ -122,11 +122,15 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     } else {
         ("The memory of", "after")
     };
+    let moment = if r.hypothetical {
+        "at the snapshot".to_string()
+    } else {
+        format!("{at} event {}", r.event)
+    };
     let _ = writeln!(
         b,
-        "<h1>{what} device <span data-field=\"device\" data-value=\"{0}\">{0}</span> {at} event {1}: {2}</h1>",
+        "<h1>{what} device <span data-field=\"device\" data-value=\"{0}\">{0}</span> {moment}: {1}</h1>",
         e.device,
-        r.event,
         escape(name)
     );
     let sentence = escape(&e.sentence);
@@ -167,7 +171,14 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         kinds.join("")
     );
 
-    let _ = writeln!(b, "<h2>The request</h2>\n<table id=\"request\">");
+    let _ = writeln!(b, "<h2>The request</h2>");
+    if r.hypothetical {
+        let _ = writeln!(
+            b,
+            "<p class=\"note\" data-field=\"request.hypothetical\" data-value=\"true\">No request was recorded: this is the smallest large request the cached blocks of the stream holding the most memory could not serve.</p>"
+        );
+    }
+    let _ = writeln!(b, "<table id=\"request\">");
     row(&mut b, "event", value_cell("request.event", r.event));
     row(&mut b, "asked", bytes_cell("request.bytes", Some(r.bytes)));
     row(
@@ -177,7 +188,24 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     );
     row(&mut b, "pool", text_cell("request.pool", r.pool));
     row(&mut b, "stream", value_cell("request.stream", r.stream));
+    for (i, line) in r.context.iter().enumerate() {
+        row(
+            &mut b,
+            "context",
+            text_cell(&format!("request.context.{i}"), line),
+        );
+    }
     let _ = writeln!(b, "</table>");
+    if let Some(p) = &e.private_pools {
+        let _ = writeln!(
+            b,
+            "<p class=\"note\" id=\"private-pools\"><span data-field=\"private_pools.segments\" data-value=\"{}\">{}</span> segments ({}) belong to {} private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far.</p>",
+            p.segments,
+            p.segments,
+            escape(&crate::allocator::size::format_size(p.reserved)),
+            p.pools
+        );
+    }
     ordering(&mut b, e);
 
     let _ = writeln!(
@@ -270,11 +298,23 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         );
         for (i, g) in e.pinning.iter().enumerate() {
             let frame = escape(&g.frame);
+            let context = g
+                .context
+                .iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    let c = escape(c);
+                    format!(
+                        "<li class=\"context\" data-field=\"pinning.{i}.context.{k}\" data-value=\"{c}\">{c}</li>"
+                    )
+                })
+                .collect::<String>();
             let stack = g
                 .frames
                 .iter()
                 .map(|f| format!("<li>{}</li>", escape(f)))
                 .collect::<String>();
+            let stack = format!("{context}{stack}");
             let _ = writeln!(
                 b,
                 "<tr><td data-field=\"pinning.{i}.frame\" data-value=\"{frame}\"><details><summary>{frame}</summary><ol>{stack}</ol></details></td>{}{}{}</tr>",

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde::Serialize;
 
 use crate::AllocatorConfig;
-use crate::allocator::{FitOrder, TraceAction};
+use crate::allocator::{FitOrder, TraceAction, TraceEntry};
 use crate::trace::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
 use crate::trace::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
 use crate::trace::{Recording, ReplayReport};
@@ -152,12 +152,8 @@ impl RecordingView {
 
     /// The devices and their moments.
     pub fn overview(&self) -> Overview {
-        let devices = self
-            .recording
-            .device_traces
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| !t.is_empty())
+        let devices = (0..self.device_count())
+            .filter_map(|d| Some((d, self.trace(d as u32)?)))
             .map(|(d, t)| DeviceOverview {
                 device: d as u32,
                 events: t.len(),
@@ -182,18 +178,43 @@ impl RecordingView {
         }
     }
 
+    /// Devices the recording names, by trace or by segment.
+    fn device_count(&self) -> usize {
+        let by_segment = self
+            .recording
+            .segments
+            .iter()
+            .map(|s| s.device as usize + 1);
+        by_segment
+            .max()
+            .unwrap_or(0)
+            .max(self.recording.device_traces.len())
+    }
+
+    /// `device`'s trace: empty for a device a snapshot without traces holds segments of
+    /// (its one moment is the snapshot, event 0); `None` for a device it says nothing of.
+    fn trace(&self, device: u32) -> Option<&'static [TraceEntry]> {
+        let recording: &'static Recording = self.recording;
+        let trace = recording
+            .device_traces
+            .get(device as usize)
+            .map_or(&[][..], Vec::as_slice);
+        let has_segments = recording.segments.iter().any(|s| s.device == device);
+        (!trace.is_empty() || has_segments).then_some(trace)
+    }
+
     fn events(&self, device: u32) -> Result<usize, ViewError> {
-        match self.recording.device_traces.get(device as usize) {
-            Some(t) if !t.is_empty() => Ok(t.len()),
-            _ => Err(ViewError::BadRequest(format!(
-                "device {device} has no trace in this recording"
-            ))),
-        }
+        self.trace(device).map(<[TraceEntry]>::len).ok_or_else(|| {
+            ViewError::BadRequest(format!(
+                "device {device} has neither a trace nor segments in this recording"
+            ))
+        })
     }
 
     fn event(&self, device: u32, event: usize) -> Result<usize, ViewError> {
         let events = self.events(device)?;
-        if event < events {
+        // Without a trace, event 0 is the snapshot.
+        if event < events.max(1) {
             Ok(event)
         } else {
             Err(ViewError::BadRequest(format!(

@@ -7,7 +7,8 @@
 //! - At most [`MAX_SEGMENTS`] segments and [`MAX_BLOCKS`] blocks are listed (in address
 //!   order); `segments_total` and `blocks_total` say how many there were, so the page can say
 //!   what it left out. Stacks are listed once each and referred to by index, each at most
-//!   [`MAX_FRAMES`] frames, innermost first.
+//!   [`MAX_FRAMES`] frames, innermost first, after the lines of the allocation's context
+//!   (compile context, user metadata, at most [`MAX_FRAMES`] forward frames).
 //! - A block's state is one of `allocated`, `pending_free` (freed, waiting on other streams'
 //!   events), `inactive_split` (free, in a segment split around other blocks) or `free` (a
 //!   segment that is one free block); blocks tile their segment (offsets from its address).
@@ -18,7 +19,7 @@ use serde::Serialize;
 use crate::allocator::{BlockState, SegmentInfo};
 use crate::trace::Recording;
 use crate::trace::block_stacks::BlockStacks;
-use crate::trace::frames::StackId;
+use crate::trace::frames::{ContextId, StackId};
 
 /// Segments listed in one map.
 pub const MAX_SEGMENTS: usize = 4096;
@@ -116,22 +117,25 @@ pub fn map(
         event,
         ..SegmentMap::default()
     };
-    let mut stack_index: FxHashMap<StackId, usize> = FxHashMap::default();
+    let mut stack_index: FxHashMap<(StackId, ContextId), usize> = FxHashMap::default();
     let mut index_of = |address: u64, out: &mut SegmentMap| -> Option<usize> {
         let (recording, stacks) = stacks.as_ref()?;
-        let stack: StackId = stacks.of(address);
+        let (stack, context) = (stacks.of(address), stacks.context_of(address));
         let frames = recording.frames.frames_of(stack);
-        if frames.is_empty() {
+        if frames.is_empty() && context == ContextId::NONE {
             return None;
         }
-        Some(*stack_index.entry(stack).or_insert_with(|| {
-            out.stacks.push(
+        Some(*stack_index.entry((stack, context)).or_insert_with(|| {
+            // The allocation's context (compile context, user metadata, forward frames)
+            // first, then its frames.
+            let mut lines = recording.frames.describe_context(context, MAX_FRAMES);
+            lines.extend(
                 frames
                     .iter()
                     .take(MAX_FRAMES)
-                    .map(|&id| recording.frames.describe(id))
-                    .collect(),
+                    .map(|&id| recording.frames.describe(id)),
             );
+            out.stacks.push(lines);
             out.stacks.len() - 1
         }))
     };

@@ -16,11 +16,21 @@ use super::engine::Engine;
 use super::report::{Divergence, describe};
 
 impl Engine<'_> {
+    /// The core's trace entries since the last comparison, less the actions the recording
+    /// skipped.
+    fn core_entries(&mut self) -> Vec<crate::allocator::TraceEntry> {
+        let mut entries = self.alloc.take_trace();
+        if self.skipped != super::engine::Skipped::default() {
+            entries.retain(|e| !self.skipped.hides(e.action));
+        }
+        entries
+    }
+
     /// Whether the core's events since the last comparison are exactly the recorded
     /// `start..end`; if so they are counted, else left for [`Engine::compare`] (where they
     /// first differed is kept in `reading_differed`).
     pub(super) fn reproduces(&mut self, start: usize, end: usize) -> bool {
-        let actual = self.alloc.take_trace();
+        let actual = self.core_entries();
         let expected = &self.events[start..end];
         let difference = first_difference(expected, &actual);
         if difference.is_none() {
@@ -37,7 +47,7 @@ impl Engine<'_> {
         if !self.check || self.divergence.is_some() {
             return;
         }
-        let actual = self.alloc.take_trace();
+        let actual = self.core_entries();
         let expected = &self.events[start..end];
         match first_difference(expected, &actual) {
             None => {

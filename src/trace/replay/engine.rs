@@ -67,6 +67,8 @@ pub(super) struct Engine<'a> {
     pub(super) derivation: Option<Derivation>,
     /// What the core did at the divergence, where it did something.
     pub(super) diverged_as: Option<TraceEntry>,
+    /// The free actions the recording left out (`skip_actions`).
+    pub(super) skipped: Skipped,
     /// Tries of operations with releases left to this replay ([`RELEASE_TRIES`]).
     release_retries: usize,
     /// Where the allocator's own reading of the last release run first differed from the
@@ -121,8 +123,67 @@ impl Saved {
     }
 }
 
+/// The actions of a device's trace that `_record_memory_history(skip_actions=...)` left out,
+/// as far as the trace shows it: a free has two entries, and a trace holding one kind but none
+/// of the other was recorded without it. (Other skipped actions leave no sign a replay can
+/// trust: a trace may rightly hold no `segment_alloc` or `oom`.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Skipped {
+    /// No `free_requested`, though frees completed: each `free_completed` is the free.
+    pub free_requested: bool,
+    /// No `free_completed`, though frees were requested: each free completes at once.
+    pub free_completed: bool,
+}
+
+impl Skipped {
+    /// What `events` (a device's whole trace) left out.
+    ///
+    /// # Errors
+    /// A reason when the trace cannot be replayed at all: frees without any allocation.
+    pub(super) fn of(events: &[TraceEntry]) -> Result<Skipped, String> {
+        let has = |a: TraceAction| events.iter().any(|e| e.action == a);
+        let (requested, completed) = (
+            has(TraceAction::FreeRequested),
+            has(TraceAction::FreeCompleted),
+        );
+        if (requested || completed) && !has(TraceAction::Alloc) {
+            return Err(
+                "the trace frees blocks but allocates none: it was recorded with skip_actions leaving out `alloc`, and a replay needs every allocation".into(),
+            );
+        }
+        Ok(Skipped {
+            free_requested: completed && !requested,
+            free_completed: requested && !completed,
+        })
+    }
+
+    /// Whether the core's own entries of `action` are left out of the comparison.
+    pub(super) fn hides(self, action: TraceAction) -> bool {
+        match action {
+            TraceAction::FreeRequested => self.free_requested,
+            TraceAction::FreeCompleted => self.free_completed,
+            _ => false,
+        }
+    }
+
+    /// Why the replay differs from a full one, if it does.
+    pub(super) fn note(self) -> Option<&'static str> {
+        if self.free_requested {
+            Some(
+                "the trace has no free_requested entries (recorded with skip_actions): each free_completed is replayed as a free that completes at once",
+            )
+        } else if self.free_completed {
+            Some(
+                "the trace has no free_completed entries (recorded with skip_actions): each free is replayed as completing at once, so a free that waited on another stream shows as a divergence",
+            )
+        } else {
+            None
+        }
+    }
+}
+
 /// Events that drive an operation; everything else is an effect of the next one.
-fn is_driver(action: TraceAction) -> bool {
+fn is_driver(action: TraceAction, skipped: Skipped) -> bool {
     matches!(
         action,
         TraceAction::Alloc
@@ -130,7 +191,7 @@ fn is_driver(action: TraceAction) -> bool {
             | TraceAction::Snapshot
             | TraceAction::FreeRequested
             | TraceAction::UserDefined
-    )
+    ) || (action == TraceAction::FreeCompleted && skipped.free_requested)
 }
 
 impl<'a> Engine<'a> {
@@ -147,6 +208,10 @@ impl<'a> Engine<'a> {
         derive: bool,
     ) -> Result<Self, ReplayError> {
         let all = device_events(recording, options.device)?;
+        let skipped = Skipped::of(all).map_err(|reason| ReplayError::SkippedActions {
+            device: options.device,
+            reason,
+        })?;
         let window = options.window.clone().filter(|_| !options.check);
         let (events, first_event) = match &window {
             Some(w) => {
@@ -247,6 +312,7 @@ impl<'a> Engine<'a> {
             derivation,
             diverged_as: None,
             reading_differed: None,
+            skipped,
             release_retries: RELEASE_TRIES,
         })
     }
@@ -316,6 +382,7 @@ impl<'a> Engine<'a> {
             }
             let next = match self.events[i].action {
                 TraceAction::FreeRequested => self.free(i)?,
+                TraceAction::FreeCompleted if self.skipped.free_requested => self.free(i)?,
                 TraceAction::UserDefined => i + 1,
                 _ => self.operation(i)?,
             };
@@ -365,14 +432,17 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// `free_requested` at `i` (with its `free_completed` right after, unless deferred).
+    /// `free_requested` at `i` (with its `free_completed` right after, unless deferred); a
+    /// lone `free_requested` or `free_completed` where the recording skipped the other.
     fn free(&mut self, i: usize) -> Result<usize, ReplayError> {
         let e = self.events[i];
-        let immediate = self
-            .events
-            .get(i + 1)
-            .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
-        let end = i + 1 + usize::from(immediate);
+        let completed_next = e.action == TraceAction::FreeRequested
+            && self
+                .events
+                .get(i + 1)
+                .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
+        let immediate = completed_next || self.skipped != Skipped::default();
+        let end = i + 1 + usize::from(completed_next);
         let Some(ptr) = self.ptrs.remove(&e.addr) else {
             if self.failed.remove(&e.addr) || self.windowed {
                 return Ok(end);
@@ -398,7 +468,7 @@ impl<'a> Engine<'a> {
     fn operation(&mut self, i: usize) -> Result<usize, ReplayError> {
         let releases = self.events[i..]
             .iter()
-            .take_while(|e| !is_driver(e.action))
+            .take_while(|e| !is_driver(e.action, self.skipped))
             .any(|e| e.action == TraceAction::SegmentFree);
         if self.derivation.is_none() || !releases || self.release_retries == 0 {
             return self.operation_once(i);
@@ -507,7 +577,7 @@ impl<'a> Engine<'a> {
         self.reading_differed = None;
         let n = self.events.len();
         let j = (i..n)
-            .find(|&k| is_driver(self.events[k].action))
+            .find(|&k| is_driver(self.events[k].action, self.skipped))
             .unwrap_or(n);
         let driver = self
             .events

@@ -124,6 +124,14 @@ pub enum ReplayError {
     /// The allocator failed while setting up, before the trace's first event.
     #[error("the allocator failed before the trace's first event: {0}")]
     BeforeTrace(AllocError),
+    /// The trace left out actions a replay cannot do without (`skip_actions`).
+    #[error("device {device}'s trace cannot be replayed: {reason}")]
+    SkippedActions {
+        /// The device.
+        device: u32,
+        /// Which actions are missing and why they are needed.
+        reason: String,
+    },
     /// The allocator failed other than by running out of memory.
     #[error("the allocator failed at event {index}: {source}")]
     Allocator {
@@ -678,7 +686,10 @@ fn run_with(
         series: engine.series,
         capacity,
         capacity_inferred: false,
-        notes: settings_notes(recording, &config, options.config.is_none()),
+        notes: settings_notes(recording, &config, options.config.is_none())
+            .into_iter()
+            .chain(engine.skipped.note().map(str::to_string))
+            .collect(),
         ordering: found.report.clone(),
     };
     Ok(Run {
@@ -690,18 +701,20 @@ fn run_with(
     })
 }
 
+/// The trace of `device`: empty for a device whose segments a snapshot without traces
+/// (`include_traces=False`) holds.
 pub(super) fn device_events(
     recording: &Recording,
     device: u32,
 ) -> Result<&[TraceEntry], ReplayError> {
-    recording
-        .device_traces
-        .get(device as usize)
-        .map(Vec::as_slice)
-        .ok_or(ReplayError::NoSuchDevice {
+    match recording.device_traces.get(device as usize) {
+        Some(events) => Ok(events),
+        None if recording.segments.iter().any(|s| s.device == device) => Ok(&[]),
+        None => Err(ReplayError::NoSuchDevice {
             device,
             devices: recording.device_traces.len(),
-        })
+        }),
+    }
 }
 /// A what-if replay driven step by step, on an allocator the caller keeps: the demo's
 /// simulated processes loop recordings at their recorded pace this way. Unlike [`replay()`],
