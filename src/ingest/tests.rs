@@ -340,16 +340,16 @@ fn ended_processes_are_evicted_before_a_push_is_refused() {
 #[test]
 fn the_series_budget_bounds_every_push() {
     let (store, _) = store_with(IngestConfig {
-        max_series: 50,
+        max_series: 52,
         ..config()
     });
     let now = Instant::now();
     store
         .push_at(&payload(1, 1, ok()), None, now)
-        .expect("24 series");
+        .expect("26 series");
     store
         .push_at(&payload(2, 1, ok()), None, now)
-        .expect("48 series");
+        .expect("52 series");
     let err = store
         .push_at(&payload(3, 1, ok()), None, now)
         .expect_err("over budget");
