@@ -5,7 +5,9 @@
 //!
 //! `cargo bench --bench reader` generates a snapshot of 100 000 entries with 480 frames each
 //! (about 1 GB; `GPUMEM_READER_ENTRIES` and `GPUMEM_READER_FRAMES` change it) with
-//! `scripts/gen-snapshot.py`, then times `gpumem replay`, `gpumem replay --check` and Python.
+//! `scripts/gen-snapshot.py`, then times `gpumem replay`, `gpumem replay --check` and Python;
+//! and the same snapshot with FX fields on every frame (`--fx`, torch.compile's
+//! `augment_with_fx_traces`), whose `gpumem replay` row is given against the plain one's.
 //! Under `cargo test` (benchmarks run once) it uses 2 000 entries of 20 frames and skips
 //! Python. `GPUMEM_READER_SKIP_PYTHON=1` skips Python at any size (it needs about 11 GB per
 //! GB of pickle).
@@ -63,21 +65,29 @@ fn main() {
     let gpumem = env!("CARGO_BIN_EXE_gpumem");
     let dir = std::env::temp_dir().join(format!("gpumem-reader-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    let generate = |file: &Path, fx: bool| {
+        let mut command = Command::new("python3");
+        command
+            .arg(root.join("scripts/gen-snapshot.py"))
+            .args([
+                "--entries",
+                &entries.to_string(),
+                "--frames",
+                &frames.to_string(),
+            ])
+            .args(["--gpumem", gpumem]);
+        if fx {
+            command.arg("--fx");
+        }
+        let generated = command
+            .arg(file)
+            .status()
+            .expect("python3 runs the generator");
+        assert!(generated.success());
+        std::fs::metadata(file).expect("generated").len()
+    };
     let file = dir.join("snapshot.pickle");
-    let generated = Command::new("python3")
-        .arg(root.join("scripts/gen-snapshot.py"))
-        .args([
-            "--entries",
-            &entries.to_string(),
-            "--frames",
-            &frames.to_string(),
-        ])
-        .args(["--gpumem", gpumem])
-        .arg(&file)
-        .status()
-        .expect("python3 runs the generator");
-    assert!(generated.success());
-    let size = std::fs::metadata(&file).expect("generated").len();
+    let size = generate(&file, false);
     println!(
         "reader: {} MB, {entries} entries, {frames} frames each",
         size / 1_000_000
@@ -116,5 +126,24 @@ fn main() {
             ratio(*peak as f64, m as f64)
         );
     }
+    // FX frames: the same snapshot, every frame also naming its graph node.
+    let fx_file = dir.join("snapshot-fx.pickle");
+    let fx_size = generate(&fx_file, true);
+    std::fs::remove_file(&file).expect("plain snapshot removed");
+    let fx = measure(&[os(gpumem), os("replay"), fx_file.as_os_str()]);
+    let (plain_seconds, plain_peak) = rows[0].1;
+    println!(
+        "{:<24} {:>9} {:>11} {:>16} {:>16}",
+        "reader (FX frames)", "seconds", "peak MiB", "time / plain", "memory / plain"
+    );
+    println!(
+        "{:<24} {:>9.2} {:>11.0} {:>16.3} {:>16.3}   ({} MB)",
+        "gpumem replay",
+        fx.0,
+        fx.1 as f64 / (1 << 20) as f64,
+        fx.0 / plain_seconds,
+        fx.1 as f64 / plain_peak as f64,
+        fx_size / 1_000_000
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -11,6 +11,11 @@ distinct stacks (Python and C++ frames, as `_record_memory_history(stacks="all")
 Each frame is its own dict (as when frames are not shared), their strings shared through the
 memo, so the file is as large as such dumps get: about 31 bytes a frame.
 
+With --fx every frame also carries the FX fields of a torch.compile graph's node
+(`_snapshot(augment_with_fx_traces=True)`: `fx_node_op`, `fx_node_name`, `fx_original_trace`,
+`fx_node_info`, the last None for a quarter of them), so that the reader can be measured on
+such frames against the same snapshot without them.
+
 The pickle is written in a stream, opcode by opcode as CPython's pickler writes protocol 4
 (without its optional FRAME opcodes), in constant memory: `pickle.load` reads it. Python's
 standard library only.
@@ -145,7 +150,7 @@ class Frames:
 class Pool:
     """Distinct frames and stacks, drawn from a seeded generator."""
 
-    def __init__(self, rng, frames_per_stack, stacks):
+    def __init__(self, rng, frames_per_stack, stacks, fx=False):
         files = [f"/usr/lib/python3/site-packages/model/layer{i}.py" for i in range(60)]
         files += [f"/opt/conda/lib/python3.11/site-packages/torch/nn/modules/m{i}.py" for i in range(40)]
         files += ["??", "/usr/lib/x86_64-linux-gnu/libtorch_cuda.so", "/usr/lib/libc10.so"]
@@ -154,6 +159,16 @@ class Pool:
                        for _ in range(20 * frames_per_stack)]
         self.stacks = [[rng.randrange(len(self.frames)) for _ in range(frames_per_stack)]
                        for _ in range(stacks)]
+        # One FX node per frame: its op, its name in the graph, the user code it was traced
+        # from (long: a BINUNICODE), and its description or None.
+        ops = ["call_function", "call_module", "call_method", "placeholder", "output"]
+        self.fx = None
+        if fx:
+            self.fx = [(rng.choice(ops), f"node_{i}",
+                        f"File \"/usr/lib/python3/site-packages/model/layer{i % 60}.py\", line "
+                        f"{rng.randrange(1, 4000)}, in forward\n" + "    x = self.block(x)\n" * 12,
+                        None if i % 4 == 0 else f"aten.op{i % 300}.default")
+                       for i in range(len(self.frames))]
         self.cached = {}
 
     def frame_bytes(self, w, f):
@@ -162,7 +177,15 @@ class Pool:
             filename, line, name = self.frames[f]
             known = filename in w.strings and name in w.strings and "filename" in w.strings
             b = (b"}" + w.memoize() + b"(" + w.string("filename") + w.string(filename)
-                 + w.string("line") + w.int(line) + w.string("name") + w.string(name) + b"u")
+                 + w.string("line") + w.int(line) + w.string("name") + w.string(name))
+            if self.fx is not None:
+                op, node, trace, info = self.fx[f]
+                known = known and all(s in w.strings for s in (op, node, trace, "fx_node_info"))
+                b += (w.string("fx_node_op") + w.string(op) + w.string("fx_node_name")
+                      + w.string(node) + w.string("fx_original_trace") + w.string(trace)
+                      + w.string("fx_node_info") + (b"N" if info is None else w.string(info)))
+                known = known and (info is None or info in w.strings)
+            b += b"u"
             if known:
                 self.cached[f] = b
             return b
@@ -192,6 +215,7 @@ def main():
     parser.add_argument("--frames", type=int, default=320, help="frames per stack (320)")
     parser.add_argument("--stacks", type=int, default=2000, help="distinct stacks (2000)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fx", action="store_true", help="frames carry FX node fields")
     parser.add_argument("--gpumem", default="target/release/gpumem", help="the gpumem binary")
     parser.add_argument("out")
     args = parser.parse_args()
@@ -199,7 +223,7 @@ def main():
         sys.exit("gen-snapshot: --entries and --stacks must be positive, --frames not negative")
     rng = random.Random(args.seed)
     snapshot = simulated_trace(args.gpumem, args.entries)
-    pool = Pool(rng, args.frames, args.stacks)
+    pool = Pool(rng, args.frames, args.stacks, args.fx)
     events = snapshot["device_traces"][0][-args.entries:]
     for e in events:
         e["frames"] = Frames(pool, rng.randrange(args.stacks))

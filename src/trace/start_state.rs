@@ -184,6 +184,9 @@ pub fn start_state(
         match e.action {
             TraceAction::Alloc => {
                 live.remove(&e.addr);
+                // A completion of a block the trace allocated is no start state's, even where
+                // the trace skipped its request (`skip_actions`).
+                awaiting_request.remove(&e.addr);
             }
             TraceAction::FreeCompleted => {
                 awaiting_request.insert(e.addr, e.size);

@@ -17,6 +17,7 @@ mod oom_path;
 mod plan;
 mod properties;
 mod pytorch_keys;
+mod recordings_2_15;
 mod replay;
 mod scenarios;
 mod stress;

@@ -22,7 +22,7 @@ use crate::browser::Browser;
 const MIB: u64 = 1 << 20;
 
 /// Starts `gpumem view FILE` on a free loopback port; waits (bounded) until it answers.
-fn spawn_view(file: &Path, log: &Path) -> (Reaper, u16) {
+pub(crate) fn spawn_view(file: &Path, log: &Path) -> (Reaper, u16) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
         .arg("view")

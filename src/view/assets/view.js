@@ -51,8 +51,10 @@ async function selectDevice(device) {
   state.device = device;
   const d = state.overview.devices.find((x) => x.device === device);
   state.events = d.events;
-  $('slider').max = String(d.events - 1);
-  $('events').textContent = String(d.events);
+  // A snapshot without a trace has one moment, the state it holds: shown as event 0.
+  $('slider').max = String(Math.max(0, d.events - 1));
+  $('slider').disabled = d.events === 0;
+  $('events').textContent = d.events === 0 ? '0 (no trace: the state the snapshot holds)' : String(d.events);
   const jumps = $('jumps');
   jumps.replaceChildren();
   const jump = (label, event) => {
@@ -135,7 +137,7 @@ async function requestMaps() {
       }
       window.gpumemTimings.push(performance.now() - started);
       const d = state.overview.devices.find((x) => x.device === state.device);
-      if (d.ooms.includes(event)) {
+      if (d.ooms.includes(event) || d.events === 0) {
         drawExplain(await get(`api/v1/explain?${query({ event })}`));
       } else {
         $('explain').hidden = true;
