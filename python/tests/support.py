@@ -20,8 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_TORCH = os.path.join(HERE, "fake_torch")
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "labels", "devices", "reason",
-             "last_oom_unix_seconds", "start_time"}
+PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "alloc_conf_generic", "labels",
+             "devices", "reason", "last_oom_unix_seconds", "start_time"}
 DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size", "oom"}
 OOM_KEYS = {"size", "stream", "device_total", "device_free", "pools"}
 POOL_KEYS = {"pool", "stream", "allocated", "requested", "pending_free", "free", "largest_free",
@@ -48,7 +48,7 @@ def check_payload(p):
         return f"unknown keys {sorted(set(p) - PUSH_KEYS)}"
     if not is_int(p.get("pid")) or p["pid"] <= 0 or not is_int(p.get("seq")) or p["seq"] <= 0:
         return "pid and seq must be positive integers"
-    for key in ("torch_version", "alloc_conf"):
+    for key in ("torch_version", "alloc_conf", "alloc_conf_generic"):
         if key in p and not text_ok(p[key]):
             return f"bad {key}"
     if "reason" in p and p["reason"] not in ("oom", "exit"):

@@ -69,6 +69,38 @@ class PushTest(unittest.TestCase):
         self.assertEqual(seqs, sorted(set(seqs)), "sequence numbers must strictly increase")
 
 
+class SettingsVariables(PushTest):
+    def test_both_variables_are_sent_where_they_differ(self):
+        # The agent decides which one the job's release reads (2.10+: the CUDA one first;
+        # up to 2.9 the device allocator reads only the CUDA one).
+        for env, want in [
+            ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+              "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+             {"alloc_conf": "expandable_segments:True",
+              "alloc_conf_generic": "max_split_size_mb:64"}),
+            ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+             {"alloc_conf": "", "alloc_conf_generic": "max_split_size_mb:64"}),
+            ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
+              "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+             {"alloc_conf": "max_split_size_mb:64"}),
+        ]:
+            self.agent.recorder.pushes.clear()
+            child = self.run_child(
+                """
+                import torch
+                torch._fake.allocate(0, 3 << 20)
+                wait_sent(1)
+                """,
+                **env)
+            self.assertEqual(child.rc, 0, child.stderr)
+            pushes = self.agent.recorder.accepted()
+            self.assertNoRefusals()
+            self.assertTrue(pushes, env)
+            for p in pushes:
+                got = {k: p[k] for k in ("alloc_conf", "alloc_conf_generic") if k in p}
+                self.assertEqual(got, want, env)
+
+
 class Activation(PushTest):
     def test_gpumem_push_1_pushes_a_job_that_never_imports_it(self):
         # torch takes a second to import, during which the hook's thread must not touch it.

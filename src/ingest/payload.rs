@@ -6,7 +6,7 @@
 //!
 //! ```json
 //! {"pid": 4242, "seq": 17, "reason": "oom", "last_oom_unix_seconds": 1764576000.5,
-//!  "torch_version": "2.5.1", "alloc_conf": "",
+//!  "torch_version": "2.5.1", "alloc_conf": "", "alloc_conf_generic": "max_split_size_mb:64",
 //!  "labels": {"job": "llama", "rank": "0"},
 //!  "devices": [{"index": 0, "uuid": "GPU-…", "stats": {"reserved_bytes.all.current": 1024},
 //!               "largest_free_block": 512,
@@ -17,6 +17,11 @@
 //!
 //! `oom` (on the device that ran out of memory, in an OOM push) is described in
 //! [`super::oom`].
+//!
+//! `alloc_conf` is `PYTORCH_CUDA_ALLOC_CONF`; `alloc_conf_generic`, sent where it is set and
+//! differs, `PYTORCH_ALLOC_CONF`. The configuration exported is the one the job's release
+//! reads ([`crate::config::settings_from_env`], the release from `torch_version`, the newest
+//! where it names none gpumem knows).
 //!
 //! `last_oom_unix_seconds`, when the hook's OOM observer last fired, lets the agent tell an
 //! OOM that happened while it ran from one it learns of later (after its own restart).
@@ -192,6 +197,8 @@ struct Push {
     torch_version: Option<String>,
     #[serde(default)]
     alloc_conf: Option<String>,
+    #[serde(default)]
+    alloc_conf_generic: Option<String>,
     /// When the job's OOM observer last fired (Unix seconds), if it has.
     #[serde(default)]
     last_oom_unix_seconds: Option<f64>,
@@ -288,6 +295,13 @@ impl ValidPush {
     }
 }
 
+/// The release a `torch.__version__` names (`2.5.1+cu121` is 2.5), if gpumem knows it.
+fn release_of(version: &str) -> Option<crate::config::PyTorchVersion> {
+    let mut parts = version.split(['.', '+']);
+    let (major, minor) = (parts.next()?, parts.next()?);
+    format!("{major}.{minor}").parse().ok()
+}
+
 /// Parses and checks a payload.
 ///
 /// # Errors
@@ -325,9 +339,19 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         )));
     }
     let version = push.torch_version.unwrap_or_default();
-    let config = push.alloc_conf.unwrap_or_default();
     text("torch_version", &version)?;
-    text("alloc_conf", &config)?;
+    let (cuda, generic) = (push.alloc_conf, push.alloc_conf_generic);
+    text("alloc_conf", cuda.as_deref().unwrap_or_default())?;
+    text("alloc_conf_generic", generic.as_deref().unwrap_or_default())?;
+    let release = release_of(&version).unwrap_or_default();
+    let (cuda, generic) = (
+        cuda.as_deref().filter(|s| !s.is_empty()),
+        generic.as_deref().filter(|s| !s.is_empty()),
+    );
+    let config = crate::config::settings_from_env(release, cuda, generic)
+        .0
+        .unwrap_or_default()
+        .to_string();
     let labels = labels(&push.labels)?;
     if let Some(t) = push.last_oom_unix_seconds
         && !(t.is_finite() && t >= 0.0)
@@ -752,6 +776,32 @@ mod tests {
             refused(body(1 << 40, "oom").as_bytes()).refusal,
             Refusal::Malformed
         );
+    }
+
+    #[test]
+    fn the_configuration_exported_is_the_one_the_release_reads() {
+        let config = |version: &str, cuda: Option<&str>, generic: Option<&str>| {
+            let mut body = serde_json::json!({"pid": 7, "seq": 1, "torch_version": version,
+                "devices": [{"index": 0, "uuid": "a", "stats": {}}]});
+            if let Some(c) = cuda {
+                body["alloc_conf"] = c.into();
+            }
+            if let Some(g) = generic {
+                body["alloc_conf_generic"] = g.into();
+            }
+            validate(body.to_string().as_bytes()).expect("valid").config
+        };
+        let (cuda, generic) = ("expandable_segments:True", "max_split_size_mb:64");
+        assert_eq!(config("2.12.0+cu128", Some(cuda), Some(generic)), cuda);
+        assert_eq!(config("2.12.0", Some(""), Some(generic)), generic);
+        // 2.9's device allocator reads only the CUDA variable.
+        assert_eq!(config("2.9.1", Some(""), Some(generic)), "");
+        assert_eq!(config("2.9.1", Some(cuda), Some(generic)), cuda);
+        // An older hook's one field; a release gpumem does not know reads as the newest.
+        assert_eq!(config("3.1.0", Some(cuda), None), cuda);
+        assert_eq!(config("", None, Some(generic)), generic);
+        assert!(release_of("2.15.0a0+git").is_some_and(|v| v.minor() == 15));
+        assert_eq!(release_of("nightly"), None);
     }
 
     #[test]

@@ -309,3 +309,49 @@ fn a_per_class_reserve_is_replayed_with_the_default_and_said_so() {
     assert!(notes.contains("reserve_by_class is set"), "{notes}");
     assert!(notes.contains("not inferred"), "{notes}");
 }
+
+#[test]
+fn the_command_line_takes_2_15_keys_and_refuses_them_for_older_releases() {
+    let dir = std::env::temp_dir().join(format!("gpumem-keys-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("recorded.json");
+    std::fs::write(&file, recorded_under("").to_string()).expect("write");
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let run = |args: &[&str]| {
+        std::process::Command::new(gpumem)
+            .arg("replay")
+            .arg(&file)
+            .args(args)
+            .output()
+            .expect("runs")
+    };
+    // The recipe's key, pasted as is: a what-if row of its own.
+    let out = run(&["--config", "large_segment_size_mb:12", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let rows = json[0]["results"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["config"], "large_segment_size_mb:12");
+    // A release before 2.11 has no such key; a made-up key has none anywhere.
+    for (args, needle) in [
+        (
+            &["--config", "large_segment_size_mb:12", "--pytorch", "2.10"][..],
+            "not a key of PyTorch 2.10",
+        ),
+        (
+            &["--config", "expandable_segments_page_size:4194304"][..],
+            "unrecognized option `expandable_segments_page_size`",
+        ),
+        (&["--config", "max_split_size_mb:15"][..], "at least 20"),
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

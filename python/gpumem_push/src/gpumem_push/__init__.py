@@ -204,6 +204,19 @@ def _text_problem(value):
     return None
 
 
+def _alloc_conf():
+    """The allocator's settings variables as the agent needs them to tell which one the job's
+    release reads: `PYTORCH_CUDA_ALLOC_CONF` as `alloc_conf`, and `PYTORCH_ALLOC_CONF` as
+    `alloc_conf_generic` where it is set and says something else (from 2.10 the CUDA variable
+    wins; up to 2.9 the device allocator reads only the CUDA one)."""
+    cuda = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    generic = os.environ.get("PYTORCH_ALLOC_CONF")
+    out = {"alloc_conf": _clean_text(cuda or "", "PYTORCH_CUDA_ALLOC_CONF")}
+    if generic and generic != cuda:
+        out["alloc_conf_generic"] = _clean_text(generic, "PYTORCH_ALLOC_CONF")
+    return out
+
+
 def _clean_text(value, what):
     """Text the agent accepts: control characters removed, cut to 128 bytes (with a warning);
     a torch_version or alloc_conf it would refuse would lose every push."""
@@ -585,16 +598,15 @@ def _push(torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None, lock_time
             # the agent still tracks is not refused as stale.
             _state["seq"] = max(_state["seq"] + 1, int(time.time() * 1000))
             seq = _state["seq"]
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
         payload = {
             "pid": os.getpid(),
             "seq": seq,
             "torch_version": _clean_text(str(getattr(torch, "__version__", "")),
                                          "torch.__version__"),
-            "alloc_conf": _clean_text(conf or "", "PYTORCH_CUDA_ALLOC_CONF"),
             "labels": dict(config["labels"]),
             "devices": devices,
         }
+        payload.update(_alloc_conf())
         if start_time is not None:
             payload["start_time"] = start_time
         if reason:
