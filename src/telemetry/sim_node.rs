@@ -66,6 +66,9 @@ const MAX_PROCESSES_PER_GPU: u32 = 64;
 const EVENTS_PER_SECOND_UNTIMED: u64 = 2_000;
 /// Pause between two runs of a recording.
 const PAUSE_BETWEEN_RUNS: Duration = Duration::from_secs(1);
+/// The most events one process replays in one round: a process that fell behind catches up
+/// over several rounds, so the loop reads its stop flag (and beats) often whatever the pace.
+const MAX_EVENTS_PER_ROUND: usize = 2_000;
 
 /// Shape of the simulated node.
 #[derive(Clone, Debug)]
@@ -426,6 +429,7 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
         // A still picture: each process held where its recording reserved the most.
         run.peak + 1
     };
+    let due = due.min(replayer.position().saturating_add(MAX_EVENTS_PER_ROUND));
     replayer.advance_to(due).map_err(|e| e.to_string())?;
     run.source
         .largest_free_block

@@ -175,11 +175,16 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     if r.hypothetical {
         let _ = writeln!(
             b,
-            "<p class=\"note\" data-field=\"request.hypothetical\" data-value=\"true\">No request was recorded: this is the smallest large request the cached blocks of the stream holding the most memory could not serve.</p>"
+            "<p class=\"note\">No request was recorded: this is the smallest large request the cached blocks of the stream holding the most memory could not serve.</p>"
         );
     }
     let _ = writeln!(b, "<table id=\"request\">");
     row(&mut b, "event", value_cell("request.event", r.event));
+    row(
+        &mut b,
+        "hypothetical",
+        value_cell("request.hypothetical", r.hypothetical),
+    );
     row(&mut b, "asked", bytes_cell("request.bytes", Some(r.bytes)));
     row(
         &mut b,
@@ -196,15 +201,31 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         );
     }
     let _ = writeln!(b, "</table>");
-    if let Some(p) = &e.private_pools {
-        let _ = writeln!(
-            b,
-            "<p class=\"note\" id=\"private-pools\"><span data-field=\"private_pools.segments\" data-value=\"{}\">{}</span> segments ({}) belong to {} private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far.</p>",
-            p.segments,
-            p.segments,
-            escape(&crate::allocator::size::format_size(p.reserved)),
-            p.pools
-        );
+    match &e.private_pools {
+        Some(p) => {
+            let _ = writeln!(
+                b,
+                "<h2>Private pools</h2>\n<p class=\"note\">Segments of private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far.</p>\n<table id=\"private-pools\">"
+            );
+            row(&mut b, "pools", value_cell("private_pools.pools", p.pools));
+            row(
+                &mut b,
+                "segments",
+                value_cell("private_pools.segments", p.segments),
+            );
+            row(
+                &mut b,
+                "reserved",
+                bytes_cell("private_pools.reserved", Some(p.reserved)),
+            );
+            let _ = writeln!(b, "</table>");
+        }
+        None => {
+            let _ = writeln!(
+                b,
+                "<p data-field=\"private_pools\" data-value=\"null\">No segments of private pools.</p>"
+            );
+        }
     }
     ordering(&mut b, e);
 

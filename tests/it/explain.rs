@@ -397,7 +397,8 @@ fn the_command_prints_the_sentence_and_the_json_every_figure() {
     let bad = run(&["--at", "later"]);
     assert!(!bad.status.success());
     assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("neither `oom`, `peak` nor an event index")
+        String::from_utf8_lossy(&bad.stderr)
+            .contains("neither `oom`, `peak`, `snapshot` nor an event index")
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

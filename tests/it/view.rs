@@ -167,7 +167,10 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
             "/api/v1/segments?device=0&event=99999".to_string(),
             "outside device 0's trace",
         ),
-        ("/api/v1/segments?device=7&event=0".to_string(), "no trace"),
+        (
+            "/api/v1/segments?device=7&event=0".to_string(),
+            "neither a trace nor segments",
+        ),
         ("/api/v1/segments?device=0".to_string(), "event"),
         ("/api/v1/segments?device=0&event=-1".to_string(), "event"),
         (

@@ -124,9 +124,12 @@ impl Saved {
 }
 
 /// The actions of a device's trace that `_record_memory_history(skip_actions=...)` left out,
-/// as far as the trace shows it: a free has two entries, and a trace holding one kind but none
-/// of the other was recorded without it. (Other skipped actions leave no sign a replay can
-/// trust: a trace may rightly hold no `segment_alloc` or `oom`.)
+/// where the trace proves it. A window of a longer run may rightly lack any kind of entry, so
+/// a kind counts as skipped only where the trace has none of it and one of its entries had to
+/// be there: a free of a block inside a segment the trace allocated (its `alloc`), a
+/// completion of a block the trace allocated (its `free_requested`), an address allocated
+/// again after a free was requested (the `free_completed` between). Other skipped actions
+/// leave no such proof (a trace may rightly hold no `segment_alloc` or `oom`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Skipped {
     /// No `free_requested`, though frees completed: each `free_completed` is the free.
@@ -139,21 +142,52 @@ impl Skipped {
     /// What `events` (a device's whole trace) left out.
     ///
     /// # Errors
-    /// A reason when the trace cannot be replayed at all: frees without any allocation.
+    /// A reason when the trace cannot be replayed at all: it skipped the allocations.
     pub(super) fn of(events: &[TraceEntry]) -> Result<Skipped, String> {
         let has = |a: TraceAction| events.iter().any(|e| e.action == a);
-        let (requested, completed) = (
+        let (allocs, requested, completed) = (
+            has(TraceAction::Alloc),
             has(TraceAction::FreeRequested),
             has(TraceAction::FreeCompleted),
         );
-        if (requested || completed) && !has(TraceAction::Alloc) {
-            return Err(
-                "the trace frees blocks but allocates none: it was recorded with skip_actions leaving out `alloc`, and a replay needs every allocation".into(),
-            );
+        let is_free =
+            |a: TraceAction| matches!(a, TraceAction::FreeRequested | TraceAction::FreeCompleted);
+        if !allocs {
+            let mut segments: Vec<(u64, u64)> = Vec::new();
+            for e in events {
+                if e.action == TraceAction::SegmentAlloc {
+                    segments.push((e.addr, e.addr.saturating_add(e.size)));
+                } else if is_free(e.action)
+                    && segments.iter().any(|&(a, b)| (a..b).contains(&e.addr))
+                {
+                    return Err(
+                        "it frees blocks of segments it allocated but records no allocation: it was recorded with skip_actions leaving out `alloc`, and a replay needs every allocation".into(),
+                    );
+                }
+            }
+            return Ok(Skipped::default());
+        }
+        let mut allocated = rustc_hash::FxHashSet::default();
+        let mut awaiting = rustc_hash::FxHashSet::default();
+        let (mut free_requested, mut free_completed) = (false, false);
+        for e in events {
+            match e.action {
+                TraceAction::Alloc => {
+                    free_completed |= !completed && awaiting.contains(&e.addr);
+                    allocated.insert(e.addr);
+                }
+                TraceAction::FreeRequested => {
+                    awaiting.insert(e.addr);
+                }
+                TraceAction::FreeCompleted => {
+                    free_requested |= !requested && allocated.contains(&e.addr);
+                }
+                _ => {}
+            }
         }
         Ok(Skipped {
-            free_requested: completed && !requested,
-            free_completed: requested && !completed,
+            free_requested,
+            free_completed,
         })
     }
 
