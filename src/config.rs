@@ -1,17 +1,28 @@
 //! Allocator configuration in the `PYTORCH_CUDA_ALLOC_CONF` syntax.
 //!
 //! `option:value,option:value,...`, with PyTorch's lexer (`,` `:` `[` `]` are tokens, spaces
-//! vanish) and PyTorch's validation, so users can paste what their jobs run with. Values are
-//! stored in the units the allocator uses (bytes, not MiB).
+//! vanish) and the validation of the release the configuration follows (`pytorch`, 2.15 by
+//! default), so users can paste what their jobs run with. Values are stored in the units the
+//! allocator uses (bytes, not MiB).
 //!
 //! # Invariants
-//! - Parsing is all or nothing: a string with an error leaves the configuration unchanged.
+//! - Parsing is all or nothing: a string with an error leaves the configuration unchanged
+//!   ([`AllocatorConfig::apply_lenient`], for a recording's string, applies each valid option
+//!   and returns the reasons of the others instead).
+//! - Keys are read in PyTorch's order: gpumem's `pytorch` first (its release's keys and rules
+//!   apply to the rest), then `large_segment_size_mb`, then every other key in order. A key
+//!   the release lacks is refused, naming the release that added it.
 //! - Every successful parse first resets `max_split_size`, `roundup_power2_divisions` and
-//!   `garbage_collection_threshold` to their defaults, as PyTorch does; the other options keep
-//!   the values an earlier parse gave them.
-//! - `max_split_size` is `u64::MAX` (unlimited) or more than 20 MiB; every division is 0 or a
-//!   power of two; the GC threshold is 0 (off) or strictly between 0 and 1.
+//!   `garbage_collection_threshold` to their defaults, and from 2.11
+//!   `max_non_split_rounding_size` to `large_segment_size`, as PyTorch does; the other
+//!   options keep the values an earlier parse gave them.
+//! - `max_split_size` is `u64::MAX` (unlimited) or at least the release's floor (more than
+//!   20 MiB up to 2.9, at least `large_segment_size` after); `large_segment_size` is more than
+//!   10 MiB; every division is 0 or a power of two; the GC threshold is 0 (off) or strictly
+//!   between 0 and 1; the memory fraction is within [0, 1].
 //! - An option given twice takes its last value, as in PyTorch (whose parser overwrites).
+//! - A malformed reserve value is ignored, its reason kept in `ignored`, as PyTorch logs and
+//!   ignores it.
 //! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`,
 //!   `pytorch:MAJOR.MINOR`: the release whose decisions the allocator follows), read from
 //!   `GPUMEM_ALLOC_CONF` and gpumem's own snapshots; where only PyTorch's syntax is valid

@@ -147,8 +147,8 @@ pub struct CachingAllocator<D: Device> {
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
-/// a new [`DeviceStats`], not shared): replay uses it to try one reading of a recording and
-/// fall back to another.
+/// a new [`DeviceStats`], not shared; the free-memory callbacks are shared): replay uses it to
+/// try one reading of a recording and fall back to another.
 impl<D: Device + Clone> Clone for CachingAllocator<D> {
     fn clone(&self) -> Self {
         CachingAllocator {
@@ -528,8 +528,15 @@ impl<D: Device> CachingAllocator<D> {
         let before = self.config.clone();
         self.config.apply(settings)?;
         self.max_split_size_changed |= self.config.max_split_size != before.max_split_size;
-        if self.config.per_process_memory_fraction != before.per_process_memory_fraction {
-            self.set_memory_fraction(self.config.per_process_memory_fraction)?;
+        let fraction = self.config.per_process_memory_fraction;
+        if fraction != before.per_process_memory_fraction {
+            // As the constructor: a fraction of 1 sets no limit.
+            if fraction < 1.0 {
+                self.set_memory_fraction(fraction)?;
+            } else {
+                self.allowed_memory_maximum = None;
+                self.memory_fraction = None;
+            }
         }
         self.checked("set_allocator_settings", Ok(()))
     }

@@ -66,9 +66,12 @@ const MAX_PROCESSES_PER_GPU: u32 = 64;
 const EVENTS_PER_SECOND_UNTIMED: u64 = 2_000;
 /// Pause between two runs of a recording.
 const PAUSE_BETWEEN_RUNS: Duration = Duration::from_secs(1);
-/// The most events one process replays in one round: a process that fell behind catches up
-/// over several rounds, so the loop reads its stop flag (and beats) often whatever the pace.
-const MAX_EVENTS_PER_ROUND: usize = 2_000;
+/// A process that fell behind catches up in chunks of this many events, reading the stop flag
+/// between them, for at most [`ROUND_BUDGET`] a round: so the loop stops (and beats) promptly
+/// whatever the pace.
+const EVENTS_PER_CHUNK: usize = 2_000;
+/// How long one process's catching up may take in one round.
+const ROUND_BUDGET: Duration = Duration::from_millis(100);
 
 /// Shape of the simulated node.
 #[derive(Clone, Debug)]
@@ -400,7 +403,7 @@ fn replay_loop(
         .collect();
     while !stop.load(Ordering::Relaxed) {
         for run in &mut runs {
-            if let Err(e) = step(run, speed) {
+            if let Err(e) = step(run, speed, stop) {
                 tracing::warn!(pid = run.source.pid, error = %e, "simulated process stopped");
                 run.replayer = None;
                 run.spare = None;
@@ -412,7 +415,7 @@ fn replay_loop(
 }
 
 /// Advances one process to where its recording's clock says it should be.
-fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
+fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), String> {
     if run.replayer.is_none() {
         let Some(alloc) = run.spare.take() else {
             return Ok(());
@@ -429,8 +432,11 @@ fn step(run: &mut Run<'_>, speed: f64) -> Result<(), String> {
         // A still picture: each process held where its recording reserved the most.
         run.peak + 1
     };
-    let due = due.min(replayer.position().saturating_add(MAX_EVENTS_PER_ROUND));
-    replayer.advance_to(due).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + ROUND_BUDGET;
+    while replayer.position() < due && Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+        let chunk = due.min(replayer.position().saturating_add(EVENTS_PER_CHUNK));
+        replayer.advance_to(chunk).map_err(|e| e.to_string())?;
+    }
     run.source
         .largest_free_block
         .store(replayer.allocator().largest_free_block(), Ordering::Relaxed);

@@ -132,11 +132,12 @@ type Contexts =
 
 /// An event's context and its id in `contexts` (interned there).
 fn context_of(node: &Node<'_>, contexts: &mut Contexts) -> Result<ContextId, TraceError> {
+    // Context is for people to read: a value of another type is no context, not an error.
     let text = |key: &str, none: &str| -> Result<_, TraceError> {
-        match node.get(key)? {
-            Some(v) if !v.is_none() && v.str()? != none => Ok(Some(v.str_id()?)),
-            _ => Ok(None),
-        }
+        Ok(node
+            .get(key)?
+            .filter(|v| v.str().is_ok_and(|s| s != none))
+            .and_then(|v| v.str_id().ok()))
     };
     let context = EventContext {
         compile_context: text("compile_context", "N/A")?,

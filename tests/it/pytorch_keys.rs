@@ -120,6 +120,10 @@ fn per_process_memory_fraction_installs_the_limit() {
     );
     let err = a.malloc(600 * MIB, S0).expect_err("past the limit");
     assert!(err.is_out_of_memory(), "{err}");
+    a.set_allocator_settings("per_process_memory_fraction:1.0")
+        .expect("valid");
+    assert_eq!(a.allowed_memory_maximum(), None, "and 1.0 lifts it");
+    malloc(&mut a, 600 * MIB, S0);
 }
 
 #[test]
