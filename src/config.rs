@@ -322,7 +322,7 @@ pub struct AllocatorSettings {
 /// ignores: up to 2.9 only the CUDA variable reaches the device allocator (2.9 reads the
 /// generic one for its device-generic keys, which the 2.9 device allocator does not consult);
 /// from 2.10 the CUDA variable wins and the generic one is read only when it is unset.
-/// Returns the settings string in force and, when both are set and differ, the one ignored.
+/// Returns the settings string in force and a variable that is set but ignored, if any.
 pub fn settings_from_env<'a>(
     version: PyTorchVersion,
     cuda: Option<&'a str>,
@@ -583,6 +583,7 @@ impl Parser {
     ) -> Result<(), String> {
         self.pos = 0;
         while let Some(option) = self.next().map(str::to_string) {
+            let start = self.pos;
             let done = handle(self, &option, config).and_then(|()| match self.next() {
                 Some(t) if t != "," => Err(format!(
                     "expected `,` after the value of `{option}`, found `{t}`"
@@ -594,6 +595,8 @@ impl Parser {
                     return Err(reason);
                 }
                 self.problems.push(reason);
+                // From the option's own start, so that brackets are counted whole.
+                self.pos = start;
                 self.skip_option();
                 self.pos += 1;
             }
@@ -1339,6 +1342,13 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems[0].contains("some_future_key"), "{problems:?}");
         assert!(problems[1].contains("expandable_segments"), "{problems:?}");
+        // A bad list is skipped whole: its entries are not read as options.
+        let problems = c.apply_lenient(
+            "roundup_power2_divisions:[256:3,512:2],garbage_collection_threshold:0.5",
+            Syntax::Gpumem,
+        );
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(c.garbage_collection_threshold, 0.5);
     }
 
     #[test]

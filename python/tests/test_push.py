@@ -79,6 +79,9 @@ class SettingsVariables(PushTest):
              {"alloc_conf": "expandable_segments:True",
               "alloc_conf_generic": "max_split_size_mb:64"}),
             ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+             {"alloc_conf_generic": "max_split_size_mb:64"}),
+            # Set but empty is set, and wins from 2.10.
+            ({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
              {"alloc_conf": "", "alloc_conf_generic": "max_split_size_mb:64"}),
             ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
               "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},

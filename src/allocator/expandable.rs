@@ -266,9 +266,14 @@ impl<D: Device> CachingAllocator<D> {
         stream: StreamId,
         needed: u64,
     ) -> Result<Option<BlockId>, AllocError> {
+        // Physical pages come in multiples of 2 MiB: a `large_segment_size` that is not one
+        // (11 MiB, say) is rounded up to one, where PyTorch's `cuMemCreate` would fail.
         let page_size = match kind {
             PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => self.config.large_segment_size,
+            PoolKind::Large => self
+                .config
+                .large_segment_size
+                .next_multiple_of(SMALL_BUFFER),
         };
         let total = self.device.mem_get_info()?.total;
         let pages = self.config.expandable_reserve(total).div_ceil(page_size);

@@ -147,8 +147,9 @@ pub struct CachingAllocator<D: Device> {
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
-/// a new [`DeviceStats`], not shared; the free-memory callbacks are shared): replay uses it to
-/// try one reading of a recording and fall back to another.
+/// a new [`DeviceStats`], not shared), without the free-memory callbacks (they hand out the
+/// pointers of one allocator): replay uses it to try one reading of a recording and fall
+/// back to another.
 impl<D: Device + Clone> Clone for CachingAllocator<D> {
     fn clone(&self) -> Self {
         CachingAllocator {
@@ -171,7 +172,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             planned: self.planned.clone(),
             next_counter: self.next_counter,
             fit_order: self.fit_order,
-            callbacks: self.callbacks.clone(),
+            callbacks: Callbacks::default(),
         }
     }
 }
@@ -527,17 +528,21 @@ impl<D: Device> CachingAllocator<D> {
     pub fn set_allocator_settings(&mut self, settings: &str) -> Result<(), AllocError> {
         let before = self.config.clone();
         self.config.apply(settings)?;
-        self.max_split_size_changed |= self.config.max_split_size != before.max_split_size;
+        let split_changed = self.config.max_split_size != before.max_split_size;
         let fraction = self.config.per_process_memory_fraction;
         if fraction != before.per_process_memory_fraction {
             // As the constructor: a fraction of 1 sets no limit.
             if fraction < 1.0 {
-                self.set_memory_fraction(fraction)?;
+                if let Err(e) = self.set_memory_fraction(fraction) {
+                    self.config = before;
+                    return Err(e);
+                }
             } else {
                 self.allowed_memory_maximum = None;
                 self.memory_fraction = None;
             }
         }
+        self.max_split_size_changed |= split_changed;
         self.checked("set_allocator_settings", Ok(()))
     }
 

@@ -344,11 +344,8 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
     text("alloc_conf", cuda.as_deref().unwrap_or_default())?;
     text("alloc_conf_generic", generic.as_deref().unwrap_or_default())?;
     let release = release_of(&version).unwrap_or_default();
-    let (cuda, generic) = (
-        cuda.as_deref().filter(|s| !s.is_empty()),
-        generic.as_deref().filter(|s| !s.is_empty()),
-    );
-    let config = crate::config::settings_from_env(release, cuda, generic)
+    // Set but empty is set (PyTorch parses the empty string); absent is unset.
+    let config = crate::config::settings_from_env(release, cuda.as_deref(), generic.as_deref())
         .0
         .unwrap_or_default()
         .to_string();
@@ -793,9 +790,11 @@ mod tests {
         };
         let (cuda, generic) = ("expandable_segments:True", "max_split_size_mb:64");
         assert_eq!(config("2.12.0+cu128", Some(cuda), Some(generic)), cuda);
-        assert_eq!(config("2.12.0", Some(""), Some(generic)), generic);
+        assert_eq!(config("2.12.0", None, Some(generic)), generic);
+        // Set but empty is set: it wins.
+        assert_eq!(config("2.12.0", Some(""), Some(generic)), "");
         // 2.9's device allocator reads only the CUDA variable.
-        assert_eq!(config("2.9.1", Some(""), Some(generic)), "");
+        assert_eq!(config("2.9.1", None, Some(generic)), "");
         assert_eq!(config("2.9.1", Some(cuda), Some(generic)), cuda);
         // An older hook's one field; a release gpumem does not know reads as the newest.
         assert_eq!(config("3.1.0", Some(cuda), None), cuda);

@@ -324,7 +324,7 @@ pub fn explain_at(
     let entry = events.get(event).copied();
     let snapshot = alloc.snapshot();
     // At another event the request is the last allocation up to it.
-    let asked = events[..(event + 1).min(events.len())]
+    let asked = events[..event.saturating_add(1).min(events.len())]
         .iter()
         .rposition(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc));
     let request = match asked {
@@ -368,7 +368,7 @@ pub fn explain_at(
     let pinning = pinning(
         recording,
         device as usize,
-        &events[..(event + 1).min(events.len())],
+        &events[..event.saturating_add(1).min(events.len())],
         &snapshot,
     );
     let free = entry

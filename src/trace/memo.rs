@@ -16,7 +16,7 @@
 use rustc_hash::FxHashMap;
 
 use super::doc::{ObjId, Val};
-use super::frames::{FrameId, StackId, StringId};
+use super::frames::{FrameId, ListId, StackId, StringId};
 
 /// Entries per chunk.
 pub(crate) const CHUNK: usize = 4096;
@@ -154,6 +154,7 @@ impl Memo {
             Val::Frame(f) => (2, f.0),
             Val::Stack(s) => (3, s.0),
             Val::Obj(o) => (4, o.0),
+            Val::Strings(l) => (6, l.0),
             _ => (5, u32::MAX),
         };
         if id <= PAYLOAD {
@@ -172,6 +173,7 @@ impl Memo {
             3 => Val::Stack(StackId(id)),
             4 => Val::Obj(ObjId(id)),
             5 => *self.others.get(id as usize)?,
+            6 => Val::Strings(ListId(id)),
             _ => return None,
         })
     }

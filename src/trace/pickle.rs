@@ -720,6 +720,84 @@ fn parse_frame(
 mod tests {
     use super::*;
 
+    /// A frame dict's bytes after its `}`, as CPython writes it: `filename`, `line`, `name`
+    /// and the FX fields, `fx_node_info` None.
+    fn fx_frame_bytes() -> Vec<u8> {
+        let mut b = vec![0x94, b'('];
+        let s = |b: &mut Vec<u8>, text: &str| {
+            b.extend([0x8c, text.len() as u8]);
+            b.extend(text.as_bytes());
+            b.push(0x94);
+        };
+        s(&mut b, "filename");
+        s(&mut b, "model.py");
+        s(&mut b, "line");
+        b.extend([b'K', 7]);
+        s(&mut b, "name");
+        s(&mut b, "forward");
+        s(&mut b, "fx_node_op");
+        s(&mut b, "call_function");
+        s(&mut b, "fx_node_name");
+        s(&mut b, "mm_3");
+        s(&mut b, "fx_original_trace");
+        let trace = "x".repeat(300);
+        b.push(b'X');
+        b.extend((trace.len() as u32).to_le_bytes());
+        b.extend(trace.as_bytes());
+        b.push(0x94);
+        s(&mut b, "fx_node_info");
+        b.push(b'N');
+        b.push(b'u');
+        b
+    }
+
+    #[test]
+    fn the_fast_path_reads_fx_frames() {
+        let doc = Doc::default();
+        let mut frames = crate::trace::frames::Frames::default();
+        // The doc's key ids, interned in the same order.
+        for k in ["filename", "line", "name"]
+            .into_iter()
+            .chain(crate::trace::doc::FX_KEYS)
+        {
+            frames.string(k);
+        }
+        let bytes = fx_frame_bytes();
+        let parsed = parse_frame(
+            &bytes,
+            &Memo::default(),
+            &mut frames,
+            doc.frame_keys(),
+            doc.fx_keys(),
+            10,
+        )
+        .expect("the fast path takes it");
+        assert_eq!((parsed.entries, parsed.len), (7, bytes.len()));
+        let fx = parsed.fx.expect("its node");
+        assert_eq!(fx.op.map(|s| frames.str(s)), Some("call_function"));
+        assert_eq!(fx.name.map(|s| frames.str(s)), Some("mm_3"));
+        assert_eq!(fx.original_trace.map(|s| frames.str(s).len()), Some(300));
+        assert_eq!(fx.info, None);
+        assert_eq!(frames.str(parsed.frame.name), "forward");
+        // Every string memoized: seven keys and five string values (the sixth is None).
+        assert_eq!(parsed.new_strings, 12);
+        // A key twice, or one that is no frame's, leaves it to the generic path.
+        let mut twice = bytes.clone();
+        let at = twice.len() - 1;
+        twice.splice(at..at, [0x8c, 4, b'l', b'i', b'n', b'e', b'K', 1]);
+        assert!(
+            parse_frame(
+                &twice,
+                &Memo::default(),
+                &mut frames,
+                doc.frame_keys(),
+                doc.fx_keys(),
+                10
+            )
+            .is_none()
+        );
+    }
+
     fn decode_bytes(data: &[u8]) -> Result<Doc, TraceError> {
         let mut input = Input::new(Box::new(data), u64::MAX, None)?;
         let mut doc = Doc::default();

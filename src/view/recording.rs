@@ -152,10 +152,12 @@ impl RecordingView {
 
     /// The devices and their moments.
     pub fn overview(&self) -> Overview {
-        let devices = (0..self.device_count())
-            .filter_map(|d| Some((d, self.trace(d as u32)?)))
+        let devices = self
+            .devices()
+            .into_iter()
+            .filter_map(|d| Some((d, self.trace(d)?)))
             .map(|(d, t)| DeviceOverview {
-                device: d as u32,
+                device: d,
                 events: t.len(),
                 ooms: t
                     .iter()
@@ -178,17 +180,12 @@ impl RecordingView {
         }
     }
 
-    /// Devices the recording names, by trace or by segment.
-    fn device_count(&self) -> usize {
-        let by_segment = self
-            .recording
-            .segments
-            .iter()
-            .map(|s| s.device as usize + 1);
-        by_segment
-            .max()
-            .unwrap_or(0)
-            .max(self.recording.device_traces.len())
+    /// Devices the recording names, by trace or by segment, in order.
+    fn devices(&self) -> std::collections::BTreeSet<u32> {
+        let traced = 0..self.recording.device_traces.len() as u32;
+        traced
+            .chain(self.recording.segments.iter().map(|s| s.device))
+            .collect()
     }
 
     /// `device`'s trace: empty for a device a snapshot without traces holds segments of

@@ -153,13 +153,18 @@ impl Skipped {
         let is_free =
             |a: TraceAction| matches!(a, TraceAction::FreeRequested | TraceAction::FreeCompleted);
         if !allocs {
-            let mut segments: Vec<(u64, u64)> = Vec::new();
+            // Segments the trace allocated, by start: their ends.
+            let mut segments: std::collections::BTreeMap<u64, u64> = Default::default();
             for e in events {
+                let inside = |addr: u64| {
+                    segments
+                        .range(..=addr)
+                        .next_back()
+                        .is_some_and(|(_, &end)| addr < end)
+                };
                 if e.action == TraceAction::SegmentAlloc {
-                    segments.push((e.addr, e.addr.saturating_add(e.size)));
-                } else if is_free(e.action)
-                    && segments.iter().any(|&(a, b)| (a..b).contains(&e.addr))
-                {
+                    segments.insert(e.addr, e.addr.saturating_add(e.size));
+                } else if is_free(e.action) && inside(e.addr) {
                     return Err(
                         "it frees blocks of segments it allocated but records no allocation: it was recorded with skip_actions leaving out `alloc`, and a replay needs every allocation".into(),
                     );

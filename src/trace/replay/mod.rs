@@ -432,7 +432,10 @@ fn check_on_capacity(
         return Ok(run);
     }
     let inferred = ReplayOptions {
-        capacity: Some(capacity_for_reservation(spacing, config.large_segment_size)),
+        capacity: Some(capacity_for_reservation(
+            spacing,
+            config.large_segment_size.next_multiple_of(SMALL_BUFFER),
+        )),
         ..options.clone()
     };
     let mut again = run_with(recording, &inferred, progress, FxHashSet::default(), found)?;

@@ -206,13 +206,17 @@ def _text_problem(value):
 
 def _alloc_conf():
     """The allocator's settings variables as the agent needs them to tell which one the job's
-    release reads: `PYTORCH_CUDA_ALLOC_CONF` as `alloc_conf`, and `PYTORCH_ALLOC_CONF` as
-    `alloc_conf_generic` where it is set and says something else (from 2.10 the CUDA variable
-    wins; up to 2.9 the device allocator reads only the CUDA one)."""
+    release reads: `PYTORCH_CUDA_ALLOC_CONF` as `alloc_conf` where it is set, and
+    `PYTORCH_ALLOC_CONF` as `alloc_conf_generic` where it is set and says something else
+    (from 2.10 the CUDA variable wins; up to 2.9 the device allocator reads only the CUDA
+    one)."""
     cuda = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     generic = os.environ.get("PYTORCH_ALLOC_CONF")
-    out = {"alloc_conf": _clean_text(cuda or "", "PYTORCH_CUDA_ALLOC_CONF")}
-    if generic and generic != cuda:
+    out = {}
+    # Set but empty is set: PyTorch parses the empty string, and the CUDA variable wins.
+    if cuda is not None:
+        out["alloc_conf"] = _clean_text(cuda, "PYTORCH_CUDA_ALLOC_CONF")
+    if generic is not None and generic != cuda:
         out["alloc_conf_generic"] = _clean_text(generic, "PYTORCH_ALLOC_CONF")
     return out
 
