@@ -512,6 +512,11 @@ const KEYS_SINCE: &[(&str, u32)] = &[
     ("expandable_segments_reserve_by_class", 15),
 ];
 
+/// The keys read before all others, each in a pass of its own, in this order: gpumem's
+/// `pytorch` (whose release's keys and rules apply to the rest), then, as PyTorch reads it
+/// first, `large_segment_size_mb` (the floor of the split sizes).
+const FIRST_KEYS: [&str; 2] = ["pytorch", "large_segment_size_mb"];
+
 /// Up to this release the device allocator parsed its own settings (`CUDAAllocatorConfig`:
 /// floors exclusive, 32-bit sizes, the `>` quirk); from the next one the device-generic
 /// parser reads the shared keys.
@@ -579,7 +584,7 @@ impl Parser {
     fn each_option(
         &mut self,
         config: &mut AllocatorConfig,
-        handle: fn(&mut Parser, &str, &mut AllocatorConfig) -> Result<(), String>,
+        handle: impl Fn(&mut Parser, &str, &mut AllocatorConfig) -> Result<(), String>,
     ) -> Result<(), String> {
         self.pos = 0;
         while let Some(option) = self.next().map(str::to_string) {
@@ -604,24 +609,13 @@ impl Parser {
         Ok(())
     }
 
-    /// The keys others depend on first (gpumem's `pytorch`, whose rules apply, then, as
-    /// PyTorch reads it first, `large_segment_size_mb`, the floor of the split sizes); then,
-    /// after the per-parse resets, every other key in order.
+    /// The [`FIRST_KEYS`], then, after the per-parse resets, every other key in order.
     fn parse_into(&mut self, config: &mut AllocatorConfig) -> Result<(), String> {
-        self.each_option(config, |p, option, config| match option {
-            "pytorch" => p.option(option, config),
-            _ => {
-                p.skip_option();
-                Ok(())
-            }
-        })?;
-        self.each_option(config, |p, option, config| match option {
-            "large_segment_size_mb" => p.option(option, config),
-            _ => {
-                p.skip_option();
-                Ok(())
-            }
-        })?;
+        for first in FIRST_KEYS {
+            self.each_option(config, |p, option, config| {
+                p.option_if(option == first, option, config)
+            })?;
+        }
         config.max_split_size = u64::MAX;
         config.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
         config.garbage_collection_threshold = 0.0;
@@ -629,13 +623,24 @@ impl Parser {
             config.max_non_split_rounding_size = config.large_segment_size;
         }
         config.ignored.clear();
-        self.each_option(config, |p, option, config| match option {
-            "pytorch" | "large_segment_size_mb" => {
-                p.skip_option();
-                Ok(())
-            }
-            _ => p.option(option, config),
+        self.each_option(config, |p, option, config| {
+            p.option_if(!FIRST_KEYS.contains(&option), option, config)
         })
+    }
+
+    /// Reads `option` where `read`, else moves past it (a pass for other keys).
+    fn option_if(
+        &mut self,
+        read: bool,
+        option: &str,
+        config: &mut AllocatorConfig,
+    ) -> Result<(), String> {
+        if read {
+            self.option(option, config)
+        } else {
+            self.skip_option();
+            Ok(())
+        }
     }
 
     fn option(&mut self, option: &str, config: &mut AllocatorConfig) -> Result<(), String> {
@@ -982,7 +987,7 @@ mod tests {
 
     #[test]
     fn rejected_settings_name_the_option() {
-        for (input, needle) in [
+        refused(&[
             ("max_split_size_mb:19", "max_split_size_mb"),
             ("max_split_size_mb:abc", "max_split_size_mb"),
             ("max_split_size_mb:-1", "max_split_size_mb"),
@@ -1028,10 +1033,7 @@ mod tests {
                 "max_split_size_mb:100 expandable_segments:True",
                 "max_split_size_mb",
             ),
-        ] {
-            let err = AllocatorConfig::parse(input).expect_err(input);
-            assert!(err.reason.contains(needle), "{input}: {err}");
-        }
+        ]);
     }
 
     #[test]
@@ -1106,6 +1108,14 @@ mod tests {
         assert_eq!(s.roundup_power2_divisions.get("32768"), Some(&0));
         assert_eq!(AllocatorConfig::default().settings().max_split_size, -1);
     }
+    /// Each text is refused, with a reason that holds its needle.
+    fn refused(cases: &[(&str, &str)]) {
+        for &(text, needle) in cases {
+            let e = AllocatorConfig::parse(text).expect_err(text);
+            assert!(e.reason.contains(needle), "{text}: {e}");
+        }
+    }
+
     fn v(minor: u32) -> PyTorchVersion {
         PyTorchVersion::new(2, minor).expect("known")
     }
@@ -1231,7 +1241,7 @@ mod tests {
         assert_eq!(c.per_process_memory_fraction, 0.95);
         assert!(c.throw_on_cudamalloc_oom && c.graph_capture_record_stream_reuse);
         assert!(c.settings().graph_capture_record_stream_reuse);
-        for (text, needle) in [
+        refused(&[
             ("per_process_memory_fraction:1.5", "[0, 1]"),
             ("per_process_memory_fraction:-0.1", "[0, 1]"),
             ("per_process_memory_fraction:nan", "[0, 1]"),
@@ -1239,10 +1249,7 @@ mod tests {
             ("throw_on_cudamalloc_oom:1", "`True` or `False`"),
             ("throw_on_cudamalloc_oom:true", "`True` or `False`"),
             ("graph_capture_record_stream_reuse:yes", "`True` or `False`"),
-        ] {
-            let e = AllocatorConfig::parse(text).expect_err(text);
-            assert!(e.reason.contains(needle), "{text}: {e}");
-        }
+        ]);
         assert_eq!(
             AllocatorConfig::parse("per_process_memory_fraction:0")
                 .expect("valid")
@@ -1286,17 +1293,14 @@ mod tests {
         assert_eq!(c.ignored.len(), 2, "{:?}", c.ignored);
         assert!(c.ignored[0].contains("`-1`"), "{:?}", c.ignored);
         assert_eq!(c.expandable_reserve(total), total + total / 8);
-        for (text, needle) in [
+        refused(&[
             ("expandable_segments_reserve_by_class:serve", "`[`"),
             (
                 "expandable_segments_reserve_by_class:[serve:0.5",
                 "not closed",
             ),
             ("expandable_segments_reserve_by_class:[:0.5]", "class name"),
-        ] {
-            let e = AllocatorConfig::parse(text).expect_err(text);
-            assert!(e.reason.contains(needle), "{text}: {e}");
-        }
+        ]);
     }
 
     #[test]
@@ -1317,15 +1321,12 @@ mod tests {
                 free_catch_all: true,
             }
         );
-        for (text, needle) in [
+        refused(&[
             ("pinned_reserve_segment_size_mb:0", "more than 0"),
             ("pinned_max_round_threshold_mb:-1", "non-negative integer"),
             ("pinned_max_cached_size_mb:1.5", "non-negative integer"),
             ("pinned_free_catch_all:on", "`True` or `False`"),
-        ] {
-            let e = AllocatorConfig::parse(text).expect_err(text);
-            assert!(e.reason.contains(needle), "{text}: {e}");
-        }
+        ]);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use super::block::{Block, BlockId, SegmentId};
-use super::size::{PoolKind, SMALL_BUFFER};
+use super::size::{self, PoolKind, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
 
 /// One reserved address range and the physical pages mapped into it.
@@ -266,15 +266,7 @@ impl<D: Device> CachingAllocator<D> {
         stream: StreamId,
         needed: u64,
     ) -> Result<Option<BlockId>, AllocError> {
-        // Physical pages come in multiples of 2 MiB: a `large_segment_size` that is not one
-        // (11 MiB, say) is rounded up to one, where PyTorch's `cuMemCreate` would fail.
-        let page_size = match kind {
-            PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => self
-                .config
-                .large_segment_size
-                .next_multiple_of(SMALL_BUFFER),
-        };
+        let page_size = size::expandable_page_size(&self.config, kind);
         let total = self.device.mem_get_info()?.total;
         let pages = self.config.expandable_reserve(total).div_ceil(page_size);
         let size = pages.saturating_mul(page_size);

@@ -105,6 +105,16 @@ pub fn allocation_size(config: &AllocatorConfig, rounded: u64) -> u64 {
     }
 }
 
+/// The physical page of an expandable segment of `pool`: 2 MiB in the small pool,
+/// `large_segment_size` in the large one, rounded up to a multiple of 2 MiB (physical
+/// memory comes in those; PyTorch's `cuMemCreate` would refuse a size that is not one).
+pub fn expandable_page_size(config: &AllocatorConfig, pool: PoolKind) -> u64 {
+    match pool {
+        PoolKind::Small => SMALL_BUFFER,
+        PoolKind::Large => config.large_segment_size.next_multiple_of(SMALL_BUFFER),
+    }
+}
+
 /// Whether a cached free block of `found` bytes may serve a rounded request of `size` bytes
 /// (the `max_split_size` rules of `get_free_block`): a normal request never takes an oversize
 /// block; an oversize request takes one only if it wastes less than `max_non_split_rounding`

@@ -500,13 +500,6 @@ fn frame_of(
             _ => return None,
         }
     }
-    let [op, fx_name, original_trace, info] = fx;
-    let node = FxNode {
-        op,
-        name: fx_name,
-        original_trace,
-        info,
-    };
     Some((
         Frame {
             filename: f?,
@@ -514,7 +507,7 @@ fn frame_of(
             name: n?,
             fx: None,
         },
-        (node != FxNode::default()).then_some(node),
+        FxNode::of(fx),
     ))
 }
 

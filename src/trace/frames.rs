@@ -84,6 +84,21 @@ pub struct FxNode {
     pub info: Option<StringId>,
 }
 
+impl FxNode {
+    /// The node of a frame's `fx_*` fields in [`crate::trace::doc`]'s `FX_KEYS` order (op,
+    /// name, original trace, info), if any of them is set.
+    pub(crate) fn of(fields: [Option<StringId>; 4]) -> Option<FxNode> {
+        let [op, name, original_trace, info] = fields;
+        let node = FxNode {
+            op,
+            name,
+            original_trace,
+            info,
+        };
+        (node != FxNode::default()).then_some(node)
+    }
+}
+
 /// What a trace entry carries besides its stack.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct EventContext {

@@ -694,13 +694,6 @@ fn parse_frame(
     if next(&mut p)? != b'u' {
         return None;
     }
-    let [op, fx_name, original_trace, info] = fx;
-    let node = super::frames::FxNode {
-        op,
-        name: fx_name,
-        original_trace,
-        info,
-    };
     Some(ParsedFrame {
         frame: super::frames::Frame {
             filename: filename?,
@@ -708,7 +701,7 @@ fn parse_frame(
             name: name?,
             fx: None,
         },
-        fx: (node != super::frames::FxNode::default()).then_some(node),
+        fx: super::frames::FxNode::of(fx),
         entries,
         len: p,
         strings,

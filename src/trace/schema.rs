@@ -116,7 +116,7 @@ impl Budget {
 
 /// The recording a document holds (its interned frames move into it).
 pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
-    let mut contexts = Contexts::default();
+    let mut contexts = Contexts::from_iter([EventContext::default()]);
     let mut recording = read(doc, &mut contexts)?;
     // The contexts were numbered in first-seen order from NONE, as the frames number them.
     for &c in contexts.iter().skip(1) {
@@ -126,7 +126,7 @@ pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
     Ok(recording)
 }
 
-/// The contexts met while reading, in first-seen order (the empty one first).
+/// The contexts met while reading, in first-seen order after the empty one (`NONE`).
 type Contexts =
     indexmap::IndexSet<EventContext, std::hash::BuildHasherDefault<rustc_hash::FxHasher>>;
 
@@ -144,9 +144,6 @@ fn context_of(node: &Node<'_>, contexts: &mut Contexts) -> Result<ContextId, Tra
         user_metadata: text("user_metadata", "")?,
         forward_frames: node.get("forward_frames")?.and_then(|f| f.strings()),
     };
-    if contexts.is_empty() {
-        contexts.insert(EventContext::default());
-    }
     Ok(ContextId(contexts.insert_full(context).0 as u32))
 }
 

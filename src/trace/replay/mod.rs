@@ -40,7 +40,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashSet;
 
-use crate::allocator::size::SMALL_BUFFER;
+use crate::allocator::size::{PoolKind, SMALL_BUFFER, expandable_page_size};
 use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry};
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
@@ -434,7 +434,7 @@ fn check_on_capacity(
     let inferred = ReplayOptions {
         capacity: Some(capacity_for_reservation(
             spacing,
-            config.large_segment_size.next_multiple_of(SMALL_BUFFER),
+            expandable_page_size(&config, PoolKind::Large),
         )),
         ..options.clone()
     };
@@ -603,11 +603,7 @@ fn engine_for<'a>(
     releases_in_malloc: FxHashSet<usize>,
     found: &Found,
 ) -> Result<(Engine<'a>, AllocatorConfig), ReplayError> {
-    let recorded_config = recording.config.clone().unwrap_or_default();
-    let config = options
-        .config
-        .clone()
-        .unwrap_or_else(|| recorded_config.clone());
+    let config = replayed_config(recording, options);
     let capacity = options
         .capacity
         .or(recording.simulated_device.map(|d| d.total_bytes))
