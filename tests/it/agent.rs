@@ -557,24 +557,47 @@ fn a_real_prometheus_scrapes_the_demo() {
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
     // Every metric but those that exist per pushing process or after an OOM (the demo has
-    // neither; the ingest tests query them).
+    // neither; the ingest tests query them), and every dashboard panel's query with its
+    // variables set to "All" (but those of pushed processes' OOMs: the OOM path's test
+    // queries them), returns data. The simulated processes catch up with their recordings a
+    // slice at a time, so on a loaded machine some series (the planned process's) appear a
+    // few scrapes later: wait for them, within a bound.
     let pushed_only = [
         "gpumem_ingest_last_push_age_seconds",
         "gpumem_allocator_last_oom_timestamp_seconds",
         "gpumem_oom_breakdown_bytes",
         "gpumem_pod_ooms_total",
     ];
-    for def in CONTRACT
+    let mut queries: Vec<(String, String)> = CONTRACT
         .into_iter()
         .filter(|def| !pushed_only.contains(&def.name))
-    {
-        let result = prometheus_query(prom_port, def.name).expect("query answers");
-        assert!(
-            result.as_array().is_some_and(|r| !r.is_empty()),
-            "no data for {}",
-            def.name
-        );
-    }
+        .map(|def| (def.name.to_string(), def.name.to_string()))
+        .collect();
+    queries.extend(
+        crate::assets::dashboard_expressions()
+            .into_iter()
+            .filter(|(_, _, expr)| !expr.contains("gpumem_oom_breakdown_bytes"))
+            .map(|(file, title, expr)| {
+                let query = crate::assets::substitute(&expr);
+                (format!("{file}: {title}: {query}"), query)
+            }),
+    );
+    let missing = || -> Vec<String> {
+        queries
+            .iter()
+            .filter(|(_, query)| {
+                !prometheus_query(prom_port, query)
+                    .is_some_and(|r| r.as_array().is_some_and(|r| !r.is_empty()))
+            })
+            .map(|(what, _)| what.clone())
+            .collect()
+    };
+    let mut last = Vec::new();
+    let complete = wait_for(Duration::from_secs(90), || {
+        last = missing();
+        last.is_empty().then_some(())
+    });
+    assert!(complete.is_some(), "no data within 90 s for {last:#?}");
     // The simulated node's processes run in pods the agent names.
     let named = prometheus_query(prom_port, r#"gpumem_process_used_bytes{pod_name!=""}"#)
         .expect("query answers");
@@ -582,20 +605,6 @@ fn a_real_prometheus_scrapes_the_demo() {
         named.as_array().is_some_and(|r| !r.is_empty()),
         "no named process: {named}"
     );
-    // Every dashboard panel's query, with its variables set to "All", returns data (but
-    // those of pushed processes' OOMs: the OOM path's test queries them).
-    for (file, title, expr) in crate::assets::dashboard_expressions()
-        .into_iter()
-        .filter(|(_, _, expr)| !expr.contains("gpumem_oom_breakdown_bytes"))
-    {
-        let query = crate::assets::substitute(&expr);
-        let result = prometheus_query(prom_port, &query)
-            .unwrap_or_else(|| panic!("{file}: {title}: query failed: {query}"));
-        assert!(
-            result.as_array().is_some_and(|r| !r.is_empty()),
-            "{file}: {title}: no data for {query}"
-        );
-    }
     // Annotation queries are valid (the demo has no OOM to mark).
     for (file, name, expr) in crate::assets::annotation_expressions() {
         let query = crate::assets::substitute(&expr);
