@@ -7,6 +7,7 @@
 //!
 //! The normal run covers 10^5 operations; `GPUMEM_SOAK_OPS=10000000` runs a longer soak.
 
+use gpumem::allocator::AllocError;
 use gpumem::allocator::FitOrder;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::ops::{ORDERS, Op, Run};
@@ -172,56 +173,99 @@ fn diverging_job(
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// The same job on two allocators of one device size, with and without a random plan:
-    /// while both hold the same live allocations, wherever the caching allocator alone
-    /// serves a request and the planned one fails, a plan region still holds live blocks (regions without are given back before the last
-    /// retry), and both keep every invariant.
+    /// See [`plan_against_cache`].
     #[test]
-    fn a_plan_fails_nothing_the_cache_serves_unless_a_region_is_pinned(
+    fn a_plans_memory_never_stands_in_a_requests_way(
         seed in any::<u64>(),
         capacity_mib in 256u64..2048,
     ) {
-        let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
-        let mut rng = XorShift::new(seed ^ 0x9e37);
-        let job = diverging_job(&plan, &mut rng, 6);
-        let device = || SimDevice::new(SimConfig::with_capacity(capacity_mib << 20));
-        let mut plain = CachingAllocator::new(device(), AllocatorConfig::default());
-        let mut planned = CachingAllocator::new(device(), AllocatorConfig::default());
-        planned.set_plan(plan.clone()).expect("a valid plan");
-        // Frees due at each request index, per allocator.
-        let mut due: Vec<Vec<(Option<DevicePtr>, Option<DevicePtr>)>> = vec![Vec::new(); job.len() + 1];
-        let mut same_live = true;
-        for (i, r) in job.iter().enumerate() {
-            for (a, b) in std::mem::take(&mut due[i]) {
-                if let Some(p) = a { plain.free(p).expect("live"); }
-                if let Some(p) = b { planned.free(p).expect("live"); }
-            }
-            let a = plain.malloc(r.size, r.stream);
-            let b = planned.malloc(r.size, r.stream);
-            if same_live && a.is_ok() && b.is_err() {
-                let status = planned.plan_status().expect("a plan");
-                prop_assert!(status.pinned_bytes > 0, "request {} ({} bytes) failed under the plan with no region pinned: {:?}", i, r.size, b);
-            }
-            if b.is_err() {
-                // The retry chain gave back every region and chunk without live blocks.
-                let status = planned.plan_status().expect("a plan");
-                prop_assert_eq!(status.held_bytes, status.pinned_bytes);
-            }
-            // Once one served what the other refused, they hold different live blocks: the
-            // comparison ends there (the invariants are still checked).
-            same_live &= a.is_ok() == b.is_ok();
-            prop_assert!(plain.check_invariants().is_ok());
-            prop_assert!(planned.check_invariants().is_ok(), "{:?}", planned.check_invariants());
-            due[(i + 1 + r.hold).min(job.len())].push((a.ok(), b.ok()));
-        }
-        for (a, b) in due.into_iter().flatten() {
-            if let Some(p) = a { plain.free(p).expect("live"); }
-            if let Some(p) = b { planned.free(p).expect("live"); }
-        }
-        planned.clear_plan().expect("no live blocks left");
-        planned.empty_cache().expect("empty");
-        prop_assert_eq!(planned.total_allocated_memory(), 0);
+        plan_against_cache(seed, capacity_mib)?;
     }
+}
+
+/// A case the property found: the planned cache, carved differently, is fragmented where
+/// the plain one is not.
+#[test]
+fn a_plan_against_the_cache_where_their_layouts_differ() {
+    if let Err(e) = plan_against_cache(1_877_766_696_007_313_677, 256) {
+        panic!("{e}");
+    }
+}
+
+/// The same job on two allocators of one device size, with and without a random plan:
+/// while both hold the same live allocations, wherever the caching allocator alone
+/// serves a request and the planned one fails, either a plan region still holds live
+/// blocks, or the plan holds nothing and the device could not give the segment the
+/// request needed (regions without live blocks are given back before the last retry).
+/// The two caches' layouts may differ (the plan served some requests the plain cache
+/// carved its segments for), so the planned cache can be fragmented where the plain one
+/// is not; the plan's own memory never stands in the way. Both keep every invariant.
+fn plan_against_cache(seed: u64, capacity_mib: u64) -> Result<(), TestCaseError> {
+    let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
+    let mut rng = XorShift::new(seed ^ 0x9e37);
+    let job = diverging_job(&plan, &mut rng, 6);
+    let device = || SimDevice::new(SimConfig::with_capacity(capacity_mib << 20));
+    let mut plain = CachingAllocator::new(device(), AllocatorConfig::default());
+    let mut planned = CachingAllocator::new(device(), AllocatorConfig::default());
+    planned.set_plan(plan.clone()).expect("a valid plan");
+    // Frees due at each request index, per allocator.
+    let mut due: Vec<Vec<(Option<DevicePtr>, Option<DevicePtr>)>> = vec![Vec::new(); job.len() + 1];
+    let mut same_live = true;
+    for (i, r) in job.iter().enumerate() {
+        for (a, b) in std::mem::take(&mut due[i]) {
+            if let Some(p) = a {
+                plain.free(p).expect("live");
+            }
+            if let Some(p) = b {
+                planned.free(p).expect("live");
+            }
+        }
+        let a = plain.malloc(r.size, r.stream);
+        let b = planned.malloc(r.size, r.stream);
+        if same_live && a.is_ok() && b.is_err() {
+            let status = planned.plan_status().expect("a plan");
+            if status.pinned_bytes == 0 {
+                prop_assert_eq!(status.held_bytes, 0);
+                let Err(AllocError::OutOfMemory(oom)) = &b else {
+                    return Err(TestCaseError::fail(format!("request {i}: {b:?}")));
+                };
+                prop_assert!(
+                    oom.free < oom.tried_to_allocate,
+                    "request {} ({} bytes) failed under a plan holding nothing with {} bytes free on the device",
+                    i,
+                    r.size,
+                    oom.free
+                );
+            }
+        }
+        if b.is_err() {
+            // The retry chain gave back every region and chunk without live blocks.
+            let status = planned.plan_status().expect("a plan");
+            prop_assert_eq!(status.held_bytes, status.pinned_bytes);
+        }
+        // Once one served what the other refused, they hold different live blocks: the
+        // comparison ends there (the invariants are still checked).
+        same_live &= a.is_ok() == b.is_ok();
+        prop_assert!(plain.check_invariants().is_ok());
+        prop_assert!(
+            planned.check_invariants().is_ok(),
+            "{:?}",
+            planned.check_invariants()
+        );
+        due[(i + 1 + r.hold).min(job.len())].push((a.ok(), b.ok()));
+    }
+    for (a, b) in due.into_iter().flatten() {
+        if let Some(p) = a {
+            plain.free(p).expect("live");
+        }
+        if let Some(p) = b {
+            planned.free(p).expect("live");
+        }
+    }
+    planned.clear_plan().expect("no live blocks left");
+    planned.empty_cache().expect("empty");
+    prop_assert_eq!(planned.total_allocated_memory(), 0);
+    Ok(())
 }
 
 /// A job that repeats a plan's iteration exactly (each allocation freed before the next
