@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::allocator::{
-    AllocError, FitOrder, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion,
+    AllocError, FitOrder, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion, PoolId,
+    PoolOptions, RouteKind, StreamFilter,
 };
 use crate::device::{DeviceError, SimConfig, SimDevice};
 use crate::workload::XorShift;
@@ -103,6 +104,39 @@ pub enum Op {
         /// Bytes below the entry's size asked for (its rounding must still match).
         under: u64,
     },
+    /// Makes MemPool [`pool_id`]`(pool)` or adds a use to it.
+    CreatePool {
+        /// Which of the few pools.
+        pool: u64,
+        /// Its options.
+        options: PoolOptions,
+    },
+    /// Routes requests to pool [`pool_id`]`(pool)`: all streams, or one as a capture.
+    BeginPool {
+        /// Which pool.
+        pool: u64,
+        /// `Some(stream)`: a capture of that stream; `None`: `use_mem_pool`.
+        capture: Option<StreamId>,
+    },
+    /// Ends the route to pool [`pool_id`]`(pool)`.
+    EndPool {
+        /// Which pool.
+        pool: u64,
+    },
+    /// Takes a use from pool [`pool_id`]`(pool)`.
+    ReleasePool {
+        /// Which pool.
+        pool: u64,
+    },
+}
+
+/// The private pools the operations use: three MemPools `(0, n)` and two capture pools
+/// `(n, 0)`.
+pub fn pool_id(pool: u64) -> PoolId {
+    match pool % 5 {
+        n @ 0..=2 => PoolId(0, n + 1),
+        n => PoolId(n - 2, 0),
+    }
 }
 
 /// A random but valid plan: up to 24 entries over the [`STREAMS`], regions of up to 256 MiB,
@@ -169,7 +203,22 @@ impl Op {
                 skip: a,
                 under: (a >> 8) % 512,
             },
-            40..=76 => Op::Free { pick: a },
+            40..=67 => Op::Free { pick: a },
+            68 => Op::CreatePool {
+                pool: a,
+                options: PoolOptions {
+                    use_on_oom: (a >> 8).is_multiple_of(2),
+                    no_split: (a >> 9).is_multiple_of(4),
+                },
+            },
+            69 => Op::BeginPool {
+                pool: a,
+                capture: (b >> 8).is_multiple_of(2).then_some(stream),
+            },
+            // Routes end soon (most requests still meet the plan) and uses go about as
+            // often as they come (pools do not keep all memory).
+            70..=73 => Op::EndPool { pool: a },
+            74..=76 => Op::ReleasePool { pool: a },
             77..=84 => Op::RecordStream { pick: a, stream },
             85 => Op::HintAddress { slot: a % 64 },
             86..=91 => Op::CompleteStream { stream },
@@ -284,6 +333,21 @@ impl Run {
                 .alloc
                 .set_memory_fraction(fraction)
                 .map_err(|e| e.to_string())?,
+            Op::CreatePool { pool, options } => {
+                pool_op(self.alloc.create_pool(pool_id(pool), options))?;
+            }
+            Op::BeginPool { pool, capture } => {
+                let (filter, kind) = match capture {
+                    Some(stream) => (StreamFilter::Streams(vec![stream]), RouteKind::Capture),
+                    None => (StreamFilter::Any, RouteKind::MemPool),
+                };
+                pool_op(
+                    self.alloc
+                        .begin_allocate_to_pool(pool_id(pool), filter, kind),
+                )?;
+            }
+            Op::EndPool { pool } => pool_op(self.alloc.end_allocate_to_pool(pool_id(pool)))?,
+            Op::ReleasePool { pool } => pool_op(self.alloc.release_pool(pool_id(pool)))?,
             Op::FailNextMalloc { oom } => {
                 let error = if oom {
                     DeviceError::OutOfMemory
@@ -324,6 +388,13 @@ impl Run {
         for p in std::mem::take(&mut self.live).into_keys() {
             self.alloc.free(DevicePtr(p)).map_err(|e| e.to_string())?;
         }
+        // Every route ends and every pool loses its uses, so the flush frees them all.
+        for id in self.alloc.private_pools() {
+            pool_op(self.alloc.end_allocate_to_pool(id))?;
+            while self.alloc.pool_use_count(id).is_some_and(|n| n > 0) {
+                self.alloc.release_pool(id).map_err(|e| e.to_string())?;
+            }
+        }
         self.alloc.empty_cache().map_err(|e| e.to_string())?;
         self.alloc.clear_plan().map_err(|e| e.to_string())?;
         self.alloc.check_invariants()?;
@@ -350,6 +421,14 @@ impl Run {
             ));
         }
         Ok(())
+    }
+}
+
+/// A pool operation's result: refusals (an unknown pool, a pool routed twice) are expected.
+fn pool_op(result: Result<(), AllocError>) -> Result<(), String> {
+    match result {
+        Ok(()) | Err(AllocError::Pool(_)) => Ok(()),
+        Err(e) => Err(format!("pool operation: unexpected {e}")),
     }
 }
 

@@ -15,6 +15,7 @@ use std::num::NonZeroU32;
 use crate::device::{Device, StreamId};
 
 use super::CachingAllocator;
+use super::private_pool::{PoolRef, PoolSlot};
 use super::size::PoolKind;
 
 /// Index of a block in the allocator's arena, stored plus one so that `Option<BlockId>` takes
@@ -75,14 +76,17 @@ pub(crate) struct Block {
     pub prev: Option<BlockId>,
     /// Neighbour above in the same segment.
     pub next: Option<BlockId>,
-    /// Outstanding events that must complete before the block can be reused.
-    pub event_count: u32,
+    /// Outstanding events that must complete before the block can be reused (one per stream
+    /// that used it; a free used by more streams than this counts waits for the device).
+    pub event_count: u16,
+    /// The private pool that owns the block, or the default pools.
+    pub owner: PoolSlot,
     /// The expandable segment the block lies in, if any.
     pub expandable: Option<SegmentId>,
     /// The segment counter: taken when the block's segment was obtained, inherited by every
     /// block carved from it (the tie-break of [`super::fit_order::FitOrder::Counter`]).
     pub counter: u32,
-    /// The pool that owns the block.
+    /// The size class of the pool that owns the block.
     pub pool: PoolKind,
     /// Handed out to a caller.
     pub allocated: bool,
@@ -95,14 +99,15 @@ pub(crate) struct Block {
 
 impl Block {
     /// A whole, unsplit, free segment (or a piece of one, with its segment's counter).
-    pub fn segment(ptr: u64, size: u64, stream: StreamId, pool: PoolKind, counter: u32) -> Block {
+    pub fn segment(ptr: u64, size: u64, stream: StreamId, pool: PoolRef, counter: u32) -> Block {
         Block {
             counter,
             ptr,
             size,
             requested_size: 0,
             stream,
-            pool,
+            pool: pool.kind,
+            owner: pool.owner,
             allocated: false,
             mapped: true,
             prev: None,
@@ -111,6 +116,14 @@ impl Block {
             has_stream_uses: false,
             gc_count_base: 0,
             expandable: None,
+        }
+    }
+
+    /// The block pool that owns the block.
+    pub fn pool_ref(&self) -> PoolRef {
+        PoolRef {
+            owner: self.owner,
+            kind: self.pool,
         }
     }
 

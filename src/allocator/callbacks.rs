@@ -21,7 +21,7 @@ use std::sync::Arc;
 use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::BlockId;
-use super::size::PoolKind;
+use super::private_pool::PoolRef;
 use super::{AllocError, CachingAllocator};
 
 /// Something that holds allocations it can give back under memory pressure.
@@ -52,7 +52,7 @@ impl<D: Device> CachingAllocator<D> {
     /// `get_free_block`).
     pub(super) fn free_memory_then_search(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {

@@ -30,9 +30,12 @@ pub struct OutOfMemory {
     pub free: u64,
     /// The per-process limit, when a memory fraction is set.
     pub allowed: Option<u64>,
-    /// Bytes in allocated blocks.
+    /// Bytes in allocated blocks, plus the cached free bytes of private pools (as PyTorch
+    /// counts them: no default-pool request can use those).
     pub allocated: u64,
-    /// Bytes reserved from the driver but not allocated: cached free blocks.
+    /// Of `allocated`, the cached free bytes of private pools (CUDA graphs, MemPools).
+    pub private_pools: u64,
+    /// Bytes reserved from the driver but not allocated, outside private pools' cache.
     pub reserved_unallocated: u64,
     /// Where the device's memory was when the allocation failed, and what the request could
     /// have used of it.
@@ -69,13 +72,24 @@ impl fmt::Display for OutOfMemory {
         }
         write!(
             f,
-            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+            "Of the allocated memory {} is allocated by PyTorch, ",
+            format_size(self.allocated)
+        )?;
+        if self.private_pools > 0 {
+            write!(
+                f,
+                "with {} allocated in private pools (e.g., CUDA Graphs), ",
+                format_size(self.private_pools)
+            )?;
+        }
+        write!(
+            f,
+            "and {} is reserved by PyTorch but unallocated. \
              When reserved but unallocated memory is large, fragmentation is the likely cause: \
              set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to let segments grow instead \
              (or max_split_size_mb to stop large cached blocks from being split). \
              See the Memory Management section of the CUDA semantics documentation \
              (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
-            format_size(self.allocated),
             format_size(self.reserved_unallocated),
         )?;
         write!(f, ". Why: {}", self.why)
@@ -121,6 +135,9 @@ pub enum AllocError {
     /// A placement plan that cannot be followed.
     #[error(transparent)]
     Plan(#[from] super::PlanError),
+    /// A private pool operation refused.
+    #[error(transparent)]
+    Pool(#[from] super::PoolError),
     /// The driver failed with something other than out-of-memory.
     #[error("device error: {0}")]
     Device(#[from] DeviceError),
@@ -178,7 +195,13 @@ impl<D: Device> CachingAllocator<D> {
             self.record(TraceAction::Oom, info.free, rounded, stream);
             self.stats.num_ooms.bump();
         }
-        let allocated = self.stats.allocated_bytes.all_current().max(0) as u64;
+        let private_pools: u64 = self
+            .all_pools()
+            .filter(|(pool, _)| !pool.owner.is_default())
+            .flat_map(|(_, p)| p.free.iter())
+            .map(|(_, e)| e.size)
+            .sum();
+        let allocated = self.stats.allocated_bytes.all_current().max(0) as u64 + private_pools;
         let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
         // Only now, on the failure path: the blocks as they are after the flush.
         let request = Request {
@@ -207,6 +230,7 @@ impl<D: Device> CachingAllocator<D> {
             free: info.free,
             allowed: self.allowed_memory_maximum,
             allocated,
+            private_pools,
             reserved_unallocated: reserved.saturating_sub(allocated),
             accounting,
             kinds,

@@ -11,12 +11,18 @@
 //! hash map's order, so the frees completed in one pass may be listed in another order there
 //! (the same set; a recording cannot reveal that order).
 //!
+//! While a capture is under way (Note [Private pools]) no event is polled or recorded: a
+//! free used by other streams is deferred, and its events are recorded once no capture is,
+//! without the streams whose uses were captured.
+//!
 //! # Invariants
 //! - `pending_events` holds no empty queue after a pass, and each queue lists its stream's
 //!   events in recording order.
 //! - A block's `event_count` equals the number of queued events naming it; its free
 //!   completes exactly when that count reaches zero with no unrecorded stream use left.
 //! - Completed events return to `event_pool` (creating one is a driver call).
+//! - `deferred` lists pending blocks with stream uses and no event; `capture_uses` names only
+//!   blocks that are live or deferred.
 
 use std::collections::VecDeque;
 
@@ -35,6 +41,10 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
         let streams = self.stream_uses.remove(&id).unwrap_or_default();
         self.block_mut(id).has_stream_uses = false;
+        if streams.len() > usize::from(u16::MAX) {
+            // More streams than a block counts events for: wait for the device instead.
+            return self.free_after_synchronize(id, &streams);
+        }
         for (i, &stream) in streams.iter().enumerate() {
             let event = match self.event_pool.pop() {
                 Some(e) => Ok(e),
@@ -100,9 +110,42 @@ impl<D: Device> CachingAllocator<D> {
         self.free_block(id);
     }
 
+    /// Records the events of the frees deferred while a capture was under way
+    /// (`insert_events_deferred_until_no_capture`): the uses by streams recorded during the
+    /// capture are dropped first (captured work has not run), and a free left with none
+    /// completes at once.
+    fn insert_deferred_events(&mut self) -> Result<(), AllocError> {
+        let deferred = std::mem::take(&mut self.deferred);
+        for (i, &id) in deferred.iter().enumerate() {
+            if let Err(e) = self.insert_deferred(id) {
+                self.deferred.extend_from_slice(&deferred[i + 1..]);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn insert_deferred(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let captured = self.capture_uses.remove(&id).unwrap_or_default();
+        let uses = self.stream_uses.entry(id).or_default();
+        uses.retain(|s| !captured.contains(s));
+        if !uses.is_empty() {
+            return self.insert_events(id);
+        }
+        self.stream_uses.remove(&id);
+        self.block_mut(id).has_stream_uses = false;
+        if self.block(id).event_count == 0 {
+            self.complete_free(id);
+        }
+        Ok(())
+    }
+
     /// Completes the frees whose events have completed, looking at each stream's oldest
-    /// events only (`process_events`).
+    /// events only (`process_events`), after recording the events of deferred frees.
     pub(super) fn process_events(&mut self) -> Result<(), AllocError> {
+        if !self.deferred.is_empty() {
+            self.insert_deferred_events()?;
+        }
         let mut i = 0;
         while i < self.pending_events.len() {
             while let Some(&(event, id)) = self.pending_events[i].1.front() {
@@ -125,6 +168,9 @@ impl<D: Device> CachingAllocator<D> {
     /// (`synchronize_and_free_events`).
     pub(super) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
         self.stats.num_sync_all_streams.bump();
+        if !self.deferred.is_empty() {
+            self.insert_deferred_events()?;
+        }
         while let Some((_, queue)) = self.pending_events.first_mut() {
             let Some(&(event, id)) = queue.front() else {
                 self.pending_events.remove(0);
@@ -157,5 +203,11 @@ impl<D: Device> CachingAllocator<D> {
             uses.push(stream);
         }
         self.block_mut(id).has_stream_uses = true;
+        if self.capturing() {
+            let captured = self.capture_uses.entry(id).or_default();
+            if !captured.contains(&stream) {
+                captured.push(stream);
+            }
+        }
     }
 }

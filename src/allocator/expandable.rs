@@ -1,4 +1,5 @@
-//! Expandable segments: large reserved address ranges of a (stream, pool), backed by
+//! Expandable segments: large reserved address ranges of a (stream, pool), private pools
+//! included, backed by
 //! physical pages mapped as the pool grows and unmapped when memory is released
 //! (`expandable_segments:True`).
 //!
@@ -27,7 +28,8 @@ use std::collections::BTreeMap;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use super::block::{Block, BlockId, SegmentId};
-use super::size::{self, PoolKind, SMALL_BUFFER};
+use super::private_pool::PoolRef;
+use super::size::{self, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
 
 /// One reserved address range and the physical pages mapped into it.
@@ -192,7 +194,7 @@ impl<D: Device> CachingAllocator<D> {
     /// (`try_allocate_expandable_block`). `Ok(None)` means out of memory.
     pub(super) fn try_allocate_expandable_block(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
@@ -227,7 +229,7 @@ impl<D: Device> CachingAllocator<D> {
     /// left.
     fn find_expandable_block(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
@@ -262,11 +264,11 @@ impl<D: Device> CachingAllocator<D> {
     /// too small fails the request as out of memory, as PyTorch's does).
     fn new_expandable_segment(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         needed: u64,
     ) -> Result<Option<BlockId>, AllocError> {
-        let page_size = size::expandable_page_size(&self.config, kind);
+        let page_size = size::expandable_page_size(&self.config, kind.kind);
         let total = self.device.mem_get_info()?.total;
         let pages = self.config.expandable_reserve(total).div_ceil(page_size);
         let size = pages.saturating_mul(page_size);
@@ -297,6 +299,7 @@ impl<D: Device> CachingAllocator<D> {
             ..Block::segment(ptr, size, stream, kind, counter)
         });
         self.pool_mut(kind).unmapped.insert((stream, ptr), id);
+        self.count_pool_segment(kind.owner, 1);
         Ok(Some(id))
     }
 
@@ -305,7 +308,7 @@ impl<D: Device> CachingAllocator<D> {
     fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
         let b = self.block(id);
         debug_assert!(!b.mapped && size <= b.size);
-        let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
+        let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
         let counter = b.counter;
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         let mapped = self.expandable_segments[segment.index()].map(&mut self.device, ptr, size)?;
@@ -341,7 +344,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.insert_free(id);
         self.total_allocated_memory += mapped;
-        self.stats.reserved_bytes.increase(kind, mapped);
+        self.stats.reserved_bytes.increase(kind.kind, mapped);
         self.stats.num_device_alloc.bump();
         self.record(TraceAction::SegmentMap, ptr, mapped, stream);
         Ok(true)
@@ -351,7 +354,7 @@ impl<D: Device> CachingAllocator<D> {
     /// either end stay mapped as free blocks of their own.
     pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.block(id);
-        let (ptr, size, stream, kind) = (b.ptr, b.size, b.stream, b.pool);
+        let (ptr, size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         let done = self.expandable_segments[segment.index()].unmap(&mut self.device, ptr, size);
         if done.size > 0 {
@@ -373,7 +376,7 @@ impl<D: Device> CachingAllocator<D> {
             let head = self.block(id).ptr;
             self.pool_mut(kind).unmapped.insert((stream, head), id);
             self.total_allocated_memory -= done.size;
-            self.stats.reserved_bytes.decrease(kind, done.size);
+            self.stats.reserved_bytes.decrease(kind.kind, done.size);
             self.stats.num_device_free.bump();
             self.record(TraceAction::SegmentUnmap, done.start, done.size, stream);
         }
@@ -387,7 +390,7 @@ impl<D: Device> CachingAllocator<D> {
     fn split_off_back(&mut self, id: BlockId, size: u64) {
         let b = self.block(id);
         let (end, stream, kind, next, segment) =
-            (b.ptr + b.size, b.stream, b.pool, b.next, b.expandable);
+            (b.ptr + b.size, b.stream, b.pool_ref(), b.next, b.expandable);
         let counter = b.counter;
         let counter = self.piece_counter(counter);
         let back = self.new_block(Block {
@@ -409,7 +412,7 @@ impl<D: Device> CachingAllocator<D> {
     /// (`release_expandable_segment`).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.block(id);
-        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
+        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool_ref());
         let segment = b.expandable.expect("expandable block");
         let size = self.expandable_segments[segment.index()].size;
         debug_assert!(!b.mapped && !b.is_split() && b.size == size);
@@ -417,6 +420,7 @@ impl<D: Device> CachingAllocator<D> {
         self.expandable_segments.remove(segment.index());
         self.pool_mut(kind).unmapped.remove(&(stream, ptr));
         self.blocks.remove(id.index());
+        self.count_pool_segment(kind.owner, -1);
         Ok(())
     }
 
@@ -448,7 +452,7 @@ impl<D: Device> CachingAllocator<D> {
                 if !aligned || seg.handles.range(first..last).next().is_some() {
                     return Err(format!("unmapped block {:#x} covers a mapped page", b.ptr));
                 }
-                if self.pool(b.pool).unmapped.get(&(b.stream, b.ptr)) != Some(&id) {
+                if self.pool(b.pool_ref()).unmapped.get(&(b.stream, b.ptr)) != Some(&id) {
                     return Err(format!(
                         "unmapped block {:#x} not in its unmapped set",
                         b.ptr

@@ -6,11 +6,12 @@
 //! first broken invariant: every test, replay and fuzz run is then checked at each step.
 //! Without the feature the hook compiles to nothing.
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::device::{Device, StreamId};
 
 use super::block::BlockId;
+use super::private_pool::PoolSlot;
 use super::size::{MIN_BLOCK_SIZE, PoolKind};
 use super::stats::StatArray;
 use super::{CachingAllocator, PoolKind as Kind};
@@ -84,9 +85,9 @@ impl<D: Device> CachingAllocator<D> {
         let max_split = self.config.max_split_size;
         let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
         let mut unmapped_blocks = 0usize;
-        for kind in [Kind::Small, Kind::Large] {
+        for (kind, pool) in self.all_pools() {
             let mut last: Option<(StreamId, u64, u64)> = None;
-            for (stream, e) in self.pool(kind).free.iter() {
+            for (stream, e) in pool.free.iter() {
                 let Some(b) = self.blocks.get(e.id.index()) else {
                     return Err(format!("free set entry {:?} names a removed block", e.id));
                 };
@@ -97,7 +98,7 @@ impl<D: Device> CachingAllocator<D> {
                 last = Some(key);
                 let entry = (kind, stream, e.size, e.tie);
                 let tie = self.fit_order.tie(b.counter, b.ptr);
-                if (b.pool, b.stream, b.size, tie) != entry {
+                if (b.pool_ref(), b.stream, b.size, tie) != entry {
                     return Err(format!(
                         "free set entry {:#x} disagrees with its block",
                         b.ptr
@@ -251,7 +252,7 @@ impl<D: Device> CachingAllocator<D> {
                 seen.len()
             ));
         }
-        let unmapped_entries = self.small.unmapped.len() + self.large.unmapped.len();
+        let unmapped_entries: usize = self.all_pools().map(|(_, p)| p.unmapped.len()).sum();
         if unmapped_entries != unmapped_blocks {
             return Err(format!(
                 "unmapped sets hold {unmapped_entries} entries for {unmapped_blocks} unmapped blocks"
@@ -268,7 +269,7 @@ impl<D: Device> CachingAllocator<D> {
                 self.expandable_segments.len()
             ));
         }
-        let free_count = self.small.free.len() + self.large.free.len();
+        let free_count: usize = self.all_pools().map(|(_, p)| p.free.len()).sum();
         if free_count != in_free_sets.len() {
             return Err(format!(
                 "free sets count {free_count} entries but hold {}",
@@ -286,6 +287,7 @@ impl<D: Device> CachingAllocator<D> {
         if self.stream_uses.len() != with_uses {
             return Err("the stream-use table lists blocks that have none".into());
         }
+        self.check_private_pools(&heads)?;
         let pending: usize = self.pending_events.iter().map(|(_, q)| q.len()).sum();
         let counted: u64 = self
             .blocks
@@ -361,6 +363,56 @@ impl<D: Device> CachingAllocator<D> {
                 return Err(format!(
                     "oversize allocations/segments: stats {a}/{s}, blocks {oversize_allocations}/{oversize_segments}"
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Note [Private pools]'s invariants: the pool table, each pool's segment count, one
+    /// owner per segment, and the frees deferred by a capture.
+    fn check_private_pools(&self, heads: &[BlockId]) -> Result<(), String> {
+        self.private.check()?;
+        let mut segments: FxHashMap<PoolSlot, u32> = FxHashMap::default();
+        for &head in heads {
+            let owner = self.block(head).owner;
+            if self.segment_blocks(head).any(|(_, b)| b.owner != owner) {
+                return Err(format!(
+                    "segment {:#x} has blocks of two pools",
+                    self.block(head).ptr
+                ));
+            }
+            if !owner.is_default() {
+                *segments.entry(owner).or_default() += 1;
+            }
+        }
+        for (slot, pool) in self.private.iter() {
+            let held = segments.remove(&slot).unwrap_or(0);
+            if pool.segments != held {
+                return Err(format!(
+                    "pool {} counts {} segments but owns {held}",
+                    pool.id, pool.segments
+                ));
+            }
+        }
+        if let Some(slot) = segments.keys().next() {
+            return Err(format!(
+                "blocks name pool slot {slot:?}, which does not exist"
+            ));
+        }
+        for &id in &self.deferred {
+            let b = self.block(id);
+            if b.allocated || !b.has_stream_uses || b.event_count > 0 {
+                return Err(format!(
+                    "deferred free {:#x} is not a pending free without events",
+                    b.ptr
+                ));
+            }
+        }
+        for id in self.capture_uses.keys() {
+            if !self.blocks.contains(id.index())
+                || !(self.block(*id).allocated || self.deferred.contains(id))
+            {
+                return Err("captured stream uses name a block neither live nor deferred".into());
             }
         }
         Ok(())

@@ -65,6 +65,7 @@ mod invariants;
 mod live;
 mod plan;
 mod pool;
+mod private_pool;
 mod release;
 mod restore;
 pub mod size;
@@ -97,6 +98,10 @@ pub use plan::{
     Plan, PlanEntry, PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
+pub use private_pool::{
+    MAX_PRIVATE_POOLS, PoolError, PoolId, PoolOptions, RouteKind, StreamFilter,
+};
+use private_pool::{PoolRef, PrivatePools};
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{
@@ -144,6 +149,13 @@ pub struct CachingAllocator<D: Device> {
     fit_order: FitOrder,
     /// Asked for memory before a new segment is obtained (`callbacks.rs`).
     callbacks: Callbacks,
+    /// Private pools and the routes into them (Note [Private pools]).
+    private: PrivatePools,
+    /// Frees used by other streams whose events wait until no capture is under way.
+    deferred: Vec<BlockId>,
+    /// Per block, the streams that used it while a capture was under way: their uses were
+    /// captured, not run, so no event waits for them.
+    capture_uses: FxHashMap<BlockId, Vec<StreamId>>,
 }
 
 /// A clone is an independent allocator in the same state, statistics included (copied into
@@ -173,6 +185,9 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             next_counter: self.next_counter,
             fit_order: self.fit_order,
             callbacks: Callbacks::default(),
+            private: self.private.clone(),
+            deferred: self.deferred.clone(),
+            capture_uses: self.capture_uses.clone(),
         }
     }
 }
@@ -233,6 +248,9 @@ impl<D: Device> CachingAllocator<D> {
             next_counter: 0,
             fit_order: order,
             callbacks: Callbacks::default(),
+            private: PrivatePools::default(),
+            deferred: Vec::new(),
+            capture_uses: FxHashMap::default(),
         };
         if allocator.config.per_process_memory_fraction < 1.0 {
             allocator.limit_from_config();
@@ -331,36 +349,53 @@ impl<D: Device> CachingAllocator<D> {
         if size >= ONE_EXABYTE {
             return Err(AllocError::TooLarge(size));
         }
-        self.process_events()?;
+        if !self.capturing() {
+            self.process_events()?;
+        }
         let rounded = size::round_size(&self.config, size);
-        if self.planned.is_some()
+        let owner = self.private.route(stream);
+        if owner.is_default()
+            && self.planned.is_some()
             && let Some(ptr) = self.plan_malloc(rounded, size, stream)?
         {
             return Ok(ptr);
         }
-        let kind = PoolKind::for_size(rounded);
-        let id = match self.get_free_block(kind, stream, rounded) {
+        let pool = PoolRef {
+            owner,
+            kind: PoolKind::for_size(rounded),
+        };
+        let id = match self.get_free_block(pool, stream, rounded) {
             Some(id) => id,
-            None => match self.free_memory_then_search(kind, stream, rounded)? {
+            None => match self.free_memory_then_search(pool, stream, rounded)? {
                 Some(id) => id,
-                None => self.allocate_segment_with_retries(kind, stream, rounded)?,
+                None => self.allocate_segment_with_retries(pool, stream, rounded)?,
             },
         };
         let block = self.block(id);
-        let split = size::should_split(
-            block.size,
-            rounded,
-            block.pool,
-            self.expandable_segments(),
-            self.config.max_split_size,
-        );
+        // The block may come from a `use_on_oom` pool: its own pool's rules apply.
+        let no_split = !block.owner.is_default() && self.private.get(block.owner).options.no_split;
+        let split = !no_split
+            && size::should_split(
+                block.size,
+                rounded,
+                block.pool,
+                self.expandable_segments(),
+                self.config.max_split_size,
+            );
         Ok(self.alloc_found_block(id, rounded, size, split))
+    }
+
+    /// Whether a capture is under way, as the configured release counts them
+    /// (Note [Private pools]).
+    #[inline]
+    fn capturing(&self) -> bool {
+        self.private.capturing(self.config.pytorch.minor())
     }
 
     /// The slow path of `malloc`, when no cached block fits: Note [OOM retry chain].
     fn allocate_segment_with_retries(
         &mut self,
-        kind: PoolKind,
+        pool: PoolRef,
         stream: StreamId,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
@@ -368,26 +403,48 @@ impl<D: Device> CachingAllocator<D> {
         if self.gc_enabled() {
             self.garbage_collect()?;
         }
-        if let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)? {
+        if let Some(id) = self.alloc_block(pool, stream, rounded, segment_size, false)? {
             return Ok(id);
         }
-        if self.release_available_cached_blocks(kind, stream, rounded)?
-            && let Some(id) = self.alloc_block(kind, stream, rounded, segment_size, false)?
+        if pool.owner.is_default()
+            && !self.private.is_empty()
+            && let Some(id) = self.search_use_on_oom_pools(pool.kind, stream, rounded)
         {
             return Ok(id);
         }
-        self.release_cached_blocks()?;
-        match self.alloc_block(kind, stream, rounded, segment_size, true)? {
-            Some(id) => Ok(id),
-            None => Err(self.out_of_memory(rounded, segment_size, stream)?),
+        if self.release_available_cached_blocks(pool, stream, rounded)?
+            && let Some(id) = self.alloc_block(pool, stream, rounded, segment_size, false)?
+        {
+            return Ok(id);
         }
+        if !self.capturing() {
+            self.release_cached_blocks()?;
+            if let Some(id) = self.alloc_block(pool, stream, rounded, segment_size, true)? {
+                return Ok(id);
+            }
+        }
+        Err(self.out_of_memory(rounded, segment_size, stream)?)
+    }
+
+    /// The cached blocks of the `use_on_oom` pools, searched for a default-pool request
+    /// (`try_mempool_fallback`): the first pool with a fit serves it.
+    fn search_use_on_oom_pools(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Option<BlockId> {
+        self.private
+            .use_on_oom()
+            .into_iter()
+            .find_map(|owner| self.get_free_block(PoolRef { owner, kind }, stream, rounded))
     }
 
     /// Obtains a new segment from the driver (`alloc_block`). `Ok(None)` means out of memory
     /// (the process limit or the driver said no); other driver errors are returned.
     fn alloc_block(
         &mut self,
-        kind: PoolKind,
+        pool: PoolRef,
         stream: StreamId,
         rounded: u64,
         segment_size: u64,
@@ -406,9 +463,9 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(None);
         }
         if self.expandable_segments() {
-            return self.try_allocate_expandable_block(kind, stream, rounded);
+            return self.try_allocate_expandable_block(pool, stream, rounded);
         }
-        self.new_segment(segment_size, stream, kind)
+        self.new_segment(segment_size, stream, pool)
     }
 
     /// Whether `bytes` more fit under the process limit (a memory fraction), if one is set.
@@ -423,7 +480,7 @@ impl<D: Device> CachingAllocator<D> {
         &mut self,
         size: u64,
         stream: StreamId,
-        kind: PoolKind,
+        pool: PoolRef,
     ) -> Result<Option<BlockId>, AllocError> {
         let ptr = match self.device.malloc(size) {
             Ok(ptr) => ptr,
@@ -436,9 +493,10 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.total_allocated_memory += size;
         let counter = self.take_counter();
-        let id = self.new_block(Block::segment(ptr.0, size, stream, kind, counter));
+        let id = self.new_block(Block::segment(ptr.0, size, stream, pool, counter));
+        self.count_pool_segment(pool.owner, 1);
         let oversize = size >= self.config.max_split_size;
-        self.stats.count_segment_alloc(kind, size, oversize);
+        self.stats.count_segment_alloc(pool.kind, size, oversize);
         self.record(TraceAction::SegmentAlloc, ptr.0, size, stream);
         Ok(Some(id))
     }
@@ -474,6 +532,12 @@ impl<D: Device> CachingAllocator<D> {
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream);
         if has_uses {
             self.stats.count_free_requested(kind, size, oversize);
+            if self.capturing() {
+                // No event can be recorded for a captured stream: Note [Private pools].
+                self.deferred.push(id);
+                return Ok(());
+            }
+            self.capture_uses.remove(&id);
             self.insert_events(id)
         } else {
             self.stats.count_free(kind, size, requested, oversize);
@@ -628,9 +692,9 @@ impl<D: Device> CachingAllocator<D> {
     /// and below `next_counter`), putting every free block back under its new key with the
     /// garbage-collection age it had.
     fn rekey(&mut self, new: impl Fn(u32) -> u32) {
-        let free: Vec<(BlockId, u64)> = [&self.small, &self.large]
-            .iter()
-            .flat_map(|p| p.free.iter().map(|(_, e)| e.id))
+        let free: Vec<(BlockId, u64)> = self
+            .all_pools()
+            .flat_map(|(_, p)| p.free.iter().map(|(_, e)| e.id))
             .map(|id| (id, self.block(id).gc_count_base))
             .collect();
         for &(id, _) in &free {
@@ -686,7 +750,12 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Vec::new());
         }
         let rounded = size::round_size(&self.config, size);
-        let free = &self.pool(PoolKind::for_size(rounded)).free;
+        let free = &self
+            .pool(PoolRef {
+                owner: self.private.route(stream),
+                kind: PoolKind::for_size(rounded),
+            })
+            .free;
         let Some(best) = free.lower_bound(stream, rounded) else {
             return Ok(Vec::new());
         };

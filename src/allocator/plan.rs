@@ -53,6 +53,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use rustc_hash::FxHashSet;
 
 use super::block::{Block, BlockId};
+use super::private_pool::PoolRef;
 use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use super::{AllocError, CachingAllocator, TraceAction};
 
@@ -582,7 +583,8 @@ impl<D: Device> CachingAllocator<D> {
         if !self.within_limit(bytes) {
             return Ok(None);
         }
-        let Some(id) = self.new_segment(bytes, stream, PoolKind::Large)? else {
+        let Some(id) = self.new_segment(bytes, stream, PoolRef::default_pool(PoolKind::Large))?
+        else {
             return Ok(None);
         };
         let ptr = self.block(id).ptr;

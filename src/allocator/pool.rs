@@ -1,6 +1,7 @@
 //! Block pools (PyTorch's `BlockPool`) and the search for a cached block (`get_free_block`).
 //!
-//! Each allocator has two pools, small and large. A pool holds its free mapped blocks in a
+//! Each allocator has two default pools, small and large, and each private pool two of its
+//! own (Note [Private pools]). A pool holds its free mapped blocks in a
 //! [`FreeSet`] ordered by stream, size and the allocator's tie-break ([`FitOrder`]), and the
 //! unmapped blocks of its expandable segments by (stream, address). A request is served by
 //! the best fit of its own stream only: the first block at or above its rounded size in that
@@ -20,6 +21,7 @@ use crate::device::{Device, StreamId};
 use super::CachingAllocator;
 use super::block::BlockId;
 use super::free_set::{FreeEntry, FreeSet};
+use super::private_pool::{PoolRef, PoolSlot};
 use super::size::{self, PoolKind};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).
@@ -34,18 +36,37 @@ pub(super) struct BlockPool {
 }
 
 impl<D: Device> CachingAllocator<D> {
-    pub(super) fn pool_mut(&mut self, kind: PoolKind) -> &mut BlockPool {
-        match kind {
+    #[inline]
+    pub(super) fn pool_mut(&mut self, pool: PoolRef) -> &mut BlockPool {
+        if !pool.owner.is_default() {
+            return self.private.get_mut(pool.owner).pool_mut(pool.kind);
+        }
+        match pool.kind {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
         }
     }
 
-    pub(super) fn pool(&self, kind: PoolKind) -> &BlockPool {
-        match kind {
+    #[inline]
+    pub(super) fn pool(&self, pool: PoolRef) -> &BlockPool {
+        if !pool.owner.is_default() {
+            return self.private.get(pool.owner).pool(pool.kind);
+        }
+        match pool.kind {
             PoolKind::Small => &self.small,
             PoolKind::Large => &self.large,
         }
+    }
+
+    /// Every block pool: the default ones, then each private pool's.
+    pub(super) fn all_pools(&self) -> impl Iterator<Item = (PoolRef, &BlockPool)> {
+        let owners = std::iter::once(PoolSlot::DEFAULT).chain(self.private.iter().map(|(s, _)| s));
+        owners.flat_map(move |owner| {
+            [PoolKind::Small, PoolKind::Large].map(|kind| {
+                let pool = PoolRef { owner, kind };
+                (pool, self.pool(pool))
+            })
+        })
     }
 
     /// The best-fitting cached block of `stream` for a rounded request, taken out of its
@@ -53,7 +74,7 @@ impl<D: Device> CachingAllocator<D> {
     /// may refuse it, and then nothing is returned.
     pub(super) fn get_free_block(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         size: u64,
     ) -> Option<BlockId> {
@@ -89,7 +110,7 @@ impl<D: Device> CachingAllocator<D> {
     /// the option off, expandable blocks are passed over.
     fn best_fit_with_expandable(
         &self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         size: u64,
     ) -> Option<FreeEntry> {
@@ -123,7 +144,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(base) = self.plan_segment_at(block.ptr) {
             return self.insert_held_free(base, id);
         }
-        let kind = block.pool;
+        let kind = block.pool_ref();
         let base = self.pool(kind).get_free_blocks_call_count;
         let order = self.fit_order;
         let block = self.block_mut(id);
@@ -144,7 +165,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(base) = self.plan_segment_at(block.ptr) {
             return self.remove_held_free(base, id);
         }
-        let (kind, stream, size, ptr) = (block.pool, block.stream, block.size, block.ptr);
+        let (kind, stream, size, ptr) = (block.pool_ref(), block.stream, block.size, block.ptr);
         let tie = self.fit_order.tie(block.counter, ptr);
         let removed = self.pool_mut(kind).free.remove(stream, size, tie);
         debug_assert!(removed, "free block {ptr:#x} missing from its pool");

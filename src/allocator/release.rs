@@ -14,6 +14,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::{Block, BlockId};
 use super::free_set::FreeEntry;
+use super::private_pool::PoolRef;
 use super::size::PoolKind;
 use super::{AllocError, CachingAllocator, TraceAction};
 
@@ -24,17 +25,33 @@ impl<D: Device> CachingAllocator<D> {
         self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0
     }
 
+    /// Waits for every pending free, then releases the whole free segments of the default
+    /// pools, of the freeable private pools (forgetting those left without segments) and
+    /// the plan's memory without live blocks.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
         self.synchronize_and_free_events()?;
-        self.release_blocks(PoolKind::Large)?;
-        self.release_blocks(PoolKind::Small)?;
+        self.release_blocks(PoolRef::default_pool(PoolKind::Large))?;
+        self.release_blocks(PoolRef::default_pool(PoolKind::Small))?;
+        if !self.private.is_empty() {
+            for owner in self.private.freeable() {
+                self.release_blocks(PoolRef {
+                    owner,
+                    kind: PoolKind::Small,
+                })?;
+                self.release_blocks(PoolRef {
+                    owner,
+                    kind: PoolKind::Large,
+                })?;
+                self.private.forget_if_empty(owner);
+            }
+        }
         self.give_back_plan_memory()?;
         Ok(())
     }
 
     /// Releases the whole free segments of a pool, in the pool's order, then unmaps the
     /// whole free pages of its expandable segments (`release_blocks`).
-    fn release_blocks(&mut self, kind: PoolKind) -> Result<(), AllocError> {
+    fn release_blocks(&mut self, kind: PoolRef) -> Result<(), AllocError> {
         let free: Vec<BlockId> = self.pool(kind).free.iter().map(|(_, e)| e.id).collect();
         let mut to_unmap = Vec::new();
         for id in free {
@@ -67,14 +84,15 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let block = self.block(id);
         debug_assert!(block.is_free() && !block.is_split());
-        let (kind, stream, ptr, size) = (block.pool, block.stream, block.ptr, block.size);
+        let (pool, stream, ptr, size) = (block.pool_ref(), block.stream, block.ptr, block.size);
         self.device.free(DevicePtr(ptr))?;
         self.record(TraceAction::SegmentFree, ptr, size, stream);
         self.total_allocated_memory -= size;
         let oversize = size >= self.config.max_split_size;
-        self.stats.count_segment_free(kind, size, oversize);
+        self.stats.count_segment_free(pool.kind, size, oversize);
         self.remove_free(id);
         self.blocks.remove(id.index());
+        self.count_pool_segment(pool.owner, -1);
         Ok(())
     }
 
@@ -85,7 +103,7 @@ impl<D: Device> CachingAllocator<D> {
     /// after `max_split_size` was lowered at run time); expandable blocks are skipped.
     pub(super) fn release_available_cached_blocks(
         &mut self,
-        kind: PoolKind,
+        kind: PoolRef,
         stream: StreamId,
         size: u64,
     ) -> Result<bool, AllocError> {

@@ -11,6 +11,7 @@
 use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::{Block, BlockId};
+use super::private_pool::{PoolId, PoolOptions, PoolRef, PoolSlot};
 use super::size::{MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind};
 use super::{AllocError, CachingAllocator};
 
@@ -34,6 +35,7 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::InvalidLayout`] if a block size is not a positive multiple of 512.
     pub fn restore_segment(
         &mut self,
+        pool_id: PoolId,
         stream: StreamId,
         kind: PoolKind,
         blocks: &[RestoredBlock],
@@ -57,12 +59,22 @@ impl<D: Device> CachingAllocator<D> {
         if size == 0 {
             return Err(AllocError::InvalidLayout("a segment needs blocks".into()));
         }
+        // A private pool the recording shows is held (its use count is not recorded).
+        let owner = match self.private.slot_of(pool_id) {
+            _ if pool_id.is_default() => PoolSlot::DEFAULT,
+            Some(slot) => slot,
+            None => self
+                .private
+                .create_or_incref(pool_id, PoolOptions::default())?,
+        };
+        let pool = PoolRef { owner, kind };
         let base = self.device.malloc(size)?;
         if let Err(e) = self.admit_segment(base.0, size) {
             let _ = self.device.free(base);
             return Err(e);
         }
         self.total_allocated_memory += size;
+        self.count_pool_segment(owner, 1);
         let counter = self.take_counter();
         let max_split = self.config.max_split_size;
         self.stats
@@ -93,7 +105,7 @@ impl<D: Device> CachingAllocator<D> {
                 prev,
                 requested_size: b.allocated.unwrap_or(0),
                 allocated: b.allocated.is_some(),
-                ..Block::segment(ptr, b.size, stream, kind, counter)
+                ..Block::segment(ptr, b.size, stream, pool, counter)
             });
             if let Some(p) = prev {
                 self.block_mut(p).next = Some(id);

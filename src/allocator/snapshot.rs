@@ -211,7 +211,10 @@ impl<D: Device> CachingAllocator<D> {
                     requested_size: 0,
                     stream: first.stream.0,
                     segment_type: first.pool.segment_type(),
-                    segment_pool_id: (0, 0),
+                    segment_pool_id: {
+                        let id = self.private.id_of(first.owner);
+                        (id.0, id.1)
+                    },
                     is_expandable: first.expandable.is_some(),
                     frames: Vec::new(),
                     blocks: Vec::with_capacity(run.len()),

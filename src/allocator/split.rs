@@ -61,7 +61,8 @@ impl<D: Device> CachingAllocator<D> {
     /// stream, pool and segment) and returns it; `id` keeps the rest. Neither is put in a set.
     pub(super) fn split_front(&mut self, id: BlockId, size: u64) -> BlockId {
         let b = self.block(id);
-        let (ptr, stream, kind, prev, expandable) = (b.ptr, b.stream, b.pool, b.prev, b.expandable);
+        let (ptr, stream, kind, prev, expandable) =
+            (b.ptr, b.stream, b.pool_ref(), b.prev, b.expandable);
         let counter = b.counter;
         let counter = self.piece_counter(counter);
         let front = self.new_block(Block {
@@ -148,7 +149,7 @@ impl<D: Device> CachingAllocator<D> {
         if s.mapped {
             self.remove_free(src);
         } else {
-            let (kind, key) = (s.pool, (s.stream, s.ptr));
+            let (kind, key) = (s.pool_ref(), (s.stream, s.ptr));
             self.pool_mut(kind).unmapped.remove(&key);
         }
         if self.block(dst).prev == Some(src) {

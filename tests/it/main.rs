@@ -15,6 +15,7 @@ mod kubelet;
 mod lifecycle;
 mod oom_path;
 mod plan;
+mod private_pools;
 mod properties;
 mod pytorch_keys;
 mod recordings_2_15;

@@ -74,11 +74,25 @@ fn soak() {
 fn random_runs_reach_the_recovery_paths() {
     let mut rng = XorShift::new(7);
     let mut run = Run::new();
-    for _ in 0..20_000 {
+    let mut private_segments = 0;
+    for i in 0..20_000 {
         let op = Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64());
         run.apply(&op).expect("invariants hold");
+        if i % 100 == 0 {
+            private_segments += run
+                .alloc
+                .segment_infos()
+                .iter()
+                .filter(|s| s.segment_pool_id != (0, 0))
+                .count();
+        }
     }
     let stats = run.alloc.memory_stats();
+    eprintln!(
+        "{} allocations, {private_segments} private-pool segments seen",
+        stats["allocation.all.allocated"]
+    );
+    assert!(private_segments > 100, "private pools were hardly used");
     for key in [
         "num_ooms",
         "num_alloc_retries",
@@ -109,7 +123,7 @@ fn random_runs_reach_the_recovery_paths() {
 #[test]
 fn operations_decode_to_every_kind() {
     let mut rng = XorShift::new(1);
-    let mut seen = [false; 11];
+    let mut seen = [false; 15];
     for _ in 0..10_000 {
         let op = Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64());
         let i = match op {
@@ -124,10 +138,14 @@ fn operations_decode_to_every_kind() {
             Op::SetPlan { .. } => 8,
             Op::MallocPlanned { .. } => 9,
             Op::HintAddress { .. } => 10,
+            Op::CreatePool { .. } => 11,
+            Op::BeginPool { .. } => 12,
+            Op::EndPool { .. } => 13,
+            Op::ReleasePool { .. } => 14,
         };
         seen[i] = true;
     }
-    assert_eq!(seen, [true; 11]);
+    assert_eq!(seen, [true; 15]);
     check(&Run::new().alloc);
 }
 

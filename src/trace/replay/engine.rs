@@ -19,7 +19,7 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::allocator::size::format_size;
-use crate::allocator::{AllocError, CachingAllocator, TraceAction, TraceEntry};
+use crate::allocator::{AllocError, CachingAllocator, PoolId, TraceAction, TraceEntry};
 use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::trace::Recording;
 use crate::trace::start_state::{StartSegment, start_state};
@@ -293,7 +293,12 @@ impl<'a> Engine<'a> {
                 alloc.device_mut().hint_addresses([segment.address]);
             }
             let base = alloc
-                .restore_segment(StreamId(segment.stream), segment.pool, &segment.blocks)
+                .restore_segment(
+                    PoolId::DEFAULT,
+                    StreamId(segment.stream),
+                    segment.pool,
+                    &segment.blocks,
+                )
                 .map_err(|source| ReplayError::StartSegment {
                     address: segment.address,
                     size: format_size(segment.size()),
