@@ -12,6 +12,7 @@
 //!
 //! This file holds the allocator's state, its public operations and the retry chain; each
 //! of PyTorch's concepts has a file of its own: `pool.rs` (pools, `get_free_block`),
+//! `private_pool.rs` (Note [Private pools]: CUDA graphs' pools and MemPools),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
 //! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
 //! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`.
@@ -20,12 +21,12 @@
 //! When no cached block fits, `malloc` tries, in PyTorch's order (2.11 to 2.15): the
 //! free-memory callbacks and, if they gave memory back, the pool again (`callbacks.rs`);
 //! garbage collection (when a memory fraction and `garbage_collection_threshold` are set); a
-//! new segment; releasing cached oversize blocks (when `max_split_size` is set) and a new
-//! segment; flushing the whole cache (the regions and chunks of a plan that hold no live
-//! block with it) and a last new segment (counted in `num_alloc_retries`). Only then does it
-//! fail with [`AllocError::OutOfMemory`] (counted in `num_ooms`). PyTorch's fifth step, the
-//! pools marked `use_on_oom` searched before oversize blocks are released, needs private
-//! pools, which gpumem does not have yet: without them the step has nothing to search.
+//! new segment; for a default-pool request, the cached blocks of the private pools marked
+//! `use_on_oom` (no new segment for them); releasing cached oversize blocks (when
+//! `max_split_size` is set) and a new segment; unless a capture is under way, flushing the
+//! whole cache (the regions and chunks of a plan that hold no live block with it, and the
+//! freeable private pools) and a last new segment (counted in `num_alloc_retries`). Only then
+//! does it fail with [`AllocError::OutOfMemory`] (counted in `num_ooms`).
 //!
 //! With `throw_on_cudamalloc_oom:True` and a memory fraction, a new segment past the limit
 //! is refused before the driver is asked: the request fails at once, skipping the later
