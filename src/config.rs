@@ -579,17 +579,24 @@ impl Parser {
         }
     }
 
-    /// The options in order, each through `handle`; after each, a `,` or the end. A lenient
-    /// parser notes an option's error and goes on after its `,`.
+    /// The options in order: each that `read` takes is read, the others are moved past (a
+    /// pass for other keys); after each, a `,` or the end. A lenient parser notes an
+    /// option's error and goes on after its `,`.
     fn each_option(
         &mut self,
         config: &mut AllocatorConfig,
-        handle: impl Fn(&mut Parser, &str, &mut AllocatorConfig) -> Result<(), String>,
+        read: impl Fn(&str) -> bool,
     ) -> Result<(), String> {
         self.pos = 0;
         while let Some(option) = self.next().map(str::to_string) {
             let start = self.pos;
-            let done = handle(self, &option, config).and_then(|()| match self.next() {
+            let handled = if read(&option) {
+                self.option(&option, config)
+            } else {
+                self.skip_option();
+                Ok(())
+            };
+            let done = handled.and_then(|()| match self.next() {
                 Some(t) if t != "," => Err(format!(
                     "expected `,` after the value of `{option}`, found `{t}`"
                 )),
@@ -612,9 +619,7 @@ impl Parser {
     /// The [`FIRST_KEYS`], then, after the per-parse resets, every other key in order.
     fn parse_into(&mut self, config: &mut AllocatorConfig) -> Result<(), String> {
         for first in FIRST_KEYS {
-            self.each_option(config, |p, option, config| {
-                p.option_if(option == first, option, config)
-            })?;
+            self.each_option(config, |option| option == first)?;
         }
         config.max_split_size = u64::MAX;
         config.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
@@ -623,24 +628,7 @@ impl Parser {
             config.max_non_split_rounding_size = config.large_segment_size;
         }
         config.ignored.clear();
-        self.each_option(config, |p, option, config| {
-            p.option_if(!FIRST_KEYS.contains(&option), option, config)
-        })
-    }
-
-    /// Reads `option` where `read`, else moves past it (a pass for other keys).
-    fn option_if(
-        &mut self,
-        read: bool,
-        option: &str,
-        config: &mut AllocatorConfig,
-    ) -> Result<(), String> {
-        if read {
-            self.option(option, config)
-        } else {
-            self.skip_option();
-            Ok(())
-        }
+        self.each_option(config, |option| !FIRST_KEYS.contains(&option))
     }
 
     fn option(&mut self, option: &str, config: &mut AllocatorConfig) -> Result<(), String> {

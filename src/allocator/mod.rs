@@ -538,7 +538,9 @@ impl<D: Device> CachingAllocator<D> {
                 self.deferred.push(id);
                 return Ok(());
             }
-            self.capture_uses.remove(&id);
+            if !self.capture_uses.is_empty() {
+                self.capture_uses.remove(&id);
+            }
             self.insert_events(id)
         } else {
             self.stats.count_free(kind, size, requested, oversize);

@@ -60,12 +60,6 @@ impl PoolId {
     pub fn is_default(self) -> bool {
         self == Self::DEFAULT
     }
-
-    /// A CUDA graph's own pool, made for one capture (`(capture id, 0)`), rather than a
-    /// MemPool or a pool handle shared by graphs (`(0, uid)`).
-    pub fn is_capture_pool(self) -> bool {
-        self.0 != 0
-    }
 }
 
 impl fmt::Display for PoolId {
@@ -275,8 +269,8 @@ impl PrivatePools {
             || self.routes.iter().any(|r| r.kind == RouteKind::Capture)
     }
 
-    /// The pool `id` with one more use, made with `options` if new
-    /// (`createOrIncrefPool`).
+    /// The pool `id` with one more use, made if new; `options` switched on either way
+    /// (`createOrIncrefPool`, then the MemPool constructor's setters).
     pub fn create_or_incref(
         &mut self,
         id: PoolId,
@@ -288,6 +282,8 @@ impl PrivatePools {
         if let Some(slot) = self.slot_of(id) {
             let pool = self.get_mut(slot);
             pool.use_count = pool.use_count.saturating_add(1);
+            pool.options.use_on_oom |= options.use_on_oom;
+            pool.options.no_split |= options.no_split;
             return Ok(slot);
         }
         let pool = PrivatePool {
@@ -306,8 +302,9 @@ impl PrivatePools {
             }
             None => return Err(PoolError::TooMany),
         };
+        // Below MAX_PRIVATE_POOLS = u16::MAX slots, so `index + 1` fits.
+        let slot = PoolSlot((index + 1) as u16);
         self.slots[index] = Some(pool);
-        let slot = PoolSlot(u16::try_from(index + 1).map_err(|_| PoolError::TooMany)?);
         self.by_id.insert(id, slot);
         Ok(slot)
     }
@@ -422,10 +419,7 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`AllocError::Pool`] for the default id, or when [`MAX_PRIVATE_POOLS`] exist.
     pub fn create_pool(&mut self, id: PoolId, options: PoolOptions) -> Result<(), AllocError> {
-        let slot = self.private.create_or_incref(id, options)?;
-        let pool = self.private.get_mut(slot);
-        pool.options.use_on_oom |= options.use_on_oom;
-        pool.options.no_split |= options.no_split;
+        self.private.create_or_incref(id, options)?;
         self.checked("create_pool", Ok(()))
     }
 

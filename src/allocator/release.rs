@@ -32,18 +32,11 @@ impl<D: Device> CachingAllocator<D> {
         self.synchronize_and_free_events()?;
         self.release_blocks(PoolRef::default_pool(PoolKind::Large))?;
         self.release_blocks(PoolRef::default_pool(PoolKind::Small))?;
-        if !self.private.is_empty() {
-            for owner in self.private.freeable() {
-                self.release_blocks(PoolRef {
-                    owner,
-                    kind: PoolKind::Small,
-                })?;
-                self.release_blocks(PoolRef {
-                    owner,
-                    kind: PoolKind::Large,
-                })?;
-                self.private.forget_if_empty(owner);
+        for owner in self.private.freeable() {
+            for kind in [PoolKind::Small, PoolKind::Large] {
+                self.release_blocks(PoolRef { owner, kind })?;
             }
+            self.private.forget_if_empty(owner);
         }
         self.give_back_plan_memory()?;
         Ok(())

@@ -324,30 +324,20 @@ impl Doc {
         slot.stored = true;
         let (keys, fx_keys) = (self.keys, self.fx_keys);
         let reduced = match &self.slots[id.0 as usize].obj {
-            Obj::Dict(entries) => frame_of(keys, fx_keys, entries).map(|(frame, fx)| {
-                let fx = fx.map(|node| self.frames.fx_node(node));
-                Val::Frame(self.frames.frame(Frame { fx, ..frame }))
-            }),
+            Obj::Dict(entries) => frame_of(keys, fx_keys, entries)
+                .map(|(frame, fx)| Val::Frame(self.frames.frame_with_fx(frame, fx))),
             Obj::List(items) => {
-                let frames: Option<Vec<FrameId>> = items
-                    .iter()
-                    .map(|v| match v {
-                        Val::Frame(f) => Some(*f),
-                        _ => None,
-                    })
-                    .collect();
+                let frames = all_of(items, |v| match v {
+                    Val::Frame(f) => Some(f),
+                    _ => None,
+                });
                 match frames {
                     Some(f) => Some(Val::Stack(self.frames.stack(&f))),
-                    None => {
-                        let strings: Option<Vec<StringId>> = items
-                            .iter()
-                            .map(|v| match v {
-                                Val::Str(s) => Some(*s),
-                                _ => None,
-                            })
-                            .collect();
-                        strings.map(|s| Val::Strings(self.frames.list(&s)))
-                    }
+                    None => all_of(items, |v| match v {
+                        Val::Str(s) => Some(s),
+                        _ => None,
+                    })
+                    .map(|s| Val::Strings(self.frames.list(&s))),
                 }
             }
             Obj::Tuple(_) => None,
@@ -460,6 +450,11 @@ fn grow<T>(v: &mut Vec<T>, n: usize) {
     } else {
         v.reserve_exact(n.max(v.len() / 4));
     }
+}
+
+/// What `pick` takes of each item, if it takes every one.
+fn all_of<T>(items: &[Val], pick: impl Fn(Val) -> Option<T>) -> Option<Vec<T>> {
+    items.iter().map(|&v| pick(v)).collect()
 }
 
 /// The FX fields a frame dict may carry (`_snapshot(augment_with_fx_traces=True)`).

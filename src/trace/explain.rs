@@ -323,8 +323,9 @@ pub fn explain_at(
     let config = alloc.config().clone();
     let entry = events.get(event).copied();
     let snapshot = alloc.snapshot();
+    let upto = &events[..event.saturating_add(1).min(events.len())];
     // At another event the request is the last allocation up to it.
-    let asked = events[..event.saturating_add(1).min(events.len())]
+    let asked = upto
         .iter()
         .rposition(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc));
     let request = match asked {
@@ -351,7 +352,6 @@ pub fn explain_at(
         None => first_uncached_request(&snapshot, &config, device, event),
     };
     let rounded = request.rounded;
-    let snapshot = alloc.snapshot();
     let wanted = breakdown::Request {
         rounded,
         pool: request.pool,
@@ -365,12 +365,7 @@ pub fn explain_at(
             .map(|b| (b.size, b.requested_size, b.state));
         accounting.add_segment(wanted, segment.stream, segment.segment_type, blocks);
     }
-    let pinning = pinning(
-        recording,
-        device as usize,
-        &events[..event.saturating_add(1).min(events.len())],
-        &snapshot,
-    );
+    let pinning = pinning(recording, device as usize, upto, &snapshot);
     let free = entry
         .filter(|e| e.action == TraceAction::Oom)
         .map(|e| e.addr);
@@ -584,12 +579,15 @@ fn pinning(
             .iter()
             .filter(|b| b.state == BlockState::ActiveAllocated)
         {
-            let mut named = group_of(recording, stacks.of(block.address));
-            named.context = recording
-                .frames
-                .describe_context(stacks.context_of(block.address), CONTEXT_FORWARD_FRAMES);
+            let named = group_of(recording, stacks.of(block.address));
             let key = named.frame.clone();
-            let group = groups.entry(key.clone()).or_insert(named);
+            // The group's context is its first block's, described once.
+            let group = groups.entry(key.clone()).or_insert_with(|| PinGroup {
+                context: recording
+                    .frames
+                    .describe_context(stacks.context_of(block.address), CONTEXT_FORWARD_FRAMES),
+                ..named
+            });
             group.blocks += 1;
             group.live_bytes += block.size;
             if counted.insert(key) {

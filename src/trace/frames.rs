@@ -21,7 +21,7 @@ use std::hash::BuildHasherDefault;
 use indexmap::IndexSet;
 use rustc_hash::FxHasher;
 
-type Set<T> = IndexSet<T, BuildHasherDefault<FxHasher>>;
+pub(crate) type Set<T> = IndexSet<T, BuildHasherDefault<FxHasher>>;
 
 /// A distinct string of the recording.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -172,6 +172,12 @@ impl Frames {
         FrameId(i as u32)
     }
 
+    /// The id of `frame` as FX node `fx` (if any) ran it, interning both where new.
+    pub(crate) fn frame_with_fx(&mut self, frame: Frame, fx: Option<FxNode>) -> FrameId {
+        let fx = fx.map(|node| self.fx_node(node));
+        self.frame(Frame { fx, ..frame })
+    }
+
     /// The id of the stack of `frames`, interning it where new.
     pub(crate) fn stack(&mut self, frames: &[FrameId]) -> StackId {
         if let Some(&id) = self.stacks.get(frames) {
@@ -224,6 +230,16 @@ impl Frames {
             self.bytes += 40;
         }
         ContextId(i as u32)
+    }
+
+    /// Takes the contexts a reader interned on its own, numbered in first-seen order from
+    /// [`ContextId::NONE`] as [`Self::context`] numbers them, in place of the table here
+    /// (which holds only `NONE`).
+    pub(crate) fn adopt_contexts(&mut self, contexts: Set<EventContext>) {
+        debug_assert_eq!(contexts.get_index(0), Some(&EventContext::default()));
+        debug_assert_eq!(self.contexts.len(), 1);
+        self.bytes += 40 * contexts.len().saturating_sub(self.contexts.len()) as u64;
+        self.contexts = contexts;
     }
 
     /// An event context by id.

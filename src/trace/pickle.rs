@@ -323,12 +323,7 @@ impl Machine<'_, '_> {
         let Some(parsed) = parsed else {
             return Ok(false);
         };
-        let fx = parsed.fx.map(|node| self.doc.frames.fx_node(node));
-        let v = Val::Frame(
-            self.doc
-                .frames
-                .frame(super::frames::Frame { fx, ..parsed.frame }),
-        );
+        let v = Val::Frame(self.doc.frames.frame_with_fx(parsed.frame, parsed.fx));
         self.memo.put(next_memo, v);
         for &(index, s) in &parsed.strings[..parsed.new_strings] {
             self.memo.put(index, Val::Str(s));
@@ -602,6 +597,12 @@ fn parse_frame(
         *p += 1;
         Some(b)
     };
+    // The next four bytes, as pickle's little-endian argument.
+    let le4 = |p: &mut usize| -> Option<[u8; 4]> {
+        let b = buf.get(*p..p.checked_add(4)?)?;
+        *p += 4;
+        Some([b[0], b[1], b[2], b[3]])
+    };
     if next(&mut p)? != 0x94 || next(&mut p)? != b'(' {
         return None;
     }
@@ -617,9 +618,7 @@ fn parse_frame(
                 let index = if op == b'h' {
                     u32::from(next(p)?)
                 } else {
-                    let b = buf.get(*p..*p + 4)?;
-                    *p += 4;
-                    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                    u32::from_le_bytes(le4(p)?)
                 };
                 // A string memoized earlier in this same dict (a name equal to its file,
                 // say) is not in the memo yet: the dict's pending entries first.
@@ -634,9 +633,7 @@ fn parse_frame(
                 let n = if op == 0x8c {
                     usize::from(next(p)?)
                 } else {
-                    let b = buf.get(*p..*p + 4)?;
-                    *p += 4;
-                    u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+                    u32::from_le_bytes(le4(p)?) as usize
                 };
                 let bytes = buf.get(*p..p.checked_add(n)?)?;
                 *p += n;
@@ -671,11 +668,7 @@ fn parse_frame(
                     p += 2;
                     i64::from(u16::from_le_bytes([b[0], b[1]]))
                 }
-                b'J' => {
-                    let b = buf.get(p..p + 4)?;
-                    p += 4;
-                    i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                }
+                b'J' => i64::from(i32::from_le_bytes(le4(&mut p)?)),
                 _ => return None,
             };
             line = Some(v);

@@ -118,17 +118,13 @@ impl Budget {
 pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
     let mut contexts = Contexts::from_iter([EventContext::default()]);
     let mut recording = read(doc, &mut contexts)?;
-    // The contexts were numbered in first-seen order from NONE, as the frames number them.
-    for &c in contexts.iter().skip(1) {
-        doc.frames.context(c);
-    }
+    doc.frames.adopt_contexts(contexts);
     recording.frames = std::mem::take(&mut doc.frames);
     Ok(recording)
 }
 
 /// The contexts met while reading, in first-seen order after the empty one (`NONE`).
-type Contexts =
-    indexmap::IndexSet<EventContext, std::hash::BuildHasherDefault<rustc_hash::FxHasher>>;
+type Contexts = super::frames::Set<EventContext>;
 
 /// An event's context and its id in `contexts` (interned there).
 fn context_of(node: &Node<'_>, contexts: &mut Contexts) -> Result<ContextId, TraceError> {

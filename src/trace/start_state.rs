@@ -133,14 +133,15 @@ pub fn start_state(
     // bring this to zero (a trace that starts with expandable memory mapped is not rebuilt).
     let mut mapped: i128 = 0;
     let mut expandable_live: Vec<u64> = Vec::new();
-    // Blocks the snapshot shows freed but waiting on other streams' events.
-    let mut pending_at_end: Vec<(u64, u64)> = Vec::new();
-    // Without a trace nothing is replayed: a private pool's segments are loaded as the
-    // default pool's, only to be looked at (an explanation says which they were).
-    let traced = recording
+    // Blocks the snapshot shows freed but waiting on other streams' events, by address.
+    let mut pending_at_end: BTreeMap<u64, u64> = BTreeMap::new();
+    let events = recording
         .device_traces
         .get(device as usize)
-        .is_some_and(|t| !t.is_empty());
+        .map_or(&[][..], Vec::as_slice);
+    // Without a trace nothing is replayed: a private pool's segments are loaded as the
+    // default pool's, only to be looked at (an explanation says which they were).
+    let traced = !events.is_empty();
     for seg in recording.segments.iter().filter(|s| s.device == device) {
         if seg.pool_id != (0, 0) && traced {
             return Err(StartStateError::PrivatePool {
@@ -161,7 +162,7 @@ pub fn start_state(
         }
         for b in &seg.blocks {
             if b.state == BlockState::ActivePendingFree {
-                pending_at_end.push((b.address, b.requested_size));
+                pending_at_end.insert(b.address, b.requested_size);
             }
             if b.state != BlockState::Inactive {
                 live.insert(
@@ -174,25 +175,24 @@ pub fn start_state(
             }
         }
     }
-    let events = recording
-        .device_traces
-        .get(device as usize)
-        .map_or(&[][..], Vec::as_slice);
     // Completions seen (walking back) whose request has not been seen yet.
     let mut awaiting_request: BTreeMap<u64, u64> = BTreeMap::new();
     for e in events.iter().rev() {
         match e.action {
             TraceAction::Alloc => {
                 live.remove(&e.addr);
+                pending_at_end.remove(&e.addr);
                 // A completion of a block the trace allocated is no start state's, even where
                 // the trace skipped its request (`skip_actions`).
                 awaiting_request.remove(&e.addr);
             }
             TraceAction::FreeCompleted => {
                 awaiting_request.insert(e.addr, e.size);
+                pending_at_end.remove(&e.addr);
             }
             TraceAction::FreeRequested => {
                 awaiting_request.remove(&e.addr);
+                pending_at_end.remove(&e.addr);
                 live.insert(
                     e.addr,
                     LiveBlock {
@@ -218,23 +218,10 @@ pub fn start_state(
         }
     }
 
-    // A block pending at the end that the trace never allocates nor frees was pending at
-    // the start too (its free was requested before the trace and never completed in it).
-    let touched: rustc_hash::FxHashSet<u64> = events
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.action,
-                TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted
-            )
-        })
-        .map(|e| e.addr)
-        .collect();
-    for &(addr, requested) in &pending_at_end {
-        if !touched.contains(&addr) {
-            awaiting_request.insert(addr, requested);
-        }
-    }
+    // A block pending at the end that the trace never allocates nor frees (the walk back
+    // left it) was pending at the start too: its free was requested before the trace and
+    // never completed in it.
+    awaiting_request.extend(pending_at_end);
     // A completion without its request: the block was pending at the start, so occupied.
     for (&addr, &requested) in &awaiting_request {
         live.insert(

@@ -324,15 +324,12 @@ fn traces_recorded_with_skip_actions_replay_where_they_can() {
 
 /// Generates a snapshot of `entries` events with `gen-snapshot.py` (FX fields with `fx`).
 fn generated(path: &Path, fx: bool) {
-    let mut command = Command::new("python3");
-    command
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
-        .args(["--entries", "3000", "--frames", "12", "--stacks", "50"])
-        .args(["--gpumem", env!("CARGO_BIN_EXE_gpumem")]);
-    if fx {
-        command.arg("--fx");
-    }
-    succeeded(command.arg(path));
+    let extra: &[&str] = if fx {
+        &["--stacks", "50", "--fx"]
+    } else {
+        &["--stacks", "50"]
+    };
+    crate::replay::generate_snapshot(3000, 12, extra, path);
 }
 
 #[test]

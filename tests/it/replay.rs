@@ -925,7 +925,7 @@ fn a_misaligned_recorded_segment_is_refused_cleanly() {
 
 /// Writes a snapshot of `entries` trace entries with `frames` frames each to `file`
 /// (`scripts/gen-snapshot.py`, driven by this build's gpumem); its size.
-pub(crate) fn generate_snapshot(entries: usize, frames: usize, file: &Path) -> u64 {
+pub(crate) fn generate_snapshot(entries: usize, frames: usize, extra: &[&str], file: &Path) -> u64 {
     succeeded(
         Command::new("python3")
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen-snapshot.py"))
@@ -935,6 +935,7 @@ pub(crate) fn generate_snapshot(entries: usize, frames: usize, file: &Path) -> u
                 "--frames",
                 &frames.to_string(),
             ])
+            .args(extra)
             .args(["--gpumem", env!("CARGO_BIN_EXE_gpumem")])
             .arg(file),
     );
@@ -950,7 +951,7 @@ fn a_large_recording_with_stacks_streams_within_its_limits() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let file = dir.join("large.pickle");
     let gpumem = env!("CARGO_BIN_EXE_gpumem");
-    let size = generate_snapshot(20_000, 160, &file);
+    let size = generate_snapshot(20_000, 160, &[], &file);
     assert!(
         size > 64 << 20,
         "{size} bytes: past the progress bar's threshold"

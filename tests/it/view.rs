@@ -305,7 +305,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
 fn a_large_recording_opens_and_steps_quickly() {
     let dir = crate::common::temp_dir("view-large");
     let file = dir.join("large.pickle");
-    let size = crate::replay::generate_snapshot(100_000, 480, &file);
+    let size = crate::replay::generate_snapshot(100_000, 480, &[], &file);
     let log = dir.join("view.log");
     let started = Instant::now();
     let (_view, port) = spawn_view(&file, &log);

@@ -20,7 +20,7 @@ impl Engine<'_> {
     /// skipped.
     fn core_entries(&mut self) -> Vec<crate::allocator::TraceEntry> {
         let mut entries = self.alloc.take_trace();
-        if self.skipped != super::engine::Skipped::default() {
+        if self.skipped.any() {
             entries.retain(|e| !self.skipped.hides(e.action));
         }
         entries

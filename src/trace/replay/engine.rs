@@ -144,12 +144,15 @@ impl Skipped {
     /// # Errors
     /// A reason when the trace cannot be replayed at all: it skipped the allocations.
     pub(super) fn of(events: &[TraceEntry]) -> Result<Skipped, String> {
-        let has = |a: TraceAction| events.iter().any(|e| e.action == a);
-        let (allocs, requested, completed) = (
-            has(TraceAction::Alloc),
-            has(TraceAction::FreeRequested),
-            has(TraceAction::FreeCompleted),
-        );
+        let (mut allocs, mut requested, mut completed) = (false, false, false);
+        for e in events {
+            match e.action {
+                TraceAction::Alloc => allocs = true,
+                TraceAction::FreeRequested => requested = true,
+                TraceAction::FreeCompleted => completed = true,
+                _ => {}
+            }
+        }
         let is_free =
             |a: TraceAction| matches!(a, TraceAction::FreeRequested | TraceAction::FreeCompleted);
         if !allocs {
@@ -170,6 +173,10 @@ impl Skipped {
                     );
                 }
             }
+            return Ok(Skipped::default());
+        }
+        if requested && completed {
+            // Both kinds are there: neither was skipped.
             return Ok(Skipped::default());
         }
         let mut allocated = rustc_hash::FxHashSet::default();
@@ -194,6 +201,11 @@ impl Skipped {
             free_requested,
             free_completed,
         })
+    }
+
+    /// Whether any action was skipped.
+    pub(super) fn any(self) -> bool {
+        self.free_requested || self.free_completed
     }
 
     /// Whether the core's own entries of `action` are left out of the comparison.
@@ -485,7 +497,7 @@ impl<'a> Engine<'a> {
                 .events
                 .get(i + 1)
                 .is_some_and(|c| c.action == TraceAction::FreeCompleted && c.addr == e.addr);
-        let immediate = completed_next || self.skipped != Skipped::default();
+        let immediate = completed_next || self.skipped.any();
         let end = i + 1 + usize::from(completed_next);
         let Some(ptr) = self.ptrs.remove(&e.addr) else {
             if self.failed.remove(&e.addr) || self.windowed {
