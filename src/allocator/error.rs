@@ -15,7 +15,7 @@ use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 
 use super::breakdown::{Accounting, Kind, Request};
 use super::size::{PoolKind, format_size};
-use super::{CachingAllocator, TraceAction};
+use super::{CachingAllocator, PoolSlot, TraceAction};
 
 /// Why an allocation failed with out-of-memory, with the figures that explain it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,8 +166,9 @@ impl<D: Device> CachingAllocator<D> {
         rounded: u64,
         segment_size: u64,
         stream: StreamId,
+        owner: PoolSlot,
     ) -> Result<AllocError, AllocError> {
-        self.failure(rounded, segment_size, stream, false)
+        self.failure(rounded, segment_size, stream, owner, false)
     }
 
     /// The error of a request refused at the memory fraction (`throw_on_cudamalloc_oom`),
@@ -177,8 +178,9 @@ impl<D: Device> CachingAllocator<D> {
         rounded: u64,
         segment_size: u64,
         stream: StreamId,
+        owner: PoolSlot,
     ) -> Result<AllocError, AllocError> {
-        self.failure(rounded, segment_size, stream, true)
+        self.failure(rounded, segment_size, stream, owner, true)
     }
 
     fn failure(
@@ -186,13 +188,14 @@ impl<D: Device> CachingAllocator<D> {
         rounded: u64,
         segment_size: u64,
         stream: StreamId,
+        owner: PoolSlot,
         rejected: bool,
     ) -> Result<AllocError, AllocError> {
         let info = self.device.mem_get_info()?;
         if rejected {
             self.stats.num_oom_rejections.bump();
         } else {
-            self.record(TraceAction::Oom, info.free, rounded, stream);
+            self.record(TraceAction::Oom, info.free, rounded, stream, owner);
             self.stats.num_ooms.bump();
         }
         let private_pools: u64 = self

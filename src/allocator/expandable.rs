@@ -346,7 +346,7 @@ impl<D: Device> CachingAllocator<D> {
         self.total_allocated_memory += mapped;
         self.stats.reserved_bytes.increase(kind.kind, mapped);
         self.stats.num_device_alloc.bump();
-        self.record(TraceAction::SegmentMap, ptr, mapped, stream);
+        self.record(TraceAction::SegmentMap, ptr, mapped, stream, kind.owner);
         Ok(true)
     }
 
@@ -378,7 +378,13 @@ impl<D: Device> CachingAllocator<D> {
             self.total_allocated_memory -= done.size;
             self.stats.reserved_bytes.decrease(kind.kind, done.size);
             self.stats.num_device_free.bump();
-            self.record(TraceAction::SegmentUnmap, done.start, done.size, stream);
+            self.record(
+                TraceAction::SegmentUnmap,
+                done.start,
+                done.size,
+                stream,
+                kind.owner,
+            );
         }
         match done.error {
             Some(e) => Err(e.into()),

@@ -10,6 +10,8 @@ use std::collections::VecDeque;
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 
+use super::PoolId;
+
 /// What happened (PyTorch's trace `action`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -51,6 +53,10 @@ pub struct TraceEntry {
     /// Microseconds since the Unix epoch, on the device's clock (always set by the core; a
     /// recording may lack it).
     pub time_us: Option<u64>,
+    /// The pool of the block or segment (for an OOM, the pool the request went to; for a
+    /// snapshot, the default). Recordings carry it from PyTorch 2.12 on (`pool_id`); one
+    /// read from an older recording holds the default pool.
+    pub pool: PoolId,
 }
 
 impl Serialize for TraceEntry {
@@ -69,6 +75,7 @@ impl Serialize for TraceEntry {
         if let Some(time_us) = self.time_us {
             map.serialize_entry("time_us", &time_us)?;
         }
+        map.serialize_entry("pool_id", &self.pool)?;
         map.serialize_entry("frames", &[] as &[()])?;
         map.end()
     }
@@ -132,6 +139,7 @@ mod tests {
             size: 1,
             stream: 0,
             time_us: Some(0),
+            pool: PoolId(0, 3),
         }
     }
 
@@ -162,5 +170,6 @@ mod tests {
         let json = serde_json::to_value(entry(7)).expect("serializes");
         assert_eq!(json["action"], "alloc");
         assert_eq!(json["addr"], 7);
+        assert_eq!(json["pool_id"], serde_json::json!([0, 3]));
     }
 }

@@ -102,7 +102,7 @@ use pool::BlockPool;
 pub use private_pool::{
     MAX_PRIVATE_POOLS, PoolError, PoolId, PoolOptions, RouteKind, StreamFilter,
 };
-use private_pool::{PoolRef, PrivatePools};
+use private_pool::{PoolRef, PoolSlot, PrivatePools};
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{
@@ -299,15 +299,24 @@ impl<D: Device> CachingAllocator<D> {
         self.allowed_memory_maximum
     }
 
-    fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+    fn record(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        owner: PoolSlot,
+    ) {
         if self.history.is_enabled() {
             let time_us = self.device.time_us();
+            let pool = self.private.id_of(owner);
             self.history.record(TraceEntry {
                 action,
                 addr,
                 size,
                 stream: stream.0,
                 time_us: Some(time_us),
+                pool,
             });
         }
     }
@@ -424,7 +433,7 @@ impl<D: Device> CachingAllocator<D> {
                 return Ok(id);
             }
         }
-        Err(self.out_of_memory(rounded, segment_size, stream)?)
+        Err(self.out_of_memory(rounded, segment_size, stream, pool.owner)?)
     }
 
     /// The cached blocks of the `use_on_oom` pools, searched for a default-pool request
@@ -459,7 +468,7 @@ impl<D: Device> CachingAllocator<D> {
         if !self.within_limit(segment_size) {
             if self.config.throw_on_cudamalloc_oom {
                 // Refused before the driver is asked; the rest of the chain is skipped.
-                return Err(self.rejection(rounded, segment_size, stream)?);
+                return Err(self.rejection(rounded, segment_size, stream, pool.owner)?);
             }
             return Ok(None);
         }
@@ -498,7 +507,7 @@ impl<D: Device> CachingAllocator<D> {
         self.count_pool_segment(pool.owner, 1);
         let oversize = size >= self.config.max_split_size;
         self.stats.count_segment_alloc(pool.kind, size, oversize);
-        self.record(TraceAction::SegmentAlloc, ptr.0, size, stream);
+        self.record(TraceAction::SegmentAlloc, ptr.0, size, stream, pool.owner);
         Ok(Some(id))
     }
     // ---------------------------------------------------------------------------------------
@@ -526,11 +535,16 @@ impl<D: Device> CachingAllocator<D> {
         };
         let block = self.block_mut(id);
         block.allocated = false;
-        let (kind, size, requested, stream) =
-            (block.pool, block.size, block.requested_size, block.stream);
+        let (kind, size, requested, stream, owner) = (
+            block.pool,
+            block.size,
+            block.requested_size,
+            block.stream,
+            block.owner,
+        );
         let has_uses = block.has_stream_uses;
         let oversize = size >= self.config.max_split_size;
-        self.record(TraceAction::FreeRequested, ptr.0, requested, stream);
+        self.record(TraceAction::FreeRequested, ptr.0, requested, stream, owner);
         if has_uses {
             self.stats.count_free_requested(kind, size, oversize);
             if self.capturing() {

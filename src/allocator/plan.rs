@@ -53,7 +53,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use rustc_hash::FxHashSet;
 
 use super::block::{Block, BlockId};
-use super::private_pool::PoolRef;
+use super::private_pool::{PoolRef, PoolSlot};
 use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use super::{AllocError, CachingAllocator, TraceAction};
 
@@ -640,7 +640,13 @@ impl<D: Device> CachingAllocator<D> {
         block.allocated = true;
         block.requested_size = requested;
         let stream = block.stream;
-        self.record(TraceAction::Alloc, addr, requested, stream);
+        self.record(
+            TraceAction::Alloc,
+            addr,
+            requested,
+            stream,
+            PoolSlot::DEFAULT,
+        );
         self.live.insert(addr, id, &self.blocks);
         let oversize = size >= self.config.max_split_size;
         self.stats.count_alloc(kind, size, requested, oversize);

@@ -352,19 +352,22 @@ impl PrivatePools {
         Ok(())
     }
 
-    /// Pools whose use count is zero, by slot.
+    /// Pools whose use count is zero, in id order (so that a replay, which makes pools in
+    /// another order, flushes them in the same one).
     pub fn freeable(&self) -> Vec<PoolSlot> {
-        self.iter()
-            .filter(|(_, p)| p.use_count == 0)
-            .map(|(slot, _)| slot)
-            .collect()
+        self.by_id_where(|p| p.use_count == 0)
     }
 
     /// Pools searched for a default-pool request that found no new segment, in id order.
     pub fn use_on_oom(&self) -> Vec<PoolSlot> {
+        self.by_id_where(|p| p.options.use_on_oom)
+    }
+
+    /// The pools `keep` takes, in id order.
+    fn by_id_where(&self, keep: impl Fn(&PrivatePool) -> bool) -> Vec<PoolSlot> {
         let mut pools: Vec<(PoolId, PoolSlot)> = self
             .iter()
-            .filter(|(_, p)| p.options.use_on_oom)
+            .filter(|(_, p)| keep(p))
             .map(|(slot, p)| (p.id, slot))
             .collect();
         pools.sort_unstable();

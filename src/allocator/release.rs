@@ -79,7 +79,7 @@ impl<D: Device> CachingAllocator<D> {
         debug_assert!(block.is_free() && !block.is_split());
         let (pool, stream, ptr, size) = (block.pool_ref(), block.stream, block.ptr, block.size);
         self.device.free(DevicePtr(ptr))?;
-        self.record(TraceAction::SegmentFree, ptr, size, stream);
+        self.record(TraceAction::SegmentFree, ptr, size, stream, pool.owner);
         self.total_allocated_memory -= size;
         let oversize = size >= self.config.max_split_size;
         self.stats.count_segment_free(pool.kind, size, oversize);

@@ -16,7 +16,7 @@ use crate::device::{Device, StreamId};
 
 use super::block::Block;
 use super::history::{TraceAction, TraceEntry};
-use super::{CachingAllocator, summary};
+use super::{CachingAllocator, PoolId, summary};
 
 /// The segments of one size class: sizes in `(size / 2, size]`, `size` a power of two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,7 +109,7 @@ pub struct SegmentInfo {
     /// `"small"` or `"large"`.
     pub segment_type: &'static str,
     /// Private pool id; `(0, 0)` for the default pools.
-    pub segment_pool_id: (u64, u64),
+    pub segment_pool_id: PoolId,
     /// Whether the segment is an expandable one.
     pub is_expandable: bool,
     /// Stack at segment creation (always empty).
@@ -211,10 +211,7 @@ impl<D: Device> CachingAllocator<D> {
                     requested_size: 0,
                     stream: first.stream.0,
                     segment_type: first.pool.segment_type(),
-                    segment_pool_id: {
-                        let id = self.private.id_of(first.owner);
-                        (id.0, id.1)
-                    },
+                    segment_pool_id: self.private.id_of(first.owner),
                     is_expandable: first.expandable.is_some(),
                     frames: Vec::new(),
                     blocks: Vec::with_capacity(run.len()),
@@ -249,7 +246,13 @@ impl<D: Device> CachingAllocator<D> {
         let trace = self.history.entries();
         let segments = self.segment_infos();
         let active: u64 = segments.iter().map(|s| s.active_size).sum();
-        self.record(TraceAction::Snapshot, 0, active, StreamId::DEFAULT);
+        self.record(
+            TraceAction::Snapshot,
+            0,
+            active,
+            StreamId::DEFAULT,
+            super::PoolSlot::DEFAULT,
+        );
         let simulated_device = self.device.mem_get_info().ok().map(|info| SimulatedDevice {
             total_bytes: info.total,
             memory_fraction: self.memory_fraction,

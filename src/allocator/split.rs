@@ -25,7 +25,8 @@ impl<D: Device> CachingAllocator<D> {
     ) -> DevicePtr {
         let block = self.block(id);
         let (kind, stream, was_split) = (block.pool, block.stream, block.is_split());
-        let (ptr, found_size, expandable) = (block.ptr, block.size, block.expandable);
+        let (ptr, found_size, expandable, owner) =
+            (block.ptr, block.size, block.expandable, block.owner);
         // Free blocks of expandable segments never count as inactive splits.
         let counts_split = expandable.is_none();
         // Sizes and the address follow from what was read here, not from reloading the
@@ -49,7 +50,7 @@ impl<D: Device> CachingAllocator<D> {
         let block = self.block_mut(id);
         block.allocated = true;
         block.requested_size = requested;
-        self.record(TraceAction::Alloc, ptr, requested, stream);
+        self.record(TraceAction::Alloc, ptr, requested, stream, owner);
         self.live.insert(ptr, id, &self.blocks);
         let oversize = block_size >= self.config.max_split_size;
         self.stats
@@ -89,10 +90,15 @@ impl<D: Device> CachingAllocator<D> {
     #[inline(always)]
     pub(super) fn free_block(&mut self, id: BlockId) {
         let block = self.block(id);
-        let (kind, stream, ptr, requested) =
-            (block.pool, block.stream, block.ptr, block.requested_size);
+        let (kind, stream, ptr, requested, owner) = (
+            block.pool,
+            block.stream,
+            block.ptr,
+            block.requested_size,
+            block.owner,
+        );
         let (prev, next) = (block.prev, block.next);
-        self.record(TraceAction::FreeCompleted, ptr, requested, stream);
+        self.record(TraceAction::FreeCompleted, ptr, requested, stream, owner);
         let mut split_count: i64 = 0;
         let mut split_bytes: i64 = 0;
         // Written out rather than a loop over both: the loop kept its array on the stack.

@@ -138,7 +138,7 @@ fn private_pools(recording: &Recording, device: u32) -> Option<PrivatePools> {
     let private: Vec<_> = recording
         .segments
         .iter()
-        .filter(|s| s.device == device && s.pool_id != (0, 0))
+        .filter(|s| s.device == device && !s.pool_id.is_default())
         .collect();
     let pools: rustc_hash::FxHashSet<_> = private.iter().map(|s| s.pool_id).collect();
     (!private.is_empty()).then(|| PrivatePools {

@@ -16,6 +16,7 @@
 
 pub mod block_stacks;
 mod doc;
+pub mod event_pools;
 pub mod explain;
 pub mod frames;
 mod input;

@@ -7,11 +7,12 @@
 //! metadata are skipped.
 
 use crate::allocator::size::PoolKind;
-use crate::allocator::{BlockState, SimulatedDevice, TraceAction, TraceEntry};
+use crate::allocator::{BlockState, PoolId, SimulatedDevice, TraceAction, TraceEntry};
 use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS, Syntax};
 
 use super::TraceError;
 use super::doc::{Doc, Node};
+use super::event_pools::{self, InferredPools};
 use super::frames::{ContextId, EventContext, Frames, StackId};
 
 /// Which layout the file had.
@@ -55,8 +56,8 @@ pub struct RecordedSegment {
     pub stream: u64,
     /// Pool kind.
     pub pool: PoolKind,
-    /// Private pool id; `(0, 0)` for the default pools.
-    pub pool_id: (i64, i64),
+    /// Its pool: [`PoolId::DEFAULT`] for the default pools.
+    pub pool_id: PoolId,
     /// Whether this is (a mapped range of) an expandable segment.
     pub is_expandable: bool,
     /// Blocks in address order.
@@ -88,6 +89,9 @@ pub struct Recording {
     pub simulated_device: Option<SimulatedDevice>,
     /// Whether trace entries carry `pool_id`, which PyTorch writes from 2.12 on.
     pub trace_pool_ids: bool,
+    /// Per device, where its trace records no pools and its snapshot shows a private pool:
+    /// how its events' pools were inferred (Note [Inferred pools]).
+    pub inferred_pools: Vec<Option<InferredPools>>,
 }
 
 fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
@@ -118,6 +122,13 @@ impl Budget {
 pub(super) fn recording(doc: &mut Doc) -> Result<Recording, TraceError> {
     let mut contexts = Contexts::from_iter([EventContext::default()]);
     let mut recording = read(doc, &mut contexts)?;
+    if !recording.trace_pool_ids {
+        let segments = &recording.segments;
+        recording.inferred_pools = (0u32..)
+            .zip(&mut recording.device_traces)
+            .map(|(device, events)| event_pools::infer(segments, device, events))
+            .collect();
+    }
     doc.frames.adopt_contexts(contexts);
     recording.frames = std::mem::take(&mut doc.frames);
     Ok(recording)
@@ -159,6 +170,7 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
             settings_problems: Vec::new(),
             simulated_device: None,
             trace_pool_ids: false,
+            inferred_pools: Vec::new(),
         });
     }
     let segments = segments(&root.field("segments")?, budget)?;
@@ -170,8 +182,9 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
         for events in traces.items()? {
             let (mut entries, mut stacks, mut context_ids) = (Vec::new(), Vec::new(), Vec::new());
             for e in events.items()? {
-                trace_pool_ids = trace_pool_ids || e.get("pool_id")?.is_some();
-                entries.push(event(&e, budget)?);
+                let (entry, has_pool_id) = event(&e, budget)?;
+                trace_pool_ids |= has_pool_id;
+                entries.push(entry);
                 stacks.push(stack_of(&e)?);
                 context_ids.push(context_of(&e, contexts)?);
             }
@@ -224,6 +237,7 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
         settings_problems,
         simulated_device,
         trace_pool_ids,
+        inferred_pools: Vec::new(),
     })
 }
 
@@ -255,20 +269,7 @@ fn segment(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedSegment, Trac
             ));
         }
     };
-    let pool_id = match node.get("segment_pool_id")? {
-        Some(id) => {
-            let parts: Vec<_> = id.items()?.collect();
-            if parts.len() != 2 {
-                return Err(schema_error(
-                    &id,
-                    "a pair of ints",
-                    format!("{} items", parts.len()),
-                ));
-            }
-            (parts[0].int()?, parts[1].int()?)
-        }
-        None => (0, 0),
-    };
+    let pool_id = pool_id(node, "segment_pool_id")?.unwrap_or_default();
     let mut blocks = Vec::new();
     let mut next_address = address;
     for b in node.field("blocks")?.items()? {
@@ -321,6 +322,23 @@ fn segment(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedSegment, Trac
     })
 }
 
+/// The pool id under `key`, if there is one: a pair of unsigned ints (a tuple in a pickle,
+/// a list in JSON).
+fn pool_id(node: &Node<'_>, key: &str) -> Result<Option<PoolId>, TraceError> {
+    let Some(id) = node.get(key)? else {
+        return Ok(None);
+    };
+    let mut parts = id.items()?;
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(a), Some(b), None) => Ok(Some(PoolId(a.uint()?, b.uint()?))),
+        _ => Err(schema_error(
+            &id,
+            "a pair of ints",
+            format!("{} items", id.items()?.count()),
+        )),
+    }
+}
+
 /// A stream handle: PyTorch writes it as a (possibly huge) unsigned pointer value.
 fn stream(node: &Node<'_>) -> Result<u64, TraceError> {
     match node.get("stream")? {
@@ -329,7 +347,9 @@ fn stream(node: &Node<'_>) -> Result<u64, TraceError> {
     }
 }
 
-fn event(node: &Node<'_>, budget: &mut Budget) -> Result<TraceEntry, TraceError> {
+/// An event, and whether it carries a `pool_id` (PyTorch 2.12 on; without one, the default
+/// pool stands in).
+fn event(node: &Node<'_>, budget: &mut Budget) -> Result<(TraceEntry, bool), TraceError> {
     budget.take(node)?;
     let action_node = node.field("action")?;
     let action = match action_node.str()? {
@@ -362,13 +382,16 @@ fn event(node: &Node<'_>, budget: &mut Budget) -> Result<TraceEntry, TraceError>
         Some(a) => a.uint()?,
         None => 0,
     };
-    Ok(TraceEntry {
+    let pool = pool_id(node, "pool_id")?;
+    let entry = TraceEntry {
         action,
         addr,
         size: node.field("size")?.uint()?,
         stream: stream(node)?,
         time_us: node.get("time_us")?.map(|t| t.uint()).transpose()?,
-    })
+        pool: pool.unwrap_or_default(),
+    };
+    Ok((entry, pool.is_some()))
 }
 
 /// The recorded configuration: the settings string applied as far as it goes (the one

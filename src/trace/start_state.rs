@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use crate::allocator::size::{ONE_EXABYTE, PoolKind, SMALL_BUFFER, SMALL_SIZE, round_size};
-use crate::allocator::{BlockState, RestoredBlock, TraceAction};
+use crate::allocator::{BlockState, PoolId, RestoredBlock, TraceAction};
 use crate::config::AllocatorConfig;
 
 use super::Recording;
@@ -24,8 +24,10 @@ pub struct StartSegment {
     pub address: u64,
     /// Stream handle.
     pub stream: u64,
-    /// Pool.
+    /// Pool kind.
     pub pool: PoolKind,
+    /// Its pool (a private one's segments are restored into it).
+    pub pool_id: PoolId,
     /// Blocks in address order; they add up to the segment size.
     pub blocks: Vec<RestoredBlock>,
 }
@@ -58,14 +60,6 @@ struct LiveBlock {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartStateError {
-    /// A segment of a private pool (CUDA graphs), which replay does not model.
-    #[error("segment {address:#x} belongs to private pool {pool:?}, which replay does not model")]
-    PrivatePool {
-        /// The segment's address.
-        address: u64,
-        /// The pool's id.
-        pool: (i64, i64),
-    },
     /// Expandable memory mapped before the trace.
     #[error(
         "the trace starts with {mapped} bytes mapped in expandable segments; rebuilding such a start state is not supported"
@@ -127,7 +121,7 @@ pub fn start_state(
     device: u32,
     config: &AllocatorConfig,
 ) -> Result<StartState, StartStateError> {
-    let mut segments: BTreeMap<u64, (u64, u64, PoolKind)> = BTreeMap::new();
+    let mut segments: BTreeMap<u64, (u64, u64, PoolKind, PoolId)> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
     // Bytes mapped into expandable segments; walking back over their maps and unmaps must
     // bring this to zero (a trace that starts with expandable memory mapped is not rebuilt).
@@ -139,16 +133,7 @@ pub fn start_state(
         .device_traces
         .get(device as usize)
         .map_or(&[][..], Vec::as_slice);
-    // Without a trace nothing is replayed: a private pool's segments are loaded as the
-    // default pool's, only to be looked at (an explanation says which they were).
-    let traced = !events.is_empty();
     for seg in recording.segments.iter().filter(|s| s.device == device) {
-        if seg.pool_id != (0, 0) && traced {
-            return Err(StartStateError::PrivatePool {
-                address: seg.address,
-                pool: seg.pool_id,
-            });
-        }
         if seg.is_expandable {
             mapped += i128::from(seg.total_size);
             expandable_live.extend(
@@ -158,7 +143,10 @@ pub fn start_state(
                     .map(|b| b.address),
             );
         } else {
-            segments.insert(seg.address, (seg.total_size, seg.stream, seg.pool));
+            segments.insert(
+                seg.address,
+                (seg.total_size, seg.stream, seg.pool, seg.pool_id),
+            );
         }
         for b in &seg.blocks {
             if b.state == BlockState::ActivePendingFree {
@@ -210,7 +198,8 @@ pub fn start_state(
                 } else {
                     PoolKind::Large
                 };
-                segments.insert(e.addr, (e.size, e.stream, pool));
+                // Its pool as recorded, or as inferred (Note [Inferred pools]).
+                segments.insert(e.addr, (e.size, e.stream, pool, e.pool));
             }
             TraceAction::SegmentMap => mapped -= i128::from(e.size),
             TraceAction::SegmentUnmap => mapped += i128::from(e.size),
@@ -237,7 +226,7 @@ pub fn start_state(
     }
     let mut out = Vec::with_capacity(segments.len());
     let mut previous_end = 0;
-    for (&address, &(size, stream, pool)) in &segments {
+    for (&address, &(size, stream, pool, pool_id)) in &segments {
         let end = address
             .checked_add(size)
             .filter(|_| size < ONE_EXABYTE)
@@ -299,6 +288,7 @@ pub fn start_state(
             address,
             stream,
             pool,
+            pool_id,
             blocks,
         });
     }

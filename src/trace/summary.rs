@@ -47,7 +47,7 @@ pub fn state_summary(recording: &Recording) -> String {
             }
         }
         let reserved: u64 = segments.iter().map(|s| s.total_size).sum();
-        let private = segments.iter().filter(|s| s.pool_id != (0, 0)).count();
+        let private = segments.iter().filter(|s| !s.pool_id.is_default()).count();
         let expandable = segments.iter().filter(|s| s.is_expandable).count();
         let _ = writeln!(
             out,

@@ -20,6 +20,7 @@ mod properties;
 mod pytorch_keys;
 mod recordings_2_15;
 mod replay;
+mod replay_pools;
 mod scenarios;
 mod stress;
 mod view;

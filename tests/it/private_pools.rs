@@ -24,7 +24,7 @@ fn unroute(a: &mut CachingAllocator<SimDevice>, id: PoolId) {
 }
 
 /// The pool id of the segment holding `ptr`.
-fn pool_of(a: &mut CachingAllocator<SimDevice>, ptr: DevicePtr) -> (u64, u64) {
+fn pool_of(a: &mut CachingAllocator<SimDevice>, ptr: DevicePtr) -> PoolId {
     a.snapshot()
         .segments
         .iter()
@@ -40,11 +40,11 @@ fn blocks_are_reused_only_within_their_pool() {
     let p = malloc(&mut a, 4 * MIB, S0);
     free(&mut a, p);
     unroute(&mut a, GRAPH);
-    assert_eq!(pool_of(&mut a, p), (0, 1));
+    assert_eq!(pool_of(&mut a, p), GRAPH);
     // The default pool does not take the graph pool's cached block: a segment of its own.
     let d = malloc(&mut a, 4 * MIB, S0);
     assert_ne!(d, p);
-    assert_eq!(pool_of(&mut a, d), (0, 0));
+    assert_eq!(pool_of(&mut a, d), PoolId::DEFAULT);
     assert_eq!(stat(&a, "segment.all.current"), 2);
     // Routed again, the request takes the pool's block back.
     route(&mut a, GRAPH);
@@ -64,12 +64,12 @@ fn the_newest_route_taking_a_stream_wins_and_filters_leave_other_streams_alone()
         .expect("routed");
     let captured = malloc(&mut a, MIB, S1);
     let outside = malloc(&mut a, MIB, S0);
-    assert_eq!(pool_of(&mut a, captured), (0, 1));
-    assert_eq!(pool_of(&mut a, outside), (0, 0));
+    assert_eq!(pool_of(&mut a, captured), GRAPH);
+    assert_eq!(pool_of(&mut a, outside), PoolId::DEFAULT);
     a.begin_allocate_to_pool(OTHER, StreamFilter::Any, RouteKind::MemPool)
         .expect("routed");
     let newest = malloc(&mut a, MIB, S1);
-    assert_eq!(pool_of(&mut a, newest), (0, 2));
+    assert_eq!(pool_of(&mut a, newest), OTHER);
     assert_eq!(
         a.begin_allocate_to_pool(OTHER, StreamFilter::Any, RouteKind::MemPool),
         Err(AllocError::Pool(PoolError::AlreadyRouted(OTHER)))
@@ -207,13 +207,13 @@ fn expandable_segments_are_per_pool_and_stream() {
     let g = malloc(&mut a, 4 * MIB, S0);
     unroute(&mut a, GRAPH);
     let snapshot = a.snapshot();
-    let pools: Vec<((u64, u64), bool)> = snapshot
+    let pools: Vec<(PoolId, bool)> = snapshot
         .segments
         .iter()
         .map(|s| (s.segment_pool_id, s.is_expandable))
         .collect();
     assert_eq!(pools.len(), 2, "{pools:?}");
-    assert!(pools.contains(&((0, 0), true)) && pools.contains(&((0, 1), true)));
+    assert!(pools.contains(&(PoolId::DEFAULT, true)) && pools.contains(&(GRAPH, true)));
     assert_ne!(pool_of(&mut a, d), pool_of(&mut a, g));
 }
 

@@ -83,7 +83,7 @@ fn random_runs_reach_the_recovery_paths() {
                 .alloc
                 .segment_infos()
                 .iter()
-                .filter(|s| s.segment_pool_id != (0, 0))
+                .filter(|s| !s.segment_pool_id.is_default())
                 .count();
         }
     }

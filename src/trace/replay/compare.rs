@@ -2,9 +2,10 @@
 //! frees completed together as a set, the first difference reported with its context.
 //!
 //! # Invariants
-//! - An OOM or snapshot event matches on its size alone (an OOM's `addr` is the driver's
-//!   free bytes, which depend on the device, not on the allocator); every other event on
-//!   action, address and size.
+//! - A snapshot event matches on its size alone, an OOM on its size and pool (its `addr`
+//!   is the driver's free bytes, which depend on the device, not on the allocator); every
+//!   other event on action, address, size and pool (recorded, or inferred: Note [Inferred
+//!   pools]).
 //! - Each matched event is counted once, in its kind's `Compared` field.
 //! - A batch of `free_completed` events matches when it holds the same (address, size,
 //!   stream) members, in any order; every other event matches only in order.
@@ -175,9 +176,11 @@ fn same(x: &TraceEntry, a: &TraceEntry) -> bool {
         return false;
     }
     match x.action {
+        // A snapshot's pool is the one it was asked for, not a decision.
+        TraceAction::Snapshot => x.size == a.size,
         // The free device memory of an OOM depends on the device, not on the allocator.
-        TraceAction::Oom | TraceAction::Snapshot => x.size == a.size,
-        _ => x.addr == a.addr && x.size == a.size,
+        TraceAction::Oom => x.size == a.size && x.pool == a.pool,
+        _ => x.addr == a.addr && x.size == a.size && x.pool == a.pool,
     }
 }
 
@@ -192,6 +195,7 @@ mod tests {
             size: 512,
             stream: 0,
             time_us: None,
+            pool: crate::allocator::PoolId::DEFAULT,
         }
     }
 

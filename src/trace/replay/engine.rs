@@ -9,6 +9,19 @@
 //! before an `oom` are always the failing allocation's flush. What-if mode follows the
 //! readings a check pass found.
 //!
+//! # Note [Replaying pools]
+//! A recording does not say when a capture or `use_mem_pool` routed requests to a private
+//! pool, only which pool each event's block lies in (recorded, or inferred: Note [Inferred
+//! pools]). Each request of a private pool is routed there alone, on its own stream, as a
+//! `use_mem_pool` route (which from 2.13 on polls events and flushes as the default pool
+//! does, so the recording's own completions and releases are followed); an `oom` of a
+//! private pool with neither a completion nor a release before it runs as a capture, which
+//! neither polls events nor flushes. A pool is referenced from its first event on, except during a run of releases
+//! in which the recording frees one of its segments: its owners were gone then, so the
+//! flush frees its unsplit cached segments (after the run it is referenced again, as only
+//! the recording's releases say when it was freeable). A pool's `no_split` is read
+//! off the final state (Note [Inferred pools]).
+//!
 //! # Invariants
 //! - Every recorded address maps to at most one live pointer (`ptrs`), or is known to have
 //!   failed in this replay (`failed`, what-if mode).
@@ -19,9 +32,13 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::allocator::size::format_size;
-use crate::allocator::{AllocError, CachingAllocator, PoolId, TraceAction, TraceEntry};
+use crate::allocator::{
+    AllocError, CachingAllocator, PoolId, PoolOptions, RouteKind, StreamFilter, TraceAction,
+    TraceEntry,
+};
 use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::trace::Recording;
+use crate::trace::event_pools::unsplit_pools;
 use crate::trace::start_state::{StartSegment, start_state};
 
 use super::order::{Derivation, RunReadings};
@@ -53,7 +70,7 @@ pub(super) struct Engine<'a> {
     bucket: (u64, u64),
     /// Starts of the release runs that the allocator made inside a malloc (not a user's
     /// `empty_cache`): found in check mode, followed in what-if mode.
-    pub(super) releases_in_malloc: FxHashSet<usize>,
+    pub(super) releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     /// Check mode: when the recording placed a new expandable segment inside a range the
     /// simulated device had reserved, how far from that range's start: the recorded
     /// device's reservation size (see `capacity_for_reservation`).
@@ -74,6 +91,19 @@ pub(super) struct Engine<'a> {
     /// Where the allocator's own reading of the last release run first differed from the
     /// recording, and what the core did there (Note [Reading releases]).
     pub(super) reading_differed: Option<(usize, Option<TraceEntry>)>,
+    /// The private pools the recording shows made with options (Note [Inferred pools]).
+    pool_options: FxHashMap<PoolId, PoolOptions>,
+}
+
+/// How a run of releases before an allocation was read: by the allocator inside the
+/// malloc (Note [Reading releases]); a run read as a user's `empty_cache` has none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReleaseReading {
+    /// The run's completed frees were done before the malloc polled events.
+    InMalloc,
+    /// The run's completed frees were waited for by the flush's synchronisation (so the
+    /// malloc's first search could not reuse them).
+    InMallocSynced,
 }
 
 /// The most times one run of releases is replayed while deriving the start segments' order.
@@ -90,7 +120,7 @@ struct Saved {
     ptrs: FxHashMap<u64, DevicePtr>,
     deferred: FxHashMap<u64, StreamId>,
     next_stream: u64,
-    releases_in_malloc: FxHashSet<usize>,
+    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     compared: Compared,
 }
 
@@ -254,7 +284,7 @@ impl<'a> Engine<'a> {
         recording: &'a Recording,
         options: &ReplayOptions,
         mut alloc: CachingAllocator<SimDevice>,
-        releases_in_malloc: FxHashSet<usize>,
+        releases_in_malloc: FxHashMap<usize, ReleaseReading>,
         start_order: Option<&[usize]>,
         derive: bool,
     ) -> Result<Self, ReplayError> {
@@ -278,9 +308,18 @@ impl<'a> Engine<'a> {
             start.segments.clear();
             start.pending_frees.clear();
         }
+        let no_split = PoolOptions {
+            use_on_oom: false,
+            no_split: true,
+        };
+        let pool_options: FxHashMap<PoolId, PoolOptions> =
+            unsplit_pools(&recording.segments, options.device, &recorded_config)
+                .into_iter()
+                .map(|pool| (pool, no_split))
+                .collect();
         let mut ptrs = FxHashMap::default();
         let failed = if options.fresh_start && !options.check {
-            Self::allocate_afresh(&start.segments, &mut alloc, &mut ptrs)?
+            Self::allocate_afresh(&start.segments, &mut alloc, &pool_options, &mut ptrs)?
         } else {
             FxHashSet::default()
         };
@@ -304,13 +343,15 @@ impl<'a> Engine<'a> {
             if options.check {
                 alloc.device_mut().hint_addresses([segment.address]);
             }
-            let base = alloc
-                .restore_segment(
-                    PoolId::DEFAULT,
-                    StreamId(segment.stream),
-                    segment.pool,
-                    &segment.blocks,
-                )
+            let base = referenced(&mut alloc, &pool_options, segment.pool_id)
+                .and_then(|()| {
+                    alloc.restore_segment(
+                        segment.pool_id,
+                        StreamId(segment.stream),
+                        segment.pool,
+                        &segment.blocks,
+                    )
+                })
                 .map_err(|source| ReplayError::StartSegment {
                     address: segment.address,
                     size: format_size(segment.size()),
@@ -370,6 +411,7 @@ impl<'a> Engine<'a> {
             reading_differed: None,
             skipped,
             release_retries: RELEASE_TRIES,
+            pool_options,
         })
     }
 
@@ -380,22 +422,26 @@ impl<'a> Engine<'a> {
     fn allocate_afresh(
         segments: &[StartSegment],
         alloc: &mut CachingAllocator<SimDevice>,
+        pool_options: &FxHashMap<PoolId, PoolOptions>,
         ptrs: &mut FxHashMap<u64, DevicePtr>,
     ) -> Result<FxHashSet<u64>, ReplayError> {
-        let mut live: Vec<(u64, u64, u64)> = Vec::new();
+        let mut live: Vec<(u64, u64, u64, PoolId)> = Vec::new();
         for segment in segments {
             let mut at = segment.address;
             for b in &segment.blocks {
                 if let Some(requested) = b.allocated {
-                    live.push((at, segment.stream, requested));
+                    live.push((at, segment.stream, requested, segment.pool_id));
                 }
                 at += b.size;
             }
         }
         live.sort_unstable();
         let mut failed = FxHashSet::default();
-        for (addr, stream, requested) in live {
-            match alloc.malloc(requested, StreamId(stream)) {
+        for (addr, stream, requested, pool) in live {
+            let stream = StreamId(stream);
+            match in_pool(alloc, pool_options, pool, stream, RouteKind::MemPool, |a| {
+                a.malloc(requested, stream)
+            }) {
                 Ok(ptr) => {
                     ptrs.insert(addr, ptr);
                 }
@@ -647,13 +693,6 @@ impl<'a> Engine<'a> {
             .copied();
         let end = if driver.is_some() { j + 1 } else { j };
         let effects = &self.events[i..j];
-        for effect in effects {
-            if effect.action == TraceAction::FreeCompleted
-                && let Some(stream) = self.deferred.remove(&effect.addr)
-            {
-                self.alloc.device_mut().complete_stream(stream);
-            }
-        }
         let releases = effects.iter().any(|e| {
             matches!(
                 e.action,
@@ -668,32 +707,63 @@ impl<'a> Engine<'a> {
         // Note [Reading releases] (module doc): releases before an OOM are the failing malloc's own flush;
         // releases before a successful malloc are either a user's `empty_cache` or the
         // allocator's own (garbage collection, oversize release, a flush after the driver
-        // said no); anything else is a flush. Check mode tries the allocator's reading
-        // first and keeps it if it reproduces the recording; what-if mode reuses the readings
-        // a check pass found.
+        // said no); anything else is a flush. Check mode tries the allocator's readings
+        // first and keeps the first that reproduces the recording; what-if mode reuses the
+        // readings a check pass found.
         if releases && malloc {
             if self.check {
-                let saved = (self.alloc.clone(), self.derivation.clone());
-                self.perform(i, j, driver, false)?;
-                if self.reproduces(i, end) {
-                    self.releases_in_malloc.insert(i);
-                    return Ok(end);
+                let saved = (
+                    self.alloc.clone(),
+                    self.derivation.clone(),
+                    self.deferred.clone(),
+                );
+                let mut readings = vec![ReleaseReading::InMalloc];
+                if completions {
+                    readings.push(ReleaseReading::InMallocSynced);
                 }
-                (self.alloc, self.derivation) = saved;
-                if let Some(d) = driver {
-                    self.ptrs.remove(&d.addr);
+                for reading in readings {
+                    self.complete_frees(i, j, reading);
+                    self.perform(i, j, driver, false)?;
+                    if self.reproduces(i, end) {
+                        self.releases_in_malloc.insert(i, reading);
+                        return Ok(end);
+                    }
+                    (self.alloc, self.derivation, self.deferred) = saved.clone();
+                    if let Some(d) = driver {
+                        self.ptrs.remove(&d.addr);
+                    }
                 }
+                self.complete_frees(i, j, ReleaseReading::InMalloc);
                 self.perform(i, j, driver, true)?;
             } else {
-                let flush = !self.releases_in_malloc.contains(&(self.first_event + i));
-                self.perform(i, j, driver, flush)?;
+                let reading = self
+                    .releases_in_malloc
+                    .get(&(self.first_event + i))
+                    .copied();
+                self.complete_frees(i, j, reading.unwrap_or(ReleaseReading::InMalloc));
+                self.perform(i, j, driver, reading.is_none())?;
             }
         } else {
+            self.complete_frees(i, j, ReleaseReading::InMalloc);
             let flush = (releases && !oom) || (completions && !malloc && !oom);
             self.perform(i, j, driver, flush)?;
         }
         self.compare(i, end);
         Ok(end.max(i + 1))
+    }
+
+    /// The deferred frees the recorded `free_completed` events among `i..j` complete: their
+    /// streams finish before the operation, or, read as completed by the flush inside it,
+    /// are left to its synchronisation.
+    fn complete_frees(&mut self, i: usize, j: usize, reading: ReleaseReading) {
+        for effect in &self.events[i..j] {
+            if effect.action == TraceAction::FreeCompleted
+                && let Some(stream) = self.deferred.remove(&effect.addr)
+                && reading == ReleaseReading::InMalloc
+            {
+                self.alloc.device_mut().complete_stream(stream);
+            }
+        }
     }
 
     /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`.
@@ -704,6 +774,22 @@ impl<'a> Engine<'a> {
         driver: Option<TraceEntry>,
         flush: bool,
     ) -> Result<(), ReplayError> {
+        // Pools whose segments the recording releases here had been released by their
+        // owners (Note [Replaying pools]).
+        let mut released: Vec<PoolId> = self.events[i..j]
+            .iter()
+            .filter(|e| e.action == TraceAction::SegmentFree && !e.pool.is_default())
+            .map(|e| e.pool)
+            .collect();
+        released.sort_unstable();
+        released.dedup();
+        for &pool in &released {
+            while self.alloc.pool_use_count(pool).is_some_and(|n| n > 0) {
+                self.alloc
+                    .release_pool(pool)
+                    .map_err(|err| self.fail(i, err))?;
+            }
+        }
         if flush {
             self.alloc.empty_cache().map_err(|err| self.fail(i, err))?;
         }
@@ -723,33 +809,66 @@ impl<'a> Engine<'a> {
             self.alloc.device_mut().hint_addresses(hints);
         }
         if let Some(d) = driver {
-            self.drive(j, d)?;
+            // An OOM that neither polled events nor flushed: a capture's.
+            let kind = if d.action == TraceAction::Oom
+                && !self.events[i..j].iter().any(|e| {
+                    matches!(
+                        e.action,
+                        TraceAction::SegmentFree | TraceAction::FreeCompleted
+                    )
+                }) {
+                RouteKind::Capture
+            } else {
+                RouteKind::MemPool
+            };
+            self.drive(j, d, kind)?;
+        }
+        // Only the recording's releases say a pool was freeable: one that outlived this run
+        // is referenced again until the next.
+        for pool in released {
+            if self.alloc.pool_use_count(pool) == Some(0) {
+                reference(&mut self.alloc, &self.pool_options, pool)
+                    .map_err(|err| self.fail(i, err))?;
+            }
         }
         self.alloc.device_mut().clear_address_hints();
         Ok(())
     }
 
-    fn drive(&mut self, j: usize, d: TraceEntry) -> Result<(), ReplayError> {
+    /// Drives the recorded `d` at `j`; a private pool's request routed as `kind`.
+    fn drive(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
         let stream = StreamId(d.stream);
         match d.action {
             TraceAction::Alloc => {
                 if self.derivation.is_some() {
-                    let ties = self
-                        .alloc
-                        .tied_best_fits(d.size, stream)
-                        .map_err(|e| self.fail(j, e))?;
+                    let ties = in_pool(
+                        &mut self.alloc,
+                        &self.pool_options,
+                        d.pool,
+                        stream,
+                        kind,
+                        |a| a.tied_best_fits(d.size, stream),
+                    )
+                    .map_err(|e| self.fail(j, e))?;
                     if let Some(derivation) = self.derivation.as_mut().filter(|_| ties.len() > 1) {
                         let event = self.first_event + j;
                         derivation.observe(event, &ties, d.addr, &mut self.alloc);
                     }
                 }
-                self.malloc(j, d)?;
+                self.malloc(j, d, kind)?;
             }
             TraceAction::Oom => {
                 if self.check {
                     self.alloc.device_mut().fail_all_allocations(true);
                 }
-                let result = self.alloc.malloc(d.size, stream);
+                let result = in_pool(
+                    &mut self.alloc,
+                    &self.pool_options,
+                    d.pool,
+                    stream,
+                    kind,
+                    |a| a.malloc(d.size, stream),
+                );
                 self.alloc.device_mut().fail_all_allocations(false);
                 match result {
                     // Under another configuration the request may fit: the program did not
@@ -768,8 +887,16 @@ impl<'a> Engine<'a> {
     }
 
     /// The recorded allocation `d` at `j`, as a `malloc`.
-    fn malloc(&mut self, j: usize, d: TraceEntry) -> Result<(), ReplayError> {
-        match self.alloc.malloc(d.size, StreamId(d.stream)) {
+    fn malloc(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
+        let stream = StreamId(d.stream);
+        match in_pool(
+            &mut self.alloc,
+            &self.pool_options,
+            d.pool,
+            stream,
+            kind,
+            |a| a.malloc(d.size, stream),
+        ) {
             Ok(ptr) => {
                 self.ptrs.insert(d.addr, ptr);
             }
@@ -783,4 +910,49 @@ impl<'a> Engine<'a> {
         }
         Ok(())
     }
+}
+
+/// Makes sure pool `pool` exists, referenced once and with its `options` if new
+/// (Note [Replaying pools]).
+fn referenced(
+    alloc: &mut CachingAllocator<SimDevice>,
+    options: &FxHashMap<PoolId, PoolOptions>,
+    pool: PoolId,
+) -> Result<(), AllocError> {
+    if pool.is_default() || alloc.pool_use_count(pool).is_some() {
+        return Ok(());
+    }
+    reference(alloc, options, pool)
+}
+
+/// One use more of pool `pool`, made with its options if new.
+fn reference(
+    alloc: &mut CachingAllocator<SimDevice>,
+    options: &FxHashMap<PoolId, PoolOptions>,
+    pool: PoolId,
+) -> Result<(), AllocError> {
+    alloc.create_pool(pool, options.get(&pool).copied().unwrap_or_default())
+}
+
+/// `op` with the requests on `stream` routed to `pool` as `kind`, where that is a private
+/// pool, its use count unchanged (Note [Replaying pools]).
+fn in_pool<T>(
+    alloc: &mut CachingAllocator<SimDevice>,
+    options: &FxHashMap<PoolId, PoolOptions>,
+    pool: PoolId,
+    stream: StreamId,
+    kind: RouteKind,
+    op: impl FnOnce(&mut CachingAllocator<SimDevice>) -> Result<T, AllocError>,
+) -> Result<T, AllocError> {
+    if pool.is_default() {
+        return op(alloc);
+    }
+    referenced(alloc, options, pool)?;
+    alloc.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![stream]), kind)?;
+    // The route's use is given back before `op`: a pool the recording shows freeable stays
+    // so during it.
+    alloc.release_pool(pool)?;
+    let result = op(alloc);
+    alloc.end_allocate_to_pool(pool)?;
+    result
 }

@@ -38,7 +38,7 @@ mod report;
 
 use std::sync::Arc;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::FxHashMap;
 
 use crate::allocator::size::{PoolKind, SMALL_BUFFER, expandable_page_size};
 use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry};
@@ -46,8 +46,9 @@ use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 
 use super::Recording;
+use super::event_pools::InferredPools;
 use super::start_state::StartStateError;
-use engine::Engine;
+use engine::{Engine, ReleaseReading};
 pub use order::OrderingReport;
 use order::{Derivation, Found};
 pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
@@ -173,7 +174,7 @@ pub fn replay_with_progress(
 /// several what-if replays of the same device and capacity.
 #[derive(Clone, Debug, Default)]
 pub struct Readings {
-    releases_in_malloc: FxHashSet<usize>,
+    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     /// The device memory inferred by the check replay, where it had to infer it.
     inferred_capacity: Option<u64>,
     /// The order found, with the start segments' order; `None` before a check replay.
@@ -278,7 +279,7 @@ pub fn replay_following(
 struct Run {
     report: ReplayReport,
     /// The readings of ambiguous release runs it found (check mode).
-    releases_in_malloc: FxHashSet<usize>,
+    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     /// See `Engine::reservation_spacing`.
     reservation_spacing: Option<u64>,
     /// The order followed, and what is known of the start segments' order.
@@ -419,7 +420,7 @@ fn check_on_capacity(
     progress: &mut dyn FnMut(usize, usize),
     found: &Found,
 ) -> Result<Run, ReplayError> {
-    let mut run = run_with(recording, options, progress, FxHashSet::default(), found)?;
+    let mut run = run_with(recording, options, progress, FxHashMap::default(), found)?;
     let unknown = options.capacity.is_none() && recording.simulated_device.is_none();
     let Some(spacing) = run.reservation_spacing.filter(|_| unknown) else {
         return Ok(run);
@@ -438,7 +439,7 @@ fn check_on_capacity(
         )),
         ..options.clone()
     };
-    let mut again = run_with(recording, &inferred, progress, FxHashSet::default(), found)?;
+    let mut again = run_with(recording, &inferred, progress, FxHashMap::default(), found)?;
     again.report.capacity_inferred = true;
     Ok(again)
 }
@@ -450,6 +451,21 @@ fn replayed_config(recording: &Recording, options: &ReplayOptions) -> AllocatorC
         .clone()
         .or_else(|| recording.config.clone())
         .unwrap_or_default()
+}
+
+/// How the pools of a trace that records none were found, in a sentence.
+fn pools_note(inferred: InferredPools) -> String {
+    let read = format!(
+        "the trace records no pools (PyTorch before 2.12): {} events took the pool of the segment they lie in",
+        inferred.from_segments
+    );
+    match inferred.first_assumed {
+        Some(first) => format!(
+            "{read}; {} (the first is #{first}) lie in segments released before the snapshot or are OOMs, and were replayed in the default pool",
+            inferred.assumed
+        ),
+        None => read,
+    }
 }
 
 /// What a replay under `config` cannot follow, in sentences (`ReplayReport::notes`).
@@ -528,7 +544,7 @@ pub fn state_after(
 pub struct Cursor<'a> {
     recording: &'a Recording,
     options: ReplayOptions,
-    releases: FxHashSet<usize>,
+    releases: FxHashMap<usize, ReleaseReading>,
     found: Found,
     engine: Engine<'a>,
 }
@@ -550,7 +566,7 @@ impl<'a> Cursor<'a> {
             ..options.clone()
         };
         let releases = if options.check {
-            FxHashSet::default()
+            FxHashMap::default()
         } else {
             readings.releases_in_malloc.clone()
         };
@@ -600,7 +616,7 @@ impl<'a> Cursor<'a> {
 fn engine_for<'a>(
     recording: &'a Recording,
     options: &ReplayOptions,
-    releases_in_malloc: FxHashSet<usize>,
+    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     found: &Found,
 ) -> Result<(Engine<'a>, AllocatorConfig), ReplayError> {
     let config = replayed_config(recording, options);
@@ -649,7 +665,7 @@ fn run_with(
     recording: &Recording,
     options: &ReplayOptions,
     progress: &mut dyn FnMut(usize, usize),
-    releases_in_malloc: FxHashSet<usize>,
+    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     found: &Found,
 ) -> Result<Run, ReplayError> {
     let (mut engine, config) = engine_for(recording, options, releases_in_malloc, found)?;
@@ -663,6 +679,11 @@ fn run_with(
 
     let stats = engine.alloc.memory_stats();
     let get = |key: &str| stats.get(key).copied().unwrap_or(0).max(0) as u64;
+    let inferred_pools = recording
+        .inferred_pools
+        .get(options.device as usize)
+        .copied()
+        .flatten();
     let report = ReplayReport {
         config: if config.last_settings.is_empty() {
             "(default)".to_string()
@@ -688,8 +709,10 @@ fn run_with(
         notes: settings_notes(recording, &config, options.config.is_none())
             .into_iter()
             .chain(engine.skipped.note().map(str::to_string))
+            .chain(inferred_pools.map(pools_note))
             .collect(),
         ordering: found.report.clone(),
+        inferred_pools,
     };
     Ok(Run {
         report,
@@ -743,7 +766,7 @@ impl<'a> Replayer<'a> {
             recording,
             &options,
             alloc,
-            FxHashSet::default(),
+            FxHashMap::default(),
             None,
             false,
         )?;

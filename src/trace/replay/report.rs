@@ -112,6 +112,9 @@ pub struct ReplayReport {
     /// recorded settings string it skipped, values PyTorch ignores, a per-class reserve
     /// replayed as the default, a device size not inferred.
     pub notes: Vec<String>,
+    /// Where the trace records no pools and the snapshot shows private ones: how the
+    /// events' pools were inferred (Note [Inferred pools]).
+    pub inferred_pools: Option<crate::trace::event_pools::InferredPools>,
 }
 
 impl ReplayReport {
@@ -128,9 +131,14 @@ pub(super) fn describe(e: &TraceEntry) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_default();
+    let pool = if e.pool.is_default() || action == TraceAction::Snapshot {
+        String::new()
+    } else {
+        format!(" in pool {}", e.pool)
+    };
     match action {
-        TraceAction::Oom => format!("oom of {size} bytes on stream {stream:#x}"),
+        TraceAction::Oom => format!("oom of {size} bytes on stream {stream:#x}{pool}"),
         TraceAction::Snapshot => format!("snapshot with {size} active bytes"),
-        _ => format!("{name} at {addr:#x} of {size} bytes on stream {stream:#x}"),
+        _ => format!("{name} at {addr:#x} of {size} bytes on stream {stream:#x}{pool}"),
     }
 }

@@ -1,0 +1,327 @@
+//! Private pools in replay (Note [Replaying pools], Note [Inferred pools]): recordings made
+//! by the core with pools replay exactly, with their pools recorded (2.12 on) or read off
+//! their segments (before 2.12), and the same recording with the pools taken away diverges.
+
+use gpumem::CachingAllocator;
+use gpumem::allocator::{PoolId, PoolOptions, RouteKind, StreamFilter};
+use gpumem::device::SimDevice;
+use gpumem::trace::{Divergence, ReplayOptions, ReplayReport, parse_recording, replay};
+use serde_json::{Value, json};
+
+use crate::common::{GIB, MIB, S0, S1, allocator, empty_cache, free, malloc};
+
+const GRAPH: PoolId = PoolId(0, 1);
+
+/// An allocator of `capacity` bytes under `conf` recording its history.
+fn recording(capacity: u64, conf: &str) -> CachingAllocator<SimDevice> {
+    let mut a = allocator(capacity, conf);
+    a.record_history(Some(1 << 20));
+    a
+}
+
+fn route(a: &mut CachingAllocator<SimDevice>, filter: StreamFilter, kind: RouteKind) {
+    a.begin_allocate_to_pool(GRAPH, filter, kind)
+        .expect("routed");
+}
+
+fn unroute(a: &mut CachingAllocator<SimDevice>) {
+    a.end_allocate_to_pool(GRAPH).expect("was routed");
+}
+
+fn snapshot(a: &mut CachingAllocator<SimDevice>) -> Value {
+    serde_json::to_value(a.snapshot()).expect("serialises")
+}
+
+/// The check replay of `v`.
+fn checked(v: &Value) -> ReplayReport {
+    let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
+    let options = ReplayOptions {
+        check: true,
+        ..ReplayOptions::default()
+    };
+    replay(&rec, &options).expect("replays")
+}
+
+/// `v` replays exactly, every event compared.
+fn exact(v: &Value) -> ReplayReport {
+    let r = checked(v);
+    if let Some(d) = &r.divergence {
+        panic!(
+            "diverges at #{}: expected {}, got {}\n{}",
+            d.index,
+            d.expected,
+            d.actual,
+            d.context.join("\n")
+        );
+    }
+    let events = v["device_traces"][0].as_array().expect("a trace").len();
+    assert_eq!(r.compared.total(), events as u64);
+    r
+}
+
+/// Where `v` diverges; it must.
+fn diverges(v: &Value) -> Divergence {
+    checked(v)
+        .divergence
+        .expect("the recording cannot be replayed this way")
+}
+
+/// `v` as if every block and segment were the default pool's.
+fn without_pools(mut v: Value) -> Value {
+    for e in v["device_traces"][0].as_array_mut().expect("a trace") {
+        e["pool_id"] = json!([0, 0]);
+    }
+    for s in v["segments"].as_array_mut().expect("segments") {
+        s["segment_pool_id"] = json!([0, 0]);
+    }
+    v
+}
+
+/// `v` as PyTorch before 2.12 records it: trace entries without `pool_id`.
+fn without_trace_pool_ids(mut v: Value) -> Value {
+    for e in v["device_traces"][0].as_array_mut().expect("a trace") {
+        e.as_object_mut().expect("an entry").remove("pool_id");
+    }
+    v
+}
+
+/// Whether any recorded event lies in `pool`.
+fn has_events_in(v: &Value, pool: PoolId) -> bool {
+    v["device_traces"][0]
+        .as_array()
+        .expect("a trace")
+        .iter()
+        .any(|e| e["pool_id"] == json!([pool.0, pool.1]))
+}
+
+#[test]
+fn blocks_are_reused_only_within_their_pool_in_replay() {
+    let mut a = recording(GIB, "");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let p = malloc(&mut a, 4 * MIB, S0);
+    free(&mut a, p);
+    unroute(&mut a);
+    // The pool's cached block is not the default request's: a segment of its own.
+    let _d = malloc(&mut a, 4 * MIB, S0);
+    let v = snapshot(&mut a);
+    assert!(has_events_in(&v, GRAPH));
+    exact(&v);
+    let d = diverges(&without_pools(v.clone()));
+    assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
+    // Before 2.12 the pools are read off the segments, which both survive.
+    let r = exact(&without_trace_pool_ids(v));
+    let inferred = r.inferred_pools.expect("pools inferred");
+    assert_eq!(inferred.assumed, 0);
+    assert!(inferred.from_segments > 0);
+    assert!(
+        r.notes.iter().any(|n| n.contains("records no pools")),
+        "{:?}",
+        r.notes
+    );
+}
+
+#[test]
+fn a_pool_keeps_its_cache_until_released_and_then_gives_whole_segments_back() {
+    let mut a = recording(GIB, "");
+    a.create_pool(GRAPH, PoolOptions::default()).expect("new");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let whole = malloc(&mut a, 30 * MIB, S0);
+    let _kept = malloc(&mut a, 4 * MIB, S0);
+    let freed = malloc(&mut a, 4 * MIB, S0);
+    free(&mut a, whole);
+    free(&mut a, freed);
+    unroute(&mut a);
+    // Referenced: the flush leaves the pool alone, and a default request of the same size
+    // gets a segment of its own.
+    empty_cache(&mut a);
+    let _x = malloc(&mut a, 30 * MIB, S0);
+    // The last references go: the flush frees the whole segment, not the split one.
+    a.release_pool(GRAPH).expect("routed once");
+    a.release_pool(GRAPH).expect("made once");
+    empty_cache(&mut a);
+    let v = snapshot(&mut a);
+    let last = v["device_traces"][0]
+        .as_array()
+        .expect("a trace")
+        .last()
+        .cloned()
+        .expect("events");
+    assert_eq!(last["action"], "segment_free");
+    assert_eq!(last["pool_id"], json!([0, 1]));
+    exact(&v);
+    diverges(&without_pools(v.clone()));
+    // Before 2.12 the released segment's pool died with it: its events are assumed the
+    // default pool's, the replay says so, and it cannot reproduce them.
+    let untraced = without_trace_pool_ids(v);
+    let r = checked(&untraced);
+    let inferred = r.inferred_pools.expect("pools inferred");
+    assert!(inferred.assumed > 0 && inferred.first_assumed.is_some());
+    assert!(
+        r.notes
+            .iter()
+            .any(|n| n.contains("released before the snapshot")),
+        "{:?}",
+        r.notes
+    );
+    assert!(r.divergence.is_some());
+}
+
+#[test]
+fn a_default_request_served_from_a_use_on_oom_pool_replays_in_that_pool() {
+    let mut a = recording(64 * MIB, "");
+    let options = PoolOptions {
+        use_on_oom: true,
+        no_split: false,
+    };
+    a.create_pool(GRAPH, options).expect("new");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let p = malloc(&mut a, 40 * MIB, S0);
+    free(&mut a, p);
+    unroute(&mut a);
+    // 24 MiB left on the device: a 20 MiB segment for 10 MiB, then nothing for 30 MiB but
+    // the pool's cached block.
+    let _q = malloc(&mut a, 10 * MIB, S0);
+    let r = malloc(&mut a, 30 * MIB, S0);
+    assert_eq!(r, p, "served from the pool");
+    let v = snapshot(&mut a);
+    let trace = v["device_traces"][0].as_array().expect("a trace");
+    let served = trace
+        .iter()
+        .rposition(|e| e["action"] == "alloc")
+        .expect("allocations");
+    assert_eq!(trace[served]["pool_id"], json!([0, 1]));
+    exact(&v);
+    // Read as a default request that no pool may serve, it runs out of memory.
+    let mut default = v.clone();
+    default["device_traces"][0][served]["pool_id"] = json!([0, 0]);
+    let d = diverges(&default);
+    assert_eq!(d.index, served, "{d:?}");
+    assert!(d.actual.starts_with("oom"), "{d:?}");
+}
+
+#[test]
+fn a_no_split_pool_is_read_off_its_whole_blocks() {
+    let mut a = recording(GIB, "");
+    let options = PoolOptions {
+        use_on_oom: false,
+        no_split: true,
+    };
+    a.create_pool(GRAPH, options).expect("new");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let _p = malloc(&mut a, 4 * MIB, S0);
+    let _q = malloc(&mut a, 4 * MIB, S0);
+    unroute(&mut a);
+    let v = snapshot(&mut a);
+    let segments = v["segments"].as_array().expect("segments");
+    assert_eq!(segments.len(), 2, "each request took a whole segment");
+    exact(&v);
+    exact(&without_trace_pool_ids(v.clone()));
+    // In the default pool the first segment is split and serves the second request.
+    let d = diverges(&without_pools(v));
+    assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
+}
+
+#[test]
+fn expandable_segments_replay_per_pool() {
+    let mut a = recording(GIB, "expandable_segments:True");
+    let _d = malloc(&mut a, 4 * MIB, S0);
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let _g = malloc(&mut a, 4 * MIB, S0);
+    unroute(&mut a);
+    let _e = malloc(&mut a, 4 * MIB, S0);
+    let v = snapshot(&mut a);
+    exact(&v);
+    exact(&without_trace_pool_ids(v.clone()));
+    // In one pool, the second request is served from the first page's free rest.
+    let d = diverges(&without_pools(v));
+    assert!(d.expected.starts_with("segment_map"), "{d:?}");
+}
+
+#[test]
+fn an_oom_in_a_graph_pool_replays_without_the_flush_a_capture_skips() {
+    let mut a = recording(64 * MIB, "");
+    let cached = malloc(&mut a, 40 * MIB, S0);
+    free(&mut a, cached);
+    route(&mut a, StreamFilter::Streams(vec![S1]), RouteKind::Capture);
+    assert!(a.malloc(40 * MIB, S1).is_err());
+    unroute(&mut a);
+    let v = snapshot(&mut a);
+    let trace = v["device_traces"][0].as_array().expect("a trace");
+    let oom = trace.last().expect("events");
+    assert_eq!(
+        (&oom["action"], &oom["pool_id"]),
+        (&json!("oom"), &json!([0, 1]))
+    );
+    let r = exact(&v);
+    assert_eq!(r.compared.ooms, 1);
+    // A default request would have flushed the cached segment first.
+    let d = diverges(&without_pools(v));
+    assert!(d.actual.starts_with("segment_free"), "{d:?}");
+}
+
+/// gpumem's own recordings of random runs with MemPools replay exactly, with pools recorded:
+/// allocations, frees used by other streams, routes, releases, flushes, OOMs. Captures are
+/// left out: a recording does not show when one was under way (Note [Replaying pools]).
+#[test]
+fn random_runs_with_pools_replay_exactly() {
+    use gpumem::ops::{Op, Run};
+    use gpumem::workload::XorShift;
+
+    let mut rng = XorShift::new(31);
+    let (mut private_events, mut private_releases, mut ooms) = (0, 0, 0);
+    for case in 0..40 {
+        let mut run = Run::new();
+        run.alloc.record_history(Some(1 << 20));
+        for _ in 0..600 {
+            let op = match Op::decode(rng.next_u64(), rng.next_u64(), rng.next_u64()) {
+                Op::BeginPool { pool, .. } => Op::BeginPool {
+                    pool,
+                    capture: None,
+                },
+                // A pool's options are fixed when PyTorch makes it (ids are not reused); the
+                // operations may switch `no_split` on midway, which a replay reading it off
+                // the final state cannot follow.
+                Op::CreatePool { pool, options } => Op::CreatePool {
+                    pool,
+                    options: PoolOptions {
+                        no_split: false,
+                        ..options
+                    },
+                },
+                op @ (Op::Malloc { .. }
+                | Op::Free { .. }
+                | Op::RecordStream { .. }
+                | Op::CompleteStream { .. }
+                | Op::EmptyCache
+                | Op::EndPool { .. }
+                | Op::ReleasePool { .. }) => op,
+                _ => continue,
+            };
+            run.apply(&op).expect("invariants hold");
+        }
+        let v = snapshot(&mut run.alloc);
+        let r = checked(&v);
+        if let Some(d) = &r.divergence {
+            panic!(
+                "case {case} diverges at #{}: expected {}, got {}\n{}",
+                d.index,
+                d.expected,
+                d.actual,
+                d.context.join("\n")
+            );
+        }
+        for e in v["device_traces"][0].as_array().expect("a trace") {
+            if e["pool_id"] != json!([0, 0]) {
+                private_events += 1;
+                private_releases += usize::from(e["action"] == "segment_free");
+                ooms += usize::from(e["action"] == "oom");
+            }
+        }
+    }
+    eprintln!("{private_events} events, {private_releases} releases, {ooms} OOMs in private pools");
+    // The runs reach what the replay of pools must follow.
+    assert!(
+        private_events > 1000 && private_releases > 10 && ooms > 0,
+        "{private_events} events, {private_releases} releases, {ooms} OOMs in private pools"
+    );
+}
