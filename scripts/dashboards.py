@@ -259,7 +259,8 @@ def overview():
               "Per process that pushed its figures with an out-of-memory error (gpumem_push), "
               "where its device's memory was at that moment, in parts that add up to the "
               "device: allocated (live tensors as requested), rounding, fragmented (cached, in "
-              "pieces too small or in the other pool), other_streams, pending_stream_frees, "
+              "pieces too small or in the other pool), other_streams, other_pools (cached in "
+              "CUDA graphs' and MemPools' private pools), pending_stream_frees, "
               "free, outside_allocator. Large fragmented or other_streams beside the request "
               "means a setting can help: run gpumem explain on a memory snapshot.",
               (0, 30, 24, 8),

@@ -107,11 +107,14 @@ def check_oom(oom):
         return "oom pools must list at most 64 entries"
     seen = set()
     for p in pools:
-        if not isinstance(p, dict) or set(p) != POOL_KEYS or p["pool"] not in ("small", "large"):
+        if (not isinstance(p, dict) or set(p) - {"private"} != POOL_KEYS
+                or p["pool"] not in ("small", "large")
+                or not isinstance(p.get("private", False), bool)):
             return f"bad oom pool {p!r}"
-        if (p["pool"], p["stream"]) in seen:
+        key = (p["pool"], p["stream"], p.get("private", False))
+        if key in seen:
             return f"oom pool listed twice {p!r}"
-        seen.add((p["pool"], p["stream"]))
+        seen.add(key)
         if p["requested"] > p["allocated"] or p["largest_free"] > p["free"]:
             return f"inconsistent oom pool {p!r}"
         if (p["segments_with_free"] == 0) != (p["free"] == 0):

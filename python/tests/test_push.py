@@ -532,11 +532,12 @@ class OomFigures(unittest.TestCase):
 
     def test_pools_past_the_agents_bound_are_added_into_another_streams_entry(self):
         import gpumem_push
-        pools = {("large", s): {"allocated": s * MIB, "requested": s * MIB, "pending_free": 0,
-                                "free": MIB, "largest_free": MIB, "segments_with_free": 1}
+        pools = {("large", s, False): {"allocated": s * MIB, "requested": s * MIB,
+                                       "pending_free": 0, "free": MIB, "largest_free": MIB,
+                                       "segments_with_free": 1}
                  for s in range(1, 101)}
-        pools[("small", 50)] = {"allocated": 0, "requested": 0, "pending_free": MIB,
-                                "free": 0, "largest_free": 0, "segments_with_free": 0}
+        pools[("small", 50, False)] = {"allocated": 0, "requested": 0, "pending_free": MIB,
+                                       "free": 0, "largest_free": 0, "segments_with_free": 0}
         out = gpumem_push._oom_pools(pools, stream=50)
         self.assertEqual(len(out), gpumem_push.MAX_OOM_POOLS)
         # The request's stream first, both its pools, then the others by reserved bytes.
@@ -548,6 +549,25 @@ class OomFigures(unittest.TestCase):
         oom = {"size": MIB, "stream": 50, "device_total": 1 << 40, "device_free": 0,
                "pools": out}
         self.assertIsNone(check_oom(oom))
+
+    def test_private_pools_are_sent_apart_from_the_default_pools(self):
+        import types
+        import gpumem_push
+        def segment(pool_id, free):
+            return {"device": 0, "total_size": 20 * MIB, "segment_type": "large", "stream": 0,
+                    "segment_pool_id": pool_id,
+                    "blocks": [{"size": 20 * MIB - free, "state": "active_allocated",
+                                "requested_size": 4 * MIB},
+                               {"size": free, "state": "inactive", "requested_size": 0}]}
+        # A graph's pool and the default pool on the same stream: two entries, the graph's
+        # marked private, the default one first.
+        snapshot = [segment((7, 0), 12 * MIB), segment((0, 0), 2 * MIB)]
+        torch = types.SimpleNamespace(
+            cuda=types.SimpleNamespace(memory_snapshot=lambda: snapshot))
+        oom = gpumem_push._snapshot_summary(torch, (0, 8 * MIB, 1 << 30, 0, 0))[0]["oom"]
+        self.assertIsNone(check_oom(oom))
+        self.assertEqual([(p["free"], p.get("private")) for p in oom["pools"]],
+                         [(2 * MIB, None), (12 * MIB, True)])
 
     def test_figures_that_cannot_add_up_are_not_sent(self):
         import types

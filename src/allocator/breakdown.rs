@@ -4,8 +4,9 @@
 //! computes it from a replayed snapshot. One accounting, so the two always agree.
 //!
 //! # Invariants
-//! - requested + rounding + fragmented + other streams + pending stream frees is the reserved
-//!   memory; with free and outside the allocator (where known) it is the device's total.
+//! - requested + rounding + fragmented + other streams + other pools + pending stream frees
+//!   is the reserved memory; with free and outside the allocator (where known) it is the
+//!   device's total.
 
 use serde::Serialize;
 
@@ -24,6 +25,10 @@ pub struct Breakdown {
     pub fragmented: u64,
     /// Cached and free, but in pools of other streams.
     pub other_streams: u64,
+    /// Cached and free, but in pools the request could not use: private pools (CUDA graphs,
+    /// MemPools) for a default-pool request, every other pool for a request routed to a
+    /// private one.
+    pub other_pools: u64,
     /// Freed by the program, waiting on other streams' events (`record_stream`).
     pub pending_stream_frees: u64,
     /// Free on the device, as the `oom` entry recorded it.
@@ -33,9 +38,12 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
+    /// How many parts there are.
+    pub const PARTS: usize = 8;
+
     /// The parts in the order they are shown: JSON field, what it holds, bytes (`None` where
     /// unknown).
-    pub fn parts(&self) -> [(&'static str, &'static str, Option<u64>); 7] {
+    pub fn parts(&self) -> [(&'static str, &'static str, Option<u64>); Self::PARTS] {
         [
             (
                 "requested",
@@ -52,6 +60,11 @@ impl Breakdown {
                 "other_streams",
                 "cached, free, other streams' pools",
                 Some(self.other_streams),
+            ),
+            (
+                "other_pools",
+                "cached, free, other pools (CUDA graphs, MemPools)",
+                Some(self.other_pools),
             ),
             (
                 "pending_stream_frees",
@@ -80,6 +93,8 @@ pub enum Kind {
     PendingStreamFrees,
     /// Enough was cached, on other streams.
     OtherStreams,
+    /// Enough was cached, in other pools (a CUDA graph's, a MemPool's).
+    OtherPools,
     /// Memory outside the allocator made the difference.
     OutsideAllocator,
 }
@@ -153,22 +168,38 @@ impl PoolFigures {
 }
 
 impl Accounting {
-    /// Adds one segment (or mapped run) on `stream` in `pool`: its blocks' sizes, requested
-    /// sizes and states.
+    /// Adds one segment (or mapped run) on `stream` of kind `pool`, in the request's own
+    /// pool (the default pool or the private one it was routed to) or not: its blocks'
+    /// sizes, requested sizes and states.
     pub fn add_segment(
         &mut self,
         request: Request,
         stream: u64,
         pool: &str,
+        own_pool: bool,
         blocks: impl IntoIterator<Item = (u64, u64, BlockState)>,
     ) {
-        self.add(request, stream, pool, &PoolFigures::of_blocks(blocks));
+        self.add(
+            request,
+            stream,
+            pool,
+            own_pool,
+            &PoolFigures::of_blocks(blocks),
+        );
     }
 
-    /// Adds the figures of segments on `stream` in `pool`.
-    pub fn add(&mut self, request: Request, stream: u64, pool: &str, f: &PoolFigures) {
+    /// Adds the figures of segments on `stream` of kind `pool`, in the request's own pool or
+    /// not.
+    pub fn add(
+        &mut self,
+        request: Request,
+        stream: u64,
+        pool: &str,
+        own_pool: bool,
+        f: &PoolFigures,
+    ) {
         let same_stream = stream == request.stream;
-        let usable = same_stream && pool == request.pool;
+        let usable = own_pool && same_stream && pool == request.pool;
         let b = &mut self.breakdown;
         let requested = f.requested.min(f.allocated);
         self.reserved += f.allocated + f.pending_free + f.free;
@@ -176,7 +207,9 @@ impl Accounting {
         b.requested += requested;
         b.rounding += f.allocated - requested;
         b.pending_stream_frees += f.pending_free;
-        if same_stream {
+        if !own_pool {
+            b.other_pools += f.free;
+        } else if same_stream {
             b.fragmented += f.free;
         } else {
             b.other_streams += f.free;
@@ -253,6 +286,7 @@ fn kinds(b: &Breakdown, rounded: u64, available: Option<u64>, total: Option<u64>
         (b.fragmented, Kind::Fragmentation),
         (b.pending_stream_frees, Kind::PendingStreamFrees),
         (b.other_streams, Kind::OtherStreams),
+        (b.other_pools, Kind::OtherPools),
     ];
     parts.retain(|&(bytes, _)| bytes > 0);
     parts.sort_by_key(|&(bytes, _)| std::cmp::Reverse(bytes));
@@ -320,6 +354,11 @@ fn sentence(
             f(b.other_streams),
             f(request.rounded),
             request.stream
+        ),
+        Kind::OtherPools => format!(
+            "{} were cached free, but in pools the {} request could not use (a CUDA graph's or a MemPool's private pool, or the default pool for a request routed to one): empty_cache() frees a private pool's cache only once its owner (the graph, the MemPool) is released.",
+            f(b.other_pools),
+            f(request.rounded)
         ),
         Kind::OutsideAllocator => format!(
             "{} of the device were held outside the allocator (other processes, the CUDA context, libraries): the job had {}, and {} live plus the {} request would have fit on the device without them.",

@@ -218,7 +218,7 @@ impl<D: Device> CachingAllocator<D> {
             let blocks = run
                 .iter()
                 .map(|b| (b.size, b.requested_size, b.snapshot_state()));
-            accounting.add_segment(request, stream, pool, blocks);
+            accounting.add_segment(request, stream, pool, run[0].owner == owner, blocks);
         }
         // The limit of a memory fraction is the job's device.
         let total = self

@@ -107,6 +107,9 @@ pub(crate) fn run(args: Args) -> CliResult {
             r.pool,
             r.stream
         )?;
+        if !r.pool_id.is_default() {
+            outln!("  routed to private pool {}", r.pool_id)?;
+        }
     }
     for line in &r.context {
         outln!("  {line}")?;
@@ -118,13 +121,24 @@ pub(crate) fn run(args: Args) -> CliResult {
             d.index
         )?;
     }
-    if let Some(p) = &e.private_pools {
+    if !e.private_pools.is_empty() {
         outln!(
-            "{} segments ({}) belong to {} private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far",
-            p.segments,
-            f(p.reserved),
-            p.pools
+            "\nprivate pools (only their own requests use them; empty_cache() frees their cache only once the graph or MemPool owning them is released, which a recording does not show):"
         )?;
+        for p in &e.private_pools {
+            let kind = if p.kind == "graph" {
+                "a CUDA graph's own pool"
+            } else {
+                "a MemPool or shared graph pool"
+            };
+            outln!(
+                "  pool {} ({kind}): {} in {} segments, {} cached free",
+                p.id,
+                f(p.reserved),
+                p.segments,
+                f(p.free)
+            )?;
+        }
     }
     let b = &e.breakdown;
     if e.total_known {

@@ -15,12 +15,16 @@
 //!                    "segments_with_free": 1}]}
 //! ```
 //!
+//! An entry with `"private": true` holds the segments of private pools (CUDA graphs,
+//! MemPools) of its pool kind and stream: the request, a default pool's as far as the hook
+//! knows, could not use their free bytes.
+//!
 //! The request's pool follows from the segment size (2 MiB segments serve the small pool), and
 //! the request counts as that size: up to 2 MiB more than the rounded request of a large
 //! allocation (19 MiB for one of 1 to 10 MiB), so the verdict errs only at that margin.
 //!
 //! # Invariants (budgets)
-//! - At most [`MAX_POOLS`] (pool, stream) entries, each listed once; every byte figure below
+//! - At most [`MAX_POOLS`] (pool, stream, private) entries, each listed once; every byte figure below
 //!   2^60 and the reserved memory they add up to too, so the sums cannot overflow; requested
 //!   at most allocated, the largest free block at most the free bytes, segments with free
 //!   bytes only where there are free bytes and at most 2^53; the pools reserve at most the
@@ -60,6 +64,10 @@ pub(crate) struct PushedPool {
     free: u64,
     largest_free: u64,
     segments_with_free: u64,
+    /// Segments of private pools (CUDA graphs, MemPools), which the request (a default
+    /// pool's, as far as the hook knows) could not use.
+    #[serde(default)]
+    private: bool,
 }
 
 /// The explanation of device `index`'s OOM, or why its figures are refused.
@@ -88,7 +96,7 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
         stream: oom.stream,
     };
     let mut accounting = Accounting::default();
-    let mut seen: Vec<(&str, u64)> = Vec::with_capacity(oom.pools.len());
+    let mut seen: Vec<(&str, u64, bool)> = Vec::with_capacity(oom.pools.len());
     for p in &oom.pools {
         let pool = match p.pool.as_str() {
             "small" => "small",
@@ -100,13 +108,14 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
                 )));
             }
         };
-        if seen.contains(&(pool, p.stream)) {
+        if seen.contains(&(pool, p.stream, p.private)) {
             return Err(at(format!(
-                "the {pool} pool of stream {} is listed twice",
+                "the {}{pool} pool of stream {} is listed twice",
+                if p.private { "private " } else { "" },
                 p.stream
             )));
         }
-        seen.push((pool, p.stream));
+        seen.push((pool, p.stream, p.private));
         for (name, v) in [
             ("allocated", p.allocated),
             ("requested", p.requested),
@@ -135,6 +144,7 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
             request,
             p.stream,
             pool,
+            !p.private,
             &PoolFigures {
                 allocated: p.allocated,
                 requested: p.requested,

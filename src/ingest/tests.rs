@@ -528,6 +528,47 @@ fn oom_push(seq: u64, ooms: u64, size: u64, free: u64, pools: serde_json::Value)
 }
 
 #[test]
+fn an_oom_push_tells_a_private_pools_cache_apart() {
+    use crate::allocator::breakdown::Kind;
+    let mib = 1u64 << 20;
+    let (store, sources) = store(4);
+    // 600 MiB cached free in a CUDA graph's pool on the request's own stream, 40 MiB in
+    // the default pool: a 200 MiB request fails for the graph's cache.
+    let pools = serde_json::json!([
+        {"pool": "large", "stream": 7, "allocated": 200 * mib, "requested": 200 * mib,
+         "pending_free": 0, "free": 40 * mib, "largest_free": 40 * mib, "segments_with_free": 1},
+        {"pool": "large", "stream": 7, "allocated": 100 * mib, "requested": 100 * mib,
+         "pending_free": 0, "free": 600 * mib, "largest_free": 600 * mib,
+         "segments_with_free": 1, "private": true}
+    ]);
+    store
+        .push_at(
+            &oom_push(1, 1, 200 * mib, 20 * mib, pools.clone()),
+            None,
+            Instant::now(),
+        )
+        .expect("accepted");
+    let oom = sources.snapshot()[0].last_oom().expect("explained");
+    let b = &oom.breakdown;
+    assert_eq!((b.fragmented, b.other_pools), (40 * mib, 600 * mib));
+    assert_eq!(oom.kind, Kind::OtherPools, "{}", oom.why);
+    assert!(oom.why.contains("600.00 MiB"), "{}", oom.why);
+    // One kind of pool of a stream, listed twice, is refused; private or not tells two apart.
+    let mut twice = pools.clone();
+    twice.as_array_mut().expect("a list").push(pools[1].clone());
+    let (store, _) = self::store(4);
+    assert!(
+        store
+            .push_at(
+                &oom_push(1, 1, 200 * mib, 20 * mib, twice),
+                None,
+                Instant::now()
+            )
+            .is_err()
+    );
+}
+
+#[test]
 fn an_oom_push_is_explained_with_the_cores_accounting() {
     use crate::allocator::breakdown::Kind;
     let mib = 1u64 << 20;
@@ -559,6 +600,7 @@ fn an_oom_push_is_explained_with_the_cores_accounting() {
         + b.rounding
         + b.fragmented
         + b.other_streams
+        + b.other_pools
         + b.pending_stream_frees
         + b.free.unwrap_or(0)
         + b.outside_allocator.unwrap_or(0);

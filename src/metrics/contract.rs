@@ -287,7 +287,7 @@ metric!(
     "gpumem_oom_breakdown_bytes",
     Gauge,
     ALLOCATOR_KIND,
-    "Where the device's memory was at the process's last out-of-memory error, in parts that add up to the device's total (kind: allocated, rounding, fragmented, other_streams, pending_stream_frees, free, outside_allocator); kept with the process's series, until its next OOM."
+    "Where the device's memory was at the process's last out-of-memory error, in parts that add up to the device's total (kind: allocated, rounding, fragmented, other_streams, other_pools, pending_stream_frees, free, outside_allocator); kept with the process's series, until its next OOM."
 );
 metric!(
     LAST_OOM_TIMESTAMP,

@@ -28,7 +28,7 @@ use serde::Serialize;
 use crate::allocator::breakdown::{self, Accounting};
 pub use crate::allocator::breakdown::{Breakdown, Kind};
 use crate::allocator::size::{PoolKind, round_size};
-use crate::allocator::{BlockState, TraceAction};
+use crate::allocator::{BlockState, PoolId, TraceAction};
 
 use super::Recording;
 use super::replay::{
@@ -67,6 +67,9 @@ pub struct Request {
     pub rounded: u64,
     /// The pool that serves it: "small" or "large".
     pub pool: &'static str,
+    /// The pool it went to: the default `(0, 0)`, or the private pool it was routed to (as
+    /// recorded, or inferred: Note [Inferred pools]).
+    pub pool_id: PoolId,
     /// The stream it was asked on.
     pub stream: u64,
     /// What the recording says of the request beside its stack: its compile context, user
@@ -111,41 +114,68 @@ pub struct Explanation {
     pub divergence: Option<Divergence>,
     /// The best-fit order replayed under and how it was found.
     pub ordering: Option<OrderingReport>,
-    /// The recording's segments of private pools (CUDA graphs, MemPools) on the device, where
-    /// it has any: in a snapshot without a trace they are counted with the default pools
-    /// (gpumem does not model private pools yet); a trace with them is not replayed.
-    pub private_pools: Option<PrivatePools>,
+    /// The private pools (CUDA graphs, MemPools) holding memory at that moment, most
+    /// reserved first.
+    pub private_pools: Vec<PrivatePool>,
     /// At an OOM that a setting might avoid: each candidate configuration, replayed over the
     /// whole trace within the memory the job had, those with no OOM first (least peak
-    /// reserved first). Empty when live tensors and the request exceed what the job had:
-    /// no setting can help then.
+    /// reserved first). Empty where no setting can help: live tensors and the request
+    /// exceed what the job had, or the room was held outside the allocator or cached in
+    /// private pools.
     pub candidates: Vec<Candidate>,
 }
 
-/// Segments of private pools.
+/// A private pool's memory at the moment explained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct PrivatePools {
-    /// Distinct private pools.
-    pub pools: usize,
-    /// Their segments.
+pub struct PrivatePool {
+    /// Its id.
+    pub id: PoolId,
+    /// `graph`: a capture's own pool `(capture id, 0)`; `mem_pool`: `(0, id)`, a
+    /// `torch.cuda.MemPool` or a `graph_pool_handle()` that captures share.
+    pub kind: &'static str,
+    /// Its segments (mapped runs of expandable ones).
     pub segments: usize,
     /// Their bytes.
     pub reserved: u64,
+    /// Bytes cached free in them: no other pool's requests can use them, and `empty_cache()`
+    /// frees them only once the pool's owner (the graph, the MemPool) is released, which a
+    /// recording does not show.
+    pub free: u64,
 }
 
-/// The private pools' segments of `device` in `recording`, if any.
-fn private_pools(recording: &Recording, device: u32) -> Option<PrivatePools> {
-    let private: Vec<_> = recording
-        .segments
-        .iter()
-        .filter(|s| s.device == device && !s.pool_id.is_default())
-        .collect();
-    let pools: rustc_hash::FxHashSet<_> = private.iter().map(|s| s.pool_id).collect();
-    (!private.is_empty()).then(|| PrivatePools {
-        pools: pools.len(),
-        segments: private.len(),
-        reserved: private.iter().map(|s| s.total_size).sum(),
-    })
+/// The private pools holding memory in `snapshot` on `device`, most reserved first.
+fn private_pools(snapshot: &crate::allocator::Snapshot, device: u32) -> Vec<PrivatePool> {
+    let mut pools: Vec<PrivatePool> = Vec::new();
+    for s in snapshot.segments.iter() {
+        if s.device != device || s.segment_pool_id.is_default() {
+            continue;
+        }
+        let at = match pools.iter().position(|p| p.id == s.segment_pool_id) {
+            Some(at) => at,
+            None => {
+                let id = s.segment_pool_id;
+                pools.push(PrivatePool {
+                    id,
+                    kind: if id.0 != 0 { "graph" } else { "mem_pool" },
+                    segments: 0,
+                    reserved: 0,
+                    free: 0,
+                });
+                pools.len() - 1
+            }
+        };
+        let pool = &mut pools[at];
+        pool.segments += 1;
+        pool.reserved += s.total_size;
+        pool.free += s
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Inactive)
+            .map(|b| b.size)
+            .sum::<u64>();
+    }
+    pools.sort_by_key(|p| (std::cmp::Reverse(p.reserved), p.id));
+    pools
 }
 
 /// A configuration tried against the recording.
@@ -345,6 +375,7 @@ pub fn explain_at(
                 bytes: e.size,
                 rounded,
                 pool: PoolKind::for_size(rounded).segment_type(),
+                pool_id: e.pool,
                 stream: e.stream,
                 context,
             }
@@ -363,7 +394,14 @@ pub fn explain_at(
             .blocks
             .iter()
             .map(|b| (b.size, b.requested_size, b.state));
-        accounting.add_segment(wanted, segment.stream, segment.segment_type, blocks);
+        let own_pool = segment.segment_pool_id == request.pool_id;
+        accounting.add_segment(
+            wanted,
+            segment.stream,
+            segment.segment_type,
+            own_pool,
+            blocks,
+        );
     }
     let pinning = pinning(recording, device as usize, upto, &snapshot);
     let free = entry
@@ -373,7 +411,13 @@ pub fn explain_at(
     let available = accounting.available();
     let kinds = accounting.kinds(wanted, total_known.then_some(total));
     let candidates = match available {
-        Some(available) if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator) => {
+        // No setting reaches memory outside the allocator or a private pool's cache.
+        Some(available)
+            if !matches!(
+                kinds[0],
+                Kind::TooBig | Kind::OutsideAllocator | Kind::OtherPools
+            ) =>
+        {
             search(recording, device, total, available, readings)?
         }
         _ => Vec::new(),
@@ -402,7 +446,7 @@ pub fn explain_at(
         pinning,
         divergence,
         ordering: readings.ordering().cloned(),
-        private_pools: private_pools(recording, device),
+        private_pools: private_pools(&snapshot, device),
         candidates,
     })
 }
@@ -420,7 +464,10 @@ fn first_uncached_request(
     for segment in snapshot.segments.iter().filter(|s| s.device == device) {
         let (held, largest) = by_stream.entry(segment.stream).or_default();
         *held += segment.total_size;
-        if segment.segment_type == PoolKind::Large.segment_type() {
+        // A default request: a private pool's blocks are not its to use.
+        if segment.segment_type == PoolKind::Large.segment_type()
+            && segment.segment_pool_id.is_default()
+        {
             let free = segment
                 .blocks
                 .iter()
@@ -441,6 +488,7 @@ fn first_uncached_request(
         bytes,
         rounded,
         pool: PoolKind::Large.segment_type(),
+        pool_id: PoolId::DEFAULT,
         stream,
         context: Vec::new(),
     }

@@ -11,14 +11,16 @@
 
 use std::fmt::Write;
 
+use crate::allocator::PoolId;
+use crate::allocator::breakdown::Breakdown;
 use crate::allocator::size::format_size;
 use crate::trace::explain::Explanation;
 
 use super::{escape, page};
 
 /// The colours of the breakdown's parts, in [`Breakdown::parts`](crate::allocator::breakdown::Breakdown::parts)'s order.
-const COLOURS: [&str; 7] = [
-    "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#9467bd", "#2ca02c", "#7f7f7f",
+const COLOURS: [&str; Breakdown::PARTS] = [
+    "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#ffbb78", "#9467bd", "#2ca02c", "#7f7f7f",
 ];
 
 /// A table row: a heading (markup the page writes, never recorded text) and a cell.
@@ -42,6 +44,14 @@ fn bytes_cell(field: &str, bytes: Option<u64>) -> String {
 /// A plain number or boolean.
 fn value_cell(field: &str, value: impl std::fmt::Display) -> String {
     format!("<td class=\"num\" data-field=\"{field}\" data-value=\"{value}\">{value}</td>")
+}
+
+/// A pool id, `(a, b)`: each part its own figure (the JSON's two-element list).
+fn pool_id_cell(field: &str, id: PoolId) -> String {
+    format!(
+        "<td class=\"num\">(<span data-field=\"{field}.0\" data-value=\"{0}\">{0}</span>, <span data-field=\"{field}.1\" data-value=\"{1}\">{1}</span>)</td>",
+        id.0, id.1
+    )
 }
 
 /// A string: its text is its value.
@@ -192,6 +202,11 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         bytes_cell("request.rounded", Some(r.rounded)),
     );
     row(&mut b, "pool", text_cell("request.pool", r.pool));
+    row(
+        &mut b,
+        "pool id",
+        pool_id_cell("request.pool_id", r.pool_id),
+    );
     row(&mut b, "stream", value_cell("request.stream", r.stream));
     for (i, line) in r.context.iter().enumerate() {
         row(
@@ -201,31 +216,26 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         );
     }
     let _ = writeln!(b, "</table>");
-    match &e.private_pools {
-        Some(p) => {
+    if e.private_pools.is_empty() {
+        let _ = writeln!(b, "<p>No private pool held memory.</p>");
+    } else {
+        let _ = writeln!(
+            b,
+            "<h2>Private pools</h2>\n<p class=\"note\">Memory of CUDA graphs' and MemPools' pools: only their own requests use it, and <code>empty_cache()</code> frees it only once the pool's owner (the graph, the MemPool) is released, which a recording does not show.</p>\n<table id=\"private-pools\"><tr><th>pool</th><th>kind</th><th>segments</th><th>reserved</th><th>cached free</th></tr>"
+        );
+        for (i, p) in e.private_pools.iter().enumerate() {
+            let at = |name: &str| format!("private_pools.{i}.{name}");
             let _ = writeln!(
                 b,
-                "<h2>Private pools</h2>\n<p class=\"note\">Segments of private pools (CUDA graphs, MemPools): counted here with the default pools, which gpumem models alone so far.</p>\n<table id=\"private-pools\">"
-            );
-            row(&mut b, "pools", value_cell("private_pools.pools", p.pools));
-            row(
-                &mut b,
-                "segments",
-                value_cell("private_pools.segments", p.segments),
-            );
-            row(
-                &mut b,
-                "reserved",
-                bytes_cell("private_pools.reserved", Some(p.reserved)),
-            );
-            let _ = writeln!(b, "</table>");
-        }
-        None => {
-            let _ = writeln!(
-                b,
-                "<p data-field=\"private_pools\" data-value=\"null\">No segments of private pools.</p>"
+                "<tr>{}{}{}{}{}</tr>",
+                pool_id_cell(&at("id"), p.id),
+                text_cell(&at("kind"), p.kind),
+                value_cell(&at("segments"), p.segments),
+                bytes_cell(&at("reserved"), Some(p.reserved)),
+                bytes_cell(&at("free"), Some(p.free)),
             );
         }
+        let _ = writeln!(b, "</table>");
     }
     ordering(&mut b, e);
 

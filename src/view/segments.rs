@@ -16,7 +16,7 @@
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::allocator::{BlockState, SegmentInfo};
+use crate::allocator::{BlockState, PoolId, SegmentInfo};
 use crate::trace::Recording;
 use crate::trace::block_stacks::BlockStacks;
 use crate::trace::frames::{ContextId, StackId};
@@ -62,6 +62,8 @@ pub struct MapSegment {
     pub stream: u64,
     /// "small" or "large".
     pub pool: &'static str,
+    /// Its pool: `(0, 0)` the default, else a private pool (CUDA graph, MemPool).
+    pub pool_id: PoolId,
     /// Its blocks, in address order.
     pub blocks: Vec<MapBlock>,
 }
@@ -183,6 +185,7 @@ pub fn map(
                 size: segment.total_size,
                 stream: segment.stream,
                 pool: segment.segment_type,
+                pool_id: segment.segment_pool_id,
                 blocks,
             });
         }

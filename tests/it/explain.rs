@@ -16,7 +16,12 @@ use crate::replay::shared_traces;
 /// The breakdown adds up to the reserved memory and, with free and outside, to the device.
 fn assert_adds_up(e: &Explanation) {
     let b = &e.breakdown;
-    let cached = b.requested + b.rounding + b.fragmented + b.other_streams + b.pending_stream_frees;
+    let cached = b.requested
+        + b.rounding
+        + b.fragmented
+        + b.other_streams
+        + b.other_pools
+        + b.pending_stream_frees;
     assert_eq!(cached, e.reserved, "{e:?}");
     if let (Some(free), Some(outside)) = (b.free, b.outside_allocator) {
         assert_eq!(cached + free + outside, e.total, "{e:?}");
@@ -496,7 +501,14 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
     let file = dir.join("frag <b>&.json");
     std::fs::write(&file, serde_json::to_vec(&doc).expect("json")).expect("write");
     let browser = crate::browser::Browser::start();
-    let mut cases = vec![(file.clone(), "explain-fragmentation.png")];
+    // An OOM beside a CUDA graph's cache: its pools' table and the request's pool id.
+    let graph = dir.join("graph-oom.json");
+    let graph_json = crate::replay_pools::graph_oom_recording();
+    std::fs::write(&graph, graph_json.to_string()).expect("write");
+    let mut cases = vec![
+        (file.clone(), "explain-fragmentation.png"),
+        (graph, "explain-graph-pool.png"),
+    ];
     if let Some(shared) = shared_traces() {
         cases.push((
             shared.join("dit_discrete_diffusion_train_oom_complete.pickle"),

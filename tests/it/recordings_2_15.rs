@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use gpumem::allocator::PoolId;
 use gpumem::trace::explain::{At, explain};
 use gpumem::trace::replay::ReplayError;
 use gpumem::trace::{ReplayOptions, parse_recording, read_recording, replay};
@@ -216,13 +217,20 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
     let e = explain(&rec, 0, At::Snapshot, None, None).expect("explains the state");
     assert!(e.request.hypothetical);
-    // The smallest large request past the largest cached block (20 MiB pieces).
-    assert_eq!(e.request.rounded, 20 * MIB + 512);
-    assert_eq!(e.largest_free_block, 20 * MIB);
-    let pools = e.private_pools.expect("private pools counted");
-    assert_eq!((pools.pools, pools.segments), (1, 1));
+    // The recording's one segment is now a MemPool's: its 20 MiB pieces are no default
+    // request's, so the smallest large request (just past the small pool's sizes) finds
+    // nothing, and the 400 MiB cached sit in another pool.
+    assert_eq!(v["segments"].as_array().map(Vec::len), Some(1));
+    assert_eq!(e.request.rounded, MIB + 512);
+    assert_eq!(e.largest_free_block, 0);
+    let pools = &e.private_pools;
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    assert_eq!(
+        (pools[0].id, pools[0].kind, pools[0].segments),
+        (PoolId(0, 1), "mem_pool", 1)
+    );
     assert!(
-        e.reserved > 0 && e.breakdown.fragmented >= 400 * MIB,
+        e.reserved > 0 && e.breakdown.other_pools >= 400 * MIB && e.breakdown.fragmented == 0,
         "{e:?}"
     );
     // The other moments need a trace.
@@ -242,7 +250,8 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("no trace recorded"), "{text}");
     assert!(
-        text.contains("1 segments") && text.contains("private pools"),
+        text.contains("pool (0, 1) (a MemPool or shared graph pool)")
+            && text.contains("in 1 segments"),
         "{text}"
     );
 
@@ -276,8 +285,16 @@ fn the_shared_traceless_snapshot_is_explained() {
     };
     let rec = read_recording(&dir.join("state_verl_vllm_qwen2.pickle")).expect("reads");
     let e = explain(&rec, 0, At::Snapshot, None, None).expect("explains");
-    let pools = e.private_pools.expect("its private pools");
-    assert_eq!(pools.segments, 68);
+    // Its two MemPools (or shared graph pools), named, hold 68 of its 127 segments.
+    let pools = &e.private_pools;
+    let ids: Vec<PoolId> = pools.iter().map(|p| p.id).collect();
+    assert_eq!(ids.len(), 2, "{pools:?}");
+    assert!(
+        ids.contains(&PoolId(0, 1)) && ids.contains(&PoolId(0, 2)),
+        "{ids:?}"
+    );
+    assert!(pools.iter().all(|p| p.kind == "mem_pool"));
+    assert_eq!(pools.iter().map(|p| p.segments).sum::<usize>(), 68);
     // The figures add up to what the snapshot holds.
     let reserved: u64 = rec.segments.iter().map(|s| s.total_size).sum();
     assert_eq!(e.reserved, reserved);

@@ -325,3 +325,121 @@ fn random_runs_with_pools_replay_exactly() {
         "{private_events} events, {private_releases} releases, {ooms} OOMs in private pools"
     );
 }
+
+/// A capture's own pool (`(capture id, 0)`).
+const CAPTURE: PoolId = PoolId(5, 0);
+
+/// A recording whose OOM comes with 40 MiB cached in a CUDA graph's pool: the graph was
+/// captured (its pool keeps its cache while the graph lives), 8 MiB live take a 20 MiB
+/// segment, then a default request of 40 MiB finds the 64 MiB device full.
+pub(crate) fn graph_oom_recording() -> Value {
+    let mut a = recording(64 * MIB, "");
+    a.begin_allocate_to_pool(CAPTURE, StreamFilter::Streams(vec![S0]), RouteKind::Capture)
+        .expect("a capture");
+    let scratch = malloc(&mut a, 40 * MIB, S0);
+    free(&mut a, scratch);
+    a.end_allocate_to_pool(CAPTURE).expect("captured");
+    let _live = malloc(&mut a, 8 * MIB, S0);
+    assert!(
+        a.malloc(40 * MIB, S0).is_err(),
+        "the graph's cache is not the request's"
+    );
+    snapshot(&mut a)
+}
+
+#[test]
+fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
+    use crate::common::succeeded;
+    use gpumem::trace::explain::{At, explain};
+    use std::process::Command;
+
+    let v = graph_oom_recording();
+    exact(&v);
+    let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
+    let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
+    assert_eq!(e.request.pool_id, PoolId::DEFAULT);
+    assert_eq!(e.breakdown.other_pools, 40 * MIB);
+    assert_eq!(
+        e.breakdown.fragmented,
+        12 * MIB,
+        "the default pool's 20 MiB segment's rest"
+    );
+    assert_eq!(
+        e.kinds[0],
+        gpumem::allocator::breakdown::Kind::OtherPools,
+        "{}",
+        e.sentence
+    );
+    assert!(e.sentence.contains("40.00 MiB"), "{}", e.sentence);
+    let pools = &e.private_pools;
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    assert_eq!(
+        (pools[0].id, pools[0].kind, pools[0].free),
+        (CAPTURE, "graph", 40 * MIB)
+    );
+    assert!(
+        e.candidates.is_empty(),
+        "no setting reaches a graph's cache"
+    );
+
+    let dir = crate::common::temp_dir("graph-oom");
+    let file = dir.join("graph-oom.json");
+    std::fs::write(&file, v.to_string()).expect("write");
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("explain")
+            .arg(&file),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for said in [
+        "pool (5, 0) (a CUDA graph's own pool): 40.00 MiB in 1 segments, 40.00 MiB cached free",
+        "cached, free, other pools (CUDA graphs, MemPools)",
+        "empty_cache() frees",
+    ] {
+        assert!(text.contains(said), "{said:?} in:\n{text}");
+    }
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["explain", "--json"])
+            .arg(&file),
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(json["breakdown"]["other_pools"], 40 * MIB);
+    assert_eq!(json["kinds"][0], "other_pools");
+    assert_eq!(json["private_pools"][0]["id"], json!([5, 0]));
+    assert_eq!(json["private_pools"][0]["kind"], "graph");
+
+    // The web view: the explanation's pools and the map's marked segment.
+    let (_view, port) = crate::view::spawn_view(&file, &dir.join("view.log"));
+    let browser = crate::browser::Browser::start();
+    browser.open(&format!("http://127.0.0.1:{port}/"));
+    let row = crate::agent::wait_for(std::time::Duration::from_secs(60), || {
+        let text = browser.eval(
+            "const r = document.querySelector('#private-pools tr[data-pool=\"5,0\"]'); return r ? r.textContent : null;",
+        );
+        text.as_str().map(str::to_string)
+    })
+    .expect("the explanation lists the graph's pool");
+    assert!(
+        row.contains("(5, 0)") && row.contains("CUDA graph") && row.contains("40.00 MiB"),
+        "{row}"
+    );
+    let part = browser.eval(
+        "const r = document.querySelector('#breakdown tr[data-part^=\"cached, free, other pools\"]'); return r ? r.textContent : null;",
+    );
+    assert!(
+        part.as_str().is_some_and(|t| t.contains("40.00 MiB")),
+        "{part}"
+    );
+    let marked = crate::agent::wait_for(std::time::Duration::from_secs(60), || {
+        browser
+            .eval("return document.querySelectorAll('#map-recorded g.segment.private[data-pool=\"5,0\"]').length;")
+            .as_u64()
+            .filter(|&n| n > 0)
+    })
+    .expect("the map marks the graph's segment");
+    assert_eq!(marked, 1);
+    assert_eq!(browser.console_errors(), Vec::<String>::new());
+    browser.screenshot("view-graph-oom.png");
+    let _ = std::fs::remove_dir_all(&dir);
+}

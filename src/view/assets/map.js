@@ -36,8 +36,18 @@ window.gpumem = (() => {
       'data-event': map.event,
     });
     map.segments.forEach((segment, i) => {
-      const g = node('g', { class: 'segment', transform: `translate(0 ${i * row})` });
-      g.append(node('text', { x: label - 6, y: row - 4, 'text-anchor': 'end', 'font-size': 11 }, fmt(segment.size)));
+      const [owner, id] = segment.pool_id;
+      const isPrivate = owner !== 0 || id !== 0;
+      const g = node('g', {
+        class: isPrivate ? 'segment private' : 'segment',
+        transform: `translate(0 ${i * row})`,
+        'data-pool': `${owner},${id}`,
+      });
+      // A private pool's segments are marked before their size: a graph's own pool "G", a
+      // MemPool (or a graph pool shared by captures) "M".
+      const mark = isPrivate ? (owner !== 0 ? 'G ' : 'M ') : '';
+      g.append(node('text', { x: label - 6, y: row - 4, 'text-anchor': 'end', 'font-size': 11 }, mark + fmt(segment.size)));
+      const poolText = isPrivate ? `, private pool (${owner}, ${id})` : '';
       for (const block of segment.blocks) {
         const x = label + (width * block.offset) / segment.size;
         const w = Math.max(0.5, (width * block.size) / segment.size);
@@ -48,7 +58,7 @@ window.gpumem = (() => {
         const frames = stackText(map, block.stack);
         const asked = block.state === 'allocated' ? `, ${fmt(block.requested)} requested` : '';
         rect.append(node('title', {}, `${block.state.replace('_', ' ')}: ${fmt(block.size)}${asked}` +
-          ` at +${block.offset}, stream ${segment.stream}, ${segment.pool} pool${frames ? `\n${frames}` : ''}`));
+          ` at +${block.offset}, stream ${segment.stream}, ${segment.pool} pool${poolText}${frames ? `\n${frames}` : ''}`));
         g.append(rect);
       }
       svg.append(g);

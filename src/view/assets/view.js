@@ -182,6 +182,7 @@ function drawExplain(e) {
     ['rounding of live tensors', e.breakdown.rounding],
     ['cached, free, too small for the request', e.breakdown.fragmented],
     ["cached, free, other streams' pools", e.breakdown.other_streams],
+    ['cached, free, other pools (CUDA graphs, MemPools)', e.breakdown.other_pools],
     ['freed, waiting on other streams', e.breakdown.pending_stream_frees],
     ['free on the device', e.breakdown.free],
     ['outside the allocator', e.breakdown.outside_allocator],
@@ -192,6 +193,21 @@ function drawExplain(e) {
     const tr = node('tr', { 'data-part': name });
     tr.append(node('th', {}, name), cell(bytes === null ? 'unknown' : fmt(bytes), true));
     table.append(tr);
+  }
+  const pools = $('private-pools');
+  pools.replaceChildren();
+  if (e.private_pools.length) {
+    pools.append(node('caption', {}, 'Private pools: only their own requests use them'));
+    const head = node('tr');
+    for (const h of ['private pool', 'kind', 'segments', 'reserved', 'cached free']) head.append(node('th', {}, h));
+    pools.append(head);
+    for (const p of e.private_pools) {
+      const tr = node('tr', { 'data-pool': p.id.join(',') });
+      const kind = p.kind === 'graph' ? "a CUDA graph's own pool" : 'a MemPool or shared graph pool';
+      tr.append(cell(`(${p.id[0]}, ${p.id[1]})`), cell(kind), cell(p.segments, true),
+        cell(fmt(p.reserved), true), cell(fmt(p.free), true));
+      pools.append(tr);
+    }
   }
   const candidates = $('candidates');
   candidates.replaceChildren();

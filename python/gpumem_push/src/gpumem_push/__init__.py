@@ -388,7 +388,7 @@ MAX_OOM_POOLS = 64  # (pool, stream) entries in an out-of-memory push (the agent
 
 def _snapshot_summary(torch, request=None):
     """{device index: {"largest": largest free block, "classes": {size class: [segments, free
-    bytes]}, "pools": {(pool, stream): figures}}} from a memory snapshot; a segment's class is
+    bytes]}, "pools": {(pool, stream, private): figures}}} from a memory snapshot; a segment's class is
     the power of two at or above its size. With `request` (the observer's device, size,
     total and free, and the failing thread's stream), the failing device's entry also gets
     the "oom" object the agent explains."""
@@ -405,8 +405,10 @@ def _snapshot_summary(torch, request=None):
             count[1] += sum(free)
         entry["largest"] = max([entry["largest"]] + free)
         pool = "small" if segment.get("segment_type") == "small" else "large"
+        # A private pool's (CUDA graph, MemPool) free bytes serve only its own requests.
+        private = tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0)
         figures = entry["pools"].setdefault(
-            (pool, int(segment.get("stream", 0) or 0)),
+            (pool, int(segment.get("stream", 0) or 0), private),
             {"allocated": 0, "requested": 0, "pending_free": 0, "free": 0, "largest_free": 0,
              "segments_with_free": 0})
         for b in blocks:
@@ -435,14 +437,18 @@ def _snapshot_summary(torch, request=None):
 
 
 def _oom_pools(pools, stream):
-    """The (pool, stream) figures as the agent takes them: the request's stream first, then
-    the others by reserved bytes; past the agent's bound, the rest are added into the last
-    entry of another stream (they count as other streams' memory either way)."""
+    """The (pool, stream, private) figures as the agent takes them: the request's stream's
+    default pools first, then the others by reserved bytes; past the agent's bound, the rest
+    are added into the last entry, another stream's or a private pool's (memory the request
+    could not use either way). A private pool's entry says so (only then: an agent from
+    before private pools refuses the key)."""
     def reserved(item):
         f = item[1]
         return f["allocated"] + f["pending_free"] + f["free"]
-    ordered = sorted(pools.items(), key=lambda item: (item[0][1] != stream, -reserved(item)))
-    out = [dict(f, pool=pool, stream=s) for (pool, s), f in ordered[:MAX_OOM_POOLS]]
+    ordered = sorted(pools.items(),
+                     key=lambda item: (item[0][1] != stream or item[0][2], -reserved(item)))
+    out = [dict(f, pool=pool, stream=s, **({"private": True} if private else {}))
+           for (pool, s, private), f in ordered[:MAX_OOM_POOLS]]
     if len(ordered) > MAX_OOM_POOLS:
         last = out[-1]
         for _, f in ordered[MAX_OOM_POOLS:]:
