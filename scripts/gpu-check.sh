@@ -19,7 +19,8 @@
 #      target/gpu-check-venv, which sees the machine's torch; the next two steps run in it.
 #      "== PyTorch with gpumem as its allocator": a few
 #      training steps of a small model with gpumem as the pluggable allocator, then the
-#      allocator's /metrics beside NVML's used memory for this process.
+#      allocator's /metrics beside NVML's used memory for this process, then a CUDA graph
+#      capture, which gpumem must refuse (it cannot keep a graph's memory apart).
 #      "== a placement plan …": the same kind of training steps recorded under PyTorch's own
 #      allocator, `gpumem plan` on the recording, and the steps again with gpumem following the
 #      plan (GPUMEM_ALLOC_CONF=plan:PATH): its /metrics must count plan hits.

@@ -44,3 +44,20 @@ print(f"allocator reserved {reserved / 2**20:.0f} MiB; NVML used by this process
 assert reserved > 0, "the allocator served PyTorch"
 if used:
     assert used[0] * 2**20 >= reserved, "NVML sees at least what the allocator reserved"
+
+# A CUDA graph capture: PyTorch's pluggable interface cannot route it to a private pool, so
+# gpumem refuses the capture's allocations (an out-of-memory error, its reason on stderr)
+# rather than hand the graph's memory to other tensors afterwards.
+static = torch.randn(256, 4096, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph, stream=side):
+        captured = model(static)
+    raise SystemExit("a graph captured on gpumem's allocator: its memory is not kept apart")
+except (torch.OutOfMemoryError, RuntimeError) as e:
+    print(f"graph capture refused as expected: {type(e).__name__}")
+torch.cuda.synchronize()
+x = torch.randn(256, 4096, device="cuda")
+print(f"after the refused capture, a training step still runs: {model(x).sum().item():.2f}")

@@ -290,6 +290,15 @@ impl Device for CudaDevice {
             .map_or(0, |d| d.as_micros() as u64)
     }
 
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        let _context = self.enter()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream handle is the caller's (PyTorch's) live stream, as in
+        // `record_event`; `status` is a valid place for the driver to write one enum value.
+        check(unsafe { sys::cuStreamIsCapturing(Self::stream(stream), &mut status) })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     fn supports_virtual_memory(&self) -> bool {
         self.virtual_memory
     }

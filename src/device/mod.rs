@@ -139,6 +139,11 @@ pub trait Device {
     /// it as `time_us`.
     fn time_us(&self) -> u64;
 
+    /// Whether `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`: active
+    /// or invalidated). The core never asks: routing a capture's requests is its caller's
+    /// business (Note [Private pools]); a caller that cannot route them asks, to refuse them.
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError>;
+
     /// Whether the virtual-memory methods below work (the CUDA VMM API).
     fn supports_virtual_memory(&self) -> bool {
         false
@@ -225,6 +230,9 @@ impl<D: Device + ?Sized> Device for &mut D {
     }
     fn time_us(&self) -> u64 {
         (**self).time_us()
+    }
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        (**self).is_capturing(stream)
     }
     fn supports_virtual_memory(&self) -> bool {
         (**self).supports_virtual_memory()

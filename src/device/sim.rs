@@ -184,6 +184,8 @@ pub struct SimDevice {
     next_page: u64,
     /// Mappings: start → (size, handle).
     mappings: BTreeMap<u64, (u64, PhysicalHandle)>,
+    /// Streams being captured into a graph.
+    capturing: Vec<StreamId>,
     stats: SimStats,
 }
 
@@ -208,6 +210,7 @@ impl SimDevice {
             pages: FxHashMap::default(),
             next_page: 1,
             mappings: BTreeMap::new(),
+            capturing: Vec::new(),
             stats: SimStats::default(),
         }
     }
@@ -329,6 +332,15 @@ impl SimDevice {
     fn reservation_containing(&self, ptr: u64, size: u64) -> Option<u64> {
         let (&start, &len) = self.reservations.range(..=ptr).next_back()?;
         (ptr + size <= start + len).then_some(start)
+    }
+
+    /// Starts (`true`) or ends a graph capture of `stream` (`cudaStreamBeginCapture`,
+    /// `cudaStreamEndCapture`), as [`Device::is_capturing`] reports it.
+    pub fn set_capturing(&mut self, stream: StreamId, capturing: bool) {
+        self.capturing.retain(|&s| s != stream);
+        if capturing {
+            self.capturing.push(stream);
+        }
     }
 
     /// Completes all work queued so far on `stream`: events recorded on it complete.
@@ -558,6 +570,10 @@ impl Device for SimDevice {
 
     fn time_us(&self) -> u64 {
         self.config.start_time_us + self.stats.driver_time_ns / 1000
+    }
+
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        Ok(self.capturing.contains(&stream))
     }
 
     fn supports_virtual_memory(&self) -> bool {

@@ -11,6 +11,19 @@
 //! the page off). It never waits for an allocator's lock: figures are read with `try_lock`
 //! once a second (a segment list, O(blocks) under the lock, only while the page asks for it).
 //!
+//! # CUDA graphs and MemPools
+//! PyTorch's pluggable allocator interface takes `alloc` and `free` from a library; a graph
+//! capture's private pool (`beginAllocateToPool`, `endAllocateToPool`, `releasePool`) reaches
+//! only hooks set from C++. Without it, memory handed out during a capture would go to other
+//! tensors afterwards while the graph's replays still write it. So every allocation on a
+//! stream being captured (asked of the driver, `cuStreamIsCapturing`, for any stream but the
+//! legacy default one, which cannot be captured) is refused with a report that says why:
+//! the capture fails instead of corrupting memory. `torch.cuda.MemPool` and `use_mem_pool`
+//! need the same hooks and are not served either. Nor are what the interface leaves out:
+//! `memory_snapshot()`, `_record_memory_history`, IPC handles (`share_memory_`, CUDA tensors
+//! sent through `torch.multiprocessing`) and PyTorch's out-of-memory observers (gpumem
+//! reports its OOMs itself, and on `/metrics`).
+//!
 //! # Invariants
 //! - No panic crosses the C boundary: every entry point catches unwinding and reports it.
 //! - A failed allocation returns null (PyTorch then raises its out-of-memory error); a free of
@@ -186,28 +199,75 @@ pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) 
         let Some(slot) = slot(device) else {
             return std::ptr::null_mut();
         };
-        match slot.allocator.malloc(size as u64, stream) {
+        match slot
+            .allocator
+            .with(|a| malloc_outside_capture(a, size as u64, stream))
+        {
             Ok(ptr) => ptr.0 as usize as *mut c_void,
-            Err(AllocError::OutOfMemory(oom)) => {
-                report(&oom.to_string());
-                // Its explanation, for the metrics and the live page.
-                *slot
-                    .source
-                    .last_oom
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((&*oom).into());
+            Err(Refused::Capturing) => {
+                report(&format!(
+                    "allocation of {size} bytes refused: stream {:#x} of device {device} is being captured into a CUDA graph. PyTorch's pluggable allocator interface forwards a capture's private pool (beginAllocateToPool) only to hooks set from C++, so gpumem cannot keep the graph's memory apart; without that, memory handed out during capture is given to other tensors afterwards while the graph's replays still write it. Capture graphs (CUDA graphs, torch.compile mode=\"reduce-overhead\") with PyTorch's own allocator.",
+                    stream.0
+                ));
                 std::ptr::null_mut()
             }
-            Err(e @ AllocError::TooLarge(_)) => {
-                report(&e.to_string());
+            Err(Refused::Device(e)) => {
+                report(&format!(
+                    "allocation of {size} bytes refused: whether stream {:#x} is being captured into a CUDA graph could not be asked: {e}",
+                    stream.0
+                ));
                 std::ptr::null_mut()
             }
-            Err(e) => {
-                report(&format!("allocation of {size} bytes failed: {e}"));
-                std::ptr::null_mut()
-            }
+            Err(Refused::Alloc(e)) => alloc_failed(slot, size, e),
         }
     })
+}
+
+/// Why an allocation was not served.
+enum Refused {
+    /// The stream is being captured into a CUDA graph (see the module doc).
+    Capturing,
+    /// The driver could not say whether it is.
+    Device(gpumem::device::DeviceError),
+    /// The allocator's own error.
+    Alloc(AllocError),
+}
+
+/// `malloc` of `size` bytes on `stream`, refused while the stream is captured. The legacy
+/// default stream (0) cannot be captured, so its requests skip the driver query.
+fn malloc_outside_capture(
+    a: &mut CachingAllocator<backend::Device>,
+    size: u64,
+    stream: StreamId,
+) -> Result<DevicePtr, Refused> {
+    use gpumem::device::Device;
+    if stream != StreamId::DEFAULT {
+        match a.device_mut().is_capturing(stream) {
+            Ok(false) => {}
+            Ok(true) => return Err(Refused::Capturing),
+            Err(e) => return Err(Refused::Device(e)),
+        }
+    }
+    a.malloc(size, stream).map_err(Refused::Alloc)
+}
+
+/// Reports the allocator's refusal of `size` bytes (an OOM's explanation kept for the metrics
+/// and the live page); null for PyTorch.
+fn alloc_failed(slot: &DeviceSlot, size: usize, error: AllocError) -> *mut c_void {
+    match error {
+        AllocError::OutOfMemory(oom) => {
+            report(&oom.to_string());
+            // Its explanation, for the metrics and the live page.
+            *slot
+                .source
+                .last_oom
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((&*oom).into());
+        }
+        e @ AllocError::TooLarge(_) => report(&e.to_string()),
+        e => report(&format!("allocation of {size} bytes failed: {e}")),
+    }
+    std::ptr::null_mut()
 }
 
 /// Frees a pointer from [`gpumem_alloc`] (PyTorch's pluggable `free`). A pointer gpumem does
@@ -364,6 +424,17 @@ async fn refresh_cache_figures() {
 /// diagnostics (`None` if the device is not open).
 pub fn memory_stats(device: c_int) -> Option<std::collections::BTreeMap<String, i64>> {
     slot(device).map(|s| s.allocator.stats().memory_stats())
+}
+
+/// Starts or ends a simulated graph capture of `stream` on `device`, for tests.
+#[cfg(feature = "sim")]
+#[doc(hidden)]
+pub fn sim_set_capturing(device: c_int, stream: *mut c_void, capturing: bool) {
+    if let Some(slot) = slot(device) {
+        let stream = StreamId(stream as usize as u64);
+        slot.allocator
+            .with(|a| a.device_mut().set_capturing(stream, capturing));
+    }
 }
 
 /// Serialises tests that share the process-wide allocators.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use gpumem_torch::{
     gpumem_alloc, gpumem_empty_cache, gpumem_free, gpumem_record_stream, memory_stats,
+    sim_set_capturing,
 };
 
 const MIB: usize = 1 << 20;
@@ -85,6 +86,39 @@ fn entry_points_on_simulated_gpus() {
         after["allocated_bytes.all.current"]
     );
 
+    // A stream being captured into a CUDA graph gets nothing (its memory would be handed
+    // out again while the graph's replays write it); other streams and the default one are
+    // served, and the stream again once the capture ends.
+    let captured = 11usize as *mut c_void;
+    sim_set_capturing(0, captured, true);
+    let before = memory_stats(0).expect("open");
+    assert!(
+        gpumem_alloc(MIB, 0, captured).is_null(),
+        "refused during capture"
+    );
+    assert_eq!(
+        memory_stats(0).expect("open")["num_alloc_retries"],
+        before["num_alloc_retries"],
+        "refused before the allocator ran"
+    );
+    let other = gpumem_alloc(MIB, 0, stream);
+    let default = gpumem_alloc(MIB, 0, std::ptr::null_mut());
+    assert!(!other.is_null() && !default.is_null());
+    sim_set_capturing(0, captured, false);
+    let after_capture = gpumem_alloc(MIB, 0, captured);
+    assert!(!after_capture.is_null());
+    for (p, s) in [
+        (other, stream),
+        (default, std::ptr::null_mut()),
+        (after_capture, captured),
+    ] {
+        gpumem_free(p, MIB, 0, s);
+    }
+    assert_eq!(
+        memory_stats(0).expect("open")["allocated_bytes.all.current"],
+        before["allocated_bytes.all.current"]
+    );
+
     // Eight threads, two devices, each thread keeping a few live blocks.
     let threads: Vec<_> = (0..8)
         .map(|t| {
@@ -137,7 +171,7 @@ fn entry_points_on_simulated_gpus() {
         .lines()
         .filter(|l| l.starts_with("gpumem_oom_breakdown_bytes{") && l.contains(r#"gpu="0""#))
         .collect();
-    assert_eq!(parts.len(), 7, "{parts:?}");
+    assert_eq!(parts.len(), 8, "{parts:?}");
     let total: f64 = parts
         .iter()
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
