@@ -249,13 +249,15 @@ pub fn plan(
     })
 }
 
-/// The trace's allocations, in order, with the events their frees completed.
+/// The trace's allocations of the default pool, in order, with the events their frees
+/// completed. A private pool's (CUDA graph, MemPool) are left to the caching allocator: a
+/// plan serves only requests no pool routes elsewhere.
 fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocation> {
     let mut out: Vec<Allocation> = Vec::new();
     let mut live: FxHashMap<u64, usize> = FxHashMap::default();
     for (i, e) in events.iter().enumerate() {
         match e.action {
-            TraceAction::Alloc if e.size < MAX_PLANNED_SIZE => {
+            TraceAction::Alloc if e.size < MAX_PLANNED_SIZE && e.pool.is_default() => {
                 live.insert(e.addr, out.len());
                 out.push(Allocation {
                     event: i,

@@ -108,6 +108,14 @@ fn blocks_are_reused_only_within_their_pool_in_replay() {
     exact(&v);
     let d = diverges(&without_pools(v.clone()));
     assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
+    // What-if keeps the pools apart too: under expandable segments each pool maps its own.
+    let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
+    let options = ReplayOptions {
+        config: Some(gpumem::AllocatorConfig::parse("expandable_segments:True").expect("valid")),
+        ..ReplayOptions::default()
+    };
+    let r = replay(&rec, &options).expect("what-if runs");
+    assert_eq!((r.device_allocs, r.ooms), (2, 0), "{r:?}");
     // Before 2.12 the pools are read off the segments, which both survive.
     let r = exact(&without_trace_pool_ids(v));
     let inferred = r.inferred_pools.expect("pools inferred");
@@ -441,5 +449,100 @@ fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
     assert_eq!(marked, 1);
     assert_eq!(browser.console_errors(), Vec::<String>::new());
     browser.screenshot("view-graph-oom.png");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_trace_that_starts_with_private_pool_segments_replays_exactly() {
+    // The ring buffer keeps the last 12 events: the graph's and the MemPool's segments were
+    // made before them, and the start state rebuilt from the snapshot holds them in their
+    // pools.
+    let mut a = allocator(GIB, "");
+    a.record_history(Some(12));
+    let mem_pool = PoolId(0, 2);
+    a.create_pool(mem_pool, PoolOptions::default())
+        .expect("new");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let g = malloc(&mut a, 6 * MIB, S0);
+    let _kept = malloc(&mut a, 6 * MIB, S0);
+    unroute(&mut a);
+    a.begin_allocate_to_pool(
+        mem_pool,
+        StreamFilter::Streams(vec![S1]),
+        RouteKind::MemPool,
+    )
+    .expect("routed");
+    let m = malloc(&mut a, 3 * MIB, S1);
+    a.end_allocate_to_pool(mem_pool).expect("routed");
+    let d = malloc(&mut a, 6 * MIB, S0);
+    for p in [g, m, d] {
+        free(&mut a, p);
+    }
+    // The trace's own events: default requests that must not take the pools' free blocks,
+    // and requests routed into them that must.
+    for _ in 0..2 {
+        let p = malloc(&mut a, 6 * MIB, S0);
+        route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+        let q = malloc(&mut a, 6 * MIB, S0);
+        unroute(&mut a);
+        free(&mut a, p);
+        free(&mut a, q);
+    }
+    let v = snapshot(&mut a);
+    let r = exact(&v);
+    assert!(r.start_segments >= 3, "{r:?}");
+    assert!(has_events_in(&v, GRAPH));
+    diverges(&without_pools(v.clone()));
+    // Before 2.12, the same from the segments, which all survive.
+    let r = exact(&without_trace_pool_ids(v));
+    assert_eq!(r.inferred_pools.map(|i| i.assumed), Some(0));
+}
+
+#[test]
+fn a_plan_leaves_private_pools_to_the_caching_allocator() {
+    use crate::common::succeeded;
+    use std::process::Command;
+
+    // Ten iterations: activations in the default pool, a graph's scratch in its own pool.
+    let mut a = recording(GIB, "");
+    for _ in 0..10 {
+        let acts: Vec<_> = [8, 3, 12, 1]
+            .into_iter()
+            .map(|m| malloc(&mut a, m * MIB + 4096, S0))
+            .collect();
+        route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+        let scratch = malloc(&mut a, 5 * MIB, S0);
+        unroute(&mut a);
+        free(&mut a, scratch);
+        for p in acts.into_iter().rev() {
+            free(&mut a, p);
+        }
+    }
+    let v = snapshot(&mut a);
+    exact(&v);
+    let dir = crate::common::temp_dir("plan-pools");
+    let file = dir.join("pools.json");
+    std::fs::write(&file, v.to_string()).expect("write");
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("plan")
+            .arg(&file)
+            .arg("-o")
+            .arg(dir.join("plan.json"))
+            .arg("--json"),
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    // The iteration is the four default requests; the graph's scratch has no entry (its
+    // requests never reach the plan, and its room would be reserved for nothing).
+    assert_eq!(json["plan"]["period"], 4, "{}", json["plan"]);
+    let entries = json["plan"]["plan"]["entries"].as_array().expect("entries");
+    assert_eq!(entries.len(), 4);
+    assert!(entries.iter().all(|e| e["size"] != 5 * MIB), "{entries:?}");
+    let planned = &json["evaluation"]["planned"];
+    assert_eq!(planned["plan_misses"], 0, "{planned}");
+    assert!(
+        planned["plan_hits"].as_u64().is_some_and(|h| h > 0),
+        "{planned}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
