@@ -3,14 +3,29 @@
 //! forward pass and are freed in reverse during the backward pass, gradients, a temporary
 //! workspace per layer, variable sequence lengths from step to step (the classic source of
 //! fragmentation), and gradient buckets handed to a communication stream (`record_stream`).
+//! With `private_pools`, as an inference-serving or `reduce-overhead` job does: a CUDA graph
+//! captured after the weights (its pool keeps the capture's scratch cached while the graph
+//! lives, and is released at the end), and the gradient buckets allocated in a MemPool (as
+//! NCCL's symmetric memory is).
 //!
 //! Deterministic for a given seed, so runs can be compared across configurations.
 
-use crate::allocator::{AllocError, CachingAllocator};
+use crate::allocator::{
+    AllocError, CachingAllocator, PoolId, PoolOptions, RouteKind, StreamFilter,
+};
 use crate::device::{Device, DevicePtr, SimDevice, StreamId};
 
 /// The communication stream's handle (an arbitrary non-default stream).
 pub const COMM_STREAM: StreamId = StreamId(0x5000);
+
+/// The stream a CUDA graph is captured on (captures need a non-default stream).
+pub const CAPTURE_STREAM: StreamId = StreamId(0x6000);
+
+/// The captured graph's own pool (a capture's `(id, 0)`).
+pub const GRAPH_POOL: PoolId = PoolId(1, 0);
+
+/// The gradient buckets' MemPool (`(0, id)`).
+pub const BUCKET_POOL: PoolId = PoolId(0, 1);
 
 /// Shape of the synthetic model and run.
 #[derive(Clone, Debug)]
@@ -29,6 +44,8 @@ pub struct TrainingWorkload {
     pub steps: u32,
     /// Random seed for sequence lengths.
     pub seed: u64,
+    /// A captured CUDA graph and a MemPool for the gradient buckets (see the module doc).
+    pub private_pools: bool,
 }
 
 impl Default for TrainingWorkload {
@@ -41,6 +58,7 @@ impl Default for TrainingWorkload {
             element_bytes: 2,
             steps: 20,
             seed: 1,
+            private_pools: false,
         }
     }
 }
@@ -109,6 +127,14 @@ impl TrainingWorkload {
         for ptr in held {
             alloc.free(ptr)?;
         }
+        if self.private_pools {
+            // The graph is destroyed and the MemPool object dropped: both pools are freeable.
+            for pool in [GRAPH_POOL, BUCKET_POOL] {
+                if alloc.pool_use_count(pool).is_some() {
+                    alloc.release_pool(pool)?;
+                }
+            }
+        }
         Ok(report)
     }
 
@@ -129,6 +155,10 @@ impl TrainingWorkload {
             for bytes in [layer_params * e, layer_params * 4, layer_params * 4] {
                 held.push(malloc(alloc, bytes)?);
             }
+        }
+        if self.private_pools {
+            self.capture_graph(alloc, held)?;
+            alloc.create_pool(BUCKET_POOL, PoolOptions::default())?;
         }
         let mut rng = XorShift::new(self.seed);
         for _ in 0..self.steps {
@@ -159,7 +189,17 @@ impl TrainingWorkload {
                 {
                     alloc.free(ptr)?;
                 }
-                let grad = malloc(alloc, layer_params * e)?;
+                let grad = if self.private_pools {
+                    let filter = StreamFilter::Streams(vec![StreamId::DEFAULT]);
+                    alloc.begin_allocate_to_pool(BUCKET_POOL, filter, RouteKind::MemPool)?;
+                    let grad = malloc(alloc, layer_params * e);
+                    // A use_mem_pool scope: its route's use is given back on exit.
+                    alloc.end_allocate_to_pool(BUCKET_POOL)?;
+                    alloc.release_pool(BUCKET_POOL)?;
+                    grad?
+                } else {
+                    malloc(alloc, layer_params * e)?
+                };
                 // The gradient is all-reduced on the communication stream.
                 alloc.record_stream(grad, COMM_STREAM);
                 gradient_bucket.push(grad);
@@ -173,6 +213,44 @@ impl TrainingWorkload {
             report.steps_completed += 1;
         }
         Ok(())
+    }
+}
+
+impl TrainingWorkload {
+    /// Captures a graph of one decoding pass on [`CAPTURE_STREAM`]: per layer, a projection
+    /// and a scratch freed inside the capture (cached in the graph's pool for its replays),
+    /// the output kept in `held`. The graph lives for the run: its pool's use stays.
+    fn capture_graph<D: Device>(
+        &self,
+        alloc: &mut CachingAllocator<D>,
+        held: &mut Vec<DevicePtr>,
+    ) -> Result<(), AllocError> {
+        let tokens = self.batch * (self.max_seq / 4).max(1);
+        let bytes = tokens * self.hidden * self.element_bytes;
+        let filter = StreamFilter::Streams(vec![CAPTURE_STREAM]);
+        alloc.begin_allocate_to_pool(GRAPH_POOL, filter, RouteKind::Capture)?;
+        let captured = self.captured_layers(alloc, bytes);
+        alloc.end_allocate_to_pool(GRAPH_POOL)?;
+        held.extend(captured?);
+        Ok(())
+    }
+
+    /// The captured pass's allocations; the last layer's output is returned live.
+    fn captured_layers<D: Device>(
+        &self,
+        alloc: &mut CachingAllocator<D>,
+        bytes: u64,
+    ) -> Result<Option<DevicePtr>, AllocError> {
+        let mut previous = None;
+        for _ in 0..self.layers {
+            let projection = alloc.malloc(3 * bytes, CAPTURE_STREAM)?;
+            let scratch = alloc.malloc(bytes, CAPTURE_STREAM)?;
+            alloc.free(scratch)?;
+            if let Some(p) = previous.replace(projection) {
+                alloc.free(p)?;
+            }
+        }
+        Ok(previous)
     }
 }
 

@@ -148,9 +148,10 @@ pub(crate) fn run(args: Args) -> CliResult {
             "\nwhere the memory was (the device's size is not recorded: --capacity gives it, and with it what sat outside the allocator):"
         )?;
     }
+    let width = b.parts().iter().map(|p| p.1.len()).max().unwrap_or(0);
     let row = |name: &str, bytes: Option<u64>| match bytes {
-        Some(v) => outln!("  {name:<44} {:>12}", f(v)),
-        None => outln!("  {name:<44} {:>12}", "unknown"),
+        Some(v) => outln!("  {name:<width$} {:>12}", f(v)),
+        None => outln!("  {name:<width$} {:>12}", "unknown"),
     };
     for (_, label, bytes) in b.parts() {
         row(label, bytes)?;

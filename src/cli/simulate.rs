@@ -34,6 +34,10 @@ pub(crate) struct Args {
     /// Seed for sequence lengths.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Also capture a CUDA graph (its private pool keeps the capture's scratch) and allocate
+    /// the gradient buckets in a MemPool, as inference servers and NCCL's symmetric memory do.
+    #[arg(long)]
+    private_pools: bool,
     /// Print memory_stats() as JSON instead of the summary.
     #[arg(long)]
     json: bool,
@@ -66,6 +70,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         layers: args.layers,
         max_seq: args.max_seq,
         seed: args.seed,
+        private_pools: args.private_pools,
         ..TrainingWorkload::default()
     };
     let report = workload.run(&mut alloc, finish_communication)?;

@@ -2,7 +2,9 @@
 //!
 //! Each simulated GPU hosts a few simulated processes. Each process owns a caching allocator
 //! on a simulated device and replays a real recorded trace (the licensed recordings bundled in
-//! `data/traces`) at its recorded pace, in a loop. The node's NVML view is computed from them:
+//! `data/traces`) at its recorded pace, in a loop; one replays gpumem's own training workload
+//! with a captured CUDA graph and a MemPool instead, so that private pools are on show. The
+//! node's NVML view is computed from them:
 //! a process uses its allocator's reserved bytes plus a CUDA-context overhead outside the
 //! allocator, and a GPU's used memory is the sum over its processes, so that
 //! device used = Σ reserved + memory outside the allocator, as on a real node.
@@ -23,6 +25,7 @@ use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 use crate::trace::replay::Replayer;
 use crate::trace::{Recording, parse_recording};
+use crate::workload::{TrainingWorkload, finish_communication};
 
 use super::cgroup::{ContainerRef, Runtime};
 use super::pod_names::{NameDirectory, PodNames};
@@ -57,6 +60,36 @@ pub const BUNDLED_TRACES: [(&str, &[u8]); 5] = [
         include_bytes!("../../data/traces/cs336_attention_tiny_complete.noframes.json.gz"),
     ),
 ];
+
+/// The name of the recording a simulated process makes of gpumem's own workload with a
+/// captured CUDA graph and a MemPool ([`TrainingWorkload::private_pools`]), replayed beside
+/// the bundled ones.
+pub const PRIVATE_POOLS_RECORDING: &str = "simulated_graph_and_mem_pool";
+
+/// A small run of the training workload with private pools, recorded and read back (about
+/// 700 events, made in a few milliseconds at start).
+fn private_pools_recording() -> Result<Recording, String> {
+    let workload = TrainingWorkload {
+        layers: 4,
+        hidden: 1024,
+        max_seq: 1024,
+        steps: 8,
+        private_pools: true,
+        ..TrainingWorkload::default()
+    };
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(16 << 30)),
+        AllocatorConfig::default(),
+    );
+    alloc.record_history(Some(1 << 20));
+    let fail = |e: &dyn std::fmt::Display| format!("{PRIVATE_POOLS_RECORDING}: {e}");
+    workload
+        .run(&mut alloc, finish_communication)
+        .map_err(|e| fail(&e))?;
+    alloc.empty_cache().map_err(|e| fail(&e))?;
+    let json = serde_json::to_vec(&alloc.snapshot()).map_err(|e| fail(&e))?;
+    parse_recording(&json).map_err(|e| fail(&e))
+}
 
 /// Bounds of the node's shape (each process holds an allocator and replays a recording).
 const MAX_GPUS: u32 = 64;
@@ -191,10 +224,19 @@ impl SimNode {
                     format_size(config.context_overhead)
                 )
             })?;
-        let recordings: Vec<Recording> = BUNDLED_TRACES
+        let mut recordings: Vec<(&str, Recording)> = BUNDLED_TRACES
             .iter()
-            .map(|(name, bytes)| parse_recording(bytes).map_err(|e| format!("{name}: {e}")))
+            .map(|&(name, bytes)| {
+                parse_recording(bytes)
+                    .map(|r| (name, r))
+                    .map_err(|e| format!("{name}: {e}"))
+            })
             .collect::<Result<_, _>>()?;
+        // Before the tiniest recording, so that the default node (six processes) runs it.
+        recordings.insert(
+            recordings.len() - 1,
+            (PRIVATE_POOLS_RECORDING, private_pools_recording()?),
+        );
         let mut allocators = Vec::new();
         let mut processes = Vec::new();
         for gpu in 0..config.gpus {
@@ -210,14 +252,19 @@ impl SimNode {
                     ..SimConfig::with_capacity(config.capacity)
                 });
                 let mut alloc = CachingAllocator::new(device, config.config.clone());
-                let which = ((gpu * processes_per_gpu + k) as usize) % recordings.len();
+                // The tight process replays the recording its limit was chosen for.
+                let which = if last {
+                    0
+                } else {
+                    ((gpu * processes_per_gpu + k) as usize) % recordings.len()
+                };
                 // The node's first process follows a placement plan made from its recording
                 // (as `gpumem plan` makes it): the plan's series and its savings on show.
                 let mut settings = config.config.last_settings.clone();
                 if gpu == 0 && k == 0 {
-                    let (name, _) = BUNDLED_TRACES[which];
+                    let (name, recording) = &recordings[which];
                     let planned = crate::trace::plan::plan(
-                        &recordings[which],
+                        recording,
                         name,
                         &crate::trace::plan::PlanOptions::default(),
                     )
@@ -257,6 +304,7 @@ impl SimNode {
             let heartbeat = heartbeat.clone();
             let sources = processes.clone();
             let (speed, tick) = (config.speed.max(0.0), config.tick);
+            let recordings: Vec<Recording> = recordings.into_iter().map(|(_, r)| r).collect();
             std::thread::Builder::new()
                 .name("gpumem-sim-node".into())
                 .spawn(move || {
@@ -519,5 +567,39 @@ impl SimNodeSource {
             simulated: true,
             gpus,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::{PoolId, TraceAction};
+    use crate::trace::{ReplayOptions, replay};
+
+    #[test]
+    fn the_private_pools_process_replays_both_pools_exactly() {
+        let recording = private_pools_recording().expect("recorded");
+        let events = &recording.device_traces[0];
+        for pool in [PoolId(1, 0), PoolId(0, 1)] {
+            assert!(
+                events
+                    .iter()
+                    .any(|e| e.action == TraceAction::Alloc && e.pool == pool),
+                "allocations in {pool}"
+            );
+        }
+        let options = ReplayOptions {
+            check: true,
+            ..ReplayOptions::default()
+        };
+        let report = replay(&recording, &options).expect("replays");
+        assert_eq!(report.divergence, None);
+        assert_eq!(report.compared.total(), events.len() as u64);
+        // The pools were released at the end and their cache flushed with it.
+        assert!(
+            events
+                .last()
+                .is_some_and(|e| e.action == TraceAction::SegmentFree)
+        );
     }
 }

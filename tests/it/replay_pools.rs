@@ -546,3 +546,40 @@ fn a_plan_leaves_private_pools_to_the_caching_allocator() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn simulate_records_a_graph_and_a_mem_pool_that_replay_and_explain() {
+    use crate::common::succeeded;
+    use std::process::Command;
+
+    let dir = crate::common::temp_dir("simulate-pools");
+    let file = dir.join("pools.json");
+    succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "simulate",
+                "--private-pools",
+                "--layers",
+                "4",
+                "--steps",
+                "4",
+            ])
+            .args(["--max-seq", "1024", "--capacity-gib", "16", "--snapshot"])
+            .arg(&file),
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&file).expect("written")).expect("json");
+    assert!(has_events_in(&v, PoolId(1, 0)) && has_events_in(&v, PoolId(0, 1)));
+    exact(&v);
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("explain")
+            .arg(&file),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("pool (1, 0) (a CUDA graph's own pool)")
+            && text.contains("pool (0, 1) (a MemPool or shared graph pool)"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
