@@ -241,8 +241,9 @@ pub struct AllocatorConfig {
     /// PyTorch tags streams with classes at run time (an API, not a key), which recordings do
     /// not keep: gpumem keeps the table and uses the global reserve.
     pub expandable_segments_reserve_by_class: Vec<(String, ReserveSpec)>,
-    /// `graph_capture_record_stream_reuse` (validated and kept; its effect is on CUDA-graph
-    /// capture, which gpumem does not model).
+    /// `graph_capture_record_stream_reuse` (validated and kept; no effect: it lets blocks
+    /// freed during a capture be reused in it, which replay follows from the recording's own
+    /// completions, and the core does not model).
     pub graph_capture_record_stream_reuse: bool,
     /// Release the allocator lock around `cudaMalloc` (accepted for compatibility).
     pub release_lock_on_cudamalloc: bool,

@@ -550,6 +550,29 @@ class OomFigures(unittest.TestCase):
                "pools": out}
         self.assertIsNone(check_oom(oom))
 
+    def test_past_the_bound_private_and_default_figures_stay_apart(self):
+        import gpumem_push
+        def figures(free):
+            return {"allocated": MIB, "requested": MIB, "pending_free": 0, "free": free,
+                    "largest_free": free, "segments_with_free": 1}
+        # 100 other streams' default pools, larger than the 5 private pools behind them.
+        pools = {("large", s, False): figures(64 * MIB) for s in range(1, 101)}
+        pools.update({("large", s, True): figures(MIB) for s in range(1, 6)})
+        out = gpumem_push._oom_pools(pools, stream=7)
+        self.assertEqual(len(out), gpumem_push.MAX_OOM_POOLS)
+        self.assertIsNone(check_oom({"size": MIB, "stream": 7, "device_total": 1 << 40,
+                                     "device_free": 0, "pools": out}))
+        for private in (False, True):
+            sent = [p for p in out if p.get("private", False) == private]
+            had = [f for k, f in pools.items() if k[2] == private]
+            self.assertTrue(sent, private)
+            for key in ("allocated", "free", "segments_with_free"):
+                self.assertEqual(sum(p[key] for p in sent), sum(f[key] for f in had),
+                                 (private, key))
+        # The request's own stream's entry, first, holds its own figures only.
+        self.assertEqual((out[0]["stream"], out[0].get("private")), (7, None))
+        self.assertEqual(out[0]["free"], 64 * MIB)
+
     def test_private_pools_are_sent_apart_from_the_default_pools(self):
         import types
         import gpumem_push

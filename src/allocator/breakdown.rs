@@ -356,7 +356,7 @@ fn sentence(
             request.stream
         ),
         Kind::OtherPools => format!(
-            "{} were cached free, but in pools the {} request could not use (a CUDA graph's or a MemPool's private pool, or the default pool for a request routed to one): empty_cache() frees a private pool's cache only once its owner (the graph, the MemPool) is released.",
+            "{} were cached free, but in pools the {} request could not use: a CUDA graph's or a MemPool's private pool serves only its own requests, and empty_cache() frees its cache only once its owner (the graph, the MemPool) is released (a request routed to a private pool cannot use the default pool's cache either).",
             f(b.other_pools),
             f(request.rounded)
         ),

@@ -218,7 +218,12 @@ impl<D: Device> CachingAllocator<D> {
             let blocks = run
                 .iter()
                 .map(|b| (b.size, b.requested_size, b.snapshot_state()));
-            accounting.add_segment(request, stream, pool, run[0].owner == owner, blocks);
+            // A default request searched the cached blocks of `use_on_oom` pools too.
+            let usable = run[0].owner == owner
+                || (owner.is_default()
+                    && !run[0].owner.is_default()
+                    && self.private.get(run[0].owner).options.use_on_oom);
+            accounting.add_segment(request, stream, pool, usable, blocks);
         }
         // The limit of a memory fraction is the job's device.
         let total = self

@@ -54,8 +54,8 @@ pub struct TraceEntry {
     /// recording may lack it).
     pub time_us: Option<u64>,
     /// The pool of the block or segment (for an OOM, the pool the request went to; for a
-    /// snapshot, the default). Recordings carry it from PyTorch 2.12 on (`pool_id`); one
-    /// read from an older recording holds the default pool.
+    /// snapshot, the default). Recordings carry it from PyTorch 2.12 on (`pool_id`); in an
+    /// older one's it is inferred (Note [Inferred pools]) or the default.
     pub pool: PoolId,
 }
 

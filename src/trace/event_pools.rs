@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::allocator::size::{round_size, should_split};
+use crate::allocator::size::{ONE_EXABYTE, round_size, should_split};
 use crate::allocator::{BlockState, PoolId, TraceAction, TraceEntry};
 use crate::config::AllocatorConfig;
 
@@ -115,7 +115,10 @@ pub fn unsplit_pools(
         .filter(|s| s.device == device && !s.pool_id.is_default())
         .filter(|s| {
             s.blocks.iter().any(|b| {
+                // Sizes an allocator could hold (rounding a larger one would overflow).
                 b.state != BlockState::Inactive
+                    && b.requested_size < ONE_EXABYTE
+                    && b.size >= b.requested_size
                     && should_split(
                         b.size,
                         round_size(config, b.requested_size).min(b.size),

@@ -15,12 +15,13 @@
 //! blocks, so at an `oom` entry they are usually gone.
 //!
 //! # Invariants
-//! - The breakdown adds up: requested + rounding + fragmented + other streams + pending
-//!   stream frees is the reserved memory, and with free and outside the allocator (where the
-//!   `oom` entry says how much was free) the device's total.
+//! - The breakdown adds up: requested + rounding + fragmented + other streams + other pools
+//!   + pending stream frees is the reserved memory, and with free and outside the allocator
+//!   (where the `oom` entry says how much was free) the device's total.
 //! - Every figure is read from the replayed allocator's own snapshot; nothing is estimated.
 //! - Candidate settings are tried only where one could help (the job had room for live
-//!   tensors and the request), each over the whole trace within the memory the job had, so a
+//!   tensors and the request beside what private pools (other than the request's) kept
+//!   cached), each over the whole trace within the memory the job had, so a
 //!   candidate without OOMs is one `gpumem replay --available --config` confirms.
 
 use serde::Serialize;
@@ -145,26 +146,19 @@ pub struct PrivatePool {
 
 /// The private pools holding memory in `snapshot` on `device`, most reserved first.
 fn private_pools(snapshot: &crate::allocator::Snapshot, device: u32) -> Vec<PrivatePool> {
-    let mut pools: Vec<PrivatePool> = Vec::new();
+    let mut pools: rustc_hash::FxHashMap<PoolId, PrivatePool> = Default::default();
     for s in snapshot.segments.iter() {
         if s.device != device || s.segment_pool_id.is_default() {
             continue;
         }
-        let at = match pools.iter().position(|p| p.id == s.segment_pool_id) {
-            Some(at) => at,
-            None => {
-                let id = s.segment_pool_id;
-                pools.push(PrivatePool {
-                    id,
-                    kind: if id.0 != 0 { "graph" } else { "mem_pool" },
-                    segments: 0,
-                    reserved: 0,
-                    free: 0,
-                });
-                pools.len() - 1
-            }
-        };
-        let pool = &mut pools[at];
+        let id = s.segment_pool_id;
+        let pool = pools.entry(id).or_insert(PrivatePool {
+            id,
+            kind: if id.0 != 0 { "graph" } else { "mem_pool" },
+            segments: 0,
+            reserved: 0,
+            free: 0,
+        });
         pool.segments += 1;
         pool.reserved += s.total_size;
         pool.free += s
@@ -174,6 +168,7 @@ fn private_pools(snapshot: &crate::allocator::Snapshot, device: u32) -> Vec<Priv
             .map(|b| b.size)
             .sum::<u64>();
     }
+    let mut pools: Vec<PrivatePool> = pools.into_values().collect();
     pools.sort_by_key(|p| (std::cmp::Reverse(p.reserved), p.id));
     pools
 }
@@ -411,12 +406,12 @@ pub fn explain_at(
     let available = accounting.available();
     let kinds = accounting.kinds(wanted, total_known.then_some(total));
     let candidates = match available {
-        // No setting reaches memory outside the allocator or a private pool's cache.
+        // No setting reaches memory outside the allocator, nor a private pool's cache: a
+        // setting can help only where the request fits beside live tensors without it.
         Some(available)
-            if !matches!(
-                kinds[0],
-                Kind::TooBig | Kind::OutsideAllocator | Kind::OtherPools
-            ) =>
+            if !matches!(kinds[0], Kind::TooBig | Kind::OutsideAllocator)
+                && live_and_request(&accounting, rounded)
+                    <= available.saturating_sub(accounting.breakdown.other_pools) =>
         {
             search(recording, device, total, available, readings)?
         }
@@ -451,6 +446,12 @@ pub fn explain_at(
     })
 }
 
+/// The bytes live tensors hold (rounded) and the request needs.
+fn live_and_request(accounting: &Accounting, rounded: u64) -> u64 {
+    let b = &accounting.breakdown;
+    b.requested + b.rounding + rounded
+}
+
 /// The request of a moment without one (see [`Request::hypothetical`]): on the stream whose
 /// segments hold the most, the smallest large request no cached block of its large pool
 /// serves.
@@ -461,13 +462,13 @@ fn first_uncached_request(
     event: usize,
 ) -> Request {
     let mut by_stream: rustc_hash::FxHashMap<u64, (u64, u64)> = Default::default();
-    for segment in snapshot.segments.iter().filter(|s| s.device == device) {
+    // A default request: a private pool's segments are not its to use.
+    let default_pool =
+        |s: &&crate::allocator::SegmentInfo| s.device == device && s.segment_pool_id.is_default();
+    for segment in snapshot.segments.iter().filter(default_pool) {
         let (held, largest) = by_stream.entry(segment.stream).or_default();
         *held += segment.total_size;
-        // A default request: a private pool's blocks are not its to use.
-        if segment.segment_type == PoolKind::Large.segment_type()
-            && segment.segment_pool_id.is_default()
-        {
+        if segment.segment_type == PoolKind::Large.segment_type() {
             let free = segment
                 .blocks
                 .iter()

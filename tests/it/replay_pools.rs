@@ -583,3 +583,59 @@ fn simulate_records_a_graph_and_a_mem_pool_that_replay_and_explain() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_released_pool_on_expandable_segments_replays_its_unmaps() {
+    let mut a = recording(GIB, "expandable_segments:True");
+    a.create_pool(GRAPH, PoolOptions::default()).expect("new");
+    route(&mut a, StreamFilter::Any, RouteKind::MemPool);
+    let p = malloc(&mut a, 30 * MIB, S0);
+    unroute(&mut a);
+    free(&mut a, p);
+    let _d = malloc(&mut a, 4 * MIB, S0);
+    // Referenced: a flush leaves the pool's pages mapped; released: the next unmaps them.
+    empty_cache(&mut a);
+    a.release_pool(GRAPH).expect("made once");
+    a.release_pool(GRAPH).expect("routed once");
+    empty_cache(&mut a);
+    let v = snapshot(&mut a);
+    let trace = v["device_traces"][0].as_array().expect("a trace");
+    assert!(
+        trace
+            .iter()
+            .any(|e| e["action"] == "segment_unmap" && e["pool_id"] == json!([0, 1])),
+        "the pool's pages were unmapped"
+    );
+    exact(&v);
+}
+
+#[test]
+fn settings_are_tried_where_the_request_fits_beside_a_graphs_cache() {
+    use gpumem::trace::explain::{At, explain};
+
+    // 80 MiB cached in a graph's pool; 60 MiB free in 20 MiB pieces between live blocks of
+    // the default pool. The 40 MiB request fails; the graph's cache is the largest part, but
+    // live tensors and the request (100 MiB) fit in the 120 MiB the job had beside it.
+    let mut a = recording(200 * MIB, "");
+    a.begin_allocate_to_pool(CAPTURE, StreamFilter::Streams(vec![S1]), RouteKind::Capture)
+        .expect("a capture");
+    let scratch = malloc(&mut a, 80 * MIB, S1);
+    free(&mut a, scratch);
+    a.end_allocate_to_pool(CAPTURE).expect("captured");
+    let big = malloc(&mut a, 120 * MIB, S0);
+    free(&mut a, big);
+    let blocks: Vec<_> = (0..6).map(|_| malloc(&mut a, 20 * MIB, S0)).collect();
+    for p in blocks.iter().step_by(2) {
+        free(&mut a, *p);
+    }
+    assert!(a.malloc(40 * MIB, S0).is_err());
+    let v = snapshot(&mut a);
+    let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
+    let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
+    assert_eq!(
+        (e.breakdown.other_pools, e.breakdown.fragmented),
+        (80 * MIB, 60 * MIB)
+    );
+    assert_eq!(e.kinds[0], gpumem::allocator::breakdown::Kind::OtherPools);
+    assert!(!e.candidates.is_empty(), "a setting may still avoid it");
+}

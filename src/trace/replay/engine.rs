@@ -263,6 +263,11 @@ impl Skipped {
     }
 }
 
+/// Whether `action` gives memory back to the driver (a release run's events).
+fn is_release(action: TraceAction) -> bool {
+    matches!(action, TraceAction::SegmentFree | TraceAction::SegmentUnmap)
+}
+
 /// Events that drive an operation; everything else is an effect of the next one.
 fn is_driver(action: TraceAction, skipped: Skipped) -> bool {
     matches!(
@@ -693,17 +698,19 @@ impl<'a> Engine<'a> {
             .copied();
         let end = if driver.is_some() { j + 1 } else { j };
         let effects = &self.events[i..j];
-        let releases = effects.iter().any(|e| {
-            matches!(
-                e.action,
-                TraceAction::SegmentFree | TraceAction::SegmentUnmap
-            )
-        });
+        let releases = effects.iter().any(|e| is_release(e.action));
         let completions = effects
             .iter()
             .any(|e| e.action == TraceAction::FreeCompleted);
         let malloc = driver.is_some_and(|d| d.action == TraceAction::Alloc);
         let oom = driver.is_some_and(|d| d.action == TraceAction::Oom);
+        // An OOM that neither polled events nor flushed was a capture's (Note [Replaying
+        // pools]).
+        let kind = if oom && !releases && !completions {
+            RouteKind::Capture
+        } else {
+            RouteKind::MemPool
+        };
         // Note [Reading releases] (module doc): releases before an OOM are the failing malloc's own flush;
         // releases before a successful malloc are either a user's `empty_cache` or the
         // allocator's own (garbage collection, oversize release, a flush after the driver
@@ -721,64 +728,85 @@ impl<'a> Engine<'a> {
                 if completions {
                     readings.push(ReleaseReading::InMallocSynced);
                 }
+                // Where the allocator's own (first) reading differed, for `operation`.
+                let mut own_difference = None;
                 for reading in readings {
-                    self.complete_frees(i, j, reading);
-                    self.perform(i, j, driver, false)?;
+                    self.perform_with_frees(i, j, driver, false, kind, reading)?;
                     if self.reproduces(i, end) {
                         self.releases_in_malloc.insert(i, reading);
                         return Ok(end);
                     }
+                    own_difference = own_difference.or(self.reading_differed);
                     (self.alloc, self.derivation, self.deferred) = saved.clone();
                     if let Some(d) = driver {
                         self.ptrs.remove(&d.addr);
                     }
                 }
-                self.complete_frees(i, j, ReleaseReading::InMalloc);
-                self.perform(i, j, driver, true)?;
+                self.perform_with_frees(i, j, driver, true, kind, ReleaseReading::InMalloc)?;
+                self.reading_differed = own_difference;
             } else {
                 let reading = self
                     .releases_in_malloc
                     .get(&(self.first_event + i))
                     .copied();
-                self.complete_frees(i, j, reading.unwrap_or(ReleaseReading::InMalloc));
-                self.perform(i, j, driver, reading.is_none())?;
+                let flush = reading.is_none();
+                let reading = reading.unwrap_or(ReleaseReading::InMalloc);
+                self.perform_with_frees(i, j, driver, flush, kind, reading)?;
             }
         } else {
-            self.complete_frees(i, j, ReleaseReading::InMalloc);
             let flush = (releases && !oom) || (completions && !malloc && !oom);
-            self.perform(i, j, driver, flush)?;
+            self.perform_with_frees(i, j, driver, flush, kind, ReleaseReading::InMalloc)?;
         }
         self.compare(i, end);
         Ok(end.max(i + 1))
     }
 
-    /// The deferred frees the recorded `free_completed` events among `i..j` complete: their
-    /// streams finish before the operation, or, read as completed by the flush inside it,
-    /// are left to its synchronisation.
-    fn complete_frees(&mut self, i: usize, j: usize, reading: ReleaseReading) {
+    /// [`Engine::perform`], with the deferred frees that the recorded `free_completed`
+    /// events among `i..j` complete: done before the operation, or, in the reading where the
+    /// flush inside the malloc waited for them, left to its synchronisation (and done after
+    /// it, for a what-if run whose malloc did not flush).
+    fn perform_with_frees(
+        &mut self,
+        i: usize,
+        j: usize,
+        driver: Option<TraceEntry>,
+        flush: bool,
+        kind: RouteKind,
+        reading: ReleaseReading,
+    ) -> Result<(), ReplayError> {
+        let mut waited = Vec::new();
         for effect in &self.events[i..j] {
             if effect.action == TraceAction::FreeCompleted
                 && let Some(stream) = self.deferred.remove(&effect.addr)
-                && reading == ReleaseReading::InMalloc
             {
-                self.alloc.device_mut().complete_stream(stream);
+                match reading {
+                    ReleaseReading::InMalloc => self.alloc.device_mut().complete_stream(stream),
+                    ReleaseReading::InMallocSynced => waited.push(stream),
+                }
             }
         }
+        self.perform(i, j, driver, flush, kind)?;
+        for stream in waited {
+            self.alloc.device_mut().complete_stream(stream);
+        }
+        Ok(())
     }
 
-    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`.
+    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`; a
+    /// private pool's request routed as `kind` (Note [Replaying pools]).
     fn perform(
         &mut self,
         i: usize,
         j: usize,
         driver: Option<TraceEntry>,
         flush: bool,
+        kind: RouteKind,
     ) -> Result<(), ReplayError> {
         // Pools whose segments the recording releases here had been released by their
         // owners (Note [Replaying pools]).
         let mut released: Vec<PoolId> = self.events[i..j]
             .iter()
-            .filter(|e| e.action == TraceAction::SegmentFree && !e.pool.is_default())
+            .filter(|e| is_release(e.action) && !e.pool.is_default())
             .map(|e| e.pool)
             .collect();
         released.sort_unstable();
@@ -809,25 +837,13 @@ impl<'a> Engine<'a> {
             self.alloc.device_mut().hint_addresses(hints);
         }
         if let Some(d) = driver {
-            // An OOM that neither polled events nor flushed: a capture's.
-            let kind = if d.action == TraceAction::Oom
-                && !self.events[i..j].iter().any(|e| {
-                    matches!(
-                        e.action,
-                        TraceAction::SegmentFree | TraceAction::FreeCompleted
-                    )
-                }) {
-                RouteKind::Capture
-            } else {
-                RouteKind::MemPool
-            };
             self.drive(j, d, kind)?;
         }
         // Only the recording's releases say a pool was freeable: one that outlived this run
         // is referenced again until the next.
         for pool in released {
             if self.alloc.pool_use_count(pool) == Some(0) {
-                reference(&mut self.alloc, &self.pool_options, pool)
+                add_use(&mut self.alloc, &self.pool_options, pool)
                     .map_err(|err| self.fail(i, err))?;
             }
         }
@@ -922,11 +938,11 @@ fn referenced(
     if pool.is_default() || alloc.pool_use_count(pool).is_some() {
         return Ok(());
     }
-    reference(alloc, options, pool)
+    add_use(alloc, options, pool)
 }
 
 /// One use more of pool `pool`, made with its options if new.
-fn reference(
+fn add_use(
     alloc: &mut CachingAllocator<SimDevice>,
     options: &FxHashMap<PoolId, PoolOptions>,
     pool: PoolId,

@@ -816,7 +816,14 @@ impl<'a> Replayer<'a> {
         for (_, ptr) in self.engine.ptrs.drain() {
             self.engine.alloc.free(ptr).map_err(fail)?;
         }
-        self.engine.alloc.empty_cache().map_err(fail)?;
+        // The run's private pools go with it: freeable, their segments flushed below.
+        let alloc = &mut self.engine.alloc;
+        for pool in alloc.private_pools() {
+            while alloc.pool_use_count(pool).is_some_and(|n| n > 0) {
+                alloc.release_pool(pool).map_err(fail)?;
+            }
+        }
+        alloc.empty_cache().map_err(fail)?;
         Ok(self.engine.alloc)
     }
 }

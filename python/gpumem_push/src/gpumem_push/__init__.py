@@ -383,7 +383,7 @@ def _torch():
     return module
 
 
-MAX_OOM_POOLS = 64  # (pool, stream) entries in an out-of-memory push (the agent's bound)
+MAX_OOM_POOLS = 64  # (pool, stream, private) entries in an out-of-memory push (the agent's bound)
 
 
 def _snapshot_summary(torch, request=None):
@@ -439,22 +439,41 @@ def _snapshot_summary(torch, request=None):
 def _oom_pools(pools, stream):
     """The (pool, stream, private) figures as the agent takes them: the request's stream's
     default pools first, then the others by reserved bytes; past the agent's bound, the rest
-    are added into the last entry, another stream's or a private pool's (memory the request
-    could not use either way). A private pool's entry says so (only then: an agent from
-    before private pools refuses the key)."""
+    are added into the last kept entry of another stream that is as private as they are
+    (memory the request could not use either way, counted where it belongs). A private
+    pool's entry says so (only then: an agent from before private pools refuses the key)."""
     def reserved(item):
         f = item[1]
         return f["allocated"] + f["pending_free"] + f["free"]
     ordered = sorted(pools.items(),
                      key=lambda item: (item[0][1] != stream or item[0][2], -reserved(item)))
+
+    def home(key, private):
+        """Whether entry `key` can take the rest of kind `private`: as private, and another
+        stream's (the request's own stream's default pools would count it as usable)."""
+        return key[2] == private and (private or key[1] != stream)
+
+    if len(ordered) <= MAX_OOM_POOLS:
+        kept, rest = ordered, []
+    else:
+        # Two places are held back for a home of each kind the rest holds, if the entries
+        # before lack one; the others go to the next entries in order.
+        kept, rest = ordered[:MAX_OOM_POOLS - 2], ordered[MAX_OOM_POOLS - 2:]
+        for private in (False, True):
+            if (any(k[2] == private for k, _ in rest)
+                    and not any(home(k, private) for k, _ in kept)):
+                at = next(i for i, (k, _) in enumerate(rest) if home(k, private))
+                kept.append(rest.pop(at))
+        while len(kept) < MAX_OOM_POOLS:
+            kept.append(rest.pop(0))
     out = [dict(f, pool=pool, stream=s, **({"private": True} if private else {}))
-           for (pool, s, private), f in ordered[:MAX_OOM_POOLS]]
-    if len(ordered) > MAX_OOM_POOLS:
-        last = out[-1]
-        for _, f in ordered[MAX_OOM_POOLS:]:
-            for key in ("allocated", "requested", "pending_free", "free", "segments_with_free"):
-                last[key] += f[key]
-            last["largest_free"] = max(last["largest_free"], f["largest_free"])
+           for (pool, s, private), f in kept]
+    for (_, _, private), f in rest:
+        last = next(e for e in reversed(out)
+                    if home((e["pool"], e["stream"], e.get("private", False)), private))
+        for key in ("allocated", "requested", "pending_free", "free", "segments_with_free"):
+            last[key] += f[key]
+        last["largest_free"] = max(last["largest_free"], f["largest_free"])
     return out
 
 
