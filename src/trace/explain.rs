@@ -15,8 +15,8 @@
 //! blocks, so at an `oom` entry they are usually gone.
 //!
 //! # Invariants
-//! - The breakdown adds up: requested + rounding + fragmented + other streams + other pools
-//!   + pending stream frees is the reserved memory, and with free and outside the allocator
+//! - The breakdown adds up: requested, rounding, fragmented, other streams, other pools and
+//!   pending stream frees make the reserved memory, and with free and outside the allocator
 //!   (where the `oom` entry says how much was free) the device's total.
 //! - Every figure is read from the replayed allocator's own snapshot; nothing is estimated.
 //! - Candidate settings are tried only where one could help (the job had room for live
