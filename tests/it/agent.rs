@@ -150,7 +150,11 @@ async fn demo_serves_the_whole_contract() {
     assert_eq!(pushed["allocator"], "pytorch");
     assert_eq!(pushed["ooms"], 1.0);
     let breakdown = pushed["oom_breakdown"].as_object().expect("a breakdown");
-    assert_eq!(breakdown.len(), 8, "{breakdown:?}");
+    assert_eq!(
+        breakdown.len(),
+        gpumem::allocator::breakdown::Breakdown::PARTS,
+        "{breakdown:?}"
+    );
     assert_eq!(breakdown["fragmented"], 512.0);
     let sum: f64 = breakdown
         .values()

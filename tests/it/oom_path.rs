@@ -10,6 +10,8 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use gpumem::allocator::breakdown::Breakdown;
+
 use crate::agent::{
     Reaper, free_port, http_get, prometheus_query, spawn_prometheus_with_rules, spawn_serve,
     wait_for,
@@ -180,7 +182,7 @@ torch._fake.oom(0, 1 << 37)
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {kind} part: {parts:?}"))
     };
-    assert_eq!(parts.len(), 7, "{parts:?}");
+    assert_eq!(parts.len(), Breakdown::PARTS, "{parts:?}");
     assert_eq!(value("allocated"), f64::from(64u32 << 20));
     assert_eq!(value("free"), (80u64 << 30) as f64 - f64::from(64u32 << 20));
     let sum: f64 = parts
@@ -227,7 +229,7 @@ torch._fake.oom(0, 1 << 37)
         let query = crate::assets::substitute(&expr);
         let rows = wait_for(Duration::from_secs(30), || {
             let r = prometheus_query(prom_port, &query)?;
-            (r.as_array()?.len() == 7).then_some(r)
+            (r.as_array()?.len() == Breakdown::PARTS).then_some(r)
         });
         assert!(rows.is_some(), "{file}: {title}: no breakdown from {query}");
     }

@@ -171,7 +171,11 @@ fn entry_points_on_simulated_gpus() {
         .lines()
         .filter(|l| l.starts_with("gpumem_oom_breakdown_bytes{") && l.contains(r#"gpu="0""#))
         .collect();
-    assert_eq!(parts.len(), 8, "{parts:?}");
+    assert_eq!(
+        parts.len(),
+        gpumem::allocator::breakdown::Breakdown::PARTS,
+        "{parts:?}"
+    );
     let total: f64 = parts
         .iter()
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

@@ -16,11 +16,11 @@
 //! `use_mem_pool` route (which from 2.13 on polls events and flushes as the default pool
 //! does, so the recording's own completions and releases are followed); an `oom` of a
 //! private pool with neither a completion nor a release before it runs as a capture, which
-//! neither polls events nor flushes. A pool is referenced from its first event on, except during a run of releases
-//! in which the recording frees one of its segments: its owners were gone then, so the
-//! flush frees its unsplit cached segments (after the run it is referenced again, as only
-//! the recording's releases say when it was freeable). A pool's `no_split` is read
-//! off the final state (Note [Inferred pools]).
+//! neither polls events nor flushes. A pool is referenced from its first event on, except
+//! during a run of releases in which the recording frees or unmaps one of its segments: its
+//! owners were gone then, so the flush gives back its unsplit cached memory (after the run
+//! it is referenced again, as only the recording's releases say when it was freeable). A
+//! pool's `no_split` is read off the final state (Note [Inferred pools]).
 //!
 //! # Invariants
 //! - Every recorded address maps to at most one live pointer (`ptrs`), or is known to have
@@ -851,21 +851,34 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
+    /// `op` on the allocator with the recorded request `d` routed to its pool as `kind`
+    /// ([`in_pool`]).
+    fn routed<T>(
+        &mut self,
+        d: TraceEntry,
+        kind: RouteKind,
+        op: impl FnOnce(&mut CachingAllocator<SimDevice>) -> Result<T, AllocError>,
+    ) -> Result<T, AllocError> {
+        let stream = StreamId(d.stream);
+        in_pool(
+            &mut self.alloc,
+            &self.pool_options,
+            d.pool,
+            stream,
+            kind,
+            op,
+        )
+    }
+
     /// Drives the recorded `d` at `j`; a private pool's request routed as `kind`.
     fn drive(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
         let stream = StreamId(d.stream);
         match d.action {
             TraceAction::Alloc => {
                 if self.derivation.is_some() {
-                    let ties = in_pool(
-                        &mut self.alloc,
-                        &self.pool_options,
-                        d.pool,
-                        stream,
-                        kind,
-                        |a| a.tied_best_fits(d.size, stream),
-                    )
-                    .map_err(|e| self.fail(j, e))?;
+                    let ties = self
+                        .routed(d, kind, |a| a.tied_best_fits(d.size, stream))
+                        .map_err(|e| self.fail(j, e))?;
                     if let Some(derivation) = self.derivation.as_mut().filter(|_| ties.len() > 1) {
                         let event = self.first_event + j;
                         derivation.observe(event, &ties, d.addr, &mut self.alloc);
@@ -877,14 +890,7 @@ impl<'a> Engine<'a> {
                 if self.check {
                     self.alloc.device_mut().fail_all_allocations(true);
                 }
-                let result = in_pool(
-                    &mut self.alloc,
-                    &self.pool_options,
-                    d.pool,
-                    stream,
-                    kind,
-                    |a| a.malloc(d.size, stream),
-                );
+                let result = self.routed(d, kind, |a| a.malloc(d.size, stream));
                 self.alloc.device_mut().fail_all_allocations(false);
                 match result {
                     // Under another configuration the request may fit: the program did not
@@ -904,15 +910,7 @@ impl<'a> Engine<'a> {
 
     /// The recorded allocation `d` at `j`, as a `malloc`.
     fn malloc(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
-        let stream = StreamId(d.stream);
-        match in_pool(
-            &mut self.alloc,
-            &self.pool_options,
-            d.pool,
-            stream,
-            kind,
-            |a| a.malloc(d.size, stream),
-        ) {
+        match self.routed(d, kind, |a| a.malloc(d.size, StreamId(d.stream))) {
             Ok(ptr) => {
                 self.ptrs.insert(d.addr, ptr);
             }
