@@ -21,6 +21,10 @@
 #      training steps of a small model with gpumem as the pluggable allocator, then the
 #      allocator's /metrics beside NVML's used memory for this process, then a CUDA graph
 #      capture, which gpumem must refuse (it cannot keep a graph's memory apart).
+#      "== recordings with private pools …": scripts/gpu_record_pools.py records, with
+#      PyTorch's own allocator, a graph capture and its replays, a MemPool with use_on_oom, a
+#      graph pool shared by two captures and an OOM inside a graph pool, then runs
+#      `gpumem replay --check` and `gpumem explain` on each.
 #      "== a placement plan …": the same kind of training steps recorded under PyTorch's own
 #      allocator, `gpumem plan` on the recording, and the steps again with gpumem following the
 #      plan (GPUMEM_ALLOC_CONF=plan:PATH): its /metrics must count plan hits.
@@ -90,6 +94,9 @@ sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/nu
 
     step "PyTorch with gpumem as its allocator"
     GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_torch_check.py
+
+    step "recordings with private pools (graphs, a MemPool, a shared graph pool, an OOM in a graph pool): replayed and explained"
+    "$python" scripts/gpu_record_pools.py "$bin/gpumem" "$(mktemp -d)"
 
     step "a placement plan: recorded under PyTorch's allocator, planned, followed by gpumem's"
     GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_plan_check.py \
