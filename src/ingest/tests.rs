@@ -541,13 +541,14 @@ fn an_oom_push_tells_a_private_pools_cache_apart() {
          "pending_free": 0, "free": 600 * mib, "largest_free": 600 * mib,
          "segments_with_free": 1, "private": true}
     ]);
-    store
-        .push_at(
-            &oom_push(1, 1, 200 * mib, 20 * mib, pools.clone()),
+    let push = |store: &PushStore, pools: serde_json::Value| {
+        store.push_at(
+            &oom_push(1, 1, 200 * mib, 20 * mib, pools),
             None,
             Instant::now(),
         )
-        .expect("accepted");
+    };
+    push(&store, pools.clone()).expect("accepted");
     let oom = sources.snapshot()[0].last_oom().expect("explained");
     let b = &oom.breakdown;
     assert_eq!((b.fragmented, b.other_pools), (40 * mib, 600 * mib));
@@ -556,16 +557,7 @@ fn an_oom_push_tells_a_private_pools_cache_apart() {
     // One kind of pool of a stream, listed twice, is refused; private or not tells two apart.
     let mut twice = pools.clone();
     twice.as_array_mut().expect("a list").push(pools[1].clone());
-    let (store, _) = self::store(4);
-    assert!(
-        store
-            .push_at(
-                &oom_push(1, 1, 200 * mib, 20 * mib, twice),
-                None,
-                Instant::now()
-            )
-            .is_err()
-    );
+    assert!(push(&self::store(4).0, twice).is_err());
 }
 
 #[test]

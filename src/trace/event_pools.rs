@@ -38,8 +38,8 @@ use super::RecordedSegment;
 pub struct InferredPools {
     /// Events given the pool of the surviving segment they lie in.
     pub from_segments: usize,
-    /// Events taken as the default pool's: in a segment released before the snapshot, or an
-    /// `oom`.
+    /// Events taken as the default pool's: in a segment released before the snapshot, the
+    /// releases themselves, and `oom`s.
     pub assumed: usize,
     /// The first assumed event (its index in the device's trace).
     pub first_assumed: Option<usize>,
@@ -66,22 +66,23 @@ pub(super) fn infer(
         .collect();
     let mut inferred = InferredPools::default();
     for (index, e) in events.iter_mut().enumerate().rev() {
+        let end = e.addr.saturating_add(e.size);
         let pool = match e.action {
             TraceAction::Snapshot | TraceAction::UserDefined => continue,
             TraceAction::Oom => None,
             TraceAction::SegmentFree => {
-                live.insert(e.addr, (e.addr.saturating_add(e.size), None));
+                live.insert(e.addr, (end, None));
                 None
             }
             TraceAction::SegmentUnmap => {
                 // The range was mapped before: its pool is its neighbours' only by chance.
-                carve(&mut live, e.addr, e.addr.saturating_add(e.size));
-                live.insert(e.addr, (e.addr.saturating_add(e.size), None));
+                carve(&mut live, e.addr, end);
+                live.insert(e.addr, (end, None));
                 None
             }
             TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
                 let pool = pool_at(&live, e.addr);
-                carve(&mut live, e.addr, e.addr.saturating_add(e.size));
+                carve(&mut live, e.addr, end);
                 pool
             }
             TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted => {

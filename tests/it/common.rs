@@ -79,6 +79,16 @@ pub fn layout(snapshot: &Snapshot) -> Vec<Vec<(u64, u64, BlockState)>> {
 }
 
 /// A fresh, empty directory for one test: `gpumem-NAME-PID` under the system's temp dir.
+/// What `gpumem explain FILE` prints (it must succeed).
+pub fn explain_text(file: &std::path::Path) -> String {
+    let out = succeeded(
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("explain")
+            .arg(file),
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 pub fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("gpumem-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -242,12 +242,7 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     std::fs::create_dir_all(&dir).expect("dir");
     let file = dir.join("state.json");
     std::fs::write(&file, v.to_string()).expect("write");
-    let out = succeeded(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("explain")
-            .arg(&file),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = crate::common::explain_text(&file);
     assert!(text.contains("no trace recorded"), "{text}");
     assert!(
         text.contains("pool (0, 1) (a MemPool or shared graph pool)")

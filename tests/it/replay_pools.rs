@@ -8,7 +8,7 @@ use gpumem::device::SimDevice;
 use gpumem::trace::{Divergence, ReplayOptions, ReplayReport, parse_recording, replay};
 use serde_json::{Value, json};
 
-use crate::common::{GIB, MIB, S0, S1, allocator, empty_cache, free, malloc};
+use crate::common::{GIB, MIB, S0, S1, allocator, empty_cache, explain_text, free, malloc};
 
 const GRAPH: PoolId = PoolId(0, 1);
 
@@ -83,6 +83,16 @@ fn without_trace_pool_ids(mut v: Value) -> Value {
         e.as_object_mut().expect("an entry").remove("pool_id");
     }
     v
+}
+
+/// `v` replays exactly with its pools, recorded or (before 2.12) read off its segments, all
+/// of which survive; without pools it diverges at a recorded `expected` event.
+fn exact_and_not_without_pools(v: Value, expected: &str) {
+    exact(&v);
+    let r = exact(&without_trace_pool_ids(v.clone()));
+    assert_eq!(r.inferred_pools.map(|i| i.assumed), Some(0));
+    let d = diverges(&without_pools(v));
+    assert!(d.expected.starts_with(expected), "{d:?}");
 }
 
 /// Whether any recorded event lies in `pool`.
@@ -222,11 +232,8 @@ fn a_no_split_pool_is_read_off_its_whole_blocks() {
     let v = snapshot(&mut a);
     let segments = v["segments"].as_array().expect("segments");
     assert_eq!(segments.len(), 2, "each request took a whole segment");
-    exact(&v);
-    exact(&without_trace_pool_ids(v.clone()));
     // In the default pool the first segment is split and serves the second request.
-    let d = diverges(&without_pools(v));
-    assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
+    exact_and_not_without_pools(v, "segment_alloc");
 }
 
 #[test]
@@ -238,11 +245,8 @@ fn expandable_segments_replay_per_pool() {
     unroute(&mut a);
     let _e = malloc(&mut a, 4 * MIB, S0);
     let v = snapshot(&mut a);
-    exact(&v);
-    exact(&without_trace_pool_ids(v.clone()));
     // In one pool, the second request is served from the first page's free rest.
-    let d = diverges(&without_pools(v));
-    assert!(d.expected.starts_with("segment_map"), "{d:?}");
+    exact_and_not_without_pools(v, "segment_map");
 }
 
 #[test]
@@ -393,12 +397,7 @@ fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
     let dir = crate::common::temp_dir("graph-oom");
     let file = dir.join("graph-oom.json");
     std::fs::write(&file, v.to_string()).expect("write");
-    let out = succeeded(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("explain")
-            .arg(&file),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = explain_text(&file);
     for said in [
         "pool (5, 0) (a CUDA graph's own pool): 40.00 MiB in 1 segments, 40.00 MiB cached free",
         "cached, free, other pools (CUDA graphs, MemPools)",
@@ -570,12 +569,7 @@ fn simulate_records_a_graph_and_a_mem_pool_that_replay_and_explain() {
     let v: Value = serde_json::from_slice(&std::fs::read(&file).expect("written")).expect("json");
     assert!(has_events_in(&v, PoolId(1, 0)) && has_events_in(&v, PoolId(0, 1)));
     exact(&v);
-    let out = succeeded(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("explain")
-            .arg(&file),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = explain_text(&file);
     assert!(
         text.contains("pool (1, 0) (a CUDA graph's own pool)")
             && text.contains("pool (0, 1) (a MemPool or shared graph pool)"),

@@ -731,7 +731,7 @@ impl<'a> Engine<'a> {
                 // Where the allocator's own (first) reading differed, for `operation`.
                 let mut own_difference = None;
                 for reading in readings {
-                    self.perform_with_frees(i, j, driver, false, kind, reading)?;
+                    self.perform(i, j, driver, false, kind, reading)?;
                     if self.reproduces(i, end) {
                         self.releases_in_malloc.insert(i, reading);
                         return Ok(end);
@@ -742,7 +742,7 @@ impl<'a> Engine<'a> {
                         self.ptrs.remove(&d.addr);
                     }
                 }
-                self.perform_with_frees(i, j, driver, true, kind, ReleaseReading::InMalloc)?;
+                self.perform(i, j, driver, true, kind, ReleaseReading::InMalloc)?;
                 self.reading_differed = own_difference;
             } else {
                 let reading = self
@@ -751,21 +751,23 @@ impl<'a> Engine<'a> {
                     .copied();
                 let flush = reading.is_none();
                 let reading = reading.unwrap_or(ReleaseReading::InMalloc);
-                self.perform_with_frees(i, j, driver, flush, kind, reading)?;
+                self.perform(i, j, driver, flush, kind, reading)?;
             }
         } else {
             let flush = (releases && !oom) || (completions && !malloc && !oom);
-            self.perform_with_frees(i, j, driver, flush, kind, ReleaseReading::InMalloc)?;
+            self.perform(i, j, driver, flush, kind, ReleaseReading::InMalloc)?;
         }
         self.compare(i, end);
         Ok(end.max(i + 1))
     }
 
-    /// [`Engine::perform`], with the deferred frees that the recorded `free_completed`
-    /// events among `i..j` complete: done before the operation, or, in the reading where the
-    /// flush inside the malloc waited for them, left to its synchronisation (and done after
-    /// it, for a what-if run whose malloc did not flush).
-    fn perform_with_frees(
+    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`; a
+    /// private pool's request routed as `kind` (Note [Replaying pools]). The deferred frees
+    /// that the recorded `free_completed` events among `i..j` complete are done before the
+    /// operation, or, in the reading where the flush inside the malloc waited for them, left
+    /// to its synchronisation (and done after it, for a what-if run whose malloc did not
+    /// flush).
+    fn perform(
         &mut self,
         i: usize,
         j: usize,
@@ -785,23 +787,6 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        self.perform(i, j, driver, flush, kind)?;
-        for stream in waited {
-            self.alloc.device_mut().complete_stream(stream);
-        }
-        Ok(())
-    }
-
-    /// Runs the operation for effects `i..j` and `driver`, after a cache flush if `flush`; a
-    /// private pool's request routed as `kind` (Note [Replaying pools]).
-    fn perform(
-        &mut self,
-        i: usize,
-        j: usize,
-        driver: Option<TraceEntry>,
-        flush: bool,
-        kind: RouteKind,
-    ) -> Result<(), ReplayError> {
         // Pools whose segments the recording releases here had been released by their
         // owners (Note [Replaying pools]).
         let mut released: Vec<PoolId> = self.events[i..j]
@@ -848,6 +833,9 @@ impl<'a> Engine<'a> {
             }
         }
         self.alloc.device_mut().clear_address_hints();
+        for stream in waited {
+            self.alloc.device_mut().complete_stream(stream);
+        }
         Ok(())
     }
 
