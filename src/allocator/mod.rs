@@ -359,11 +359,12 @@ impl<D: Device> CachingAllocator<D> {
         if size >= ONE_EXABYTE {
             return Err(AllocError::TooLarge(size));
         }
+        // Routed before events are processed, which never change routes: both read them once.
+        let owner = self.private.route(stream);
         if !self.capturing() {
             self.process_events()?;
         }
         let rounded = size::round_size(&self.config, size);
-        let owner = self.private.route(stream);
         if owner.is_default()
             && self.planned.is_some()
             && let Some(ptr) = self.plan_malloc(rounded, size, stream)?

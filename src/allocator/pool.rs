@@ -159,7 +159,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Takes a free block out of its pool's free set (its key must be current).
-    #[inline]
+    #[inline(always)]
     pub(super) fn remove_free(&mut self, id: BlockId) {
         let block = self.block(id);
         if let Some(base) = self.plan_segment_at(block.ptr) {
