@@ -22,6 +22,7 @@ pub mod allocator;
 pub mod config;
 pub mod device;
 pub mod ingest;
+pub mod ipc;
 pub mod metrics;
 pub mod ops;
 pub mod server;

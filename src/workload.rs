@@ -6,7 +6,12 @@
 //! With `private_pools`, as an inference-serving or `reduce-overhead` job does: a CUDA graph
 //! captured after the weights (its pool keeps the capture's scratch cached while the graph
 //! lives, and is released at the end), and the gradient buckets allocated in a MemPool (as
-//! NCCL's symmetric memory is).
+//! NCCL's symmetric memory is). With `ipc`, as a reinforcement-learning trainer does: after
+//! each step the trainer gathers its weights into buckets and shares them over CUDA IPC with a
+//! rollout engine (as verl and OpenRLHF sync weights), dropping its own reference at once;
+//! the engine holds them until the next step starts, so they wait in the trainer's limbo,
+//! and the trainer's next requests find their memory through the retry chain's
+//! `cuda_ipc_collect` (see [`crate::ipc`]).
 //!
 //! Deterministic for a given seed, so runs can be compared across configurations.
 
@@ -14,6 +19,7 @@ use crate::allocator::{
     AllocError, CachingAllocator, PoolId, PoolOptions, RouteKind, StreamFilter,
 };
 use crate::device::{Device, DevicePtr, SimDevice, StreamId};
+use crate::ipc::{IpcSender, Received};
 
 /// The communication stream's handle (an arbitrary non-default stream).
 pub const COMM_STREAM: StreamId = StreamId(0x5000);
@@ -46,6 +52,9 @@ pub struct TrainingWorkload {
     pub seed: u64,
     /// A captured CUDA graph and a MemPool for the gradient buckets (see the module doc).
     pub private_pools: bool,
+    /// Weights shared over IPC after each step, held by a consumer until the next (see the
+    /// module doc).
+    pub ipc: bool,
 }
 
 impl Default for TrainingWorkload {
@@ -59,6 +68,7 @@ impl Default for TrainingWorkload {
             steps: 20,
             seed: 1,
             private_pools: false,
+            ipc: false,
         }
     }
 }
@@ -72,6 +82,11 @@ pub struct WorkloadReport {
     pub mallocs: u64,
     /// The out-of-memory error that stopped the run, if any.
     pub oom: Option<String>,
+    /// With `ipc`: blocks shared with the consumer.
+    pub shared: u64,
+    /// With `ipc`: shared blocks the retry chain's `cuda_ipc_collect` freed (the others were
+    /// freed when the trainer released another shared block, or at the end).
+    pub collected_in_retry: u64,
 }
 
 /// A small deterministic generator (xorshift64*), enough for sequence lengths.
@@ -116,8 +131,15 @@ impl TrainingWorkload {
     ) -> Result<WorkloadReport, AllocError> {
         let mut report = WorkloadReport::default();
         let mut held: Vec<DevicePtr> = Vec::new();
+        let mut sharing = self.ipc.then(|| Sharing::register(alloc));
         let served_before = alloc.stats().allocation.all().allocated;
-        let outcome = self.run_inner(alloc, &mut report, &mut held, &mut after_step);
+        let outcome = self.run_inner(
+            alloc,
+            &mut report,
+            &mut held,
+            sharing.as_mut(),
+            &mut after_step,
+        );
         report.mallocs = (alloc.stats().allocation.all().allocated - served_before) as u64;
         match outcome {
             Ok(()) => {}
@@ -126,6 +148,16 @@ impl TrainingWorkload {
         }
         for ptr in held {
             alloc.free(ptr)?;
+        }
+        if let Some(mut sharing) = sharing {
+            // The engine exits: every shared block is let go of and collected.
+            sharing.engine.clear();
+            for ptr in sharing.sender.collect() {
+                alloc.free(ptr)?;
+                sharing.freed += 1;
+            }
+            report.shared = sharing.sent;
+            report.collected_in_retry = sharing.sent - sharing.freed;
         }
         if self.private_pools {
             // The graph is destroyed and the MemPool object dropped: both pools are freeable.
@@ -143,6 +175,7 @@ impl TrainingWorkload {
         alloc: &mut CachingAllocator<D>,
         report: &mut WorkloadReport,
         held: &mut Vec<DevicePtr>,
+        mut sharing: Option<&mut Sharing>,
         after_step: &mut impl FnMut(&mut CachingAllocator<D>),
     ) -> Result<(), AllocError> {
         let h = self.hidden;
@@ -162,6 +195,10 @@ impl TrainingWorkload {
         }
         let mut rng = XorShift::new(self.seed);
         for _ in 0..self.steps {
+            if let Some(sharing) = sharing.as_deref_mut() {
+                // The engine loaded the last step's weights and lets go of them.
+                sharing.engine.clear();
+            }
             let seq = rng.between(self.max_seq / 4, self.max_seq).max(1);
             let tokens = self.batch * seq;
             let mut activations = Vec::new();
@@ -209,8 +246,55 @@ impl TrainingWorkload {
             for grad in gradient_bucket {
                 alloc.free(grad)?;
             }
+            if let Some(sharing) = sharing.as_deref_mut() {
+                // Two layers' weights per bucket.
+                for _ in 0..self.layers.div_ceil(2) {
+                    sharing.share(alloc, 2 * layer_params * e)?;
+                }
+            }
             after_step(alloc);
             report.steps_completed += 1;
+        }
+        Ok(())
+    }
+}
+
+/// The trainer's side of the weight sync and the engine's references (the `ipc` option).
+struct Sharing {
+    sender: std::sync::Arc<IpcSender>,
+    engine: Vec<Received>,
+    /// Blocks sent.
+    sent: u64,
+    /// Sent blocks freed here (not by the allocator's callback).
+    freed: u64,
+}
+
+impl Sharing {
+    /// A sender registered as the allocator's `cuda_ipc_collect`.
+    fn register<D: Device>(alloc: &mut CachingAllocator<D>) -> Sharing {
+        let sender = std::sync::Arc::new(IpcSender::new());
+        alloc.register_free_memory_callback(sender.clone());
+        Sharing {
+            sender,
+            engine: Vec::new(),
+            sent: 0,
+            freed: 0,
+        }
+    }
+
+    /// One bucket of `bytes` allocated, sent to the engine and released by the trainer.
+    fn share<D: Device>(
+        &mut self,
+        alloc: &mut CachingAllocator<D>,
+        bytes: u64,
+    ) -> Result<(), AllocError> {
+        let bucket = alloc.malloc(bytes, StreamId::DEFAULT)?;
+        let handle = alloc.share_handle(bucket)?;
+        self.engine.push(self.sender.send(bucket, handle));
+        self.sent += 1;
+        for ptr in self.sender.release_storage(bucket) {
+            alloc.free(ptr)?;
+            self.freed += 1;
         }
         Ok(())
     }

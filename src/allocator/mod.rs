@@ -15,7 +15,8 @@
 //! `private_pool.rs` (Note [Private pools]: CUDA graphs' pools and MemPools),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
 //! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
-//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`.
+//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`, `ipc.rs`
+//! (Note [IPC handles]: what sharing a block with another process exports).
 //!
 //! # Note [OOM retry chain]
 //! When no cached block fits, `malloc` tries, in PyTorch's order (2.11 to 2.15): the
@@ -63,6 +64,7 @@ pub mod fit_order;
 mod free_set;
 mod history;
 mod invariants;
+mod ipc;
 mod live;
 mod plan;
 mod pool;
@@ -92,6 +94,7 @@ use expandable::ExpandableSegment;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
+pub use ipc::ShareableHandle;
 use live::LiveMap;
 use plan::Following;
 pub use plan::{

@@ -38,6 +38,11 @@ pub(crate) struct Args {
     /// the gradient buckets in a MemPool, as inference servers and NCCL's symmetric memory do.
     #[arg(long)]
     private_pools: bool,
+    /// Also share each step's weights over CUDA IPC with a consumer that holds them until
+    /// the next step (an RL trainer's weight sync): they wait in the limbo, collected by the
+    /// retry chain's cuda_ipc_collect.
+    #[arg(long)]
+    ipc: bool,
     /// Print memory_stats() as JSON instead of the summary.
     #[arg(long)]
     json: bool,
@@ -71,6 +76,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         max_seq: args.max_seq,
         seed: args.seed,
         private_pools: args.private_pools,
+        ipc: args.ipc,
         ..TrainingWorkload::default()
     };
     let report = workload.run(&mut alloc, finish_communication)?;
@@ -99,6 +105,13 @@ pub(crate) fn run(args: Args) -> CliResult {
             s["num_alloc_retries"],
             s["num_ooms"],
             alloc.device().stats().driver_time_ns as f64 / 1e6,
+        )?;
+    }
+    if args.ipc {
+        outln!(
+            "IPC: {} blocks shared, {} freed by the retry chain's cuda_ipc_collect",
+            report.shared,
+            report.collected_in_retry
         )?;
     }
     if let Some(oom) = report.oom {

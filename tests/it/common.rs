@@ -95,3 +95,31 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
+
+/// The check replay of a recording given as JSON.
+pub fn check_replay(v: &serde_json::Value) -> gpumem::trace::ReplayReport {
+    let bytes = serde_json::to_vec(v).expect("serialises");
+    let recording = gpumem::trace::parse_recording(&bytes).expect("reads back");
+    let options = gpumem::trace::ReplayOptions {
+        check: true,
+        ..gpumem::trace::ReplayOptions::default()
+    };
+    gpumem::trace::replay(&recording, &options).expect("replay runs")
+}
+
+/// `v` replays exactly, every event of its trace compared.
+pub fn replays_exactly(v: &serde_json::Value) -> gpumem::trace::ReplayReport {
+    let r = check_replay(v);
+    if let Some(d) = &r.divergence {
+        panic!(
+            "diverges at #{}: expected {}, got {}\n{}",
+            d.index,
+            d.expected,
+            d.actual,
+            d.context.join("\n")
+        );
+    }
+    let events = v["device_traces"][0].as_array().expect("a trace").len();
+    assert_eq!(r.compared.total(), events as u64);
+    r
+}

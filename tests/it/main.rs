@@ -11,6 +11,7 @@ mod fit_order;
 mod gpu;
 mod hostile;
 mod ingest;
+mod ipc;
 mod kubelet;
 mod lifecycle;
 mod oom_path;

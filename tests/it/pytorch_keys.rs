@@ -1,10 +1,9 @@
-//! The configuration keys of PyTorch 2.11 to 2.15 that change the allocator's decisions, and
-//! the retry chain's free-memory callbacks: each key's effect on a simulated GPU.
-
-use std::sync::{Arc, Mutex};
+//! The configuration keys of PyTorch 2.11 to 2.15 that change the allocator's decisions:
+//! each key's effect on a simulated GPU (the retry chain's free-memory callbacks are in
+//! `ipc.rs`).
 
 use gpumem::DevicePtr;
-use gpumem::allocator::{AllocError, FreeMemoryCallback, TraceAction};
+use gpumem::allocator::{AllocError, TraceAction};
 
 use crate::common::*;
 
@@ -143,74 +142,6 @@ fn a_small_expandable_reserve_fails_larger_requests_as_out_of_memory() {
     malloc(&mut a, 300 * MIB, S1);
 }
 
-/// Holds pointers for someone else (as IPC's limbo does) and lets go of them when asked.
-#[derive(Default)]
-struct Limbo {
-    held: Mutex<Vec<DevicePtr>>,
-    asked: Mutex<usize>,
-}
-
-impl FreeMemoryCallback for Limbo {
-    fn release(&self) -> Vec<DevicePtr> {
-        *self.asked.lock().expect("lock") += 1;
-        std::mem::take(&mut *self.held.lock().expect("lock"))
-    }
-}
-
-#[test]
-fn free_memory_callbacks_avoid_an_oom() {
-    // The device holds 64 MiB: a 40 MiB block held in limbo leaves no room for another.
-    let setup = |register: bool| {
-        let mut a = allocator(64 * MIB, "");
-        let limbo = Arc::new(Limbo::default());
-        if register {
-            a.register_free_memory_callback(limbo.clone());
-        }
-        let p = malloc(&mut a, 40 * MIB, S0);
-        limbo.held.lock().expect("lock").push(p);
-        (a, limbo, p)
-    };
-    let (mut a, _, _) = setup(false);
-    let err = a.malloc(40 * MIB, S0).expect_err("no callback, no room");
-    assert!(err.is_out_of_memory());
-
-    let (mut a, limbo, p) = setup(true);
-    // The first segment was obtained after asking the callback, which had nothing then.
-    assert_eq!(*limbo.asked.lock().expect("lock"), 1);
-    let q = a
-        .malloc(40 * MIB, S0)
-        .expect("the callback gave the block back");
-    check(&a);
-    assert_eq!(q, p, "the freed block served the request from the cache");
-    assert_eq!(*limbo.asked.lock().expect("lock"), 2);
-    assert_eq!(stat(&a, "num_device_alloc"), 1, "no new segment");
-    assert_eq!(stat(&a, "num_alloc_retries"), 0);
-    // A cached fit never asks the callbacks.
-    free(&mut a, q);
-    malloc(&mut a, 40 * MIB, S0);
-    assert_eq!(*limbo.asked.lock().expect("lock"), 2);
-}
-
-#[test]
-fn a_callback_returning_a_foreign_pointer_is_an_error_not_a_crash() {
-    let mut a = allocator(64 * MIB, "");
-    let limbo = Arc::new(Limbo::default());
-    a.register_free_memory_callback(limbo.clone());
-    let p = malloc(&mut a, 40 * MIB, S0);
-    limbo
-        .held
-        .lock()
-        .expect("lock")
-        .extend([DevicePtr(0xdead_0000), p]);
-    let err = a
-        .malloc(40 * MIB, S0)
-        .expect_err("a pointer the allocator never gave");
-    assert!(matches!(err, AllocError::InvalidPointer(_)), "{err}");
-    check(&a);
-    // The valid pointer was freed all the same.
-    assert_eq!(stat(&a, "allocated_bytes.all.current"), 0);
-}
-
 /// A training workload's snapshot under `conf`, as JSON.
 fn recorded_under(conf: &str) -> serde_json::Value {
     recorded_on(80 * GIB, conf)
@@ -234,16 +165,6 @@ fn recorded_on(capacity: u64, conf: &str) -> serde_json::Value {
     .run(&mut alloc, finish_communication)
     .expect("runs");
     serde_json::to_value(alloc.snapshot()).expect("serialises")
-}
-
-fn check_replay(json: &serde_json::Value) -> gpumem::trace::ReplayReport {
-    let bytes = serde_json::to_vec(json).expect("serialises");
-    let recording = gpumem::trace::parse_recording(&bytes).expect("reads back");
-    let options = gpumem::trace::ReplayOptions {
-        check: true,
-        ..gpumem::trace::ReplayOptions::default()
-    };
-    gpumem::trace::replay(&recording, &options).expect("replay runs")
 }
 
 #[test]

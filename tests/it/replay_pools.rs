@@ -5,10 +5,13 @@
 use gpumem::CachingAllocator;
 use gpumem::allocator::{PoolId, PoolOptions, RouteKind, StreamFilter};
 use gpumem::device::SimDevice;
-use gpumem::trace::{Divergence, ReplayOptions, ReplayReport, parse_recording, replay};
+use gpumem::trace::{Divergence, ReplayOptions, parse_recording, replay};
 use serde_json::{Value, json};
 
-use crate::common::{GIB, MIB, S0, S1, allocator, empty_cache, explain_text, free, malloc};
+use crate::common::{
+    GIB, MIB, S0, S1, allocator, check_replay, empty_cache, explain_text, free, malloc,
+    replays_exactly,
+};
 
 const GRAPH: PoolId = PoolId(0, 1);
 
@@ -32,36 +35,9 @@ fn snapshot(a: &mut CachingAllocator<SimDevice>) -> Value {
     serde_json::to_value(a.snapshot()).expect("serialises")
 }
 
-/// The check replay of `v`.
-fn checked(v: &Value) -> ReplayReport {
-    let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let options = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
-    replay(&rec, &options).expect("replays")
-}
-
-/// `v` replays exactly, every event compared.
-fn exact(v: &Value) -> ReplayReport {
-    let r = checked(v);
-    if let Some(d) = &r.divergence {
-        panic!(
-            "diverges at #{}: expected {}, got {}\n{}",
-            d.index,
-            d.expected,
-            d.actual,
-            d.context.join("\n")
-        );
-    }
-    let events = v["device_traces"][0].as_array().expect("a trace").len();
-    assert_eq!(r.compared.total(), events as u64);
-    r
-}
-
 /// Where `v` diverges; it must.
 fn diverges(v: &Value) -> Divergence {
-    checked(v)
+    check_replay(v)
         .divergence
         .expect("the recording cannot be replayed this way")
 }
@@ -88,8 +64,8 @@ fn without_trace_pool_ids(mut v: Value) -> Value {
 /// `v` replays exactly with its pools, recorded or (before 2.12) read off its segments, all
 /// of which survive; without pools it diverges at a recorded `expected` event.
 fn exact_and_not_without_pools(v: Value, expected: &str) {
-    exact(&v);
-    let r = exact(&without_trace_pool_ids(v.clone()));
+    replays_exactly(&v);
+    let r = replays_exactly(&without_trace_pool_ids(v.clone()));
     assert_eq!(r.inferred_pools.map(|i| i.assumed), Some(0));
     let d = diverges(&without_pools(v));
     assert!(d.expected.starts_with(expected), "{d:?}");
@@ -115,7 +91,7 @@ fn blocks_are_reused_only_within_their_pool_in_replay() {
     let _d = malloc(&mut a, 4 * MIB, S0);
     let v = snapshot(&mut a);
     assert!(has_events_in(&v, GRAPH));
-    exact(&v);
+    replays_exactly(&v);
     let d = diverges(&without_pools(v.clone()));
     assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
     // What-if keeps the pools apart too: under expandable segments each pool maps its own.
@@ -127,7 +103,7 @@ fn blocks_are_reused_only_within_their_pool_in_replay() {
     let r = replay(&rec, &options).expect("what-if runs");
     assert_eq!((r.device_allocs, r.ooms), (2, 0), "{r:?}");
     // Before 2.12 the pools are read off the segments, which both survive.
-    let r = exact(&without_trace_pool_ids(v));
+    let r = replays_exactly(&without_trace_pool_ids(v));
     let inferred = r.inferred_pools.expect("pools inferred");
     assert_eq!(inferred.assumed, 0);
     assert!(inferred.from_segments > 0);
@@ -166,12 +142,12 @@ fn a_pool_keeps_its_cache_until_released_and_then_gives_whole_segments_back() {
         .expect("events");
     assert_eq!(last["action"], "segment_free");
     assert_eq!(last["pool_id"], json!([0, 1]));
-    exact(&v);
+    replays_exactly(&v);
     diverges(&without_pools(v.clone()));
     // Before 2.12 the released segment's pool died with it: its events are assumed the
     // default pool's, the replay says so, and it cannot reproduce them.
     let untraced = without_trace_pool_ids(v);
-    let r = checked(&untraced);
+    let r = check_replay(&untraced);
     let inferred = r.inferred_pools.expect("pools inferred");
     assert!(inferred.assumed > 0 && inferred.first_assumed.is_some());
     assert!(
@@ -208,7 +184,7 @@ fn a_default_request_served_from_a_use_on_oom_pool_replays_in_that_pool() {
         .rposition(|e| e["action"] == "alloc")
         .expect("allocations");
     assert_eq!(trace[served]["pool_id"], json!([0, 1]));
-    exact(&v);
+    replays_exactly(&v);
     // Read as a default request that no pool may serve, it runs out of memory.
     let mut default = v.clone();
     default["device_traces"][0][served]["pool_id"] = json!([0, 0]);
@@ -264,7 +240,7 @@ fn an_oom_in_a_graph_pool_replays_without_the_flush_a_capture_skips() {
         (&oom["action"], &oom["pool_id"]),
         (&json!("oom"), &json!([0, 1]))
     );
-    let r = exact(&v);
+    let r = replays_exactly(&v);
     assert_eq!(r.compared.ooms, 1);
     // A default request would have flushed the cached segment first.
     let d = diverges(&without_pools(v));
@@ -312,7 +288,7 @@ fn random_runs_with_pools_replay_exactly() {
             run.apply(&op).expect("invariants hold");
         }
         let v = snapshot(&mut run.alloc);
-        let r = checked(&v);
+        let r = check_replay(&v);
         if let Some(d) = &r.divergence {
             panic!(
                 "case {case} diverges at #{}: expected {}, got {}\n{}",
@@ -366,7 +342,7 @@ fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
     use std::process::Command;
 
     let v = graph_oom_recording();
-    exact(&v);
+    replays_exactly(&v);
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
     let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
     assert_eq!(e.request.pool_id, PoolId::DEFAULT);
@@ -488,12 +464,12 @@ fn a_trace_that_starts_with_private_pool_segments_replays_exactly() {
         free(&mut a, q);
     }
     let v = snapshot(&mut a);
-    let r = exact(&v);
+    let r = replays_exactly(&v);
     assert!(r.start_segments >= 3, "{r:?}");
     assert!(has_events_in(&v, GRAPH));
     diverges(&without_pools(v.clone()));
     // Before 2.12, the same from the segments, which all survive.
-    let r = exact(&without_trace_pool_ids(v));
+    let r = replays_exactly(&without_trace_pool_ids(v));
     assert_eq!(r.inferred_pools.map(|i| i.assumed), Some(0));
 }
 
@@ -518,7 +494,7 @@ fn a_plan_leaves_private_pools_to_the_caching_allocator() {
         }
     }
     let v = snapshot(&mut a);
-    exact(&v);
+    replays_exactly(&v);
     let dir = crate::common::temp_dir("plan-pools");
     let file = dir.join("pools.json");
     std::fs::write(&file, v.to_string()).expect("write");
@@ -568,7 +544,7 @@ fn simulate_records_a_graph_and_a_mem_pool_that_replay_and_explain() {
     );
     let v: Value = serde_json::from_slice(&std::fs::read(&file).expect("written")).expect("json");
     assert!(has_events_in(&v, PoolId(1, 0)) && has_events_in(&v, PoolId(0, 1)));
-    exact(&v);
+    replays_exactly(&v);
     let text = explain_text(&file);
     assert!(
         text.contains("pool (1, 0) (a CUDA graph's own pool)")
@@ -600,7 +576,7 @@ fn a_released_pool_on_expandable_segments_replays_its_unmaps() {
             .any(|e| e["action"] == "segment_unmap" && e["pool_id"] == json!([0, 1])),
         "the pool's pages were unmapped"
     );
-    exact(&v);
+    replays_exactly(&v);
 }
 
 #[test]
