@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DS = {"type": "prometheus", "uid": "${datasource}"}
 GPU = 'cluster=~"$cluster", instance=~"$node", gpu=~"$gpu"'
 POD = GPU + ', pod_namespace=~"$namespace", pod_name=~"$pod"'
+# Per-process series of no GPU (pinned host memory).
+HOST = 'cluster=~"$cluster", instance=~"$node", pod_namespace=~"$namespace", pod_name=~"$pod"'
 LINKS = [{"title": "gpumem", "type": "dashboards", "tags": ["gpumem"], "asDropdown": False,
           "includeVars": True, "keepTime": True}]
 
@@ -374,6 +376,32 @@ def allocator():
                    [target("A", f"sum by ({per}, outcome) (rate(gpumem_allocator_plan_requests_total"
                                 f"{{{POD}}}[$__rate_interval]))", legend + " {{outcome}}")],
                    "ops"),
+        timeseries("Pinned host memory",
+                   "Host memory PyTorch's pinned allocator (pin_memory, non_blocking copies) "
+                   "holds per process, for jobs that push: its pool (blocks in use and cached, "
+                   "rounded up to powers of two and kept cached for reuse) and what is in use. "
+                   "A pool that keeps growing while the part in use does not is the rounding "
+                   "and caching that leads to host OOMs on data-loading-heavy jobs.",
+                   (0, 56, 12, 8),
+                   [target("A", f"sum by (instance, pid) (gpumem_host_pinned_allocated_bytes"
+                                f"{{{HOST}}})", "{{instance}} pid {{pid}} pool"),
+                    target("B", f"sum by (instance, pid) (gpumem_host_pinned_active_bytes"
+                                f"{{{HOST}}})", "{{instance}} pid {{pid}} in use")], "bytes"),
+        timeseries("Pinned allocations from the driver",
+                   "cudaHostAlloc (or cudaHostRegister) calls per second. A steady rate means "
+                   "the pinned pool's power-of-two buckets do not hold what the loader asks "
+                   "for.", (12, 56, 6, 8),
+                   [target("A", "sum by (instance, pid) (rate(gpumem_host_pinned_allocs_total"
+                                f"{{{HOST}}}[$__rate_interval]))", "{{instance}} pid {{pid}}")],
+                   "ops"),
+        timeseries("Time spent pinning",
+                   "The share of each second a process spent obtaining pinned memory from the "
+                   "driver: pinning pages stalls the calling thread (a loader worker, or the "
+                   "training loop itself).", (18, 56, 6, 8),
+                   [target("A", "sum by (instance, pid) (rate("
+                                f"gpumem_host_pinned_alloc_seconds_total{{{HOST}}}"
+                                "[$__rate_interval]))", "{{instance}} pid {{pid}}")],
+                   "percentunit"),
     ]
     sizes = panels[10]
     sizes["transformations"].insert(1, {"id": "convertFieldType", "options": {"conversions": [

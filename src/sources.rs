@@ -201,6 +201,41 @@ pub struct IngestReport {
     pub processes: Vec<PushedProcess>,
     /// Out-of-memory errors counted per pod and container, kept beyond the processes.
     pub pod_ooms: Vec<PodOoms>,
+    /// The pinned host memory of the processes whose pushes report it, by pid.
+    pub hosts: Vec<PushedHost>,
+}
+
+/// A pushed process's pinned host memory (PyTorch's `CachingHostAllocator`, read from
+/// `torch.cuda.host_memory_stats()` under its 2.10+ key names). A figure the push did not
+/// carry is `None` and is not exported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostPinned {
+    /// Bytes of the pool's blocks, in use and cached (`allocated_bytes.current`).
+    pub allocated_bytes: Option<u64>,
+    /// Bytes of the blocks in use (`active_bytes.current`).
+    pub active_bytes: Option<u64>,
+    /// The pool's blocks, in use and cached (`allocations.current`).
+    pub allocations: Option<u64>,
+    /// Blocks in use (`active_requests.current`).
+    pub active_requests: Option<u64>,
+    /// Pinned allocations obtained from the driver, ever (`num_host_alloc`).
+    pub host_allocs: Option<u64>,
+    /// Pinned allocations given back to the driver, ever (`num_host_free`).
+    pub host_frees: Option<u64>,
+    /// Microseconds spent obtaining them (`host_alloc_time.total`).
+    pub alloc_time_us: Option<u64>,
+}
+
+/// The pinned host memory of one pushed process, with the labels of its series.
+#[derive(Clone, Debug)]
+pub struct PushedHost {
+    /// Its pid.
+    pub pid: u32,
+    /// Its labels, as on its allocator series (the push's own, then `pod_uid` and
+    /// `container_id` where the kernel named the process).
+    pub labels: Vec<(String, String)>,
+    /// Its figures.
+    pub pinned: HostPinned,
 }
 
 /// A process whose pushed series are served.

@@ -21,7 +21,11 @@ FAKE_TORCH = os.path.join(HERE, "fake_torch")
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "alloc_conf_generic", "labels",
-             "devices", "reason", "last_oom_unix_seconds", "start_time"}
+             "devices", "reason", "last_oom_unix_seconds", "start_time", "host"}
+# The host figures the hook sends (it drops every other key of host_memory_stats()).
+HOST_KEYS = {"allocated_bytes.current", "active_bytes.current", "allocations.current",
+             "active_requests.current", "num_host_alloc", "num_host_free",
+             "host_alloc_time.total"}
 DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size", "oom"}
 OOM_KEYS = {"size", "stream", "device_total", "device_free", "pools"}
 POOL_KEYS = {"pool", "stream", "allocated", "requested", "pending_free", "free", "largest_free",
@@ -65,6 +69,16 @@ def check_payload(p):
         if (not NAME.match(name) or name.startswith("__") or len(name) > 64
                 or not text_ok(value)):
             return f"bad label {name!r}={value!r}"
+    if "host" in p:
+        host = p["host"]
+        if not isinstance(host, dict) or not host or set(host) - HOST_KEYS:
+            return f"bad host {host!r}"
+        if any(not is_int(v) or not 0 <= v < 1 << 53 for v in host.values()):
+            return f"bad host figure in {host!r}"
+        for part, whole in (("active_bytes.current", "allocated_bytes.current"),
+                            ("active_requests.current", "allocations.current")):
+            if part in host and whole in host and host[part] > host[whole]:
+                return f"host: {part} exceeds {whole}"
     devices = p.get("devices")
     if not isinstance(devices, list) or not 1 <= len(devices) <= 16:
         return "devices must list 1 to 16 devices"

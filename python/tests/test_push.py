@@ -104,6 +104,48 @@ class SettingsVariables(PushTest):
                 self.assertEqual(got, want, env)
 
 
+class PinnedHostMemory(PushTest):
+    PIN = """
+        import torch
+        torch._fake.allocate(0, 3 << 20)
+        torch._fake.pin(3 << 20)      # a 4 MiB block
+        torch._fake.pin(1 << 20)      # a 1 MiB block
+        torch._fake.unpin_all()
+        torch._fake.pin(1 << 20)      # the cached 1 MiB block again
+        wait_sent(1)
+        """
+    WANT = {"allocated_bytes.current": 5 * MIB, "active_bytes.current": MIB,
+            "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2,
+            "num_host_free": 0, "host_alloc_time.total": 500}
+
+    def host_of_last_push(self, **env):
+        child = self.run_child(self.PIN, **env)
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertEqual(child.result["violations"], [])
+        self.assertNoRefusals()
+        return [p.get("host") for p in self.agent.recorder.accepted()][-1]
+
+    def test_host_memory_stats_are_pushed_under_their_2_10_names(self):
+        self.assertEqual(self.host_of_last_push(), self.WANT)
+
+    def test_older_key_names_are_renamed(self):
+        # 2.7 to 2.9 called the pool's blocks segment/reserved_bytes and those in use
+        # allocation/allocated_bytes: the same figures arrive under 2.10's names.
+        self.assertEqual(self.host_of_last_push(FAKE_TORCH_HOST_KEYS="old"), self.WANT)
+
+    def test_no_host_object_without_host_memory_stats_or_pinned_memory(self):
+        self.assertIsNone(self.host_of_last_push(FAKE_TORCH_HOST_KEYS="none"))
+        self.agent.recorder.pushes.clear()
+        child = self.run_child(
+            """
+            import torch
+            torch._fake.allocate(0, 3 << 20)
+            wait_sent(1)
+            """)
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertTrue(all("host" not in p for p in self.agent.recorder.accepted()))
+
+
 class Activation(PushTest):
     def test_gpumem_push_1_pushes_a_job_that_never_imports_it(self):
         # torch takes a second to import, during which the hook's thread must not touch it.

@@ -18,6 +18,13 @@
 //! `oom` (on the device that ran out of memory, in an OOM push) is described in
 //! [`super::oom`].
 //!
+//! `host`, where the job's torch has `torch.cuda.host_memory_stats()` and the job pinned
+//! memory, holds its pinned host memory under PyTorch 2.10+'s key names (the hook renames
+//! older releases' keys): `allocated_bytes.current` and `allocations.current` (the pool's
+//! blocks, in use and cached), `active_bytes.current` and `active_requests.current` (in use),
+//! `num_host_alloc`, `num_host_free` and `host_alloc_time.total` (microseconds). Other keys
+//! are ignored.
+//!
 //! `alloc_conf` is `PYTORCH_CUDA_ALLOC_CONF`; `alloc_conf_generic`, sent where it is set and
 //! differs, `PYTORCH_ALLOC_CONF`. The configuration exported is the one the job's release
 //! reads ([`crate::config::settings_from_env`], the release from `torch_version`, the newest
@@ -34,10 +41,12 @@
 //!   (by index and by UUID), each with at most [`MAX_STATS_KEYS`] statistics and
 //!   [`MAX_CLASSES`] size classes; at most [`MAX_LABELS`] labels, names and values at most
 //!   [`MAX_LABEL_NAME`] characters and [`MAX_TEXT`] bytes, [`MAX_LABEL_BYTES`] together, so
-//!   one process's series are bounded ([`ValidPush::series`]) and so is each series' size.
+//!   one process's series are bounded ([`ValidPush::series`]) and so is each series' size;
+//!   `host` has at most [`MAX_HOST_KEYS`] keys.
 //! - Every figure is a whole number: byte figures below 2^60 ([`MAX_BYTES`]), counts below
 //!   2^53 ([`MAX_COUNT`]), so the collector's sums of two pools cannot overflow and every
-//!   value is exact as a float. Per pool, `allocated` and `active` never exceed `reserved`.
+//!   value is exact as a float. Per pool, `allocated` and `active` never exceed `reserved`;
+//!   pinned memory in use never exceeds its pool.
 //! - A pushed label never overwrites a label of the contract or of Prometheus's and
 //!   Kubernetes's target labels: such a name is exported as `exported_<name>`, Prometheus's
 //!   own convention; a name that is not a label name is refused.
@@ -49,7 +58,7 @@ use serde::Deserialize;
 
 use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
-use crate::sources::LastOom;
+use crate::sources::{HostPinned, LastOom};
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -66,6 +75,10 @@ pub const MAX_LABELS: usize = 12;
 /// Bytes of a push's labels together, names and values: they are copied onto every series
 /// of the process.
 pub const MAX_LABEL_BYTES: usize = 512;
+/// Keys of a push's `host` object (PyTorch's `host_memory_stats()` has about 40).
+pub const MAX_HOST_KEYS: usize = 64;
+/// Series of a process's pinned host memory: one per figure.
+pub const HOST_SERIES: usize = 7;
 /// Size classes are powers of two: 64 cover every `u64`.
 pub const MAX_CLASSES: usize = 64;
 /// Byte figures are below this (an exabyte; no device comes near).
@@ -206,6 +219,9 @@ struct Push {
     /// word: it tells apart processes that reuse a pid when the kernel does not name them.
     #[serde(default)]
     start_time: Option<u64>,
+    /// `torch.cuda.host_memory_stats()`, under 2.10+'s key names.
+    #[serde(default)]
+    host: Option<BTreeMap<String, serde_json::Value>>,
     devices: Vec<PushedDevice>,
 }
 
@@ -254,6 +270,8 @@ pub struct ValidPush {
     pub start_time: Option<u64>,
     /// Its devices.
     pub devices: Vec<ValidDevice>,
+    /// Its pinned host memory, where it said.
+    pub host: Option<HostPinned>,
 }
 
 /// One device of a valid push.
@@ -275,15 +293,16 @@ impl ValidPush {
     /// The series this push adds to a scrape: its devices', and the ingest's last-push age
     /// of the process.
     pub fn series(&self) -> usize {
-        1 + self
-            .devices
-            .iter()
-            .map(|d| {
-                SERIES_PER_DEVICE
-                    + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len())
-                    + d.last_oom.as_ref().map_or(0, |_| OOM_BREAKDOWN_SERIES)
-            })
-            .sum::<usize>()
+        1 + self.host.map_or(0, |_| HOST_SERIES)
+            + self
+                .devices
+                .iter()
+                .map(|d| {
+                    SERIES_PER_DEVICE
+                        + 2 * d.snapshot.as_ref().map_or(0, |(_, c)| c.len())
+                        + d.last_oom.as_ref().map_or(0, |_| OOM_BREAKDOWN_SERIES)
+                })
+                .sum::<usize>()
     }
 
     /// OOMs the process counted, over its devices.
@@ -357,6 +376,7 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
             "last_oom_unix_seconds must be a time (seconds since 1970), not {t}"
         )));
     }
+    let host = push.host.as_ref().map(host).transpose()?.flatten();
     let mut devices: Vec<ValidDevice> = Vec::with_capacity(push.devices.len());
     for device in &push.devices {
         text("uuid", &device.uuid)?;
@@ -400,7 +420,66 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         last_oom_unix_seconds: push.last_oom_unix_seconds,
         start_time: push.start_time,
         devices,
+        host,
     })
+}
+
+/// The pinned host memory of a push's `host` object; `None` when it names no figure gpumem
+/// exports.
+fn host(pushed: &BTreeMap<String, serde_json::Value>) -> Result<Option<HostPinned>, Rejected> {
+    if pushed.len() > MAX_HOST_KEYS {
+        return Err(invalid(format!(
+            "host: more than {MAX_HOST_KEYS} statistics"
+        )));
+    }
+    let figure = |key: &str| -> Result<Option<u64>, Rejected> {
+        let Some(value) = pushed.get(key) else {
+            return Ok(None);
+        };
+        let (limit, unit) = if is_bytes(key) {
+            (MAX_BYTES, "2^60 bytes")
+        } else {
+            (MAX_COUNT, "2^53")
+        };
+        match value.as_u64() {
+            Some(n) if n < limit as u64 => Ok(Some(n)),
+            _ => Err(invalid(format!(
+                "host: {key} must be a whole number from 0 below {unit}, not {}",
+                truncate(&value.to_string())
+            ))),
+        }
+    };
+    let pinned = HostPinned {
+        allocated_bytes: figure("allocated_bytes.current")?,
+        active_bytes: figure("active_bytes.current")?,
+        allocations: figure("allocations.current")?,
+        active_requests: figure("active_requests.current")?,
+        host_allocs: figure("num_host_alloc")?,
+        host_frees: figure("num_host_free")?,
+        alloc_time_us: figure("host_alloc_time.total")?,
+    };
+    for (part, whole, names) in [
+        (
+            pinned.active_bytes,
+            pinned.allocated_bytes,
+            ("active_bytes.current", "allocated_bytes.current"),
+        ),
+        (
+            pinned.active_requests,
+            pinned.allocations,
+            ("active_requests.current", "allocations.current"),
+        ),
+    ] {
+        if let (Some(part), Some(whole)) = (part, whole)
+            && part > whole
+        {
+            return Err(invalid(format!(
+                "host: {} ({part}) exceeds {} ({whole}): what is in use lies in the pool",
+                names.0, names.1
+            )));
+        }
+    }
+    Ok((pinned != HostPinned::default()).then_some(pinned))
 }
 
 /// At most 64 characters of a client's string, for messages.
@@ -812,5 +891,71 @@ mod tests {
                                   {"size": 4, "segments": 1, "free_bytes": 0}]}]});
         let push = validate(body.to_string().as_bytes()).expect("valid");
         assert_eq!(push.series(), 1 + 2 * SERIES_PER_DEVICE + 4);
+    }
+
+    fn with_host(host: serde_json::Value) -> Vec<u8> {
+        serde_json::json!({"pid": 7, "seq": 1, "host": host,
+            "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn pinned_host_memory_is_read_bounded_and_consistent() {
+        let push = validate(&with_host(serde_json::json!({
+            "allocated_bytes.current": 4096, "active_bytes.current": 1024,
+            "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2,
+            "num_host_free": 0, "host_alloc_time.total": 1500,
+            "host_free_time.total": 7, "segment.current": 9})))
+        .expect("valid; unknown keys ignored");
+        let host = push.host.expect("pinned memory");
+        assert_eq!(host.allocated_bytes, Some(4096));
+        assert_eq!(host.active_requests, Some(1));
+        assert_eq!(host.alloc_time_us, Some(1500));
+        assert_eq!(push.series(), 1 + SERIES_PER_DEVICE + HOST_SERIES);
+        // A figure it lacks stays unknown; no figure at all is no pinned memory.
+        let push = validate(&with_host(serde_json::json!({"num_host_alloc": 3}))).expect("valid");
+        assert_eq!(
+            push.host.map(|h| (h.host_allocs, h.allocated_bytes)),
+            Some((Some(3), None))
+        );
+        let push = validate(&with_host(serde_json::json!({"other": 1}))).expect("valid");
+        assert!(push.host.is_none());
+        assert_eq!(push.series(), 1 + SERIES_PER_DEVICE);
+        for (host, key) in [
+            (
+                serde_json::json!({"allocated_bytes.current": -1}),
+                "allocated_bytes.current",
+            ),
+            (serde_json::json!({"num_host_alloc": 1.5}), "num_host_alloc"),
+            (serde_json::json!({"num_host_alloc": "1"}), "num_host_alloc"),
+            (
+                serde_json::json!({"allocated_bytes.current": 1_u64 << 60}),
+                "2^60",
+            ),
+            (
+                serde_json::json!({"host_alloc_time.total": 1_u64 << 53}),
+                "host_alloc_time.total",
+            ),
+            (
+                serde_json::json!({"allocated_bytes.current": 1, "active_bytes.current": 2}),
+                "exceeds",
+            ),
+            (
+                serde_json::json!({"allocations.current": 1, "active_requests.current": 2}),
+                "exceeds",
+            ),
+        ] {
+            let r = refused(&with_host(host.clone()));
+            assert_eq!(r.refusal, Refusal::Invalid, "{host}");
+            assert!(r.message.contains(key), "{host}: {}", r.message);
+        }
+        let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_HOST_KEYS)
+            .map(|i| (format!("k{i}"), serde_json::json!(0)))
+            .collect();
+        let r = refused(&with_host(serde_json::Value::Object(many)));
+        assert!(r.message.contains("more than"), "{}", r.message);
+        let r = refused(&with_host(serde_json::json!([1, 2])));
+        assert_eq!(r.refusal, Refusal::Malformed);
     }
 }

@@ -37,8 +37,8 @@ use std::time::{Duration, Instant, SystemTime};
 use rustc_hash::FxHashMap;
 
 use crate::sources::{
-    AllocatorKind, AllocatorSource, AllocatorSources, IngestReport, PodOoms, PushedProcess,
-    UNKNOWN_SIZE,
+    AllocatorKind, AllocatorSource, AllocatorSources, HostPinned, IngestReport, PodOoms,
+    PushedHost, PushedProcess, UNKNOWN_SIZE,
 };
 use crate::telemetry::cgroup::{self, ContainerRef};
 use crate::telemetry::process;
@@ -111,6 +111,10 @@ struct Tracked {
     ooms: u64,
     series: usize,
     sources: Vec<Arc<AllocatorSource>>,
+    /// Its pinned host memory as its last push said (a push without it clears it).
+    host: Option<HostPinned>,
+    /// The labels of its series.
+    labels: Vec<(String, String)>,
 }
 
 impl Tracked {
@@ -383,6 +387,8 @@ impl PushStore {
                 ooms,
                 series,
                 sources,
+                host: push.host,
+                labels,
             },
         );
         self.publish(&state);
@@ -598,11 +604,24 @@ impl PushStore {
                 ooms: p.ooms,
             })
             .collect();
+        let mut hosts: Vec<PushedHost> = state
+            .tracked
+            .iter()
+            .filter_map(|(&pid, t)| {
+                Some(PushedHost {
+                    pid,
+                    labels: t.labels.clone(),
+                    pinned: t.host?,
+                })
+            })
+            .collect();
+        hosts.sort_unstable_by_key(|h| h.pid);
         drop(state);
         IngestReport {
             results: self.counts(),
             processes,
             pod_ooms,
+            hosts,
         }
     }
 }

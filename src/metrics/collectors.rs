@@ -219,9 +219,23 @@ fn allocator_labels<'a>(
     pods: &ProcessPods<'_>,
     names: Names<'_>,
 ) -> Cow<'a, [(String, String)]> {
-    let mut labels = Cow::Borrowed(s.labels.as_slice());
-    if label(&s.labels, "pod_uid").is_none()
-        && let Some(container) = pods.get(&(s.uuid.as_str(), s.pid))
+    process_labels(
+        &s.labels,
+        pods.get(&(s.uuid.as_str(), s.pid)).copied(),
+        names,
+    )
+}
+
+/// A process's extra labels: its own, then the pod NVML's view places it in (`nvml`) where
+/// it names none, and the pod's names where known.
+fn process_labels<'a>(
+    own: &'a [(String, String)],
+    nvml: Option<&ContainerRef>,
+    names: Names<'_>,
+) -> Cow<'a, [(String, String)]> {
+    let mut labels = Cow::Borrowed(own);
+    if label(own, "pod_uid").is_none()
+        && let Some(container) = nvml
     {
         let all = labels.to_mut();
         all.push(("pod_uid".into(), container.pod_uid.clone()));
@@ -433,6 +447,47 @@ fn collect_report(
     }
 }
 
+/// Each pushed process's pinned host memory, labelled as its allocators are.
+fn collect_hosts(
+    f: &mut Families,
+    report: &IngestReport,
+    pods: &ProcessPods<'_>,
+    names: Names<'_>,
+) {
+    for h in &report.hosts {
+        // Pinned memory belongs to no GPU: the process's pod from any GPU NVML saw it on.
+        let nvml = pods
+            .iter()
+            .find_map(|(&(_, pid), &container)| (pid == h.pid).then_some(container));
+        let extra = process_labels(&h.labels, nvml, names);
+        let pid = h.pid.to_string();
+        let p = &h.pinned;
+        let seconds = p.alloc_time_us.map(|us| us as f64 / 1e6);
+        for (def, value) in [
+            (
+                &c::HOST_PINNED_ALLOCATED_BYTES,
+                p.allocated_bytes.map(|v| v as f64),
+            ),
+            (
+                &c::HOST_PINNED_ACTIVE_BYTES,
+                p.active_bytes.map(|v| v as f64),
+            ),
+            (&c::HOST_PINNED_ALLOCATIONS, p.allocations.map(|v| v as f64)),
+            (
+                &c::HOST_PINNED_ACTIVE_REQUESTS,
+                p.active_requests.map(|v| v as f64),
+            ),
+            (&c::HOST_PINNED_ALLOCS, p.host_allocs.map(|v| v as f64)),
+            (&c::HOST_PINNED_FREES, p.host_frees.map(|v| v as f64)),
+            (&c::HOST_PINNED_ALLOC_SECONDS, seconds),
+        ] {
+            if let Some(value) = value {
+                f.of(def).push_with(&[&pid], extra.as_ref(), value);
+            }
+        }
+    }
+}
+
 fn collect_ingest(f: &mut Families, report: &IngestReport, names: Names<'_>) {
     for (result, count) in &report.results {
         f.of(&c::INGEST_PAYLOADS).push(&[result], *count as f64);
@@ -492,7 +547,9 @@ impl Collector for AgentCollector {
             collect_report(&mut f, &report, names, None);
         }
         if let Some(read) = &self.ingest {
-            collect_ingest(&mut f, &read(), names);
+            let report = read();
+            collect_ingest(&mut f, &report, names);
+            collect_hosts(&mut f, &report, &pods, names);
         }
         f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
         f.0.into_iter().filter_map(Family::into_family).collect()

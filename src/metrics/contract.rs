@@ -317,8 +317,58 @@ metric!(
     "gpumem's version; always 1."
 );
 
+metric!(
+    HOST_PINNED_ALLOCATED_BYTES,
+    "gpumem_host_pinned_allocated_bytes",
+    Gauge,
+    &["pid"],
+    "Pinned host memory PyTorch's host allocator holds, blocks in use and cached (host_memory_stats allocated_bytes.current; blocks are rounded up to powers of two and kept cached for reuse)."
+);
+metric!(
+    HOST_PINNED_ACTIVE_BYTES,
+    "gpumem_host_pinned_active_bytes",
+    Gauge,
+    &["pid"],
+    "Pinned host memory in use: blocks handed out, or freed and waiting on their streams (host_memory_stats active_bytes.current)."
+);
+metric!(
+    HOST_PINNED_ALLOCATIONS,
+    "gpumem_host_pinned_allocations",
+    Gauge,
+    &["pid"],
+    "Blocks PyTorch's host allocator holds, in use and cached (host_memory_stats allocations.current)."
+);
+metric!(
+    HOST_PINNED_ACTIVE_REQUESTS,
+    "gpumem_host_pinned_active_requests",
+    Gauge,
+    &["pid"],
+    "Pinned blocks in use (host_memory_stats active_requests.current)."
+);
+metric!(
+    HOST_PINNED_ALLOCS,
+    "gpumem_host_pinned_allocs_total",
+    Counter,
+    &["pid"],
+    "Pinned allocations obtained from the driver, cudaHostAlloc or cudaHostRegister (host_memory_stats num_host_alloc)."
+);
+metric!(
+    HOST_PINNED_FREES,
+    "gpumem_host_pinned_frees_total",
+    Counter,
+    &["pid"],
+    "Pinned allocations given back to the driver (host_memory_stats num_host_free)."
+);
+metric!(
+    HOST_PINNED_ALLOC_SECONDS,
+    "gpumem_host_pinned_alloc_seconds_total",
+    Counter,
+    &["pid"],
+    "Seconds spent obtaining pinned memory from the driver (host_memory_stats host_alloc_time.total, from microseconds): page pinning stalls the host thread."
+);
+
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 37] = [
+pub const CONTRACT: [&MetricDef; 44] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -355,6 +405,13 @@ pub const CONTRACT: [&MetricDef; 37] = [
     &INGEST_TRACKED,
     &INGEST_LAST_PUSH_AGE,
     &POD_OOMS,
+    &HOST_PINNED_ALLOCATED_BYTES,
+    &HOST_PINNED_ACTIVE_BYTES,
+    &HOST_PINNED_ALLOCATIONS,
+    &HOST_PINNED_ACTIVE_REQUESTS,
+    &HOST_PINNED_ALLOCS,
+    &HOST_PINNED_FREES,
+    &HOST_PINNED_ALLOC_SECONDS,
     &BUILD_INFO,
 ];
 

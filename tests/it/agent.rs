@@ -113,7 +113,7 @@ async fn demo_serves_the_whole_contract() {
         .as_ref()
         .expect("the agent ingests")
         .push_from(
-            br#"{"pid": 1, "seq": 1, "reason": "oom", "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
+            br#"{"pid": 1, "seq": 1, "reason": "oom", "host": {"allocated_bytes.current": 4096, "active_bytes.current": 1024, "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2, "num_host_free": 0, "host_alloc_time.total": 1500}, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
             Some(77),
         )
         .expect("accepted");
@@ -138,6 +138,14 @@ async fn demo_serves_the_whole_contract() {
     let (status, content_type, body) = scrape;
     assert_eq!(status, 200);
     assert!(body.contains(r#"gpumem_ingest_last_push_age_seconds{pid="77"}"#));
+    // Pinned host memory per process, its time in seconds.
+    assert!(
+        body.lines().any(
+            |l| l.starts_with(r#"gpumem_host_pinned_alloc_seconds_total{pid="77""#)
+                && l.ends_with(" 0.0015")
+        ),
+        "{body}"
+    );
     // The live page's API: the pushed process in the table with its OOM's breakdown, which
     // adds up to the device its observer named.
     let (status, _, api) = get(router.clone(), "/api/v1/node").await;
@@ -562,25 +570,32 @@ fn a_real_prometheus_scrapes_the_demo() {
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
     // Every metric but those that exist per pushing process or after an OOM (the demo has
     // neither; the ingest tests query them), and every dashboard panel's query with its
-    // variables set to "All" (but those of pushed processes' OOMs: the OOM path's test
-    // queries them), returns data. The simulated processes catch up with their recordings a
+    // variables set to "All" (but those of pushed processes' OOMs and pinned memory: the OOM
+    // path's test queries them), returns data. The simulated processes catch up with their recordings a
     // slice at a time, so on a loaded machine some series (the planned process's) appear a
     // few scrapes later: wait for them, within a bound.
-    let pushed_only = [
-        "gpumem_ingest_last_push_age_seconds",
-        "gpumem_allocator_last_oom_timestamp_seconds",
-        "gpumem_oom_breakdown_bytes",
-        "gpumem_pod_ooms_total",
-    ];
+    let pushed_only = |name: &str| {
+        [
+            "gpumem_ingest_last_push_age_seconds",
+            "gpumem_allocator_last_oom_timestamp_seconds",
+            "gpumem_oom_breakdown_bytes",
+            "gpumem_pod_ooms_total",
+        ]
+        .contains(&name)
+            || name.starts_with("gpumem_host_pinned_")
+    };
     let mut queries: Vec<(String, String)> = CONTRACT
         .into_iter()
-        .filter(|def| !pushed_only.contains(&def.name))
+        .filter(|def| !pushed_only(def.name))
         .map(|def| (def.name.to_string(), def.name.to_string()))
         .collect();
     queries.extend(
         crate::assets::dashboard_expressions()
             .into_iter()
-            .filter(|(_, _, expr)| !expr.contains("gpumem_oom_breakdown_bytes"))
+            .filter(|(_, _, expr)| {
+                !expr.contains("gpumem_oom_breakdown_bytes")
+                    && !expr.contains("gpumem_host_pinned_")
+            })
             .map(|(file, title, expr)| {
                 let query = crate::assets::substitute(&expr);
                 (format!("{file}: {title}: {query}"), query)

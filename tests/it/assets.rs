@@ -95,7 +95,7 @@ enum Measure {
     Bytes,
     /// 0..1: a `_ratio` metric, or bytes divided by bytes.
     Ratio,
-    /// `rate()` of a counter.
+    /// `rate()` of a counter (but of seconds: a [`Measure::Ratio`], the share of time).
     PerSecond,
     /// A count: `increase()` of a counter, or a gauge of things (segments, up).
     Count,
@@ -105,7 +105,14 @@ enum Measure {
 
 fn measure(expr: &str) -> Measure {
     if expr.contains("rate(") {
-        return Measure::PerSecond;
+        let of_seconds = metric_names(expr)
+            .iter()
+            .all(|n| n.ends_with("_seconds_total"));
+        return if of_seconds {
+            Measure::Ratio
+        } else {
+            Measure::PerSecond
+        };
     }
     if expr.contains("increase(") {
         return Measure::Count;
@@ -198,6 +205,10 @@ fn the_unit_check_tells_measures_apart() {
         (
             "sum(rate(gpumem_allocator_alloc_retries_total[1m]))",
             Measure::PerSecond,
+        ),
+        (
+            "sum(rate(gpumem_host_pinned_alloc_seconds_total[1m]))",
+            Measure::Ratio,
         ),
         (
             "sum(increase(gpumem_allocator_ooms_total[1h]))",
@@ -363,7 +374,7 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
     );
     let contract = contract_names();
     let alerts = text.matches("- alert: ").count();
-    assert_eq!(alerts, 11);
+    assert_eq!(alerts, 12);
     for m in metric_names(&text) {
         assert!(
             contract.contains(&m.as_str()) || recorded.contains(&m),

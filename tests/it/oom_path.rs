@@ -103,6 +103,7 @@ fn a_job_that_dies_of_an_oom_is_still_seen() {
         r#"
 import os, time, torch
 torch._fake.allocate(0, 64 << 20)
+torch._fake.pin(3 << 20)
 deadline = time.time() + 120
 while not os.path.exists({go:?}) and time.time() < deadline:
     time.sleep(0.05)
@@ -155,6 +156,33 @@ torch._fake.oom(0, 1 << 37)
         .is_some(),
         "Prometheus scrapes the job's series"
     );
+    // Its pinned host memory (3 MiB pinned: one 4 MiB block), read back from Prometheus, and
+    // the dashboards' pinned-memory panels have it.
+    let pinned = prometheus_query(
+        prom_port,
+        &format!("gpumem_host_pinned_allocated_bytes{{pid=\"{pid}\"}}"),
+    )
+    .expect("query");
+    assert_eq!(pinned[0]["value"][1], (4u32 << 20).to_string(), "{pinned}");
+    assert_eq!(pinned[0]["metric"]["team"], "nlp", "{pinned}");
+    let pid_label = pid.to_string();
+    for (file, title, expr) in crate::assets::dashboard_expressions()
+        .into_iter()
+        .filter(|(_, _, expr)| expr.contains("gpumem_host_pinned_"))
+    {
+        let query = crate::assets::substitute(&expr);
+        let rows = wait_for(Duration::from_secs(30), || {
+            let r = prometheus_query(prom_port, &query)?;
+            r.as_array()?
+                .iter()
+                .any(|row| row["metric"]["pid"] == pid_label.as_str())
+                .then_some(())
+        });
+        assert!(
+            rows.is_some(),
+            "{file}: {title}: no pinned memory from {query}"
+        );
+    }
 
     // The job runs out of memory and dies of it.
     std::fs::write(&go, b"").expect("go");

@@ -9,7 +9,9 @@ interpreter starts. Or explicitly::
 
 A daemon thread posts, every ``interval`` seconds and for each CUDA device the process has
 used, ``torch.cuda.memory_stats(device)`` with the pid, the device's UUID, a sequence number and
-labels, to the agent's ``POST /api/v1/push``. It never imports torch itself: it waits until the
+labels, to the agent's ``POST /api/v1/push``; where the job's torch has
+``torch.cuda.host_memory_stats()`` and the job pinned memory, its pinned host memory too (key
+names of releases before 2.10 renamed to 2.10's). It never imports torch itself: it waits until the
 job has imported it, and reads devices only once PyTorch has initialised CUDA (it never
 initialises CUDA). Then it attaches PyTorch's out-of-memory observer, which pushes at once, from
 the failing thread, with each device's largest free block and segments by size class from a
@@ -500,6 +502,50 @@ def _clean_stats(stats):
     return out
 
 
+# host_memory_stats(): the figures sent, under PyTorch 2.10+'s names (#164412). From about 2.7
+# to 2.9 the pool's blocks were `segment`/`reserved_bytes` and those in use
+# `allocation`/`allocated_bytes`: those are renamed; every other key is dropped.
+HOST_KEYS = ("allocated_bytes.current", "active_bytes.current", "allocations.current",
+             "active_requests.current", "num_host_alloc", "num_host_free",
+             "host_alloc_time.total")
+OLD_HOST_KEYS = {"reserved_bytes.current": "allocated_bytes.current",
+                 "allocated_bytes.current": "active_bytes.current",
+                 "segment.current": "allocations.current",
+                 "allocation.current": "active_requests.current"}
+MAX_HOST_FIGURE = 1 << 53
+
+
+def _host(torch):
+    """The pinned host memory to push, or None: where this torch has host_memory_stats() and
+    the job has pinned memory (never initialising CUDA)."""
+    cuda = torch.cuda
+    read = getattr(cuda, "host_memory_stats", None)
+    if read is None or not cuda.is_initialized():
+        return None
+    try:
+        raw = read()
+    except Exception as error:
+        _error(error)
+        return None
+    if not raw:
+        return None
+    old = "active_bytes.current" not in raw and "reserved_bytes.current" in raw
+    out = {}
+    for key, value in raw.items():
+        name = OLD_HOST_KEYS.get(key, key) if old else key
+        if name not in HOST_KEYS or isinstance(value, bool):
+            continue
+        try:
+            number = int(value)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if number == value and 0 <= number < MAX_HOST_FIGURE:
+            out[name] = number
+    if not out.get("num_host_alloc") and not out.get("allocated_bytes.current"):
+        return None  # the job never pinned memory: no series for it
+    return out
+
+
 def _uuid(torch, index):
     with _lock:
         known = _state["uuids"].get(index)
@@ -636,6 +682,9 @@ def _push(torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None, lock_time
             "devices": devices,
         }
         payload.update(_alloc_conf())
+        host = _host(torch)
+        if host:
+            payload["host"] = host
         if start_time is not None:
             payload["start_time"] = start_time
         if reason:

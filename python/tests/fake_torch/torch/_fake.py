@@ -19,6 +19,14 @@ segments = [[] for _ in range(device_count)]
 counters = [{"peak": 0, "ooms": 0, "allocs": 0, "frees": 0} for _ in range(device_count)]
 
 
+# Pinned host memory (the CachingHostAllocator): pool blocks of power-of-two sizes, each in use
+# or cached. FAKE_TORCH_HOST_KEYS names host_memory_stats()'s key names: "new" (2.10+), "old"
+# (2.7 to 2.9) or "none" (no host_memory_stats, before 2.7).
+host_keys = os.environ.get("FAKE_TORCH_HOST_KEYS", "new")
+pinned = []  # [{"size", "active"}]
+host_counts = {"allocs": 0, "frees": 0, "alloc_us": 0}
+
+
 def check(call):
     """Records a call made while `import torch` is still running."""
     if not imported:
@@ -105,3 +113,49 @@ def stats(device):
                     "max_split_size": -1, "oversize_allocations.current": 0,
                     "oversize_segments.current": 0})
         return out
+
+
+def pin(nbytes):
+    """pin_memory(): a cached block of the power-of-two size, or a new one from the driver."""
+    size = 1 << max(0, (nbytes - 1).bit_length())
+    with lock:
+        for block in pinned:
+            if block["size"] == size and not block["active"]:
+                block["active"] = True
+                return
+        pinned.append({"size": size, "active": True})
+        host_counts["allocs"] += 1
+        host_counts["alloc_us"] += 250
+
+
+def unpin_all():
+    """Every pinned tensor dropped: the blocks stay cached."""
+    with lock:
+        for block in pinned:
+            block["active"] = False
+
+
+def host_stats():
+    """host_memory_stats(): the flat dict, under the key names host_keys selects."""
+    with lock:
+        pool = (len(pinned), sum(b["size"] for b in pinned))
+        used = [b for b in pinned if b["active"]]
+        active = (len(used), sum(b["size"] for b in used))
+        counts = dict(host_counts)
+    if not pinned and not counts["allocs"]:
+        return {}
+    if host_keys == "old":
+        names = {"segment": pool[0], "reserved_bytes": pool[1],
+                 "allocation": active[0], "allocated_bytes": active[1]}
+    else:
+        names = {"allocations": pool[0], "allocated_bytes": pool[1],
+                 "active_requests": active[0], "active_bytes": active[1]}
+    out = {}
+    for name, value in names.items():
+        for kind in ("current", "peak", "allocated", "freed"):
+            out[f"{name}.{kind}"] = value if kind in ("current", "peak", "allocated") else 0
+    out.update({"num_host_alloc": counts["allocs"], "num_host_free": counts["frees"]})
+    for kind in ("total", "max", "min", "count", "avg"):
+        out[f"host_alloc_time.{kind}"] = counts["alloc_us"] if kind == "total" else 0
+        out[f"host_free_time.{kind}"] = 0
+    return out

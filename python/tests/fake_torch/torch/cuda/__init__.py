@@ -51,6 +51,17 @@ def memory_stats(device=None):
     return _fake.stats(_index(device))
 
 
+def host_memory_stats():
+    _fake.check("host_memory_stats")
+    if not _fake.initialized:
+        return {}
+    return _fake.host_stats()
+
+
+if _fake.host_keys == "none":
+    del host_memory_stats
+
+
 def get_device_properties(device):
     _fake.check("get_device_properties")
     _fake.init()  # PyTorch's lazy init
