@@ -25,6 +25,10 @@
 #      PyTorch's own allocator, a graph capture and its replays, a MemPool with use_on_oom, a
 #      graph pool shared by two captures and an OOM inside a graph pool, then runs
 #      `gpumem replay --check` and `gpumem explain` on each.
+#      "== a tensor shared with another process …": scripts/gpu_record_ipc.py shares a tensor
+#      with a child over CUDA IPC, prints NVML's per-process usage of both beside both
+#      allocators' figures while the child holds it, and checks the producer's recording
+#      (its block waiting in the limbo, collected, the memory reused) with `replay --check`.
 #      "== a placement plan …": the same kind of training steps recorded under PyTorch's own
 #      allocator, `gpumem plan` on the recording, and the steps again with gpumem following the
 #      plan (GPUMEM_ALLOC_CONF=plan:PATH): its /metrics must count plan hits.
@@ -97,6 +101,8 @@ sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/nu
 
     step "recordings with private pools (graphs, a MemPool, a shared graph pool, an OOM in a graph pool): replayed and explained"
     "$python" scripts/gpu_record_pools.py "$bin/gpumem" "$(mktemp -d)"
+    step "a tensor shared with another process (CUDA IPC), recorded by PyTorch's own allocator"
+    "$python" scripts/gpu_record_ipc.py "$bin/gpumem" "$(mktemp -d)"
 
     step "a placement plan: recorded under PyTorch's allocator, planned, followed by gpumem's"
     GPUMEM_TORCH_LIB="$bin/libgpumem_torch.so" "$python" scripts/gpu_plan_check.py \
