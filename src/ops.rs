@@ -270,6 +270,25 @@ impl Run {
         }
     }
 
+    /// The handle a live block exports covers it: its offset leads from the exported
+    /// memory's start to the block, and the block ends within it (Note [IPC handles]).
+    fn check_share_handle(&self, ptr: DevicePtr) -> Result<(), String> {
+        let handle = self.alloc.share_handle(ptr).map_err(|e| e.to_string())?;
+        let size = self
+            .alloc
+            .block_size(ptr)
+            .ok_or("a live block has a size")?;
+        let covers = handle.start().0.checked_add(handle.offset()) == Some(ptr.0)
+            && handle.offset() + size <= handle.mapped_bytes();
+        if covers {
+            Ok(())
+        } else {
+            Err(format!(
+                "{ptr:?} ({size} bytes) is not covered by {handle:?}"
+            ))
+        }
+    }
+
     fn pick(&self, pick: u64) -> Option<u64> {
         if self.live.is_empty() {
             return None;
@@ -315,6 +334,7 @@ impl Run {
             Op::RecordStream { pick, stream } => {
                 if let Some(p) = self.pick(pick) {
                     self.alloc.record_stream(DevicePtr(p), stream);
+                    self.check_share_handle(DevicePtr(p))?;
                 }
             }
             Op::HintAddress { slot } => {
