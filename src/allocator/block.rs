@@ -15,7 +15,7 @@ use std::num::NonZeroU32;
 use crate::device::{Device, StreamId};
 
 use super::CachingAllocator;
-use super::private_pool::{PoolRef, PoolSlot};
+use super::pool_id::{PoolRef, PoolSlot};
 use super::size::PoolKind;
 
 /// Index of a block in the allocator's arena, stored plus one so that `Option<BlockId>` takes

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::BlockId;
-use super::private_pool::PoolRef;
+use super::pool_id::PoolRef;
 use super::{AllocError, CachingAllocator};
 
 /// Something that holds allocations it can give back under memory pressure.

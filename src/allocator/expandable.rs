@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use super::block::{Block, BlockId, SegmentId};
-use super::private_pool::PoolRef;
+use super::pool_id::PoolRef;
 use super::size::{self, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
 

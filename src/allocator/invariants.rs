@@ -11,7 +11,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::device::{Device, StreamId};
 
 use super::block::BlockId;
-use super::private_pool::PoolSlot;
+use super::pool_id::PoolSlot;
 use super::size::{MIN_BLOCK_SIZE, PoolKind};
 use super::stats::StatArray;
 use super::{CachingAllocator, PoolKind as Kind};

@@ -12,6 +12,7 @@
 //!
 //! This file holds the allocator's state, its public operations and the retry chain; each
 //! of PyTorch's concepts has a file of its own: `pool.rs` (pools, `get_free_block`),
+//! `pool_id.rs` (which pool: ids, the slot a block carries),
 //! `private_pool.rs` (Note [Private pools]: CUDA graphs' pools and MemPools),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
 //! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
@@ -68,6 +69,7 @@ mod ipc;
 mod live;
 mod plan;
 mod pool;
+mod pool_id;
 mod private_pool;
 mod release;
 mod restore;
@@ -102,10 +104,10 @@ pub use plan::{
     Plan, PlanEntry, PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
-pub use private_pool::{
-    MAX_PRIVATE_POOLS, PoolError, PoolId, PoolOptions, RouteKind, StreamFilter,
-};
-use private_pool::{PoolRef, PoolSlot, PrivatePools};
+pub use pool_id::PoolId;
+use pool_id::{PoolRef, PoolSlot};
+use private_pool::PrivatePools;
+pub use private_pool::{MAX_PRIVATE_POOLS, PoolError, PoolOptions, RouteKind, StreamFilter};
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{

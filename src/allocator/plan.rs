@@ -53,7 +53,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use rustc_hash::FxHashSet;
 
 use super::block::{Block, BlockId};
-use super::private_pool::{PoolRef, PoolSlot};
+use super::pool_id::{PoolRef, PoolSlot};
 use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use super::{AllocError, CachingAllocator, TraceAction};
 

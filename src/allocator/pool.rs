@@ -21,7 +21,7 @@ use crate::device::{Device, StreamId};
 use super::CachingAllocator;
 use super::block::BlockId;
 use super::free_set::{FreeEntry, FreeSet};
-use super::private_pool::{PoolRef, PoolSlot};
+use super::pool_id::{PoolRef, PoolSlot};
 use super::size::{self, PoolKind};
 
 /// A pool of cached free blocks (PyTorch's `BlockPool`).

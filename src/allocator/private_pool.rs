@@ -35,38 +35,15 @@
 //!   whose blocks it owns.
 //! - At most [`MAX_PRIVATE_POOLS`] pools exist at once.
 
-use std::fmt;
-
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{Device, StreamId};
 
 use super::pool::BlockPool;
+use super::pool_id::{PoolId, PoolSlot};
 use super::size::PoolKind;
 use super::{AllocError, CachingAllocator};
-
-/// A pool's id (PyTorch's `MempoolId_t`): `(0, 0)` is the default pool.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
-)]
-pub struct PoolId(pub u64, pub u64);
-
-impl PoolId {
-    /// The default pools' id.
-    pub const DEFAULT: PoolId = PoolId(0, 0);
-
-    /// Whether this is the default pools' id.
-    pub fn is_default(self) -> bool {
-        self == Self::DEFAULT
-    }
-}
-
-impl fmt::Display for PoolId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "({}, {})", self.0, self.1)
-    }
-}
 
 /// The most private pools that exist at once.
 pub const MAX_PRIVATE_POOLS: usize = u16::MAX as usize;
@@ -105,39 +82,6 @@ pub enum RouteKind {
     Capture,
     /// `use_mem_pool`.
     MemPool,
-}
-
-/// Where a block's pool lives: the default pools (0) or private pool slot `n - 1`. Two
-/// bytes, so that the block keeps to one cache line.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct PoolSlot(u16);
-
-impl PoolSlot {
-    pub const DEFAULT: PoolSlot = PoolSlot(0);
-
-    pub fn is_default(self) -> bool {
-        self.0 == 0
-    }
-
-    fn index(self) -> usize {
-        usize::from(self.0) - 1
-    }
-}
-
-/// One of the four (or more) block pools: a size class of the default or a private pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct PoolRef {
-    pub owner: PoolSlot,
-    pub kind: PoolKind,
-}
-
-impl PoolRef {
-    pub fn default_pool(kind: PoolKind) -> PoolRef {
-        PoolRef {
-            owner: PoolSlot::DEFAULT,
-            kind,
-        }
-    }
 }
 
 /// A private pool (PyTorch's `PrivatePool`).
@@ -239,7 +183,7 @@ impl PrivatePools {
     /// Live pools, by slot.
     pub fn iter(&self) -> impl Iterator<Item = (PoolSlot, &PrivatePool)> {
         self.slots.iter().enumerate().filter_map(|(i, p)| {
-            let slot = PoolSlot(u16::try_from(i + 1).ok()?);
+            let slot = PoolSlot::private(i)?;
             Some((slot, p.as_ref()?))
         })
     }
@@ -302,8 +246,8 @@ impl PrivatePools {
             }
             None => return Err(PoolError::TooMany),
         };
-        // Below MAX_PRIVATE_POOLS = u16::MAX slots, so `index + 1` fits.
-        let slot = PoolSlot((index + 1) as u16);
+        // Below MAX_PRIVATE_POOLS = u16::MAX slots: the slot exists.
+        let slot = PoolSlot::private(index).ok_or(PoolError::TooMany)?;
         self.slots[index] = Some(pool);
         self.by_id.insert(id, slot);
         Ok(slot)

@@ -14,7 +14,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::{Block, BlockId};
 use super::free_set::FreeEntry;
-use super::private_pool::PoolRef;
+use super::pool_id::PoolRef;
 use super::size::PoolKind;
 use super::{AllocError, CachingAllocator, TraceAction};
 

@@ -11,7 +11,8 @@
 use crate::device::{Device, DevicePtr, StreamId};
 
 use super::block::{Block, BlockId};
-use super::private_pool::{PoolId, PoolOptions, PoolRef, PoolSlot};
+use super::pool_id::{PoolId, PoolRef, PoolSlot};
+use super::private_pool::PoolOptions;
 use super::size::{MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind};
 use super::{AllocError, CachingAllocator};
 

@@ -1,15 +1,20 @@
 //! Allocator statistics pushed by unmodified PyTorch jobs (`POST /api/v1/push`).
 //!
 //! [`payload`] is the wire schema and its validation (pure), [`oom`] the figures of an
-//! out-of-memory push and their explanation; [`store`] keeps the pushed
+//! out-of-memory push and their explanation, both within the budgets of [`limits`] and
+//! refusing with [`refusal`]'s types (two leaves); [`store`] keeps the pushed
 //! processes, bounded, and publishes them as allocator sources of kind `pytorch` for the one
 //! collector. HTTP (status codes, body limits, who may push) is the server's.
 
+pub mod limits;
 pub mod oom;
 pub mod payload;
+pub mod refusal;
 pub mod store;
 
-pub use payload::{MAX_BODY_BYTES, Reason, Refusal, Rejected};
+pub use limits::MAX_BODY_BYTES;
+pub use payload::Reason;
+pub use refusal::{Refusal, Rejected};
 pub use store::{IngestConfig, PushStore};
 
 #[cfg(test)]

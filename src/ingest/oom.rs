@@ -34,7 +34,8 @@
 
 use serde::Deserialize;
 
-use super::payload::{MAX_BYTES, MAX_COUNT, Rejected, invalid};
+use super::limits::{MAX_BYTES, MAX_COUNT};
+use super::refusal::{Rejected, invalid};
 use crate::allocator::breakdown::{Accounting, PoolFigures, Request};
 use crate::allocator::size::SMALL_BUFFER;
 use crate::sources::LastOom;

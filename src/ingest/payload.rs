@@ -60,38 +60,12 @@ use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
 use crate::sources::{HostPinned, LastOom};
 
-/// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
-pub const MAX_BODY_BYTES: usize = 512 * 1024;
-/// Devices in one push: more than any node has GPUs.
-pub const MAX_DEVICES: usize = 16;
-/// Statistics keys per device (PyTorch's `memory_stats()` has about 120).
-pub const MAX_STATS_KEYS: usize = 512;
-/// Bytes (UTF-8) of a text field or label value.
-pub const MAX_TEXT: usize = 128;
-/// Characters of a label name.
-pub const MAX_LABEL_NAME: usize = 64;
-/// Labels a push may carry: a job's own and the four of torchrun's rank identity.
-pub const MAX_LABELS: usize = 12;
-/// Bytes of a push's labels together, names and values: they are copied onto every series
-/// of the process.
-pub const MAX_LABEL_BYTES: usize = 512;
-/// Keys of a push's `host` object (PyTorch's `host_memory_stats()` has about 40).
-pub const MAX_HOST_KEYS: usize = 64;
-/// Series of a process's pinned host memory: one per figure.
-pub const HOST_SERIES: usize = 7;
-/// Size classes are powers of two: 64 cover every `u64`.
-pub const MAX_CLASSES: usize = 64;
-/// Byte figures are below this (an exabyte; no device comes near).
-pub const MAX_BYTES: i64 = 1 << 60;
-/// Counts are below this: exact as a float.
-pub const MAX_COUNT: i64 = 1 << 53;
-/// The largest pid Linux hands out (`PID_MAX_LIMIT`).
-pub const MAX_PID: u32 = 1 << 22;
-/// Series of one device without size classes: six per pool, ten per device, the largest
-/// free block, the last OOM's time and the info series.
-const SERIES_PER_DEVICE: usize = 2 * 6 + 10 + 3;
-/// Series of a device's OOM explanation: one per part of the breakdown.
-pub const OOM_BREAKDOWN_SERIES: usize = 7;
+use super::limits::{
+    HOST_SERIES, MAX_BODY_BYTES, MAX_BYTES, MAX_CLASSES, MAX_COUNT, MAX_DEVICES, MAX_HOST_KEYS,
+    MAX_LABEL_BYTES, MAX_LABEL_NAME, MAX_LABELS, MAX_PID, MAX_STATS_KEYS, MAX_TEXT,
+    OOM_BREAKDOWN_SERIES, SERIES_PER_DEVICE,
+};
+use super::refusal::{Refusal, Rejected, invalid};
 
 /// The labels that the targets of Prometheus's Kubernetes service discovery carry, which a
 /// pushed label must not overwrite (with `honorLabels: true` it would).
@@ -106,86 +80,6 @@ pub const TARGET_LABELS: [&str; 9] = [
     "endpoint",
     "cluster",
 ];
-
-/// Why a payload was refused; the `result` label of the ingest counter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Refusal {
-    /// Not JSON, or not the payload's shape.
-    Malformed,
-    /// The body ended early or its chunked encoding was broken.
-    Truncated,
-    /// The right shape with impossible values (negative sizes, a zero pid, ...).
-    Invalid,
-    /// Not after the last accepted push of the same process.
-    Stale,
-    /// The process pushes faster than the rate limit.
-    RateLimited,
-    /// Too many processes are tracked already.
-    Capacity,
-    /// The pushed series would exceed the agent's series budget.
-    SeriesBudget,
-    /// A TCP push for a pid the kernel attributed to a socket pusher.
-    Conflict,
-    /// The body exceeds [`MAX_BODY_BYTES`].
-    TooLarge,
-    /// Not `Content-Type: application/json`, or sent by a browser (an `Origin` header).
-    Forbidden,
-}
-
-impl Refusal {
-    /// All reasons, in the order the counter lists them.
-    pub const ALL: [Refusal; 10] = [
-        Refusal::Malformed,
-        Refusal::Truncated,
-        Refusal::Invalid,
-        Refusal::Stale,
-        Refusal::RateLimited,
-        Refusal::Capacity,
-        Refusal::SeriesBudget,
-        Refusal::Conflict,
-        Refusal::TooLarge,
-        Refusal::Forbidden,
-    ];
-
-    /// The metric label and the error's kind.
-    pub fn label(self) -> &'static str {
-        match self {
-            Refusal::Malformed => "malformed",
-            Refusal::Truncated => "truncated",
-            Refusal::Invalid => "invalid",
-            Refusal::Stale => "stale",
-            Refusal::RateLimited => "rate_limited",
-            Refusal::Capacity => "capacity",
-            Refusal::SeriesBudget => "series_budget",
-            Refusal::Conflict => "conflict",
-            Refusal::TooLarge => "too_large",
-            Refusal::Forbidden => "forbidden",
-        }
-    }
-}
-
-/// A refused payload: why, in words.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Rejected {
-    /// The kind of refusal.
-    pub refusal: Refusal,
-    /// What was wrong.
-    pub message: String,
-}
-
-impl Rejected {
-    /// A refusal of `kind` saying `message`.
-    pub fn new(refusal: Refusal, message: impl Into<String>) -> Rejected {
-        Rejected {
-            refusal,
-            message: message.into(),
-        }
-    }
-}
-
-pub(crate) fn invalid(message: impl Into<String>) -> Rejected {
-    Rejected::new(Refusal::Invalid, message)
-}
 
 /// Why a push was sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

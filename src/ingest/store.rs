@@ -43,7 +43,9 @@ use crate::sources::{
 use crate::telemetry::cgroup::{self, ContainerRef};
 use crate::telemetry::process;
 
-use super::payload::{OOM_BREAKDOWN_SERIES, Reason, Refusal, Rejected, ValidPush, validate};
+use super::limits::OOM_BREAKDOWN_SERIES;
+use super::payload::{Reason, ValidPush, validate};
+use super::refusal::{Refusal, Rejected};
 
 /// The largest step between two sequence numbers of one process.
 pub const MAX_SEQ_JUMP: u64 = 1 << 20;

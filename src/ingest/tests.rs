@@ -7,7 +7,8 @@ use crate::allocator::SegmentClass;
 use crate::sources::{AllocatorKind, AllocatorSources};
 use crate::telemetry::cgroup::{self, ContainerRef};
 
-use super::payload::{MAX_BODY_BYTES, Refusal};
+use super::limits::MAX_BODY_BYTES;
+use super::refusal::Refusal;
 use super::store::{IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore};
 
 fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
@@ -708,7 +709,7 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
     let plain = with_reason(9, 1, "oom", 1);
     let with = super::payload::validate(&body).expect("valid").series();
     let without = super::payload::validate(&plain).expect("valid").series();
-    assert_eq!(with - without, super::payload::OOM_BREAKDOWN_SERIES);
+    assert_eq!(with - without, super::limits::OOM_BREAKDOWN_SERIES);
 }
 
 #[test]

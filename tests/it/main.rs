@@ -13,6 +13,7 @@ mod hostile;
 mod ingest;
 mod ipc;
 mod kubelet;
+mod layout;
 mod lifecycle;
 mod oom_path;
 mod plan;

@@ -1,0 +1,393 @@
+//! The layering ARCHITECTURE.md promises, checked on the source: among the file-level edges
+//! of non-test code (every `crate::`, `super::` and `self::` path, in `use` items or inline),
+//! no cycle joins two files or more. Each crate of the workspace is read from its root
+//! through its `mod` declarations; `#[cfg(test)]` items are left out, comments and string
+//! literals blanked first.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The crate roots of the workspace, from the repository root.
+const ROOTS: [&str; 3] = ["src/lib.rs", "src/main.rs", "torch/src/lib.rs"];
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `text` with comments blanked and string and character literals emptied (their quotes
+/// kept), lengths unchanged, so that braces and paths in them are not read as code.
+fn scrub(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = b.to_vec();
+    let blank = |out: &mut Vec<u8>, from: usize, to: usize| {
+        for c in &mut out[from..to] {
+            if *c != b'\n' {
+                *c = b' ';
+            }
+        }
+    };
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                let end = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |n| i + n);
+                blank(&mut out, i, end);
+                i = end;
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let (mut depth, mut j) = (0usize, i);
+                while j < b.len() {
+                    if b[j..].starts_with(b"/*") {
+                        depth += 1;
+                        j += 2;
+                    } else if b[j..].starts_with(b"*/") {
+                        depth -= 1;
+                        j += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        j += 1;
+                    }
+                }
+                blank(&mut out, i, j);
+                i = j;
+            }
+            b'r' if matches!(b.get(i + 1), Some(b'"' | b'#'))
+                && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_')) =>
+            {
+                let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
+                let open = i + 1 + hashes;
+                if b.get(open) != Some(&b'"') {
+                    i += 1;
+                    continue;
+                }
+                let close: Vec<u8> = std::iter::once(b'"')
+                    .chain(std::iter::repeat_n(b'#', hashes))
+                    .collect();
+                let end = b[open + 1..]
+                    .windows(close.len())
+                    .position(|w| w == close.as_slice())
+                    .map_or(b.len(), |n| open + 1 + n);
+                blank(&mut out, open + 1, end);
+                i = end + close.len();
+            }
+            b'"' => {
+                let mut j = i + 1;
+                while j < b.len() && b[j] != b'"' {
+                    j += if b[j] == b'\\' { 2 } else { 1 };
+                }
+                blank(&mut out, i + 1, j.min(b.len()));
+                i = j + 1;
+            }
+            // A character literal ('x', '\n', '\u{..}'), not a lifetime ('a).
+            b'\'' => {
+                let end = if b.get(i + 1) == Some(&b'\\') {
+                    b[i + 2..]
+                        .iter()
+                        .position(|&c| c == b'\'')
+                        .map(|n| i + 2 + n)
+                } else if b.get(i + 2) == Some(&b'\'') {
+                    Some(i + 2)
+                } else {
+                    None
+                };
+                match end {
+                    Some(end) => {
+                        blank(&mut out, i + 1, end);
+                        i = end + 1;
+                    }
+                    None => i += 1,
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    String::from_utf8(out).expect("blanking keeps UTF-8")
+}
+
+/// `code` (scrubbed) without its `#[cfg(test)]` items.
+fn without_tests(code: &str) -> String {
+    let mut out = code.to_string();
+    let mut from = 0;
+    while let Some(at) = out[from..].find("#[cfg(test)]").map(|n| from + n) {
+        let item = at + "#[cfg(test)]".len();
+        let rest = &out[item..];
+        // The item ends at its block's closing brace, or at its `;` if that comes first.
+        let end = match (rest.find('{'), rest.find(';')) {
+            (Some(open), semi) if semi.is_none_or(|s| open < s) => {
+                let mut depth = 0;
+                let mut end = out.len();
+                for (k, c) in out[item + open..].char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = item + open + k + 1;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                end
+            }
+            (_, Some(semi)) => item + semi + 1,
+            _ => out.len(),
+        };
+        out.replace_range(at..end, &" ".repeat(end - at));
+        from = end;
+    }
+    out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// The paths written from `start` on (after a `crate::`-like head): `a::b::C`, or a group
+/// `{a::B, c::{D, E}}` expanded into each of its paths.
+fn paths_at(code: &str, start: usize) -> Vec<Vec<String>> {
+    let s = &code[start..];
+    let trimmed = s.trim_start();
+    if let Some(inner) = trimmed.strip_prefix('{') {
+        let offset = start + (s.len() - trimmed.len()) + 1;
+        let mut out = Vec::new();
+        let (mut depth, mut item) = (0, offset);
+        // Each item of the group, but the empty one a trailing comma leaves.
+        let item_paths = |from: usize, to: usize, out: &mut Vec<Vec<String>>| {
+            if !code[from..to].trim().is_empty() {
+                out.extend(paths_at(code, from));
+            }
+        };
+        for (k, c) in inner.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    item_paths(item, offset + k, &mut out);
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    item_paths(item, offset + k, &mut out);
+                    item = offset + k + 1;
+                }
+                _ => {}
+            }
+        }
+        return out;
+    }
+    let ident: String = trimmed.chars().take_while(|&c| is_ident(c)).collect();
+    if ident.is_empty() {
+        return vec![Vec::new()];
+    }
+    let after = start + (s.len() - trimmed.len()) + ident.len();
+    if code[after..].starts_with("::") {
+        paths_at(code, after + 2)
+            .into_iter()
+            .map(|mut p| {
+                p.insert(0, ident.clone());
+                p
+            })
+            .collect()
+    } else {
+        vec![vec![ident]]
+    }
+}
+
+/// A crate's modules: module path → file, found from its root's `mod` declarations.
+fn modules(root_file: &Path) -> BTreeMap<Vec<String>, PathBuf> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![(Vec::new(), root_file.to_path_buf())];
+    while let Some((path, file)) = todo.pop() {
+        let code = without_tests(&scrub(&std::fs::read_to_string(&file).expect("readable")));
+        // A `foo.rs` or `mod.rs` file's children live in `foo/` or beside it.
+        let dir = match file.file_name().and_then(|n| n.to_str()) {
+            Some("mod.rs" | "lib.rs" | "main.rs") => file.parent().expect("a dir").to_path_buf(),
+            _ => file.with_extension(""),
+        };
+        for line in code.lines() {
+            let line = line.trim();
+            let decl = line
+                .strip_prefix("pub(crate) mod ")
+                .or_else(|| line.strip_prefix("pub(super) mod "))
+                .or_else(|| line.strip_prefix("pub mod "))
+                .or_else(|| line.strip_prefix("mod "));
+            let Some(name) = decl.and_then(|d| d.strip_suffix(';')) else {
+                continue;
+            };
+            let child = [
+                dir.join(format!("{name}.rs")),
+                dir.join(name).join("mod.rs"),
+            ]
+            .into_iter()
+            .find(|f| f.exists())
+            .unwrap_or_else(|| panic!("{}: mod {name} has no file", file.display()));
+            let mut child_path = path.clone();
+            child_path.push(name.to_string());
+            todo.push((child_path, child));
+        }
+        out.insert(path, file);
+    }
+    out
+}
+
+/// The file-level edges of one crate: file → the files its non-test code names.
+fn edges(root_file: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
+    let mods = modules(root_file);
+    let mut out: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
+    for (path, file) in &mods {
+        let code = without_tests(&scrub(&std::fs::read_to_string(file).expect("readable")));
+        let targets = out.entry(file.clone()).or_default();
+        for head in ["crate::", "super::", "self::"] {
+            let mut from = 0;
+            while let Some(at) = code[from..].find(head).map(|n| from + n) {
+                from = at + head.len();
+                if code[..at]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| is_ident(c) || c == ':')
+                {
+                    continue;
+                }
+                let mut base: Vec<String> = match head {
+                    "crate::" => Vec::new(),
+                    // `super` of `a/b.rs` (module a::b) is a; of `a/mod.rs` (module a) the root.
+                    "super::" => path[..path.len().saturating_sub(1)].to_vec(),
+                    _ => path.clone(),
+                };
+                let mut rest = from;
+                while code[rest..].starts_with("super::") {
+                    base.pop();
+                    rest += "super::".len();
+                }
+                for tail in paths_at(&code, rest) {
+                    let mut full = base.clone();
+                    full.extend(tail);
+                    // The longest prefix that is a module names the file.
+                    let target = (0..=full.len())
+                        .rev()
+                        .find_map(|n| mods.get(&full[..n]))
+                        .expect("the crate root is a module");
+                    if target != file {
+                        targets.insert(target.clone());
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The strongly connected components of more than one file (Tarjan's algorithm).
+fn cycles(graph: &BTreeMap<PathBuf, BTreeSet<PathBuf>>) -> Vec<Vec<PathBuf>> {
+    struct State<'a> {
+        graph: &'a BTreeMap<PathBuf, BTreeSet<PathBuf>>,
+        index: BTreeMap<&'a PathBuf, usize>,
+        low: BTreeMap<&'a PathBuf, usize>,
+        stack: Vec<&'a PathBuf>,
+        on_stack: BTreeSet<&'a PathBuf>,
+        out: Vec<Vec<PathBuf>>,
+    }
+    fn visit<'a>(s: &mut State<'a>, v: &'a PathBuf) {
+        let n = s.index.len();
+        s.index.insert(v, n);
+        s.low.insert(v, n);
+        s.stack.push(v);
+        s.on_stack.insert(v);
+        for w in s.graph.get(v).into_iter().flatten() {
+            if !s.index.contains_key(w) {
+                visit(s, w);
+                let low = s.low[v].min(s.low[w]);
+                s.low.insert(v, low);
+            } else if s.on_stack.contains(w) {
+                let low = s.low[v].min(s.index[w]);
+                s.low.insert(v, low);
+            }
+        }
+        if s.low[v] == s.index[v] {
+            let mut component = Vec::new();
+            while let Some(w) = s.stack.pop() {
+                s.on_stack.remove(w);
+                component.push(w.clone());
+                if w == v {
+                    break;
+                }
+            }
+            if component.len() > 1 {
+                component.sort();
+                s.out.push(component);
+            }
+        }
+    }
+    let mut s = State {
+        graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on_stack: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !s.index.contains_key(v) {
+            visit(&mut s, v);
+        }
+    }
+    s.out
+}
+
+#[test]
+fn no_files_depend_on_each_other_in_a_cycle() {
+    let mut found = Vec::new();
+    for crate_root in ROOTS {
+        let graph = edges(&root().join(crate_root));
+        assert!(!graph.is_empty(), "{crate_root}: modules found");
+        for cycle in cycles(&graph) {
+            let rel = |p: &PathBuf| p.strip_prefix(root()).unwrap_or(p).display().to_string();
+            let names: Vec<String> = cycle.iter().map(rel).collect();
+            let inner: Vec<String> = cycle
+                .iter()
+                .flat_map(|a| {
+                    graph[a]
+                        .iter()
+                        .filter(|b| cycle.contains(b))
+                        .map(move |b| format!("{} -> {}", rel(a), rel(b)))
+                })
+                .collect();
+            found.push(format!(
+                "{}\n    {}",
+                names.join(", "),
+                inner.join("\n    ")
+            ));
+        }
+    }
+    assert!(found.is_empty(), "dependency cycles:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_cycle_check_reads_paths_groups_and_tests_as_meant() {
+    let code = scrub(
+        "use crate::{a::B, c::{d::E, F,},};\n// crate::comment::X\nlet s = \"crate::string\";\n\
+         #[cfg(test)]\nmod tests { use crate::only_in_tests; }\nfn f() { super::g::h(); }",
+    );
+    let code = without_tests(&code);
+    assert!(!code.contains("comment") && !code.contains("string") && !code.contains("only_in"));
+    let at = code.find("crate::").expect("a path") + "crate::".len();
+    assert_eq!(
+        paths_at(&code, at),
+        [vec!["a", "B"], vec!["c", "d", "E"], vec!["c", "F"]]
+    );
+    let graph = BTreeMap::from([
+        (PathBuf::from("a"), BTreeSet::from([PathBuf::from("b")])),
+        (PathBuf::from("b"), BTreeSet::from([PathBuf::from("a")])),
+        (PathBuf::from("c"), BTreeSet::from([PathBuf::from("a")])),
+    ]);
+    assert_eq!(
+        cycles(&graph),
+        [vec![PathBuf::from("a"), PathBuf::from("b")]]
+    );
+}
