@@ -61,8 +61,8 @@ use super::{AllocError, CachingAllocator, TraceAction};
 pub const MAX_PLAN_ENTRIES: usize = 1 << 20;
 /// The most regions (streams) a plan may hold.
 pub const MAX_PLAN_STREAMS: usize = 64;
-/// The largest region: 64 PiB, as the largest simulated device.
-pub const MAX_REGION_BYTES: u64 = 1 << 56;
+/// The largest region: the largest device gpumem models.
+pub const MAX_REGION_BYTES: u64 = super::size::MAX_DEVICE_BYTES;
 /// How many entries a request may match: the one expected and those after it (allocations
 /// the job skipped).
 pub const RESYNC_WINDOW: usize = 16;

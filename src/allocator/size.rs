@@ -24,6 +24,9 @@ pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
 pub const ROUND_LARGE: u64 = 2 << 20;
 /// Requests of this size or more fail at once: no device has an exabyte.
 pub const ONE_EXABYTE: u64 = 1 << 60;
+/// The largest device gpumem models (a simulated one, a replay's, a plan's region): 64 PiB,
+/// far beyond any GPU, small enough that no byte count derived from it overflows.
+pub const MAX_DEVICE_BYTES: u64 = 1 << 56;
 
 /// Which of the two default pools a block belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -221,3 +221,23 @@ pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
 
 /// A path argument.
 pub(crate) type Path = PathBuf;
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    /// A command carrying the read arguments, to read their defaults.
+    #[derive(Parser)]
+    struct Reads {
+        #[command(flatten)]
+        read: super::ReadArgs,
+    }
+
+    #[test]
+    fn the_read_limits_default_to_the_readers_own() {
+        Reads::command().debug_assert();
+        let defaults = Reads::parse_from(["reads"]).read;
+        assert_eq!(defaults.max_input_bytes, gpumem::trace::MAX_INPUT_BYTES);
+        assert_eq!(defaults.max_memory_bytes, gpumem::trace::MAX_MEMORY_BYTES);
+    }
+}

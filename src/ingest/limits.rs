@@ -23,8 +23,8 @@ pub const MAX_HOST_KEYS: usize = 64;
 pub const HOST_SERIES: usize = 7;
 /// Size classes are powers of two: 64 cover every `u64`.
 pub const MAX_CLASSES: usize = 64;
-/// Byte figures are below this (an exabyte; no device comes near).
-pub const MAX_BYTES: i64 = 1 << 60;
+/// Byte figures are below this: an exabyte, the request size the allocator refuses outright.
+pub const MAX_BYTES: i64 = crate::allocator::size::ONE_EXABYTE as i64;
 /// Counts are below this: exact as a float.
 pub const MAX_COUNT: i64 = 1 << 53;
 /// The largest pid Linux hands out (`PID_MAX_LIMIT`).

@@ -730,6 +730,64 @@ fn the_hook_knows_which_labels_the_agent_renames() {
     assert!(listed.iter().all(|name| collides(name)));
 }
 
+/// The hook's copies of the agent's bounds agree with the agent's: a push the hook builds
+/// within them is never refused for its size.
+#[test]
+fn the_hooks_copies_of_the_agents_bounds_agree() {
+    use gpumem::ingest::IngestConfig;
+    use gpumem::ingest::limits::{
+        MAX_COUNT, MAX_DEVICES, MAX_LABEL_BYTES, MAX_LABEL_NAME, MAX_LABELS, MAX_STATS_KEYS,
+        MAX_TEXT,
+    };
+    let hook = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("python/gpumem_push/src/gpumem_push/__init__.py"),
+    )
+    .expect("the hook's source");
+    // `NAME = 512`, `NAME = 1 << 53` or `NAME = 0.55`, a comment allowed after it.
+    let value = |name: &str| -> f64 {
+        let line = hook
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} = ")))
+            .unwrap_or_else(|| panic!("the hook defines {name}"));
+        let expr = line.split('#').next().expect("a value").trim();
+        match expr.split_once("<<") {
+            Some((a, b)) => {
+                let (a, b): (u64, u32) = (
+                    a.trim().parse().expect("int"),
+                    b.trim().parse().expect("int"),
+                );
+                (a << b) as f64
+            }
+            None => expr.parse().unwrap_or_else(|_| panic!("{name} = {expr}")),
+        }
+    };
+    // RANK_LABELS = (("rank", "RANK"), ...): the labels torchrun's variables add.
+    let start = hook.find("RANK_LABELS = (").expect("RANK_LABELS");
+    let end = start + hook[start..].find("))").expect("its end");
+    let rank_labels = hook[start..end].matches("(\"").count();
+    assert_eq!(rank_labels, 4, "rank, local_rank, world_size, run_id");
+    assert_eq!(value("MAX_USER_LABELS") as usize + rank_labels, MAX_LABELS);
+    for (hook_name, agent) in [
+        ("MAX_LABEL_BYTES", MAX_LABEL_BYTES),
+        ("MAX_NAME", MAX_LABEL_NAME),
+        ("MAX_TEXT", MAX_TEXT),
+        ("MAX_DEVICES", MAX_DEVICES),
+        ("MAX_STATS_KEYS", MAX_STATS_KEYS),
+        ("MAX_OOM_POOLS", gpumem::ingest::oom::MAX_POOLS),
+    ] {
+        assert_eq!(value(hook_name) as usize, agent, "{hook_name}");
+    }
+    assert!(
+        value("MAX_HOST_FIGURE") <= MAX_COUNT as f64,
+        "host figures within the agent's"
+    );
+    // Periodic pushes keep clear of the agent's rate limit.
+    let limit = IngestConfig::default().min_interval.as_secs_f64();
+    assert!(value("MIN_INTERVAL") >= limit);
+    assert!(value("MIN_GAP") > limit);
+}
+
 /// The series budget counts what a scrape shows: a push whose devices have every optional
 /// series (a snapshot's figures, the last OOM's time) yields exactly the series it is charged
 /// for, so no series can get around the budget.

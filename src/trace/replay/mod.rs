@@ -57,9 +57,8 @@ pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
 /// the GPUs behind the shared recordings.
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
 
-/// The largest simulated device: 64 PiB, far beyond any GPU, small enough that no byte
-/// count derived from it overflows.
-pub const MAX_CAPACITY: u64 = 1 << 56;
+/// The largest simulated device ([`crate::allocator::size::MAX_DEVICE_BYTES`]).
+pub const MAX_CAPACITY: u64 = crate::allocator::size::MAX_DEVICE_BYTES;
 
 /// Streams invented to defer frees start here, far from real stream handles.
 const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
@@ -632,7 +631,7 @@ fn engine_for<'a>(
     if options.check {
         // Every placement is dictated by the recording: open the whole address space to it.
         sim.base_address = 1 << 21;
-        sim.address_space = 1 << 56;
+        sim.address_space = MAX_CAPACITY;
     } else if let Some(available) = options.available {
         sim.other_process_bytes = capacity.saturating_sub(available);
     }

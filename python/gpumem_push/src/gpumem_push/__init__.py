@@ -70,8 +70,8 @@ PERIODIC_TIMEOUT = 2.0
 # How often the thread looks for torch and initialised CUDA until the observer is attached.
 POLL = 0.25
 
-# The agent's bounds (src/ingest/payload.rs). Names it sets itself are accepted: the agent
-# exports them as exported_<name>.
+# The agent's bounds (src/ingest/limits.rs; tests/it/ingest.rs checks these copies against
+# them). Names it sets itself are accepted: the agent exports them as exported_<name>.
 # The names the agent exports as exported_<name>: the metric contract's labels, Prometheus's
 # `le` and the target labels of Kubernetes service discovery (tests/it/ingest.rs checks this
 # list against the agent's).
@@ -385,7 +385,7 @@ def _torch():
     return module
 
 
-MAX_OOM_POOLS = 64  # (pool, stream, private) entries in an out-of-memory push (the agent's bound)
+MAX_OOM_POOLS = 64  # (pool, stream, private) entries in an out-of-memory push (the agent's bound, checked)
 
 
 def _snapshot_summary(torch, request=None):
