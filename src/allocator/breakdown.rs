@@ -10,7 +10,9 @@
 
 use serde::Serialize;
 
-use super::size::format_size;
+use crate::device::StreamId;
+
+use super::size::{PoolKind, format_size};
 use super::snapshot::BlockState;
 
 /// Where the device's memory was, in bytes; the parts add up (see the module's invariants).
@@ -99,16 +101,15 @@ pub enum Kind {
     OutsideAllocator,
 }
 
-/// The request an accounting is about: its rounded size, pool ("small" or "large") and
-/// stream.
+/// The request an accounting is about: its rounded size, pool and stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
     /// Bytes after rounding.
     pub rounded: u64,
-    /// "small" or "large".
-    pub pool: &'static str,
+    /// The pool that serves it.
+    pub pool: PoolKind,
     /// The stream it was asked on.
-    pub stream: u64,
+    pub stream: StreamId,
 }
 
 /// The breakdown of the segments, and what the request could have used of them.
@@ -174,8 +175,8 @@ impl Accounting {
     pub fn add_segment(
         &mut self,
         request: Request,
-        stream: u64,
-        pool: &str,
+        stream: StreamId,
+        pool: PoolKind,
         own_pool: bool,
         blocks: impl IntoIterator<Item = (u64, u64, BlockState)>,
     ) {
@@ -193,8 +194,8 @@ impl Accounting {
     pub fn add(
         &mut self,
         request: Request,
-        stream: u64,
-        pool: &str,
+        stream: StreamId,
+        pool: PoolKind,
         own_pool: bool,
         f: &PoolFigures,
     ) {

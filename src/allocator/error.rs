@@ -209,12 +209,12 @@ impl<D: Device> CachingAllocator<D> {
         // Only now, on the failure path: the blocks as they are after the flush.
         let request = Request {
             rounded,
-            pool: PoolKind::for_size(rounded).segment_type(),
-            stream: stream.0,
+            pool: PoolKind::for_size(rounded),
+            stream,
         };
         let mut accounting = Accounting::default();
         for run in self.mapped_runs() {
-            let (stream, pool) = (run[0].stream.0, run[0].pool.segment_type());
+            let (stream, pool) = (run[0].stream, run[0].pool);
             let blocks = run
                 .iter()
                 .map(|b| (b.size, b.requested_size, b.snapshot_state()));

@@ -11,6 +11,7 @@ use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 
 use super::PoolId;
+use crate::device::StreamId;
 
 /// What happened (PyTorch's trace `action`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,7 +50,7 @@ pub struct TraceEntry {
     /// Bytes (see [`TraceAction`] for which size each action reports).
     pub size: u64,
     /// Stream handle.
-    pub stream: u64,
+    pub stream: StreamId,
     /// Microseconds since the Unix epoch, on the device's clock (always set by the core; a
     /// recording may lack it).
     pub time_us: Option<u64>,
@@ -137,7 +138,7 @@ mod tests {
             action: TraceAction::Alloc,
             addr,
             size: 1,
-            stream: 0,
+            stream: crate::device::StreamId::DEFAULT,
             time_us: Some(0),
             pool: PoolId(0, 3),
         }

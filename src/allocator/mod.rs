@@ -319,7 +319,7 @@ impl<D: Device> CachingAllocator<D> {
                 action,
                 addr,
                 size,
-                stream: stream.0,
+                stream,
                 time_us: Some(time_us),
                 pool,
             });

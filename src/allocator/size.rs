@@ -28,13 +28,22 @@ pub const ONE_EXABYTE: u64 = 1 << 60;
 /// far beyond any GPU, small enough that no byte count derived from it overflows.
 pub const MAX_DEVICE_BYTES: u64 = 1 << 56;
 
-/// Which of the two default pools a block belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Which of the two default pools a block belongs to; `"small"` or `"large"` in JSON.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum PoolKind {
     /// Rounded sizes up to 1 MiB, in 2 MiB segments.
     Small,
     /// Everything larger.
     Large,
+}
+
+impl std::fmt::Display for PoolKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.segment_type())
+    }
 }
 
 impl PoolKind {

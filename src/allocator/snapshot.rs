@@ -16,6 +16,7 @@ use crate::device::{Device, StreamId};
 
 use super::block::Block;
 use super::history::{TraceAction, TraceEntry};
+use super::size::PoolKind;
 use super::{CachingAllocator, PoolId, summary};
 
 /// The segments of one size class: sizes in `(size / 2, size]`, `size` a power of two.
@@ -105,9 +106,9 @@ pub struct SegmentInfo {
     /// Sum of requested sizes of active blocks.
     pub requested_size: u64,
     /// Stream of the first block.
-    pub stream: u64,
-    /// `"small"` or `"large"`.
-    pub segment_type: &'static str,
+    pub stream: StreamId,
+    /// The pool's size class (`"small"` or `"large"`).
+    pub segment_type: PoolKind,
     /// Private pool id; `(0, 0)` for the default pools.
     pub segment_pool_id: PoolId,
     /// Whether the segment is an expandable one.
@@ -209,8 +210,8 @@ impl<D: Device> CachingAllocator<D> {
                     allocated_size: 0,
                     active_size: 0,
                     requested_size: 0,
-                    stream: first.stream.0,
-                    segment_type: first.pool.segment_type(),
+                    stream: first.stream,
+                    segment_type: first.pool,
                     segment_pool_id: self.private.id_of(first.owner),
                     is_expandable: first.expandable.is_some(),
                     frames: Vec::new(),

@@ -49,9 +49,34 @@ impl fmt::Debug for DevicePtr {
 /// A stream, identified by its raw handle (`cudaStream_t` as an integer; 0 is the default
 /// stream). Pools order free blocks by this number first, as PyTorch orders them by the
 /// stream handle.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+#[derive(
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
 #[repr(transparent)]
 pub struct StreamId(pub u64);
+
+impl std::fmt::LowerHex for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
 
 impl StreamId {
     /// The legacy default stream.

@@ -37,7 +37,8 @@ use serde::Deserialize;
 use super::limits::{MAX_BYTES, MAX_COUNT};
 use super::refusal::{Rejected, invalid};
 use crate::allocator::breakdown::{Accounting, PoolFigures, Request};
-use crate::allocator::size::SMALL_BUFFER;
+use crate::allocator::size::{PoolKind, SMALL_BUFFER};
+use crate::device::StreamId;
 use crate::sources::LastOom;
 
 /// (pool, stream) entries in one OOM: both pools on 32 streams.
@@ -90,18 +91,18 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
     let request = Request {
         rounded: oom.size,
         pool: if oom.size <= SMALL_BUFFER {
-            "small"
+            PoolKind::Small
         } else {
-            "large"
+            PoolKind::Large
         },
-        stream: oom.stream,
+        stream: StreamId(oom.stream),
     };
     let mut accounting = Accounting::default();
-    let mut seen: Vec<(&str, u64, bool)> = Vec::with_capacity(oom.pools.len());
+    let mut seen: Vec<(PoolKind, u64, bool)> = Vec::with_capacity(oom.pools.len());
     for p in &oom.pools {
         let pool = match p.pool.as_str() {
-            "small" => "small",
-            "large" => "large",
+            "small" => PoolKind::Small,
+            "large" => PoolKind::Large,
             other => {
                 return Err(at(format!(
                     "pool must be \"small\" or \"large\", not {:?}",
@@ -143,7 +144,7 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
         bytes("the reserved memory", reserved)?;
         accounting.add(
             request,
-            p.stream,
+            StreamId(p.stream),
             pool,
             !p.private,
             &PoolFigures {

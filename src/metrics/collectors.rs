@@ -279,11 +279,7 @@ fn collect_allocator(
     let st = &s.stats;
     let active_bytes = st.active_bytes();
     for pool in [PoolKind::Small, PoolKind::Large] {
-        let name = match pool {
-            PoolKind::Small => "small",
-            PoolKind::Large => "large",
-        };
-        let labels = [base[0], base[1], base[2], base[3], name];
+        let labels = [base[0], base[1], base[2], base[3], pool.segment_type()];
         for (def, array) in [
             (&c::ALLOCATED_BYTES, &st.allocated_bytes),
             (&c::RESERVED_BYTES, &st.reserved_bytes),

@@ -173,7 +173,7 @@ mod tests {
             device: 0,
             address,
             total_size,
-            stream: 0,
+            stream: crate::device::StreamId::DEFAULT,
             pool: PoolKind::Large,
             pool_id,
             is_expandable: false,
@@ -186,7 +186,7 @@ mod tests {
             action,
             addr,
             size,
-            stream: 0,
+            stream: crate::device::StreamId::DEFAULT,
             time_us: None,
             pool: PoolId::DEFAULT,
         }

@@ -30,6 +30,7 @@ use crate::allocator::breakdown::{self, Accounting};
 pub use crate::allocator::breakdown::{Breakdown, Kind};
 use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, PoolId, TraceAction};
+use crate::device::StreamId;
 
 use super::Recording;
 use super::replay::{
@@ -66,13 +67,13 @@ pub struct Request {
     pub bytes: u64,
     /// Bytes after the allocator's rounding.
     pub rounded: u64,
-    /// The pool that serves it: "small" or "large".
-    pub pool: &'static str,
+    /// The pool that serves it (`"small"` or `"large"`).
+    pub pool: PoolKind,
     /// The pool it went to: the default `(0, 0)`, or the private pool it was routed to (as
     /// recorded, or inferred: Note [Inferred pools]).
     pub pool_id: PoolId,
     /// The stream it was asked on.
-    pub stream: u64,
+    pub stream: StreamId,
     /// What the recording says of the request beside its stack: its compile context, user
     /// metadata and forward frames, one line each (empty where it says nothing).
     pub context: Vec<String>,
@@ -369,7 +370,7 @@ pub fn explain_at(
                 hypothetical: false,
                 bytes: e.size,
                 rounded,
-                pool: PoolKind::for_size(rounded).segment_type(),
+                pool: PoolKind::for_size(rounded),
                 pool_id: e.pool,
                 stream: e.stream,
                 context,
@@ -461,14 +462,14 @@ fn first_uncached_request(
     device: u32,
     event: usize,
 ) -> Request {
-    let mut by_stream: rustc_hash::FxHashMap<u64, (u64, u64)> = Default::default();
+    let mut by_stream: rustc_hash::FxHashMap<StreamId, (u64, u64)> = Default::default();
     // A default request: a private pool's segments are not its to use.
     let default_pool =
         |s: &&crate::allocator::SegmentInfo| s.device == device && s.segment_pool_id.is_default();
     for segment in snapshot.segments.iter().filter(default_pool) {
         let (held, largest) = by_stream.entry(segment.stream).or_default();
         *held += segment.total_size;
-        if segment.segment_type == PoolKind::Large.segment_type() {
+        if segment.segment_type == PoolKind::Large {
             let free = segment
                 .blocks
                 .iter()
@@ -488,7 +489,7 @@ fn first_uncached_request(
         hypothetical: true,
         bytes,
         rounded,
-        pool: PoolKind::Large.segment_type(),
+        pool: PoolKind::Large,
         pool_id: PoolId::DEFAULT,
         stream,
         context: Vec::new(),

@@ -262,7 +262,7 @@ fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocatio
                 out.push(Allocation {
                     event: i,
                     size: round_size(config, e.size),
-                    stream: e.stream,
+                    stream: e.stream.0,
                     freed: None,
                 });
             }

@@ -9,6 +9,7 @@
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, PoolId, SimulatedDevice, TraceAction, TraceEntry};
 use crate::config::{AllocatorConfig, ROUNDUP_INTERVALS, Syntax};
+use crate::device::StreamId;
 
 use super::TraceError;
 use super::doc::{Doc, Node};
@@ -53,7 +54,7 @@ pub struct RecordedSegment {
     /// Size in bytes.
     pub total_size: u64,
     /// Stream handle.
-    pub stream: u64,
+    pub stream: StreamId,
     /// Pool kind.
     pub pool: PoolKind,
     /// Its pool: [`PoolId::DEFAULT`] for the default pools.
@@ -311,7 +312,7 @@ fn segment(node: &Node<'_>, budget: &mut Budget) -> Result<RecordedSegment, Trac
             .map_err(|_| schema_error(node, "a device index", "a huge number".into()))?,
         address,
         total_size,
-        stream: stream(node)?,
+        stream: StreamId(stream(node)?),
         pool,
         pool_id,
         is_expandable: match node.get("is_expandable")? {
@@ -387,7 +388,7 @@ fn event(node: &Node<'_>, budget: &mut Budget) -> Result<(TraceEntry, bool), Tra
         action,
         addr,
         size: node.field("size")?.uint()?,
-        stream: stream(node)?,
+        stream: StreamId(stream(node)?),
         time_us: node.get("time_us")?.map(|t| t.uint()).transpose()?,
         pool: pool.unwrap_or_default(),
     };

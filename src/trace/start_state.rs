@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use crate::allocator::size::{ONE_EXABYTE, PoolKind, SMALL_BUFFER, SMALL_SIZE, round_size};
 use crate::allocator::{BlockState, PoolId, RestoredBlock, TraceAction};
 use crate::config::AllocatorConfig;
+use crate::device::StreamId;
 
 use super::Recording;
 
@@ -23,7 +24,7 @@ pub struct StartSegment {
     /// Base address.
     pub address: u64,
     /// Stream handle.
-    pub stream: u64,
+    pub stream: StreamId,
     /// Pool kind.
     pub pool: PoolKind,
     /// Its pool (a private one's segments are restored into it).
@@ -121,7 +122,7 @@ pub fn start_state(
     device: u32,
     config: &AllocatorConfig,
 ) -> Result<StartState, StartStateError> {
-    let mut segments: BTreeMap<u64, (u64, u64, PoolKind, PoolId)> = BTreeMap::new();
+    let mut segments: BTreeMap<u64, (u64, StreamId, PoolKind, PoolId)> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
     // Bytes mapped into expandable segments; walking back over their maps and unmaps must
     // bring this to zero (a trace that starts with expandable memory mapped is not rebuilt).

@@ -201,7 +201,11 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         "rounded",
         bytes_cell("request.rounded", Some(r.rounded)),
     );
-    row(&mut b, "pool", text_cell("request.pool", r.pool));
+    row(
+        &mut b,
+        "pool",
+        text_cell("request.pool", r.pool.segment_type()),
+    );
     row(
         &mut b,
         "pool id",

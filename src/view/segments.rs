@@ -16,7 +16,9 @@
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, PoolId, SegmentInfo};
+use crate::device::StreamId;
 use crate::trace::Recording;
 use crate::trace::block_stacks::BlockStacks;
 use crate::trace::frames::{ContextId, StackId};
@@ -59,9 +61,9 @@ pub struct MapSegment {
     /// Its bytes.
     pub size: u64,
     /// The stream whose pool holds it.
-    pub stream: u64,
-    /// "small" or "large".
-    pub pool: &'static str,
+    pub stream: StreamId,
+    /// Its pool's size class (`"small"` or `"large"`).
+    pub pool: PoolKind,
     /// Its pool: `(0, 0)` the default, else a private pool (CUDA graph, MemPool).
     pub pool_id: PoolId,
     /// Its blocks, in address order.

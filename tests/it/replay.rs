@@ -143,7 +143,7 @@ fn oom_and_empty_cache_recordings_reproduce_at_the_same_event() {
     assert_eq!(check(&rec, 0, None).compared.segment_frees, 420);
     let rec =
         read_recording(&dir.join("llama_offload_inference_multistream.pickle")).expect("readable");
-    let streams: std::collections::BTreeSet<u64> =
+    let streams: std::collections::BTreeSet<gpumem::StreamId> =
         rec.device_traces[0].iter().map(|e| e.stream).collect();
     assert_eq!(streams.len(), 10);
     check(&rec, 0, None);

@@ -193,7 +193,7 @@ mod tests {
             action,
             addr,
             size: 512,
-            stream: 0,
+            stream: crate::device::StreamId::DEFAULT,
             time_us: None,
             pool: crate::allocator::PoolId::DEFAULT,
         }

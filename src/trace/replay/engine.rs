@@ -31,7 +31,7 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::allocator::size::format_size;
+use crate::allocator::size::{PoolKind, format_size};
 use crate::allocator::{
     AllocError, CachingAllocator, PoolId, PoolOptions, RouteKind, StreamFilter, TraceAction,
     TraceEntry,
@@ -352,7 +352,7 @@ impl<'a> Engine<'a> {
                 .and_then(|()| {
                     alloc.restore_segment(
                         segment.pool_id,
-                        StreamId(segment.stream),
+                        segment.stream,
                         segment.pool,
                         &segment.blocks,
                     )
@@ -430,7 +430,7 @@ impl<'a> Engine<'a> {
         pool_options: &FxHashMap<PoolId, PoolOptions>,
         ptrs: &mut FxHashMap<u64, DevicePtr>,
     ) -> Result<FxHashSet<u64>, ReplayError> {
-        let mut live: Vec<(u64, u64, u64, PoolId)> = Vec::new();
+        let mut live: Vec<(u64, StreamId, u64, PoolId)> = Vec::new();
         for segment in segments {
             let mut at = segment.address;
             for b in &segment.blocks {
@@ -443,7 +443,6 @@ impl<'a> Engine<'a> {
         live.sort_unstable();
         let mut failed = FxHashSet::default();
         for (addr, stream, requested, pool) in live {
-            let stream = StreamId(stream);
             match in_pool(alloc, pool_options, pool, stream, RouteKind::MemPool, |a| {
                 a.malloc(requested, stream)
             }) {
@@ -666,7 +665,7 @@ impl<'a> Engine<'a> {
             .filter(|e| e.action == TraceAction::SegmentFree)
             .map(|e| e.addr)
             .collect();
-        let whole_free: Vec<(u64, (u64, u64, &'static str))> = before
+        let whole_free: Vec<(u64, (u64, StreamId, PoolKind))> = before
             .segment_infos()
             .into_iter()
             .filter(|s| {
@@ -847,7 +846,7 @@ impl<'a> Engine<'a> {
         kind: RouteKind,
         op: impl FnOnce(&mut CachingAllocator<SimDevice>) -> Result<T, AllocError>,
     ) -> Result<T, AllocError> {
-        let stream = StreamId(d.stream);
+        let stream = d.stream;
         in_pool(
             &mut self.alloc,
             &self.pool_options,
@@ -860,7 +859,7 @@ impl<'a> Engine<'a> {
 
     /// Drives the recorded `d` at `j`; a private pool's request routed as `kind`.
     fn drive(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
-        let stream = StreamId(d.stream);
+        let stream = d.stream;
         match d.action {
             TraceAction::Alloc => {
                 if self.derivation.is_some() {
@@ -898,7 +897,7 @@ impl<'a> Engine<'a> {
 
     /// The recorded allocation `d` at `j`, as a `malloc`.
     fn malloc(&mut self, j: usize, d: TraceEntry, kind: RouteKind) -> Result<(), ReplayError> {
-        match self.routed(d, kind, |a| a.malloc(d.size, StreamId(d.stream))) {
+        match self.routed(d, kind, |a| a.malloc(d.size, d.stream)) {
             Ok(ptr) => {
                 self.ptrs.insert(d.addr, ptr);
             }
