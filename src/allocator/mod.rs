@@ -111,7 +111,7 @@ pub use private_pool::{MAX_PRIVATE_POOLS, PoolError, PoolOptions, RouteKind, Str
 pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{
-    BlockInfo, BlockState, Frame, SegmentClass, SegmentInfo, SimulatedDevice, Snapshot,
+    BlockInfo, BlockState, NoFrames, SegmentClass, SegmentInfo, SimulatedDevice, Snapshot,
     segment_classes,
 };
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};

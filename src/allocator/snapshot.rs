@@ -64,15 +64,15 @@ pub enum BlockState {
     Inactive,
 }
 
-/// A stack frame (gpumem records none; the field keeps PyTorch's schema).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Frame {
-    /// Source file.
-    pub filename: String,
-    /// Line number.
-    pub line: u32,
-    /// Function name.
-    pub name: String,
+/// The stack frames of a segment or block: gpumem records none, so this serialises as
+/// PyTorch's empty `frames` list (a recording's frames are the trace reader's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoFrames;
+
+impl Serialize for NoFrames {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(std::iter::empty::<()>())
+    }
 }
 
 /// One block of a segment.
@@ -87,7 +87,7 @@ pub struct BlockInfo {
     /// State.
     pub state: BlockState,
     /// Stack at hand-out (always empty).
-    pub frames: Vec<Frame>,
+    pub frames: NoFrames,
 }
 
 /// One segment (for expandable segments: one contiguous mapped range).
@@ -114,7 +114,7 @@ pub struct SegmentInfo {
     /// Whether the segment is an expandable one.
     pub is_expandable: bool,
     /// Stack at segment creation (always empty).
-    pub frames: Vec<Frame>,
+    pub frames: NoFrames,
     /// Blocks in address order.
     pub blocks: Vec<BlockInfo>,
 }
@@ -214,7 +214,7 @@ impl<D: Device> CachingAllocator<D> {
                     segment_type: first.pool,
                     segment_pool_id: self.private.id_of(first.owner),
                     is_expandable: first.expandable.is_some(),
-                    frames: Vec::new(),
+                    frames: NoFrames,
                     blocks: Vec::with_capacity(run.len()),
                 };
                 for b in run {
@@ -232,7 +232,7 @@ impl<D: Device> CachingAllocator<D> {
                         size: b.size,
                         requested_size: b.requested_size,
                         state,
-                        frames: Vec::new(),
+                        frames: NoFrames,
                     });
                 }
                 segment
