@@ -62,7 +62,8 @@ def main():
     ctx = mp.get_context("spawn")
     queue, report = ctx.Queue(), ctx.Queue()
     held, release = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=consumer, args=(queue, held, release, report))
+    # A daemon: a failure below does not wait for the consumer.
+    child = ctx.Process(target=consumer, args=(queue, held, release, report), daemon=True)
     child.start()
 
     torch.cuda.memory._record_memory_history(max_entries=100_000)

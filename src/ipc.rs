@@ -22,7 +22,8 @@
 //!
 //! # Invariants and budget
 //! - A sent pointer is tracked from its first send until it is returned to be freed, in
-//!   exactly one of two places: held by the producer, or in the limbo.
+//!   exactly one of two places: held by the producer, or in the limbo (a send or a release
+//!   of a pointer already in the limbo adds no second entry).
 //! - A pointer is returned to be freed once, and only when the producer released it and its
 //!   counter is zero.
 //! - The state holds one entry per sent pointer still allocated: it is bounded by the
@@ -88,9 +89,16 @@ impl IpcSender {
     }
 
     /// Sends the block at `ptr`, exported as `handle` (from
-    /// [`crate::allocator::CachingAllocator::share_handle`]), to one consumer.
+    /// [`crate::allocator::CachingAllocator::share_handle`]), to one consumer. A block already
+    /// in the limbo (a consumer passing it on) keeps its one entry there, one reference more.
     pub fn send(&self, ptr: DevicePtr, handle: ShareableHandle) -> Received {
-        let counter = Arc::clone(self.state().held.entry(ptr.0).or_default());
+        let mut state = self.state();
+        let in_limbo = state
+            .limbo
+            .iter()
+            .find(|(p, _)| *p == ptr)
+            .map(|(_, c)| Arc::clone(c));
+        let counter = in_limbo.unwrap_or_else(|| Arc::clone(state.held.entry(ptr.0).or_default()));
         counter.fetch_add(1, Ordering::AcqRel);
         Received { handle, counter }
     }
@@ -102,6 +110,10 @@ impl IpcSender {
     pub fn release_storage(&self, ptr: DevicePtr) -> Vec<DevicePtr> {
         let mut state = self.state();
         let Some(counter) = state.held.remove(&ptr.0) else {
+            // Released twice: it is in the limbo already, and stays there.
+            if state.limbo.iter().any(|(p, _)| *p == ptr) {
+                return Self::collect_in(&mut state);
+            }
             return vec![ptr];
         };
         let mut free = Vec::new();
@@ -188,6 +200,22 @@ mod tests {
         drop(b);
         assert_eq!(sender.collect(), [DevicePtr(0x1000)]);
         assert!(sender.collect().is_empty(), "returned once");
+    }
+
+    #[test]
+    fn a_block_in_the_limbo_is_never_listed_or_returned_twice() {
+        let sender = IpcSender::new();
+        let first = sender.send(DevicePtr(0x1000), handle());
+        assert!(sender.release_storage(DevicePtr(0x1000)).is_empty());
+        // Sent again from the limbo, and released again: still one entry.
+        let second = sender.send(DevicePtr(0x1000), handle());
+        assert!(sender.release_storage(DevicePtr(0x1000)).is_empty());
+        assert_eq!(sender.limbo_len(), 1);
+        drop(first);
+        assert!(sender.collect().is_empty(), "the second consumer holds it");
+        drop(second);
+        assert_eq!(sender.collect(), [DevicePtr(0x1000)]);
+        assert!(sender.collect().is_empty());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::allocator::{
     AllocError, FitOrder, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion, PoolId,
-    PoolOptions, RouteKind, StreamFilter,
+    PoolOptions, RouteKind, ShareableHandle, StreamFilter,
 };
 use crate::device::{DeviceError, SimConfig, SimDevice};
 use crate::workload::XorShift;
@@ -278,7 +278,20 @@ impl Run {
             .alloc
             .block_size(ptr)
             .ok_or("a live block has a size")?;
-        let covers = handle.start().0.checked_add(handle.offset()) == Some(ptr.0)
+        let exact = match handle {
+            // The pages from the one holding its first byte to the one holding its last.
+            ShareableHandle::Pages {
+                page_size, pages, ..
+            } => handle.offset() < page_size && handle.offset() + size > (pages - 1) * page_size,
+            // The whole segment, from its base: the block there exports the same start.
+            ShareableHandle::Segment { base, .. } => self
+                .alloc
+                .share_handle(base)
+                .ok()
+                .is_none_or(|h| h.start() == base),
+        };
+        let covers = exact
+            && handle.start().0.checked_add(handle.offset()) == Some(ptr.0)
             && handle.offset() + size <= handle.mapped_bytes();
         if covers {
             Ok(())

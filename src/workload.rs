@@ -9,9 +9,9 @@
 //! NCCL's symmetric memory is). With `ipc`, as a reinforcement-learning trainer does: after
 //! each step the trainer gathers its weights into buckets and shares them over CUDA IPC with a
 //! rollout engine (as verl and OpenRLHF sync weights), dropping its own reference at once;
-//! the engine holds them until the next step starts, so they wait in the trainer's limbo,
-//! and the trainer's next requests find their memory through the retry chain's
-//! `cuda_ipc_collect` (see [`crate::ipc`]).
+//! the engine holds them until the next step starts, so they wait in the trainer's limbo
+//! until a request that misses the cache runs the retry chain's `cuda_ipc_collect`, or the
+//! trainer's next release of a shared block collects them (see [`crate::ipc`]).
 //!
 //! Deterministic for a given seed, so runs can be compared across configurations.
 

@@ -133,6 +133,11 @@ class PinnedHostMemory(PushTest):
         # allocation/allocated_bytes: the same figures arrive under 2.10's names.
         self.assertEqual(self.host_of_last_push(FAKE_TORCH_HOST_KEYS="old"), self.WANT)
 
+    def test_a_torn_read_leaves_out_the_figure_not_the_push(self):
+        want = dict(self.WANT)
+        del want["active_bytes.current"]
+        self.assertEqual(self.host_of_last_push(FAKE_TORCH_HOST_TORN="1"), want)
+
     def test_no_host_object_without_host_memory_stats_or_pinned_memory(self):
         self.assertIsNone(self.host_of_last_push(FAKE_TORCH_HOST_KEYS="none"))
         self.agent.recorder.pushes.clear()

@@ -183,6 +183,15 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     #[test]
+    fn a_pool_kind_is_written_by_its_segment_type() {
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            let json = serde_json::to_value(kind).expect("serialises");
+            assert_eq!(json, kind.segment_type());
+            assert_eq!(serde_json::from_value::<PoolKind>(json).ok(), Some(kind));
+        }
+    }
+
+    #[test]
     fn rounding_and_classification_table() {
         let c = AllocatorConfig::default();
         // request → (rounded, pool, new segment size): spec scenario 4.

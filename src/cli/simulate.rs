@@ -106,13 +106,13 @@ pub(crate) fn run(args: Args) -> CliResult {
             s["num_ooms"],
             alloc.device().stats().driver_time_ns as f64 / 1e6,
         )?;
-    }
-    if args.ipc {
-        outln!(
-            "IPC: {} blocks shared, {} freed by the retry chain's cuda_ipc_collect",
-            report.shared,
-            report.collected_in_retry
-        )?;
+        if args.ipc {
+            outln!(
+                "IPC: {} blocks shared, {} freed by the retry chain's cuda_ipc_collect",
+                report.shared,
+                report.collected_in_retry
+            )?;
+        }
     }
     if let Some(oom) = report.oom {
         eprintln!("{oom}");

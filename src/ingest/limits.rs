@@ -1,6 +1,6 @@
 //! The budgets of a push: what one payload may hold, and the series it adds. A leaf of the
-//! ingest: validation ([`super::payload`], [`super::oom`]) and the store read them; it names
-//! nothing else.
+//! ingest (it names nothing else of it): validation ([`super::payload`], [`super::oom`]) and
+//! the store read them, and the push hook's copies are checked against them.
 
 /// The largest payload accepted: a push of 16 devices' statistics is about 100 KiB.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
@@ -34,3 +34,15 @@ pub const MAX_PID: u32 = 1 << 22;
 pub(super) const SERIES_PER_DEVICE: usize = 2 * 6 + 10 + 3;
 /// Series of a device's OOM explanation: one per part of the breakdown.
 pub const OOM_BREAKDOWN_SERIES: usize = 7;
+/// (pool, stream) entries in one OOM push: both pools on 32 streams.
+pub const MAX_POOLS: usize = 64;
+
+/// The bound of a pushed figure named `key`, and how to say it: bytes below [`MAX_BYTES`],
+/// counts (and microseconds) below [`MAX_COUNT`].
+pub fn bound_of(key: &str) -> (i64, &'static str) {
+    if key.contains("bytes") || key == "max_split_size" {
+        (MAX_BYTES, "2^60 bytes")
+    } else {
+        (MAX_COUNT, "2^53")
+    }
+}

@@ -34,15 +34,12 @@
 
 use serde::Deserialize;
 
-use super::limits::{MAX_BYTES, MAX_COUNT};
+use super::limits::{MAX_BYTES, MAX_COUNT, MAX_POOLS};
 use super::refusal::{Rejected, invalid};
 use crate::allocator::breakdown::{Accounting, PoolFigures, Request};
 use crate::allocator::size::{PoolKind, SMALL_BUFFER};
 use crate::device::StreamId;
 use crate::sources::LastOom;
-
-/// (pool, stream) entries in one OOM: both pools on 32 streams.
-pub const MAX_POOLS: usize = 64;
 
 /// The `oom` object of a pushed device.
 #[derive(Deserialize)]

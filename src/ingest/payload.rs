@@ -63,7 +63,7 @@ use crate::sources::{HostPinned, LastOom};
 use super::limits::{
     HOST_SERIES, MAX_BODY_BYTES, MAX_BYTES, MAX_CLASSES, MAX_COUNT, MAX_DEVICES, MAX_HOST_KEYS,
     MAX_LABEL_BYTES, MAX_LABEL_NAME, MAX_LABELS, MAX_PID, MAX_STATS_KEYS, MAX_TEXT,
-    OOM_BREAKDOWN_SERIES, SERIES_PER_DEVICE,
+    OOM_BREAKDOWN_SERIES, SERIES_PER_DEVICE, bound_of,
 };
 use super::refusal::{Refusal, Rejected, invalid};
 
@@ -318,6 +318,18 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
     })
 }
 
+/// The keys of a push's `host` object that gpumem reads (PyTorch 2.10+'s names), in
+/// [`HostPinned`]'s order.
+pub const HOST_KEYS: [&str; HOST_SERIES] = [
+    "allocated_bytes.current",
+    "active_bytes.current",
+    "allocations.current",
+    "active_requests.current",
+    "num_host_alloc",
+    "num_host_free",
+    "host_alloc_time.total",
+];
+
 /// The pinned host memory of a push's `host` object; `None` when it names no figure gpumem
 /// exports.
 fn host(pushed: &BTreeMap<String, serde_json::Value>) -> Result<Option<HostPinned>, Rejected> {
@@ -330,11 +342,7 @@ fn host(pushed: &BTreeMap<String, serde_json::Value>) -> Result<Option<HostPinne
         let Some(value) = pushed.get(key) else {
             return Ok(None);
         };
-        let (limit, unit) = if is_bytes(key) {
-            (MAX_BYTES, "2^60 bytes")
-        } else {
-            (MAX_COUNT, "2^53")
-        };
+        let (limit, unit) = bound_of(key);
         match value.as_u64() {
             Some(n) if n < limit as u64 => Ok(Some(n)),
             _ => Err(invalid(format!(
@@ -343,14 +351,23 @@ fn host(pushed: &BTreeMap<String, serde_json::Value>) -> Result<Option<HostPinne
             ))),
         }
     };
+    let [
+        allocated_bytes,
+        active_bytes,
+        allocations,
+        active_requests,
+        allocs,
+        frees,
+        time,
+    ] = HOST_KEYS.map(figure);
     let pinned = HostPinned {
-        allocated_bytes: figure("allocated_bytes.current")?,
-        active_bytes: figure("active_bytes.current")?,
-        allocations: figure("allocations.current")?,
-        active_requests: figure("active_requests.current")?,
-        host_allocs: figure("num_host_alloc")?,
-        host_frees: figure("num_host_free")?,
-        alloc_time_us: figure("host_alloc_time.total")?,
+        allocated_bytes: allocated_bytes?,
+        active_bytes: active_bytes?,
+        allocations: allocations?,
+        active_requests: active_requests?,
+        host_allocs: allocs?,
+        host_frees: frees?,
+        alloc_time_us: time?,
     };
     for (part, whole, names) in [
         (
@@ -514,11 +531,6 @@ fn snapshot(device: &PushedDevice) -> Result<Option<(u64, Vec<SegmentClass>)>, R
     Ok(Some((largest, classes)))
 }
 
-/// Whether a statistics key holds bytes (else it holds a count).
-fn is_bytes(key: &str) -> bool {
-    key.contains("bytes") || key == "max_split_size"
-}
-
 /// Statistics as integers, bounded: whole, not negative (but `max_split_size`, where -1
 /// means unlimited), bytes below [`MAX_BYTES`], counts below [`MAX_COUNT`]; per pool,
 /// allocated and active bytes within reserved bytes.
@@ -538,11 +550,7 @@ fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> 
                 truncate(&value.to_string())
             )));
         };
-        let (limit, unit) = if is_bytes(key) {
-            (MAX_BYTES, "2^60 bytes")
-        } else {
-            (MAX_COUNT, "2^53")
-        };
+        let (limit, unit) = bound_of(key);
         if number >= limit {
             return Err(invalid(format!(
                 "device {index}: {key} = {number} is not below {unit}"

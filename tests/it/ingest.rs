@@ -774,7 +774,7 @@ fn the_hooks_copies_of_the_agents_bounds_agree() {
         ("MAX_TEXT", MAX_TEXT),
         ("MAX_DEVICES", MAX_DEVICES),
         ("MAX_STATS_KEYS", MAX_STATS_KEYS),
-        ("MAX_OOM_POOLS", gpumem::ingest::oom::MAX_POOLS),
+        ("MAX_OOM_POOLS", gpumem::ingest::limits::MAX_POOLS),
     ] {
         assert_eq!(value(hook_name) as usize, agent, "{hook_name}");
     }
@@ -782,6 +782,11 @@ fn the_hooks_copies_of_the_agents_bounds_agree() {
         value("MAX_HOST_FIGURE") <= MAX_COUNT as f64,
         "host figures within the agent's"
     );
+    // The host figures it sends are those the agent reads.
+    let start = hook.find("HOST_KEYS = (").expect("HOST_KEYS");
+    let end = start + hook[start..].find(')').expect("its end");
+    let sent: Vec<&str> = hook[start..end].split('"').skip(1).step_by(2).collect();
+    assert_eq!(sent, gpumem::ingest::payload::HOST_KEYS);
     // Periodic pushes keep clear of the agent's rate limit.
     let limit = IngestConfig::default().min_interval.as_secs_f64();
     assert!(value("MIN_INTERVAL") >= limit);
@@ -801,7 +806,11 @@ async fn a_push_is_charged_the_series_it_shows() {
             "segments_by_size": [{"size": 2048, "segments": 1, "free_bytes": 512},
                                  {"size": 4096, "segments": 1, "free_bytes": 0}]})
     };
-    let body = serde_json::json!({"pid": 77, "seq": 1, "reason": "oom",
+    // Every pinned host figure too.
+    let host = serde_json::json!({"allocated_bytes.current": 4096, "active_bytes.current": 1024,
+        "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2,
+        "num_host_free": 0, "host_alloc_time.total": 1500});
+    let body = serde_json::json!({"pid": 77, "seq": 1, "reason": "oom", "host": host,
         "devices": [device(0), device(1)]});
     let charged = gpumem::ingest::payload::validate(body.to_string().as_bytes())
         .expect("valid")
@@ -812,7 +821,9 @@ async fn a_push_is_charged_the_series_it_shows() {
     let shown = text
         .lines()
         .filter(|l| {
-            (l.starts_with("gpumem_allocator_") || l.starts_with("gpumem_ingest_"))
+            ["gpumem_allocator_", "gpumem_ingest_", "gpumem_host_pinned_"]
+                .iter()
+                .any(|p| l.starts_with(p))
                 && l.contains(r#"pid="77""#)
         })
         .count();

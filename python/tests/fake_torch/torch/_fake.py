@@ -23,6 +23,8 @@ counters = [{"peak": 0, "ooms": 0, "allocs": 0, "frees": 0} for _ in range(devic
 # or cached. FAKE_TORCH_HOST_KEYS names host_memory_stats()'s key names: "new" (2.10+), "old"
 # (2.7 to 2.9) or "none" (no host_memory_stats, before 2.7).
 host_keys = os.environ.get("FAKE_TORCH_HOST_KEYS", "new")
+# FAKE_TORCH_HOST_TORN=1: bytes in use read above the pool (a read without one lock).
+host_torn = os.environ.get("FAKE_TORCH_HOST_TORN") == "1"
 pinned = []  # [{"size", "active"}]
 host_counts = {"allocs": 0, "frees": 0, "alloc_us": 0}
 
@@ -140,7 +142,7 @@ def host_stats():
     with lock:
         pool = (len(pinned), sum(b["size"] for b in pinned))
         used = [b for b in pinned if b["active"]]
-        active = (len(used), sum(b["size"] for b in used))
+        active = (len(used), sum(b["size"] for b in used) + (pool[1] if host_torn else 0))
         counts = dict(host_counts)
     if not pinned and not counts["allocs"]:
         return {}
