@@ -115,8 +115,6 @@ struct Tracked {
     sources: Vec<Arc<AllocatorSource>>,
     /// Its pinned host memory as its last push said (a push without it clears it).
     host: Option<HostPinned>,
-    /// The labels of its series.
-    labels: Vec<(String, String)>,
 }
 
 impl Tracked {
@@ -390,7 +388,6 @@ impl PushStore {
                 series,
                 sources,
                 host: push.host,
-                labels,
             },
         );
         self.publish(&state);
@@ -612,7 +609,8 @@ impl PushStore {
             .filter_map(|(&pid, t)| {
                 Some(PushedHost {
                     pid,
-                    labels: t.labels.clone(),
+                    // A push lists at least one device, whose series carry its labels.
+                    labels: t.sources.first()?.labels.clone(),
                     pinned: t.host?,
                 })
             })

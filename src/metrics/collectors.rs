@@ -458,27 +458,19 @@ fn collect_hosts(
         let extra = process_labels(&h.labels, nvml, names);
         let pid = h.pid.to_string();
         let p = &h.pinned;
-        let seconds = p.alloc_time_us.map(|us| us as f64 / 1e6);
-        for (def, value) in [
-            (
-                &c::HOST_PINNED_ALLOCATED_BYTES,
-                p.allocated_bytes.map(|v| v as f64),
-            ),
-            (
-                &c::HOST_PINNED_ACTIVE_BYTES,
-                p.active_bytes.map(|v| v as f64),
-            ),
-            (&c::HOST_PINNED_ALLOCATIONS, p.allocations.map(|v| v as f64)),
-            (
-                &c::HOST_PINNED_ACTIVE_REQUESTS,
-                p.active_requests.map(|v| v as f64),
-            ),
-            (&c::HOST_PINNED_ALLOCS, p.host_allocs.map(|v| v as f64)),
-            (&c::HOST_PINNED_FREES, p.host_frees.map(|v| v as f64)),
-            (&c::HOST_PINNED_ALLOC_SECONDS, seconds),
+        // (metric, figure, figures per metric unit): microseconds become seconds.
+        for (def, value, per_unit) in [
+            (&c::HOST_PINNED_ALLOCATED_BYTES, p.allocated_bytes, 1.0),
+            (&c::HOST_PINNED_ACTIVE_BYTES, p.active_bytes, 1.0),
+            (&c::HOST_PINNED_ALLOCATIONS, p.allocations, 1.0),
+            (&c::HOST_PINNED_ACTIVE_REQUESTS, p.active_requests, 1.0),
+            (&c::HOST_PINNED_ALLOCS, p.host_allocs, 1.0),
+            (&c::HOST_PINNED_FREES, p.host_frees, 1.0),
+            (&c::HOST_PINNED_ALLOC_SECONDS, p.alloc_time_us, 1e6),
         ] {
             if let Some(value) = value {
-                f.of(def).push_with(&[&pid], extra.as_ref(), value);
+                f.of(def)
+                    .push_with(&[&pid], extra.as_ref(), value as f64 / per_unit);
             }
         }
     }

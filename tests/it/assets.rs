@@ -68,6 +68,16 @@ pub fn dashboard_expressions() -> Vec<(String, String, String)> {
     out
 }
 
+/// (dashboard, panel title, query with every variable "All") of the panel targets whose
+/// expression names `metric`.
+pub fn dashboard_queries_of(metric: &str) -> Vec<(String, String, String)> {
+    dashboard_expressions()
+        .into_iter()
+        .filter(|(_, _, expr)| expr.contains(metric))
+        .map(|(file, title, expr)| (file, title, substitute(&expr)))
+        .collect()
+}
+
 /// (dashboard, annotation name, expression) for every annotation query.
 pub fn annotation_expressions() -> Vec<(String, String, String)> {
     let mut out = Vec::new();

@@ -11,6 +11,20 @@ use gpumem::workload::{TrainingWorkload, finish_communication};
 
 use crate::common::*;
 
+/// An allocator of `capacity` bytes and a sender, registered as its `cuda_ipc_collect` if
+/// `registered`.
+fn producer(
+    capacity: u64,
+    registered: bool,
+) -> (gpumem::CachingAllocator<gpumem::SimDevice>, Arc<IpcSender>) {
+    let mut a = allocator(capacity, "");
+    let sender = Arc::new(IpcSender::new());
+    if registered {
+        a.register_free_memory_callback(sender.clone());
+    }
+    (a, sender)
+}
+
 /// A consumer's handle on `p`, sent by `sender`, and the producer's storage released.
 fn shared_and_released(
     a: &mut gpumem::CachingAllocator<gpumem::SimDevice>,
@@ -89,9 +103,7 @@ fn only_allocated_block_starts_can_be_shared() {
 
 #[test]
 fn a_block_in_the_limbo_stays_allocated_until_every_consumer_lets_go() {
-    let mut a = allocator(64 * MIB, "");
-    let sender = Arc::new(IpcSender::new());
-    a.register_free_memory_callback(sender.clone());
+    let (mut a, sender) = producer(64 * MIB, true);
     let p = malloc(&mut a, 40 * MIB, S0);
     let received = shared_and_released(&mut a, &sender, p);
     assert_eq!(sender.limbo_len(), 1);
@@ -114,11 +126,7 @@ fn a_block_in_the_limbo_stays_allocated_until_every_consumer_lets_go() {
 fn the_collect_step_avoids_an_oom() {
     // 64 MiB: a 40 MiB block let go by its consumer but not yet collected leaves no room.
     let setup = |register: bool| {
-        let mut a = allocator(64 * MIB, "");
-        let sender = Arc::new(IpcSender::new());
-        if register {
-            a.register_free_memory_callback(sender.clone());
-        }
+        let (mut a, sender) = producer(64 * MIB, register);
         let p = malloc(&mut a, 40 * MIB, S0);
         drop(shared_and_released(&mut a, &sender, p));
         assert_eq!(sender.limbo_len(), 1, "nothing collected it yet");
@@ -157,9 +165,7 @@ fn the_collect_step_avoids_an_oom() {
 
 #[test]
 fn a_cached_fit_never_runs_the_collect_step() {
-    let mut a = allocator(GIB, "");
-    let sender = Arc::new(IpcSender::new());
-    a.register_free_memory_callback(sender.clone());
+    let (mut a, sender) = producer(GIB, true);
     let p = malloc(&mut a, 40 * MIB, S0);
     let cached = malloc(&mut a, 40 * MIB, S0);
     free(&mut a, cached);
@@ -170,9 +176,7 @@ fn a_cached_fit_never_runs_the_collect_step() {
 
 #[test]
 fn a_collected_pointer_the_allocator_never_gave_is_an_error_not_a_crash() {
-    let mut a = allocator(64 * MIB, "");
-    let sender = Arc::new(IpcSender::new());
-    a.register_free_memory_callback(sender.clone());
+    let (mut a, sender) = producer(64 * MIB, true);
     let p = malloc(&mut a, 40 * MIB, S0);
     let handle = a.share_handle(p).expect("live");
     let foreign = DevicePtr(0xdead_0000);

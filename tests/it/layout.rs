@@ -215,8 +215,9 @@ fn paths_at(code: &str, start: usize) -> Vec<Vec<String>> {
     }
 }
 
-/// A crate's modules: module path → file, found from its root's `mod` declarations.
-fn modules(root_file: &Path) -> BTreeMap<Vec<String>, PathBuf> {
+/// A crate's modules: module path → its file and non-test code (read once), found from its
+/// root's `mod` declarations.
+fn modules(root_file: &Path) -> BTreeMap<Vec<String>, (PathBuf, String)> {
     let mut out = BTreeMap::new();
     let mut todo = vec![(Vec::new(), root_file.to_path_buf())];
     while let Some((path, file)) = todo.pop() {
@@ -247,7 +248,7 @@ fn modules(root_file: &Path) -> BTreeMap<Vec<String>, PathBuf> {
             child_path.push(name.to_string());
             todo.push((child_path, child));
         }
-        out.insert(path, file);
+        out.insert(path, (file, code));
     }
     out
 }
@@ -256,8 +257,7 @@ fn modules(root_file: &Path) -> BTreeMap<Vec<String>, PathBuf> {
 fn edges(root_file: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
     let mods = modules(root_file);
     let mut out: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
-    for (path, file) in &mods {
-        let code = without_tests(&scrub(&std::fs::read_to_string(file).expect("readable")));
+    for (path, (file, code)) in &mods {
         let targets = out.entry(file.clone()).or_default();
         for head in ["crate::", "super::", "self::"] {
             let mut from = 0;
@@ -281,13 +281,13 @@ fn edges(root_file: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
                     base.pop();
                     rest += "super::".len();
                 }
-                for tail in paths_at(&code, rest) {
+                for tail in paths_at(code, rest) {
                     let mut full = base.clone();
                     full.extend(tail);
                     // The longest prefix that is a module names the file.
                     let target = (0..=full.len())
                         .rev()
-                        .find_map(|n| mods.get(&full[..n]))
+                        .find_map(|n| mods.get(&full[..n]).map(|(f, _)| f))
                         .expect("the crate root is a module");
                     if target != file {
                         targets.insert(target.clone());

@@ -166,11 +166,7 @@ torch._fake.oom(0, 1 << 37)
     assert_eq!(pinned[0]["value"][1], (4u32 << 20).to_string(), "{pinned}");
     assert_eq!(pinned[0]["metric"]["team"], "nlp", "{pinned}");
     let pid_label = pid.to_string();
-    for (file, title, expr) in crate::assets::dashboard_expressions()
-        .into_iter()
-        .filter(|(_, _, expr)| expr.contains("gpumem_host_pinned_"))
-    {
-        let query = crate::assets::substitute(&expr);
+    for (file, title, query) in crate::assets::dashboard_queries_of("gpumem_host_pinned_") {
         let rows = wait_for(Duration::from_secs(30), || {
             let r = prometheus_query(prom_port, &query)?;
             r.as_array()?
@@ -250,11 +246,7 @@ torch._fake.oom(0, 1 << 37)
     assert_eq!(value[0]["value"][1], "1", "{value}");
     // The dashboards' OOM panels have the job's breakdown, and the alert's description
     // lists it.
-    for (file, title, expr) in crate::assets::dashboard_expressions()
-        .into_iter()
-        .filter(|(_, _, expr)| expr.contains("gpumem_oom_breakdown_bytes"))
-    {
-        let query = crate::assets::substitute(&expr);
+    for (file, title, query) in crate::assets::dashboard_queries_of("gpumem_oom_breakdown_bytes") {
         let rows = wait_for(Duration::from_secs(30), || {
             let r = prometheus_query(prom_port, &query)?;
             (r.as_array()?.len() == Breakdown::PARTS).then_some(r)

@@ -846,12 +846,11 @@ impl<'a> Engine<'a> {
         kind: RouteKind,
         op: impl FnOnce(&mut CachingAllocator<SimDevice>) -> Result<T, AllocError>,
     ) -> Result<T, AllocError> {
-        let stream = d.stream;
         in_pool(
             &mut self.alloc,
             &self.pool_options,
             d.pool,
-            stream,
+            d.stream,
             kind,
             op,
         )
