@@ -13,7 +13,7 @@
 //!   every pass starts from the same state. Reported per event.
 //!
 //! `recorded` also runs PyTorch's own allocator design (`pytorch_design`: the C++17 peer in
-//! `baseline/`, with its sets, heap blocks, flat hash maps, locks and stat arrays), after
+//! `crates/gpumem-baseline/`, with its sets, heap blocks, flat hash maps, locks and stat arrays), after
 //! checking that it returns gpumem's addresses and statistics on the same events. Both run
 //! under each best-fit order, side by side: `address` (PyTorch 2.11 and before) and
 //! `counter` (2.13 and later: the segment counter breaks ties among equal sizes). On these
@@ -35,7 +35,7 @@ use std::path::Path;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumem::allocator::{FitOrder, TraceAction};
 use gpumem::device::{SimConfig, SimDevice};
-use gpumem::workload::XorShift;
+use gpumem::rng::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use gpumem_baseline::{PytorchDesign, stat_names};
 use offset_allocator::{Allocation, Allocator};

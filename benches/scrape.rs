@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use gpumem::device::simulated_uuid;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::metrics::{Metrics, ReportReader};
 use gpumem::server::{AppState, app};
 use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
-use gpumem::telemetry::sim_node::simulated_uuid;
 use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
 use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
 use http_body_util::BodyExt;

@@ -1,14 +1,12 @@
 //! gpumem makes GPU memory visible: where did the memory go when a training job dies with
 //! "CUDA out of memory" while nvidia-smi still shows gigabytes free?
 //!
-//! Its foundation is a faithful implementation of PyTorch's CUDA caching allocator
-//! ([`allocator::CachingAllocator`]) over a device trait ([`device::Device`]), with a
-//! deterministic simulated GPU ([`device::SimDevice`]) that every test runs on.
+//! Its foundation is the `gpumem-core` crate, re-exported here: a faithful implementation of
+//! PyTorch's CUDA caching allocator ([`allocator::CachingAllocator`]) over a device trait
+//! ([`device::Device`]), with a deterministic simulated GPU ([`device::SimDevice`]) that every
+//! test runs on, `PYTORCH_CUDA_ALLOC_CONF` parsing ([`config`]) and the thread-safe wrapper
+//! ([`shared`]). This crate holds what reads, serves and explains:
 //!
-//! - [`config`]: `PYTORCH_CUDA_ALLOC_CONF` parsing.
-//! - [`allocator`]: the caching allocator core, its statistics, snapshots and traces.
-//! - [`device`]: the device trait and the simulated GPU.
-//! - [`shared`]: the thread-safe wrapper with lock-free statistics.
 //! - [`trace`]: reading PyTorch memory snapshots and replaying their traces.
 //! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
@@ -16,22 +14,22 @@
 //! - [`server`]: the `/metrics` endpoint and `gpumem view`'s (axum).
 //! - [`view`]: pages and drawings: the explanation's page, the timeline, `gpumem view`'s
 //!   segment maps and state.
-//! - [`workload`]: a synthetic training workload that exercises the core.
+//! - [`demo`]: the simulated node (`gpumem demo`) and the synthetic training workload.
+//! - [`rng`]: the small deterministic generator runs repeat with.
 
-pub mod allocator;
-pub mod config;
-pub mod device;
+pub use gpumem_core::{allocator, config, device, shared};
+
+pub mod demo;
 pub mod ingest;
 pub mod ipc;
 pub mod metrics;
 pub mod ops;
+pub mod rng;
 pub mod server;
-pub mod shared;
 pub mod sources;
 pub mod telemetry;
 pub mod trace;
 pub mod view;
-pub mod workload;
 
 pub use allocator::{AllocError, CachingAllocator};
 pub use config::AllocatorConfig;

@@ -16,7 +16,7 @@ use crate::allocator::{
     PoolOptions, RouteKind, ShareableHandle, StreamFilter,
 };
 use crate::device::{DeviceError, SimConfig, SimDevice};
-use crate::workload::XorShift;
+use crate::rng::XorShift;
 use crate::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 
 const MIB: u64 = 1 << 20;
@@ -146,7 +146,7 @@ pub fn pool_id(pool: u64) -> PoolId {
 pub fn random_plan(seed: u64) -> Plan {
     let mut rng = XorShift::new(seed | 1);
     let mut regions: Vec<PlanRegion> = Vec::new();
-    for stream in 0..STREAMS {
+    for stream in (0..STREAMS).map(StreamId) {
         if !rng.next_u64().is_multiple_of(4) {
             let bytes = (1 + rng.next_u64() % (256 * MIB / 512)) * 512;
             regions.push(PlanRegion { stream, bytes });
@@ -154,7 +154,7 @@ pub fn random_plan(seed: u64) -> Plan {
     }
     let entries = (0..1 + rng.next_u64() % 24)
         .map(|_| {
-            let stream = rng.next_u64() % STREAMS;
+            let stream = StreamId(rng.next_u64() % STREAMS);
             let size = match rng.next_u64() % 4 {
                 0 | 1 => 512 * (1 + rng.next_u64() % 2048),
                 2 => MIB + 512 * (rng.next_u64() % (18 * 2048)),
@@ -328,7 +328,7 @@ impl Run {
                 let i = (*next + (skip % 3) as usize) % plan.entries.len();
                 *next = (i + 1) % plan.entries.len();
                 let e = plan.entries[i];
-                self.malloc(e.size - under.min(511), StreamId(e.stream))?;
+                self.malloc(e.size - under.min(511), e.stream)?;
             }
             Op::SetPlan { seed } => {
                 let plan = Arc::new(random_plan(seed));

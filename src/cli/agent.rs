@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
+use gpumem::demo::{SimNode, SimNodeConfig};
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::ReportReader;
 use gpumem::server::{
@@ -17,7 +18,7 @@ use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
 use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::{self, PodResources};
-use gpumem::telemetry::{Heartbeat, NvmlSource, Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::{Heartbeat, NvmlSource, Poller};
 
 use super::{CliResult, parse_bytes};
 

@@ -93,9 +93,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         outln!(
             "device {}, at the snapshot: no request recorded; the smallest large request its cache could not serve on stream {:#x} is {} ({} rounded)",
             e.device,
-            r.stream,
+            r.wanted.stream,
             f(r.bytes),
-            f(r.rounded)
+            f(r.wanted.rounded)
         )?;
     } else {
         outln!(
@@ -103,9 +103,9 @@ pub(crate) fn run(args: Args) -> CliResult {
             e.device,
             r.event,
             f(r.bytes),
-            f(r.rounded),
-            r.pool,
-            r.stream
+            f(r.wanted.rounded),
+            r.wanted.pool,
+            r.wanted.stream
         )?;
         if !r.pool_id.is_default() {
             outln!("  routed to private pool {}", r.pool_id)?;

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use gpumem::allocator::size::format_size;
 use gpumem::config::Syntax;
+use gpumem::demo::workload::{TrainingWorkload, finish_communication};
 use gpumem::device::SimConfig;
-use gpumem::workload::{TrainingWorkload, finish_communication};
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
 use super::{CliResult, Path, out, outln};

@@ -1,4 +1,5 @@
-//! Where the device view comes from: NVML on a real node, a simulated node otherwise.
+//! Where the device view comes from: NVML on a real node (the demo's simulated node, in
+//! [`crate::demo`], is another [`GpuSource`]).
 //!
 //! A [`GpuSource`] answers one question, "what does the node look like now?", with a
 //! [`NodeSample`] of plain data: per GPU its identity, total/used/free/reserved memory and the
@@ -17,12 +18,10 @@ pub mod pod_names;
 pub mod pod_resources;
 mod poller;
 pub mod process;
-pub mod sim_node;
 
 pub use heartbeat::{Health, Heartbeat};
 pub use nvml::NvmlSource;
 pub use poller::{Poller, SourceReport};
-pub use sim_node::{SimNode, SimNodeConfig};
 
 /// One process using a GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,5 +86,28 @@ pub trait GpuSource: Send {
     ///
     /// # Errors
     /// Why the node could not be read (library missing, driver not loaded, GPU lost...).
-    fn sample(&mut self) -> Result<NodeSample, String>;
+    fn sample(&mut self) -> Result<NodeSample, SourceError>;
+}
+
+/// Why a [`GpuSource`] could not read the node; its text is the source's reported reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// NVML's library (`libnvidia-ml.so.1`) could not be loaded: no driver on this node, or
+    /// the container was not given it.
+    #[error("the NVML library (libnvidia-ml.so.1) could not be loaded: {0}")]
+    LibraryMissing(String),
+    /// The library loaded, the kernel driver is not.
+    #[error("the NVIDIA driver is not loaded")]
+    DriverNotLoaded,
+    /// A GPU fell off the bus (Xid 79) or is otherwise lost.
+    #[error("a GPU has fallen off the bus or is otherwise lost")]
+    GpuLost,
+    /// Any other failure of the source, as it describes it.
+    #[error("{source_name} failed: {reason}")]
+    Failed {
+        /// The source (`NVML`).
+        source_name: &'static str,
+        /// Its own description.
+        reason: String,
+    },
 }

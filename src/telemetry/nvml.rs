@@ -5,7 +5,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 
-use super::{GpuSample, GpuSource, NodeSample, ProcessSample};
+use super::{GpuSample, GpuSource, NodeSample, ProcessSample, SourceError};
 
 /// The node's GPUs as NVML reports them.
 #[derive(Default)]
@@ -22,14 +22,15 @@ impl NvmlSource {
     }
 }
 
-fn describe(e: &NvmlError) -> String {
+fn describe(e: &NvmlError) -> SourceError {
     match e {
-        NvmlError::LibloadingError(_) => {
-            format!("the NVML library (libnvidia-ml.so.1) could not be loaded: {e}")
-        }
-        NvmlError::DriverNotLoaded => "the NVIDIA driver is not loaded".to_string(),
-        NvmlError::GpuLost => "a GPU has fallen off the bus or is otherwise lost".to_string(),
-        other => format!("NVML failed: {other}"),
+        NvmlError::LibloadingError(_) => SourceError::LibraryMissing(e.to_string()),
+        NvmlError::DriverNotLoaded => SourceError::DriverNotLoaded,
+        NvmlError::GpuLost => SourceError::GpuLost,
+        other => SourceError::Failed {
+            source_name: "NVML",
+            reason: other.to_string(),
+        },
     }
 }
 
@@ -86,7 +87,7 @@ impl GpuSource for NvmlSource {
         "nvml"
     }
 
-    fn sample(&mut self) -> Result<NodeSample, String> {
+    fn sample(&mut self) -> Result<NodeSample, SourceError> {
         if self.nvml.is_none() {
             self.nvml = Some(Nvml::init().map_err(|e| describe(&e))?);
         }
@@ -108,10 +109,13 @@ mod tests {
         let mut source = NvmlSource::new();
         match source.sample() {
             Ok(node) => assert!(!node.simulated),
-            Err(reason) => assert!(
-                reason.contains("NVML") || reason.contains("driver"),
-                "{reason}"
-            ),
+            Err(e) => {
+                let reason = e.to_string();
+                assert!(
+                    reason.contains("NVML") || reason.contains("driver"),
+                    "{reason}"
+                );
+            }
         }
     }
 }

@@ -70,9 +70,22 @@ fn container_entry(name: &str) -> Option<(&str, &str)> {
     (!container.is_empty() && !container.contains('_')).then_some((id, container))
 }
 
+/// A directory that could not be listed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot list {}: {source}", dir.display())]
+pub struct ListError {
+    /// The directory.
+    pub dir: std::path::PathBuf,
+    /// Why.
+    pub source: std::io::Error,
+}
+
 /// Calls `each` with the name of every entry of `dir`, up to [`MAX_ENTRIES`].
-fn for_each_entry(dir: &Path, mut each: impl FnMut(&str)) -> Result<(), String> {
-    let context = |e: std::io::Error| format!("cannot list {}: {e}", dir.display());
+fn for_each_entry(dir: &Path, mut each: impl FnMut(&str)) -> Result<(), ListError> {
+    let context = |source| ListError {
+        dir: dir.to_path_buf(),
+        source,
+    };
     for (seen, entry) in std::fs::read_dir(dir).map_err(context)?.enumerate() {
         if seen == MAX_ENTRIES {
             tracing::warn!(dir = %dir.display(), "more than {MAX_ENTRIES} entries; the rest are not read");
@@ -90,7 +103,7 @@ impl NameDirectory {
     ///
     /// # Errors
     /// Why a directory could not be listed, naming it.
-    pub fn read(pods_dir: &Path, containers_dir: &Path) -> Result<NameDirectory, String> {
+    pub fn read(pods_dir: &Path, containers_dir: &Path) -> Result<NameDirectory, ListError> {
         let mut directory = NameDirectory::default();
         for_each_entry(pods_dir, |name| {
             if let Some((uid, namespace, pod)) = pod_entry(name) {
@@ -192,7 +205,8 @@ impl PodNames {
                     tracing::info!(pods, "pod names from the kubelet's log directories");
                 }
             }
-            Err(reason) => {
+            Err(error) => {
+                let reason = error.to_string();
                 if self.latest.down(reason.clone(), duration_seconds) {
                     tracing::warn!(reason = %reason, "pod log directories unreadable; pods are named by UID only");
                 }

@@ -13,8 +13,10 @@
 //!   decoder's 4 MiB limit.
 
 use std::collections::HashMap;
+#[cfg(feature = "kubelet")]
 use std::path::Path;
 use std::sync::Arc;
+#[cfg(feature = "kubelet")]
 use std::time::{Duration, Instant};
 
 use super::SourceReport;
@@ -166,14 +168,39 @@ fn device_key(resource: &str, id: &str) -> Option<String> {
     }
 }
 
+/// Why the kubelet gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    /// No socket, a refused connection, or a timeout while connecting.
+    #[error("cannot connect to {socket}: {reason}")]
+    Connect {
+        /// The socket asked.
+        socket: String,
+        /// The transport error and its causes.
+        reason: String,
+    },
+    /// The connection never became ready.
+    #[error("the kubelet is not ready: {0}")]
+    NotReady(String),
+    /// A gRPC status other than OK (a timeout included).
+    #[error("List failed: {code}: {message}")]
+    Status {
+        /// The status code's name.
+        code: String,
+        /// The kubelet's message.
+        message: String,
+    },
+}
+
 /// Asks the kubelet once.
 ///
 /// # Errors
 /// Why there is no answer: no socket, a refused connection, a gRPC status, a timeout.
+#[cfg(feature = "kubelet")]
 pub async fn list(
     socket: &Path,
     timeout: Duration,
-) -> Result<api::ListPodResourcesResponse, String> {
+) -> Result<api::ListPodResourcesResponse, KubeletError> {
     use hyper_util::rt::TokioIo;
     use tonic::transport::Endpoint;
 
@@ -190,17 +217,14 @@ pub async fn list(
             }
         }))
         .await
-        .map_err(|e| {
-            format!(
-                "cannot connect to {}: {}",
-                socket.display(),
-                source_chain(&e)
-            )
+        .map_err(|e| KubeletError::Connect {
+            socket: socket.display().to_string(),
+            reason: source_chain(&e),
         })?;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready()
         .await
-        .map_err(|e| format!("the kubelet is not ready: {}", source_chain(&e)))?;
+        .map_err(|e| KubeletError::NotReady(source_chain(&e)))?;
     let answer = grpc
         .unary(
             tonic::Request::new(api::ListPodResourcesRequest {}),
@@ -208,11 +232,15 @@ pub async fn list(
             tonic_prost::ProstCodec::default(),
         )
         .await
-        .map_err(|status| format!("List failed: {}: {}", status.code(), status.message()))?;
+        .map_err(|status| KubeletError::Status {
+            code: status.code().to_string(),
+            message: status.message().to_string(),
+        })?;
     Ok(answer.into_inner())
 }
 
 /// An error and its causes on one line (tonic's transport errors hide the useful part).
+#[cfg(feature = "kubelet")]
 fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
@@ -255,13 +283,15 @@ impl PodResources {
     }
 
     /// Asks the kubelet once and publishes the answer, logging a change of state once.
+    #[cfg(feature = "kubelet")]
     pub async fn refresh(&self, socket: &Path, timeout: Duration) {
         let started = Instant::now();
         let result = list(socket, timeout).await;
         let duration_seconds = started.elapsed().as_secs_f64();
         match result {
             Ok(answer) => self.publish(&answer, duration_seconds),
-            Err(reason) => {
+            Err(error) => {
+                let reason = error.to_string();
                 if self.latest.down(reason.clone(), duration_seconds) {
                     tracing::warn!(reason = %reason, "kubelet pod resources are down; GPU assignments are not refreshed");
                 }
@@ -373,6 +403,7 @@ mod tests {
         assert!(ListPodResourcesResponse::decode(&[0x0a, 0xff, 0xff][..]).is_err());
     }
 
+    #[cfg(feature = "kubelet")]
     #[tokio::test]
     async fn a_missing_socket_is_reported_down_with_the_path() {
         let pods = PodResources::new();

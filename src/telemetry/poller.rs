@@ -146,7 +146,8 @@ fn take_sample(source: &mut dyn GpuSource, previous: Option<&SourceReport>) -> S
             }
             SourceReport::up(name, Some(sample), duration_seconds)
         }
-        Err(reason) => {
+        Err(error) => {
+            let reason = error.to_string();
             if previous.and_then(|p| p.error.as_deref()) != Some(reason.as_str()) {
                 tracing::warn!(source = name, reason = %reason, "source is down; serving without it");
             }
@@ -160,7 +161,7 @@ mod tests {
     use std::sync::atomic::AtomicU32;
 
     use super::*;
-    use crate::telemetry::GpuSample;
+    use crate::telemetry::{GpuSample, SourceError};
 
     /// Fails while `failing` is set, then reports one GPU.
     struct Flaky {
@@ -173,10 +174,10 @@ mod tests {
             "flaky"
         }
 
-        fn sample(&mut self) -> Result<NodeSample, String> {
+        fn sample(&mut self) -> Result<NodeSample, SourceError> {
             self.calls.fetch_add(1, Ordering::Relaxed);
             if self.failing.load(Ordering::Relaxed) {
-                return Err("GPU lost".into());
+                return Err(SourceError::GpuLost);
             }
             Ok(NodeSample {
                 driver_version: "1".into(),
@@ -208,7 +209,10 @@ mod tests {
         );
         let first = poller.latest();
         assert!(!first.up);
-        assert_eq!(first.error.as_deref(), Some("GPU lost"));
+        assert_eq!(
+            first.error.as_deref(),
+            Some(SourceError::GpuLost.to_string().as_str())
+        );
         assert!(first.sample.is_none());
         failing.store(false, Ordering::Relaxed);
         let mut recovered = false;

@@ -65,15 +65,13 @@ pub struct Request {
     pub hypothetical: bool,
     /// Bytes asked for.
     pub bytes: u64,
-    /// Bytes after the allocator's rounding.
-    pub rounded: u64,
-    /// The pool that serves it (`"small"` or `"large"`).
-    pub pool: PoolKind,
+    /// Its rounded size, the pool that serves it (`"small"` or `"large"`) and its stream, as
+    /// the accounting reads them (`rounded`, `pool` and `stream` in the JSON).
+    #[serde(flatten)]
+    pub wanted: breakdown::Request,
     /// The pool it went to: the default `(0, 0)`, or the private pool it was routed to (as
     /// recorded, or inferred: Note [Inferred pools]).
     pub pool_id: PoolId,
-    /// The stream it was asked on.
-    pub stream: StreamId,
     /// What the recording says of the request beside its stack: its compile context, user
     /// metadata and forward frames, one line each (empty where it says nothing).
     pub context: Vec<String>,
@@ -369,21 +367,19 @@ pub fn explain_at(
                 event,
                 hypothetical: false,
                 bytes: e.size,
-                rounded,
-                pool: PoolKind::for_size(rounded),
+                wanted: breakdown::Request {
+                    rounded,
+                    pool: PoolKind::for_size(rounded),
+                    stream: e.stream,
+                },
                 pool_id: e.pool,
-                stream: e.stream,
                 context,
             }
         }
         None => first_uncached_request(&snapshot, &config, device, event),
     };
-    let rounded = request.rounded;
-    let wanted = breakdown::Request {
-        rounded,
-        pool: request.pool,
-        stream: request.stream,
-    };
+    let wanted = request.wanted;
+    let rounded = wanted.rounded;
     let mut accounting = Accounting::default();
     for segment in snapshot.segments.iter().filter(|s| s.device == device) {
         let blocks = segment
@@ -488,10 +484,12 @@ fn first_uncached_request(
         event,
         hypothetical: true,
         bytes,
-        rounded,
-        pool: PoolKind::Large,
+        wanted: breakdown::Request {
+            rounded,
+            pool: PoolKind::Large,
+            stream,
+        },
         pool_id: PoolId::DEFAULT,
-        stream,
         context: Vec::new(),
     }
 }

@@ -48,7 +48,8 @@ use crate::allocator::{
     TraceAction, TraceEntry,
 };
 use crate::config::AllocatorConfig;
-use crate::workload::XorShift;
+use crate::device::StreamId;
+use crate::rng::XorShift;
 
 use super::Recording;
 use super::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
@@ -137,7 +138,7 @@ pub struct Planned {
 struct Allocation {
     event: usize,
     size: u64,
-    stream: u64,
+    stream: StreamId,
     /// The event at which its free completed.
     freed: Option<usize>,
 }
@@ -262,7 +263,7 @@ fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocatio
                 out.push(Allocation {
                     event: i,
                     size: round_size(config, e.size),
-                    stream: e.stream.0,
+                    stream: e.stream,
                     freed: None,
                 });
             }
@@ -296,7 +297,7 @@ fn bet_on(a: &Allocation, length: usize) -> bool {
 fn find_iteration(allocations: &[Allocation]) -> Option<(usize, usize, usize)> {
     let n = allocations.len();
     // Each (rounded size, stream) as a small id: the scans compare four bytes.
-    let mut ids: FxHashMap<(u64, u64), u32> = FxHashMap::default();
+    let mut ids: FxHashMap<(u64, StreamId), u32> = FxHashMap::default();
     let tokens: Vec<u32> = allocations
         .iter()
         .map(|a| {
@@ -419,7 +420,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
     let mut offsets = vec![None; iteration.len()];
     let mut tried = vec![None; iteration.len()];
     let mut regions = Vec::new();
-    let mut streams: Vec<u64> = iteration.iter().map(|a| a.stream).collect();
+    let mut streams: Vec<StreamId> = iteration.iter().map(|a| a.stream).collect();
     streams.sort_unstable();
     streams.dedup();
     let mut all_items = Vec::new();
@@ -694,7 +695,18 @@ pub fn read_plan_file(path: &std::path::Path) -> Result<Plan, PlanFileError> {
     if text.len() as u64 > MAX_PLAN_FILE_BYTES {
         return Err(PlanFileError::TooLarge { path: name });
     }
-    Plan::from_json(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
+    parse_plan(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
+}
+
+/// Reads a plan from its JSON text and validates it.
+///
+/// # Errors
+/// A [`crate::allocator::PlanError`] saying what is wrong.
+pub fn parse_plan(text: &str) -> Result<Plan, crate::allocator::PlanError> {
+    let plan: Plan = serde_json::from_str(text)
+        .map_err(|e| crate::allocator::PlanError::Malformed(e.to_string()))?;
+    plan.validate()?;
+    Ok(plan)
 }
 
 /// A plan's evaluation on the events it was not made from.

@@ -199,19 +199,23 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     row(
         &mut b,
         "rounded",
-        bytes_cell("request.rounded", Some(r.rounded)),
+        bytes_cell("request.rounded", Some(r.wanted.rounded)),
     );
     row(
         &mut b,
         "pool",
-        text_cell("request.pool", r.pool.segment_type()),
+        text_cell("request.pool", r.wanted.pool.segment_type()),
     );
     row(
         &mut b,
         "pool id",
         pool_id_cell("request.pool_id", r.pool_id),
     );
-    row(&mut b, "stream", value_cell("request.stream", r.stream));
+    row(
+        &mut b,
+        "stream",
+        value_cell("request.stream", r.wanted.stream),
+    );
     for (i, line) in r.context.iter().enumerate() {
         row(
             &mut b,

@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpumem::demo::{SimNode, SimNodeConfig};
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::ReportReader;
 use gpumem::metrics::contract::CONTRACT;
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
-use gpumem::telemetry::{Heartbeat, Poller, SimNode, SimNodeConfig};
+use gpumem::telemetry::{Heartbeat, Poller};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 

@@ -68,7 +68,7 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
             .expect("an OOM");
         assert_eq!(e.request.event, oom, "{name}");
         assert_eq!(e.request.bytes, events[oom].size, "{name}");
-        assert_eq!(e.request.stream, events[oom].stream, "{name}");
+        assert_eq!(e.request.wanted.stream, events[oom].stream, "{name}");
         assert_eq!(
             e.breakdown.free,
             Some(events[oom].addr),
@@ -91,7 +91,7 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
         // Both are beyond any setting: live tensors and the request exceed what the job had.
         assert_eq!(e.kinds[0], Kind::TooBig, "{name}: {}", e.sentence);
         assert!(
-            e.breakdown.requested + e.breakdown.rounding + e.request.rounded
+            e.breakdown.requested + e.breakdown.rounding + e.request.wanted.rounded
                 > reserved + events[oom].addr
         );
         assert!(e.candidates.is_empty(), "{name}: nothing to recommend");
@@ -100,7 +100,7 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
             "{}",
             e.sentence
         );
-        assert!(e.largest_free_block < e.request.rounded, "{name}");
+        assert!(e.largest_free_block < e.request.wanted.rounded, "{name}");
         // What pins the free memory, named by the file's own frames.
         assert!(!e.pinning.is_empty(), "{name}");
         let live: u64 = e.pinning.iter().map(|g| g.live_bytes).sum();

@@ -411,7 +411,7 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
     use gpumem::allocator::{PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry};
     let persistent = PlanEntry {
         size: 4 * MIB,
-        stream: 0,
+        stream: gpumem::StreamId(0),
         offset: None,
         persistent: true,
     };

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use gpumem::DevicePtr;
 use gpumem::allocator::{AllocError, BlockState, ShareableHandle, TraceAction};
+use gpumem::demo::workload::{TrainingWorkload, finish_communication};
 use gpumem::ipc::IpcSender;
-use gpumem::workload::{TrainingWorkload, finish_communication};
 
 use crate::common::*;
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// The crate roots of the workspace with more than one file, from the repository root
 /// (`gpumem-torch` is one file).
-const ROOTS: [&str; 2] = ["src/lib.rs", "src/main.rs"];
+const ROOTS: [&str; 3] = ["crates/gpumem-core/src/lib.rs", "src/lib.rs", "src/main.rs"];
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -88,11 +88,11 @@ fn bad_plan_files_are_refused_by_name() {
         ),
     ];
     for (json, expected) in cases {
-        let e = Plan::from_json(&json.to_string()).expect_err(expected);
+        let e = gpumem::trace::plan::parse_plan(&json.to_string()).expect_err(expected);
         assert!(e.to_string().contains(expected), "{expected}: {e}");
     }
-    assert!(Plan::from_json(&valid.to_string()).is_ok());
-    assert!(Plan::from_json("{\"format\": ").is_err());
+    assert!(gpumem::trace::plan::parse_plan(&valid.to_string()).is_ok());
+    assert!(gpumem::trace::plan::parse_plan("{\"format\": ").is_err());
     let dir = temp_dir("plan-files");
     let missing = read_plan_file(&dir.join("missing.json")).expect_err("no file");
     assert!(
@@ -127,7 +127,7 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     use gpumem::CachingAllocator;
     use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = Plan::from_json(
+    let plan = gpumem::trace::plan::parse_plan(
         &serde_json::json!({"format": "gpumem-plan", "version": 1,
             "regions": [{"stream": 0, "bytes": 4 * MIB}],
             "entries": [{"size": MIB, "stream": 0, "offset": 0, "persistent": true},
@@ -303,9 +303,9 @@ fn shared_recordings_planned() {
 /// replays exactly with that plan (and not without it: the plan decided the addresses).
 #[test]
 fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
+    use gpumem::demo::workload::{TrainingWorkload, finish_communication};
     use gpumem::device::{SimConfig, SimDevice};
     use gpumem::trace::{parse_recording, replay};
-    use gpumem::workload::{TrainingWorkload, finish_communication};
 
     let workload = TrainingWorkload {
         steps: 6,

@@ -11,7 +11,7 @@ use gpumem::allocator::AllocError;
 use gpumem::allocator::FitOrder;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::ops::{ORDERS, Op, Run};
-use gpumem::workload::XorShift;
+use gpumem::rng::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use proptest::prelude::*;
 
@@ -180,7 +180,7 @@ fn diverging_job(
             }
             job.push(Request {
                 size: e.size,
-                stream: StreamId(e.stream),
+                stream: e.stream,
                 hold: (rng.next_u64() % (2 * n as u64 + 1)) as usize,
             });
         }
@@ -301,7 +301,7 @@ fn a_job_that_follows_its_plan_hits_every_planned_entry() {
         let iterations = 3;
         for _ in 0..iterations {
             for e in &plan.entries {
-                let p = alloc.malloc(e.size, StreamId(e.stream)).expect("fits");
+                let p = alloc.malloc(e.size, e.stream).expect("fits");
                 alloc.free(p).expect("live");
             }
         }

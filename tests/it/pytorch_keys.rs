@@ -149,7 +149,7 @@ fn recorded_under(conf: &str) -> serde_json::Value {
 
 /// [`recorded_under`] on a device of `capacity` bytes.
 fn recorded_on(capacity: u64, conf: &str) -> serde_json::Value {
-    use gpumem::workload::{TrainingWorkload, finish_communication};
+    use gpumem::demo::workload::{TrainingWorkload, finish_communication};
     let mut alloc = allocator(capacity, conf);
     alloc.record_history(Some(1 << 20));
     // Requests of each segment size class: 2 MiB, `large_segment_size`, their own.

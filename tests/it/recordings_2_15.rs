@@ -221,7 +221,7 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     // request's, so the smallest large request (just past the small pool's sizes) finds
     // nothing, and the 400 MiB cached sit in another pool.
     assert_eq!(v["segments"].as_array().map(Vec::len), Some(1));
-    assert_eq!(e.request.rounded, MIB + 512);
+    assert_eq!(e.request.wanted.rounded, MIB + 512);
     assert_eq!(e.largest_free_block, 0);
     let pools = &e.private_pools;
     assert_eq!(pools.len(), 1, "{pools:?}");

@@ -623,8 +623,8 @@ fn the_command_line_checks_and_fails_cleanly() {
 /// starts mid-run) is recorded, serialised, read back and checked.
 #[test]
 fn own_snapshots_round_trip_through_replay() {
+    use gpumem::demo::workload::{TrainingWorkload, finish_communication};
     use gpumem::device::{SimConfig, SimDevice};
-    use gpumem::workload::{TrainingWorkload, finish_communication};
 
     for (conf, capacity_gib, fraction, history, steps) in [
         ("", 80, None, None, 10),
@@ -1130,4 +1130,44 @@ fn the_plot_opens_in_chromium_with_labelled_axes_and_a_legend_clear_of_the_data(
     assert!(errors.is_empty(), "console errors: {errors:?}");
     browser.screenshot("replay-plot.png");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The one step-by-step replay: on its own allocator it goes back by starting again and lands
+/// where a fresh cursor does; on the caller's it goes forward only, says so going back, and
+/// hands the allocator back holding nothing.
+#[test]
+fn a_cursor_goes_back_on_its_own_allocator_and_only_forward_on_the_callers() {
+    use gpumem::device::{SimConfig, SimDevice};
+    use gpumem::trace::replay::{Cursor, Readings, ReplayError};
+
+    let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("read");
+    let options = ReplayOptions::default();
+    let readings = Readings::of(&rec, &options).expect("readings");
+    let mut cursor = Cursor::new(&rec, &options, &readings).expect("cursor");
+    cursor.seek(2_000).expect("forward");
+    let reserved_at = |c: &Cursor<'_>| c.allocator().memory_stats()["reserved_bytes.all.current"];
+    let at_2000 = reserved_at(&cursor);
+    cursor.seek(5_000).expect("forward");
+    cursor.seek(2_000).expect("back, by starting again");
+    assert!((2_001..2_010).contains(&cursor.position()));
+    assert_eq!(reserved_at(&cursor), at_2000);
+
+    let alloc = gpumem::CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(64 << 30)),
+        AllocatorConfig::default(),
+    );
+    let mut on = Cursor::on(&rec, 0, alloc).expect("on the caller's allocator");
+    on.advance_to(3_000).expect("forward");
+    // An operation's events go together (a malloc and the segment it obtained).
+    let at = on.position();
+    assert!((3_000..3_010).contains(&at), "{at}");
+    match on.advance_to(1_000) {
+        Err(ReplayError::Rewind { position, target }) => {
+            assert_eq!((position, target), (at, 1_000))
+        }
+        other => panic!("going back on the caller's allocator: {:?}", other.err()),
+    }
+    on.advance_to(on.len()).expect("to the end");
+    let back = on.finish().expect("finished");
+    assert_eq!(back.memory_stats()["reserved_bytes.all.current"], 0);
 }

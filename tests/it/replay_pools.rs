@@ -253,7 +253,7 @@ fn an_oom_in_a_graph_pool_replays_without_the_flush_a_capture_skips() {
 #[test]
 fn random_runs_with_pools_replay_exactly() {
     use gpumem::ops::{Op, Run};
-    use gpumem::workload::XorShift;
+    use gpumem::rng::XorShift;
 
     let mut rng = XorShift::new(31);
     let (mut private_events, mut private_releases, mut ooms) = (0, 0, 0);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use gpumem::device::{SimConfig, SimDevice};
-use gpumem::workload::XorShift;
+use gpumem::rng::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
 
 use crate::common::{GIB, MIB};

@@ -21,8 +21,9 @@
 
 //!
 //! `mod.rs` holds the public API (options, errors, entry points, the step-by-step
-//! [`Replayer`]); `report.rs` what a replay reports; `engine.rs` the stepper that turns
-//! recorded events into operations; `compare.rs` the comparison with the recording.
+//! [`Cursor`], on its own allocator or the caller's); `report.rs` what a replay reports;
+//! `engine.rs` the stepper that turns recorded events into operations; `compare.rs` the
+//! comparison with the recording.
 //!
 //! # Invariants
 //! - Replay drives the core only through its public operations (plus `restore_segment` for
@@ -140,7 +141,17 @@ pub enum ReplayError {
         /// The error.
         source: AllocError,
     },
+    /// A [`Cursor`] on a caller's allocator was asked to go back: only a cursor that made
+    /// its own allocator can start again.
+    #[error("a replay on the caller's allocator cannot go back from event {position} to {target}")]
+    Rewind {
+        /// Events replayed so far.
+        position: usize,
+        /// The position asked for.
+        target: usize,
+    },
 }
+
 /// Replays one device's trace. See the module documentation.
 ///
 /// # Errors
@@ -537,15 +548,27 @@ pub fn state_after(
     Ok((engine.alloc, engine.divergence))
 }
 
-/// A replay that moves to any event of a trace: forward by replaying on, backward by
-/// starting again. A check replay (`options.check`) follows the recording exactly; a what-if
-/// one follows `readings`. Series points and fresh starts are not its business (ignored).
+/// A replay driven step by step: the one stepper of the web view (any event, through
+/// [`Cursor::new`]) and of the demo's simulated processes (a recording looped on their own
+/// allocator at its recorded pace, through [`Cursor::on`]).
+///
+/// A cursor made by [`Cursor::new`] owns its allocator and moves to any event: forward by
+/// replaying on, backward by starting again. A check replay (`options.check`) follows the
+/// recording exactly; a what-if one follows `readings`. Series points and fresh starts are
+/// not its business (ignored). A cursor made by [`Cursor::on`] replays on the caller's
+/// allocator, forward only, and hands it back with [`Cursor::finish`].
 pub struct Cursor<'a> {
     recording: &'a Recording,
+    /// How to start again; `None` on a caller's allocator.
+    restart: Option<Restart>,
+    engine: Engine<'a>,
+}
+
+/// What a cursor that owns its allocator starts again from.
+struct Restart {
     options: ReplayOptions,
     releases: FxHashMap<usize, ReleaseReading>,
     found: Found,
-    engine: Engine<'a>,
 }
 
 impl<'a> Cursor<'a> {
@@ -573,9 +596,43 @@ impl<'a> Cursor<'a> {
         let (engine, _) = engine_for(recording, &options, releases.clone(), &found)?;
         Ok(Cursor {
             recording,
-            options,
-            releases,
-            found,
+            restart: Some(Restart {
+                options,
+                releases,
+                found,
+            }),
+            engine,
+        })
+    }
+
+    /// A what-if cursor on `alloc` (which should hold no memory) at the first event of
+    /// `device`'s trace, its start state loaded. The allocator's statistics go on from where
+    /// they were, as a process's do. Unlike [`replay()`], it does not first look for the
+    /// readings of ambiguous release runs: each run of releases before an allocation is
+    /// replayed as an `empty_cache()`.
+    ///
+    /// # Errors
+    /// [`ReplayError`] if the device has no trace or its start state cannot be rebuilt.
+    pub fn on(
+        recording: &'a Recording,
+        device: u32,
+        alloc: CachingAllocator<SimDevice>,
+    ) -> Result<Self, ReplayError> {
+        let options = ReplayOptions {
+            device,
+            ..ReplayOptions::default()
+        };
+        let engine = Engine::start(
+            recording,
+            &options,
+            alloc,
+            FxHashMap::default(),
+            None,
+            false,
+        )?;
+        Ok(Cursor {
+            recording,
+            restart: None,
             engine,
         })
     }
@@ -584,19 +641,46 @@ impl<'a> Cursor<'a> {
     /// cache flushed).
     ///
     /// # Errors
-    /// As [`replay()`].
+    /// As [`replay()`]; [`ReplayError::Rewind`] backward on a caller's allocator.
     pub fn seek(&mut self, event: usize) -> Result<(), ReplayError> {
-        let target = event.saturating_add(1);
-        if target < self.engine.position {
-            let releases = self.releases.clone();
-            self.engine = engine_for(self.recording, &self.options, releases, &self.found)?.0;
+        self.advance_to(event.saturating_add(1))
+    }
+
+    /// Replays the events before `event` that have not been replayed yet, starting again
+    /// first where the cursor is past it. An operation's events go together (a malloc and
+    /// the segment it obtained), so the position may end a few events past `event`.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of
+    /// memory (out-of-memory is counted and replay goes on); [`ReplayError::Rewind`] backward
+    /// on a caller's allocator.
+    pub fn advance_to(&mut self, event: usize) -> Result<(), ReplayError> {
+        if event < self.engine.position {
+            let Some(restart) = &self.restart else {
+                return Err(ReplayError::Rewind {
+                    position: self.engine.position,
+                    target: event,
+                });
+            };
+            let releases = restart.releases.clone();
+            self.engine = engine_for(self.recording, &restart.options, releases, &restart.found)?.0;
         }
-        self.engine.advance(target, &mut |_, _| {})
+        self.engine.advance(event, &mut |_, _| {})
     }
 
     /// Events replayed so far.
     pub fn position(&self) -> usize {
         self.engine.position
+    }
+
+    /// Events in the trace.
+    pub fn len(&self) -> usize {
+        self.engine.events.len()
+    }
+
+    /// Whether the trace is empty.
+    pub fn is_empty(&self) -> bool {
+        self.engine.events.is_empty()
     }
 
     /// The allocator as the replay has it now.
@@ -607,6 +691,31 @@ impl<'a> Cursor<'a> {
     /// Where the replay first differed from the recording, if it did (check replays).
     pub fn divergence(&self) -> Option<&Divergence> {
         self.engine.divergence.as_ref()
+    }
+
+    /// Frees everything the replay still holds, returns all cached memory to the device and
+    /// hands the allocator back, ready for another run.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] if the allocator fails.
+    pub fn finish(mut self) -> Result<CachingAllocator<SimDevice>, ReplayError> {
+        let index = self.engine.position;
+        let fail = |source| ReplayError::Allocator { index, source };
+        for stream in std::mem::take(&mut self.engine.deferred).into_values() {
+            self.engine.alloc.device_mut().complete_stream(stream);
+        }
+        for (_, ptr) in self.engine.ptrs.drain() {
+            self.engine.alloc.free(ptr).map_err(fail)?;
+        }
+        // The run's private pools go with it: freeable, their segments flushed below.
+        let alloc = &mut self.engine.alloc;
+        for pool in alloc.private_pools() {
+            while alloc.pool_use_count(pool).is_some_and(|n| n > 0) {
+                alloc.release_pool(pool).map_err(fail)?;
+            }
+        }
+        alloc.empty_cache().map_err(fail)?;
+        Ok(self.engine.alloc)
     }
 }
 
@@ -737,96 +846,6 @@ pub(super) fn device_events(
         }),
     }
 }
-/// A what-if replay driven step by step, on an allocator the caller keeps: the demo's
-/// simulated processes loop recordings at their recorded pace this way. Unlike [`replay()`],
-/// it does not first look for the readings of ambiguous release runs: each run of releases
-/// before an allocation is replayed as an `empty_cache()`.
-pub struct Replayer<'a> {
-    engine: Engine<'a>,
-}
-
-impl<'a> Replayer<'a> {
-    /// Loads the recording's start state for `device` into `alloc` (which should hold no
-    /// memory) and positions the replay at the first event. The allocator's statistics go on
-    /// from where they were, as a process's do.
-    ///
-    /// # Errors
-    /// [`ReplayError`] if the device has no trace or its start state cannot be rebuilt.
-    pub fn new(
-        recording: &'a Recording,
-        device: u32,
-        alloc: CachingAllocator<SimDevice>,
-    ) -> Result<Self, ReplayError> {
-        let options = ReplayOptions {
-            device,
-            ..ReplayOptions::default()
-        };
-        let engine = Engine::start(
-            recording,
-            &options,
-            alloc,
-            FxHashMap::default(),
-            None,
-            false,
-        )?;
-        Ok(Replayer { engine })
-    }
-
-    /// Replays the events before `event` that have not been replayed yet.
-    ///
-    /// # Errors
-    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of
-    /// memory (out-of-memory is counted and replay goes on).
-    pub fn advance_to(&mut self, event: usize) -> Result<(), ReplayError> {
-        self.engine.advance(event, &mut |_, _| {})
-    }
-
-    /// Events replayed so far.
-    pub fn position(&self) -> usize {
-        self.engine.position
-    }
-
-    /// Events in the trace.
-    pub fn len(&self) -> usize {
-        self.engine.events.len()
-    }
-
-    /// Whether the trace is empty.
-    pub fn is_empty(&self) -> bool {
-        self.engine.events.is_empty()
-    }
-
-    /// The allocator.
-    pub fn allocator(&self) -> &CachingAllocator<SimDevice> {
-        &self.engine.alloc
-    }
-
-    /// Frees everything the replay still holds, returns all cached memory to the device and
-    /// hands the allocator back, ready for another run.
-    ///
-    /// # Errors
-    /// [`ReplayError::Allocator`] if the allocator fails.
-    pub fn finish(mut self) -> Result<CachingAllocator<SimDevice>, ReplayError> {
-        let index = self.engine.position;
-        let fail = |source| ReplayError::Allocator { index, source };
-        for stream in std::mem::take(&mut self.engine.deferred).into_values() {
-            self.engine.alloc.device_mut().complete_stream(stream);
-        }
-        for (_, ptr) in self.engine.ptrs.drain() {
-            self.engine.alloc.free(ptr).map_err(fail)?;
-        }
-        // The run's private pools go with it: freeable, their segments flushed below.
-        let alloc = &mut self.engine.alloc;
-        for pool in alloc.private_pools() {
-            while alloc.pool_use_count(pool).is_some_and(|n| n > 0) {
-                alloc.release_pool(pool).map_err(fail)?;
-            }
-        }
-        alloc.empty_cache().map_err(fail)?;
-        Ok(self.engine.alloc)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -708,6 +708,12 @@ impl Device for SimDevice {
     }
 }
 
+/// The UUID of simulated GPU `index`, in the `GPU-…` form NVML and DCGM use: what the demo's
+/// node and gpumem-torch's simulated devices report.
+pub fn simulated_uuid(index: u32) -> String {
+    format!("GPU-5e1a7ed0-0000-4000-8000-{index:012x}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,7 +85,7 @@ mod backend {
     }
 
     pub fn uuid(_device: &Device, ordinal: i32) -> String {
-        gpumem::telemetry::sim_node::simulated_uuid(ordinal.max(0) as u32)
+        gpumem::device::simulated_uuid(ordinal.max(0) as u32)
     }
 }
 

@@ -20,6 +20,7 @@ use crate::allocator::{
 };
 use crate::device::{Device, DevicePtr, SimDevice, StreamId};
 use crate::ipc::{IpcSender, Received};
+use crate::rng::XorShift;
 
 /// The communication stream's handle (an arbitrary non-default stream).
 pub const COMM_STREAM: StreamId = StreamId(0x5000);
@@ -87,34 +88,6 @@ pub struct WorkloadReport {
     /// With `ipc`: shared blocks the retry chain's `cuda_ipc_collect` freed (the others were
     /// freed when the trainer released another shared block, or at the end).
     pub collected_in_retry: u64,
-}
-
-/// A small deterministic generator (xorshift64*), enough for sequence lengths.
-#[derive(Clone, Debug)]
-pub struct XorShift(u64);
-
-impl XorShift {
-    /// A generator from a seed (0 is replaced by a fixed odd constant).
-    pub fn new(seed: u64) -> Self {
-        XorShift(if seed == 0 {
-            0x9E37_79B9_7F4A_7C15
-        } else {
-            seed
-        })
-    }
-
-    /// The next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// A value in `[low, high]`.
-    pub fn between(&mut self, low: u64, high: u64) -> u64 {
-        low + self.next_u64() % (high - low + 1)
-    }
 }
 
 impl TrainingWorkload {

@@ -19,22 +19,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::workload::{TrainingWorkload, finish_communication};
 use crate::CachingAllocator;
 use crate::allocator::size::format_size;
 use crate::config::AllocatorConfig;
-use crate::device::{SimConfig, SimDevice};
-use crate::trace::replay::Replayer;
+use crate::device::{SimConfig, SimDevice, simulated_uuid};
+use crate::trace::replay::{Cursor, ReplayError};
 use crate::trace::{Recording, parse_recording};
-use crate::workload::{TrainingWorkload, finish_communication};
 
-use super::cgroup::{ContainerRef, Runtime};
-use super::pod_names::{NameDirectory, PodNames};
-use super::pod_resources::PodResources;
-use super::pod_resources::api::{
+use crate::sources::{AllocatorKind, AllocatorSource};
+use crate::telemetry::cgroup::{ContainerRef, Runtime};
+use crate::telemetry::pod_names::{NameDirectory, PodNames};
+use crate::telemetry::pod_resources::PodResources;
+use crate::telemetry::pod_resources::api::{
     self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
 };
-use super::{GpuSample, GpuSource, Heartbeat, Kubelet, NodeSample, ProcessSample, SourceReport};
-use crate::sources::{AllocatorKind, AllocatorSource};
+use crate::telemetry::{
+    GpuSample, GpuSource, Heartbeat, Kubelet, NodeSample, ProcessSample, SourceError, SourceReport,
+};
 
 /// The bundled recordings a simulated process replays (licensed for redistribution; see
 /// `data/traces/README.md`).
@@ -68,7 +70,7 @@ pub const PRIVATE_POOLS_RECORDING: &str = "simulated_graph_and_mem_pool";
 
 /// A small run of the training workload with private pools, recorded and read back (about
 /// 700 events, made in a few milliseconds at start).
-fn private_pools_recording() -> Result<Recording, String> {
+fn private_pools_recording() -> Result<Recording, SimNodeError> {
     let workload = TrainingWorkload {
         layers: 4,
         hidden: 1024,
@@ -82,7 +84,10 @@ fn private_pools_recording() -> Result<Recording, String> {
         AllocatorConfig::default(),
     );
     alloc.record_history(Some(1 << 20));
-    let fail = |e: &dyn std::fmt::Display| format!("{PRIVATE_POOLS_RECORDING}: {e}");
+    let fail = |e: &dyn std::fmt::Display| SimNodeError::Recording {
+        recording: PRIVATE_POOLS_RECORDING,
+        reason: e.to_string(),
+    };
     workload
         .run(&mut alloc, finish_communication)
         .map_err(|e| fail(&e))?;
@@ -94,6 +99,42 @@ fn private_pools_recording() -> Result<Recording, String> {
 /// Bounds of the node's shape (each process holds an allocator and replays a recording).
 const MAX_GPUS: u32 = 64;
 const MAX_PROCESSES_PER_GPU: u32 = 64;
+
+/// Why a simulated node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimNodeError {
+    /// A GPU count outside the bound.
+    #[error("a simulated node has 1 to {MAX_GPUS} GPUs, not {0}")]
+    Gpus(u32),
+    /// A process count per GPU outside the bound.
+    #[error("a simulated GPU runs 1 to {MAX_PROCESSES_PER_GPU} processes, not {0}")]
+    Processes(u32),
+    /// The shape leaves a process no memory.
+    #[error(
+        "a GPU of {} shared by {processes} processes leaves no memory after a {} context",
+        format_size(*capacity),
+        format_size(*context)
+    )]
+    NoMemory {
+        /// Memory per GPU.
+        capacity: u64,
+        /// Processes per GPU.
+        processes: u32,
+        /// Memory each process uses outside its allocator.
+        context: u64,
+    },
+    /// A recording the node replays could not be made, read or planned: a build defect.
+    #[error("{recording}: {reason}")]
+    Recording {
+        /// The recording's name.
+        recording: &'static str,
+        /// What failed.
+        reason: String,
+    },
+    /// The replay thread could not be started.
+    #[error("cannot start the replay thread: {0}")]
+    Thread(std::io::Error),
+}
 
 /// Pace for recordings without timestamps.
 const EVENTS_PER_SECOND_UNTIMED: u64 = 2_000;
@@ -159,11 +200,6 @@ pub struct SimNode {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The UUID of simulated GPU `index`, in the `GPU-…` form DCGM uses.
-pub fn simulated_uuid(index: u32) -> String {
-    format!("GPU-5e1a7ed0-0000-4000-8000-{index:012x}")
-}
-
 /// The namespace of the simulated pods.
 const SIM_NAMESPACE: &str = "demo";
 
@@ -184,7 +220,7 @@ struct Run<'a> {
     recording: &'a Recording,
     /// Offset of each event from the first, in microseconds of the recording's clock.
     offsets: Vec<u64>,
-    replayer: Option<Replayer<'a>>,
+    replayer: Option<Cursor<'a>>,
     spare: Option<CachingAllocator<SimDevice>>,
     started: Instant,
     finished_at: Option<Instant>,
@@ -196,20 +232,14 @@ impl SimNode {
     /// Builds the node and starts replaying.
     ///
     /// # Errors
-    /// A message if a bundled recording cannot be read (a build defect) or the node's shape
-    /// leaves a process no memory.
-    pub fn start(config: SimNodeConfig) -> Result<SimNode, String> {
+    /// A [`SimNodeError`]: a shape out of bounds or leaving a process no memory, or a bundled
+    /// recording that cannot be read (a build defect).
+    pub fn start(config: SimNodeConfig) -> Result<SimNode, SimNodeError> {
         if config.gpus == 0 || config.gpus > MAX_GPUS {
-            return Err(format!(
-                "a simulated node has 1 to {MAX_GPUS} GPUs, not {}",
-                config.gpus
-            ));
+            return Err(SimNodeError::Gpus(config.gpus));
         }
         if config.processes_per_gpu == 0 || config.processes_per_gpu > MAX_PROCESSES_PER_GPU {
-            return Err(format!(
-                "a simulated GPU runs 1 to {MAX_PROCESSES_PER_GPU} processes, not {}",
-                config.processes_per_gpu
-            ));
+            return Err(SimNodeError::Processes(config.processes_per_gpu));
         }
         let processes_per_gpu = config.processes_per_gpu;
         let share =
@@ -217,19 +247,20 @@ impl SimNode {
         let limit = share
             .checked_sub(config.context_overhead)
             .filter(|&l| l > 0)
-            .ok_or_else(|| {
-                format!(
-                    "a GPU of {} shared by {processes_per_gpu} processes leaves no memory after a {} context",
-                    format_size(config.capacity),
-                    format_size(config.context_overhead)
-                )
+            .ok_or(SimNodeError::NoMemory {
+                capacity: config.capacity,
+                processes: processes_per_gpu,
+                context: config.context_overhead,
             })?;
         let mut recordings: Vec<(&str, Recording)> = BUNDLED_TRACES
             .iter()
             .map(|&(name, bytes)| {
                 parse_recording(bytes)
                     .map(|r| (name, r))
-                    .map_err(|e| format!("{name}: {e}"))
+                    .map_err(|e| SimNodeError::Recording {
+                        recording: name,
+                        reason: e.to_string(),
+                    })
             })
             .collect::<Result<_, _>>()?;
         // Before the tiniest recording, so that the default node (six processes) runs it.
@@ -263,15 +294,19 @@ impl SimNode {
                 let mut settings = config.config.last_settings.clone();
                 if gpu == 0 && k == 0 {
                     let (name, recording) = &recordings[which];
+                    let fail = |e: &dyn std::fmt::Display| SimNodeError::Recording {
+                        recording: name,
+                        reason: e.to_string(),
+                    };
                     let planned = crate::trace::plan::plan(
                         recording,
                         name,
                         &crate::trace::plan::PlanOptions::default(),
                     )
-                    .map_err(|e| format!("{name}: {e}"))?;
+                    .map_err(|e| fail(&e))?;
                     alloc
                         .set_plan(Arc::new(planned.plan))
-                        .map_err(|e| format!("{name}: {e}"))?;
+                        .map_err(|e| fail(&e))?;
                     let plan = format!("plan:{name}.plan.json");
                     settings = if settings.is_empty() {
                         plan
@@ -312,7 +347,7 @@ impl SimNode {
                         recordings, allocators, sources, speed, tick, &stop, &heartbeat,
                     )
                 })
-                .map_err(|e| format!("cannot start the replay thread: {e}"))?
+                .map_err(SimNodeError::Thread)?
         };
         Ok(SimNode {
             config,
@@ -463,12 +498,12 @@ fn replay_loop(
 }
 
 /// Advances one process to where its recording's clock says it should be.
-fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), String> {
+fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayError> {
     if run.replayer.is_none() {
         let Some(alloc) = run.spare.take() else {
             return Ok(());
         };
-        run.replayer = Some(Replayer::new(run.recording, 0, alloc).map_err(|e| e.to_string())?);
+        run.replayer = Some(Cursor::on(run.recording, 0, alloc)?);
         run.started = Instant::now();
         run.finished_at = None;
     }
@@ -483,7 +518,7 @@ fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), String> 
     let deadline = Instant::now() + ROUND_BUDGET;
     while replayer.position() < due && Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
         let chunk = due.min(replayer.position().saturating_add(EVENTS_PER_CHUNK));
-        replayer.advance_to(chunk).map_err(|e| e.to_string())?;
+        replayer.advance_to(chunk)?;
     }
     run.source
         .largest_free_block
@@ -502,7 +537,7 @@ fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), String> 
         let finished = *run.finished_at.get_or_insert_with(Instant::now);
         if finished.elapsed() >= PAUSE_BETWEEN_RUNS {
             let replayer = run.replayer.take().expect("running");
-            run.spare = Some(replayer.finish().map_err(|e| e.to_string())?);
+            run.spare = Some(replayer.finish()?);
         }
     }
     Ok(())
@@ -522,7 +557,7 @@ impl GpuSource for SimNodeSource {
         SIMULATED
     }
 
-    fn sample(&mut self) -> Result<NodeSample, String> {
+    fn sample(&mut self) -> Result<NodeSample, SourceError> {
         Ok(self.view())
     }
 }

@@ -101,8 +101,9 @@ pub enum Kind {
     OutsideAllocator,
 }
 
-/// The request an accounting is about: its rounded size, pool and stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The request an accounting is about: its rounded size, pool and stream (the part of a
+/// request that the accounting reads; `explain`'s request carries it with the rest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Request {
     /// Bytes after rounding.
     pub rounded: u64,

@@ -97,7 +97,7 @@ pub struct Plan {
 #[serde(deny_unknown_fields)]
 pub struct PlanRegion {
     /// The stream, as the allocator's callers name it.
-    pub stream: u64,
+    pub stream: StreamId,
     /// Its size in bytes.
     pub bytes: u64,
 }
@@ -109,7 +109,7 @@ pub struct PlanEntry {
     /// The request's size after rounding.
     pub size: u64,
     /// The stream it is made on.
-    pub stream: u64,
+    pub stream: StreamId,
     /// Its offset in the stream's region: where it goes when it is freed within an
     /// iteration, where it is tried first when persistent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -167,17 +167,6 @@ pub enum PlanError {
 }
 
 impl Plan {
-    /// Reads a plan from its JSON text and validates it.
-    ///
-    /// # Errors
-    /// A [`PlanError`] saying what is wrong.
-    pub fn from_json(text: &str) -> Result<Plan, PlanError> {
-        let plan: Plan =
-            serde_json::from_str(text).map_err(|e| PlanError::Malformed(e.to_string()))?;
-        plan.validate()?;
-        Ok(plan)
-    }
-
     /// Checks the invariants of the module documentation.
     ///
     /// # Errors
@@ -216,7 +205,7 @@ impl Plan {
                 return invalid(format!("two regions for stream {}", r.stream));
             }
         }
-        let mut persistent_streams: Vec<u64> = Vec::new();
+        let mut persistent_streams: Vec<StreamId> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
             if e.persistent && !persistent_streams.contains(&e.stream) {
                 if persistent_streams.len() == MAX_PLAN_STREAMS {
@@ -246,7 +235,7 @@ impl Plan {
         Ok(())
     }
 
-    fn region_of(&self, stream: u64) -> Option<&PlanRegion> {
+    fn region_of(&self, stream: StreamId) -> Option<&PlanRegion> {
         self.regions.iter().find(|r| r.stream == stream)
     }
 
@@ -326,13 +315,13 @@ impl Following {
         let regions = plan
             .regions
             .iter()
-            .map(|r| (StreamId(r.stream), r.bytes, None))
+            .map(|r| (r.stream, r.bytes, None))
             .collect();
         let mut chunks: Vec<(StreamId, u64, Option<u64>)> = Vec::new();
         for e in plan.entries.iter().filter(|e| e.persistent) {
-            match chunks.iter_mut().find(|c| c.0.0 == e.stream) {
+            match chunks.iter_mut().find(|c| c.0 == e.stream) {
                 Some(c) => c.1 = c.1.saturating_add(e.size),
-                None => chunks.push((StreamId(e.stream), e.size, None)),
+                None => chunks.push((e.stream, e.size, None)),
             }
         }
         for c in &mut chunks {
@@ -354,7 +343,7 @@ impl Following {
 
     fn expect(&mut self, size: u64, stream: StreamId) -> Expect {
         let entries = &self.plan.entries;
-        let matches = |e: &PlanEntry| e.size == size && e.stream == stream.0;
+        let matches = |e: &PlanEntry| e.size == size && e.stream == stream;
         let found = if self.following {
             (0..RESYNC_WINDOW.min(entries.len()))
                 .map(|k| (self.cursor + k) % entries.len())

@@ -264,7 +264,7 @@ print("ok")
 
 #[test]
 fn the_python_helper_swaps_the_allocator_before_cuda_starts() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let script = r#"
 import sys, types, os
 calls = []

@@ -21,7 +21,7 @@ mod sim;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDevice;
-pub use sim::{SimConfig, SimDevice};
+pub use sim::{SimConfig, SimDevice, simulated_uuid};
 
 use std::fmt;
 
