@@ -578,15 +578,15 @@ class OomFigures(unittest.TestCase):
     installed; no pusher started)."""
 
     def test_pools_past_the_agents_bound_are_added_into_another_streams_entry(self):
-        import gpumem_push
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
         pools = {("large", s, False): {"allocated": s * MIB, "requested": s * MIB,
                                        "pending_free": 0, "free": MIB, "largest_free": MIB,
                                        "segments_with_free": 1}
                  for s in range(1, 101)}
         pools[("small", 50, False)] = {"allocated": 0, "requested": 0, "pending_free": MIB,
                                        "free": 0, "largest_free": 0, "segments_with_free": 0}
-        out = gpumem_push._oom_pools(pools, stream=50)
-        self.assertEqual(len(out), gpumem_push.MAX_OOM_POOLS)
+        out = readings.oom_pools(pools, stream=50)
+        self.assertEqual(len(out), limits.MAX_OOM_POOLS)
         # The request's stream first, both its pools, then the others by reserved bytes.
         self.assertEqual([(p["pool"], p["stream"]) for p in out[:3]],
                          [("large", 50), ("small", 50), ("large", 100)])
@@ -598,15 +598,15 @@ class OomFigures(unittest.TestCase):
         self.assertIsNone(check_oom(oom))
 
     def test_past_the_bound_private_and_default_figures_stay_apart(self):
-        import gpumem_push
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
         def figures(free):
             return {"allocated": MIB, "requested": MIB, "pending_free": 0, "free": free,
                     "largest_free": free, "segments_with_free": 1}
         # 100 other streams' default pools, larger than the 5 private pools behind them.
         pools = {("large", s, False): figures(64 * MIB) for s in range(1, 101)}
         pools.update({("large", s, True): figures(MIB) for s in range(1, 6)})
-        out = gpumem_push._oom_pools(pools, stream=7)
-        self.assertEqual(len(out), gpumem_push.MAX_OOM_POOLS)
+        out = readings.oom_pools(pools, stream=7)
+        self.assertEqual(len(out), limits.MAX_OOM_POOLS)
         self.assertIsNone(check_oom({"size": MIB, "stream": 7, "device_total": 1 << 40,
                                      "device_free": 0, "pools": out}))
         for private in (False, True):
@@ -621,8 +621,8 @@ class OomFigures(unittest.TestCase):
         self.assertEqual(out[0]["free"], 64 * MIB)
 
     def test_private_pools_are_sent_apart_from_the_default_pools(self):
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
         import types
-        import gpumem_push
         def segment(pool_id, free):
             return {"device": 0, "total_size": 20 * MIB, "segment_type": "large", "stream": 0,
                     "segment_pool_id": pool_id,
@@ -634,32 +634,80 @@ class OomFigures(unittest.TestCase):
         snapshot = [segment((7, 0), 12 * MIB), segment((0, 0), 2 * MIB)]
         torch = types.SimpleNamespace(
             cuda=types.SimpleNamespace(memory_snapshot=lambda: snapshot))
-        oom = gpumem_push._snapshot_summary(torch, (0, 8 * MIB, 1 << 30, 0, 0))[0]["oom"]
+        oom = readings.snapshot_summary(torch, (0, 8 * MIB, 1 << 30, 0, 0))[0]["oom"]
         self.assertIsNone(check_oom(oom))
         self.assertEqual([(p["free"], p.get("private")) for p in oom["pools"]],
                          [(2 * MIB, None), (12 * MIB, True)])
 
     def test_figures_that_cannot_add_up_are_not_sent(self):
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
         import types
-        import gpumem_push
         segment = {"device": 0, "total_size": 4 * MIB, "segment_type": "large", "stream": 0,
                    "blocks": [{"size": 4 * MIB, "state": "active_allocated",
                                "requested_size": 3 * MIB}]}
         torch = types.SimpleNamespace(
             cuda=types.SimpleNamespace(memory_snapshot=lambda: [segment]))
-        ok = gpumem_push._snapshot_summary(torch, (0, MIB, 8 * MIB, 0, 0))
+        ok = readings.snapshot_summary(torch, (0, MIB, 8 * MIB, 0, 0))
         self.assertEqual(ok[0]["oom"]["pools"][0]["requested"], 3 * MIB)
         self.assertIsNone(check_oom(ok[0]["oom"]))
         # A device smaller than what is reserved on it (a stand-in's zeros): no figures.
-        bad = gpumem_push._snapshot_summary(torch, (0, MIB, 0, 0, 0))
+        bad = readings.snapshot_summary(torch, (0, MIB, 0, 0, 0))
         self.assertNotIn("oom", bad[0])
 
     def test_observer_arguments_that_are_not_figures_give_no_request(self):
-        import gpumem_push
-        self.assertIsNone(gpumem_push._oom_request(None, (0, "x", 1, 2)))
-        self.assertIsNone(gpumem_push._oom_request(None, (0, 1, 2)))
-        self.assertIsNone(gpumem_push._oom_request(None, (0, -1, 2, 3)))
-        self.assertEqual(gpumem_push._oom_request(None, (1, 2, 3, 4)), (1, 2, 3, 4, 0))
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
+        self.assertIsNone(readings.oom_request(None, (0, "x", 1, 2)))
+        self.assertIsNone(readings.oom_request(None, (0, 1, 2)))
+        self.assertIsNone(readings.oom_request(None, (0, -1, 2, 3)))
+        self.assertEqual(readings.oom_request(None, (1, 2, 3, 4)), (1, 2, 3, 4, 0))
+
+
+class PusherOutcomes(unittest.TestCase):
+    """A Pusher of its own, in this process: each push says what became of it."""
+
+    @staticmethod
+    def torch():
+        import types
+        stats = {"reserved_bytes.all.current": 2 * MIB, "allocated_bytes.all.current": MIB}
+        props = types.SimpleNamespace(uuid="6a1f0e2c-0000-4000-8000-000000000000")
+        cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1,
+                                     memory_stats=lambda index: dict(stats),
+                                     get_device_properties=lambda index: props)
+        return types.SimpleNamespace(cuda=cuda, __version__="2.15.0")
+
+    def pusher(self, url):
+        from gpumem_push import Pusher
+        pusher = Pusher()
+        self.addCleanup(pusher.stop)
+        # The thread finds no torch in this process and idles; the pushes below are direct.
+        pusher.start(url=url, interval=60)
+        return pusher
+
+    def test_each_push_says_what_became_of_it(self):
+        from gpumem_push import Outcome, Pusher
+        torch = self.torch()
+        self.assertIs(Pusher().push(torch).outcome, Outcome.EMPTY, "not started")
+
+        agent = Agent()
+        self.addCleanup(agent.close)
+        pusher = self.pusher(agent.url)
+        sent = pusher.push(torch)
+        self.assertIs(sent.outcome, Outcome.SENT, agent.recorder.refused())
+        uuid = agent.recorder.accepted()[0]["devices"][0]["uuid"]
+        self.assertEqual(uuid, "GPU-6a1f0e2c-0000-4000-8000-000000000000")
+        self.assertIs(pusher.push(torch, min_gap=60).outcome, Outcome.EARLY)
+        self.assertEqual(pusher.stats()["sent"], 1)
+
+        for status in (429, 503):
+            refusing = Agent(Recorder(status=status))
+            self.addCleanup(refusing.close)
+            result = self.pusher(refusing.url).push(torch)
+            self.assertIs(result.outcome, Outcome.REFUSED)
+            self.assertEqual((result.status, result.rate_limited), (status, status == 429))
+
+        gone = self.pusher("unix:" + os.path.join(tempdir(self), "no-agent.sock"))
+        self.assertIs(gone.push(torch, timeout=0.5).outcome, Outcome.DROPPED)
+        self.assertEqual(gone.stats()["dropped"], 1)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
+use gpumem::demo::workload::TrainingWorkload;
 use gpumem::ingest::{IngestConfig, PushStore};
 use gpumem::server::{agent_state, app};
 use gpumem::sources::AllocatorSources;
-use gpumem::workload::TrainingWorkload;
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
 fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
@@ -713,7 +713,7 @@ fn the_hook_knows_which_labels_the_agent_renames() {
     use gpumem::metrics::contract::CONTRACT;
     let hook = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("python/gpumem_push/src/gpumem_push/__init__.py"),
+            .join("python/gpumem_push/src/gpumem_push/limits.py"),
     )
     .expect("the hook's source");
     let start = hook.find("COLLIDING = frozenset((").expect("COLLIDING");
@@ -741,7 +741,7 @@ fn the_hooks_copies_of_the_agents_bounds_agree() {
     };
     let hook = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("python/gpumem_push/src/gpumem_push/__init__.py"),
+            .join("python/gpumem_push/src/gpumem_push/limits.py"),
     )
     .expect("the hook's source");
     // `NAME = 512`, `NAME = 1 << 53` or `NAME = 0.55`, a comment allowed after it.

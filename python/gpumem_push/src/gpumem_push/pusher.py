@@ -1,0 +1,477 @@
+"""The pusher: one per process, its state behind one lock, its thread, the out-of-memory
+observer and the exit push.
+
+# Invariants
+- At most one push is in flight (the send lock), so sequence numbers reach the agent in
+  order; a push never raises into the job, and never waits longer than its timeout.
+- A forked child starts inactive, with fresh locks: it pushes only if it calls start().
+"""
+
+import atexit
+import enum
+import math
+import os
+import sys
+import threading
+import time
+
+from . import config as _config
+from . import readings, transport
+from .limits import MAX_DEVICES, MIN_GAP
+
+# Out-of-memory pushes from the failing thread at most this often; one more error within it is
+# pushed by the thread, once the gap has passed (a loop retrying smaller batches stays cheap).
+OOM_GAP = 1.0
+# Seconds a push with a reason may take on the calling thread (the training thread at an
+# out-of-memory error, the main thread at exit).
+REASON_TIMEOUT = 1.0
+PERIODIC_TIMEOUT = 2.0
+# How often the thread looks for torch and initialised CUDA until the observer is attached.
+POLL = 0.25
+
+
+class Outcome(enum.Enum):
+    """What became of one push."""
+
+    SENT = "sent"
+    EMPTY = "empty"        # nothing to push (not started, or no device used yet)
+    BUSY = "busy"          # another push held the send lock past the wait
+    EARLY = "early"        # less than the gap after the last push
+    REFUSED = "refused"    # the agent answered with an error status
+    DROPPED = "dropped"    # the agent could not be reached in time
+    ERROR = "error"        # reading PyTorch's figures, or this module, failed
+
+
+class Result:
+    """An Outcome, with the agent's status where it refused."""
+
+    __slots__ = ("outcome", "status")
+
+    def __init__(self, outcome, status=None):
+        self.outcome = outcome
+        self.status = status
+
+    @property
+    def rate_limited(self):
+        """The agent refused it for coming too soon after the last (HTTP 429)."""
+        return self.outcome is Outcome.REFUSED and self.status == 429
+
+    def __repr__(self):
+        return f"Result({self.outcome.value}{'' if self.status is None else f', {self.status}'})"
+
+
+def _start_time():
+    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): with
+    the pid, what tells this process apart from another that reuses its pid."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read(4096).decode("ascii", "replace")
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Pusher:
+    """This process's pusher. The module's functions (start, stop, stats, settings) are its
+    methods on the one instance."""
+
+    def __init__(self):
+        self._lock = threading.Lock()       # guards the fields below
+        self._send_lock = threading.Lock()  # one push at a time: sequence numbers in order
+        self._reset()
+        self._observer_state = None  # None: not tried yet; True: attached; False: unavailable
+        self._atexit = False
+
+    def _reset(self):
+        self._start_time = _start_time()  # this process's: read again in a forked child
+        self._thread = self._stop = self._wake = None
+        self._explicit = {}          # the arguments given to start() (a later call's win)
+        self._config = None          # config.Config: what start() settled on
+        self._active = False         # between start() and stop()
+        self._seq = 0
+        self._sent = self._dropped = self._errors = 0
+        self._last_error = None
+        self._last_push = -math.inf  # monotonic time the last push attempt ended
+        self._last_oom = -math.inf   # monotonic time of the last out-of-memory push
+        self._last_oom_wall = None   # time.time() of the last out-of-memory error
+        self._oom_pending = None     # (snapshot or None,) for the thread to push with "oom"
+        self._used = set()           # device indices this process has used: pushed from then on
+        self._uuids = {}
+        self._warned = set()
+
+    def after_fork_in_child(self):
+        # Threads do not survive fork; a forked child (a DataLoader worker, say) does not push
+        # unless it calls start() itself, and never sends its parent's exit push. The
+        # observer and the exit hook stay registered, as they are.
+        self._lock, self._send_lock = threading.Lock(), threading.Lock()
+        self._reset()
+
+    # -----------------------------------------------------------------------------------------
+    # What it says of itself
+
+    def stats(self):
+        """Counters of this process's pushes: sent, dropped (the agent unreachable or
+        refusing), errors (a failure reading PyTorch's figures or in this module), and the
+        last error."""
+        with self._lock:
+            return {"sent": self._sent, "dropped": self._dropped, "errors": self._errors,
+                    "last_error": self._last_error}
+
+    def settings(self):
+        """What start() settled on: url (resolved now), interval, labels; whether the thread
+        runs, and whether the out-of-memory observer is attached."""
+        with self._lock:
+            config, thread = self._config, self._thread
+            observer, used = self._observer_state, sorted(self._used)
+        return {
+            "running": bool(thread is not None and thread.is_alive()),
+            "url": _config.resolve_url(config.url if config else None, self.warn),
+            "interval": config.interval if config else None,
+            "labels": dict(config.labels) if config else {},
+            "oom_observer": bool(observer),
+            "devices": used,
+        }
+
+    def warn(self, message):
+        """One line on stderr, once per process per message."""
+        with self._lock:
+            if message in self._warned:
+                return
+            self._warned.add(message)
+        try:
+            sys.stderr.write("gpumem_push: " + message + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+
+    def error(self, error):
+        with self._lock:
+            self._errors += 1
+            self._last_error = repr(error)
+
+    def _drop(self, why):
+        with self._lock:
+            self._dropped += 1
+            self._last_error = why
+
+    # -----------------------------------------------------------------------------------------
+    # One push
+
+    def _uuid(self, torch, index):
+        with self._lock:
+            known = self._uuids.get(index)
+        if known:
+            return known
+        try:
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+        except Exception:  # older PyTorch: no uuid property
+            uuid = f"GPU-index-{index}"
+        uuid = _config.clean_text(uuid, "the device UUID", self.warn)
+        with self._lock:
+            self._uuids[index] = uuid
+        return uuid
+
+    def _devices(self, torch, snapshot=None):
+        """The devices to push: those this process has used, ever (never initialising CUDA)."""
+        cuda = torch.cuda
+        if not cuda.is_initialized():
+            return []
+        out = []
+        for index in range(min(int(cuda.device_count()), MAX_DEVICES)):
+            try:
+                raw = cuda.memory_stats(index)
+                if not raw:
+                    continue
+                with self._lock:
+                    used = index in self._used
+                if not used:
+                    if not readings.is_used(raw):
+                        continue
+                    with self._lock:
+                        self._used.add(index)
+                device = {"index": index, "uuid": self._uuid(torch, index),
+                          "stats": readings.clean_stats(raw)}
+            except Exception as error:  # one device's failure does not cost the others
+                self.error(error)
+                continue
+            if snapshot is not None:
+                entry = snapshot.get(index, {"largest": 0, "classes": {}})
+                device["largest_free_block"] = entry["largest"]
+                device["segments_by_size"] = [
+                    {"size": size, "segments": n, "free_bytes": free}
+                    for size, (n, free) in sorted(entry["classes"].items())]
+                if "oom" in entry:
+                    device["oom"] = entry["oom"]
+            out.append(device)
+        return out
+
+    def push(self, torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None,
+             lock_timeout=5.0, min_gap=None):
+        """One push of the used devices, with `reason` ("oom", "exit") or none. Never raises."""
+        import json  # here, not at import: the hook imports this package at interpreter start
+
+        if not self._send_lock.acquire(timeout=lock_timeout):
+            self._drop(f"a {reason or 'periodic'} push waited for another one")
+            return Result(Outcome.BUSY)
+        try:
+            with self._lock:
+                config = self._config if self._active else None
+                early = min_gap is not None and time.monotonic() - self._last_push < min_gap
+                start_time, last_oom = self._start_time, self._last_oom_wall
+            if config is None:
+                return Result(Outcome.EMPTY)
+            if early:
+                return Result(Outcome.EARLY)
+            devices = self._devices(torch, snapshot)
+            if not devices:
+                return Result(Outcome.EMPTY)
+            with self._lock:
+                # Strictly increasing; from wall-clock milliseconds, so a restarted job whose
+                # pid the agent still tracks is not refused as stale.
+                self._seq = max(self._seq + 1, int(time.time() * 1000))
+                seq = self._seq
+            payload = {
+                "pid": os.getpid(),
+                "seq": seq,
+                "torch_version": _config.clean_text(str(getattr(torch, "__version__", "")),
+                                                    "torch.__version__", self.warn),
+                "labels": dict(config.labels),
+                "devices": devices,
+            }
+            payload.update(_config.alloc_conf(self.warn))
+            host = readings.host(torch, self.error)
+            if host:
+                payload["host"] = host
+            if start_time is not None:
+                payload["start_time"] = start_time
+            if reason:
+                payload["reason"] = reason
+            if last_oom is not None:
+                # When it happened, by this node's clock: the agent tells an OOM it saw from
+                # one it learns of after its own restart.
+                payload["last_oom_unix_seconds"] = last_oom
+            body = json.dumps(payload, separators=(",", ":")).encode()
+            url = _config.resolve_url(config.url, self.warn)
+            try:
+                transport.send(url, body, timeout)
+                with self._lock:
+                    self._sent += 1
+                return Result(Outcome.SENT)
+            except transport.Refused as error:
+                self._drop(f"{url}: {error}")
+                return Result(Outcome.REFUSED, error.status)
+            except Exception as error:  # unreachable, timed out, reset: the job goes on
+                self._drop(f"{url}: {error!r}")
+                return Result(Outcome.DROPPED)
+            finally:
+                with self._lock:
+                    self._last_push = time.monotonic()
+        except Exception as error:
+            self.error(error)
+            return Result(Outcome.ERROR)
+        finally:
+            self._send_lock.release()
+
+    # -----------------------------------------------------------------------------------------
+    # Out-of-memory observer, the thread, exit
+
+    def _is_active(self):
+        # A forked child starts inactive (after_fork_in_child); the pid is not compared, as
+        # os.getpid() may be wrapped (a container's namespace shims, the tests).
+        with self._lock:
+            return self._active
+
+    def _wake_thread(self):
+        with self._lock:
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+
+    def observe_oom(self, *args):
+        """PyTorch's out-of-memory observer (device, requested, device allocated, device
+        free): called on the failing thread before the error is raised."""
+        try:
+            if not self._is_active():
+                return
+            torch = sys.modules.get("torch")
+            now = time.monotonic()
+            with self._lock:
+                if args:
+                    try:
+                        self._used.add(int(args[0]))
+                    except (TypeError, ValueError):
+                        pass
+                self._last_oom_wall = time.time()
+                recent = now - self._last_oom < OOM_GAP
+                if recent:
+                    self._oom_pending = self._oom_pending or (None,)
+                else:
+                    self._last_oom = now
+            if recent:
+                self._wake_thread()
+                return
+            try:
+                snapshot = readings.snapshot_summary(torch, readings.oom_request(torch, args))
+            except Exception as error:
+                snapshot = None  # pushed without the figures rather than with false ones
+                self.error(error)
+            result = self.push(torch, "oom", REASON_TIMEOUT, snapshot,
+                               lock_timeout=REASON_TIMEOUT)
+            if result.rate_limited or result.outcome is Outcome.BUSY:
+                with self._lock:  # the thread sends it once the agent's gap has passed
+                    self._oom_pending = (snapshot,)
+                self._wake_thread()
+        except Exception as error:
+            self.error(error)
+
+    def _attach_observer(self, torch):
+        """Attaches the observer once per process, once CUDA is initialised (attaching needs
+        it: PyTorch adds the observer to each device's allocator)."""
+        with self._lock:
+            if self._observer_state is not None:
+                return
+        if not torch.cuda.is_initialized():
+            return
+        attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer",
+                         None)
+        with self._lock:
+            if self._observer_state is not None:
+                return
+            self._observer_state = False
+        if attach is None:
+            return
+        try:
+            attach(self.observe_oom)
+            with self._lock:
+                self._observer_state = True
+        except Exception as error:
+            self.error(error)
+
+    def _pending_oom(self, torch, now):
+        """Sends an out-of-memory push the failing thread left to the thread."""
+        with self._lock:
+            pending = self._oom_pending
+            due = pending is not None and now - self._last_oom >= OOM_GAP \
+                and now - self._last_push >= MIN_GAP
+            if due:
+                self._oom_pending = None
+                self._last_oom = now
+        if not due:
+            return
+        snapshot = pending[0]
+        if snapshot is None:
+            try:
+                snapshot = readings.snapshot_summary(torch)
+            except Exception as error:
+                self.error(error)
+        self.push(torch, "oom", REASON_TIMEOUT, snapshot)
+
+    def _run(self, stop, wake):
+        next_push = time.monotonic()
+        while not stop.is_set():
+            try:
+                with self._lock:
+                    config = self._config
+                    pending = self._oom_pending is not None
+                interval = config.interval if config else _config.DEFAULT_INTERVAL
+                torch = readings.find_torch()
+                now = time.monotonic()
+                if torch is not None:
+                    self._attach_observer(torch)
+                    if pending:
+                        self._pending_oom(torch, now)
+                    if now >= next_push:
+                        # The gap is checked under the send lock: an out-of-memory push on the
+                        # training thread may have gone out just now.
+                        result = self.push(torch, None, min(interval, PERIODIC_TIMEOUT),
+                                           min_gap=MIN_GAP)
+                        if result.outcome is Outcome.EARLY:
+                            with self._lock:
+                                next_push = self._last_push + MIN_GAP
+                        else:
+                            next_push = time.monotonic() + interval
+                elif now >= next_push:
+                    next_push = now + interval
+                with self._lock:
+                    last_push = self._last_push
+                    attached = self._observer_state is not None
+                    pending = self._oom_pending is not None
+                now = time.monotonic()
+                wait = max(next_push, last_push + MIN_GAP) - now
+                if not attached:
+                    wait = min(wait, POLL)
+                if pending:
+                    wait = min(wait, 0.1)
+                wake.wait(max(wait, 0.01))
+                wake.clear()
+            except Exception as error:  # never let the thread die on a surprise
+                self.error(error)
+                stop.wait(1.0)
+
+    def at_exit(self):
+        """The last push, with "reason": "exit", at interpreter exit (not after stop())."""
+        try:
+            active = self._is_active()
+            with self._lock:
+                stop_event, wake = self._stop, self._wake
+            if stop_event is not None:
+                stop_event.set()
+                wake.set()
+            if not active:
+                return
+            torch = readings.find_torch()
+            if torch is None:
+                return
+            result = self.push(torch, "exit", REASON_TIMEOUT, lock_timeout=REASON_TIMEOUT)
+            if result.rate_limited:  # the agent's gap: once more when it has passed
+                with self._lock:
+                    gap = MIN_GAP - (time.monotonic() - self._last_push)
+                time.sleep(min(max(gap, 0.0), MIN_GAP))
+                self.push(torch, "exit", REASON_TIMEOUT, lock_timeout=REASON_TIMEOUT)
+        except Exception as error:
+            self.error(error)
+
+    # -----------------------------------------------------------------------------------------
+    # Start and stop
+
+    def start(self, url=None, interval=None, labels=None):
+        """See the module's start()."""
+        try:
+            with self._lock:
+                explicit = dict(self._explicit)
+            for key, value in (("url", url), ("interval", interval), ("labels", labels)):
+                if value is not None:
+                    explicit[key] = value
+            config = _config.Config.of(explicit, self.warn)
+            with self._lock:
+                self._explicit = explicit
+                self._config = config
+                self._active = True
+                thread = self._thread
+                if thread is not None and thread.is_alive() and not self._stop.is_set():
+                    self._wake.set()
+                    return thread
+                stop_event, wake = threading.Event(), threading.Event()
+                thread = threading.Thread(target=self._run, args=(stop_event, wake),
+                                          name="gpumem-push", daemon=True)
+                self._thread, self._stop, self._wake = thread, stop_event, wake
+                register = not self._atexit
+                self._atexit = True
+            if register:
+                atexit.register(self.at_exit)
+            thread.start()
+            return thread
+        except Exception as error:
+            self.error(error)
+            self.warn(f"could not start: {error!r}")
+            return None
+
+    def stop(self):
+        """See the module's stop()."""
+        with self._lock:
+            stop_event, wake = self._stop, self._wake
+            self._active = False
+        if stop_event is not None:
+            stop_event.set()
+            wake.set()
