@@ -216,7 +216,7 @@ fn recorded_events(file: &str) -> (Vec<Event>, usize) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data/traces")
         .join(file);
-    let recording = gpumem::trace::read_recording(&path).expect("bundled recording");
+    let recording = gpumem::recording::read_recording(&path).expect("bundled recording");
     let mut events = Vec::new();
     let mut live = HashMap::new();
     let mut slots = 0;

@@ -7,8 +7,9 @@ use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumem::AllocatorConfig;
-use gpumem::trace::plan::{PlanOptions, plan};
-use gpumem::trace::{ReplayOptions, parse_recording, replay};
+use gpumem::plan::{PlanOptions, plan};
+use gpumem::recording::parse_recording;
+use gpumem::replay::{ReplayOptions, replay};
 
 fn replay_opt125m(c: &mut Criterion) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

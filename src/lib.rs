@@ -7,7 +7,11 @@
 //! test runs on, `PYTORCH_CUDA_ALLOC_CONF` parsing ([`config`]) and the thread-safe wrapper
 //! ([`shared`]). This crate holds what reads, serves and explains:
 //!
-//! - [`trace`]: reading PyTorch memory snapshots and replaying their traces.
+//! - [`recording`]: reading PyTorch memory snapshots (pickle or JSON, gzipped or not) into a
+//!   [`recording::Recording`], within stated limits.
+//! - [`replay`]: a recording's trace run through the core, exactly or under other settings.
+//! - [`explain`]: why an allocation failed (or what held memory at any moment).
+//! - [`plan`]: placement plans made from a recording's repeating iteration, and evaluated.
 //! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
 //! - [`ingest`]: statistics pushed by unmodified PyTorch jobs.
@@ -20,15 +24,18 @@
 pub use gpumem_core::{allocator, config, device, shared};
 
 pub mod demo;
+pub mod explain;
 pub mod ingest;
 pub mod ipc;
 pub mod metrics;
 pub mod ops;
+pub mod plan;
+pub mod recording;
+pub mod replay;
 pub mod rng;
 pub mod server;
 pub mod sources;
 pub mod telemetry;
-pub mod trace;
 pub mod view;
 
 pub use allocator::{AllocError, CachingAllocator};

@@ -5,8 +5,9 @@
 
 #![no_main]
 
-use gpumem::trace::plan::{PlanOptions, plan};
-use gpumem::trace::{ReadLimits, ReplayOptions, parse_recording_with, replay, state_summary};
+use gpumem::plan::{PlanOptions, plan};
+use gpumem::recording::{ReadLimits, parse_recording_with, state_summary};
+use gpumem::replay::{ReplayOptions, replay};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

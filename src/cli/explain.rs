@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use gpumem::allocator::size::format_size;
-use gpumem::trace::explain::{At, explain};
+use gpumem::explain::{At, explain};
 
 use super::{CliResult, Path, ReadArgs, outln, parse_bytes};
 
@@ -64,7 +64,7 @@ pub(crate) fn run(args: Args) -> CliResult {
             explain(&recording, args.device, At::Snapshot, args.capacity, order)?
         }
         None => match explain(&recording, args.device, At::FirstOom, args.capacity, order) {
-            Err(gpumem::trace::explain::ExplainError::NoOom { .. }) => {
+            Err(gpumem::explain::ExplainError::NoOom { .. }) => {
                 outln!("no out-of-memory error in the trace: the moment of peak reserved memory")?;
                 explain(
                     &recording,
@@ -208,7 +208,7 @@ pub(crate) fn run(args: Args) -> CliResult {
 }
 
 /// The replay that confirms the best candidate without OOMs, where there is one.
-fn confirm_command(args: &Args, e: &gpumem::trace::explain::Explanation) -> Option<String> {
+fn confirm_command(args: &Args, e: &gpumem::explain::Explanation) -> Option<String> {
     let available = e.available?;
     let best = e.candidates.iter().find(|c| c.ooms == 0)?;
     Some(format!(

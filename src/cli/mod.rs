@@ -160,8 +160,8 @@ impl ReadArgs {
     pub(crate) fn read(
         &self,
         path: &std::path::Path,
-    ) -> Result<gpumem::trace::Recording, gpumem::trace::TraceError> {
-        let limits = gpumem::trace::ReadLimits {
+    ) -> Result<gpumem::recording::Recording, gpumem::recording::TraceError> {
+        let limits = gpumem::recording::ReadLimits {
             max_input_bytes: self.max_input_bytes,
             max_memory_bytes: self.max_memory_bytes,
         };
@@ -178,7 +178,7 @@ impl ReadArgs {
             );
             bar
         });
-        let result = gpumem::trace::read_recording_with(path, limits, &mut |read| {
+        let result = gpumem::recording::read_recording_with(path, limits, &mut |read| {
             if let Some(bar) = &bar {
                 bar.set_position(read);
             }
@@ -237,7 +237,10 @@ mod tests {
     fn the_read_limits_default_to_the_readers_own() {
         Reads::command().debug_assert();
         let defaults = Reads::parse_from(["reads"]).read;
-        assert_eq!(defaults.max_input_bytes, gpumem::trace::MAX_INPUT_BYTES);
-        assert_eq!(defaults.max_memory_bytes, gpumem::trace::MAX_MEMORY_BYTES);
+        assert_eq!(defaults.max_input_bytes, gpumem::recording::MAX_INPUT_BYTES);
+        assert_eq!(
+            defaults.max_memory_bytes,
+            gpumem::recording::MAX_MEMORY_BYTES
+        );
     }
 }

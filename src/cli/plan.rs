@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use gpumem::allocator::size::format_size;
-use gpumem::trace::explain::search_configurations;
-use gpumem::trace::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
-use gpumem::trace::{Readings, ReplayOptions, replay_following};
+use gpumem::explain::search_configurations;
+use gpumem::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
+use gpumem::replay::{Readings, ReplayOptions, replay_following};
 
 use super::{CliResult, Path, ReadArgs, outln, parenthesised, parse_bytes};
 

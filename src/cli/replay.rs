@@ -6,10 +6,9 @@ use std::process::ExitCode;
 use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::config::Syntax;
-use gpumem::trace::replay::ReplayReport;
-use gpumem::trace::{
-    Readings, Recording, ReplayOptions, replay_following, replay_with_progress, state_summary,
-};
+use gpumem::recording::{Recording, state_summary};
+use gpumem::replay::ReplayReport;
+use gpumem::replay::{Readings, ReplayOptions, replay_following, replay_with_progress};
 
 use super::{CliResult, Path, ReadArgs, out, outln, parse_bytes};
 
@@ -65,7 +64,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     let plan = args
         .plan
         .as_deref()
-        .map(gpumem::trace::plan::read_plan_file)
+        .map(gpumem::plan::read_plan_file)
         .transpose()?
         .map(std::sync::Arc::new);
     let device = args
@@ -302,7 +301,7 @@ fn replay_shown(
     recording: &Recording,
     options: &ReplayOptions,
     readings: Option<&Readings>,
-) -> Result<ReplayReport, gpumem::trace::ReplayError> {
+) -> Result<ReplayReport, gpumem::replay::ReplayError> {
     let events = recording
         .device_traces
         .get(options.device as usize)

@@ -88,9 +88,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         outln!("{}", serde_json::to_string_pretty(&alloc.memory_stats())?)?;
     } else {
         out!("{}", alloc.memory_summary(false))?;
-        let s = alloc.memory_stats();
-        let peak_alloc = s["allocated_bytes.all.peak"] as u64;
-        let peak_reserved = s["reserved_bytes.all.peak"] as u64;
+        let s = alloc.stats();
+        let peak_alloc = s.allocated_bytes.all().peak as u64;
+        let peak_reserved = s.reserved_bytes.all().peak as u64;
         outln!(
             "steps {}/{}, {} allocations; peak allocated {}, peak reserved {} (ratio {:.3}); \
              device allocs {}, device frees {}, retries {}, OOMs {}; simulated driver time {:.3} ms",
@@ -100,10 +100,10 @@ pub(crate) fn run(args: Args) -> CliResult {
             format_size(peak_alloc),
             format_size(peak_reserved),
             peak_reserved as f64 / peak_alloc.max(1) as f64,
-            s["num_device_alloc"],
-            s["num_device_free"],
-            s["num_alloc_retries"],
-            s["num_ooms"],
+            s.num_device_alloc.get(),
+            s.num_device_free.get(),
+            s.num_alloc_retries.get(),
+            s.num_ooms.get(),
             alloc.device().stats().driver_time_ns as f64 / 1e6,
         )?;
         if args.ipc {

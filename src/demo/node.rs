@@ -24,8 +24,8 @@ use crate::CachingAllocator;
 use crate::allocator::size::format_size;
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice, simulated_uuid};
-use crate::trace::replay::{Cursor, ReplayError};
-use crate::trace::{Recording, parse_recording};
+use crate::recording::{Recording, parse_recording};
+use crate::replay::{Cursor, ReplayError};
 
 use crate::sources::{AllocatorKind, AllocatorSource};
 use crate::telemetry::cgroup::{ContainerRef, Runtime};
@@ -298,12 +298,9 @@ impl SimNode {
                         recording: name,
                         reason: e.to_string(),
                     };
-                    let planned = crate::trace::plan::plan(
-                        recording,
-                        name,
-                        &crate::trace::plan::PlanOptions::default(),
-                    )
-                    .map_err(|e| fail(&e))?;
+                    let planned =
+                        crate::plan::plan(recording, name, &crate::plan::PlanOptions::default())
+                            .map_err(|e| fail(&e))?;
                     alloc
                         .set_plan(Arc::new(planned.plan))
                         .map_err(|e| fail(&e))?;
@@ -475,7 +472,7 @@ fn replay_loop(
             spare: Some(alloc),
             started: Instant::now(),
             finished_at: None,
-            peak: crate::trace::explain::peak_reserved_event(
+            peak: crate::explain::peak_reserved_event(
                 recordings[which]
                     .device_traces
                     .first()
@@ -609,7 +606,7 @@ impl SimNodeSource {
 mod tests {
     use super::*;
     use crate::allocator::{PoolId, TraceAction};
-    use crate::trace::{ReplayOptions, replay};
+    use crate::replay::{ReplayOptions, replay};
 
     #[test]
     fn the_private_pools_process_replays_both_pools_exactly() {

@@ -14,7 +14,7 @@ use std::fmt::Write;
 use crate::allocator::PoolId;
 use crate::allocator::breakdown::Breakdown;
 use crate::allocator::size::format_size;
-use crate::trace::explain::Explanation;
+use crate::explain::Explanation;
 
 use super::{escape, page};
 

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use prometheus::proto::MetricFamily;
 use serde::Serialize;
 
+use crate::metrics::contract as c;
 use crate::sources::AllocatorSource;
 
 /// The node at one scrape.
@@ -190,12 +191,12 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             ..ProcessRow::default()
         }
     };
-    for (labels, v) in series(families, "gpumem_allocator_reserved_bytes") {
+    for (labels, v) in series(families, c::RESERVED_BYTES.name) {
         rows.entry(key(&labels))
             .or_insert_with(|| row(&labels))
             .reserved += v;
     }
-    for (labels, v) in series(families, "gpumem_allocator_allocated_bytes") {
+    for (labels, v) in series(families, c::ALLOCATED_BYTES.name) {
         rows.entry(key(&labels))
             .or_insert_with(|| row(&labels))
             .allocated += v;
@@ -207,26 +208,18 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             }
         }
     };
-    each("gpumem_allocator_info", &mut |r, l, _| {
+    each(c::ALLOCATOR_INFO.name, &mut |r, l, _| {
         r.config = l.get("config").copied().unwrap_or_default().to_string();
     });
-    each(
-        "gpumem_allocator_largest_free_block_bytes",
-        &mut |r, _, v| {
-            r.largest_free_block = Some(v);
-        },
-    );
-    each("gpumem_allocator_alloc_retries_total", &mut |r, _, v| {
-        r.retries = v
+    each(c::LARGEST_FREE_BLOCK.name, &mut |r, _, v| {
+        r.largest_free_block = Some(v);
     });
-    each("gpumem_allocator_ooms_total", &mut |r, _, v| r.ooms = v);
-    each(
-        "gpumem_allocator_last_oom_timestamp_seconds",
-        &mut |r, _, v| {
-            r.last_oom = Some(v);
-        },
-    );
-    each("gpumem_oom_breakdown_bytes", &mut |r, l, v| {
+    each(c::ALLOC_RETRIES.name, &mut |r, _, v| r.retries = v);
+    each(c::OOMS.name, &mut |r, _, v| r.ooms = v);
+    each(c::LAST_OOM_TIMESTAMP.name, &mut |r, _, v| {
+        r.last_oom = Some(v);
+    });
+    each(c::OOM_BREAKDOWN.name, &mut |r, l, v| {
         let kind = l.get("kind").copied().unwrap_or_default().to_string();
         r.oom_breakdown.insert(kind, v);
     });
@@ -248,10 +241,10 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         }
     };
     let figures: [(&str, SetFigure); 4] = [
-        ("gpumem_device_total_bytes", |g, v| g.total = v),
-        ("gpumem_device_used_bytes", |g, v| g.used = v),
-        ("gpumem_device_free_bytes", |g, v| g.free = v),
-        ("gpumem_device_reserved_bytes", |g, v| g.driver_reserved = v),
+        (c::DEVICE_TOTAL.name, |g, v| g.total = v),
+        (c::DEVICE_USED.name, |g, v| g.used = v),
+        (c::DEVICE_FREE.name, |g, v| g.free = v),
+        (c::DEVICE_RESERVED.name, |g, v| g.driver_reserved = v),
     ];
     for (name, set) in figures {
         for (labels, v) in series(families, name) {
@@ -261,13 +254,13 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             set(g, v);
         }
     }
-    for (labels, _) in series(families, "gpumem_device_info") {
+    for (labels, _) in series(families, c::DEVICE_INFO.name) {
         if let Some(g) = gpus.get_mut(&label(&labels, "UUID")) {
             g.model = label(&labels, "model");
         }
     }
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
-    for (labels, used) in series(families, "gpumem_process_used_bytes") {
+    for (labels, used) in series(families, c::PROCESS_USED.name) {
         let k = key(&labels);
         *charged.entry(k.0.clone()).or_default() += used;
         let Some(g) = gpus.get_mut(&k.0) else {

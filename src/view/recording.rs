@@ -24,9 +24,10 @@ use serde::Serialize;
 
 use crate::AllocatorConfig;
 use crate::allocator::{FitOrder, TraceAction, TraceEntry};
-use crate::trace::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
-use crate::trace::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
-use crate::trace::{Recording, ReplayReport};
+use crate::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
+use crate::recording::Recording;
+use crate::replay::ReplayReport;
+use crate::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
 
 use super::segments::{self, SegmentMap};
 use super::timeline::{self, Run};

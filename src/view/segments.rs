@@ -19,9 +19,9 @@ use serde::Serialize;
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, PoolId, SegmentInfo};
 use crate::device::StreamId;
-use crate::trace::Recording;
-use crate::trace::block_stacks::BlockStacks;
-use crate::trace::frames::{ContextId, StackId};
+use crate::explain::block_stacks::BlockStacks;
+use crate::recording::Recording;
+use crate::recording::frames::{ContextId, StackId};
 
 /// Segments listed in one map.
 pub const MAX_SEGMENTS: usize = 4096;

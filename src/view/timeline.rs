@@ -11,7 +11,7 @@
 
 use std::fmt::Write;
 
-use crate::trace::SeriesPoint;
+use crate::replay::SeriesPoint;
 
 use super::escape;
 

@@ -97,18 +97,18 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
 }
 
 /// The check replay of a recording given as JSON.
-pub fn check_replay(v: &serde_json::Value) -> gpumem::trace::ReplayReport {
+pub fn check_replay(v: &serde_json::Value) -> gpumem::replay::ReplayReport {
     let bytes = serde_json::to_vec(v).expect("serialises");
-    let recording = gpumem::trace::parse_recording(&bytes).expect("reads back");
-    let options = gpumem::trace::ReplayOptions {
+    let recording = gpumem::recording::parse_recording(&bytes).expect("reads back");
+    let options = gpumem::replay::ReplayOptions {
         check: true,
-        ..gpumem::trace::ReplayOptions::default()
+        ..gpumem::replay::ReplayOptions::default()
     };
-    gpumem::trace::replay(&recording, &options).expect("replay runs")
+    gpumem::replay::replay(&recording, &options).expect("replay runs")
 }
 
 /// `v` replays exactly, every event of its trace compared.
-pub fn replays_exactly(v: &serde_json::Value) -> gpumem::trace::ReplayReport {
+pub fn replays_exactly(v: &serde_json::Value) -> gpumem::replay::ReplayReport {
     let r = check_replay(v);
     if let Some(d) = &r.divergence {
         panic!(

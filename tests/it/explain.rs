@@ -6,8 +6,8 @@ use std::process::Command;
 use gpumem::allocator::AllocError;
 use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
-use gpumem::trace::explain::{At, CANDIDATES, Explanation, GC_CANDIDATES, Kind, explain};
-use gpumem::trace::{Recording, parse_recording, read_recording};
+use gpumem::explain::{At, CANDIDATES, Explanation, GC_CANDIDATES, Kind, explain};
+use gpumem::recording::{Recording, parse_recording, read_recording};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
 use crate::common::succeeded;

@@ -8,7 +8,8 @@ use std::process::Command;
 
 use gpumem::allocator::{AllocError, FitOrder, MAX_ADDRESS};
 use gpumem::device::{SimConfig, SimDevice};
-use gpumem::trace::{ReplayOptions, parse_recording, replay};
+use gpumem::recording::parse_recording;
+use gpumem::replay::{ReplayOptions, replay};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
 use crate::common::{GIB, MIB, S0, check, free, malloc, succeeded, temp_dir};

@@ -1,6 +1,7 @@
 //! The layering ARCHITECTURE.md promises, checked on the source: among the file-level edges
 //! of non-test code (every `crate::`, `super::` and `self::` path, in `use` items or inline),
-//! no cycle joins two files or more. Each crate of the workspace is read from its root
+//! no cycle joins two files or more, and no edge runs against the data's flow between the
+//! homes ([`FORBIDDEN`]). Each crate of the workspace is read from its root
 //! through its `mod` declarations; `#[cfg(test)]` items are left out, comments and string
 //! literals blanked first.
 
@@ -406,5 +407,64 @@ fn the_cycle_check_reads_paths_groups_and_tests_as_meant() {
     assert_eq!(
         cycles(&graph),
         [vec![PathBuf::from("a"), PathBuf::from("b")]]
+    );
+}
+
+/// The data flows one way: the reader knows no analysis, the analyses no shell, the node's
+/// sources not the demo that imitates them (paths from the repository root; a path ending in
+/// `/` is a folder).
+const FORBIDDEN: [(&str, &[&str]); 3] = [
+    (
+        "src/recording/",
+        &[
+            "src/replay/",
+            "src/explain/",
+            "src/plan.rs",
+            "src/view/",
+            "src/server/",
+            "src/metrics/",
+            "src/ingest/",
+            "src/demo/",
+        ],
+    ),
+    (
+        "src/replay/",
+        &["src/explain/", "src/plan.rs", "src/view/", "src/server/"],
+    ),
+    ("src/telemetry/", &["src/demo/"]),
+];
+
+#[test]
+fn the_data_flows_one_way_between_the_homes() {
+    let graph = edges(&root().join("src/lib.rs"));
+    let rel = |p: &Path| p.strip_prefix(root()).unwrap_or(p).display().to_string();
+    let within = |path: &str, home: &str| {
+        if home.ends_with('/') {
+            path.starts_with(home)
+        } else {
+            path == home
+        }
+    };
+    let mut checked = 0;
+    let mut found = Vec::new();
+    for (from, tos) in &graph {
+        let from = rel(from);
+        for (home, banned) in FORBIDDEN {
+            if !within(&from, home) {
+                continue;
+            }
+            checked += 1;
+            for to in tos.iter().map(|t| rel(t)) {
+                if banned.iter().any(|b| within(&to, b)) {
+                    found.push(format!("{from} -> {to}"));
+                }
+            }
+        }
+    }
+    assert!(checked >= 15, "the homes' files were found ({checked})");
+    assert!(
+        found.is_empty(),
+        "edges against the flow:\n{}",
+        found.join("\n")
     );
 }

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use gpumem::AllocatorConfig;
 use gpumem::allocator::Plan;
 use gpumem::config::Syntax;
-use gpumem::trace::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
-use gpumem::trace::{Readings, ReplayOptions, read_recording};
+use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
+use gpumem::recording::read_recording;
+use gpumem::replay::{Readings, ReplayOptions};
 
 use crate::common::{succeeded, temp_dir};
 use crate::replay::shared_traces;
@@ -88,11 +89,11 @@ fn bad_plan_files_are_refused_by_name() {
         ),
     ];
     for (json, expected) in cases {
-        let e = gpumem::trace::plan::parse_plan(&json.to_string()).expect_err(expected);
+        let e = gpumem::plan::parse_plan(&json.to_string()).expect_err(expected);
         assert!(e.to_string().contains(expected), "{expected}: {e}");
     }
-    assert!(gpumem::trace::plan::parse_plan(&valid.to_string()).is_ok());
-    assert!(gpumem::trace::plan::parse_plan("{\"format\": ").is_err());
+    assert!(gpumem::plan::parse_plan(&valid.to_string()).is_ok());
+    assert!(gpumem::plan::parse_plan("{\"format\": ").is_err());
     let dir = temp_dir("plan-files");
     let missing = read_plan_file(&dir.join("missing.json")).expect_err("no file");
     assert!(
@@ -127,7 +128,7 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     use gpumem::CachingAllocator;
     use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::trace::plan::parse_plan(
+    let plan = gpumem::plan::parse_plan(
         &serde_json::json!({"format": "gpumem-plan", "version": 1,
             "regions": [{"stream": 0, "bytes": 4 * MIB}],
             "entries": [{"size": MIB, "stream": 0, "offset": 0, "persistent": true},
@@ -305,7 +306,8 @@ fn shared_recordings_planned() {
 fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
     use gpumem::demo::workload::{TrainingWorkload, finish_communication};
     use gpumem::device::{SimConfig, SimDevice};
-    use gpumem::trace::{parse_recording, replay};
+    use gpumem::recording::parse_recording;
+    use gpumem::replay::replay;
 
     let workload = TrainingWorkload {
         steps: 6,
@@ -371,7 +373,7 @@ fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
 /// trace. The planner answers each (a plan that validates, or an error), without a panic.
 #[test]
 fn hostile_recordings_plan_or_refuse_without_panicking() {
-    use gpumem::trace::parse_recording;
+    use gpumem::recording::parse_recording;
 
     let trace = |events: Vec<serde_json::Value>| {
         let json = serde_json::json!({"segments": [], "device_traces": [events]});

@@ -8,9 +8,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpumem::allocator::PoolId;
-use gpumem::trace::explain::{At, explain};
-use gpumem::trace::replay::ReplayError;
-use gpumem::trace::{ReplayOptions, parse_recording, read_recording, replay};
+use gpumem::explain::{At, explain};
+use gpumem::recording::{parse_recording, read_recording};
+use gpumem::replay::ReplayError;
+use gpumem::replay::{ReplayOptions, replay};
 
 use crate::agent::wait_for;
 use crate::browser::Browser;
@@ -304,7 +305,7 @@ fn the_shared_traceless_snapshot_is_explained() {
 }
 
 /// The 2.15 snapshot with every entry of `action` removed.
-fn without(action: &str) -> gpumem::trace::Recording {
+fn without(action: &str) -> gpumem::recording::Recording {
     let mut v = snapshot_2_15();
     v["device_traces"][0]
         .as_array_mut()
@@ -380,7 +381,7 @@ fn fx_frames_are_interned_in_both_readers_like_plain_frames() {
     assert!(converted.success());
     let c = read_recording(&json).expect("reads");
     assert_eq!(c.frames.frame_count(), b.frames.frame_count());
-    let describe = |r: &gpumem::trace::Recording, i: usize| -> Vec<String> {
+    let describe = |r: &gpumem::recording::Recording, i: usize| -> Vec<String> {
         let s = r.event_stacks[0][i];
         r.frames
             .frames_of(s)

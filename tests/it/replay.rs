@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpumem::AllocatorConfig;
-use gpumem::trace::{
-    Format, ReplayOptions, TraceError, parse_recording, read_recording, replay, state_summary,
-};
+use gpumem::recording::{Format, TraceError, parse_recording, read_recording, state_summary};
+use gpumem::replay::{ReplayOptions, replay};
 
 use crate::common::succeeded;
 
@@ -32,10 +31,10 @@ pub(crate) fn shared_traces() -> Option<PathBuf> {
 const QWEN3_DEVICE_BYTES: u64 = 84_987_740_160;
 
 fn check(
-    recording: &gpumem::trace::Recording,
+    recording: &gpumem::recording::Recording,
     device: u32,
     capacity: Option<u64>,
-) -> gpumem::trace::ReplayReport {
+) -> gpumem::replay::ReplayReport {
     let options = ReplayOptions {
         device,
         check: true,
@@ -168,7 +167,7 @@ fn expandable_recording_replays_exactly_on_all_three_devices() {
         assert_eq!(r.compared.ooms, ooms, "device {device}");
         assert!(r.capacity_inferred, "device {device}: {} bytes", r.capacity);
         assert_eq!(
-            gpumem::trace::replay::capacity_for_reservation(95_630_131_200, 20 << 20),
+            gpumem::replay::capacity_for_reservation(95_630_131_200, 20 << 20),
             r.capacity,
             "device {device}"
         );
@@ -208,7 +207,7 @@ fn pickle_and_json_copies_decode_to_the_same_recording() {
         // The pickles have stacks, the JSON copies none.
         let mut unstacked = pickled.segments.clone();
         for b in unstacked.iter_mut().flat_map(|s| s.blocks.iter_mut()) {
-            b.stack = gpumem::trace::StackId::EMPTY;
+            b.stack = gpumem::recording::StackId::EMPTY;
         }
         assert_eq!(unstacked, json.segments, "{name}");
         assert!(pickled.frames.frame_count() > 0, "{name}: frames kept");
@@ -305,7 +304,7 @@ fn what_if_compares_configurations() {
     assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 4);
     assert_eq!(svg.matches("class=\"band\"").count(), 2);
     // Each point holds the most of its stretch: the series' peak is the replay's.
-    let most = |f: fn(&gpumem::trace::SeriesPoint) -> u64| recorded.series.iter().map(f).max();
+    let most = |f: fn(&gpumem::replay::SeriesPoint) -> u64| recorded.series.iter().map(f).max();
     assert_eq!(most(|p| p.reserved), Some(recorded.peak_reserved));
     assert_eq!(most(|p| p.allocated), Some(recorded.peak_allocated));
 }
@@ -397,7 +396,7 @@ fn bad_inputs_get_clear_errors() {
     bomb.write_all(&vec![b'N'; 64 << 20]).expect("compress");
     let bomb = bomb.finish().expect("compress");
     assert!(bomb.len() < 1 << 20);
-    let err = gpumem::trace::parse_recording_with_limit(&bomb, 1 << 20).expect_err("bomb");
+    let err = gpumem::recording::parse_recording_with_limit(&bomb, 1 << 20).expect_err("bomb");
     assert!(
         matches!(
             err,
@@ -462,7 +461,7 @@ fn costs_per_byte(inputs: &[Vec<u8>]) -> Vec<(f64, f64)> {
     inputs
         .iter()
         .map(|p| {
-            let (result, cost) = gpumem::trace::parse_recording_with(p, Default::default());
+            let (result, cost) = gpumem::recording::parse_recording_with(p, Default::default());
             result.unwrap_or_else(|e| panic!("{} bytes: {e}", p.len()));
             assert_eq!(cost.input_bytes, p.len() as u64);
             let bytes = cost.input_bytes as f64;
@@ -508,7 +507,7 @@ fn a_pickle_of_nones_is_held_in_proportion_and_within_the_budget() {
     let sizes = [1 << 18, 1 << 20, 1 << 22];
     for n in sizes {
         // A list is no snapshot: the reading cost is what is measured.
-        let (result, cost) = gpumem::trace::parse_recording_with(&nones(n), Default::default());
+        let (result, cost) = gpumem::recording::parse_recording_with(&nones(n), Default::default());
         assert!(
             matches!(result, Err(TraceError::Schema { .. })),
             "{result:?}"
@@ -522,11 +521,11 @@ fn a_pickle_of_nones_is_held_in_proportion_and_within_the_budget() {
         assert!(work < 3.0, "{n}: {work:.1} work a None");
     }
     // Past the budget: a clear error at the offset it was crossed, not an abort.
-    let limits = gpumem::trace::ReadLimits {
+    let limits = gpumem::recording::ReadLimits {
         max_memory_bytes: 8 << 20,
         ..Default::default()
     };
-    let (result, _) = gpumem::trace::parse_recording_with(&nones(1 << 22), limits);
+    let (result, _) = gpumem::recording::parse_recording_with(&nones(1 << 22), limits);
     let err = result.expect_err("over budget");
     assert!(
         matches!(err, TraceError::MemoryBudget { limit, offset } if limit == 8 << 20 && offset < 1 << 22),
@@ -537,11 +536,11 @@ fn a_pickle_of_nones_is_held_in_proportion_and_within_the_budget() {
     gz.write_all(&nones(128 << 20)).expect("compress");
     let gz = gz.finish().expect("compress");
     assert!(gz.len() < 1 << 20);
-    let limits = gpumem::trace::ReadLimits {
+    let limits = gpumem::recording::ReadLimits {
         max_memory_bytes: 256 << 20,
         ..Default::default()
     };
-    let (result, cost) = gpumem::trace::parse_recording_with(&gz, limits);
+    let (result, cost) = gpumem::recording::parse_recording_with(&gz, limits);
     assert!(
         matches!(result, Err(TraceError::MemoryBudget { .. })),
         "{result:?}"
@@ -691,10 +690,10 @@ fn own_snapshots_round_trip_through_replay() {
 /// A what-if replay of `rec` under `conf` (its recorded configuration for `None`), from a
 /// fresh start or from the recorded segments.
 fn what_if(
-    rec: &gpumem::trace::Recording,
+    rec: &gpumem::recording::Recording,
     conf: Option<&str>,
     fresh_start: bool,
-) -> gpumem::trace::ReplayReport {
+) -> gpumem::replay::ReplayReport {
     let options = ReplayOptions {
         config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
         fresh_start,
@@ -1138,7 +1137,7 @@ fn the_plot_opens_in_chromium_with_labelled_axes_and_a_legend_clear_of_the_data(
 #[test]
 fn a_cursor_goes_back_on_its_own_allocator_and_only_forward_on_the_callers() {
     use gpumem::device::{SimConfig, SimDevice};
-    use gpumem::trace::replay::{Cursor, Readings, ReplayError};
+    use gpumem::replay::{Cursor, Readings, ReplayError};
 
     let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("read");
     let options = ReplayOptions::default();

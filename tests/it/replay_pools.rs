@@ -5,7 +5,8 @@
 use gpumem::CachingAllocator;
 use gpumem::allocator::{PoolId, PoolOptions, RouteKind, StreamFilter};
 use gpumem::device::SimDevice;
-use gpumem::trace::{Divergence, ReplayOptions, parse_recording, replay};
+use gpumem::recording::parse_recording;
+use gpumem::replay::{Divergence, ReplayOptions, replay};
 use serde_json::{Value, json};
 
 use crate::common::{
@@ -338,7 +339,7 @@ pub(crate) fn graph_oom_recording() -> Value {
 #[test]
 fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
     use crate::common::succeeded;
-    use gpumem::trace::explain::{At, explain};
+    use gpumem::explain::{At, explain};
     use std::process::Command;
 
     let v = graph_oom_recording();
@@ -581,7 +582,7 @@ fn a_released_pool_on_expandable_segments_replays_its_unmaps() {
 
 #[test]
 fn settings_are_tried_where_the_request_fits_beside_a_graphs_cache() {
-    use gpumem::trace::explain::{At, explain};
+    use gpumem::explain::{At, explain};
 
     // 80 MiB cached in a graph's pool; 60 MiB free in 20 MiB pieces between live blocks of
     // the default pool. The 40 MiB request fails; the graph's cache is the largest part, but

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use gpumem::allocator::{BlockState, TraceAction};
 use gpumem::device::StreamId;
-use gpumem::trace::explain::{At, explain};
-use gpumem::trace::read_recording;
-use gpumem::trace::replay::{Readings, ReplayOptions, state_after};
+use gpumem::explain::{At, explain};
+use gpumem::recording::read_recording;
+use gpumem::replay::{Readings, ReplayOptions, state_after};
 
 use crate::agent::{Reaper, free_port, http_get, wait_for};
 use crate::browser::Browser;

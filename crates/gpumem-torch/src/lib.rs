@@ -119,7 +119,7 @@ fn config() -> AllocatorConfig {
 fn plan(path: &str) -> Option<Arc<Plan>> {
     static PLAN: OnceLock<Option<Arc<Plan>>> = OnceLock::new();
     PLAN.get_or_init(
-        || match gpumem::trace::plan::read_plan_file(std::path::Path::new(path)) {
+        || match gpumem::plan::read_plan_file(std::path::Path::new(path)) {
             Ok(plan) => Some(Arc::new(plan)),
             Err(e) => {
                 report(&format!("{e}; running without a plan"));

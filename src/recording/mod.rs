@@ -1,10 +1,13 @@
-//! Recorded allocator traces: reading PyTorch memory snapshots and replaying them.
+//! Recordings: reading PyTorch memory snapshots. The analyses (`crate::replay`,
+//! `crate::explain`, `crate::plan`) start from what this module reads and never reach into
+//! how.
 //!
 //! A snapshot (`torch.cuda.memory._dump_snapshot`) holds the allocator's final `segments`
 //! and, when history was recorded, each device's trace of events, each with its stack. It
 //! arrives as a pickle or as the same schema in JSON, either optionally gzipped.
 //! [`read_recording`] streams any of them once into a [`Recording`], stack frames interned
-//! ([`Frames`]); [`replay()`] runs a device's trace through the allocator core.
+//! ([`Frames`]) and each event's pool inferred where the trace records none
+//! ([`event_pools`]); [`state_summary`] describes the final state.
 //!
 //! # Invariants
 //! - Reading never executes anything from the file. It streams the input through a fixed
@@ -14,19 +17,14 @@
 //! - Every error names what was expected and where (byte offset, JSON line, or the path of
 //!   the offending field).
 
-pub mod block_stacks;
 mod doc;
 pub mod event_pools;
-pub mod explain;
 pub mod frames;
 mod input;
 mod json;
 mod memo;
 mod pickle;
-pub mod plan;
-pub mod replay;
 mod schema;
-pub mod start_state;
 mod summary;
 
 use std::io::Read;
@@ -34,10 +32,6 @@ use std::path::Path;
 
 pub use crate::allocator::SimulatedDevice;
 pub use frames::{Frame, FrameId, Frames, StackId, StringId};
-pub use replay::{
-    Divergence, Readings, ReplayError, ReplayOptions, ReplayReport, SeriesPoint, replay,
-    replay_following, replay_with_progress,
-};
 pub use schema::{Format, RecordedBlock, RecordedSegment, Recording};
 pub use summary::state_summary;
 

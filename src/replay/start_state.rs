@@ -16,7 +16,7 @@ use crate::allocator::{BlockState, PoolId, RestoredBlock, TraceAction};
 use crate::config::AllocatorConfig;
 use crate::device::StreamId;
 
-use super::Recording;
+use crate::recording::Recording;
 
 /// A segment as it was when the trace started.
 #[derive(Clone, Debug, PartialEq, Eq)]

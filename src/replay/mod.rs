@@ -36,6 +36,7 @@ mod compare;
 mod engine;
 mod order;
 mod report;
+pub mod start_state;
 
 use std::sync::Arc;
 
@@ -46,13 +47,13 @@ use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry}
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 
-use super::Recording;
-use super::event_pools::InferredPools;
-use super::start_state::StartStateError;
+use crate::recording::Recording;
+use crate::recording::event_pools::InferredPools;
 use engine::{Engine, ReleaseReading};
 pub use order::OrderingReport;
 use order::{Derivation, Found};
 pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
+use start_state::StartStateError;
 
 /// The device memory assumed when neither the recording nor the user says: the 80 GiB of
 /// the GPUs behind the shared recordings.
@@ -414,7 +415,7 @@ fn start_addresses(
     options: &ReplayOptions,
 ) -> Result<Vec<u64>, ReplayError> {
     let config = recording.config.clone().unwrap_or_default();
-    let start = super::start_state::start_state(recording, options.device, &config)?;
+    let start = start_state::start_state(recording, options.device, &config)?;
     Ok(start.segments.iter().map(|s| s.address).collect())
 }
 
@@ -785,8 +786,16 @@ fn run_with(
     let driver_time_before = engine.alloc.device().stats().driver_time_ns;
     engine.run(progress)?;
 
-    let stats = engine.alloc.memory_stats();
-    let get = |key: &str| stats.get(key).copied().unwrap_or(0).max(0) as u64;
+    let stats = engine.alloc.stats();
+    let count = |value: i64| value.max(0) as u64;
+    let peak_allocated = count(stats.allocated_bytes.all().peak);
+    let peak_reserved = count(stats.reserved_bytes.all().peak);
+    let device_allocs = count(stats.num_device_alloc.get());
+    let device_frees = count(stats.num_device_free.get());
+    let alloc_retries = count(stats.num_alloc_retries.get());
+    let ooms = count(stats.num_ooms.get()) + engine.start_ooms;
+    let plan_hits = count(stats.num_plan_hits.get());
+    let plan_misses = count(stats.num_plan_misses.get());
     let inferred_pools = recording
         .inferred_pools
         .get(options.device as usize)
@@ -800,14 +809,14 @@ fn run_with(
         },
         events: engine.events.len(),
         start_segments,
-        peak_allocated: get("allocated_bytes.all.peak"),
-        peak_reserved: get("reserved_bytes.all.peak"),
-        device_allocs: get("num_device_alloc"),
-        device_frees: get("num_device_free"),
-        alloc_retries: get("num_alloc_retries"),
-        ooms: get("num_ooms") + engine.start_ooms,
-        plan_hits: engine.alloc.stats().num_plan_hits.get().max(0) as u64,
-        plan_misses: engine.alloc.stats().num_plan_misses.get().max(0) as u64,
+        peak_allocated,
+        peak_reserved,
+        device_allocs,
+        device_frees,
+        alloc_retries,
+        ooms,
+        plan_hits,
+        plan_misses,
         driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
         compared: engine.compared,
         divergence: engine.divergence,

@@ -51,8 +51,8 @@ use crate::config::AllocatorConfig;
 use crate::device::StreamId;
 use crate::rng::XorShift;
 
-use super::Recording;
-use super::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
+use crate::recording::Recording;
+use crate::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
 
 /// The longest iteration planned, in allocations.
 pub const MAX_PERIOD: usize = 8192;

@@ -740,11 +740,11 @@ mod tests {
     #[test]
     fn the_fast_path_reads_fx_frames() {
         let doc = Doc::default();
-        let mut frames = crate::trace::frames::Frames::default();
+        let mut frames = crate::recording::frames::Frames::default();
         // The doc's key ids, interned in the same order.
         for k in ["filename", "line", "name"]
             .into_iter()
-            .chain(crate::trace::doc::FX_KEYS)
+            .chain(crate::recording::doc::FX_KEYS)
         {
             frames.string(k);
         }

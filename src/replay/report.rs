@@ -114,7 +114,7 @@ pub struct ReplayReport {
     pub notes: Vec<String>,
     /// Where the trace records no pools and the snapshot shows private ones: how the
     /// events' pools were inferred (Note [Inferred pools]).
-    pub inferred_pools: Option<crate::trace::event_pools::InferredPools>,
+    pub inferred_pools: Option<crate::recording::event_pools::InferredPools>,
 }
 
 impl ReplayReport {

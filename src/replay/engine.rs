@@ -37,9 +37,9 @@ use crate::allocator::{
     TraceEntry,
 };
 use crate::device::{DevicePtr, SimDevice, StreamId};
-use crate::trace::Recording;
-use crate::trace::event_pools::unsplit_pools;
-use crate::trace::start_state::{StartSegment, start_state};
+use crate::recording::Recording;
+use crate::recording::event_pools::unsplit_pools;
+use crate::replay::start_state::{StartSegment, start_state};
 
 use super::order::{Derivation, RunReadings};
 use super::report::{Compared, Divergence, SeriesPoint, describe};

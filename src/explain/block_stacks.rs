@@ -13,9 +13,9 @@
 
 use rustc_hash::FxHashMap;
 
-use super::Recording;
-use super::frames::{ContextId, StackId};
 use crate::allocator::{TraceAction, TraceEntry};
+use crate::recording::Recording;
+use crate::recording::frames::{ContextId, StackId};
 
 /// The allocating stacks of the live blocks after `events` (a prefix of a device's trace).
 pub struct BlockStacks {

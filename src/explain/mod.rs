@@ -24,6 +24,8 @@
 //!   cached), each over the whole trace within the memory the job had, so a
 //!   candidate without OOMs is one `gpumem replay --available --config` confirms.
 
+pub mod block_stacks;
+
 use serde::Serialize;
 
 use crate::allocator::breakdown::{self, Accounting};
@@ -32,12 +34,12 @@ use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, PoolId, TraceAction};
 use crate::device::StreamId;
 
-use super::Recording;
-use super::replay::{
+use crate::allocator::FitOrder;
+use crate::recording::Recording;
+use crate::replay::{
     DEFAULT_CAPACITY, Divergence, MAX_CAPACITY, OrderingReport, Readings, ReplayError,
     ReplayOptions, state_after,
 };
-use crate::allocator::FitOrder;
 
 /// Which moment to explain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -604,7 +606,7 @@ fn pinning(
 ) -> Vec<PinGroup> {
     use rustc_hash::FxHashMap;
 
-    let stacks = super::block_stacks::BlockStacks::new(recording, device, events);
+    let stacks = block_stacks::BlockStacks::new(recording, device, events);
     // Grouped by the frame they are named by (stacks that differ only below it are one).
     let mut groups: FxHashMap<String, PinGroup> = FxHashMap::default();
     for segment in snapshot
@@ -656,9 +658,9 @@ fn pinning(
 }
 
 /// An empty group for `stack`, named by its frames.
-fn group_of(recording: &Recording, stack: super::frames::StackId) -> PinGroup {
+fn group_of(recording: &Recording, stack: crate::recording::frames::StackId) -> PinGroup {
     let f = &recording.frames;
-    let name = |id: super::frames::FrameId| f.describe(id);
+    let name = |id: crate::recording::frames::FrameId| f.describe(id);
     let frames = f.frames_of(stack);
     // The program's own code: a Python file that is not torch's.
     let own = frames.iter().copied().find(|&id| {

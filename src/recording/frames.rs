@@ -85,7 +85,7 @@ pub struct FxNode {
 }
 
 impl FxNode {
-    /// The node of a frame's `fx_*` fields in [`crate::trace::doc`]'s `FX_KEYS` order (op,
+    /// The node of a frame's `fx_*` fields in [`crate::recording::doc`]'s `FX_KEYS` order (op,
     /// name, original trace, info), if any of them is set.
     pub(crate) fn of(fields: [Option<StringId>; 4]) -> Option<FxNode> {
         let [op, name, original_trace, info] = fields;
