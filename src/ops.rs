@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::allocator::{
-    AllocError, FitOrder, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion, PoolId,
-    PoolOptions, RouteKind, ShareableHandle, StreamFilter,
+    AllocError, FitOrder, Plan, PlanEntry, PlanRegion, PoolId, PoolOptions, RouteKind,
+    ShareableHandle, StreamFilter,
 };
 use crate::device::{DeviceError, SimConfig, SimDevice};
 use crate::rng::XorShift;
@@ -174,13 +174,7 @@ pub fn random_plan(seed: u64) -> Plan {
             }
         })
         .collect();
-    Plan {
-        format: PLAN_FORMAT.to_string(),
-        version: PLAN_VERSION,
-        regions,
-        entries,
-        source: None,
-    }
+    Plan { regions, entries }
 }
 
 impl Op {

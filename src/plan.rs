@@ -40,12 +40,11 @@
 use std::ops::Range;
 
 use rustc_hash::FxHashMap;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::allocator::size::{ROUND_LARGE, round_size};
 use crate::allocator::{
-    MAX_PLAN_ENTRIES, PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry, PlanRegion, PlanSource,
-    TraceAction, TraceEntry,
+    MAX_PLAN_ENTRIES, Plan, PlanEntry, PlanError, PlanRegion, TraceAction, TraceEntry,
 };
 use crate::config::AllocatorConfig;
 use crate::device::StreamId;
@@ -113,8 +112,11 @@ pub enum PlanningError {
 /// A plan and what the planner found.
 #[derive(Clone, Debug, Serialize)]
 pub struct Planned {
-    /// The plan, as `gpumem plan -o` writes it.
+    /// The plan.
     pub plan: Plan,
+    /// Where it came from and what the planner found: with the plan, its file
+    /// ([`Planned::file`]).
+    pub source: PlanSource,
     /// The planned iteration: its first allocation and length (allocations), how many
     /// iterations ran in a row, its events.
     pub first_allocation: usize,
@@ -131,6 +133,13 @@ pub struct Planned {
     pub region_bytes: u64,
     /// The most bytes the planned allocations hold at once.
     pub lower_bound_bytes: u64,
+}
+
+impl Planned {
+    /// The plan file `gpumem plan -o` writes.
+    pub fn file(&self) -> PlanFile {
+        PlanFile::new(&self.plan, Some(self.source.clone()))
+    }
 }
 
 /// One allocation of the trace.
@@ -212,8 +221,6 @@ pub fn plan(
         .map(|(a, _)| a.size)
         .sum();
     let plan = Plan {
-        format: PLAN_FORMAT.to_string(),
-        version: PLAN_VERSION,
         regions: placement.regions,
         entries: iteration
             .iter()
@@ -225,22 +232,23 @@ pub fn plan(
                 persistent: offset.is_none(),
             })
             .collect(),
-        source: Some(PlanSource {
-            recording: name.to_string(),
-            device: options.device,
-            first_allocation: first,
-            period,
-            iterations,
-            events: [start, end],
-            evaluated: [end, evaluated_end],
-            lower_bound_bytes: placement.lower_bound,
-            persistent_bytes,
-        }),
+    };
+    let source = PlanSource {
+        recording: name.to_string(),
+        device: options.device,
+        first_allocation: first,
+        period,
+        iterations,
+        events: [start, end],
+        evaluated: [end, evaluated_end],
+        lower_bound_bytes: placement.lower_bound,
+        persistent_bytes,
     };
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
     Ok(Planned {
         region_bytes: plan.region_bytes(),
         plan,
+        source,
         first_allocation: first,
         period,
         iterations,
@@ -648,6 +656,95 @@ fn greedy(items: &[Item], order: &[usize], best_fit: bool, work: &mut u64) -> (V
 /// The largest plan file read.
 pub const MAX_PLAN_FILE_BYTES: u64 = 256 << 20;
 
+/// The plan file's `format` field.
+pub const PLAN_FORMAT: &str = "gpumem-plan";
+/// The plan file's version this build reads and writes.
+pub const PLAN_VERSION: u32 = 1;
+
+/// A plan file (`gpumem plan -o`, `plan:PATH`): the [`Plan`] the allocator follows, with its
+/// format, version and where it came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    /// Always [`PLAN_FORMAT`].
+    pub format: String,
+    /// Always [`PLAN_VERSION`].
+    pub version: u32,
+    /// One region per stream.
+    pub regions: Vec<PlanRegion>,
+    /// The iteration's allocations in order.
+    pub entries: Vec<PlanEntry>,
+    /// Where the plan came from and what the planner found (informative only).
+    #[serde(default)]
+    pub source: Option<PlanSource>,
+}
+
+impl PlanFile {
+    /// The file of `plan`, made from `source`.
+    pub fn new(plan: &Plan, source: Option<PlanSource>) -> PlanFile {
+        PlanFile {
+            format: PLAN_FORMAT.to_string(),
+            version: PLAN_VERSION,
+            regions: plan.regions.clone(),
+            entries: plan.entries.clone(),
+            source,
+        }
+    }
+
+    /// The plan the allocator follows.
+    pub fn plan(&self) -> Plan {
+        Plan {
+            regions: self.regions.clone(),
+            entries: self.entries.clone(),
+        }
+    }
+}
+
+/// What the planner found (informative: the allocator does not read it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanSource {
+    /// The recording's file name.
+    pub recording: String,
+    /// The device whose trace was planned.
+    pub device: u32,
+    /// Index (among the trace's allocations) of the planned iteration's first allocation.
+    pub first_allocation: usize,
+    /// Allocations per iteration.
+    pub period: usize,
+    /// Iterations found in a row, the planned one included.
+    pub iterations: usize,
+    /// Trace events of the planned iteration: `[first, end)`.
+    pub events: [usize; 2],
+    /// Trace events the plan is evaluated on (the iterations after it): `[first, end)`.
+    pub evaluated: [usize; 2],
+    /// The most bytes the planned allocations hold at once: no placement needs less.
+    pub lower_bound_bytes: u64,
+    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks, some
+    /// tried at an offset first).
+    pub persistent_bytes: u64,
+}
+
+/// Why a plan file's text is not a plan to follow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanFormatError {
+    /// Not JSON of the plan file's shape.
+    #[error("not a gpumem plan: {0}")]
+    Malformed(String),
+    /// Another format or version.
+    #[error(
+        "a plan of format {format:?} version {version}; this build reads {PLAN_FORMAT:?} version {PLAN_VERSION}"
+    )]
+    Version {
+        /// The file's format field.
+        format: String,
+        /// The file's version field.
+        version: u32,
+    },
+    /// A plan the allocator cannot follow.
+    #[error(transparent)]
+    Invalid(#[from] PlanError),
+}
+
 /// Why a plan file cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanFileError {
@@ -671,7 +768,7 @@ pub enum PlanFileError {
         /// The file.
         path: String,
         /// Why.
-        source: crate::allocator::PlanError,
+        source: PlanFormatError,
     },
 }
 
@@ -679,7 +776,7 @@ pub enum PlanFileError {
 ///
 /// # Errors
 /// A [`PlanFileError`] naming the file.
-pub fn read_plan_file(path: &std::path::Path) -> Result<Plan, PlanFileError> {
+pub fn read_plan_file(path: &std::path::Path) -> Result<PlanFile, PlanFileError> {
     use std::io::Read as _;
     let name = path.display().to_string();
     let io = |source| PlanFileError::Io {
@@ -698,15 +795,21 @@ pub fn read_plan_file(path: &std::path::Path) -> Result<Plan, PlanFileError> {
     parse_plan(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
 }
 
-/// Reads a plan from its JSON text and validates it.
+/// Reads a plan file's JSON text, its plan validated ([`Plan::validate`]).
 ///
 /// # Errors
-/// A [`crate::allocator::PlanError`] saying what is wrong.
-pub fn parse_plan(text: &str) -> Result<Plan, crate::allocator::PlanError> {
-    let plan: Plan = serde_json::from_str(text)
-        .map_err(|e| crate::allocator::PlanError::Malformed(e.to_string()))?;
-    plan.validate()?;
-    Ok(plan)
+/// A [`PlanFormatError`] saying what is wrong.
+pub fn parse_plan(text: &str) -> Result<PlanFile, PlanFormatError> {
+    let file: PlanFile =
+        serde_json::from_str(text).map_err(|e| PlanFormatError::Malformed(e.to_string()))?;
+    if file.format != PLAN_FORMAT || file.version != PLAN_VERSION {
+        return Err(PlanFormatError::Version {
+            format: file.format,
+            version: file.version,
+        });
+    }
+    file.plan().validate()?;
+    Ok(file)
 }
 
 /// A plan's evaluation on the events it was not made from.

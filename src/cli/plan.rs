@@ -137,7 +137,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         }
     }
     if let Some(path) = &args.output {
-        let text = serde_json::to_string_pretty(&planned.plan)?;
+        let text = serde_json::to_string_pretty(&planned.file())?;
         std::fs::write(path, text + "\n").map_err(|e| super::file_error(path, e))?;
     }
     if args.json {
@@ -163,7 +163,6 @@ fn print_text(
     offline: bool,
     rows: &[Row],
 ) -> std::io::Result<()> {
-    let source = planned.plan.source.as_ref();
     outln!(
         "iteration: {} allocations from allocation {} (events {}..{}), {} in a row",
         planned.period,
@@ -175,7 +174,7 @@ fn print_text(
     for r in &planned.plan.regions {
         outln!("region on stream {:#x}: {}", r.stream, format_size(r.bytes))?;
     }
-    let persistent = source.map_or(0, |s| s.persistent_bytes);
+    let persistent = planned.source.persistent_bytes;
     let persistent_count = planned.plan.entries.iter().filter(|e| e.persistent).count();
     let tried = planned
         .plan

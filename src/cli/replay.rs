@@ -61,15 +61,14 @@ pub(crate) struct Args {
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
-    let plan = args
+    let plan_file = args
         .plan
         .as_deref()
         .map(gpumem::plan::read_plan_file)
-        .transpose()?
-        .map(std::sync::Arc::new);
-    let device = args
-        .device
-        .or_else(|| plan.as_ref()?.source.as_ref().map(|s| s.device));
+        .transpose()?;
+    let source = plan_file.as_ref().and_then(|f| f.source.as_ref());
+    let plan = plan_file.as_ref().map(|f| std::sync::Arc::new(f.plan()));
+    let device = args.device.or_else(|| source.map(|s| s.device));
     let devices: Vec<u32> = match device {
         Some(d) => vec![d],
         None => recording
@@ -104,7 +103,7 @@ pub(crate) fn run(args: Args) -> CliResult {
             .get(device as usize)
             .map_or(0, Vec::len);
         // A plan made from this recording is evaluated on what it was not made from.
-        let window = plan.as_ref().map(|p| match &p.source {
+        let window = plan.as_ref().map(|_| match source {
             Some(s) if s.recording == name && s.device == device => s.evaluated[0]..s.evaluated[1],
             _ => 0..events,
         });

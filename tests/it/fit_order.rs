@@ -409,7 +409,7 @@ fn releases_go_through_the_pools_in_their_order() {
 
 #[test]
 fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
-    use gpumem::allocator::{PLAN_FORMAT, PLAN_VERSION, Plan, PlanEntry};
+    use gpumem::allocator::{Plan, PlanEntry};
     let persistent = PlanEntry {
         size: 4 * MIB,
         stream: gpumem::StreamId(0),
@@ -417,11 +417,8 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
         persistent: true,
     };
     let plan = std::sync::Arc::new(Plan {
-        format: PLAN_FORMAT.to_string(),
-        version: PLAN_VERSION,
         regions: Vec::new(),
         entries: vec![persistent, persistent],
-        source: None,
     });
     for order in [FitOrder::Address, FitOrder::Counter] {
         let mut a = allocator(order);

@@ -140,7 +140,7 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
         SimDevice::new(SimConfig::with_capacity(1 << 30)),
         AllocatorConfig::default(),
     );
-    alloc.set_plan(Arc::new(plan)).expect("valid");
+    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(MIB, s).expect("fits");
     let other = alloc.malloc(MIB, s).expect("fits");
@@ -188,7 +188,9 @@ fn bundled_recordings_plan_and_replay_alike() {
                 .arg("--json"),
         );
         let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
-        let plan = read_plan_file(&out_plan).expect("the written plan reads back");
+        let plan = read_plan_file(&out_plan)
+            .expect("the written plan reads back")
+            .plan();
         assert_eq!(
             json["plan"]["region_bytes"].as_u64(),
             Some(plan.region_bytes())

@@ -120,7 +120,7 @@ fn plan(path: &str) -> Option<Arc<Plan>> {
     static PLAN: OnceLock<Option<Arc<Plan>>> = OnceLock::new();
     PLAN.get_or_init(
         || match gpumem::plan::read_plan_file(std::path::Path::new(path)) {
-            Ok(plan) => Some(Arc::new(plan)),
+            Ok(file) => Some(Arc::new(file.plan())),
             Err(e) => {
                 report(&format!("{e}; running without a plan"));
                 None

@@ -100,8 +100,8 @@ pub use ipc::ShareableHandle;
 use live::LiveMap;
 use plan::Following;
 pub use plan::{
-    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_FORMAT, PLAN_VERSION,
-    Plan, PlanEntry, PlanError, PlanRegion, PlanSource, PlanStatus, RESYNC_WINDOW,
+    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, Plan, PlanEntry, PlanError,
+    PlanRegion, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
 pub use pool_id::PoolId;

@@ -69,27 +69,15 @@ pub const RESYNC_WINDOW: usize = 16;
 /// Misses in a row after which the plan waits for its first entry again.
 pub const LOST_AFTER: u32 = 16;
 
-/// The plan file's `format` field.
-pub const PLAN_FORMAT: &str = "gpumem-plan";
-/// The plan file's version this build reads and writes.
-pub const PLAN_VERSION: u32 = 1;
-
 /// A placement plan: one iteration's allocations and where each goes. See the module
 /// documentation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Its file (format, version, where it came from) is `gpumem::plan::PlanFile`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Plan {
-    /// Always [`PLAN_FORMAT`].
-    pub format: String,
-    /// Always [`PLAN_VERSION`].
-    pub version: u32,
     /// One region per stream.
     pub regions: Vec<PlanRegion>,
     /// The iteration's allocations in order.
     pub entries: Vec<PlanEntry>,
-    /// Where the plan came from and what the planner found (informative only).
-    #[serde(default)]
-    pub source: Option<PlanSource>,
 }
 
 /// A stream's region.
@@ -121,46 +109,9 @@ pub struct PlanEntry {
     pub persistent: bool,
 }
 
-/// What the planner found (informative: the allocator does not read it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlanSource {
-    /// The recording's file name.
-    pub recording: String,
-    /// The device whose trace was planned.
-    pub device: u32,
-    /// Index (among the trace's allocations) of the planned iteration's first allocation.
-    pub first_allocation: usize,
-    /// Allocations per iteration.
-    pub period: usize,
-    /// Iterations found in a row, the planned one included.
-    pub iterations: usize,
-    /// Trace events of the planned iteration: `[first, end)`.
-    pub events: [usize; 2],
-    /// Trace events the plan is evaluated on (the iterations after it): `[first, end)`.
-    pub evaluated: [usize; 2],
-    /// The most bytes the planned allocations hold at once: no placement needs less.
-    pub lower_bound_bytes: u64,
-    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks, some
-    /// tried at an offset first).
-    pub persistent_bytes: u64,
-}
-
 /// Why a plan cannot be followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
-    /// Not JSON of the plan's shape.
-    #[error("not a gpumem plan: {0}")]
-    Malformed(String),
-    /// Another format or version.
-    #[error(
-        "a plan of format {format:?} version {version}; this build reads {PLAN_FORMAT:?} version {PLAN_VERSION}"
-    )]
-    Version {
-        /// The file's format field.
-        format: String,
-        /// The file's version field.
-        version: u32,
-    },
     /// Something out of bounds or inconsistent, named.
     #[error("invalid plan: {0}")]
     Invalid(String),
@@ -172,12 +123,6 @@ impl Plan {
     /// # Errors
     /// A [`PlanError`] naming the first entry or region at fault.
     pub fn validate(&self) -> Result<(), PlanError> {
-        if self.format != PLAN_FORMAT || self.version != PLAN_VERSION {
-            return Err(PlanError::Version {
-                format: self.format.clone(),
-                version: self.version,
-            });
-        }
         let invalid = |s: String| Err(PlanError::Invalid(s));
         if self.entries.len() > MAX_PLAN_ENTRIES {
             return invalid(format!(
