@@ -46,7 +46,7 @@ use crate::sources::LastOom;
 pub(crate) struct PushedOom {
     size: u64,
     #[serde(default)]
-    stream: u64,
+    stream: StreamId,
     device_total: u64,
     device_free: u64,
     pools: Vec<PushedPool>,
@@ -55,8 +55,10 @@ pub(crate) struct PushedOom {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PushedPool {
+    /// `"small"` or `"large"`, read here rather than by serde so that a refusal quotes at
+    /// most 64 characters of what was sent.
     pool: String,
-    stream: u64,
+    stream: StreamId,
     allocated: u64,
     requested: u64,
     pending_free: u64,
@@ -92,10 +94,10 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
         } else {
             PoolKind::Large
         },
-        stream: StreamId(oom.stream),
+        stream: oom.stream,
     };
     let mut accounting = Accounting::default();
-    let mut seen: Vec<(PoolKind, u64, bool)> = Vec::with_capacity(oom.pools.len());
+    let mut seen: Vec<(PoolKind, StreamId, bool)> = Vec::with_capacity(oom.pools.len());
     for p in &oom.pools {
         let pool = match p.pool.as_str() {
             "small" => PoolKind::Small,
@@ -141,7 +143,7 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
         bytes("the reserved memory", reserved)?;
         accounting.add(
             request,
-            StreamId(p.stream),
+            p.stream,
             pool,
             !p.private,
             &PoolFigures {
