@@ -384,7 +384,7 @@ impl Run {
                 self.alloc.device_mut().fail_allocation_in(1, error);
             }
         }
-        self.alloc.check_invariants()
+        self.alloc.check_invariants().map_err(|e| e.to_string())
     }
 
     fn malloc(&mut self, size: u64, stream: StreamId) -> Result<(), String> {
@@ -424,7 +424,7 @@ impl Run {
         }
         self.alloc.empty_cache().map_err(|e| e.to_string())?;
         self.alloc.clear_plan().map_err(|e| e.to_string())?;
-        self.alloc.check_invariants()?;
+        self.alloc.check_invariants().map_err(|e| e.to_string())?;
         let stats = self.alloc.memory_stats();
         for key in [
             "reserved_bytes.all.current",

@@ -46,7 +46,7 @@ use axum::routing::{get, post};
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
-use crate::telemetry::{Health, Kubelet};
+use crate::telemetry::{Health, Kubelet, Unhealthy};
 
 /// The media type of the Prometheus text exposition format.
 pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -375,7 +375,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     probe(state.health.ready(), "ready\n")
 }
 
-fn probe(result: Result<(), String>, ok: &'static str) -> Response {
+fn probe(result: Result<(), Unhealthy>, ok: &'static str) -> Response {
     match result {
         Ok(()) => ok.into_response(),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),

@@ -81,22 +81,22 @@ impl Health {
     /// `Ok` while every loop keeps finishing rounds, else which ones do not.
     ///
     /// # Errors
-    /// The stalled loops, one line each.
-    pub fn live(&self) -> Result<(), String> {
+    /// [`Unhealthy::Stalled`]: the stalled loops, one line each.
+    pub fn live(&self) -> Result<(), Unhealthy> {
         let now = Instant::now();
         let stalled: Vec<String> = self.beats.iter().filter_map(|b| b.stalled(now)).collect();
         if stalled.is_empty() {
             Ok(())
         } else {
-            Err(stalled.join("\n"))
+            Err(Unhealthy::Stalled(stalled))
         }
     }
 
     /// `Ok` once every loop has finished a round, else which ones have not.
     ///
     /// # Errors
-    /// The loops still in their first round.
-    pub fn ready(&self) -> Result<(), String> {
+    /// [`Unhealthy::Starting`]: the loops still in their first round.
+    pub fn ready(&self) -> Result<(), Unhealthy> {
         let waiting: Vec<&str> = self
             .beats
             .iter()
@@ -106,9 +106,20 @@ impl Health {
         if waiting.is_empty() {
             Ok(())
         } else {
-            Err(format!("first collection not done: {}", waiting.join(", ")))
+            Err(Unhealthy::Starting(waiting))
         }
     }
+}
+
+/// Why the agent is not live or not ready; its text is the probe's answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unhealthy {
+    /// Loops that stopped finishing rounds, each described on its own line.
+    #[error("{}", .0.join("\n"))]
+    Stalled(Vec<String>),
+    /// Loops still in their first round.
+    #[error("first collection not done: {}", .0.join(", "))]
+    Starting(Vec<&'static str>),
 }
 
 #[cfg(test)]
@@ -120,12 +131,9 @@ mod tests {
         let beat = Heartbeat::new("nvml", Duration::from_secs(60));
         let mut health = Health::default();
         health.watch(beat.clone());
-        assert!(
-            health
-                .ready()
-                .expect_err("not ready before a round")
-                .contains("nvml")
-        );
+        let why = health.ready().expect_err("not ready before a round");
+        assert_eq!(why, Unhealthy::Starting(vec!["nvml"]));
+        assert_eq!(why.to_string(), "first collection not done: nvml");
         assert!(health.live().is_ok(), "a loop in its first round is live");
         beat.beat();
         assert!(health.ready().is_ok());
@@ -139,7 +147,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let mut health = Health::default();
         health.watch(beat);
-        let why = health.live().expect_err("stalled");
+        let why = health.live().expect_err("stalled").to_string();
         assert!(why.starts_with("kubelet: no round finished"), "{why}");
         assert!(health.ready().is_ok(), "it did finish a round");
     }

@@ -19,7 +19,7 @@ pub mod pod_resources;
 mod poller;
 pub mod process;
 
-pub use heartbeat::{Health, Heartbeat};
+pub use heartbeat::{Health, Heartbeat, Unhealthy};
 pub use nvml::NvmlSource;
 pub use poller::{Poller, SourceReport};
 

@@ -52,6 +52,11 @@ fn check_array(name: &str, array: &StatArray, small: i64, large: i64) -> Result<
     Ok(())
 }
 
+/// An invariant of the allocator that does not hold: a defect, described.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvariantViolation(pub String);
+
 impl<D: Device> CachingAllocator<D> {
     /// After the mutating operation `op`: with the feature `invariants`, panics if an
     /// invariant broke; passes `result` through.
@@ -70,8 +75,12 @@ impl<D: Device> CachingAllocator<D> {
     /// [`crate::allocator`]); returns the first violation found.
     ///
     /// # Errors
-    /// A description of the first broken invariant.
-    pub fn check_invariants(&self) -> Result<(), String> {
+    /// [`InvariantViolation`]: the first broken invariant, described.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.first_violation().map_err(InvariantViolation)
+    }
+
+    fn first_violation(&self) -> Result<(), String> {
         let mut sums = [Sums::default(); 2];
         let idx = |k: PoolKind| match k {
             Kind::Small => 0,

@@ -96,6 +96,7 @@ use expandable::ExpandableSegment;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
+pub use invariants::InvariantViolation;
 pub use ipc::ShareableHandle;
 use live::LiveMap;
 use plan::Following;
