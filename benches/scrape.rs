@@ -12,8 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gpumem::device::simulated_uuid;
-use gpumem::device::{SimConfig, SimDevice};
+use gpumem::device::{SimConfig, SimDevice, simulated_uuid};
 use gpumem::metrics::{Metrics, ReportReader};
 use gpumem::server::{AppState, app};
 use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};

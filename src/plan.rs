@@ -114,9 +114,10 @@ pub enum PlanningError {
 pub struct Planned {
     /// The plan.
     pub plan: Plan,
-    /// Where it came from and what the planner found: with the plan, its file
-    /// ([`Planned::file`]).
-    pub source: PlanSource,
+    /// The recording's file name.
+    pub recording: String,
+    /// The device whose trace was planned.
+    pub device: u32,
     /// The planned iteration: its first allocation and length (allocations), how many
     /// iterations ran in a row, its events.
     pub first_allocation: usize,
@@ -133,12 +134,25 @@ pub struct Planned {
     pub region_bytes: u64,
     /// The most bytes the planned allocations hold at once.
     pub lower_bound_bytes: u64,
+    /// Bytes of the persistent allocations (they outlive an iteration).
+    pub persistent_bytes: u64,
 }
 
 impl Planned {
-    /// The plan file `gpumem plan -o` writes.
+    /// The plan file `gpumem plan -o` writes: the plan, and where it came from.
     pub fn file(&self) -> PlanFile {
-        PlanFile::new(&self.plan, Some(self.source.clone()))
+        let source = PlanSource {
+            recording: self.recording.clone(),
+            device: self.device,
+            first_allocation: self.first_allocation,
+            period: self.period,
+            iterations: self.iterations,
+            events: [self.events.start, self.events.end],
+            evaluated: [self.evaluated.start, self.evaluated.end],
+            lower_bound_bytes: self.lower_bound_bytes,
+            persistent_bytes: self.persistent_bytes,
+        };
+        PlanFile::new(&self.plan, Some(source))
     }
 }
 
@@ -233,22 +247,14 @@ pub fn plan(
             })
             .collect(),
     };
-    let source = PlanSource {
-        recording: name.to_string(),
-        device: options.device,
-        first_allocation: first,
-        period,
-        iterations,
-        events: [start, end],
-        evaluated: [end, evaluated_end],
-        lower_bound_bytes: placement.lower_bound,
-        persistent_bytes,
-    };
+
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
     Ok(Planned {
         region_bytes: plan.region_bytes(),
         plan,
-        source,
+        recording: name.to_string(),
+        device: options.device,
+        persistent_bytes,
         first_allocation: first,
         period,
         iterations,

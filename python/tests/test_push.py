@@ -679,12 +679,15 @@ class PusherOutcomes(unittest.TestCase):
         from gpumem_push import Pusher
         pusher = Pusher()
         self.addCleanup(pusher.stop)
-        # The thread finds no torch in this process and idles; the pushes below are direct.
         pusher.start(url=url, interval=60)
         return pusher
 
     def test_each_push_says_what_became_of_it(self):
+        import sys
         from gpumem_push import Outcome, Pusher
+        # The pushers' threads find no torch in this process and idle: the pushes below are
+        # the only ones.
+        self.assertNotIn("torch", sys.modules)
         torch = self.torch()
         self.assertIs(Pusher().push(torch).outcome, Outcome.EMPTY, "not started")
 

@@ -174,7 +174,7 @@ fn print_text(
     for r in &planned.plan.regions {
         outln!("region on stream {:#x}: {}", r.stream, format_size(r.bytes))?;
     }
-    let persistent = planned.source.persistent_bytes;
+    let persistent = planned.persistent_bytes;
     let persistent_count = planned.plan.entries.iter().filter(|e| e.persistent).count();
     let tried = planned
         .plan

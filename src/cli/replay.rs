@@ -7,8 +7,9 @@ use gpumem::AllocatorConfig;
 use gpumem::allocator::size::format_size;
 use gpumem::config::Syntax;
 use gpumem::recording::{Recording, state_summary};
-use gpumem::replay::ReplayReport;
-use gpumem::replay::{Readings, ReplayOptions, replay_following, replay_with_progress};
+use gpumem::replay::{
+    Readings, ReplayOptions, ReplayReport, replay_following, replay_with_progress,
+};
 
 use super::{CliResult, Path, ReadArgs, out, outln, parse_bytes};
 

@@ -24,7 +24,7 @@
 //!   cached), each over the whole trace within the memory the job had, so a
 //!   candidate without OOMs is one `gpumem replay --available --config` confirms.
 
-pub mod block_stacks;
+pub(crate) mod block_stacks;
 
 use serde::Serialize;
 

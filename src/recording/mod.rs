@@ -12,7 +12,7 @@
 //! # Invariants
 //! - Reading never executes anything from the file. It streams the input through a fixed
 //!   buffer, within [`ReadLimits`]: at most `max_input_bytes` of input (decompressed data
-//!   included) and at most `max_memory_bytes` held while reading (see `pickle.rs` for what
+//!   included) and at most `max_memory_bytes` held while reading (see `pickle/mod.rs` for what
 //!   counts), whatever the file says; time is linear in the decoded input.
 //! - Every error names what was expected and where (byte offset, JSON line, or the path of
 //!   the offending field).

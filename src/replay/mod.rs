@@ -23,7 +23,8 @@
 //! `mod.rs` holds the public API (options, errors, entry points, the step-by-step
 //! [`Cursor`], on its own allocator or the caller's); `report.rs` what a replay reports;
 //! `engine.rs` the stepper that turns recorded events into operations; `compare.rs` the
-//! comparison with the recording.
+//! comparison with the recording; `order.rs` which best-fit order a recording was made in;
+//! `start_state.rs` the allocator's state at a mid-run trace's first event.
 //!
 //! # Invariants
 //! - Replay drives the core only through its public operations (plus `restore_segment` for
@@ -563,6 +564,9 @@ pub struct Cursor<'a> {
     /// How to start again; `None` on a caller's allocator.
     restart: Option<Restart>,
     engine: Engine<'a>,
+    /// The last position asked for: the engine stands at the first operation boundary at or
+    /// after it, which is where a fresh replay to any event from here to there stands too.
+    requested: usize,
 }
 
 /// What a cursor that owns its allocator starts again from.
@@ -603,6 +607,7 @@ impl<'a> Cursor<'a> {
                 found,
             }),
             engine,
+            requested: 0,
         })
     }
 
@@ -635,6 +640,7 @@ impl<'a> Cursor<'a> {
             recording,
             restart: None,
             engine,
+            requested: 0,
         })
     }
 
@@ -648,15 +654,16 @@ impl<'a> Cursor<'a> {
     }
 
     /// Replays the events before `event` that have not been replayed yet, starting again
-    /// first where the cursor is past it. An operation's events go together (a malloc and
-    /// the segment it obtained), so the position may end a few events past `event`.
+    /// first where the cursor went past it. An operation's events go together (a malloc and
+    /// the segment it obtained), so the position may end a few events past `event`; asking
+    /// again for any event up to that position is then no move at all.
     ///
     /// # Errors
     /// [`ReplayError::Allocator`] when the allocator fails other than by running out of
     /// memory (out-of-memory is counted and replay goes on); [`ReplayError::Rewind`] backward
     /// on a caller's allocator.
     pub fn advance_to(&mut self, event: usize) -> Result<(), ReplayError> {
-        if event < self.engine.position {
+        if event < self.requested {
             let Some(restart) = &self.restart else {
                 return Err(ReplayError::Rewind {
                     position: self.engine.position,
@@ -666,6 +673,7 @@ impl<'a> Cursor<'a> {
             let releases = restart.releases.clone();
             self.engine = engine_for(self.recording, &restart.options, releases, &restart.found)?.0;
         }
+        self.requested = event;
         self.engine.advance(event, &mut |_, _| {})
     }
 

@@ -169,6 +169,7 @@ fn device_key(resource: &str, id: &str) -> Option<String> {
 }
 
 /// Why the kubelet gave no answer.
+#[cfg(feature = "kubelet")]
 #[derive(Debug, thiserror::Error)]
 pub enum KubeletError {
     /// No socket, a refused connection, or a timeout while connecting.

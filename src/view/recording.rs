@@ -26,8 +26,7 @@ use crate::AllocatorConfig;
 use crate::allocator::{FitOrder, TraceAction, TraceEntry};
 use crate::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
 use crate::recording::Recording;
-use crate::replay::ReplayReport;
-use crate::replay::{Cursor, Readings, ReplayError, ReplayOptions, replay_following};
+use crate::replay::{Cursor, Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
 
 use super::segments::{self, SegmentMap};
 use super::timeline::{self, Run};

@@ -10,8 +10,7 @@ use std::time::Duration;
 use gpumem::allocator::PoolId;
 use gpumem::explain::{At, explain};
 use gpumem::recording::{parse_recording, read_recording};
-use gpumem::replay::ReplayError;
-use gpumem::replay::{ReplayOptions, replay};
+use gpumem::replay::{ReplayError, ReplayOptions, replay};
 
 use crate::agent::wait_for;
 use crate::browser::Browser;

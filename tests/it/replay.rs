@@ -1160,6 +1160,11 @@ fn a_cursor_goes_back_on_its_own_allocator_and_only_forward_on_the_callers() {
     // An operation's events go together (a malloc and the segment it obtained).
     let at = on.position();
     assert!((3_000..3_010).contains(&at), "{at}");
+    // Anywhere from the last target to where the operation ended is where it stands.
+    for again in [3_000, at] {
+        on.advance_to(again).expect("no move");
+        assert_eq!(on.position(), at);
+    }
     match on.advance_to(1_000) {
         Err(ReplayError::Rewind { position, target }) => {
             assert_eq!((position, target), (at, 1_000))

@@ -8,8 +8,9 @@
 //! - [`device`]: the device trait, the simulated GPU and (feature `cuda`) the driver.
 //! - [`shared`]: the thread-safe wrapper with lock-free statistics.
 //!
-//! The crate is pure logic: no I/O but the device's, no async, no metrics, JSON or HTTP
-//! library; its dependencies are checked by a test (`tests/it/layout.rs` of `gpumem`).
+//! The crate is pure logic: no I/O but the device's, no async, no metrics, JSON, HTTP or
+//! command-line library; `scripts/check-layers` (in the test command) checks its
+//! dependencies, and `tests/it/layout.rs` that no two of its files depend on each other.
 //! Readers of recordings, the node agent and the tools live in the `gpumem` crate.
 
 pub mod allocator;

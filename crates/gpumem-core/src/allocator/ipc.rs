@@ -13,7 +13,7 @@
 //!
 //! Sharing changes nothing in the allocator: the block stays allocated as long as its
 //! producer's storage lives. What keeps it alive after the producer lets go (the consumers'
-//! reference counts, PyTorch's limbo) lives outside the allocator, in [`crate::ipc`], and
+//! reference counts, PyTorch's limbo) lives outside the allocator, in `gpumem::ipc`, and
 //! gives blocks back through a [`super::FreeMemoryCallback`]. Snapshots and traces record
 //! nothing IPC-specific, as PyTorch's do not.
 

@@ -16,7 +16,7 @@
 //! `private_pool.rs` (Note [Private pools]: CUDA graphs' pools and MemPools),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
 //! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
-//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats.rs`, `ipc.rs`
+//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats/`, `ipc.rs`
 //! (Note [IPC handles]: what sharing a block with another process exports).
 //!
 //! # Note [OOM retry chain]

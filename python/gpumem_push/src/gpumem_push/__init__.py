@@ -52,10 +52,7 @@ from .pusher import Outcome, Pusher, Result
 __version__ = "0.1.0"
 __all__ = ["start", "stop", "stats", "settings", "Pusher", "Outcome", "Result"]
 
-_pusher = Pusher()
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pusher.after_fork_in_child)
+_pusher = Pusher()  # registers its own fork handler
 
 
 def start(url=None, interval=None, labels=None):
@@ -96,4 +93,4 @@ def _autostart():
     if value in ("1", "true", "yes", "on"):
         start()
     elif value not in ("", "0", "false", "no", "off"):
-        _pusher.warn(f"GPUMEM_PUSH={value!r} is neither 1 nor 0; not pushing")
+        _pusher._warn(f"GPUMEM_PUSH={value!r} is neither 1 nor 0; not pushing")

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 from . import config as _config
 from . import readings, transport
@@ -81,6 +82,16 @@ class Pusher:
         self._reset()
         self._observer_state = None  # None: not tried yet; True: attached; False: unavailable
         self._atexit = False
+        if hasattr(os, "register_at_fork"):
+            # Weakly: a Pusher let go of is not kept alive by the interpreter's fork hooks.
+            ref = weakref.ref(self)
+
+            def child():
+                pusher = ref()
+                if pusher is not None:
+                    pusher._after_fork_in_child()
+
+            os.register_at_fork(after_in_child=child)
 
     def _reset(self):
         self._start_time = _start_time()  # this process's: read again in a forked child
@@ -99,7 +110,7 @@ class Pusher:
         self._uuids = {}
         self._warned = set()
 
-    def after_fork_in_child(self):
+    def _after_fork_in_child(self):
         # Threads do not survive fork; a forked child (a DataLoader worker, say) does not push
         # unless it calls start() itself, and never sends its parent's exit push. The
         # observer and the exit hook stay registered, as they are.
@@ -125,14 +136,14 @@ class Pusher:
             observer, used = self._observer_state, sorted(self._used)
         return {
             "running": bool(thread is not None and thread.is_alive()),
-            "url": _config.resolve_url(config.url if config else None, self.warn),
+            "url": _config.resolve_url(config.url if config else None, self._warn),
             "interval": config.interval if config else None,
             "labels": dict(config.labels) if config else {},
             "oom_observer": bool(observer),
             "devices": used,
         }
 
-    def warn(self, message):
+    def _warn(self, message):
         """One line on stderr, once per process per message."""
         with self._lock:
             if message in self._warned:
@@ -144,7 +155,7 @@ class Pusher:
         except Exception:
             pass
 
-    def error(self, error):
+    def _error(self, error):
         with self._lock:
             self._errors += 1
             self._last_error = repr(error)
@@ -167,7 +178,7 @@ class Pusher:
             uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
         except Exception:  # older PyTorch: no uuid property
             uuid = f"GPU-index-{index}"
-        uuid = _config.clean_text(uuid, "the device UUID", self.warn)
+        uuid = _config.clean_text(uuid, "the device UUID", self._warn)
         with self._lock:
             self._uuids[index] = uuid
         return uuid
@@ -193,7 +204,7 @@ class Pusher:
                 device = {"index": index, "uuid": self._uuid(torch, index),
                           "stats": readings.clean_stats(raw)}
             except Exception as error:  # one device's failure does not cost the others
-                self.error(error)
+                self._error(error)
                 continue
             if snapshot is not None:
                 entry = snapshot.get(index, {"largest": 0, "classes": {}})
@@ -218,7 +229,7 @@ class Pusher:
             with self._lock:
                 config = self._config if self._active else None
                 early = min_gap is not None and time.monotonic() - self._last_push < min_gap
-                start_time, last_oom = self._start_time, self._last_oom_wall
+                start_time = self._start_time
             if config is None:
                 return Result(Outcome.EMPTY)
             if early:
@@ -235,24 +246,26 @@ class Pusher:
                 "pid": os.getpid(),
                 "seq": seq,
                 "torch_version": _config.clean_text(str(getattr(torch, "__version__", "")),
-                                                    "torch.__version__", self.warn),
+                                                    "torch.__version__", self._warn),
                 "labels": dict(config.labels),
                 "devices": devices,
             }
-            payload.update(_config.alloc_conf(self.warn))
-            host = readings.host(torch, self.error)
+            payload.update(_config.alloc_conf(self._warn))
+            host = readings.host(torch, self._error)
             if host:
                 payload["host"] = host
             if start_time is not None:
                 payload["start_time"] = start_time
             if reason:
                 payload["reason"] = reason
+            with self._lock:
+                last_oom = self._last_oom_wall
             if last_oom is not None:
                 # When it happened, by this node's clock: the agent tells an OOM it saw from
                 # one it learns of after its own restart.
                 payload["last_oom_unix_seconds"] = last_oom
             body = json.dumps(payload, separators=(",", ":")).encode()
-            url = _config.resolve_url(config.url, self.warn)
+            url = _config.resolve_url(config.url, self._warn)
             try:
                 transport.send(url, body, timeout)
                 with self._lock:
@@ -268,7 +281,7 @@ class Pusher:
                 with self._lock:
                     self._last_push = time.monotonic()
         except Exception as error:
-            self.error(error)
+            self._error(error)
             return Result(Outcome.ERROR)
         finally:
             self._send_lock.release()
@@ -277,7 +290,7 @@ class Pusher:
     # Out-of-memory observer, the thread, exit
 
     def _is_active(self):
-        # A forked child starts inactive (after_fork_in_child); the pid is not compared, as
+        # A forked child starts inactive (_after_fork_in_child); the pid is not compared, as
         # os.getpid() may be wrapped (a container's namespace shims, the tests).
         with self._lock:
             return self._active
@@ -288,7 +301,7 @@ class Pusher:
         if wake is not None:
             wake.set()
 
-    def observe_oom(self, *args):
+    def _observe_oom(self, *args):
         """PyTorch's out-of-memory observer (device, requested, device allocated, device
         free): called on the failing thread before the error is raised."""
         try:
@@ -315,7 +328,7 @@ class Pusher:
                 snapshot = readings.snapshot_summary(torch, readings.oom_request(torch, args))
             except Exception as error:
                 snapshot = None  # pushed without the figures rather than with false ones
-                self.error(error)
+                self._error(error)
             result = self.push(torch, "oom", REASON_TIMEOUT, snapshot,
                                lock_timeout=REASON_TIMEOUT)
             if result.rate_limited or result.outcome is Outcome.BUSY:
@@ -323,7 +336,7 @@ class Pusher:
                     self._oom_pending = (snapshot,)
                 self._wake_thread()
         except Exception as error:
-            self.error(error)
+            self._error(error)
 
     def _attach_observer(self, torch):
         """Attaches the observer once per process, once CUDA is initialised (attaching needs
@@ -342,11 +355,11 @@ class Pusher:
         if attach is None:
             return
         try:
-            attach(self.observe_oom)
+            attach(self._observe_oom)
             with self._lock:
                 self._observer_state = True
         except Exception as error:
-            self.error(error)
+            self._error(error)
 
     def _pending_oom(self, torch, now):
         """Sends an out-of-memory push the failing thread left to the thread."""
@@ -364,7 +377,7 @@ class Pusher:
             try:
                 snapshot = readings.snapshot_summary(torch)
             except Exception as error:
-                self.error(error)
+                self._error(error)
         self.push(torch, "oom", REASON_TIMEOUT, snapshot)
 
     def _run(self, stop, wake):
@@ -406,10 +419,10 @@ class Pusher:
                 wake.wait(max(wait, 0.01))
                 wake.clear()
             except Exception as error:  # never let the thread die on a surprise
-                self.error(error)
+                self._error(error)
                 stop.wait(1.0)
 
-    def at_exit(self):
+    def _at_exit(self):
         """The last push, with "reason": "exit", at interpreter exit (not after stop())."""
         try:
             active = self._is_active()
@@ -430,7 +443,7 @@ class Pusher:
                 time.sleep(min(max(gap, 0.0), MIN_GAP))
                 self.push(torch, "exit", REASON_TIMEOUT, lock_timeout=REASON_TIMEOUT)
         except Exception as error:
-            self.error(error)
+            self._error(error)
 
     # -----------------------------------------------------------------------------------------
     # Start and stop
@@ -443,7 +456,7 @@ class Pusher:
             for key, value in (("url", url), ("interval", interval), ("labels", labels)):
                 if value is not None:
                     explicit[key] = value
-            config = _config.Config.of(explicit, self.warn)
+            config = _config.Config.of(explicit, self._warn)
             with self._lock:
                 self._explicit = explicit
                 self._config = config
@@ -459,12 +472,12 @@ class Pusher:
                 register = not self._atexit
                 self._atexit = True
             if register:
-                atexit.register(self.at_exit)
+                atexit.register(self._at_exit)
             thread.start()
             return thread
         except Exception as error:
-            self.error(error)
-            self.warn(f"could not start: {error!r}")
+            self._error(error)
+            self._warn(f"could not start: {error!r}")
             return None
 
     def stop(self):

@@ -18,7 +18,7 @@
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use super::super::size::PoolKind;
-use super::stat::{Stat, StatArray, StatValue};
+use super::stat::{Stat, StatArray, StatValue, add};
 
 /// `active` or `active_bytes` as an offset from its base, `allocation` or `allocated_bytes`
 /// (Note [Active stats]).
@@ -38,13 +38,6 @@ fn slot(pool: PoolKind) -> usize {
         PoolKind::Small => 0,
         PoolKind::Large => 1,
     }
-}
-
-#[inline]
-pub(super) fn add(cell: &AtomicI64, amount: i64) {
-    // Totals can exceed i64 over a long enough run; like PyTorch's counters they wrap rather
-    // than abort.
-    cell.store(cell.load(Relaxed).wrapping_add(amount), Relaxed);
 }
 
 fn raise(cell: &AtomicI64, value: i64) {

@@ -9,7 +9,13 @@
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use super::super::size::PoolKind;
-use super::active::add;
+
+#[inline]
+pub(super) fn add(cell: &AtomicI64, amount: i64) {
+    // Totals can exceed i64 over a long enough run; like PyTorch's counters they wrap rather
+    // than abort.
+    cell.store(cell.load(Relaxed).wrapping_add(amount), Relaxed);
+}
 
 /// One statistic: current value, peak, and the totals added and removed.
 ///
