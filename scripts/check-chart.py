@@ -319,6 +319,21 @@ if flag(container["args"], "--kubelet-logs") != "/var/log":
     fail(f"default kubelet logs: {container['args']}")
 if pod.get("hostPID") is not True:
     fail("hostPID is not on by default")
+
+# The agent answers to its Service's names (DNS rebinding is refused otherwise), and to more
+# where asked.
+def allowed(args):
+    return [args[i + 1] for i, a in enumerate(args) if a == "--allow-host"]
+
+
+service = rendered({}, "Service")[0]["metadata"]["name"]
+names = allowed(container["args"])
+if not names or names[0] != service or not all(n.startswith(service) for n in names):
+    fail(f"the agent's allowed hosts {names} are not its Service's ({service})")
+extra = allowed(daemonset({"allowedHosts": ["gpumem.example.org"]})["containers"][0]["args"])
+if extra[-1] != "gpumem.example.org" or extra[:-1] != names:
+    fail(f"allowedHosts not passed on: {extra}")
+refused({"allowedHosts": ["evil.example/x"]}, "allowedHosts", "a host name with a slash")
 pod = daemonset({"push": {"enabled": False, "hostPath": "/run/gpumem"},
                  "podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"},
                  "kubeletLogs": {"enabled": False, "hostPath": "/var/log"}})

@@ -44,7 +44,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::allocator::size::{ROUND_LARGE, round_size};
 use crate::allocator::{
-    MAX_PLAN_ENTRIES, Plan, PlanEntry, PlanError, PlanRegion, TraceAction, TraceEntry,
+    MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, Plan, PlanEntry, PlanError, PlanRegion, TraceAction,
+    TraceEntry,
 };
 use crate::config::AllocatorConfig;
 use crate::device::StreamId;
@@ -228,12 +229,6 @@ pub fn plan(
             .map_or(events.len(), |a| a.event)
     };
     let placement = place_iteration(iteration, start, end - start);
-    let persistent_bytes = iteration
-        .iter()
-        .zip(&placement.offsets)
-        .filter(|(_, o)| o.is_none())
-        .map(|(a, _)| a.size)
-        .sum();
     let plan = Plan {
         regions: placement.regions,
         entries: iteration
@@ -243,12 +238,19 @@ pub fn plan(
                 size: a.size,
                 stream: a.stream,
                 offset: offset.or(tried),
-                persistent: offset.is_none(),
+                // A stream left out of the plan: its allocations go to the caching allocator.
+                persistent: offset.is_none() && placement.streams.binary_search(&a.stream).is_ok(),
             })
             .collect(),
     };
 
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
+    let persistent_bytes = plan
+        .entries
+        .iter()
+        .filter(|e| e.persistent)
+        .map(|e| e.size)
+        .sum();
     Ok(Planned {
         region_bytes: plan.region_bytes(),
         plan,
@@ -395,6 +397,8 @@ struct Placement {
     offsets: Vec<Option<u64>>,
     /// Per persistent allocation: the offset tried before its chunk, if any.
     tried: Vec<Option<u64>>,
+    /// The streams planned ([`planned_streams`]), sorted.
+    streams: Vec<StreamId>,
     lower_bound: u64,
 }
 
@@ -429,17 +433,32 @@ impl Item {
     }
 }
 
+/// The streams a plan gives a region and chunks: every stream of the iteration, or, past
+/// [`MAX_PLAN_STREAMS`], those whose allocations take the most bytes (ties by stream), so
+/// that the plan is one its reader accepts; the others' allocations go to the caching
+/// allocator. Sorted by stream.
+fn planned_streams(iteration: &[Allocation]) -> Vec<StreamId> {
+    let mut bytes: FxHashMap<StreamId, u64> = FxHashMap::default();
+    for a in iteration {
+        *bytes.entry(a.stream).or_default() += a.size;
+    }
+    let mut streams: Vec<(StreamId, u64)> = bytes.into_iter().collect();
+    streams.sort_unstable_by_key(|&(stream, b)| (std::cmp::Reverse(b), stream));
+    streams.truncate(MAX_PLAN_STREAMS);
+    let mut kept: Vec<StreamId> = streams.into_iter().map(|(s, _)| s).collect();
+    kept.sort_unstable();
+    kept
+}
+
 /// Places the iteration starting at event `start`, `length` events long.
 fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Placement {
     let mut offsets = vec![None; iteration.len()];
     let mut tried = vec![None; iteration.len()];
     let mut regions = Vec::new();
-    let mut streams: Vec<StreamId> = iteration.iter().map(|a| a.stream).collect();
-    streams.sort_unstable();
-    streams.dedup();
+    let streams = planned_streams(iteration);
     let mut all_items = Vec::new();
     let mut try_work = 0u64;
-    for stream in streams {
+    for &stream in &streams {
         let (indices, items): (Vec<usize>, Vec<Item>) = iteration
             .iter()
             .enumerate()
@@ -473,6 +492,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
         regions,
         offsets,
         tried,
+        streams,
         lower_bound: most_live(&all_items),
     }
 }
@@ -746,6 +766,9 @@ pub enum PlanFormatError {
         /// The file's version field.
         version: u32,
     },
+    /// A `source` that contradicts itself (a window that ends before it starts).
+    #[error("the plan's source: {0}")]
+    Source(String),
     /// A plan the allocator cannot follow.
     #[error(transparent)]
     Invalid(#[from] PlanError),
@@ -813,6 +836,15 @@ pub fn parse_plan(text: &str) -> Result<PlanFile, PlanFormatError> {
             format: file.format,
             version: file.version,
         });
+    }
+    if let Some(s) = &file.source {
+        for (name, [from, to]) in [("events", s.events), ("evaluated", s.evaluated)] {
+            if from > to {
+                return Err(PlanFormatError::Source(format!(
+                    "{name} [{from}, {to}] is reversed"
+                )));
+            }
+        }
     }
     file.plan().validate()?;
     Ok(file)

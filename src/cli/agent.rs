@@ -84,6 +84,11 @@ pub(crate) struct HttpArgs {
     /// beyond loopback that should not show pids, pod names and configurations there.
     #[arg(long, value_enum, default_value_t = Ui::On)]
     ui: Ui,
+    /// A DNS name the agent also answers to (repeatable), for example its Service's when
+    /// Prometheus scrapes through it; IP addresses and the loopback names always are.
+    /// Requests naming anything else (DNS rebinding) get 421.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    allow_host: Vec<String>,
 }
 
 /// Whether the agent serves its page.
@@ -330,6 +335,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui == Ui::On;
+    state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
     state.health.watch(poller.heartbeat());
     state.health.watch(watch.heartbeat.clone());
     let listen = Listen {
@@ -366,6 +372,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui == Ui::On;
+    state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
     state.health.watch(node.heartbeat());
     let listen = Listen {
         address: args.listen,

@@ -81,7 +81,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     if let Some(file) = &args.html {
         let name = super::file_name(&args.trace);
         let page = gpumem::view::explain::page_of(&name, &e, confirm.as_deref());
-        std::fs::write(file, page).map_err(|err| super::file_error(file, err))?;
+        super::write_output(file, page.as_bytes(), &[&args.trace])?;
     }
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&e)?)?;

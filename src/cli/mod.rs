@@ -57,6 +57,60 @@ pub(crate) fn file_error(path: &std::path::Path, e: std::io::Error) -> std::io::
     std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
+/// Writes an output file whole: into a new temporary file beside `path`, then renamed onto
+/// it, so that a reader never sees half a file and a symbolic link put at `path` is
+/// replaced, never written through. Refused when `path` is a symbolic link now, or is one of
+/// `inputs` (`plan rec.json -o rec.json` would replace the recording with its plan).
+pub(crate) fn write_output(
+    path: &std::path::Path,
+    bytes: &[u8],
+    inputs: &[&std::path::Path],
+) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::MetadataExt as _;
+    let refuse = |why: String| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{}: {why}", path.display()),
+        ))
+    };
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if meta.file_type().is_symlink() {
+            return refuse("is a symbolic link: not written through (name its target)".into());
+        }
+        for input in inputs {
+            if std::fs::metadata(input)
+                .is_ok_and(|i| (i.dev(), i.ino()) == (meta.dev(), meta.ino()))
+            {
+                return refuse(format!("is the input {}: not overwritten", input.display()));
+            }
+        }
+    }
+    let Some(name) = path.file_name() else {
+        return refuse("names no file".into());
+    };
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let temporary = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    // `create_new` (O_EXCL) never opens an existing file or follows a link.
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temporary)
+        .and_then(|mut file| file.write_all(bytes))
+        .and_then(|()| std::fs::rename(&temporary, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written.map_err(|e| file_error(path, e))
+}
+
 /// Whether `error` is a write to a closed pipe (the reader went away: a normal end).
 pub(crate) fn is_broken_pipe(error: &(dyn std::error::Error + 'static)) -> bool {
     error

@@ -138,7 +138,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     }
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&planned.file())?;
-        std::fs::write(path, text + "\n").map_err(|e| super::file_error(path, e))?;
+        super::write_output(path, (text + "\n").as_bytes(), &[&args.trace])?;
     }
     if args.json {
         let json = serde_json::json!({

@@ -104,10 +104,10 @@ pub(crate) fn run(args: Args) -> CliResult {
             .get(device as usize)
             .map_or(0, Vec::len);
         // A plan made from this recording is evaluated on what it was not made from.
-        let window = plan.as_ref().map(|_| match source {
-            Some(s) if s.recording == name && s.device == device => s.evaluated[0]..s.evaluated[1],
-            _ => 0..events,
-        });
+        let window = plan
+            .as_ref()
+            .map(|_| plan_window(source, &name, device, events))
+            .transpose()?;
         let mut reports = Vec::new();
         // One check replay finds how the trace's release runs read; every row follows it.
         let mut readings = None;
@@ -177,8 +177,11 @@ pub(crate) fn run(args: Args) -> CliResult {
             })
             .collect();
         let title = super::file_name(&args.trace);
-        std::fs::write(path, gpumem::view::timeline::svg(&title, &runs))
-            .map_err(|e| super::file_error(path, e))?;
+        let svg = gpumem::view::timeline::svg(&title, &runs);
+        let inputs: Vec<&std::path::Path> = std::iter::once(args.trace.as_path())
+            .chain(args.plan.as_deref())
+            .collect();
+        super::write_output(path, svg.as_bytes(), &inputs)?;
     }
     if args.json {
         let json: Vec<_> = results
@@ -442,4 +445,32 @@ fn check(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The events a plan is evaluated on: for a plan made from this recording's device, as
+/// `gpumem plan` evaluates it (the iterations after the planned one, or the planned one
+/// itself where none follow), else the whole trace.
+fn plan_window(
+    source: Option<&gpumem::plan::PlanSource>,
+    name: &str,
+    device: u32,
+    events: usize,
+) -> Result<std::ops::Range<usize>, String> {
+    match source {
+        Some(s) if s.recording == name && s.device == device => {
+            let [from, to] = if s.evaluated[0] < s.evaluated[1] {
+                s.evaluated
+            } else {
+                s.events
+            };
+            if to > events || from >= to {
+                return Err(format!(
+                    "the plan was made from events {}..{} of device {device}, whose trace holds {events}: not this recording",
+                    s.events[0], s.events[1]
+                ));
+            }
+            Ok(from..to)
+        }
+        _ => Ok(0..events),
+    }
 }

@@ -81,8 +81,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     let report = workload.run(&mut alloc, finish_communication)?;
     if let Some(path) = args.snapshot {
-        std::fs::write(&path, serde_json::to_vec(&alloc.snapshot())?)
-            .map_err(|e| super::file_error(&path, e))?;
+        super::write_output(&path, &serde_json::to_vec(&alloc.snapshot())?, &[])?;
     }
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&alloc.memory_stats())?)?;

@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use gpumem::server::view::{allowed_hosts, view_app};
+use gpumem::server::hosts::view_hosts;
+use gpumem::server::view::view_app;
 use gpumem::server::{HttpLimits, serve, shutdown_signal};
 use gpumem::view::recording::RecordingView;
 
@@ -52,7 +53,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 std::io::Error::new(e.kind(), format!("cannot listen on {}: {e}", args.listen))
             })?;
         let address = listener.local_addr()?;
-        let hosts = allowed_hosts(&address.to_string(), address.port());
+        let hosts = view_hosts(&address.to_string(), address.port());
         eprintln!(
             "gpumem view: http://{address}/ ({} ms after reading; Ctrl-C stops)",
             read_done.elapsed().as_millis()

@@ -24,7 +24,8 @@
 //! - A pid the kernel attributed to a socket pusher is never written over TCP.
 //! - Sequence numbers of a process only grow, by at most [`MAX_SEQ_JUMP`] a push.
 //! - A process pushes at most once per `min_interval`, except its `"oom"` and `"exit"`
-//!   pushes (at most [`MAX_REASON_PUSHES`] of them), which must get through.
+//!   pushes, which must get through: a token bucket of [`MAX_REASON_PUSHES`] such pushes
+//!   past the limit, one given back every [`REASON_REFILL`].
 //! - Per-pod OOM counters never decrease; one is dropped `oom_retention` after its last OOM,
 //!   and at most `max_pods` are kept (the stalest evicted first).
 //! - Every refusal has a reason, returned to the client and counted.
@@ -49,8 +50,41 @@ use super::refusal::{Refusal, Rejected};
 
 /// The largest step between two sequence numbers of one process.
 pub const MAX_SEQ_JUMP: u64 = 1 << 20;
-/// `"oom"` and `"exit"` pushes a process may send past the rate limit.
+/// `"oom"` and `"exit"` pushes a process may send past the rate limit in a burst.
 pub const MAX_REASON_PUSHES: u32 = 8;
+/// How often one of those comes back to a process that spent it.
+pub const REASON_REFILL: Duration = Duration::from_secs(60);
+
+/// A process's urgent pushes past the rate limit, spent and not yet given back (a token
+/// bucket of [`MAX_REASON_PUSHES`], refilled one per [`REASON_REFILL`]).
+#[derive(Clone, Copy, Debug)]
+struct Allowance {
+    spent: u32,
+    /// When the oldest spent one started coming back.
+    since: Instant,
+}
+
+impl Allowance {
+    fn new(now: Instant) -> Allowance {
+        Allowance {
+            spent: 0,
+            since: now,
+        }
+    }
+
+    /// The allowance at `now`: one spent push given back per whole [`REASON_REFILL`].
+    fn at(self, now: Instant) -> Allowance {
+        let elapsed = now.saturating_duration_since(self.since).as_nanos();
+        let back = (elapsed / REASON_REFILL.as_nanos()).min(u128::from(self.spent)) as u32;
+        if back == self.spent {
+            return Allowance::new(now);
+        }
+        Allowance {
+            spent: self.spent - back,
+            since: self.since + REASON_REFILL * back,
+        }
+    }
+}
 
 /// Ingest settings.
 #[derive(Clone, Copy, Debug)]
@@ -108,7 +142,7 @@ struct Tracked {
     start_time: Option<u64>,
     /// When it was seen to end.
     ended: Option<Instant>,
-    reason_pushes: u32,
+    allowance: Allowance,
     /// OOMs it counted at its last push, over its devices.
     ooms: u64,
     series: usize,
@@ -347,7 +381,8 @@ impl PushStore {
             })
             .collect();
         // Only pushes that needed the allowance use it up.
-        let reason_pushes = old.map_or(0, |t| t.reason_pushes) + u32::from(urgent);
+        let mut allowance = old.map_or(Allowance::new(now), |t| t.allowance.at(now));
+        allowance.spent += u32::from(urgent);
         let ended = old
             .and_then(|t| t.ended)
             .or_else(|| (push.reason == Reason::Exit).then_some(now));
@@ -383,7 +418,7 @@ impl PushStore {
                 kernel_pid,
                 start_time,
                 ended,
-                reason_pushes,
+                allowance,
                 ooms,
                 series,
                 sources,
@@ -421,7 +456,7 @@ impl PushStore {
         if !soon {
             return Ok(false);
         }
-        if push.reason != Reason::Interval && t.reason_pushes < MAX_REASON_PUSHES {
+        if push.reason != Reason::Interval && t.allowance.at(now).spent < MAX_REASON_PUSHES {
             return Ok(true);
         }
         Err(Rejected::new(

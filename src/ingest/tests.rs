@@ -9,7 +9,7 @@ use crate::telemetry::cgroup::{self, ContainerRef};
 
 use super::limits::MAX_BODY_BYTES;
 use super::refusal::Refusal;
-use super::store::{IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore};
+use super::store::{IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore, REASON_REFILL};
 
 fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
     serde_json::json!({
@@ -396,6 +396,35 @@ fn sequence_numbers_and_urgent_pushes() {
             start + Duration::from_secs(1),
         )
         .expect_err("past the urgent allowance");
+    assert_eq!(err.refusal, Refusal::RateLimited);
+    // The allowance comes back, one push per REASON_REFILL: not a lifetime budget.
+    let later = start + Duration::from_secs(1) + REASON_REFILL;
+    store
+        .push_at(&payload(1, seq, ok()), None, later)
+        .expect("periodic");
+    seq += 1;
+    store
+        .push_at(&with_reason(1, seq, "oom", seq), None, later)
+        .expect("one urgent push given back");
+    seq += 1;
+    let err = store
+        .push_at(&with_reason(1, seq, "oom", seq), None, later)
+        .expect_err("only one");
+    assert_eq!(err.refusal, Refusal::RateLimited);
+    let much_later = later + REASON_REFILL * 2 * MAX_REASON_PUSHES;
+    store
+        .push_at(&payload(1, seq, ok()), None, much_later)
+        .expect("periodic");
+    for _ in 0..MAX_REASON_PUSHES {
+        seq += 1;
+        store
+            .push_at(&with_reason(1, seq, "oom", seq), None, much_later)
+            .expect("the whole allowance back, no more");
+    }
+    seq += 1;
+    let err = store
+        .push_at(&with_reason(1, seq, "oom", seq), None, much_later)
+        .expect_err("the bucket holds no more than its size");
     assert_eq!(err.refusal, Refusal::RateLimited);
 }
 

@@ -512,7 +512,7 @@ impl Val {
             Val::None => "None",
             Val::Bool(_) => "a bool",
             Val::Int(_) => "an int",
-            Val::BigInt => "an int wider than 64 bits",
+            Val::BigInt => "an int outside the signed 64-bit range",
             Val::Float(_) => "a float",
             Val::Str(_) => "a string",
             Val::Frame(_) => "a dict",

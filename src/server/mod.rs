@@ -29,6 +29,7 @@
 //! (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels), 8 MiB idle. The chart's
 //! limit is 128 MiB.
 
+pub mod hosts;
 mod listen;
 pub mod view;
 
@@ -47,6 +48,7 @@ use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::{Health, Kubelet, Unhealthy};
+use hosts::AgentHosts;
 
 /// The media type of the Prometheus text exposition format.
 pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -70,6 +72,8 @@ pub struct AppState {
     pub ui: bool,
     /// The allocators exported, for the live page's segment maps of those this process holds.
     pub sources: AllocatorSources,
+    /// The `Host` values answered (DNS rebinding: `hosts.rs`).
+    pub hosts: AgentHosts,
 }
 
 /// Push bodies read at once, by default: 8 × 512 KiB at most.
@@ -88,6 +92,7 @@ impl AppState {
             health: Health::default(),
             ui: true,
             sources: AllocatorSources::default(),
+            hosts: AgentHosts::default(),
         }
     }
 }
@@ -138,14 +143,42 @@ pub fn app(state: AppState) -> Router {
     if !state.ui {
         page = page.route_layer(axum::middleware::from_fn(ui_off));
     }
+    // Everything but the probes (no data, and the kubelet's own Host) answers only to the
+    // agent's names (`hosts.rs`).
     Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
         .route("/", get(index))
         .route("/api/v1/push", post(push))
         .merge(page)
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            check_host,
+        ))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .with_state(state)
+}
+
+/// Refuses (421) a request whose `Host` the agent does not answer to; one without a `Host`
+/// (HTTP/1.0: not a browser's) is answered.
+async fn check_host(
+    State(state): State<AppState>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let allowed = match request.headers().get(header::HOST) {
+        None => true,
+        Some(host) => host.to_str().is_ok_and(|h| state.hosts.allows(h)),
+    };
+    if allowed {
+        next.run(request).await
+    } else {
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this agent answers to its addresses, the loopback names and the names given with --allow-host (Host header)\n",
+        )
+            .into_response()
+    }
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

@@ -54,18 +54,6 @@ pub const REPLAYS_AT_ONCE: usize = 2;
 /// How long a request waits for its turn before it is refused (503).
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The `Host` values a view listening on `port` answers to, beside `listen` itself: the
-/// loopback names, with the port or without (a rebinding page's requests carry its own
-/// host name, never these).
-pub fn allowed_hosts(listen: &str, port: u16) -> Vec<String> {
-    let mut hosts = vec![listen.to_ascii_lowercase()];
-    for name in ["localhost", "127.0.0.1", "[::1]"] {
-        hosts.push(format!("{name}:{port}"));
-        hosts.push(name.to_string());
-    }
-    hosts
-}
-
 /// The view's router: `view` served to clients whose `Host` is one of `hosts`.
 pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
     let state = ViewState {

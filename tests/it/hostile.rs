@@ -587,3 +587,135 @@ fn demo_ends_on_sigterm_with_a_request_half_sent() {
     );
     drop(half);
 }
+
+/// Outputs are written whole and only where they were asked for: an output path that is a
+/// symbolic link is refused and its target left alone, an output onto the input recording
+/// is refused and the recording left alone, and a written output leaves no temporary file
+/// behind.
+#[test]
+fn outputs_never_go_through_a_link_or_onto_an_input() {
+    let dir = temp_dir("cli-outputs");
+    let trace = dir.join("trace.json.gz");
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("data/traces/cs336_attention_tiny_complete.noframes.json.gz"),
+        &trace,
+    )
+    .expect("copied");
+    let original = std::fs::read(&trace).expect("read");
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let run = |args: &[&OsStr]| Command::new(gpumem).args(args).output().expect("runs");
+    let os = |s: &str| OsStr::new(s).to_owned();
+
+    // A link at the output path: refused, its target untouched.
+    let victim = dir.join("victim.txt");
+    std::fs::write(&victim, "keep me").expect("write");
+    let link = dir.join("why.html");
+    std::os::unix::fs::symlink(&victim, &link).expect("link");
+    let out = run(&[
+        &os("explain"),
+        trace.as_os_str(),
+        &os("--at"),
+        &os("peak"),
+        &os("--html"),
+        link.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("symbolic link"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&victim).expect("read"), "keep me");
+
+    // The plan onto its own recording: refused, the recording intact.
+    let out = run(&[&os("plan"), trace.as_os_str(), &os("-o"), trace.as_os_str()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is the input"), "{stderr}");
+    assert_eq!(std::fs::read(&trace).expect("read"), original);
+
+    // A plain output: written whole, nothing left beside it.
+    let page = dir.join("page.html");
+    let out = run(&[
+        &os("explain"),
+        trace.as_os_str(),
+        &os("--at"),
+        &os("peak"),
+        &os("--html"),
+        page.as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        std::fs::read_to_string(&page)
+            .expect("written")
+            .contains("</html>")
+    );
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .expect("listed")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DNS rebinding: a request naming the agent by a name it was not given gets 421 on every
+/// route that shows data (pids, pod names, configurations, series), while addresses, the
+/// loopback names and `--allow-host` names are answered, and the probes answer whatever the
+/// `Host`.
+#[test]
+fn the_agent_answers_only_to_its_addresses_and_names() {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("gpumem-hosts-{port}.log"));
+    let _serve = spawn_serve(
+        port,
+        &log,
+        None,
+        &[
+            OsStr::new("--allow-host"),
+            OsStr::new("gpumem.monitoring.svc"),
+        ],
+    );
+    let status = |path: &str, host: &str| -> u16 {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+        .expect("sent");
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).expect("a status line");
+        String::from_utf8_lossy(&head[9..12])
+            .parse()
+            .expect("a status")
+    };
+    for path in ["/metrics", "/api/v1/node", "/api/v1/segments?pid=1", "/"] {
+        for host in [
+            "evil.example",
+            &format!("evil.example:{port}"),
+            "127.0.0.1.nip.io",
+        ] {
+            assert_eq!(status(path, host), 421, "{path} {host}");
+        }
+        for host in [
+            format!("127.0.0.1:{port}"),
+            format!("[::1]:{port}"),
+            "10.20.30.40:9417".to_string(),
+            format!("localhost:{port}"),
+            "gpumem.monitoring.svc:9417".to_string(),
+        ] {
+            assert_ne!(status(path, &host), 421, "{path} {host}");
+        }
+    }
+    assert_eq!(status("/metrics", "10.20.30.40:9417"), 200);
+    for probe in ["/healthz", "/readyz"] {
+        assert_ne!(status(probe, "evil.example"), 421, "{probe}");
+    }
+    let _ = std::fs::remove_file(&log);
+}

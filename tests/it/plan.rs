@@ -435,3 +435,74 @@ fn hostile_recordings_plan_or_refuse_without_panicking() {
         }
     }
 }
+
+/// A trace on more streams than a plan holds regions for: `gpumem plan` plans the streams that
+/// take the most bytes and leaves the others to the caching allocator, so its own reader
+/// takes what it wrote; a plan file whose source window is reversed is refused by name, and
+/// `replay --plan` refuses a source window outside the recording's trace.
+#[test]
+fn plans_agree_with_their_reader_on_every_bound() {
+    use gpumem::CachingAllocator;
+    use gpumem::allocator::MAX_PLAN_STREAMS;
+    use gpumem::device::{SimConfig, SimDevice, StreamId};
+    use gpumem::plan::{PlanFormatError, parse_plan};
+    const MIB: u64 = 1 << 20;
+    let streams = MAX_PLAN_STREAMS as u64 + 6;
+    let mut a = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(64 << 30)),
+        AllocatorConfig::default(),
+    );
+    a.record_history(Some(1 << 20));
+    for _ in 0..4 {
+        for k in 1..=streams {
+            let p = a.malloc(k * MIB, StreamId(k)).expect("fits");
+            a.free(p).expect("live");
+        }
+    }
+    let json = serde_json::to_vec(&a.snapshot()).expect("serialises");
+    let recording = gpumem::recording::parse_recording(&json).expect("reads");
+    let planned = plan(&recording, "streams.json", &PlanOptions::default()).expect("planned");
+    assert_eq!(planned.period as u64, streams);
+    assert_eq!(planned.plan.regions.len(), MAX_PLAN_STREAMS);
+    // The six streams of the fewest bytes are left out: neither placed nor persistent.
+    for e in &planned.plan.entries {
+        let planned_stream = e.stream.0 > 6;
+        assert_eq!(e.offset.is_some() || e.persistent, planned_stream, "{e:?}");
+    }
+    let file = planned.file();
+    let text = serde_json::to_string(&file).expect("serialises");
+    assert_eq!(parse_plan(&text).expect("its reader takes it"), file);
+
+    let mut reversed = file.clone();
+    reversed.source.as_mut().expect("a source").evaluated = [10, 5];
+    let text = serde_json::to_string(&reversed).expect("serialises");
+    let error = parse_plan(&text).expect_err("a reversed window");
+    assert!(matches!(error, PlanFormatError::Source(_)), "{error}");
+    assert!(
+        error.to_string().contains("evaluated [10, 5] is reversed"),
+        "{error}"
+    );
+
+    // A plan naming this recording with a window past its trace.
+    let dir = temp_dir("plan-window");
+    let trace = dir.join("streams.json");
+    std::fs::write(&trace, &json).expect("write");
+    let mut outside = file;
+    outside.source.as_mut().expect("a source").evaluated = [0, 1 << 30];
+    let plan_path = dir.join("outside.plan.json");
+    std::fs::write(
+        &plan_path,
+        serde_json::to_vec(&outside).expect("serialises"),
+    )
+    .expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .arg("replay")
+        .arg(&trace)
+        .arg("--plan")
+        .arg(&plan_path)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not this recording"), "{stderr}");
+}

@@ -1175,3 +1175,19 @@ fn a_cursor_goes_back_on_its_own_allocator_and_only_forward_on_the_callers() {
     let back = on.finish().expect("finished");
     assert_eq!(back.memory_stats()["reserved_bytes.all.current"], 0);
 }
+
+/// A JSON number of 2^63 or more fits 64 bits unsigned: the refusal says what is wrong with
+/// it (outside the signed range the schema's ints have), not that it is wider than 64 bits.
+#[test]
+fn an_int_past_the_signed_64_bit_range_is_named_so() {
+    let text = r#"{"segments": [{"device": 0, "address": 0, "total_size": 9223372036854775808,
+        "stream": 0, "segment_type": "large", "allocated_size": 0, "active_size": 0,
+        "requested_size": 0, "blocks": []}], "device_traces": [[]]}"#;
+    let error = parse_recording(text.as_bytes()).expect_err("refused");
+    let message = error.to_string();
+    assert!(
+        message.contains("an int outside the signed 64-bit range"),
+        "{message}"
+    );
+    assert!(message.contains("total_size"), "{message}");
+}
