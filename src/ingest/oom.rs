@@ -37,7 +37,7 @@ use serde::Deserialize;
 use super::limits::{MAX_BYTES, MAX_COUNT, MAX_POOLS};
 use super::refusal::{Rejected, invalid};
 use crate::allocator::breakdown::{Accounting, PoolFigures, Request};
-use crate::allocator::size::{PoolKind, SMALL_BUFFER};
+use crate::allocator::size::{MIN_BLOCK_SIZE, PoolKind, SMALL_BUFFER};
 use crate::device::StreamId;
 use crate::sources::LastOom;
 
@@ -132,7 +132,10 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
                 p.stream
             )));
         }
-        if p.segments_with_free >= MAX_COUNT as u64 || (p.segments_with_free == 0) != (p.free == 0)
+        // Each segment with free memory holds a free block of at least 512 bytes.
+        if p.segments_with_free >= MAX_COUNT as u64
+            || (p.segments_with_free == 0) != (p.free == 0)
+            || p.segments_with_free > p.free / MIN_BLOCK_SIZE
         {
             return Err(at(format!(
                 "the {pool} pool of stream {}: {} segments with free bytes for {} free bytes",

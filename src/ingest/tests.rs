@@ -705,6 +705,15 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
             "segments with free",
         ),
         (
+            // 2^53 - 1 segments sharing 1 MiB: none could hold a 512-byte block.
+            serde_json::json!([pool("large", 0, 0, 0, mib, mib, (1u64 << 53) - 1)]),
+            "segments with free",
+        ),
+        (
+            serde_json::json!([pool("large", 0, 0, 0, mib, 512, 2049)]),
+            "2049 segments with free bytes for 1048576 free bytes",
+        ),
+        (
             serde_json::json!([pool("large", 0, 0, 0, 1u64 << 60, 0, 1)]),
             "not below 2^60",
         ),

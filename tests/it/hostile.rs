@@ -79,14 +79,14 @@ fn hostile_requests_are_refused_with_their_reason() {
     let started = Instant::now();
     let response = raw(
         port,
-        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{",
+        b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{",
     );
     assert_eq!(status(&response), Some(413), "{response}");
     assert!(started.elapsed() < Duration::from_secs(5));
     // Expect: 100-continue over the limit: no "100 Continue", the refusal.
     let response = raw(
         port,
-        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1048576\r\nExpect: 100-continue\r\n\r\n",
+        b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1048576\r\nExpect: 100-continue\r\n\r\n",
     );
     assert!(!response.contains("100 Continue"), "{response}");
     assert_eq!(status(&response), Some(413), "{response}");
@@ -98,7 +98,7 @@ fn hostile_requests_are_refused_with_their_reason() {
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     stream
-        .write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pid\"")
+        .write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pid\"")
         .expect("write");
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);
@@ -109,7 +109,7 @@ fn hostile_requests_are_refused_with_their_reason() {
     // A broken chunk size.
     let response = raw(
         port,
-        b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
     );
     assert_eq!(status(&response), Some(400), "{response}");
     assert_eq!(counter(port, "truncated"), 2.0, "the bad chunk too");
@@ -143,7 +143,7 @@ fn slow_clients_cannot_hold_the_agent() {
     // Partial headers: closed by the agent after the header timeout.
     let mut partial = TcpStream::connect(("127.0.0.1", port)).expect("connects");
     partial
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         .expect("write");
     partial
         .set_read_timeout(Some(Duration::from_secs(5)))
@@ -158,7 +158,7 @@ fn slow_clients_cannot_hold_the_agent() {
     );
     // An idle keep-alive connection after a response: closed too.
     let mut idle = TcpStream::connect(("127.0.0.1", port)).expect("connects");
-    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .expect("write");
     idle.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
@@ -183,7 +183,7 @@ fn slow_clients_cannot_hold_the_agent() {
 
     // A request half sent, then SIGTERM: the agent ends within its shutdown bound.
     let mut half = TcpStream::connect(("127.0.0.1", port)).expect("connects");
-    half.write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    half.write_all(b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         .expect("write");
     std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
@@ -408,7 +408,7 @@ fn peak_rss_kib(pid: u32) -> u64 {
 
 fn post(port: u16, body: &[u8]) -> Option<u16> {
     let mut head = format!(
-        "POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();
@@ -515,7 +515,7 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
     let slow: Vec<TcpStream> = (0..12)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connects");
-            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 .expect("write");
             s
         })
@@ -569,7 +569,7 @@ fn demo_ends_on_sigterm_with_a_request_half_sent() {
     );
     assert!(wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some());
     let mut half = TcpStream::connect(("127.0.0.1", port)).expect("connects");
-    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         .expect("write");
     let started = Instant::now();
     let term = Command::new("kill")

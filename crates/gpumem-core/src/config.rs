@@ -767,11 +767,17 @@ impl Parser {
     /// A non-negative decimal integer (PyTorch's `toSizeT`).
     fn unsigned(&mut self, option: &str) -> Result<u64, String> {
         let v = self.value(option)?;
-        let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
-        digits
-            .then(|| v.parse::<u64>().ok())
-            .flatten()
-            .ok_or_else(|| format!("`{option}` must be a non-negative integer, not `{v}`"))
+        if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!(
+                "`{option}` must be a non-negative integer, not `{v}`"
+            ));
+        }
+        v.parse::<u64>().map_err(|_| {
+            format!(
+                "`{option}` is {v}, past the largest 64-bit size ({})",
+                u64::MAX
+            )
+        })
     }
 
     /// `max_split_size_mb` or `max_non_split_rounding_mb`, in bytes, checked against the
@@ -1315,6 +1321,11 @@ mod tests {
             ("pinned_max_round_threshold_mb:-1", "non-negative integer"),
             ("pinned_max_cached_size_mb:1.5", "non-negative integer"),
             ("pinned_free_catch_all:on", "`True` or `False`"),
+            // A non-negative integer, but no 64-bit size: named as such.
+            (
+                "max_split_size_mb:18446744073709551616",
+                "past the largest 64-bit size (18446744073709551615)",
+            ),
         ]);
     }
 
