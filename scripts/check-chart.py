@@ -328,8 +328,9 @@ def allowed(args):
 
 service = rendered({}, "Service")[0]["metadata"]["name"]
 names = allowed(container["args"])
-if not names or names[0] != service or not all(n.startswith(service) for n in names):
-    fail(f"the agent's allowed hosts {names} are not its Service's ({service})")
+expected = [service, f"{service}.gpu-monitoring.svc", f"{service}.gpu-monitoring.svc.cluster.local"]
+if names != expected:
+    fail(f"the agent's allowed hosts {names}, not its Service's {expected}")
 extra = allowed(daemonset({"allowedHosts": ["gpumem.example.org"]})["containers"][0]["args"])
 if extra[-1] != "gpumem.example.org" or extra[:-1] != names:
     fail(f"allowedHosts not passed on: {extra}")

@@ -12,7 +12,9 @@
 //!    events) after it was made: then it repeats in the same place every iteration; the
 //!    others are persistent (bumped into chunks, some tried in the region first: step 3).
 //!    `--events A..B` names the iteration instead.
-//! 3. **Placement** (the dynamic storage allocation problem), per stream: lifetimes are
+//! 3. **Placement** (the dynamic storage allocation problem), per stream (at most
+//!    `MAX_PLAN_STREAMS`, those whose allocations take the most bytes; the others' allocations
+//!    are left to the caching allocator, so that the plan's reader takes every plan): lifetimes are
 //!    taken on the iteration's circle (an allocation freed in the next iteration wraps round),
 //!    and allocations are placed one by one at the lowest offset free over their lifetime,
 //!    in several orders (by size, by size × lifetime, by lifetime, by start), first and best

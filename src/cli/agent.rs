@@ -87,7 +87,7 @@ pub(crate) struct HttpArgs {
     /// A DNS name the agent also answers to (repeatable), for example its Service's when
     /// Prometheus scrapes through it; IP addresses and the loopback names always are.
     /// Requests naming anything else (DNS rebinding) get 421.
-    #[arg(long = "allow-host", value_name = "NAME")]
+    #[arg(long = "allow-host", value_name = "NAME", value_parser = parse_host_name)]
     allow_host: Vec<String>,
 }
 
@@ -106,6 +106,24 @@ impl HttpArgs {
             max_connections: self.max_connections as usize,
             shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
         }
+    }
+}
+
+/// A DNS name as `Host` carries it: letters, digits, `-` and `.`, no port, no trailing dot.
+fn parse_host_name(text: &str) -> Result<String, String> {
+    let ok = !text.is_empty()
+        && text.len() <= 253
+        && !text.starts_with('.')
+        && !text.ends_with('.')
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    if ok {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "{text:?} is not a DNS name (letters, digits, '-' and '.'; no port, no trailing dot)"
+        ))
     }
 }
 

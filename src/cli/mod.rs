@@ -57,10 +57,11 @@ pub(crate) fn file_error(path: &std::path::Path, e: std::io::Error) -> std::io::
     std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
-/// Writes an output file whole: into a new temporary file beside `path`, then renamed onto
-/// it, so that a reader never sees half a file and a symbolic link put at `path` is
-/// replaced, never written through. Refused when `path` is a symbolic link now, or is one of
-/// `inputs` (`plan rec.json -o rec.json` would replace the recording with its plan).
+/// Writes an output file whole: into a new temporary file beside `path` (its permissions
+/// where it replaces one), then renamed onto it, so that a reader never sees half a file and
+/// a symbolic link put at `path` is replaced, never written through. Refused when `path` is
+/// a symbolic link now, or is one of `inputs` (`plan rec.json -o rec.json` would replace the
+/// recording with its plan). A device or pipe (`/dev/null`) is written as it is.
 pub(crate) fn write_output(
     path: &std::path::Path,
     bytes: &[u8],
@@ -74,7 +75,8 @@ pub(crate) fn write_output(
             format!("{}: {why}", path.display()),
         ))
     };
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
+    let existing = std::fs::symlink_metadata(path).ok();
+    if let Some(meta) = &existing {
         if meta.file_type().is_symlink() {
             return refuse("is a symbolic link: not written through (name its target)".into());
         }
@@ -85,6 +87,14 @@ pub(crate) fn write_output(
                 return refuse(format!("is the input {}: not overwritten", input.display()));
             }
         }
+        if !meta.is_file() && !meta.is_dir() {
+            // A device, pipe or socket: written in place (renaming over it would replace it).
+            return std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(bytes))
+                .map_err(|e| file_error(path, e));
+        }
     }
     let Some(name) = path.file_name() else {
         return refuse("names no file".into());
@@ -93,17 +103,39 @@ pub(crate) fn write_output(
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(std::path::Path::new("."));
-    let temporary = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    // `create_new` (O_EXCL) never opens an existing file or follows a link.
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temporary)
-        .and_then(|mut file| file.write_all(bytes))
+    // A name no other process picks (pid and clock), tried afresh if taken; only a file this
+    // call created is ever removed.
+    let mut created = None;
+    for attempt in 0..16u32 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let mut temporary = std::ffi::OsString::from(".");
+        temporary.push(name);
+        temporary.push(format!(".{}.{nanos:x}.{attempt}.tmp", std::process::id()));
+        let temporary = dir.join(temporary);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temporary)
+        {
+            Ok(file) => {
+                created = Some((temporary, file));
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(file_error(path, e)),
+        }
+    }
+    let Some((temporary, mut file)) = created else {
+        return refuse("no temporary file could be created beside it".into());
+    };
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| match &existing {
+            Some(meta) => file.set_permissions(meta.permissions()),
+            None => Ok(()),
+        })
         .and_then(|()| std::fs::rename(&temporary, path));
     if written.is_err() {
         let _ = std::fs::remove_file(&temporary);

@@ -465,8 +465,7 @@ fn plan_window(
             };
             if to > events || from >= to {
                 return Err(format!(
-                    "the plan was made from events {}..{} of device {device}, whose trace holds {events}: not this recording",
-                    s.events[0], s.events[1]
+                    "the plan is evaluated on events {from}..{to} of device {device}, whose trace holds {events}: not this recording"
                 ));
             }
             Ok(from..to)

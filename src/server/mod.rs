@@ -13,6 +13,8 @@
 //!   from a page in a browser (an `Origin` header), and never beyond [`MAX_BODY_BYTES`] or
 //!   [`AppState::body_timeout`]: a declared larger body is refused before a byte is read.
 //! - Every refusal is answered with its reason and counted by the ingest.
+//! - Every route but `/healthz` and `/readyz` answers only a `Host` the agent is named by
+//!   (an IP address, a loopback name, an `--allow-host` name: `hosts.rs`); others get 421.
 //! - At most [`DEFAULT_PUSH_SLOTS`] push bodies are read at once (a later push waits up to the
 //!   body timeout, then is refused as `rate_limited`).
 //! - At most [`DEFAULT_SCRAPE_SLOTS`] scrape bodies are in flight at once (later scrapes wait

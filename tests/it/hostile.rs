@@ -659,6 +659,48 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
         .filter(|n| n.ends_with(".tmp"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+    // A device is written in place, never renamed over.
+    let out = run(&[
+        &os("explain"),
+        trace.as_os_str(),
+        &os("--at"),
+        &os("peak"),
+        &os("--html"),
+        &os("/dev/null"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    use std::os::unix::fs::FileTypeExt as _;
+    assert!(
+        std::fs::metadata("/dev/null")
+            .expect("there")
+            .file_type()
+            .is_char_device()
+    );
+    // A replaced file keeps its permissions.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&page, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let out = run(&[
+        &os("explain"),
+        trace.as_os_str(),
+        &os("--at"),
+        &os("peak"),
+        &os("--html"),
+        page.as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mode = std::fs::metadata(&page)
+        .expect("there")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -716,6 +758,16 @@ fn the_agent_answers_only_to_its_addresses_and_names() {
     assert_eq!(status("/metrics", "10.20.30.40:9417"), 200);
     for probe in ["/healthz", "/readyz"] {
         assert_ne!(status(probe, "evil.example"), 421, "{probe}");
+    }
+    // A name given with a port or a trailing dot would never match: refused at start.
+    for bad in ["gpumem.svc:9417", "gpumem.svc.", "gpumem/x", ""] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--allow-host", bad])
+            .output()
+            .expect("runs");
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("is not a DNS name"), "{bad:?}: {stderr}");
     }
     let _ = std::fs::remove_file(&log);
 }

@@ -8,7 +8,9 @@
 //! `GPUMEM_METRICS_LISTEN` set (for example `127.0.0.1:9418`), a background thread serves the
 //! allocators' counters on `/metrics`, with the agent's metric contract, and the agent's live
 //! page at `/` with the segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns
-//! the page off). It never waits for an allocator's lock: figures are read with `try_lock`
+//! the page off). Like the agent it answers only requests addressed to an IP address or a
+//! loopback name, or to a name listed in `GPUMEM_METRICS_ALLOW_HOST` (comma-separated: a
+//! Service's DNS name a scrape goes through). It never waits for an allocator's lock: figures are read with `try_lock`
 //! once a second (a segment list, O(blocks) under the lock, only while the page asks for it).
 //!
 //! # CUDA graphs and MemPools
@@ -368,6 +370,14 @@ fn start_server(listen: &str, sources: AllocatorSources) {
                 let mut state = gpumem::server::AppState::new(metrics, None);
                 state.sources = sources;
                 state.ui = std::env::var("GPUMEM_METRICS_UI").map_or(true, |v| v != "off");
+                let names: Vec<String> = std::env::var("GPUMEM_METRICS_ALLOW_HOST")
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                state.hosts = gpumem::server::hosts::AgentHosts::new(&names);
                 match gpumem::server::bind(address).await {
                     Ok(listener) => {
                         let app = gpumem::server::app(state);
