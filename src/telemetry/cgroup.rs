@@ -19,6 +19,13 @@
 //! - Parsing is total: any text yields `Some` only for a pod UID of the canonical 8-4-4-4-12 hex
 //!   form (or a static pod's 32-hex config hash) and a 64-hex container ID directly below that
 //!   pod's cgroup; everything else is `None`.
+//! - The pod is read where the kubelet's layouts put it, never searched for: the path starts
+//!   at the kubepods root (`kubepods`, `kubepods.slice`), or, under a cgroup namespace, where
+//!   its climb (`..`) lands; only QoS levels may come before the pod, and the pod and its
+//!   container are of one driver (a `.slice` pod holds a `.scope` container). A process whose
+//!   cgroup path merely contains another pod's IDs (made below its own cgroup, or outside
+//!   Kubernetes) is never attributed to that pod; components below the container (a
+//!   container's own sub-cgroups) do not change whose it is.
 //! - CRI-O's `crio-conmon-<id>` monitor is not a container and never matches.
 //! - Reading is bounded ([`MAX_CGROUP_FILE`]); a vanished process is `None`, not an error.
 
@@ -72,21 +79,43 @@ pub fn parse(text: &str) -> Option<ContainerRef> {
 }
 
 fn parse_path(path: &str) -> Option<ContainerRef> {
-    let components: Vec<&str> = path.split('/').filter(|c| !c.is_empty()).collect();
-    // The container's cgroup sits directly below its pod's.
-    components.windows(2).find_map(|pair| {
-        let pod_uid = pod_uid(pair[0])?;
-        let (container_id, runtime) = container(pair[1])?;
-        Some(ContainerRef {
-            pod_uid,
-            container_id,
-            runtime,
-        })
+    let mut components = path.split('/').filter(|c| !c.is_empty()).peekable();
+    // Under a cgroup namespace the path first climbs out of the reader's own cgroup, then
+    // goes on from the ancestor it landed on, inside the kubepods tree.
+    let mut climbed = false;
+    while components.next_if_eq(&"..").is_some() {
+        climbed = true;
+    }
+    let components: Vec<&str> = components.collect();
+    if !climbed && !matches!(components.first(), Some(&("kubepods" | "kubepods.slice"))) {
+        return None;
+    }
+    let at = components.iter().position(|c| !is_qos_level(c))?;
+    let (pod_uid, systemd) = pod_uid(components[at])?;
+    let (container_id, runtime, scope) = container(components.get(at + 1)?)?;
+    (systemd == scope).then_some(ContainerRef {
+        pod_uid,
+        container_id,
+        runtime,
     })
 }
 
-/// `pod<uid>` (cgroupfs) or `kubepods[-<qos>]-pod<uid with _>.slice` (systemd).
-fn pod_uid(component: &str) -> Option<String> {
+/// The kubelet's levels above a pod: its root and QoS classes, under either driver.
+fn is_qos_level(component: &str) -> bool {
+    matches!(
+        component,
+        "kubepods"
+            | "burstable"
+            | "besteffort"
+            | "kubepods.slice"
+            | "kubepods-burstable.slice"
+            | "kubepods-besteffort.slice"
+    )
+}
+
+/// `pod<uid>` (cgroupfs) or `kubepods[-<qos>]-pod<uid with _>.slice` (systemd, `true`).
+fn pod_uid(component: &str) -> Option<(String, bool)> {
+    let systemd = component.ends_with(".slice");
     let raw = match component.strip_suffix(".slice") {
         Some(slice) => {
             let rest = slice.strip_prefix("kubepods")?;
@@ -99,10 +128,12 @@ fn pod_uid(component: &str) -> Option<String> {
         }
         None => component.strip_prefix("pod")?.to_owned(),
     };
-    is_pod_uid(&raw).then_some(raw)
+    is_pod_uid(&raw).then_some((raw, systemd))
 }
 
-fn container(component: &str) -> Option<(String, Runtime)> {
+/// A container's cgroup, its runtime, and whether it is a systemd `.scope`.
+fn container(component: &str) -> Option<(String, Runtime, bool)> {
+    let scope = component.ends_with(".scope");
     let (id, runtime) = if let Some(scope) = component.strip_suffix(".scope") {
         if let Some(id) = scope.strip_prefix("cri-containerd-") {
             (id, Runtime::Containerd)
@@ -118,7 +149,7 @@ fn container(component: &str) -> Option<(String, Runtime)> {
         (component, Runtime::Containerd)
     };
     // `crio-conmon-<id>` fails here: "conmon-..." is not 64 hex digits.
-    is_container_id(id).then(|| (id.to_owned(), runtime))
+    is_container_id(id).then(|| (id.to_owned(), runtime, scope))
 }
 
 /// A pod UID: the canonical 8-4-4-4-12 hex form, or a static pod's 32-hex config hash.
@@ -264,6 +295,41 @@ mod tests {
         ] {
             assert_eq!(parse(text), None, "{text:?}");
         }
+    }
+
+    /// Issue 34, case 7: a path that merely contains another pod's IDs, below the process's
+    /// own cgroup or outside Kubernetes, is never that pod's.
+    #[test]
+    fn another_pods_ids_anywhere_but_the_kubelets_place_are_not_that_pod() {
+        const MINE: &str = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+        let my_id = "b".repeat(64);
+        let uid = UID.replace('-', "_");
+        for text in [
+            // Outside the kubepods tree.
+            format!("0::/system.slice/evil.service/kubepods/burstable/pod{UID}/{ID}\n"),
+            format!("0::/user.slice/pod{UID}/{ID}\n"),
+            format!("0::/evil.slice/kubepods-pod{uid}.slice/cri-containerd-{ID}.scope\n"),
+            // Drivers mixed: a cgroupfs pod with a systemd container, and the reverse.
+            format!("0::/kubepods/burstable/pod{UID}/cri-containerd-{ID}.scope\n"),
+            format!("0::/kubepods.slice/kubepods-pod{uid}.slice/{ID}\n"),
+            // Something other than a QoS level before the pod.
+            format!("0::/kubepods/gold/pod{UID}/{ID}\n"),
+            format!("0::/../../evil/pod{UID}/{ID}\n"),
+        ] {
+            assert_eq!(parse(&text), None, "{text:?}");
+        }
+        // Made below a container's own cgroup: still that container's.
+        let text = format!("0::/kubepods/burstable/pod{MINE}/{my_id}/pod{UID}/{ID}\n");
+        let found = parse(&text).expect("the outer container");
+        assert_eq!(
+            (found.pod_uid.as_str(), found.container_id.as_str()),
+            (MINE, my_id.as_str())
+        );
+        let text = format!(
+            "0::/kubepods.slice/kubepods-pod{}.slice/cri-containerd-{my_id}.scope/kubepods-pod{uid}.slice/cri-containerd-{ID}.scope\n",
+            MINE.replace('-', "_")
+        );
+        assert_eq!(parse(&text).expect("the outer container").pod_uid, MINE);
     }
 
     #[test]
