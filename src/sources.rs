@@ -148,6 +148,32 @@ impl From<&crate::allocator::OutOfMemory> for LastOom {
 }
 
 impl AllocatorSource {
+    /// A gpumem allocator this process holds, on GPU `gpu` (`uuid`) under `config`, with its
+    /// statistics: nothing else published yet (no cached block, no classes, no OOM).
+    pub fn of_gpumem(
+        gpu: u32,
+        uuid: String,
+        pid: u32,
+        config: String,
+        stats: Arc<DeviceStats>,
+    ) -> AllocatorSource {
+        AllocatorSource {
+            gpu,
+            uuid,
+            pid,
+            allocator: AllocatorKind::Gpumem,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            config,
+            stats,
+            largest_free_block: Arc::new(AtomicU64::new(0)),
+            segment_classes: Default::default(),
+            labels: Vec::new(),
+            last_oom_unix_seconds: None,
+            last_oom: Default::default(),
+            segments: Default::default(),
+        }
+    }
+
     /// The explanation of its last OOM, as last published.
     pub fn last_oom(&self) -> Option<LastOom> {
         self.last_oom

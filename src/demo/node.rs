@@ -15,7 +15,7 @@
 //! - The replay thread stops when the node is dropped.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,7 @@ use crate::device::{SimConfig, SimDevice, simulated_uuid};
 use crate::recording::{Recording, parse_recording};
 use crate::replay::{Cursor, ReplayError};
 
-use crate::sources::{AllocatorKind, AllocatorSource};
+use crate::sources::AllocatorSource;
 use crate::telemetry::cgroup::{ContainerRef, Runtime};
 use crate::telemetry::pod_names::{NameDirectory, PodNames};
 use crate::telemetry::pod_resources::PodResources;
@@ -311,21 +311,13 @@ impl SimNode {
                         format!("{settings},{plan}")
                     };
                 }
-                processes.push(Arc::new(AllocatorSource {
+                processes.push(Arc::new(AllocatorSource::of_gpumem(
                     gpu,
-                    uuid: simulated_uuid(gpu),
-                    pid: 10_000 + gpu * 100 + k,
-                    allocator: AllocatorKind::Gpumem,
-                    version: env!("CARGO_PKG_VERSION").to_string(),
-                    config: settings,
-                    stats: Arc::clone(alloc.stats()),
-                    largest_free_block: Arc::new(AtomicU64::new(0)),
-                    segment_classes: Default::default(),
-                    labels: Vec::new(),
-                    last_oom_unix_seconds: None,
-                    last_oom: Default::default(),
-                    segments: Default::default(),
-                }));
+                    simulated_uuid(gpu),
+                    10_000 + gpu * 100 + k,
+                    settings,
+                    Arc::clone(alloc.stats()),
+                )));
                 allocators.push((which, alloc));
             }
         }

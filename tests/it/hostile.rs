@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use std::ffi::OsStr;
 
 use crate::agent::{Reaper, free_port, http_get, spawn_serve, wait_for};
-use crate::common::temp_dir;
+use crate::common::{succeeded, temp_dir};
 
 /// `gpumem serve` on loopback with `extra` arguments, its push socket in `dir`.
 fn serve(dir: &Path, port: u16, extra: &[&str]) -> Reaper {
@@ -606,20 +606,21 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
     let gpumem = env!("CARGO_BIN_EXE_gpumem");
     let run = |args: &[&OsStr]| Command::new(gpumem).args(args).output().expect("runs");
     let os = |s: &str| OsStr::new(s).to_owned();
+    let explain_html = |page: &Path| {
+        let mut command = Command::new(gpumem);
+        command
+            .args(["explain".as_ref(), trace.as_os_str()])
+            .args(["--at", "peak", "--html"])
+            .arg(page);
+        command
+    };
 
     // A link at the output path: refused, its target untouched.
     let victim = dir.join("victim.txt");
     std::fs::write(&victim, "keep me").expect("write");
     let link = dir.join("why.html");
     std::os::unix::fs::symlink(&victim, &link).expect("link");
-    let out = run(&[
-        &os("explain"),
-        trace.as_os_str(),
-        &os("--at"),
-        &os("peak"),
-        &os("--html"),
-        link.as_os_str(),
-    ]);
+    let out = explain_html(&link).output().expect("runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("symbolic link"), "{stderr}");
@@ -634,19 +635,7 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
 
     // A plain output: written whole, nothing left beside it.
     let page = dir.join("page.html");
-    let out = run(&[
-        &os("explain"),
-        trace.as_os_str(),
-        &os("--at"),
-        &os("peak"),
-        &os("--html"),
-        page.as_os_str(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&mut explain_html(&page));
     assert!(
         std::fs::read_to_string(&page)
             .expect("written")
@@ -660,19 +649,7 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
     // A device is written in place, never renamed over.
-    let out = run(&[
-        &os("explain"),
-        trace.as_os_str(),
-        &os("--at"),
-        &os("peak"),
-        &os("--html"),
-        &os("/dev/null"),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&mut explain_html(Path::new("/dev/null")));
     use std::os::unix::fs::FileTypeExt as _;
     assert!(
         std::fs::metadata("/dev/null")
@@ -683,19 +660,7 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
     // A replaced file keeps its permissions.
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&page, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let out = run(&[
-        &os("explain"),
-        trace.as_os_str(),
-        &os("--at"),
-        &os("peak"),
-        &os("--html"),
-        page.as_os_str(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&mut explain_html(&page));
     let mode = std::fs::metadata(&page)
         .expect("there")
         .permissions()

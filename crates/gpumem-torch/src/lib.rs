@@ -35,14 +35,14 @@
 
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use gpumem::allocator::{AllocError, Plan};
 use gpumem::config::Syntax;
 use gpumem::metrics::Metrics;
-use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
+use gpumem::sources::{AllocatorSource, AllocatorSources};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
 
 #[cfg(not(any(feature = "cuda", feature = "sim")))]
@@ -151,21 +151,13 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     report(&format!("device {device}: {e}; running without a plan"));
                 }
                 let allocator = SharedAllocator::new(core);
-                let source = Arc::new(AllocatorSource {
-                    gpu: device as u32,
+                let source = Arc::new(AllocatorSource::of_gpumem(
+                    device as u32,
                     uuid,
-                    pid: std::process::id(),
-                    allocator: AllocatorKind::Gpumem,
-                    version: env!("CARGO_PKG_VERSION").to_string(),
-                    config: settings,
-                    stats: Arc::clone(allocator.stats()),
-                    largest_free_block: Arc::new(AtomicU64::new(0)),
-                    segment_classes: Default::default(),
-                    labels: Vec::new(),
-                    last_oom_unix_seconds: None,
-                    last_oom: Default::default(),
-                    segments: Default::default(),
-                });
+                    std::process::id(),
+                    settings,
+                    Arc::clone(allocator.stats()),
+                ));
                 register_metrics(Arc::clone(&source));
                 Some(DeviceSlot { allocator, source })
             }
