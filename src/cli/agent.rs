@@ -52,6 +52,10 @@ pub(crate) struct ServeArgs {
     /// at least two scrape intervals, so that a job that dies of an OOM is still scraped).
     #[arg(long, default_value_t = 120.0, value_parser = parse_grace)]
     exited_grace: f64,
+    /// Pushed series that processes pushing over TCP may hold together (each a quarter of
+    /// it), of the 10 000 the agent serves: the rest is kept for pushes over the socket.
+    #[arg(long, default_value_t = 2_500, value_parser = clap::value_parser!(u32).range(4..=10_000))]
+    max_tcp_series: u32,
     /// Seconds to wait for another agent still answering on the push socket to go before
     /// taking the socket over (an update that starts the new agent before stopping the old,
     /// or a second agent started by mistake).
@@ -74,7 +78,8 @@ pub(crate) struct HttpArgs {
     /// Seconds a client may leave a response unread before its connection is closed.
     #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
     send_timeout: f64,
-    /// Connections served at once, per listener; more wait until one closes.
+    /// Connections served at once, per listener; a new one is always accepted, closing the
+    /// one that read or wrote nothing for the longest.
     #[arg(long, default_value_t = 384, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_connections: u32,
     /// Seconds given to the requests in flight at shutdown.
@@ -343,6 +348,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     );
     let ingest = IngestConfig {
         exited_grace: Duration::from_secs_f64(args.exited_grace),
+        max_tcp_series: args.max_tcp_series as usize,
         ..IngestConfig::default()
     };
     let mut state = agent_state(

@@ -19,8 +19,10 @@
 //! - At most `max_processes` processes are kept, live and ended together, of which at most
 //!   `max_tcp_processes` pushed over TCP (so invented TCP pids cannot lock out socket
 //!   pushers); their series together stay within `max_series`, the per-pod OOM counters
-//!   included. When a cap is reached, ended processes are evicted first, oldest first;
-//!   only then is a push refused.
+//!   included. Processes pushing over TCP hold at most `max_tcp_series` of them together
+//!   and a quarter of that each, so the rest is always the socket pushers' (a job's first
+//!   push, its OOM push) whatever TCP pushers invent. When a cap is reached, ended
+//!   processes are evicted first, oldest first; only then is a push refused.
 //! - A pid the kernel attributed to a socket pusher is never written over TCP.
 //! - Sequence numbers of a process only grow, by at most [`MAX_SEQ_JUMP`] a push.
 //! - A process pushes at most once per `min_interval`, except its `"oom"` and `"exit"`
@@ -99,6 +101,9 @@ pub struct IngestConfig {
     pub max_tcp_processes: usize,
     /// Most series served for pushes, per-pod OOM counters included.
     pub max_series: usize,
+    /// Most of them held by processes pushing over TCP, together; each such process holds
+    /// at most a quarter of it ([`IngestConfig::tcp_process_series`]).
+    pub max_tcp_series: usize,
     /// Least time between two accepted pushes of one process.
     pub min_interval: Duration,
     /// How long a pod's OOM count is kept after its last OOM.
@@ -124,12 +129,22 @@ impl Default for IngestConfig {
             // About 9 MB of exposition at worst (every label at its bound; measured in
             // tests/it/hostile.rs), a few hundred typical processes.
             max_series: 10_000,
+            // A quarter; a process's share of it (625) is several times what a rank of one
+            // GPU pushes (about 70 series).
+            max_tcp_series: 2_500,
             min_interval: Duration::from_millis(500),
             oom_retention: Duration::from_secs(24 * 3600),
             max_pods: 1024,
             resolve: cgroup::container_of,
             start_time: process::start_time,
         }
+    }
+}
+
+impl IngestConfig {
+    /// The series one process pushing over TCP may hold.
+    pub fn tcp_process_series(&self) -> usize {
+        self.max_tcp_series / 4
     }
 }
 
@@ -480,17 +495,37 @@ impl PushStore {
         now: Instant,
     ) -> Result<(), Rejected> {
         let config = &self.config;
+        if !kernel_pid {
+            let own = state.tracked.get(&pid).map_or(0, |t| t.series) + series;
+            if own > config.tcp_process_series() {
+                return Err(Rejected::new(
+                    Refusal::SeriesBudget,
+                    format!(
+                        "pid {pid} would hold {own} series; a process pushing over TCP holds at most {} (push over the agent's socket)",
+                        config.tcp_process_series()
+                    ),
+                ));
+            }
+        }
         let is_new = !state.tracked.contains_key(&pid);
         let mut processes = state.tracked.len() + usize::from(is_new);
         let mut tcp = state.tracked.values().filter(|t| !t.kernel_pid).count()
             + usize::from(is_new && !kernel_pid);
         let mut total = state.series() + series;
-        let fits = |processes: usize, tcp: usize, total: usize| {
+        let mut tcp_series = state
+            .tracked
+            .values()
+            .filter(|t| !t.kernel_pid)
+            .map(|t| t.series)
+            .sum::<usize>()
+            + if kernel_pid { 0 } else { series };
+        let fits = |processes: usize, tcp: usize, total: usize, tcp_series: usize| {
             processes <= config.max_processes
                 && tcp <= config.max_tcp_processes
                 && total <= config.max_series
+                && tcp_series <= config.max_tcp_series
         };
-        if fits(processes, tcp, total) {
+        if fits(processes, tcp, total, tcp_series) {
             return Ok(());
         }
         let mut ended: Vec<(Instant, u32)> = state
@@ -502,18 +537,22 @@ impl PushStore {
         ended.sort_unstable();
         let mut evict = Vec::new();
         for (_, p) in ended {
-            if fits(processes, tcp, total) {
+            if fits(processes, tcp, total, tcp_series) {
                 break;
             }
             let t = &state.tracked[&p];
-            // An ended socket pusher frees no TCP slot: skip it while only TCP is short.
+            // An ended socket pusher frees nothing of TCP's share: skip it while only that
+            // is short.
             let helps =
                 processes > config.max_processes || total > config.max_series || !t.kernel_pid;
             if !helps {
                 continue;
             }
             processes -= 1;
-            tcp -= usize::from(!t.kernel_pid);
+            if !t.kernel_pid {
+                tcp -= 1;
+                tcp_series -= t.series;
+            }
             total -= t.series;
             evict.push(p);
         }
@@ -523,6 +562,15 @@ impl PushStore {
                 format!(
                     "the push's {series} series would take the agent past its budget of {} pushed series",
                     config.max_series
+                ),
+            ));
+        }
+        if tcp_series > config.max_tcp_series {
+            return Err(Rejected::new(
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take processes pushing over TCP past their share of {} series (push over the agent's socket)",
+                    config.max_tcp_series
                 ),
             ));
         }
@@ -606,6 +654,18 @@ impl PushStore {
     /// Processes kept now, live and ended.
     pub fn tracked_processes(&self) -> usize {
         self.state().tracked.len()
+    }
+
+    /// Series held by processes pushing over TCP.
+    #[cfg(test)]
+    pub(super) fn tcp_series(&self) -> usize {
+        let state = self.state();
+        state
+            .tracked
+            .values()
+            .filter(|t| !t.kernel_pid)
+            .map(|t| t.series)
+            .sum()
     }
 
     /// (result label, count) for the ingest counter: `accepted`, then each refusal.

@@ -315,6 +315,74 @@ fn tcp_pushers_have_a_quota_of_their_own() {
     assert_eq!(store.tracked_processes(), 8);
 }
 
+/// A push of `devices` devices, each with a few size classes.
+fn wide(pid: u32, seq: u64, devices: u32, reason: &str) -> Vec<u8> {
+    let devices: Vec<_> = (0..devices)
+        .map(|i| {
+            serde_json::json!({
+                "index": i, "uuid": format!("GPU-{i}"),
+                "stats": {"allocated_bytes.all.current": 1, "num_ooms": u32::from(reason == "oom")},
+                "largest_free_block": 1,
+                "segments_by_size": (0..8)
+                    .map(|b| serde_json::json!({"size": 1u64 << (21 + b), "segments": 1, "free_bytes": 0}))
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({"pid": pid, "seq": seq, "reason": reason, "devices": devices})
+        .to_string()
+        .into_bytes()
+}
+
+/// Issue 34, case 5: invented TCP pids once filled the whole series budget in a fraction of
+/// a second, and a real job's first push and OOM push over the socket got `series_budget`.
+#[test]
+fn tcp_pushers_cannot_take_the_socket_pushers_series() {
+    let config = config();
+    let (store, sources) = store_with(config);
+    let now = Instant::now();
+    // One TCP identity: never past its quarter of TCP's share, however it grows.
+    let err = store
+        .push_at(&wide(1, 1, 16, "interval"), None, now)
+        .expect_err("16 wide devices are past one TCP process's share");
+    assert_eq!(err.refusal, Refusal::SeriesBudget, "{}", err.message);
+    assert!(err.message.contains("625"), "{}", err.message);
+    // Many identities: each gets its share until TCP's is spent.
+    let mut pid = 100;
+    let refused = loop {
+        pid += 1;
+        assert!(pid < 200, "the TCP share binds");
+        if let Err(e) = store.push_at(&wide(pid, 1, 13, "interval"), None, now) {
+            break e;
+        }
+    };
+    assert_eq!(
+        refused.refusal,
+        Refusal::SeriesBudget,
+        "{}",
+        refused.message
+    );
+    assert!(refused.message.contains("TCP"), "{}", refused.message);
+    let tcp = store.tcp_series();
+    assert!(
+        tcp <= config.max_tcp_series && tcp + 13 * 45 > config.max_tcp_series,
+        "TCP holds {tcp} series, its share {}",
+        config.max_tcp_series
+    );
+    // A real job over the socket: its first push (16 wide devices) and its OOM push.
+    store
+        .push_at(&wide(1, 1, 16, "interval"), Some(5000), now)
+        .expect("a socket pusher's first push");
+    store
+        .push_at(
+            &wide(1, 2, 16, "oom"),
+            Some(5000),
+            now + Duration::from_millis(10),
+        )
+        .expect("its OOM push");
+    assert!(sources.snapshot().iter().any(|s| s.pid == 5000));
+}
+
 #[test]
 fn ended_processes_are_evicted_before_a_push_is_refused() {
     let (store, sources) = store_with(IngestConfig {

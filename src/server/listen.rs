@@ -3,7 +3,8 @@
 //!
 //! # Invariants (budgets)
 //! - At most [`HttpLimits::max_connections`] connections are served at once per listener;
-//!   beyond that, new ones wait in the kernel's backlog until one closes.
+//!   a new one is always accepted, and the one that progressed (read or wrote a byte) least
+//!   recently is closed to make room (`conns.rs`): idle connections cannot keep a probe out.
 //! - A connection that does not send a request's headers within
 //!   [`HttpLimits::header_timeout`], whether new or idle between keep-alive requests, is
 //!   closed; one that keeps a response waiting and reads less than 1 MiB of it per
@@ -19,7 +20,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -29,8 +29,9 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::sync::Semaphore;
 use tower::ServiceExt;
+
+use super::conns::{Connection, Connections};
 
 /// The limits within which connections are served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +41,8 @@ pub struct HttpLimits {
     /// Time a client may leave a response unread (no byte of it accepted) before the
     /// connection is closed.
     pub send_timeout: Duration,
-    /// Connections served at once on one listener.
+    /// Connections served at once on one listener (beyond it, the least recently
+    /// progressed is closed).
     pub max_connections: usize,
     /// Time given to the requests in flight when shutting down.
     pub shutdown_timeout: Duration,
@@ -60,8 +62,9 @@ impl Default for HttpLimits {
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets the requests in flight
-/// finish (within the limit). Requests carry the peer's address as `ConnectInfo`. Accept
-/// errors are retried (as axum does), so serving itself never fails.
+/// finish (within the limit). Requests carry the peer's address as `ConnectInfo`, and their
+/// [`Connection`] as an extension. Accept errors are retried (as axum does), so serving
+/// itself never fails.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -119,34 +122,37 @@ async fn serve_with<L, C>(
     L: Listener,
     C: Clone + Send + Sync + 'static,
 {
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let connections = Connections::new(limits.max_connections);
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
     tokio::pin!(shutdown);
     loop {
-        let slot = tokio::select! {
-            slot = Arc::clone(&slots).acquire_owned() => slot,
-            () = &mut shutdown => break,
-        };
-        let Ok(slot) = slot else { break };
         let (io, addr) = tokio::select! {
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
+        let admitted = connections.admit();
+        let conn = admitted.connection().clone();
         let peer = info(&io, addr);
         let app = app.clone();
+        let tagged = conn.clone();
         let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
             request.extensions_mut().insert(ConnectInfo(peer.clone()));
+            request.extensions_mut().insert(tagged.clone());
             app.clone().oneshot(request)
         });
-        let io = TokioIo::new(StallTimeout::new(io, limits.send_timeout));
+        let io = TokioIo::new(Watched::new(io, conn.clone(), limits.send_timeout));
         let connection = graceful.watch(http.serve_connection(io, service));
         tokio::spawn(async move {
-            // A client's error (a timeout, a reset) ends its connection only.
-            let _ = connection.await;
-            drop(slot);
+            // A client's error (a timeout, a reset) ends its connection only; an eviction
+            // drops it with its request.
+            tokio::select! {
+                _ = connection => {}
+                () = conn.evicted() => {}
+            }
+            drop(admitted);
         });
     }
     stopped();
@@ -165,11 +171,13 @@ async fn serve_with<L, C>(
 /// Bytes a client that keeps the agent waiting must read per send timeout.
 const MIN_PROGRESS: usize = 1 << 20;
 
-/// An I/O stream whose writes fail when a client keeps them waiting and reads less than
-/// [`MIN_PROGRESS`] per `limit`: a client that stops reading, or trickles, cannot hold a
-/// response (and its memory) for long.
-struct StallTimeout<T> {
+/// A connection's I/O stream, telling its [`Connection`] of each byte read or written, whose
+/// writes fail when a client keeps them waiting and reads less than [`MIN_PROGRESS`] per
+/// `limit`: a client that stops reading, or trickles, cannot hold a response (and its
+/// memory) for long.
+struct Watched<T> {
     io: T,
+    conn: Connection,
     limit: Duration,
     /// Started when a write could not proceed; cleared once enough was written since.
     stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
@@ -177,10 +185,11 @@ struct StallTimeout<T> {
     progress: usize,
 }
 
-impl<T> StallTimeout<T> {
-    fn new(io: T, limit: Duration) -> Self {
-        StallTimeout {
+impl<T> Watched<T> {
+    fn new(io: T, conn: Connection, limit: Duration) -> Self {
+        Watched {
             io,
+            conn,
             limit,
             stalled: None,
             progress: 0,
@@ -189,6 +198,9 @@ impl<T> StallTimeout<T> {
 
     /// After a write that proceeded: enough progress clears the timer.
     fn progressed(&mut self, written: usize) {
+        if written > 0 {
+            self.conn.progressed();
+        }
         if self.stalled.is_some() {
             self.progress += written;
             if self.progress >= MIN_PROGRESS {
@@ -217,17 +229,22 @@ impl<T> StallTimeout<T> {
     }
 }
 
-impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StallTimeout<T> {
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<T> {
     fn poll_read(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.conn.progressed();
+        }
+        read
     }
 }
 
-impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallTimeout<T> {
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
     fn poll_write(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,

@@ -15,11 +15,17 @@
 //! - Every refusal is answered with its reason and counted by the ingest.
 //! - Every route but `/healthz` and `/readyz` answers only a `Host` the agent is named by
 //!   (an IP address, a loopback name, an `--allow-host` name: `hosts.rs`); others get 421.
-//! - At most [`DEFAULT_PUSH_SLOTS`] push bodies are read at once (a later push waits up to the
-//!   body timeout, then is refused as `rate_limited`).
+//! - A push body's first [`UNSLOTTED_BODY_BYTES`] are read without a slot (most pushes are
+//!   smaller); past them, at most [`DEFAULT_PUSH_SLOTS`] bodies are read at once from TCP
+//!   peers and as many from the socket (a later one waits up to the body timeout, then is
+//!   refused as `rate_limited`).
 //! - At most [`DEFAULT_SCRAPE_SLOTS`] scrape bodies are in flight at once (later scrapes wait
 //!   up to 5 s, then get 503), and a client that keeps its response waiting and reads less
 //!   than 1 MiB per send timeout is cut off, so memory stays bounded by a few scrapes.
+//! - A slot (push or scrape) whose holder made no progress for [`MIN_STALL`] goes to the
+//!   next request that wants it, the holder's connection closed (`conns.rs`): withheld
+//!   bodies and unread scrapes cannot keep a real push or scrape out. A push so dropped is
+//!   counted as `truncated`.
 //!
 //! # Memory budget
 //! A scrape is at most the pushed-series budget (`IngestConfig::max_series`, 10 000) times a
@@ -31,15 +37,18 @@
 //! (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels), 8 MiB idle. The chart's
 //! limit is 128 MiB.
 
+mod conns;
 pub mod hosts;
 mod listen;
 pub mod view;
 
+pub use conns::{Connection, MIN_STALL, Slots};
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::Extension;
 use axum::Router;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{StatusCode, header};
@@ -65,9 +74,12 @@ pub struct AppState {
     /// How long a push's body may take to arrive.
     pub body_timeout: std::time::Duration,
     /// Scrapes whose bodies may be in flight at once ([`DEFAULT_SCRAPE_SLOTS`]).
-    pub scrape_slots: Arc<tokio::sync::Semaphore>,
-    /// Push bodies that may be read at once ([`DEFAULT_PUSH_SLOTS`]).
-    pub push_slots: Arc<tokio::sync::Semaphore>,
+    pub scrape_slots: Arc<Slots>,
+    /// Push bodies that may be read at once from TCP peers ([`DEFAULT_PUSH_SLOTS`]).
+    pub push_slots: Arc<Slots>,
+    /// Push bodies that may be read at once from the Unix socket: its own, so TCP pushers
+    /// cannot take them ([`DEFAULT_PUSH_SLOTS`]).
+    pub socket_push_slots: Arc<Slots>,
     /// The polling loops `/healthz` and `/readyz` report on.
     pub health: Health,
     /// Whether `/` is the live page (with `/api/v1/node`), or only links.
@@ -78,7 +90,7 @@ pub struct AppState {
     pub hosts: AgentHosts,
 }
 
-/// Push bodies read at once, by default: 8 × 512 KiB at most.
+/// Push bodies read at once per kind of listener, by default: 8 × 512 KiB at most each.
 pub const DEFAULT_PUSH_SLOTS: usize = 8;
 
 impl AppState {
@@ -89,8 +101,9 @@ impl AppState {
             metrics,
             ingest,
             body_timeout: DEFAULT_BODY_TIMEOUT,
-            scrape_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_SCRAPE_SLOTS)),
-            push_slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_PUSH_SLOTS)),
+            scrape_slots: Slots::new(DEFAULT_SCRAPE_SLOTS),
+            push_slots: Slots::new(DEFAULT_PUSH_SLOTS),
+            socket_push_slots: Slots::new(DEFAULT_PUSH_SLOTS),
             health: Health::default(),
             ui: true,
             sources: AllocatorSources::default(),
@@ -183,8 +196,8 @@ async fn check_host(
     }
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
-    held(&state, EXPOSITION_CONTENT_TYPE, |m| m.encode()).await
+async fn metrics(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
+    held(&state, conn, EXPOSITION_CONTENT_TYPE, |m| m.encode()).await
 }
 
 /// A body made from the metrics by `make`, held until the client has read it within one of
@@ -192,12 +205,12 @@ async fn metrics(State(state): State<AppState>) -> Response {
 /// exposition and the live page's view alike).
 async fn held(
     state: &AppState,
+    conn: Option<Extension<Connection>>,
     content_type: &'static str,
     make: impl FnOnce(&Metrics) -> String,
 ) -> Response {
-    let slot =
-        tokio::time::timeout(SCRAPE_WAIT, Arc::clone(&state.scrape_slots).acquire_owned()).await;
-    let Ok(Ok(slot)) = slot else {
+    let conn = conn.map_or_else(Connection::detached, |c| c.0);
+    let Some(slot) = state.scrape_slots.take(&conn, SCRAPE_WAIT).await else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             "too many scrapes in flight\n",
@@ -238,7 +251,7 @@ const SCRAPE_CHUNK: usize = 64 * 1024;
 struct HeldBody {
     body: Vec<u8>,
     sent: usize,
-    _slot: tokio::sync::OwnedSemaphorePermit,
+    _slot: conns::Slot,
 }
 
 impl axum::body::HttpBody for HeldBody {
@@ -306,7 +319,11 @@ fn json(status: StatusCode, body: serde_json::Value) -> Response {
 }
 
 /// Accepts a push from a process on this host (see [`crate::ingest`]).
-async fn push(State(state): State<AppState>, request: Request) -> Response {
+async fn push(
+    State(state): State<AppState>,
+    conn: Option<Extension<Connection>>,
+    request: Request,
+) -> Response {
     let Some(store) = state.ingest else {
         return json(
             StatusCode::NOT_FOUND,
@@ -359,46 +376,114 @@ async fn push(State(state): State<AppState>, request: Request) -> Response {
         // Refused before a byte of the body is read.
         return refused(&store, Refusal::TooLarge, &too_large);
     }
-    // A few bodies are read at once: each may hold MAX_BODY_BYTES.
-    let Ok(Ok(_reading)) = tokio::time::timeout(
-        state.body_timeout,
-        Arc::clone(&state.push_slots).acquire_owned(),
-    )
-    .await
-    else {
-        return refused(
-            &store,
-            Refusal::RateLimited,
-            "too many pushes are being read at once",
-        );
+    let conn = conn.map_or_else(Connection::detached, |c| c.0);
+    let slots = if unix.is_some() {
+        &state.socket_push_slots
+    } else {
+        &state.push_slots
     };
-    let read = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES);
-    let Ok(read) = tokio::time::timeout(state.body_timeout, read).await else {
-        return refused(
-            &store,
-            Refusal::Truncated,
-            &format!("the body did not arrive within {:?}", state.body_timeout),
-        );
-    };
+    // Dropped with its connection when its slot goes to another (a stalled body): counted.
+    let reading = Reading::new(&store);
+    let deadline = tokio::time::Instant::now() + state.body_timeout;
+    let read = read_body(request.into_body(), &conn, slots, deadline).await;
+    reading.done();
     let body = match read {
         Ok(body) => body,
-        Err(e) => {
-            let over = std::error::Error::source(&e)
-                .is_some_and(|cause| cause.is::<http_body_util::LengthLimitError>());
-            return if over {
-                refused(&store, Refusal::TooLarge, &too_large)
-            } else {
-                refused(
-                    &store,
-                    Refusal::Truncated,
-                    &format!("the body could not be read whole: {e}"),
-                )
-            };
+        Err(BodyError::TooLarge) => return refused(&store, Refusal::TooLarge, &too_large),
+        Err(BodyError::Busy) => {
+            return refused(
+                &store,
+                Refusal::RateLimited,
+                "too many large pushes are being read at once",
+            );
+        }
+        Err(BodyError::Late) => {
+            return refused(
+                &store,
+                Refusal::Truncated,
+                &format!("the body did not arrive within {:?}", state.body_timeout),
+            );
+        }
+        Err(BodyError::Broken(e)) => {
+            return refused(
+                &store,
+                Refusal::Truncated,
+                &format!("the body could not be read whole: {e}"),
+            );
         }
     };
     match store.push_from(&body, unix.and_then(|peer| peer.pid)) {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => refusal(rejected.refusal, &rejected.message),
+    }
+}
+
+/// Bytes of a push body read without a slot: a push of one or two devices' statistics (a
+/// few KiB) never waits for one, and a body withheld or trickled holds no slot.
+pub const UNSLOTTED_BODY_BYTES: usize = 16 * 1024;
+
+/// Why a push body was not read.
+enum BodyError {
+    TooLarge,
+    /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`].
+    Busy,
+    Late,
+    Broken(axum::Error),
+}
+
+/// Reads a push body by its deadline: its first [`UNSLOTTED_BODY_BYTES`] without a slot,
+/// the rest (up to [`MAX_BODY_BYTES`]) within one of `slots`.
+async fn read_body(
+    mut body: axum::body::Body,
+    conn: &Connection,
+    slots: &Arc<Slots>,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<u8>, BodyError> {
+    use http_body_util::BodyExt;
+    let mut bytes = Vec::new();
+    let mut slot = None;
+    loop {
+        if slot.is_none() && bytes.len() >= UNSLOTTED_BODY_BYTES {
+            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+            slot = Some(slots.take(conn, wait).await.ok_or(BodyError::Busy)?);
+        }
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err(BodyError::Late),
+            Ok(None) => return Ok(bytes),
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let Ok(data) = frame.into_data() {
+            if bytes.len() + data.len() > MAX_BODY_BYTES {
+                return Err(BodyError::TooLarge);
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+}
+
+/// A push body being read: counted as truncated if dropped before it is done (its
+/// connection was evicted).
+struct Reading<'a> {
+    store: &'a PushStore,
+    done: bool,
+}
+
+impl<'a> Reading<'a> {
+    fn new(store: &'a PushStore) -> Reading<'a> {
+        Reading { store, done: false }
+    }
+
+    fn done(mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.store.count_refusal(Refusal::Truncated);
+        }
     }
 }
 
@@ -471,6 +556,7 @@ struct Allocator {
 /// first answer may be 202 "not yet": ask again).
 async fn live_segments(
     State(state): State<AppState>,
+    conn: Option<Extension<Connection>>,
     axum::extract::Query(at): axum::extract::Query<Allocator>,
 ) -> Response {
     let found = state.sources.snapshot().into_iter().find(|s| {
@@ -494,12 +580,12 @@ async fn live_segments(
     let map = crate::view::segments::map(&segments, source.gpu, None, None);
     // Within the scrape slots: a map of many blocks is a body of megabytes.
     let body = serde_json::to_string(&map).unwrap_or_default();
-    held(&state, "application/json", move |_| body).await
+    held(&state, conn, "application/json", move |_| body).await
 }
 
 /// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
-async fn node(State(state): State<AppState>) -> Response {
-    held(&state, "application/json", |m| {
+async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
+    held(&state, conn, "application/json", |m| {
         let sources = state.sources.snapshot();
         serde_json::to_string(&crate::view::node::view(&m.gather(), &sources)).unwrap_or_default()
     })

@@ -416,17 +416,11 @@ fn post(port: u16, body: &[u8]) -> Option<u16> {
     status(&raw(port, &head))
 }
 
-/// The worst a local client can do to a scrape with valid pushes: every label and text at
-/// its bound, every device and size class, until the agent's series budget refuses more; then
-/// slow scrapers holding their bodies. The scrape stays within the documented budget
-/// (about 9 MB) and the agent within the chart's memory limit.
-#[test]
-fn worst_valid_pushes_stay_within_the_scrape_budget() {
+/// Pushes the worst valid payloads over TCP (every label and text at its bound, every device
+/// and size class) until the agent's series budget refuses more (TCP's share of it, with
+/// `--max-tcp-series`); the processes accepted.
+fn fill_with_worst_pushes(port: u16) -> u32 {
     const MIB: u64 = 1 << 20;
-    let dir = temp_dir("hostile-budget");
-    let port = free_port();
-    let agent = serve(&dir, port, &["--send-timeout", "2"]);
-    let before = peak_rss_kib(agent.0.id());
     // Eight labels of 64 bytes: the 512 bytes a push may carry.
     let labels: serde_json::Map<String, serde_json::Value> = (0..8)
         .map(|i| (format!("l{i}_{}", "n".repeat(16)), "v".repeat(44).into()))
@@ -508,6 +502,23 @@ fn worst_valid_pushes_stay_within_the_scrape_budget() {
         }
     }
     assert!(refused_budget && accepted > 0);
+    accepted
+}
+
+/// The worst a local client can do to a scrape with valid pushes: the budget filled with the
+/// worst pushes, then slow scrapers holding their bodies. The scrape stays within the
+/// documented budget (about 9 MB) and the agent within the chart's memory limit.
+#[test]
+fn worst_valid_pushes_stay_within_the_scrape_budget() {
+    let dir = temp_dir("hostile-budget");
+    let port = free_port();
+    let agent = serve(
+        &dir,
+        port,
+        &["--send-timeout", "2", "--max-tcp-series", "10000"],
+    );
+    let before = peak_rss_kib(agent.0.id());
+    let accepted = fill_with_worst_pushes(port);
     assert!(counter(port, "series_budget") >= 2.0);
     let body = http_get(port, "/metrics").expect("scrape");
     let series = body.lines().filter(|l| !l.starts_with('#')).count();
@@ -735,4 +746,225 @@ fn the_agent_answers_only_to_its_addresses_and_names() {
         assert!(stderr.contains("is not a DNS name"), "{bad:?}: {stderr}");
     }
     let _ = std::fs::remove_file(&log);
+}
+
+/// Raises this process's open-files limit to at least `n` (within the hard limit): the
+/// crowds below hold thousands of connections.
+#[allow(unsafe_code)]
+fn raise_open_files(n: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the struct passed, nothing else.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+        if limit.rlim_cur < n {
+            limit.rlim_cur = n.min(limit.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+    }
+    assert!(
+        limit.rlim_cur >= n,
+        "the hard open-files limit ({}) is below {n}",
+        limit.rlim_max
+    );
+}
+
+/// A stand-in torch and the real hook (`python/gpumem_push`) pushing over `socket` every
+/// 0.5 s for `seconds`, then an out-of-memory error; prints the hook's counters.
+const HOOK: &str = r#"
+import json, sys, time, types
+class Props:
+    uuid = "11111111-2222-3333-4444-555555555555"
+observers = []
+torch = types.ModuleType("torch")
+torch.__version__ = "2.5.1"
+torch.cuda = types.SimpleNamespace(
+    is_initialized=lambda: True, device_count=lambda: 1,
+    memory_stats=lambda i: {"reserved_bytes.all.current": 1 << 30, "num_ooms": len(observers[1:])},
+    get_device_properties=lambda i: Props, memory_snapshot=lambda: [])
+torch._C = types.SimpleNamespace(_cuda_attach_out_of_memory_observer=observers.append)
+sys.modules["torch"] = torch
+sys.path.insert(0, sys.argv[2])
+import gpumem_push
+gpumem_push.start(url=sys.argv[1], interval=0.5)
+time.sleep(float(sys.argv[3]))
+sent = gpumem_push.stats()["sent"]
+observers.append(None)
+observers[0](0, 1 << 40, 0, 0)
+deadline = time.time() + 10
+while gpumem_push.stats()["sent"] == sent and time.time() < deadline:
+    time.sleep(0.05)
+print(json.dumps(gpumem_push.stats()), flush=True)
+"#;
+
+/// Issue 34, cases 1 to 4: idle crowds on both listeners made `/healthz` and OOM pushes wait
+/// for many seconds; withheld push bodies held every push slot (a real hook lost all its
+/// pushes); scrapers that never read held every scrape slot. Now the least recently
+/// progressed connection makes room, and a stalled slot holder loses its slot: the probe,
+/// the hook and real scrapes get through while the attack goes on.
+#[test]
+fn crowds_withheld_bodies_and_unread_scrapes_keep_nobody_out() {
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    raise_open_files(4096);
+    let dir = temp_dir("hostile-crowds");
+    let port = free_port();
+    // TCP may fill all but the socket's last 400 series (a TCP process 2 400 of them).
+    let _agent = serve(&dir, port, &["--max-tcp-series", "9600"]);
+    let socket = dir.join("push.log").with_extension("sock");
+    // A scrape of megabytes: one nobody reads stalls with most of it in the agent.
+    fill_with_worst_pushes(port);
+    let scrape = http_get(port, "/metrics").expect("scrape");
+    assert!(scrape.len() > 5_000_000, "{} bytes", scrape.len());
+
+    // The attack: push headers whose body never comes (after its first byte), on both
+    // listeners, renewed every 100 ms; 32 scrapes nobody reads, 4 of them renewed every
+    // 500 ms.
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let attack = {
+        let stop = std::sync::Arc::clone(&stop);
+        let socket = socket.clone();
+        std::thread::spawn(move || {
+            let head = b"POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{";
+            let mut tcp = std::collections::VecDeque::new();
+            let mut unix = std::collections::VecDeque::new();
+            let mut unread = std::collections::VecDeque::new();
+            let started = Instant::now();
+            let mut round = 0;
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(60) {
+                round += 1;
+                for _ in 0..8 {
+                    if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                        let _ = s.write_all(head);
+                        tcp.push_back(s);
+                    }
+                    if let Ok(mut s) = UnixStream::connect(&socket) {
+                        let _ = s.write_all(head);
+                        unix.push_back(s);
+                    }
+                }
+                let renewed = if round == 1 {
+                    32
+                } else if round % 5 == 0 {
+                    4
+                } else {
+                    0
+                };
+                for _ in 0..renewed {
+                    if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+                        unread.push_back(s);
+                    }
+                }
+                while tcp.len() > 24 {
+                    tcp.pop_front();
+                }
+                while unix.len() > 24 {
+                    unix.pop_front();
+                }
+                while unread.len() > 32 {
+                    unread.pop_front();
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+
+    // The real hook over the socket, meanwhile: every push sent, none dropped.
+    let hook = Command::new("python3")
+        .args(["-c", HOOK])
+        .arg(format!("unix:{}", socket.display()))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/gpumem_push/src"))
+        .arg("3")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut hook = Reaper(hook);
+    // Real scrapes and the live page's view, meanwhile.
+    for path in ["/metrics", "/api/v1/node", "/metrics"] {
+        let started = Instant::now();
+        let body = http_get(port, path);
+        assert!(body.is_some_and(|b| !b.is_empty()), "{path} answers");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{path} after {:?}",
+            started.elapsed()
+        );
+    }
+    let mut stdout = String::new();
+    let _ = hook
+        .0
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut stdout);
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|_| {
+        let mut err = String::new();
+        let _ = hook
+            .0
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err);
+        panic!("the hook did not report: {stdout}{err}")
+    });
+    stop.store(true, Ordering::Relaxed);
+    attack.join().expect("the attack ends");
+    assert_eq!(report["dropped"], 0, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    assert!(
+        report["sent"].as_u64().is_some_and(|n| n >= 5),
+        "the periodic pushes and the OOM push: {report}"
+    );
+    assert!(counter(port, "truncated") >= 8.0, "withheld bodies dropped");
+
+    // Idle crowds: 2 000 TCP and 1 000 socket connections that send nothing.
+    let idle_tcp: Vec<TcpStream> = (0..2000)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    let idle_unix: Vec<UnixStream> = (0..1000)
+        .filter_map(|_| UnixStream::connect(&socket).ok())
+        .collect();
+    assert!(idle_tcp.len() >= 1900 && idle_unix.len() >= 900);
+    let mut slowest = (Duration::ZERO, Duration::ZERO);
+    for seq in 1..=5u64 {
+        let started = Instant::now();
+        assert!(http_get(port, "/healthz").is_some(), "healthz answers");
+        let health = started.elapsed();
+        // An OOM push over the socket, attributed to this process.
+        let started = Instant::now();
+        let body = format!(
+            r#"{{"pid": 1, "seq": {seq}, "reason": "oom", "devices": [{{"index": 0, "uuid": "GPU-a", "stats": {{"num_ooms": {seq}}}}}]}}"#
+        );
+        let mut stream = UnixStream::connect(&socket).expect("connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        stream
+            .write_all(&push_request("application/json", "", &body))
+            .expect("sent");
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        let oom = started.elapsed();
+        assert_eq!(status(&response), Some(202), "{response}");
+        assert!(
+            health < Duration::from_secs(1) && oom < Duration::from_secs(1),
+            "healthz after {health:?}, the OOM push after {oom:?}"
+        );
+        slowest = (slowest.0.max(health), slowest.1.max(oom));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "under {} idle TCP and {} idle socket connections: slowest healthz {:?}, slowest OOM push {:?}; the hook under the attack: {report}",
+        idle_tcp.len(),
+        idle_unix.len(),
+        slowest.0,
+        slowest.1
+    );
+    drop((idle_tcp, idle_unix));
+    let _ = std::fs::remove_dir_all(&dir);
 }
