@@ -15,7 +15,7 @@ pub mod store;
 pub use limits::MAX_BODY_BYTES;
 pub use payload::Reason;
 pub use refusal::{Refusal, Rejected};
-pub use store::{IngestConfig, PushStore};
+pub use store::{IngestConfig, Peer, PushStore};
 
 #[cfg(test)]
 mod tests;

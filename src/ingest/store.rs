@@ -50,6 +50,37 @@ use super::limits::OOM_BREAKDOWN_SERIES;
 use super::payload::{Reason, ValidPush, validate};
 use super::refusal::{Refusal, Rejected};
 
+/// A pushing process as the kernel named it when it connected (`SO_PEERCRED`, in the agent's
+/// pid namespace).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// Its pid.
+    pub pid: u32,
+    /// Its start time when it connected (`/proc/<pid>/stat`); `None` where `/proc` did not
+    /// say, and then no check is made.
+    pub start_time: Option<u64>,
+}
+
+impl Peer {
+    /// The process `pid` is now.
+    pub fn now(pid: u32) -> Peer {
+        Peer {
+            pid,
+            start_time: process::start_time(pid),
+        }
+    }
+}
+
+impl From<u32> for Peer {
+    /// A pid whose start time is not checked.
+    fn from(pid: u32) -> Peer {
+        Peer {
+            pid,
+            start_time: None,
+        }
+    }
+}
+
 /// The largest step between two sequence numbers of one process.
 pub const MAX_SEQ_JUMP: u64 = 1 << 20;
 /// `"oom"` and `"exit"` pushes a process may send past the rate limit in a burst.
@@ -248,35 +279,50 @@ impl PushStore {
 
     /// Accepts a payload from a process the kernel named (a Unix-socket peer): its pid
     /// replaces the payload's, which inside a container is the container's pid namespace's
-    /// and so would not match the pids NVML reports.
+    /// and so would not match the pids NVML reports. The pid must still be the process that
+    /// connected (its start time unchanged), and its pod is read at each push.
     ///
     /// # Errors
     /// A [`Rejected`] with the reason; nothing changes then.
-    pub fn push_from(&self, body: &[u8], peer_pid: Option<u32>) -> Result<(), Rejected> {
-        self.push_at(body, peer_pid, Instant::now())
+    pub fn push_from(&self, body: &[u8], peer: Option<Peer>) -> Result<(), Rejected> {
+        self.push_at(body, peer, Instant::now())
             .map_err(|rejected| self.refuse(rejected))
     }
 
     pub(super) fn push_at(
         &self,
         body: &[u8],
-        peer_pid: Option<u32>,
+        peer: Option<Peer>,
         now: Instant,
     ) -> Result<(), Rejected> {
         let mut push = validate(body)?;
-        if let Some(pid) = peer_pid {
-            push.pid = pid;
-        }
-        let pid = push.pid;
-        let kernel_pid = peer_pid.is_some();
-        // Only a pid the kernel named is this node's: attribute it to its pod.
-        let container = peer_pid.and_then(self.config.resolve);
         // A kernel-named pid's start time comes from /proc; an unattributed push's is its own
         // word (it tells apart, say, two containers' pid 1).
-        let start_time = match peer_pid {
-            Some(pid) => (self.config.start_time)(pid),
+        let start_time = match peer {
+            Some(peer) => {
+                let now = (self.config.start_time)(peer.pid);
+                if peer.start_time.is_some() && now != peer.start_time {
+                    // The connecting process exited (its connection inherited by a child,
+                    // say): its pid is no one's now, or another process's.
+                    return Err(Rejected::new(
+                        Refusal::Forbidden,
+                        format!(
+                            "pid {} is no longer the process that opened this connection; connect again",
+                            peer.pid
+                        ),
+                    ));
+                }
+                now
+            }
             None => push.start_time,
         };
+        if let Some(peer) = peer {
+            push.pid = peer.pid;
+        }
+        let pid = push.pid;
+        let kernel_pid = peer.is_some();
+        // Only a pid the kernel named is this node's: attribute it to its pod.
+        let container = peer.and_then(|p| (self.config.resolve)(p.pid));
 
         let mut state = self.state();
         let mut previous = None;

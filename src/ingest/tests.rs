@@ -196,7 +196,7 @@ fn an_ended_process_stays_for_its_grace_period_then_goes() {
         .push_at(&payload(1, 1, ok()), None, start)
         .expect("tcp");
     store
-        .push_at(&payload(2, 1, ok()), Some(40), start)
+        .push_at(&payload(2, 1, ok()), Some(40.into()), start)
         .expect("socket");
     store
         .push_at(&with_reason(3, 1, "exit", 0), None, start)
@@ -233,12 +233,12 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
     });
     let start = Instant::now();
     store
-        .push_at(&with_reason(1, 900, "oom", 3), Some(40), start)
+        .push_at(&with_reason(1, 900, "oom", 3), Some(40.into()), start)
         .expect("first process");
     // Pid 40 now names another process: its seq 1 is not stale, and it carries nothing over.
     START.store(2, Ordering::Relaxed);
     store
-        .push_at(&with_reason(1, 1, "interval", 0), Some(40), start)
+        .push_at(&with_reason(1, 1, "interval", 0), Some(40.into()), start)
         .expect("a new process under the same pid");
     let list = sources.snapshot();
     assert_eq!(list.len(), 1, "one process per pid: no duplicate series");
@@ -249,7 +249,7 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
     store
         .push_at(
             &with_reason(1, 2, "interval", 0),
-            Some(40),
+            Some(40.into()),
             start + Duration::from_secs(9),
         )
         .expect("it goes on");
@@ -269,7 +269,7 @@ fn a_tcp_push_cannot_take_over_a_socket_pusher() {
     let (store, sources) = store(10);
     let start = Instant::now();
     store
-        .push_at(&payload(1, 1, ok()), Some(40), start)
+        .push_at(&payload(1, 1, ok()), Some(40.into()), start)
         .expect("socket");
     let err = store
         .push_at(
@@ -282,7 +282,7 @@ fn a_tcp_push_cannot_take_over_a_socket_pusher() {
     store
         .push_at(
             &payload(1, 2, ok()),
-            Some(40),
+            Some(40.into()),
             start + Duration::from_secs(2),
         )
         .expect("the real process goes on");
@@ -309,7 +309,7 @@ fn tcp_pushers_have_a_quota_of_their_own() {
     assert!(err.message.contains("TCP"), "{}", err.message);
     for pid in 100..105 {
         store
-            .push_at(&payload(1, 1, ok()), Some(pid), now)
+            .push_at(&payload(1, 1, ok()), Some(pid.into()), now)
             .expect("socket pushers still get in");
     }
     assert_eq!(store.tracked_processes(), 8);
@@ -371,16 +371,49 @@ fn tcp_pushers_cannot_take_the_socket_pushers_series() {
     );
     // A real job over the socket: its first push (16 wide devices) and its OOM push.
     store
-        .push_at(&wide(1, 1, 16, "interval"), Some(5000), now)
+        .push_at(&wide(1, 1, 16, "interval"), Some(5000.into()), now)
         .expect("a socket pusher's first push");
     store
         .push_at(
             &wide(1, 2, 16, "oom"),
-            Some(5000),
+            Some(5000.into()),
             now + Duration::from_millis(10),
         )
         .expect("its OOM push");
     assert!(sources.snapshot().iter().any(|s| s.pid == 5000));
+}
+
+/// Issue 34, case 6: a socket connection's pid was fixed at connect time, so a process that
+/// connected, forked and exited left a connection that pushed in the dead pid's name.
+#[test]
+fn a_socket_push_must_come_from_the_process_that_connected() {
+    fn gone(_: u32) -> Option<u64> {
+        None
+    }
+    let (store, sources) = store_with(config());
+    let now = Instant::now();
+    let connected = |start_time| super::store::Peer {
+        pid: 40,
+        start_time: Some(start_time),
+    };
+    // The pid's process now started at tick 1 (`started_once`); the connection's at 2.
+    let err = store
+        .push_at(&payload(1, 1, ok()), Some(connected(2)), now)
+        .expect_err("another process holds the pid now");
+    assert_eq!(err.refusal, Refusal::Forbidden, "{}", err.message);
+    assert!(err.message.contains("pid 40"), "{}", err.message);
+    store
+        .push_at(&payload(1, 1, ok()), Some(connected(1)), now)
+        .expect("the same process");
+    let (store, _) = store_with(IngestConfig {
+        start_time: gone,
+        ..config()
+    });
+    let err = store
+        .push_at(&payload(1, 1, ok()), Some(connected(1)), now)
+        .expect_err("the process that connected is gone");
+    assert_eq!(err.refusal, Refusal::Forbidden, "{}", err.message);
+    assert_eq!(pids(&sources), [40]);
 }
 
 #[test]
@@ -512,14 +545,14 @@ fn pod_ooms_outlive_their_processes() {
     });
     let start = Instant::now();
     store
-        .push_at(&with_reason(1, 1, "interval", 0), Some(30), start)
+        .push_at(&with_reason(1, 1, "interval", 0), Some(30.into()), start)
         .expect("no OOM yet");
     assert!(store.report().pod_ooms.is_empty());
     store
-        .push_at(&with_reason(1, 2, "oom", 1), Some(30), start)
+        .push_at(&with_reason(1, 2, "oom", 1), Some(30.into()), start)
         .expect("OOM");
     store
-        .push_at(&with_reason(1, 3, "exit", 1), Some(30), start)
+        .push_at(&with_reason(1, 3, "exit", 1), Some(30.into()), start)
         .expect("exit");
     let ooms = store.report().pod_ooms;
     assert_eq!(ooms.len(), 1);
@@ -552,7 +585,7 @@ fn an_oom_dated_before_the_agent_started_is_not_counted_again() {
     let body = serde_json::json!({"pid": 1, "seq": 1, "last_oom_unix_seconds": 1000.0,
         "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {"num_ooms": 2}}]});
     store
-        .push_at(body.to_string().as_bytes(), Some(30), Instant::now())
+        .push_at(body.to_string().as_bytes(), Some(30.into()), Instant::now())
         .expect("accepted");
     assert!(
         store.report().pod_ooms.is_empty(),

@@ -32,6 +32,7 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tower::ServiceExt;
 
 use super::conns::{Connection, Connections};
+use crate::ingest::Peer;
 
 /// The limits within which connections are served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -398,21 +399,23 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
 }
 
 /// The process at the other end of a Unix-socket connection, as the kernel reports it
-/// (`SO_PEERCRED`, in the agent's pid namespace).
+/// (`SO_PEERCRED`, in the agent's pid namespace) with its start time, both read when it
+/// connected.
 #[derive(Clone, Copy, Debug)]
 pub struct UnixPeer {
-    /// The peer's pid; `None` where the kernel does not say.
-    pub pid: Option<u32>,
+    /// The peer; `None` where the kernel does not say (another pid namespace's).
+    pub process: Option<Peer>,
 }
 
 impl UnixPeer {
     fn of(stream: &UnixStream) -> UnixPeer {
-        let pid = stream
+        let process = stream
             .peer_cred()
             .ok()
             .and_then(|cred| cred.pid())
             .and_then(|pid| u32::try_from(pid).ok())
-            .filter(|&pid| pid != 0);
-        UnixPeer { pid }
+            .filter(|&pid| pid != 0)
+            .map(Peer::now);
+        UnixPeer { process }
     }
 }

@@ -412,7 +412,7 @@ async fn push(
             );
         }
     };
-    match store.push_from(&body, unix.and_then(|peer| peer.pid)) {
+    match store.push_from(&body, unix.and_then(|peer| peer.process)) {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => refusal(rejected.refusal, &rejected.message),
     }

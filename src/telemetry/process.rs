@@ -4,7 +4,9 @@
 //! # Invariants
 //! - Parsing is total: the command name (field 2) may hold spaces and parentheses, so the
 //!   fields are counted from the last `)`; anything else yields `None`.
-//! - Reading is bounded ([`MAX_STAT_FILE`]); a vanished process is `None`, not an error.
+//! - Reading is bounded ([`MAX_STAT_FILE`]); a vanished process is `None`, not an error,
+//!   and so is one that has exited and waits to be reaped (a zombie: its pid and start time
+//!   are still there, the process is not).
 
 use std::io::Read;
 
@@ -20,16 +22,22 @@ pub fn read_proc(pid: u32, file: &str, limit: u64) -> Option<String> {
     Some(text)
 }
 
-/// The start time of `pid` in clock ticks since boot; `None` when it does not exist.
+/// The start time of `pid` in clock ticks since boot; `None` when it does not exist or has
+/// exited (a zombie).
 pub fn start_time(pid: u32) -> Option<u64> {
     parse_start_time(&read_proc(pid, "stat", MAX_STAT_FILE)?)
 }
 
-/// Field 22 (`starttime`) of a `/proc/<pid>/stat` line.
+/// Field 22 (`starttime`) of a `/proc/<pid>/stat` line, unless field 3 (the state) says the
+/// process has exited (`Z` zombie, `X` dead).
 pub fn parse_start_time(stat: &str) -> Option<u64> {
     let (_, rest) = stat.rsplit_once(')')?;
     // After the name come field 3 (state) onwards: starttime is the 20th of those.
-    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+    let mut fields = rest.split_ascii_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -43,7 +51,14 @@ mod tests {
             let line = format!("4242 ({name}) {tail}\n");
             assert_eq!(parse_start_time(&line), Some(987_654), "{name:?}");
         }
-        for bad in ["", "4242 (x)", "4242 (x) S 1 2", "no parenthesis 1 2 3"] {
+        let zombie = format!("4242 (python3) Z{}", &tail[1..]);
+        for bad in [
+            "",
+            "4242 (x)",
+            "4242 (x) S 1 2",
+            "no parenthesis 1 2 3",
+            &zombie,
+        ] {
             assert_eq!(parse_start_time(bad), None, "{bad:?}");
         }
     }

@@ -968,3 +968,72 @@ fn crowds_withheld_bodies_and_unread_scrapes_keep_nobody_out() {
     drop((idle_tcp, idle_unix));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 34, case 6: a process that connects to the push socket, forks and exits left a
+/// connection whose pushes the agent accepted in the dead pid's name. Now a push must come
+/// from the process that connected: the child's push over the inherited connection is
+/// refused, and its own connection is accepted under its own pid.
+#[test]
+fn a_connection_outliving_its_process_cannot_push() {
+    let dir = temp_dir("hostile-fork");
+    let port = free_port();
+    let _agent = serve(&dir, port, &[]);
+    let socket = dir.join("push.log").with_extension("sock");
+    // The parent connects and forks; the child waits until the parent is reaped, then
+    // pushes over the parent's connection, then over one of its own.
+    let script = r#"
+import os, socket, sys, time
+def push(sock, seq):
+    body = ('{"pid": 1, "seq": %d, "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}}]}' % seq).encode()
+    sock.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    reply = b""
+    while chunk := sock.recv(4096):
+        reply += chunk
+    return reply.split(b"\r\n", 1)[0].decode() + " " + reply.rsplit(b"\r\n", 1)[-1].decode()
+inherited = socket.socket(socket.AF_UNIX)
+inherited.connect(sys.argv[1])
+parent = os.getpid()
+if os.fork():
+    os._exit(0)
+deadline = time.time() + 10
+while time.time() < deadline:
+    try:
+        os.kill(parent, 0)
+        time.sleep(0.05)
+    except ProcessLookupError:
+        break
+print(push(inherited, 1), flush=True)
+own = socket.socket(socket.AF_UNIX)
+own.connect(sys.argv[1])
+print(os.getpid(), push(own, 2), flush=True)
+"#;
+    let mut parent = Command::new("python3")
+        .args(["-c", script])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut stdout = parent.stdout.take().expect("stdout");
+    // Reaped: the parent's pid is no one's now.
+    assert!(parent.wait().expect("the parent exits").success());
+    let mut said = String::new();
+    stdout
+        .read_to_string(&mut said)
+        .expect("the child's report");
+    let mut lines = said.lines();
+    let inherited = lines.next().unwrap_or_default();
+    assert!(
+        inherited.starts_with("HTTP/1.1 403") && inherited.contains("no longer the process"),
+        "{said}"
+    );
+    let own = lines.next().unwrap_or_default();
+    let (child, own) = own.split_once(' ').unwrap_or_default();
+    assert!(own.starts_with("HTTP/1.1 202"), "{said}");
+    let metrics = http_get(port, "/metrics").expect("scrape");
+    assert!(
+        metrics.contains(&format!("pid=\"{child}\"")),
+        "the child's own pid"
+    );
+    assert!(counter(port, "forbidden") >= 1.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

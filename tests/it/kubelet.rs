@@ -281,7 +281,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"allocated_bytes.all.current": 1024}}],
     });
     store
-        .push_from(push.to_string().as_bytes(), Some(trainer()))
+        .push_from(push.to_string().as_bytes(), Some(trainer().into()))
         .expect("accepted");
 
     let me = format!(r#"pid="{}""#, trainer());
