@@ -339,7 +339,8 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
 /// How often a live agent's socket is tried again while waiting to take it over.
 const TAKEOVER_POLL: Duration = Duration::from_millis(250);
 
-/// Binds a Unix socket at `path` for pushes from any local user: creates its directory,
+/// Binds a Unix socket at `path` for pushes from any local user: creates its directory
+/// (`0755`: only the agent writes there; a directory others may write is warned about),
 /// replaces a socket left by an agent that no longer answers on it (never another kind of
 /// file), and makes it connectable by all (access is already limited to whoever can reach the
 /// path). While another agent answers on `path`, waits up to `wait` for it to go (a rolling
@@ -356,7 +357,24 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
         )
     };
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(context)?;
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::metadata(parent) {
+            // Only the agent writes here: jobs connect (through a read-only mount), and one
+            // that could write could replace the socket with its own.
+            Err(_) => {
+                std::fs::create_dir_all(parent).map_err(context)?;
+                std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755))
+                    .map_err(context)?;
+            }
+            Ok(meta) if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 => {
+                tracing::warn!(directory = %parent.display(), "the push socket's directory is writable by other users, who could replace the socket: make it 0755, owned by the agent");
+                eprintln!(
+                    "gpumem: warning: {} is writable by other users, who could replace the push socket; make it 0755, owned by the agent",
+                    parent.display()
+                );
+            }
+            Ok(_) => {}
+        }
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {

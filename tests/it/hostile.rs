@@ -1037,3 +1037,70 @@ print(os.getpid(), push(own, 2), flush=True)
     assert!(counter(port, "forbidden") >= 1.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 34, case 8: jobs mounted the agent's directory read-write, so one could put its own
+/// socket at the agent's path and receive the real hook's pushes. The agent makes the
+/// directory its own (`0755`), and a job reaches the socket through a read-only mount,
+/// where it can push but neither remove the socket nor bind another (checked in a mount
+/// namespace of the test's own).
+#[test]
+fn jobs_push_through_a_read_only_mount_and_cannot_replace_the_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("hostile-readonly");
+    let port = free_port();
+    let sockets = dir.join("run");
+    let _agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--pod-resources-socket", ""])
+            .arg("--push-socket")
+            .arg(sockets.join("push.sock"))
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starts"),
+    );
+    assert!(wait_for(Duration::from_secs(20), || http_get(port, "/healthz")).is_some());
+    let mode = std::fs::metadata(&sockets)
+        .expect("made")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o755, "only the agent writes there: {mode:o}");
+    let job = dir.join("job");
+    std::fs::create_dir_all(&job).expect("mount point");
+    let script = r#"
+import errno, os, socket, sys
+path = os.path.join(sys.argv[1], "push.sock")
+body = b'{"pid": 1, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}}]}'
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)
+s.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+print(s.recv(12).decode())
+for attempt in ("unlink", "bind"):
+    try:
+        if attempt == "unlink":
+            os.unlink(path)
+        else:
+            socket.socket(socket.AF_UNIX).bind(os.path.join(sys.argv[1], "rogue.sock"))
+        print(attempt, "succeeded")
+    except OSError as e:
+        print(attempt, errno.errorcode[e.errno])
+"#;
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && exec python3 -c "$3" "$2""#)
+        .args([OsStr::new("sh"), sockets.as_os_str(), job.as_os_str()])
+        .arg(script)
+        .output()
+        .expect("unshare runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "a mount namespace of the test's own (needs CAP_SYS_ADMIN): {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("HTTP/1.1 202"), "{said}");
+    assert!(said.contains("unlink EROFS"), "{said}");
+    assert!(said.contains("bind EROFS"), "{said}");
+    assert!(sockets.join("push.sock").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
