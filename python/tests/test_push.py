@@ -271,7 +271,9 @@ class Labels(PushTest):
     def test_bad_labels_are_dropped_with_one_warning_each(self):
         long_name, long_value = "n" * 65, "v" * 129
         bad = ["9bad=x", "__meta=y", "noequals",
-               "a-b=c", "ctl=a\x01b", f"{long_name}=v", f"long={long_value}", "é=e"]
+               "a-b=c", "ctl=a\x01b", f"{long_name}=v", f"long={long_value}", "é=e",
+               # Not visible (issue 34, case 14), and a name given twice.
+               "rlo=a\u202eb", "zw=a\u200bb", "nbsp=a\u00a0b", "tag=\U000e0041", "job=again"]
         # Names the agent sets itself are sent: it exports them as exported_<name>.
         good = ["job=ok", "instance=i", "namespace=ns", "gpu=1", "pod_uid=z", "_x=1"]
         child = self.run_child(

@@ -92,6 +92,56 @@ pub enum Reason {
     Exit,
 }
 
+/// A JSON object read into a map, refusing a key given twice (serde would keep the last,
+/// silently).
+struct Unique<V>(BTreeMap<String, V>);
+
+impl<V> Default for Unique<V> {
+    fn default() -> Self {
+        Unique(BTreeMap::new())
+    }
+}
+
+impl<V> std::ops::Deref for Unique<V> {
+    type Target = BTreeMap<String, V>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for Unique<V> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = Unique<V>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object whose keys are distinct")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = BTreeMap::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if out.contains_key(&key) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "the key {:?} is given twice",
+                            truncate(&key)
+                        )));
+                    }
+                    let value = map.next_value()?;
+                    out.insert(key, value);
+                }
+                Ok(Unique(out))
+            }
+        }
+        deserializer.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
 #[derive(Deserialize)]
 struct Push {
     pid: u32,
@@ -99,7 +149,7 @@ struct Push {
     #[serde(default)]
     reason: Option<String>,
     #[serde(default)]
-    labels: BTreeMap<String, String>,
+    labels: Unique<String>,
     #[serde(default)]
     torch_version: Option<String>,
     #[serde(default)]
@@ -115,7 +165,7 @@ struct Push {
     start_time: Option<u64>,
     /// `torch.cuda.host_memory_stats()`, under 2.10+'s key names.
     #[serde(default)]
-    host: Option<BTreeMap<String, serde_json::Value>>,
+    host: Option<Unique<serde_json::Value>>,
     devices: Vec<PushedDevice>,
 }
 
@@ -123,7 +173,7 @@ struct Push {
 struct PushedDevice {
     index: u32,
     uuid: String,
-    stats: BTreeMap<String, serde_json::Value>,
+    stats: Unique<serde_json::Value>,
     /// From a memory snapshot (the hook takes one on out-of-memory).
     #[serde(default)]
     largest_free_block: Option<u64>,
@@ -270,7 +320,7 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
             "last_oom_unix_seconds must be a time (seconds since 1970), not {t}"
         )));
     }
-    let host = push.host.as_ref().map(host).transpose()?.flatten();
+    let host = push.host.as_deref().map(host).transpose()?.flatten();
     let mut devices: Vec<ValidDevice> = Vec::with_capacity(push.devices.len());
     for device in &push.devices {
         text("uuid", &device.uuid)?;
@@ -398,10 +448,21 @@ fn truncate(s: &str) -> String {
     s.chars().take(64).collect()
 }
 
+/// Whether `value` is visible text: letters and digits of any script, ASCII punctuation and
+/// symbols, and spaces between them (not first or last). So no control, format (bidirectional
+/// overrides, zero-width characters, tags), separator or look-alike space reaches a label.
+pub fn is_visible(value: &str) -> bool {
+    !value.starts_with(' ')
+        && !value.ends_with(' ')
+        && value
+            .chars()
+            .all(|c| c == ' ' || c.is_ascii_graphic() || c.is_alphanumeric())
+}
+
 fn text(what: &str, value: &str) -> Result<(), Rejected> {
-    if value.len() > MAX_TEXT || value.chars().any(char::is_control) {
+    if value.len() > MAX_TEXT || !is_visible(value) {
         return Err(invalid(format!(
-            "{what} must be at most {MAX_TEXT} bytes of printable text"
+            "{what} must be at most {MAX_TEXT} bytes of letters, digits, ASCII punctuation and inner spaces"
         )));
     }
     Ok(())
@@ -542,7 +603,7 @@ fn statistics(device: &PushedDevice) -> Result<BTreeMap<String, i64>, Rejected> 
         )));
     }
     let mut out = BTreeMap::new();
-    for (key, value) in &device.stats {
+    for (key, value) in device.stats.iter() {
         text("a statistics key", key)?;
         let Some(number) = value.as_i64() else {
             return Err(invalid(format!(
@@ -723,6 +784,58 @@ mod tests {
             let body = serde_json::json!({"pid": 7, "seq": 1, "devices": devices}).to_string();
             let err = refused(body.as_bytes());
             assert_eq!(err.refusal, Refusal::Invalid, "{}", err.message);
+        }
+    }
+
+    /// Issue 34, case 14: "printable" excluded only control characters, so bidirectional
+    /// overrides, zero-width and separator characters, tags and a UUID of spaces reached
+    /// labels; a key given twice kept its last value silently.
+    #[test]
+    fn labels_and_uuids_are_visible_text_and_keys_distinct() {
+        let with = |label: &str, uuid: &str| {
+            serde_json::json!({"pid": 5, "seq": 1, "labels": {"job": label},
+                "devices": [{"index": 0, "uuid": uuid, "stats": {}}]})
+            .to_string()
+        };
+        for fine in ["llama-7b", "équipe nlp", "训练", "a/b:c@d+e=f", "x"] {
+            validate(with(fine, "GPU-1").as_bytes()).expect(fine);
+            validate(with("job", fine).as_bytes()).expect(fine);
+        }
+        for hostile in [
+            "admin\u{202e}gnp.exe",
+            "zero\u{200b}width",
+            "line\u{2028}separator",
+            "tag\u{e0041}",
+            "no\u{a0}break",
+            "   ",
+            " padded",
+            "padded ",
+            "emoji\u{1f600}",
+        ] {
+            for body in [with(hostile, "GPU-1"), with("job", hostile)] {
+                let refusal = refused(body.as_bytes());
+                assert_eq!(refusal.refusal, Refusal::Invalid, "{hostile:?}");
+                assert!(
+                    refusal.message.contains("letters, digits"),
+                    "{}",
+                    refusal.message
+                );
+            }
+        }
+        let twice = [
+            r#"{"pid": 5, "seq": 1, "labels": {"job": "a", "job": "b"}, "devices": [{"index": 0, "uuid": "u", "stats": {}}]}"#,
+            r#"{"pid": 5, "seq": 1, "devices": [{"index": 0, "uuid": "u", "stats": {"num_ooms": 1, "num_ooms": 0}}]}"#,
+            r#"{"pid": 5, "seq": 1, "host": {"num_host_alloc": 1, "num_host_alloc": 2}, "devices": [{"index": 0, "uuid": "u", "stats": {}}]}"#,
+            r#"{"pid": 5, "pid": 6, "seq": 1, "devices": [{"index": 0, "uuid": "u", "stats": {}}]}"#,
+        ];
+        for body in twice {
+            let refusal = refused(body.as_bytes());
+            assert_eq!(refusal.refusal, Refusal::Malformed, "{body}");
+            assert!(
+                refusal.message.contains("twice") || refusal.message.contains("duplicate"),
+                "{}",
+                refusal.message
+            );
         }
     }
 

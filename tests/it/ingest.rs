@@ -829,3 +829,43 @@ async fn a_push_is_charged_the_series_it_shows() {
         .count();
     assert_eq!(shown, charged, "{text}");
 }
+
+/// The hook's visible characters are the agent's, or fewer: every code point the hook's
+/// `is_visible_char` accepts (run by python3 over all of Unicode) the agent accepts inside a
+/// text, so a label the hook keeps is never refused.
+#[test]
+fn the_hooks_visible_characters_are_within_the_agents() {
+    let script = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+from gpumem_push.limits import is_visible_char
+start = None
+for cp in range(0x110001):
+    ok = cp <= 0x10FFFF and not 0xD800 <= cp <= 0xDFFF and is_visible_char(chr(cp))
+    if ok and start is None:
+        start = cp
+    elif not ok and start is not None:
+        print(start, cp - 1)
+        start = None
+"#;
+    let out = crate::common::succeeded(
+        std::process::Command::new("python3")
+            .args(["-c", script])
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/gpumem_push/src")),
+    );
+    let mut accepted = 0u32;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let (a, b) = line.split_once(' ').expect("a range");
+        let (a, b): (u32, u32) = (a.parse().expect("int"), b.parse().expect("int"));
+        for cp in a..=b {
+            let c = char::from_u32(cp).expect("a scalar value");
+            assert!(
+                gpumem::ingest::payload::is_visible(&format!("a{c}a")),
+                "the hook accepts U+{cp:04X}, the agent does not"
+            );
+            accepted += 1;
+        }
+    }
+    // ASCII's 95 and the letters and digits of every script.
+    assert!(accepted > 100_000, "{accepted}");
+}

@@ -6,7 +6,7 @@ import math
 import os
 
 from .limits import (COLLIDING, MAX_LABEL_BYTES, MAX_TEXT, MAX_USER_LABELS, MIN_INTERVAL,
-                     RANK_LABELS, label_problem, label_size, text_problem)
+                     RANK_LABELS, is_visible_char, label_problem, label_size, text_problem)
 
 DEFAULT_SOCKET = "/run/gpumem/push.sock"
 DEFAULT_URL = "http://127.0.0.1:9417/api/v1/push"
@@ -35,14 +35,15 @@ class Config:
 
 
 def clean_text(value, what, warn):
-    """Text the agent accepts: control characters removed, cut to 128 bytes (with a warning);
-    a torch_version or alloc_conf it would refuse would lose every push."""
+    """Text the agent accepts: other characters removed, spaces trimmed, cut to 128 bytes
+    (with a warning); a torch_version or alloc_conf it would refuse would lose every push."""
     if text_problem(value) is None:
         return value
-    cleaned = "".join(c for c in value if not (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F))
+    cleaned = "".join(c for c in value if is_visible_char(c)).strip(" ")
     data = cleaned.encode("utf-8", "surrogatepass")[:MAX_TEXT]
-    cleaned = data.decode("utf-8", "ignore")
-    warn(f"{what} is not at most {MAX_TEXT} printable bytes; sending {cleaned!r}")
+    cleaned = data.decode("utf-8", "ignore").strip(" ")
+    warn(f"{what} is not at most {MAX_TEXT} bytes of letters, digits, ASCII punctuation and "
+         f"inner spaces; sending {cleaned!r}")
     return cleaned
 
 
@@ -73,7 +74,11 @@ def _env_labels(warn):
         if not sep:
             warn(f"GPUMEM_PUSH_LABELS: {item.strip()!r} is not name=value; dropped")
             continue
-        out.append((name.strip(), value.strip()))
+        name = name.strip()
+        if any(name == seen for seen, _ in out):
+            warn(f"GPUMEM_PUSH_LABELS: {name!r} is given twice; the first value is kept")
+            continue
+        out.append((name, value.strip()))
     return out
 
 

@@ -3,6 +3,7 @@ tests/it/ingest.rs checks every copy here against the agent's), and the rules fo
 labels that follow from them. A push built within them is never refused for its shape."""
 
 import re
+import unicodedata
 
 # The names the agent exports as exported_<name>: the metric contract's labels, Prometheus's
 # `le` and the target labels of Kubernetes service discovery (tests/it/ingest.rs checks this
@@ -45,13 +46,23 @@ MIN_GAP = 0.55
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 
 
+def is_visible_char(c):
+    """A character the agent accepts in text: ASCII punctuation, symbols, letters and digits,
+    the space, and letters and digits of any script (a subset of the agent's rule, so a
+    text this accepts the agent accepts)."""
+    return (" " <= c <= "~" or c.isalpha()
+            or unicodedata.category(c) in ("Nd", "Nl", "No"))
+
+
 def text_problem(value):
     """Why the agent would refuse this text (None if it would not): at most 128 bytes of
-    UTF-8, no control characters."""
+    UTF-8, of letters, digits, ASCII punctuation and spaces between them."""
     if len(value.encode("utf-8", "surrogatepass")) > MAX_TEXT:
         return f"longer than {MAX_TEXT} bytes"
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value):
-        return "with control characters"
+    if not all(is_visible_char(c) for c in value):
+        return "with characters other than letters, digits, ASCII punctuation and spaces"
+    if value != value.strip(" "):
+        return "with a space first or last"
     return None
 
 
