@@ -232,7 +232,8 @@ pub(crate) struct ReadArgs {
     #[arg(long, value_parser = parse_bytes, default_value = "16GiB", value_name = "BYTES")]
     max_input_bytes: u64,
     /// The most memory reading may hold (the decoded document, interned frames, the pickle's
-    /// memo); a recording that needs more is refused, saying where.
+    /// memo), and `replay`'s state may hold then; a recording that needs more is refused,
+    /// saying where.
     #[arg(long, value_parser = parse_bytes, default_value = "4GiB", value_name = "BYTES")]
     max_memory_bytes: u64,
 }
@@ -241,6 +242,11 @@ pub(crate) struct ReadArgs {
 const READ_PROGRESS_MIN_BYTES: u64 = 64 << 20;
 
 impl ReadArgs {
+    /// The memory budget, which a replay's own state is held to as well.
+    pub(crate) fn max_memory_bytes(&self) -> u64 {
+        self.max_memory_bytes
+    }
+
     /// Reads `path` within the limits, with a progress bar on stderr for a large file when
     /// stderr is a terminal.
     pub(crate) fn read(

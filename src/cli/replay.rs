@@ -122,6 +122,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 available: args.available,
                 window: window.clone(),
                 order: args.pytorch.order(),
+                max_memory_bytes: Some(args.read.max_memory_bytes()),
                 ..ReplayOptions::default()
             };
             let readings = match &readings {
@@ -139,6 +140,7 @@ pub(crate) fn run(args: Args) -> CliResult {
                 window: window.clone(),
                 plan: Some(plan.clone()),
                 order: args.pytorch.order(),
+                max_memory_bytes: Some(args.read.max_memory_bytes()),
                 ..ReplayOptions::default()
             };
             let mut report = replay_shown(&recording, &options, Some(readings))?;
@@ -366,6 +368,7 @@ fn check(
             available: None,
             plan: plan.clone(),
             order: args.pytorch.order(),
+            max_memory_bytes: Some(args.read.max_memory_bytes()),
             ..ReplayOptions::default()
         };
         let report = replay_shown(recording, &options, None)?;

@@ -66,6 +66,8 @@ pub(super) struct Engine<'a> {
     pub(super) divergence: Option<Divergence>,
     pub(super) series: Vec<SeriesPoint>,
     pub(super) series_every: usize,
+    /// The replay's memory budget (`ReplayOptions::max_memory_bytes`).
+    max_memory_bytes: Option<u64>,
     /// The most allocated and reserved bytes since the last series point.
     bucket: (u64, u64),
     /// Starts of the release runs that the allocator made inside a malloc (not a user's
@@ -407,6 +409,7 @@ impl<'a> Engine<'a> {
                 .checked_div(options.series_points)
                 .map_or(usize::MAX, |every| every.max(1)),
             bucket: (0, 0),
+            max_memory_bytes: options.max_memory_bytes,
             releases_in_malloc,
             reservation_spacing: None,
             first_event,
@@ -485,6 +488,7 @@ impl<'a> Engine<'a> {
             if i >= reported + PROGRESS_EVERY {
                 progress(i, n);
                 reported = i;
+                self.check_memory(i)?;
             }
             let next = match self.events[i].action {
                 TraceAction::FreeRequested => self.free(i)?,
@@ -501,6 +505,21 @@ impl<'a> Engine<'a> {
             }
             i = next;
             self.position = i;
+        }
+        Ok(())
+    }
+
+    /// An error once the replay's state holds more than its budget.
+    fn check_memory(&self, index: usize) -> Result<(), ReplayError> {
+        let Some(budget) = self.max_memory_bytes else {
+            return Ok(());
+        };
+        let entry = std::mem::size_of::<(u64, u64)>() + 1;
+        let held = self.alloc.heap_bytes()
+            + (self.ptrs.capacity() + self.deferred.capacity() + self.failed.capacity()) * entry
+            + self.series.capacity() * std::mem::size_of::<SeriesPoint>();
+        if held as u64 > budget {
+            return Err(ReplayError::MemoryBudget { budget, index });
         }
         Ok(())
     }

@@ -96,6 +96,10 @@ pub struct ReplayOptions {
     /// The best-fit order of the release that made the recording (`--pytorch`); `None`: the
     /// order found in the recording (Note [Finding the order]).
     pub order: Option<FitOrder>,
+    /// The most memory the replay's state may hold (the allocator's bookkeeping and the
+    /// replay's maps, estimated every few thousand events); `None`: no bound. The commands
+    /// pass their `--max-memory-bytes`.
+    pub max_memory_bytes: Option<u64>,
 }
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +146,16 @@ pub enum ReplayError {
         index: usize,
         /// The error.
         source: AllocError,
+    },
+    /// The replay's state grew past its memory budget.
+    #[error(
+        "the replay needs more than the memory budget of {budget} bytes (at event {index}); raise it with --max-memory-bytes if the machine has the memory"
+    )]
+    MemoryBudget {
+        /// The budget.
+        budget: u64,
+        /// The event at which it was found exceeded.
+        index: usize,
     },
     /// A [`Cursor`] on a caller's allocator was asked to go back: only a cursor that made
     /// its own allocator can start again.

@@ -126,3 +126,75 @@ fn threads_share_one_allocator_and_end_consistent() {
     assert_eq!(alloc.device().stats().used_bytes, 0);
     assert!(alloc.snapshot().segments.is_empty());
 }
+
+/// Issue 34, case 11: the free set found a stream's bins by scanning every stream, and gave
+/// each stream a vector per size class: 80 000 streams took `replay --check` 15.6 s and
+/// 865 MB, about four times the time per doubling. The work finding streams (counted by the
+/// core) and the free sets' memory now grow linearly with the streams.
+#[test]
+fn many_streams_cost_linear_work_and_memory() {
+    let run = |streams: u64| {
+        let mut a = CachingAllocator::new(
+            SimDevice::new(SimConfig::with_capacity(1 << 46)),
+            AllocatorConfig::default(),
+        );
+        // Handles in a scrambled order, as a recording's stream pointers come.
+        let stream = |i: u64| StreamId(i.wrapping_mul(2_654_435_761) % (1 << 40) + 1);
+        for round in 0..2 {
+            for i in 0..streams {
+                let p = a.malloc(512 + round * 512, stream(i)).expect("fits");
+                a.free(p).expect("frees");
+            }
+        }
+        (a.stream_lookups(), a.heap_bytes())
+    };
+    let sizes = [5_000u64, 10_000, 20_000];
+    let costs: Vec<(u64, usize)> = sizes.iter().map(|&n| run(n)).collect();
+    for (pair, n) in costs.windows(2).zip(&sizes[1..]) {
+        let work = pair[1].0 as f64 / pair[0].0 as f64;
+        let memory = pair[1].1 as f64 / pair[0].1 as f64;
+        eprintln!(
+            "{n} streams: {} lookups' work ({work:.2}x), {} bytes ({memory:.2}x)",
+            pair[1].0, pair[1].1
+        );
+        assert!(
+            work <= 2.5 && memory <= 2.5,
+            "{n} streams: work {work:.2}x, memory {memory:.2}x per doubling"
+        );
+    }
+    // A few hundred bytes a stream, not a vector per class (about 10 KiB).
+    let (_, bytes) = costs[2];
+    assert!(bytes < 20_000 * 1024, "{bytes} bytes for 20 000 streams");
+}
+
+/// A replay's own state is held to its memory budget: a recording of 20 000 streams read
+/// within the default limits is refused by a replay given 1 MiB, saying so.
+#[test]
+fn a_replay_is_held_to_its_memory_budget() {
+    let mut events = Vec::new();
+    for i in 0..20_000u64 {
+        let (stream, addr) = (i * 7919 % 1_000_003 + 1, 0x7f00_0000_0000 + i * (2 << 20));
+        events.push(serde_json::json!({"action": "segment_alloc", "addr": addr, "size": 2 << 20, "stream": stream}));
+        events.push(
+            serde_json::json!({"action": "alloc", "addr": addr, "size": 512, "stream": stream}),
+        );
+        events.push(serde_json::json!({"action": "free_requested", "addr": addr, "size": 512, "stream": stream}));
+        events.push(serde_json::json!({"action": "free_completed", "addr": addr, "size": 512, "stream": stream}));
+    }
+    let json = serde_json::json!({"segments": [], "device_traces": [events]});
+    let recording = gpumem::recording::parse_recording(json.to_string().as_bytes()).expect("reads");
+    let options = |budget| gpumem::replay::ReplayOptions {
+        check: true,
+        capacity: Some(1 << 46),
+        max_memory_bytes: budget,
+        ..gpumem::replay::ReplayOptions::default()
+    };
+    let report = gpumem::replay::replay(&recording, &options(None)).expect("replays");
+    assert!(report.divergence.is_none());
+    let err = gpumem::replay::replay(&recording, &options(Some(1 << 20))).expect_err("bounded");
+    assert!(
+        matches!(err, gpumem::replay::ReplayError::MemoryBudget { budget, .. } if budget == 1 << 20),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--max-memory-bytes"), "{err}");
+}

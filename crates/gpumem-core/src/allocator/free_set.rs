@@ -24,9 +24,19 @@
 //!   ordered successor.
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
 //! - Within a class, entries are sorted by (size, tie), descending, and unique by it.
-//! - `streams` is sorted by stream handle, so iteration follows PyTorch's set order.
-//! - At most [`SPARE_STREAMS`] streams without free blocks keep their (empty) bins: a job that
+//! - A stream's bins hold a vector only for the classes it has used (`allocated`, found by
+//!   rank: the classes allocated below it), so a stream with a few free blocks costs a few
+//!   hundred bytes, not one vector per class (a recording of 80 000 streams once took
+//!   865 MB).
+//! - A stream's bins are found by a scan among at most [`SCAN_STREAMS`] streams, else through
+//!   a hash index, which always maps each stream to its position: constant time however
+//!   many streams a recording invents. Iteration sorts the streams by handle, so it follows
+//!   PyTorch's set order.
+//! - Empty bins are dropped whenever the streams reach twice the number kept at the last drop
+//!   (and at least [`SPARE_STREAMS`]): amortised constant work per new stream, and a job that
 //!   creates streams in a loop does not grow the set without bound.
+
+use rustc_hash::FxHashMap;
 
 use crate::device::StreamId;
 
@@ -38,6 +48,8 @@ const BITMAP_WORDS: usize = CLASSES.div_ceil(64);
 /// Streams whose bins are kept while empty. Below this many, bins are never dropped, so jobs
 /// with a handful of streams never pay to rebuild them.
 const SPARE_STREAMS: usize = 16;
+/// Streams found by a scan (a job's handful); beyond it, by the hash index.
+const SCAN_STREAMS: usize = 8;
 
 /// One free block as the set sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -84,15 +96,67 @@ fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
 /// The free blocks of one stream.
 #[derive(Debug, Clone)]
 struct StreamBins {
+    /// The classes holding entries.
     bitmap: [u64; BITMAP_WORDS],
+    /// The classes that have a vector in `classes` (kept once made: a class that empties is
+    /// usually filled again, and keeps its room).
+    allocated: [u64; BITMAP_WORDS],
+    /// Allocated classes in the words before each word: a class's rank in two steps.
+    before: [u16; BITMAP_WORDS],
+    /// The allocated classes' entries, in class order.
     classes: Vec<Vec<FreeEntry>>,
+}
+
+/// The bits of a word below bit `b`.
+#[inline]
+fn below(b: usize) -> u64 {
+    (1u64 << b) - 1
 }
 
 impl StreamBins {
     fn new() -> Self {
         StreamBins {
             bitmap: [0; BITMAP_WORDS],
-            classes: (0..CLASSES).map(|_| Vec::new()).collect(),
+            allocated: [0; BITMAP_WORDS],
+            before: [0; BITMAP_WORDS],
+            classes: Vec::new(),
+        }
+    }
+
+    /// Where `class`'s vector is (or would go): its rank among the allocated classes.
+    #[inline]
+    fn rank(&self, class: usize) -> usize {
+        let (w, b) = (class / 64, class % 64);
+        usize::from(self.before[w]) + (self.allocated[w] & below(b)).count_ones() as usize
+    }
+
+    /// `class`'s entries, if it has a vector.
+    #[inline]
+    fn class(&self, class: usize) -> &[FreeEntry] {
+        if self.allocated[class / 64] & (1 << (class % 64)) == 0 {
+            return &[];
+        }
+        &self.classes[self.rank(class)]
+    }
+
+    /// The position of `class`'s vector, made where it has none yet.
+    #[inline]
+    fn slot(&mut self, class: usize) -> usize {
+        let rank = self.rank(class);
+        let (w, b) = (class / 64, class % 64);
+        if self.allocated[w] & (1 << b) == 0 {
+            self.make_class(w, b, rank);
+        }
+        rank
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn make_class(&mut self, w: usize, b: usize, rank: usize) {
+        self.classes.insert(rank, Vec::new());
+        self.allocated[w] |= 1 << b;
+        for later in &mut self.before[w + 1..] {
+            *later += 1;
         }
     }
 
@@ -129,31 +193,32 @@ impl StreamBins {
     /// The first entry whose key is at least `key` (of a block of `size` bytes).
     fn lower_bound(&self, size: u64, key: u128) -> Option<FreeEntry> {
         let class = class_of(size);
-        let entries = &self.classes[class];
+        let entries = self.class(class);
         let at_least = entries.partition_point(|e| e.key() >= key);
         if at_least > 0 {
             return Some(entries[at_least - 1]);
         }
         let next = self.next_class(class + 1)?;
-        self.classes[next].last().copied()
+        self.class(next).last().copied()
     }
 
     /// The last entry whose key is below `key` (of a block of `size` bytes).
     fn prev_before(&self, size: u64, key: u128) -> Option<FreeEntry> {
         let class = class_of(size);
-        let entries = &self.classes[class];
+        let entries = self.class(class);
         let at_least = entries.partition_point(|e| e.key() >= key);
         if let Some(e) = entries.get(at_least) {
             return Some(*e);
         }
         let prev = self.prev_class(class)?;
-        self.classes[prev].first().copied()
+        self.class(prev).first().copied()
     }
 
     #[inline]
     fn insert(&mut self, entry: FreeEntry) {
         let class = class_of(entry.size);
-        let entries = &mut self.classes[class];
+        let slot = self.slot(class);
+        let entries = &mut self.classes[slot];
         // Most frees land at the end (an empty class, or below its smallest entry), in room
         // the class already has: that path is inlined; a search or a growth is not.
         if entries.len() < entries.capacity()
@@ -173,29 +238,37 @@ impl StreamBins {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         let mut class = class_of(size);
-        let entries = &mut self.classes[class];
+        let mut slot = self.rank(class);
+        let entries: &[FreeEntry] = self.class(class);
         // Usually the class's smallest entry fits (a size asked for again): no search. When it
         // does not, a larger one of the class may; otherwise the next class's smallest does.
         if entries.last().is_none_or(|e| e.size < size) {
             let at_least = entries.partition_point(|e| e.size >= size);
             if at_least > 0 {
                 // Not the last entry: the class keeps its bit.
-                return accept(entries[at_least - 1].size).then(|| entries.remove(at_least - 1));
+                return accept(entries[at_least - 1].size)
+                    .then(|| self.classes[slot].remove(at_least - 1));
             }
             class = self.next_class(class + 1)?;
+            // A non-empty class has a vector.
+            slot = self.rank(class);
         }
-        let entries = &mut self.classes[class];
+        let entries = &mut self.classes[slot];
         if !accept(entries.last()?.size) {
             return None;
         }
         let entry = entries.pop();
-        self.clear_if_empty(class);
+        self.clear_if_empty(class, slot);
         entry
     }
 
     fn remove(&mut self, size: u64, key: u128) -> bool {
         let class = class_of(size);
-        let entries = &mut self.classes[class];
+        if self.class(class).is_empty() {
+            return false;
+        }
+        let slot = self.rank(class);
+        let entries = &mut self.classes[slot];
         // A split's remainder is usually still its class's smallest entry when it merges back.
         if entries.last().is_some_and(|e| e.key() == key) {
             entries.pop();
@@ -206,20 +279,30 @@ impl StreamBins {
             }
             entries.remove(i);
         }
-        self.clear_if_empty(class);
+        self.clear_if_empty(class, slot);
         true
     }
 
-    /// Clears the bit of `class` if it holds nothing now, without a branch.
+    /// Clears the bit of `class` (at `slot`) if it holds nothing now, without a branch.
     #[inline]
-    fn clear_if_empty(&mut self, class: usize) {
-        let empty = u64::from(self.classes[class].is_empty());
+    fn clear_if_empty(&mut self, class: usize, slot: usize) {
+        let empty = u64::from(self.classes[slot].is_empty());
         self.bitmap[class / 64] &= !(empty << (class % 64));
     }
 
     /// Number of entries (counted, not kept: only checks and reports ask).
     fn len(&self) -> usize {
         self.classes.iter().map(Vec::len).sum()
+    }
+
+    /// Bytes its vectors hold (their headers and room), for memory budgets.
+    fn heap_bytes(&self) -> usize {
+        self.classes.capacity() * std::mem::size_of::<Vec<FreeEntry>>()
+            + self
+                .classes
+                .iter()
+                .map(|c| c.capacity() * std::mem::size_of::<FreeEntry>())
+                .sum::<usize>()
     }
 
     /// Whether no class holds an entry.
@@ -236,13 +319,47 @@ impl StreamBins {
 /// The free blocks of one pool, all streams. See the module documentation.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct FreeSet {
+    /// Each stream's bins, in the order the streams came (`iter` sorts them).
     streams: Vec<(StreamId, StreamBins)>,
+    /// Each stream's position in `streams`.
+    index: FxHashMap<StreamId, u32>,
+    /// The number of streams at which empty bins are next dropped.
+    prune_at: usize,
+    /// Work done finding streams: entries scanned or hashed, and bins looked at when empty
+    /// ones are dropped (the scaling check's counter; a cell, as lookups only read).
+    examined: std::cell::Cell<u64>,
 }
 
 impl FreeSet {
-    /// Where `stream`'s bins are. Jobs use a handful of streams: a linear scan beats hashing.
+    /// Where `stream`'s bins are: a scan for a job's few streams (cheaper than hashing), the
+    /// index beyond.
+    #[inline]
     fn stream_index(&self, stream: StreamId) -> Option<usize> {
-        self.streams.iter().position(|(s, _)| *s == stream)
+        let (found, cost) = if self.streams.len() <= SCAN_STREAMS {
+            let found = self.streams.iter().position(|(s, _)| *s == stream);
+            (found, found.map_or(self.streams.len(), |i| i + 1))
+        } else {
+            (self.index.get(&stream).map(|&i| i as usize), 1)
+        };
+        self.examined.set(self.examined.get() + cost as u64);
+        found
+    }
+
+    /// Work done finding streams so far (see the field).
+    pub fn examined(&self) -> u64 {
+        self.examined.get()
+    }
+
+    /// Bytes the set holds on the heap: its bins' vectors and the index (estimated: a
+    /// hash entry as its key and value).
+    pub fn heap_bytes(&self) -> usize {
+        self.streams.capacity() * std::mem::size_of::<(StreamId, StreamBins)>()
+            + self.index.capacity() * (std::mem::size_of::<(StreamId, u32)>() + 1)
+            + self
+                .streams
+                .iter()
+                .map(|(_, bins)| bins.heap_bytes())
+                .sum::<usize>()
     }
 
     fn bins(&self, stream: StreamId) -> Option<&StreamBins> {
@@ -307,16 +424,26 @@ impl FreeSet {
     }
 
     /// Makes bins for a stream that has none (rare: kept out of `insert`'s fast path), first
-    /// dropping every empty one once there are [`SPARE_STREAMS`] or more; returns their
-    /// index.
+    /// dropping every empty one once the streams have doubled since the last drop (and are
+    /// at least [`SPARE_STREAMS`]); returns their index.
     #[cold]
     #[inline(never)]
     fn add_stream(&mut self, stream: StreamId) -> usize {
-        if self.streams.len() >= SPARE_STREAMS {
+        if self.streams.len() >= self.prune_at.max(SPARE_STREAMS) {
+            self.examined
+                .set(self.examined.get() + self.streams.len() as u64);
             self.streams.retain(|(_, bins)| !bins.is_empty());
+            self.prune_at = 2 * self.streams.len();
+            self.index = self
+                .streams
+                .iter()
+                .enumerate()
+                .map(|(i, (s, _))| (*s, i as u32))
+                .collect();
         }
-        let i = self.streams.partition_point(|(s, _)| *s < stream);
-        self.streams.insert(i, (stream, StreamBins::new()));
+        let i = self.streams.len();
+        self.streams.push((stream, StreamBins::new()));
+        self.index.insert(stream, i as u32);
         i
     }
 
@@ -330,8 +457,10 @@ impl FreeSet {
 
     /// All free blocks in PyTorch's set order: by stream, then size, then the tie-break.
     pub fn iter(&self) -> impl Iterator<Item = (StreamId, FreeEntry)> + '_ {
-        self.streams
-            .iter()
+        let mut order: Vec<&(StreamId, StreamBins)> = self.streams.iter().collect();
+        order.sort_unstable_by_key(|(s, _)| *s);
+        order
+            .into_iter()
             .flat_map(|(s, bins)| bins.iter().map(move |e| (*s, *e)))
     }
 

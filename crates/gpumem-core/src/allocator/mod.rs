@@ -285,6 +285,27 @@ impl<D: Device> CachingAllocator<D> {
         &self.config
     }
 
+    /// Work the pools' free sets did finding streams' bins (stream entries scanned or
+    /// hashed, bins looked at when empty ones are dropped): constant per operation whatever
+    /// the number of streams, which the scaling tests check by this count.
+    pub fn stream_lookups(&self) -> u64 {
+        self.all_pools().map(|(_, pool)| pool.free.examined()).sum()
+    }
+
+    /// Bytes the allocator's bookkeeping holds on the heap, estimated from what grows with
+    /// a workload: the block arena, the free sets (with each stream's bins), the live map
+    /// and the streams recorded per block. A replay of a hostile recording is bounded by it.
+    pub fn heap_bytes(&self) -> usize {
+        let free_sets: usize = self
+            .all_pools()
+            .map(|(_, pool)| pool.free.heap_bytes())
+            .sum();
+        self.blocks.capacity() * std::mem::size_of::<Block>()
+            + free_sets
+            + self.live.len() * 2 * std::mem::size_of::<u32>()
+            + self.stream_uses.len() * 2 * std::mem::size_of::<(BlockId, Vec<StreamId>)>()
+    }
+
     /// The statistics, shared: clone the `Arc` to read them without access to the allocator.
     pub fn stats(&self) -> &Arc<DeviceStats> {
         &self.stats
