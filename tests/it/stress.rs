@@ -162,9 +162,10 @@ fn many_streams_cost_linear_work_and_memory() {
             "{n} streams: work {work:.2}x, memory {memory:.2}x per doubling"
         );
     }
-    // A few hundred bytes a stream, not a vector per class (about 10 KiB).
+    // About 2 KiB a stream (its class table, its bins' room), not a vector per class (over
+    // 10 KiB before).
     let (_, bytes) = costs[2];
-    assert!(bytes < 20_000 * 1024, "{bytes} bytes for 20 000 streams");
+    assert!(bytes < 20_000 * 3 * 1024, "{bytes} bytes for 20 000 streams");
 }
 
 /// A replay's own state is held to its memory budget: a recording of 20 000 streams read

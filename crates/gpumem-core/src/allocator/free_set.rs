@@ -24,10 +24,10 @@
 //!   ordered successor.
 //! - A class's bit is set in the bitmap iff its vector is non-empty.
 //! - Within a class, entries are sorted by (size, tie), descending, and unique by it.
-//! - A stream's bins hold a vector only for the classes it has used (`allocated`, found by
-//!   rank: the classes allocated below it), so a stream with a few free blocks costs a few
-//!   hundred bytes, not one vector per class (a recording of 80 000 streams once took
-//!   865 MB).
+//! - A stream's bins hold a vector only for the classes it has used (`slot_of` says where),
+//!   so a stream with a few free blocks costs about 2 KiB (its class table and its room in
+//!   the list of streams), not a vector per class (over 10 KiB: a recording of 80 000
+//!   streams once took 865 MB).
 //! - A stream's bins are found by a scan among at most [`SCAN_STREAMS`] streams, else through
 //!   a hash index, which always maps each stream to its position: constant time however
 //!   many streams a recording invents. Iteration sorts the streams by handle, so it follows
@@ -48,6 +48,8 @@ const BITMAP_WORDS: usize = CLASSES.div_ceil(64);
 /// Streams whose bins are kept while empty. Below this many, bins are never dropped, so jobs
 /// with a handful of streams never pay to rebuild them.
 const SPARE_STREAMS: usize = 16;
+/// The slot of a class without a vector: past any (there are at most [`CLASSES`]).
+const NO_SLOT: u16 = u16::MAX;
 /// Streams found by a scan (a job's handful); beyond it, by the hash index.
 const SCAN_STREAMS: usize = 8;
 
@@ -98,66 +100,52 @@ fn insert_sorted(entries: &mut Vec<FreeEntry>, entry: FreeEntry) {
 struct StreamBins {
     /// The classes holding entries.
     bitmap: [u64; BITMAP_WORDS],
-    /// The classes that have a vector in `classes` (kept once made: a class that empties is
-    /// usually filled again, and keeps its room).
-    allocated: [u64; BITMAP_WORDS],
-    /// Allocated classes in the words before each word: a class's rank in two steps.
-    before: [u16; BITMAP_WORDS],
-    /// The allocated classes' entries, in class order.
+    /// Each class's vector in `classes`; [`NO_SLOT`] for a class never used (a vector is
+    /// kept once made: a class that empties is usually filled again, and keeps its room).
+    slot_of: [u16; CLASSES],
+    /// The used classes' entries, in the order the classes were first used.
     classes: Vec<Vec<FreeEntry>>,
-}
-
-/// The bits of a word below bit `b`.
-#[inline]
-fn below(b: usize) -> u64 {
-    (1u64 << b) - 1
 }
 
 impl StreamBins {
     fn new() -> Self {
         StreamBins {
             bitmap: [0; BITMAP_WORDS],
-            allocated: [0; BITMAP_WORDS],
-            before: [0; BITMAP_WORDS],
+            slot_of: [NO_SLOT; CLASSES],
             classes: Vec::new(),
         }
     }
 
-    /// Where `class`'s vector is (or would go): its rank among the allocated classes.
+    /// `class`'s vector, if it has one (the bound check is the test: [`NO_SLOT`] is past
+    /// any vector).
     #[inline]
-    fn rank(&self, class: usize) -> usize {
-        let (w, b) = (class / 64, class % 64);
-        usize::from(self.before[w]) + (self.allocated[w] & below(b)).count_ones() as usize
+    fn slot_if_any(&self, class: usize) -> Option<usize> {
+        let slot = usize::from(self.slot_of[class]);
+        (slot < self.classes.len()).then_some(slot)
     }
 
-    /// `class`'s entries, if it has a vector.
+    /// `class`'s entries (none for a class never used).
     #[inline]
     fn class(&self, class: usize) -> &[FreeEntry] {
-        if self.allocated[class / 64] & (1 << (class % 64)) == 0 {
-            return &[];
-        }
-        &self.classes[self.rank(class)]
+        self.classes
+            .get(usize::from(self.slot_of[class]))
+            .map_or(&[], Vec::as_slice)
     }
 
     /// The position of `class`'s vector, made where it has none yet.
     #[inline]
     fn slot(&mut self, class: usize) -> usize {
-        let rank = self.rank(class);
-        let (w, b) = (class / 64, class % 64);
-        if self.allocated[w] & (1 << b) == 0 {
-            self.make_class(w, b, rank);
-        }
-        rank
+        self.slot_if_any(class)
+            .unwrap_or_else(|| self.make_class(class))
     }
 
     #[cold]
     #[inline(never)]
-    fn make_class(&mut self, w: usize, b: usize, rank: usize) {
-        self.classes.insert(rank, Vec::new());
-        self.allocated[w] |= 1 << b;
-        for later in &mut self.before[w + 1..] {
-            *later += 1;
-        }
+    fn make_class(&mut self, class: usize) -> usize {
+        // At most CLASSES vectors, below NO_SLOT.
+        self.slot_of[class] = self.classes.len() as u16;
+        self.classes.push(Vec::new());
+        self.classes.len() - 1
     }
 
     /// The first non-empty class at or above `class`.
@@ -238,7 +226,6 @@ impl StreamBins {
         accept: impl FnOnce(u64) -> bool,
     ) -> Option<FreeEntry> {
         let mut class = class_of(size);
-        let mut slot = self.rank(class);
         let entries: &[FreeEntry] = self.class(class);
         // Usually the class's smallest entry fits (a size asked for again): no search. When it
         // does not, a larger one of the class may; otherwise the next class's smallest does.
@@ -246,13 +233,15 @@ impl StreamBins {
             let at_least = entries.partition_point(|e| e.size >= size);
             if at_least > 0 {
                 // Not the last entry: the class keeps its bit.
+                // A class with entries has a vector.
+                let slot = usize::from(self.slot_of[class]);
                 return accept(entries[at_least - 1].size)
                     .then(|| self.classes[slot].remove(at_least - 1));
             }
             class = self.next_class(class + 1)?;
-            // A non-empty class has a vector.
-            slot = self.rank(class);
         }
+        // A class with entries has a vector (a class never used has neither).
+        let slot = self.slot_if_any(class)?;
         let entries = &mut self.classes[slot];
         if !accept(entries.last()?.size) {
             return None;
@@ -264,10 +253,9 @@ impl StreamBins {
 
     fn remove(&mut self, size: u64, key: u128) -> bool {
         let class = class_of(size);
-        if self.class(class).is_empty() {
+        let Some(slot) = self.slot_if_any(class) else {
             return false;
-        }
-        let slot = self.rank(class);
+        };
         let entries = &mut self.classes[slot];
         // A split's remainder is usually still its class's smallest entry when it merges back.
         if entries.last().is_some_and(|e| e.key() == key) {
@@ -312,7 +300,9 @@ impl StreamBins {
 
     /// Entries in ascending key order.
     fn iter(&self) -> impl DoubleEndedIterator<Item = &FreeEntry> {
-        self.classes.iter().flat_map(|class| class.iter().rev())
+        (0..CLASSES)
+            .filter(|&c| self.bitmap[c / 64] & (1 << (c % 64)) != 0)
+            .flat_map(|c| self.class(c).iter().rev())
     }
 }
 
@@ -325,8 +315,9 @@ pub(crate) struct FreeSet {
     index: FxHashMap<StreamId, u32>,
     /// The number of streams at which empty bins are next dropped.
     prune_at: usize,
-    /// Work done finding streams: entries scanned or hashed, and bins looked at when empty
-    /// ones are dropped (the scaling check's counter; a cell, as lookups only read).
+    /// Work done finding streams beyond the scan of a few (bounded by [`SCAN_STREAMS`], not
+    /// counted): hash lookups, and bins looked at when empty ones are dropped (the scaling
+    /// check's counter; a cell, as lookups only read).
     examined: std::cell::Cell<u64>,
 }
 
@@ -335,14 +326,17 @@ impl FreeSet {
     /// index beyond.
     #[inline]
     fn stream_index(&self, stream: StreamId) -> Option<usize> {
-        let (found, cost) = if self.streams.len() <= SCAN_STREAMS {
-            let found = self.streams.iter().position(|(s, _)| *s == stream);
-            (found, found.map_or(self.streams.len(), |i| i + 1))
-        } else {
-            (self.index.get(&stream).map(|&i| i as usize), 1)
-        };
-        self.examined.set(self.examined.get() + cost as u64);
-        found
+        if self.streams.len() <= SCAN_STREAMS {
+            return self.streams.iter().position(|(s, _)| *s == stream);
+        }
+        self.indexed(stream)
+    }
+
+    /// [`FreeSet::stream_index`] beyond a few streams (kept out of the scan's inlined path).
+    #[inline(never)]
+    fn indexed(&self, stream: StreamId) -> Option<usize> {
+        self.examined.set(self.examined.get() + 1);
+        self.index.get(&stream).map(|&i| i as usize)
     }
 
     /// Work done finding streams so far (see the field).
@@ -362,10 +356,12 @@ impl FreeSet {
                 .sum::<usize>()
     }
 
+    #[inline]
     fn bins(&self, stream: StreamId) -> Option<&StreamBins> {
         Some(&self.streams[self.stream_index(stream)?].1)
     }
 
+    #[inline]
     fn bins_mut(&mut self, stream: StreamId) -> Option<&mut StreamBins> {
         let i = self.stream_index(stream)?;
         Some(&mut self.streams[i].1)
