@@ -28,7 +28,8 @@
 //!   2^60 and the reserved memory they add up to too, so the sums cannot overflow; requested
 //!   at most allocated, the largest free block at most the free bytes, segments with free
 //!   bytes only where there are free bytes and at most 2^53; the pools reserve at most the
-//!   device's total.
+//!   device's total; the request's own pool has no free block it would have taken (at least
+//!   its size, and below `max_split_size` where the device's statistics set one).
 //! - The breakdown adds up to the device's total as the observer gave it (free is capped at
 //!   what the reserved memory leaves of it, as in the core's own OOM error).
 
@@ -71,8 +72,13 @@ pub(crate) struct PushedPool {
     private: bool,
 }
 
-/// The explanation of device `index`'s OOM, or why its figures are refused.
-pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> {
+/// The explanation of device `index`'s OOM, or why its figures are refused. `max_split_size`
+/// is the device's statistic of that name, where it gave one (-1: no limit).
+pub(crate) fn explain(
+    index: u32,
+    oom: &PushedOom,
+    max_split_size: Option<i64>,
+) -> Result<LastOom, Rejected> {
     let at = |message: String| invalid(format!("device {index}: oom: {message}"));
     let bytes = |name: &str, v: u64| {
         if v < MAX_BYTES as u64 {
@@ -140,6 +146,18 @@ pub(crate) fn explain(index: u32, oom: &PushedOom) -> Result<LastOom, Rejected> 
             return Err(at(format!(
                 "the {pool} pool of stream {}: {} segments with free bytes for {} free bytes",
                 p.stream, p.segments_with_free, p.free
+            )));
+        }
+        // A free block at least the request's segment size in the request's own pool would
+        // have served it, unless max_split_size keeps blocks of its size whole.
+        let own = pool == request.pool && p.stream == request.stream && !p.private;
+        let kept_whole = max_split_size
+            .and_then(|m| u64::try_from(m).ok())
+            .is_some_and(|m| p.largest_free >= m);
+        if own && p.largest_free >= oom.size && !kept_whole {
+            return Err(at(format!(
+                "the {pool} pool of stream {} has a free block of {} bytes, which the {}-byte request would have taken (no max_split_size keeps it whole)",
+                p.stream, p.largest_free, oom.size
             )));
         }
         let reserved = accounting.reserved + p.allocated + p.pending_free + p.free;

@@ -344,7 +344,7 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         let last_oom = device
             .oom
             .as_ref()
-            .map(|oom| super::oom::explain(device.index, oom))
+            .map(|oom| super::oom::explain(device.index, oom, stats.get("max_split_size").copied()))
             .transpose()?;
         devices.push(ValidDevice {
             index: device.index,

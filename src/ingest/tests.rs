@@ -833,6 +833,12 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
             serde_json::Value::Array((0..65).map(|s| pool("large", s, 0, 0, 0, 0, 0)).collect()),
             "at most 64",
         ),
+        (
+            // Issue 34, case 13: "the largest free block the request could use was" larger
+            // than the request, with nothing to keep it whole.
+            serde_json::json!([pool("small", 7, 0, 0, 4 * mib, 2 * mib, 2)]),
+            "would have taken",
+        ),
     ] {
         let (store, sources) = store(4);
         let err = store
@@ -843,6 +849,23 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
         assert!(err.message.contains("oom"), "{}", err.message);
         assert!(sources.snapshot().is_empty(), "nothing kept");
     }
+    // The same figures where max_split_size keeps blocks of 2 MiB whole: consistent.
+    let mut body: serde_json::Value = serde_json::from_slice(&oom_push(
+        1,
+        1,
+        3 * mib,
+        0,
+        serde_json::json!([pool("large", 7, 0, 0, 40 * mib, 40 * mib, 1)]),
+    ))
+    .expect("json");
+    let (store, _) = store(4);
+    let refused = store.push(&serde_json::to_vec(&body).expect("json"));
+    assert!(refused.is_err_and(|e| e.message.contains("would have taken")));
+    body["devices"][0]["stats"]["max_split_size"] = serde_json::json!(20 * mib);
+    body["seq"] = serde_json::json!(2);
+    store
+        .push(&serde_json::to_vec(&body).expect("json"))
+        .expect("a block max_split_size keeps whole");
     // Its series are counted in the budget: one per part.
     let body = oom_push(1, 1, mib, 0, serde_json::json!([]));
     let plain = with_reason(9, 1, "oom", 1);

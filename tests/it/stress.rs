@@ -165,7 +165,10 @@ fn many_streams_cost_linear_work_and_memory() {
     // About 2 KiB a stream (its class table, its bins' room), not a vector per class (over
     // 10 KiB before).
     let (_, bytes) = costs[2];
-    assert!(bytes < 20_000 * 3 * 1024, "{bytes} bytes for 20 000 streams");
+    assert!(
+        bytes < 20_000 * 3 * 1024,
+        "{bytes} bytes for 20 000 streams"
+    );
 }
 
 /// A replay's own state is held to its memory budget: a recording of 20 000 streams read
