@@ -16,8 +16,10 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
     let config = IngestConfig {
         max_processes,
         max_tcp_processes: max_processes,
-        // The process caps are under test here; the series budget in tests/it/hostile.rs.
+        // The process caps are under test here; the series budgets in tests/it/hostile.rs
+        // and the ingest's unit tests.
         max_series: usize::MAX,
+        max_tcp_series: usize::MAX,
         min_interval: std::time::Duration::ZERO,
         ..IngestConfig::default()
     };
