@@ -28,8 +28,11 @@
 //!   2^60 and the reserved memory they add up to too, so the sums cannot overflow; requested
 //!   at most allocated, the largest free block at most the free bytes, segments with free
 //!   bytes only where there are free bytes and at most 2^53; the pools reserve at most the
-//!   device's total; the request's own pool has no free block it would have taken (at least
-//!   its size, and below `max_split_size` where the device's statistics set one).
+//!   device's total.
+//! - Figures in which the request's own pool has a free block it would have taken (at least
+//!   its size, and below `max_split_size` where the device's statistics set one) are not
+//!   explained: the push is kept, its OOM counted, without a breakdown that would name a
+//!   free block larger than the request as the cause.
 //! - The breakdown adds up to the device's total as the observer gave it (free is capped at
 //!   what the reserved memory leaves of it, as in the core's own OOM error).
 
@@ -72,13 +75,15 @@ pub(crate) struct PushedPool {
     private: bool,
 }
 
-/// The explanation of device `index`'s OOM, or why its figures are refused. `max_split_size`
-/// is the device's statistic of that name, where it gave one (-1: no limit).
+/// The explanation of device `index`'s OOM, or why its figures are refused; `None` where they
+/// do not explain it (a free block the request would have taken: the hook's guess of the
+/// request's stream was wrong, say, as for a collective's allocation on its own stream).
+/// `max_split_size` is the device's statistic of that name, where it gave one (-1: no limit).
 pub(crate) fn explain(
     index: u32,
     oom: &PushedOom,
     max_split_size: Option<i64>,
-) -> Result<LastOom, Rejected> {
+) -> Result<Option<LastOom>, Rejected> {
     let at = |message: String| invalid(format!("device {index}: oom: {message}"));
     let bytes = |name: &str, v: u64| {
         if v < MAX_BYTES as u64 {
@@ -104,6 +109,7 @@ pub(crate) fn explain(
     };
     let mut accounting = Accounting::default();
     let mut seen: Vec<(PoolKind, StreamId, bool)> = Vec::with_capacity(oom.pools.len());
+    let mut explained = true;
     for p in &oom.pools {
         let pool = match p.pool.as_str() {
             "small" => PoolKind::Small,
@@ -149,16 +155,15 @@ pub(crate) fn explain(
             )));
         }
         // A free block at least the request's segment size in the request's own pool would
-        // have served it, unless max_split_size keeps blocks of its size whole.
+        // have served it, unless max_split_size keeps blocks of its size whole (leniently:
+        // a request at or above max_split_size also refuses blocks 20 MiB larger than it,
+        // and the request's exact size is not pushed).
         let own = pool == request.pool && p.stream == request.stream && !p.private;
         let kept_whole = max_split_size
             .and_then(|m| u64::try_from(m).ok())
             .is_some_and(|m| p.largest_free >= m);
         if own && p.largest_free >= oom.size && !kept_whole {
-            return Err(at(format!(
-                "the {pool} pool of stream {} has a free block of {} bytes, which the {}-byte request would have taken (no max_split_size keeps it whole)",
-                p.stream, p.largest_free, oom.size
-            )));
+            explained = false;
         }
         let reserved = accounting.reserved + p.allocated + p.pending_free + p.free;
         bytes("the reserved memory", reserved)?;
@@ -184,10 +189,13 @@ pub(crate) fn explain(
             accounting.reserved
         )));
     }
+    if !explained {
+        return Ok(None);
+    }
     let (kinds, why) = accounting.blame(request, oom.device_free, total);
-    Ok(LastOom {
+    Ok(Some(LastOom {
         breakdown: accounting.breakdown,
         kind: kinds[0],
         why,
-    })
+    }))
 }

@@ -47,6 +47,9 @@
 //!   2^53 ([`MAX_COUNT`]), so the collector's sums of two pools cannot overflow and every
 //!   value is exact as a float. Per pool, `allocated` and `active` never exceed `reserved`;
 //!   pinned memory in use never exceeds its pool.
+//! - Label values, UUIDs and texts are visible text ([`is_visible`]: letters and digits of
+//!   any script, ASCII punctuation, inner spaces; `torch_version` and the configurations
+//!   are trimmed of outer spaces first, as PyTorch reads them); no object lists a key twice.
 //! - A pushed label never overwrites a label of the contract or of Prometheus's and
 //!   Kubernetes's target labels: such a name is exported as `exported_<name>`, Prometheus's
 //!   own convention; a name that is not a label name is refused.
@@ -301,9 +304,12 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
             push.devices.len()
         )));
     }
-    let version = push.torch_version.unwrap_or_default();
+    // Outer spaces are trimmed (a variable set to " expandable_segments:True" reads the
+    // same to PyTorch), not refused: a hook that sent them whole loses no push.
+    let trimmed = |t: Option<String>| t.map(|t| t.trim_matches(' ').to_string());
+    let version = trimmed(push.torch_version).unwrap_or_default();
     text("torch_version", &version)?;
-    let (cuda, generic) = (push.alloc_conf, push.alloc_conf_generic);
+    let (cuda, generic) = (trimmed(push.alloc_conf), trimmed(push.alloc_conf_generic));
     text("alloc_conf", cuda.as_deref().unwrap_or_default())?;
     text("alloc_conf_generic", generic.as_deref().unwrap_or_default())?;
     let release = release_of(&version).unwrap_or_default();
@@ -345,7 +351,8 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
             .oom
             .as_ref()
             .map(|oom| super::oom::explain(device.index, oom, stats.get("max_split_size").copied()))
-            .transpose()?;
+            .transpose()?
+            .flatten();
         devices.push(ValidDevice {
             index: device.index,
             uuid: device.uuid.clone(),
@@ -822,6 +829,11 @@ mod tests {
                 );
             }
         }
+        // Outer spaces of the texts PyTorch reads are trimmed, not refused.
+        let padded = serde_json::json!({"pid": 5, "seq": 1, "torch_version": " 2.5.1 ",
+            "alloc_conf": " expandable_segments:True ",
+            "devices": [{"index": 0, "uuid": "u", "stats": {}}]});
+        validate(padded.to_string().as_bytes()).expect("trimmed");
         let twice = [
             r#"{"pid": 5, "seq": 1, "labels": {"job": "a", "job": "b"}, "devices": [{"index": 0, "uuid": "u", "stats": {}}]}"#,
             r#"{"pid": 5, "seq": 1, "devices": [{"index": 0, "uuid": "u", "stats": {"num_ooms": 1, "num_ooms": 0}}]}"#,

@@ -51,7 +51,10 @@ use super::payload::{Reason, ValidPush, validate};
 use super::refusal::{Refusal, Rejected};
 
 /// A pushing process as the kernel named it when it connected (`SO_PEERCRED`, in the agent's
-/// pid namespace).
+/// pid namespace), with its start time as read when the agent accepted the connection. A
+/// push must still come from that process: one whose pid has gone (or is another process's)
+/// is refused. A child that inherited the connection pushes as its parent while the parent
+/// lives: the parent handed it the socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer {
     /// Its pid.
@@ -222,6 +225,15 @@ impl State {
     fn series(&self) -> usize {
         self.tracked.values().map(|t| t.series).sum::<usize>() + self.pods.len()
     }
+
+    /// Series held by processes pushing over TCP.
+    fn tcp_series(&self) -> usize {
+        self.tracked
+            .values()
+            .filter(|t| !t.kernel_pid)
+            .map(|t| t.series)
+            .sum()
+    }
 }
 
 /// The pushed processes and the ingest's own counters.
@@ -279,8 +291,9 @@ impl PushStore {
 
     /// Accepts a payload from a process the kernel named (a Unix-socket peer): its pid
     /// replaces the payload's, which inside a container is the container's pid namespace's
-    /// and so would not match the pids NVML reports. The pid must still be the process that
-    /// connected (its start time unchanged), and its pod is read at each push.
+    /// and so would not match the pids NVML reports. The pid must still be the process the
+    /// connection was accepted from (its start time unchanged: see [`Peer`]), and its pod is
+    /// read at each push.
     ///
     /// # Errors
     /// A [`Rejected`] with the reason; nothing changes then.
@@ -558,13 +571,7 @@ impl PushStore {
         let mut tcp = state.tracked.values().filter(|t| !t.kernel_pid).count()
             + usize::from(is_new && !kernel_pid);
         let mut total = state.series() + series;
-        let mut tcp_series = state
-            .tracked
-            .values()
-            .filter(|t| !t.kernel_pid)
-            .map(|t| t.series)
-            .sum::<usize>()
-            + if kernel_pid { 0 } else { series };
+        let mut tcp_series = state.tcp_series() + if kernel_pid { 0 } else { series };
         let fits = |processes: usize, tcp: usize, total: usize, tcp_series: usize| {
             processes <= config.max_processes
                 && tcp <= config.max_tcp_processes
@@ -705,13 +712,7 @@ impl PushStore {
     /// Series held by processes pushing over TCP.
     #[cfg(test)]
     pub(super) fn tcp_series(&self) -> usize {
-        let state = self.state();
-        state
-            .tracked
-            .values()
-            .filter(|t| !t.kernel_pid)
-            .map(|t| t.series)
-            .sum()
+        self.state().tcp_series()
     }
 
     /// (result label, count) for the ingest counter: `accepted`, then each refusal.

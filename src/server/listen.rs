@@ -72,7 +72,15 @@ pub async fn serve(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    serve_with(listener, app, limits, shutdown, |_, addr| addr, || {}).await;
+    serve_with(
+        listener,
+        app,
+        limits,
+        shutdown,
+        |_, addr| (addr, None),
+        || {},
+    )
+    .await;
 }
 
 /// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to
@@ -106,7 +114,10 @@ pub async fn serve_unix(
         app,
         limits,
         shutdown,
-        |io: &UnixStream, _| UnixPeer::of(io),
+        |io: &UnixStream, _| {
+            let peer = UnixPeer::of(io);
+            (peer, peer.process.map(|p| p.pid))
+        },
         remove_own,
     )
     .await;
@@ -117,7 +128,7 @@ async fn serve_with<L, C>(
     app: Router,
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    info: impl Fn(&L::Io, L::Addr) -> C,
+    info: impl Fn(&L::Io, L::Addr) -> (C, Option<u32>),
     stopped: impl FnOnce(),
 ) where
     L: Listener,
@@ -134,9 +145,9 @@ async fn serve_with<L, C>(
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
-        let admitted = connections.admit();
+        let (peer, owner) = info(&io, addr);
+        let admitted = connections.admit(owner);
         let conn = admitted.connection().clone();
-        let peer = info(&io, addr);
         let app = app.clone();
         let tagged = conn.clone();
         let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
@@ -340,7 +351,8 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
 const TAKEOVER_POLL: Duration = Duration::from_millis(250);
 
 /// Binds a Unix socket at `path` for pushes from any local user: creates its directory
-/// (`0755`: only the agent writes there; a directory others may write is warned about),
+/// (`0755`: only the agent writes there; a directory others may write, or own, is warned
+/// about),
 /// replaces a socket left by an agent that no longer answers on it (never another kind of
 /// file), and makes it connectable by all (access is already limited to whoever can reach the
 /// path). While another agent answers on `path`, waits up to `wait` for it to go (a rolling
@@ -367,11 +379,7 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
                     .map_err(context)?;
             }
             Ok(meta) if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 => {
-                tracing::warn!(directory = %parent.display(), "the push socket's directory is writable by other users, who could replace the socket: make it 0755, owned by the agent");
-                eprintln!(
-                    "gpumem: warning: {} is writable by other users, who could replace the push socket; make it 0755, owned by the agent",
-                    parent.display()
-                );
+                warn_open_directory(parent, "writable by other users");
             }
             Ok(_) => {}
         }
@@ -411,9 +419,29 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
     }
     let listener = UnixListener::bind(path).map_err(context)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(context)?;
+    // The socket is the agent's own: a directory someone else owns is theirs to change.
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        use std::os::unix::fs::MetadataExt;
+        let owner = |p: &Path| std::fs::metadata(p).map(|m| m.uid());
+        if let (Ok(directory), Ok(socket)) = (owner(parent), owner(path))
+            && directory != socket
+        {
+            warn_open_directory(parent, "owned by another user");
+        }
+    }
     tracing::info!(path = %path.display(), "accepting pushes");
     eprintln!("gpumem: accepting pushes on unix:{}", path.display());
     Ok(listener)
+}
+
+/// Warns that the push socket's directory is `why`: whoever can write there can put their own
+/// socket in the agent's place.
+fn warn_open_directory(directory: &Path, why: &str) {
+    tracing::warn!(directory = %directory.display(), why, "the push socket's directory could let another user replace the socket: make it 0755, owned by the agent");
+    eprintln!(
+        "gpumem: warning: {} is {why}, who could replace the push socket; make it 0755, owned by the agent",
+        directory.display()
+    );
 }
 
 /// The process at the other end of a Unix-socket connection, as the kernel reports it

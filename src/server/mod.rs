@@ -32,18 +32,22 @@
 //! series' largest size: about 800 bytes with every pushed label and text at its bound (a
 //! 7.8 MB scrape, measured), and up to 500 bytes more where the agent adds a pod's UID,
 //! container ID and names (about 13 MB). The agent holds at most four such bodies in flight
-//! and one being encoded, and at most eight push bodies of 512 KiB being read: measured at
-//! 66 MiB peak resident with the worst valid pushes over TCP and twelve slow scrapers
-//! (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels), 8 MiB idle. The chart's
-//! limit is 128 MiB.
+//! and one being encoded; at most sixteen push bodies of 512 KiB being read (eight per kind
+//! of listener); and, per connection (384 per listener), the first [`UNSLOTTED_BODY_BYTES`]
+//! of a body (and the rest of the read that crossed them: hyper reads 8 KiB at first): about
+//! 20 MiB at worst. Measured at 66 MiB peak resident with the worst valid pushes over TCP and
+//! twelve slow scrapers (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels),
+//! 8 MiB idle. The chart's limit is 128 MiB.
 
 mod conns;
 pub mod hosts;
 mod listen;
+mod slots;
 pub mod view;
 
-pub use conns::{Connection, MIN_STALL, Slots};
+pub use conns::Connection;
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
+pub use slots::{MIN_STALL, Slots};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -251,7 +255,7 @@ const SCRAPE_CHUNK: usize = 64 * 1024;
 struct HeldBody {
     body: Vec<u8>,
     sent: usize,
-    _slot: conns::Slot,
+    _slot: slots::Slot,
 }
 
 impl axum::body::HttpBody for HeldBody {
@@ -418,8 +422,9 @@ async fn push(
     }
 }
 
-/// Bytes of a push body read without a slot: a push of one or two devices' statistics (a
-/// few KiB) never waits for one, and a body withheld or trickled holds no slot.
+/// Bytes of a push body read without a slot (and the rest of the read that crosses them): a
+/// push of one or two devices' statistics (a few KiB) never waits for one, and a body
+/// withheld or trickled holds no slot.
 pub const UNSLOTTED_BODY_BYTES: usize = 16 * 1024;
 
 /// Why a push body was not read.
