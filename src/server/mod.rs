@@ -23,7 +23,7 @@
 //!   up to 5 s, then get 503), and a client that keeps its response waiting and reads less
 //!   than 1 MiB per send timeout is cut off, so memory stays bounded by a few scrapes.
 //! - A slot (push or scrape) whose holder made no progress for [`MIN_STALL`] goes to the
-//!   next request that wants it, the holder's connection closed (`conns.rs`): withheld
+//!   next request that wants it, the holder's connection closed (`slots.rs`): withheld
 //!   bodies and unread scrapes cannot keep a real push or scrape out. A push so dropped is
 //!   counted as `truncated`.
 //!
