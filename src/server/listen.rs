@@ -368,21 +368,13 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
             format!("cannot listen on {}: {e}", path.display()),
         )
     };
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        use std::os::unix::fs::MetadataExt;
-        match std::fs::metadata(parent) {
-            // Only the agent writes here: jobs connect (through a read-only mount), and one
-            // that could write could replace the socket with its own.
-            Err(_) => {
-                std::fs::create_dir_all(parent).map_err(context)?;
-                std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755))
-                    .map_err(context)?;
-            }
-            Ok(meta) if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 => {
-                warn_open_directory(parent, "writable by other users");
-            }
-            Ok(_) => {}
-        }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    // Only the agent writes there: jobs connect (through a read-only mount), and one that
+    // could write could replace the socket with its own.
+    if let Some(parent) = parent.filter(|p| !p.exists()) {
+        std::fs::create_dir_all(parent).map_err(context)?;
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755))
+            .map_err(context)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
@@ -419,24 +411,28 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
     }
     let listener = UnixListener::bind(path).map_err(context)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(context)?;
-    // The socket is the agent's own: a directory someone else owns is theirs to change.
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        use std::os::unix::fs::MetadataExt;
-        let owner = |p: &Path| std::fs::metadata(p).map(|m| m.uid());
-        if let (Ok(directory), Ok(socket)) = (owner(parent), owner(path))
-            && directory != socket
-        {
-            warn_open_directory(parent, "owned by another user");
-        }
+    if let Some(parent) = parent {
+        warn_if_open(parent, path);
     }
     tracing::info!(path = %path.display(), "accepting pushes");
     eprintln!("gpumem: accepting pushes on unix:{}", path.display());
     Ok(listener)
 }
 
-/// Warns that the push socket's directory is `why`: whoever can write there can put their own
-/// socket in the agent's place.
-fn warn_open_directory(directory: &Path, why: &str) {
+/// Warns where the push socket's directory lets another user replace the socket: others may
+/// write there (and it is not sticky), or it is not the owner of the socket (the agent's).
+fn warn_if_open(directory: &Path, socket: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(dir), Ok(own)) = (std::fs::metadata(directory), std::fs::metadata(socket)) else {
+        return;
+    };
+    let writable = dir.mode() & 0o022 != 0 && dir.mode() & 0o1000 == 0;
+    let why = match (writable, dir.uid() != own.uid()) {
+        (false, false) => return,
+        (true, false) => "writable by other users",
+        (false, true) => "owned by another user",
+        (true, true) => "owned by another user and writable by others",
+    };
     tracing::warn!(directory = %directory.display(), why, "the push socket's directory could let another user replace the socket: make it 0755, owned by the agent");
     eprintln!(
         "gpumem: warning: {} is {why}, who could replace the push socket; make it 0755, owned by the agent",

@@ -210,6 +210,12 @@ impl Slots {
 mod tests {
     use super::*;
 
+    /// A task waiting up to 5 s for one of `slots` for `conn`.
+    fn waiter(slots: &Arc<Slots>, conn: Connection) -> tokio::task::JoinHandle<Option<Slot>> {
+        let slots = Arc::clone(slots);
+        tokio::spawn(async move { slots.take(&conn, Duration::from_secs(5)).await })
+    }
+
     #[tokio::test]
     async fn a_stalled_holder_loses_its_slot_and_a_progressing_one_keeps_it() {
         let slots = Slots::new(1);
@@ -226,16 +232,12 @@ mod tests {
         );
         assert!(!holder.is_evicted());
         // Stalled: it is evicted, and the slot comes once the holder's request is dropped.
-        let waiter = {
-            let slots = Arc::clone(&slots);
-            let wanting = wanting.clone();
-            tokio::spawn(async move { slots.take(&wanting, Duration::from_secs(5)).await })
-        };
+        let waiting = waiter(&slots, wanting.clone());
         tokio::time::timeout(Duration::from_secs(5), holder.evicted())
             .await
             .expect("the stalled holder is evicted");
         drop(slot);
-        assert!(waiter.await.expect("joins").is_some());
+        assert!(waiting.await.expect("joins").is_some());
     }
 
     #[tokio::test]
@@ -243,18 +245,14 @@ mod tests {
         let slots = Slots::new(1);
         let holder = Connection::new(None);
         let slot = slots.take(&holder, Duration::ZERO).await.expect("free");
-        let wait = |conn: Connection| {
-            let slots = Arc::clone(&slots);
-            tokio::spawn(async move { slots.take(&conn, Duration::from_secs(5)).await })
-        };
         // A request that has waited long (its connection stalled since), a fresh one, and a
         // newer one whose connection was evicted meanwhile.
-        let stale = wait(Connection::new(None));
+        let stale = waiter(&slots, Connection::new(None));
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let fresh = wait(Connection::new(None));
+        let fresh = waiter(&slots, Connection::new(None));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let evicted = Connection::new(None);
-        let gone = wait(evicted.clone());
+        let gone = waiter(&slots, evicted.clone());
         tokio::time::sleep(Duration::from_millis(20)).await;
         evicted.evict();
         holder.progressed();
@@ -280,12 +278,8 @@ mod tests {
         let slots = Slots::new(1);
         let holder = Connection::new(None);
         let slot = slots.take(&holder, Duration::ZERO).await.expect("free");
-        let waiter = Connection::new(None);
-        let waiting = {
-            let slots = Arc::clone(&slots);
-            let waiter = waiter.clone();
-            tokio::spawn(async move { slots.take(&waiter, Duration::from_secs(5)).await })
-        };
+        let waiting_conn = Connection::new(None);
+        let waiting = waiter(&slots, waiting_conn.clone());
         // The waiter stalls past MIN_STALL while the holder keeps progressing.
         for _ in 0..6 {
             holder.progressed();
@@ -299,7 +293,7 @@ mod tests {
         let other = Connection::new(None);
         assert!(slots.take(&other, Duration::ZERO).await.is_none());
         assert!(slots.take(&other, MIN_STALL / 4).await.is_none());
-        assert!(!waiter.is_evicted());
+        assert!(!waiting_conn.is_evicted());
         drop(got);
     }
 
@@ -312,13 +306,9 @@ mod tests {
         let _held = slots.take(&first, Duration::ZERO).await.expect("free");
         let second = Connection::new(crowd);
         let slot = slots.take(&second, Duration::ZERO).await.expect("free");
-        let wait = |conn: Connection| {
-            let slots = Arc::clone(&slots);
-            tokio::spawn(async move { slots.take(&conn, Duration::from_secs(5)).await })
-        };
-        let other = wait(Connection::new(Some(8)));
+        let other = waiter(&slots, Connection::new(Some(8)));
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let more = wait(Connection::new(crowd));
+        let more = waiter(&slots, Connection::new(crowd));
         tokio::time::sleep(Duration::from_millis(20)).await;
         first.progressed();
         second.progressed();
