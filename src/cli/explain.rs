@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use gpumem::allocator::size::format_size;
 use gpumem::explain::{At, explain};
+use gpumem::replay::ReplayOptions;
 
 use super::{CliResult, Path, ReadArgs, outln, parse_bytes};
 
@@ -52,27 +53,27 @@ fn parse_at(text: &str) -> Result<At, String> {
 
 pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
-    let order = args.pytorch.order();
+    let options = ReplayOptions {
+        device: args.device,
+        capacity: args.capacity,
+        order: args.pytorch.order(),
+        max_memory_bytes: Some(args.read.max_memory_bytes()),
+        ..ReplayOptions::default()
+    };
     let traceless = recording
         .device_traces
         .get(args.device as usize)
         .is_none_or(Vec::is_empty);
     let e = match args.at {
-        Some(at) => explain(&recording, args.device, at, args.capacity, order)?,
+        Some(at) => explain(&recording, at, &options)?,
         None if traceless => {
             outln!("no trace recorded: the state the snapshot holds")?;
-            explain(&recording, args.device, At::Snapshot, args.capacity, order)?
+            explain(&recording, At::Snapshot, &options)?
         }
-        None => match explain(&recording, args.device, At::FirstOom, args.capacity, order) {
+        None => match explain(&recording, At::FirstOom, &options) {
             Err(gpumem::explain::ExplainError::NoOom { .. }) => {
                 outln!("no out-of-memory error in the trace: the moment of peak reserved memory")?;
-                explain(
-                    &recording,
-                    args.device,
-                    At::PeakReserved,
-                    args.capacity,
-                    order,
-                )?
+                explain(&recording, At::PeakReserved, &options)?
             }
             other => other?,
         },

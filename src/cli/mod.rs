@@ -232,8 +232,8 @@ pub(crate) struct ReadArgs {
     #[arg(long, value_parser = parse_bytes, default_value = "16GiB", value_name = "BYTES")]
     max_input_bytes: u64,
     /// The most memory reading may hold (the decoded document, interned frames, the pickle's
-    /// memo), and `replay`'s state may hold then; a recording that needs more is refused,
-    /// saying where.
+    /// memo), and each replay's own state may hold then (`replay`, `explain`, `plan`,
+    /// `view`); a recording that needs more is refused, saying where.
     #[arg(long, value_parser = parse_bytes, default_value = "4GiB", value_name = "BYTES")]
     max_memory_bytes: u64,
 }

@@ -102,6 +102,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         capacity: args.capacity,
         window: Some(window.clone()),
         order: args.pytorch.order(),
+        max_memory_bytes: Some(args.read.max_memory_bytes()),
         ..ReplayOptions::default()
     };
     // One check replay reads the trace's release runs; every replay below follows it.

@@ -34,7 +34,6 @@ use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, PoolId, TraceAction};
 use crate::device::StreamId;
 
-use crate::allocator::FitOrder;
 use crate::recording::Recording;
 use crate::replay::{
     DEFAULT_CAPACITY, Divergence, MAX_CAPACITY, OrderingReport, Readings, ReplayError,
@@ -270,18 +269,19 @@ pub enum ExplainError {
     },
 }
 
-/// Explains `at` on `device` of `recording`, the device `capacity` bytes large where given,
-/// replayed in `order` where given, else in the order that reproduces the recording.
+/// Explains `at` on `options.device` of `recording`, the device `options.capacity` bytes
+/// large where given, replayed in `options.order` where given, else in the order that
+/// reproduces the recording, every replay held to `options.max_memory_bytes`; the other
+/// options are the explanation's own.
 ///
 /// # Errors
 /// [`ExplainError`] when there is nothing to explain or the replay cannot run.
 pub fn explain(
     recording: &Recording,
-    device: u32,
     at: At,
-    capacity: Option<u64>,
-    order: Option<FitOrder>,
+    options: &ReplayOptions,
 ) -> Result<Explanation, ExplainError> {
+    let device = options.device;
     let events = super::replay::device_events(recording, device)?;
     let event = match at {
         At::FirstOom => events
@@ -305,12 +305,13 @@ pub fn explain(
     };
     let check = ReplayOptions {
         device,
-        capacity: known_capacity(recording, capacity),
-        order,
+        capacity: known_capacity(recording, options.capacity),
+        order: options.order,
+        max_memory_bytes: options.max_memory_bytes,
         ..ReplayOptions::default()
     };
     let readings = Readings::of(recording, &check)?;
-    explain_at(recording, device, event, capacity, &readings)
+    explain_at(recording, event, options, &readings)
 }
 
 /// The device's memory when given or recorded (at most [`MAX_CAPACITY`]).
@@ -321,31 +322,37 @@ fn known_capacity(recording: &Recording, capacity: Option<u64>) -> Option<u64> {
 }
 
 /// Explains event `event` (which must be in the trace, or the trace's length for the state
-/// at the snapshot) on `device` of `recording`, the device `capacity` bytes large where given,
-/// after `readings`: those of the same device, memory and order ([`Readings::of`]), which a
+/// at the snapshot) on `options.device` of `recording`, as [`explain`] does, after
+/// `readings`: those of the same device, memory and order ([`Readings::of`]), which a
 /// caller explaining several events finds once.
 ///
 /// # Errors
 /// [`ExplainError`] when the replay cannot run.
 pub fn explain_at(
     recording: &Recording,
-    device: u32,
     event: usize,
-    capacity: Option<u64>,
+    options: &ReplayOptions,
     readings: &Readings,
 ) -> Result<Explanation, ExplainError> {
+    let device = options.device;
     let events = super::replay::device_events(recording, device)?;
     // The device's size: given or recorded, else as the check replays that found how the
     // recording reads settled it (inferred from expandable reservations where they could be,
     // else assumed).
     let (total, total_known) = match (
-        known_capacity(recording, capacity),
+        known_capacity(recording, options.capacity),
         readings.inferred_capacity(),
     ) {
         (Some(known), _) | (None, Some(known)) => (known, true),
         (None, None) => (DEFAULT_CAPACITY, false),
     };
-    let (mut alloc, divergence) = state_after(recording, device, total, event, readings)?;
+    let exact = ReplayOptions {
+        device,
+        capacity: Some(total),
+        max_memory_bytes: options.max_memory_bytes,
+        ..ReplayOptions::default()
+    };
+    let (mut alloc, divergence) = state_after(recording, event, &exact, readings)?;
     let config = alloc.config().clone();
     let entry = events.get(event).copied();
     let snapshot = alloc.snapshot();
@@ -412,7 +419,11 @@ pub fn explain_at(
                 && live_and_request(&accounting, rounded)
                     <= available.saturating_sub(accounting.breakdown.other_pools) =>
         {
-            search(recording, device, total, available, readings)?
+            let base = ReplayOptions {
+                available: Some(available),
+                ..exact.clone()
+            };
+            search_configurations(recording, &base, readings)?
         }
         _ => Vec::new(),
     };
@@ -515,28 +526,12 @@ pub(crate) fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Op
     peak.map(|(i, _)| i)
 }
 
-/// Replays the whole trace under each of [`CANDIDATES`] (and [`GC_CANDIDATES`] where the
-/// recording has a memory fraction), then under combinations of the [`COMBINED`] best of
-/// different keys, on a device of `total` bytes of which the allocator may have `available`.
-fn search(
-    recording: &Recording,
-    device: u32,
-    total: u64,
-    available: u64,
-    readings: &Readings,
-) -> Result<Vec<Candidate>, ExplainError> {
-    let base = ReplayOptions {
-        device,
-        capacity: Some(total),
-        available: Some(available),
-        ..ReplayOptions::default()
-    };
-    search_configurations(recording, &base, readings)
-}
-
-/// The configuration search of an explanation, each candidate replayed with `base`'s
-/// options (device, memory, window) after `readings` (the trace's, `Readings::of`): the
-/// candidates with the fewest OOMs and the least peak reserved first.
+/// The configuration search of an explanation: the whole trace replayed under each of
+/// [`CANDIDATES`] (and [`GC_CANDIDATES`] where the recording has a memory fraction), then
+/// under combinations of the [`COMBINED`] best of different keys, each with `base`'s options
+/// (device, memory, what the allocator may have of it, window, budget) after `readings` (the
+/// trace's, `Readings::of`): the candidates with the fewest OOMs and the least peak reserved
+/// first.
 ///
 /// # Errors
 /// An [`ExplainError`] when a replay cannot run.

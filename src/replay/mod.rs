@@ -18,7 +18,6 @@
 //! event the core emits is compared with the recording: the first difference is reported as
 //! a [`Divergence`]. In what-if mode the core decides freely under another configuration,
 //! and recorded addresses are mapped to the ones it chose.
-
 //!
 //! `mod.rs` holds the public API (options, errors, entry points, the step-by-step
 //! [`Cursor`], on its own allocator or the caller's); `report.rs` what a replay reports;
@@ -32,6 +31,17 @@
 //! - In check mode the first difference stops the comparison; nothing after it is counted.
 //! - Errors are the replay's (no trace, a start state that cannot be rebuilt, the allocator
 //!   failing other than by running out of memory); a divergence is part of the report.
+//!
+//! # Budgets
+//! - Memory: the replay's own state (the allocator's bookkeeping, the replay's maps and
+//!   series) is held to [`ReplayOptions::max_memory_bytes`], by default the reader's
+//!   [`MAX_MEMORY_BYTES`] (4 GiB), checked every few thousand events: past it the replay
+//!   stops with [`ReplayError::MemoryBudget`]. `explain` and the view hold every replay they
+//!   run to the same budget.
+//! - Time: each event costs the core's work for one operation; neither the number of streams
+//!   (the free set finds a stream's bins in constant time) nor the number of frees waiting
+//!   on their synthetic streams (a poll queries only the streams that progressed) multiplies
+//!   it.
 
 mod compare;
 mod engine;
@@ -48,8 +58,8 @@ use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry}
 use crate::config::AllocatorConfig;
 use crate::device::{SimConfig, SimDevice};
 
-use crate::recording::Recording;
 use crate::recording::event_pools::InferredPools;
+use crate::recording::{MAX_MEMORY_BYTES, Recording};
 use engine::{Engine, ReleaseReading};
 pub use order::OrderingReport;
 use order::{Derivation, Found};
@@ -66,7 +76,7 @@ pub const MAX_CAPACITY: u64 = crate::allocator::size::MAX_DEVICE_BYTES;
 /// Streams invented to defer frees start here, far from real stream handles.
 const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
 /// How to replay.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ReplayOptions {
     /// Which device's trace.
     pub device: u32,
@@ -97,9 +107,28 @@ pub struct ReplayOptions {
     /// order found in the recording (Note [Finding the order]).
     pub order: Option<FitOrder>,
     /// The most memory the replay's state may hold (the allocator's bookkeeping and the
-    /// replay's maps, estimated every few thousand events); `None`: no bound. The commands
-    /// pass their `--max-memory-bytes`.
+    /// replay's maps, estimated every few thousand events); `None`: no bound. By default the
+    /// reader's default budget ([`MAX_MEMORY_BYTES`]); the commands pass their
+    /// `--max-memory-bytes`.
     pub max_memory_bytes: Option<u64>,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            device: 0,
+            config: None,
+            capacity: None,
+            check: false,
+            series_points: 0,
+            fresh_start: false,
+            available: None,
+            window: None,
+            plan: None,
+            order: None,
+            max_memory_bytes: Some(MAX_MEMORY_BYTES),
+        }
+    }
 }
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -537,8 +566,8 @@ pub fn capacity_for_reservation(reservation: u64, large_page: u64) -> u64 {
     c.min(MAX_CAPACITY)
 }
 
-/// The allocator as an exact (check) replay of `device`'s trace on `capacity` bytes leaves
-/// it just after event `stop`: at an `oom` entry, the state the failing allocation left
+/// The allocator as an exact (check) replay of `options.device`'s trace on `options.capacity`
+/// bytes (within `options.max_memory_bytes`) leaves it just after event `stop`: at an `oom` entry, the state the failing allocation left
 /// (its cache flushed), which is what PyTorch's own snapshot at the error shows. Also says
 /// where the replay first differed from the recording, if it did before `stop`. In the order
 /// `readings` found (`Readings::of`).
@@ -547,15 +576,15 @@ pub fn capacity_for_reservation(reservation: u64, large_page: u64) -> u64 {
 /// As [`replay()`].
 pub fn state_after(
     recording: &Recording,
-    device: u32,
-    capacity: u64,
     stop: usize,
+    options: &ReplayOptions,
     readings: &Readings,
 ) -> Result<(CachingAllocator<SimDevice>, Option<Divergence>), ReplayError> {
     let options = ReplayOptions {
-        device,
-        capacity: Some(capacity),
+        device: options.device,
+        capacity: options.capacity,
         check: true,
+        max_memory_bytes: options.max_memory_bytes,
         ..ReplayOptions::default()
     };
     let mut cursor = Cursor::new(recording, &options, readings)?;

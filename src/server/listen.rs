@@ -419,25 +419,35 @@ pub async fn bind_unix(path: &Path, wait: Duration) -> std::io::Result<UnixListe
     Ok(listener)
 }
 
-/// Warns where the push socket's directory lets another user replace the socket: others may
-/// write there (and it is not sticky), or it is not the owner of the socket (the agent's).
+/// Warns where the push socket's directory lets another user replace the socket
+/// ([`openness`]).
 fn warn_if_open(directory: &Path, socket: &Path) {
-    use std::os::unix::fs::MetadataExt;
-    let (Ok(dir), Ok(own)) = (std::fs::metadata(directory), std::fs::metadata(socket)) else {
+    let Some(why) = openness(directory, socket) else {
         return;
-    };
-    let writable = dir.mode() & 0o022 != 0 && dir.mode() & 0o1000 == 0;
-    let why = match (writable, dir.uid() != own.uid()) {
-        (false, false) => return,
-        (true, false) => "writable by other users",
-        (false, true) => "owned by another user",
-        (true, true) => "owned by another user and writable by others",
     };
     tracing::warn!(directory = %directory.display(), why, "the push socket's directory could let another user replace the socket: make it 0755, owned by the agent");
     eprintln!(
         "gpumem: warning: {} is {why}, who could replace the push socket; make it 0755, owned by the agent",
         directory.display()
     );
+}
+
+/// How the socket's directory lets another user replace the socket, if it does: others may
+/// write there (and it is not sticky), or it is not the owner of the socket (the agent's).
+/// `None` where either cannot be read.
+fn openness(directory: &Path, socket: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::MetadataExt;
+    let (dir, own) = (
+        std::fs::metadata(directory).ok()?,
+        std::fs::metadata(socket).ok()?,
+    );
+    let writable = dir.mode() & 0o022 != 0 && dir.mode() & 0o1000 == 0;
+    match (writable, dir.uid() != own.uid()) {
+        (false, false) => None,
+        (true, false) => Some("writable by other users"),
+        (false, true) => Some("owned by another user"),
+        (true, true) => Some("owned by another user and writable by others"),
+    }
 }
 
 /// The process at the other end of a Unix-socket connection, as the kernel reports it
@@ -459,5 +469,36 @@ impl UnixPeer {
             .filter(|&pid| pid != 0)
             .map(Peer::now);
         UnixPeer { process }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::openness;
+
+    /// Issue 34, case 8: a directory others may write to (not sticky) is named; the agent's
+    /// own 0755 and a sticky shared one are not.
+    #[test]
+    fn a_socket_directory_others_can_write_is_named() {
+        let dir = std::env::temp_dir().join(format!("gpumem-openness-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let socket = dir.join("push.sock");
+        std::fs::write(&socket, b"").expect("a file in it");
+        let mode = |m: u32| {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(m)).expect("chmod");
+            openness(&dir, &socket)
+        };
+        assert_eq!(mode(0o777), Some("writable by other users"));
+        assert_eq!(mode(0o775), Some("writable by other users"));
+        assert_eq!(
+            mode(0o1777),
+            None,
+            "sticky: others cannot replace the socket"
+        );
+        assert_eq!(mode(0o755), None);
+        assert_eq!(openness(&dir.join("gone"), &socket), None);
+        std::fs::remove_dir_all(&dir).expect("cleaned up");
     }
 }

@@ -14,7 +14,8 @@
 //!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
 //! - At most [`MAX_CURSORS`] cursors, [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`]
 //!   explanations are kept (the least recently used go first), and one set of readings per
-//!   device, so memory does not grow with requests.
+//!   device, so memory does not grow with requests; each replay's own state is held to the
+//!   view's `--max-memory-bytes` (`ReplayOptions::max_memory_bytes`).
 //! - The browser gets down-sampled series ([`SERIES_POINTS`] a run) and one event's map at a
 //!   time, never the recording.
 
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde::Serialize;
 
 use crate::AllocatorConfig;
-use crate::allocator::{FitOrder, TraceAction, TraceEntry};
+use crate::allocator::{TraceAction, TraceEntry};
 use crate::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
 use crate::recording::Recording;
 use crate::replay::{Cursor, Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
@@ -95,9 +96,10 @@ type Cache<K, V> = Mutex<Vec<(K, Arc<V>)>>;
 pub struct RecordingView {
     recording: &'static Recording,
     name: String,
-    capacity: Option<u64>,
-    /// The best-fit order asked for (`--pytorch`); `None`: found in the recording.
-    order: Option<FitOrder>,
+    /// What every replay of the view starts from: the device's memory (`None`: the
+    /// recording's, else inferred, else 80 GiB), the best-fit order asked for (`None`: found
+    /// in the recording) and the memory budget.
+    base: ReplayOptions,
     readings: Cache<u32, Readings>,
     cursors: Cache<Key, Mutex<Cursor<'static>>>,
     timelines: Cache<Key, ReplayReport>,
@@ -130,19 +132,18 @@ fn keep<K: PartialEq, V>(cache: &Cache<K, V>, key: K, value: Arc<V>, max: usize)
 }
 
 impl RecordingView {
-    /// A view of `recording` (kept for the life of the process), named `name`, on a device
-    /// of `capacity` bytes where given (else the recording's, else inferred, else 80 GiB).
-    pub fn new(
-        recording: &'static Recording,
-        name: String,
-        capacity: Option<u64>,
-        order: Option<FitOrder>,
-    ) -> Self {
+    /// A view of `recording` (kept for the life of the process), named `name`, whose replays
+    /// take `base`'s memory, order and budget (its other options are the view's own).
+    pub fn new(recording: &'static Recording, name: String, base: &ReplayOptions) -> Self {
         RecordingView {
             recording,
             name,
-            capacity,
-            order,
+            base: ReplayOptions {
+                capacity: base.capacity,
+                order: base.order,
+                max_memory_bytes: base.max_memory_bytes,
+                ..ReplayOptions::default()
+            },
             readings: Mutex::default(),
             cursors: Mutex::default(),
             timelines: Mutex::default(),
@@ -236,11 +237,9 @@ impl RecordingView {
         };
         Ok(ReplayOptions {
             device,
-            capacity: self.capacity,
             check: config.is_none(),
             config,
-            order: self.order,
-            ..ReplayOptions::default()
+            ..self.base.clone()
         })
     }
 
@@ -251,9 +250,7 @@ impl RecordingView {
         // Found without the lock (a whole check replay): requests for other devices go on.
         let options = ReplayOptions {
             device,
-            capacity: self.capacity,
-            order: self.order,
-            ..ReplayOptions::default()
+            ..self.base.clone()
         };
         let readings = Arc::new(Readings::of(self.recording, &options)?);
         Ok(keep(&self.readings, device, readings, usize::MAX))
@@ -374,13 +371,11 @@ impl RecordingView {
         }
         // Found once per device (the same device, memory and order as `explain` uses).
         let readings = self.readings(device)?;
-        let e = Arc::new(explain_at(
-            self.recording,
+        let options = ReplayOptions {
             device,
-            event,
-            self.capacity,
-            &readings,
-        )?);
+            ..self.base.clone()
+        };
+        let e = Arc::new(explain_at(self.recording, event, &options, &readings)?);
         Ok(keep(
             &self.explanations,
             (device, event),

@@ -8,6 +8,7 @@ use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::explain::{At, CANDIDATES, Explanation, GC_CANDIDATES, Kind, explain};
 use gpumem::recording::{Recording, parse_recording, read_recording};
+use gpumem::replay::ReplayOptions;
 use gpumem::{AllocatorConfig, CachingAllocator};
 
 use crate::common::succeeded;
@@ -60,7 +61,12 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
         ),
     ] {
         let rec = read_recording(&dir.join(name)).expect("readable");
-        let e = explain(&rec, device as u32, At::FirstOom, capacity, None).expect(name);
+        let options = ReplayOptions {
+            device: device as u32,
+            capacity,
+            ..ReplayOptions::default()
+        };
+        let e = explain(&rec, At::FirstOom, &options).expect(name);
         let events = &rec.device_traces[device];
         let oom = events
             .iter()
@@ -187,7 +193,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let mut error = None;
     let fragmented_json = recorded_json(900 * MIB, 0, |a| error = Some(fragment(a)));
     let fragmented = parse_recording(&fragmented_json).expect("reads back");
-    let e = explain(&fragmented, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&fragmented, At::FirstOom, &ReplayOptions::default()).expect("explains");
     // The allocator's own error says the same, from its blocks at the failure.
     let Some(AllocError::OutOfMemory(oom)) = error else {
         panic!("an out-of-memory error: {error:?}");
@@ -291,7 +297,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         .iter()
         .rposition(|e| e.action == TraceAction::FreeRequested)
         .expect("frees");
-    let e = explain(&pending, 0, At::Event(frees), None, None).expect("explains");
+    let e = explain(&pending, At::Event(frees), &ReplayOptions::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.breakdown.pending_stream_frees, 600 * MIB);
     assert_eq!(e.kinds[0], Kind::PendingStreamFrees, "{}", e.sentence);
@@ -301,7 +307,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         let _live = a.malloc(100 * MIB, s).expect("fits");
         assert!(a.malloc(400 * MIB, s).is_err(), "out of memory");
     });
-    let e = explain(&crowded, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&crowded, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds[0], Kind::OutsideAllocator, "{}", e.sentence);
     assert_eq!(e.breakdown.outside_allocator, Some(700 * MIB));
@@ -312,7 +318,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         a.set_memory_fraction(0.9).expect("a fraction");
         fragment(a);
     });
-    let e = explain(&limited, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&limited, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert_adds_up(&e);
     assert!(
         GC_CANDIDATES
@@ -327,7 +333,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         let _live = a.malloc(100 * MIB, s).expect("fits");
         assert!(a.malloc(2048 * MIB, s).is_err(), "out of memory");
     });
-    let e = explain(&huge, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&huge, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds, [Kind::TooBig], "{}", e.sentence);
     assert!(
@@ -339,9 +345,10 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let none = recorded(1024 * MIB, 0, |a| {
         let _ = a.malloc(MIB, s).expect("fits");
     });
-    let err = explain(&none, 0, At::FirstOom, None, None).expect_err("nothing to explain");
+    let err =
+        explain(&none, At::FirstOom, &ReplayOptions::default()).expect_err("nothing to explain");
     assert!(err.to_string().contains("no out-of-memory event"), "{err}");
-    let e = explain(&none, 0, At::Event(0), None, None).expect("an event");
+    let e = explain(&none, At::Event(0), &ReplayOptions::default()).expect("an event");
     assert_adds_up(&e);
     // The peak of reserved memory, found in the entries.
     let peaked = recorded(1024 * MIB, 0, |a| {
@@ -350,13 +357,13 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         a.empty_cache().expect("empties");
         let _ = a.malloc(100 * MIB, s).expect("fits");
     });
-    let e = explain(&peaked, 0, At::PeakReserved, None, None).expect("the peak");
+    let e = explain(&peaked, At::PeakReserved, &ReplayOptions::default()).expect("the peak");
     assert_eq!(e.reserved, 600 * MIB, "{e:?}");
     assert_eq!(
         peaked.device_traces[0][e.request.event].action,
         TraceAction::SegmentAlloc
     );
-    assert!(explain(&none, 0, At::Event(99), None, None).is_err());
+    assert!(explain(&none, At::Event(99), &ReplayOptions::default()).is_err());
 }
 
 #[test]

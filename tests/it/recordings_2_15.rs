@@ -107,7 +107,7 @@ fn a_2_15_snapshot_reads_replays_and_explains_with_its_context() {
     assert!(r.divergence.is_none(), "{:?}", r.divergence);
     assert_eq!(r.compared.total(), rec.device_traces[0].len() as u64);
 
-    let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert!(
         e.request
             .context
@@ -215,7 +215,7 @@ fn traceless(mut v: serde_json::Value) -> serde_json::Value {
 fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     let v = traceless(snapshot_2_15());
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, 0, At::Snapshot, None, None).expect("explains the state");
+    let e = explain(&rec, At::Snapshot, &ReplayOptions::default()).expect("explains the state");
     assert!(e.request.hypothetical);
     // The recording's one segment is now a MemPool's: its 20 MiB pieces are no default
     // request's, so the smallest large request (just past the small pool's sizes) finds
@@ -235,7 +235,7 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     );
     // The other moments need a trace.
     for at in [At::FirstOom, At::Event(0)] {
-        assert!(explain(&rec, 0, at, None, None).is_err());
+        assert!(explain(&rec, at, &ReplayOptions::default()).is_err());
     }
 
     let dir = std::env::temp_dir().join(format!("gpumem-traceless-{}", std::process::id()));
@@ -279,7 +279,7 @@ fn the_shared_traceless_snapshot_is_explained() {
         return;
     };
     let rec = read_recording(&dir.join("state_verl_vllm_qwen2.pickle")).expect("reads");
-    let e = explain(&rec, 0, At::Snapshot, None, None).expect("explains");
+    let e = explain(&rec, At::Snapshot, &ReplayOptions::default()).expect("explains");
     // Its two MemPools (or shared graph pools), named, hold 68 of its 127 segments.
     let pools = &e.private_pools;
     let ids: Vec<PoolId> = pools.iter().map(|p| p.id).collect();

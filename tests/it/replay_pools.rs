@@ -345,7 +345,7 @@ fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
     let v = graph_oom_recording();
     replays_exactly(&v);
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert_eq!(e.request.pool_id, PoolId::DEFAULT);
     assert_eq!(e.breakdown.other_pools, 40 * MIB);
     assert_eq!(
@@ -602,7 +602,7 @@ fn settings_are_tried_where_the_request_fits_beside_a_graphs_cache() {
     assert!(a.malloc(40 * MIB, S0).is_err());
     let v = snapshot(&mut a);
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, 0, At::FirstOom, None, None).expect("explains");
+    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
     assert_eq!(
         (e.breakdown.other_pools, e.breakdown.fragmented),
         (80 * MIB, 60 * MIB)

@@ -174,7 +174,8 @@ fn many_streams_cost_linear_work_and_memory() {
 }
 
 /// A replay's own state is held to its memory budget: a recording of 2 000 streams read
-/// within the default limits is refused by a replay given 1 MiB, saying so.
+/// within the default limits is refused by a replay given 1 MiB, saying so, and so are the
+/// replays `explain` and the view run on it under that budget.
 #[test]
 fn a_replay_is_held_to_its_memory_budget() {
     let mut events = Vec::new();
@@ -203,4 +204,97 @@ fn a_replay_is_held_to_its_memory_budget() {
         "{err}"
     );
     assert!(err.to_string().contains("--max-memory-bytes"), "{err}");
+    let explained = gpumem::explain::explain(
+        &recording,
+        gpumem::explain::At::PeakReserved,
+        &options(Some(1 << 20)),
+    );
+    let err = explained.expect_err("explain is bounded");
+    assert!(
+        matches!(
+            err,
+            gpumem::explain::ExplainError::Replay(gpumem::replay::ReplayError::MemoryBudget { .. })
+        ),
+        "{err}"
+    );
+    assert!(
+        gpumem::explain::explain(
+            &recording,
+            gpumem::explain::At::PeakReserved,
+            &options(None)
+        )
+        .is_ok()
+    );
+    let recording: &'static _ = Box::leak(Box::new(recording));
+    let view = |budget| {
+        gpumem::view::recording::RecordingView::new(recording, "streams".into(), &options(budget))
+    };
+    let err = view(Some(1 << 20))
+        .timeline(0, None)
+        .expect_err("the view is bounded");
+    assert!(err.to_string().contains("--max-memory-bytes"), "{err}");
+    let err = view(Some(1 << 20))
+        .explain(0, 10)
+        .expect_err("its explanations too");
+    assert!(err.to_string().contains("--max-memory-bytes"), "{err}");
+    assert!(view(None).timeline(0, None).is_ok());
+}
+
+/// Issue 34, case 11, deferred frees: a replay gives each free the recording completes later
+/// a stream of its own, and each `malloc` polled every stream with a pending event, so N
+/// frees left pending across N allocations cost N² queries (`replay --check` of 10 000 took
+/// 13.7 s). A pass now queries only the streams whose work completed since the last
+/// (`Device::take_completed_streams`): the queries grow linearly, and the simulated clock
+/// still charges what PyTorch's polling of every stream costs.
+#[test]
+fn pending_frees_cost_linear_polling() {
+    let run = |n: u64| {
+        let mut a = CachingAllocator::new(
+            SimDevice::new(SimConfig::with_capacity(1 << 46)),
+            AllocatorConfig::default(),
+        );
+        let (size, main) = (12 * MIB, StreamId(0));
+        let blocks: Vec<DevicePtr> = (0..n)
+            .map(|_| a.malloc(size, main).expect("fits"))
+            .collect();
+        for (i, &p) in blocks.iter().enumerate() {
+            a.record_stream(p, StreamId(1_000 + i as u64));
+            a.free(p).expect("frees");
+        }
+        let fresh: Vec<DevicePtr> = (0..n)
+            .map(|_| a.malloc(size, main).expect("fits"))
+            .collect();
+        let mut reused = 0;
+        for (i, p) in blocks.iter().enumerate() {
+            a.device_mut().complete_stream(StreamId(1_000 + i as u64));
+            reused += usize::from(a.malloc(size, main).expect("fits") == *p);
+        }
+        // Each completed free is reused by the next malloc, as when every stream is polled.
+        assert_eq!(reused as u64, n);
+        assert!(fresh.iter().all(|p| !blocks.contains(p)));
+        let queries = a.device().stats().event_queries;
+        let charged = a.device().stats().driver_time_ns;
+        (queries, charged)
+    };
+    let sizes = [128u64, 256, 512];
+    let costs: Vec<(u64, u64)> = sizes.iter().map(|&n| run(n)).collect();
+    for (pair, n) in costs.windows(2).zip(&sizes[1..]) {
+        let work = pair[1].0 as f64 / pair[0].0 as f64;
+        eprintln!(
+            "{n} pending frees: {} event queries ({work:.2}x)",
+            pair[1].0
+        );
+        assert!(
+            work <= 2.5,
+            "{n} pending frees: {work:.2}x queries per doubling"
+        );
+    }
+    // The clock charges the queries left out: every pending stream at each of the n mallocs
+    // made while all n frees wait, n(n+1)/2 more as they complete one by one.
+    let (n, (_, charged)) = (sizes[2], costs[2]);
+    let event_ns = SimConfig::default().event_ns;
+    assert!(
+        charged >= (n * n + n * (n + 1) / 2) * event_ns,
+        "{charged} ns charged"
+    );
 }

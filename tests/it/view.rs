@@ -115,7 +115,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
     let readings = Readings::of(&rec, &options).expect("replays");
     let segments_at = |event: usize| {
         let (mut alloc, divergence) =
-            state_after(&rec, 0, total, event, &readings).expect("replays");
+            state_after(&rec, event, &options, &readings).expect("replays");
         assert!(divergence.is_none());
         alloc.snapshot().segments.len() as u64
     };
@@ -127,7 +127,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
     // The states of the replayed blocks just after `event`, in address order, as the page
     // names them.
     let states_at = |event: usize| {
-        let (mut alloc, _) = state_after(&rec, 0, total, event, &readings).expect("replays");
+        let (mut alloc, _) = state_after(&rec, event, &options, &readings).expect("replays");
         let mut replayed = alloc.snapshot().segments;
         replayed.sort_by_key(|s| s.address);
         let states: Vec<&str> = replayed
@@ -208,7 +208,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
                  alive: document.querySelectorAll('script:not([src]),img,iframe').length, \
                  title: document.title};",
     );
-    let e = explain(&rec, 0, At::Event(oom), None, None).expect("explains");
+    let e = explain(&rec, At::Event(oom), &ReplayOptions::default()).expect("explains");
     assert_eq!(shown["sentence"], e.sentence.as_str(), "{shown}");
     assert_eq!(shown["hidden"], false, "{shown}");
     assert_eq!(

@@ -11,20 +11,28 @@
 //! hash map's order, so the frees completed in one pass may be listed in another order there
 //! (the same set; a recording cannot reveal that order).
 //!
+//! A device that knows which streams' work completed since the last poll (the simulated GPU,
+//! where work completes only when told) lets a pass query those streams alone, so a replay
+//! with many frees pending costs each `malloc` the streams that progressed, not every
+//! stream; the device is told how many queries were left out (its clock charges them). A
+//! pass cut short by a device error polls every stream next time.
+//!
 //! While a capture is under way (Note [Private pools]) no event is polled or recorded: a
 //! free used by other streams is deferred, and its events are recorded once no capture is,
 //! without the streams whose uses were captured.
 //!
 //! # Invariants
-//! - `pending_events` holds no empty queue after a pass, and each queue lists its stream's
-//!   events in recording order.
+//! - `pending_events` holds no empty queue, each queue lists its stream's events in
+//!   recording order, and a stream has at most one queue.
 //! - A block's `event_count` equals the number of queued events naming it; its free
 //!   completes exactly when that count reaches zero with no unrecorded stream use left.
 //! - Completed events return to `event_pool` (creating one is a driver call).
 //! - `deferred` lists pending blocks with stream uses and no event; `capture_uses` names only
 //!   blocks that are live or deferred.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap;
 
 use crate::device::{Device, DevicePtr, EventId, StreamId};
 
@@ -32,7 +40,91 @@ use super::block::BlockId;
 use super::{AllocError, CachingAllocator};
 
 /// Stream events that must complete before a pending block's free completes.
-pub(super) type EventQueue = VecDeque<(EventId, BlockId)>;
+type EventQueue = VecDeque<(EventId, BlockId)>;
+
+/// Per stream, the events of pending frees in recording order (PyTorch's `cuda_events`).
+/// Queues are kept in the order their streams first queued an event (`arrival`), and found
+/// by stream in constant time.
+#[derive(Clone, Debug, Default)]
+pub(super) struct PendingEvents {
+    queues: BTreeMap<u64, (StreamId, EventQueue)>,
+    arrival: FxHashMap<StreamId, u64>,
+    next_arrival: u64,
+    /// A pass was cut short: the next polls every stream.
+    poll_all: bool,
+}
+
+impl PendingEvents {
+    pub(super) fn is_empty(&self) -> bool {
+        self.queues.is_empty()
+    }
+
+    /// Events queued, over all streams.
+    pub(super) fn len(&self) -> usize {
+        self.queues.values().map(|(_, q)| q.len()).sum()
+    }
+
+    fn push(&mut self, stream: StreamId, event: EventId, id: BlockId) {
+        let next = &mut self.next_arrival;
+        let arrival = *self.arrival.entry(stream).or_insert_with(|| {
+            *next += 1;
+            *next
+        });
+        let queue = &mut self
+            .queues
+            .entry(arrival)
+            .or_insert((stream, VecDeque::new()))
+            .1;
+        queue.push_back((event, id));
+    }
+
+    /// The oldest event of the queue that arrived at `arrival`.
+    fn front(&self, arrival: u64) -> Option<(EventId, BlockId)> {
+        self.queues.get(&arrival)?.1.front().copied()
+    }
+
+    /// Drops the oldest event of that queue, and the queue once empty.
+    fn pop(&mut self, arrival: u64) {
+        let Some((stream, queue)) = self.queues.get_mut(&arrival) else {
+            return;
+        };
+        queue.pop_front();
+        if queue.is_empty() {
+            self.arrival.remove(stream);
+            self.queues.remove(&arrival);
+        }
+    }
+
+    /// The first queue that arrived at or after `arrival`.
+    fn next_from(&self, arrival: u64) -> Option<u64> {
+        self.queues.range(arrival..).next().map(|(&a, _)| a)
+    }
+
+    /// The queues of `streams` that have one, in arrival order.
+    fn arrivals_of(&self, streams: &[StreamId]) -> Vec<u64> {
+        let mut arrivals: Vec<u64> = streams
+            .iter()
+            .filter_map(|s| self.arrival.get(s).copied())
+            .collect();
+        arrivals.sort_unstable();
+        arrivals.dedup();
+        arrivals
+    }
+
+    /// Takes every queued event, oldest stream first.
+    pub(super) fn drain(&mut self) -> impl Iterator<Item = EventId> + use<> {
+        self.arrival.clear();
+        std::mem::take(&mut self.queues)
+            .into_values()
+            .flat_map(|(_, queue)| queue.into_iter().map(|(event, _)| event))
+    }
+
+    /// Heap bytes held (approximate: entries, not the maps' spare room).
+    pub(super) fn heap_bytes(&self) -> usize {
+        let per_stream = 2 * std::mem::size_of::<(u64, (StreamId, EventQueue))>();
+        self.queues.len() * per_stream + self.len() * std::mem::size_of::<(EventId, BlockId)>()
+    }
+}
 
 impl<D: Device> CachingAllocator<D> {
     /// Records one event per stream that used a freed block (`insert_events`). If the device
@@ -54,7 +146,7 @@ impl<D: Device> CachingAllocator<D> {
             match recorded {
                 Ok(event) => {
                     self.block_mut(id).event_count += 1;
-                    self.queue_of(stream).push_back((event, id));
+                    self.pending_events.push(stream, event, id);
                 }
                 Err(_) => return self.free_after_synchronize(id, &streams[i..]),
             }
@@ -78,17 +170,6 @@ impl<D: Device> CachingAllocator<D> {
             self.complete_free(id);
         }
         Ok(())
-    }
-
-    fn queue_of(&mut self, stream: StreamId) -> &mut EventQueue {
-        let i = match self.pending_events.iter().position(|(s, _)| *s == stream) {
-            Some(i) => i,
-            None => {
-                self.pending_events.push((stream, VecDeque::new()));
-                self.pending_events.len() - 1
-            }
-        };
-        &mut self.pending_events[i].1
     }
 
     /// An event of block `id` completed: when it was the last, and no stream use is left
@@ -146,20 +227,42 @@ impl<D: Device> CachingAllocator<D> {
         if !self.deferred.is_empty() {
             self.insert_deferred_events()?;
         }
-        let mut i = 0;
-        while i < self.pending_events.len() {
-            while let Some(&(event, id)) = self.pending_events[i].1.front() {
-                if !self.device.query_event(event)? {
-                    break;
+        let completed = self.device.take_completed_streams();
+        if self.pending_events.is_empty() {
+            return Ok(());
+        }
+        let poll_all = std::mem::replace(&mut self.pending_events.poll_all, true);
+        match completed {
+            Some(streams) if !poll_all => {
+                let arrivals = self.pending_events.arrivals_of(&streams);
+                let streams = self.pending_events.queues.len();
+                self.device
+                    .skip_event_queries(streams.saturating_sub(arrivals.len()));
+                for arrival in arrivals {
+                    self.poll_stream(arrival)?;
                 }
-                self.pending_events[i].1.pop_front();
-                self.event_completed(event, id);
             }
-            if self.pending_events[i].1.is_empty() {
-                self.pending_events.remove(i);
-            } else {
-                i += 1;
+            _ => {
+                let mut next = self.pending_events.next_from(0);
+                while let Some(arrival) = next {
+                    self.poll_stream(arrival)?;
+                    next = self.pending_events.next_from(arrival + 1);
+                }
             }
+        }
+        self.pending_events.poll_all = false;
+        Ok(())
+    }
+
+    /// Completes the frees whose events on the queue that arrived at `arrival` completed,
+    /// oldest first, up to the first event still running.
+    fn poll_stream(&mut self, arrival: u64) -> Result<(), AllocError> {
+        while let Some((event, id)) = self.pending_events.front(arrival) {
+            if !self.device.query_event(event)? {
+                break;
+            }
+            self.pending_events.pop(arrival);
+            self.event_completed(event, id);
         }
         Ok(())
     }
@@ -171,14 +274,12 @@ impl<D: Device> CachingAllocator<D> {
         if !self.deferred.is_empty() {
             self.insert_deferred_events()?;
         }
-        while let Some((_, queue)) = self.pending_events.first_mut() {
-            let Some(&(event, id)) = queue.front() else {
-                self.pending_events.remove(0);
-                continue;
-            };
-            self.device.synchronize_event(event)?;
-            self.pending_events[0].1.pop_front();
-            self.event_completed(event, id);
+        while let Some(arrival) = self.pending_events.next_from(0) {
+            while let Some((event, id)) = self.pending_events.front(arrival) {
+                self.device.synchronize_event(event)?;
+                self.pending_events.pop(arrival);
+                self.event_completed(event, id);
+            }
         }
         Ok(())
     }

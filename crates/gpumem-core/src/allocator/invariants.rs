@@ -297,7 +297,7 @@ impl<D: Device> CachingAllocator<D> {
             return Err("the stream-use table lists blocks that have none".into());
         }
         self.check_private_pools(&heads)?;
-        let pending: usize = self.pending_events.iter().map(|(_, q)| q.len()).sum();
+        let pending = self.pending_events.len();
         let counted: u64 = self
             .blocks
             .iter()

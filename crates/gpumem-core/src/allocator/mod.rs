@@ -91,7 +91,7 @@ use block::{Block, BlockId};
 use callbacks::Callbacks;
 pub use callbacks::FreeMemoryCallback;
 pub use error::{AllocError, OutOfMemory};
-use events::EventQueue;
+use events::PendingEvents;
 use expandable::ExpandableSegment;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
 use history::History;
@@ -131,7 +131,7 @@ pub struct CachingAllocator<D: Device> {
     /// records events for them: exactly the blocks whose `has_stream_uses` is set.
     stream_uses: FxHashMap<BlockId, Vec<StreamId>>,
     /// Per stream, the events of pending frees in recording order.
-    pending_events: Vec<(StreamId, EventQueue)>,
+    pending_events: PendingEvents,
     /// Completed events kept for reuse: creating one is a driver call.
     event_pool: Vec<EventId>,
     stats: Arc<DeviceStats>,
@@ -204,11 +204,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
     fn drop(&mut self) {
         let device = &mut self.device;
         let _ = device.synchronize();
-        let pending = self.pending_events.drain(..).flat_map(|(_, queue)| queue);
-        for event in pending
-            .map(|(event, _)| event)
-            .chain(self.event_pool.drain(..))
-        {
+        for event in self.pending_events.drain().chain(self.event_pool.drain(..)) {
             let _ = device.destroy_event(event);
         }
         for (_, block) in &self.blocks {
@@ -242,7 +238,7 @@ impl<D: Device> CachingAllocator<D> {
             large: BlockPool::default(),
             live: LiveMap::default(),
             stream_uses: FxHashMap::default(),
-            pending_events: Vec::new(),
+            pending_events: PendingEvents::default(),
             event_pool: Vec::new(),
             stats,
             total_allocated_memory: 0,
@@ -304,6 +300,7 @@ impl<D: Device> CachingAllocator<D> {
             + free_sets
             + self.live.len() * 2 * std::mem::size_of::<u32>()
             + self.stream_uses.len() * 2 * std::mem::size_of::<(BlockId, Vec<StreamId>)>()
+            + self.pending_events.heap_bytes()
     }
 
     /// The statistics, shared: clone the `Arc` to read them without access to the allocator.

@@ -169,6 +169,19 @@ pub trait Device {
     /// business (Note [Private pools]); a caller that cannot route them asks, to refuse them.
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError>;
 
+    /// The streams whose work completed since the last call, for a device on which work
+    /// completes only when told (the simulated GPU): a poll of pending events then queries
+    /// those streams alone. `None` where work completes by itself (a real GPU) or every
+    /// stream may have progressed: every stream with pending events is polled.
+    fn take_completed_streams(&mut self) -> Option<Vec<StreamId>> {
+        None
+    }
+
+    /// `n` event queries were left out because [`Device::take_completed_streams`] showed
+    /// they would find nothing new. A simulated device charges its clock for them all the
+    /// same, so that its time stays what PyTorch's polling of every stream costs.
+    fn skip_event_queries(&mut self, _n: usize) {}
+
     /// Whether the virtual-memory methods below work (the CUDA VMM API).
     fn supports_virtual_memory(&self) -> bool {
         false
@@ -258,6 +271,12 @@ impl<D: Device + ?Sized> Device for &mut D {
     }
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         (**self).is_capturing(stream)
+    }
+    fn take_completed_streams(&mut self) -> Option<Vec<StreamId>> {
+        (**self).take_completed_streams()
+    }
+    fn skip_event_queries(&mut self, n: usize) {
+        (**self).skip_event_queries(n)
     }
     fn supports_virtual_memory(&self) -> bool {
         (**self).supports_virtual_memory()

@@ -15,6 +15,9 @@
 //!   with their neighbours, and never overlap a live segment.
 //! - An event is complete exactly when its stream's completed-work mark has reached the mark
 //!   taken when it was recorded; nothing completes by itself.
+//! - Every stream whose completed-work mark moved since the allocator last asked
+//!   (`take_completed_streams`) is listed, unless every stream's may have (then the answer is
+//!   "any").
 //! - Virtual memory: reservations take address space but no memory; physical pages count
 //!   against memory from creation to release; a mapping lies inside one reservation, covers
 //!   exactly one page handle, and never overlaps another mapping. A page is released only
@@ -186,6 +189,9 @@ pub struct SimDevice {
     mappings: BTreeMap<u64, (u64, PhysicalHandle)>,
     /// Streams being captured into a graph.
     capturing: Vec<StreamId>,
+    /// Streams whose work completed since [`Device::take_completed_streams`] last asked;
+    /// `None` once every stream's did.
+    completed_since: Option<Vec<StreamId>>,
     stats: SimStats,
 }
 
@@ -211,6 +217,7 @@ impl SimDevice {
             next_page: 1,
             mappings: BTreeMap::new(),
             capturing: Vec::new(),
+            completed_since: Some(Vec::new()),
             stats: SimStats::default(),
         }
     }
@@ -345,8 +352,20 @@ impl SimDevice {
 
     /// Completes all work queued so far on `stream`: events recorded on it complete.
     pub fn complete_stream(&mut self, stream: StreamId) {
-        if let Some(s) = self.streams.get_mut(&stream) {
-            s.completed = s.submitted;
+        self.complete_stream_to(stream, u64::MAX);
+    }
+
+    /// Completes the work queued on `stream` up to `mark` (all of it at most).
+    fn complete_stream_to(&mut self, stream: StreamId, mark: u64) {
+        let Some(s) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        let completed = s.submitted.min(mark.max(s.completed));
+        if completed != s.completed {
+            s.completed = completed;
+            if let Some(streams) = &mut self.completed_since {
+                streams.push(stream);
+            }
         }
     }
 
@@ -355,6 +374,7 @@ impl SimDevice {
         for s in self.streams.values_mut() {
             s.completed = s.submitted;
         }
+        self.completed_since = None;
     }
 
     /// Number of live segments.
@@ -540,11 +560,9 @@ impl Device for SimDevice {
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
         self.charge(self.config.event_ns);
-        if let Some((stream, mark)) = self.event_mut(event)?.recorded
-            && let Some(s) = self.streams.get_mut(&stream)
-        {
+        if let Some((stream, mark)) = self.event_mut(event)?.recorded {
             // Waiting for the event means the stream's work up to it has run.
-            s.completed = s.completed.max(mark);
+            self.complete_stream_to(stream, mark);
         }
         Ok(())
     }
@@ -574,6 +592,14 @@ impl Device for SimDevice {
 
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         Ok(self.capturing.contains(&stream))
+    }
+
+    fn take_completed_streams(&mut self) -> Option<Vec<StreamId>> {
+        self.completed_since.replace(Vec::new())
+    }
+
+    fn skip_event_queries(&mut self, n: usize) {
+        self.charge(self.config.event_ns.saturating_mul(n as u64));
     }
 
     fn supports_virtual_memory(&self) -> bool {
@@ -828,12 +854,13 @@ mod tests {
     #[test]
     fn events_complete_only_when_told() {
         let mut d = SimDevice::with_capacity(1 << 30);
-        let s1 = StreamId(7);
+        let (s1, s2) = (StreamId(7), StreamId(8));
         let e1 = d.create_event().expect("event");
         let e2 = d.create_event().expect("event");
         d.record_event(e1, s1).expect("record");
         d.record_event(e2, s1).expect("record");
         assert!(!d.query_event(e1).expect("query"));
+        assert_eq!(d.take_completed_streams(), Some(vec![]));
         d.synchronize_event(e1).expect("sync");
         assert!(d.query_event(e1).expect("query"));
         assert!(
@@ -841,7 +868,16 @@ mod tests {
             "later work is still pending"
         );
         d.complete_stream(s1);
+        d.complete_stream(s1);
+        d.complete_stream(s2);
         assert!(d.query_event(e2).expect("query"));
+        // Each advance of s1 is named (twice: by the wait, then by the completion), a stream
+        // with nothing queued never; after a device-wide wait, any stream may have progressed.
+        assert_eq!(d.take_completed_streams(), Some(vec![s1, s1]));
+        assert_eq!(d.take_completed_streams(), Some(vec![]));
+        d.synchronize().expect("sync");
+        assert_eq!(d.take_completed_streams(), None);
+        assert_eq!(d.take_completed_streams(), Some(vec![]));
         let before = d.stats().driver_time_ns;
         d.malloc(2 << 20).expect("fits");
         assert!(
