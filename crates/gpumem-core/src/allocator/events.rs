@@ -227,10 +227,10 @@ impl<D: Device> CachingAllocator<D> {
         if !self.deferred.is_empty() {
             self.insert_deferred_events()?;
         }
-        let completed = self.device.take_completed_streams();
         if self.pending_events.is_empty() {
             return Ok(());
         }
+        let completed = self.device.take_completed_streams();
         let poll_all = std::mem::replace(&mut self.pending_events.poll_all, true);
         match completed {
             Some(streams) if !poll_all => {

@@ -190,7 +190,7 @@ pub struct SimDevice {
     /// Streams being captured into a graph.
     capturing: Vec<StreamId>,
     /// Streams whose work completed since [`Device::take_completed_streams`] last asked;
-    /// `None` once every stream's did.
+    /// `None` once every stream's may have (or the list grew longer than `streams`).
     completed_since: Option<Vec<StreamId>>,
     stats: SimStats,
 }
@@ -365,6 +365,11 @@ impl SimDevice {
             s.completed = completed;
             if let Some(streams) = &mut self.completed_since {
                 streams.push(stream);
+                // Longer than the streams it could name, the list says no more than "any":
+                // so it stays bounded however long nobody asks.
+                if streams.len() > self.streams.len() {
+                    self.completed_since = None;
+                }
             }
         }
     }
@@ -857,8 +862,10 @@ mod tests {
         let (s1, s2) = (StreamId(7), StreamId(8));
         let e1 = d.create_event().expect("event");
         let e2 = d.create_event().expect("event");
+        let e3 = d.create_event().expect("event");
         d.record_event(e1, s1).expect("record");
         d.record_event(e2, s1).expect("record");
+        d.record_event(e3, s2).expect("record");
         assert!(!d.query_event(e1).expect("query"));
         assert_eq!(d.take_completed_streams(), Some(vec![]));
         d.synchronize_event(e1).expect("sync");
@@ -867,14 +874,23 @@ mod tests {
             !d.query_event(e2).expect("query"),
             "later work is still pending"
         );
+        assert_eq!(d.take_completed_streams(), Some(vec![s1]));
         d.complete_stream(s1);
         d.complete_stream(s1);
+        d.complete_stream(StreamId(9));
         d.complete_stream(s2);
         assert!(d.query_event(e2).expect("query"));
-        // Each advance of s1 is named (twice: by the wait, then by the completion), a stream
-        // with nothing queued never; after a device-wide wait, any stream may have progressed.
-        assert_eq!(d.take_completed_streams(), Some(vec![s1, s1]));
+        // Each stream whose work advanced is named once per advance; a stream with nothing
+        // queued never is.
+        assert_eq!(d.take_completed_streams(), Some(vec![s1, s2]));
         assert_eq!(d.take_completed_streams(), Some(vec![]));
+        // Advances past the number of streams, nobody asking: "any", not a growing list.
+        for _ in 0..3 {
+            d.record_event(e1, s1).expect("record");
+            d.complete_stream(s1);
+        }
+        assert_eq!(d.take_completed_streams(), None);
+        // After a device-wide wait, any stream may have progressed.
         d.synchronize().expect("sync");
         assert_eq!(d.take_completed_streams(), None);
         assert_eq!(d.take_completed_streams(), Some(vec![]));
