@@ -277,12 +277,13 @@ def child_env(tmp, **extra):
 
 
 class Child:
-    """A child Python job running `code` (dedented); its last stdout line is JSON."""
+    """A child Python job running `code` (dedented) on `python` (this interpreter by default);
+    its last stdout line is JSON."""
 
-    def __init__(self, code, env, cwd):
+    def __init__(self, code, env, cwd, python=sys.executable):
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd,
+            [python, "-c", textwrap.dedent(code)], env=env, cwd=cwd,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.process.pid
 

@@ -1,0 +1,46 @@
+"""gpumem's injected hook: Python imports this module at start when its directory is on
+PYTHONPATH (the volume gpumem's admission webhook adds to an opted-in pod), so a job whose
+image never installed gpumem_push pushes all the same.
+
+It starts gpumem_push when GPUMEM_PUSH asks for it (as the wheel's .pth hook does), then runs
+the image's own sitecustomize, which this module shadows, so the image behaves as before. An
+error in either is written to stderr and never keeps the interpreter from starting."""
+
+import os as _os
+import sys as _sys
+
+
+def _start_pusher():
+    if _os.environ.get("GPUMEM_PUSH", "").strip() in ("", "0"):
+        return
+    try:
+        import gpumem_push
+
+        gpumem_push._autostart()
+    except Exception as error:
+        _sys.stderr.write(f"gpumem_push: not started: {error!r}\n")
+
+
+def _run_shadowed():
+    """Runs the next `sitecustomize` on sys.path after this directory, if there is one, and
+    leaves it as the `sitecustomize` module."""
+    import importlib.machinery
+    import importlib.util
+
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != here]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        _sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+    except Exception as error:
+        # As Python's own site module does for a failing sitecustomize.
+        _sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                          f"{type(error).__name__}: {error}\n")
+
+
+_start_pusher()
+_run_shadowed()
