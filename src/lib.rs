@@ -26,6 +26,8 @@ pub use gpumem_core::{allocator, config, device, shared};
 pub mod demo;
 pub mod explain;
 pub mod ingest;
+#[cfg(feature = "webhook")]
+pub mod inject;
 pub mod ipc;
 pub mod metrics;
 pub mod ops;

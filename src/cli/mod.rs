@@ -1,5 +1,6 @@
 //! Subcommands: `demo` and `serve` (the agent), `simulate` (a training loop on a simulated
-//! GPU) and `replay` (recorded traces: fidelity check and what-if comparison).
+//! GPU), `replay` (recorded traces: fidelity check and what-if comparison), `explain`, `view`
+//! and `plan` (on recordings), `webhook` and `copy-hook` (injecting the push hook into pods).
 
 mod agent;
 mod explain;
@@ -7,6 +8,7 @@ mod plan;
 mod replay;
 mod simulate;
 mod view;
+mod webhook;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -181,6 +183,11 @@ enum Command {
     /// percent of the bytes live at once), write the plan, and evaluate it against the
     /// recorded configuration on the iterations it was not made from.
     Plan(plan::Args),
+    /// Serve the mutating admission webhook (HTTPS) that injects the push hook into pods
+    /// labelled gpumem.io/inject=true: no gpumem_push in their image, no host path.
+    Webhook(webhook::Args),
+    /// Copy the push hook's directory into a pod's volume (the injected init container).
+    CopyHook(webhook::CopyArgs),
 }
 
 pub(crate) fn run(cli: Cli) -> CliResult {
@@ -192,6 +199,8 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Explain(args) => explain::run(args),
         Command::View(args) => view::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Webhook(args) => webhook::run(args),
+        Command::CopyHook(args) => webhook::copy_hook(args),
     }
 }
 

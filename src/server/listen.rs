@@ -10,6 +10,8 @@
 //!   closed; one that keeps a response waiting and reads less than 1 MiB of it per
 //!   [`HttpLimits::send_timeout`] is closed too: so a slow or idle client holds its slot (and
 //!   a response body) only that long.
+//! - A TLS listener ([`serve_tls`]) holds a handshake to the header timeout, in the
+//!   connection's own task: a client that never finishes it holds only its connection.
 //! - Shutdown stops accepting at once, lets the requests in flight finish, and returns
 //!   within [`HttpLimits::shutdown_timeout`] whatever the clients do.
 //! - A push socket that another agent still answers on is not taken at once: binding waits
@@ -79,6 +81,29 @@ pub async fn serve(
         shutdown,
         |_, addr| (addr, None),
         || {},
+        None,
+    )
+    .await;
+}
+
+/// Serves `app` over TLS on `listener` (as [`serve`] does, the handshake included in each
+/// connection's limits).
+#[cfg(feature = "webhook")]
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: std::sync::Arc<rustls::ServerConfig>,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    serve_with(
+        listener,
+        app,
+        limits,
+        shutdown,
+        |_, addr| (addr, None),
+        || {},
+        Some(tokio_rustls::TlsAcceptor::from(tls)),
     )
     .await;
 }
@@ -119,9 +144,17 @@ pub async fn serve_unix(
             (peer, peer.process.map(|p| p.pid))
         },
         remove_own,
+        None,
     )
     .await;
 }
+
+/// What accepts a TLS listener's handshakes (none without the feature `webhook`).
+#[cfg(feature = "webhook")]
+type Tls = tokio_rustls::TlsAcceptor;
+#[cfg(not(feature = "webhook"))]
+#[derive(Clone)]
+enum Tls {}
 
 async fn serve_with<L, C>(
     mut listener: L,
@@ -130,6 +163,7 @@ async fn serve_with<L, C>(
     shutdown: impl Future<Output = ()> + Send + 'static,
     info: impl Fn(&L::Io, L::Addr) -> (C, Option<u32>),
     stopped: impl FnOnce(),
+    tls: Option<Tls>,
 ) where
     L: Listener,
     C: Clone + Send + Sync + 'static,
@@ -155,13 +189,33 @@ async fn serve_with<L, C>(
             request.extensions_mut().insert(tagged.clone());
             app.clone().oneshot(request)
         });
-        let io = TokioIo::new(Watched::new(io, conn.clone(), limits.send_timeout));
-        let connection = graceful.watch(http.serve_connection(io, service));
+        let io = Watched::new(io, conn.clone(), limits.send_timeout);
+        let (watcher, http, tls) = (graceful.watcher(), http.clone(), tls.clone());
+        let served = async move {
+            match tls {
+                None => {
+                    let _ = watcher
+                        .watch(http.serve_connection(TokioIo::new(io), service))
+                        .await;
+                }
+                #[cfg(not(feature = "webhook"))]
+                Some(never) => match never {},
+                #[cfg(feature = "webhook")]
+                Some(tls) => {
+                    let handshake = tokio::time::timeout(limits.header_timeout, tls.accept(io));
+                    if let Ok(Ok(io)) = handshake.await {
+                        let _ = watcher
+                            .watch(http.serve_connection(TokioIo::new(io), service))
+                            .await;
+                    }
+                }
+            }
+        };
         tokio::spawn(async move {
-            // A client's error (a timeout, a reset) ends its connection only; an eviction
-            // drops it with its request.
+            // A client's error (a timeout, a reset, a failed handshake) ends its connection
+            // only; an eviction drops it with its request.
             tokio::select! {
-                _ = connection => {}
+                () = served => {}
                 () = conn.evicted() => {}
             }
             drop(admitted);

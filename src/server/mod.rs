@@ -46,6 +46,8 @@ mod slots;
 pub mod view;
 
 pub use conns::Connection;
+#[cfg(feature = "webhook")]
+pub use listen::serve_tls;
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
 pub use slots::{MIN_STALL, Slots};
 
