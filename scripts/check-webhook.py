@@ -131,7 +131,7 @@ class Webhook:
              "--tls-cert", str(Path(tmp) / "tls.crt"), "--tls-key", str(Path(tmp) / "tls.key"),
              "--image", IMAGE, "--push-url", PUSH_URL, *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
-        self.context = ssl.create_default_context(cafile=str(Path(tmp) / "tls.crt"))
+        self.context = ssl.create_default_context(cafile=str(Path(tmp) / "both.crt"))
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -161,6 +161,23 @@ class Webhook:
     def close(self):
         self.process.terminate()
         self.process.wait(10)
+
+
+def make_cert(directory, name, cn):
+    """A self-signed certificate for loopback and the Service's name: name.crt, name.key."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", f"/CN={cn}",
+                    "-addext", "subjectAltName=DNS:gpumem-webhook.gpumem.svc,IP:127.0.0.1",
+                    "-keyout", f"{directory}/{name}.key", "-out", f"{directory}/{name}.crt"],
+                   check=True, capture_output=True)
+
+
+def served_cert(port, cafile):
+    """The certificate the webhook presents now (DER)."""
+    context = ssl.create_default_context(cafile=cafile)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            return tls.getpeercert(binary_form=True)
 
 
 def free_port():
@@ -199,12 +216,10 @@ def env_of(container):
 
 def main():
     with tempfile.TemporaryDirectory(prefix="gpumem-webhook-") as tmp:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-                        "-subj", "/CN=gpumem-webhook.gpumem.svc",
-                        "-addext", "subjectAltName=DNS:gpumem-webhook.gpumem.svc,IP:127.0.0.1",
-                        "-keyout", f"{tmp}/tls.key", "-out", f"{tmp}/tls.crt"],
-                       check=True, capture_output=True)
+        make_cert(tmp, "tls", "gpumem-webhook.gpumem.svc")
+        make_cert(tmp, "renewed", "gpumem-webhook renewed")
+        both = Path(tmp) / "both.crt"
+        both.write_text((Path(tmp) / "tls.crt").read_text() + (Path(tmp) / "renewed.crt").read_text())
         # The init container's work: the hook's directory copied into the pod's volume.
         assembled, volume = Path(tmp) / "assembled", Path(tmp) / "volume"
         subprocess.run([str(ROOT / "scripts" / "python-inject"), str(assembled)], check=True)
@@ -251,6 +266,11 @@ def main():
                           f"{c['name']}: the hook mounted read-only")
                 again, _ = patched(hook, pod, "uid-again")
                 check(again is None, "an injected pod is not injected twice")
+            empty = tenant_pod("empty", labels={"gpumem.io/inject": "true"},
+                               env=[{"name": "PYTHONPATH"}])
+            pod, _ = patched(hook, empty, "uid-empty")
+            check(pod is not None and env_of(pod["spec"]["containers"][0])["PYTHONPATH"] ==
+                  "/gpumem/python", "a PYTHONPATH without a value gets the hook's directory")
             referenced = tenant_pod("ref", labels={"gpumem.io/inject": "true"}, env=[
                 {"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}])
             pod, response = patched(hook, referenced, "uid-ref")
@@ -276,8 +296,25 @@ def main():
             check(status == 413, f"a review past 3 MiB gets 413 ({status})")
             check(hook.get("/healthz")[0] == 200 and hook.process.poll() is None,
                   "the webhook still serves")
+            # A renewal in place (as cert-manager's Secret volume does): the new pair serves;
+            # then a key that does not load leaves the renewed pair serving.
+            first = served_cert(hook.port, str(both))
+            for suffix in ("crt", "key"):
+                (Path(tmp) / f"tls.{suffix}").write_bytes((Path(tmp) / f"renewed.{suffix}").read_bytes())
+            renewed = ssl.PEM_cert_to_DER_cert((Path(tmp) / "renewed.crt").read_text())
+            deadline = time.monotonic() + 10
+            while served_cert(hook.port, str(both)) != renewed and time.monotonic() < deadline:
+                time.sleep(0.2)
+            check(first != renewed and served_cert(hook.port, str(both)) == renewed,
+                  "a certificate renewed in place is served within seconds")
+            (Path(tmp) / "tls.key").write_text("not a key\n")
+            time.sleep(1.5)
+            check(served_cert(hook.port, str(both)) == renewed and hook.get("/healthz")[0] == 200,
+                  "a key that does not load leaves the renewed pair serving")
         finally:
             hook.close()
+        for suffix in ("crt", "key"):
+            (Path(tmp) / f"tls.{suffix}").write_bytes((Path(tmp) / f"renewed.{suffix}").read_bytes())
         image_hook = Webhook(tmp, "--volume", "image")
         try:
             pod, _ = patched(image_hook, tenant_pod("img", labels={"gpumem.io/inject": "true"}),

@@ -7,16 +7,19 @@
 //!   which the agent's image carries at [`IMAGE_HOOK_DIR`]): an `emptyDir` that an init
 //!   container running the agent's image fills (`gpumem copy-hook`), or, where the cluster
 //!   has image volumes, the agent's image itself, read-only;
-//! - in every container: that volume at [`MOUNT_PATH`], read-only; [`MOUNT_PATH`] first on
-//!   `PYTHONPATH` (a `PYTHONPATH` the container spec sets follows it; one the image sets is
-//!   shadowed, and the annotation [`PYTHONPATH_ANNOTATION`] supplies it instead);
-//!   `GPUMEM_PUSH=1` and `GPUMEM_PUSH_URL`, unless the container sets them.
+//! - in every container of `spec.containers` (init containers and native sidecars are left
+//!   as they are): that volume at [`MOUNT_PATH`], read-only; [`MOUNT_PATH`] first on
+//!   `PYTHONPATH` (a `PYTHONPATH` the container's `env` sets follows it; one the image sets is
+//!   shadowed, and the annotation [`PYTHONPATH_ANNOTATION`] supplies it instead; one from a
+//!   reference is left, with a warning); `GPUMEM_PUSH=1` and `GPUMEM_PUSH_URL`, unless the
+//!   container's `env` sets them (variables from `envFrom` are overridden, with a warning).
 //!
 //! # Invariants
-//! - Anything but a Pod being created, a pod without the label, and a pod that already has
-//!   the volume (a reinvocation) get no patch.
-//! - The patch adds the volume, the init container, mounts and variables, and replaces
-//!   only the value of a container's own `PYTHONPATH`, which it prefixes.
+//! - Anything but a Pod being created, a pod without the label, a pod that already has the
+//!   volume (a reinvocation), and a pod whose names or paths the patch would take (an init
+//!   container named [`INIT_CONTAINER`], a mount at [`MOUNT_PATH`]) get no patch.
+//! - The patch adds the volume, the init container, mounts and variables, and sets only the
+//!   value of a container's own `PYTHONPATH`, which it prefixes.
 //! - The init container meets Pod Security "restricted" (not root, no privilege escalation,
 //!   every capability dropped, the runtime's default seccomp profile, a read-only root) and
 //!   has requests and limits, so namespaces under a ResourceQuota admit the pod.
@@ -86,9 +89,26 @@ impl Injection {
         };
         let volumes = spec.volumes.as_deref().unwrap_or_default();
         if volumes.iter().any(|v| v.name == VOLUME) {
-            m.warnings.push(format!(
-                "the pod already has the volume {VOLUME}: nothing injected"
-            ));
+            // Injected already (a reinvocation of the webhook): nothing to say.
+            return m;
+        }
+        // Names and paths the patch would take: the API server would refuse the pod.
+        let inits = spec.init_containers.as_deref().unwrap_or_default();
+        let taken_mount = spec.containers.iter().find(|c| {
+            c.volume_mounts
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .any(|v| v.mount_path.trim_end_matches('/') == MOUNT_PATH)
+        });
+        let clash = if inits.iter().any(|c| c.name == INIT_CONTAINER) {
+            Some(format!("an init container is named {INIT_CONTAINER}"))
+        } else {
+            taken_mount.map(|c| format!("container {:?} mounts something at {MOUNT_PATH}", c.name))
+        };
+        if let Some(clash) = clash {
+            m.warnings
+                .push(format!("gpumem: {clash}; the hook is not injected"));
             return m;
         }
         m.add_to_list("/spec/volumes", spec.volumes.is_some(), self.volume());
@@ -164,16 +184,18 @@ impl Injection {
             m.add_to_list(&format!("{base}/env"), has_env, var);
             has_env = true;
         };
-        match env.iter().position(|v| v.name == "PYTHONPATH") {
+        // The last of a name given twice is the one the kubelet sets.
+        match env.iter().rposition(|v| v.name == "PYTHONPATH") {
             Some(j) => match &env[j] {
-                EnvVar { value: Some(own), value_from: None, .. } => {
-                    let value = if own.is_empty() {
-                        MOUNT_PATH.to_string()
-                    } else {
-                        format!("{MOUNT_PATH}:{own}")
+                // An empty value arrives without `value` (the API server omits it).
+                EnvVar { value, value_from: None, .. } => {
+                    let value = match value.as_deref() {
+                        None | Some("") => MOUNT_PATH.to_string(),
+                        Some(own) => format!("{MOUNT_PATH}:{own}"),
                     };
+                    // `add` sets the member whether or not it is there.
                     m.operations.push(json!({
-                        "op": "replace", "path": format!("{base}/env/{j}/value"), "value": value,
+                        "op": "add", "path": format!("{base}/env/{j}/value"), "value": value,
                     }));
                 }
                 _ => m.warnings.push(format!(
@@ -197,6 +219,12 @@ impl Injection {
                 m,
                 json!({"name": "GPUMEM_PUSH_URL", "value": self.push_url}),
             );
+        }
+        if c.env_from.as_ref().is_some_and(|from| !from.is_empty()) {
+            m.warnings.push(format!(
+                "container {:?} takes variables from envFrom: a PYTHONPATH, GPUMEM_PUSH or GPUMEM_PUSH_URL there is overridden by gpumem's (set them under env to keep them)",
+                c.name
+            ));
         }
     }
 }
@@ -295,5 +323,60 @@ mod tests {
             serde_json::from_value(json!({"metadata": {"labels": {OPT_IN_LABEL: "true"}}}))
                 .expect("a pod");
         assert_eq!(plain.mutate(&no_spec), Mutation::default());
+    }
+
+    /// A `PYTHONPATH` without a value (the API server omits an empty one) gets the hook's
+    /// directory alone; of a name given twice the last is the kubelet's and is the one set;
+    /// `envFrom` is warned about.
+    #[test]
+    fn the_containers_own_pythonpath_is_the_last_and_may_have_no_value() {
+        let p = pod(
+            json!({OPT_IN_LABEL: "true"}),
+            json!({"containers": [
+                {"name": "a", "env": [{"name": "PYTHONPATH"}]},
+                {"name": "b", "env": [{"name": "PYTHONPATH", "value": "/x"},
+                                      {"name": "PYTHONPATH", "value": "/y"}],
+                 "envFrom": [{"configMapRef": {"name": "settings"}}]},
+            ]}),
+        );
+        let m = injection(VolumeSource::InitContainer).mutate(&p);
+        let set = |path: &str| {
+            m.operations
+                .iter()
+                .find(|o| o["path"] == path)
+                .map(|o| (o["op"].clone(), o["value"].clone()))
+        };
+        assert_eq!(
+            set("/spec/containers/0/env/0/value"),
+            Some((json!("add"), json!(MOUNT_PATH)))
+        );
+        assert_eq!(
+            set("/spec/containers/1/env/1/value"),
+            Some((json!("add"), json!(format!("{MOUNT_PATH}:/y"))))
+        );
+        assert_eq!(set("/spec/containers/1/env/0/value"), None);
+        assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+        assert!(m.warnings[0].contains("envFrom"), "{:?}", m.warnings);
+    }
+
+    /// A pod whose init container or mount the patch would duplicate is left alone, saying
+    /// why; an injected pod is left alone silently.
+    #[test]
+    fn names_and_paths_the_patch_would_take_leave_the_pod_alone() {
+        let plain = injection(VolumeSource::InitContainer);
+        let clashes = [
+            json!({"initContainers": [{"name": INIT_CONTAINER}], "containers": [{"name": "a"}]}),
+            json!({"containers": [{"name": "a", "volumeMounts": [{"name": "x", "mountPath": "/gpumem/python/"}]}]}),
+        ];
+        for spec in clashes {
+            let m = plain.mutate(&pod(json!({OPT_IN_LABEL: "true"}), spec));
+            assert!(m.operations.is_empty());
+            assert!(m.warnings[0].contains("not injected"), "{:?}", m.warnings);
+        }
+        let injected = pod(
+            json!({OPT_IN_LABEL: "true"}),
+            json!({"volumes": [{"name": VOLUME, "emptyDir": {}}], "containers": [{"name": "a"}]}),
+        );
+        assert_eq!(plain.mutate(&injected), Mutation::default());
     }
 }

@@ -233,7 +233,7 @@ impl Op {
 
 /// Drives an allocator and a model of the live allocations.
 pub struct Run {
-    /// The allocator, on a 2 GiB simulated device.
+    /// The allocator, on a 2 GiB simulated device (unless made by [`Run::on`]).
     pub alloc: CachingAllocator<SimDevice>,
     /// Live pointers → block size, to check that hand-outs never overlap.
     live: BTreeMap<u64, u64>,
@@ -255,8 +255,14 @@ impl Run {
 
     /// A fresh allocator with the default configuration whose pools follow `order`.
     pub fn with_order(order: FitOrder) -> Self {
+        Run::on(order, SimConfig::with_capacity(2 << 30))
+    }
+
+    /// A fresh allocator with the default configuration whose pools follow `order`, on a
+    /// device configured as `device`.
+    pub fn on(order: FitOrder, device: SimConfig) -> Self {
         let config = AllocatorConfig::default();
-        let device = SimDevice::new(SimConfig::with_capacity(2 << 30));
+        let device = SimDevice::new(device);
         Run {
             alloc: CachingAllocator::with_fit_order(device, config, order),
             live: BTreeMap::new(),

@@ -15,23 +15,26 @@ from support import FAKE_TORCH, REPO, Agent, Child, child_env, tempdir
 MIB = 1 << 20
 BASE_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
-# The child's report: where gpumem_push came from, whether a wheel's hook could be found,
-# what the pusher says, and what the image's own sitecustomize left.
+# The child's report: where gpumem_push and its start-up hook came from, the site directories
+# holding the wheel's .pth (none), what the pusher says, and what the image's own
+# sitecustomize left.
 JOB = """
-import importlib.util, json, os, sys, time
+import json, os, site, sys, time
 import torch
 torch._fake.allocate(0, 3 << 20)
 gp = sys.modules.get("gpumem_push")
 deadline = time.monotonic() + 10
 while gp is not None and gp.stats()["sent"] < 2 and time.monotonic() < deadline:
     time.sleep(0.02)
-site = sys.modules.get("sitecustomize")
+custom = sys.modules.get("sitecustomize")
 print(json.dumps({
     "gpumem_push": getattr(gp, "__file__", None),
-    "wheel_hook": importlib.util.find_spec("_gpumem_push_hook") is not None,
+    "wheel_pth": [d for d in site.getsitepackages() + [site.getusersitepackages()]
+                  if os.path.exists(os.path.join(d, "gpumem_push.pth"))],
+    "hook": getattr(sys.modules.get("_gpumem_push_hook"), "__file__", None),
     "stats": gp.stats() if gp else None,
     "image_site_ran": os.environ.get("IMAGE_SITE_RAN"),
-    "sitecustomize": getattr(site, "__file__", None),
+    "sitecustomize": getattr(custom, "__file__", None),
 }))
 """
 
@@ -68,7 +71,8 @@ class Injected(unittest.TestCase):
         child = self.run_job()
         r = child.result
         self.assertTrue(r["gpumem_push"].startswith(self.inject + os.sep), r["gpumem_push"])
-        self.assertFalse(r["wheel_hook"], "the wheel's hook is on the job's path")
+        self.assertEqual(r["wheel_pth"], [], "the wheel's .pth is in a site directory")
+        self.assertTrue(r["hook"].startswith(self.inject + os.sep), r["hook"])
         self.assertGreaterEqual(r["stats"]["sent"], 2, r["stats"])
         self.assertEqual(r["stats"]["errors"], 0, r["stats"])
         self.assertEqual(child.stderr, "")

@@ -6,11 +6,13 @@
 //! - A review is at most [`MAX_REVIEW_BYTES`] (the API server's own request limit); a larger
 //!   body gets 413, a body that is not an AdmissionReview v1 gets 400 with the reason, and
 //!   either leaves the webhook serving.
-//! - The certificate and key are re-read when either file changes (cert-manager renews them
-//!   in place), checked at most once a second; a pair that does not load leaves the previous
-//!   one serving, and says so once.
-//! - Connections are served within the agent's limits (`server::listen`), the TLS handshake
-//!   within the header timeout.
+//! - The certificate and key are re-read when either file changes (modification time or
+//!   length: cert-manager renews them in place), looked at at most once a second (two small
+//!   files read under the lock, by the handshake that finds them changed); a pair that does
+//!   not load leaves the previous one serving, says so once, and is tried again each second
+//!   (a pair caught half-written loads once it is whole).
+//! - Connections are served within the agent's limits (`server::listen`): the TLS handshake
+//!   within the header timeout, then the request's headers within another.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -209,12 +211,15 @@ struct CertFiles {
 #[derive(Debug)]
 struct Loaded {
     key: Arc<CertifiedKey>,
-    /// The files' modification times when loaded.
-    stamps: (Option<SystemTime>, Option<SystemTime>),
+    /// The files' stamps when loaded.
+    stamps: Stamps,
     checked: Instant,
     /// The last failed reload's stamps, so a bad pair is reported once.
-    failed: Option<(Option<SystemTime>, Option<SystemTime>)>,
+    failed: Option<Stamps>,
 }
+
+/// The certificate's and the key's modification time and length.
+type Stamps = [Option<(SystemTime, u64)>; 2];
 
 impl CertFiles {
     fn load(cert: &Path, key: &Path) -> Result<CertFiles, String> {
@@ -233,9 +238,12 @@ impl CertFiles {
     }
 }
 
-fn stamps(cert: &Path, key: &Path) -> (Option<SystemTime>, Option<SystemTime>) {
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    (modified(cert), modified(key))
+fn stamps(cert: &Path, key: &Path) -> Stamps {
+    let stamp = |p: &Path| {
+        let meta = std::fs::metadata(p).ok()?;
+        Some((meta.modified().ok()?, meta.len()))
+    };
+    [stamp(cert), stamp(key)]
 }
 
 fn certified_key(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
@@ -262,7 +270,7 @@ impl ResolvesServerCert for CertFiles {
         if state.checked.elapsed() >= RELOAD_CHECK {
             state.checked = Instant::now();
             let now = stamps(&self.cert, &self.key);
-            if now != state.stamps && state.failed != Some(now) {
+            if now != state.stamps {
                 match certified_key(&self.cert, &self.key) {
                     Ok(key) => {
                         tracing::info!("the webhook's certificate was reloaded");
@@ -274,7 +282,9 @@ impl ResolvesServerCert for CertFiles {
                         };
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "the webhook's new certificate does not load; the previous one serves");
+                        if state.failed != Some(now) {
+                            tracing::warn!(error = %e, "the webhook's new certificate does not load; the previous one serves");
+                        }
                         state.failed = Some(now);
                     }
                 }
@@ -285,8 +295,8 @@ impl ResolvesServerCert for CertFiles {
 }
 
 /// Copies the hook's directory into the pod's volume (the init container's work: the agent's
-/// image has no shell). Files only, one level of directories, as `scripts/python-inject`
-/// lays them out; readable by all.
+/// image has no shell): regular files, and directories two levels deep at most
+/// (`scripts/python-inject` makes one); nothing else is followed.
 pub(crate) fn copy_hook(args: CopyArgs) -> CliResult {
     copy_tree(&args.from, &args.to, 2).map_err(|e| {
         format!(

@@ -10,8 +10,9 @@
 //!   closed; one that keeps a response waiting and reads less than 1 MiB of it per
 //!   [`HttpLimits::send_timeout`] is closed too: so a slow or idle client holds its slot (and
 //!   a response body) only that long.
-//! - A TLS listener ([`serve_tls`]) holds a handshake to the header timeout, in the
-//!   connection's own task: a client that never finishes it holds only its connection.
+//! - A TLS listener ([`serve_tls`]) holds a handshake to the header timeout (the request's
+//!   headers then get their own), in the connection's own task: a client that never finishes
+//!   it holds only its connection.
 //! - Shutdown stops accepting at once, lets the requests in flight finish, and returns
 //!   within [`HttpLimits::shutdown_timeout`] whatever the clients do.
 //! - A push socket that another agent still answers on is not taken at once: binding waits
@@ -203,10 +204,15 @@ async fn serve_with<L, C>(
                 #[cfg(feature = "webhook")]
                 Some(tls) => {
                     let handshake = tokio::time::timeout(limits.header_timeout, tls.accept(io));
-                    if let Ok(Ok(io)) = handshake.await {
-                        let _ = watcher
-                            .watch(http.serve_connection(TokioIo::new(io), service))
-                            .await;
+                    match handshake.await {
+                        Ok(Ok(io)) => {
+                            let _ = watcher
+                                .watch(http.serve_connection(TokioIo::new(io), service))
+                                .await;
+                        }
+                        // A client's certificate trouble shows here (the API server's, say).
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
                     }
                 }
             }

@@ -42,6 +42,41 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 50, ..ProptestConfig::default() })]
+
+    /// Polling only the streams the device names as progressed completes exactly the frees
+    /// that polling every stream does (Note [Stream-ordered reuse]): the same random
+    /// operations on a device that names them and on one that answers as a real GPU (poll
+    /// all) leave the same statistics after every operation, and a free left pending shows
+    /// there (its block stays active).
+    #[test]
+    fn polling_the_streams_named_finds_what_polling_all_finds(
+        raw in prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>()), 400)
+    ) {
+        let device = |names| SimConfig {
+            names_completed_streams: names,
+            ..SimConfig::with_capacity(2 << 30)
+        };
+        let mut named = Run::on(FitOrder::default(), device(true));
+        let mut every = Run::on(FitOrder::default(), device(false));
+        for (i, (k, a, b)) in raw.into_iter().enumerate() {
+            let op = Op::decode(k, a, b);
+            let (x, y) = (named.apply(&op), every.apply(&op));
+            prop_assert_eq!(&x, &y, "op {} {:?}", i, op);
+            prop_assert_eq!(
+                named.alloc.memory_stats(),
+                every.alloc.memory_stats(),
+                "after op {} {:?}",
+                i,
+                op
+            );
+        }
+        prop_assert!(named.alloc.device().stats().event_queries
+            <= every.alloc.device().stats().event_queries);
+    }
+}
+
 #[test]
 fn soak() {
     let Some(total) = std::env::var("GPUMEM_SOAK_OPS")

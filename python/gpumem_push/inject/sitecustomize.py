@@ -2,23 +2,13 @@
 PYTHONPATH (the volume gpumem's admission webhook adds to an opted-in pod), so a job whose
 image never installed gpumem_push pushes all the same.
 
-It starts gpumem_push when GPUMEM_PUSH asks for it (as the wheel's .pth hook does), then runs
-the image's own sitecustomize, which this module shadows, so the image behaves as before. An
-error in either is written to stderr and never keeps the interpreter from starting."""
+It runs the wheel's own start-up hook (_gpumem_push_hook, beside it: it starts gpumem_push
+when GPUMEM_PUSH asks for it), then the image's own sitecustomize, which this module shadows,
+so the image behaves as before. An error in either is written to stderr and never keeps the
+interpreter from starting."""
 
 import os as _os
 import sys as _sys
-
-
-def _start_pusher():
-    if _os.environ.get("GPUMEM_PUSH", "").strip() in ("", "0"):
-        return
-    try:
-        import gpumem_push
-
-        gpumem_push._autostart()
-    except Exception as error:
-        _sys.stderr.write(f"gpumem_push: not started: {error!r}\n")
 
 
 def _run_shadowed():
@@ -33,6 +23,9 @@ def _run_shadowed():
         spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
         if spec is None or spec.loader is None:
             return
+        # This directory again under another spelling (a symbolic link): not the image's.
+        if spec.origin and _os.path.exists(spec.origin) and _os.path.samefile(spec.origin, __file__):
+            return
         module = importlib.util.module_from_spec(spec)
         _sys.modules["sitecustomize"] = module
         spec.loader.exec_module(module)
@@ -42,5 +35,8 @@ def _run_shadowed():
                           f"{type(error).__name__}: {error}\n")
 
 
-_start_pusher()
+try:
+    import _gpumem_push_hook  # noqa: F401  (starts the pusher; never raises)
+except Exception as _error:
+    _sys.stderr.write(f"gpumem_push: not started: {_error!r}\n")
 _run_shadowed()

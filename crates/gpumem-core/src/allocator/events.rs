@@ -5,14 +5,16 @@
 //! # Note [Stream-ordered reuse]
 //! A block freed while other streams may still use it (`record_stream`) cannot be reused at
 //! once. Its free records one event per such stream and the block stays *pending*; each
-//! `malloc` first polls the oldest events of every stream (`process_events`) and completes
+//! `malloc` first polls the oldest event of every stream (`process_events`; below, how a
+//! simulated device spares most of those queries) and completes
 //! the frees whose events have all completed. A full cache flush waits for all of them.
 //! Streams are visited in the order they first queued an event; PyTorch visits them in its
 //! hash map's order, so the frees completed in one pass may be listed in another order there
 //! (the same set; a recording cannot reveal that order).
 //!
 //! A device that knows which streams' work completed since the last poll (the simulated GPU,
-//! where work completes only when told) lets a pass query those streams alone, so a replay
+//! where work completes only when told) lets a pass query those streams alone (the frees it
+//! completes are exactly those polling every stream would), so a replay
 //! with many frees pending costs each `malloc` the streams that progressed, not every
 //! stream; the device is told how many queries were left out (its clock charges them). A
 //! pass cut short by a device error polls every stream next time.

@@ -172,7 +172,10 @@ pub trait Device {
     /// The streams whose work completed since the last call, for a device on which work
     /// completes only when told (the simulated GPU): a poll of pending events then queries
     /// those streams alone. `None` where work completes by itself (a real GPU) or every
-    /// stream may have progressed: every stream with pending events is polled.
+    /// stream may have progressed: every stream with pending events is polled. The call
+    /// consumes the list: only the allocator that owns the device may make it (a caller
+    /// holding the device for other reasons must not, or completed frees wait for the next
+    /// poll of every stream).
     fn take_completed_streams(&mut self) -> Option<Vec<StreamId>> {
         None
     }
