@@ -64,6 +64,8 @@ ALL_ON = {
                        "successThreshold": 1},
     "gpuNodeLabel": {"key": "gpumem.io/gpu", "value": "true"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
+    "webhook": {"enabled": True, "volume": "image", "replicas": 3,
+                "namespaceSelector": {"matchLabels": {"gpumem.io/tenant": "true"}}},
 }
 
 failures = []
@@ -194,6 +196,58 @@ if "nodeSelector" in any_value or terms["nodeSelectorTerms"] != [{"matchExpressi
 if "nodeSelector" in daemonset({"gpuNodeLabel": {"key": "", "value": ""}}):
     fail("gpuNodeLabel key \"\" still selects nodes")
 print("composition options: as configured")
+
+# The admission webhook: off by default; on, its objects, its certificate (signed by the CA
+# the configuration trusts, for the Service's name), a restricted pod, and a configuration
+# that only opted-in pods of other namespaces reach.
+hook = {"webhook": {"enabled": True}}
+if rendered({}, "MutatingWebhookConfiguration"):
+    fail("the webhook renders by default")
+webhook_kinds = sorted(set(check(hook, "the webhook on")) - set(defaults))
+if webhook_kinds != ["Deployment", "MutatingWebhookConfiguration", "Secret"]:
+    fail(f"the webhook on adds {webhook_kinds}")
+# One render: each makes a new certificate authority.
+with helm.Chart.load(str(CHART)) as chart:
+    hook_docs = [doc for template, text in chart.render(hook, name="gpumem",
+                                                        namespace="gpu-monitoring").items()
+                 if template.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+configuration = next(d for d in hook_docs if d["kind"] == "MutatingWebhookConfiguration")
+configuration = configuration["webhooks"][0]
+secret = next(d for d in hook_docs if d["kind"] == "Secret")["data"]
+if configuration["sideEffects"] != "None" or configuration["admissionReviewVersions"] != ["v1"] \
+        or configuration["failurePolicy"] != "Ignore" \
+        or configuration["objectSelector"] != {"matchLabels": {"gpumem.io/inject": "true"}} \
+        or configuration["namespaceSelector"]["matchExpressions"] != [
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["gpu-monitoring"]}] \
+        or configuration["clientConfig"]["caBundle"] != secret["ca.crt"]:
+    fail(f"webhook configuration: {dict(configuration, clientConfig='…')}")
+with tempfile.TemporaryDirectory() as tmp:
+    import base64
+    for key in ("ca.crt", "tls.crt"):
+        (Path(tmp) / key).write_bytes(base64.b64decode(secret[key]))
+    verified = subprocess.run(["openssl", "verify", "-CAfile", f"{tmp}/ca.crt", f"{tmp}/tls.crt"],
+                              capture_output=True, text=True)
+    names = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
+                            f"{tmp}/tls.crt"], capture_output=True, text=True).stdout
+    if verified.returncode != 0 or "DNS:gpumem-webhook.gpu-monitoring.svc" not in names:
+        fail(f"the webhook's certificate: {verified.stdout}{verified.stderr} {names}")
+hook_pod = rendered(hook, "Deployment")[0]["spec"]["template"]["spec"]
+hook_container = hook_pod["containers"][0]
+args = hook_container["args"]
+if hook_pod["securityContext"].get("runAsNonRoot") is not True \
+        or hook_pod["securityContext"]["seccompProfile"] != {"type": "RuntimeDefault"} \
+        or hook_container["securityContext"] != {"allowPrivilegeEscalation": False,
+                                                 "readOnlyRootFilesystem": True,
+                                                 "capabilities": {"drop": ["ALL"]}} \
+        or args[args.index("--push-url") + 1] != "http://gpumem.gpu-monitoring.svc:9417/api/v1/push" \
+        or args[args.index("--volume") + 1] != "init-container":
+    fail(f"the webhook's pod: {hook_pod}")
+on = rendered(ALL_ON, "MutatingWebhookConfiguration")[0]["webhooks"][0]["namespaceSelector"]
+on_args = rendered(ALL_ON, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+if on.get("matchLabels") != {"gpumem.io/tenant": "true"} or len(on["matchExpressions"]) != 1 \
+        or on_args[on_args.index("--volume") + 1] != "image":
+    fail(f"webhook options: {on} {on_args}")
+print("the webhook: as configured")
 
 
 def refused(values, message, what):
