@@ -134,8 +134,8 @@ async fn mutate(State(injection): State<Arc<Injection>>, body: Bytes) -> Respons
         Ok(review) => review,
         Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     };
-    // kube-core writes the patch's bytes as a JSON array (which Go's decoder takes); the
-    // API's documented form is a base64 string.
+    // kube-core writes the patch's bytes as a JSON array of numbers; the API documents a
+    // base64 string, which is what is sent.
     if let (Some(bytes), Some(field)) = (patch, review.pointer_mut("/response/patch")) {
         *field = serde_json::Value::String(base64_of(&bytes));
     }
