@@ -253,6 +253,14 @@ mod tests {
         }
     }
 
+    /// The paths the mutation's operations touch, in order.
+    fn paths(m: &Mutation) -> Vec<&str> {
+        m.operations
+            .iter()
+            .map(|o| o["path"].as_str().unwrap_or(""))
+            .collect()
+    }
+
     fn pod(labels: Value, spec: Value) -> Pod {
         serde_json::from_value(json!({"metadata": {"name": "p", "labels": labels}, "spec": spec}))
             .expect("a pod")
@@ -267,13 +275,8 @@ mod tests {
             json!({"containers": [{"name": "a"}]}),
         );
         let m = injection(VolumeSource::InitContainer).mutate(&bare);
-        let paths: Vec<&str> = m
-            .operations
-            .iter()
-            .map(|o| o["path"].as_str().unwrap_or(""))
-            .collect();
         assert_eq!(
-            paths,
+            paths(&m),
             [
                 "/spec/volumes",
                 "/spec/initContainers",
@@ -290,14 +293,9 @@ mod tests {
                 {"name": "a", "volumeMounts": [], "env": [{"name": "GPUMEM_PUSH", "value": "0"}]}]}),
         );
         let m = injection(VolumeSource::Image).mutate(&full);
-        let paths: Vec<&str> = m
-            .operations
-            .iter()
-            .map(|o| o["path"].as_str().unwrap_or(""))
-            .collect();
         // The container's own GPUMEM_PUSH stands; the image volume needs no init container.
         assert_eq!(
-            paths,
+            paths(&m),
             [
                 "/spec/volumes/-",
                 "/spec/containers/0/volumeMounts/-",

@@ -167,22 +167,20 @@ fn review_of(
         );
     };
     let mutation = injection.mutate(&pod);
-    let mut response = response;
-    if !mutation.operations.is_empty() {
-        let patch = serde_json::from_value::<json_patch::Patch>(serde_json::Value::Array(
-            mutation.operations,
-        ));
-        response = match patch.map_err(|e| e.to_string()).and_then(|patch| {
-            response
-                .clone()
-                .with_patch(patch)
-                .map_err(|e| e.to_string())
-        }) {
-            Ok(patched) => patched,
-            Err(e) => return with_warnings(response, vec![format!("gpumem: no patch: {e}")]),
-        };
+    if mutation.operations.is_empty() {
+        return with_warnings(response, mutation.warnings);
     }
-    with_warnings(response, mutation.warnings)
+    let operations = serde_json::Value::Array(mutation.operations);
+    let patched = serde_json::from_value::<json_patch::Patch>(operations)
+        .map_err(|e| e.to_string())
+        .and_then(|patch| response.with_patch(patch).map_err(|e| e.to_string()));
+    match patched {
+        Ok(patched) => with_warnings(patched, mutation.warnings),
+        Err(e) => with_warnings(
+            AdmissionResponse::from(request),
+            vec![format!("gpumem: no patch: {e}")],
+        ),
+    }
 }
 
 /// `bytes` in base64, as Kubernetes writes byte fields (`k8s_openapi::ByteString`).

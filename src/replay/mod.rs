@@ -569,9 +569,8 @@ pub fn capacity_for_reservation(reservation: u64, large_page: u64) -> u64 {
 /// The allocator as an exact (check) replay of `options.device`'s trace on `options.capacity`
 /// bytes (within `options.max_memory_bytes`) leaves it just after event `stop`: at an `oom`
 /// entry, the state the failing allocation left (its cache flushed), which is what PyTorch's
-/// own snapshot at the error shows. Also says
-/// where the replay first differed from the recording, if it did before `stop`. In the order
-/// `readings` found (`Readings::of`).
+/// own snapshot at the error shows. Also says where the replay first differed from the
+/// recording, if it did before `stop`. In the order `readings` found (`Readings::of`).
 ///
 /// # Errors
 /// As [`replay()`].

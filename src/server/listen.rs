@@ -75,16 +75,7 @@ pub async fn serve(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    serve_with(
-        listener,
-        app,
-        limits,
-        shutdown,
-        |_, addr| (addr, None),
-        || {},
-        None,
-    )
-    .await;
+    serve_tcp(listener, app, limits, shutdown, None).await;
 }
 
 /// Serves `app` over TLS on `listener` (as [`serve`] does, the handshake included in each
@@ -97,16 +88,20 @@ pub async fn serve_tls(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    serve_with(
-        listener,
-        app,
-        limits,
-        shutdown,
-        |_, addr| (addr, None),
-        || {},
-        Some(tokio_rustls::TlsAcceptor::from(tls)),
-    )
-    .await;
+    let tls = Some(tokio_rustls::TlsAcceptor::from(tls));
+    serve_tcp(listener, app, limits, shutdown, tls).await;
+}
+
+/// A TCP listener's connections: known by the peer's address, owned by no process.
+async fn serve_tcp(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    tls: Option<Tls>,
+) {
+    let info = |_: &_, addr| (addr, None);
+    serve_with(listener, app, limits, shutdown, info, || {}, tls).await;
 }
 
 /// Serves `app` on a Unix socket until `shutdown` completes; pushes over it are attributed to

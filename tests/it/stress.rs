@@ -152,18 +152,10 @@ fn many_streams_cost_linear_work_and_memory() {
     // (a whole-state check: quadratic by itself); well past the scan of eight streams.
     let sizes = [256u64, 512, 1_024];
     let costs: Vec<(u64, usize)> = sizes.iter().map(|&n| run(n)).collect();
-    for (pair, n) in costs.windows(2).zip(&sizes[1..]) {
-        let work = pair[1].0 as f64 / pair[0].0 as f64;
-        let memory = pair[1].1 as f64 / pair[0].1 as f64;
-        eprintln!(
-            "{n} streams: {} lookups' work ({work:.2}x), {} bytes ({memory:.2}x)",
-            pair[1].0, pair[1].1
-        );
-        assert!(
-            work <= 2.5 && memory <= 2.5,
-            "{n} streams: work {work:.2}x, memory {memory:.2}x per doubling"
-        );
-    }
+    let work: Vec<f64> = costs.iter().map(|c| c.0 as f64).collect();
+    let memory: Vec<f64> = costs.iter().map(|c| c.1 as f64).collect();
+    grows_linearly("streams", "lookups' work", &sizes, &work);
+    grows_linearly("streams", "bytes", &sizes, &memory);
     // About 2 KiB a stream (its class table, its bins' room), not a vector per class (over
     // 10 KiB before).
     let (_, bytes) = costs[2];
@@ -278,17 +270,8 @@ fn pending_frees_cost_linear_polling() {
     };
     let sizes = [128u64, 256, 512];
     let costs: Vec<(u64, u64)> = sizes.iter().map(|&n| run(n)).collect();
-    for (pair, n) in costs.windows(2).zip(&sizes[1..]) {
-        let work = pair[1].0 as f64 / pair[0].0 as f64;
-        eprintln!(
-            "{n} pending frees: {} event queries ({work:.2}x)",
-            pair[1].0
-        );
-        assert!(
-            work <= 2.5,
-            "{n} pending frees: {work:.2}x queries per doubling"
-        );
-    }
+    let queries: Vec<f64> = costs.iter().map(|c| c.0 as f64).collect();
+    grows_linearly("pending frees", "event queries", &sizes, &queries);
     // The clock charges the queries left out: every pending stream at each of the n mallocs
     // made while all n frees wait, n(n+1)/2 more as they complete one by one.
     let (n, (_, charged)) = (sizes[2], costs[2]);
@@ -297,4 +280,15 @@ fn pending_frees_cost_linear_polling() {
         charged >= (n * n + n * (n + 1) / 2) * event_ns,
         "{charged} ns charged"
     );
+}
+
+/// Asserts that `counts` (of `what`, measured at `sizes` of `unit`, each double the last) grow
+/// at most 2.5× per doubling: linear work or memory, with room for noise in the counts' small
+/// constant terms (quadratic growth is 4×).
+fn grows_linearly(unit: &str, what: &str, sizes: &[u64], counts: &[f64]) {
+    for (pair, n) in counts.windows(2).zip(&sizes[1..]) {
+        let ratio = pair[1] / pair[0];
+        eprintln!("{n} {unit}: {} {what} ({ratio:.2}x)", pair[1]);
+        assert!(ratio <= 2.5, "{n} {unit}: {what} {ratio:.2}x per doubling");
+    }
 }
