@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::builder::ValueParser;
@@ -17,6 +18,7 @@ use gpumem::server::{
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
 use gpumem::telemetry::pod_names::PodNames;
+use gpumem::telemetry::pod_network::PodNetwork;
 use gpumem::telemetry::pod_resources::{self, PodResources};
 use gpumem::telemetry::{Heartbeat, NvmlSource, Poller};
 
@@ -56,6 +58,19 @@ pub(crate) struct ServeArgs {
     /// it), of the 10 000 the agent serves: the rest is kept for pushes over the socket.
     #[arg(long, default_value_t = 2_500, value_parser = clap::value_parser!(u32).range(4..=10_000))]
     max_tcp_series: u32,
+    /// The container runtime's CRI socket (containerd's /run/containerd/containerd.sock,
+    /// CRI-O's /var/run/crio/crio.sock): pushes from pods on this node are then accepted over
+    /// TCP and attributed to their pod by the connection's address. Off by default: whoever
+    /// holds this socket holds the node.
+    #[arg(long, value_name = "SOCKET", value_parser = ValueParser::os_string())]
+    cri_socket: Option<OsString>,
+    /// An address of this node (repeatable; the chart passes the pod's status.hostIP): a push
+    /// from it names no pod and is refused (`peer_is_node`).
+    #[arg(long = "node-ip", value_name = "IP")]
+    node_ip: Vec<std::net::IpAddr>,
+    /// Processes of one pod that may push from the pod network at once.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
+    max_pod_processes: u32,
     /// Seconds to wait for another agent still answering on the push socket to go before
     /// taking the socket over (an update that starts the new agent before stopping the old,
     /// or a second agent started by mistake).
@@ -139,6 +154,9 @@ fn parse_timeout(text: &str) -> Result<f64, String> {
 fn parse_grace(text: &str) -> Result<f64, String> {
     number_in(text, 0.0, 86_400.0, "the grace period", Some("seconds"))
 }
+
+/// How long the container runtime has to answer one call.
+const CRI_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often ended pushing processes are looked for.
 const EXPIRY_TICK: Duration = Duration::from_secs(1);
@@ -349,6 +367,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     let ingest = IngestConfig {
         exited_grace: Duration::from_secs_f64(args.exited_grace),
         max_tcp_series: args.max_tcp_series as usize,
+        max_pod_processes: args.max_pod_processes as usize,
         ..IngestConfig::default()
     };
     let mut state = agent_state(
@@ -362,6 +381,14 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
     state.health.watch(poller.heartbeat());
     state.health.watch(watch.heartbeat.clone());
+    // An empty value turns it off, as for the other sockets.
+    state.pod_network = args
+        .cri_socket
+        .filter(|socket| !socket.is_empty())
+        .map(|socket| {
+            tracing::info!(socket = ?socket, "pushes from the pod network are attributed through the container runtime");
+            Arc::new(PodNetwork::new(socket.into(), args.node_ip, CRI_TIMEOUT))
+        });
     let listen = Listen {
         address: args.listen,
         // Empty turns a socket off (clap's path parser would refuse an empty value).

@@ -15,7 +15,7 @@ pub mod store;
 pub use limits::MAX_BODY_BYTES;
 pub use payload::Reason;
 pub use refusal::{Refusal, Rejected};
-pub use store::{IngestConfig, Peer, PushStore};
+pub use store::{IngestConfig, Peer, PushStore, Sender};
 
 #[cfg(test)]
 mod tests;

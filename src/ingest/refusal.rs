@@ -22,13 +22,21 @@ pub enum Refusal {
     Conflict,
     /// The body exceeds [`super::limits::MAX_BODY_BYTES`].
     TooLarge,
-    /// Not `Content-Type: application/json`, or sent by a browser (an `Origin` header).
+    /// Not `Content-Type: application/json`, or sent by a browser (an `Origin` header), or
+    /// from a pod whose labels name another pod.
     Forbidden,
+    /// From the pod network, from an address that is no ready pod's on this node.
+    UnknownPeer,
+    /// From the pod network, from the node's own address (a host-network sender, or a
+    /// connection masqueraded on its way): no pod can be named.
+    PeerIsNode,
+    /// From a pod, naming a pid none of its processes has.
+    NotInPod,
 }
 
 impl Refusal {
     /// All reasons, in the order the counter lists them.
-    pub const ALL: [Refusal; 10] = [
+    pub const ALL: [Refusal; 13] = [
         Refusal::Malformed,
         Refusal::Truncated,
         Refusal::Invalid,
@@ -39,6 +47,9 @@ impl Refusal {
         Refusal::Conflict,
         Refusal::TooLarge,
         Refusal::Forbidden,
+        Refusal::UnknownPeer,
+        Refusal::PeerIsNode,
+        Refusal::NotInPod,
     ];
 
     /// The metric label and the error's kind.
@@ -54,6 +65,9 @@ impl Refusal {
             Refusal::Conflict => "conflict",
             Refusal::TooLarge => "too_large",
             Refusal::Forbidden => "forbidden",
+            Refusal::UnknownPeer => "unknown_peer",
+            Refusal::PeerIsNode => "peer_is_node",
+            Refusal::NotInPod => "not_in_pod",
         }
     }
 }

@@ -44,6 +44,8 @@ use crate::sources::{
     PushedHost, PushedProcess, UNKNOWN_SIZE,
 };
 use crate::telemetry::cgroup::{self, ContainerRef};
+use crate::telemetry::pod_network::PodPeer;
+use crate::telemetry::pod_processes::{self, NotInPod, PodProcess};
 use crate::telemetry::process;
 
 use super::limits::OOM_BREAKDOWN_SERIES;
@@ -80,6 +82,49 @@ impl From<u32> for Peer {
         Peer {
             pid,
             start_time: None,
+        }
+    }
+}
+
+/// Who sent a push, as the agent (not the payload) knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Sender {
+    /// A TCP peer on this host (loopback): the payload's pid and start time are its word.
+    Unattributed,
+    /// A process the kernel named (a Unix-socket peer).
+    Process(Peer),
+    /// A pod, by its address on the pod network: the payload's pid must be one of the pod's
+    /// processes, in the pod's own pid namespace ([`pod_processes`]).
+    Pod(PodPeer),
+}
+
+impl From<Option<Peer>> for Sender {
+    fn from(peer: Option<Peer>) -> Sender {
+        peer.map_or(Sender::Unattributed, Sender::Process)
+    }
+}
+
+/// Who vouches for a tracked process's pid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Origin {
+    /// The kernel (a socket pusher): the pid is the sender's.
+    Socket,
+    /// The node, for a pod (by UID): the pid is a process of that pod.
+    Pod(String),
+    /// The payload (a loopback TCP pusher).
+    Tcp,
+}
+
+impl Origin {
+    /// The pid is a host pid, checked in `/proc`.
+    fn host_pid(&self) -> bool {
+        *self != Origin::Tcp
+    }
+
+    fn pod(&self) -> Option<&str> {
+        match self {
+            Origin::Pod(uid) => Some(uid),
+            _ => None,
         }
     }
 }
@@ -133,6 +178,10 @@ pub struct IngestConfig {
     pub max_processes: usize,
     /// Most of them pushing over TCP (unattributed).
     pub max_tcp_processes: usize,
+    /// Most processes of one pod pushing from the pod network.
+    pub max_pod_processes: usize,
+    /// Most series those of one pod hold together.
+    pub max_pod_series: usize,
     /// Most series served for pushes, per-pod OOM counters included.
     pub max_series: usize,
     /// Most of them held by processes pushing over TCP, together; each such process holds
@@ -149,6 +198,9 @@ pub struct IngestConfig {
     /// The start time of a pid (clock ticks since boot, `/proc/<pid>/stat`), `None` when
     /// the pid does not exist.
     pub start_time: fn(u32) -> Option<u64>,
+    /// The host process of a pod (by UID) with a container pid and, where given, a start
+    /// time (read from `/proc` by default).
+    pub pod_process: fn(&str, u32, Option<u64>) -> Result<PodProcess, NotInPod>,
 }
 
 impl Default for IngestConfig {
@@ -160,6 +212,10 @@ impl Default for IngestConfig {
             // stays within a few MiB (4096 took the agent to 88 MiB).
             max_processes: 256,
             max_tcp_processes: 64,
+            // Ranks of a node's GPUs and their helpers; a pod's processes hold at most an
+            // eighth of the series budget.
+            max_pod_processes: 16,
+            max_pod_series: 1_250,
             // About 9 MB of exposition at worst (every label at its bound; measured in
             // tests/it/hostile.rs), a few hundred typical processes.
             max_series: 10_000,
@@ -171,6 +227,7 @@ impl Default for IngestConfig {
             max_pods: 1024,
             resolve: cgroup::container_of,
             start_time: process::start_time,
+            pod_process: pod_processes::find,
         }
     }
 }
@@ -185,9 +242,9 @@ impl IngestConfig {
 struct Tracked {
     seq: u64,
     last: Instant,
-    /// The kernel named the pid (so `/proc/<pid>` is this process).
-    kernel_pid: bool,
-    /// Its start time, where the kernel named it and `/proc` said.
+    /// Who vouches for its pid (for all but TCP pushers, `/proc/<pid>` is this process).
+    origin: Origin,
+    /// Its start time, where the pid is a host pid and `/proc` said.
     start_time: Option<u64>,
     /// When it was seen to end.
     ended: Option<Instant>,
@@ -221,19 +278,162 @@ struct State {
     pods: BTreeMap<(String, String), PodCount>,
 }
 
-impl State {
-    fn series(&self) -> usize {
-        self.tracked.values().map(|t| t.series).sum::<usize>() + self.pods.len()
+/// What the tracked processes hold, as the caps count it: of one pod's (the pushing pod's).
+#[derive(Clone, Copy, Debug, Default)]
+struct Load {
+    processes: usize,
+    series: usize,
+    tcp: usize,
+    tcp_series: usize,
+    pod: usize,
+    pod_series: usize,
+}
+
+impl Load {
+    /// One process of `origin` holding `series`, counted for `pod`'s quota where it is one
+    /// of its processes.
+    fn of(origin: &Origin, series: usize, pod: Option<&str>) -> Load {
+        let tcp = usize::from(*origin == Origin::Tcp);
+        let in_pod = usize::from(pod.is_some() && origin.pod() == pod);
+        Load {
+            processes: 1,
+            series,
+            tcp,
+            tcp_series: tcp * series,
+            pod: in_pod,
+            pod_series: in_pod * series,
+        }
     }
 
-    /// Series held by processes pushing over TCP.
-    fn tcp_series(&self) -> usize {
-        self.tracked
-            .values()
-            .filter(|t| !t.kernel_pid)
-            .map(|t| t.series)
-            .sum()
+    /// The first cap exceeded, in the order refusals name them.
+    fn over(&self, config: &IngestConfig) -> Option<Over> {
+        [
+            (self.series > config.max_series, Over::Series),
+            (self.tcp_series > config.max_tcp_series, Over::TcpSeries),
+            (self.pod_series > config.max_pod_series, Over::PodSeries),
+            (self.processes > config.max_processes, Over::Processes),
+            (self.tcp > config.max_tcp_processes, Over::TcpProcesses),
+            (self.pod > config.max_pod_processes, Over::PodProcesses),
+        ]
+        .into_iter()
+        .find_map(|(over, which)| over.then_some(which))
     }
+}
+
+impl std::ops::AddAssign for Load {
+    fn add_assign(&mut self, other: Load) {
+        self.processes += other.processes;
+        self.series += other.series;
+        self.tcp += other.tcp;
+        self.tcp_series += other.tcp_series;
+        self.pod += other.pod;
+        self.pod_series += other.pod_series;
+    }
+}
+
+impl std::ops::SubAssign for Load {
+    fn sub_assign(&mut self, other: Load) {
+        self.processes -= other.processes;
+        self.series -= other.series;
+        self.tcp -= other.tcp;
+        self.tcp_series -= other.tcp_series;
+        self.pod -= other.pod;
+        self.pod_series -= other.pod_series;
+    }
+}
+
+/// A cap a push would exceed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Over {
+    Series,
+    TcpSeries,
+    PodSeries,
+    Processes,
+    TcpProcesses,
+    PodProcesses,
+}
+
+impl Over {
+    /// The refusal of a push of `series` series (from `pod`, where it is one).
+    fn refusal(self, config: &IngestConfig, series: usize, pod: Option<&str>) -> Rejected {
+        let pod = pod.unwrap_or_default();
+        let (refusal, message) = match self {
+            Over::Series => (
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take the agent past its budget of {} pushed series",
+                    config.max_series
+                ),
+            ),
+            Over::TcpSeries => (
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take processes pushing over TCP past their share of {} series (push over the agent's socket)",
+                    config.max_tcp_series
+                ),
+            ),
+            Over::PodSeries => (
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take pod {pod} past its share of {} series",
+                    config.max_pod_series
+                ),
+            ),
+            Over::Processes => (
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes, the most this agent keeps",
+                    config.max_processes
+                ),
+            ),
+            Over::TcpProcesses => (
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes pushing over TCP, the most this agent keeps",
+                    config.max_tcp_processes
+                ),
+            ),
+            Over::PodProcesses => (
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes of pod {pod}, the most this agent keeps of one pod",
+                    config.max_pod_processes
+                ),
+            ),
+        };
+        Rejected::new(refusal, message)
+    }
+}
+
+/// Refuses a pod's push whose labels name another pod or container than the node found
+/// (`container`, the name, is not checked: the sandbox does not say it, and it names no
+/// other pod).
+fn check_identity(
+    labels: &[(String, String)],
+    pod: &PodPeer,
+    container: &ContainerRef,
+) -> Result<(), Rejected> {
+    for (name, value) in labels {
+        // A colliding name is exported as `exported_<name>`: still a claim.
+        let base = name.strip_prefix("exported_").unwrap_or(name);
+        let own = match base {
+            "pod_uid" => &pod.uid,
+            "namespace" | "pod_namespace" => &pod.namespace,
+            "pod" | "pod_name" => &pod.name,
+            "container_id" => &container.container_id,
+            _ => continue,
+        };
+        if value != own {
+            return Err(Rejected::new(
+                Refusal::Forbidden,
+                format!(
+                    "label {name}={value:?} names another pod than the sender ({}/{}, uid {})",
+                    pod.namespace, pod.name, pod.uid
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The pushed processes and the ingest's own counters.
@@ -302,17 +502,31 @@ impl PushStore {
             .map_err(|rejected| self.refuse(rejected))
     }
 
+    /// Accepts a payload from a pod, known by its address on the pod network: the payload's
+    /// pid must be one of the pod's processes in its own pid namespace (and its start time
+    /// that process's), whose host pid replaces it; its labels may not name another pod.
+    /// Reads `/proc` (a scan where the process is not known yet): call it off the async
+    /// runtime.
+    ///
+    /// # Errors
+    /// A [`Rejected`] with the reason; nothing changes then.
+    pub fn push_from_pod(&self, body: &[u8], pod: PodPeer) -> Result<(), Rejected> {
+        self.push_at(body, Sender::Pod(pod), Instant::now())
+            .map_err(|rejected| self.refuse(rejected))
+    }
+
     pub(super) fn push_at(
         &self,
         body: &[u8],
-        peer: Option<Peer>,
+        sender: impl Into<Sender>,
         now: Instant,
     ) -> Result<(), Rejected> {
         let mut push = validate(body)?;
-        // A kernel-named pid's start time comes from /proc; an unattributed push's is its own
-        // word (it tells apart, say, two containers' pid 1).
-        let start_time = match peer {
-            Some(peer) => {
+        // Who the pid is: a host pid with its start time from /proc and its container, or
+        // the payload's own word (which tells apart, say, two containers' pid 1).
+        let (origin, start_time, container) = match sender.into() {
+            Sender::Unattributed => (Origin::Tcp, push.start_time, None),
+            Sender::Process(peer) => {
                 let now = (self.config.start_time)(peer.pid);
                 if peer.start_time.is_some() && now != peer.start_time {
                     // The connecting process exited (its connection inherited by a child,
@@ -325,28 +539,53 @@ impl PushStore {
                         ),
                     ));
                 }
-                now
+                push.pid = peer.pid;
+                (Origin::Socket, now, (self.config.resolve)(peer.pid))
             }
-            None => push.start_time,
+            Sender::Pod(pod) => {
+                let found = (self.config.pod_process)(&pod.uid, push.pid, push.start_time)
+                    .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
+                check_identity(&push.labels, &pod, &found.container)?;
+                push.pid = found.pid;
+                (
+                    Origin::Pod(pod.uid),
+                    Some(found.start_time),
+                    Some(found.container),
+                )
+            }
         };
-        if let Some(peer) = peer {
-            push.pid = peer.pid;
-        }
         let pid = push.pid;
-        let kernel_pid = peer.is_some();
-        // Only a pid the kernel named is this node's: attribute it to its pod.
-        let container = peer.and_then(|p| (self.config.resolve)(p.pid));
 
         let mut state = self.state();
         let mut previous = None;
         let mut urgent = false;
         if let Some(t) = state.tracked.get(&pid) {
-            let same_process = t.kernel_pid == kernel_pid
+            let same_process = t.origin == origin
                 && (t.start_time.is_none() || start_time.is_none() || t.start_time == start_time);
-            if t.kernel_pid && !kernel_pid {
+            // The kernel's word stands over the node's (which proves a pod's process exists,
+            // not that it pushed), and both over a payload's.
+            let outranked = match (&t.origin, &origin) {
+                (Origin::Socket, Origin::Socket) => false,
+                (Origin::Socket, _) => true,
+                (Origin::Pod(_), Origin::Tcp) => true,
+                _ => false,
+            };
+            if outranked {
                 return Err(Rejected::new(
                     Refusal::Conflict,
-                    format!("pid {pid} pushes over the agent's socket; TCP pushes cannot write it"),
+                    format!(
+                        "pid {pid} pushes over the agent's {}; pushes from {} cannot write it",
+                        if t.origin == Origin::Socket {
+                            "socket"
+                        } else {
+                            "pod network"
+                        },
+                        if origin == Origin::Tcp {
+                            "loopback"
+                        } else {
+                            "the pod network"
+                        }
+                    ),
                 ));
             }
             if same_process {
@@ -382,14 +621,7 @@ impl PushStore {
                     .sum()
             });
         let series = push.series() + kept_series;
-        let replaced = state.tracked.get(&pid).map_or(0, |t| t.series);
-        self.make_room(
-            &mut state,
-            pid,
-            kernel_pid,
-            series - series.min(replaced),
-            now,
-        )?;
+        self.make_room(&mut state, pid, &origin, series, now)?;
 
         let old = previous.and_then(|pid| state.tracked.get(&pid));
         let old_ooms = old.map_or(0, |t| t.ooms);
@@ -489,7 +721,7 @@ impl PushStore {
             Tracked {
                 seq: push.seq,
                 last: now,
-                kernel_pid,
+                origin,
                 start_time,
                 ended,
                 allowance,
@@ -542,43 +774,36 @@ impl PushStore {
         ))
     }
 
-    /// Makes room for `pid`'s push adding `series` series: when a cap would be exceeded,
-    /// evicts ended processes, oldest first, but only if that is enough; otherwise refuses
-    /// and changes nothing.
+    /// Makes room for `pid`'s push holding `series` series (replacing its entry, if any):
+    /// when a cap would be exceeded, evicts ended processes, oldest first, but only if that
+    /// is enough; otherwise refuses and changes nothing.
     fn make_room(
         &self,
         state: &mut State,
         pid: u32,
-        kernel_pid: bool,
+        origin: &Origin,
         series: usize,
         now: Instant,
     ) -> Result<(), Rejected> {
         let config = &self.config;
-        if !kernel_pid {
-            let own = state.tracked.get(&pid).map_or(0, |t| t.series) + series;
-            if own > config.tcp_process_series() {
-                return Err(Rejected::new(
-                    Refusal::SeriesBudget,
-                    format!(
-                        "pid {pid} would hold {own} series; a process pushing over TCP holds at most {} (push over the agent's socket)",
-                        config.tcp_process_series()
-                    ),
-                ));
+        if *origin == Origin::Tcp && series > config.tcp_process_series() {
+            return Err(Rejected::new(
+                Refusal::SeriesBudget,
+                format!(
+                    "pid {pid} would hold {series} series; a process pushing over TCP holds at most {} (push over the agent's socket)",
+                    config.tcp_process_series()
+                ),
+            ));
+        }
+        let pod = origin.pod();
+        let mut load = Load::of(origin, series, pod);
+        load.series += state.pods.len();
+        for (&p, t) in &state.tracked {
+            if p != pid {
+                load += Load::of(&t.origin, t.series, pod);
             }
         }
-        let is_new = !state.tracked.contains_key(&pid);
-        let mut processes = state.tracked.len() + usize::from(is_new);
-        let mut tcp = state.tracked.values().filter(|t| !t.kernel_pid).count()
-            + usize::from(is_new && !kernel_pid);
-        let mut total = state.series() + series;
-        let mut tcp_series = state.tcp_series() + if kernel_pid { 0 } else { series };
-        let fits = |processes: usize, tcp: usize, total: usize, tcp_series: usize| {
-            processes <= config.max_processes
-                && tcp <= config.max_tcp_processes
-                && total <= config.max_series
-                && tcp_series <= config.max_tcp_series
-        };
-        if fits(processes, tcp, total, tcp_series) {
+        if load.over(config).is_none() {
             return Ok(());
         }
         let mut ended: Vec<(Instant, u32)> = state
@@ -590,60 +815,25 @@ impl PushStore {
         ended.sort_unstable();
         let mut evict = Vec::new();
         for (_, p) in ended {
-            if fits(processes, tcp, total, tcp_series) {
+            let Some(over) = load.over(config) else {
                 break;
-            }
+            };
             let t = &state.tracked[&p];
-            // An ended socket pusher frees nothing of TCP's share: skip it while only that
-            // is short.
-            let helps =
-                processes > config.max_processes || total > config.max_series || !t.kernel_pid;
-            if !helps {
-                continue;
+            let freed = Load::of(&t.origin, t.series, pod);
+            // An ended process that frees nothing of what is short stays (an ended socket
+            // pusher, while only TCP's share is short).
+            let helps = match over {
+                Over::Series | Over::Processes => true,
+                Over::TcpSeries | Over::TcpProcesses => freed.tcp > 0,
+                Over::PodSeries | Over::PodProcesses => freed.pod > 0,
+            };
+            if helps {
+                load -= freed;
+                evict.push(p);
             }
-            processes -= 1;
-            if !t.kernel_pid {
-                tcp -= 1;
-                tcp_series -= t.series;
-            }
-            total -= t.series;
-            evict.push(p);
         }
-        if total > config.max_series {
-            return Err(Rejected::new(
-                Refusal::SeriesBudget,
-                format!(
-                    "the push's {series} series would take the agent past its budget of {} pushed series",
-                    config.max_series
-                ),
-            ));
-        }
-        if tcp_series > config.max_tcp_series {
-            return Err(Rejected::new(
-                Refusal::SeriesBudget,
-                format!(
-                    "the push's {series} series would take processes pushing over TCP past their share of {} series (push over the agent's socket)",
-                    config.max_tcp_series
-                ),
-            ));
-        }
-        if processes > config.max_processes {
-            return Err(Rejected::new(
-                Refusal::Capacity,
-                format!(
-                    "already tracking {} processes, the most this agent keeps",
-                    config.max_processes
-                ),
-            ));
-        }
-        if tcp > config.max_tcp_processes {
-            return Err(Rejected::new(
-                Refusal::Capacity,
-                format!(
-                    "already tracking {} processes pushing over TCP, the most this agent keeps",
-                    config.max_tcp_processes
-                ),
-            ));
+        if let Some(over) = load.over(config) {
+            return Err(over.refusal(config, series, pod));
         }
         // The push is accepted and published right after: the evicted go with it.
         for p in evict {
@@ -663,7 +853,7 @@ impl PushStore {
         let mut state = self.state();
         let before = state.tracked.len();
         for (&pid, t) in &mut state.tracked {
-            if t.ended.is_none() && t.kernel_pid {
+            if t.ended.is_none() && t.origin.host_pid() {
                 let now_start = start_time(pid);
                 let gone =
                     now_start.is_none() || (t.start_time.is_some() && now_start != t.start_time);
@@ -712,7 +902,12 @@ impl PushStore {
     /// Series held by processes pushing over TCP.
     #[cfg(test)]
     pub(super) fn tcp_series(&self) -> usize {
-        self.state().tcp_series()
+        self.state()
+            .tracked
+            .values()
+            .filter(|t| t.origin == Origin::Tcp)
+            .map(|t| t.series)
+            .sum()
     }
 
     /// (result label, count) for the ingest counter: `accepted`, then each refusal.

@@ -6,10 +6,14 @@ use std::time::{Duration, Instant};
 use crate::allocator::SegmentClass;
 use crate::sources::{AllocatorKind, AllocatorSources};
 use crate::telemetry::cgroup::{self, ContainerRef};
+use crate::telemetry::pod_network::PodPeer;
+use crate::telemetry::pod_processes::{NotInPod, PodProcess};
 
 use super::limits::MAX_BODY_BYTES;
 use super::refusal::Refusal;
-use super::store::{IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore, REASON_REFILL};
+use super::store::{
+    IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore, REASON_REFILL, Sender,
+};
 
 fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
     serde_json::json!({
@@ -908,4 +912,163 @@ fn an_explanation_kept_from_an_earlier_push_counts_in_the_series_budget() {
         .push_at(&payload(2, 1, ok()), None, now + Duration::from_secs(1))
         .expect_err("the kept series leave no room for another process");
     assert_eq!(err.refusal, Refusal::SeriesBudget, "{}", err.message);
+}
+
+/// Two pods, as the node knows them: pod a's processes 1 and 2 are host pids 7001 and 7002,
+/// pod b's process 1 is host pid 8001; each started at tick 5.
+fn two_pods(uid: &str, pid: u32, start_time: Option<u64>) -> Result<PodProcess, NotInPod> {
+    let host = match (uid, pid) {
+        ("uid-a", 1 | 2) => 7000 + pid,
+        ("uid-a", 3..=40) => 7000 + pid,
+        ("uid-b", 1) => 8001,
+        _ => 0,
+    };
+    if host == 0 || start_time.is_some_and(|t| t != 5) {
+        return Err(NotInPod::Missing {
+            pod_uid: uid.into(),
+            pid,
+            start_time,
+        });
+    }
+    Ok(PodProcess {
+        pid: host,
+        start_time: 5,
+        container: ContainerRef {
+            pod_uid: uid.into(),
+            container_id: format!("{:0<64}", uid.replace('-', "")),
+            runtime: cgroup::Runtime::Containerd,
+        },
+    })
+}
+
+fn pod(name: &str) -> Sender {
+    Sender::Pod(PodPeer {
+        uid: format!("uid-{name}"),
+        namespace: "team".into(),
+        name: name.into(),
+    })
+}
+
+fn from_pod(pid: u32, seq: u64, labels: serde_json::Value) -> Vec<u8> {
+    serde_json::json!({
+        "pid": pid, "seq": seq, "start_time": 5, "labels": labels,
+        "devices": [{"index": 0, "uuid": "GPU-abc", "stats": ok()}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Issue 35: a pod's pushes name their own pod's processes and labels only, within the
+/// pod's quota; the node's word replaces the payload's pid.
+#[test]
+fn pod_pushes_are_the_pods_own_within_its_quota() {
+    let (store, sources) = store_with(IngestConfig {
+        pod_process: two_pods,
+        max_pod_processes: 3,
+        ..config()
+    });
+    let now = Instant::now();
+    let none = serde_json::json!({});
+    store
+        .push_at(&from_pod(1, 1, none.clone()), pod("a"), now)
+        .expect("pod a's pid 1");
+    store
+        .push_at(&from_pod(1, 1, none.clone()), pod("b"), now)
+        .expect("pod b's pid 1: another process");
+    let list = sources.snapshot();
+    let of = |pid: u32| list.iter().find(|s| s.pid == pid).expect("published");
+    assert!(
+        of(7001)
+            .labels
+            .contains(&("pod_uid".to_string(), "uid-a".to_string()))
+    );
+    assert!(
+        of(8001)
+            .labels
+            .contains(&("pod_uid".to_string(), "uid-b".to_string()))
+    );
+
+    // Pod b claiming pod a's pid 2, or its labels.
+    let err = store
+        .push_at(&from_pod(2, 1, none.clone()), pod("b"), now)
+        .expect_err("pid 2 is pod a's");
+    assert_eq!(err.refusal, Refusal::NotInPod, "{}", err.message);
+    for labels in [
+        serde_json::json!({"pod_uid": "uid-a"}),
+        serde_json::json!({"pod": "a"}),
+        serde_json::json!({"namespace": "other-team"}),
+    ] {
+        let err = store
+            .push_at(&from_pod(1, 2, labels.clone()), pod("b"), now)
+            .expect_err("labels naming another pod");
+        assert_eq!(err.refusal, Refusal::Forbidden, "{labels}: {}", err.message);
+    }
+    // Its own identity, said again, is no claim.
+    store
+        .push_at(
+            &from_pod(1, 2, serde_json::json!({"pod": "b", "namespace": "team"})),
+            pod("b"),
+            now + Duration::from_secs(1),
+        )
+        .expect("pod b naming itself");
+
+    // A loopback push cannot write a pod's process.
+    let err = store
+        .push_at(&payload(7001, 9, ok()), None, now + Duration::from_secs(2))
+        .expect_err("pid 7001 is pod a's");
+    assert_eq!(err.refusal, Refusal::Conflict, "{}", err.message);
+
+    // Pod a fills its quota of three; pod b still pushes.
+    for pid in [2, 3] {
+        store
+            .push_at(&from_pod(pid, 1, none.clone()), pod("a"), now)
+            .expect("within pod a's quota");
+    }
+    let err = store
+        .push_at(&from_pod(4, 1, none.clone()), pod("a"), now)
+        .expect_err("past pod a's quota");
+    assert_eq!(err.refusal, Refusal::Capacity, "{}", err.message);
+    assert!(err.message.contains("uid-a"), "{}", err.message);
+    store
+        .push_at(
+            &from_pod(1, 3, none),
+            pod("b"),
+            now + Duration::from_secs(3),
+        )
+        .expect("pod b is not held to pod a's quota");
+    let Sender::Pod(b) = pod("b") else {
+        unreachable!()
+    };
+    let err = store
+        .push_from_pod(&from_pod(2, 1, serde_json::json!({})), b)
+        .expect_err("pid 2 is pod a's");
+    assert_eq!(err.refusal, Refusal::NotInPod);
+    let counts: BTreeMap<_, _> = store.counts().into_iter().collect();
+    assert_eq!(counts["not_in_pod"], 1, "counted under its reason");
+}
+
+/// The per-pod series share binds a pod's processes together.
+#[test]
+fn a_pods_series_share_binds_its_processes_together() {
+    let (store, _) = store_with(IngestConfig {
+        pod_process: two_pods,
+        max_pod_series: 100,
+        ..config()
+    });
+    let now = Instant::now();
+    // One device's push is about 30 series: the fourth process passes 100.
+    let mut refused = None;
+    for pid in 1..=10 {
+        if let Err(e) = store.push_at(&from_pod(pid, 1, serde_json::json!({})), pod("a"), now) {
+            refused = Some((pid, e));
+            break;
+        }
+    }
+    let (pid, err) = refused.expect("the share binds");
+    assert!(pid > 1, "one process fits");
+    assert_eq!(err.refusal, Refusal::SeriesBudget, "{}", err.message);
+    assert!(err.message.contains("uid-a"), "{}", err.message);
+    store
+        .push_at(&from_pod(1, 1, serde_json::json!({})), pod("b"), now)
+        .expect("another pod's share is its own");
 }

@@ -266,7 +266,7 @@ metric!(
     "gpumem_ingest_payloads_total",
     Counter,
     &["result"],
-    "Pushed statistics payloads, by result: accepted, or why they were refused (malformed, truncated, invalid, stale, rate_limited, capacity, series_budget, conflict, too_large, forbidden)."
+    "Pushed statistics payloads, by result: accepted, or why they were refused (malformed, truncated, invalid, stale, rate_limited, capacity, series_budget, conflict, too_large, forbidden, unknown_peer, peer_is_node, not_in_pod)."
 );
 metric!(
     INGEST_TRACKED,

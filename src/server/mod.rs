@@ -94,6 +94,10 @@ pub struct AppState {
     pub sources: AllocatorSources,
     /// The `Host` values answered (DNS rebinding: `hosts.rs`).
     pub hosts: AgentHosts,
+    /// Who pushes from the pod network are from, where the agent accepts them (feature
+    /// `kubelet`: the container runtime is asked over gRPC).
+    #[cfg(feature = "kubelet")]
+    pub pod_network: Option<Arc<crate::telemetry::pod_network::PodNetwork>>,
 }
 
 /// Push bodies read at once per kind of listener, by default: 8 × 512 KiB at most each.
@@ -114,6 +118,8 @@ impl AppState {
             ui: true,
             sources: AllocatorSources::default(),
             hosts: AgentHosts::default(),
+            #[cfg(feature = "kubelet")]
+            pod_network: None,
         }
     }
 }
@@ -297,7 +303,9 @@ pub fn status_of(refusal: Refusal) -> StatusCode {
             StatusCode::TOO_MANY_REQUESTS
         }
         Refusal::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        Refusal::Forbidden => StatusCode::FORBIDDEN,
+        Refusal::Forbidden | Refusal::UnknownPeer | Refusal::PeerIsNode | Refusal::NotInPod => {
+            StatusCode::FORBIDDEN
+        }
     }
 }
 
@@ -330,27 +338,27 @@ async fn push(
     conn: Option<Extension<Connection>>,
     request: Request,
 ) -> Response {
-    let Some(store) = state.ingest else {
+    let Some(store) = state.ingest.clone() else {
         return json(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "this agent does not accept pushes"}),
         );
     };
     // Only processes on this node may push: over the Unix socket (the kernel names the
-    // process) or from loopback.
+    // process), from loopback, or from a pod on this node where the agent attributes them.
     let extensions = request.extensions();
     let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
-    // A dual-stack listener sees IPv4 loopback as ::ffff:127.0.0.1.
-    let loopback = extensions
+    // A dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d.
+    let peer = extensions
         .get::<ConnectInfo<SocketAddr>>()
-        .is_some_and(|c| c.0.ip().to_canonical().is_loopback());
-    if unix.is_none() && !loopback {
-        return refused(
-            &store,
-            Refusal::Forbidden,
-            "pushes are accepted from this host only",
-        );
-    }
+        .map(|c| c.0.ip().to_canonical());
+    let pod = match (unix, peer) {
+        (None, Some(ip)) => match attribute(&state, &store, ip).await {
+            Ok(pod) => pod,
+            Err(refusal) => return refusal,
+        },
+        _ => None,
+    };
     // A web page open in a browser on the node can send a "simple" cross-site POST to
     // loopback (text/plain, with an Origin header); a push hook never sends either.
     let headers = request.headers();
@@ -418,10 +426,94 @@ async fn push(
             );
         }
     };
-    match store.push_from(&body, unix.and_then(|peer| peer.process)) {
+    let pushed = match pod {
+        // A process not seen yet means a scan of /proc: off the runtime's threads.
+        Some(pod) => {
+            let store = Arc::clone(&store);
+            tokio::task::spawn_blocking(move || store.push_from_pod(&body, pod))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(crate::ingest::Rejected::new(
+                        Refusal::Invalid,
+                        format!("the push could not be processed: {e}"),
+                    ))
+                })
+        }
+        None => store.push_from(&body, unix.and_then(|peer| peer.process)),
+    };
+    match pushed {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => refusal(rejected.refusal, &rejected.message),
     }
+}
+
+/// The pod a TCP push from `peer` is from (`None`: this host's own loopback, unattributed),
+/// or the refusal's answer. Where the agent attributes the pod network, a peer a ready pod
+/// has is that pod (pods are given loopback addresses only by tests); the node's addresses
+/// are refused, as are unknown peers other than loopback's own (`127.0.0.1`, `::1`).
+async fn attribute(
+    state: &AppState,
+    store: &PushStore,
+    peer: std::net::IpAddr,
+) -> Result<Option<crate::telemetry::pod_network::PodPeer>, Response> {
+    use crate::telemetry::pod_network::Attribution;
+    let own_loopback = match peer {
+        std::net::IpAddr::V4(v4) => v4 == std::net::Ipv4Addr::LOCALHOST,
+        std::net::IpAddr::V6(v6) => v6 == std::net::Ipv6Addr::LOCALHOST,
+    };
+    let attribution = match ask_pod_network(state, peer).await {
+        Some(Ok(attribution)) => attribution,
+        Some(Err(e)) => {
+            return Err(refused(
+                store,
+                Refusal::UnknownPeer,
+                &format!("the container runtime did not answer, so {peer} is no known pod: {e}"),
+            ));
+        }
+        None if peer.is_loopback() => return Ok(None),
+        None => {
+            return Err(refused(
+                store,
+                Refusal::Forbidden,
+                "pushes are accepted from this host only",
+            ));
+        }
+    };
+    match attribution {
+        Attribution::Pod(pod) => Ok(Some(pod)),
+        Attribution::Unknown if own_loopback => Ok(None),
+        Attribution::Node => Err(refused(
+            store,
+            Refusal::PeerIsNode,
+            &format!(
+                "{peer} is this node's address (a host-network sender, or a connection masqueraded on its way): push over the agent's socket, or from the pod's own address"
+            ),
+        )),
+        Attribution::Unknown => Err(refused(
+            store,
+            Refusal::UnknownPeer,
+            &format!("{peer} is no ready pod's address on this node"),
+        )),
+    }
+}
+
+/// Who `peer` is on the pod network; `None` where the agent does not attribute it.
+#[cfg(feature = "kubelet")]
+async fn ask_pod_network(
+    state: &AppState,
+    peer: std::net::IpAddr,
+) -> Option<Result<crate::telemetry::pod_network::Attribution, String>> {
+    let network = state.pod_network.as_ref()?;
+    Some(network.attribute(peer).await.map_err(|e| e.to_string()))
+}
+
+/// Who `peer` is on the pod network: never known without the runtime's client.
+#[cfg(not(feature = "kubelet"))]
+async fn ask_pod_network(
+    _: &AppState,
+    _: std::net::IpAddr,
+) -> Option<Result<crate::telemetry::pod_network::Attribution, String>> {
+    None
 }
 
 /// Bytes of a push body read without a slot (and the rest of the read that crosses them): a

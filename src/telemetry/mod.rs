@@ -11,10 +11,16 @@
 //!   logs it once per change, and keeps asking.
 
 pub mod cgroup;
+#[cfg(feature = "kubelet")]
+pub mod cri;
+#[cfg(feature = "kubelet")]
+pub mod grpc;
 mod heartbeat;
 mod latest;
 mod nvml;
 pub mod pod_names;
+pub mod pod_network;
+pub mod pod_processes;
 pub mod pod_resources;
 mod poller;
 pub mod process;

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::SourceReport;
+#[cfg(feature = "kubelet")]
+use super::grpc::{self, GrpcError};
 use super::latest::Latest;
 
 /// The kubelet's socket on a node.
@@ -168,31 +170,6 @@ fn device_key(resource: &str, id: &str) -> Option<String> {
     }
 }
 
-/// Why the kubelet gave no answer.
-#[cfg(feature = "kubelet")]
-#[derive(Debug, thiserror::Error)]
-pub enum KubeletError {
-    /// No socket, a refused connection, or a timeout while connecting.
-    #[error("cannot connect to {socket}: {reason}")]
-    Connect {
-        /// The socket asked.
-        socket: String,
-        /// The transport error and its causes.
-        reason: String,
-    },
-    /// The connection never became ready.
-    #[error("the kubelet is not ready: {0}")]
-    NotReady(String),
-    /// A gRPC status other than OK (a timeout included).
-    #[error("List failed: {code}: {message}")]
-    Status {
-        /// The status code's name.
-        code: String,
-        /// The kubelet's message.
-        message: String,
-    },
-}
-
 /// Asks the kubelet once.
 ///
 /// # Errors
@@ -201,56 +178,9 @@ pub enum KubeletError {
 pub async fn list(
     socket: &Path,
     timeout: Duration,
-) -> Result<api::ListPodResourcesResponse, KubeletError> {
-    use hyper_util::rt::TokioIo;
-    use tonic::transport::Endpoint;
-
-    let path = socket.to_path_buf();
-    // The URI is required by the API and unused: every connection goes to the socket.
-    let channel = Endpoint::from_static("http://kubelet.local")
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(path).await?;
-                Ok::<_, std::io::Error>(TokioIo::new(stream))
-            }
-        }))
-        .await
-        .map_err(|e| KubeletError::Connect {
-            socket: socket.display().to_string(),
-            reason: source_chain(&e),
-        })?;
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready()
-        .await
-        .map_err(|e| KubeletError::NotReady(source_chain(&e)))?;
-    let answer = grpc
-        .unary(
-            tonic::Request::new(api::ListPodResourcesRequest {}),
-            tonic::codegen::http::uri::PathAndQuery::from_static(api::LIST_PATH),
-            tonic_prost::ProstCodec::default(),
-        )
-        .await
-        .map_err(|status| KubeletError::Status {
-            code: status.code().to_string(),
-            message: status.message().to_string(),
-        })?;
-    Ok(answer.into_inner())
-}
-
-/// An error and its causes on one line (tonic's transport errors hide the useful part).
-#[cfg(feature = "kubelet")]
-fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
+) -> Result<api::ListPodResourcesResponse, GrpcError> {
+    let channel = grpc::connect(socket, timeout).await?;
+    grpc::unary(channel, api::LIST_PATH, api::ListPodResourcesRequest {}).await
 }
 
 /// The kubelet's latest answer, refreshed by [`PodResources::refresh`].

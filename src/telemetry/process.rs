@@ -1,5 +1,6 @@
 //! A process's identity beyond its pid: its start time, from `/proc/<pid>/stat`, so that a
-//! new process reusing a dead one's pid is told apart from it.
+//! new process reusing a dead one's pid is told apart from it; its pid inside its own pid
+//! namespace (a container's), from `NSpid` in `/proc/<pid>/status`.
 //!
 //! # Invariants
 //! - Parsing is total: the command name (field 2) may hold spaces and parentheses, so the
@@ -40,6 +41,22 @@ pub fn parse_start_time(stat: &str) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
+/// The most of a `/proc/<pid>/status` file that is read (real ones are under 2 KiB).
+pub const MAX_STATUS_FILE: u64 = 16 * 1024;
+
+/// The pid `pid` has in its innermost pid namespace (a container's own pid); `None` when it
+/// does not exist.
+pub fn namespace_pid(pid: u32) -> Option<u32> {
+    parse_namespace_pid(&read_proc(pid, "status", MAX_STATUS_FILE)?)
+}
+
+/// The last pid of the `NSpid:` line of a `/proc/<pid>/status` text (the line lists the
+/// pid in each namespace from the reader's outwards-in: the last is the innermost).
+pub fn parse_namespace_pid(status: &str) -> Option<u32> {
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_ascii_whitespace().last()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,6 +78,18 @@ mod tests {
         ] {
             assert_eq!(parse_start_time(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_innermost_namespace_pid_is_the_last() {
+        let status = "Name:\tpython\nTgid:\t1918\nPid:\t1918\nNSpid:\t1918\t42\t2\nNSsid:\t1\n";
+        assert_eq!(parse_namespace_pid(status), Some(2));
+        assert_eq!(parse_namespace_pid("NSpid:\t77\n"), Some(77));
+        for bad in ["", "Pid:\t5\n", "NSpid:\n", "NSpid:\tx\n"] {
+            assert_eq!(parse_namespace_pid(bad), None, "{bad:?}");
+        }
+        let me = std::process::id();
+        assert!(namespace_pid(me).is_some());
     }
 
     #[test]

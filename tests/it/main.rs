@@ -17,6 +17,7 @@ mod layout;
 mod lifecycle;
 mod oom_path;
 mod plan;
+mod pod_network;
 mod private_pools;
 mod properties;
 mod pytorch_keys;
