@@ -66,6 +66,8 @@ ALL_ON = {
     "nodeSelector": {"kubernetes.io/os": "linux"},
     "webhook": {"enabled": True, "volume": "image", "replicas": 3,
                 "namespaceSelector": {"matchLabels": {"gpumem.io/tenant": "true"}}},
+    "podNetwork": {"enabled": True, "criSocket": "/var/run/crio/crio.sock", "expose": "hostPort",
+                   "hostPort": 19417, "maxProcessesPerPod": 4},
 }
 
 failures = []
@@ -399,6 +401,48 @@ for name in ["--push-socket", "--pod-resources-socket", "--kubelet-logs"]:
     if flag(container["args"], name) != "":
         fail(f"{name} is not turned off: {container['args']}")
 print("host directories and sockets: as configured")
+
+# Pushes from the pod network: off by default (the runtime's socket is root on the node: never
+# mounted then); on, the runtime's directory read-only, the agent told its socket and the
+# node's address, a pod reaching its own node's agent through the Service or a hostPort, and
+# the webhook's jobs pointed at whichever it is.
+if rendered({}, "Service")[0]["spec"].get("internalTrafficPolicy") != "Local":
+    fail(f"the Service's traffic policy: {rendered({}, 'Service')[0]['spec']}")
+default_agent = daemonset({})["containers"][0]
+if flag(default_agent["args"], "--cri-socket") is not None or "hostPort" in default_agent["ports"][0] \
+        or any(e["name"] == "GPUMEM_NODE_IP" for e in default_agent["env"]):
+    fail(f"podNetwork off by default: {default_agent}")
+pod_network = {"podNetwork": {"enabled": True, "criSocket": "/run/containerd/containerd.sock",
+                              "expose": "service", "hostPort": 9417, "maxProcessesPerPod": 16},
+               "webhook": {"enabled": True}}
+check(pod_network, "pod-network pushes through the Service")
+pod = daemonset(pod_network)
+agent = pod["containers"][0]
+cri = [v for v in pod["volumes"] if v["name"] == "cri"]
+node_ip = [e for e in agent["env"] if e["name"] == "GPUMEM_NODE_IP"]
+if cri != [{"name": "cri", "hostPath": {"path": "/run/containerd", "type": "Directory"}}] \
+        or {"name": "cri", "mountPath": "/run/cri", "readOnly": True} not in agent["volumeMounts"] \
+        or flag(agent["args"], "--cri-socket") != "/run/cri/containerd.sock" \
+        or flag(agent["args"], "--node-ip") != "$(GPUMEM_NODE_IP)" \
+        or flag(agent["args"], "--max-pod-processes") != "16" \
+        or node_ip != [{"name": "GPUMEM_NODE_IP",
+                        "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}] \
+        or "hostPort" in agent["ports"][0]:
+    fail(f"podNetwork through the Service: {pod['volumes']} {agent}")
+hook_args = rendered(pod_network, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+if flag(hook_args, "--push-url") != "http://gpumem.gpu-monitoring.svc:9417/api/v1/push":
+    fail(f"the webhook's push URL through the Service: {hook_args}")
+pod = daemonset(ALL_ON)
+agent = pod["containers"][0]
+hook_args = rendered(ALL_ON, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+if agent["ports"][0].get("hostPort") != 19417 \
+        or {"name": "cri", "hostPath": {"path": "/var/run/crio", "type": "Directory"}} not in pod["volumes"] \
+        or flag(agent["args"], "--cri-socket") != "/run/cri/crio.sock" \
+        or flag(hook_args, "--push-url") != "http://$(GPUMEM_NODE_IP):19417/api/v1/push":
+    fail(f"podNetwork through a hostPort: {agent['ports']} {pod['volumes']} {hook_args}")
+refused({"podNetwork": dict(pod_network["podNetwork"], expose="nodePort")}, "expose",
+        "an unknown podNetwork.expose")
+print("pod-network pushes: as configured")
 try:
     with helm.Chart.load(str(CHART)) as chart:
         chart.validate_schema({"service": {"port": "not a port"}})

@@ -12,7 +12,8 @@
 //!   `PYTHONPATH` (a `PYTHONPATH` the container's `env` sets follows it; one the image sets is
 //!   shadowed, and the annotation [`PYTHONPATH_ANNOTATION`] supplies it instead; one from a
 //!   reference is left, with a warning); `GPUMEM_PUSH=1` and `GPUMEM_PUSH_URL`, unless the
-//!   container's `env` sets them (variables from `envFrom` are overridden, with a warning).
+//!   container's `env` sets them (variables from `envFrom` are overridden, with a warning);
+//!   before the URL, [`NODE_IP_VARIABLE`] from `status.hostIP` where the URL names it.
 //!
 //! # Invariants
 //! - Anything but a Pod being created, a pod without the label, a pod that already has the
@@ -36,6 +37,9 @@ pub const PYTHONPATH_ANNOTATION: &str = "gpumem.io/pythonpath";
 pub const VOLUME: &str = "gpumem-python";
 /// Where the hook is mounted in every container.
 pub const MOUNT_PATH: &str = "/gpumem/python";
+/// The variable a push URL may name for the node's address (`$(GPUMEM_NODE_IP)`, the
+/// agent's hostPort): the patch sets it from `status.hostIP`.
+pub const NODE_IP_VARIABLE: &str = "GPUMEM_NODE_IP";
 /// Where the agent's image holds the hook.
 pub const IMAGE_HOOK_DIR: &str = "/usr/share/gpumem/python";
 /// The init container's name.
@@ -215,6 +219,17 @@ impl Injection {
             add(m, json!({"name": "GPUMEM_PUSH", "value": "1"}));
         }
         if !env.iter().any(|v| v.name == "GPUMEM_PUSH_URL") {
+            // A URL naming the node's address (the agent's hostPort) gets it from the
+            // downward API, defined before the URL so that the kubelet expands it.
+            if self.push_url.contains(&format!("$({NODE_IP_VARIABLE})"))
+                && !env.iter().any(|v| v.name == NODE_IP_VARIABLE)
+            {
+                add(
+                    m,
+                    json!({"name": NODE_IP_VARIABLE,
+                           "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}),
+                );
+            }
             add(
                 m,
                 json!({"name": "GPUMEM_PUSH_URL", "value": self.push_url}),
@@ -302,6 +317,51 @@ mod tests {
                 "/spec/containers/0/env/-",
                 "/spec/containers/0/env/-"
             ]
+        );
+    }
+
+    /// A push URL naming the node's address (the agent's hostPort) gets the variable from the
+    /// downward API, before the URL; a container setting it keeps its own.
+    #[test]
+    fn a_url_naming_the_node_address_gets_it_from_the_downward_api() {
+        let host_port = Injection {
+            push_url: format!("http://$({NODE_IP_VARIABLE}):9417/api/v1/push"),
+            ..injection(VolumeSource::Image)
+        };
+        let spec = json!({"containers": [{"name": "a", "env": []},
+            {"name": "b", "env": [{"name": NODE_IP_VARIABLE, "value": "10.0.0.1"}]}]});
+        let m = host_port.mutate(&pod(json!({OPT_IN_LABEL: "true"}), spec));
+        let names: Vec<(&str, &str)> = m
+            .operations
+            .iter()
+            .filter(|o| o["path"].as_str().is_some_and(|p| p.ends_with("/env/-")))
+            .map(|o| {
+                (
+                    o["path"].as_str().unwrap_or(""),
+                    o["value"]["name"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("/spec/containers/0/env/-", "PYTHONPATH"),
+                ("/spec/containers/0/env/-", "GPUMEM_PUSH"),
+                ("/spec/containers/0/env/-", NODE_IP_VARIABLE),
+                ("/spec/containers/0/env/-", "GPUMEM_PUSH_URL"),
+                ("/spec/containers/1/env/-", "PYTHONPATH"),
+                ("/spec/containers/1/env/-", "GPUMEM_PUSH"),
+                ("/spec/containers/1/env/-", "GPUMEM_PUSH_URL"),
+            ]
+        );
+        let node_ip = m
+            .operations
+            .iter()
+            .find(|o| o["value"]["name"] == NODE_IP_VARIABLE)
+            .expect("set");
+        assert_eq!(
+            node_ip["value"]["valueFrom"]["fieldRef"]["fieldPath"],
+            "status.hostIP"
         );
     }
 
