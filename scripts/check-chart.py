@@ -20,6 +20,8 @@ OPERATOR_KINDS = {
     "ServiceMonitor": "servicemonitor.json",
     "PodMonitor": "podmonitor.json",
     "PrometheusRule": "prometheusrule.json",
+    "Certificate": "certificate.json",
+    "Issuer": "issuer.json",
 }
 ALL_ON = {
     "global": {"imageRegistry": "registry.example.com"},
@@ -251,6 +253,38 @@ if on.get("matchLabels") != {"gpumem.io/tenant": "true"} or len(on["matchExpress
     fail(f"webhook options: {on} {on_args}")
 print("the webhook: as configured")
 
+# The serving certificate from cert-manager: a Certificate for the Service's names (issued by
+# a self-signed Issuer the chart makes, or the one named), its CA injected into the
+# configuration by cert-manager's cainjector, and no Secret of the chart's. "auto" takes it
+# only where cert-manager's API is installed: Helm's offline engine has none, so the chart's.
+cert_manager = {"webhook": {"enabled": True, "certificate": {"source": "certManager", "issuerRef": {}}}}
+kinds = sorted(set(check(cert_manager, "the webhook's certificate from cert-manager")) - set(defaults))
+if kinds != ["Certificate", "Deployment", "Issuer", "MutatingWebhookConfiguration"]:
+    fail(f"cert-manager's certificate adds {kinds}")
+certificate = rendered(cert_manager, "Certificate")[0]
+issuer = rendered(cert_manager, "Issuer")[0]
+mwc = rendered(cert_manager, "MutatingWebhookConfiguration")[0]
+volume = rendered(cert_manager, "Deployment")[0]["spec"]["template"]["spec"]["volumes"][0]
+if certificate["spec"]["secretName"] != volume["secret"]["secretName"] \
+        or certificate["spec"]["dnsNames"] != ["gpumem-webhook.gpu-monitoring.svc",
+                                               "gpumem-webhook.gpu-monitoring.svc.cluster.local"] \
+        or certificate["spec"]["issuerRef"] != {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                                "group": "cert-manager.io"} \
+        or issuer["spec"] != {"selfSigned": {}} \
+        or mwc["metadata"]["annotations"] != {"cert-manager.io/inject-ca-from": "gpu-monitoring/gpumem-webhook"} \
+        or "caBundle" in mwc["webhooks"][0]["clientConfig"]:
+    fail(f"cert-manager's certificate: {certificate} {issuer} {mwc['metadata']}")
+named = {"webhook": {"enabled": True, "certificate": {
+    "source": "certManager", "issuerRef": {"name": "platform-ca", "kind": "ClusterIssuer",
+                                           "group": "cert-manager.io"}}}}
+kinds = sorted(set(check(named, "cert-manager with a named issuer")) - set(defaults))
+if "Issuer" in kinds or rendered(named, "Certificate")[0]["spec"]["issuerRef"]["name"] != "platform-ca":
+    fail(f"a named issuer: {kinds}")
+auto = {"webhook": {"enabled": True, "certificate": {"source": "auto", "issuerRef": {}}}}
+if rendered(auto, "Certificate") or not rendered(auto, "Secret"):
+    fail("auto without cert-manager's API does not make its own certificate")
+print("the webhook's certificate from cert-manager: as configured")
+
 
 def refused(values, message, what):
     """Rendering `values` must fail, saying `message`."""
@@ -333,6 +367,25 @@ if result.returncode != 0:
     fail(f"{example.name}: {result.stdout}{result.stderr}")
 else:
     print(f"{example.name}: valid")
+
+# The Kyverno policy offered instead of the webhook is a valid ClusterPolicy, and adds what the
+# webhook adds (the same volume, init container and variables).
+example = ROOT / "docs" / "examples" / "kyverno-inject.yaml"
+result = subprocess.run(["check-jsonschema", "--schemafile", str(SCHEMAS / "kyverno-clusterpolicy.json"),
+                         str(example)], capture_output=True, text=True)
+if result.returncode != 0:
+    fail(f"{example.name}: {result.stdout}{result.stderr}")
+else:
+    rules = yaml.safe_load(example.read_text())["spec"]["rules"]
+    pod_patch = rules[0]["mutate"]["patchStrategicMerge"]["spec"]
+    container_patch = rules[1]["mutate"]["foreach"][0]["patchStrategicMerge"]["spec"]["containers"][0]
+    init = pod_patch["initContainers"][0]
+    if pod_patch["volumes"][0]["name"] != "gpumem-python" or init["name"] != "gpumem-inject" \
+            or init["command"][1:] != ["copy-hook", "/usr/share/gpumem/python", "/gpumem/python"] \
+            or [e["name"] for e in container_patch["env"]] != ["PYTHONPATH", "GPUMEM_PUSH", "GPUMEM_PUSH_URL"]:
+        fail(f"{example.name} adds other than the webhook: {pod_patch} {container_patch}")
+    else:
+        print(f"{example.name}: valid")
 
 # As a dependency of an umbrella chart, with global values: schema-valid and every object
 # valid.
