@@ -353,11 +353,18 @@ async fn push(
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip().to_canonical());
     let pod = match (unix, peer) {
+        (Some(_), _) => None,
         (None, Some(ip)) => match attribute(&state, &store, ip).await {
             Ok(pod) => pod,
             Err(refusal) => return refusal,
         },
-        _ => None,
+        (None, None) => {
+            return refused(
+                &store,
+                Refusal::Forbidden,
+                "pushes are accepted from this host only",
+            );
+        }
     };
     // A web page open in a browser on the node can send a "simple" cross-site POST to
     // loopback (text/plain, with an Origin header); a push hook never sends either.
