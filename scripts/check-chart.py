@@ -51,6 +51,7 @@ ALL_ON = {
         "alerts": {
             "GpumemOutOfMemory": {"severity": "page", "labels": {"team": "ml"},
                                   "thresholds": {"windowSeconds": 900}},
+            "GpumemAllocRetriesRising": {"thresholds": {"perSecond": 0.05}},
             "GpumemFragmentationUnderPressure": {"for": "30m", "thresholds": {
                 "ratio": 0.5, "minReservedBytes": 4294967296, "deviceUsedRatio": 0.9}},
             "GpumemDeviceMemoryFillPredicted": {"thresholds": {"horizonSeconds": 3600}},
@@ -324,7 +325,8 @@ checks = {
     and "> 0.5 # threshold: ratio" in frag["expr"]
     and "> 4294967296 # threshold: minReservedBytes" in frag["expr"]
     and "> 0.9 # threshold: deviceUsedRatio" in frag["expr"]
-    and "3600 # threshold: horizonSeconds" in alerts["GpumemDeviceMemoryFillPredicted"]["expr"],
+    and "3600 # threshold: horizonSeconds" in alerts["GpumemDeviceMemoryFillPredicted"]["expr"]
+    and "> 0.05 # threshold: perSecond" in alerts["GpumemAllocRetriesRising"]["expr"],
     "runbook base": all(r["annotations"]["runbook_url"].startswith(
         "https://wiki.example.com/gpu/runbooks#gpumem") for r in alerts.values()),
     "job matcher": 'up{job=~".*gpu-memory.*"} == 0' == alerts["GpumemAgentDown"]["expr"],
