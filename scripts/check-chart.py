@@ -330,7 +330,7 @@ checks = {
     "runbook base": all(r["annotations"]["runbook_url"].startswith(
         "https://wiki.example.com/gpu/runbooks#gpumem") for r in alerts.values()),
     "job matcher": 'up{job=~".*gpu-memory.*"} == 0' == alerts["GpumemAgentDown"]["expr"],
-    "templates untouched": "{{ $labels.pid }}" in oom["annotations"]["summary"],
+    "templates untouched": "{{ $labels.job_key }}" in oom["annotations"]["summary"],
 }
 for what, ok in checks.items():
     if not ok:

@@ -524,6 +524,7 @@ impl PushStore {
         let mut push = validate(body)?;
         // Who the pid is: a host pid with its start time from /proc and its container, or
         // the payload's own word (which tells apart, say, two containers' pid 1).
+        let mut pod_names = None;
         let (origin, start_time, container) = match sender.into() {
             Sender::Unattributed => (Origin::Tcp, push.start_time, None),
             Sender::Process(peer) => {
@@ -547,6 +548,8 @@ impl PushStore {
                     .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
                 check_identity(&push.labels, &pod, &found.container)?;
                 push.pid = found.pid;
+                // The runtime named the pod: its series need no kubelet directory for that.
+                pod_names = Some((pod.namespace, pod.name));
                 (
                     Origin::Pod(pod.uid),
                     Some(found.start_time),
@@ -644,6 +647,10 @@ impl PushStore {
         if let Some(c) = &container {
             labels.push(("pod_uid".into(), c.pod_uid.clone()));
             labels.push(("container_id".into(), c.container_id.clone()));
+        }
+        if let Some((namespace, name)) = pod_names {
+            labels.push(("pod_namespace".into(), namespace));
+            labels.push(("pod_name".into(), name));
         }
         let sources: Vec<Arc<AllocatorSource>> = push
             .devices

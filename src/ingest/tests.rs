@@ -987,6 +987,15 @@ fn pod_pushes_are_the_pods_own_within_its_quota() {
             .labels
             .contains(&("pod_uid".to_string(), "uid-b".to_string()))
     );
+    // The runtime named the pod: its namespace and name need no kubelet directory.
+    for (name, value) in [("pod_namespace", "team"), ("pod_name", "a")] {
+        assert!(
+            of(7001)
+                .labels
+                .contains(&(name.to_string(), value.to_string())),
+            "{name}"
+        );
+    }
 
     // Pod b claiming pod a's pid 2, or its labels.
     let err = store

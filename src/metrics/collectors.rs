@@ -248,10 +248,16 @@ fn process_labels<'a>(
     if let [namespace, pod, container] = names.of(&uid, &id)
         && !pod.is_empty()
     {
-        let all = labels.to_mut();
-        all.push(("pod_namespace".into(), namespace));
-        all.push(("pod_name".into(), pod));
-        all.push(("container_name".into(), container));
+        // A push from the pod network names its pod already (the runtime said).
+        for (name, value) in [
+            ("pod_namespace", namespace),
+            ("pod_name", pod),
+            ("container_name", container),
+        ] {
+            if label(&labels, name).is_none() {
+                labels.to_mut().push((name.into(), value));
+            }
+        }
     }
     labels
 }

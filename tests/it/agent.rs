@@ -512,15 +512,29 @@ pub(crate) fn spawn_prometheus_with_rules(
     agent_port: u16,
     rules: Option<&Path>,
 ) -> (Reaper, u16) {
+    spawn_prometheus_alerting(dir, agent_port, rules, None)
+}
+
+/// A real Prometheus scraping the agent every second, evaluating `rules` where given and
+/// sending its alerts to the Alertmanager on `alertmanager_port` where given.
+pub(crate) fn spawn_prometheus_alerting(
+    dir: &Path,
+    agent_port: u16,
+    rules: Option<&Path>,
+    alertmanager_port: Option<u16>,
+) -> (Reaper, u16) {
     let prom_port = free_port();
     let config = dir.join("prometheus.yml");
     let rule_files = rules.map_or(String::new(), |r| {
         format!("rule_files:\n  - '{}'\n", r.display())
     });
+    let alerting = alertmanager_port.map_or(String::new(), |port| {
+        format!("alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: ['127.0.0.1:{port}']\n")
+    });
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rule_files}scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rule_files}{alerting}scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
         ),
     )
     .expect("config");

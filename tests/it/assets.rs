@@ -416,6 +416,53 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
     }
 }
 
+/// The Alertmanager example passes amtool, and every alert it names is one the rules define
+/// (a renamed alert would silently fall out of its routing and inhibition).
+#[test]
+fn the_alertmanager_example_passes_amtool_and_names_real_alerts() {
+    let example = root().join("docs/examples/alertmanager-gpumem.yml");
+    let out = Command::new("amtool")
+        .arg("check-config")
+        .arg(&example)
+        .output()
+        .expect("amtool is installed (scripts/test-all installs Debian's prometheus-alertmanager)");
+    assert!(
+        out.status.success(),
+        "amtool check-config: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rules = std::fs::read_to_string(root().join("alerts/gpumem.rules.yml")).expect("rules");
+    let defined: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    let text = std::fs::read_to_string(&example).expect("example");
+    let mut named = 0;
+    for word in text.split(|c: char| !c.is_ascii_alphanumeric()) {
+        // `Gpumem` alone opens an alternation, checked below.
+        if word.starts_with("Gpumem") && word != "Gpumem" {
+            named += 1;
+            assert!(defined.contains(&word), "{word} is no alert of the rules");
+        }
+    }
+    // The alternations name alerts by their tails: each must complete to a real alert.
+    for alternation in text.split("Gpumem(").skip(1) {
+        let inner = alternation.split(')').next().unwrap_or_default();
+        for tail in inner.split('|') {
+            named += 1;
+            let pattern = format!("Gpumem{tail}");
+            let pattern = pattern.trim_end_matches(".*");
+            assert!(
+                defined.iter().any(|d| d.starts_with(pattern)),
+                "{pattern} names no alert of the rules"
+            );
+        }
+    }
+    // The agent-down rule names five, the OOM rule two.
+    assert!(named >= 7, "the example names {named} alerts");
+}
+
 #[test]
 fn the_chart_carries_exact_copies_of_the_dashboards_and_rules() {
     let chart = root().join("helm/gpumem/files");

@@ -26,4 +26,5 @@ mod replay;
 mod replay_pools;
 mod scenarios;
 mod stress;
+mod tenant_alerts;
 mod view;

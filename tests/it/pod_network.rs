@@ -26,8 +26,8 @@ use crate::common::temp_dir;
 /// The sandboxes the stand-in runtime lists (tests change them while it runs), and how often
 /// it was asked each status.
 #[derive(Clone, Default)]
-struct Runtime {
-    sandboxes: Arc<Mutex<Vec<api::PodSandboxStatus>>>,
+pub(crate) struct Runtime {
+    pub(crate) sandboxes: Arc<Mutex<Vec<api::PodSandboxStatus>>>,
     status_calls: Arc<AtomicUsize>,
 }
 
@@ -120,13 +120,13 @@ impl tower::Service<http::Request<tonic::body::Body>> for Runtime {
 }
 
 /// The runtime serving on `socket` until dropped.
-struct StandIn {
+pub(crate) struct StandIn {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl StandIn {
-    fn start(socket: &Path, runtime: Runtime) -> StandIn {
+    pub(crate) fn start(socket: &Path, runtime: Runtime) -> StandIn {
         let _ = std::fs::remove_file(socket);
         let listener = std::os::unix::net::UnixListener::bind(socket).expect("binds the socket");
         listener.set_nonblocking(true).expect("non-blocking");
@@ -166,7 +166,12 @@ impl Drop for StandIn {
 
 /// A ready sandbox of pod `name` (UID `uid`) at `ip`, in the node's network namespace where
 /// `host_network`.
-fn sandbox(uid: &str, name: &str, ip: &str, host_network: bool) -> api::PodSandboxStatus {
+pub(crate) fn sandbox(
+    uid: &str,
+    name: &str,
+    ip: &str,
+    host_network: bool,
+) -> api::PodSandboxStatus {
     api::PodSandboxStatus {
         id: format!("sandbox-{name}"),
         metadata: Some(api::PodSandboxMetadata {
@@ -197,7 +202,7 @@ fn sandbox(uid: &str, name: &str, ip: &str, host_network: bool) -> api::PodSandb
 
 /// A pod's container: processes in a PID namespace of their own and in the cgroup the
 /// kubelet (cgroupfs driver) gives the container, `kubepods/besteffort/pod<uid>/<id>`.
-struct Container {
+pub(crate) struct Container {
     uid: String,
     id: String,
     cgroup: PathBuf,
@@ -206,7 +211,7 @@ struct Container {
 
 impl Container {
     /// `extra` sleeping processes besides the namespace's pid 1 (pids 2, 3, … inside).
-    fn start(root: &Path, uid: &str, extra: usize) -> Container {
+    pub(crate) fn start(root: &Path, uid: &str, extra: usize) -> Container {
         let id = format!("{:0<64}", uid.replace('-', ""));
         let cgroup = root.join(format!("kubepods/besteffort/pod{uid}/{id}"));
         std::fs::create_dir_all(&cgroup).expect("makes the container's cgroup (root)");
@@ -231,7 +236,7 @@ impl Container {
     }
 
     /// (pid inside, host pid, start time) of each process, once all `count` are there.
-    fn processes(&self, count: usize) -> Vec<(u32, u32, u64)> {
+    pub(crate) fn processes(&self, count: usize) -> Vec<(u32, u32, u64)> {
         let marker = format!("pod{}/{}", self.uid, self.id);
         wait_for(Duration::from_secs(10), || {
             let mut found = Vec::new();
@@ -284,8 +289,19 @@ impl Drop for Container {
     }
 }
 
+/// Whether this test runs as root, which PID namespaces and cgroups need (CI runs as root);
+/// says so where it does not.
+pub(crate) fn as_root() -> bool {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t0\t")));
+    if !root {
+        eprintln!("skipped: PID namespaces and cgroups need root (CI runs as root)");
+    }
+    root
+}
+
 /// Where cgroups are made: the v1 `pids` hierarchy where mounted, else the unified one.
-fn cgroup_root() -> PathBuf {
+pub(crate) fn cgroup_root() -> PathBuf {
     let v1 = Path::new("/sys/fs/cgroup/pids");
     if v1.join("cgroup.procs").exists() {
         v1.to_path_buf()
@@ -295,7 +311,11 @@ fn cgroup_root() -> PathBuf {
 }
 
 /// Posts `body` to the agent on `port` from the loopback address `from`: (status, answer).
-fn push_from(from: &str, port: u16, body: &serde_json::Value) -> (u16, serde_json::Value) {
+pub(crate) fn push_from(
+    from: &str,
+    port: u16,
+    body: &serde_json::Value,
+) -> (u16, serde_json::Value) {
     let socket =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
     let local: SocketAddr = format!("{from}:0").parse().expect("address");
@@ -353,10 +373,7 @@ const UID_HOST: &str = "0d1e2f3a-4b5c-4d6e-8f70-8192a3b4c5d6";
 
 #[test]
 fn pushes_from_the_pod_network_are_attributed_by_the_node() {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t0\t")));
-    if !root {
-        eprintln!("skipped: PID namespaces and cgroups need root (CI runs as root)");
+    if !as_root() {
         return;
     }
     let dir = temp_dir("pod-network");
