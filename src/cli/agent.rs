@@ -12,8 +12,10 @@ use gpumem::AllocatorConfig;
 use gpumem::demo::{SimNode, SimNodeConfig};
 use gpumem::ingest::IngestConfig;
 use gpumem::metrics::ReportReader;
+use gpumem::server::web_config::WebConfig;
 use gpumem::server::{
-    AppState, HttpLimits, agent_state, app, bind, bind_unix, serve, serve_unix, shutdown_signal,
+    AppState, HttpLimits, agent_state, app, bind, bind_unix, push_app, serve, serve_tls,
+    serve_unix, shutdown_signal,
 };
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::Kubelet;
@@ -71,6 +73,16 @@ pub(crate) struct ServeArgs {
     /// Processes of one pod that may push from the pod network at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_pod_processes: u32,
+    /// A web configuration file in the Prometheus exporter-toolkit's format: TLS
+    /// (tls_server_config, the certificate re-read when it changes) and basic authentication
+    /// (basic_auth_users, bcrypt hashes) for /metrics, the page and its APIs; pushes and
+    /// probes need no credentials.
+    #[arg(long, value_name = "FILE")]
+    web_config_file: Option<PathBuf>,
+    /// Also take pushes, and only pushes, over plain HTTP on this address (for jobs on the pod
+    /// network where --listen serves TLS).
+    #[arg(long, value_name = "ADDRESS")]
+    push_listen: Option<SocketAddr>,
     /// Seconds to wait for another agent still answering on the push socket to go before
     /// taking the socket over (an update that starts the new agent before stopping the old,
     /// or a second agent started by mistake).
@@ -100,9 +112,10 @@ pub(crate) struct HttpArgs {
     /// Seconds given to the requests in flight at shutdown.
     #[arg(long, default_value_t = 5.0, value_parser = parse_timeout)]
     shutdown_timeout: f64,
-    /// The live page at / and its API (/api/v1/node): `on`, or `off` for an agent reachable
-    /// beyond loopback that should not show pids, pod names and configurations there.
-    #[arg(long, value_enum, default_value_t = Ui::On)]
+    /// The live page at / and its APIs (/api/v1/node, /api/v1/segments), which show pids, pod
+    /// names and configurations: `auto` serves them where the agent listens on loopback only
+    /// or asks for credentials (--web-config-file with basic_auth_users), `on` or `off`.
+    #[arg(long, value_enum, default_value_t = Ui::Auto)]
     ui: Ui,
     /// A DNS name the agent also answers to (repeatable), for example its Service's when
     /// Prometheus scrapes through it; IP addresses and the loopback names always are.
@@ -114,8 +127,20 @@ pub(crate) struct HttpArgs {
 /// Whether the agent serves its page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum Ui {
+    Auto,
     On,
     Off,
+}
+
+impl Ui {
+    /// Whether the page is served by an agent on `listen`, authenticating or not.
+    fn serves(self, listen: SocketAddr, authenticates: bool) -> bool {
+        match self {
+            Ui::On => true,
+            Ui::Off => false,
+            Ui::Auto => listen.ip().is_loopback() || authenticates,
+        }
+    }
 }
 
 impl HttpArgs {
@@ -289,6 +314,10 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 /// Where and how the agent serves.
 struct Listen {
     address: SocketAddr,
+    /// TLS on `address`, where configured.
+    tls: Option<Arc<rustls::ServerConfig>>,
+    /// A plain-HTTP listener for pushes only.
+    push_address: Option<SocketAddr>,
     push_socket: Option<PathBuf>,
     socket_wait: Duration,
     limits: HttpLimits,
@@ -310,6 +339,11 @@ fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) ->
             });
         }
         let listener = bind(listen.address).await?;
+        let push_listener = match listen.push_address {
+            Some(address) => Some(bind(address).await?),
+            None => None,
+        };
+        let push_router = push_app(state.clone());
         let router = app(state);
         // The socket is optional: without it, pushes still come over loopback.
         let unix = match listen.push_socket {
@@ -333,21 +367,52 @@ fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) ->
         };
         tokio::spawn(signal);
         let limits = listen.limits;
-        let tcp = serve(
-            listener,
-            router.clone(),
-            limits,
-            until_stopped(stopped.clone()),
-        );
-        match unix {
-            Some(listener) => {
-                tokio::join!(
-                    tcp,
-                    serve_unix(listener, router, limits, until_stopped(stopped))
-                );
+        let tcp = async {
+            match listen.tls {
+                Some(tls) => {
+                    serve_tls(
+                        listener,
+                        tls,
+                        router.clone(),
+                        limits,
+                        until_stopped(stopped.clone()),
+                    )
+                    .await;
+                }
+                None => {
+                    serve(
+                        listener,
+                        router.clone(),
+                        limits,
+                        until_stopped(stopped.clone()),
+                    )
+                    .await;
+                }
             }
-            None => tcp.await,
-        }
+        };
+        let pushes = async {
+            if let Some(listener) = push_listener {
+                serve(
+                    listener,
+                    push_router,
+                    limits,
+                    until_stopped(stopped.clone()),
+                )
+                .await;
+            }
+        };
+        let socket = async {
+            if let Some(listener) = unix {
+                serve_unix(
+                    listener,
+                    router.clone(),
+                    limits,
+                    until_stopped(stopped.clone()),
+                )
+                .await;
+            }
+        };
+        tokio::join!(tcp, pushes, socket);
         Ok::<(), std::io::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -376,8 +441,13 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         ingest,
         watch.kubelet.clone(),
     )?;
+    let web = match &args.web_config_file {
+        Some(path) => WebConfig::load(path)?,
+        None => WebConfig::default(),
+    };
+    state.users = web.users;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
-    state.ui = args.http.ui == Ui::On;
+    state.ui = args.http.ui.serves(args.listen, state.authenticates());
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
     state.health.watch(poller.heartbeat());
     state.health.watch(watch.heartbeat.clone());
@@ -391,6 +461,8 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         });
     let listen = Listen {
         address: args.listen,
+        tls: web.tls.map(|tls| tls.server_config("agent")).transpose()?,
+        push_address: args.push_listen,
         // Empty turns a socket off (clap's path parser would refuse an empty value).
         push_socket: Some(PathBuf::from(args.push_socket)).filter(|p| !p.as_os_str().is_empty()),
         socket_wait: Duration::from_secs_f64(args.socket_wait),
@@ -422,11 +494,13 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         node.kubelet(),
     )?;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
-    state.ui = args.http.ui == Ui::On;
+    state.ui = args.http.ui.serves(args.listen, false);
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
     state.health.watch(node.heartbeat());
     let listen = Listen {
         address: args.listen,
+        tls: None,
+        push_address: None,
         push_socket: None,
         socket_wait: Duration::ZERO,
         limits: args.http.limits(),
@@ -434,4 +508,24 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     let result = run_server(listen, None, state);
     drop(node);
     result
+}
+
+#[cfg(test)]
+mod ui_tests {
+    use super::Ui;
+
+    /// The page shows pids, pod names and configurations: by default only on loopback or
+    /// behind credentials.
+    #[test]
+    fn the_page_is_off_beyond_loopback_without_credentials() {
+        let loopback = "127.0.0.1:9417".parse().expect("address");
+        let everywhere = "0.0.0.0:9417".parse().expect("address");
+        let v6 = "[::1]:9417".parse().expect("address");
+        assert!(Ui::Auto.serves(loopback, false));
+        assert!(Ui::Auto.serves(v6, false));
+        assert!(!Ui::Auto.serves(everywhere, false));
+        assert!(Ui::Auto.serves(everywhere, true));
+        assert!(Ui::On.serves(everywhere, false));
+        assert!(!Ui::Off.serves(loopback, true));
+    }
 }

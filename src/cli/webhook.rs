@@ -6,18 +6,14 @@
 //! - A review is at most [`MAX_REVIEW_BYTES`] (the API server's own request limit); a larger
 //!   body gets 413, a body that is not an AdmissionReview v1 gets 400 with the reason, and
 //!   either leaves the webhook serving.
-//! - The certificate and key are re-read when either file changes (modification time or
-//!   length: cert-manager renews them in place), looked at at most once a second (two small
-//!   files read under the lock, by the handshake that finds them changed); a pair that does
-//!   not load leaves the previous one serving, says so once, and is tried again each second
-//!   (a pair caught half-written loads once it is whole).
+//! - The certificate and key are re-read when either file changes (`gpumem::server::tls`:
+//!   cert-manager renews them in place).
 //! - Connections are served within the agent's limits (`server::listen`): the TLS handshake
 //!   within the header timeout, then the request's headers within another.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -26,21 +22,16 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpumem::inject::{Injection, VolumeSource};
+use gpumem::server::tls::TlsSettings;
 use gpumem::server::{self as listen, HttpLimits};
 use k8s_openapi::api::core::v1::Pod;
 use kube_core::DynamicObject;
 use kube_core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
-use rustls::sign::CertifiedKey;
 
 use super::CliResult;
 
 /// The largest AdmissionReview read (the API server's request limit is 3 MiB).
 pub const MAX_REVIEW_BYTES: usize = 3 << 20;
-/// How often the certificate files are looked at.
-const RELOAD_CHECK: Duration = Duration::from_secs(1);
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -77,13 +68,7 @@ pub(crate) struct CopyArgs {
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let certs = Arc::new(CertFiles::load(&args.tls_cert, &args.tls_key)?);
-    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_cert_resolver(certs);
+    let tls = TlsSettings::new(&args.tls_cert, &args.tls_key).server_config("webhook")?;
     let injection = Arc::new(Injection {
         image: args.image,
         pull_policy: args.pull_policy,
@@ -106,7 +91,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         eprintln!("gpumem webhook: serving https://{address}/mutate");
         listen::serve_tls(
             listener,
-            Arc::new(tls),
+            tls,
             app,
             HttpLimits::default(),
             listen::shutdown_signal(),
@@ -196,100 +181,6 @@ fn with_warnings(mut response: AdmissionResponse, warnings: Vec<String>) -> Admi
         response.warnings = Some(warnings);
     }
     response
-}
-
-/// The certificate and key files, and the pair last loaded from them.
-#[derive(Debug)]
-struct CertFiles {
-    cert: PathBuf,
-    key: PathBuf,
-    state: Mutex<Loaded>,
-}
-
-#[derive(Debug)]
-struct Loaded {
-    key: Arc<CertifiedKey>,
-    /// The files' stamps when loaded.
-    stamps: Stamps,
-    checked: Instant,
-    /// The last failed reload's stamps, so a bad pair is reported once.
-    failed: Option<Stamps>,
-}
-
-/// The certificate's and the key's modification time and length.
-type Stamps = [Option<(SystemTime, u64)>; 2];
-
-impl CertFiles {
-    fn load(cert: &Path, key: &Path) -> Result<CertFiles, String> {
-        let stamps = stamps(cert, key);
-        let certified = certified_key(cert, key)?;
-        Ok(CertFiles {
-            cert: cert.to_path_buf(),
-            key: key.to_path_buf(),
-            state: Mutex::new(Loaded {
-                key: Arc::new(certified),
-                stamps,
-                checked: Instant::now(),
-                failed: None,
-            }),
-        })
-    }
-}
-
-fn stamps(cert: &Path, key: &Path) -> Stamps {
-    let stamp = |p: &Path| {
-        let meta = std::fs::metadata(p).ok()?;
-        Some((meta.modified().ok()?, meta.len()))
-    };
-    [stamp(cert), stamp(key)]
-}
-
-fn certified_key(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<Result<_, _>>())
-        .map_err(|e| format!("{}: {e}", cert.display()))?;
-    if chain.is_empty() {
-        return Err(format!("{}: no certificate", cert.display()));
-    }
-    let private =
-        PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
-    let signing = rustls::crypto::ring::sign::any_supported_type(&private)
-        .map_err(|e| format!("{}: {e}", key.display()))?;
-    let certified = CertifiedKey::new(chain, signing);
-    certified
-        .keys_match()
-        .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))?;
-    Ok(certified)
-}
-
-impl ResolvesServerCert for CertFiles {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if state.checked.elapsed() >= RELOAD_CHECK {
-            state.checked = Instant::now();
-            let now = stamps(&self.cert, &self.key);
-            if now != state.stamps {
-                match certified_key(&self.cert, &self.key) {
-                    Ok(key) => {
-                        tracing::info!("the webhook's certificate was reloaded");
-                        *state = Loaded {
-                            key: Arc::new(key),
-                            stamps: now,
-                            checked: Instant::now(),
-                            failed: None,
-                        };
-                    }
-                    Err(e) => {
-                        if state.failed != Some(now) {
-                            tracing::warn!(error = %e, "the webhook's new certificate does not load; the previous one serves");
-                        }
-                        state.failed = Some(now);
-                    }
-                }
-            }
-        }
-        Some(Arc::clone(&state.key))
-    }
 }
 
 /// Copies the hook's directory into the pod's volume (the init container's work: the agent's

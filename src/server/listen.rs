@@ -80,7 +80,7 @@ pub async fn serve(
 
 /// Serves `app` over TLS on `listener` (as [`serve`] does, the handshake included in each
 /// connection's limits).
-#[cfg(feature = "webhook")]
+#[cfg(feature = "tls")]
 pub async fn serve_tls(
     listener: TcpListener,
     tls: std::sync::Arc<rustls::ServerConfig>,
@@ -145,10 +145,10 @@ pub async fn serve_unix(
     .await;
 }
 
-/// What accepts a TLS listener's handshakes (none without the feature `webhook`).
-#[cfg(feature = "webhook")]
+/// What accepts a TLS listener's handshakes (none without the feature `tls`).
+#[cfg(feature = "tls")]
 type Tls = tokio_rustls::TlsAcceptor;
-#[cfg(not(feature = "webhook"))]
+#[cfg(not(feature = "tls"))]
 #[derive(Clone)]
 enum Tls {}
 
@@ -194,9 +194,9 @@ async fn serve_with<L, C>(
                         .watch(http.serve_connection(TokioIo::new(io), service))
                         .await;
                 }
-                #[cfg(not(feature = "webhook"))]
+                #[cfg(not(feature = "tls"))]
                 Some(never) => match never {},
-                #[cfg(feature = "webhook")]
+                #[cfg(feature = "tls")]
                 Some(tls) => {
                     let handshake = tokio::time::timeout(limits.header_timeout, tls.accept(io));
                     match handshake.await {

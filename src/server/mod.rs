@@ -43,10 +43,14 @@ mod conns;
 pub mod hosts;
 mod listen;
 mod slots;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod view;
+#[cfg(feature = "tls")]
+pub mod web_config;
 
 pub use conns::Connection;
-#[cfg(feature = "webhook")]
+#[cfg(feature = "tls")]
 pub use listen::serve_tls;
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
 pub use slots::{MIN_STALL, Slots};
@@ -98,6 +102,10 @@ pub struct AppState {
     /// `kubelet`: the container runtime is asked over gRPC).
     #[cfg(feature = "kubelet")]
     pub pod_network: Option<Arc<crate::telemetry::pod_network::PodNetwork>>,
+    /// The users `/metrics`, the page and its APIs answer, where any are configured (the
+    /// web configuration file's `basic_auth_users`); pushes and probes answer anyone.
+    #[cfg(feature = "tls")]
+    pub users: Option<Arc<web_config::BasicAuth>>,
 }
 
 /// Push bodies read at once per kind of listener, by default: 8 × 512 KiB at most each.
@@ -120,7 +128,17 @@ impl AppState {
             hosts: AgentHosts::default(),
             #[cfg(feature = "kubelet")]
             pod_network: None,
+            #[cfg(feature = "tls")]
+            users: None,
         }
+    }
+
+    /// Whether requests must name a user (basic authentication is configured).
+    pub fn authenticates(&self) -> bool {
+        #[cfg(feature = "tls")]
+        return self.users.is_some();
+        #[cfg(not(feature = "tls"))]
+        false
     }
 }
 
@@ -170,13 +188,22 @@ pub fn app(state: AppState) -> Router {
     if !state.ui {
         page = page.route_layer(axum::middleware::from_fn(ui_off));
     }
-    // Everything but the probes (no data, and the kubelet's own Host) answers only to the
-    // agent's names (`hosts.rs`).
-    Router::new()
+    // What shows the node: only to users where authentication is configured.
+    let mut shown = Router::new()
         .route("/metrics", get(metrics))
         .route("/", get(index))
+        .merge(page);
+    if state.authenticates() {
+        shown = shown.route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            check_user,
+        ));
+    }
+    // Everything but the probes (no data, and the kubelet's own Host) answers only to the
+    // agent's names (`hosts.rs`). Pushes are attributed, not authenticated.
+    Router::new()
         .route("/api/v1/push", post(push))
-        .merge(page)
+        .merge(shown)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             check_host,
@@ -184,6 +211,44 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(state)
+}
+
+/// The router of a listener that takes pushes only (`gpumem serve --push-listen`: plain HTTP
+/// for jobs on the pod network where the main listener serves TLS), with the probes.
+pub fn push_app(state: AppState) -> Router {
+    Router::new()
+        .route("/api/v1/push", post(push))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            check_host,
+        ))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+/// Refuses (401) a request that names no configured user with its password.
+async fn check_user(
+    State(state): State<AppState>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    #[cfg(feature = "tls")]
+    if let Some(users) = &state.users
+        && !users
+            .allows(request.headers().get(header::AUTHORIZATION))
+            .await
+    {
+        return (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Basic realm=\"gpumem\"")],
+            "this agent answers configured users only (basic authentication)\n",
+        )
+            .into_response();
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = &state;
+    next.run(request).await
 }
 
 /// Refuses (421) a request whose `Host` the agent does not answer to; one without a `Host`

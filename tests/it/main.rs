@@ -28,3 +28,4 @@ mod scenarios;
 mod stress;
 mod tenant_alerts;
 mod view;
+mod web_config;

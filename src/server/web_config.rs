@@ -1,0 +1,470 @@
+//! The agent's web configuration file (`gpumem serve --web-config-file`), in the format of the
+//! Prometheus exporter-toolkit (node_exporter's, dcgm-exporter's `--web-config-file`): TLS and
+//! basic authentication for `/metrics`, the page and its APIs.
+//!
+//! ```yaml
+//! tls_server_config:
+//!   cert_file: /etc/gpumem/tls/tls.crt      # re-read when it changes
+//!   key_file: /etc/gpumem/tls/tls.key
+//!   client_auth_type: RequireAndVerifyClientCert   # or NoClientCert, VerifyClientCertIfGiven
+//!   client_ca_file: /etc/gpumem/tls/ca.crt
+//!   min_version: TLS12                      # TLS12 or TLS13
+//! basic_auth_users:
+//!   prometheus: $2y$10$...                  # bcrypt (htpasswd -nBC 10)
+//! ```
+//!
+//! Keys gpumem does not implement (`cipher_suites`, `curve_preferences`, `client_allowed_sans`,
+//! inline `cert`/`key`, `http_server_config.headers`, HTTP/2) are refused by name rather than
+//! ignored, as are unknown keys: a file that says more than the agent does is an error.
+//!
+//! # Invariants (budgets)
+//! - The file is at most [`MAX_FILE_BYTES`] and lists at most [`MAX_USERS`] users.
+//! - A request's credentials are checked with bcrypt (its cost is the hash's; about 50 ms at
+//!   cost 10) on a blocking thread, at most [`MAX_CHECKS`] at once (others wait their turn);
+//!   an unknown user costs one check against a dummy hash, so timing does not tell users
+//!   apart. A successful check is remembered (the password's SHA-256, per user), so a scraper
+//!   pays for bcrypt once, not per scrape. An `Authorization` header over
+//!   [`MAX_HEADER_BYTES`] is refused unread.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use axum::http::HeaderValue;
+use serde::Deserialize;
+
+use super::tls::{ClientAuth, TlsSettings, Version};
+
+/// The largest web configuration file read.
+pub const MAX_FILE_BYTES: u64 = 64 * 1024;
+/// Users a file may list.
+pub const MAX_USERS: usize = 64;
+/// bcrypt checks run at once.
+pub const MAX_CHECKS: usize = 2;
+/// The longest `Authorization` header read.
+pub const MAX_HEADER_BYTES: usize = 1024;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    tls_server_config: Option<TlsFile>,
+    #[serde(default)]
+    http_server_config: Option<HttpFile>,
+    #[serde(default)]
+    basic_auth_users: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TlsFile {
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
+    client_auth_type: Option<String>,
+    client_ca_file: Option<PathBuf>,
+    min_version: Option<String>,
+    max_version: Option<String>,
+    // Known to the exporter-toolkit, not implemented: refused by name.
+    cert: Option<serde_yaml_ng::Value>,
+    key: Option<serde_yaml_ng::Value>,
+    client_ca: Option<serde_yaml_ng::Value>,
+    cipher_suites: Option<serde_yaml_ng::Value>,
+    curve_preferences: Option<serde_yaml_ng::Value>,
+    client_allowed_sans: Option<serde_yaml_ng::Value>,
+    prefer_server_cipher_suites: Option<serde_yaml_ng::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HttpFile {
+    http2: Option<bool>,
+    headers: Option<serde_yaml_ng::Value>,
+}
+
+/// What a web configuration file configures.
+#[derive(Debug, Default)]
+pub struct WebConfig {
+    /// TLS, where configured.
+    pub tls: Option<TlsSettings>,
+    /// Basic authentication, where users are listed.
+    pub users: Option<Arc<BasicAuth>>,
+}
+
+/// Why a web configuration file was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {reason}")]
+pub struct WebConfigError {
+    path: String,
+    reason: String,
+}
+
+impl WebConfig {
+    /// Reads and checks the file at `path`.
+    ///
+    /// # Errors
+    /// A file that cannot be read, is too large, is not the format, or asks for what gpumem
+    /// does not implement; the error names the key.
+    pub fn load(path: &Path) -> Result<WebConfig, WebConfigError> {
+        let error = |reason: String| WebConfigError {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = read_bounded(path).map_err(error)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        WebConfig::parse(&text, base).map_err(error)
+    }
+
+    /// The configuration `text` says, relative paths taken from `base` (the file's directory,
+    /// as the exporter-toolkit does).
+    ///
+    /// # Errors
+    /// As [`WebConfig::load`].
+    pub fn parse(text: &str, base: &Path) -> Result<WebConfig, String> {
+        let file: File = if text.trim().is_empty() {
+            File {
+                tls_server_config: None,
+                http_server_config: None,
+                basic_auth_users: None,
+            }
+        } else {
+            serde_yaml_ng::from_str(text).map_err(|e| e.to_string())?
+        };
+        if let Some(http) = &file.http_server_config {
+            if http.headers.is_some() {
+                return Err("http_server_config.headers is not supported by gpumem".into());
+            }
+            if http.http2 == Some(true) {
+                return Err("http_server_config.http2: gpumem serves HTTP/1.1 only".into());
+            }
+        }
+        let tls = file
+            .tls_server_config
+            .map(|t| tls_settings(t, base))
+            .transpose()?;
+        let users = match file.basic_auth_users {
+            Some(users) if !users.is_empty() => Some(Arc::new(BasicAuth::new(users)?)),
+            _ => None,
+        };
+        Ok(WebConfig { tls, users })
+    }
+}
+
+fn read_bounded(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!("larger than {MAX_FILE_BYTES} bytes"));
+    }
+    Ok(text)
+}
+
+fn tls_settings(t: TlsFile, base: &Path) -> Result<TlsSettings, String> {
+    let unsupported = [
+        ("cert", t.cert.is_some()),
+        ("key", t.key.is_some()),
+        ("client_ca", t.client_ca.is_some()),
+        ("cipher_suites", t.cipher_suites.is_some()),
+        ("curve_preferences", t.curve_preferences.is_some()),
+        ("client_allowed_sans", t.client_allowed_sans.is_some()),
+        (
+            "prefer_server_cipher_suites",
+            t.prefer_server_cipher_suites.is_some(),
+        ),
+    ];
+    if let Some((key, _)) = unsupported.iter().find(|(_, given)| *given) {
+        return Err(format!(
+            "tls_server_config.{key} is not supported by gpumem (give cert_file and key_file; rustls chooses suites and curves)"
+        ));
+    }
+    let path = |p: PathBuf| if p.is_absolute() { p } else { base.join(p) };
+    let (Some(cert), Some(key)) = (t.cert_file, t.key_file) else {
+        return Err("tls_server_config needs both cert_file and key_file".into());
+    };
+    let version = |name: &str, value: Option<String>, default: Version| match value.as_deref() {
+        None => Ok(default),
+        Some("TLS12") => Ok(Version::Tls12),
+        Some("TLS13") => Ok(Version::Tls13),
+        Some("TLS10" | "TLS11") => Err(format!(
+            "tls_server_config.{name}: gpumem speaks TLS 1.2 and 1.3 only"
+        )),
+        Some(other) => Err(format!(
+            "tls_server_config.{name}: {other:?} is not TLS12 or TLS13"
+        )),
+    };
+    let min_version = version("min_version", t.min_version, Version::Tls12)?;
+    let max_version = version("max_version", t.max_version, Version::Tls13)?;
+    if min_version > max_version {
+        return Err("tls_server_config: min_version is above max_version".into());
+    }
+    let ca = t.client_ca_file.map(path);
+    let client_auth = match (t.client_auth_type.as_deref(), ca) {
+        (None | Some("NoClientCert"), None) => ClientAuth::None,
+        (None | Some("NoClientCert"), Some(_)) => {
+            return Err(
+                "tls_server_config.client_ca_file is given but client_auth_type does not ask for certificates"
+                    .into(),
+            );
+        }
+        (Some("VerifyClientCertIfGiven"), Some(ca)) => ClientAuth::Optional(ca),
+        (Some("RequireAndVerifyClientCert"), Some(ca)) => ClientAuth::Required(ca),
+        (Some(kind @ ("VerifyClientCertIfGiven" | "RequireAndVerifyClientCert")), None) => {
+            return Err(format!(
+                "tls_server_config.client_auth_type {kind} needs client_ca_file"
+            ));
+        }
+        (Some(kind @ ("RequestClientCert" | "RequireAnyClientCert")), _) => {
+            return Err(format!(
+                "tls_server_config.client_auth_type {kind} accepts unverified certificates: gpumem verifies them (VerifyClientCertIfGiven, RequireAndVerifyClientCert)"
+            ));
+        }
+        (Some(other), _) => {
+            return Err(format!(
+                "tls_server_config.client_auth_type {other:?} is not one of NoClientCert, VerifyClientCertIfGiven, RequireAndVerifyClientCert"
+            ));
+        }
+    };
+    Ok(TlsSettings {
+        cert: path(cert),
+        key: path(key),
+        client_auth,
+        min_version,
+        max_version,
+    })
+}
+
+/// Users and their bcrypt hashes, and the passwords last verified.
+#[derive(Debug)]
+pub struct BasicAuth {
+    users: BTreeMap<String, String>,
+    /// Per user, the SHA-256 of the password bcrypt last accepted.
+    verified: Mutex<HashMap<String, [u8; 32]>>,
+    checks: tokio::sync::Semaphore,
+}
+
+/// A valid bcrypt hash of no one's password: what an unknown user is checked against.
+const DUMMY_HASH: &str = "$2b$10$7EqJtq98hPqEX7fNZaFWoOhi5BWX4Z1u3XjnTeMMGgCh.h7e1pBeG";
+
+impl BasicAuth {
+    /// Users and their hashes (each a bcrypt hash: `$2a$`, `$2b$` or `$2y$`).
+    ///
+    /// # Errors
+    /// Too many users, or a hash that is not bcrypt.
+    pub fn new(users: BTreeMap<String, String>) -> Result<BasicAuth, String> {
+        if users.len() > MAX_USERS {
+            return Err(format!(
+                "basic_auth_users lists more than {MAX_USERS} users"
+            ));
+        }
+        for (user, hash) in &users {
+            if user.is_empty() || user.contains(':') {
+                return Err(format!("basic_auth_users: {user:?} is not a user name"));
+            }
+            if hash.parse::<bcrypt::HashParts>().is_err() {
+                return Err(format!(
+                    "basic_auth_users.{user}: not a bcrypt hash (htpasswd -nBC 10 {user})"
+                ));
+            }
+        }
+        Ok(BasicAuth {
+            users,
+            verified: Mutex::new(HashMap::new()),
+            checks: tokio::sync::Semaphore::new(MAX_CHECKS),
+        })
+    }
+
+    /// Whether `header` (a request's `Authorization`) names a user with its password.
+    pub async fn allows(self: &Arc<Self>, header: Option<&HeaderValue>) -> bool {
+        let Some((user, password)) = header.and_then(credentials) else {
+            return false;
+        };
+        let digest = sha256(password.as_bytes());
+        let remembered = self
+            .verified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&user)
+            .is_some_and(|d| *d == digest);
+        if remembered {
+            return true;
+        }
+        let Ok(_permit) = self.checks.acquire().await else {
+            return false;
+        };
+        let hash = self
+            .users
+            .get(&user)
+            .cloned()
+            .unwrap_or_else(|| DUMMY_HASH.to_string());
+        let known = self.users.contains_key(&user);
+        let ok = tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or(false)
+            && known;
+        if ok {
+            self.verified
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(user, digest);
+        }
+        ok
+    }
+}
+
+/// The user and password of a `Basic` `Authorization` header.
+fn credentials(header: &HeaderValue) -> Option<(String, String)> {
+    use base64::Engine;
+    if header.len() > MAX_HEADER_BYTES {
+        return None;
+    }
+    let text = header.to_str().ok()?;
+    let (scheme, encoded) = text.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let decoded = String::from_utf8(decoded).ok()?;
+    let (user, password) = decoded.split_once(':')?;
+    Some((user.to_string(), password.to_string()))
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+    let mut out = [0; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<WebConfig, String> {
+        WebConfig::parse(text, Path::new("/etc/gpumem"))
+    }
+
+    #[test]
+    fn the_toolkits_keys_are_read_and_relative_paths_are_the_files() {
+        let empty = parse("").expect("an empty file configures nothing");
+        assert!(empty.tls.is_none() && empty.users.is_none());
+        let hash = bcrypt::hash("pw", 4).expect("hash");
+        let config = parse(&format!(
+            "tls_server_config:\n  cert_file: tls/tls.crt\n  key_file: /keys/tls.key\n  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n  min_version: TLS13\nhttp_server_config:\n  http2: false\nbasic_auth_users:\n  alice: {hash}\n"
+        ))
+        .expect("valid");
+        let tls = config.tls.expect("tls");
+        assert_eq!(tls.cert, Path::new("/etc/gpumem/tls/tls.crt"));
+        assert_eq!(tls.key, Path::new("/keys/tls.key"));
+        assert_eq!(
+            tls.client_auth,
+            ClientAuth::Required(PathBuf::from("/etc/gpumem/ca.crt"))
+        );
+        assert_eq!(
+            (tls.min_version, tls.max_version),
+            (Version::Tls13, Version::Tls13)
+        );
+        assert!(config.users.is_some());
+    }
+
+    #[test]
+    fn what_gpumem_does_not_implement_is_refused_by_name() {
+        let tls = "tls_server_config:\n  cert_file: a\n  key_file: b\n";
+        for (text, says) in [
+            (
+                "tls_server_config:\n  cert_file: a\n",
+                "both cert_file and key_file",
+            ),
+            (
+                &format!("{tls}  cipher_suites: [TLS_AES_128_GCM_SHA256]\n") as &str,
+                "cipher_suites",
+            ),
+            (
+                &format!("{tls}  curve_preferences: [X25519]\n"),
+                "curve_preferences",
+            ),
+            (
+                &format!("{tls}  min_version: TLS11\n"),
+                "TLS 1.2 and 1.3 only",
+            ),
+            (
+                &format!("{tls}  min_version: TLS13\n  max_version: TLS12\n"),
+                "min_version is above",
+            ),
+            (
+                &format!("{tls}  client_auth_type: RequireAndVerifyClientCert\n"),
+                "needs client_ca_file",
+            ),
+            (
+                &format!("{tls}  client_auth_type: RequireAnyClientCert\n"),
+                "unverified",
+            ),
+            (
+                &format!("{tls}  client_ca_file: ca.crt\n"),
+                "does not ask for certificates",
+            ),
+            (
+                "http_server_config:\n  headers: {X-Frame-Options: deny}\n",
+                "headers",
+            ),
+            ("http_server_config:\n  http2: true\n", "HTTP/1.1 only"),
+            (
+                "basic_auth_users:\n  alice: plaintext\n",
+                "not a bcrypt hash",
+            ),
+            ("tls_config:\n  cert_file: a\n", "unknown field"),
+            ("basic_auth_users: [alice]\n", "invalid type"),
+        ] {
+            let error = parse(text).expect_err(text);
+            assert!(error.contains(says), "{text:?}: {error}");
+        }
+        let many: String = (0..=MAX_USERS)
+            .map(|i| {
+                format!("  u{i}: $2y$04$abcdefghijklmnopqrstuu5bUAcxzJ3hLPj6jbxNGQp6h1dJe6i2W\n")
+            })
+            .collect();
+        let error = parse(&format!("basic_auth_users:\n{many}")).expect_err("too many");
+        assert!(error.contains("more than"), "{error}");
+    }
+
+    #[test]
+    fn credentials_are_checked_once_and_remembered() {
+        let users = BTreeMap::from([("alice".to_string(), bcrypt::hash("pw", 4).expect("hash"))]);
+        let auth = Arc::new(BasicAuth::new(users).expect("users"));
+        let basic = |user: &str, password: &str| {
+            use base64::Engine;
+            let token =
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            HeaderValue::from_str(&format!("Basic {token}")).expect("header")
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            assert!(!auth.allows(None).await);
+            assert!(!auth.allows(Some(&basic("alice", "wrong"))).await);
+            assert!(!auth.allows(Some(&basic("bob", "pw"))).await);
+            assert!(
+                !auth
+                    .allows(Some(&HeaderValue::from_static("Bearer abc")))
+                    .await
+            );
+            let huge = HeaderValue::from_str(&format!("Basic {}", "A".repeat(MAX_HEADER_BYTES)))
+                .expect("header");
+            assert!(!auth.allows(Some(&huge)).await);
+            assert!(auth.verified.lock().expect("lock").is_empty());
+            assert!(auth.allows(Some(&basic("alice", "pw"))).await);
+            assert_eq!(auth.verified.lock().expect("lock").len(), 1, "remembered");
+            assert!(auth.allows(Some(&basic("alice", "pw"))).await);
+            // Another password is checked again, never taken for the remembered one.
+            assert!(!auth.allows(Some(&basic("alice", "pw2"))).await);
+        });
+    }
+}
