@@ -498,6 +498,53 @@ if agent["ports"][0].get("hostPort") != 19417 \
 refused({"podNetwork": dict(pod_network["podNetwork"], expose="nodePort")}, "expose",
         "an unknown podNetwork.expose")
 print("pod-network pushes: as configured")
+
+# TLS and credentials: the agent reads its web configuration from the Secret named, the probes
+# and the monitor speak HTTPS with the tlsConfig and basicAuth given, and with pod-network
+# pushes the jobs push over plain HTTP on a port of their own, which the webhook points them
+# at; the NetworkPolicy admits scrapes from the listed peers and pushes from any pod.
+secured = {
+    "webConfig": {"secretName": "gpumem-web", "tls": True, "pushPort": 9418},
+    "podNetwork": dict(pod_network["podNetwork"]),
+    "webhook": {"enabled": True},
+    "networkPolicy": {"enabled": True, "scrapers": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+    "serviceMonitor": {"enabled": True,
+                       "tlsConfig": {"ca": {"secret": {"name": "gpumem-web", "key": "ca.crt"}},
+                                     "serverName": "gpumem.gpu-monitoring.svc"},
+                       "basicAuth": {"username": {"name": "scrape-credentials", "key": "username"},
+                                     "password": {"name": "scrape-credentials", "key": "password"}}},
+}
+kinds = check(secured, "TLS, credentials and a NetworkPolicy")
+if "NetworkPolicy" not in kinds or rendered({}, "NetworkPolicy"):
+    fail(f"the NetworkPolicy: rendered {kinds} (and by default: {len(rendered({}, 'NetworkPolicy'))})")
+pod = daemonset(secured)
+agent = pod["containers"][0]
+ports = {p["name"]: p for p in agent["ports"]}
+endpoint = rendered(secured, "ServiceMonitor")[0]["spec"]["endpoints"][0]
+service_ports = {p["name"]: p["port"] for p in rendered(secured, "Service")[0]["spec"]["ports"]}
+hook_args = rendered(secured, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+policy = rendered(secured, "NetworkPolicy")[0]["spec"]["ingress"]
+if flag(agent["args"], "--web-config-file") != "/etc/gpumem/web/web.yml" \
+        or flag(agent["args"], "--push-listen") != "0.0.0.0:9418" \
+        or {"name": "web-config", "secret": {"secretName": "gpumem-web"}} not in pod["volumes"] \
+        or {"name": "web-config", "mountPath": "/etc/gpumem/web", "readOnly": True} not in agent["volumeMounts"] \
+        or agent["livenessProbe"]["httpGet"].get("scheme") != "HTTPS" \
+        or agent["readinessProbe"]["httpGet"].get("scheme") != "HTTPS" \
+        or ports["push"]["containerPort"] != 9418 or service_ports.get("push") != 9418:
+    fail(f"the agent with TLS: {agent} {service_ports}")
+if endpoint.get("scheme") != "https" or endpoint.get("tlsConfig") != secured["serviceMonitor"]["tlsConfig"] \
+        or endpoint.get("basicAuth") != secured["serviceMonitor"]["basicAuth"]:
+    fail(f"the ServiceMonitor with TLS: {endpoint}")
+if flag(hook_args, "--push-url") != "http://gpumem.gpu-monitoring.svc:9418/api/v1/push":
+    fail(f"the webhook's push URL with TLS: {hook_args}")
+if policy != [{"ports": [{"port": "metrics", "protocol": "TCP"}], "from": secured["networkPolicy"]["scrapers"]},
+              {"ports": [{"port": "push", "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}]:
+    fail(f"the NetworkPolicy's rules: {policy}")
+plain = daemonset({})["containers"][0]
+if plain["livenessProbe"]["httpGet"].get("scheme") or flag(plain["args"], "--web-config-file"):
+    fail(f"TLS or a web configuration by default: {plain}")
+print("TLS, credentials and the NetworkPolicy: as configured")
 try:
     with helm.Chart.load(str(CHART)) as chart:
         chart.validate_schema({"service": {"port": "not a port"}})
