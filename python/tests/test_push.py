@@ -664,6 +664,30 @@ class OomFigures(unittest.TestCase):
         self.assertEqual(readings.oom_request(None, (1, 2, 3, 4)), (1, 2, 3, 4, 0))
 
 
+class DeviceIdentity(unittest.TestCase):
+    """The UUID a push names a device by: NVML's spelling, so it joins NVML's series."""
+
+    def test_a_mig_instance_keeps_its_mig_identity(self):
+        from gpumem_push.pusher import device_uuid
+        body = "5c1f2a3b-0000-4000-8000-00000000000a"
+        other = "7d2e3f4a-0000-4000-8000-00000000000b"
+        # A whole GPU: torch leaves out the prefix, NVML spells it GPU-.
+        self.assertEqual(device_uuid(body, {}), "GPU-" + body)
+        # A MIG instance handed to the container by its MIG UUID (the device plugin's
+        # NVIDIA_VISIBLE_DEVICES, or the job's own CUDA_VISIBLE_DEVICES), in any case.
+        for environ in ({"NVIDIA_VISIBLE_DEVICES": f"MIG-{body}"},
+                        {"CUDA_VISIBLE_DEVICES": f"MIG-{other}, MIG-{body.upper()}"},
+                        {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": f"MIG-{body}"}):
+            self.assertEqual(device_uuid(body, environ), "MIG-" + body, environ)
+        # Another instance listed: this device is not it.
+        self.assertEqual(device_uuid(body, {"NVIDIA_VISIBLE_DEVICES": f"MIG-{other}"}),
+                         "GPU-" + body)
+        # A prefix torch already gives stands.
+        self.assertEqual(device_uuid("MIG-" + body, {}), "MIG-" + body)
+        self.assertEqual(device_uuid("GPU-" + body, {"CUDA_VISIBLE_DEVICES": f"MIG-{body}"}),
+                         "GPU-" + body)
+
+
 class PusherOutcomes(unittest.TestCase):
     """A Pusher of its own, in this process: each push says what became of it."""
 

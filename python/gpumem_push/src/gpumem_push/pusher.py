@@ -61,6 +61,22 @@ class Result:
         return f"Result({self.outcome.value}{'' if self.status is None else f', {self.status}'})"
 
 
+def device_uuid(reported, environ):
+    """The UUID NVML spells for a device torch reports as `reported` (PyTorch leaves out the
+    prefix): `MIG-<uuid>` for a MIG instance the process was given by its MIG UUID
+    (CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES lists `MIG-<uuid>`), else `GPU-<uuid>`."""
+    for prefix in ("GPU-", "MIG-"):
+        if reported.startswith(prefix):
+            return reported
+    migs = set()
+    for variable in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        for entry in environ.get(variable, "").split(","):
+            entry = entry.strip()
+            if entry.startswith("MIG-"):
+                migs.add(entry[len("MIG-"):].lower())
+    return ("MIG-" if reported.lower() in migs else "GPU-") + reported
+
+
 def _start_time():
     """This process's start time in clock ticks since boot (/proc/self/stat, field 22): with
     the pid, what tells this process apart from another that reuses its pid."""
@@ -174,8 +190,7 @@ class Pusher:
         if known:
             return known
         try:
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+            uuid = device_uuid(str(torch.cuda.get_device_properties(index).uuid), os.environ)
         except Exception:  # older PyTorch: no uuid property
             uuid = f"GPU-index-{index}"
         uuid = _config.clean_text(uuid, "the device UUID", self._warn)
