@@ -267,6 +267,7 @@ issuer = rendered(cert_manager, "Issuer")[0]
 mwc = rendered(cert_manager, "MutatingWebhookConfiguration")[0]
 volume = rendered(cert_manager, "Deployment")[0]["spec"]["template"]["spec"]["volumes"][0]
 if certificate["spec"]["secretName"] != volume["secret"]["secretName"] \
+        or certificate["spec"]["secretName"] == rendered(hook, "Deployment")[0]["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] \
         or certificate["spec"]["dnsNames"] != ["gpumem-webhook.gpu-monitoring.svc",
                                                "gpumem-webhook.gpu-monitoring.svc.cluster.local"] \
         or certificate["spec"]["issuerRef"] != {"name": issuer["metadata"]["name"], "kind": "Issuer",
@@ -461,8 +462,8 @@ print("host directories and sockets: as configured")
 # mounted then); on, the runtime's directory read-only, the agent told its socket and the
 # node's address, a pod reaching its own node's agent through the Service or a hostPort, and
 # the webhook's jobs pointed at whichever it is.
-if rendered({}, "Service")[0]["spec"].get("internalTrafficPolicy") != "Local":
-    fail(f"the Service's traffic policy: {rendered({}, 'Service')[0]['spec']}")
+if "internalTrafficPolicy" in rendered({}, "Service")[0]["spec"]:
+    fail(f"the Service's traffic policy without pod-network pushes: {rendered({}, 'Service')[0]['spec']}")
 default_agent = daemonset({})["containers"][0]
 if flag(default_agent["args"], "--cri-socket") is not None or "hostPort" in default_agent["ports"][0] \
         or any(e["name"] == "GPUMEM_NODE_IP" for e in default_agent["env"]):
@@ -471,6 +472,8 @@ pod_network = {"podNetwork": {"enabled": True, "criSocket": "/run/containerd/con
                               "expose": "service", "hostPort": 9417, "maxProcessesPerPod": 16},
                "webhook": {"enabled": True}}
 check(pod_network, "pod-network pushes through the Service")
+if rendered(pod_network, "Service")[0]["spec"].get("internalTrafficPolicy") != "Local":
+    fail(f"the Service's traffic policy with pod-network pushes: {rendered(pod_network, 'Service')[0]['spec']}")
 pod = daemonset(pod_network)
 agent = pod["containers"][0]
 cri = [v for v in pod["volumes"] if v["name"] == "cri"]
@@ -504,7 +507,7 @@ print("pod-network pushes: as configured")
 # pushes the jobs push over plain HTTP on a port of their own, which the webhook points them
 # at; the NetworkPolicy admits scrapes from the listed peers and pushes from any pod.
 secured = {
-    "webConfig": {"secretName": "gpumem-web", "tls": True, "pushPort": 9418},
+    "webConfig": {"secretName": "gpumem-web", "tls": True, "clientCertificates": False, "pushPort": 9418},
     "podNetwork": dict(pod_network["podNetwork"]),
     "webhook": {"enabled": True},
     "networkPolicy": {"enabled": True, "scrapers": [
@@ -544,6 +547,18 @@ if policy != [{"ports": [{"port": "metrics", "protocol": "TCP"}], "from": secure
 plain = daemonset({})["containers"][0]
 if plain["livenessProbe"]["httpGet"].get("scheme") or flag(plain["args"], "--web-config-file"):
     fail(f"TLS or a web configuration by default: {plain}")
+# Client certificates required: the kubelet has none, so the probes see the port answer.
+certified = daemonset(dict(secured, webConfig=dict(secured["webConfig"], clientCertificates=True)))
+probes = [certified["containers"][0][p] for p in ("livenessProbe", "readinessProbe")]
+if any(p.get("tcpSocket") != {"port": "metrics"} or "httpGet" in p for p in probes):
+    fail(f"probes with client certificates: {probes}")
+refused({"webConfig": {"secretName": "", "tls": True, "clientCertificates": False, "pushPort": 9418}},
+        "secretName", "TLS without a web configuration")
+refused({"networkPolicy": {"enabled": True, "scrapers": []}}, "scrapers", "a NetworkPolicy admitting everyone")
+refused(dict(secured, webConfig=dict(secured["webConfig"], pushPort=9417)), "pushPort equals service.port",
+        "a push port on the scrape port")
+refused({"webhook": {"enabled": True, "certificate": {"source": "certManager", "issuerRef": {"kind": "Issuer"}}}},
+        "issuerRef", "an issuer without a name")
 print("TLS, credentials and the NetworkPolicy: as configured")
 try:
     with helm.Chart.load(str(CHART)) as chart:

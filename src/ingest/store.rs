@@ -21,7 +21,10 @@
 //!   pushers); their series together stay within `max_series`, the per-pod OOM counters
 //!   included. Processes pushing over TCP hold at most `max_tcp_series` of them together
 //!   and a quarter of that each, so the rest is always the socket pushers' (a job's first
-//!   push, its OOM push) whatever TCP pushers invent. When a cap is reached, ended
+//!   push, its OOM push) whatever TCP pushers invent. Processes of pods pushing from the pod
+//!   network hold at most `max_pod_processes` and `max_pod_series` per pod and
+//!   `max_pod_network_processes` and `max_pod_network_series` together (half the budget), so
+//!   however many pods push, the socket's jobs keep the rest. When a cap is reached, ended
 //!   processes are evicted first, oldest first; only then is a push refused.
 //! - A pid the kernel attributed to a socket pusher is never written over TCP.
 //! - Sequence numbers of a process only grow, by at most [`MAX_SEQ_JUMP`] a push.
@@ -62,7 +65,8 @@ pub struct Peer {
     /// Its pid.
     pub pid: u32,
     /// Its start time when it connected (`/proc/<pid>/stat`); `None` where `/proc` did not
-    /// say, and then no check is made.
+    /// say (the process gone by the accept, under load): then only that the pid exists at
+    /// each push is checked.
     pub start_time: Option<u64>,
 }
 
@@ -182,6 +186,10 @@ pub struct IngestConfig {
     pub max_pod_processes: usize,
     /// Most series those of one pod hold together.
     pub max_pod_series: usize,
+    /// Most processes of all pods pushing from the pod network together.
+    pub max_pod_network_processes: usize,
+    /// Most series those hold together: the rest is the socket pushers'.
+    pub max_pod_network_series: usize,
     /// Most series served for pushes, per-pod OOM counters included.
     pub max_series: usize,
     /// Most of them held by processes pushing over TCP, together; each such process holds
@@ -216,6 +224,10 @@ impl Default for IngestConfig {
             // eighth of the series budget.
             max_pod_processes: 16,
             max_pod_series: 1_250,
+            // Half of the processes and series: however many pods push, the socket's jobs
+            // keep the other half.
+            max_pod_network_processes: 128,
+            max_pod_network_series: 5_000,
             // About 9 MB of exposition at worst (every label at its bound; measured in
             // tests/it/hostile.rs), a few hundred typical processes.
             max_series: 10_000,
@@ -285,6 +297,9 @@ struct Load {
     series: usize,
     tcp: usize,
     tcp_series: usize,
+    /// Of all pods' processes.
+    network: usize,
+    network_series: usize,
     pod: usize,
     pod_series: usize,
 }
@@ -294,12 +309,15 @@ impl Load {
     /// of its processes.
     fn of(origin: &Origin, series: usize, pod: Option<&str>) -> Load {
         let tcp = usize::from(*origin == Origin::Tcp);
+        let network = usize::from(origin.pod().is_some());
         let in_pod = usize::from(pod.is_some() && origin.pod() == pod);
         Load {
             processes: 1,
             series,
             tcp,
             tcp_series: tcp * series,
+            network,
+            network_series: network * series,
             pod: in_pod,
             pod_series: in_pod * series,
         }
@@ -310,9 +328,17 @@ impl Load {
         [
             (self.series > config.max_series, Over::Series),
             (self.tcp_series > config.max_tcp_series, Over::TcpSeries),
+            (
+                self.network_series > config.max_pod_network_series,
+                Over::NetworkSeries,
+            ),
             (self.pod_series > config.max_pod_series, Over::PodSeries),
             (self.processes > config.max_processes, Over::Processes),
             (self.tcp > config.max_tcp_processes, Over::TcpProcesses),
+            (
+                self.network > config.max_pod_network_processes,
+                Over::NetworkProcesses,
+            ),
             (self.pod > config.max_pod_processes, Over::PodProcesses),
         ]
         .into_iter()
@@ -326,6 +352,8 @@ impl std::ops::AddAssign for Load {
         self.series += other.series;
         self.tcp += other.tcp;
         self.tcp_series += other.tcp_series;
+        self.network += other.network;
+        self.network_series += other.network_series;
         self.pod += other.pod;
         self.pod_series += other.pod_series;
     }
@@ -337,6 +365,8 @@ impl std::ops::SubAssign for Load {
         self.series -= other.series;
         self.tcp -= other.tcp;
         self.tcp_series -= other.tcp_series;
+        self.network -= other.network;
+        self.network_series -= other.network_series;
         self.pod -= other.pod;
         self.pod_series -= other.pod_series;
     }
@@ -347,9 +377,11 @@ impl std::ops::SubAssign for Load {
 enum Over {
     Series,
     TcpSeries,
+    NetworkSeries,
     PodSeries,
     Processes,
     TcpProcesses,
+    NetworkProcesses,
     PodProcesses,
 }
 
@@ -372,6 +404,13 @@ impl Over {
                     config.max_tcp_series
                 ),
             ),
+            Over::NetworkSeries => (
+                Refusal::SeriesBudget,
+                format!(
+                    "the push's {series} series would take the pods pushing from the pod network past their share of {} series",
+                    config.max_pod_network_series
+                ),
+            ),
             Over::PodSeries => (
                 Refusal::SeriesBudget,
                 format!(
@@ -391,6 +430,13 @@ impl Over {
                 format!(
                     "already tracking {} processes pushing over TCP, the most this agent keeps",
                     config.max_tcp_processes
+                ),
+            ),
+            Over::NetworkProcesses => (
+                Refusal::Capacity,
+                format!(
+                    "already tracking {} processes pushing from the pod network, the most this agent keeps",
+                    config.max_pod_network_processes
                 ),
             ),
             Over::PodProcesses => (
@@ -529,9 +575,11 @@ impl PushStore {
             Sender::Unattributed => (Origin::Tcp, push.start_time, None),
             Sender::Process(peer) => {
                 let now = (self.config.start_time)(peer.pid);
-                if peer.start_time.is_some() && now != peer.start_time {
-                    // The connecting process exited (its connection inherited by a child,
-                    // say): its pid is no one's now, or another process's.
+                // The connecting process exited (its connection inherited by a child, say):
+                // its pid is no one's now, or another process's. A pid gone by now is
+                // refused even where its start time was not read at the connection's
+                // accept (under load the accept can come after the process has gone).
+                if now.is_none() || (peer.start_time.is_some() && now != peer.start_time) {
                     return Err(Rejected::new(
                         Refusal::Forbidden,
                         format!(
@@ -832,6 +880,7 @@ impl PushStore {
             let helps = match over {
                 Over::Series | Over::Processes => true,
                 Over::TcpSeries | Over::TcpProcesses => freed.tcp > 0,
+                Over::NetworkSeries | Over::NetworkProcesses => freed.network > 0,
                 Over::PodSeries | Over::PodProcesses => freed.pod > 0,
             };
             if helps {

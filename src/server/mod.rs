@@ -423,13 +423,7 @@ async fn push(
             Ok(pod) => pod,
             Err(refusal) => return refusal,
         },
-        (None, None) => {
-            return refused(
-                &store,
-                Refusal::Forbidden,
-                "pushes are accepted from this host only",
-            );
-        }
+        (None, None) => return from_elsewhere(&store),
     };
     // A web page open in a browser on the node can send a "simple" cross-site POST to
     // loopback (text/plain, with an Origin header); a push hook never sends either.
@@ -502,14 +496,16 @@ async fn push(
         // A process not seen yet means a scan of /proc: off the runtime's threads.
         Some(pod) => {
             let store = Arc::clone(&store);
-            tokio::task::spawn_blocking(move || store.push_from_pod(&body, pod))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(crate::ingest::Rejected::new(
-                        Refusal::Invalid,
-                        format!("the push could not be processed: {e}"),
-                    ))
-                })
+            match tokio::task::spawn_blocking(move || store.push_from_pod(&body, pod)).await {
+                Ok(pushed) => pushed,
+                Err(e) => {
+                    tracing::error!(error = %e, "a pod's push failed");
+                    return json(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        serde_json::json!({"error": format!("the push could not be processed: {e}")}),
+                    );
+                }
+            }
         }
         None => store.push_from(&body, unix.and_then(|peer| peer.process)),
     };
@@ -533,6 +529,10 @@ async fn attribute(
         std::net::IpAddr::V4(v4) => v4 == std::net::Ipv4Addr::LOCALHOST,
         std::net::IpAddr::V6(v6) => v6 == std::net::Ipv6Addr::LOCALHOST,
     };
+    // This host's own processes never wait for the runtime.
+    if own_loopback {
+        return Ok(None);
+    }
     let attribution = match ask_pod_network(state, peer).await {
         Some(Ok(attribution)) => attribution,
         Some(Err(e)) => {
@@ -543,17 +543,10 @@ async fn attribute(
             ));
         }
         None if peer.is_loopback() => return Ok(None),
-        None => {
-            return Err(refused(
-                store,
-                Refusal::Forbidden,
-                "pushes are accepted from this host only",
-            ));
-        }
+        None => return Err(from_elsewhere(store)),
     };
     match attribution {
         Attribution::Pod(pod) => Ok(Some(pod)),
-        Attribution::Unknown if own_loopback => Ok(None),
         Attribution::Node => Err(refused(
             store,
             Refusal::PeerIsNode,
@@ -567,6 +560,15 @@ async fn attribute(
             &format!("{peer} is no ready pod's address on this node"),
         )),
     }
+}
+
+/// The refusal of a push from beyond this host that no pod sent.
+fn from_elsewhere(store: &PushStore) -> Response {
+    refused(
+        store,
+        Refusal::Forbidden,
+        "pushes are accepted from this host only",
+    )
 }
 
 /// Who `peer` is on the pod network; `None` where the agent does not attribute it.

@@ -20,11 +20,16 @@
 //! # Invariants (budgets)
 //! - The file is at most [`MAX_FILE_BYTES`] and lists at most [`MAX_USERS`] users.
 //! - A request's credentials are checked with bcrypt (its cost is the hash's; about 50 ms at
-//!   cost 10) on a blocking thread, at most [`MAX_CHECKS`] at once (others wait their turn);
-//!   an unknown user costs one check against a dummy hash, so timing does not tell users
-//!   apart. A successful check is remembered (the password's SHA-256, per user), so a scraper
+//!   cost 10) on a blocking thread, at most [`MAX_CHECKS`] at once, a dropped request's
+//!   check included (the permit goes with the work); a request that waits [`MAX_WAIT`] for
+//!   its turn is refused. An unknown user costs one check against a dummy hash of the
+//!   users' highest cost, so timing does not tell users apart. A successful check is
+//!   remembered (the password's SHA-256, per user, compared in constant time), so a scraper
 //!   pays for bcrypt once, not per scrape. An `Authorization` header over
 //!   [`MAX_HEADER_BYTES`] is refused unread.
+//! - The file is read once, at start: new users or passwords take a restart (the
+//!   certificate files it names are re-read as they change). Credentials over plain HTTP
+//!   travel in the clear: configure `tls_server_config` with `basic_auth_users`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -43,6 +48,8 @@ pub const MAX_USERS: usize = 64;
 pub const MAX_CHECKS: usize = 2;
 /// The longest `Authorization` header read.
 pub const MAX_HEADER_BYTES: usize = 1024;
+/// The longest a request waits for its turn to be checked.
+pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -240,13 +247,13 @@ fn tls_settings(t: TlsFile, base: &Path) -> Result<TlsSettings, String> {
 #[derive(Debug)]
 pub struct BasicAuth {
     users: BTreeMap<String, String>,
+    /// What an unknown user is checked against: a hash of no one's password at the users'
+    /// highest cost.
+    dummy: String,
     /// Per user, the SHA-256 of the password bcrypt last accepted.
     verified: Mutex<HashMap<String, [u8; 32]>>,
-    checks: tokio::sync::Semaphore,
+    checks: Arc<tokio::sync::Semaphore>,
 }
-
-/// A valid bcrypt hash of no one's password: what an unknown user is checked against.
-const DUMMY_HASH: &str = "$2b$10$7EqJtq98hPqEX7fNZaFWoOhi5BWX4Z1u3XjnTeMMGgCh.h7e1pBeG";
 
 impl BasicAuth {
     /// Users and their hashes (each a bcrypt hash: `$2a$`, `$2b$` or `$2y$`).
@@ -259,20 +266,27 @@ impl BasicAuth {
                 "basic_auth_users lists more than {MAX_USERS} users"
             ));
         }
+        // bcrypt's lowest cost; the users' highest is taken below.
+        let mut cost = 4;
         for (user, hash) in &users {
             if user.is_empty() || user.contains(':') {
                 return Err(format!("basic_auth_users: {user:?} is not a user name"));
             }
-            if hash.parse::<bcrypt::HashParts>().is_err() {
-                return Err(format!(
-                    "basic_auth_users.{user}: not a bcrypt hash (htpasswd -nBC 10 {user})"
-                ));
-            }
+            let parts = hash.parse::<bcrypt::HashParts>().map_err(|_| {
+                format!("basic_auth_users.{user}: not a bcrypt hash (htpasswd -nBC 10 {user})")
+            })?;
+            cost = cost.max(parts.get_cost());
         }
+        let dummy = if users.is_empty() {
+            String::new()
+        } else {
+            bcrypt::hash("no one's password", cost).map_err(|e| e.to_string())?
+        };
         Ok(BasicAuth {
             users,
+            dummy,
             verified: Mutex::new(HashMap::new()),
-            checks: tokio::sync::Semaphore::new(MAX_CHECKS),
+            checks: Arc::new(tokio::sync::Semaphore::new(MAX_CHECKS)),
         })
     }
 
@@ -287,24 +301,26 @@ impl BasicAuth {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&user)
-            .is_some_and(|d| *d == digest);
+            .is_some_and(|d| equal(d, &digest));
         if remembered {
             return true;
         }
-        let Ok(_permit) = self.checks.acquire().await else {
+        let turn = Arc::clone(&self.checks).acquire_owned();
+        let Ok(Ok(permit)) = tokio::time::timeout(MAX_WAIT, turn).await else {
             return false;
         };
-        let hash = self
-            .users
-            .get(&user)
-            .cloned()
-            .unwrap_or_else(|| DUMMY_HASH.to_string());
         let known = self.users.contains_key(&user);
-        let ok = tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash))
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or(false)
+        let hash = self.users.get(&user).unwrap_or(&self.dummy).clone();
+        // The permit goes with the work: a dropped request's check still counts.
+        let ok = tokio::task::spawn_blocking(move || {
+            let ok = bcrypt::verify(password, &hash);
+            drop(permit);
+            ok
+        })
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or(false)
             && known;
         if ok {
             self.verified
@@ -333,6 +349,11 @@ fn credentials(header: &HeaderValue) -> Option<(String, String)> {
     let decoded = String::from_utf8(decoded).ok()?;
     let (user, password) = decoded.split_once(':')?;
     Some((user.to_string(), password.to_string()))
+}
+
+/// Whether two digests are equal, in time independent of where they differ.
+fn equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -462,6 +483,9 @@ mod tests {
             assert!(auth.verified.lock().expect("lock").is_empty());
             assert!(auth.allows(Some(&basic("alice", "pw"))).await);
             assert_eq!(auth.verified.lock().expect("lock").len(), 1, "remembered");
+            // An unknown user costs what the users cost.
+            let dummy: bcrypt::HashParts = auth.dummy.parse().expect("a bcrypt hash");
+            assert_eq!(dummy.get_cost(), 4);
             assert!(auth.allows(Some(&basic("alice", "pw"))).await);
             // Another password is checked again, never taken for the remembered one.
             assert!(!auth.allows(Some(&basic("alice", "pw2"))).await);

@@ -16,7 +16,7 @@
 //!   the runtime never reuses, and dropped with their sandbox.
 //! - At most [`MAX_SANDBOXES`] sandboxes are kept (a node runs 110 pods by default); beyond
 //!   them a peer is unknown. Lookups share one list: concurrent pushes wait for the one
-//!   refresh under way rather than each asking the runtime.
+//!   refresh under way (at most [`REFRESH_LIMIT`]) rather than each asking the runtime.
 //! - Where the runtime does not answer, nothing is attributed (a cached address may be
 //!   another pod's by now): the push is refused, and the error says why.
 
@@ -35,6 +35,8 @@ use super::grpc::GrpcError;
 pub const MAX_LIST_AGE: Duration = Duration::from_millis(250);
 /// Sandboxes kept.
 pub const MAX_SANDBOXES: usize = 4096;
+/// The longest a refresh of the sandboxes takes (a list and a status per new sandbox).
+pub const REFRESH_LIMIT: Duration = Duration::from_secs(5);
 /// Addresses kept per sandbox (dual stack has two).
 pub const MAX_ADDRESSES: usize = 8;
 
@@ -202,11 +204,16 @@ impl PodNetwork {
         }
         let mut sandboxes = self.sandboxes.lock().await;
         if sandboxes.stale(Instant::now()) {
-            let (ready, statuses) =
-                cri::ready_sandboxes(&self.socket, self.timeout, MAX_SANDBOXES, |id| {
-                    !sandboxes.knows(id)
-                })
-                .await?;
+            // One deadline for the whole refresh (a list and a status per new sandbox), so
+            // pushes waiting on the lock wait for at most that.
+            let refresh = cri::ready_sandboxes(&self.socket, self.timeout, MAX_SANDBOXES, |id| {
+                !sandboxes.knows(id)
+            });
+            let (ready, statuses) = tokio::time::timeout(REFRESH_LIMIT, refresh)
+                .await
+                .map_err(|_| {
+                    GrpcError::NotReady(format!("no answer within {REFRESH_LIMIT:?}"))
+                })??;
             let statuses = statuses.iter().filter_map(sandbox_of).collect();
             // The list's time, not the statuses': a sandbox listed ready then may have
             // stopped while its status was asked.

@@ -11,8 +11,8 @@
 //! of the pod can push for any other of the same pod (never for another pod's).
 //!
 //! # Invariants
-//! - A scan of `/proc` reads at most [`MAX_SCANNED`] processes and runs at most once per
-//!   [`MIN_RESCAN`] whatever pushes ask (a pod inventing pids costs the node no more than
+//! - A scan of `/proc` reads at most [`MAX_SCANNED`] processes and starts at least
+//!   [`MIN_RESCAN`] after the last one ended, whatever pushes ask (a pod inventing pids costs the node no more than
 //!   that); between scans a pid not found is refused and the job's next push finds it.
 //! - A found process is checked again in `/proc` (its start time) before it is returned, so
 //!   a scan's stale entry never names a pid that has been reused.
@@ -101,7 +101,7 @@ pub fn find(pod_uid: &str, pid: u32, start_time: Option<u64>) -> Result<PodProce
         .as_ref()
         .is_none_or(|scan| now.saturating_duration_since(scan.at) >= MIN_RESCAN);
     if due {
-        *last = Some(scan(now));
+        *last = Some(scan());
     }
     let scan = last.as_ref().expect("scanned above or before");
     pick(scan, pod_uid, pid, start_time)
@@ -137,8 +137,9 @@ fn pick(
     Ok(first.process.clone())
 }
 
-/// Every pod's processes now.
-fn scan(at: Instant) -> Scan {
+/// Every pod's processes now, stamped when the scan ends (a long scan is not followed by
+/// another at once).
+fn scan() -> Scan {
     let mut by_pod: HashMap<String, Vec<Entry>> = HashMap::new();
     let pids = std::fs::read_dir("/proc")
         .into_iter()
@@ -167,7 +168,10 @@ fn scan(at: Instant) -> Scan {
                 },
             });
     }
-    Scan { at, by_pod }
+    Scan {
+        at: Instant::now(),
+        by_pod,
+    }
 }
 
 #[cfg(test)]

@@ -391,6 +391,23 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
             "{m} is neither in the contract nor a recording rule"
         );
     }
+    // The alerts about jobs route them one way: the same tenant labels and job key in each
+    // (written out six times, so checked here to stay alike).
+    let tails: Vec<&str> = text
+        .split(", \"job_part\", \"/\"")
+        .skip(1)
+        .map(|t| t.split_once("\"(.+)\")").map_or(t, |(tail, _)| tail))
+        .collect();
+    assert_eq!(tails.len(), 6, "the per-job alerts");
+    assert!(
+        tails.iter().all(|t| t == &tails[0]),
+        "the per-job alerts' routing differs: {tails:#?}"
+    );
+    let heads = text.matches("max without (pid, gpu, UUID, instance, node, pod, pod_uid, container_id, pod_name, container_name, rank, local_rank, job_part) (").count();
+    assert_eq!(
+        heads, 6,
+        "each per-job alert aggregates the same per-rank labels away"
+    );
     // Every alert links its runbook section, and the section exists.
     let runbooks = std::fs::read_to_string(root().join("docs/runbooks.md")).expect("runbooks");
     for line in text

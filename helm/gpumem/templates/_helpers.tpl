@@ -68,3 +68,15 @@ agent-down and agents-absent alerts would then never fire (a fullnameOverride wi
 {{- fail (printf "prometheusRule.agentJob %q does not match the agents' scrape job %q: GpumemAgentDown and GpumemAgentsAbsent would never fire; set prometheusRule.agentJob (a regex) to match it" .Values.prometheusRule.agentJob $job) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The port jobs on the pod network push to when it is not the scrape port: with TLS and
+pod-network pushes, the plain push-only listener's; "" otherwise. Refuses a push port equal to
+the scrape port. */}}
+{{- define "gpumem.pushPort" -}}
+{{- if and (.Values.webConfig).tls (.Values.podNetwork).enabled -}}
+{{- if eq (int .Values.webConfig.pushPort) (int .Values.service.port) -}}
+{{- fail "webConfig.pushPort equals service.port: the push-only listener needs a port of its own" -}}
+{{- end -}}
+{{- .Values.webConfig.pushPort -}}
+{{- end -}}
+{{- end -}}
