@@ -42,8 +42,13 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
             runtime: Runtime::Containerd,
         })
     }
+    // And it is alive (no such process need exist here).
+    fn alive(_: u32) -> Option<u64> {
+        Some(1)
+    }
     let ingest = IngestConfig {
         resolve: in_pod,
+        start_time: alive,
         ..IngestConfig::default()
     };
     let mut state = agent_state(
