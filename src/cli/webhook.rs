@@ -4,7 +4,7 @@
 //!
 //! # Invariants (budgets)
 //! - A review is at most [`MAX_REVIEW_BYTES`] (the API server's own request limit); a larger
-//!   body gets 413, a body that is not an AdmissionReview v1 gets 400 with the reason, and
+//!   body gets 413 (before a byte is read where its length is declared), a body that is not an AdmissionReview v1 gets 400 with the reason, and
 //!   either leaves the webhook serving.
 //! - The certificate and key are re-read when either file changes (`gpumem::server::tls`:
 //!   cert-manager renews them in place).
@@ -76,7 +76,10 @@ pub(crate) fn run(args: Args) -> CliResult {
         source: args.volume,
     });
     let app = Router::new()
-        .route("/mutate", post(mutate))
+        .route(
+            "/mutate",
+            post(mutate).route_layer(axum::middleware::from_fn(declared_length)),
+        )
         .route("/healthz", get(|| async { "ok\n" }))
         .layer(DefaultBodyLimit::max(MAX_REVIEW_BYTES))
         .with_state(injection);
@@ -128,6 +131,27 @@ async fn mutate(State(injection): State<Arc<Injection>>, body: Bytes) -> Respons
         Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
+}
+
+/// Refuses (413) a review whose declared length is past [`MAX_REVIEW_BYTES`] before a byte
+/// of it is read (a client still sending it then sees the answer, not a closed connection).
+async fn declared_length(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_REVIEW_BYTES as u64) {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a review is at most {MAX_REVIEW_BYTES} bytes\n"),
+        )
+            .into_response();
+    }
+    next.run(request).await
 }
 
 /// The response to `request`: a patch for an opted-in pod being created, else nothing.

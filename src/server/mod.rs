@@ -3,15 +3,21 @@
 //! every loop's first round is done), `/` (the live page, drawn from `GET /api/v1/node`:
 //! `view::node` over one gather of the same metrics, and `GET /api/v1/segments` for the
 //! allocators this process holds; with [`AppState::ui`] off, only links) and,
-//! when the agent ingests pushed statistics, `POST /api/v1/push` from this host only: over a
-//! Unix socket ([`serve_unix`], where the kernel names the pushing process) or from a loopback
-//! TCP peer. [`app`] builds the router, so tests call it without a socket; [`serve`] serves it
-//! within the [`HttpLimits`] (`listen.rs`).
+//! when the agent ingests pushed statistics, `POST /api/v1/push` from this host or its pods
+//! only: over a Unix socket ([`serve_unix`], where the kernel names the pushing process), from
+//! a loopback TCP peer, or, where the agent attributes the pod network
+//! (`AppState::pod_network`), from a ready pod's address on this node. Where users are
+//! configured (`AppState::users`, the web configuration file), `/metrics`, the page and its
+//! APIs answer them only (401 otherwise); pushes and probes answer anyone. [`app`] builds the
+//! router, so tests call it without a socket, and [`push_app`] a pushes-only one (a second,
+//! plain listener beside a TLS one); [`serve`] and `serve_tls` serve them within the
+//! [`HttpLimits`] (`listen.rs`).
 //!
 //! # Invariants
-//! - A push is read only from this host, only as `Content-Type: application/json`, never
-//!   from a page in a browser (an `Origin` header), and never beyond [`MAX_BODY_BYTES`] or
-//!   [`AppState::body_timeout`]: a declared larger body is refused before a byte is read.
+//! - A push is read only from this host or a pod on it, only as `Content-Type:
+//!   application/json`, never from a page in a browser (an `Origin` header), and never beyond
+//!   [`MAX_BODY_BYTES`] or [`AppState::body_timeout`]: a declared larger body is refused
+//!   before a byte is read.
 //! - Every refusal is answered with its reason and counted by the ingest.
 //! - Every route but `/healthz` and `/readyz` answers only a `Host` the agent is named by
 //!   (an IP address, a loopback name, an `--allow-host` name: `hosts.rs`); others get 421.
