@@ -16,24 +16,34 @@ use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
 use crate::agent::{Reaper, free_port, prometheus_query, wait_for};
 use crate::common::temp_dir;
 
-/// A CA and a server certificate it signed for 127.0.0.1 and localhost: (CA file, cert file,
-/// key file).
-fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+/// A CA (`<name>-ca.crt`) and a certificate it signed for 127.0.0.1 and localhost
+/// (`<name>.crt`, `<name>.key`), in `dir`: (CA file, cert file, key file).
+fn certificates_named(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca_key = KeyPair::generate().expect("key");
     let ca_cert = ca.self_signed(&ca_key).expect("CA");
-    let mut server = CertificateParams::new(vec!["localhost".to_string()]).expect("params");
-    server
-        .subject_alt_names
+    let mut leaf = CertificateParams::new(vec!["localhost".to_string()]).expect("params");
+    leaf.subject_alt_names
         .push(SanType::IpAddress([127, 0, 0, 1].into()));
     let key = KeyPair::generate().expect("key");
-    let cert = server.signed_by(&key, &ca_cert, &ca_key).expect("signed");
-    let paths = (dir.join("ca.crt"), dir.join("tls.crt"), dir.join("tls.key"));
+    let cert = leaf.signed_by(&key, &ca_cert, &ca_key).expect("signed");
+    let paths = (
+        dir.join(format!("{name}-ca.crt")),
+        dir.join(format!("{name}.crt")),
+        dir.join(format!("{name}.key")),
+    );
     std::fs::write(&paths.0, ca_cert.pem()).expect("ca");
     std::fs::write(&paths.1, cert.pem()).expect("cert");
     std::fs::write(&paths.2, key.serialize_pem()).expect("key");
     paths
+}
+
+/// The server's CA and certificate (`tls.crt`, `tls.key`, `ca.crt`).
+fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let (ca, cert, key) = certificates_named(dir, "tls");
+    std::fs::rename(&ca, dir.join("ca.crt")).expect("renamed");
+    (dir.join("ca.crt"), cert, key)
 }
 
 /// A raw HTTP/1.1 request over TLS (trusting `ca`), with basic credentials where given: the
@@ -41,6 +51,17 @@ fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
 fn https(
     port: u16,
     ca: &Path,
+    request: &str,
+    credentials: Option<(&str, &str)>,
+) -> Option<(u16, String)> {
+    https_as(port, ca, None, request, credentials)
+}
+
+/// As [`https`], presenting the client certificate and key `identity` where given.
+fn https_as(
+    port: u16,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
     request: &str,
     credentials: Option<(&str, &str)>,
 ) -> Option<(u16, String)> {
@@ -54,8 +75,16 @@ fn https(
     ))
     .with_safe_default_protocol_versions()
     .ok()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    .with_root_certificates(roots);
+    let config = match identity {
+        None => config.with_no_client_auth(),
+        Some((cert, key)) => {
+            use rustls::pki_types::pem::PemObject;
+            let chain = rustls_pemfile_certs(&std::fs::read(cert).ok()?);
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).ok()?;
+            config.with_client_auth_cert(chain, key).ok()?
+        }
+    };
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").ok()?;
     let mut connection = rustls::ClientConnection::new(Arc::new(config), name).ok()?;
     let mut socket = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -251,5 +280,64 @@ fn tls_and_basic_authentication_guard_all_but_pushes_and_probes() {
     );
     let up = prometheus_query(prom_port, "up{job=\"gpumem\"}").expect("query");
     assert_eq!(up[0]["value"][1], "1", "{up}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With client certificates required, a client without one, or with one another CA signed,
+/// gets no answer; one with a certificate the configured CA signed is served.
+#[test]
+fn required_client_certificates_are_verified_against_the_ca() {
+    let dir = temp_dir("web-config-mtls");
+    let (ca, _, _) = certificates(&dir);
+    let (client_ca, client_cert, client_key) = certificates_named(&dir, "client");
+    let (_, stranger_cert, stranger_key) = certificates_named(&dir, "stranger");
+    let config = dir.join("web.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {}\n",
+            client_ca.display()
+        ),
+    )
+    .expect("web config");
+    let port = free_port();
+    let log = dir.join("agent.log");
+    let _agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--web-config-file")
+            .arg(&config)
+            .args([
+                "--push-socket",
+                "",
+                "--pod-resources-socket",
+                "",
+                "--kubelet-logs",
+                "",
+            ])
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("starts"),
+    );
+    let identity = Some((client_cert.as_path(), client_key.as_path()));
+    let served = wait_for(Duration::from_secs(20), || {
+        https_as(port, &ca, identity, "GET /metrics HTTP/1.1", None).filter(|(s, _)| *s == 200)
+    });
+    assert!(
+        served.is_some(),
+        "no answer with the CA's client certificate: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(
+        https_as(port, &ca, None, "GET /metrics HTTP/1.1", None),
+        None,
+        "without a client certificate"
+    );
+    let stranger = Some((stranger_cert.as_path(), stranger_key.as_path()));
+    assert_eq!(
+        https_as(port, &ca, stranger, "GET /metrics HTTP/1.1", None),
+        None,
+        "with another CA's client certificate"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
