@@ -52,8 +52,10 @@ if [[ -z "$bin" ]]; then
     bin=target/gpu-check
     mkdir -p "$bin"
     cp target/release/gpumem target/release/libgpumem_torch.so "$bin/"
+    # The integration tests' executable, by its target's name (cargo lists the agent's too, in
+    # no fixed order).
     cp "$(cargo test --release --features cuda --test it --no-run --message-format=json \
-        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')" "$bin/it"
+        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "it"][-1])')" "$bin/it"
 fi
 bin="$(cd "$bin" && pwd)"
 
@@ -81,6 +83,11 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     rm -rf "$venv"
     clean
     python3 -m venv --system-site-packages "$venv"
+    # --system-site-packages reaches the base interpreter's packages only: where torch lives
+    # in a virtual environment of its own (python3 is that environment's), its site-packages
+    # are added to the new one's path, after the new one's own.
+    python3 -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+        > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu-check-parent.pth"
     offline=()
     if "$venv/bin/python" -c '
 import sys, setuptools
