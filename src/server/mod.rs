@@ -205,25 +205,22 @@ pub fn app(state: AppState) -> Router {
             check_user,
         ));
     }
-    // Everything but the probes (no data, and the kubelet's own Host) answers only to the
-    // agent's names (`hosts.rs`). Pushes are attributed, not authenticated.
-    Router::new()
-        .route("/api/v1/push", post(push))
-        .merge(shown)
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            check_host,
-        ))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .with_state(state)
+    with_pushes_and_probes(state, shown)
 }
 
 /// The router of a listener that takes pushes only (`gpumem serve --push-listen`: plain HTTP
 /// for jobs on the pod network where the main listener serves TLS), with the probes.
 pub fn push_app(state: AppState) -> Router {
+    with_pushes_and_probes(state, Router::new())
+}
+
+/// `routes` with pushes beside them, everything but the probes (no data, and the kubelet's
+/// own Host) answering only to the agent's names (`hosts.rs`). Pushes are attributed, not
+/// authenticated.
+fn with_pushes_and_probes(state: AppState, routes: Router<AppState>) -> Router {
     Router::new()
         .route("/api/v1/push", post(push))
+        .merge(routes)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             check_host,
