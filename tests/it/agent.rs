@@ -528,24 +528,29 @@ pub(crate) fn spawn_prometheus_alerting(
     rules: Option<&Path>,
     alertmanager_port: Option<u16>,
 ) -> (Reaper, u16) {
-    let prom_port = free_port();
-    let config = dir.join("prometheus.yml");
     let rule_files = rules.map_or(String::new(), |r| {
         format!("rule_files:\n  - '{}'\n", r.display())
     });
     let alerting = alertmanager_port.map_or(String::new(), |port| {
         format!("alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: ['127.0.0.1:{port}']\n")
     });
-    std::fs::write(
-        &config,
-        format!(
+    spawn_prometheus_configured(
+        dir,
+        &format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rule_files}{alerting}scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
         ),
     )
-    .expect("config");
+}
+
+/// A real Prometheus with the configuration `config` (written, with its data, in `dir`);
+/// returns it and its port.
+pub(crate) fn spawn_prometheus_configured(dir: &Path, config: &str) -> (Reaper, u16) {
+    let prom_port = free_port();
+    let path = dir.join("prometheus.yml");
+    std::fs::write(&path, config).expect("config");
     let prometheus = Reaper(
         Command::new("prometheus")
-            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--config.file={}", path.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",
                 dir.join("data").display()

@@ -76,14 +76,27 @@ impl tower::Service<http::Request<tonic::body::Body>> for Lister {
     }
 }
 
-/// A kubelet serving `answer` on `socket` until dropped.
-struct StandIn {
+/// A stand-in daemon serving a gRPC `service` (the kubelet's, the container runtime's) on
+/// `socket` until dropped.
+pub(crate) struct StandIn {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl StandIn {
-    fn start(socket: &Path, answer: Answer) -> StandIn {
+    pub(crate) fn serve<S>(socket: &Path, service: S) -> StandIn
+    where
+        S: tower::Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = Infallible,
+            > + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
         let _ = std::fs::remove_file(socket);
         let listener = std::os::unix::net::UnixListener::bind(socket).expect("binds the socket");
         listener.set_nonblocking(true).expect("non-blocking");
@@ -97,7 +110,7 @@ impl StandIn {
                 let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
                 let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
                 let _ = tonic::transport::Server::builder()
-                    .serve_with_incoming_shutdown(Lister { answer }, incoming, async {
+                    .serve_with_incoming_shutdown(service, incoming, async {
                         let _ = stopped.await;
                     })
                     .await;
@@ -107,6 +120,11 @@ impl StandIn {
             stop: Some(stop),
             thread: Some(thread),
         }
+    }
+
+    /// A kubelet serving `answer`.
+    fn start(socket: &Path, answer: Answer) -> StandIn {
+        StandIn::serve(socket, Lister { answer })
     }
 }
 

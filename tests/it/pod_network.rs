@@ -22,6 +22,7 @@ use tonic::codegen::http;
 
 use crate::agent::{free_port, http_get, spawn_serve, wait_for};
 use crate::common::temp_dir;
+use crate::kubelet::StandIn;
 
 /// The sandboxes the stand-in runtime lists (tests change them while it runs), and how often
 /// it was asked each status.
@@ -116,51 +117,6 @@ impl tower::Service<http::Request<tonic::body::Body>> for Runtime {
                 _ => tonic::Status::unimplemented("not served").into_http(),
             })
         })
-    }
-}
-
-/// The runtime serving on `socket` until dropped.
-pub(crate) struct StandIn {
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl StandIn {
-    pub(crate) fn start(socket: &Path, runtime: Runtime) -> StandIn {
-        let _ = std::fs::remove_file(socket);
-        let listener = std::os::unix::net::UnixListener::bind(socket).expect("binds the socket");
-        listener.set_nonblocking(true).expect("non-blocking");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
-                let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-                let _ = tonic::transport::Server::builder()
-                    .serve_with_incoming_shutdown(runtime, incoming, async {
-                        let _ = stopped.await;
-                    })
-                    .await;
-            });
-        });
-        StandIn {
-            stop: Some(stop),
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for StandIn {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 
@@ -289,6 +245,26 @@ impl Drop for Container {
     }
 }
 
+/// `gpumem serve` on `port` attributing the pod network through the runtime on `socket`
+/// (the kubelet's parts off), with `extra` arguments; its log in `log`.
+pub(crate) fn pod_network_agent(
+    port: u16,
+    log: &Path,
+    socket: &Path,
+    extra: &[&str],
+) -> crate::agent::Reaper {
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        "--cri-socket".as_ref(),
+        socket.as_os_str(),
+        "--pod-resources-socket".as_ref(),
+        "".as_ref(),
+        "--kubelet-logs".as_ref(),
+        "".as_ref(),
+    ];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    spawn_serve(port, log, None, &args)
+}
+
 /// Whether this test runs as root, which PID namespaces and cgroups need (CI runs as root);
 /// says so where it does not.
 pub(crate) fn as_root() -> bool {
@@ -384,7 +360,7 @@ fn pushes_from_the_pod_network_are_attributed_by_the_node() {
         sandbox(UID_B, "b", "127.0.0.3", false),
         sandbox(UID_HOST, "host", "127.0.0.6", true),
     ];
-    let _cri = StandIn::start(&socket, runtime.clone());
+    let _cri = StandIn::serve(&socket, runtime.clone());
     let root = cgroup_root();
     let a = Container::start(&root, UID_A, 2);
     let b = Container::start(&root, UID_B, 0);
@@ -399,22 +375,11 @@ fn pushes_from_the_pod_network_are_attributed_by_the_node() {
 
     let port = free_port();
     let log = dir.join("agent.log");
-    let _agent = spawn_serve(
+    let _agent = pod_network_agent(
         port,
         &log,
-        None,
-        &[
-            "--cri-socket".as_ref(),
-            socket.as_os_str(),
-            "--node-ip".as_ref(),
-            "127.0.0.4".as_ref(),
-            "--max-pod-processes".as_ref(),
-            "2".as_ref(),
-            "--pod-resources-socket".as_ref(),
-            "".as_ref(),
-            "--kubelet-logs".as_ref(),
-            "".as_ref(),
-        ],
+        &socket,
+        &["--node-ip", "127.0.0.4", "--max-pod-processes", "2"],
     );
     let none = serde_json::json!({});
 

@@ -9,9 +9,12 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::agent::{Reaper, free_port, http_get, spawn_prometheus_alerting, spawn_serve};
+use crate::agent::{Reaper, free_port, http_get, spawn_prometheus_alerting};
 use crate::common::temp_dir;
-use crate::pod_network::{Container, Runtime, StandIn, as_root, cgroup_root, push_from, sandbox};
+use crate::kubelet::StandIn;
+use crate::pod_network::{
+    Container, Runtime, as_root, cgroup_root, pod_network_agent, push_from, sandbox,
+};
 
 const UID_LLAMA: &str = "5d8e1c2a-3b4f-4a6d-9e7f-0a1b2c3d4e51";
 const UID_RESNET: &str = "6e9f2d3b-4c5a-4b7e-8f90-1b2c3d4e5f62";
@@ -107,7 +110,7 @@ fn alerts_reach_each_tenant_once_per_job_and_an_oom_inhibits_its_retries() {
         sandbox(UID_RESNET, "resnet-0", "127.0.0.3", false),
     ];
     // The stand-in names the pods' namespaces after them: team-llama-0, team-resnet-0.
-    let _cri = StandIn::start(&socket, runtime);
+    let _cri = StandIn::serve(&socket, runtime);
     let root = cgroup_root();
     let llama = Container::start(&root, UID_LLAMA, 3);
     let resnet = Container::start(&root, UID_RESNET, 0);
@@ -115,19 +118,7 @@ fn alerts_reach_each_tenant_once_per_job_and_an_oom_inhibits_its_retries() {
     let single = resnet.processes(1);
 
     let agent_port = free_port();
-    let _agent = spawn_serve(
-        agent_port,
-        &dir.join("agent.log"),
-        None,
-        &[
-            "--cri-socket".as_ref(),
-            socket.as_os_str(),
-            "--pod-resources-socket".as_ref(),
-            "".as_ref(),
-            "--kubelet-logs".as_ref(),
-            "".as_ref(),
-        ],
-    );
+    let _agent = pod_network_agent(agent_port, &dir.join("agent.log"), &socket, &[]);
     let (_alertmanager, am_port) = spawn_alertmanager(&dir);
     let rules = rules(&dir);
     let (_prometheus, _) = spawn_prometheus_alerting(&dir, agent_port, Some(&rules), Some(am_port));

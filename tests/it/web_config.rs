@@ -6,14 +6,14 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
 
-use crate::agent::{Reaper, free_port, prometheus_query, wait_for};
+use crate::agent::{Reaper, free_port, prometheus_query, spawn_prometheus_configured, wait_for};
 use crate::common::temp_dir;
 
 /// A CA (`<name>-ca.crt`) and a certificate it signed for 127.0.0.1 and localhost
@@ -116,6 +116,29 @@ fn rustls_pemfile_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'st
         .collect()
 }
 
+/// `gpumem serve` on `port` with the web configuration `config` (its log in `log`), its
+/// sockets and kubelet parts off, with `extra` arguments.
+fn agent(port: u16, config: &Path, log: &Path, extra: &[&str]) -> Reaper {
+    Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--web-config-file")
+            .arg(config)
+            .args([
+                "--push-socket",
+                "",
+                "--pod-resources-socket",
+                "",
+                "--kubelet-logs",
+                "",
+            ])
+            .args(extra)
+            .stderr(std::fs::File::create(log).expect("log"))
+            .spawn()
+            .expect("starts"),
+    )
+}
+
 /// A push of process `pid`.
 fn push_request(pid: u32) -> String {
     let body = serde_json::json!({
@@ -146,23 +169,11 @@ fn tls_and_basic_authentication_guard_all_but_pushes_and_probes() {
     let port = free_port();
     let push_port = free_port();
     let log = dir.join("agent.log");
-    let _agent = Reaper(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--push-listen", &format!("127.0.0.1:{push_port}")])
-            .arg("--web-config-file")
-            .arg(&config)
-            .args([
-                "--push-socket",
-                "",
-                "--pod-resources-socket",
-                "",
-                "--kubelet-logs",
-                "",
-            ])
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("starts"),
+    let _agent = agent(
+        port,
+        &config,
+        &log,
+        &["--push-listen", &format!("127.0.0.1:{push_port}")],
     );
     let ready = wait_for(Duration::from_secs(20), || {
         https(port, &ca, "GET /healthz HTTP/1.1", None).filter(|(s, _)| *s == 200)
@@ -245,30 +256,14 @@ fn tls_and_basic_authentication_guard_all_but_pushes_and_probes() {
     );
 
     // A real Prometheus scrapes it over TLS, trusting the CA, with basic authentication.
-    let prom_port = free_port();
-    let prom_config = dir.join("prometheus.yml");
     std::fs::write(dir.join("password"), "s3cret").expect("password");
-    std::fs::write(
-        &prom_config,
-        format!(
+    let (_prometheus, prom_port) = spawn_prometheus_configured(
+        &dir,
+        &format!(
             "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpumem\n    scheme: https\n    tls_config:\n      ca_file: {}\n    basic_auth:\n      username: prometheus\n      password_file: {}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n",
             ca.display(),
             dir.join("password").display()
         ),
-    )
-    .expect("config");
-    let _prometheus = Reaper(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", prom_config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus is installed"),
     );
     let pushed = wait_for(Duration::from_secs(30), || {
         let r = prometheus_query(prom_port, "gpumem_allocator_reserved_bytes{pid=\"4242\"}")?;
@@ -302,23 +297,7 @@ fn required_client_certificates_are_verified_against_the_ca() {
     .expect("web config");
     let port = free_port();
     let log = dir.join("agent.log");
-    let _agent = Reaper(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--web-config-file")
-            .arg(&config)
-            .args([
-                "--push-socket",
-                "",
-                "--pod-resources-socket",
-                "",
-                "--kubelet-logs",
-                "",
-            ])
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("starts"),
-    );
+    let _agent = agent(port, &config, &log, &[]);
     let identity = Some((client_cert.as_path(), client_key.as_path()));
     let served = wait_for(Duration::from_secs(20), || {
         https_as(port, &ca, identity, "GET /metrics HTTP/1.1", None).filter(|(s, _)| *s == 200)
