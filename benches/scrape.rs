@@ -91,6 +91,7 @@ fn node() -> Arc<SourceReport> {
                     used: Some(u64::from(p + 1) << 28),
                 })
                 .collect(),
+            mig: Vec::new(),
         })
         .collect();
     Arc::new(SourceReport {

@@ -583,6 +583,7 @@ impl SimNodeSource {
                         .saturating_sub(used + self.config.driver_reserved),
                     reserved: Some(self.config.driver_reserved),
                     processes,
+                    mig: Vec::new(),
                 }
             })
             .collect();

@@ -10,13 +10,11 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use crate::allocator::size::PoolKind;
-use crate::sources::{
-    AllocatorKind, AllocatorSource, AllocatorSources, IngestReader, IngestReport, UNKNOWN_SIZE,
-};
+use crate::sources::{AllocatorSource, AllocatorSources, IngestReader, IngestReport, UNKNOWN_SIZE};
 use crate::telemetry::cgroup::ContainerRef;
 use crate::telemetry::pod_names::{NameDirectory, PodNames};
-use crate::telemetry::pod_resources::{PodDirectory, PodResources};
-use crate::telemetry::{Kubelet, SourceReport};
+use crate::telemetry::pod_resources::{DeviceIndex, PodDirectory, PodResources};
+use crate::telemetry::{Kubelet, MigSample, SourceReport, uuid_body};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
 
@@ -162,15 +160,69 @@ fn ratio(part: i64, whole: i64) -> f64 {
     }
 }
 
-/// NVML's host index of each GPU, by UUID: a pushed device's index is the job's CUDA
-/// ordinal (in a container given host GPU 5 it says 0), so pushed series take NVML's.
-fn host_indices(reports: &[Arc<SourceReport>]) -> HashMap<&str, u32> {
-    reports
-        .iter()
-        .filter_map(|r| r.sample.as_ref())
-        .flat_map(|node| &node.gpus)
-        .map(|gpu| (gpu.uuid.as_str(), gpu.index))
-        .collect()
+/// Where a device lies on the node, as NVML reports it: its GPU's index and UUID, and the MIG
+/// device when it is one.
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    index: u32,
+    uuid: &'a str,
+    mig: Option<&'a MigSample>,
+}
+
+/// Every GPU and MIG device NVML reports, by UUID and by the UUID's body. A pushed device's
+/// index is the job's CUDA ordinal (in a container given host GPU 5 it says 0) and a MIG job's
+/// hook may spell its device `GPU-…`, so pushed series take NVML's place.
+struct Places<'a> {
+    exact: HashMap<&'a str, Place<'a>>,
+    body: HashMap<String, Place<'a>>,
+}
+
+impl<'a> Places<'a> {
+    fn of(reports: &'a [Arc<SourceReport>]) -> Self {
+        let mut places = Places {
+            exact: HashMap::new(),
+            body: HashMap::new(),
+        };
+        let gpus = reports
+            .iter()
+            .filter_map(|r| r.sample.as_ref())
+            .flat_map(|node| &node.gpus);
+        for gpu in gpus {
+            let whole = Place {
+                index: gpu.index,
+                uuid: &gpu.uuid,
+                mig: None,
+            };
+            let migs = gpu.mig.iter().map(|mig| {
+                let place = Place {
+                    mig: Some(mig),
+                    ..whole
+                };
+                (mig.uuid.as_str(), place)
+            });
+            for (uuid, place) in std::iter::once((gpu.uuid.as_str(), whole)).chain(migs) {
+                places.exact.insert(uuid, place);
+                places.body.insert(uuid_body(uuid), place);
+            }
+        }
+        places
+    }
+
+    fn find(&self, uuid: &str) -> Option<Place<'a>> {
+        self.exact
+            .get(uuid)
+            .or_else(|| self.body.get(&uuid_body(uuid)))
+            .copied()
+    }
+}
+
+/// The labels that name a MIG device, beside its parent's `gpu` and `UUID`.
+fn mig_labels(mig: &MigSample) -> [(String, String); 3] {
+    [
+        ("GPU_I_ID".into(), mig.gpu_instance.to_string()),
+        ("GPU_I_PROFILE".into(), mig.profile.clone()),
+        ("mig_uuid".into(), mig.uuid.clone()),
+    ]
 }
 
 /// The pod and container names of this scrape, from the kubelet's log directories.
@@ -192,7 +244,8 @@ fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .find_map(|(k, v)| (k == name).then_some(v.as_str()))
 }
 
-/// The pod and container of each process NVML reports, by (GPU UUID, pid).
+/// The pod and container of each process NVML reports, by (GPU UUID, pid); a MIG device's
+/// processes by their parent GPU's UUID.
 type ProcessPods<'a> = HashMap<(&'a str, u32), &'a ContainerRef>;
 
 fn process_pods(reports: &[Arc<SourceReport>]) -> ProcessPods<'_> {
@@ -202,28 +255,14 @@ fn process_pods(reports: &[Arc<SourceReport>]) -> ProcessPods<'_> {
         .filter_map(|r| r.sample.as_ref())
         .flat_map(|node| &node.gpus)
     {
-        for p in &gpu.processes {
+        let on_migs = gpu.mig.iter().flat_map(|mig| &mig.processes);
+        for p in gpu.processes.iter().chain(on_migs) {
             if let Some(container) = &p.container {
                 pods.insert((gpu.uuid.as_str(), p.pid), container);
             }
         }
     }
     pods
-}
-
-/// The extra labels of an allocator's series: its own (a push's job, rank, pod_uid and
-/// container_id), the pod of its process as NVML's view gives it where the source says none,
-/// and the pod's names where known.
-fn allocator_labels<'a>(
-    s: &'a AllocatorSource,
-    pods: &ProcessPods<'_>,
-    names: Names<'_>,
-) -> Cow<'a, [(String, String)]> {
-    process_labels(
-        &s.labels,
-        pods.get(&(s.uuid.as_str(), s.pid)).copied(),
-        names,
-    )
 }
 
 /// A process's extra labels: its own, then the pod NVML's view places it in (`nvml`) where
@@ -262,26 +301,25 @@ fn process_labels<'a>(
     labels
 }
 
+/// An allocator's series. Its extra labels: its own (a push's job, rank, pod_uid and
+/// container_id), the pod of its process as NVML's view gives it where the source says none,
+/// the pod's names where known, and its MIG device's where it runs on one.
 fn collect_allocator(
     f: &mut Families,
     s: &AllocatorSource,
     pods: &ProcessPods<'_>,
     names: Names<'_>,
-    hosts: &HashMap<&str, u32>,
+    places: &Places<'_>,
 ) {
-    let index = match s.allocator {
-        AllocatorKind::Pytorch => hosts.get(s.uuid.as_str()).copied().unwrap_or(s.gpu),
-        AllocatorKind::Gpumem => s.gpu,
-    };
+    let place = places.find(&s.uuid);
+    let (index, uuid) = place.map_or((s.gpu, s.uuid.as_str()), |p| (p.index, p.uuid));
     let (gpu, pid) = (index.to_string(), s.pid.to_string());
-    let extra = allocator_labels(s, pods, names);
+    let mut extra = process_labels(&s.labels, pods.get(&(uuid, s.pid)).copied(), names);
+    if let Some(mig) = place.and_then(|p| p.mig) {
+        extra.to_mut().extend(mig_labels(mig));
+    }
     let extra = extra.as_ref();
-    let base = [
-        gpu.as_str(),
-        s.uuid.as_str(),
-        pid.as_str(),
-        s.allocator.label(),
-    ];
+    let base = [gpu.as_str(), uuid, pid.as_str(), s.allocator.label()];
     let st = &s.stats;
     let active_bytes = st.active_bytes();
     for pool in [PoolKind::Small, PoolKind::Large] {
@@ -407,30 +445,50 @@ fn collect_report(
             ],
             1.0,
         );
-        for holder in assigned
-            .map(|d| d.holders(&gpu.uuid, Some(gpu.index)))
-            .unwrap_or_default()
-        {
-            f.of(&c::GPU_ASSIGNED).push(
-                &[
-                    &index,
-                    &gpu.uuid,
-                    &holder.namespace,
-                    &holder.pod,
-                    &holder.container,
-                ],
-                1.0,
-            );
-        }
-        for p in &gpu.processes {
-            if let Some(used) = p.used {
+        let whole = (None, &gpu.uuid, DeviceIndex::Gpu(gpu.index), &gpu.processes);
+        let migs = gpu.mig.iter().map(|mig| {
+            let at = DeviceIndex::Mig(gpu.index, mig.index);
+            (Some(mig), &mig.uuid, at, &mig.processes)
+        });
+        for (mig, uuid, at, processes) in std::iter::once(whole).chain(migs) {
+            let extra = mig.map_or_else(Vec::new, |mig| mig_labels(mig).to_vec());
+            if let Some(mig) = mig {
+                let labels = [
+                    index.as_str(),
+                    gpu.uuid.as_str(),
+                    &mig.gpu_instance.to_string(),
+                    &mig.profile,
+                    &mig.uuid,
+                ];
+                f.of(&c::MIG_TOTAL).push(&labels, mig.total as f64);
+                f.of(&c::MIG_USED).push(&labels, mig.used as f64);
+                f.of(&c::MIG_FREE).push(&labels, mig.free as f64);
+            }
+            for holder in assigned
+                .map(|d| d.holders(uuid, Some(at)))
+                .unwrap_or_default()
+            {
+                f.of(&c::GPU_ASSIGNED).push_with(
+                    &[
+                        &index,
+                        &gpu.uuid,
+                        &holder.namespace,
+                        &holder.pod,
+                        &holder.container,
+                    ],
+                    &extra,
+                    1.0,
+                );
+            }
+            for p in processes {
+                let Some(used) = p.used else { continue };
                 let pid = p.pid.to_string();
                 let (pod_uid, container_id) = p
                     .container
                     .as_ref()
                     .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
                 let [namespace, pod, container] = names.of(pod_uid, container_id);
-                f.of(&c::PROCESS_USED).push(
+                f.of(&c::PROCESS_USED).push_with(
                     &[
                         &index,
                         &gpu.uuid,
@@ -442,6 +500,7 @@ fn collect_report(
                         &pod,
                         &container,
                     ],
+                    &extra,
                     used as f64,
                 );
             }
@@ -518,12 +577,12 @@ impl Collector for AgentCollector {
         let allocators = self.allocators.snapshot();
         let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
         let pods = process_pods(&reports);
-        let hosts = host_indices(&reports);
+        let places = Places::of(&reports);
         let directory = self.kubelet.names.as_ref().map(PodNames::directory);
         let names = Names(directory.as_deref());
         let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
         for source in &allocators {
-            collect_allocator(&mut f, source, &pods, names, &hosts);
+            collect_allocator(&mut f, source, &pods, names, &places);
         }
         if !allocators.is_empty() {
             f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);

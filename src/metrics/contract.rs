@@ -28,6 +28,7 @@ const ALLOCATOR_POOL: &[&str] = &["gpu", "UUID", "pid", "allocator", "pool"];
 const ALLOCATOR_SIZE: &[&str] = &["gpu", "UUID", "pid", "allocator", "segment_size"];
 const ALLOCATOR_KIND: &[&str] = &["gpu", "UUID", "pid", "allocator", "kind"];
 const DEVICE: &[&str] = &["gpu", "UUID"];
+const MIG: &[&str] = &["gpu", "UUID", "GPU_I_ID", "GPU_I_PROFILE", "mig_uuid"];
 
 macro_rules! metric {
     ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
@@ -217,6 +218,27 @@ metric!(
     "Device memory the driver reserves for itself, as NVML reports it."
 );
 metric!(
+    MIG_TOTAL,
+    "gpumem_mig_total_bytes",
+    Gauge,
+    MIG,
+    "Memory of a MIG device's GPU instance, as NVML reports it; gpu and UUID name the parent GPU, GPU_I_ID and GPU_I_PROFILE the instance (as dcgm-exporter labels them), mig_uuid the MIG device. Compute instances of one GPU instance share its memory and report the same figures."
+);
+metric!(
+    MIG_USED,
+    "gpumem_mig_used_bytes",
+    Gauge,
+    MIG,
+    "Memory in use in a MIG device's GPU instance, as NVML reports it (labels as gpumem_mig_total_bytes)."
+);
+metric!(
+    MIG_FREE,
+    "gpumem_mig_free_bytes",
+    Gauge,
+    MIG,
+    "Memory free in a MIG device's GPU instance, as NVML reports it (labels as gpumem_mig_total_bytes)."
+);
+metric!(
     PROCESS_USED,
     "gpumem_process_used_bytes",
     Gauge,
@@ -231,14 +253,14 @@ metric!(
         "pod_name",
         "container_name",
     ],
-    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one; pod_namespace, pod_name and container_name name them, from the kubelet's log directories, where the agent can read them."
+    "Device memory a process uses, as NVML reports it (its allocator's reserved bytes plus CUDA context, NCCL and library workspaces); pod_uid and container_id name its Kubernetes pod and container, empty outside one; pod_namespace, pod_name and container_name name them, from the kubelet's log directories, where the agent can read them. A process on a MIG device also carries GPU_I_ID, GPU_I_PROFILE and mig_uuid (gpu and UUID name the parent GPU), as do its allocator's series."
 );
 metric!(
     GPU_ASSIGNED,
     "gpumem_gpu_assigned_info",
     Gauge,
     &["gpu", "UUID", "pod_namespace", "pod_name", "container_name"],
-    "1 for each container the kubelet assigned the GPU to (pod-resources API; a time-sliced GPU lists several)."
+    "1 for each container the kubelet assigned the GPU to (pod-resources API; a time-sliced GPU lists several); a MIG device's also carry GPU_I_ID, GPU_I_PROFILE and mig_uuid."
 );
 metric!(
     DEVICE_INFO,
@@ -368,7 +390,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 44] = [
+pub const CONTRACT: [&MetricDef; 47] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -396,6 +418,9 @@ pub const CONTRACT: [&MetricDef; 44] = [
     &DEVICE_USED,
     &DEVICE_FREE,
     &DEVICE_RESERVED,
+    &MIG_TOTAL,
+    &MIG_USED,
+    &MIG_FREE,
     &PROCESS_USED,
     &GPU_ASSIGNED,
     &DEVICE_INFO,

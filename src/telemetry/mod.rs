@@ -3,7 +3,7 @@
 //!
 //! A [`GpuSource`] answers one question, "what does the node look like now?", with a
 //! [`NodeSample`] of plain data: per GPU its identity, total/used/free/reserved memory and the
-//! processes using it. A [`Poller`] asks on its own thread at a fixed interval and publishes
+//! processes using it, and in MIG mode its MIG devices with theirs. A [`Poller`] asks on its own thread at a fixed interval and publishes
 //! the latest answer, so a slow or hung source never delays a scrape.
 //!
 //! # Invariants
@@ -59,8 +59,54 @@ pub struct GpuSample {
     pub free: u64,
     /// Memory the driver reserves for itself, where it reports it.
     pub reserved: Option<u64>,
-    /// Processes using the GPU.
+    /// Processes using the GPU (in MIG mode, none: each instance lists its own).
     pub processes: Vec<ProcessSample>,
+    /// Its MIG devices, when MIG mode is on (else none).
+    pub mig: Vec<MigSample>,
+}
+
+/// One MIG device: a compute instance of a GPU instance of a GPU in MIG mode, the unit a
+/// container is given. Several compute instances of one GPU instance share its memory, so
+/// each reports the same figures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigSample {
+    /// Its index among the parent's MIG devices (NVML's handle index; the device plugin's
+    /// `<gpu>:<index>` under its index strategy).
+    pub index: u32,
+    /// Its UUID, spelled `MIG-…`.
+    pub uuid: String,
+    /// The GPU instance's ID (dcgm-exporter's `GPU_I_ID`).
+    pub gpu_instance: u32,
+    /// The GPU instance's profile, as nvidia-smi names it (`1g.10gb`; dcgm-exporter's
+    /// `GPU_I_PROFILE`).
+    pub profile: String,
+    /// The GPU instance's memory.
+    pub total: u64,
+    /// Memory in use in it.
+    pub used: u64,
+    /// Memory free in it.
+    pub free: u64,
+    /// Processes using it.
+    pub processes: Vec<ProcessSample>,
+}
+
+impl MigSample {
+    /// The profile in a MIG device's name as NVML gives it (`NVIDIA A100-SXM4-40GB MIG
+    /// 1g.5gb` → `1g.5gb`); empty when the name has no `MIG` word.
+    pub fn profile_of(name: &str) -> String {
+        name.rsplit_once(" MIG ")
+            .map(|(_, profile)| profile.trim().to_string())
+            .unwrap_or_default()
+    }
+}
+
+/// A device UUID without its `GPU-` or `MIG-` prefix, in lower case: PyTorch reports a
+/// device's UUID without prefix, so a job's hook may have spelled a MIG device `GPU-…`.
+pub fn uuid_body(uuid: &str) -> String {
+    uuid.strip_prefix("GPU-")
+        .or_else(|| uuid.strip_prefix("MIG-"))
+        .unwrap_or(uuid)
+        .to_ascii_lowercase()
 }
 
 /// A whole node.

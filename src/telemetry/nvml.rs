@@ -1,11 +1,18 @@
 //! NVML through `nvml-wrapper`, loaded at run time: no build-time dependency on a driver,
 //! and a clear error (never a panic) where there is none.
+//!
+//! A GPU in MIG mode is read through its MIG devices: each one's memory (its GPU
+//! instance's) and processes; the parent lists no processes of its own, so none is counted
+//! twice. The agent only reads MIG mode, never changes it.
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
-use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
+use nvml_wrapper::{Device, Nvml};
 
-use super::{GpuSample, GpuSource, NodeSample, ProcessSample, SourceError};
+use super::{GpuSample, GpuSource, MigSample, NodeSample, ProcessSample, SourceError};
+
+/// NVML's `NVML_DEVICE_MIG_ENABLE`.
+const MIG_ENABLED: u32 = 1;
 
 /// The node's GPUs as NVML reports them.
 #[derive(Default)]
@@ -40,29 +47,80 @@ fn process_name(pid: u32) -> String {
         .unwrap_or_default()
 }
 
+/// The processes using a device (a GPU or a MIG device), each once.
+fn processes(device: &Device<'_>) -> Vec<ProcessSample> {
+    let mut processes: Vec<ProcessSample> = Vec::new();
+    let compute = device.running_compute_processes().unwrap_or_default();
+    let graphics = device.running_graphics_processes().unwrap_or_default();
+    for p in compute.into_iter().chain(graphics) {
+        if processes.iter().any(|q| q.pid == p.pid) {
+            continue;
+        }
+        processes.push(ProcessSample {
+            pid: p.pid,
+            name: process_name(p.pid),
+            container: super::cgroup::container_of(p.pid),
+            used: match p.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => Some(bytes),
+                UsedGpuMemory::Unavailable => None,
+            },
+        });
+    }
+    processes
+}
+
+/// A MIG device's GPU instance ID (`nvmlDeviceGetGpuInstanceId`, which nvml-wrapper does
+/// not wrap).
+#[allow(unsafe_code)]
+fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref())?;
+    let mut id: std::os::raw::c_uint = 0;
+    // SAFETY: `mig` is a live MIG device handle of this library (it borrows `nvml`), and the
+    // call only writes `id`, which outlives it.
+    nvml_try(unsafe { sym(mig.handle(), &mut id) })?;
+    Ok(id)
+}
+
+/// The MIG devices of a GPU: none unless MIG mode is on.
+fn mig_devices(nvml: &Nvml, device: &Device<'_>) -> Result<Vec<MigSample>, NvmlError> {
+    match device.mig_mode() {
+        Ok(mode) if mode.current == MIG_ENABLED => {}
+        // GPUs without MIG, and drivers older than MIG, say so.
+        Ok(_) | Err(NvmlError::NotSupported | NvmlError::FunctionNotFound) => {
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(e),
+    }
+    let mut migs = Vec::new();
+    for index in 0..device.mig_device_count()? {
+        let mig = match device.mig_device_by_index(index) {
+            Ok(mig) => mig,
+            // A slot no instance occupies.
+            Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
+            Err(e) => return Err(e),
+        };
+        let memory = mig.memory_info()?;
+        migs.push(MigSample {
+            index,
+            uuid: mig.uuid()?,
+            gpu_instance: gpu_instance_id(nvml, &mig)?,
+            profile: MigSample::profile_of(&mig.name()?),
+            total: memory.total,
+            used: memory.used,
+            free: memory.free,
+            processes: processes(&mig),
+        });
+    }
+    Ok(migs)
+}
+
 impl NvmlSource {
     fn read(nvml: &Nvml) -> Result<NodeSample, NvmlError> {
         let mut gpus = Vec::new();
         for index in 0..nvml.device_count()? {
             let device = nvml.device_by_index(index)?;
             let memory = device.memory_info()?;
-            let mut processes: Vec<ProcessSample> = Vec::new();
-            let compute = device.running_compute_processes().unwrap_or_default();
-            let graphics = device.running_graphics_processes().unwrap_or_default();
-            for p in compute.into_iter().chain(graphics) {
-                if processes.iter().any(|q| q.pid == p.pid) {
-                    continue;
-                }
-                processes.push(ProcessSample {
-                    pid: p.pid,
-                    name: process_name(p.pid),
-                    container: super::cgroup::container_of(p.pid),
-                    used: match p.used_gpu_memory {
-                        UsedGpuMemory::Used(bytes) => Some(bytes),
-                        UsedGpuMemory::Unavailable => None,
-                    },
-                });
-            }
+            let mig = mig_devices(nvml, &device)?;
             gpus.push(GpuSample {
                 index,
                 uuid: device.uuid()?,
@@ -71,7 +129,12 @@ impl NvmlSource {
                 used: memory.used,
                 free: memory.free,
                 reserved: Some(memory.reserved),
-                processes,
+                processes: if mig.is_empty() {
+                    processes(&device)
+                } else {
+                    Vec::new()
+                },
+                mig,
             });
         }
         Ok(NodeSample {
@@ -102,6 +165,19 @@ impl GpuSource for NvmlSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mig_devices_profile_is_read_off_its_name() {
+        assert_eq!(
+            MigSample::profile_of("NVIDIA A100-SXM4-40GB MIG 1g.5gb"),
+            "1g.5gb"
+        );
+        assert_eq!(
+            MigSample::profile_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me"),
+            "1g.10gb+me"
+        );
+        assert_eq!(MigSample::profile_of("NVIDIA H200"), "");
+    }
 
     #[test]
     fn without_a_driver_sampling_fails_with_a_reason() {

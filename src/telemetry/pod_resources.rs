@@ -2,7 +2,8 @@
 //!
 //! `PodResourcesLister.List` (gRPC over `/var/lib/kubelet/pod-resources/kubelet.sock`) names,
 //! for every container, the devices device plugins gave it: for NVIDIA's plugin, GPU UUIDs
-//! (`GPU-…`, `GPU-…::<n>` for a time slice) or node indices. The agent exports the assignment
+//! (`GPU-…`, `GPU-…::<n>` for a time slice) or node indices, and MIG devices' UUIDs
+//! (`MIG-…`, under `nvidia.com/gpu` or `nvidia.com/mig-<profile>`) or `<gpu>:<mig>` indices. The agent exports the assignment
 //! beside NVML's view, so a GPU assigned to one pod but used by another's processes, or
 //! assigned and idle, shows. (Processes are named from their own cgroups, never from this.)
 //!
@@ -28,6 +29,9 @@ use super::latest::Latest;
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
 /// The resource whose device IDs may be node indices (the device plugin's index strategy).
 const NVIDIA_GPU: &str = "nvidia.com/gpu";
+/// The prefix of the device plugin's MIG resources under its mixed strategy
+/// (`nvidia.com/mig-1g.10gb`); under the single strategy they are `nvidia.com/gpu`.
+const NVIDIA_MIG: &str = "nvidia.com/mig-";
 /// The `source` label of the kubelet's up and duration metrics.
 pub const SOURCE: &str = "pod_resources";
 
@@ -97,6 +101,24 @@ pub struct PodContainer {
     pub container: String,
 }
 
+/// A device's place on the node, as the device plugin's index strategy names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceIndex {
+    /// A whole GPU: NVML's index.
+    Gpu(u32),
+    /// A MIG device: its parent's index and its own among the parent's.
+    Mig(u32, u32),
+}
+
+impl DeviceIndex {
+    fn key(self) -> String {
+        match self {
+            DeviceIndex::Gpu(i) => format!("#{i}"),
+            DeviceIndex::Mig(gpu, mig) => format!("#{gpu}:{mig}"),
+        }
+    }
+}
+
 /// Who holds each device, from one `List` answer.
 #[derive(Debug, Default)]
 pub struct PodDirectory {
@@ -131,15 +153,16 @@ impl PodDirectory {
         PodDirectory { holders }
     }
 
-    /// The containers holding the GPU with this UUID and node index.
-    pub fn holders(&self, uuid: &str, index: Option<u32>) -> Vec<&PodContainer> {
+    /// The containers holding the GPU with this UUID and node index, or the MIG device with
+    /// this UUID and `<gpu>:<mig>` index.
+    pub fn holders(&self, uuid: &str, index: Option<DeviceIndex>) -> Vec<&PodContainer> {
         let by_uuid = self
             .holders
             .get(uuid)
             .map(Vec::as_slice)
             .unwrap_or_default();
         let by_index = index
-            .and_then(|i| self.holders.get(&format!("#{i}")))
+            .and_then(|i| self.holders.get(&i.key()))
             .map(Vec::as_slice)
             .unwrap_or_default();
         let mut all: Vec<&PodContainer> = Vec::new();
@@ -157,14 +180,27 @@ impl PodDirectory {
     }
 }
 
-/// The directory key of a device ID: the GPU UUID (a time-slice's `::<n>` dropped), or
-/// `#<index>` for an index of `nvidia.com/gpu`; `None` for devices that are not GPUs.
+/// The directory key of a device ID: the GPU's or MIG device's UUID (a time slice's `::<n>`
+/// dropped), or under the index strategy `#<index>` for a GPU and `#<gpu>:<mig>` for a MIG
+/// device; `None` for devices that are not GPUs.
 fn device_key(resource: &str, id: &str) -> Option<String> {
     let id = id.split_once("::").map_or(id, |(gpu, _)| gpu);
-    if id.starts_with("GPU-") {
+    let number = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
+    let nvidia = resource == NVIDIA_GPU || resource.starts_with(NVIDIA_MIG);
+    if id.starts_with("GPU-") || id.starts_with("MIG-") {
         Some(id.to_string())
-    } else if resource == NVIDIA_GPU && !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()) {
+    } else if nvidia && number(id) {
         id.parse::<u32>().ok().map(|i| format!("#{i}"))
+    } else if nvidia
+        && let Some((gpu, mig)) = id.split_once(':')
+        && number(gpu)
+        && number(mig)
+    {
+        Some(format!(
+            "#{}:{}",
+            gpu.parse::<u32>().ok()?,
+            mig.parse::<u32>().ok()?
+        ))
     } else {
         None
     }
@@ -297,15 +333,31 @@ mod tests {
             pod(
                 "net",
                 "sriov",
-                &[("app", "intel.com/sriov", &["0000:3b:02.1", "4"])],
+                &[("app", "intel.com/sriov", &["0000:3b:02.1", "4", "5:1"])],
+            ),
+            // MIG devices: by UUID under the single strategy (nvidia.com/gpu) or the mixed
+            // one (nvidia.com/mig-<profile>), time-sliced, or by <gpu>:<mig> index.
+            pod("ml", "small", &[("a", NVIDIA_GPU, &["MIG-111"])]),
+            pod(
+                "ml",
+                "mixed",
+                &[("b", "nvidia.com/mig-1g.10gb", &["MIG-222::0"])],
+            ),
+            pod(
+                "ml",
+                "indexed",
+                &[("c", "nvidia.com/mig-2g.20gb", &["5:1"])],
             ),
         ]);
         let trainer = holder("ml", "train-0", "trainer");
-        assert_eq!(d.holders("GPU-aaa", Some(0)), vec![&trainer]);
+        assert_eq!(
+            d.holders("GPU-aaa", Some(DeviceIndex::Gpu(0))),
+            vec![&trainer]
+        );
         assert_eq!(d.holders("GPU-bbb", None), vec![&trainer]);
         // Time slices of one GPU: each container once.
         assert_eq!(
-            d.holders("GPU-ccc", Some(2)),
+            d.holders("GPU-ccc", Some(DeviceIndex::Gpu(2))),
             vec![
                 &holder("ml", "infer", "server"),
                 &holder("ml", "infer-2", "server")
@@ -313,11 +365,25 @@ mod tests {
         );
         // The index strategy, and only for nvidia.com/gpu.
         assert_eq!(
-            d.holders("GPU-ddd", Some(3)),
+            d.holders("GPU-ddd", Some(DeviceIndex::Gpu(3))),
             vec![&holder("batch", "job", "main")]
         );
-        assert!(d.holders("GPU-eee", Some(4)).is_empty());
+        assert!(d.holders("GPU-eee", Some(DeviceIndex::Gpu(4))).is_empty());
         assert!(d.holders("GPU-unknown", None).is_empty());
+        assert_eq!(
+            d.holders("MIG-111", Some(DeviceIndex::Mig(0, 0))),
+            vec![&holder("ml", "small", "a")]
+        );
+        assert_eq!(
+            d.holders("MIG-222", None),
+            vec![&holder("ml", "mixed", "b")]
+        );
+        assert_eq!(
+            d.holders("MIG-333", Some(DeviceIndex::Mig(5, 1))),
+            vec![&holder("ml", "indexed", "c")]
+        );
+        // A MIG index is not a GPU's: GPU 5 is nobody's.
+        assert!(d.holders("GPU-fff", Some(DeviceIndex::Gpu(5))).is_empty());
     }
 
     #[test]

@@ -191,6 +191,7 @@ mod tests {
                     free: 6,
                     reserved: None,
                     processes: Vec::new(),
+                    mig: Vec::new(),
                 }],
             })
         }

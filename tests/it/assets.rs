@@ -403,7 +403,7 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
         tails.iter().all(|t| t == &tails[0]),
         "the per-job alerts' routing differs: {tails:#?}"
     );
-    let heads = text.matches("max without (pid, gpu, UUID, instance, node, pod, pod_uid, container_id, pod_name, container_name, rank, local_rank, job_part) (").count();
+    let heads = text.matches("max without (pid, gpu, UUID, GPU_I_ID, GPU_I_PROFILE, mig_uuid, instance, node, pod, pod_uid, container_id, pod_name, container_name, rank, local_rank, job_part) (").count();
     assert_eq!(
         heads, 6,
         "each per-job alert aggregates the same per-rank labels away"

@@ -22,7 +22,7 @@ use gpumem::telemetry::pod_resources::api::{
     ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse,
     PodResources as PodEntry,
 };
-use gpumem::telemetry::{GpuSample, Kubelet, NodeSample, ProcessSample, SourceReport};
+use gpumem::telemetry::{GpuSample, Kubelet, MigSample, NodeSample, ProcessSample, SourceReport};
 use tonic::codegen::http;
 
 use crate::agent::{free_port, http_get, spawn_serve, wait_for};
@@ -213,6 +213,7 @@ fn node_report() -> ReportReader {
         free: 76 << 30,
         reserved: None,
         processes,
+        mig: Vec::new(),
     };
     let report = Arc::new(SourceReport {
         source: "nvml",
@@ -484,4 +485,220 @@ fn a_container_ordinal_joins_nvml_by_uuid() {
         !unknown.is_empty() && unknown.iter().all(|l| l.contains(r#"gpu="3""#)),
         "the pushed index where NVML does not know the UUID: {unknown:?}"
     );
+}
+
+/// A stand-in NVML inventory with GPU 0 in MIG mode, split into a 3g.40gb and a 1g.10gb GPU
+/// instance, each running a process in a pod; GPU 1 whole.
+fn mig_node_report() -> ReportReader {
+    let process = |pid, container| ProcessSample {
+        pid,
+        name: "python".into(),
+        used: Some(3 << 30),
+        container,
+    };
+    let mig = |index, uuid: &str, gpu_instance, profile: &str, total: u64, processes| MigSample {
+        index,
+        uuid: uuid.into(),
+        gpu_instance,
+        profile: profile.into(),
+        total,
+        used: 3 << 30,
+        free: total - (3 << 30),
+        processes,
+    };
+    let report = Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "550.54.15".into(),
+            simulated: false,
+            gpus: vec![
+                GpuSample {
+                    index: 0,
+                    uuid: "GPU-0aaa".into(),
+                    model: "H100".into(),
+                    total: 80 << 30,
+                    used: 6 << 30,
+                    free: 74 << 30,
+                    reserved: None,
+                    processes: Vec::new(),
+                    mig: vec![
+                        mig(
+                            0,
+                            MIG_A,
+                            2,
+                            "3g.40gb",
+                            40 << 30,
+                            vec![process(trainer(), in_pod(TRAIN_UID))],
+                        ),
+                        mig(
+                            1,
+                            MIG_B,
+                            9,
+                            "1g.10gb",
+                            10 << 30,
+                            vec![process(4242, in_pod(INFER_UID))],
+                        ),
+                    ],
+                },
+                GpuSample {
+                    index: 1,
+                    uuid: "GPU-1aaa".into(),
+                    model: "H100".into(),
+                    total: 80 << 30,
+                    used: 0,
+                    free: 80 << 30,
+                    reserved: None,
+                    processes: Vec::new(),
+                    mig: Vec::new(),
+                },
+            ],
+        }),
+        error: None,
+        duration_seconds: 0.001,
+    });
+    Box::new(move || Arc::clone(&report))
+}
+
+const MIG_A: &str = "MIG-4b6c2f1e-8d3a-5e7b-9c0d-1e2f3a4b5c6d";
+const MIG_B: &str = "MIG-7a8b9c0d-1e2f-5a3b-8c4d-5e6f7a8b9c0d";
+
+/// Each MIG device's memory, processes and assignment carry their parent's `gpu` and `UUID`
+/// and the instance's labels; pushes from MIG jobs, spelled `MIG-…` by the hook or `GPU-…` by
+/// an older one, take the same place, so they join NVML's series on (gpu, UUID, pid).
+#[test]
+fn mig_devices_processes_pushes_and_assignments_join() {
+    let dir = temp_dir("kubelet-mig");
+    let socket = dir.join("kubelet.sock");
+    let mig_pod = |name: &str, resource: &str, id: &str| PodEntry {
+        name: name.into(),
+        namespace: "ml".into(),
+        containers: vec![ContainerResources {
+            name: "main".into(),
+            devices: vec![ContainerDevices {
+                resource_name: resource.into(),
+                device_ids: vec![id.into()],
+            }],
+        }],
+    };
+    let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
+        pod_resources: vec![
+            // The device plugin's mixed strategy by UUID, and its index strategy.
+            mig_pod("train-0", "nvidia.com/mig-3g.40gb", MIG_A),
+            mig_pod("infer-b", "nvidia.com/mig-1g.10gb", "0:1"),
+        ],
+    }));
+    let _kubelet = StandIn::start(&socket, answer);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let resources = PodResources::new();
+    runtime.block_on(resources.refresh(&socket, Duration::from_secs(5)));
+    assert!(resources.report().up, "{:?}", resources.report().error);
+    let pod_names = log_dirs(
+        &dir.join("log"),
+        &[
+            ("ml", "train-0", "trainer", TRAIN_UID),
+            ("ml", "infer-b", "server", INFER_UID),
+        ],
+    );
+    pod_names.refresh();
+    let state = agent_state(
+        AllocatorSources::default(),
+        vec![mig_node_report()],
+        IngestConfig {
+            resolve,
+            ..IngestConfig::default()
+        },
+        Kubelet {
+            names: Some(pod_names),
+            resources: Some(resources),
+        },
+    )
+    .expect("registers");
+    let store = state.ingest.as_ref().expect("ingest");
+    // The trainer's hook saw MIG_A in NVIDIA_VISIBLE_DEVICES; the server's older hook spelled
+    // its device GPU-, in upper case, as torch's UUID with the prefix added.
+    let body_b = MIG_B.trim_start_matches("MIG-").to_ascii_uppercase();
+    for (pid, uuid) in [
+        (trainer(), MIG_A.to_string()),
+        (4242, format!("GPU-{body_b}")),
+    ] {
+        let push = serde_json::json!({
+            "pid": pid, "seq": 1,
+            "devices": [{"index": 0, "uuid": uuid, "stats": {"reserved_bytes.all.current": 2_i64 << 30}}],
+        });
+        let peer = (pid == trainer()).then(|| pid.into());
+        store
+            .push_from(push.to_string().as_bytes(), peer)
+            .expect("accepted");
+    }
+    let text = state.metrics.encode();
+    let instance = |gi: &str, profile: &str, uuid: &str| {
+        format!(r#"GPU_I_ID="{gi}",GPU_I_PROFILE="{profile}",mig_uuid="{uuid}""#)
+    };
+    let (a, b) = (
+        instance("2", "3g.40gb", MIG_A),
+        instance("9", "1g.10gb", MIG_B),
+    );
+    // Each instance's memory, under its parent.
+    for (metric, value) in [
+        ("gpumem_mig_total_bytes", 40u64 << 30),
+        ("gpumem_mig_used_bytes", 3 << 30),
+        ("gpumem_mig_free_bytes", 37 << 30),
+    ] {
+        let series = format!(r#"{metric}{{gpu="0",UUID="GPU-0aaa",{a}}} {value}"#);
+        assert!(text.lines().any(|l| l == series), "{series}\n{text}");
+    }
+    assert!(line(&text, "gpumem_mig_total_bytes", MIG_B).contains(r#"GPU_I_ID="9""#));
+    // No instance of the whole GPU.
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("gpumem_mig_") && l.contains("GPU-1aaa"))
+    );
+    // Processes: by parent, with their instance, named by their pods.
+    let me = format!(r#"pid="{}""#, trainer());
+    for (pid, labels, pod) in [
+        (me.as_str(), &a, "train-0"),
+        (r#"pid="4242""#, &b, "infer-b"),
+    ] {
+        let process = line(&text, "gpumem_process_used_bytes", pid);
+        assert!(
+            process.contains(r#"gpu="0",UUID="GPU-0aaa""#)
+                && process.contains(labels.as_str())
+                && process.contains(&format!(r#"pod_name="{pod}""#)),
+            "{process}"
+        );
+        // The push joins: the same gpu, UUID and pid, the same instance.
+        let pushed = line(&text, "gpumem_allocator_reserved_bytes", pid);
+        assert!(
+            pushed.contains(r#"gpu="0",UUID="GPU-0aaa""#) && pushed.contains(labels.as_str()),
+            "{pushed}"
+        );
+    }
+    let trainer_pushed = line(&text, "gpumem_allocator_reserved_bytes", &me);
+    assert!(
+        trainer_pushed.contains(&names("ml", "train-0", "trainer")),
+        "{trainer_pushed}"
+    );
+    // The assignments: by UUID and by index, each to its instance.
+    let assigned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gpumem_gpu_assigned_info{"))
+        .collect();
+    assert_eq!(assigned.len(), 2, "{assigned:?}");
+    for (labels, pod) in [(&a, "train-0"), (&b, "infer-b")] {
+        assert!(
+            assigned
+                .iter()
+                .any(|l| l.contains(r#"gpu="0",UUID="GPU-0aaa""#)
+                    && l.contains(&format!(r#"pod_name="{pod}""#))
+                    && l.contains(labels.as_str())),
+            "{pod}: {assigned:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
