@@ -552,6 +552,17 @@ certified = daemonset(dict(secured, webConfig=dict(secured["webConfig"], clientC
 probes = [certified["containers"][0][p] for p in ("livenessProbe", "readinessProbe")]
 if any(p.get("tcpSocket") != {"port": "metrics"} or "httpGet" in p for p in probes):
     fail(f"probes with client certificates: {probes}")
+# A bearer token from a Secret instead of a user: the endpoint's authorization, valid to the
+# operator's schema; both at once refused (Prometheus sends one Authorization header).
+token = {"type": "Bearer", "credentials": {"name": "scrape-credentials", "key": "token"}}
+bearer = dict(secured, serviceMonitor=dict(
+    {k: v for k, v in secured["serviceMonitor"].items() if k != "basicAuth"}, authorization=token))
+check(bearer, "TLS and a bearer token")
+endpoint = rendered(bearer, "ServiceMonitor")[0]["spec"]["endpoints"][0]
+if endpoint.get("authorization") != token or "basicAuth" in endpoint:
+    fail(f"the ServiceMonitor with a bearer token: {endpoint}")
+refused(dict(secured, serviceMonitor=dict(secured["serviceMonitor"], authorization=token)),
+        "not both", "basicAuth and authorization both")
 refused({"webConfig": {"secretName": "", "tls": True, "clientCertificates": False, "pushPort": 9418}},
         "secretName", "TLS without a web configuration")
 refused({"networkPolicy": {"enabled": True, "scrapers": []}}, "scrapers", "a NetworkPolicy admitting everyone")

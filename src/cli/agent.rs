@@ -74,9 +74,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_pod_processes: u32,
     /// A web configuration file in the Prometheus exporter-toolkit's format: TLS
-    /// (tls_server_config, the certificate re-read when it changes) and basic authentication
-    /// (basic_auth_users, bcrypt hashes) for /metrics, the page and its APIs; pushes and
-    /// probes need no credentials.
+    /// (tls_server_config, the certificate re-read when it changes) and authentication (basic
+    /// with basic_auth_users, bcrypt hashes; bearer with gpumem's bearer_auth_tokens_file) for
+    /// /metrics, the page and its APIs; pushes and probes need no credentials.
     #[arg(long, value_name = "FILE")]
     web_config_file: Option<PathBuf>,
     /// Also take pushes, and only pushes, over plain HTTP on this address (for jobs on the pod
@@ -114,7 +114,7 @@ pub(crate) struct HttpArgs {
     shutdown_timeout: f64,
     /// The live page at / and its APIs (/api/v1/node, /api/v1/segments), which show pids, pod
     /// names and configurations: `auto` serves them where the agent listens on loopback only
-    /// or asks for credentials (--web-config-file with basic_auth_users), `on` or `off`.
+    /// or asks for credentials (--web-config-file with users or tokens), `on` or `off`.
     #[arg(long, value_enum, default_value_t = Ui::Auto)]
     ui: Ui,
     /// A DNS name the agent also answers to (repeatable), for example its Service's when
@@ -445,7 +445,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Some(path) => WebConfig::load(path)?,
         None => WebConfig::default(),
     };
-    state.users = web.users;
+    state.auth = web.auth;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui.serves(args.listen, state.authenticates());
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);

@@ -108,10 +108,10 @@ pub struct AppState {
     /// `kubelet`: the container runtime is asked over gRPC).
     #[cfg(feature = "kubelet")]
     pub pod_network: Option<Arc<crate::telemetry::pod_network::PodNetwork>>,
-    /// The users `/metrics`, the page and its APIs answer, where any are configured (the
-    /// web configuration file's `basic_auth_users`); pushes and probes answer anyone.
+    /// Who `/metrics`, the page and its APIs answer, where the web configuration file
+    /// configures users or bearer tokens; pushes and probes answer anyone.
     #[cfg(feature = "tls")]
-    pub users: Option<Arc<web_config::BasicAuth>>,
+    pub auth: Option<Arc<web_config::Authentication>>,
 }
 
 /// Push bodies read at once per kind of listener, by default: 8 × 512 KiB at most each.
@@ -135,14 +135,14 @@ impl AppState {
             #[cfg(feature = "kubelet")]
             pod_network: None,
             #[cfg(feature = "tls")]
-            users: None,
+            auth: None,
         }
     }
 
-    /// Whether requests must name a user (basic authentication is configured).
+    /// Whether requests must carry credentials (users or tokens are configured).
     pub fn authenticates(&self) -> bool {
         #[cfg(feature = "tls")]
-        return self.users.is_some();
+        return self.auth.is_some();
         #[cfg(not(feature = "tls"))]
         false
     }
@@ -230,24 +230,31 @@ fn with_pushes_and_probes(state: AppState, routes: Router<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Refuses (401) a request that names no configured user with its password.
+/// Refuses (401) a request that carries no configured credentials: a user with its password
+/// or a bearer token.
 async fn check_user(
     State(state): State<AppState>,
     request: Request,
     next: axum::middleware::Next,
 ) -> Response {
     #[cfg(feature = "tls")]
-    if let Some(users) = &state.users
-        && !users
+    if let Some(auth) = &state.auth
+        && !auth
             .allows(request.headers().get(header::AUTHORIZATION))
             .await
     {
-        return (
+        let mut refusal = (
             StatusCode::UNAUTHORIZED,
-            [(header::WWW_AUTHENTICATE, "Basic realm=\"gpumem\"")],
-            "this agent answers configured users only (basic authentication)\n",
+            "this agent answers configured credentials only (basic or bearer authentication)\n",
         )
             .into_response();
+        for challenge in auth.challenges() {
+            refusal.headers_mut().append(
+                header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static(challenge),
+            );
+        }
+        return refusal;
     }
     #[cfg(not(feature = "tls"))]
     let _ = &state;

@@ -1,6 +1,8 @@
 //! The agent's web configuration file (`gpumem serve --web-config-file`), in the format of the
 //! Prometheus exporter-toolkit (node_exporter's, dcgm-exporter's `--web-config-file`): TLS and
-//! basic authentication for `/metrics`, the page and its APIs.
+//! basic authentication for `/metrics`, the page and its APIs; and, gpumem's one addition to
+//! the format, bearer tokens (`bearer_auth_tokens_file`), which a ServiceMonitor's
+//! `authorization` sends from a Secret.
 //!
 //! ```yaml
 //! tls_server_config:
@@ -11,7 +13,11 @@
 //!   min_version: TLS12                      # TLS12 or TLS13
 //! basic_auth_users:
 //!   prometheus: $2y$10$...                  # bcrypt (htpasswd -nBC 10)
+//! bearer_auth_tokens_file: /etc/gpumem/auth/tokens   # one token a line; re-read when it changes
 //! ```
+//!
+//! A request is answered when it names a user with its password or presents one of the
+//! tokens (either, where both are configured).
 //!
 //! Keys gpumem does not implement (`cipher_suites`, `curve_preferences`, `client_allowed_sans`,
 //! inline `cert`/`key`, `http_server_config.headers`, HTTP/2) are refused by name rather than
@@ -27,13 +33,20 @@
 //!   remembered (the password's SHA-256, per user, compared in constant time), so a scraper
 //!   pays for bcrypt once, not per scrape. An `Authorization` header over
 //!   [`MAX_HEADER_BYTES`] is refused unread.
+//! - The tokens file is at most [`MAX_TOKENS_FILE_BYTES`], at most [`MAX_TOKENS`] tokens of
+//!   [`MIN_TOKEN_BYTES`] to [`MAX_HEADER_BYTES`] visible ASCII characters each. Only their
+//!   SHA-256 digests are kept, and a presented token is compared with every one in constant
+//!   time. The file is looked at again at most every [`TOKENS_RECHECK`] and re-read when its
+//!   modification time, length or inode changed (a Secret's rotation); a file that has become
+//!   unreadable or invalid leaves the last tokens in force, with a warning.
 //! - The file is read once, at start: new users or passwords take a restart (the
-//!   certificate files it names are re-read as they change). Credentials over plain HTTP
-//!   travel in the clear: configure `tls_server_config` with `basic_auth_users`.
+//!   certificate files and the tokens file it names are re-read as they change). Credentials
+//!   over plain HTTP travel in the clear: configure `tls_server_config` with them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::http::HeaderValue;
 use serde::Deserialize;
@@ -49,7 +62,15 @@ pub const MAX_CHECKS: usize = 2;
 /// The longest `Authorization` header read.
 pub const MAX_HEADER_BYTES: usize = 1024;
 /// The longest a request waits for its turn to be checked.
-pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+pub const MAX_WAIT: Duration = Duration::from_secs(5);
+/// The largest tokens file read.
+pub const MAX_TOKENS_FILE_BYTES: u64 = 16 * 1024;
+/// Tokens a tokens file may hold.
+pub const MAX_TOKENS: usize = 16;
+/// The shortest token accepted in the file: shorter is no secret.
+pub const MIN_TOKEN_BYTES: usize = 16;
+/// How often the tokens file is looked at for a change, at most.
+pub const TOKENS_RECHECK: Duration = Duration::from_secs(1);
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -60,6 +81,8 @@ struct File {
     http_server_config: Option<HttpFile>,
     #[serde(default)]
     basic_auth_users: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    bearer_auth_tokens_file: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -93,8 +116,37 @@ struct HttpFile {
 pub struct WebConfig {
     /// TLS, where configured.
     pub tls: Option<TlsSettings>,
-    /// Basic authentication, where users are listed.
-    pub users: Option<Arc<BasicAuth>>,
+    /// Authentication, where users or tokens are configured.
+    pub auth: Option<Arc<Authentication>>,
+}
+
+/// Who is answered: users with their passwords, bearer tokens, or either.
+#[derive(Debug)]
+pub struct Authentication {
+    basic: Option<BasicAuth>,
+    bearer: Option<BearerTokens>,
+}
+
+impl Authentication {
+    /// Whether `header` (a request's `Authorization`) carries configured credentials.
+    pub async fn allows(&self, header: Option<&HeaderValue>) -> bool {
+        if let Some(bearer) = &self.bearer
+            && bearer.allows(header)
+        {
+            return true;
+        }
+        match &self.basic {
+            Some(basic) => basic.allows(header).await,
+            None => false,
+        }
+    }
+
+    /// The `WWW-Authenticate` challenges of a refusal, one per scheme configured.
+    pub fn challenges(&self) -> Vec<&'static str> {
+        let basic = self.basic.as_ref().map(|_| "Basic realm=\"gpumem\"");
+        let bearer = self.bearer.as_ref().map(|_| "Bearer realm=\"gpumem\"");
+        basic.into_iter().chain(bearer).collect()
+    }
 }
 
 /// Why a web configuration file was refused.
@@ -132,6 +184,7 @@ impl WebConfig {
                 tls_server_config: None,
                 http_server_config: None,
                 basic_auth_users: None,
+                bearer_auth_tokens_file: None,
             }
         } else {
             serde_yaml_ng::from_str(text).map_err(|e| e.to_string())?
@@ -148,23 +201,33 @@ impl WebConfig {
             .tls_server_config
             .map(|t| tls_settings(t, base))
             .transpose()?;
-        let users = match file.basic_auth_users {
-            Some(users) if !users.is_empty() => Some(Arc::new(BasicAuth::new(users)?)),
+        let basic = match file.basic_auth_users {
+            Some(users) if !users.is_empty() => Some(BasicAuth::new(users)?),
             _ => None,
         };
-        Ok(WebConfig { tls, users })
+        let bearer = file
+            .bearer_auth_tokens_file
+            .map(|p| BearerTokens::load(if p.is_absolute() { p } else { base.join(p) }))
+            .transpose()?;
+        let auth = (basic.is_some() || bearer.is_some())
+            .then(|| Arc::new(Authentication { basic, bearer }));
+        Ok(WebConfig { tls, auth })
     }
 }
 
 fn read_bounded(path: &Path) -> Result<String, String> {
+    read_at_most(path, MAX_FILE_BYTES)
+}
+
+fn read_at_most(path: &Path, limit: u64) -> Result<String, String> {
     use std::io::Read;
     let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let mut text = String::new();
-    file.take(MAX_FILE_BYTES + 1)
+    file.take(limit + 1)
         .read_to_string(&mut text)
         .map_err(|e| e.to_string())?;
-    if text.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!("larger than {MAX_FILE_BYTES} bytes"));
+    if text.len() as u64 > limit {
+        return Err(format!("larger than {limit} bytes"));
     }
     Ok(text)
 }
@@ -243,6 +306,121 @@ fn tls_settings(t: TlsFile, base: &Path) -> Result<TlsSettings, String> {
     })
 }
 
+/// Bearer tokens, by their SHA-256 digests, from a file re-read when it changes.
+#[derive(Debug)]
+pub struct BearerTokens {
+    path: PathBuf,
+    loaded: Mutex<LoadedTokens>,
+}
+
+#[derive(Debug)]
+struct LoadedTokens {
+    digests: Vec<[u8; 32]>,
+    /// The file's version when read.
+    version: FileVersion,
+    looked: Instant,
+}
+
+impl BearerTokens {
+    /// The tokens in the file at `path`.
+    ///
+    /// # Errors
+    /// A file that cannot be read, is too large, or holds no token, too many, or one that is
+    /// too short, too long or not visible ASCII.
+    pub fn load(path: PathBuf) -> Result<BearerTokens, String> {
+        let (digests, version) = read_tokens(&path)?;
+        Ok(BearerTokens {
+            path,
+            loaded: Mutex::new(LoadedTokens {
+                digests,
+                version,
+                looked: Instant::now(),
+            }),
+        })
+    }
+
+    /// Whether `header` is `Bearer <token>` with a token of the file.
+    pub fn allows(&self, header: Option<&HeaderValue>) -> bool {
+        let Some(token) = header.and_then(bearer_token) else {
+            return false;
+        };
+        let digest = sha256(token.as_bytes());
+        let mut loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
+        if loaded.looked.elapsed() >= TOKENS_RECHECK {
+            loaded.looked = Instant::now();
+            if file_version(&self.path).is_ok_and(|v| v != loaded.version) {
+                match read_tokens(&self.path) {
+                    Ok((digests, version)) => {
+                        tracing::info!(path = ?self.path, tokens = digests.len(), "bearer tokens re-read");
+                        loaded.digests = digests;
+                        loaded.version = version;
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = ?self.path, error = %e, "the bearer tokens file is not valid now: the last tokens stand");
+                    }
+                }
+            }
+        }
+        // Every digest compared, so the time does not say which one matched.
+        loaded
+            .digests
+            .iter()
+            .fold(false, |found, d| equal(d, &digest) | found)
+    }
+}
+
+/// What tells a file's contents changed: its modification time, length and inode (a
+/// Secret's rotation swaps a symbolic link to a new file).
+type FileVersion = (Option<SystemTime>, u64, u64);
+
+fn file_version(path: &Path) -> Result<FileVersion, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    Ok((meta.modified().ok(), meta.len(), meta.ino()))
+}
+
+/// The digests of a tokens file's tokens (one a line; blank lines skipped) and its version.
+fn read_tokens(path: &Path) -> Result<(Vec<[u8; 32]>, FileVersion), String> {
+    let error = |reason: String| format!("bearer_auth_tokens_file {}: {reason}", path.display());
+    let version = file_version(path).map_err(error)?;
+    let text = read_at_most(path, MAX_TOKENS_FILE_BYTES).map_err(error)?;
+    let mut digests = Vec::new();
+    for (n, token) in text.lines().map(str::trim).enumerate() {
+        if token.is_empty() {
+            continue;
+        }
+        let line = n + 1;
+        if !(MIN_TOKEN_BYTES..=MAX_HEADER_BYTES).contains(&token.len()) {
+            return Err(error(format!(
+                "the token on line {line} is not {MIN_TOKEN_BYTES} to {MAX_HEADER_BYTES} bytes"
+            )));
+        }
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(error(format!(
+                "the token on line {line} is not visible ASCII"
+            )));
+        }
+        if digests.len() == MAX_TOKENS {
+            return Err(error(format!("more than {MAX_TOKENS} tokens")));
+        }
+        digests.push(sha256(token.as_bytes()));
+    }
+    if digests.is_empty() {
+        return Err(error("no token".into()));
+    }
+    Ok((digests, version))
+}
+
+/// The token of a `Bearer` `Authorization` header.
+fn bearer_token(header: &HeaderValue) -> Option<&str> {
+    if header.len() > MAX_HEADER_BYTES + "Bearer ".len() {
+        return None;
+    }
+    let (scheme, token) = header.to_str().ok()?.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
 /// Users and their bcrypt hashes, and the passwords last verified.
 #[derive(Debug)]
 pub struct BasicAuth {
@@ -291,7 +469,7 @@ impl BasicAuth {
     }
 
     /// Whether `header` (a request's `Authorization`) names a user with its password.
-    pub async fn allows(self: &Arc<Self>, header: Option<&HeaderValue>) -> bool {
+    pub async fn allows(&self, header: Option<&HeaderValue>) -> bool {
         let Some((user, password)) = header.and_then(credentials) else {
             return false;
         };
@@ -374,7 +552,7 @@ mod tests {
     #[test]
     fn the_toolkits_keys_are_read_and_relative_paths_are_the_files() {
         let empty = parse("").expect("an empty file configures nothing");
-        assert!(empty.tls.is_none() && empty.users.is_none());
+        assert!(empty.tls.is_none() && empty.auth.is_none());
         let hash = bcrypt::hash("pw", 4).expect("hash");
         let config = parse(&format!(
             "tls_server_config:\n  cert_file: tls/tls.crt\n  key_file: /keys/tls.key\n  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n  min_version: TLS13\nhttp_server_config:\n  http2: false\nbasic_auth_users:\n  alice: {hash}\n"
@@ -391,7 +569,11 @@ mod tests {
             (tls.min_version, tls.max_version),
             (Version::Tls13, Version::Tls13)
         );
-        assert!(config.users.is_some());
+        assert!(
+            config
+                .auth
+                .is_some_and(|a| a.challenges() == ["Basic realm=\"gpumem\""])
+        );
     }
 
     #[test]
@@ -490,5 +672,95 @@ mod tests {
             // Another password is checked again, never taken for the remembered one.
             assert!(!auth.allows(Some(&basic("alice", "pw2"))).await);
         });
+    }
+
+    #[test]
+    fn bearer_tokens_are_checked_and_follow_their_file() {
+        let dir = std::env::temp_dir().join(format!("gpumem-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("tokens");
+        let (old, new) = ("0123456789abcdef-old", "0123456789abcdef-newer");
+        std::fs::write(&file, format!("{old}\n\n")).expect("write");
+        let config = WebConfig::parse("bearer_auth_tokens_file: tokens\n", &dir).expect("valid");
+        let auth = config.auth.expect("auth");
+        assert_eq!(auth.challenges(), ["Bearer realm=\"gpumem\""]);
+        let bearer = |token: &str| HeaderValue::from_str(&format!("Bearer {token}")).expect("h");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            assert!(auth.allows(Some(&bearer(old))).await);
+            assert!(
+                auth.allows(Some(
+                    &HeaderValue::from_str(&format!("bearer  {old} ")).expect("h")
+                ))
+                .await
+            );
+            assert!(!auth.allows(Some(&bearer("0123456789abcdef-odd"))).await);
+            assert!(!auth.allows(None).await);
+            // Not basic credentials either, whatever the token says.
+            assert!(
+                !auth
+                    .allows(Some(&HeaderValue::from_static("Basic YWxpY2U6cHc=")))
+                    .await
+            );
+            let huge = bearer(&"a".repeat(MAX_HEADER_BYTES + 1));
+            assert!(!auth.allows(Some(&huge)).await);
+        });
+        // Rotated: the new token is taken once the file is looked at again, the old one not.
+        std::fs::write(&file, format!("{new}\n")).expect("rotate");
+        let bearer_tokens = auth.bearer.as_ref().expect("bearer");
+        bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
+        assert!(bearer_tokens.allows(Some(&bearer(new))));
+        assert!(!bearer_tokens.allows(Some(&bearer(old))));
+        // Broken afterwards: the last tokens stand.
+        std::fs::write(&file, "short\n").expect("break");
+        bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
+        assert!(bearer_tokens.allows(Some(&bearer(new))));
+        // At start, a bad file is an error naming why.
+        for (text, says) in [
+            ("", "no token"),
+            ("short\n", "16 to"),
+            ("0123456789abcdef ghij\n", "visible ASCII"),
+            (
+                &format!("{old}\n").repeat(MAX_TOKENS + 1) as &str,
+                "more than",
+            ),
+            (
+                &"a".repeat(MAX_TOKENS_FILE_BYTES as usize + 1),
+                "larger than",
+            ),
+        ] {
+            std::fs::write(&file, text).expect("write");
+            let error =
+                WebConfig::parse("bearer_auth_tokens_file: tokens\n", &dir).expect_err(says);
+            assert!(
+                error.contains(says) && error.contains("bearer_auth_tokens_file"),
+                "{error}"
+            );
+        }
+        let missing =
+            WebConfig::parse("bearer_auth_tokens_file: nowhere\n", &dir).expect_err("missing");
+        assert!(missing.contains("nowhere"), "{missing}");
+        // With users too, either is answered and both are offered.
+        std::fs::write(&file, format!("{old}\n")).expect("write");
+        let hash = bcrypt::hash("pw", 4).expect("hash");
+        let both = WebConfig::parse(
+            &format!("basic_auth_users:\n  alice: {hash}\nbearer_auth_tokens_file: tokens\n"),
+            &dir,
+        )
+        .expect("valid")
+        .auth
+        .expect("auth");
+        assert_eq!(both.challenges().len(), 2);
+        runtime.block_on(async {
+            assert!(both.allows(Some(&bearer(old))).await);
+            assert!(
+                both.allows(Some(&HeaderValue::from_static("Basic YWxpY2U6cHc=")))
+                    .await
+            );
+        });
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
