@@ -35,7 +35,8 @@ use crate::telemetry::pod_resources::api::{
     self, ContainerDevices, ContainerResources, ListPodResourcesResponse,
 };
 use crate::telemetry::{
-    GpuSample, GpuSource, Heartbeat, Kubelet, NodeSample, ProcessSample, SourceError, SourceReport,
+    GpuSample, GpuSource, Heartbeat, Kubelet, MigSample, NodeSample, ProcessSample, SourceError,
+    SourceReport,
 };
 
 /// The bundled recordings a simulated process replays (licensed for redistribution; see
@@ -170,6 +171,10 @@ pub struct SimNodeConfig {
     /// A memory limit for the last process of the last GPU, so that the node shows what
     /// memory pressure looks like (cache flushes and retries); `None` for none.
     pub tight_process_limit: Option<u64>,
+    /// Whether the last GPU of a node of two or more is in MIG mode, split into one MIG
+    /// device per process, each holding the process's share of memory (a GPU instance of
+    /// its own, as the device plugin's MIG resources give them), instead of time slices.
+    pub mig_last_gpu: bool,
 }
 
 impl Default for SimNodeConfig {
@@ -187,6 +192,7 @@ impl Default for SimNodeConfig {
             // Just above what the opt125m recording needs at its peak: its allocator flushes
             // its cache and retries a few times per run, without running out.
             tight_process_limit: Some(1_879_048_192),
+            mig_last_gpu: true,
         }
     }
 }
@@ -212,6 +218,29 @@ fn simulated_pod(pid: u32) -> (ContainerRef, String) {
         runtime: Runtime::Containerd,
     };
     (container, format!("train-{pid}"))
+}
+
+/// The UUID of the simulated MIG device `index` of GPU `gpu`.
+fn simulated_mig_uuid(gpu: u32, index: u32) -> String {
+    format!("MIG-5e1a7ed0-0000-5000-8000-{gpu:06x}{index:06x}")
+}
+
+/// The profile nvidia-smi would name a GPU instance of `slices` of the seven compute slices
+/// and `bytes` of memory.
+fn mig_profile(slices: u32, bytes: u64) -> String {
+    format!("{slices}g.{}gb", bytes >> 30)
+}
+
+impl SimNodeConfig {
+    /// The GPU in MIG mode, if any.
+    fn mig_gpu(&self) -> Option<u32> {
+        (self.mig_last_gpu && self.gpus >= 2).then(|| self.gpus - 1)
+    }
+
+    /// Each process's share of a GPU's memory (a MIG device's whole memory).
+    fn share(&self) -> u64 {
+        self.capacity.saturating_sub(self.driver_reserved) / u64::from(self.processes_per_gpu)
+    }
 }
 
 /// One process's replay state, living on the replay thread.
@@ -242,8 +271,7 @@ impl SimNode {
             return Err(SimNodeError::Processes(config.processes_per_gpu));
         }
         let processes_per_gpu = config.processes_per_gpu;
-        let share =
-            config.capacity.saturating_sub(config.driver_reserved) / u64::from(processes_per_gpu);
+        let share = config.share();
         let limit = share
             .checked_sub(config.context_overhead)
             .filter(|&l| l > 0)
@@ -277,10 +305,13 @@ impl SimNode {
                     Some(tight) if last => tight.min(limit),
                     _ => limit,
                 };
+                // A MIG device is a device of its own, of the instance's memory.
+                let mig = config.mig_gpu() == Some(gpu);
+                let capacity = if mig { share } else { config.capacity };
                 let device = SimDevice::new(SimConfig {
                     index: gpu,
                     process_limit: Some(process_limit),
-                    ..SimConfig::with_capacity(config.capacity)
+                    ..SimConfig::with_capacity(capacity)
                 });
                 let mut alloc = CachingAllocator::new(device, config.config.clone());
                 // The tight process replays the recording its limit was chosen for.
@@ -311,9 +342,14 @@ impl SimNode {
                         format!("{settings},{plan}")
                     };
                 }
+                let uuid = if mig {
+                    simulated_mig_uuid(gpu, k)
+                } else {
+                    simulated_uuid(gpu)
+                };
                 processes.push(Arc::new(AllocatorSource::of_gpumem(
                     gpu,
-                    simulated_uuid(gpu),
+                    uuid,
                     10_000 + gpu * 100 + k,
                     settings,
                     Arc::clone(alloc.stats()),
@@ -358,7 +394,7 @@ impl SimNode {
     }
 
     /// What the kubelet of this simulated node says: each process's pod and container names,
-    /// and each GPU's time slices assigned to them.
+    /// and each GPU's time slices (or MIG devices) assigned to them.
     pub fn kubelet(&self) -> Kubelet {
         let mut pods = Vec::new();
         let mut containers = Vec::new();
@@ -378,9 +414,16 @@ impl SimNode {
                     namespace: SIM_NAMESPACE.into(),
                     containers: vec![ContainerResources {
                         name: "trainer".into(),
-                        devices: vec![ContainerDevices {
-                            resource_name: "nvidia.com/gpu".into(),
-                            device_ids: vec![format!("{uuid}::{i}")],
+                        devices: vec![if uuid.starts_with("MIG-") {
+                            ContainerDevices {
+                                resource_name: format!("nvidia.com/mig-{}", self.mig_profile()),
+                                device_ids: vec![uuid.clone()],
+                            }
+                        } else {
+                            ContainerDevices {
+                                resource_name: "nvidia.com/gpu".into(),
+                                device_ids: vec![format!("{uuid}::{i}")],
+                            }
                         }],
                     }],
                 })
@@ -392,6 +435,12 @@ impl SimNode {
             names: Some(PodNames::fixed(NameDirectory::from_names(pods, containers))),
             resources: Some(resources),
         }
+    }
+
+    /// The profile of the MIG devices of the GPU in MIG mode.
+    fn mig_profile(&self) -> String {
+        let slices = (7 / self.config.processes_per_gpu).max(1);
+        mig_profile(slices, self.config.share())
     }
 
     /// A [`GpuSource`] giving the node's NVML view.
@@ -554,6 +603,8 @@ impl GpuSource for SimNodeSource {
 impl SimNodeSource {
     /// The node as NVML would report it now.
     pub fn view(&self) -> NodeSample {
+        let (context, share) = (self.config.context_overhead, self.config.share());
+        let slices = (7 / self.config.processes_per_gpu).max(1);
         let gpus = (0..self.config.gpus)
             .map(|gpu| {
                 let processes: Vec<ProcessSample> = self
@@ -564,13 +615,33 @@ impl SimNodeSource {
                         pid: p.pid,
                         name: "python".into(),
                         container: Some(simulated_pod(p.pid).0),
-                        used: Some(
-                            p.stats.reserved_bytes.all_current().max(0) as u64
-                                + self.config.context_overhead,
-                        ),
+                        used: Some(p.stats.reserved_bytes.all_current().max(0) as u64 + context),
                     })
                     .collect();
                 let used: u64 = processes.iter().filter_map(|p| p.used).sum();
+                let (processes, mig) = if self.config.mig_gpu() == Some(gpu) {
+                    // Each process on a MIG device of its own: NVML lists it there.
+                    let mig = processes
+                        .into_iter()
+                        .zip(0..)
+                        .map(|(p, index)| {
+                            let used = p.used.unwrap_or(0).min(share);
+                            MigSample {
+                                index,
+                                uuid: simulated_mig_uuid(gpu, index),
+                                gpu_instance: index + 1,
+                                profile: mig_profile(slices, share),
+                                total: share,
+                                used,
+                                free: share - used,
+                                processes: vec![p],
+                            }
+                        })
+                        .collect();
+                    (Vec::new(), mig)
+                } else {
+                    (processes, Vec::new())
+                };
                 GpuSample {
                     index: gpu,
                     uuid: simulated_uuid(gpu),
@@ -583,7 +654,7 @@ impl SimNodeSource {
                         .saturating_sub(used + self.config.driver_reserved),
                     reserved: Some(self.config.driver_reserved),
                     processes,
-                    mig: Vec::new(),
+                    mig,
                 }
             })
             .collect();

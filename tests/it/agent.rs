@@ -292,9 +292,17 @@ fn the_line_up_holds_on_the_simulated_node() {
             .collect();
         let report = read();
         let sample = report.sample.as_ref().expect("simulated node is up");
+        // The last GPU is in MIG mode: its processes are its MIG devices'.
+        assert!(sample.gpus[1].processes.is_empty() && sample.gpus[1].mig.len() == 3);
         for gpu in &sample.gpus {
-            let processes: u64 = gpu.processes.iter().filter_map(|p| p.used).sum();
+            let on_migs = gpu.mig.iter().flat_map(|m| &m.processes);
+            let processes: u64 = gpu.processes.iter().chain(on_migs).filter_map(|p| p.used).sum();
             assert_eq!(gpu.used, processes, "device used is the processes' sum");
+            let migs: u64 = gpu.mig.iter().map(|m| m.total).sum();
+            assert!(migs + gpu.reserved.unwrap_or(0) <= gpu.total);
+            for mig in &gpu.mig {
+                assert_eq!(mig.used + mig.free, mig.total, "{mig:?}");
+            }
             assert!(
                 (reserved[gpu.index as usize] as u64) < gpu.used,
                 "memory outside the allocator exists"

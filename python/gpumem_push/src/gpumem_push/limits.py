@@ -9,7 +9,8 @@ import unicodedata
 # `le` and the target labels of Kubernetes service discovery (tests/it/ingest.rs checks this
 # list against the agent's). Names it sets itself are accepted under that prefix.
 COLLIDING = frozenset((
-    "UUID", "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
+    "UUID", "GPU_I_ID", "GPU_I_PROFILE", "mig_uuid",
+    "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
     "kind", "model", "outcome", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process",
     "result",
     "segment_size", "simulated", "source", "version", "le",
