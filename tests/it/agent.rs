@@ -296,7 +296,12 @@ fn the_line_up_holds_on_the_simulated_node() {
         assert!(sample.gpus[1].processes.is_empty() && sample.gpus[1].mig.len() == 3);
         for gpu in &sample.gpus {
             let on_migs = gpu.mig.iter().flat_map(|m| &m.processes);
-            let processes: u64 = gpu.processes.iter().chain(on_migs).filter_map(|p| p.used).sum();
+            let processes: u64 = gpu
+                .processes
+                .iter()
+                .chain(on_migs)
+                .filter_map(|p| p.used)
+                .sum();
             assert_eq!(gpu.used, processes, "device used is the processes' sum");
             let migs: u64 = gpu.mig.iter().map(|m| m.total).sum();
             assert!(migs + gpu.reserved.unwrap_or(0) <= gpu.total);
