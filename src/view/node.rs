@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use crate::metrics::contract as c;
 use crate::sources::AllocatorSource;
+use crate::telemetry::uuid_body;
 
 /// The node at one scrape.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -78,6 +79,8 @@ pub struct ProcessRow {
     pub gpu: String,
     /// Its GPU's UUID.
     pub uuid: String,
+    /// Its MIG device's UUID, where it runs on one (else empty).
+    pub mig_uuid: String,
     /// Its pid.
     pub pid: String,
     /// Its pod's namespace, name and container, where known.
@@ -165,9 +168,16 @@ fn key(labels: &Labels<'_>) -> ProcKey {
 pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource>]) -> NodeView {
     let mut view = from_families(families);
     for row in &mut view.processes {
+        // A source on a MIG device is known by the MIG device's UUID, pushed ones by any
+        // spelling of it.
+        let device = if row.mig_uuid.is_empty() {
+            &row.uuid
+        } else {
+            &row.mig_uuid
+        };
         row.oom_why = sources
             .iter()
-            .find(|s| s.uuid == row.uuid && s.pid.to_string() == row.pid)
+            .find(|s| s.pid.to_string() == row.pid && uuid_body(&s.uuid) == uuid_body(device))
             .and_then(|s| s.last_oom())
             .map(|o| o.why);
     }
@@ -183,6 +193,7 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         ProcessRow {
             gpu: label(labels, "gpu"),
             uuid: label(labels, "UUID"),
+            mig_uuid: label(labels, "mig_uuid"),
             pid: label(labels, "pid"),
             pod_namespace: label(labels, "pod_namespace"),
             pod_name: label(labels, "pod_name"),

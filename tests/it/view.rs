@@ -527,6 +527,37 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
         http_get(port, &format!("/api/v1/segments?uuid={uuid}&pid=1")).is_none(),
         "not held"
     );
+    // A process on the demo's MIG GPU (the last rows): its map is asked for by its MIG
+    // device's UUID, and drawn.
+    let node: serde_json::Value =
+        serde_json::from_str(&http_get(port, "/api/v1/node").expect("the node")).expect("json");
+    let on_mig = node["processes"]
+        .as_array()
+        .and_then(|rows| rows.last())
+        .expect("rows");
+    let mig_uuid = on_mig["mig_uuid"].as_str().expect("mig_uuid");
+    assert!(mig_uuid.starts_with("MIG-"), "{on_mig}");
+    let drawn = browser
+        .eval("return window.gpumemDrawn;")
+        .as_u64()
+        .unwrap_or(0);
+    browser.eval(
+        "const b = document.querySelectorAll('#processes button.segments'); b[b.length - 1].click(); return true;",
+    );
+    let mig_map = wait_for(Duration::from_secs(30), || {
+        browser
+            .eval(&format!(
+                "return window.gpumemDrawn > {} && document.getElementById('map-title').textContent.includes('{mig_uuid}') \
+                 ? document.querySelectorAll('#map svg g.segment').length : null;",
+                drawn + 1
+            ))
+            .as_u64()
+    });
+    assert!(
+        mig_map.is_some_and(|n| n > 0),
+        "the MIG process's map: {:?}",
+        browser.eval("return document.getElementById('error').textContent;")
+    );
     let errors = browser.console_errors();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     browser.screenshot("agent-live.png");

@@ -107,7 +107,8 @@ function drawProcesses(processes) {
       // This process holds the allocator: its segments can be drawn.
       const b = node('button', { type: 'button', class: 'segments' }, 'segments');
       b.addEventListener('click', () => {
-        mapOf = { uuid: p.uuid, pid: p.pid };
+        // A MIG device's allocator is known by the MIG device's UUID.
+        mapOf = { uuid: p.mig_uuid || p.uuid, pid: p.pid };
         refresh();
       });
       td.append(b);
