@@ -563,6 +563,10 @@ if endpoint.get("authorization") != token or "basicAuth" in endpoint:
     fail(f"the ServiceMonitor with a bearer token: {endpoint}")
 refused(dict(secured, serviceMonitor=dict(secured["serviceMonitor"], authorization=token)),
         "not both", "basicAuth and authorization both")
+refused(dict(secured, serviceMonitor={"enabled": False},
+             podMonitor={"enabled": True, "basicAuth": secured["serviceMonitor"]["basicAuth"],
+                         "authorization": token}),
+        "not both", "basicAuth and authorization both on the PodMonitor")
 refused({"webConfig": {"secretName": "", "tls": True, "clientCertificates": False, "pushPort": 9418}},
         "secretName", "TLS without a web configuration")
 refused({"networkPolicy": {"enabled": True, "scrapers": []}}, "scrapers", "a NetworkPolicy admitting everyone")

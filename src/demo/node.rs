@@ -228,7 +228,7 @@ fn simulated_mig_uuid(gpu: u32, index: u32) -> String {
 /// The profile nvidia-smi would name a GPU instance of `slices` of the seven compute slices
 /// and `bytes` of memory.
 fn mig_profile(slices: u32, bytes: u64) -> String {
-    format!("{slices}g.{}gb", bytes >> 30)
+    format!("{slices}g.{}gb", (bytes >> 30).max(1))
 }
 
 impl SimNodeConfig {

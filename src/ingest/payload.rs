@@ -62,6 +62,7 @@ use serde::Deserialize;
 use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
 use crate::sources::{HostPinned, LastOom};
+use crate::telemetry::uuid_body;
 
 use super::limits::{
     HOST_SERIES, MAX_BODY_BYTES, MAX_BYTES, MAX_CLASSES, MAX_COUNT, MAX_DEVICES, MAX_HOST_KEYS,
@@ -333,9 +334,12 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
         if device.uuid.is_empty() {
             return Err(invalid(format!("device {}: uuid is empty", device.index)));
         }
+        // Spellings of one UUID (its case, a GPU- or MIG- prefix) are one device: the
+        // collector places them alike.
+        let body = uuid_body(&device.uuid);
         if let Some(twin) = devices
             .iter()
-            .find(|d| d.index == device.index || d.uuid == device.uuid)
+            .find(|d| d.index == device.index || uuid_body(&d.uuid) == body)
         {
             return Err(invalid(format!(
                 "device {} ({}) is listed twice (as device {} ({}))",
@@ -781,6 +785,9 @@ mod tests {
                                {"index": 1, "uuid": "u", "stats": {}}]),
                 serde_json::json!([{"index": 0, "uuid": "u", "stats": {}},
                                {"index": 0, "uuid": "v", "stats": {}}]),
+                // One UUID spelled twice: placed alike, they would be one series twice.
+                serde_json::json!([{"index": 0, "uuid": "GPU-ab", "stats": {}},
+                               {"index": 1, "uuid": "MIG-AB", "stats": {}}]),
                 serde_json::json!([]),
                 serde_json::json!((0..=MAX_DEVICES)
                 .map(|i| serde_json::json!({"index": i, "uuid": format!("u{i}"), "stats": {}}))

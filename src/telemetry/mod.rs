@@ -59,7 +59,7 @@ pub struct GpuSample {
     pub free: u64,
     /// Memory the driver reserves for itself, where it reports it.
     pub reserved: Option<u64>,
-    /// Processes using the GPU (in MIG mode, none: each instance lists its own).
+    /// Processes using the GPU (in MIG mode with MIG devices, none: each lists its own).
     pub processes: Vec<ProcessSample>,
     /// Its MIG devices, when MIG mode is on (else none).
     pub mig: Vec<MigSample>,
@@ -91,12 +91,19 @@ pub struct MigSample {
 }
 
 impl MigSample {
-    /// The profile in a MIG device's name as NVML gives it (`NVIDIA A100-SXM4-40GB MIG
-    /// 1g.5gb` → `1g.5gb`); empty when the name has no `MIG` word.
+    /// The GPU instance's profile in a MIG device's name as NVML gives it (`NVIDIA
+    /// A100-SXM4-40GB MIG 1g.5gb` → `1g.5gb`; a compute instance of part of it, `MIG
+    /// 1c.3g.20gb`, → `3g.20gb`, as dcgm-exporter names it); empty when the name has no `MIG`
+    /// word.
     pub fn profile_of(name: &str) -> String {
-        name.rsplit_once(" MIG ")
-            .map(|(_, profile)| profile.trim().to_string())
-            .unwrap_or_default()
+        let Some((_, profile)) = name.rsplit_once(" MIG ") else {
+            return String::new();
+        };
+        let profile = profile.trim();
+        let compute_part = profile
+            .split_once("c.")
+            .filter(|(slices, _)| !slices.is_empty() && slices.bytes().all(|b| b.is_ascii_digit()));
+        compute_part.map_or(profile, |(_, rest)| rest).to_string()
     }
 }
 

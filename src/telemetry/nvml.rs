@@ -47,13 +47,18 @@ fn process_name(pid: u32) -> String {
         .unwrap_or_default()
 }
 
-/// The processes using a device (a GPU or a MIG device), each once.
-fn processes(device: &Device<'_>) -> Vec<ProcessSample> {
+/// The processes using a device (a GPU or a MIG device), each once; on a MIG device, only
+/// those of its compute instance (`compute_instance`) where NVML says which.
+fn processes(device: &Device<'_>, compute_instance: Option<u32>) -> Vec<ProcessSample> {
     let mut processes: Vec<ProcessSample> = Vec::new();
     let compute = device.running_compute_processes().unwrap_or_default();
     let graphics = device.running_graphics_processes().unwrap_or_default();
     for p in compute.into_iter().chain(graphics) {
-        if processes.iter().any(|q| q.pid == p.pid) {
+        let elsewhere = matches!(
+            (compute_instance, p.compute_instance_id),
+            (Some(mine), Some(its)) if mine != its
+        );
+        if elsewhere || processes.iter().any(|q| q.pid == p.pid) {
             continue;
         }
         processes.push(ProcessSample {
@@ -69,19 +74,46 @@ fn processes(device: &Device<'_>) -> Vec<ProcessSample> {
     processes
 }
 
-/// A MIG device's GPU instance ID (`nvmlDeviceGetGpuInstanceId`, which nvml-wrapper does
-/// not wrap).
+/// A MIG device's GPU and compute instance IDs (`nvmlDeviceGetGpuInstanceId`,
+/// `nvmlDeviceGetComputeInstanceId`, which nvml-wrapper does not wrap).
 #[allow(unsafe_code)]
-fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
-    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref())?;
-    let mut id: std::os::raw::c_uint = 0;
-    // SAFETY: `mig` is a live MIG device handle of this library (it borrows `nvml`), and the
-    // call only writes `id`, which outlives it.
-    nvml_try(unsafe { sym(mig.handle(), &mut id) })?;
-    Ok(id)
+fn instance_ids(nvml: &Nvml, mig: &Device<'_>) -> Result<(u32, u32), NvmlError> {
+    let lib = nvml.lib();
+    let mut ids: [std::os::raw::c_uint; 2] = [0; 2];
+    for (sym, id) in [
+        lib.nvmlDeviceGetGpuInstanceId.as_ref(),
+        lib.nvmlDeviceGetComputeInstanceId.as_ref(),
+    ]
+    .into_iter()
+    .zip(&mut ids)
+    {
+        let sym = nvml_sym(sym)?;
+        // SAFETY: `mig` is a live MIG device handle of this library (it borrows `nvml`), and
+        // the call only writes `id`, which outlives it.
+        nvml_try(unsafe { sym(mig.handle(), id) })?;
+    }
+    Ok((ids[0], ids[1]))
 }
 
-/// The MIG devices of a GPU: none unless MIG mode is on.
+/// One MIG device of a GPU.
+fn mig_device(nvml: &Nvml, index: u32, mig: &Device<'_>) -> Result<MigSample, NvmlError> {
+    let memory = mig.memory_info()?;
+    let (gpu_instance, compute_instance) = instance_ids(nvml, mig)?;
+    Ok(MigSample {
+        index,
+        uuid: mig.uuid()?,
+        gpu_instance,
+        profile: MigSample::profile_of(&mig.name()?),
+        total: memory.total,
+        used: memory.used,
+        free: memory.free,
+        processes: processes(mig, Some(compute_instance)),
+    })
+}
+
+/// The MIG devices of a GPU: none unless MIG mode is on. A MIG device that cannot be read is
+/// left out with a warning (the GPU and its other MIG devices are still read); a process is
+/// listed once, on the first MIG device that names it.
 fn mig_devices(nvml: &Nvml, device: &Device<'_>) -> Result<Vec<MigSample>, NvmlError> {
     match device.mig_mode() {
         Ok(mode) if mode.current == MIG_ENABLED => {}
@@ -91,25 +123,26 @@ fn mig_devices(nvml: &Nvml, device: &Device<'_>) -> Result<Vec<MigSample>, NvmlE
         }
         Err(e) => return Err(e),
     }
-    let mut migs = Vec::new();
+    let mut migs: Vec<MigSample> = Vec::new();
     for index in 0..device.mig_device_count()? {
-        let mig = match device.mig_device_by_index(index) {
-            Ok(mig) => mig,
+        let read = match device.mig_device_by_index(index) {
+            Ok(mig) => mig_device(nvml, index, &mig),
             // A slot no instance occupies.
             Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
-            Err(e) => return Err(e),
+            Err(e) => Err(e),
         };
-        let memory = mig.memory_info()?;
-        migs.push(MigSample {
-            index,
-            uuid: mig.uuid()?,
-            gpu_instance: gpu_instance_id(nvml, &mig)?,
-            profile: MigSample::profile_of(&mig.name()?),
-            total: memory.total,
-            used: memory.used,
-            free: memory.free,
-            processes: processes(&mig),
-        });
+        match read {
+            Ok(mut mig) => {
+                mig.processes.retain(|p| {
+                    !migs
+                        .iter()
+                        .any(|m| m.processes.iter().any(|q| q.pid == p.pid))
+                });
+                migs.push(mig);
+            }
+            Err(e @ (NvmlError::GpuLost | NvmlError::DriverNotLoaded)) => return Err(e),
+            Err(e) => tracing::warn!(mig = index, error = %e, "a MIG device could not be read"),
+        }
     }
     Ok(migs)
 }
@@ -130,7 +163,7 @@ impl NvmlSource {
                 free: memory.free,
                 reserved: Some(memory.reserved),
                 processes: if mig.is_empty() {
-                    processes(&device)
+                    processes(&device, None)
                 } else {
                     Vec::new()
                 },
@@ -175,6 +208,10 @@ mod tests {
         assert_eq!(
             MigSample::profile_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me"),
             "1g.10gb+me"
+        );
+        assert_eq!(
+            MigSample::profile_of("NVIDIA A100-SXM4-40GB MIG 1c.3g.20gb"),
+            "3g.20gb"
         );
         assert_eq!(MigSample::profile_of("NVIDIA H200"), "");
     }

@@ -27,7 +27,8 @@ use super::latest::Latest;
 
 /// The kubelet's socket on a node.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
-/// The resource whose device IDs may be node indices (the device plugin's index strategy).
+/// The resource whose device IDs may be node indices (the device plugin's index strategy:
+/// `<gpu>` for a GPU, `<gpu>:<mig>` for a MIG device under the single strategy).
 const NVIDIA_GPU: &str = "nvidia.com/gpu";
 /// The prefix of the device plugin's MIG resources under its mixed strategy
 /// (`nvidia.com/mig-1g.10gb`); under the single strategy they are `nvidia.com/gpu`.
@@ -186,12 +187,12 @@ impl PodDirectory {
 fn device_key(resource: &str, id: &str) -> Option<String> {
     let id = id.split_once("::").map_or(id, |(gpu, _)| gpu);
     let number = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
-    let nvidia = resource == NVIDIA_GPU || resource.starts_with(NVIDIA_MIG);
+    let (gpus, migs) = (resource == NVIDIA_GPU, resource.starts_with(NVIDIA_MIG));
     if id.starts_with("GPU-") || id.starts_with("MIG-") {
         Some(id.to_string())
-    } else if nvidia && number(id) {
+    } else if gpus && number(id) {
         id.parse::<u32>().ok().map(|i| format!("#{i}"))
-    } else if nvidia
+    } else if (gpus || migs)
         && let Some((gpu, mig)) = id.split_once(':')
         && number(gpu)
         && number(mig)
@@ -382,8 +383,10 @@ mod tests {
             d.holders("MIG-333", Some(DeviceIndex::Mig(5, 1))),
             vec![&holder("ml", "indexed", "c")]
         );
-        // A MIG index is not a GPU's: GPU 5 is nobody's.
+        // A MIG index is not a GPU's, nor is a bare number of a MIG resource: GPUs 5 and 6
+        // are nobody's.
         assert!(d.holders("GPU-fff", Some(DeviceIndex::Gpu(5))).is_empty());
+        assert!(d.holders("GPU-ggg", Some(DeviceIndex::Gpu(6))).is_empty());
     }
 
     #[test]
