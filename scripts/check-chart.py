@@ -418,11 +418,18 @@ def flag(args, name):
 pod = daemonset({})
 container = pod["containers"][0]
 mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
-hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", [])}
+hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v}
 expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources",
             "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}
-if mounts != expected or hosts != expected:
+if mounts != dict(expected, recordings="/var/lib/gpumem/recordings") or hosts != expected:
     fail(f"default mounts {mounts}, host paths {hosts}")
+# Recordings: on an emptyDir with a size limit of their own, never a host path, with their caps.
+recordings = [v for v in pod["volumes"] if v["name"] == "recordings"]
+if recordings != [{"name": "recordings", "emptyDir": {"sizeLimit": "1152Mi"}}] \
+        or flag(container["args"], "--recordings-dir") != "/var/lib/gpumem/recordings" \
+        or flag(container["args"], "--recordings-max-bytes-each") != "16777216" \
+        or flag(container["args"], "--recordings-max-memory-bytes") != "134217728":
+    fail(f"the recordings' volume and caps: {recordings} {container['args']}")
 if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":
     fail(f"default push socket: {container['args']}")
 if flag(container["args"], "--pod-resources-socket") != "/var/lib/kubelet/pod-resources/kubelet.sock":
@@ -449,10 +456,12 @@ if extra[-1] != "gpumem.example.org" or extra[:-1] != names:
 refused({"allowedHosts": ["evil.example/x"]}, "allowedHosts", "a host name with a slash")
 pod = daemonset({"push": {"enabled": False, "hostPath": "/run/gpumem"},
                  "podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"},
-                 "kubeletLogs": {"enabled": False, "hostPath": "/var/log"}})
+                 "kubeletLogs": {"enabled": False, "hostPath": "/var/log"},
+                 "recordings": {"enabled": False, "volume": {"emptyDir": {}}, "maxBytesEach": 1024,
+                                "maxBytes": 1024, "maxCount": 1, "maxMemoryBytes": 1048576}})
 container = pod["containers"][0]
-if "volumes" in pod or "volumeMounts" in container:
-    fail(f"push, podResources and kubeletLogs off still mount: {pod.get('volumes')}")
+if "volumes" in pod or "volumeMounts" in container or "--recordings-dir" in container["args"]:
+    fail(f"push, podResources, kubeletLogs and recordings off still mount: {pod.get('volumes')}")
 for name in ["--push-socket", "--pod-resources-socket", "--kubelet-logs"]:
     if flag(container["args"], name) != "":
         fail(f"{name} is not turned off: {container['args']}")

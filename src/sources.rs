@@ -229,6 +229,19 @@ pub struct IngestReport {
     pub pod_ooms: Vec<PodOoms>,
     /// The pinned host memory of the processes whose pushes report it, by pid.
     pub hosts: Vec<PushedHost>,
+    /// The recordings jobs uploaded, where the agent keeps them.
+    pub recordings: Option<RecordingsReport>,
+}
+
+/// What the agent's store of uploaded recordings holds (`ingest::recordings`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordingsReport {
+    /// Recordings kept.
+    pub stored: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Uploads refused, by reason (the ingest's refusal labels).
+    pub refused: Vec<(&'static str, u64)>,
 }
 
 /// A pushed process's pinned host memory (PyTorch's `CachingHostAllocator`, read from

@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
 use gpumem::demo::{SimNode, SimNodeConfig};
-use gpumem::ingest::IngestConfig;
+use gpumem::ingest::{IngestConfig, RecordingLimits, RecordingStore};
 use gpumem::metrics::ReportReader;
 use gpumem::server::web_config::WebConfig;
 use gpumem::server::{
@@ -73,6 +73,22 @@ pub(crate) struct ServeArgs {
     /// Processes of one pod that may push from the pod network at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_pod_processes: u32,
+    /// Keep the recordings jobs upload at an OOM (POST /api/v1/recordings) in this directory
+    /// (created if missing; never the push socket's RAM-backed one). Off when not given.
+    #[arg(long, value_name = "DIR")]
+    recordings_dir: Option<PathBuf>,
+    /// The largest recording accepted, as sent (gzipped).
+    #[arg(long, default_value_t = RecordingLimits::default().max_bytes_each, value_parser = clap::value_parser!(u64).range(1024..=(4 << 30)))]
+    recordings_max_bytes_each: u64,
+    /// Bytes of all recordings kept; the oldest are evicted.
+    #[arg(long, default_value_t = RecordingLimits::default().max_bytes, value_parser = clap::value_parser!(u64).range(1024..=(1 << 40)))]
+    recordings_max_bytes: u64,
+    /// Recordings kept; the oldest are evicted.
+    #[arg(long, default_value_t = RecordingLimits::default().max_count as u32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    recordings_max_count: u32,
+    /// Memory the agent may hold while reading one upload (one at a time).
+    #[arg(long, default_value_t = RecordingLimits::default().read.max_memory_bytes, value_parser = clap::value_parser!(u64).range((1 << 20)..=(64 << 30)))]
+    recordings_max_memory_bytes: u64,
     /// A web configuration file in the Prometheus exporter-toolkit's format: TLS
     /// (tls_server_config, the certificate re-read when it changes) and authentication (basic
     /// with basic_auth_users, bcrypt hashes; bearer with gpumem's bearer_auth_tokens_file) for
@@ -446,6 +462,22 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         None => WebConfig::default(),
     };
     state.auth = web.auth;
+    if let (Some(dir), Some(store)) = (args.recordings_dir, &state.ingest) {
+        let defaults = RecordingLimits::default();
+        let limits = RecordingLimits {
+            max_bytes_each: args.recordings_max_bytes_each,
+            max_bytes: args.recordings_max_bytes,
+            max_count: args.recordings_max_count as usize,
+            read: gpumem::recording::ReadLimits {
+                max_memory_bytes: args.recordings_max_memory_bytes,
+                ..defaults.read
+            },
+        };
+        let recordings = RecordingStore::open(dir.clone(), limits)
+            .map_err(|e| format!("--recordings-dir {}: {e}", dir.display()))?;
+        tracing::info!(dir = ?dir, kept = recordings.list().len(), "recordings uploaded at an OOM are kept");
+        store.keep_recordings(Arc::new(recordings));
+    }
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui.serves(args.listen, state.authenticates());
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
@@ -471,6 +503,15 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     run_server(listen, Some(watch), state)
 }
 
+/// The demo's recordings directory, removed when the demo ends.
+struct DemoRecordings(PathBuf);
+
+impl Drop for DemoRecordings {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     let node = SimNode::start(SimNodeConfig {
         gpus: args.gpus,
@@ -493,6 +534,15 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         IngestConfig::default(),
         node.kubelet(),
     )?;
+    // Jobs pushing to the demo from this host may upload their recordings too: kept in a
+    // directory of its own, removed at exit.
+    let recordings = DemoRecordings(
+        std::env::temp_dir().join(format!("gpumem-demo-recordings-{}", std::process::id())),
+    );
+    if let Some(store) = &state.ingest {
+        let kept = RecordingStore::open(recordings.0.clone(), RecordingLimits::default())?;
+        store.keep_recordings(Arc::new(kept));
+    }
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui.serves(args.listen, false);
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);

@@ -4,16 +4,19 @@
 //! out-of-memory push and their explanation, both within the budgets of [`limits`] and
 //! refusing with [`refusal`]'s types (two leaves); [`store`] keeps the pushed
 //! processes, bounded, and publishes them as allocator sources of kind `pytorch` for the one
-//! collector. HTTP (status codes, body limits, who may push) is the server's.
+//! collector; [`recordings`] keeps the recordings its processes upload at an OOM. HTTP
+//! (status codes, body limits, who may push) is the server's.
 
 pub mod limits;
 pub mod oom;
 pub mod payload;
+pub mod recordings;
 pub mod refusal;
 pub mod store;
 
 pub use limits::MAX_BODY_BYTES;
 pub use payload::Reason;
+pub use recordings::{RecordingLimits, RecordingStore};
 pub use refusal::{Refusal, Rejected};
 pub use store::{IngestConfig, Peer, PushStore, Sender};
 

@@ -37,7 +37,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustc_hash::FxHashMap;
@@ -53,6 +53,7 @@ use crate::telemetry::process;
 
 use super::limits::OOM_BREAKDOWN_SERIES;
 use super::payload::{Reason, ValidPush, validate};
+use super::recordings::{Owner, RecordingStore};
 use super::refusal::{Refusal, Rejected};
 
 /// A pushing process as the kernel named it when it connected (`SO_PEERCRED`, in the agent's
@@ -491,6 +492,8 @@ pub struct PushStore {
     started_unix: f64,
     accepted: AtomicU64,
     refused: [AtomicU64; Refusal::ALL.len()],
+    /// Where recordings its processes upload are kept, once the agent keeps them.
+    recordings: OnceLock<Arc<RecordingStore>>,
 }
 
 fn unix_now() -> f64 {
@@ -509,7 +512,19 @@ impl PushStore {
             started_unix: unix_now(),
             accepted: AtomicU64::new(0),
             refused: Default::default(),
+            recordings: OnceLock::new(),
         }
+    }
+
+    /// Keeps the recordings its processes upload in `store` (once; a second store is
+    /// ignored).
+    pub fn keep_recordings(&self, store: Arc<RecordingStore>) {
+        let _ = self.recordings.set(store);
+    }
+
+    /// Where its processes' recordings are kept, where they are.
+    pub fn recordings(&self) -> Option<&Arc<RecordingStore>> {
+        self.recordings.get()
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -525,6 +540,49 @@ impl PushStore {
     pub fn count_refusal(&self, refusal: Refusal) {
         let i = Refusal::ALL.iter().position(|r| *r == refusal).unwrap_or(0);
         self.refused[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Who an upload of a recording is from: a process this store tracks, known as its pushes
+    /// are (the kernel's pid for a socket peer; a pod's process by the pid `pid` it has in the
+    /// pod, told apart by `start_time`; from loopback, `pid` as given), with the labels its
+    /// pushes carry. A recording follows its process's pushes.
+    ///
+    /// # Errors
+    /// A pid that is not the pod's (`not_in_pod`), or that has not pushed from there
+    /// (`forbidden`).
+    pub fn recording_owner(
+        &self,
+        sender: Sender,
+        pid: u32,
+        start_time: Option<u64>,
+    ) -> Result<Owner, Rejected> {
+        let (pid, origin) = match sender {
+            Sender::Unattributed => (pid, Origin::Tcp),
+            Sender::Process(peer) => (peer.pid, Origin::Socket),
+            Sender::Pod(pod) => {
+                let found = (self.config.pod_process)(&pod.uid, pid, start_time)
+                    .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
+                (found.pid, Origin::Pod(pod.uid))
+            }
+        };
+        let state = self.state();
+        let tracked = state.tracked.get(&pid).filter(|t| t.origin == origin);
+        let Some(tracked) = tracked else {
+            return Err(Rejected::new(
+                Refusal::Forbidden,
+                format!(
+                    "pid {pid} has not pushed to this agent from there: a recording comes from a process that pushes"
+                ),
+            ));
+        };
+        Ok(Owner {
+            pid,
+            labels: tracked
+                .sources
+                .first()
+                .map(|s| s.labels.clone())
+                .unwrap_or_default(),
+        })
     }
 
     /// Accepts a payload, or says why not.
@@ -1015,6 +1073,7 @@ impl PushStore {
             processes,
             pod_ooms,
             hosts,
+            recordings: self.recordings().map(|r| r.report()),
         }
     }
 }

@@ -551,6 +551,15 @@ fn collect_ingest(f: &mut Families, report: &IngestReport, names: Names<'_>) {
         f.of(&c::INGEST_LAST_PUSH_AGE)
             .push(&[&p.pid.to_string()], p.last_push.elapsed().as_secs_f64());
     }
+    if let Some(recordings) = &report.recordings {
+        f.of(&c::RECORDINGS_STORED)
+            .push(&[], recordings.stored as f64);
+        f.of(&c::RECORDINGS_STORED_BYTES)
+            .push(&[], recordings.bytes as f64);
+        for (reason, n) in &recordings.refused {
+            f.of(&c::RECORDINGS_REFUSED).push(&[reason], *n as f64);
+        }
+    }
     for pod in &report.pod_ooms {
         let [namespace, name, container] = names.of(&pod.pod_uid, &pod.container_id);
         f.of(&c::POD_OOMS).push(

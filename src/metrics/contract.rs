@@ -298,6 +298,27 @@ metric!(
     "Processes whose pushed statistics the agent currently serves."
 );
 metric!(
+    RECORDINGS_STORED,
+    "gpumem_recordings_stored",
+    Gauge,
+    &[],
+    "Recordings (memory snapshots jobs uploaded at an OOM) the agent keeps (GET /api/v1/recordings lists them)."
+);
+metric!(
+    RECORDINGS_STORED_BYTES,
+    "gpumem_recordings_stored_bytes",
+    Gauge,
+    &[],
+    "Bytes of the recordings the agent keeps, as stored (gzipped)."
+);
+metric!(
+    RECORDINGS_REFUSED,
+    "gpumem_recordings_refused_total",
+    Counter,
+    &["reason"],
+    "Recording uploads refused, by reason (too_large, truncated, malformed, forbidden, not_in_pod, rate_limited, capacity, ...)."
+);
+metric!(
     INGEST_LAST_PUSH_AGE,
     "gpumem_ingest_last_push_age_seconds",
     Gauge,
@@ -390,7 +411,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 47] = [
+pub const CONTRACT: [&MetricDef; 50] = [
     &ALLOCATED_BYTES,
     &RESERVED_BYTES,
     &ACTIVE_BYTES,
@@ -428,6 +449,9 @@ pub const CONTRACT: [&MetricDef; 47] = [
     &COLLECT_DURATION,
     &INGEST_PAYLOADS,
     &INGEST_TRACKED,
+    &RECORDINGS_STORED,
+    &RECORDINGS_STORED_BYTES,
+    &RECORDINGS_REFUSED,
     &INGEST_LAST_PUSH_AGE,
     &POD_OOMS,
     &HOST_PINNED_ALLOCATED_BYTES,

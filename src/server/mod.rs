@@ -6,9 +6,12 @@
 //! when the agent ingests pushed statistics, `POST /api/v1/push` from this host or its pods
 //! only: over a Unix socket ([`serve_unix`], where the kernel names the pushing process), from
 //! a loopback TCP peer, or, where the agent attributes the pod network
-//! (`AppState::pod_network`), from a ready pod's address on this node. Where users are
-//! configured (`AppState::users`, the web configuration file), `/metrics`, the page and its
-//! APIs answer them only (401 otherwise); pushes and probes answer anyone. [`app`] builds the
+//! (`AppState::pod_network`), from a ready pod's address on this node; and, where the ingest
+//! keeps recordings, `POST /api/v1/recordings` from a pushing process, attributed alike (a
+//! gzipped snapshot streamed to disk within `ingest::recordings`' caps, never buffered) and
+//! `GET /api/v1/recordings` (with the page). Where credentials are configured
+//! (`AppState::auth`, the web configuration file), `/metrics`, the page and its APIs answer
+//! them only (401 otherwise); pushes, uploads and probes answer anyone. [`app`] builds the
 //! router, so tests call it without a socket, and [`push_app`] a pushes-only one (a second,
 //! plain listener beside a TLS one); [`serve`] and `serve_tls` serve them within the
 //! [`HttpLimits`] (`listen.rs`).
@@ -71,7 +74,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal};
+use crate::ingest::recordings::UPLOAD_TIMEOUT;
+use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal, Rejected, Sender};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::{Health, Kubelet, Unhealthy};
@@ -190,7 +194,8 @@ pub fn app(state: AppState) -> Router {
             get(|| async { page_asset(STYLE, "text/css; charset=utf-8") }),
         )
         .route("/api/v1/node", get(node))
-        .route("/api/v1/segments", get(live_segments));
+        .route("/api/v1/segments", get(live_segments))
+        .route("/api/v1/recordings", get(list_recordings));
     if !state.ui {
         page = page.route_layer(axum::middleware::from_fn(ui_off));
     }
@@ -220,6 +225,7 @@ pub fn push_app(state: AppState) -> Router {
 fn with_pushes_and_probes(state: AppState, routes: Router<AppState>) -> Router {
     Router::new()
         .route("/api/v1/push", post(push))
+        .route("/api/v1/recordings", post(upload_recording))
         .merge(routes)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -523,6 +529,193 @@ async fn push(
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
         Err(rejected) => refusal(rejected.refusal, &rejected.message),
     }
+}
+
+/// `POST /api/v1/recordings`: a job's memory snapshot at its OOM, gzipped, from a process
+/// that pushes (attributed as its pushes are; `?pid=` names it where the kernel does not,
+/// with `&start_time=` from a pod). Streamed to the store's directory, then read and kept
+/// (`ingest/recordings.rs`).
+async fn upload_recording(State(state): State<AppState>, request: Request) -> Response {
+    let Some(store) = state.ingest.clone() else {
+        return no_recordings();
+    };
+    let Some(recordings) = store.recordings() else {
+        return no_recordings();
+    };
+    let answer = |rejected: Rejected| refusal(rejected.refusal, &rejected.message);
+    let refuse = |rejected: Rejected| answer(recordings.refuse(rejected));
+    let extensions = request.extensions();
+    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
+    let peer = extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip().to_canonical());
+    let sender = match (unix, peer) {
+        (Some(unix), _) => Sender::from(unix.process),
+        (None, Some(ip)) => match attribute(&state, &store, ip).await {
+            Ok(Some(pod)) => Sender::Pod(pod),
+            Ok(None) => Sender::Unattributed,
+            Err(refusal) => return refusal,
+        },
+        (None, None) => {
+            return refuse(Rejected::new(
+                Refusal::Forbidden,
+                "recordings are accepted from this host only",
+            ));
+        }
+    };
+    let headers = request.headers();
+    if headers.contains_key(header::ORIGIN) {
+        return refuse(Rejected::new(
+            Refusal::Forbidden,
+            "uploads from web pages (with an Origin header) are refused",
+        ));
+    }
+    let gzip = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| {
+            let v = v.trim();
+            v.eq_ignore_ascii_case("application/gzip")
+                || v.eq_ignore_ascii_case("application/x-gzip")
+        });
+    if !gzip {
+        return refuse(Rejected::new(
+            Refusal::Forbidden,
+            "a recording must be sent as Content-Type: application/gzip",
+        ));
+    }
+    let limit = recordings.limits().max_bytes_each;
+    let too_large = || {
+        Rejected::new(
+            Refusal::TooLarge,
+            format!("a recording may be at most {limit} bytes as sent"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return refuse(too_large());
+    }
+    let query = request.uri().query().unwrap_or_default();
+    let param = |name: &str| {
+        query
+            .split('&')
+            .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let pid = param("pid")
+        .and_then(|p| u32::try_from(p).ok())
+        .unwrap_or(0);
+    let start_time = param("start_time");
+    let owner = {
+        let store = Arc::clone(&store);
+        // A pod's process not seen yet means a scan of /proc: off the runtime's threads.
+        match tokio::task::spawn_blocking(move || store.recording_owner(sender, pid, start_time))
+            .await
+        {
+            Ok(Ok(owner)) => owner,
+            Ok(Err(rejected)) => return refuse(rejected),
+            Err(e) => return internal(&e),
+        }
+    };
+    let upload = match recordings.begin() {
+        Ok(upload) => upload,
+        Err(rejected) => return refusal(rejected.refusal, &rejected.message),
+    };
+    let deadline = tokio::time::Instant::now() + UPLOAD_TIMEOUT;
+    let written = match write_body(request.into_body(), upload.path(), limit, deadline).await {
+        Ok(written) => written,
+        Err(BodyError::TooLarge) => return answer(upload.refuse(too_large())),
+        // (An upload takes no slot: it is never busy.)
+        Err(BodyError::Late | BodyError::Busy) => {
+            return answer(upload.refuse(Rejected::new(
+                Refusal::Truncated,
+                format!("the recording did not arrive within {UPLOAD_TIMEOUT:?}"),
+            )));
+        }
+        Err(BodyError::Broken(e)) => {
+            return answer(upload.refuse(Rejected::new(
+                Refusal::Truncated,
+                format!("the recording could not be read whole: {e}"),
+            )));
+        }
+    };
+    if declared.is_some_and(|n| n != written) {
+        return answer(upload.refuse(Rejected::new(
+            Refusal::Truncated,
+            format!(
+                "the recording ended after {written} of its {} bytes",
+                declared.unwrap_or(0)
+            ),
+        )));
+    }
+    let kept = {
+        let recordings = Arc::clone(recordings);
+        tokio::task::spawn_blocking(move || recordings.finish(upload, written, &owner)).await
+    };
+    match kept {
+        // Refusals are counted by the store.
+        Ok(Ok(stored)) => json(StatusCode::CREATED, serde_json::json!(stored)),
+        Ok(Err(rejected)) => refusal(rejected.refusal, &rejected.message),
+        Err(e) => internal(&e),
+    }
+}
+
+/// `GET /api/v1/recordings`: the recordings kept, newest first.
+async fn list_recordings(State(state): State<AppState>) -> Response {
+    match state.ingest.as_ref().and_then(|s| s.recordings()) {
+        Some(recordings) => json(StatusCode::OK, serde_json::json!(recordings.list())),
+        None => no_recordings(),
+    }
+}
+
+fn no_recordings() -> Response {
+    json(
+        StatusCode::NOT_FOUND,
+        serde_json::json!({"error": "this agent keeps no recordings"}),
+    )
+}
+
+fn internal(e: &tokio::task::JoinError) -> Response {
+    tracing::error!(error = %e, "a recording's upload failed");
+    json(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        serde_json::json!({"error": format!("the upload could not be processed: {e}")}),
+    )
+}
+
+/// Writes a body to `path` by `deadline`, at most `limit` bytes: how many were written.
+async fn write_body(
+    mut body: axum::body::Body,
+    path: &std::path::Path,
+    limit: u64,
+    deadline: tokio::time::Instant,
+) -> Result<u64, BodyError> {
+    use http_body_util::BodyExt;
+    use tokio::io::AsyncWriteExt;
+    let broken = |e: std::io::Error| BodyError::Broken(axum::Error::new(e));
+    let mut file = tokio::fs::File::create(path).await.map_err(broken)?;
+    let mut written = 0u64;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err(BodyError::Late),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let Ok(data) = frame.into_data() {
+            written += data.len() as u64;
+            if written > limit {
+                return Err(BodyError::TooLarge);
+            }
+            file.write_all(&data).await.map_err(broken)?;
+        }
+    }
+    file.flush().await.map_err(broken)?;
+    Ok(written)
 }
 
 /// The pod a TCP push from `peer` is from (`None`: this host's own loopback, unattributed),

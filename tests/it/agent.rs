@@ -8,7 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpumem::demo::{SimNode, SimNodeConfig};
-use gpumem::ingest::IngestConfig;
+use std::sync::Arc;
+
+use gpumem::ingest::{IngestConfig, RecordingLimits, RecordingStore};
 use gpumem::metrics::ReportReader;
 use gpumem::metrics::contract::CONTRACT;
 use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
@@ -58,6 +60,15 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
         node.kubelet(),
     )
     .expect("registers");
+    // It keeps recordings, as `gpumem demo` does.
+    let recordings = RecordingStore::open(
+        crate::common::temp_dir("demo-recordings"),
+        RecordingLimits::default(),
+    )
+    .expect("opens");
+    if let Some(store) = &state.ingest {
+        store.keep_recordings(Arc::new(recordings));
+    }
     state.health.watch(node.heartbeat());
     state.health.watch(poller.heartbeat());
     // Let the processes replay a while, so that every series has moved.

@@ -21,6 +21,7 @@ mod pod_network;
 mod private_pools;
 mod properties;
 mod pytorch_keys;
+mod recordings;
 mod recordings_2_15;
 mod replay;
 mod replay_pools;

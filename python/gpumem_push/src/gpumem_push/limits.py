@@ -12,7 +12,7 @@ COLLIDING = frozenset((
     "UUID", "GPU_I_ID", "GPU_I_PROFILE", "mig_uuid",
     "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
     "kind", "model", "outcome", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process",
-    "result",
+    "reason", "result",
     "segment_size", "simulated", "source", "version", "le",
     "job", "instance", "namespace", "pod", "container", "node", "service", "endpoint",
     "cluster",
