@@ -147,6 +147,7 @@ class Recorder:
         self.pushes = []  # dicts: t, payload, status, error, transport, peer_pid
         self.cond = threading.Condition()
         self.last = {}  # pid: (seq, time)
+        self.recordings = []  # dicts: path, content_type, body, peer_pid, status
 
     def record(self, path, body, transport, peer_pid):
         now = time.monotonic()
@@ -199,6 +200,16 @@ class Recorder:
                 self.cond.wait(left)
 
 
+    def record_recording(self, path, content_type, body, peer_pid):
+        """An upload of a recording: kept as sent; 201, or the forced status."""
+        status = self.status or (201 if content_type == "application/gzip" else 403)
+        with self.cond:
+            self.recordings.append({"path": path, "content_type": content_type, "body": body,
+                                    "peer_pid": peer_pid, "status": status})
+            self.cond.notify_all()
+        return status, "kept" if status == 201 else "refused"
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         length = int(self.headers.get("Content-Length", "0"))
@@ -208,8 +219,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                             struct.calcsize("3i"))
             peer_pid = struct.unpack("3i", creds)[0]
-        status, message = self.server.recorder.record(self.path, body, self.server.transport,
-                                                      peer_pid)
+        if self.path.startswith("/api/v1/recordings"):
+            status, message = self.server.recorder.record_recording(
+                self.path, self.headers.get("Content-Type"), body, peer_pid)
+        else:
+            status, message = self.server.recorder.record(self.path, body,
+                                                          self.server.transport, peer_pid)
         reply = json.dumps({"result": message}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")

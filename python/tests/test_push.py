@@ -211,7 +211,10 @@ class Activation(PushTest):
         self.assertEqual(r["observers"], 0, "the observer was attached before CUDA started")
         self.assertEqual(r["violations"], [])
         self.assertEqual(self.agent.recorder.pushes, [], "nothing to push without CUDA")
-        self.assertEqual(r["stats"], {"sent": 0, "dropped": 0, "errors": 0, "last_error": None})
+        self.assertEqual(r["stats"], {
+            "sent": 0, "dropped": 0, "errors": 0, "last_error": None, "observer_seconds": None,
+            "history": {"sent": 0, "saved": 0, "dropped": 0, "skipped": 0, "seconds": None,
+                        "last_error": None, "state": None}})
 
     def test_without_gpumem_push_the_hook_loads_nothing(self):
         for value in (None, "0", ""):
@@ -573,6 +576,121 @@ class Interval(PushTest):
         self.assertTrue(3 <= len(times) <= 5, times)
         gaps = [b - a for a, b in zip(times, times[1:])]
         self.assertTrue(all(0.7 <= g <= 1.1 for g in gaps), gaps)
+
+
+class AllocationHistory(PushTest):
+    """GPUMEM_PUSH_HISTORY: PyTorch's history turned on as CUDA initialises, and the snapshot
+    uploaded at an out-of-memory error (issue 37)."""
+
+    # Waits (bounded) until the hook has queued the history's start with torch.cuda._lazy_call,
+    # allocates (which initialises CUDA), waits for the observer, then runs out of memory.
+    JOB = textwrap.dedent("""
+        import sys, time, torch
+        deadline = time.monotonic() + 10
+        while not torch._fake.queued and time.monotonic() < deadline:
+            time.sleep(0.02)
+        print("queued", len(torch._fake.queued))
+        torch._fake.allocate(0, 3 << 20)
+        deadline = time.monotonic() + 10
+        while not torch._C._oom_observers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        """)
+
+    def test_history_starts_with_cuda_and_an_oom_uploads_the_snapshot(self):
+        import gzip
+        import pickle
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            # A second OOM past the observer's one-second gap, within the recordings'
+            # interval: pushed, not recorded.
+            for pause in (1.2, 0):
+                try:
+                    torch._fake.oom(0, 1 << 40)
+                except torch.cuda.OutOfMemoryError:
+                    pass
+                time.sleep(pause)
+            """), GPUMEM_PUSH_HISTORY="500")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertIn("queued 1", child.stdout)
+        result = child.result
+        self.assertEqual(result["violations"], [], "history never starts CUDA itself")
+        history = result["stats"]["history"]
+        self.assertEqual((history["state"], history["sent"], history["skipped"]), ("on", 1, 1),
+                         history)
+        self.assertGreater(result["stats"]["observer_seconds"], 0)
+        recordings = self.agent.recorder.recordings
+        self.assertEqual(len(recordings), 1, recordings)
+        upload = recordings[0]
+        self.assertEqual(upload["content_type"], "application/gzip")
+        self.assertTrue(upload["path"].startswith(f"/api/v1/recordings?pid={child.pid}&start_time="),
+                        upload["path"])
+        snapshot = pickle.loads(gzip.decompress(upload["body"]))
+        actions = [e["action"] for e in snapshot["device_traces"][0]]
+        # From CUDA's first allocation (the history started as CUDA initialised) to the OOM.
+        self.assertEqual(actions[:2], ["segment_alloc", "alloc"], actions)
+        self.assertEqual(actions[-1], "oom", actions)
+        self.assertEqual(len(snapshot["segments"]), 1)
+        # The OOM push went first: the agent knows the process when its recording comes.
+        self.assertEqual([p.get("reason") for p in self.agent.recorder.accepted()
+                          if p.get("reason")][:1], ["oom"])
+
+    def test_off_unless_asked_under_another_allocator_or_without_cuda(self):
+        oom = self.JOB + textwrap.dedent("""
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            """)
+        for env, state in [({}, None),
+                           ({"GPUMEM_PUSH_HISTORY": "on",
+                             "FAKE_TORCH_BACKEND": "cudaMallocAsync"},
+                            "off: the cudaMallocAsync allocator keeps no history")]:
+            self.agent.recorder.recordings.clear()
+            child = self.run_child(oom.replace('print("queued"', 'print("waited"'), **env)
+            self.assertEqual(child.rc, 0, child.stderr)
+            self.assertEqual(child.result["stats"]["history"]["state"], state, env)
+            self.assertEqual(self.agent.recorder.recordings, [], env)
+            self.assertEqual(child.result["violations"], [], env)
+        # A job that never initialises CUDA never records (nor starts CUDA).
+        child = self.run_child("import torch\ntime_ = __import__('time'); time_.sleep(0.5)\n",
+                               GPUMEM_PUSH_HISTORY="on")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertFalse(child.result["initialized"])
+        self.assertEqual(child.result["violations"], [])
+        self.assertIsNone(child.result["stats"]["history"]["state"])
+
+    def test_a_recording_the_agent_refuses_is_written_to_the_directory(self):
+        self.agent.recorder.status = 503
+        directory = os.path.join(self.tmp, "recordings")
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            """), GPUMEM_PUSH_HISTORY="200", GPUMEM_PUSH_HISTORY_DIR=directory)
+        self.assertEqual(child.rc, 0, child.stderr)
+        history = child.result["stats"]["history"]
+        self.assertEqual((history["sent"], history["saved"]), (0, 1), history)
+        self.assertIn("503", history["last_error"])
+        saved = os.listdir(directory)
+        self.assertEqual(len(saved), 1, saved)
+        self.assertTrue(saved[0].startswith(f"gpumem-{child.pid}-"), saved)
+
+    def test_settings_are_bounded(self):
+        from gpumem_push.history import MAX_ENTRIES, Settings, recordings_url
+        warnings = []
+        for value, entries in [("", 0), ("0", 0), ("off", 0), ("on", 20_000), ("5000", 5000),
+                               ("10", 100), ("1000000", MAX_ENTRIES), ("lots", 0)]:
+            os.environ["GPUMEM_PUSH_HISTORY"] = value
+            try:
+                self.assertEqual(Settings.from_environment(warnings.append).entries, entries,
+                                 value)
+            finally:
+                del os.environ["GPUMEM_PUSH_HISTORY"]
+        self.assertEqual(len(warnings), 3, warnings)
+        self.assertEqual(recordings_url("http://10.0.0.1:9418/api/v1/push"),
+                         "http://10.0.0.1:9418/api/v1/recordings")
+        self.assertEqual(recordings_url("unix:/run/gpumem/push.sock"),
+                         "unix:/run/gpumem/push.sock")
 
 
 class OomFigures(unittest.TestCase):

@@ -17,6 +17,7 @@ import time
 import weakref
 
 from . import config as _config
+from . import history as _history
 from . import readings, transport
 from .limits import MAX_DEVICES, MIN_GAP
 
@@ -125,6 +126,9 @@ class Pusher:
         self._used = set()           # device indices this process has used: pushed from then on
         self._uuids = {}
         self._warned = set()
+        self._history = _history.History()  # a forked child's CUDA is not its parent's
+        self._history_queued = False  # whether torch.cuda._lazy_call holds the history's start
+        self._observer_seconds = None  # the last out-of-memory observer's wall time
 
     def _after_fork_in_child(self):
         # Threads do not survive fork; a forked child (a DataLoader worker, say) does not push
@@ -139,10 +143,14 @@ class Pusher:
     def stats(self):
         """Counters of this process's pushes: sent, dropped (the agent unreachable or
         refusing), errors (a failure reading PyTorch's figures or in this module), and the
-        last error."""
+        last error; the last out-of-memory observer's wall time on the failing thread
+        (seconds), and the allocation history's recordings (history.History.stats)."""
         with self._lock:
-            return {"sent": self._sent, "dropped": self._dropped, "errors": self._errors,
-                    "last_error": self._last_error}
+            out = {"sent": self._sent, "dropped": self._dropped, "errors": self._errors,
+                   "last_error": self._last_error, "observer_seconds": self._observer_seconds}
+            recorder = self._history
+        out["history"] = recorder.stats()
+        return out
 
     def settings(self):
         """What start() settled on: url (resolved now), interval, labels; whether the thread
@@ -318,7 +326,16 @@ class Pusher:
 
     def _observe_oom(self, *args):
         """PyTorch's out-of-memory observer (device, requested, device allocated, device
-        free): called on the failing thread before the error is raised."""
+        free): called on the failing thread before the error is raised. Its wall time is
+        kept for stats()."""
+        started = time.monotonic()
+        try:
+            self._observe(*args)
+        finally:
+            with self._lock:
+                self._observer_seconds = time.monotonic() - started
+
+    def _observe(self, *args):
         try:
             if not self._is_active():
                 return
@@ -350,6 +367,11 @@ class Pusher:
                 with self._lock:  # the thread sends it once the agent's gap has passed
                     self._oom_pending = (snapshot,)
                 self._wake_thread()
+            # After the push, which names the process to the agent: the recording follows it.
+            with self._lock:
+                config, recorder, start_time = self._config, self._history, self._start_time
+            url = _config.resolve_url(config.url if config else None, self._warn)
+            recorder.record(torch, url, os.getpid(), start_time, transport.send, self._warn)
         except Exception as error:
             self._error(error)
 
@@ -375,6 +397,22 @@ class Pusher:
                 self._observer_state = True
         except Exception as error:
             self._error(error)
+
+    def _start_history(self, torch):
+        """Turns the allocation history on once CUDA is initialised: from CUDA's own lazy
+        initialisation where PyTorch offers it (so the first allocations are recorded too),
+        else from this thread once it sees CUDA initialised. Never initialises CUDA."""
+        with self._lock:
+            recorder, queued = self._history, self._history_queued
+            self._history_queued = True
+        if recorder.state() is not None:
+            return
+        lazy_call = getattr(torch.cuda, "_lazy_call", None)
+        if not queued and lazy_call is not None and not torch.cuda.is_initialized():
+            # Runs while CUDA initialises (is_initialized() is still false then).
+            lazy_call(lambda: recorder.enable(torch, self._warn, initialising=True))
+            return
+        recorder.enable(torch, self._warn)
 
     def _pending_oom(self, torch, now):
         """Sends an out-of-memory push the failing thread left to the thread."""
@@ -407,6 +445,7 @@ class Pusher:
                 now = time.monotonic()
                 if torch is not None:
                     self._attach_observer(torch)
+                    self._start_history(torch)
                     if pending:
                         self._pending_oom(torch, now)
                     if now >= next_push:
@@ -472,9 +511,11 @@ class Pusher:
                 if value is not None:
                     explicit[key] = value
             config = _config.Config.of(explicit, self._warn)
+            history_settings = _history.Settings.from_environment(self._warn)
             with self._lock:
                 self._explicit = explicit
                 self._config = config
+                self._history.configure(history_settings)
                 self._active = True
                 thread = self._thread
                 if thread is not None and thread.is_alive() and not self._stop.is_set():

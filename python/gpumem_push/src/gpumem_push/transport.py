@@ -12,12 +12,13 @@ class Refused(Exception):
         self.status = status
 
 
-def send(url, body, timeout):
-    """POSTs `body` (JSON bytes) to `url`. Raises Refused for an error status, OSError (and
-    http.client's errors) when the agent cannot be reached in time."""
+def send(url, body, timeout, path=None, content_type="application/json"):
+    """POSTs `body` to `url` (to `path` on its server where given: a push's by default).
+    Raises Refused for an error status, OSError (and http.client's errors) when the agent
+    cannot be reached in time."""
     import http.client  # here, not at import: the hook imports this package at interpreter start
 
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
     if url.startswith("unix:"):
         import socket
 
@@ -33,7 +34,7 @@ def send(url, body, timeout):
                 self.sock = sock
 
         connection = UnixConnection("localhost", timeout=timeout)
-        path = PUSH_PATH
+        path = path or PUSH_PATH
     else:
         # http.client, not urllib: an HTTP_PROXY set for the job must not carry node-local
         # pushes away.
@@ -41,7 +42,7 @@ def send(url, body, timeout):
         parts = urlsplit(url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = kind(parts.hostname, parts.port, timeout=timeout)
-        path = parts.path + ("?" + parts.query if parts.query else "")
+        path = path or parts.path + ("?" + parts.query if parts.query else "")
     try:
         connection.request("POST", path, body=body, headers=headers)
         response = connection.getresponse()

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 MIB = 1 << 20
 SEGMENT = 2 * MIB
@@ -17,6 +18,17 @@ allocator = None  # what change_current_allocator installed
 # Per device: its segments ({"total_size", "blocks": [{"size", "state"}]}) and counters.
 segments = [[] for _ in range(device_count)]
 counters = [{"peak": 0, "ooms": 0, "allocs": 0, "frees": 0} for _ in range(device_count)]
+# The allocation history (torch.cuda.memory._record_memory_history): its settings while on,
+# calls queued by torch.cuda._lazy_call until CUDA initialises, each device's trace and where
+# its next segment goes. FAKE_TORCH_BACKEND names get_allocator_backend()'s answer.
+history = None
+initializing = False
+queued = []
+traces = [[] for _ in range(device_count)]
+next_address = [0x7F0000000000 + (d << 40) for d in range(device_count)]
+backend = os.environ.get("FAKE_TORCH_BACKEND", "native")
+FRAMES = [{"filename": "train.py", "line": 42, "name": "step"},
+          {"filename": "model.py", "line": 7, "name": "forward"}]
 
 
 # Pinned host memory (the CachingHostAllocator): pool blocks of power-of-two sizes, each in use
@@ -38,9 +50,28 @@ def check(call):
 
 
 def init():
-    global initialized
+    """CUDA's lazy initialisation: the queued calls run first, while is_initialized() is
+    still false, as PyTorch runs them."""
+    global initialized, initializing
     with lock:
-        initialized = True
+        if initialized or initializing:
+            return
+        initializing = True
+    try:
+        while queued:
+            queued.pop(0)()
+    finally:
+        with lock:
+            initializing = False
+            initialized = True
+
+
+def trace(device, action, addr, size):
+    """One history entry, while history is on."""
+    if history is not None:
+        traces[device].append({"action": action, "addr": addr, "size": size, "stream": 0,
+                               "time_us": int(time.time() * 1e6), "frames": list(FRAMES)})
+        del traces[device][:-history["max_entries"]]
 
 
 def reserved(device):
@@ -58,11 +89,19 @@ def allocate(device, nbytes):
     init()
     with lock:
         total = max(SEGMENT, -(-nbytes // SEGMENT) * SEGMENT)
-        blocks = [{"size": nbytes, "state": "active_allocated"}]
+        address = next_address[device]
+        next_address[device] += total
+        blocks = [{"address": address, "size": nbytes, "requested_size": nbytes,
+                   "state": "active_allocated", "frames": list(FRAMES)}]
         if total > nbytes:
-            blocks.append({"size": total - nbytes, "state": "inactive"})
-        segments[device].append({"device": device, "total_size": total, "blocks": blocks,
-                                 "allocated_size": nbytes, "segment_type": "large"})
+            blocks.append({"address": address + nbytes, "size": total - nbytes,
+                           "requested_size": 0, "state": "inactive", "frames": []})
+        segments[device].append({"device": device, "address": address, "total_size": total,
+                                 "blocks": blocks, "allocated_size": nbytes,
+                                 "active_size": nbytes, "requested_size": nbytes, "stream": 0,
+                                 "segment_type": "large"})
+        trace(device, "segment_alloc", address, total)
+        trace(device, "alloc", address, nbytes)
         counters[device]["allocs"] += 1
         counters[device]["peak"] = max(counters[device]["peak"], reserved(device))
 
@@ -71,6 +110,12 @@ def free_all(device):
     """Frees and releases every segment of the device (empty_cache)."""
     with lock:
         counters[device]["frees"] += len(segments[device])
+        for segment in segments[device]:
+            for block in segment["blocks"]:
+                if block["state"] == "active_allocated":
+                    trace(device, "free_requested", block["address"], block["size"])
+                    trace(device, "free_completed", block["address"], block["size"])
+            trace(device, "segment_free", segment["address"], segment["total_size"])
         segments[device].clear()
 
 
@@ -85,6 +130,7 @@ def oom(device, nbytes):
     init()
     with lock:
         counters[device]["ooms"] += 1
+        trace(device, "oom", TOTAL - reserved(device), nbytes)
         observers = list(_C._oom_observers)
     for observer in observers:
         observer(device, nbytes, TOTAL, TOTAL - reserved(device))

@@ -32,6 +32,15 @@ def init():
     _fake.init()
 
 
+def _lazy_call(callable):
+    """Runs `callable` now if CUDA is initialised, else when it initialises."""
+    with _fake.lock:
+        if not _fake.initialized:
+            _fake.queued.append(callable)
+            return
+    callable()
+
+
 def device_count():
     _fake.check("device_count")
     return _fake.device_count
