@@ -338,3 +338,83 @@ time.sleep(60)
     drop(jobs);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 37, end to end: a pip-installed job with `GPUMEM_PUSH_HISTORY` dies of an OOM; the
+/// agent keeps the recording its hook uploaded (history from CUDA's first allocation to the
+/// OOM), lists it as the job's, and `gpumem explain` of the kept file explains that OOM.
+#[test]
+fn a_job_that_dies_of_an_oom_leaves_its_recording() {
+    let dir = std::env::temp_dir().join(format!("gpumem-oom-rec-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let store = dir.join("store");
+    let port = free_port();
+    let extra: [&std::ffi::OsStr; 4] = [
+        "--pod-resources-socket".as_ref(),
+        "".as_ref(),
+        "--recordings-dir".as_ref(),
+        store.as_os_str(),
+    ];
+    let _agent = spawn_serve(port, &dir.join("push.log"), None, &extra);
+    // The hook queues the history's start as soon as it sees torch; the script lets it, so
+    // that the history begins with CUDA (a real job's first allocation comes later anyway).
+    let script = r#"
+import time, torch
+deadline = time.time() + 20
+while not torch._fake.queued and time.time() < deadline:
+    time.sleep(0.02)
+torch._fake.allocate(0, 64 << 20)
+torch._fake.allocate(0, 3 << 20)
+while not torch._C._oom_observers and time.time() < deadline:
+    time.sleep(0.02)
+torch._fake.oom(0, 1 << 37)
+"#;
+    let mut job = spawn_job(
+        script,
+        &[
+            ("GPUMEM_PUSH", "1".into()),
+            (
+                "GPUMEM_PUSH_SOCKET",
+                dir.join("push.sock").display().to_string(),
+            ),
+            ("GPUMEM_PUSH_HISTORY", "1000".into()),
+        ],
+        &dir.join("job.log"),
+    );
+    let pid = job.0.id();
+    let status = job.0.wait().expect("the job ends");
+    assert!(!status.success(), "the job dies of its OOM");
+    let listed = wait_for(Duration::from_secs(10), || {
+        let list: serde_json::Value =
+            serde_json::from_str(&http_get(port, "/api/v1/recordings")?).ok()?;
+        (list.as_array()?.len() == 1).then_some(list)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no recording kept; job: {}; agent: {}",
+            std::fs::read_to_string(dir.join("job.log")).unwrap_or_default(),
+            std::fs::read_to_string(dir.join("push.log")).unwrap_or_default()
+        )
+    });
+    let kept = &listed[0];
+    assert_eq!(kept["pid"], pid, "{kept}");
+    assert_eq!(kept["device"], 0, "{kept}");
+    let oom_event = kept["oom_event"].as_u64().expect("the OOM was recorded");
+    let file = store.join(format!("{}.pickle.gz", kept["id"].as_str().expect("id")));
+    let explained = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .arg("explain")
+        .arg(&file)
+        .arg("--json")
+        .output()
+        .expect("explain runs");
+    assert!(
+        explained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    let explanation: serde_json::Value = serde_json::from_slice(&explained.stdout).expect("JSON");
+    assert_eq!(explanation["request"]["event"], oom_event, "{explanation}");
+    assert_eq!(explanation["request"]["bytes"], 1_u64 << 37, "{explanation}");
+    assert_eq!(explanation["device"], 0, "{explanation}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
