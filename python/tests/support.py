@@ -148,6 +148,7 @@ class Recorder:
         self.cond = threading.Condition()
         self.last = {}  # pid: (seq, time)
         self.recordings = []  # dicts: path, content_type, body, peer_pid, status
+        self.recording_status = None  # forces the answer to recordings alone
 
     def record(self, path, body, transport, peer_pid):
         now = time.monotonic()
@@ -202,7 +203,8 @@ class Recorder:
 
     def record_recording(self, path, content_type, body, peer_pid):
         """An upload of a recording: kept as sent; 201, or the forced status."""
-        status = self.status or (201 if content_type == "application/gzip" else 403)
+        status = (self.status or self.recording_status
+                  or (201 if content_type == "application/gzip" else 403))
         with self.cond:
             self.recordings.append({"path": path, "content_type": content_type, "body": body,
                                     "peer_pid": peer_pid, "status": status})

@@ -658,22 +658,28 @@ class AllocationHistory(PushTest):
         self.assertEqual(child.result["violations"], [])
         self.assertIsNone(child.result["stats"]["history"]["state"])
 
-    def test_a_recording_the_agent_refuses_is_written_to_the_directory(self):
-        self.agent.recorder.status = 503
-        directory = os.path.join(self.tmp, "recordings")
-        child = self.run_child(self.JOB + textwrap.dedent("""
+    def test_a_recording_the_agent_does_not_take_is_written_to_the_directory(self):
+        oom = self.JOB + textwrap.dedent("""
             try:
                 torch._fake.oom(0, 1 << 40)
             except torch.cuda.OutOfMemoryError:
                 pass
-            """), GPUMEM_PUSH_HISTORY="200", GPUMEM_PUSH_HISTORY_DIR=directory)
-        self.assertEqual(child.rc, 0, child.stderr)
-        history = child.result["stats"]["history"]
-        self.assertEqual((history["sent"], history["saved"]), (0, 1), history)
-        self.assertIn("503", history["last_error"])
-        saved = os.listdir(directory)
-        self.assertEqual(len(saved), 1, saved)
-        self.assertTrue(saved[0].startswith(f"gpumem-{child.pid}-"), saved)
+            """)
+        # The agent refuses the recording; then it refuses everything, the OOM push too, and
+        # the hook does not even try to upload.
+        for refused, says in [("recording_status", "503"), ("status", "did not take")]:
+            setattr(self.agent.recorder, refused, 503)
+            directory = os.path.join(self.tmp, refused)
+            child = self.run_child(oom, GPUMEM_PUSH_HISTORY="200",
+                                   GPUMEM_PUSH_HISTORY_DIR=directory)
+            self.assertEqual(child.rc, 0, child.stderr)
+            history = child.result["stats"]["history"]
+            self.assertEqual((history["sent"], history["saved"]), (0, 1), history)
+            self.assertIn(says, history["last_error"])
+            saved = os.listdir(directory)
+            self.assertEqual(len(saved), 1, saved)
+            self.assertTrue(saved[0].startswith(f"gpumem-{child.pid}-"), saved)
+        self.assertEqual(len(self.agent.recorder.recordings), 1, "only the first was tried")
 
     def test_settings_are_bounded(self):
         from gpumem_push.history import MAX_ENTRIES, Settings, recordings_url

@@ -506,6 +506,23 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
 /// The demo's recordings directory, removed when the demo ends.
 struct DemoRecordings(PathBuf);
 
+impl DemoRecordings {
+    /// A new directory of its own under the temporary directory (only its user's: never one
+    /// that exists already, which another user could have put there).
+    fn make() -> std::io::Result<DemoRecordings> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let dir = std::env::temp_dir().join(format!(
+            "gpumem-demo-recordings-{}-{nanos:x}",
+            std::process::id()
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        Ok(DemoRecordings(dir))
+    }
+}
+
 impl Drop for DemoRecordings {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
@@ -536,9 +553,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     )?;
     // Jobs pushing to the demo from this host may upload their recordings too: kept in a
     // directory of its own, removed at exit.
-    let recordings = DemoRecordings(
-        std::env::temp_dir().join(format!("gpumem-demo-recordings-{}", std::process::id())),
-    );
+    let recordings = DemoRecordings::make()?;
     if let Some(store) = &state.ingest {
         let kept = RecordingStore::open(recordings.0.clone(), RecordingLimits::default())?;
         store.keep_recordings(Arc::new(kept));

@@ -12,20 +12,24 @@
 //! # Invariants (budgets)
 //! - An upload is at most [`RecordingLimits::max_bytes_each`] bytes as sent (a declared
 //!   larger one is refused unread, a longer one when it crosses the cap) and decompresses to
-//!   at most [`RecordingLimits::read`]'s input bound; at most [`MAX_UPLOADS`] are received at
-//!   once (others are refused as `rate_limited`), each within [`UPLOAD_TIMEOUT`].
+//!   at most [`RecordingLimits::read`]'s input bound; at most [`MAX_UPLOADS`] bodies are
+//!   received at once (others are refused as `rate_limited`), each within [`UPLOAD_TIMEOUT`].
 //! - One upload is read at a time, within [`RecordingLimits::read`]'s memory budget.
 //! - At most [`RecordingLimits::max_count`] recordings and [`RecordingLimits::max_bytes`]
 //!   bytes are kept: a new one evicts the oldest until it fits.
-//! - The directory holds only the store's files: `<id>.pickle.gz` and its `<id>.json`, and
-//!   uploads in flight (`.upload-*`). At start, valid pairs are listed again (oldest evicted
-//!   past the caps) and anything else is removed.
+//! - The store's files are `<id>.pickle.gz` and its `<id>.json`, and uploads in flight
+//!   (`.upload-*`). At start, valid pairs are listed again (oldest evicted past the caps) and
+//!   the store's other files (a partial upload, half a pair) removed; files of other names are
+//!   left alone.
+//! - One process (by pid) uploads at most once per [`MIN_UPLOAD_GAP`] (`rate_limited`): its
+//!   hook records at most once per ten minutes, and a pusher cannot evict the other jobs'
+//!   recordings by uploading in a loop under one pid.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +42,10 @@ use crate::sources::RecordingsReport;
 pub const MAX_UPLOADS: usize = 2;
 /// The longest an upload's body may take.
 pub const UPLOAD_TIMEOUT: Duration = Duration::from_secs(60);
+/// The least time between two uploads of one process.
+pub const MIN_UPLOAD_GAP: Duration = Duration::from_secs(60);
+/// Processes whose last upload is remembered for the gap.
+const MAX_REMEMBERED: usize = 4096;
 /// The extension of a stored recording.
 const RECORDING: &str = "pickle.gz";
 /// The prefix of an upload in flight.
@@ -57,7 +65,7 @@ pub struct RecordingLimits {
 }
 
 impl Default for RecordingLimits {
-    /// 16 MiB each, 1 GiB and 100 in all; read within 1 GiB decompressed and 128 MiB of
+    /// 16 MiB each, 1 GiB and 100 in all; read within 256 MiB decompressed and 128 MiB of
     /// memory. Measured: a real recording of 19 464 events with stacks
     /// (`cs336_lm_fwd_bwd_step`) is 3.7 MB pickled, 229 kB gzipped, and read and replayed
     /// within 16 MB resident, so PyTorch's 100 000-entry history cap stays far inside them.
@@ -67,7 +75,7 @@ impl Default for RecordingLimits {
             max_bytes: 1 << 30,
             max_count: 100,
             read: ReadLimits {
-                max_input_bytes: 1 << 30,
+                max_input_bytes: 256 << 20,
                 max_memory_bytes: 128 << 20,
             },
         }
@@ -122,6 +130,8 @@ pub struct RecordingStore {
     uploads: Arc<tokio::sync::Semaphore>,
     /// Held while an upload is read.
     reading: Mutex<()>,
+    /// When each process last began an upload.
+    last_upload: Mutex<HashMap<u32, Instant>>,
     next: AtomicU64,
 }
 
@@ -148,13 +158,19 @@ pub struct Upload {
     path: PathBuf,
     settled: bool,
     refused: Arc<Refused>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    /// Held while the body is received.
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Upload {
     /// The temporary file to write the body to.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The body is on disk: another upload may be received while this one waits to be read.
+    pub fn received(&mut self) {
+        self.permit = None;
     }
 
     /// Refuses the upload: counted, its file removed.
@@ -213,7 +229,15 @@ impl RecordingStore {
             .iter()
             .flat_map(|r| [format!("{}.json", r.id), format!("{}.{RECORDING}", r.id)])
             .collect();
-        for name in files.iter().filter(|n| !known.contains(n)) {
+        // Only what the store could have written: the directory may hold other files.
+        let ours = |name: &str| {
+            name.starts_with(UPLOADING)
+                || name
+                    .strip_suffix(".json")
+                    .or_else(|| name.strip_suffix(&format!(".{RECORDING}")))
+                    .is_some_and(valid_id)
+        };
+        for name in files.iter().filter(|n| ours(n) && !known.contains(n)) {
             let _ = std::fs::remove_file(dir.join(name));
         }
         let store = RecordingStore {
@@ -223,9 +247,13 @@ impl RecordingStore {
             refused: Arc::default(),
             uploads: Arc::new(tokio::sync::Semaphore::new(MAX_UPLOADS)),
             reading: Mutex::new(()),
+            last_upload: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
         };
-        store.evict(&mut store.kept(), 0);
+        let evicted = store.evict(&mut store.kept(), 0);
+        for old in evicted {
+            store.remove(&old);
+        }
         Ok(store)
     }
 
@@ -244,11 +272,31 @@ impl RecordingStore {
         rejected
     }
 
-    /// A place for one more upload, or `rate_limited` while [`MAX_UPLOADS`] are in flight.
+    /// A place for one more upload of process `pid`, or `rate_limited` while [`MAX_UPLOADS`]
+    /// are being received or where `pid` began one within [`MIN_UPLOAD_GAP`].
     ///
     /// # Errors
-    /// Too many uploads at once.
-    pub fn begin(&self) -> Result<Upload, Rejected> {
+    /// Too many uploads at once, or too soon for this process.
+    pub fn begin(&self, pid: u32) -> Result<Upload, Rejected> {
+        {
+            let mut last = self
+                .last_upload
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            if last.get(&pid).is_some_and(|&t| now - t < MIN_UPLOAD_GAP) {
+                return Err(self.refuse(Rejected::new(
+                    Refusal::RateLimited,
+                    format!("pid {pid} sent a recording less than {MIN_UPLOAD_GAP:?} ago"),
+                )));
+            }
+            if last.len() >= MAX_REMEMBERED {
+                last.retain(|_, t| now - *t < MIN_UPLOAD_GAP);
+            }
+            if last.len() < MAX_REMEMBERED {
+                last.insert(pid, now);
+            }
+        }
         let permit = Arc::clone(&self.uploads).try_acquire_owned().map_err(|_| {
             self.refuse(Rejected::new(
                 Refusal::RateLimited,
@@ -262,7 +310,7 @@ impl RecordingStore {
                 .join(format!("{UPLOADING}{}-{n}", std::process::id())),
             settled: false,
             refused: Arc::clone(&self.refused),
-            _permit: permit,
+            permit: Some(permit),
         })
     }
 
@@ -321,7 +369,6 @@ impl RecordingStore {
             bytes,
             oom_event: oom.map(|(_, i, _)| i),
         };
-        let mut kept = self.kept();
         if bytes > self.limits.max_bytes {
             return Err(upload.refuse(Rejected::new(
                 Refusal::TooLarge,
@@ -331,13 +378,7 @@ impl RecordingStore {
                 ),
             )));
         }
-        self.evict(&mut kept, bytes);
-        let stored_error = |e: std::io::Error| {
-            Rejected::new(
-                Refusal::Capacity,
-                format!("the recording could not be stored: {e}"),
-            )
-        };
+        // Written before anything is evicted: a failed write loses nothing kept.
         let meta = self.dir.join(format!("{}.json", stored.id));
         let written = serde_json::to_vec(&stored)
             .map_err(std::io::Error::from)
@@ -350,15 +391,26 @@ impl RecordingStore {
             });
         if let Err(e) = written {
             let _ = std::fs::remove_file(&meta);
-            return Err(upload.refuse(stored_error(e)));
+            return Err(upload.refuse(Rejected::new(
+                Refusal::Capacity,
+                format!("the recording could not be stored: {e}"),
+            )));
         }
         upload.settled = true;
+        let mut kept = self.kept();
+        let evicted = self.evict(&mut kept, bytes);
         kept.push_back(stored.clone());
+        drop(kept);
+        for old in evicted {
+            self.remove(&old);
+        }
         Ok(stored)
     }
 
-    /// Drops the oldest recordings until one of `incoming` bytes fits.
-    fn evict(&self, kept: &mut VecDeque<StoredRecording>, incoming: u64) {
+    /// Takes the oldest recordings off the list until one of `incoming` bytes fits; their
+    /// files are the caller's to remove ([`RecordingStore::remove`]), outside the lock.
+    fn evict(&self, kept: &mut VecDeque<StoredRecording>, incoming: u64) -> Vec<StoredRecording> {
+        let mut evicted = Vec::new();
         let room = |kept: &VecDeque<StoredRecording>| {
             let count = kept.len() + usize::from(incoming > 0);
             let bytes: u64 = kept.iter().map(|r| r.bytes).sum::<u64>() + incoming;
@@ -368,12 +420,18 @@ impl RecordingStore {
             let Some(oldest) = kept.pop_front() else {
                 break;
             };
-            for name in [
-                format!("{}.{RECORDING}", oldest.id),
-                format!("{}.json", oldest.id),
-            ] {
-                let _ = std::fs::remove_file(self.dir.join(name));
-            }
+            evicted.push(oldest);
+        }
+        evicted
+    }
+
+    /// Removes a recording's files.
+    fn remove(&self, recording: &StoredRecording) {
+        for name in [
+            format!("{}.{RECORDING}", recording.id),
+            format!("{}.json", recording.id),
+        ] {
+            let _ = std::fs::remove_file(self.dir.join(name));
         }
     }
 

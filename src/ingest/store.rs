@@ -556,17 +556,21 @@ impl PushStore {
         pid: u32,
         start_time: Option<u64>,
     ) -> Result<Owner, Rejected> {
-        let (pid, origin) = match sender {
-            Sender::Unattributed => (pid, Origin::Tcp),
-            Sender::Process(peer) => (peer.pid, Origin::Socket),
+        // The uploader's start time, where known: a process reusing a tracked pid is not it.
+        let (pid, origin, started) = match sender {
+            Sender::Unattributed => (pid, Origin::Tcp, start_time),
+            Sender::Process(peer) => (peer.pid, Origin::Socket, peer.start_time),
             Sender::Pod(pod) => {
                 let found = (self.config.pod_process)(&pod.uid, pid, start_time)
                     .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
-                (found.pid, Origin::Pod(pod.uid))
+                (found.pid, Origin::Pod(pod.uid), Some(found.start_time))
             }
         };
         let state = self.state();
-        let tracked = state.tracked.get(&pid).filter(|t| t.origin == origin);
+        let tracked = state.tracked.get(&pid).filter(|t| {
+            t.origin == origin
+                && (t.start_time.is_none() || started.is_none() || t.start_time == started)
+        });
         let Some(tracked) = tracked else {
             return Err(Rejected::new(
                 Refusal::Forbidden,

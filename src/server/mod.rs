@@ -46,7 +46,9 @@
 //! of a body (and the rest of the read that crossed them: hyper reads 8 KiB at first): about
 //! 20 MiB at worst. Measured at 66 MiB peak resident with the worst valid pushes over TCP and
 //! twelve slow scrapers (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels),
-//! 8 MiB idle. The chart's limit is 128 MiB.
+//! 8 MiB idle. Reading an uploaded recording adds at most its reading budget (one at a time,
+//! 128 MiB by default: `ingest::recordings`); an upload's body goes to disk through a buffer
+//! of one frame. The chart's limit is 256 MiB.
 
 mod conns;
 pub mod hosts;
@@ -621,7 +623,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             Err(e) => return internal(&e),
         }
     };
-    let upload = match recordings.begin() {
+    let mut upload = match recordings.begin(owner.pid) {
         Ok(upload) => upload,
         Err(rejected) => return refusal(rejected.refusal, &rejected.message),
     };
@@ -643,6 +645,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             )));
         }
     };
+    upload.received();
     if declared.is_some_and(|n| n != written) {
         return answer(upload.refuse(Rejected::new(
             Refusal::Truncated,

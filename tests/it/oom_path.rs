@@ -414,7 +414,11 @@ torch._fake.oom(0, 1 << 37)
     );
     let explanation: serde_json::Value = serde_json::from_slice(&explained.stdout).expect("JSON");
     assert_eq!(explanation["request"]["event"], oom_event, "{explanation}");
-    assert_eq!(explanation["request"]["bytes"], 1_u64 << 37, "{explanation}");
+    assert_eq!(
+        explanation["request"]["bytes"],
+        1_u64 << 37,
+        "{explanation}"
+    );
     assert_eq!(explanation["device"], 0, "{explanation}");
     let _ = std::fs::remove_dir_all(&dir);
 }

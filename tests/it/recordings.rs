@@ -264,7 +264,16 @@ fn recordings_are_kept_listed_and_refused_with_their_reasons() {
             "truncated",
         ),
     ];
-    for (what, pid, content_type, body, length, want, reason) in cases {
+    for (i, (what, pid, content_type, body, length, want, reason)) in cases.into_iter().enumerate()
+    {
+        // Each from a process of its own that pushed (a process uploads once a minute at
+        // most); 4243 never pushes.
+        let pid = if pid == 4242 {
+            push(port, 4300 + i as u32);
+            4300 + i as u32
+        } else {
+            pid
+        };
         let (status, answer) = request(
             port,
             "POST",
@@ -280,6 +289,13 @@ fn recordings_are_kept_listed_and_refused_with_their_reasons() {
         let answer: serde_json::Value = serde_json::from_str(&answer).expect("JSON");
         assert_eq!(answer["reason"], reason, "{what}: {answer}");
     }
+    // Twice from one process within a minute: the second is refused.
+    let (status, answer) = upload(port, 4242, &recording);
+    assert_eq!(
+        (status, answer["reason"].clone()),
+        (429, serde_json::json!("rate_limited")),
+        "{answer}"
+    );
     assert_eq!(listed(port).len(), 1);
     assert_eq!(
         files(&dir.join("store")).len(),
@@ -292,6 +308,7 @@ fn recordings_are_kept_listed_and_refused_with_their_reasons() {
         ("too_large", 2.0),
         ("truncated", 2.0),
         ("malformed", 1.0),
+        ("rate_limited", 1.0),
     ] {
         let series = format!("gpumem_recordings_refused_total{{reason=\"{reason}\"}}");
         assert_eq!(metric(port, &series), n, "{series}");
@@ -362,6 +379,7 @@ fn a_hundred_jobs_keep_the_store_within_its_caps() {
 
     // A restart finds them, within its own caps: the five newest; the rest's files removed.
     std::fs::write(dir.join("store").join(".upload-1-2"), b"partial").expect("writes");
+    std::fs::write(dir.join("store").join("notes.txt"), b"not the store's").expect("writes");
     let port = free_port();
     let _agent = agent(port, &dir, &["--recordings-max-count", "5"]);
     let pids: Vec<u64> = listed(port)
@@ -369,9 +387,10 @@ fn a_hundred_jobs_keep_the_store_within_its_caps() {
         .map(|r| r["pid"].as_u64().expect("pid"))
         .collect();
     assert_eq!(pids, (5095..5100).rev().collect::<Vec<u64>>());
+    // The store's other files removed, a file of another name left alone.
     assert_eq!(
         files(&dir.join("store")).len(),
-        10,
+        11,
         "{:?}",
         files(&dir.join("store"))
     );

@@ -15,9 +15,12 @@ Settings (read at start()):
 - History is turned on only once CUDA is initialised (`_record_memory_history` initialises
   CUDA itself, which would break fork-based data loaders), and only under PyTorch's native
   allocator (`cudaMallocAsync` records no history; gpumem_torch jobs send gpumem's own).
-- A recording costs the failing thread at most RECORDING_SECONDS plus the snapshot's
-  pickling; it is at most MAX_BYTES gzipped (the agent's default cap), else dropped or
-  written to the directory; it never raises into the job.
+- A recording costs the failing thread the snapshot, its pickling and gzipping (about a
+  second for 100 000 entries), then its upload: sent only if RECORDING_SECONDS are not spent
+  by then, each network step (connecting, sending, the answer) within what is left of them
+  (so at worst three times that), and not at all where the agent just failed to take the
+  out-of-memory push. It is at most MAX_BYTES gzipped (the agent's default cap), else
+  dropped or written to the directory; it never raises into the job.
 """
 
 import math
@@ -146,10 +149,11 @@ class History:
         if state != "on":
             warn(f"allocation history is {state}")
 
-    def record(self, torch, push_url, pid, start_time, send, warn):
+    def record(self, torch, push_url, pid, start_time, send, warn, send_to_agent=True):
         """At an out-of-memory error, on the failing thread: the snapshot, gzipped, sent to
-        the agent (`send(url, body, timeout, path, content_type)`), else written to the
-        directory; at most once per interval. Returns what became of it."""
+        the agent (`send(url, body, timeout, path, content_type)`; not where `send_to_agent`
+        is false: the agent was just unreachable), else written to the directory; at most
+        once per interval. Returns what became of it."""
         started = time.monotonic()
         with self._lock:
             settings = self.settings
@@ -168,6 +172,8 @@ class History:
             body = gzip.compress(pickle.dumps(snapshot, protocol=4), compresslevel=1)
             if len(body) > MAX_BYTES:
                 raise ValueError(f"the recording is {len(body)} bytes gzipped, over {MAX_BYTES}")
+            if not send_to_agent:
+                raise ConnectionError("the agent did not take the out-of-memory push")
             left = RECORDING_SECONDS - (time.monotonic() - started)
             if left <= 0:
                 raise TimeoutError(f"taking the snapshot used its {RECORDING_SECONDS:g} s")

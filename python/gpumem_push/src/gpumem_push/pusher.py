@@ -367,11 +367,14 @@ class Pusher:
                 with self._lock:  # the thread sends it once the agent's gap has passed
                     self._oom_pending = (snapshot,)
                 self._wake_thread()
-            # After the push, which names the process to the agent: the recording follows it.
+            # After the push, which names the process to the agent: the recording follows it,
+            # unless the agent could not be reached just now (then it goes to the directory).
             with self._lock:
                 config, recorder, start_time = self._config, self._history, self._start_time
             url = _config.resolve_url(config.url if config else None, self._warn)
-            recorder.record(torch, url, os.getpid(), start_time, transport.send, self._warn)
+            reachable = result.outcome not in (Outcome.DROPPED, Outcome.REFUSED)
+            recorder.record(torch, url, os.getpid(), start_time, transport.send, self._warn,
+                            send_to_agent=reachable)
         except Exception as error:
             self._error(error)
 
@@ -409,8 +412,15 @@ class Pusher:
             return
         lazy_call = getattr(torch.cuda, "_lazy_call", None)
         if not queued and lazy_call is not None and not torch.cuda.is_initialized():
-            # Runs while CUDA initialises (is_initialized() is still false then).
-            lazy_call(lambda: recorder.enable(torch, self._warn, initialising=True))
+            # Runs while CUDA initialises (is_initialized() is still false then). PyTorch keeps
+            # the queue across fork: in a child (whose recorder is a new one) it does nothing.
+            pid = os.getpid()
+
+            def start():
+                if os.getpid() == pid and self._history is recorder:
+                    recorder.enable(torch, self._warn, initialising=True)
+
+            lazy_call(start)
             return
         recorder.enable(torch, self._warn)
 
