@@ -149,6 +149,7 @@ class Recorder:
         self.last = {}  # pid: (seq, time)
         self.recordings = []  # dicts: path, content_type, body, peer_pid, status
         self.recording_status = None  # forces the answer to recordings alone
+        self.recordings_busy = 0  # recordings answered "busy" (429) before the others
 
     def record(self, path, body, transport, peer_pid):
         now = time.monotonic()
@@ -203,12 +204,16 @@ class Recorder:
 
     def record_recording(self, path, content_type, body, peer_pid):
         """An upload of a recording: kept as sent; 201, or the forced status."""
-        status = (self.status or self.recording_status
-                  or (201 if content_type == "application/gzip" else 403))
         with self.cond:
+            busy = self.recordings_busy > 0
+            self.recordings_busy -= busy
+            status = 429 if busy else (self.status or self.recording_status
+                                       or (201 if content_type == "application/gzip" else 403))
             self.recordings.append({"path": path, "content_type": content_type, "body": body,
                                     "peer_pid": peer_pid, "status": status})
             self.cond.notify_all()
+        if busy:  # the agent's words when it receives two recordings already
+            return status, "2 recordings are being received already; try again later"
         return status, "kept" if status == 201 else "refused"
 
 

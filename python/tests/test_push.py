@@ -681,6 +681,19 @@ class AllocationHistory(PushTest):
             self.assertTrue(saved[0].startswith(f"gpumem-{child.pid}-"), saved)
         self.assertEqual(len(self.agent.recorder.recordings), 1, "only the first was tried")
 
+    def test_an_agent_busy_with_other_recordings_is_asked_again(self):
+        # All ranks of a job may fail at once; the agent receives two recordings at a time.
+        self.agent.recorder.recordings_busy = 2
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            """), GPUMEM_PUSH_HISTORY="200")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertEqual(child.result["stats"]["history"]["sent"], 1, child.result["stats"])
+        self.assertEqual([r["status"] for r in self.agent.recorder.recordings], [429, 429, 201])
+
     def test_settings_are_bounded(self):
         from gpumem_push.history import MAX_ENTRIES, Settings, recordings_url
         warnings = []

@@ -437,11 +437,11 @@ async fn push(
         .map(|c| c.0.ip().to_canonical());
     let pod = match (unix, peer) {
         (Some(_), _) => None,
-        (None, Some(ip)) => match attribute(&state, &store, ip).await {
+        (None, Some(ip)) => match attribute(&state, ip).await {
             Ok(pod) => pod,
-            Err(refusal) => return refusal,
+            Err(rejected) => return refused(&store, rejected.refusal, &rejected.message),
         },
-        (None, None) => return from_elsewhere(&store),
+        (None, None) => return refused(&store, Refusal::Forbidden, FROM_ELSEWHERE),
     };
     // A web page open in a browser on the node can send a "simple" cross-site POST to
     // loopback (text/plain, with an Origin header); a push hook never sends either.
@@ -553,17 +553,12 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
         .map(|c| c.0.ip().to_canonical());
     let sender = match (unix, peer) {
         (Some(unix), _) => Sender::from(unix.process),
-        (None, Some(ip)) => match attribute(&state, &store, ip).await {
+        (None, Some(ip)) => match attribute(&state, ip).await {
             Ok(Some(pod)) => Sender::Pod(pod),
             Ok(None) => Sender::Unattributed,
-            Err(refusal) => return refusal,
+            Err(rejected) => return refuse(rejected),
         },
-        (None, None) => {
-            return refuse(Rejected::new(
-                Refusal::Forbidden,
-                "recordings are accepted from this host only",
-            ));
-        }
+        (None, None) => return refuse(Rejected::new(Refusal::Forbidden, FROM_ELSEWHERE)),
     };
     let headers = request.headers();
     if headers.contains_key(header::ORIGIN) {
@@ -721,15 +716,14 @@ async fn write_body(
     Ok(written)
 }
 
-/// The pod a TCP push from `peer` is from (`None`: this host's own loopback, unattributed),
-/// or the refusal's answer. Where the agent attributes the pod network, a peer a ready pod
+/// The pod a TCP push or upload from `peer` is from (`None`: this host's own loopback,
+/// unattributed), or why it is refused (the caller counts it where it belongs). Where the agent attributes the pod network, a peer a ready pod
 /// has is that pod (pods are given loopback addresses only by tests); the node's addresses
 /// are refused, as are unknown peers other than loopback's own (`127.0.0.1`, `::1`).
 async fn attribute(
     state: &AppState,
-    store: &PushStore,
     peer: std::net::IpAddr,
-) -> Result<Option<crate::telemetry::pod_network::PodPeer>, Response> {
+) -> Result<Option<crate::telemetry::pod_network::PodPeer>, Rejected> {
     use crate::telemetry::pod_network::Attribution;
     let own_loopback = match peer {
         std::net::IpAddr::V4(v4) => v4 == std::net::Ipv4Addr::LOCALHOST,
@@ -742,40 +736,32 @@ async fn attribute(
     let attribution = match ask_pod_network(state, peer).await {
         Some(Ok(attribution)) => attribution,
         Some(Err(e)) => {
-            return Err(refused(
-                store,
+            return Err(Rejected::new(
                 Refusal::UnknownPeer,
-                &format!("the container runtime did not answer, so {peer} is no known pod: {e}"),
+                format!("the container runtime did not answer, so {peer} is no known pod: {e}"),
             ));
         }
         None if peer.is_loopback() => return Ok(None),
-        None => return Err(from_elsewhere(store)),
+        None => return Err(Rejected::new(Refusal::Forbidden, FROM_ELSEWHERE)),
     };
     match attribution {
         Attribution::Pod(pod) => Ok(Some(pod)),
-        Attribution::Node => Err(refused(
-            store,
+        Attribution::Node => Err(Rejected::new(
             Refusal::PeerIsNode,
-            &format!(
+            format!(
                 "{peer} is this node's address (a host-network sender, or a connection masqueraded on its way): push over the agent's socket, or from the pod's own address"
             ),
         )),
-        Attribution::Unknown => Err(refused(
-            store,
+        Attribution::Unknown => Err(Rejected::new(
             Refusal::UnknownPeer,
-            &format!("{peer} is no ready pod's address on this node"),
+            format!("{peer} is no ready pod's address on this node"),
         )),
     }
 }
 
 /// The refusal of a push from beyond this host that no pod sent.
-fn from_elsewhere(store: &PushStore) -> Response {
-    refused(
-        store,
-        Refusal::Forbidden,
-        "pushes are accepted from this host only",
-    )
-}
+/// Why a push or upload from no known peer is refused.
+const FROM_ELSEWHERE: &str = "pushes are accepted from this host only";
 
 /// Who `peer` is on the pod network; `None` where the agent does not attribute it.
 #[cfg(feature = "kubelet")]

@@ -35,6 +35,7 @@ DEFAULT_INTERVAL = 600.0
 MAX_BYTES = 16 << 20
 RECORDING_SECONDS = 10.0
 RECORDINGS_PATH = "/api/v1/recordings"
+RETRY_WAIT = 0.25
 
 
 class Settings:
@@ -184,7 +185,22 @@ class History:
                 from urllib.parse import urlsplit
                 path = urlsplit(url).path
             query = f"?pid={pid}" + (f"&start_time={start_time}" if start_time else "")
-            send(url, body, left, path + query, "application/gzip")
+            while True:
+                try:
+                    send(url, body, left, path + query, "application/gzip")
+                    break
+                except Exception as busy:
+                    # The agent receives two recordings at once (all ranks of a job may fail
+                    # together): asked to wait, the upload is tried again in the time left.
+                    # (The agent's words for it, src/ingest/recordings.rs: not its refusal of a
+                    # second recording of this process within a minute, which waiting for
+                    # cannot cure.)
+                    left = RECORDING_SECONDS - (time.monotonic() - started)
+                    if getattr(busy, "status", None) != 429 or "being received" not in str(busy) \
+                            or left <= RETRY_WAIT:
+                        raise
+                    time.sleep(RETRY_WAIT)
+                    left -= RETRY_WAIT
             outcome = "sent"
         except Exception as error_:
             error = f"{error_!r}"
