@@ -196,6 +196,16 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// A recording's metadata file, at most 64 KiB (it is a few hundred bytes).
+fn read_meta(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(64 * 1024)
+        .read_to_string(&mut text)?;
+    Ok(text)
+}
+
 fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
@@ -215,7 +225,7 @@ impl RecordingStore {
             files.push(name.clone());
             if let Some(id) = name.strip_suffix(".json")
                 && valid_id(id)
-                && let Ok(text) = std::fs::read_to_string(entry.path())
+                && let Ok(text) = read_meta(&entry.path())
                 && let Ok(stored) = serde_json::from_str::<StoredRecording>(&text)
                 && stored.id == id
                 && std::fs::metadata(dir.join(format!("{id}.{RECORDING}")))
@@ -225,7 +235,7 @@ impl RecordingStore {
             }
         }
         kept.sort_by(|a, b| a.time.total_cmp(&b.time));
-        let known: Vec<String> = kept
+        let known: std::collections::HashSet<String> = kept
             .iter()
             .flat_map(|r| [format!("{}.json", r.id), format!("{}.{RECORDING}", r.id)])
             .collect();
@@ -237,7 +247,7 @@ impl RecordingStore {
                     .or_else(|| name.strip_suffix(&format!(".{RECORDING}")))
                     .is_some_and(valid_id)
         };
-        for name in files.iter().filter(|n| ours(n) && !known.contains(n)) {
+        for name in files.iter().filter(|n| ours(n) && !known.contains(*n)) {
             let _ = std::fs::remove_file(dir.join(name));
         }
         let store = RecordingStore {
