@@ -110,6 +110,9 @@ pub struct AppState {
     pub sources: AllocatorSources,
     /// The `Host` values answered (DNS rebinding: `hosts.rs`).
     pub hosts: AgentHosts,
+    /// Pod and container names from the kubelet's log directories, where read: the
+    /// recordings' listing names their pods with them.
+    pub pod_names: Option<crate::telemetry::pod_names::PodNames>,
     /// Who pushes from the pod network are from, where the agent accepts them (feature
     /// `kubelet`: the container runtime is asked over gRPC).
     #[cfg(feature = "kubelet")]
@@ -138,6 +141,7 @@ impl AppState {
             ui: true,
             sources: AllocatorSources::default(),
             hosts: AgentHosts::default(),
+            pod_names: None,
             #[cfg(feature = "kubelet")]
             pod_network: None,
             #[cfg(feature = "tls")]
@@ -173,9 +177,11 @@ pub fn agent_state(
         let store = Arc::clone(&store);
         Arc::new(move || store.report())
     };
+    let pod_names = kubelet.names.clone();
     let metrics = Metrics::new(sources.clone(), reports, Some(reader), kubelet)?;
     let mut state = AppState::new(Arc::new(metrics), Some(store));
     state.sources = sources;
+    state.pod_names = pod_names;
     Ok(state)
 }
 
@@ -662,12 +668,27 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
     }
 }
 
-/// `GET /api/v1/recordings`: the recordings kept, newest first.
+/// `GET /api/v1/recordings`: the recordings kept, newest first, each pod named by the
+/// kubelet's log directories where its upload did not name it.
 async fn list_recordings(State(state): State<AppState>) -> Response {
-    match state.ingest.as_ref().and_then(|s| s.recordings()) {
-        Some(recordings) => json(StatusCode::OK, serde_json::json!(recordings.list())),
-        None => no_recordings(),
+    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+        return no_recordings();
+    };
+    let directory = state
+        .pod_names
+        .as_ref()
+        .map(crate::telemetry::pod_names::PodNames::directory);
+    let mut list = recordings.list();
+    for r in list.iter_mut().filter(|r| r.pod_name.is_empty()) {
+        if let Some(name) = directory
+            .as_deref()
+            .and_then(|d| d.name(&r.pod_uid, &r.container_id))
+        {
+            (r.pod_namespace, r.pod_name, r.container_name) =
+                (name.namespace, name.pod, name.container);
+        }
     }
+    json(StatusCode::OK, serde_json::json!(list))
 }
 
 fn no_recordings() -> Response {

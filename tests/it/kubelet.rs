@@ -702,3 +702,82 @@ fn mig_devices_processes_pushes_and_assignments_join() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A recording uploaded over the socket by a process in a pod is listed with the pod's names
+/// from the kubelet's log directories (the upload itself names only the pod's UID).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recordings_are_listed_with_their_pods_names() {
+    use axum::extract::ConnectInfo;
+    use gpumem::ingest::{RecordingLimits, RecordingStore};
+    use gpumem::server::{UnixPeer, app};
+    use std::io::Write;
+
+    let dir = temp_dir("kubelet-recordings");
+    let pod_names = log_dirs(&dir.join("log"), &[("ml", "train-0", "trainer", TRAIN_UID)]);
+    pod_names.refresh();
+    let state = agent_state(
+        AllocatorSources::default(),
+        vec![node_report()],
+        IngestConfig {
+            resolve,
+            ..IngestConfig::default()
+        },
+        Kubelet {
+            names: Some(pod_names),
+            resources: None,
+        },
+    )
+    .expect("registers");
+    let store = state.ingest.clone().expect("ingest");
+    let kept = RecordingStore::open(dir.join("store"), RecordingLimits::default()).expect("opens");
+    store.keep_recordings(Arc::new(kept));
+    let push = serde_json::json!({
+        "pid": 1, "seq": 1,
+        "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"reserved_bytes.all.current": 1024}}],
+    });
+    store
+        .push_from(push.to_string().as_bytes(), Some(trainer().into()))
+        .expect("accepted");
+    let json = crate::explain::recorded_json(900 << 20, 0, |a| {
+        crate::explain::fragment(a);
+    });
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&json).expect("compresses");
+    let body = gz.finish().expect("compresses");
+    let router = app(state);
+    let mut upload = http::Request::post("/api/v1/recordings")
+        .header("host", "127.0.0.1")
+        .header("content-type", "application/gzip")
+        .header("content-length", body.len())
+        .body(axum::body::Body::from(body))
+        .expect("request");
+    upload.extensions_mut().insert(ConnectInfo(UnixPeer {
+        process: Some(trainer().into()),
+    }));
+    let (status, _, answer) = crate::agent::respond(&router, upload).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&answer));
+    // The upload knows the pod's UID and container ID only.
+    let stored: serde_json::Value = serde_json::from_slice(&answer).expect("JSON");
+    assert_eq!(
+        (stored["pod_uid"].as_str(), stored["pod_name"].as_str()),
+        (Some(TRAIN_UID), Some(""))
+    );
+    let list = http::Request::get("/api/v1/recordings")
+        .header("host", "127.0.0.1")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let (status, _, listed) = crate::agent::respond(&router, list).await;
+    assert_eq!(status, 200);
+    let listed: serde_json::Value = serde_json::from_slice(&listed).expect("JSON");
+    let names = (
+        listed[0]["pod_namespace"].as_str(),
+        listed[0]["pod_name"].as_str(),
+        listed[0]["container_name"].as_str(),
+    );
+    assert_eq!(
+        names,
+        (Some("ml"), Some("train-0"), Some("trainer")),
+        "{listed}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
