@@ -139,11 +139,7 @@ async fn declared_length(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = gpumem::server::declared_length(request.headers());
     if declared.is_some_and(|n| n > MAX_REVIEW_BYTES as u64) {
         return (
             StatusCode::PAYLOAD_TOO_LARGE,

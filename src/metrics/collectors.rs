@@ -188,19 +188,12 @@ impl<'a> Places<'a> {
             .filter_map(|r| r.sample.as_ref())
             .flat_map(|node| &node.gpus);
         for gpu in gpus {
-            let whole = Place {
-                index: gpu.index,
-                uuid: &gpu.uuid,
-                mig: None,
-            };
-            let migs = gpu.mig.iter().map(|mig| {
+            for (mig, uuid, _) in gpu.devices() {
                 let place = Place {
-                    mig: Some(mig),
-                    ..whole
+                    index: gpu.index,
+                    uuid: &gpu.uuid,
+                    mig,
                 };
-                (mig.uuid.as_str(), place)
-            });
-            for (uuid, place) in std::iter::once((gpu.uuid.as_str(), whole)).chain(migs) {
                 places.exact.insert(uuid, place);
                 places.body.insert(uuid_body(uuid), place);
             }
@@ -255,8 +248,7 @@ fn process_pods(reports: &[Arc<SourceReport>]) -> ProcessPods<'_> {
         .filter_map(|r| r.sample.as_ref())
         .flat_map(|node| &node.gpus)
     {
-        let on_migs = gpu.mig.iter().flat_map(|mig| &mig.processes);
-        for p in gpu.processes.iter().chain(on_migs) {
+        for p in gpu.devices().flat_map(|(_, _, processes)| processes) {
             if let Some(container) = &p.container {
                 pods.insert((gpu.uuid.as_str(), p.pid), container);
             }
@@ -445,20 +437,22 @@ fn collect_report(
             ],
             1.0,
         );
-        let whole = (None, &gpu.uuid, DeviceIndex::Gpu(gpu.index), &gpu.processes);
-        let migs = gpu.mig.iter().map(|mig| {
-            let at = DeviceIndex::Mig(gpu.index, mig.index);
-            (Some(mig), &mig.uuid, at, &mig.processes)
-        });
-        for (mig, uuid, at, processes) in std::iter::once(whole).chain(migs) {
-            let extra = mig.map_or_else(Vec::new, |mig| mig_labels(mig).to_vec());
-            if let Some(mig) = mig {
+        for (mig, uuid, processes) in gpu.devices() {
+            let at = mig.map_or(DeviceIndex::Gpu(gpu.index), |mig| {
+                DeviceIndex::Mig(gpu.index, mig.index)
+            });
+            let named = mig.map(mig_labels);
+            let extra: &[(String, String)] = named.as_ref().map_or(&[], |l| l.as_slice());
+            // The contract's MIG labels are these three, in this order.
+            if let (Some(mig), Some([(_, gpu_instance), (_, profile), (_, mig_uuid)])) =
+                (mig, &named)
+            {
                 let labels = [
                     index.as_str(),
                     gpu.uuid.as_str(),
-                    &mig.gpu_instance.to_string(),
-                    &mig.profile,
-                    &mig.uuid,
+                    gpu_instance,
+                    profile,
+                    mig_uuid,
                 ];
                 f.of(&c::MIG_TOTAL).push(&labels, mig.total as f64);
                 f.of(&c::MIG_USED).push(&labels, mig.used as f64);
@@ -476,7 +470,7 @@ fn collect_report(
                         &holder.pod,
                         &holder.container,
                     ],
-                    &extra,
+                    extra,
                     1.0,
                 );
             }
@@ -500,7 +494,7 @@ fn collect_report(
                         &pod,
                         &container,
                     ],
-                    &extra,
+                    extra,
                     used as f64,
                 );
             }

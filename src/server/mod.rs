@@ -435,12 +435,7 @@ async fn push(
     };
     // Only processes on this node may push: over the Unix socket (the kernel names the
     // process), from loopback, or from a pod on this node where the agent attributes them.
-    let extensions = request.extensions();
-    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
-    // A dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d.
-    let peer = extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip().to_canonical());
+    let (unix, peer) = peers(&request);
     let pod = match (unix, peer) {
         (Some(_), _) => None,
         (None, Some(ip)) => match attribute(&state, ip).await {
@@ -459,12 +454,7 @@ async fn push(
             "pushes from web pages (with an Origin header) are refused",
         );
     }
-    let json_body = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-    if !json_body {
+    if !media_type_is(headers, &["application/json"]) {
         return refused(
             &store,
             Refusal::Forbidden,
@@ -472,10 +462,7 @@ async fn push(
         );
     }
     let too_large = format!("the body exceeds {MAX_BODY_BYTES} bytes");
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = declared_length(headers);
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         // Refused before a byte of the body is read.
         return refused(&store, Refusal::TooLarge, &too_large);
@@ -522,13 +509,7 @@ async fn push(
             let store = Arc::clone(&store);
             match tokio::task::spawn_blocking(move || store.push_from_pod(&body, pod)).await {
                 Ok(pushed) => pushed,
-                Err(e) => {
-                    tracing::error!(error = %e, "a pod's push failed");
-                    return json(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        serde_json::json!({"error": format!("the push could not be processed: {e}")}),
-                    );
-                }
+                Err(e) => return internal("push", &e),
             }
         }
         None => store.push_from(&body, unix.and_then(|peer| peer.process)),
@@ -552,12 +533,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
     };
     let answer = |rejected: Rejected| refusal(rejected.refusal, &rejected.message);
     let refuse = |rejected: Rejected| answer(recordings.refuse(rejected));
-    let extensions = request.extensions();
-    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
-    let peer = extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip().to_canonical());
-    let sender = match (unix, peer) {
+    let sender = match peers(&request) {
         (Some(unix), _) => Sender::from(unix.process),
         (None, Some(ip)) => match attribute(&state, ip).await {
             Ok(Some(pod)) => Sender::Pod(pod),
@@ -573,16 +549,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             "uploads from web pages (with an Origin header) are refused",
         ));
     }
-    let gzip = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| {
-            let v = v.trim();
-            v.eq_ignore_ascii_case("application/gzip")
-                || v.eq_ignore_ascii_case("application/x-gzip")
-        });
-    if !gzip {
+    if !media_type_is(headers, &["application/gzip", "application/x-gzip"]) {
         return refuse(Rejected::new(
             Refusal::Forbidden,
             "a recording must be sent as Content-Type: application/gzip",
@@ -595,10 +562,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             format!("a recording may be at most {limit} bytes as sent"),
         )
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = declared_length(headers);
     if declared.is_some_and(|n| n > limit) {
         return refuse(too_large());
     }
@@ -621,7 +585,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
         {
             Ok(Ok(owner)) => owner,
             Ok(Err(rejected)) => return refuse(rejected),
-            Err(e) => return internal(&e),
+            Err(e) => return internal("upload", &e),
         }
     };
     let mut upload = match recordings.begin(owner.pid) {
@@ -664,7 +628,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
         // Refusals are counted by the store.
         Ok(Ok(stored)) => json(StatusCode::CREATED, serde_json::json!(stored)),
         Ok(Err(rejected)) => refusal(rejected.refusal, &rejected.message),
-        Err(e) => internal(&e),
+        Err(e) => internal("upload", &e),
     }
 }
 
@@ -698,12 +662,42 @@ fn no_recordings() -> Response {
     )
 }
 
-fn internal(e: &tokio::task::JoinError) -> Response {
-    tracing::error!(error = %e, "a recording's upload failed");
+/// A push's or upload's work that failed off the event loop (`what`: `push`, `upload`).
+fn internal(what: &str, e: &tokio::task::JoinError) -> Response {
+    tracing::error!(error = %e, "a {what} could not be processed");
     json(
         StatusCode::INTERNAL_SERVER_ERROR,
-        serde_json::json!({"error": format!("the upload could not be processed: {e}")}),
+        serde_json::json!({"error": format!("the {what} could not be processed: {e}")}),
     )
+}
+
+/// Who sent a request: a Unix-socket peer (the kernel's word), or a TCP peer's address (a
+/// dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d, made IPv4 again).
+fn peers(request: &Request) -> (Option<UnixPeer>, Option<std::net::IpAddr>) {
+    let extensions = request.extensions();
+    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
+    let peer = extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip().to_canonical());
+    (unix, peer)
+}
+
+/// Whether the request's media type (its `Content-Type` before any parameter) is one of
+/// `types`, in any case.
+fn media_type_is(headers: &axum::http::HeaderMap, types: &[&str]) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| types.iter().any(|t| v.trim().eq_ignore_ascii_case(t)))
+}
+
+/// The body's declared length, where the request gives one.
+pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Writes a body to `path` by `deadline`, at most `limit` bytes: how many were written.
@@ -738,8 +732,8 @@ async fn write_body(
 }
 
 /// The pod a TCP push or upload from `peer` is from (`None`: this host's own loopback,
-/// unattributed), or why it is refused (the caller counts it where it belongs). Where the agent attributes the pod network, a peer a ready pod
-/// has is that pod (pods are given loopback addresses only by tests); the node's addresses
+/// unattributed), or why it is refused (the caller counts it where it belongs). Where the
+/// agent attributes the pod network, a peer a ready pod has is that pod (pods are given loopback addresses only by tests); the node's addresses
 /// are refused, as are unknown peers other than loopback's own (`127.0.0.1`, `::1`).
 async fn attribute(
     state: &AppState,
@@ -780,7 +774,6 @@ async fn attribute(
     }
 }
 
-/// The refusal of a push from beyond this host that no pod sent.
 /// Why a push or upload from no known peer is refused.
 const FROM_ELSEWHERE: &str = "pushes are accepted from this host only";
 

@@ -65,6 +65,19 @@ pub struct GpuSample {
     pub mig: Vec<MigSample>,
 }
 
+impl GpuSample {
+    /// The devices processes run on: the whole GPU, then each MIG device (with its UUID and
+    /// processes; in MIG mode the whole GPU lists none).
+    pub fn devices(&self) -> impl Iterator<Item = (Option<&MigSample>, &str, &[ProcessSample])> {
+        let whole = (None, self.uuid.as_str(), self.processes.as_slice());
+        let migs = self
+            .mig
+            .iter()
+            .map(|mig| (Some(mig), mig.uuid.as_str(), mig.processes.as_slice()));
+        std::iter::once(whole).chain(migs)
+    }
+}
+
 /// One MIG device: a compute instance of a GPU instance of a GPU in MIG mode, the unit a
 /// container is given. Several compute instances of one GPU instance share its memory, so
 /// each reports the same figures.
