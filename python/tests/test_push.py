@@ -595,6 +595,13 @@ class AllocationHistory(PushTest):
         while not torch._C._oom_observers and time.monotonic() < deadline:
             time.sleep(0.02)
         """)
+    # The job, then one out-of-memory error it catches.
+    JOB_OOM = JOB + textwrap.dedent("""
+        try:
+            torch._fake.oom(0, 1 << 40)
+        except torch.cuda.OutOfMemoryError:
+            pass
+        """)
 
     def test_history_starts_with_cuda_and_an_oom_uploads_the_snapshot(self):
         import gzip
@@ -634,18 +641,12 @@ class AllocationHistory(PushTest):
                           if p.get("reason")][:1], ["oom"])
 
     def test_off_unless_asked_under_another_allocator_or_without_cuda(self):
-        oom = self.JOB + textwrap.dedent("""
-            try:
-                torch._fake.oom(0, 1 << 40)
-            except torch.cuda.OutOfMemoryError:
-                pass
-            """)
         for env, state in [({}, None),
                            ({"GPUMEM_PUSH_HISTORY": "on",
                              "FAKE_TORCH_BACKEND": "cudaMallocAsync"},
                             "off: the cudaMallocAsync allocator keeps no history")]:
             self.agent.recorder.recordings.clear()
-            child = self.run_child(oom.replace('print("queued"', 'print("waited"'), **env)
+            child = self.run_child(self.JOB_OOM, **env)
             self.assertEqual(child.rc, 0, child.stderr)
             self.assertEqual(child.result["stats"]["history"]["state"], state, env)
             self.assertEqual(self.agent.recorder.recordings, [], env)
@@ -659,18 +660,12 @@ class AllocationHistory(PushTest):
         self.assertIsNone(child.result["stats"]["history"]["state"])
 
     def test_a_recording_the_agent_does_not_take_is_written_to_the_directory(self):
-        oom = self.JOB + textwrap.dedent("""
-            try:
-                torch._fake.oom(0, 1 << 40)
-            except torch.cuda.OutOfMemoryError:
-                pass
-            """)
         # The agent refuses the recording; then it refuses everything, the OOM push too, and
         # the hook does not even try to upload.
         for refused, says in [("recording_status", "503"), ("status", "did not take")]:
             setattr(self.agent.recorder, refused, 503)
             directory = os.path.join(self.tmp, refused)
-            child = self.run_child(oom, GPUMEM_PUSH_HISTORY="200",
+            child = self.run_child(self.JOB_OOM, GPUMEM_PUSH_HISTORY="200",
                                    GPUMEM_PUSH_HISTORY_DIR=directory)
             self.assertEqual(child.rc, 0, child.stderr)
             history = child.result["stats"]["history"]
@@ -684,12 +679,7 @@ class AllocationHistory(PushTest):
     def test_an_agent_busy_with_other_recordings_is_asked_again(self):
         # All ranks of a job may fail at once; the agent receives two recordings at a time.
         self.agent.recorder.recordings_busy = 2
-        child = self.run_child(self.JOB + textwrap.dedent("""
-            try:
-                torch._fake.oom(0, 1 << 40)
-            except torch.cuda.OutOfMemoryError:
-                pass
-            """), GPUMEM_PUSH_HISTORY="200")
+        child = self.run_child(self.JOB_OOM, GPUMEM_PUSH_HISTORY="200")
         self.assertEqual(child.rc, 0, child.stderr)
         self.assertEqual(child.result["stats"]["history"]["sent"], 1, child.result["stats"])
         self.assertEqual([r["status"] for r in self.agent.recorder.recordings], [429, 429, 201])

@@ -249,6 +249,47 @@ fn names(namespace: &str, pod: &str, container: &str) -> String {
     format!(r#"pod_namespace="{namespace}",pod_name="{pod}",container_name="{container}""#)
 }
 
+/// A stand-in kubelet answering `answer` at `socket`, and the agent's view of it after one
+/// refresh, asked from a runtime with a worker of its own (as the agent's is always running:
+/// the client's connection tasks finish between two refreshes), which later refreshes use.
+fn kubelet_answering(
+    socket: &Path,
+    answer: Answer,
+) -> (StandIn, PodResources, tokio::runtime::Runtime) {
+    let kubelet = StandIn::start(socket, answer);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let resources = PodResources::new();
+    runtime.block_on(resources.refresh(socket, Duration::from_secs(5)));
+    assert!(resources.report().up, "{:?}", resources.report().error);
+    (kubelet, resources, runtime)
+}
+
+/// The agent over `report`, with the kubelet's names (and assignments, where given), its
+/// processes placed in pods as `resolve` says.
+fn named_agent(
+    report: ReportReader,
+    names: PodNames,
+    resources: Option<PodResources>,
+) -> gpumem::server::AppState {
+    agent_state(
+        AllocatorSources::default(),
+        vec![report],
+        IngestConfig {
+            resolve,
+            ..IngestConfig::default()
+        },
+        Kubelet {
+            names: Some(names),
+            resources,
+        },
+    )
+    .expect("registers")
+}
+
 #[test]
 fn processes_and_pushes_are_named_and_assignments_listed() {
     let dir = temp_dir("kubelet-join");
@@ -260,17 +301,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
             pod("ml", "infer-b", "server", &["GPU-1aaa::1"]),
         ],
     }));
-    let kubelet = StandIn::start(&socket, Arc::clone(&answer));
-    // A runtime with a worker of its own, as the agent's is always running: the client's
-    // connection tasks finish between two refreshes.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let resources = PodResources::new();
-    runtime.block_on(resources.refresh(&socket, Duration::from_secs(5)));
-    assert!(resources.report().up, "{:?}", resources.report().error);
+    let (kubelet, resources, runtime) = kubelet_answering(&socket, Arc::clone(&answer));
     let pod_names = log_dirs(
         &dir.join("log"),
         &[
@@ -281,19 +312,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
     );
     pod_names.refresh();
 
-    let state = agent_state(
-        AllocatorSources::default(),
-        vec![node_report()],
-        IngestConfig {
-            resolve,
-            ..IngestConfig::default()
-        },
-        Kubelet {
-            names: Some(pod_names),
-            resources: Some(resources.clone()),
-        },
-    )
-    .expect("registers");
+    let state = named_agent(node_report(), pod_names, Some(resources.clone()));
     let store = state.ingest.as_ref().expect("ingest");
     let push = serde_json::json!({
         "pid": 1, "seq": 1,
@@ -588,15 +607,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
             mig_pod("infer-b", "nvidia.com/mig-1g.10gb", "0:1"),
         ],
     }));
-    let _kubelet = StandIn::start(&socket, answer);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let resources = PodResources::new();
-    runtime.block_on(resources.refresh(&socket, Duration::from_secs(5)));
-    assert!(resources.report().up, "{:?}", resources.report().error);
+    let (_kubelet, resources, _runtime) = kubelet_answering(&socket, answer);
     let pod_names = log_dirs(
         &dir.join("log"),
         &[
@@ -605,19 +616,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
         ],
     );
     pod_names.refresh();
-    let state = agent_state(
-        AllocatorSources::default(),
-        vec![mig_node_report()],
-        IngestConfig {
-            resolve,
-            ..IngestConfig::default()
-        },
-        Kubelet {
-            names: Some(pod_names),
-            resources: Some(resources),
-        },
-    )
-    .expect("registers");
+    let state = named_agent(mig_node_report(), pod_names, Some(resources));
     let store = state.ingest.as_ref().expect("ingest");
     // The trainer's hook saw MIG_A in NVIDIA_VISIBLE_DEVICES; the server's older hook spelled
     // its device GPU-, in upper case, as torch's UUID with the prefix added.
@@ -715,19 +714,7 @@ async fn recordings_are_listed_with_their_pods_names() {
     let dir = temp_dir("kubelet-recordings");
     let pod_names = log_dirs(&dir.join("log"), &[("ml", "train-0", "trainer", TRAIN_UID)]);
     pod_names.refresh();
-    let state = agent_state(
-        AllocatorSources::default(),
-        vec![node_report()],
-        IngestConfig {
-            resolve,
-            ..IngestConfig::default()
-        },
-        Kubelet {
-            names: Some(pod_names),
-            resources: None,
-        },
-    )
-    .expect("registers");
+    let state = named_agent(node_report(), pod_names, None);
     let store = state.ingest.clone().expect("ingest");
     let kept = RecordingStore::open(dir.join("store"), RecordingLimits::default()).expect("opens");
     store.keep_recordings(Arc::new(kept));
