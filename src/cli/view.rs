@@ -34,15 +34,13 @@ pub(crate) fn run(args: Args) -> CliResult {
     let recording = args.read.read(&args.trace)?;
     let read_done = Instant::now();
     let name = super::file_name(&args.trace);
-    // The recording lives as long as the process, and the view's cursors borrow it.
-    let recording = Box::leak(Box::new(recording));
     let base = gpumem::replay::ReplayOptions {
         capacity: args.capacity,
         order: args.pytorch.order(),
         max_memory_bytes: Some(args.read.max_memory_bytes()),
         ..Default::default()
     };
-    let view = Arc::new(RecordingView::new(recording, name, &base));
+    let view = Arc::new(RecordingView::new(Arc::new(recording), name, &base));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -450,6 +450,11 @@ impl RecordingStore {
         self.kept().iter().rev().cloned().collect()
     }
 
+    /// What the store knows of recording `id`, where it keeps one.
+    pub fn get(&self, id: &str) -> Option<StoredRecording> {
+        self.kept().iter().find(|r| r.id == id).cloned()
+    }
+
     /// The file of recording `id`, where the store keeps one.
     pub fn file(&self, id: &str) -> Option<PathBuf> {
         (valid_id(id) && self.kept().iter().any(|r| r.id == id))

@@ -204,6 +204,14 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/node", get(node))
         .route("/api/v1/segments", get(live_segments))
         .route("/api/v1/recordings", get(list_recordings));
+    if let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) {
+        // Each kept recording in the view, one request at a time (`view::kept`'s budget).
+        let kept = Arc::new(crate::view::kept::KeptViews::new(Arc::clone(store)));
+        page = page
+            .merge(view::view_routes("/recordings/{id}", kept, 1))
+            .route("/recordings/{id}", get(to_recording_page))
+            .route("/recordings/pid/{pid}", get(newest_recording_of));
+    }
     if !state.ui {
         page = page.route_layer(axum::middleware::from_fn(ui_off));
     }
@@ -655,6 +663,60 @@ async fn list_recordings(State(state): State<AppState>) -> Response {
     json(StatusCode::OK, serde_json::json!(list))
 }
 
+/// `/recordings/<id>` to its page, `/recordings/<id>/` (the page's addresses are relative).
+async fn to_recording_page(axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    see_other(&format!("{}/", percent_encoded(&id)))
+}
+
+/// The newest recording of process `pid` (the OOM alert's `recording_url`), opened at its OOM.
+async fn newest_recording_of(
+    State(state): State<AppState>,
+    axum::extract::Path(pid): axum::extract::Path<u32>,
+) -> Response {
+    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+        return no_recordings();
+    };
+    match recordings.list().into_iter().find(|r| r.pid == pid) {
+        Some(newest) => see_other(&format!("../{}", recording_link(&newest))),
+        None => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": format!("this agent keeps no recording of pid {pid} (it may have been evicted, or the job recorded none: GPUMEM_PUSH_HISTORY)")}),
+        ),
+    }
+}
+
+/// Where a kept recording's page opens, relative to `/recordings/`: at its OOM, where it has
+/// one.
+pub fn recording_link(kept: &crate::ingest::recordings::StoredRecording) -> String {
+    let at = match (kept.device, kept.oom_event) {
+        (Some(device), Some(event)) => format!("#device={device}&event={event}"),
+        _ => String::new(),
+    };
+    format!("{}/{at}", percent_encoded(&kept.id))
+}
+
+/// `text` with every byte but letters, digits, `-`, `_` and `.` percent-encoded (a path
+/// segment).
+fn percent_encoded(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A redirect to `location` (relative: the agent may sit behind a proxy's path).
+fn see_other(location: &str) -> Response {
+    match axum::http::HeaderValue::from_str(location) {
+        Ok(value) => (StatusCode::SEE_OTHER, [(header::LOCATION, value)]).into_response(),
+        Err(_) => (StatusCode::BAD_REQUEST, "not a recording's address\n").into_response(),
+    }
+}
+
 fn no_recordings() -> Response {
     json(
         StatusCode::NOT_FOUND,
@@ -966,7 +1028,18 @@ async fn live_segments(
 async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
     held(&state, conn, "application/json", |m| {
         let sources = state.sources.snapshot();
-        serde_json::to_string(&crate::view::node::view(&m.gather(), &sources)).unwrap_or_default()
+        let mut view = crate::view::node::view(&m.gather(), &sources);
+        if let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) {
+            // Newest first: each process links its last recording.
+            let kept = store.list();
+            for row in &mut view.processes {
+                row.recording = kept
+                    .iter()
+                    .find(|r| r.pid.to_string() == row.pid)
+                    .map(|r| format!("recordings/{}", recording_link(r)));
+            }
+        }
+        serde_json::to_string(&view).unwrap_or_default()
     })
     .await
 }

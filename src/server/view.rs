@@ -1,5 +1,7 @@
-//! The HTTP shell of `gpumem view`: the page and its assets (embedded in the binary), and the
-//! JSON and SVG it draws from, under `/api/v1/`:
+//! The HTTP shell of a recording's view: the page and its assets (embedded in the binary), and
+//! the JSON and SVG it draws from, under `/api/v1/`. `gpumem view` serves its one recording at
+//! `/` ([`view_app`]); the agent serves each recording it keeps at `/recordings/<id>/`
+//! ([`view_routes`] with a [`ViewSource`] that opens them):
 //!
 //! - `GET /api/v1/recording`: the file's name, its recorded configuration, and per device the
 //!   number of events, the `oom` entries and the event of peak reserved memory;
@@ -12,12 +14,13 @@
 //! # Invariants
 //! - Only requests whose `Host` is the address the view listens on (or `localhost`,
 //!   `127.0.0.1` or `[::1]`, with its port or none) are answered: a page of another site that a DNS
-//!   rebinding points at this port is refused with 421, so it cannot read the recording. A
-//!   request another page sends here (`Sec-Fetch-Site` other than `same-origin` or `none`, or
-//!   an `Origin` not the view's own address and port) is refused with 403 before any work, so
-//!   it cannot make the view replay.
-//! - At most [`REPLAYS_AT_ONCE`] replays run at once; a request waits up to 30 s for its turn,
-//!   then is refused with 503.
+//!   rebinding points at this port is refused with 421, so it cannot read the recording (the
+//!   agent checks its own names: `hosts.rs`). A request another page sends here
+//!   (`Sec-Fetch-Site` other than `same-origin` or `none`, or an `Origin` whose host and port
+//!   are not the request's `Host`) is refused with 403 before any work, so it cannot make the
+//!   view replay.
+//! - At most [`REPLAYS_AT_ONCE`] replays run at once (the agent: one, opening included); a
+//!   request waits up to 30 s for its turn, then is refused with 503.
 //! - Every page and asset is sent with a Content-Security-Policy that allows only this
 //!   origin's script and style and no network beyond it; replies are never cached.
 //! - Work that replays runs off the event loop, one request at a time per cursor
@@ -26,14 +29,14 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Query, Request, State};
+use axum::extract::{Query, RawPathParams, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Deserialize;
 
-use crate::view::recording::{RecordingView, ViewError};
+use crate::view::recording::{RecordingView, ViewError, ViewSource};
 
 /// The policy of the view's page.
 pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
@@ -43,8 +46,7 @@ const SCRIPT: &str = include_str!("../view/assets/view.js");
 
 #[derive(Clone)]
 struct ViewState {
-    view: Arc<RecordingView>,
-    hosts: Arc<Vec<String>>,
+    source: Arc<dyn ViewSource>,
     /// Replays running at once.
     work: Arc<tokio::sync::Semaphore>,
 }
@@ -54,99 +56,117 @@ pub const REPLAYS_AT_ONCE: usize = 2;
 /// How long a request waits for its turn before it is refused (503).
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The view's router: `view` served to clients whose `Host` is one of `hosts`.
+/// `gpumem view`'s router: `view` at `/`, served to clients whose `Host` is one of `hosts`.
 pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
+    let hosts = Arc::new(hosts);
+    view_routes::<()>("", Arc::new(view), REPLAYS_AT_ONCE).layer(middleware::from_fn(
+        move |request: Request, next: Next| {
+            let hosts = Arc::clone(&hosts);
+            async move {
+                let host = request
+                    .headers()
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_ascii_lowercase);
+                if host.is_some_and(|h| hosts.contains(&h)) {
+                    next.run(request).await
+                } else {
+                    (
+                        StatusCode::MISDIRECTED_REQUEST,
+                        "this view answers only to the address it listens on (Host header)\n",
+                    )
+                        .into_response()
+                }
+            }
+        },
+    ))
+}
+
+/// The view's page and API under `prefix` (`""`, or a path with an `{id}` the source is
+/// asked for), `replays` of them running at once; the caller checks the `Host`.
+pub fn view_routes<S: Clone + Send + Sync + 'static>(
+    prefix: &str,
+    source: Arc<dyn ViewSource>,
+    replays: usize,
+) -> Router<S> {
     let state = ViewState {
-        view,
-        hosts: Arc::new(hosts),
-        work: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE)),
+        source,
+        work: Arc::new(tokio::sync::Semaphore::new(replays)),
     };
     Router::new()
         .route(
-            "/",
+            &format!("{prefix}/"),
             get(|| async { super::page_asset(INDEX, "text/html; charset=utf-8") }),
         )
         .route(
-            "/assets/view.js",
+            &format!("{prefix}/assets/view.js"),
             get(|| async { super::page_asset(SCRIPT, super::JAVASCRIPT) }),
         )
         .route(
-            "/assets/map.js",
+            &format!("{prefix}/assets/map.js"),
             get(|| async { super::page_asset(super::MAP_SCRIPT, super::JAVASCRIPT) }),
         )
         .route(
-            "/assets/view.css",
+            &format!("{prefix}/assets/view.css"),
             get(|| async { super::page_asset(super::STYLE, "text/css; charset=utf-8") }),
         )
-        .route("/api/v1/recording", get(recording))
-        .route("/api/v1/timeline.svg", get(timeline))
-        .route("/api/v1/segments", get(segments))
-        .route("/api/v1/explain", get(explain))
-        .layer(middleware::from_fn_with_state(state.clone(), check_host))
+        .route(&format!("{prefix}/api/v1/recording"), get(recording))
+        .route(&format!("{prefix}/api/v1/timeline.svg"), get(timeline))
+        .route(&format!("{prefix}/api/v1/segments"), get(segments))
+        .route(&format!("{prefix}/api/v1/explain"), get(explain))
+        .route_layer(middleware::from_fn(same_site))
         .with_state(state)
 }
 
-async fn check_host(State(state): State<ViewState>, request: Request, next: Next) -> Response {
-    let host = request
-        .headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(str::to_ascii_lowercase);
-    // A page of another site may send requests here blindly (no rebinding needed); it is
-    // refused before any work is done.
-    let cross_site = is_cross_site(request.headers(), &state.hosts);
-    if cross_site {
+/// Refuses (403) a request another site's page sent, before any work is done (a page may send
+/// requests here blindly, no rebinding needed), and sends every answer under the page's
+/// policy.
+async fn same_site(request: Request, next: Next) -> Response {
+    if is_cross_site(request.headers()) {
         return (
             StatusCode::FORBIDDEN,
             "this view answers only its own page (a request from another site)\n",
         )
             .into_response();
     }
-    match host {
-        Some(h) if state.hosts.contains(&h) => {
-            let mut response = next.run(request).await;
-            let headers = response.headers_mut();
-            headers.insert(
-                header::CONTENT_SECURITY_POLICY,
-                HeaderValue::from_static(VIEW_CSP),
-            );
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            headers.insert(
-                header::X_CONTENT_TYPE_OPTIONS,
-                HeaderValue::from_static("nosniff"),
-            );
-            response
-        }
-        _ => (
-            StatusCode::MISDIRECTED_REQUEST,
-            "this view answers only to the address it listens on (Host header)\n",
-        )
-            .into_response(),
-    }
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(VIEW_CSP),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// Whether a request came from another page than the view's own: the browser says it is not
-/// same-origin (nor typed by the user), or its `Origin` is not the view's address with its
-/// port.
-fn is_cross_site(headers: &axum::http::HeaderMap, hosts: &[String]) -> bool {
-    let get = |name: &str| {
+/// same-origin (nor typed by the user), or its `Origin`'s host and port are not the `Host` it
+/// was sent to.
+fn is_cross_site(headers: &axum::http::HeaderMap) -> bool {
+    let get = |name: axum::http::HeaderName| {
         headers
             .get(name)
             .and_then(|h| h.to_str().ok())
             .map(str::to_ascii_lowercase)
     };
     // Only the page itself (same origin) or the user (typing the address) may ask.
-    get("sec-fetch-site").is_some_and(|site| site != "same-origin" && site != "none")
-        || get("origin").is_some_and(|origin| {
-            // An origin names its port: the port-less loopback names do not match one.
-            !hosts
-                .iter()
-                .filter(|h| {
-                    h.rsplit_once(':')
-                        .is_some_and(|(_, port)| !port.contains(']'))
-                })
-                .any(|h| origin == format!("http://{h}"))
-        })
+    let site = get(axum::http::HeaderName::from_static("sec-fetch-site"));
+    if site.is_some_and(|site| site != "same-origin" && site != "none") {
+        return true;
+    }
+    let Some(origin) = get(header::ORIGIN) else {
+        return false;
+    };
+    let authority = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    // An origin names its port where the page's address did; a page's own requests carry
+    // the same `Host`.
+    authority != get(header::HOST).as_deref()
 }
 
 /// `device` and, where the route needs one, `event`; `config` for a what-if.
@@ -166,6 +186,7 @@ struct At {
 fn error(e: &ViewError) -> Response {
     let status = match e {
         ViewError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        ViewError::NotFound(_) => StatusCode::NOT_FOUND,
         ViewError::Replay(_) | ViewError::Explain(_) | ViewError::Diverged(_) => {
             StatusCode::UNPROCESSABLE_ENTITY
         }
@@ -184,11 +205,20 @@ fn json(value: &impl serde::Serialize) -> Response {
     }
 }
 
-/// Runs `work` on the blocking pool (replays take milliseconds to seconds) in its turn (at
-/// most [`REPLAYS_AT_ONCE`]) and answers with `ok` of its value, or its error.
+/// The recording the path names (its `{id}`), where it names one.
+fn id_of(params: &RawPathParams) -> Option<String> {
+    params
+        .iter()
+        .find_map(|(k, v)| (k == "id").then(|| v.to_string()))
+}
+
+/// Runs `work` on the view of the recording `params` names, on the blocking pool (opening a
+/// recording and replaying take milliseconds to seconds), in its turn (at most
+/// [`REPLAYS_AT_ONCE`]), and answers with `ok` of its value, or its error.
 async fn reply<T: Send + 'static>(
     state: &ViewState,
-    work: impl FnOnce() -> Result<T, ViewError> + Send + 'static,
+    params: &RawPathParams,
+    work: impl FnOnce(&RecordingView) -> Result<T, ViewError> + Send + 'static,
     ok: impl FnOnce(T) -> Response,
 ) -> Response {
     let turn = tokio::time::timeout(TURN_WAIT, Arc::clone(&state.work).acquire_owned()).await;
@@ -201,9 +231,11 @@ async fn reply<T: Send + 'static>(
     };
     // The turn ends with the work, not with the request: a client that goes away does not
     // free a turn its replay still uses.
+    let source = Arc::clone(&state.source);
+    let id = id_of(params);
     let work = move || {
         let _turn = turn;
-        work()
+        work(&*source.view(id.as_deref())?)
     };
     match tokio::task::spawn_blocking(work).await {
         Ok(Ok(value)) => ok(value),
@@ -212,35 +244,47 @@ async fn reply<T: Send + 'static>(
     }
 }
 
-async fn recording(State(state): State<ViewState>) -> Response {
-    json(&state.view.overview())
+async fn recording(State(state): State<ViewState>, params: RawPathParams) -> Response {
+    reply(&state, &params, |view| Ok(view.overview()), |o| json(&o)).await
 }
 
-async fn timeline(State(state): State<ViewState>, Query(of): Query<Of>) -> Response {
-    let view = Arc::clone(&state.view);
+async fn timeline(
+    State(state): State<ViewState>,
+    params: RawPathParams,
+    Query(of): Query<Of>,
+) -> Response {
     reply(
         &state,
-        move || view.timeline(of.device, of.config.as_deref()),
+        &params,
+        move |view| view.timeline(of.device, of.config.as_deref()),
         |svg| ([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response(),
     )
     .await
 }
 
-async fn segments(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
-    let view = Arc::clone(&state.view);
+async fn segments(
+    State(state): State<ViewState>,
+    params: RawPathParams,
+    Query(at): Query<At>,
+) -> Response {
     reply(
         &state,
-        move || view.segments(at.device, at.event, at.config.as_deref()),
+        &params,
+        move |view| view.segments(at.device, at.event, at.config.as_deref()),
         |map| json(&map),
     )
     .await
 }
 
-async fn explain(State(state): State<ViewState>, Query(at): Query<At>) -> Response {
-    let view = Arc::clone(&state.view);
+async fn explain(
+    State(state): State<ViewState>,
+    params: RawPathParams,
+    Query(at): Query<At>,
+) -> Response {
     reply(
         &state,
-        move || view.explain(at.device, at.event),
+        &params,
+        move |view| view.explain(at.device, at.event),
         |e| json(&*e),
     )
     .await

@@ -12,6 +12,7 @@
 //!   cannot make them fetch anything.
 
 pub mod explain;
+pub mod kept;
 pub mod node;
 pub mod recording;
 pub mod segments;

@@ -111,6 +111,9 @@ pub struct ProcessRow {
     pub oom_breakdown: BTreeMap<String, f64>,
     /// That OOM's explanation in one sentence, where its figures were sent.
     pub oom_why: Option<String>,
+    /// Where the last recording it uploaded opens (relative to the page), where the agent
+    /// keeps one.
+    pub recording: Option<String>,
 }
 
 /// Each series of `name` in `families`: its labels and value.

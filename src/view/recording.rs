@@ -12,10 +12,11 @@
 //! # Invariants (budgets)
 //! - A configuration string is at most [`MAX_CONFIG_BYTES`] and must parse; an event index
 //!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
-//! - At most [`MAX_CURSORS`] cursors, [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`]
-//!   explanations are kept (the least recently used go first), and one set of readings per
-//!   device, so memory does not grow with requests; each replay's own state is held to the
-//!   view's `--max-memory-bytes` (`ReplayOptions::max_memory_bytes`).
+//! - At most [`RecordingView::with_cursors`] cursors ([`MAX_CURSORS`] by default),
+//!   [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`] explanations are kept (the least
+//!   recently used go first), and one set of readings per device, so memory does not grow
+//!   with requests; each replay's own state is held to the view's `--max-memory-bytes`
+//!   (`ReplayOptions::max_memory_bytes`), a kept cursor's too.
 //! - The browser gets down-sampled series ([`SERIES_POINTS`] a run) and one event's map at a
 //!   time, never the recording.
 
@@ -49,6 +50,9 @@ pub enum ViewError {
     /// The request names something that is not there or does not parse.
     #[error("{0}")]
     BadRequest(String),
+    /// The recording asked for is not kept (or no longer).
+    #[error("{0}")]
+    NotFound(String),
     /// The replay could not run.
     #[error(transparent)]
     Replay(#[from] ReplayError),
@@ -61,6 +65,23 @@ pub enum ViewError {
         "the replay differed from the recording at event {0}; `gpumem replay --check` shows where"
     )]
     Diverged(usize),
+}
+
+/// Where a request's recording comes from.
+pub trait ViewSource: Send + Sync + 'static {
+    /// The view of recording `id` (`None` where the routes name none), opened where needed:
+    /// it may read a file, so it is called off the event loop, in a replay's turn.
+    ///
+    /// # Errors
+    /// [`ViewError::NotFound`] for an unknown recording, or why it could not be opened.
+    fn view(&self, id: Option<&str>) -> Result<Arc<RecordingView>, ViewError>;
+}
+
+/// `gpumem view`'s one recording.
+impl ViewSource for Arc<RecordingView> {
+    fn view(&self, _: Option<&str>) -> Result<Arc<RecordingView>, ViewError> {
+        Ok(Arc::clone(self))
+    }
 }
 
 /// A device of the recording, and its moments of interest.
@@ -92,16 +113,27 @@ type Key = (u32, Option<String>);
 /// insert, never while a value is computed.
 type Cache<K, V> = Mutex<Vec<(K, Arc<V>)>>;
 
+self_cell::self_cell!(
+    /// A replay cursor with the recording it borrows, so that a view owns both.
+    struct OwnedCursor {
+        owner: Arc<Recording>,
+        #[covariant]
+        dependent: Cursor,
+    }
+);
+
 /// A recording being viewed.
 pub struct RecordingView {
-    recording: &'static Recording,
+    recording: Arc<Recording>,
     name: String,
     /// What every replay of the view starts from: the device's memory (`None`: the
     /// recording's, else inferred, else 80 GiB), the best-fit order asked for (`None`: found
     /// in the recording) and the memory budget.
     base: ReplayOptions,
     readings: Cache<u32, Readings>,
-    cursors: Cache<Key, Mutex<Cursor<'static>>>,
+    cursors: Cache<Key, Mutex<OwnedCursor>>,
+    /// Cursors kept between requests.
+    max_cursors: usize,
     timelines: Cache<Key, ReplayReport>,
     explanations: Cache<(u32, usize), Explanation>,
 }
@@ -132,9 +164,9 @@ fn keep<K: PartialEq, V>(cache: &Cache<K, V>, key: K, value: Arc<V>, max: usize)
 }
 
 impl RecordingView {
-    /// A view of `recording` (kept for the life of the process), named `name`, whose replays
-    /// take `base`'s memory, order and budget (its other options are the view's own).
-    pub fn new(recording: &'static Recording, name: String, base: &ReplayOptions) -> Self {
+    /// A view of `recording`, named `name`, whose replays take `base`'s memory, order and
+    /// budget (its other options are the view's own).
+    pub fn new(recording: Arc<Recording>, name: String, base: &ReplayOptions) -> Self {
         RecordingView {
             recording,
             name,
@@ -146,8 +178,19 @@ impl RecordingView {
             },
             readings: Mutex::default(),
             cursors: Mutex::default(),
+            max_cursors: MAX_CURSORS,
             timelines: Mutex::default(),
             explanations: Mutex::default(),
+        }
+    }
+
+    /// The view keeping at most `max` cursors between requests (0: every segment map
+    /// replays from the trace's start, and no replay state outlives its request).
+    #[must_use]
+    pub fn with_cursors(self, max: usize) -> Self {
+        RecordingView {
+            max_cursors: max,
+            ..self
         }
     }
 
@@ -191,8 +234,8 @@ impl RecordingView {
 
     /// `device`'s trace: empty for a device a snapshot without traces holds segments of
     /// (its one moment is the snapshot, event 0); `None` for a device it says nothing of.
-    fn trace(&self, device: u32) -> Option<&'static [TraceEntry]> {
-        let recording: &'static Recording = self.recording;
+    fn trace(&self, device: u32) -> Option<&[TraceEntry]> {
+        let recording = &*self.recording;
         let trace = recording
             .device_traces
             .get(device as usize)
@@ -252,7 +295,7 @@ impl RecordingView {
             device,
             ..self.base.clone()
         };
-        let readings = Arc::new(Readings::of(self.recording, &options)?);
+        let readings = Arc::new(Readings::of(&self.recording, &options)?);
         Ok(keep(&self.readings, device, readings, usize::MAX))
     }
 
@@ -273,7 +316,7 @@ impl RecordingView {
             self.readings(device)?
         };
         let report = Arc::new(replay_following(
-            self.recording,
+            &self.recording,
             &options,
             &readings,
             &mut |_, _| {},
@@ -326,13 +369,12 @@ impl RecordingView {
         let cursor = match cached(&self.cursors, &key) {
             Some(cursor) => cursor,
             None => {
-                let readings = self.readings(device)?;
-                let cursor = Cursor::new(self.recording, &options, &readings)?;
+                let cursor = self.cursor(&options)?;
                 keep(
                     &self.cursors,
                     key,
                     Arc::new(Mutex::new(cursor)),
-                    MAX_CURSORS,
+                    self.max_cursors,
                 )
             }
         };
@@ -342,22 +384,33 @@ impl RecordingView {
             Err(poisoned) => {
                 // A replay that panicked midway left the cursor anywhere: start it again.
                 let mut guard = poisoned.into_inner();
-                let readings = self.readings(device)?;
-                *guard = Cursor::new(self.recording, &options, &readings)?;
+                *guard = self.cursor(&options)?;
                 cursor.clear_poison();
                 guard
             }
         };
-        cursor.seek(event)?;
-        if let Some(d) = cursor.divergence().filter(|d| d.index <= event) {
-            return Err(ViewError::Diverged(d.index));
-        }
-        // Read without recording a `snapshot` entry: the check compares the core's own trace.
-        let segments = cursor.allocator().segment_infos();
+        let segments = cursor.with_dependent_mut(|_, cursor| {
+            cursor.seek(event)?;
+            if let Some(d) = cursor.divergence().filter(|d| d.index <= event) {
+                return Err(ViewError::Diverged(d.index));
+            }
+            // Read without recording a `snapshot` entry: the check compares the core's own
+            // trace.
+            Ok(cursor.allocator().segment_infos())
+        })?;
         // A what-if replay places blocks at its own addresses: the recording's stacks are
         // named by the recorded ones.
-        let recording = what_if.is_none().then_some(self.recording);
+        let recording = what_if.is_none().then_some(&*self.recording);
         Ok(segments::map(&segments, device, Some(event), recording))
+    }
+
+    /// A cursor before the first event, under `options`.
+    fn cursor(&self, options: &ReplayOptions) -> Result<OwnedCursor, ViewError> {
+        let readings = self.readings(options.device)?;
+        Ok(OwnedCursor::try_new(
+            Arc::clone(&self.recording),
+            |recording| Cursor::new(recording, options, &readings),
+        )?)
     }
 
     /// The explanation of `device`'s event `event`.
@@ -375,7 +428,7 @@ impl RecordingView {
             device,
             ..self.base.clone()
         };
-        let e = Arc::new(explain_at(self.recording, event, &options, &readings)?);
+        let e = Arc::new(explain_at(&self.recording, event, &options, &readings)?);
         Ok(keep(
             &self.explanations,
             (device, event),

@@ -12,6 +12,9 @@ use std::time::Duration;
 
 use gpumem::allocator::breakdown::Breakdown;
 
+use crate::browser::Browser;
+use crate::view::raw_get;
+
 use crate::agent::{
     Reaper, free_port, http_get, prometheus_query, spawn_prometheus_with_rules, spawn_serve,
     wait_for,
@@ -364,7 +367,7 @@ deadline = time.time() + 20
 while not torch._fake.queued and time.time() < deadline:
     time.sleep(0.02)
 torch._fake.allocate(0, 64 << 20)
-torch._fake.allocate(0, 3 << 20)
+torch._fake.allocate(0, 12 << 20)  # segments PyTorch would make too: the replay is exact
 while not torch._C._oom_observers and time.time() < deadline:
     time.sleep(0.02)
 torch._fake.oom(0, 1 << 37)
@@ -420,5 +423,102 @@ torch._fake.oom(0, 1 << 37)
         "{explanation}"
     );
     assert_eq!(explanation["device"], 0, "{explanation}");
+
+    // The agent opens it: the live page links the process's last OOM to it, the alert's
+    // address (by pid) leads there, and the view shows the explanation `gpumem explain`
+    // gave, from the same JSON.
+    let id = kept["id"].as_str().expect("id");
+    let (status, head, _) =
+        raw_get(port, &format!("/recordings/pid/{pid}"), "127.0.0.1", None).expect("answers");
+    assert_eq!(status, 303, "{head}");
+    let at = format!("{id}/#device=0&event={oom_event}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("location: ../{at}")),
+        "{head}"
+    );
+    let served: serde_json::Value = serde_json::from_str(
+        &http_get(
+            port,
+            &format!("/recordings/{id}/api/v1/explain?device=0&event={oom_event}"),
+        )
+        .expect("the agent explains the kept recording"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        served, explanation,
+        "the agent's view explains as `gpumem explain`"
+    );
+    for (path, status) in [
+        ("/recordings/nothing-kept/api/v1/recording".to_string(), 404),
+        (format!("/recordings/pid/{}", pid + 1), 404),
+        (format!("/recordings/{id}"), 303),
+        (
+            format!("/recordings/{id}/api/v1/segments?device=0&event=99999999"),
+            400,
+        ),
+    ] {
+        let (got, head, body) = raw_get(port, &path, "127.0.0.1", None).expect("answers");
+        assert_eq!(got, status, "{path}: {head}\n{body}");
+    }
+    // Another site's page cannot make the agent replay.
+    let (got, _, _) = raw_get(
+        port,
+        &format!("/recordings/{id}/api/v1/timeline.svg?device=0"),
+        "127.0.0.1",
+        Some("http://evil.example"),
+    )
+    .expect("answers");
+    assert_eq!(got, 403);
+
+    let browser = Browser::start();
+    browser.open(&format!("http://127.0.0.1:{port}/"));
+    let link = wait_for(Duration::from_secs(20), || {
+        let href = browser.eval(&format!(
+            "const a = document.querySelector('tr[data-pid=\"{pid}\"] a.recording'); \
+             return a ? a.href : null;"
+        ));
+        href.as_str().map(str::to_string)
+    })
+    .expect("the live page links the process's OOM to its recording");
+    assert_eq!(link, format!("http://127.0.0.1:{port}/recordings/{at}"));
+    // Followed as a user would (open waits for the page to load; a click would not).
+    browser.open(&link);
+    let shown = wait_for(Duration::from_secs(30), || {
+        let shown = browser.eval(
+            "const e = document.getElementById('explain'); \
+             return e && !e.hidden ? {sentence: document.getElementById('sentence').textContent, \
+               event: document.getElementById('slider').value, \
+               parts: document.querySelectorAll('#breakdown tr').length, \
+               blocks: document.querySelectorAll('#map-recorded rect').length, \
+               shown_error: document.getElementById('error').textContent, \
+               url: window.location.href} : null;",
+        );
+        (!shown.is_null()).then_some(shown)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the view shows no explanation: {} (console: {:?})",
+            browser.eval(
+                "return [window.location.href, document.getElementById('error').textContent];"
+            ),
+            browser.console_errors()
+        )
+    });
+    assert_eq!(shown["url"], link, "{shown}");
+    assert_eq!(shown["sentence"], explanation["sentence"], "{shown}");
+    assert_eq!(
+        shown["event"],
+        oom_event.to_string(),
+        "opened at the OOM: {shown}"
+    );
+    assert_eq!(shown["parts"], 8, "{shown}");
+    assert_eq!(shown["shown_error"], "", "{shown}");
+    assert!(
+        shown["blocks"].as_u64().is_some_and(|n| n >= 2),
+        "the map: {shown}"
+    );
+    assert_eq!(browser.console_errors(), Vec::<String>::new());
+    browser.screenshot("agent-recording.png");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -217,9 +217,13 @@ fn a_replay_is_held_to_its_memory_budget() {
         )
         .is_ok()
     );
-    let recording: &'static _ = Box::leak(Box::new(recording));
+    let recording = std::sync::Arc::new(recording);
     let view = |budget| {
-        gpumem::view::recording::RecordingView::new(recording, "streams".into(), &options(budget))
+        gpumem::view::recording::RecordingView::new(
+            std::sync::Arc::clone(&recording),
+            "streams".into(),
+            &options(budget),
+        )
     };
     let err = view(Some(1 << 20))
         .timeline(0, None)

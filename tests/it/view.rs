@@ -48,6 +48,17 @@ pub(crate) fn spawn_view(file: &Path, log: &Path) -> (Reaper, u16) {
 /// A raw GET of `path` with the given `Host` (and `Origin`, where given): the status code and
 /// the body.
 fn get_with(port: u16, path: &str, host: &str, origin: Option<&str>) -> Option<(u16, String)> {
+    raw_get(port, path, host, origin).map(|(status, _, body)| (status, body))
+}
+
+/// A raw GET of `path` with the given `Host` (and `Origin`, where given): the status code,
+/// the head and the body.
+pub(crate) fn raw_get(
+    port: u16,
+    path: &str,
+    host: &str,
+    origin: Option<&str>,
+) -> Option<(u16, String, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(30)))
@@ -63,6 +74,7 @@ fn get_with(port: u16, path: &str, host: &str, origin: Option<&str>) -> Option<(
     let (head, body) = response.split_once("\r\n\r\n")?;
     Some((
         head.split_whitespace().nth(1)?.parse().ok()?,
+        head.to_string(),
         body.to_string(),
     ))
 }

@@ -101,6 +101,10 @@ function drawProcesses(processes) {
       if (kinds.length) last += `: ${kinds.join(', ')}`;
     }
     cell(last);
+    if (p.recording) {
+      // The recording the job uploaded at its OOM, opened at that OOM.
+      tr.lastChild.append(' ', node('a', { href: p.recording, class: 'recording' }, 'recording'));
+    }
     cell(p.oom_why || '');
     const td = node('td');
     if (p.allocator === 'gpumem') {

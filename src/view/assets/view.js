@@ -44,10 +44,17 @@ async function init() {
     showError('this recording has no trace to view');
     return;
   }
-  await selectDevice(overview.devices[0].device);
+  // An address may name the moment to open at (#device=N&event=E: the agent's links to a
+  // job's OOM); else the first device, at its first OOM or its peak.
+  const at = new URLSearchParams(window.location.hash.slice(1));
+  const named = overview.devices.find((d) => String(d.device) === at.get('device'));
+  const event = at.has('event') ? Number(at.get('event')) : NaN;
+  if (named) select.value = String(named.device);
+  await selectDevice((named || overview.devices[0]).device,
+    named && Number.isInteger(event) && event >= 0 ? event : null);
 }
 
-async function selectDevice(device) {
+async function selectDevice(device, event = null) {
   state.device = device;
   const d = state.overview.devices.find((x) => x.device === device);
   state.events = d.events;
@@ -65,7 +72,8 @@ async function selectDevice(device) {
   if (d.peak !== null) jump('peak', d.peak);
   d.ooms.slice(0, 50).forEach((event, i) => jump(`OOM ${i + 1}`, event));
   await loadTimeline();
-  setEvent(d.ooms.length ? d.ooms[0] : (d.peak ?? 0));
+  const last = Math.max(0, d.events - 1);
+  setEvent(event !== null ? Math.min(event, last) : (d.ooms.length ? d.ooms[0] : (d.peak ?? 0)));
 }
 
 async function loadTimeline() {
@@ -124,25 +132,32 @@ async function requestMaps() {
       again = false;
       const event = state.event;
       const started = performance.now();
-      const recorded = await get(`api/v1/segments?${query({ event })}`);
-      drawMap($('map-recorded'), $('summary-recorded'), recorded);
-      drawTop(recorded);
-      $('map-event').textContent = String(event);
-      const column = $('whatif-column');
-      column.hidden = !state.whatIf;
-      if (state.whatIf) {
-        const other = await get(`api/v1/segments?${query({ event, config: state.whatIf })}`);
-        $('whatif-title').textContent = state.whatIf;
-        drawMap($('map-whatif'), $('summary-whatif'), other);
+      // A map that cannot be drawn (a replay that left the recording) does not keep the
+      // explanation from showing: its error is shown beside it.
+      let mapError = null;
+      try {
+        const recorded = await get(`api/v1/segments?${query({ event })}`);
+        drawMap($('map-recorded'), $('summary-recorded'), recorded);
+        drawTop(recorded);
+        $('map-event').textContent = String(event);
+        const column = $('whatif-column');
+        column.hidden = !state.whatIf;
+        if (state.whatIf) {
+          const other = await get(`api/v1/segments?${query({ event, config: state.whatIf })}`);
+          $('whatif-title').textContent = state.whatIf;
+          drawMap($('map-whatif'), $('summary-whatif'), other);
+        }
+        window.gpumemTimings.push(performance.now() - started);
+      } catch (error) {
+        mapError = error;
       }
-      window.gpumemTimings.push(performance.now() - started);
       const d = state.overview.devices.find((x) => x.device === state.device);
       if (d.ooms.includes(event) || d.events === 0) {
         drawExplain(await get(`api/v1/explain?${query({ event })}`));
       } else {
         $('explain').hidden = true;
       }
-      showError(null);
+      showError(mapError);
     } while (again);
   } catch (error) {
     showError(error);
