@@ -353,6 +353,67 @@ refused({"prometheusRule": {"enabled": True, "alerts": {
     "GpumemOutOfMemory": {"enabled": False, "thresholds": {"ratio": 0.5}}}}},
         "GpumemOutOfMemory.thresholds.ratio: the rule has no such threshold",
         "an unknown threshold on a disabled alert")
+def allowed(args):
+    return [args[i + 1] for i, a in enumerate(args) if a == "--allow-host"]
+
+
+# recordings.urlTemplate: the OOM alert links the rank with the job's newest OOM to its
+# recording on its node's agent (promtool evaluates the annotation), the agent answers to the
+# URL's host, and a template that is not such a URL is refused.
+LINKED = {"prometheusRule": {"enabled": True}, "recordings": {
+    "urlTemplate": "https://gpumem.example.com/nodes/{node}/recordings/pid/{pid}"}}
+linked = rendered(LINKED, "PrometheusRule")[0]["spec"]["groups"]
+linked_oom = next(r for g in linked for r in g["rules"] if r.get("alert") == "GpumemOutOfMemory")
+if [r for g in linked for r in g["rules"] if r is not linked_oom] \
+        != [r for g in CANONICAL["groups"] for r in g["rules"] if r.get("alert") != "GpumemOutOfMemory"]:
+    fail("recordings.urlTemplate changed rules other than GpumemOutOfMemory")
+rank = ('gpumem_allocator_last_oom_timestamp_seconds{{instance="{ip}:9400",node="{node}",'
+        'job="gpumem",gpu="0",UUID="GPU-{node}",pid="{pid}",allocator="pytorch",'
+        'pod_namespace="ml",pod_name="{pod}",run_id="run-1"}}')
+unit = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
+    "interval": "1m",
+    "input_series": [
+        # Two ranks of one job on two nodes; the second ran out of memory last.
+        {"series": rank.format(ip="10.0.0.4", node="gpu-3", pid=77, pod="train-0"),
+         "values": "300x20"},
+        {"series": rank.format(ip="10.0.0.5", node="gpu-7", pid=4242, pod="train-1"),
+         "values": "540x20"}],
+    "alert_rule_test": [{"eval_time": "10m", "alertname": "GpumemOutOfMemory", "exp_alerts": [{
+        "exp_labels": {"job": "gpumem", "allocator": "pytorch", "run_id": "run-1",
+                       "pod_namespace": "ml", "namespace": "ml", "job_key": "run-1",
+                       "severity": "warning"},
+        "exp_annotations": {
+            "summary": "CUDA out of memory in job run-1 (namespace ml)",
+            "description": "An allocation of job run-1 failed after every recovery step of the "
+                           "caching allocator. Compare reserved-but-unallocated memory with the "
+                           "request to tell fragmentation from a full device.",
+            "runbook_url": "https://github.com/gpumem/gpumem/blob/main/docs/runbooks.md"
+                           "#gpumemoutofmemory",
+            "recording_url": "https://gpumem.example.com/nodes/gpu-7/recordings/pid/4242"}}]}]}]}
+with tempfile.TemporaryDirectory() as work:
+    (Path(work) / "rules.yml").write_text(yaml.safe_dump({"groups": linked}))
+    (Path(work) / "test.yml").write_text(yaml.safe_dump(unit))
+    result = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=work,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        fail(f"the OOM alert's recording_url: promtool: {result.stdout}{result.stderr}")
+for template, host in [(LINKED["recordings"]["urlTemplate"], "gpumem.example.com"),
+                       ("http://{node}.gpu.example.com:9400/recordings/pid/{pid}",
+                        "$(GPUMEM_NODE_NAME).gpu.example.com")]:
+    pod = daemonset({"recordings": {"urlTemplate": template}})
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    if allowed(pod["containers"][0]["args"])[-1] != host \
+            or env.get("GPUMEM_NODE_NAME", {}).get("valueFrom") \
+            != {"fieldRef": {"fieldPath": "spec.nodeName"}}:
+        fail(f"{template}: the agent's hosts {allowed(pod['containers'][0]['args'])}, env {env}")
+for template in ["https://gpumem.example.com/recordings/{node}",  # no {pid}
+                 "javascript:alert(1)//{pid}",
+                 "https://gpumem.example.com/{{ $labels.x }}/{pid}",
+                 "https://evil.example/\"/{pid}"]:
+    refused({"recordings": {"urlTemplate": template}}, "urlTemplate",
+            f"the URL template {template!r}")
+print("recordings.urlTemplate: the OOM alert links the newest OOM's recording (promtool), "
+      "the agent answers to its host")
 # A fullnameOverride the default job matcher does not match would silence AgentDown.
 refused({"fullnameOverride": "gpu-agent", "serviceMonitor": {"enabled": True},
          "prometheusRule": {"enabled": True}},
@@ -441,10 +502,6 @@ if pod.get("hostPID") is not True:
 
 # The agent answers to its Service's names (DNS rebinding is refused otherwise), and to more
 # where asked.
-def allowed(args):
-    return [args[i + 1] for i, a in enumerate(args) if a == "--allow-host"]
-
-
 service = rendered({}, "Service")[0]["metadata"]["name"]
 names = allowed(container["args"])
 expected = [service, f"{service}.gpu-monitoring.svc", f"{service}.gpu-monitoring.svc.cluster.local"]

@@ -80,3 +80,13 @@ the scrape port. */}}
 {{- .Values.webConfig.pushPort -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The host of recordings.urlTemplate, {node} made the node's name through the container's
+GPUMEM_NODE_NAME (Kubernetes expands $(VAR) in args); empty without a template.
+*/}}
+{{- define "gpumem.recordingHost" -}}
+{{- with (.Values.recordings).urlTemplate -}}
+{{- regexReplaceAll "^https?://([^/:]+).*$" . "${1}" | replace "{node}" "$(GPUMEM_NODE_NAME)" -}}
+{{- end -}}
+{{- end }}
