@@ -489,7 +489,7 @@ recordings = [v for v in pod["volumes"] if v["name"] == "recordings"]
 if recordings != [{"name": "recordings", "emptyDir": {"sizeLimit": "1152Mi"}}] \
         or flag(container["args"], "--recordings-dir") != "/var/lib/gpumem/recordings" \
         or flag(container["args"], "--recordings-max-bytes-each") != "16777216" \
-        or flag(container["args"], "--recordings-max-memory-bytes") != "134217728":
+        or flag(container["args"], "--recordings-max-memory-bytes") != "67108864":
     fail(f"the recordings' volume and caps: {recordings} {container['args']}")
 if flag(container["args"], "--push-socket") != "/run/gpumem/push.sock":
     fail(f"default push socket: {container['args']}")

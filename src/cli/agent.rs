@@ -86,7 +86,9 @@ pub(crate) struct ServeArgs {
     /// Recordings kept; the oldest are evicted.
     #[arg(long, default_value_t = RecordingLimits::default().max_count as u32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     recordings_max_count: u32,
-    /// Memory the agent may hold while reading one upload (one at a time).
+    /// Memory the agent may hold while reading one upload (one at a time); the view of a
+    /// kept recording (/recordings/<id>/) holds one recording read within it and runs one
+    /// replay at a time within it.
     #[arg(long, default_value_t = RecordingLimits::default().read.max_memory_bytes, value_parser = clap::value_parser!(u64).range((1 << 20)..=(64 << 30)))]
     recordings_max_memory_bytes: u64,
     /// A web configuration file in the Prometheus exporter-toolkit's format: TLS

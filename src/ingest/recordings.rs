@@ -65,10 +65,11 @@ pub struct RecordingLimits {
 }
 
 impl Default for RecordingLimits {
-    /// 16 MiB each, 1 GiB and 100 in all; read within 256 MiB decompressed and 128 MiB of
+    /// 16 MiB each, 1 GiB and 100 in all; read within 256 MiB decompressed and 64 MiB of
     /// memory. Measured: a real recording of 19 464 events with stacks
-    /// (`cs336_lm_fwd_bwd_step`) is 3.7 MB pickled, 229 kB gzipped, and read and replayed
-    /// within 16 MB resident, so PyTorch's 100 000-entry history cap stays far inside them.
+    /// (`cs336_lm_fwd_bwd_step`) is 3.7 MB pickled, 229 kB gzipped, read within a 7 MiB
+    /// budget (not 6), and read and replayed within 16 MB resident; at that rate (about
+    /// 370 bytes an event) PyTorch's 100 000-entry history cap needs about 37 MiB.
     fn default() -> Self {
         RecordingLimits {
             max_bytes_each: 16 << 20,
@@ -76,7 +77,7 @@ impl Default for RecordingLimits {
             max_count: 100,
             read: ReadLimits {
                 max_input_bytes: 256 << 20,
-                max_memory_bytes: 128 << 20,
+                max_memory_bytes: 64 << 20,
             },
         }
     }

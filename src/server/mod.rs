@@ -8,8 +8,10 @@
 //! a loopback TCP peer, or, where the agent attributes the pod network
 //! (`AppState::pod_network`), from a ready pod's address on this node; and, where the ingest
 //! keeps recordings, `POST /api/v1/recordings` from a pushing process, attributed alike (a
-//! gzipped snapshot streamed to disk within `ingest::recordings`' caps, never buffered) and
-//! `GET /api/v1/recordings` (with the page). Where credentials are configured
+//! gzipped snapshot streamed to disk within `ingest::recordings`' caps, never buffered),
+//! `GET /api/v1/recordings`, and each kept recording in the view at `/recordings/<id>/`
+//! (`server::view` over `view::kept`; `/recordings/pid/<pid>` leads to a process's newest),
+//! these three with the page. Where credentials are configured
 //! (`AppState::auth`, the web configuration file), `/metrics`, the page and its APIs answer
 //! them only (401 otherwise); pushes, uploads and probes answer anyone. [`app`] builds the
 //! router, so tests call it without a socket, and [`push_app`] a pushes-only one (a second,
@@ -47,8 +49,9 @@
 //! 20 MiB at worst. Measured at 66 MiB peak resident with the worst valid pushes over TCP and
 //! twelve slow scrapers (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels),
 //! 8 MiB idle. Reading an uploaded recording adds at most its reading budget (one at a time,
-//! 128 MiB by default: `ingest::recordings`); an upload's body goes to disk through a buffer
-//! of one frame. The chart's limit is 256 MiB.
+//! 64 MiB by default: `ingest::recordings`), and the view of a kept recording twice that (the
+//! open recording and one replay: `view::kept`); an upload's body goes to disk through a
+//! buffer of one frame. The chart's limit is 320 MiB.
 
 mod conns;
 pub mod hosts;
