@@ -1,6 +1,7 @@
 //! Pages and drawings for people: the explanation as one self-contained HTML page, the
-//! timeline SVG, and what `gpumem view` serves (the segment map, the recording's state behind
-//! its API, the page's embedded assets).
+//! timeline SVG, what `gpumem view` serves (the segment map, the recording's state behind its
+//! API, the page's embedded assets), the agent's kept recordings in that view, and the agent's
+//! live page.
 //!
 //! # Invariants
 //! - Every string that came from a recording or a user (file names, frames, configurations)

@@ -396,3 +396,70 @@ fn a_hundred_jobs_keep_the_store_within_its_caps() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Kept recordings open in the agent's view one at a time, are no longer served once evicted,
+/// and follow the page's rule (`--ui off`: not served).
+#[test]
+fn kept_recordings_open_in_the_view_until_evicted() {
+    let dir = temp_dir("recordings-view");
+    let (json, oom) = oom_recording();
+    let recording = gzip(&json);
+    let port = free_port();
+    let _agent = agent(
+        port,
+        &dir,
+        &["--recordings-max-count", "2", "--exited-grace", "0"],
+    );
+    let mut ids = Vec::new();
+    for pid in [7001, 7002] {
+        push(port, pid);
+        let (status, answer) = upload(port, pid, &recording);
+        assert_eq!(status, 201, "{answer}");
+        ids.push(answer["id"].as_str().expect("id").to_string());
+    }
+    // Each opens in turn (the second replacing the first in memory), and explains its OOM.
+    for id in ids.iter().chain(ids.iter()) {
+        let overview: serde_json::Value = serde_json::from_str(
+            &http_get(port, &format!("/recordings/{id}/api/v1/recording")).expect("overview"),
+        )
+        .expect("JSON");
+        assert_eq!(overview["devices"][0]["ooms"], serde_json::json!([oom]));
+        let explained: serde_json::Value = serde_json::from_str(
+            &http_get(
+                port,
+                &format!("/recordings/{id}/api/v1/explain?device=0&event={oom}"),
+            )
+            .expect("explains"),
+        )
+        .expect("JSON");
+        assert_eq!(explained["request"]["event"], oom, "{explained}");
+    }
+    // A third upload evicts the first: it is no longer served, even though it was open.
+    push(port, 7003);
+    let (status, answer) = upload(port, 7003, &recording);
+    assert_eq!(status, 201, "{answer}");
+    let (status, body) = request(
+        port,
+        "GET",
+        &format!("/recordings/{}/api/v1/recording", ids[0]),
+        "text/plain",
+        b"",
+        Length::Own,
+    );
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("keeps no recording"), "{body}");
+
+    // With the page off, so is the view (the listing's rule).
+    let port = free_port();
+    let _off = agent(port, &dir, &["--ui", "off"]);
+    let (status, body) = request(
+        port,
+        "GET",
+        &format!("/recordings/{}/", ids[1]),
+        "text/plain",
+        b"",
+        Length::Own,
+    );
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("turned off"), "{body}");
+}
