@@ -29,6 +29,7 @@ pub mod ingest;
 #[cfg(feature = "webhook")]
 pub mod inject;
 pub mod ipc;
+pub mod iterations;
 pub mod metrics;
 pub mod ops;
 pub mod plan;

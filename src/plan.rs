@@ -44,30 +44,21 @@ use std::ops::Range;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::size::{ROUND_LARGE, round_size};
+use crate::allocator::size::ROUND_LARGE;
 use crate::allocator::{
-    MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, Plan, PlanEntry, PlanError, PlanRegion, TraceAction,
-    TraceEntry,
+    MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, Plan, PlanEntry, PlanError, PlanRegion,
 };
 use crate::config::AllocatorConfig;
 use crate::device::StreamId;
+use crate::iterations::{Allocation, allocations, find_iteration, placeable};
+pub use crate::iterations::{
+    CANDIDATE_PERIODS, MAX_MULTIPLE, MAX_PERIOD, MAX_PLANNED_SIZE, SCAN_WORK,
+};
 use crate::rng::XorShift;
 
 use crate::recording::Recording;
 use crate::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
 
-/// The longest iteration planned, in allocations.
-pub const MAX_PERIOD: usize = 8192;
-/// Token comparisons the period search may make to try every period; longer traces try
-/// only [`CANDIDATE_PERIODS`] common distances and their multiples.
-pub const SCAN_WORK: u64 = 1 << 31;
-/// Distances between equal allocations tried as periods (long traces).
-pub const CANDIDATE_PERIODS: usize = 32;
-/// Multiples of each candidate tried too.
-pub const MAX_MULTIPLE: usize = 8;
-/// Allocations this large or larger are left out of planning: no device holds one, and the
-/// sums of an iteration's sizes stay below [`crate::allocator::MAX_REGION_BYTES`].
-pub const MAX_PLANNED_SIZE: u64 = 1 << 43;
 /// Rounds of local search at most.
 pub const LOCAL_SEARCH_ROUNDS: usize = 400;
 /// Overlap tests after which the local search stops (the first greedy passes included; they
@@ -157,16 +148,6 @@ impl Planned {
         };
         PlanFile::new(&self.plan, Some(source))
     }
-}
-
-/// One allocation of the trace.
-#[derive(Clone, Copy, Debug)]
-struct Allocation {
-    event: usize,
-    size: u64,
-    stream: StreamId,
-    /// The event at which its free completed.
-    freed: Option<usize>,
 }
 
 /// Plans `options.device`'s trace of `recording` (`name` goes into the plan's source).
@@ -268,39 +249,6 @@ pub fn plan(
     })
 }
 
-/// The trace's allocations of the default pool, in order, with the events their frees
-/// completed. A private pool's (CUDA graph, MemPool) are left to the caching allocator: a
-/// plan serves only requests no pool routes elsewhere.
-fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Vec<Allocation> {
-    let mut out: Vec<Allocation> = Vec::new();
-    let mut live: FxHashMap<u64, usize> = FxHashMap::default();
-    for (i, e) in events.iter().enumerate() {
-        match e.action {
-            TraceAction::Alloc if e.size < MAX_PLANNED_SIZE && e.pool.is_default() => {
-                live.insert(e.addr, out.len());
-                out.push(Allocation {
-                    event: i,
-                    size: round_size(config, e.size),
-                    stream: e.stream,
-                    freed: None,
-                });
-            }
-            TraceAction::FreeCompleted => {
-                if let Some(k) = live.remove(&e.addr) {
-                    out[k].freed = Some(i);
-                }
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
-/// Whether `a` (made `event` events into an iteration of `length` events) repeats in place.
-fn placeable(a: &Allocation, length: usize) -> bool {
-    a.freed.is_some_and(|f| f - a.event < length)
-}
-
 /// Whether persistent `a` is tried in the region first: its free completed within
 /// [`BET_ITERATIONS`] iterations. A later instance that lives as long holds its range, making
 /// the entries planned there misses, for that long at most, and the next instance finds the
@@ -309,87 +257,6 @@ fn placeable(a: &Allocation, length: usize) -> bool {
 fn bet_on(a: &Allocation, length: usize) -> bool {
     a.freed
         .is_some_and(|f| f - a.event < BET_ITERATIONS.saturating_mul(length))
-}
-
-/// The repeating iteration: (first allocation, period, iterations in a row).
-fn find_iteration(allocations: &[Allocation]) -> Option<(usize, usize, usize)> {
-    let n = allocations.len();
-    // Each (rounded size, stream) as a small id: the scans compare four bytes.
-    let mut ids: FxHashMap<(u64, StreamId), u32> = FxHashMap::default();
-    let tokens: Vec<u32> = allocations
-        .iter()
-        .map(|a| {
-            let next = ids.len() as u32;
-            *ids.entry((a.size, a.stream)).or_insert(next)
-        })
-        .collect();
-    let longest_period = MAX_PERIOD.min(n / 2);
-    let candidates: Vec<usize> = if (n as u64).saturating_mul(longest_period as u64) <= SCAN_WORK {
-        (1..=longest_period).collect()
-    } else {
-        common_distances(&tokens)
-    };
-    let mut best: Option<(f64, (usize, usize, usize))> = None;
-    for p in candidates {
-        let (mut run, mut longest, mut longest_start) = (0usize, 0usize, 0usize);
-        for (i, (a, b)) in tokens.iter().zip(&tokens[p..]).enumerate() {
-            if a == b {
-                run += 1;
-                if run > longest {
-                    longest = run;
-                    longest_start = i + 1 - run;
-                }
-            } else {
-                run = 0;
-            }
-        }
-        let iterations = (longest + p) / p;
-        if iterations < 2 {
-            continue;
-        }
-        let first = longest_start;
-        let iteration = &allocations[first..first + p];
-        let length =
-            allocations.get(first + p).map_or(usize::MAX, |a| a.event) - iteration[0].event;
-        let total: u64 = iteration.iter().map(|a| a.size).sum();
-        let placeable_bytes: u64 = iteration
-            .iter()
-            .filter(|a| placeable(a, length))
-            .map(|a| a.size)
-            .sum();
-        let share = placeable_bytes as f64 / total.max(1) as f64;
-        let covered = iterations * p;
-        let score = share * covered as f64;
-        if best.is_none_or(|(s, _)| score > s) {
-            best = Some((score, (first, p, iterations)));
-        }
-    }
-    best.map(|(_, found)| found)
-}
-
-/// Candidate periods for long traces: the most frequent distances between consecutive equal
-/// tokens and their multiples.
-fn common_distances(tokens: &[u32]) -> Vec<usize> {
-    let mut last: FxHashMap<u32, usize> = FxHashMap::default();
-    let mut distances: FxHashMap<usize, u32> = FxHashMap::default();
-    for (i, &t) in tokens.iter().enumerate() {
-        if let Some(j) = last.insert(t, i)
-            && i - j <= MAX_PERIOD
-        {
-            *distances.entry(i - j).or_default() += 1;
-        }
-    }
-    let mut common: Vec<(usize, u32)> = distances.into_iter().collect();
-    common.sort_unstable_by_key(|&(d, count)| (std::cmp::Reverse(count), d));
-    let mut candidates: Vec<usize> = common
-        .iter()
-        .take(CANDIDATE_PERIODS)
-        .flat_map(|&(d, _)| (1..=MAX_MULTIPLE).map(move |m| d * m))
-        .filter(|&p| p <= MAX_PERIOD && 2 * p <= tokens.len())
-        .collect();
-    candidates.sort_unstable();
-    candidates.dedup();
-    candidates
 }
 
 /// Where an iteration's allocations go.

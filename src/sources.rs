@@ -123,7 +123,7 @@ impl SegmentsOnRequest {
 
 /// The explanation of an out-of-memory error: where the device's memory was, the part most to
 /// blame, and the sentence.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LastOom {
     /// Where the memory was; it adds up to the device's total.
     pub breakdown: Breakdown,
@@ -131,11 +131,15 @@ pub struct LastOom {
     pub kind: Kind,
     /// The explanation in one sentence.
     pub why: String,
+    /// When it happened (Unix seconds), where its owner said (a pushed process says so in
+    /// [`AllocatorSource::last_oom_unix_seconds`] instead).
+    pub at_unix_seconds: Option<f64>,
 }
 
 impl From<&crate::allocator::OutOfMemory> for LastOom {
     fn from(oom: &crate::allocator::OutOfMemory) -> LastOom {
         LastOom {
+            at_unix_seconds: None,
             breakdown: oom.accounting.breakdown.clone(),
             kind: oom
                 .kinds

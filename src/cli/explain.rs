@@ -116,6 +116,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         outln!("  {line}")?;
     }
     outln!("{}", e.sentence)?;
+    if !e.cause_sentence.is_empty() {
+        outln!("{}", e.cause_sentence)?;
+    }
     if let Some(d) = &e.divergence {
         outln!(
             "warning: the replay differed from the recording at event {}; these figures are the replay's",
@@ -186,6 +189,27 @@ pub(crate) fn run(args: Args) -> CliResult {
             outln!("confirm: {command}")?;
         } else {
             outln!("none of these settings avoids it")?;
+        }
+    }
+    if let Some(g) = &e.growth {
+        outln!(
+            "\nrepeating iterations: {} of {} allocations from event {} (about {} events each); {} of them keep memory past their end, {} ({} allocations) each (median), {} in all",
+            g.iterations,
+            g.allocations_per_iteration,
+            g.first_event,
+            g.events_per_iteration,
+            g.iterations_keeping,
+            f(g.kept_per_iteration),
+            g.kept_allocations_per_iteration,
+            f(g.kept_bytes)
+        )?;
+        for k in &g.kept_at {
+            outln!(
+                "  {:>12} kept by {} allocations from {}",
+                f(k.bytes),
+                k.allocations,
+                k.frame
+            )?;
         }
     }
     if !e.pinning.is_empty() {

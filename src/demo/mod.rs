@@ -11,6 +11,7 @@
 //! (its first process follows a plan).
 
 pub mod node;
+mod oom_job;
 pub mod workload;
 
 pub use node::{SimNode, SimNodeConfig, SimNodeError};

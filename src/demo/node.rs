@@ -3,8 +3,10 @@
 //! Each simulated GPU hosts a few simulated processes. Each process owns a caching allocator
 //! on a simulated device and replays a real recorded trace (the licensed recordings bundled in
 //! `data/traces`) at its recorded pace, in a loop; one replays gpumem's own training workload
-//! with a captured CUDA graph and a MemPool instead, so that private pools are on show. The
-//! node's NVML view is computed from them:
+//! with a captured CUDA graph and a MemPool instead, so that private pools are on show, and one
+//! is a job that runs out of memory every half minute while its GPU shows memory free
+//! (`oom_job`), so that the OOM's panels, explanation and alert are on show. The node's NVML
+//! view is computed from them:
 //! a process uses its allocator's reserved bytes plus a CUDA-context overhead outside the
 //! allocator, and a GPU's used memory is the sum over its processes, so that
 //! device used = Σ reserved + memory outside the allocator, as on a real node.
@@ -19,6 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::oom_job::OomJob;
 use super::workload::{TrainingWorkload, finish_communication};
 use crate::CachingAllocator;
 use crate::allocator::size::format_size;
@@ -171,6 +174,9 @@ pub struct SimNodeConfig {
     /// A memory limit for the last process of the last GPU, so that the node shows what
     /// memory pressure looks like (cache flushes and retries); `None` for none.
     pub tight_process_limit: Option<u64>,
+    /// Whether the first GPU's last process (of two or more) is the job that runs out of
+    /// memory (`demo::oom_job`) rather than a replay.
+    pub oom_job: bool,
     /// Whether the last GPU of a node of two or more is in MIG mode, split into one MIG
     /// device per process, each holding the process's share of memory (a GPU instance of
     /// its own, as the device plugin's MIG resources give them), instead of time slices.
@@ -192,6 +198,7 @@ impl Default for SimNodeConfig {
             // Just above what the opt125m recording needs at its peak: its allocator flushes
             // its cache and retries a few times per run, without running out.
             tight_process_limit: Some(1_879_048_192),
+            oom_job: true,
             mig_last_gpu: true,
         }
     }
@@ -255,6 +262,8 @@ struct Run<'a> {
     finished_at: Option<Instant>,
     /// The event after which its recording reserved the most (where `--speed 0` holds it).
     peak: usize,
+    /// The job that runs out of memory, in place of a replay.
+    job: Option<OomJob>,
 }
 
 impl SimNode {
@@ -298,6 +307,8 @@ impl SimNode {
         );
         let mut allocators = Vec::new();
         let mut processes = Vec::new();
+        // The process that runs out of memory, by index, with its limit.
+        let mut oom_job = None;
         for gpu in 0..config.gpus {
             for k in 0..processes_per_gpu {
                 let last = gpu + 1 == config.gpus && k + 1 == processes_per_gpu;
@@ -354,6 +365,9 @@ impl SimNode {
                     settings,
                     Arc::clone(alloc.stats()),
                 )));
+                if config.oom_job && gpu == 0 && k + 1 == processes_per_gpu && k > 0 {
+                    oom_job = Some((allocators.len(), process_limit));
+                }
                 allocators.push((which, alloc));
             }
         }
@@ -369,7 +383,7 @@ impl SimNode {
                 .name("gpumem-sim-node".into())
                 .spawn(move || {
                     replay_loop(
-                        recordings, allocators, sources, speed, tick, &stop, &heartbeat,
+                        recordings, allocators, oom_job, sources, speed, tick, &stop, &heartbeat,
                     )
                 })
                 .map_err(SimNodeError::Thread)?
@@ -493,9 +507,11 @@ fn offsets(recording: &Recording) -> Vec<u64> {
         .collect()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn replay_loop(
     recordings: Vec<Recording>,
     allocators: Vec<(usize, CachingAllocator<SimDevice>)>,
+    oom_job: Option<(usize, u64)>,
     sources: Vec<Arc<AllocatorSource>>,
     speed: f64,
     tick: Duration,
@@ -505,12 +521,24 @@ fn replay_loop(
     let mut runs: Vec<Run<'_>> = allocators
         .into_iter()
         .zip(sources)
-        .map(|((which, alloc), source)| Run {
+        .enumerate()
+        .map(|(i, ((which, alloc), source))| {
+            // The OOM job runs its own program on its allocator; the others replay.
+            let (spare, job) = match oom_job {
+                Some((at, limit)) if at == i => {
+                    (None, Some(OomJob::new(alloc, limit, Arc::clone(&source))))
+                }
+                _ => (Some(alloc), None),
+            };
+            (which, source, spare, job)
+        })
+        .map(|(which, source, spare, job)| Run {
             source,
             recording: &recordings[which],
             offsets: offsets(&recordings[which]),
             replayer: None,
-            spare: Some(alloc),
+            spare,
+            job,
             started: Instant::now(),
             finished_at: None,
             peak: crate::explain::peak_reserved_event(
@@ -537,6 +565,10 @@ fn replay_loop(
 
 /// Advances one process to where its recording's clock says it should be.
 fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayError> {
+    if let Some(job) = &mut run.job {
+        job.step(speed);
+        return Ok(());
+    }
     if run.replayer.is_none() {
         let Some(alloc) = run.spare.take() else {
             return Ok(());

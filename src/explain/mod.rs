@@ -25,6 +25,7 @@
 //!   candidate without OOMs is one `gpumem replay --available --config` confirms.
 
 pub(crate) mod block_stacks;
+pub mod growth;
 
 use serde::Serialize;
 
@@ -33,6 +34,8 @@ pub use crate::allocator::breakdown::{Breakdown, Kind};
 use crate::allocator::size::{PoolKind, round_size};
 use crate::allocator::{BlockState, PoolId, TraceAction};
 use crate::device::StreamId;
+
+pub use growth::{Growth, KeptGroup};
 
 use crate::recording::Recording;
 use crate::replay::{
@@ -124,6 +127,26 @@ pub struct Explanation {
     /// exceed what the job had, or the room was held outside the allocator or cached in
     /// private pools.
     pub candidates: Vec<Candidate>,
+    /// The repeating iterations up to the moment and what each keeps past its end, where
+    /// iterations repeat (`explain::growth`).
+    pub growth: Option<Growth>,
+    /// What dominates at the moment, where one thing does.
+    pub cause: Option<Cause>,
+    /// The cause in one sentence (empty where there is none).
+    pub cause_sentence: String,
+}
+
+/// What dominates an OOM (or, at another moment, what the memory does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// A setting avoids the OOM: the memory was there, in pieces the request did not fit.
+    Fragmentation,
+    /// No setting avoids it, and the iterations keep memory past their ends that makes a
+    /// tenth or more of what is live: the program must free what it keeps.
+    Growth,
+    /// No setting avoids it and nothing grows: what one moment needs exceeds what the job had.
+    WorkingSet,
 }
 
 /// A private pool's memory at the moment explained.
@@ -428,6 +451,25 @@ pub fn explain_at(
         _ => Vec::new(),
     };
     let sentence = accounting.sentence(wanted, kinds[0]);
+    let at_oom = entry.is_some_and(|e| e.action == TraceAction::Oom);
+    let memory = available.or(total_known.then_some(total));
+    let growth = growth::growth(
+        recording,
+        device as usize,
+        events,
+        event,
+        accounting.allocated,
+        memory,
+        &config,
+    );
+    let live = accounting.breakdown.requested + accounting.breakdown.rounding;
+    let (cause, cause_sentence) = cause(
+        at_oom,
+        &candidates,
+        growth.as_ref(),
+        live,
+        available.filter(|&a| live_and_request(&accounting, rounded) > a),
+    );
     let Accounting {
         breakdown,
         reserved,
@@ -453,7 +495,77 @@ pub fn explain_at(
         ordering: readings.ordering().cloned(),
         private_pools: private_pools(&snapshot, device),
         candidates,
+        growth,
+        cause,
+        cause_sentence,
     })
+}
+
+/// What dominates, and its sentence: at an OOM, fragmentation where a candidate setting
+/// avoids it, else growth where the iterations keep a tenth or more of what is `live`, else a
+/// working set larger than the job had (`short_of`: what it had, where live tensors and the
+/// request exceed it); at another moment, growth where the iterations keep memory.
+fn cause(
+    at_oom: bool,
+    candidates: &[Candidate],
+    growth: Option<&Growth>,
+    live: u64,
+    short_of: Option<u64>,
+) -> (Option<Cause>, String) {
+    use crate::allocator::size::format_size as f;
+    let grows = growth.filter(|g| g.grows() && g.kept_bytes.saturating_mul(10) >= live);
+    let fills = |g: &Growth| match (g.fills_at_iteration, g.fills_bytes) {
+        (Some(k), Some(memory)) => {
+            format!("; at that rate the {} fill in iteration {k}", f(memory))
+        }
+        _ => String::new(),
+    };
+    if let Some(avoids) = candidates.iter().find(|c| c.ooms == 0).filter(|_| at_oom) {
+        let also = grows.map_or_else(String::new, |g| {
+            format!(
+                " The iterations also keep {} each past their ends{}.",
+                f(g.kept_per_iteration),
+                fills(g)
+            )
+        });
+        let sentence = format!(
+            "Fragmentation: {} avoids this OOM (the whole trace replayed under it, within the memory the job had).{also}",
+            avoids.config
+        );
+        return (Some(Cause::Fragmentation), sentence);
+    }
+    if let Some(g) = grows {
+        let from = g
+            .kept_at
+            .first()
+            .map_or_else(String::new, |k| format!(", the most from {}", k.frame));
+        let setting = if at_oom {
+            " No allocator setting avoids that:"
+        } else {
+            ""
+        };
+        let sentence = format!(
+            "Memory grows: each of {} iterations ({} allocations) kept {} ({} allocations) past its end{from}, {} of the {} live now{}.{setting} free what each iteration keeps, or keep less of it (outputs held with their graph, losses summed as tensors, caches that only grow; activations kept for the backward pass: activation checkpointing).",
+            g.iterations,
+            g.allocations_per_iteration,
+            f(g.kept_per_iteration),
+            g.kept_allocations_per_iteration,
+            f(g.kept_bytes),
+            f(live),
+            fills(g),
+        );
+        return (Some(Cause::Growth), sentence);
+    }
+    match short_of.filter(|_| at_oom) {
+        Some(had) => (
+            Some(Cause::WorkingSet),
+            format!(
+                "The working set is larger than the {} the job had, and no iteration keeps memory that grows: fewer tensors live at once (a smaller batch, activation checkpointing, sharding) or a larger device.",
+                f(had)
+            ),
+        ),
+        None => (None, String::new()),
+    }
 }
 
 /// The bytes live tensors hold (rounded) and the request needs.

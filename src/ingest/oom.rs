@@ -197,5 +197,7 @@ pub(crate) fn explain(
         breakdown: accounting.breakdown,
         kind: kinds[0],
         why,
+        // The push says when: `AllocatorSource::last_oom_unix_seconds`.
+        at_unix_seconds: None,
     }))
 }

@@ -361,10 +361,15 @@ fn collect_allocator(
             f.of(&c::PLAN_REQUESTS).push_with(&labels, extra, n as f64);
         }
     }
-    if let Some(t) = s.last_oom_unix_seconds {
+    let last_oom = s.last_oom();
+    // A push says when in its own field; an allocator this process holds with its OOM.
+    let at = s
+        .last_oom_unix_seconds
+        .or_else(|| last_oom.as_ref().and_then(|o| o.at_unix_seconds));
+    if let Some(t) = at {
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
-    if let Some(oom) = s.last_oom() {
+    if let Some(oom) = last_oom {
         for (field, _, bytes) in oom.breakdown.parts() {
             // The metric names live tensors' bytes `allocated` (the JSON's `requested`).
             let kind = if field == "requested" {

@@ -148,6 +148,25 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         b,
         "<p id=\"sentence\" data-field=\"sentence\" data-value=\"{sentence}\"><strong>{sentence}</strong></p>"
     );
+    match e.cause {
+        Some(cause) => {
+            let name = serde_json::to_value(cause)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            let said = escape(&e.cause_sentence);
+            let _ = writeln!(
+                b,
+                "<p id=\"cause\"><span class=\"cause\" data-field=\"cause\" data-value=\"{name}\">{name}</span>: <span data-field=\"cause_sentence\" data-value=\"{said}\">{said}</span></p>"
+            );
+        }
+        None => {
+            let _ = writeln!(
+                b,
+                "<p data-field=\"cause\" data-value=\"null\">Neither fragmentation, growth nor the working set dominates.</p><p hidden data-field=\"cause_sentence\" data-value=\"\"></p>"
+            );
+        }
+    }
     match &e.divergence {
         Some(d) => {
             let _ = writeln!(
@@ -330,6 +349,8 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         }
     }
 
+    growth(&mut b, e);
+
     if !e.pinning.is_empty() {
         let _ = writeln!(
             b,
@@ -373,6 +394,108 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         env!("CARGO_PKG_VERSION")
     );
     page(&format!("gpumem explain: {name}"), &b)
+}
+
+/// The repeating iterations and what each keeps past its end.
+fn growth(b: &mut String, e: &Explanation) {
+    let Some(g) = &e.growth else {
+        let _ = writeln!(
+            b,
+            "<p data-field=\"growth\" data-value=\"null\">No sequence of allocations repeats before this moment: no iterations to compare.</p>"
+        );
+        return;
+    };
+    let _ = writeln!(
+        b,
+        "<h2>Growth: what each iteration keeps</h2>\n<table id=\"growth\">"
+    );
+    row(
+        b,
+        "iterations in a row",
+        value_cell("growth.iterations", g.iterations),
+    );
+    row(
+        b,
+        "allocations each",
+        value_cell(
+            "growth.allocations_per_iteration",
+            g.allocations_per_iteration,
+        ),
+    );
+    row(
+        b,
+        "first event",
+        value_cell("growth.first_event", g.first_event),
+    );
+    row(
+        b,
+        "events each (mean)",
+        value_cell("growth.events_per_iteration", g.events_per_iteration),
+    );
+    row(
+        b,
+        "kept past its end, each (median)",
+        bytes_cell("growth.kept_per_iteration", Some(g.kept_per_iteration)),
+    );
+    row(
+        b,
+        "allocations kept, each (median)",
+        value_cell(
+            "growth.kept_allocations_per_iteration",
+            g.kept_allocations_per_iteration,
+        ),
+    );
+    row(
+        b,
+        "iterations that keep memory",
+        value_cell("growth.iterations_keeping", g.iterations_keeping),
+    );
+    row(
+        b,
+        "kept in all, live now",
+        bytes_cell("growth.kept_bytes", Some(g.kept_bytes)),
+    );
+    row(
+        b,
+        "most an iteration needs beyond its start",
+        bytes_cell("growth.iteration_peak_bytes", Some(g.iteration_peak_bytes)),
+    );
+    row(
+        b,
+        "memory that fills",
+        bytes_cell("growth.fills_bytes", g.fills_bytes),
+    );
+    row(
+        b,
+        "fills in iteration",
+        match g.fills_at_iteration {
+            Some(k) => value_cell("growth.fills_at_iteration", k),
+            None => "<td data-field=\"growth.fills_at_iteration\" data-value=\"null\">never, at this rate</td>".to_string(),
+        },
+    );
+    let _ = writeln!(b, "</table>");
+    if g.kept_at.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        b,
+        "<table id=\"kept\"><tr><th>kept memory allocated at</th><th>allocations</th><th>bytes</th></tr>"
+    );
+    for (i, k) in g.kept_at.iter().enumerate() {
+        let frame = escape(&k.frame);
+        let stack = k
+            .frames
+            .iter()
+            .map(|f| format!("<li>{}</li>", escape(f)))
+            .collect::<String>();
+        let _ = writeln!(
+            b,
+            "<tr><td data-field=\"growth.kept_at.{i}.frame\" data-value=\"{frame}\"><details><summary>{frame}</summary><ol>{stack}</ol></details></td>{}{}</tr>",
+            value_cell(&format!("growth.kept_at.{i}.allocations"), k.allocations),
+            bytes_cell(&format!("growth.kept_at.{i}.bytes"), Some(k.bytes))
+        );
+    }
+    let _ = writeln!(b, "</table>");
 }
 
 /// The breakdown's parts in table order: JSON field, label, colour, bytes (`None` where

@@ -608,7 +608,8 @@ fn a_real_prometheus_scrapes_the_demo() {
             .spawn()
             .expect("demo starts"),
     );
-    let (_prometheus, prom_port) = spawn_prometheus(&dir, agent_port);
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("alerts/gpumem.rules.yml");
+    let (_prometheus, prom_port) = spawn_prometheus_with_rules(&dir, agent_port, Some(&rules));
     // Two scrapes of the agent, at most a minute.
     let scraped = wait_for(Duration::from_secs(60), || {
         let result = prometheus_query(prom_port, "count_over_time(up{job=\"gpumem\"}[1m])")?;
@@ -617,17 +618,15 @@ fn a_real_prometheus_scrapes_the_demo() {
         (count >= 2.0 && up[0]["value"][1] == "1").then_some(())
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
-    // Every metric but those that exist per pushing process or after an OOM (the demo has
-    // neither; the ingest tests query them), and every dashboard panel's query with its
-    // variables set to "All" (but those of pushed processes' OOMs and pinned memory: the OOM
-    // path's test queries them), returns data. The simulated processes catch up with their recordings a
-    // slice at a time, so on a loaded machine some series (the planned process's) appear a
-    // few scrapes later: wait for them, within a bound.
+    // Every metric but those that exist per pushing process (the demo has none; the ingest
+    // tests query them), and every dashboard panel's query with its variables set to "All"
+    // (the OOM panels from the demo's job that runs out of memory), returns data. The
+    // simulated processes catch up with their recordings a slice at a time, so on a loaded
+    // machine some series (the planned process's) appear a few scrapes later: wait for them,
+    // within a bound.
     let pushed_only = |name: &str| {
         [
             "gpumem_ingest_last_push_age_seconds",
-            "gpumem_allocator_last_oom_timestamp_seconds",
-            "gpumem_oom_breakdown_bytes",
             "gpumem_pod_ooms_total",
         ]
         .contains(&name)
@@ -641,10 +640,8 @@ fn a_real_prometheus_scrapes_the_demo() {
     queries.extend(
         crate::assets::dashboard_expressions()
             .into_iter()
-            .filter(|(_, _, expr)| {
-                !expr.contains("gpumem_oom_breakdown_bytes")
-                    && !expr.contains("gpumem_host_pinned_")
-            })
+            // Pinned host memory is pushed by PyTorch jobs only: the OOM path's test queries it.
+            .filter(|(_, _, expr)| !expr.contains("gpumem_host_pinned_"))
             .map(|(file, title, expr)| {
                 let query = crate::assets::substitute(&expr);
                 (format!("{file}: {title}: {query}"), query)
@@ -673,7 +670,13 @@ fn a_real_prometheus_scrapes_the_demo() {
         named.as_array().is_some_and(|r| !r.is_empty()),
         "no named process: {named}"
     );
-    // Annotation queries are valid (the demo has no OOM to mark).
+    // The demo's job ran out of memory: its alert is pending or firing.
+    let alert = wait_for(Duration::from_secs(60), || {
+        let alerts = prometheus_query(prom_port, r#"ALERTS{alertname="GpumemOutOfMemory"}"#)?;
+        alerts.as_array().filter(|a| !a.is_empty()).cloned()
+    });
+    assert!(alert.is_some(), "the OOM alert neither pends nor fires");
+    // Annotation queries are valid.
     for (file, name, expr) in crate::assets::annotation_expressions() {
         let query = crate::assets::substitute(&expr);
         assert!(

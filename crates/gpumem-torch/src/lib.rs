@@ -256,7 +256,14 @@ fn alloc_failed(slot: &DeviceSlot, size: usize, error: AllocError) -> *mut c_voi
                 .source
                 .last_oom
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((&*oom).into());
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(gpumem::sources::LastOom {
+                    at_unix_seconds: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .ok()
+                        .map(|d| d.as_secs_f64()),
+                    ..gpumem::sources::LastOom::from(&*oom)
+                });
         }
         e @ AllocError::TooLarge(_) => report(&e.to_string()),
         e => report(&format!("allocation of {size} bytes failed: {e}")),

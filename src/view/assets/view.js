@@ -192,6 +192,8 @@ function drawTop(map) {
 function drawExplain(e) {
   $('explain').hidden = false;
   $('sentence').textContent = e.sentence;
+  $('cause').textContent = e.cause_sentence;
+  $('cause').dataset.cause = e.cause || '';
   const parts = [
     ['live tensors (requested)', e.breakdown.requested],
     ['rounding of live tensors', e.breakdown.rounding],
@@ -234,6 +236,23 @@ function drawExplain(e) {
       const tr = node('tr');
       tr.append(cell(c.config), cell(c.ooms, true), cell(fmt(c.peak_reserved), true));
       candidates.append(tr);
+    }
+  }
+  // What the repeating iterations keep past their ends, by where it was allocated.
+  const growth = $('growth');
+  growth.replaceChildren();
+  const g = e.growth;
+  if (g && g.kept_at.length) {
+    growth.append(node('caption', {}, `${g.iterations} iterations of ${g.allocations_per_iteration} ` +
+      `allocations; each keeps ${fmt(g.kept_per_iteration)} past its end` +
+      (g.fills_at_iteration === null ? '' : `; the memory fills in iteration ${g.fills_at_iteration}`)));
+    const head = node('tr');
+    for (const h of ['kept memory allocated at', 'allocations', 'bytes']) head.append(node('th', {}, h));
+    growth.append(head);
+    for (const k of g.kept_at) {
+      const tr = node('tr', { 'data-frame': k.frame });
+      tr.append(cell(k.frame), cell(k.allocations, true), cell(fmt(k.bytes), true));
+      growth.append(tr);
     }
   }
 }

@@ -1,0 +1,229 @@
+//! Growth told apart from fragmentation: the repeating iterations of a trace up to a moment,
+//! what each keeps past its end (its allocations still live at the moment), where that was
+//! allocated, and, at that rate, the iteration in which the memory the job had fills.
+//!
+//! An iteration that keeps memory is the commonest reason memory "grows every step": outputs
+//! kept with their graph, losses summed as tensors, caches that are never cleared. No allocator
+//! setting avoids it; the program must free what it keeps.
+//!
+//! # Invariants
+//! - Only complete iterations before the moment count, found as the planner finds them
+//!   (`iterations`: the longest run of a repeating sequence of allocations, within its scan
+//!   budget); the moment's own, unfinished iteration is left out.
+//! - Memory grows where more than half the iterations keep some. The rate is the median of
+//!   what the iterations kept, leaving out the first where there are
+//!   three or more (a first step that creates optimizer state keeps it once, not every step).
+//! - The fill prediction adds the rate per iteration to the live memory at the last complete
+//!   iteration's start, plus the most any iteration needed beyond its start, against the
+//!   memory the job had (else the device's known size); it is absent where nothing grows or
+//!   neither is known.
+//! - At most [`GROWTH_GROUPS`] groups of frames are listed.
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::allocator::TraceEntry;
+use crate::config::AllocatorConfig;
+use crate::iterations::{Allocation, allocations, find_iteration};
+use crate::recording::Recording;
+
+/// The most groups of frames a growth lists.
+pub const GROWTH_GROUPS: usize = 8;
+
+/// The repeating iterations up to a moment and what they keep.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Growth {
+    /// Complete iterations in a row before the moment.
+    pub iterations: usize,
+    /// Allocations each makes.
+    pub allocations_per_iteration: usize,
+    /// The event the first starts at.
+    pub first_event: usize,
+    /// Events an iteration takes, on average.
+    pub events_per_iteration: usize,
+    /// Bytes (rounded) an iteration keeps past its end: the median over the iterations (the
+    /// first left out where there are three or more); 0 where they keep nothing.
+    pub kept_per_iteration: u64,
+    /// Allocations an iteration keeps (the median, as the bytes).
+    pub kept_allocations_per_iteration: usize,
+    /// Iterations that keep anything.
+    pub iterations_keeping: usize,
+    /// Bytes all the iterations kept, live at the moment.
+    pub kept_bytes: u64,
+    /// Where the kept memory was allocated, the most bytes first.
+    pub kept_at: Vec<KeptGroup>,
+    /// The most any iteration had live beyond what was live at its start.
+    pub iteration_peak_bytes: u64,
+    /// At the rate kept, the iteration (counting the first found as 1) in which live memory
+    /// and an iteration's need exceed `fills_bytes`; absent where nothing grows or the
+    /// memory is unknown.
+    pub fills_at_iteration: Option<u64>,
+    /// The memory that fills: what the job had at the OOM, else the device's known size.
+    pub fills_bytes: Option<u64>,
+}
+
+/// Kept memory allocated at one place in the program.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KeptGroup {
+    /// The innermost frame in the program's own code, as the pinning groups name it.
+    pub frame: String,
+    /// The first such allocation's stack, innermost first (at most 8 frames).
+    pub frames: Vec<String>,
+    /// Allocations kept from there, over all iterations.
+    pub allocations: usize,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+impl Growth {
+    /// Whether the iterations keep memory: more than half of them (two at least) keep some,
+    /// at a median rate above zero (a loop that frees every other allocation keeps no rate).
+    pub fn grows(&self) -> bool {
+        self.iterations_keeping >= 2
+            && self.iterations_keeping * 2 > self.iterations
+            && self.kept_per_iteration > 0
+    }
+}
+
+/// The growth of device `device`'s trace `events` up to event `moment` (kept: live just after
+/// it), `allocated` bytes live then; `None` where no iteration repeats before it.
+pub(crate) fn growth(
+    recording: &Recording,
+    device: usize,
+    events: &[TraceEntry],
+    moment: usize,
+    allocated: u64,
+    fills_bytes: Option<u64>,
+    config: &AllocatorConfig,
+) -> Option<Growth> {
+    let upto = &events[..moment.saturating_add(1).min(events.len())];
+    let all = allocations(upto, config);
+    let (first, period, iterations) = find_iteration(&all)?;
+    // The last found iteration may be the moment's own, unfinished: only those that ended
+    // (the next allocation came) before the moment count.
+    let ends = |k: usize| all.get(first + (k + 1) * period).map(|a| a.event);
+    let complete = (0..iterations).take_while(|&k| ends(k).is_some()).count();
+    if complete < 2 {
+        return None;
+    }
+    let kept = |a: &&Allocation| a.freed.is_none_or(|f| f > moment);
+    let iteration = |k: usize| &all[first + k * period..first + (k + 1) * period];
+    let kept_by: Vec<(u64, usize)> = (0..complete)
+        .map(|k| {
+            let kept: Vec<&Allocation> = iteration(k).iter().filter(kept).collect();
+            (kept.iter().map(|a| a.size).sum(), kept.len())
+        })
+        .collect();
+    let counted = if complete >= 3 {
+        &kept_by[1..]
+    } else {
+        &kept_by[..]
+    };
+    let (kept_per_iteration, kept_allocations_per_iteration) = median(counted);
+    let kept_bytes = kept_by.iter().map(|&(b, _)| b).sum();
+
+    // Live bytes through the iterations, relative to the trace's start (blocks live before
+    // it are a constant, found from what the moment held): at each iteration's start, and the
+    // most any complete iteration had beyond its start.
+    let starts: Vec<usize> = (0..=complete)
+        .map(|k| all[first + k * period].event)
+        .collect();
+    let mut deltas: Vec<(usize, i128)> = all
+        .iter()
+        .map(|a| (a.event, i128::from(a.size)))
+        .chain(all.iter().filter_map(|a| {
+            a.freed
+                .filter(|&f| f <= moment)
+                .map(|f| (f, -i128::from(a.size)))
+        }))
+        .collect();
+    deltas.sort_unstable_by_key(|&(event, _)| event);
+    let (mut live, mut passed, mut peak) = (0i128, 0usize, 0u64);
+    let mut at_start = vec![0i128; complete + 1];
+    for (event, delta) in deltas {
+        while passed <= complete && starts[passed] <= event {
+            at_start[passed] = live;
+            passed += 1;
+        }
+        live += delta;
+        // Within complete iteration `passed - 1`.
+        if (1..=complete).contains(&passed) {
+            peak = peak.max((live - at_start[passed - 1]).max(0) as u64);
+        }
+    }
+    let before_trace = i128::from(allocated) - live;
+    let last = complete - 1;
+    let fills_at_iteration = fills_bytes
+        .filter(|_| kept_per_iteration > 0)
+        .map(|memory| {
+            // Iteration `last + n` (0-based) starts with `n` more iterations' keep than
+            // `last` did; the first whose need no longer fits fills the memory.
+            let start_live = (before_trace + at_start[last]).max(0) as u64;
+            let n = match memory.checked_sub(start_live.saturating_add(peak)) {
+                Some(room) => room / kept_per_iteration + 1,
+                None => 0,
+            };
+            last as u64 + n + 1
+        });
+
+    let events_per_iteration = (all[first + complete * period].event - all[first].event) / complete;
+    Some(Growth {
+        iterations: complete,
+        allocations_per_iteration: period,
+        first_event: all[first].event,
+        events_per_iteration,
+        kept_per_iteration,
+        kept_allocations_per_iteration,
+        iterations_keeping: kept_by.iter().filter(|&&(b, _)| b > 0).count(),
+        kept_bytes,
+        kept_at: kept_groups(
+            recording,
+            device,
+            &all[first..first + complete * period],
+            moment,
+        ),
+        iteration_peak_bytes: peak,
+        fills_at_iteration,
+        fills_bytes,
+    })
+}
+
+/// The median of (bytes, allocations) by bytes.
+fn median(values: &[(u64, usize)]) -> (u64, usize) {
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable();
+    sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+}
+
+/// The kept allocations of `iterations` grouped by frame, the most bytes first.
+fn kept_groups(
+    recording: &Recording,
+    device: usize,
+    iterations: &[Allocation],
+    moment: usize,
+) -> Vec<KeptGroup> {
+    let stacks = recording.event_stacks.get(device);
+    let mut groups: FxHashMap<String, KeptGroup> = FxHashMap::default();
+    for a in iterations
+        .iter()
+        .filter(|a| a.freed.is_none_or(|f| f > moment))
+    {
+        let stack = stacks
+            .and_then(|s| s.get(a.event))
+            .copied()
+            .unwrap_or(crate::recording::frames::StackId::EMPTY);
+        let named = super::group_of(recording, stack);
+        let group = groups.entry(named.frame.clone()).or_insert(KeptGroup {
+            frame: named.frame,
+            frames: named.frames,
+            allocations: 0,
+            bytes: 0,
+        });
+        group.allocations += 1;
+        group.bytes += a.size;
+    }
+    let mut groups: Vec<KeptGroup> = groups.into_values().collect();
+    groups.sort_by(|a, b| (b.bytes, &a.frame).cmp(&(a.bytes, &b.frame)));
+    groups.truncate(GROWTH_GROUPS);
+    groups
+}
