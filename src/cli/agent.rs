@@ -550,9 +550,31 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     let mut state = agent_state(
         AllocatorSources::new(node.allocator_sources()),
         vec![reader],
-        IngestConfig::default(),
+        IngestConfig {
+            // The simulated job that pushes is in its simulated pod.
+            resolve: |pid| {
+                gpumem::demo::node::simulated_container(pid)
+                    .or_else(|| gpumem::telemetry::cgroup::container_of(pid))
+            },
+            // It started with the node (and does not exist on this host).
+            start_time: |pid| match gpumem::demo::node::simulated_container(pid) {
+                Some(_) => Some(0),
+                None => gpumem::telemetry::process::start_time(pid),
+            },
+            ..IngestConfig::default()
+        },
         node.kubelet(),
     )?;
+    if let Some(store) = &state.ingest {
+        // As over the push socket: the kernel would name the pid.
+        let store = Arc::clone(store);
+        node.push_to(move |pid, body| {
+            let peer = gpumem::ingest::store::Peer::from(pid);
+            if let Err(e) = store.push_from(body, Some(peer)) {
+                tracing::warn!(error = %e.message, "the simulated job's push was refused");
+            }
+        });
+    }
     // Jobs pushing to the demo from this host may upload their recordings too: kept in a
     // directory of its own, removed at exit.
     let recordings = DemoRecordings::make()?;

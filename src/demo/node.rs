@@ -4,8 +4,9 @@
 //! on a simulated device and replays a real recorded trace (the licensed recordings bundled in
 //! `data/traces`) at its recorded pace, in a loop; one replays gpumem's own training workload
 //! with a captured CUDA graph and a MemPool instead, so that private pools are on show, and one
-//! is a job that runs out of memory every half minute while its GPU shows memory free
-//! (`oom_job`), so that the OOM's panels, explanation and alert are on show. The node's NVML
+//! is a job that pushes as an unmodified PyTorch job does and runs out of memory every half
+//! minute while its GPU shows memory free (`oom_job`), so that the pushed path, the OOM's
+//! panels, explanation and alert are on show. The node's NVML
 //! view is computed from them:
 //! a process uses its allocator's reserved bytes plus a CUDA-context overhead outside the
 //! allocator, and a GPU's used memory is the sum over its processes, so that
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::oom_job::OomJob;
+use super::oom_job::{OomJob, PushSink};
 use super::workload::{TrainingWorkload, finish_communication};
 use crate::CachingAllocator;
 use crate::allocator::size::format_size;
@@ -208,6 +209,10 @@ impl Default for SimNodeConfig {
 pub struct SimNode {
     config: SimNodeConfig,
     processes: Vec<Arc<AllocatorSource>>,
+    /// The pid of the job that runs out of memory: pushed, not held (`push_to`).
+    pushed_pid: Option<u32>,
+    /// Where that job's pushes go.
+    sink: PushSink,
     stop: Arc<AtomicBool>,
     heartbeat: Heartbeat,
     thread: Option<JoinHandle<()>>,
@@ -225,6 +230,13 @@ fn simulated_pod(pid: u32) -> (ContainerRef, String) {
         runtime: Runtime::Containerd,
     };
     (container, format!("train-{pid}"))
+}
+
+/// The container of a pid a simulated node gives its processes (10 000 + 100 × GPU + k), as
+/// the kernel's cgroup would name it; `None` for other pids.
+pub fn simulated_container(pid: u32) -> Option<ContainerRef> {
+    let offset = pid.checked_sub(10_000)?;
+    (offset / 100 < MAX_GPUS && offset % 100 < MAX_PROCESSES_PER_GPU).then(|| simulated_pod(pid).0)
 }
 
 /// The UUID of the simulated MIG device `index` of GPU `gpu`.
@@ -307,8 +319,10 @@ impl SimNode {
         );
         let mut allocators = Vec::new();
         let mut processes = Vec::new();
-        // The process that runs out of memory, by index, with its limit.
+        // The process that runs out of memory, by index, with its limit, and its pid.
         let mut oom_job = None;
+        let mut pushed_pid = None;
+        let sink = PushSink::default();
         for gpu in 0..config.gpus {
             for k in 0..processes_per_gpu {
                 let last = gpu + 1 == config.gpus && k + 1 == processes_per_gpu;
@@ -367,6 +381,7 @@ impl SimNode {
                 )));
                 if config.oom_job && gpu == 0 && k + 1 == processes_per_gpu && k > 0 {
                     oom_job = Some((allocators.len(), process_limit));
+                    pushed_pid = Some(10_000 + gpu * 100 + k);
                 }
                 allocators.push((which, alloc));
             }
@@ -377,13 +392,15 @@ impl SimNode {
             let stop = Arc::clone(&stop);
             let heartbeat = heartbeat.clone();
             let sources = processes.clone();
+            let sink = Arc::clone(&sink);
             let (speed, tick) = (config.speed.max(0.0), config.tick);
             let recordings: Vec<Recording> = recordings.into_iter().map(|(_, r)| r).collect();
             std::thread::Builder::new()
                 .name("gpumem-sim-node".into())
                 .spawn(move || {
                     replay_loop(
-                        recordings, allocators, oom_job, sources, speed, tick, &stop, &heartbeat,
+                        recordings, allocators, oom_job, sink, sources, speed, tick, &stop,
+                        &heartbeat,
                     )
                 })
                 .map_err(SimNodeError::Thread)?
@@ -391,6 +408,8 @@ impl SimNode {
         Ok(SimNode {
             config,
             processes,
+            pushed_pid,
+            sink,
             stop,
             heartbeat,
             thread: Some(thread),
@@ -402,9 +421,20 @@ impl SimNode {
         self.heartbeat.clone()
     }
 
-    /// The processes' allocators, for the allocator collector.
+    /// The allocators the processes hold, for the allocator collector (the job that runs out
+    /// of memory pushes its own, as a PyTorch job does: [`SimNode::push_to`]).
     pub fn allocator_sources(&self) -> Vec<Arc<AllocatorSource>> {
-        self.processes.clone()
+        self.processes
+            .iter()
+            .filter(|p| Some(p.pid) != self.pushed_pid)
+            .cloned()
+            .collect()
+    }
+
+    /// Sends the pushes of the job that runs out of memory to `push` (the agent's ingest; the
+    /// first call only).
+    pub fn push_to(&self, push: impl Fn(u32, &[u8]) + Send + Sync + 'static) {
+        let _ = self.sink.set(Box::new(push));
     }
 
     /// What the kubelet of this simulated node says: each process's pod and container names,
@@ -512,6 +542,7 @@ fn replay_loop(
     recordings: Vec<Recording>,
     allocators: Vec<(usize, CachingAllocator<SimDevice>)>,
     oom_job: Option<(usize, u64)>,
+    sink: PushSink,
     sources: Vec<Arc<AllocatorSource>>,
     speed: f64,
     tick: Duration,
@@ -526,7 +557,8 @@ fn replay_loop(
             // The OOM job runs its own program on its allocator; the others replay.
             let (spare, job) = match oom_job {
                 Some((at, limit)) if at == i => {
-                    (None, Some(OomJob::new(alloc, limit, Arc::clone(&source))))
+                    let job = OomJob::new(alloc, limit, Arc::clone(&source), Arc::clone(&sink));
+                    (None, Some(job))
                 }
                 _ => (Some(alloc), None),
             };

@@ -618,35 +618,22 @@ fn a_real_prometheus_scrapes_the_demo() {
         (count >= 2.0 && up[0]["value"][1] == "1").then_some(())
     });
     assert!(scraped.is_some(), "Prometheus scraped the demo twice");
-    // Every metric but those that exist per pushing process (the demo has none; the ingest
-    // tests query them), and every dashboard panel's query with its variables set to "All"
-    // (the OOM panels from the demo's job that runs out of memory), returns data. The
-    // simulated processes catch up with their recordings a slice at a time, so on a loaded
-    // machine some series (the planned process's) appear a few scrapes later: wait for them,
-    // within a bound.
-    let pushed_only = |name: &str| {
-        [
-            "gpumem_ingest_last_push_age_seconds",
-            "gpumem_pod_ooms_total",
-        ]
-        .contains(&name)
-            || name.starts_with("gpumem_host_pinned_")
-    };
+    // Every metric of the contract, and every dashboard panel's query with its variables set
+    // to "All", returns data (the pushed path's, the OOM's and pinned memory's from the
+    // demo's job that pushes as PyTorch's hook does and runs out of memory). The simulated
+    // processes catch up with their recordings a slice at a time, so on a loaded machine some
+    // series (the planned process's) appear a few scrapes later: wait for them, within a
+    // bound.
     let mut queries: Vec<(String, String)> = CONTRACT
         .into_iter()
-        .filter(|def| !pushed_only(def.name))
         .map(|def| (def.name.to_string(), def.name.to_string()))
         .collect();
-    queries.extend(
-        crate::assets::dashboard_expressions()
-            .into_iter()
-            // Pinned host memory is pushed by PyTorch jobs only: the OOM path's test queries it.
-            .filter(|(_, _, expr)| !expr.contains("gpumem_host_pinned_"))
-            .map(|(file, title, expr)| {
-                let query = crate::assets::substitute(&expr);
-                (format!("{file}: {title}: {query}"), query)
-            }),
-    );
+    queries.extend(crate::assets::dashboard_expressions().into_iter().map(
+        |(file, title, expr)| {
+            let query = crate::assets::substitute(&expr);
+            (format!("{file}: {title}: {query}"), query)
+        },
+    ));
     let missing = || -> Vec<String> {
         queries
             .iter()

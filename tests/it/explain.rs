@@ -214,6 +214,13 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     // A setting avoids it, and gpumem replay confirms each one that is said to.
     let avoiding: Vec<_> = e.candidates.iter().filter(|c| c.ooms == 0).collect();
     assert!(!avoiding.is_empty(), "{:?}", e.candidates);
+    // Issue 38: the cause is fragmentation, and the sentence names the setting.
+    assert_eq!(e.cause, Some(Cause::Fragmentation), "{}", e.cause_sentence);
+    assert!(
+        e.cause_sentence.contains(&avoiding[0].config),
+        "{}",
+        e.cause_sentence
+    );
     assert!(
         e.candidates.iter().any(|c| c.ooms > 0),
         "not every setting helps: {:?}",
