@@ -217,11 +217,19 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
                  candidates: document.querySelectorAll('#candidates tr').length, \
                  split: document.querySelectorAll('#map-recorded rect[data-state=inactive_split]').length, \
                  frames: document.getElementById('top').textContent, \
+                 cause: document.getElementById('cause').textContent, \
                  alive: document.querySelectorAll('script:not([src]),img,iframe').length, \
                  title: document.title};",
     );
     let e = explain(&rec, At::Event(oom), &ReplayOptions::default()).expect("explains");
     assert_eq!(shown["sentence"], e.sentence.as_str(), "{shown}");
+    // Issue 38: the cause, in the view as in `explain`.
+    assert_eq!(shown["cause"], e.cause_sentence.as_str(), "{shown}");
+    assert!(
+        e.cause_sentence.starts_with("Fragmentation"),
+        "{}",
+        e.cause_sentence
+    );
     assert_eq!(shown["hidden"], false, "{shown}");
     assert_eq!(
         shown["candidates"],
