@@ -423,7 +423,7 @@ if not rendered({"fullnameOverride": "gpu-agent", "podMonitor": {"enabled": True
                 "PrometheusRule"):
     fail("a PodMonitor's job matcher: no PrometheusRule")
 
-# The README's PodMonitor for jobs that serve gpumem_torch's metrics is a valid object.
+# The PodMonitor of docs/gpumem-torch.md for jobs that serve gpumem_torch's metrics is a valid object.
 example = ROOT / "docs" / "examples" / "podmonitor-gpumem-torch.yaml"
 result = subprocess.run(["check-jsonschema", "--schemafile", str(SCHEMAS / "podmonitor.json"),
                          str(example)], capture_output=True, text=True)

@@ -1,5 +1,7 @@
 //! The metric contract: every name, type, label set and help text that dashboards, alerts and
-//! the chart rely on (DESIGN section 4). Change them only together with those.
+//! the chart rely on. Change them only together with those; `docs/metrics.md` is written from
+//! it ([`reference_page`], checked current by the tests) and `tests/golden/metric-types.txt`
+//! fixes every name and type.
 
 /// Prometheus metric type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -485,4 +487,33 @@ mod tests {
             assert!(!d.help.is_empty());
         }
     }
+}
+
+/// The contract as the Markdown page `docs/metrics.md`: every family with its type, labels and
+/// help, in the contract's order.
+pub fn reference_page() -> String {
+    let mut page = String::from(
+        "# The metric contract\n\n\
+         Written from `src/metrics/contract.rs` (`GPUMEM_BLESS=1 cargo test --test it docs` \
+         writes it again; the tests fail while it differs). Every series of an allocator also \
+         carries, where known, the pod labels `pod_uid`, `container_id`, `pod_namespace`, \
+         `pod_name` and `container_name`, a pushing job's own labels, and on a MIG device \
+         `GPU_I_ID`, `GPU_I_PROFILE` and `mig_uuid`; Prometheus adds its target labels.\n\n\
+         | name | type | labels | meaning |\n|---|---|---|---|\n",
+    );
+    for def in CONTRACT {
+        let kind = match def.kind {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+        };
+        let labels = def
+            .labels
+            .iter()
+            .map(|l| format!("`{l}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let help = def.help.replace('|', "\\|");
+        page.push_str(&format!("| `{}` | {kind} | {labels} | {help} |\n", def.name));
+    }
+    page
 }

@@ -1,8 +1,9 @@
-//! Prometheus metrics: the contract, and collectors that read their sources at scrape time.
+//! Prometheus metrics: the contract, and the one collector that reads its sources at scrape
+//! time.
 //!
-//! Collectors hold no state beyond their descriptors: the allocator collector reads each
-//! allocator's published counters (never its lock), the node collector reads the latest report
-//! of each polled source (never the source itself).
+//! The collector (`AgentCollector`) holds no state beyond its descriptors: it reads each
+//! allocator's published counters (never its lock), the latest report of each polled source
+//! (never the source itself), the ingest's report and the kubelet's latest answers.
 
 mod collectors;
 pub mod contract;

@@ -4,6 +4,7 @@ mod agent;
 mod assets;
 mod browser;
 mod common;
+mod docs;
 mod expandable;
 mod explain;
 mod fit_order;

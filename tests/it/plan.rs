@@ -233,7 +233,7 @@ fn bundled_recordings_plan_and_replay_alike() {
 }
 
 /// The evaluation over every shared recording in which the planner finds two iterations:
-/// the table of the README, logged; on each, the plan misses nothing on the recording's own
+/// the table of docs/planning.md, logged; on each, the plan misses nothing on the recording's own
 /// later iterations and its regions hold at least the bytes live at once.
 #[test]
 fn shared_recordings_planned() {

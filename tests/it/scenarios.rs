@@ -1,5 +1,6 @@
-//! The test scenarios of the allocator specification (section 15), with their exact figures.
-//! Numbered as in the specification; scenario 18 (expandable segments) is in
+//! The allocator's behaviour in numbered scenarios, each with its exact figures (rounding,
+//! pools, splitting, merging, stream-ordered reuse, the OOM retry chain, the settings); the
+//! numbers are the ones the core's unit tests cite; scenario 18 (expandable segments) is in
 //! `expandable.rs`.
 
 use gpumem::allocator::{AllocError, BlockState, TraceAction};
@@ -544,7 +545,7 @@ fn s21_max_split_size_stat_is_fixed_at_creation() {
 }
 
 // ------------------------------------------------------------------------------------------
-// Beyond the specification's scenarios: error paths and the remaining API.
+// Beyond the numbered scenarios: error paths and the remaining API.
 
 #[test]
 fn bad_pointers_are_errors_that_change_nothing() {

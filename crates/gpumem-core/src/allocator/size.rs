@@ -194,7 +194,7 @@ mod tests {
     #[test]
     fn rounding_and_classification_table() {
         let c = AllocatorConfig::default();
-        // request → (rounded, pool, new segment size): spec scenario 4.
+        // request → (rounded, pool, new segment size): scenario 4 (`tests/it/scenarios.rs`).
         for (req, rounded, pool, seg) in [
             (1, 512, PoolKind::Small, 2 * MIB),
             (511, 512, PoolKind::Small, 2 * MIB),
@@ -216,7 +216,7 @@ mod tests {
 
     #[test]
     fn power2_divisions_single_value() {
-        // Spec scenario 15.
+        // Scenario 15 (`tests/it/scenarios.rs`).
         let c = AllocatorConfig::parse("roundup_power2_divisions:4").expect("valid");
         for (req, want) in [
             (1200, 1536),
@@ -237,7 +237,7 @@ mod tests {
 
     #[test]
     fn power2_divisions_list_quirk() {
-        // Spec scenario 16: up to 2.9, 1100 MiB falls in the 1 GiB interval, which `>` set to
+        // Scenario 16 (`tests/it/scenarios.rs`): up to 2.9, 1100 MiB falls in the 1 GiB interval, which `>` set to
         // 8; from 2.10 `>` leaves that interval its 4 divisions.
         let list = "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]";
         let old = AllocatorConfig::parse_for(
