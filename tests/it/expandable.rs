@@ -1,5 +1,5 @@
-//! Expandable segments (`expandable_segments:True`): scenario 18 of the specification and
-//! the behaviours around it, with exact figures.
+//! Expandable segments (`expandable_segments:True`): scenario 18 (the numbering of
+//! `scenarios.rs`) and the behaviours around it, with exact figures.
 
 use gpumem::DevicePtr;
 use gpumem::allocator::{AllocError, BlockState, TraceAction};
