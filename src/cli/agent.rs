@@ -553,11 +553,11 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         IngestConfig {
             // The simulated job that pushes is in its simulated pod.
             resolve: |pid| {
-                gpumem::demo::node::simulated_container(pid)
+                gpumem::demo::node::pushed_container(pid)
                     .or_else(|| gpumem::telemetry::cgroup::container_of(pid))
             },
             // It started with the node (and does not exist on this host).
-            start_time: |pid| match gpumem::demo::node::simulated_container(pid) {
+            start_time: |pid| match gpumem::demo::node::pushed_container(pid) {
                 Some(_) => Some(0),
                 None => gpumem::telemetry::process::start_time(pid),
             },

@@ -232,11 +232,14 @@ fn simulated_pod(pid: u32) -> (ContainerRef, String) {
     (container, format!("train-{pid}"))
 }
 
-/// The container of a pid a simulated node gives its processes (10 000 + 100 × GPU + k), as
-/// the kernel's cgroup would name it; `None` for other pids.
-pub fn simulated_container(pid: u32) -> Option<ContainerRef> {
-    let offset = pid.checked_sub(10_000)?;
-    (offset / 100 < MAX_GPUS && offset % 100 < MAX_PROCESSES_PER_GPU).then(|| simulated_pod(pid).0)
+/// The pid of the simulated job that pushes: above Linux's largest pid (2^22), so no process
+/// of the host that pushes to the demo can be taken for it.
+pub const PUSHED_PID: u32 = (1 << 22) + 1;
+
+/// The container of the simulated job that pushes ([`PUSHED_PID`]), as the kernel's cgroup
+/// would name it; `None` for any other pid.
+pub fn pushed_container(pid: u32) -> Option<ContainerRef> {
+    (pid == PUSHED_PID).then(|| simulated_pod(pid).0)
 }
 
 /// The UUID of the simulated MIG device `index` of GPU `gpu`.
@@ -372,17 +375,21 @@ impl SimNode {
                 } else {
                     simulated_uuid(gpu)
                 };
+                let pushes = config.oom_job && gpu == 0 && k + 1 == processes_per_gpu && k > 0;
+                let pid = if pushes {
+                    oom_job = Some((allocators.len(), process_limit));
+                    pushed_pid = Some(PUSHED_PID);
+                    PUSHED_PID
+                } else {
+                    10_000 + gpu * 100 + k
+                };
                 processes.push(Arc::new(AllocatorSource::of_gpumem(
                     gpu,
                     uuid,
-                    10_000 + gpu * 100 + k,
+                    pid,
                     settings,
                     Arc::clone(alloc.stats()),
                 )));
-                if config.oom_job && gpu == 0 && k + 1 == processes_per_gpu && k > 0 {
-                    oom_job = Some((allocators.len(), process_limit));
-                    pushed_pid = Some(10_000 + gpu * 100 + k);
-                }
                 allocators.push((which, alloc));
             }
         }

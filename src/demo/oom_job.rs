@@ -76,6 +76,8 @@ pub(super) struct OomJob {
     last_push: Option<Instant>,
     /// The OOM's figures (the observer's), pushed until the next start.
     oom: Option<Value>,
+    /// The OOM's own push (`reason: oom`) is still to be sent.
+    oom_unsent: bool,
     last_oom_unix_seconds: Option<f64>,
     /// Pinned host memory: in use now, and the driver's allocations and the time they took.
     pinned: u64,
@@ -103,6 +105,7 @@ impl OomJob {
             seq: 0,
             last_push: None,
             oom: None,
+            oom_unsent: false,
             last_oom_unix_seconds: None,
             pinned: 0,
             host_allocs: 0,
@@ -118,11 +121,11 @@ impl OomJob {
             self.pinned = PINNED_BYTES;
             self.host_allocs += 8;
         }
-        let mut urgent = false;
         let next = match self.phase {
             Phase::Starting if speed == 0.0 || elapsed >= START.as_secs_f64() => {
                 self.fail();
-                urgent = self.oom.is_some();
+                // Sent at once, or as soon as the agent takes pushes.
+                self.oom_unsent = self.oom.is_some();
                 Some(Phase::Failed)
             }
             Phase::Failed if speed > 0.0 && elapsed >= HOLD.as_secs_f64() => {
@@ -137,11 +140,12 @@ impl OomJob {
             self.since = Instant::now();
         }
         let due = self.last_push.is_none_or(|t| t.elapsed() >= PUSH_EVERY);
-        if let Some(sink) = self.sink.get().filter(|_| urgent || due) {
+        if let Some(sink) = self.sink.get().filter(|_| self.oom_unsent || due) {
             self.seq += 1;
-            let payload = self.payload(urgent);
+            let payload = self.payload(self.oom_unsent);
             sink(self.source.pid, payload.to_string().as_bytes());
             self.last_push = Some(Instant::now());
+            self.oom_unsent = false;
         }
     }
 
@@ -198,9 +202,13 @@ impl OomJob {
         let mut run = || -> Result<(), AllocError> {
             let buffer = self.alloc.malloc(piece * PIECES, s)?;
             self.alloc.free(buffer)?;
-            let pieces: Vec<DevicePtr> = (0..PIECES)
-                .map(|_| self.alloc.malloc(piece, s))
-                .collect::<Result<_, _>>()?;
+            // Each piece kept as it comes, so that an exit frees whatever was made.
+            let first = self.live.len();
+            for _ in 0..PIECES {
+                let p = self.alloc.malloc(piece, s)?;
+                self.live.push(p);
+            }
+            let pieces: Vec<DevicePtr> = self.live.drain(first..).collect();
             for (i, p) in pieces.into_iter().enumerate() {
                 if i % 2 == 0 {
                     self.alloc.free(p)?;
@@ -208,9 +216,18 @@ impl OomJob {
                     self.live.push(p);
                 }
             }
-            // Larger than the device's room left (a quarter of the pieces' worth) and than
-            // any hole, smaller than the holes together.
-            let request = piece * (PIECES * 3 / 8);
+            // One piece more than the room the limit leaves (so larger than any hole), less
+            // than the holes together.
+            let room = self.limit.saturating_sub(piece * PIECES);
+            let request = room + piece;
+            if request >= piece * (PIECES / 2) {
+                tracing::warn!(
+                    pid = self.source.pid,
+                    limit = self.limit,
+                    "the demo's OOM job has too little memory to fragment"
+                );
+                return Ok(());
+            }
             let p = self.alloc.malloc(request, s)?;
             self.live.push(p);
             Ok(())

@@ -15,9 +15,12 @@
 //!   three or more (a first step that creates optimizer state keeps it once, not every step).
 //! - The fill prediction adds the rate per iteration to the live memory at the last complete
 //!   iteration's start, plus the most any iteration needed beyond its start, against the
-//!   memory the job had (else the device's known size); it is absent where nothing grows or
-//!   neither is known.
-//! - At most [`GROWTH_GROUPS`] groups of frames are listed.
+//!   memory the job had (else the device's known size); it is absent where nothing grows
+//!   ([`Growth::grows`]) or neither is known, and never names an iteration that completed.
+//! - At most [`GROWTH_GROUPS`] groups of frames are listed. The analysis holds a few words per
+//!   allocation of the trace up to the moment (its allocations, their frees, the period
+//!   search's tokens) beside the replay's budget, and the period search makes at most
+//!   `iterations::SCAN_WORK` comparisons.
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -26,6 +29,7 @@ use crate::allocator::TraceEntry;
 use crate::config::AllocatorConfig;
 use crate::iterations::{Allocation, allocations, find_iteration};
 use crate::recording::Recording;
+use crate::recording::frames::StackId;
 
 /// The most groups of frames a growth lists.
 pub const GROWTH_GROUPS: usize = 8;
@@ -79,9 +83,11 @@ impl Growth {
     /// Whether the iterations keep memory: more than half of them (two at least) keep some,
     /// at a median rate above zero (a loop that frees every other allocation keeps no rate).
     pub fn grows(&self) -> bool {
-        self.iterations_keeping >= 2
-            && self.iterations_keeping * 2 > self.iterations
-            && self.kept_per_iteration > 0
+        grows(
+            self.iterations,
+            self.iterations_keeping,
+            self.kept_per_iteration,
+        )
     }
 }
 
@@ -111,7 +117,8 @@ pub(crate) fn growth(
     let kept_by: Vec<(u64, usize)> = (0..complete)
         .map(|k| {
             let kept: Vec<&Allocation> = iteration(k).iter().filter(kept).collect();
-            (kept.iter().map(|a| a.size).sum(), kept.len())
+            let bytes = kept.iter().fold(0u64, |sum, a| sum.saturating_add(a.size));
+            (bytes, kept.len())
         })
         .collect();
     let counted = if complete >= 3 {
@@ -120,7 +127,11 @@ pub(crate) fn growth(
         &kept_by[..]
     };
     let (kept_per_iteration, kept_allocations_per_iteration) = median(counted);
-    let kept_bytes = kept_by.iter().map(|&(b, _)| b).sum();
+    let kept_bytes = kept_by
+        .iter()
+        .fold(0u64, |sum, &(b, _)| sum.saturating_add(b));
+    let iterations_keeping = kept_by.iter().filter(|&&(b, _)| b > 0).count();
+    let grows = grows(complete, iterations_keeping, kept_per_iteration);
 
     // Live bytes through the iterations, relative to the trace's start (blocks live before
     // it are a constant, found from what the moment held): at each iteration's start, and the
@@ -153,9 +164,7 @@ pub(crate) fn growth(
     }
     let before_trace = i128::from(allocated) - live;
     let last = complete - 1;
-    let fills_at_iteration = fills_bytes
-        .filter(|_| kept_per_iteration > 0)
-        .map(|memory| {
+    let fills_at_iteration = fills_bytes.filter(|_| grows).map(|memory| {
             // Iteration `last + n` (0-based) starts with `n` more iterations' keep than
             // `last` did; the first whose need no longer fits fills the memory.
             let start_live = (before_trace + at_start[last]).max(0) as u64;
@@ -163,7 +172,8 @@ pub(crate) fn growth(
                 Some(room) => room / kept_per_iteration + 1,
                 None => 0,
             };
-            last as u64 + n + 1
+            // Never an iteration that already completed.
+            (last as u64 + n + 1).max(complete as u64 + 1)
         });
 
     let events_per_iteration = (all[first + complete * period].event - all[first].event) / complete;
@@ -174,7 +184,7 @@ pub(crate) fn growth(
         events_per_iteration,
         kept_per_iteration,
         kept_allocations_per_iteration,
-        iterations_keeping: kept_by.iter().filter(|&&(b, _)| b > 0).count(),
+        iterations_keeping,
         kept_bytes,
         kept_at: kept_groups(
             recording,
@@ -186,6 +196,11 @@ pub(crate) fn growth(
         fills_at_iteration,
         fills_bytes,
     })
+}
+
+/// [`Growth::grows`] of its figures.
+fn grows(iterations: usize, keeping: usize, rate: u64) -> bool {
+    keeping >= 2 && keeping * 2 > iterations && rate > 0
 }
 
 /// The median of (bytes, allocations) by bytes.
@@ -204,6 +219,8 @@ fn kept_groups(
 ) -> Vec<KeptGroup> {
     let stacks = recording.event_stacks.get(device);
     let mut groups: FxHashMap<String, KeptGroup> = FxHashMap::default();
+    // Each stack named once: a recording's allocations share a few hundred stacks.
+    let mut frames: FxHashMap<StackId, String> = FxHashMap::default();
     for a in iterations
         .iter()
         .filter(|a| a.freed.is_none_or(|f| f > moment))
@@ -211,16 +228,23 @@ fn kept_groups(
         let stack = stacks
             .and_then(|s| s.get(a.event))
             .copied()
-            .unwrap_or(crate::recording::frames::StackId::EMPTY);
-        let named = super::group_of(recording, stack);
-        let group = groups.entry(named.frame.clone()).or_insert(KeptGroup {
-            frame: named.frame,
-            frames: named.frames,
-            allocations: 0,
-            bytes: 0,
+            .unwrap_or(StackId::EMPTY);
+        let frame = frames.entry(stack).or_insert_with(|| {
+            let named = super::group_of(recording, stack);
+            let frame = named.frame.clone();
+            groups.entry(frame.clone()).or_insert(KeptGroup {
+                frame: named.frame,
+                frames: named.frames,
+                allocations: 0,
+                bytes: 0,
+            });
+            frame
         });
+        let Some(group) = groups.get_mut(frame.as_str()) else {
+            continue;
+        };
         group.allocations += 1;
-        group.bytes += a.size;
+        group.bytes = group.bytes.saturating_add(a.size);
     }
     let mut groups: Vec<KeptGroup> = groups.into_values().collect();
     groups.sort_by(|a, b| (b.bytes, &a.frame).cmp(&(a.bytes, &b.frame)));

@@ -1,7 +1,8 @@
 //! Why an allocation failed: the request, where the device's memory was at that moment,
 //! which of those places kept the request from fitting, what pins the free memory (by the
-//! recording's frames), and which settings would have avoided it, from an exact replay of the
-//! recording and what-if replays within the memory the job had.
+//! recording's frames), which settings would have avoided it, from an exact replay of the
+//! recording and what-if replays within the memory the job had, and whether memory grows
+//! every iteration (`growth`): the cause that dominates (`Cause`).
 //!
 //! The replay stops just after the recording's `oom` entry (or after a chosen event), so the
 //! allocator holds what PyTorch's held at the error, its cache already flushed. The memory
@@ -18,7 +19,9 @@
 //! - The breakdown adds up: requested, rounding, fragmented, other streams, other pools and
 //!   pending stream frees make the reserved memory, and with free and outside the allocator
 //!   (where the `oom` entry says how much was free) the device's total.
-//! - Every figure is read from the replayed allocator's own snapshot; nothing is estimated.
+//! - Every figure of the moment is read from the replayed allocator's own snapshot; the
+//!   growth's figures are read from the trace's allocations and frees up to the moment, and
+//!   only its `fills_at_iteration` is a prediction (a linear one, `growth`).
 //! - Candidate settings are tried only where one could help (the job had room for live
 //!   tensors and the request beside what private pools (other than the request's) kept
 //!   cached), each over the whole trace within the memory the job had, so a

@@ -1036,9 +1036,15 @@ async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>
             // Newest first: each process links its last recording.
             let kept = store.list();
             for row in &mut view.processes {
+                // The same pid in the same pod (a pid the host reused names another pod).
                 row.recording = kept
                     .iter()
-                    .find(|r| r.pid.to_string() == row.pid)
+                    .find(|r| {
+                        r.pid.to_string() == row.pid
+                            && (r.pod_name.is_empty()
+                                || row.pod_name.is_empty()
+                                || r.pod_name == row.pod_name)
+                    })
                     .map(|r| format!("recordings/{}", recording_link(r)));
             }
         }

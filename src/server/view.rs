@@ -187,7 +187,10 @@ fn error(e: &ViewError) -> Response {
     let status = match e {
         ViewError::BadRequest(_) => StatusCode::BAD_REQUEST,
         ViewError::NotFound(_) => StatusCode::NOT_FOUND,
-        ViewError::Replay(_) | ViewError::Explain(_) | ViewError::Diverged(_) => {
+        ViewError::Replay(_)
+        | ViewError::Explain(_)
+        | ViewError::Diverged(_)
+        | ViewError::Unreadable(_) => {
             StatusCode::UNPROCESSABLE_ENTITY
         }
     };
@@ -288,4 +291,53 @@ async fn explain(
         |e| json(&*e),
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_cross_site;
+    use axum::http::{HeaderMap, HeaderValue};
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for &(name, value) in pairs {
+            map.insert(name, HeaderValue::from_static(value));
+        }
+        map
+    }
+
+    #[test]
+    fn only_the_pages_own_requests_and_the_users_are_answered() {
+        for (pairs, cross) in [
+            // Typed by the user, or a client without the headers (curl, Prometheus).
+            (vec![("host", "127.0.0.1:9419")], false),
+            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "none")], false),
+            // The page's own fetches.
+            (
+                vec![
+                    ("host", "127.0.0.1:9419"),
+                    ("sec-fetch-site", "same-origin"),
+                    ("origin", "http://127.0.0.1:9419"),
+                ],
+                false,
+            ),
+            (
+                vec![("host", "[::1]:9419"), ("origin", "http://[::1]:9419")],
+                false,
+            ),
+            (
+                vec![("host", "node-7.example:9417"), ("origin", "https://node-7.example:9417")],
+                false,
+            ),
+            // Another site's.
+            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "cross-site")], true),
+            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "same-site")], true),
+            (vec![("host", "127.0.0.1:9419"), ("origin", "http://evil.example")], true),
+            (vec![("host", "127.0.0.1:9419"), ("origin", "http://127.0.0.1:9420")], true),
+            (vec![("host", "127.0.0.1:9419"), ("origin", "null")], true),
+            (vec![("origin", "http://127.0.0.1:9419")], true),
+        ] {
+            assert_eq!(is_cross_site(&headers(&pairs)), cross, "{pairs:?}");
+        }
+    }
 }

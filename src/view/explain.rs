@@ -470,7 +470,14 @@ fn growth(b: &mut String, e: &Explanation) {
         "fills in iteration",
         match g.fills_at_iteration {
             Some(k) => value_cell("growth.fills_at_iteration", k),
-            None => "<td data-field=\"growth.fills_at_iteration\" data-value=\"null\">never, at this rate</td>".to_string(),
+            None => {
+                let why = if g.fills_bytes.is_none() {
+                    "unknown (the memory is not known)"
+                } else {
+                    "none: the iterations do not grow"
+                };
+                format!("<td data-field=\"growth.fills_at_iteration\" data-value=\"null\">{why}</td>")
+            }
         },
     );
     let _ = writeln!(b, "</table>");

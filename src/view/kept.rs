@@ -6,7 +6,12 @@
 //!   (`RecordingLimits::read`); opening another drops the open one first.
 //! - The view keeps no replay cursor between requests, and the server runs one request at a
 //!   time, opening included (`server::view`, one turn), each replay within the same budget
-//!   (`ReplayOptions::max_memory_bytes`): the view adds at most twice the budget to the agent.
+//!   (`ReplayOptions::max_memory_bytes`): the recording and one replay add at most twice the
+//!   budget. Beside them: the view's bounded caches (a device's readings, 16 timelines of
+//!   1000 points, 32 explanations) and an explanation's growth analysis, a few words per
+//!   allocation of the trace (`explain::growth`).
+//! - Alternating between two recordings reads each again on every switch (one open at a
+//!   time): memory stays bounded, time does not shrink.
 //! - A recording the store no longer keeps (evicted) is not served, even while it is open.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -68,8 +73,16 @@ impl ViewSource for KeptViews {
             }
         }
         let read = self.store.limits().read;
-        let recording = read_recording_with(&file, read, &mut |_| {})
-            .map_err(|e| ViewError::BadRequest(format!("the recording cannot be read: {e}")))?;
+        let recording = match read_recording_with(&file, read, &mut |_| {}) {
+            Ok(recording) => recording,
+            // Evicted while it was read.
+            Err(_) if self.store.get(&kept.id).is_none() => return Err(not_found()),
+            Err(e) => {
+                return Err(ViewError::Unreadable(format!(
+                    "the recording cannot be read again: {e}"
+                )));
+            }
+        };
         let base = ReplayOptions {
             max_memory_bytes: Some(read.max_memory_bytes),
             ..ReplayOptions::default()

@@ -53,6 +53,9 @@ pub enum ViewError {
     /// The recording asked for is not kept (or no longer).
     #[error("{0}")]
     NotFound(String),
+    /// The recording asked for could not be read again.
+    #[error("{0}")]
+    Unreadable(String),
     /// The replay could not run.
     #[error(transparent)]
     Replay(#[from] ReplayError),

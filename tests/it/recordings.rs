@@ -417,7 +417,7 @@ fn kept_recordings_open_in_the_view_until_evicted() {
         assert_eq!(status, 201, "{answer}");
         ids.push(answer["id"].as_str().expect("id").to_string());
     }
-    // Each opens in turn (the second replacing the first in memory), and explains its OOM.
+    // Each opens in turn (one recording in memory at a time), and explains its OOM.
     for id in ids.iter().chain(ids.iter()) {
         let overview: serde_json::Value = serde_json::from_str(
             &http_get(port, &format!("/recordings/{id}/api/v1/recording")).expect("overview"),
