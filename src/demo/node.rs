@@ -232,9 +232,10 @@ fn simulated_pod(pid: u32) -> (ContainerRef, String) {
     (container, format!("train-{pid}"))
 }
 
-/// The pid of the simulated job that pushes: above Linux's largest pid (2^22), so no process
-/// of the host that pushes to the demo can be taken for it.
-pub const PUSHED_PID: u32 = (1 << 22) + 1;
+/// The pid of the simulated job that pushes: Linux's `PID_MAX_LIMIT` (2^22), the most a push
+/// may name, which no process has (pids stay below `pid_max`), so no process of the host that
+/// pushes to the demo can be taken for it.
+pub const PUSHED_PID: u32 = 1 << 22;
 
 /// The container of the simulated job that pushes ([`PUSHED_PID`]), as the kernel's cgroup
 /// would name it; `None` for any other pid.

@@ -165,16 +165,16 @@ pub(crate) fn growth(
     let before_trace = i128::from(allocated) - live;
     let last = complete - 1;
     let fills_at_iteration = fills_bytes.filter(|_| grows).map(|memory| {
-            // Iteration `last + n` (0-based) starts with `n` more iterations' keep than
-            // `last` did; the first whose need no longer fits fills the memory.
-            let start_live = (before_trace + at_start[last]).max(0) as u64;
-            let n = match memory.checked_sub(start_live.saturating_add(peak)) {
-                Some(room) => room / kept_per_iteration + 1,
-                None => 0,
-            };
-            // Never an iteration that already completed.
-            (last as u64 + n + 1).max(complete as u64 + 1)
-        });
+        // Iteration `last + n` (0-based) starts with `n` more iterations' keep than
+        // `last` did; the first whose need no longer fits fills the memory.
+        let start_live = (before_trace + at_start[last]).max(0) as u64;
+        let n = match memory.checked_sub(start_live.saturating_add(peak)) {
+            Some(room) => room / kept_per_iteration + 1,
+            None => 0,
+        };
+        // Never an iteration that already completed.
+        (last as u64 + n + 1).max(complete as u64 + 1)
+    });
 
     let events_per_iteration = (all[first + complete * period].event - all[first].event) / complete;
     Some(Growth {

@@ -466,29 +466,6 @@ pub const CONTRACT: [&MetricDef; 50] = [
     &BUILD_INFO,
 ];
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_follow_prometheus_conventions() {
-        let mut names: Vec<_> = CONTRACT.iter().map(|d| d.name).collect();
-        names.sort_unstable();
-        names.dedup();
-        assert_eq!(names.len(), CONTRACT.len(), "names are unique");
-        for d in CONTRACT {
-            assert!(d.name.starts_with("gpumem_"), "{}", d.name);
-            assert_eq!(
-                d.kind == Kind::Counter,
-                d.name.ends_with("_total"),
-                "{}",
-                d.name
-            );
-            assert!(!d.help.is_empty());
-        }
-    }
-}
-
 /// The contract as the Markdown page `docs/metrics.md`: every family with its type, labels and
 /// help, in the contract's order.
 pub fn reference_page() -> String {
@@ -513,7 +490,33 @@ pub fn reference_page() -> String {
             .collect::<Vec<_>>()
             .join(", ");
         let help = def.help.replace('|', "\\|");
-        page.push_str(&format!("| `{}` | {kind} | {labels} | {help} |\n", def.name));
+        page.push_str(&format!(
+            "| `{}` | {kind} | {labels} | {help} |\n",
+            def.name
+        ));
     }
     page
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut names: Vec<_> = CONTRACT.iter().map(|d| d.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CONTRACT.len(), "names are unique");
+        for d in CONTRACT {
+            assert!(d.name.starts_with("gpumem_"), "{}", d.name);
+            assert_eq!(
+                d.kind == Kind::Counter,
+                d.name.ends_with("_total"),
+                "{}",
+                d.name
+            );
+            assert!(!d.help.is_empty());
+        }
+    }
 }

@@ -190,9 +190,7 @@ fn error(e: &ViewError) -> Response {
         ViewError::Replay(_)
         | ViewError::Explain(_)
         | ViewError::Diverged(_)
-        | ViewError::Unreadable(_) => {
-            StatusCode::UNPROCESSABLE_ENTITY
-        }
+        | ViewError::Unreadable(_) => StatusCode::UNPROCESSABLE_ENTITY,
     };
     (status, format!("{e}\n")).into_response()
 }
@@ -311,7 +309,10 @@ mod tests {
         for (pairs, cross) in [
             // Typed by the user, or a client without the headers (curl, Prometheus).
             (vec![("host", "127.0.0.1:9419")], false),
-            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "none")], false),
+            (
+                vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "none")],
+                false,
+            ),
             // The page's own fetches.
             (
                 vec![
@@ -326,14 +327,35 @@ mod tests {
                 false,
             ),
             (
-                vec![("host", "node-7.example:9417"), ("origin", "https://node-7.example:9417")],
+                vec![
+                    ("host", "node-7.example:9417"),
+                    ("origin", "https://node-7.example:9417"),
+                ],
                 false,
             ),
             // Another site's.
-            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "cross-site")], true),
-            (vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "same-site")], true),
-            (vec![("host", "127.0.0.1:9419"), ("origin", "http://evil.example")], true),
-            (vec![("host", "127.0.0.1:9419"), ("origin", "http://127.0.0.1:9420")], true),
+            (
+                vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "cross-site")],
+                true,
+            ),
+            (
+                vec![("host", "127.0.0.1:9419"), ("sec-fetch-site", "same-site")],
+                true,
+            ),
+            (
+                vec![
+                    ("host", "127.0.0.1:9419"),
+                    ("origin", "http://evil.example"),
+                ],
+                true,
+            ),
+            (
+                vec![
+                    ("host", "127.0.0.1:9419"),
+                    ("origin", "http://127.0.0.1:9420"),
+                ],
+                true,
+            ),
             (vec![("host", "127.0.0.1:9419"), ("origin", "null")], true),
             (vec![("origin", "http://127.0.0.1:9419")], true),
         ] {

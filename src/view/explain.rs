@@ -476,7 +476,9 @@ fn growth(b: &mut String, e: &Explanation) {
                 } else {
                     "none: the iterations do not grow"
                 };
-                format!("<td data-field=\"growth.fills_at_iteration\" data-value=\"null\">{why}</td>")
+                format!(
+                    "<td data-field=\"growth.fills_at_iteration\" data-value=\"null\">{why}</td>"
+                )
             }
         },
     );

@@ -19,7 +19,9 @@ fn markdown_files() -> Vec<PathBuf> {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             if path.is_dir() {
-                if !name.starts_with('.') && !["target", "node_modules", "corpus", "artifacts"].contains(&name.as_str()) {
+                if !name.starts_with('.')
+                    && !["target", "node_modules", "corpus", "artifacts"].contains(&name.as_str())
+                {
                     walk(&path, out);
                 }
             } else if name.ends_with(".md") {
@@ -153,7 +155,11 @@ fn the_readme_and_architecture_stay_short() {
             .lines()
             .count()
     };
-    assert!(lines("README.md") <= 150, "README.md: {} lines", lines("README.md"));
+    assert!(
+        lines("README.md") <= 150,
+        "README.md: {} lines",
+        lines("README.md")
+    );
     assert!(
         lines("ARCHITECTURE.md") <= 200,
         "ARCHITECTURE.md: {} lines",
