@@ -159,7 +159,7 @@ pub(crate) fn growth(
         live += delta;
         // Within complete iteration `passed - 1`.
         if (1..=complete).contains(&passed) {
-            peak = peak.max((live - at_start[passed - 1]).max(0) as u64);
+            peak = peak.max(bytes(live - at_start[passed - 1]));
         }
     }
     let before_trace = i128::from(allocated) - live;
@@ -167,7 +167,7 @@ pub(crate) fn growth(
     let fills_at_iteration = fills_bytes.filter(|_| grows).map(|memory| {
         // Iteration `last + n` (0-based) starts with `n` more iterations' keep than
         // `last` did; the first whose need no longer fits fills the memory.
-        let start_live = (before_trace + at_start[last]).max(0) as u64;
+        let start_live = bytes(before_trace + at_start[last]);
         let n = match memory.checked_sub(start_live.saturating_add(peak)) {
             Some(room) => room / kept_per_iteration + 1,
             None => 0,
@@ -201,6 +201,11 @@ pub(crate) fn growth(
 /// [`Growth::grows`] of its figures.
 fn grows(iterations: usize, keeping: usize, rate: u64) -> bool {
     keeping >= 2 && keeping * 2 > iterations && rate > 0
+}
+
+/// A sum of sizes as bytes: 0 below, `u64::MAX` above (a hostile trace's sums).
+fn bytes(sum: i128) -> u64 {
+    u64::try_from(sum.max(0)).unwrap_or(u64::MAX)
 }
 
 /// The median of (bytes, allocations) by bytes.
