@@ -32,8 +32,9 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{Value, json};
 
 use crate::CachingAllocator;
+use crate::allocator::breakdown::PoolFigures;
 use crate::allocator::size::PoolKind;
-use crate::allocator::{AllocError, BlockState, SegmentInfo};
+use crate::allocator::{AllocError, SegmentInfo};
 use crate::device::{DevicePtr, SimDevice, StreamId};
 use crate::sources::AllocatorSource;
 
@@ -278,37 +279,13 @@ impl OomJob {
 
 /// Each (pool, stream, private) entry of the OOM push: what the hook reads off the snapshot.
 fn pools(segments: &[SegmentInfo]) -> Vec<Value> {
-    #[derive(Default)]
-    struct Figures {
-        allocated: u64,
-        requested: u64,
-        pending_free: u64,
-        free: u64,
-        largest_free: u64,
-        segments_with_free: u64,
-    }
-    let mut by: BTreeMap<(bool, u64, bool), Figures> = BTreeMap::new();
+    let mut by: BTreeMap<(bool, u64, bool), PoolFigures> = BTreeMap::new();
     for s in segments {
         let large = s.segment_type == PoolKind::Large;
-        let f = by
-            .entry((large, s.stream.0, !s.segment_pool_id.is_default()))
-            .or_default();
-        let mut free_here = 0;
-        for b in &s.blocks {
-            match b.state {
-                BlockState::ActiveAllocated => {
-                    f.allocated += b.size;
-                    f.requested += b.requested_size;
-                }
-                BlockState::ActivePendingFree => f.pending_free += b.size,
-                BlockState::Inactive => {
-                    free_here += b.size;
-                    f.largest_free = f.largest_free.max(b.size);
-                }
-            }
-        }
-        f.free += free_here;
-        f.segments_with_free += u64::from(free_here > 0);
+        let blocks = s.blocks.iter().map(|b| (b.size, b.requested_size, b.state));
+        by.entry((large, s.stream.0, !s.segment_pool_id.is_default()))
+            .or_default()
+            .add(&PoolFigures::of_blocks(blocks));
     }
     by.into_iter()
         .map(|((large, stream, private), f)| {

@@ -698,18 +698,15 @@ pub fn recording_link(kept: &crate::ingest::recordings::StoredRecording) -> Stri
     format!("{}/{at}", percent_encoded(&kept.id))
 }
 
-/// `text` with every byte but letters, digits, `-`, `_` and `.` percent-encoded (a path
-/// segment).
+/// The bytes a path segment percent-encodes: all but letters, digits, `-`, `_` and `.`.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.');
+
+/// `text` as a path segment.
 fn percent_encoded(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.') {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(text, SEGMENT).to_string()
 }
 
 /// A redirect to `location` (relative: the agent may sit behind a proxy's path).

@@ -35,19 +35,23 @@ fn markdown_files() -> Vec<PathBuf> {
     files
 }
 
+/// A Markdown text's lines outside fenced code blocks.
+fn prose(text: &str) -> impl Iterator<Item = &str> {
+    let mut fenced = false;
+    text.lines().filter(move |line| {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            return false;
+        }
+        !fenced
+    })
+}
+
 /// The anchors GitHub gives a Markdown file's headings: lowercased, punctuation but `-` and
 /// `_` dropped, spaces made `-`, repeats numbered.
 fn anchors(text: &str) -> BTreeSet<String> {
     let mut seen = BTreeSet::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced || !line.starts_with('#') {
-            continue;
-        }
+    for line in prose(text).filter(|l| l.starts_with('#')) {
         let title = line.trim_start_matches('#').trim();
         let slug: String = title
             .to_lowercase()
@@ -68,15 +72,7 @@ fn anchors(text: &str) -> BTreeSet<String> {
 /// The targets of a Markdown text's inline links, outside code.
 fn links(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in prose(text) {
         // Inline code is not a link.
         let mut plain = String::new();
         for (i, part) in line.split('`').enumerate() {

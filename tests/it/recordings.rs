@@ -14,6 +14,7 @@ use gpumem::recording::parse_recording;
 use crate::agent::{Reaper, free_port, http_get, spawn_serve, wait_for};
 use crate::common::temp_dir;
 use crate::explain::{fragment, recorded_json};
+use crate::view::raw_get;
 
 const MIB: u64 = 1 << 20;
 
@@ -438,28 +439,21 @@ fn kept_recordings_open_in_the_view_until_evicted() {
     push(port, 7003);
     let (status, answer) = upload(port, 7003, &recording);
     assert_eq!(status, 201, "{answer}");
-    let (status, body) = request(
+    let (status, _, body) = raw_get(
         port,
-        "GET",
         &format!("/recordings/{}/api/v1/recording", ids[0]),
-        "text/plain",
-        b"",
-        Length::Own,
-    );
+        "127.0.0.1",
+        None,
+    )
+    .expect("answers");
     assert_eq!(status, 404, "{body}");
     assert!(body.contains("keeps no recording"), "{body}");
 
     // With the page off, so is the view (the listing's rule).
     let port = free_port();
     let _off = agent(port, &dir, &["--ui", "off"]);
-    let (status, body) = request(
-        port,
-        "GET",
-        &format!("/recordings/{}/", ids[1]),
-        "text/plain",
-        b"",
-        Length::Own,
-    );
+    let (status, _, body) =
+        raw_get(port, &format!("/recordings/{}/", ids[1]), "127.0.0.1", None).expect("answers");
     assert_eq!(status, 404, "{body}");
     assert!(body.contains("turned off"), "{body}");
 }

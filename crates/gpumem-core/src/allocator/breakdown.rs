@@ -167,6 +167,16 @@ impl PoolFigures {
         f.segments_with_free = usize::from(f.free > 0);
         f
     }
+
+    /// Adds `other`'s figures (more segments of the same pool and stream).
+    pub fn add(&mut self, other: &PoolFigures) {
+        self.allocated += other.allocated;
+        self.requested += other.requested;
+        self.pending_free += other.pending_free;
+        self.free += other.free;
+        self.largest_free = self.largest_free.max(other.largest_free);
+        self.segments_with_free += other.segments_with_free;
+    }
 }
 
 impl Accounting {
