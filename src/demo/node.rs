@@ -209,9 +209,8 @@ impl Default for SimNodeConfig {
 pub struct SimNode {
     config: SimNodeConfig,
     processes: Vec<Arc<AllocatorSource>>,
-    /// The pid of the job that runs out of memory: pushed, not held (`push_to`).
-    pushed_pid: Option<u32>,
-    /// Where that job's pushes go.
+    /// Where the pushes of the job that runs out of memory go ([`PUSHED_PID`]: pushed, not
+    /// held).
     sink: PushSink,
     stop: Arc<AtomicBool>,
     heartbeat: Heartbeat,
@@ -323,9 +322,8 @@ impl SimNode {
         );
         let mut allocators = Vec::new();
         let mut processes = Vec::new();
-        // The process that runs out of memory, by index, with its limit, and its pid.
+        // The process that runs out of memory, by index, with its limit.
         let mut oom_job = None;
-        let mut pushed_pid = None;
         let sink = PushSink::default();
         for gpu in 0..config.gpus {
             for k in 0..processes_per_gpu {
@@ -379,7 +377,6 @@ impl SimNode {
                 let pushes = config.oom_job && gpu == 0 && k + 1 == processes_per_gpu && k > 0;
                 let pid = if pushes {
                     oom_job = Some((allocators.len(), process_limit));
-                    pushed_pid = Some(PUSHED_PID);
                     PUSHED_PID
                 } else {
                     10_000 + gpu * 100 + k
@@ -416,7 +413,6 @@ impl SimNode {
         Ok(SimNode {
             config,
             processes,
-            pushed_pid,
             sink,
             stop,
             heartbeat,
@@ -434,7 +430,7 @@ impl SimNode {
     pub fn allocator_sources(&self) -> Vec<Arc<AllocatorSource>> {
         self.processes
             .iter()
-            .filter(|p| Some(p.pid) != self.pushed_pid)
+            .filter(|p| p.pid != PUSHED_PID)
             .cloned()
             .collect()
     }
