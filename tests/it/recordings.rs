@@ -409,7 +409,9 @@ fn kept_recordings_open_in_the_view_until_evicted() {
     let _agent = agent(
         port,
         &dir,
-        &["--recordings-max-count", "2", "--exited-grace", "0"],
+        // The default exit grace: the pushers' pids exist nowhere on this host, and with
+        // none the agent may drop one between its push and its upload.
+        &["--recordings-max-count", "2"],
     );
     let mut ids = Vec::new();
     for pid in [7001, 7002] {
