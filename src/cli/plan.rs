@@ -233,5 +233,18 @@ fn print_text(
         "  plan: {} requests served from the regions, {} misses",
         p.plan_hits,
         p.plan_misses
-    )
+    )?;
+    if let Some(paging) = &p.plan_paging {
+        let per = |n: u64| n as f64 / paging.iterations.max(1) as f64;
+        outln!(
+            "  paged: {} iterations begun; per iteration {:.1} maps ({:.1} pages, {:.1} of them lent), {:.1} pages unmapped, {:.1} stream synchronisations",
+            paging.iterations,
+            per(paging.maps),
+            per(paging.pages_mapped),
+            per(paging.pages_lent),
+            per(paging.pages_unmapped),
+            per(paging.synchronizations)
+        )?;
+    }
+    Ok(())
 }

@@ -421,7 +421,12 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
         entries: vec![persistent, persistent],
     });
     for order in [FitOrder::Address, FitOrder::Counter] {
-        let mut a = allocator(order);
+        // Whole-segment chunks: a device without virtual memory (paged chunks grow instead).
+        let device = SimDevice::new(SimConfig {
+            virtual_memory: false,
+            ..SimConfig::with_capacity(16 * GIB)
+        });
+        let mut a = CachingAllocator::with_fit_order(device, AllocatorConfig::default(), order);
         a.set_plan(plan.clone()).expect("a valid plan");
         let b = base(&a);
         // Three chunks of two entries: the first high, the second low, the third between.

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use gpumem::AllocatorConfig;
-use gpumem::allocator::Plan;
+use gpumem::allocator::{PLAN_PAGE, Plan};
 use gpumem::config::Syntax;
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
 use gpumem::recording::read_recording;
@@ -164,6 +164,97 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     alloc.check_invariants().expect("consistent");
 }
 
+/// A job whose every iteration keeps 8 MiB beside 8 MiB it frees (the growth of a model's
+/// kept activations): paged, the kept memory borrows the region's pages once the iteration
+/// is done with them, so the job holds what it uses; unpaged, the region stays beside the
+/// kept memory. Each boundary unmaps what was lent after one synchronisation.
+#[test]
+fn paged_regions_lend_their_pages_to_kept_memory() {
+    use gpumem::CachingAllocator;
+    use gpumem::device::{SimConfig, SimDevice, StreamId};
+    const MIB: u64 = 1 << 20;
+    let plan = gpumem::plan::parse_plan(
+        &serde_json::json!({"format": "gpumem-plan", "version": 1,
+            "regions": [{"stream": 0, "bytes": 8 * MIB}],
+            "entries": [{"size": 8 * MIB, "stream": 0, "offset": 0},
+                        {"size": 8 * MIB, "stream": 0, "persistent": true}]})
+        .to_string(),
+    )
+    .expect("valid");
+    let run = |virtual_memory: bool| {
+        let device = SimDevice::new(SimConfig {
+            virtual_memory,
+            ..SimConfig::with_capacity(1 << 30)
+        });
+        let mut alloc = CachingAllocator::new(device, AllocatorConfig::default());
+        alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+        let s = StreamId(0);
+        let mut kept = Vec::new();
+        let mut counts = Vec::new();
+        for _ in 0..4 {
+            let transient = alloc.malloc(8 * MIB, s).expect("fits");
+            alloc.free(transient).expect("live");
+            kept.push(alloc.malloc(8 * MIB, s).expect("fits"));
+            alloc.check_invariants().expect("consistent");
+            counts.push(alloc.plan_status().expect("followed").paging);
+        }
+        let st = alloc.stats();
+        let peaks = (
+            st.allocated_bytes.all().peak as u64,
+            st.reserved_bytes.all().peak as u64,
+        );
+        assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (8, 0));
+        assert_eq!(
+            alloc.device().stats().used_bytes,
+            st.reserved_bytes.all().current as u64
+        );
+        for p in kept {
+            alloc.free(p).expect("live");
+        }
+        alloc.empty_cache().expect("flushes");
+        alloc.check_invariants().expect("consistent");
+        let device = alloc.device();
+        assert_eq!(
+            (device.stats().used_bytes, device.reservation_count()),
+            (0, 0)
+        );
+        (peaks, counts)
+    };
+    let ((allocated, reserved), counts) = run(true);
+    assert_eq!(
+        allocated,
+        32 * MIB,
+        "four kept (three and a transient before)"
+    );
+    assert_eq!(reserved, allocated, "paged: the job holds what it uses");
+    let last = counts[3];
+    let before = counts[2];
+    assert_eq!(last.iterations - before.iterations, 1);
+    assert_eq!(
+        last.pages_lent - before.pages_lent,
+        4,
+        "the region's four pages lent"
+    );
+    assert_eq!(
+        last.pages_unmapped - before.pages_unmapped,
+        4,
+        "unmapped at the boundary"
+    );
+    assert_eq!(
+        last.synchronizations - before.synchronizations,
+        1,
+        "once per boundary"
+    );
+    assert_eq!(
+        last.pages_mapped - before.pages_mapped,
+        8,
+        "the region's anew and the lent"
+    );
+    let ((allocated, reserved), _) = run(false);
+    assert_eq!(allocated, 32 * MIB);
+    assert_eq!(reserved, 40 * MIB, "unpaged: the region beside four chunks");
+}
+
 /// `gpumem plan` on a bundled recording writes a valid plan and evaluates it; `replay --plan`
 /// replays the same events and finds the same figures; the plan never misses on the
 /// recording's own iterations and never reserves more than the recorded configuration.
@@ -288,6 +379,32 @@ fn shared_recordings_planned() {
         assert_eq!(p.plan_misses, 0, "{name}");
         assert!(p.plan_hits > 0, "{name}");
         assert_eq!(p.ooms, 0, "{name}");
+        // The target: within 3 % of the peak allocated (or of a page per planned stream,
+        // the least paged memory can hold), never above the recorded configuration beyond
+        // a page per stream.
+        let mut streams: Vec<_> = planned
+            .plan
+            .entries
+            .iter()
+            .filter(|e| e.offset.is_some() || e.persistent)
+            .map(|e| e.stream)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        let pages = PLAN_PAGE * streams.len() as u64;
+        let target = p.peak_allocated.max(pages) as f64 * 1.03;
+        assert!(
+            (p.peak_reserved as f64) <= target,
+            "{name}: planned {} bytes, target {target}",
+            p.peak_reserved
+        );
+        assert!(
+            p.peak_reserved <= d.peak_reserved + pages,
+            "{name}: planned {} bytes, recorded configuration {}",
+            p.peak_reserved,
+            d.peak_reserved
+        );
+        assert!(p.plan_paging.is_some(), "{name}: the replay's device pages");
         planned_on.push(name);
     }
     for required in [

@@ -257,7 +257,13 @@ fn plan_against_cache(seed: u64, capacity_mib: u64) -> Result<(), TestCaseError>
     let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
     let mut rng = XorShift::new(seed ^ 0x9e37);
     let job = diverging_job(&plan, &mut rng, 6);
-    let device = || SimDevice::new(SimConfig::with_capacity(capacity_mib << 20));
+    // Paged regions (a device with virtual memory) or whole segments.
+    let device = || {
+        SimDevice::new(SimConfig {
+            virtual_memory: seed.is_multiple_of(2),
+            ..SimConfig::with_capacity(capacity_mib << 20)
+        })
+    };
     let mut plain = CachingAllocator::new(device(), AllocatorConfig::default());
     let mut planned = CachingAllocator::new(device(), AllocatorConfig::default());
     planned.set_plan(plan.clone()).expect("a valid plan");

@@ -97,18 +97,10 @@ impl ExpandableSegment {
                 }
             }
         }
-        if failure.is_none() {
-            for (i, &handle) in created.iter().enumerate() {
-                if let Err(e) =
-                    device.map(DevicePtr(self.page_addr(begin + i)), self.page_size, handle)
-                {
-                    for j in 0..i {
-                        let _ = device.unmap(DevicePtr(self.page_addr(begin + j)), self.page_size);
-                    }
-                    failure = Some(e);
-                    break;
-                }
-            }
+        if failure.is_none()
+            && let Err(e) = self.map_handles(device, self.page_addr(begin), &created)
+        {
+            failure = Some(e);
         }
         if let Some(error) = failure {
             // Cleanup is best effort: the error that matters is the one that stopped us.
@@ -120,15 +112,46 @@ impl ExpandableSegment {
                 e => Err(e),
             };
         }
-        for (i, handle) in created.into_iter().enumerate() {
-            self.handles.insert(begin + i, handle);
-        }
         Ok((end - begin) as u64 * self.page_size)
     }
 
+    /// Maps `handles`, one page each, from the page-aligned `ptr` on, and keeps them; on a
+    /// failure the pages mapped by this call are unmapped again and none is kept.
+    pub(super) fn map_handles<D: Device>(
+        &mut self,
+        device: &mut D,
+        ptr: u64,
+        handles: &[PhysicalHandle],
+    ) -> Result<(), DeviceError> {
+        let begin = self.page_floor(ptr);
+        for (i, &handle) in handles.iter().enumerate() {
+            if let Err(e) = device.map(DevicePtr(self.page_addr(begin + i)), self.page_size, handle)
+            {
+                for j in 0..i {
+                    let _ = device.unmap(DevicePtr(self.page_addr(begin + j)), self.page_size);
+                }
+                return Err(e);
+            }
+        }
+        for (i, &handle) in handles.iter().enumerate() {
+            self.handles.insert(begin + i, handle);
+        }
+        Ok(())
+    }
+
+    /// Takes the handles of the whole pages inside `[ptr, ptr + size)` away from this
+    /// segment without a driver call: their pages stay mapped here until the caller unmaps
+    /// them (a plan's lent pages, Note [Planned placement]).
+    pub(super) fn detach(&mut self, ptr: u64, size: u64) -> Vec<PhysicalHandle> {
+        let (begin, end) = (self.page_ceil(ptr), self.page_floor(ptr + size));
+        (begin..end)
+            .filter_map(|page| self.handles.remove(&page))
+            .collect()
+    }
+
     /// Unmaps and releases every whole page inside `[ptr, ptr + size)`, after the segment's
-    /// stream has finished with them.
-    fn unmap<D: Device>(&mut self, device: &mut D, ptr: u64, size: u64) -> Unmapped {
+    /// stream has finished with them (`synced`: the caller has waited for it already).
+    fn unmap<D: Device>(&mut self, device: &mut D, ptr: u64, size: u64, synced: bool) -> Unmapped {
         let (begin, end) = (self.page_ceil(ptr), self.page_floor(ptr + size));
         let start = self.page_addr(begin);
         let mut outcome = Unmapped {
@@ -139,7 +162,7 @@ impl ExpandableSegment {
         if begin >= end {
             return outcome;
         }
-        if let Err(e) = device.synchronize_stream(self.stream) {
+        if !synced && let Err(e) = device.synchronize_stream(self.stream) {
             outcome.error = Some(e);
             return outcome;
         }
@@ -298,7 +321,7 @@ impl<D: Device> CachingAllocator<D> {
             expandable: Some(segment),
             ..Block::segment(ptr, size, stream, kind, counter)
         });
-        self.pool_mut(kind).unmapped.insert((stream, ptr), id);
+        self.insert_unmapped(id);
         self.count_pool_segment(kind.owner, 1);
         Ok(Some(id))
     }
@@ -308,14 +331,25 @@ impl<D: Device> CachingAllocator<D> {
     fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
         let b = self.block(id);
         debug_assert!(!b.mapped && size <= b.size);
-        let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
-        let counter = b.counter;
+        let ptr = b.ptr;
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         let mapped = self.expandable_segments[segment.index()].map(&mut self.device, ptr, size)?;
         if mapped == 0 {
             return Ok(false);
         }
-        self.pool_mut(kind).unmapped.remove(&(stream, ptr));
+        self.adopt_mapping(id, mapped);
+        Ok(true)
+    }
+
+    /// Makes the first `mapped` bytes of unmapped block `id`, whose pages the driver has just
+    /// mapped, a free mapped block merged with its free mapped neighbours: the block surgery,
+    /// statistics and trace of a map.
+    pub(super) fn adopt_mapping(&mut self, id: BlockId, mapped: u64) {
+        let b = self.block(id);
+        let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
+        let counter = b.counter;
+        let segment = b.expandable.expect("only expandable blocks are unmapped");
+        self.remove_unmapped(id);
         self.block_mut(id).mapped = true;
         if mapped < block_size {
             // The rest stays unmapped, as a block of its own right after this one.
@@ -334,9 +368,7 @@ impl<D: Device> CachingAllocator<D> {
             let b = self.block_mut(id);
             b.next = Some(rest);
             b.size = mapped;
-            self.pool_mut(kind)
-                .unmapped
-                .insert((stream, ptr + mapped), rest);
+            self.insert_unmapped(rest);
         }
         let (prev, next) = (self.block(id).prev, self.block(id).next);
         for neighbour in [prev, next].into_iter().flatten() {
@@ -347,49 +379,53 @@ impl<D: Device> CachingAllocator<D> {
         self.stats.reserved_bytes.increase(kind.kind, mapped);
         self.stats.num_device_alloc.bump();
         self.record(TraceAction::SegmentMap, ptr, mapped, stream, kind.owner);
-        Ok(true)
     }
 
     /// Unmaps the whole free pages of a free mapped block (`unmap_block`); partial pages at
     /// either end stay mapped as free blocks of their own.
-    pub(super) fn unmap_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+    /// (`synced`: the caller has synchronised the segment's stream already.)
+    pub(super) fn unmap_block(&mut self, id: BlockId, synced: bool) -> Result<(), AllocError> {
         let b = self.block(id);
-        let (ptr, size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
+        let (ptr, size) = (b.ptr, b.size);
         let segment = b.expandable.expect("only expandable blocks are unmapped");
-        let done = self.expandable_segments[segment.index()].unmap(&mut self.device, ptr, size);
+        let done =
+            self.expandable_segments[segment.index()].unmap(&mut self.device, ptr, size, synced);
         if done.size > 0 {
-            self.remove_free(id);
-            let before = done.start - ptr;
-            if before > 0 {
-                let front = self.split_front(id, before);
-                self.insert_free(front);
-            }
-            let after = self.block(id).size - done.size;
-            if after > 0 {
-                self.split_off_back(id, after);
-            }
-            self.block_mut(id).mapped = false;
-            let (prev, next) = (self.block(id).prev, self.block(id).next);
-            for neighbour in [prev, next].into_iter().flatten() {
-                self.try_merge(id, neighbour);
-            }
-            let head = self.block(id).ptr;
-            self.pool_mut(kind).unmapped.insert((stream, head), id);
-            self.total_allocated_memory -= done.size;
-            self.stats.reserved_bytes.decrease(kind.kind, done.size);
-            self.stats.num_device_free.bump();
-            self.record(
-                TraceAction::SegmentUnmap,
-                done.start,
-                done.size,
-                stream,
-                kind.owner,
-            );
+            self.mark_unmapped(id, done.start, done.size);
         }
         match done.error {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
+    }
+
+    /// Makes the whole pages `[start, start + size)` of free mapped block `id`, no longer
+    /// mapped for the allocator, an unmapped block merged with its unmapped neighbours (the
+    /// parts of `id` around it stay free and mapped): the block surgery, statistics and
+    /// trace of an unmap.
+    pub(super) fn mark_unmapped(&mut self, id: BlockId, start: u64, size: u64) {
+        let b = self.block(id);
+        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool_ref());
+        self.remove_free(id);
+        let before = start - ptr;
+        if before > 0 {
+            let front = self.split_front(id, before);
+            self.insert_free(front);
+        }
+        let after = self.block(id).size - size;
+        if after > 0 {
+            self.split_off_back(id, after);
+        }
+        self.block_mut(id).mapped = false;
+        let (prev, next) = (self.block(id).prev, self.block(id).next);
+        for neighbour in [prev, next].into_iter().flatten() {
+            self.try_merge(id, neighbour);
+        }
+        self.insert_unmapped(id);
+        self.total_allocated_memory -= size;
+        self.stats.reserved_bytes.decrease(kind.kind, size);
+        self.stats.num_device_free.bump();
+        self.record(TraceAction::SegmentUnmap, start, size, stream, kind.owner);
     }
 
     /// Splits the last `size` bytes of block `id` off as a free mapped block after it.
@@ -418,13 +454,13 @@ impl<D: Device> CachingAllocator<D> {
     /// (`release_expandable_segment`).
     pub(super) fn release_expandable_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.block(id);
-        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool_ref());
+        let (ptr, kind) = (b.ptr, b.pool_ref());
         let segment = b.expandable.expect("expandable block");
         let size = self.expandable_segments[segment.index()].size;
         debug_assert!(!b.mapped && !b.is_split() && b.size == size);
         self.device.free_address_range(DevicePtr(ptr), size)?;
         self.expandable_segments.remove(segment.index());
-        self.pool_mut(kind).unmapped.remove(&(stream, ptr));
+        self.remove_unmapped(id);
         self.blocks.remove(id.index());
         self.count_pool_segment(kind.owner, -1);
         Ok(())
@@ -458,7 +494,7 @@ impl<D: Device> CachingAllocator<D> {
                 if !aligned || seg.handles.range(first..last).next().is_some() {
                     return Err(format!("unmapped block {:#x} covers a mapped page", b.ptr));
                 }
-                if self.pool(b.pool_ref()).unmapped.get(&(b.stream, b.ptr)) != Some(&id) {
+                if !self.in_unmapped_set(id) {
                     return Err(format!(
                         "unmapped block {:#x} not in its unmapped set",
                         b.ptr

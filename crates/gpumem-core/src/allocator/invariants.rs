@@ -119,7 +119,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
 
-        let in_plan = self.check_plan_segments()?;
+        let (in_plan, plan_unmapped) = self.check_plan_segments()?;
         let mut counters: FxHashSet<u32> = FxHashSet::default();
         // Counters are taken from the sequence and distinct per segment, inherited by every
         // block of it (per block in the block-counter order).
@@ -261,7 +261,11 @@ impl<D: Device> CachingAllocator<D> {
                 seen.len()
             ));
         }
-        let unmapped_entries: usize = self.all_pools().map(|(_, p)| p.unmapped.len()).sum();
+        let unmapped_entries: usize = self
+            .all_pools()
+            .map(|(_, p)| p.unmapped.len())
+            .sum::<usize>()
+            + plan_unmapped;
         if unmapped_entries != unmapped_blocks {
             return Err(format!(
                 "unmapped sets hold {unmapped_entries} entries for {unmapped_blocks} unmapped blocks"

@@ -101,8 +101,8 @@ pub use ipc::ShareableHandle;
 use live::LiveMap;
 use plan::Following;
 pub use plan::{
-    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, Plan, PlanEntry, PlanError,
-    PlanRegion, PlanStatus, RESYNC_WINDOW,
+    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan, PlanEntry,
+    PlanError, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
 };
 use pool::BlockPool;
 pub use pool_id::PoolId;
@@ -204,6 +204,10 @@ impl<D: Device> Drop for CachingAllocator<D> {
     fn drop(&mut self) {
         let device = &mut self.device;
         let _ = device.synchronize();
+        // A plan's lent pages are mapped twice until then: their old mappings go first.
+        for page in self.planned.iter().flat_map(|p| p.stale_pages()) {
+            let _ = device.unmap(DevicePtr(page), plan::PLAN_PAGE);
+        }
         for event in self.pending_events.drain().chain(self.event_pool.drain(..)) {
             let _ = device.destroy_event(event);
         }

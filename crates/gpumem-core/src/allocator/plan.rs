@@ -34,6 +34,24 @@
 //! Reuse of a range stays on one stream (each stream has its own region), which keeps the
 //! stream-ordered reuse of Note [Stream-ordered reuse].
 //!
+//! **Paged** (a device with virtual memory): a region or chunk is a reservation of address
+//! space, an expandable segment of the plan's own ([`PLAN_PAGE`] pages), whose pages are
+//! mapped when a planned allocation first uses them; what the job holds is what it uses,
+//! rounded to pages. A chunk spans 9/8 of the device (address space is not memory) and grows
+//! page by page. A page a region or chunk needs is *lent* where the stream has one to spare,
+//! before a new one is created: a chunk's free pages that the iteration's remaining
+//! persistent entries will not bump into (memory the job freed), and, for a chunk, a
+//! region's free pages that no entry of the iteration's rest uses (the kept memory takes
+//! what the iteration freed, as the caching allocator lets it). A lent page is mapped at the
+//! borrower's address (the plan's offsets are addresses) and stays mapped where it was,
+//! unmapped to the allocator, until the next iteration begins (its first entry matched):
+//! then, after one synchronisation of the stream, its old mappings are unmapped, and the
+//! region maps a page there again at its next use. Unmaps happen only there and at cache
+//! flushes, which unmap every free page and give back wholly unmapped reservations. A
+//! range over a lent page still mapped is a miss. Statistics, the trace (`segment_map`,
+//! `segment_unmap`) and snapshots count pages as for expandable segments; [`PlanPaging`]
+//! counts maps, lent and unmapped pages and synchronisations.
+//!
 //! # Invariants
 //! - A plan is valid before the allocator follows it ([`Plan::validate`]): at most
 //!   [`MAX_PLAN_ENTRIES`] entries, [`MAX_PLAN_STREAMS`] regions (one per stream) and as many
@@ -41,18 +59,23 @@
 //!   sizes and offsets multiples of 512, every planned range inside its stream's region.
 //! - A held region is one segment of exactly its planned size whose free blocks are exactly
 //!   the entries of its free map, under their addresses; none of them is in a pool.
-//! - A region or chunk is given back only when it holds one free block spanning it.
+//! - A region or chunk is given back only when it holds one free block spanning it (paged:
+//!   one unmapped block).
+//! - Paged: a page has a physical handle iff it lies in a mapped block (as for expandable
+//!   segments); a lent page lies in an unmapped block of the segment it was lent from, and
+//!   is lent only to the same stream.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
 use rustc_hash::FxHashSet;
 
-use super::block::{Block, BlockId};
+use super::block::{Block, BlockId, SegmentId};
+use super::expandable::ExpandableSegment;
 use super::pool_id::{PoolRef, PoolSlot};
 use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use super::{AllocError, CachingAllocator, TraceAction};
@@ -193,13 +216,38 @@ impl Plan {
 /// How a followed plan stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanStatus {
-    /// Bytes of the regions and chunks held from the driver now.
+    /// Bytes of device memory the regions and chunks hold now (their mapped pages, where
+    /// they are paged).
     pub held_bytes: u64,
     /// Of those, the bytes of regions and chunks that hold a live (or pending) block.
     pub pinned_bytes: u64,
     /// Whether requests are matched from the cursor (else: waiting for the first entry).
     pub following: bool,
+    /// Whether regions and chunks are paged (the device offers virtual memory).
+    pub paged: bool,
+    /// What paging did so far.
+    pub paging: PlanPaging,
 }
+
+/// What a paged plan did so far (Note [Planned placement]); all zero where unpaged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PlanPaging {
+    /// Iterations begun: the plan's first entry matched at the start or after the last.
+    pub iterations: u64,
+    /// Map operations: one per range of pages mapped at once into a region or chunk.
+    pub maps: u64,
+    /// Pages mapped, lent ones included.
+    pub pages_mapped: u64,
+    /// Of those, pages lent by another region or chunk of the stream (no new memory).
+    pub pages_lent: u64,
+    /// Pages unmapped: lent pages' old mappings, and free pages at cache flushes.
+    pub pages_unmapped: u64,
+    /// Stream synchronisations the plan caused (before unmapping).
+    pub synchronizations: u64,
+}
+
+/// The page of a paged region or chunk: the driver's granularity.
+pub const PLAN_PAGE: u64 = 2 << 20;
 
 /// The allocator's side of a plan it follows.
 #[derive(Debug, Clone)]
@@ -207,15 +255,27 @@ pub(super) struct Following {
     plan: Arc<Plan>,
     /// Per planned stream: its region's size and base while held.
     regions: Vec<(StreamId, u64, Option<u64>)>,
+    /// Per region: the last entry of the iteration that uses each part of it, as a step
+    /// function of the offset (`None`: no entry does). Where a region page lies past its
+    /// last use, a chunk may borrow it until the iteration ends.
+    last_use: Vec<BTreeMap<u64, Option<usize>>>,
     /// Per stream with persistent entries: a chunk's size and the chunk bumped now.
     chunks: Vec<(StreamId, u64, Option<u64>)>,
+    /// Per chunk stream: (entry, bytes of the stream's persistent entries from it on), for
+    /// each persistent entry in order: what the iteration's rest will bump.
+    persistent_rest: Vec<Vec<(usize, u64)>>,
     /// Every region and chunk held, by base.
     held: BTreeMap<u64, Held>,
     /// The entry the next request is expected to be.
     cursor: usize,
+    /// Entries of the current iteration matched so far: the last one's index plus one.
+    position: usize,
     /// Whether requests are being matched from the cursor (else: waiting for entry 0).
     following: bool,
     misses_in_row: u32,
+    /// Regions and chunks reserve address space and map pages on use.
+    paged: bool,
+    paging: PlanPaging,
 }
 
 /// A region or chunk held from the driver.
@@ -224,16 +284,75 @@ struct Held {
     bytes: u64,
     /// A region (else a chunk).
     region: bool,
-    /// Its free blocks by address.
+    stream: StreamId,
+    /// Its free mapped blocks by address.
     free: BTreeMap<u64, BlockId>,
+    /// Where paged: its pages.
+    paging: Option<HeldPages>,
+}
+
+/// The pages of a paged region or chunk: an expandable segment of the plan's own.
+#[derive(Debug, Clone)]
+struct HeldPages {
+    segment: SegmentId,
+    /// Its unmapped blocks by address.
+    unmapped: BTreeMap<u64, BlockId>,
+    /// Pages lent to another region or chunk and still mapped here: they lie in unmapped
+    /// blocks and are unmapped from here at the next iteration boundary or flush.
+    stale: BTreeSet<u64>,
 }
 
 impl Held {
-    /// Whether one free block spans it.
-    fn wholly_free(&self, base: u64, blocks: &slab::Slab<Block>) -> bool {
-        self.free
-            .first_key_value()
-            .is_some_and(|(&ptr, id)| ptr == base && blocks[id.index()].size == self.bytes)
+    /// Whether no block of it is allocated: its free and unmapped blocks tile it.
+    fn idle(&self, blocks: &slab::Slab<Block>) -> bool {
+        let unmapped = self.paging.iter().flat_map(|p| p.unmapped.values());
+        let idle: u64 = self
+            .free
+            .values()
+            .chain(unmapped)
+            .map(|id| blocks[id.index()].size)
+            .sum();
+        idle == self.bytes
+    }
+
+    /// Bytes of device memory it holds: all of it, or its mapped pages.
+    fn mapped_bytes(&self, blocks: &slab::Slab<Block>) -> u64 {
+        let unmapped: u64 = self
+            .paging
+            .iter()
+            .flat_map(|p| p.unmapped.values())
+            .map(|id| blocks[id.index()].size)
+            .sum();
+        self.bytes - unmapped
+    }
+
+    /// Its first block (free or unmapped: only asked of an idle one).
+    fn head(&self, base: u64) -> Option<BlockId> {
+        let unmapped = self.paging.as_ref().and_then(|p| p.unmapped.get(&base));
+        self.free.get(&base).or(unmapped).copied()
+    }
+
+    /// Where the run of free and unmapped blocks that ends it starts.
+    fn tail_start(&self, base: u64, blocks: &slab::Slab<Block>) -> u64 {
+        let mut at = base + self.bytes;
+        loop {
+            let free = self.free.range(..at).next_back();
+            let unmapped = self
+                .paging
+                .as_ref()
+                .and_then(|p| p.unmapped.range(..at).next_back());
+            let last = match (free, unmapped) {
+                (Some(f), Some(u)) => f.max(u),
+                (f, u) => match f.or(u) {
+                    Some(b) => b,
+                    None => return at,
+                },
+            };
+            if last.0 + blocks[last.1.index()].size != at {
+                return at;
+            }
+            at = *last.0;
+        }
     }
 }
 
@@ -255,13 +374,57 @@ enum Expect {
     Idle,
 }
 
+/// The last entry using each part of a stream's region: the step function of
+/// [`Following::last_use`], built by a sweep over the entries' ranges (O(n log n)).
+fn last_uses(entries: &[PlanEntry], stream: StreamId) -> BTreeMap<u64, Option<usize>> {
+    let mut edges: Vec<(u64, bool, usize)> = Vec::new();
+    for (j, e) in entries.iter().enumerate() {
+        if let Some(offset) = e.offset.filter(|_| e.stream == stream) {
+            edges.push((offset, true, j));
+            edges.push((offset + e.size, false, j));
+        }
+    }
+    edges.sort_unstable();
+    let mut live: BTreeMap<usize, u32> = BTreeMap::new();
+    let mut steps = BTreeMap::from([(0, None)]);
+    let mut i = 0;
+    while i < edges.len() {
+        let at = edges[i].0;
+        while i < edges.len() && edges[i].0 == at {
+            let (_, start, j) = edges[i];
+            if start {
+                *live.entry(j).or_default() += 1;
+            } else if let Some(n) = live.get_mut(&j) {
+                *n -= 1;
+                if *n == 0 {
+                    live.remove(&j);
+                }
+            }
+            i += 1;
+        }
+        let last = live.last_key_value().map(|(&j, _)| j);
+        if steps.range(..=at).next_back().map(|(_, &v)| v) != Some(last) {
+            steps.insert(at, last);
+        }
+    }
+    steps
+}
+
 impl Following {
-    fn new(plan: Arc<Plan>) -> Following {
-        let regions = plan
+    fn new(plan: Arc<Plan>, paged: bool) -> Following {
+        let regions: Vec<(StreamId, u64, Option<u64>)> = plan
             .regions
             .iter()
             .map(|r| (r.stream, r.bytes, None))
             .collect();
+        let last_use = if paged {
+            regions
+                .iter()
+                .map(|r| last_uses(&plan.entries, r.0))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut chunks: Vec<(StreamId, u64, Option<u64>)> = Vec::new();
         for e in plan.entries.iter().filter(|e| e.persistent) {
             match chunks.iter_mut().find(|c| c.0 == e.stream) {
@@ -275,40 +438,65 @@ impl Following {
                     .saturating_mul(ROUND_LARGE)
                     .min(MAX_REGION_BYTES);
         }
+        let persistent_rest = chunks
+            .iter()
+            .map(|c| {
+                let mut rest: Vec<(usize, u64)> = Vec::new();
+                let mut bytes = 0u64;
+                for (j, e) in plan.entries.iter().enumerate().rev() {
+                    if e.persistent && e.stream == c.0 {
+                        bytes = bytes.saturating_add(e.size);
+                        rest.push((j, bytes));
+                    }
+                }
+                rest.reverse();
+                rest
+            })
+            .collect();
         Following {
             plan,
             regions,
+            last_use,
             chunks,
+            persistent_rest,
             held: BTreeMap::new(),
             cursor: 0,
+            position: 0,
             following: false,
             misses_in_row: 0,
+            paged,
+            paging: PlanPaging::default(),
         }
     }
 
-    fn expect(&mut self, size: u64, stream: StreamId) -> Expect {
+    /// What the plan says about a request, and whether it begins an iteration.
+    fn expect(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
         let entries = &self.plan.entries;
         let matches = |e: &PlanEntry| e.size == size && e.stream == stream;
         let found = if self.following {
             (0..RESYNC_WINDOW.min(entries.len()))
-                .map(|k| (self.cursor + k) % entries.len())
-                .find(|&j| matches(&entries[j]))
+                .map(|k| self.cursor + k)
+                .find(|&j| matches(&entries[j % entries.len()]))
         } else {
             matches(&entries[0]).then_some(0)
         };
-        let Some(j) = found else {
+        let Some(unwrapped) = found else {
             if !self.following {
-                return Expect::Idle;
+                return (Expect::Idle, false);
             }
             self.misses_in_row += 1;
             if self.misses_in_row >= LOST_AFTER {
                 self.following = false;
+                self.position = 0;
             }
-            return Expect::Miss;
+            return (Expect::Miss, false);
         };
+        let j = unwrapped % entries.len();
+        let begins = !self.following || j < self.position;
         self.following = true;
         self.misses_in_row = 0;
         self.cursor = (j + 1) % entries.len();
+        self.position = j + 1;
         let e = &entries[j];
         let at = e.offset.map(|offset| {
             let r = self.regions.iter().position(|r| r.0 == stream);
@@ -317,23 +505,63 @@ impl Following {
                 offset,
             )
         });
-        if e.persistent {
+        let expect = if e.persistent {
             let chunk = self.chunks.iter().position(|c| c.0 == stream);
-            return Expect::Persistent {
+            Expect::Persistent {
                 tried: at,
                 chunk: chunk.expect("a persistent entry's stream has chunks"),
-            };
-        }
-        match at {
-            Some((region, offset)) => Expect::Placed { region, offset },
-            None => Expect::Unplanned,
-        }
+            }
+        } else {
+            match at {
+                Some((region, offset)) => Expect::Placed { region, offset },
+                None => Expect::Unplanned,
+            }
+        };
+        (expect, begins)
     }
 
     /// The base of the region or chunk holding `ptr`.
     fn held_at(&self, ptr: u64) -> Option<u64> {
         let (&base, held) = self.held.range(..=ptr).next_back()?;
         (ptr - base < held.bytes).then_some(base)
+    }
+
+    /// Whether no entry of the iteration's rest uses the page at offset `page` of region
+    /// `r`: the current entry's position is past the last use of every part of it.
+    fn past_last_use(&self, r: usize, page: u64) -> bool {
+        if !self.following {
+            return false;
+        }
+        let steps = &self.last_use[r];
+        let first = steps.range(..=page).next_back().map(|(_, &v)| v);
+        let within = steps.range(page + 1..page + PLAN_PAGE).map(|(_, &v)| v);
+        first
+            .into_iter()
+            .chain(within)
+            .all(|last| last.is_none_or(|j| j < self.position))
+    }
+
+    /// Bytes the iteration's rest will bump into chunk `c` (all of it while not following).
+    fn persistent_to_come(&self, c: usize) -> u64 {
+        let rest = &self.persistent_rest[c];
+        let from = if self.following { self.position } else { 0 };
+        let i = rest.partition_point(|&(j, _)| j < from);
+        rest.get(i).map_or(0, |&(_, bytes)| bytes)
+    }
+
+    fn paging_mut(&mut self, base: u64) -> &mut HeldPages {
+        self.held
+            .get_mut(&base)
+            .and_then(|h| h.paging.as_mut())
+            .expect("a paged region or chunk")
+    }
+
+    /// The addresses of every lent page still mapped where it was lent from.
+    pub(super) fn stale_pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.held
+            .values()
+            .filter_map(|h| h.paging.as_ref())
+            .flat_map(|p| p.stale.iter().copied())
     }
 }
 
@@ -349,7 +577,12 @@ impl<D: Device> CachingAllocator<D> {
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
         self.give_back_all_plan_memory()?;
-        self.planned = Some(Box::new(Following::new(plan)));
+        let paged = self.device.supports_virtual_memory()
+            && self
+                .device
+                .page_granularity()
+                .is_ok_and(|g| PLAN_PAGE.is_multiple_of(g));
+        self.planned = Some(Box::new(Following::new(plan, paged)));
         self.checked("set_plan", Ok(()))
     }
 
@@ -384,14 +617,16 @@ impl<D: Device> CachingAllocator<D> {
     /// How the plan stands, if one is followed.
     pub fn plan_status(&self) -> Option<PlanStatus> {
         let planned = self.planned.as_ref()?;
-        let held = planned.held.iter();
+        let held = planned.held.values();
         Some(PlanStatus {
-            held_bytes: held.clone().map(|(_, h)| h.bytes).sum(),
+            held_bytes: held.clone().map(|h| h.mapped_bytes(&self.blocks)).sum(),
             pinned_bytes: held
-                .filter(|&(&base, h)| !h.wholly_free(base, &self.blocks))
-                .map(|(_, h)| h.bytes)
+                .filter(|h| !h.idle(&self.blocks))
+                .map(|h| h.mapped_bytes(&self.blocks))
                 .sum(),
             following: planned.following,
+            paged: planned.paged,
+            paging: planned.paging,
         })
     }
 
@@ -407,7 +642,13 @@ impl<D: Device> CachingAllocator<D> {
         let Some(planned) = self.planned.as_mut() else {
             return Ok(None);
         };
-        let placed = match planned.expect(rounded, stream) {
+        let (expect, begins) = planned.expect(rounded, stream);
+        if begins && planned.paged {
+            planned.paging.iterations += 1;
+            // The iteration before is over: what it lent is unmapped where it came from.
+            self.unmap_stale_pages(&mut Vec::new())?;
+        }
+        let placed = match expect {
             Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
             Expect::Persistent { tried, chunk } => {
                 if let Some((region, offset)) = tried
@@ -433,6 +674,10 @@ impl<D: Device> CachingAllocator<D> {
         self.planned.as_mut().expect("a plan is followed")
     }
 
+    fn following(&self) -> &Following {
+        self.planned.as_ref().expect("a plan is followed")
+    }
+
     /// Allocates `[offset, offset + size)` of region `r`, obtaining the region first if it
     /// is not held; `Ok(None)` if the range is taken or the region cannot be obtained.
     fn place(
@@ -453,7 +698,7 @@ impl<D: Device> CachingAllocator<D> {
                 base
             }
         };
-        Ok(self.carve(base, base + offset, size, requested))
+        self.carve(base, base + offset, size, requested)
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
@@ -467,58 +712,65 @@ impl<D: Device> CachingAllocator<D> {
     ) -> Result<Option<DevicePtr>, AllocError> {
         let (stream, bytes, current) = self.planned_mut().chunks[c];
         if let Some(base) = current {
-            let held = &self.planned_mut().held[&base];
-            let end = base + held.bytes;
-            if let Some((&ptr, &id)) = held.free.last_key_value()
-                && ptr + self.block(id).size == end
-                && end - ptr >= size
+            let held = &self.following().held[&base];
+            let tail = held.tail_start(base, &self.blocks);
+            if base + held.bytes - tail >= size
+                && let Some(ptr) = self.carve(base, tail, size, requested)?
             {
-                return Ok(self.carve(base, ptr, size, requested));
+                return Ok(Some(ptr));
             }
         }
-        let planned = self.planned.as_ref().expect("a plan is followed");
+        let planned = self.following();
         // Of the wholly free chunks large enough, the first by the pools' tie-break: the lowest
         // address, or the oldest (PyTorch 2.12 and later).
         let order = self.fit_order;
         let reuse = planned
             .held
             .iter()
-            .filter(|&(&b, h)| {
-                !h.region
-                    && h.bytes >= size
-                    && h.wholly_free(b, &self.blocks)
-                    && self.blocks[h.free[&b].index()].stream == stream
+            .filter(|&(_, h)| {
+                !h.region && h.bytes >= size && h.stream == stream && h.idle(&self.blocks)
             })
-            .min_by_key(|&(&b, h)| order.tie(self.blocks[h.free[&b].index()].counter, b))
-            .map(|(&b, _)| b);
-        let base = match reuse {
-            Some(base) => base,
-            None => match self.hold(
-                stream,
-                bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE),
-                false,
-            )? {
-                Some(base) => base,
-                None => return Ok(None),
-            },
+            .filter_map(|(&b, h)| Some((b, self.blocks[h.head(b)?.index()].counter)))
+            .min_by_key(|&(b, counter)| order.tie(counter, b))
+            .map(|(b, _)| b);
+        if let Some(base) = reuse
+            && let Some(ptr) = self.carve(base, base, size, requested)?
+        {
+            self.planned_mut().chunks[c].2 = Some(base);
+            return Ok(Some(ptr));
+        }
+        let mut bytes = bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE);
+        if self.following().paged {
+            // Address space is not memory: a paged chunk spans 9/8 of the device, as an
+            // expandable segment does, and grows page by page for as long as the job keeps
+            // memory, with one partly used page at its end.
+            let total = self.device.mem_get_info()?.total;
+            bytes = bytes.max((total / 8).saturating_mul(9).min(MAX_REGION_BYTES));
+        }
+        let Some(base) = self.hold(stream, bytes, false)? else {
+            return Ok(None);
         };
         self.planned_mut().chunks[c].2 = Some(base);
-        Ok(self.carve(base, base, size, requested))
+        self.carve(base, base, size, requested)
     }
 
-    /// Obtains a region or chunk of `bytes` from the driver, as one free block of a
-    /// large-pool segment; `Ok(None)` when the process limit or the driver says no.
+    /// Obtains a region or chunk of `bytes` from the driver: one free block of a large-pool
+    /// segment, or, paged, a reservation of address space as one unmapped block of an
+    /// expandable segment; `Ok(None)` when the process limit or the driver says no.
     fn hold(
         &mut self,
         stream: StreamId,
         bytes: u64,
         region: bool,
     ) -> Result<Option<u64>, AllocError> {
+        let pool = PoolRef::default_pool(PoolKind::Large);
+        if self.following().paged {
+            return self.hold_paged(stream, bytes, region);
+        }
         if !self.within_limit(bytes) {
             return Ok(None);
         }
-        let Some(id) = self.new_segment(bytes, stream, PoolRef::default_pool(PoolKind::Large))?
-        else {
+        let Some(id) = self.new_segment(bytes, stream, pool)? else {
             return Ok(None);
         };
         let ptr = self.block(id).ptr;
@@ -528,23 +780,89 @@ impl<D: Device> CachingAllocator<D> {
             Held {
                 bytes,
                 region,
+                stream,
                 free,
+                paging: None,
             },
         );
         Ok(Some(ptr))
     }
 
+    fn hold_paged(
+        &mut self,
+        stream: StreamId,
+        bytes: u64,
+        region: bool,
+    ) -> Result<Option<u64>, AllocError> {
+        let pool = PoolRef::default_pool(PoolKind::Large);
+        let bytes = bytes.div_ceil(PLAN_PAGE).saturating_mul(PLAN_PAGE);
+        let ptr = match self.device.reserve_address_range(bytes) {
+            Ok(ptr) => ptr.0,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        if let Err(e) = self.admit_segment(ptr, bytes) {
+            let _ = self.device.free_address_range(DevicePtr(ptr), bytes);
+            return Err(e);
+        }
+        let counter = self.take_counter();
+        let segment = self.expandable_segments.insert(ExpandableSegment {
+            ptr,
+            size: bytes,
+            page_size: PLAN_PAGE,
+            stream,
+            handles: BTreeMap::new(),
+        });
+        let segment = SegmentId::new(segment).expect("fewer than 2^32 segments");
+        let id = self.new_block(Block {
+            mapped: false,
+            expandable: Some(segment),
+            ..Block::segment(ptr, bytes, stream, pool, counter)
+        });
+        let paging = HeldPages {
+            segment,
+            unmapped: BTreeMap::from([(ptr, id)]),
+            stale: BTreeSet::new(),
+        };
+        self.planned_mut().held.insert(
+            ptr,
+            Held {
+                bytes,
+                region,
+                stream,
+                free: BTreeMap::new(),
+                paging: Some(paging),
+            },
+        );
+        self.count_pool_segment(pool.owner, 1);
+        Ok(Some(ptr))
+    }
+
     /// Allocates `[addr, addr + size)` of the held segment at `base`, if a free block holds
-    /// it: split off in front and behind as needed, the statistics counted as
-    /// `alloc_found_block` counts them.
-    fn carve(&mut self, base: u64, addr: u64, size: u64, requested: u64) -> Option<DevicePtr> {
-        let free = &self.planned_mut().held.get(&base)?.free;
-        let (&start, &id) = free.range(..=addr).next_back()?;
+    /// it (paged: once its pages are mapped): split off in front and behind as needed, the
+    /// statistics counted as `alloc_found_block` counts them.
+    fn carve(
+        &mut self,
+        base: u64,
+        addr: u64,
+        size: u64,
+        requested: u64,
+    ) -> Result<Option<DevicePtr>, AllocError> {
+        if !self.map_for(base, addr, size)? {
+            return Ok(None);
+        }
+        let Some(held) = self.following().held.get(&base) else {
+            return Ok(None);
+        };
+        let Some((&start, &id)) = held.free.range(..=addr).next_back() else {
+            return Ok(None);
+        };
         let block = self.block(id);
         if block.ptr + block.size < addr + size {
-            return None;
+            return Ok(None);
         }
         let (was_split, whole) = (block.is_split(), block.size);
+        let expandable = block.expandable.is_some();
         self.held_free_mut(base).remove(&start);
         let (mut pieces, mut piece_bytes) = (0i64, 0i64);
         let mut id = id;
@@ -564,12 +882,15 @@ impl<D: Device> CachingAllocator<D> {
             id = taken;
         }
         let kind = PoolKind::Large;
-        self.stats
-            .inactive_split
-            .update(kind, pieces - i64::from(was_split));
-        self.stats
-            .inactive_split_bytes
-            .update(kind, piece_bytes - if was_split { whole as i64 } else { 0 });
+        // Blocks of expandable segments never count as inactive splits.
+        if !expandable {
+            self.stats
+                .inactive_split
+                .update(kind, pieces - i64::from(was_split));
+            self.stats
+                .inactive_split_bytes
+                .update(kind, piece_bytes - if was_split { whole as i64 } else { 0 });
+        }
         let block = self.block_mut(id);
         block.allocated = true;
         block.requested_size = requested;
@@ -584,7 +905,193 @@ impl<D: Device> CachingAllocator<D> {
         self.live.insert(addr, id, &self.blocks);
         let oversize = size >= self.config.max_split_size;
         self.stats.count_alloc(kind, size, requested, oversize);
-        Some(DevicePtr(addr))
+        Ok(Some(DevicePtr(addr)))
+    }
+
+    /// Maps the unmapped pages of `[addr, addr + size)` in the held segment at `base`, if it
+    /// is paged: lent pages of the stream first (the dead pages of its chunks; for a chunk,
+    /// also its regions' pages past their last use), new ones for the rest. `Ok(false)`
+    /// when a page there is lent and still mapped, or memory for the new pages is refused.
+    fn map_for(&mut self, base: u64, addr: u64, size: u64) -> Result<bool, AllocError> {
+        let Some(held) = self.following().held.get(&base) else {
+            return Ok(false);
+        };
+        let Some(paging) = &held.paging else {
+            return Ok(true);
+        };
+        let (region, stream, segment) = (held.region, held.stream, paging.segment);
+        let start = base + (addr - base) / PLAN_PAGE * PLAN_PAGE;
+        let end =
+            (base + (addr + size - base).div_ceil(PLAN_PAGE) * PLAN_PAGE).min(base + held.bytes);
+        if paging.stale.range(start..end).next().is_some() {
+            return Ok(false);
+        }
+        // The unmapped parts of [start, end): (block, from, to), by address.
+        let first = paging.unmapped.range(..start).next_back().into_iter();
+        let ranges: Vec<(u64, u64)> = first
+            .chain(paging.unmapped.range(start..end))
+            .map(|(&ptr, id)| (ptr.max(start), (ptr + self.block(*id).size).min(end)))
+            .filter(|(from, to)| from < to)
+            .collect();
+        let needed: u64 = ranges
+            .iter()
+            .map(|(from, to)| (to - from) / PLAN_PAGE)
+            .sum();
+        if needed == 0 {
+            return Ok(true);
+        }
+        let spares = self.spare_pages(stream, !region, needed);
+        let fresh = needed - spares.len() as u64;
+        if !self.within_limit(fresh * PLAN_PAGE) {
+            return Ok(false);
+        }
+        let mut handles = Vec::with_capacity(needed as usize);
+        for _ in 0..fresh {
+            match self.device.create_physical_page(PLAN_PAGE) {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    for handle in handles {
+                        let _ = self.device.release_physical_page(handle);
+                    }
+                    return match e {
+                        DeviceError::OutOfMemory => Ok(false),
+                        e => Err(e.into()),
+                    };
+                }
+            }
+        }
+        for (lender, page) in spares {
+            handles.extend(self.lend(lender, page));
+        }
+        let lent = needed - fresh;
+        for (from, to) in ranges {
+            let id = self.unmapped_from(base, from);
+            let pages = ((to - from) / PLAN_PAGE) as usize;
+            let taken: Vec<_> = handles.drain(..pages).collect();
+            let seg = &mut self.expandable_segments[segment.index()];
+            if let Err(e) = seg.map_handles(&mut self.device, from, &taken) {
+                for handle in taken.into_iter().chain(handles) {
+                    let _ = self.device.release_physical_page(handle);
+                }
+                return Err(e.into());
+            }
+            self.adopt_mapping(id, to - from);
+            self.planned_mut().paging.maps += 1;
+        }
+        let paging = &mut self.planned_mut().paging;
+        paging.pages_mapped += needed;
+        paging.pages_lent += lent;
+        Ok(true)
+    }
+
+    /// The unmapped block of the paged segment at `base` that starts at `from`, split off
+    /// the unmapped block holding it if need be.
+    fn unmapped_from(&mut self, base: u64, from: u64) -> BlockId {
+        let unmapped = &self.planned_mut().paging_mut(base).unmapped;
+        let (&ptr, &id) = unmapped
+            .range(..=from)
+            .next_back()
+            .expect("an unmapped block holds the range");
+        if ptr == from {
+            return id;
+        }
+        self.remove_unmapped(id);
+        let front = self.split_front(id, from - ptr);
+        self.block_mut(front).mapped = false;
+        self.insert_unmapped(front);
+        self.insert_unmapped(id);
+        id
+    }
+
+    /// Up to `want` whole free mapped pages of `stream`'s paged regions and chunks that can
+    /// be lent: pages of chunks the iteration's rest will not bump into (freed persistent
+    /// memory, and a current chunk's free tail beyond what is still to come), then, for a
+    /// chunk (`to_chunk`), region pages past their last use in this iteration. As (base,
+    /// page address).
+    fn spare_pages(&self, stream: StreamId, to_chunk: bool, want: u64) -> Vec<(u64, u64)> {
+        let planned = self.following();
+        let mut spares = Vec::new();
+        for regions in [false, true] {
+            if regions && !to_chunk {
+                break;
+            }
+            for (&base, held) in &planned.held {
+                if held.region != regions || held.stream != stream || held.paging.is_none() {
+                    continue;
+                }
+                let region = planned.regions.iter().position(|r| r.2 == Some(base));
+                // A current chunk keeps what the iteration's rest will bump into.
+                let kept = match planned.chunks.iter().position(|c| c.2 == Some(base)) {
+                    Some(c) => {
+                        let tail = held.tail_start(base, &self.blocks);
+                        tail..tail.saturating_add(planned.persistent_to_come(c))
+                    }
+                    None => 0..0,
+                };
+                for (&ptr, &id) in &held.free {
+                    let end = ptr + self.block(id).size;
+                    let mut page = base + (ptr - base).div_ceil(PLAN_PAGE) * PLAN_PAGE;
+                    while page + PLAN_PAGE <= end {
+                        let lendable = match region {
+                            Some(r) => planned.past_last_use(r, page - base),
+                            None => page + PLAN_PAGE <= kept.start || page >= kept.end,
+                        };
+                        if lendable {
+                            spares.push((base, page));
+                            if spares.len() as u64 == want {
+                                return spares;
+                            }
+                        }
+                        page += PLAN_PAGE;
+                    }
+                }
+            }
+        }
+        spares
+    }
+
+    /// Lends the free mapped page at `page` of the paged segment at `base`: its handle, to
+    /// be mapped elsewhere. The page is unmapped to the allocator from now on and stays
+    /// mapped on the device until [`Self::unmap_stale_pages`].
+    fn lend(&mut self, base: u64, page: u64) -> Vec<PhysicalHandle> {
+        let segment = self.following().held[&base]
+            .paging
+            .as_ref()
+            .expect("paged")
+            .segment;
+        let (_, &id) = self.following().held[&base]
+            .free
+            .range(..=page)
+            .next_back()
+            .expect("a free block holds a spare page");
+        let handles = self.expandable_segments[segment.index()].detach(page, PLAN_PAGE);
+        self.mark_unmapped(id, page, PLAN_PAGE);
+        self.planned_mut().paging_mut(base).stale.insert(page);
+        handles
+    }
+
+    /// Unmaps every lent page where it was lent from, after synchronising its stream
+    /// (unless `synced` lists it already; the streams synchronised are added).
+    fn unmap_stale_pages(&mut self, synced: &mut Vec<StreamId>) -> Result<(), AllocError> {
+        let Some(planned) = self.planned.as_mut() else {
+            return Ok(());
+        };
+        for held in planned.held.values_mut() {
+            let Some(paging) = held.paging.as_mut() else {
+                continue;
+            };
+            while let Some(&page) = paging.stale.first() {
+                if !synced.contains(&held.stream) {
+                    self.device.synchronize_stream(held.stream)?;
+                    synced.push(held.stream);
+                    planned.paging.synchronizations += 1;
+                }
+                self.device.unmap(DevicePtr(page), PLAN_PAGE)?;
+                paging.stale.remove(&page);
+                planned.paging.pages_unmapped += 1;
+            }
+        }
+        Ok(())
     }
 
     fn held_free_mut(&mut self, base: u64) -> &mut BTreeMap<u64, BlockId> {
@@ -597,21 +1104,53 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
-    /// the retry chain's, and when the plan is replaced); whether any was given back.
+    /// the retry chain's, and when the plan is replaced); paged, first unmaps their lent
+    /// and free pages. Whether any memory was given back.
     pub(super) fn give_back_plan_memory(&mut self) -> Result<bool, AllocError> {
         let Some(planned) = self.planned.as_ref() else {
             return Ok(false);
         };
-        let free: Vec<u64> = planned
+        let reserved = self.total_allocated_memory;
+        if planned.paged {
+            let mut synced = Vec::new();
+            self.unmap_stale_pages(&mut synced)?;
+            let free: Vec<(StreamId, BlockId)> = self
+                .following()
+                .held
+                .values()
+                .flat_map(|h| h.free.values().map(|&id| (h.stream, id)))
+                .collect();
+            for (stream, id) in free {
+                if !synced.contains(&stream) {
+                    self.device.synchronize_stream(stream)?;
+                    synced.push(stream);
+                    self.planned_mut().paging.synchronizations += 1;
+                }
+                let before = self.total_allocated_memory;
+                self.unmap_block(id, true)?;
+                let pages = (before - self.total_allocated_memory) / PLAN_PAGE;
+                self.planned_mut().paging.pages_unmapped += pages;
+            }
+        }
+        let idle: Vec<u64> = self
+            .following()
             .held
             .iter()
-            .filter(|&(&base, h)| h.wholly_free(base, &self.blocks))
+            .filter(|&(_, h)| {
+                h.idle(&self.blocks) && (h.paging.is_none() || h.mapped_bytes(&self.blocks) == 0)
+            })
             .map(|(&base, _)| base)
             .collect();
-        for &base in &free {
-            let id = self.planned_mut().held[&base].free[&base];
-            // As any whole free segment: its free-map entry goes with it.
-            self.release_block(id)?;
+        for &base in &idle {
+            let held = &self.following().held[&base];
+            let id = held.head(base).expect("an idle segment has a head block");
+            if held.paging.is_some() {
+                // Wholly unmapped: its address range goes back.
+                self.release_expandable_segment(id)?;
+            } else {
+                // As any whole free segment: its free-map entry goes with it.
+                self.release_block(id)?;
+            }
             let planned = self.planned_mut();
             planned.held.remove(&base);
             for r in planned.regions.iter_mut().chain(planned.chunks.iter_mut()) {
@@ -620,7 +1159,7 @@ impl<D: Device> CachingAllocator<D> {
                 }
             }
         }
-        Ok(!free.is_empty())
+        Ok(!idle.is_empty() || self.total_allocated_memory < reserved)
     }
 
     /// The base of the plan's region or chunk holding `ptr`, if it lies in one.
@@ -644,13 +1183,39 @@ impl<D: Device> CachingAllocator<D> {
         debug_assert!(removed.is_some(), "free plan block {ptr:#x} missing");
     }
 
-    /// For `check_invariants`: the blocks in the regions' and chunks' free maps, after
-    /// checking that each held one is one segment of its size whose map holds free blocks
-    /// of its own under their addresses; the first violation otherwise.
-    pub(super) fn check_plan_segments(&self) -> Result<FxHashSet<BlockId>, String> {
+    /// Puts an unmapped block into its paged region's or chunk's map.
+    #[cold]
+    pub(super) fn insert_held_unmapped(&mut self, base: u64, id: BlockId) {
+        let ptr = self.block(id).ptr;
+        self.planned_mut().paging_mut(base).unmapped.insert(ptr, id);
+    }
+
+    /// Takes an unmapped block out of its paged region's or chunk's map.
+    #[cold]
+    pub(super) fn remove_held_unmapped(&mut self, base: u64, id: BlockId) {
+        let ptr = self.block(id).ptr;
+        let removed = self.planned_mut().paging_mut(base).unmapped.remove(&ptr);
+        debug_assert!(removed.is_some(), "unmapped plan block {ptr:#x} missing");
+    }
+
+    /// Whether an unmapped block is in its paged region's or chunk's map.
+    pub(super) fn held_unmapped_has(&self, base: u64, id: BlockId) -> bool {
+        let ptr = self.block(id).ptr;
+        self.following().held[&base]
+            .paging
+            .as_ref()
+            .is_some_and(|p| p.unmapped.get(&ptr) == Some(&id))
+    }
+
+    /// For `check_invariants`: the blocks in the regions' and chunks' free and unmapped maps
+    /// and how many are unmapped, after checking that each held one is one segment of its
+    /// size whose maps hold blocks of its own under their addresses, and that lent pages lie
+    /// in unmapped blocks; the first violation otherwise.
+    pub(super) fn check_plan_segments(&self) -> Result<(FxHashSet<BlockId>, usize), String> {
         let mut ids = FxHashSet::default();
+        let mut unmapped_count = 0;
         let Some(planned) = self.planned.as_ref() else {
-            return Ok(ids);
+            return Ok((ids, 0));
         };
         let heads = self.segment_heads();
         for (&base, held) in &planned.held {
@@ -664,14 +1229,42 @@ impl<D: Device> CachingAllocator<D> {
                     held.bytes
                 ));
             }
-            for (&ptr, &id) in &held.free {
+            if held.paging.as_ref().map(|p| p.segment) != self.block(head).expandable {
+                return Err(format!(
+                    "plan segment at {base:#x}: paged, or not, unlike its blocks"
+                ));
+            }
+            let unmapped = held.paging.iter().flat_map(|p| &p.unmapped);
+            for (mapped, (&ptr, &id)) in held
+                .free
+                .iter()
+                .map(|e| (true, e))
+                .chain(unmapped.map(|e| (false, e)))
+            {
                 let Some(b) = self.blocks.get(id.index()) else {
                     return Err(format!("plan free map names a removed block {ptr:#x}"));
                 };
-                if b.ptr != ptr || !b.is_free() || ptr - base >= held.bytes || !ids.insert(id) {
+                if b.ptr != ptr
+                    || !b.is_free()
+                    || b.mapped != mapped
+                    || ptr - base >= held.bytes
+                    || !ids.insert(id)
+                {
                     return Err(format!(
-                        "plan free map entry {ptr:#x} is not a free block of its segment"
+                        "plan map entry {ptr:#x} is not a free (mapped={mapped}) block of its segment"
                     ));
+                }
+                unmapped_count += usize::from(!mapped);
+            }
+            for &page in held.paging.iter().flat_map(|p| &p.stale) {
+                let paging = held.paging.as_ref().expect("stale pages are paged");
+                let within = paging
+                    .unmapped
+                    .range(..=page)
+                    .next_back()
+                    .is_some_and(|(&ptr, id)| page + PLAN_PAGE <= ptr + self.block(*id).size);
+                if (page - base) % PLAN_PAGE != 0 || !within {
+                    return Err(format!("lent page {page:#x} is not an unmapped page"));
                 }
             }
         }
@@ -682,6 +1275,6 @@ impl<D: Device> CachingAllocator<D> {
                 return Err(format!("stream {:#x}: names {base:#x}, not held", stream.0));
             }
         }
-        Ok(ids)
+        Ok((ids, unmapped_count))
     }
 }

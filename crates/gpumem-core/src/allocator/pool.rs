@@ -158,6 +158,36 @@ impl<D: Device> CachingAllocator<D> {
         self.pool_mut(kind).free.insert(stream, entry);
     }
 
+    /// Puts an unmapped block into its pool's unmapped set, or its plan segment's map.
+    pub(super) fn insert_unmapped(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (kind, key) = (b.pool_ref(), (b.stream, b.ptr));
+        if let Some(base) = self.plan_segment_at(b.ptr) {
+            return self.insert_held_unmapped(base, id);
+        }
+        self.pool_mut(kind).unmapped.insert(key, id);
+    }
+
+    /// Takes an unmapped block out of its pool's unmapped set, or its plan segment's map.
+    pub(super) fn remove_unmapped(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (kind, key) = (b.pool_ref(), (b.stream, b.ptr));
+        if let Some(base) = self.plan_segment_at(b.ptr) {
+            return self.remove_held_unmapped(base, id);
+        }
+        let removed = self.pool_mut(kind).unmapped.remove(&key);
+        debug_assert!(removed.is_some(), "unmapped block {:#x} missing", key.1);
+    }
+
+    /// Whether an unmapped block is where [`Self::insert_unmapped`] puts it.
+    pub(super) fn in_unmapped_set(&self, id: BlockId) -> bool {
+        let b = self.block(id);
+        match self.plan_segment_at(b.ptr) {
+            Some(base) => self.held_unmapped_has(base, id),
+            None => self.pool(b.pool_ref()).unmapped.get(&(b.stream, b.ptr)) == Some(&id),
+        }
+    }
+
     /// Takes a free block out of its pool's free set (its key must be current).
     #[inline(always)]
     pub(super) fn remove_free(&mut self, id: BlockId) {

@@ -56,7 +56,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         for id in to_unmap {
-            self.unmap_block(id)?;
+            self.unmap_block(id, false)?;
         }
         // Segments left wholly unmapped give their address range back, including one whose
         // first mapping failed (PyTorch keeps those reserved).

@@ -155,8 +155,7 @@ impl<D: Device> CachingAllocator<D> {
         if s.mapped {
             self.remove_free(src);
         } else {
-            let (kind, key) = (s.pool_ref(), (s.stream, s.ptr));
-            self.pool_mut(kind).unmapped.remove(&key);
+            self.remove_unmapped(src);
         }
         if self.block(dst).prev == Some(src) {
             let d = self.block_mut(dst);

@@ -20,8 +20,9 @@
 //!   "any").
 //! - Virtual memory: reservations take address space but no memory; physical pages count
 //!   against memory from creation to release; a mapping lies inside one reservation, covers
-//!   exactly one page handle, and never overlaps another mapping. A page is released only
-//!   unmapped, a reservation freed only without mappings.
+//!   exactly one page handle, and never overlaps another mapping. A page may be mapped at
+//!   several addresses at once (as `cuMemMap` allows); it is released only once unmapped
+//!   everywhere, a reservation freed only without mappings.
 
 use std::collections::BTreeMap;
 
@@ -188,8 +189,8 @@ pub struct SimDevice {
     allocation_calls: u64,
     /// Address reservations: start → size.
     reservations: BTreeMap<u64, u64>,
-    /// Physical pages: handle → (size, mapped at).
-    pages: FxHashMap<PhysicalHandle, (u64, Option<u64>)>,
+    /// Physical pages: handle → (size, the addresses it is mapped at).
+    pages: FxHashMap<PhysicalHandle, (u64, u32)>,
     next_page: u64,
     /// Mappings: start → (size, handle).
     mappings: BTreeMap<u64, (u64, PhysicalHandle)>,
@@ -667,20 +668,20 @@ impl Device for SimDevice {
         self.admit_allocation(size)?;
         let handle = PhysicalHandle(self.next_page);
         self.next_page += 1;
-        self.pages.insert(handle, (size, None));
+        self.pages.insert(handle, (size, 0));
         self.use_bytes(size);
         Ok(handle)
     }
 
     fn release_physical_page(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
         match self.pages.get(&handle) {
-            Some(&(size, None)) => {
+            Some(&(size, 0)) => {
                 self.pages.remove(&handle);
                 self.stats.used_bytes -= size;
                 Ok(())
             }
-            Some(&(_, Some(at))) => Err(DeviceError::InvalidArgument(format!(
-                "page {} is still mapped at {at:#x}",
+            Some(&(_, at)) => Err(DeviceError::InvalidArgument(format!(
+                "page {} is still mapped at {at} addresses",
                 handle.0
             ))),
             None => Err(DeviceError::InvalidArgument(format!(
@@ -698,13 +699,13 @@ impl Device for SimDevice {
     ) -> Result<(), DeviceError> {
         self.stats.maps += 1;
         self.charge(self.config.map_ns);
-        let Some(&(page_size, mapped_at)) = self.pages.get(&handle) else {
+        let Some(&(page_size, mappings)) = self.pages.get(&handle) else {
             return Err(DeviceError::InvalidArgument(format!(
                 "unknown page {}",
                 handle.0
             )));
         };
-        if page_size != size || mapped_at.is_some() {
+        if page_size != size {
             return Err(DeviceError::InvalidArgument(format!(
                 "page {} ({page_size} bytes) cannot be mapped as {size} bytes at {ptr:?}",
                 handle.0
@@ -726,7 +727,7 @@ impl Device for SimDevice {
             )));
         }
         self.mappings.insert(ptr.0, (size, handle));
-        self.pages.insert(handle, (size, Some(ptr.0)));
+        self.pages.insert(handle, (size, mappings + 1));
         Ok(())
     }
 
@@ -736,7 +737,9 @@ impl Device for SimDevice {
         match self.mappings.get(&ptr.0) {
             Some(&(len, handle)) if len == size => {
                 self.mappings.remove(&ptr.0);
-                self.pages.insert(handle, (size, None));
+                if let Some(page) = self.pages.get_mut(&handle) {
+                    page.1 -= 1;
+                }
                 Ok(())
             }
             _ => Err(DeviceError::InvalidArgument(format!(
@@ -836,10 +839,11 @@ mod tests {
             d.map(DevicePtr(va.0 + (64 << 20)), page, pages[2]).is_err(),
             "outside"
         );
-        assert!(
-            d.map(DevicePtr(va.0 + 2 * page), page, pages[1]).is_err(),
-            "page mapped twice"
-        );
+        // A page mapped at two addresses stays until unmapped at both.
+        d.map(DevicePtr(va.0 + 3 * page), page, pages[1])
+            .expect("a second mapping of one page");
+        assert_eq!(d.stats().used_bytes, 8 << 20, "counted once");
+        d.unmap(DevicePtr(va.0 + 3 * page), page).expect("mapped");
         assert!(d.is_mapped(va.0, 2 * page));
         assert!(!d.is_mapped(va.0, 3 * page));
         assert!(d.release_physical_page(pages[0]).is_err(), "still mapped");
