@@ -232,7 +232,7 @@ proptest! {
         seed in any::<u64>(),
         capacity_mib in 256u64..2048,
     ) {
-        plan_against_cache(seed, capacity_mib)?;
+        plan_against_cache(seed, capacity_mib, seed.is_multiple_of(2))?;
     }
 }
 
@@ -240,8 +240,10 @@ proptest! {
 /// the plain one is not.
 #[test]
 fn a_plan_against_the_cache_where_their_layouts_differ() {
-    if let Err(e) = plan_against_cache(1_877_766_696_007_313_677, 256) {
-        panic!("{e}");
+    for paged in [false, true] {
+        if let Err(e) = plan_against_cache(1_877_766_696_007_313_677, 256, paged) {
+            panic!("paged {paged}: {e}");
+        }
     }
 }
 
@@ -252,15 +254,20 @@ fn a_plan_against_the_cache_where_their_layouts_differ() {
 /// request needed (regions without live blocks are given back before the last retry).
 /// The two caches' layouts may differ (the plan served some requests the plain cache
 /// carved its segments for), so the planned cache can be fragmented where the plain one
-/// is not; the plan's own memory never stands in the way. Both keep every invariant.
-fn plan_against_cache(seed: u64, capacity_mib: u64) -> Result<(), TestCaseError> {
+/// is not; the plan's own memory never stands in the way. Both keep every invariant. On a
+/// device with virtual memory the plan's regions and chunks are paged.
+fn plan_against_cache(
+    seed: u64,
+    capacity_mib: u64,
+    virtual_memory: bool,
+) -> Result<(), TestCaseError> {
     let plan = std::sync::Arc::new(gpumem::ops::random_plan(seed));
     let mut rng = XorShift::new(seed ^ 0x9e37);
     let job = diverging_job(&plan, &mut rng, 6);
     // Paged regions (a device with virtual memory) or whole segments.
     let device = || {
         SimDevice::new(SimConfig {
-            virtual_memory: seed.is_multiple_of(2),
+            virtual_memory,
             ..SimConfig::with_capacity(capacity_mib << 20)
         })
     };

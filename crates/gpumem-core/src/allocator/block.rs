@@ -6,7 +6,8 @@
 //! - A block is in exactly one of three states: allocated (handed out); pending free (not
 //!   allocated, waiting on `event_count > 0` events or holding stream uses it could not
 //!   record); free (neither, and then it sits in its pool's free set, or in its pool's
-//!   unmapped set if it is an unmapped part of an expandable segment).
+//!   unmapped set if it is an unmapped part of an expandable segment; in a plan's region or
+//!   chunk, in the plan's own maps instead).
 //! - Only blocks of expandable segments are ever unmapped; unmapped blocks are free.
 //! - Sizes and addresses are multiples of 512.
 

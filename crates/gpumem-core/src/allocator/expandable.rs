@@ -21,7 +21,8 @@
 //!
 //! # Invariants
 //! - A page has a physical handle iff it lies inside a mapped block.
-//! - Unmapped blocks start and end on page boundaries, and sit in their pool's unmapped set.
+//! - Unmapped blocks start and end on page boundaries, and sit in their pool's unmapped set
+//!   (a plan's paged regions and chunks: in the plan's own map, Note [Planned placement]).
 
 use std::collections::BTreeMap;
 
@@ -139,14 +140,16 @@ impl ExpandableSegment {
         Ok(())
     }
 
-    /// Takes the handles of the whole pages inside `[ptr, ptr + size)` away from this
-    /// segment without a driver call: their pages stay mapped here until the caller unmaps
-    /// them (a plan's lent pages, Note [Planned placement]).
-    pub(super) fn detach(&mut self, ptr: u64, size: u64) -> Vec<PhysicalHandle> {
-        let (begin, end) = (self.page_ceil(ptr), self.page_floor(ptr + size));
-        (begin..end)
-            .filter_map(|page| self.handles.remove(&page))
-            .collect()
+    /// Takes the handle of the page at `ptr` away from this segment without a driver call:
+    /// the page stays mapped here until the caller unmaps it (a plan's lent pages, Note
+    /// [Planned placement]).
+    pub(super) fn detach(&mut self, ptr: u64) -> Option<PhysicalHandle> {
+        self.handles.remove(&self.page_floor(ptr))
+    }
+
+    /// Gives the page at `ptr`, still mapped there, its handle back (undoes [`Self::detach`]).
+    pub(super) fn attach(&mut self, ptr: u64, handle: PhysicalHandle) {
+        self.handles.insert(self.page_floor(ptr), handle);
     }
 
     /// Unmaps and releases every whole page inside `[ptr, ptr + size)`, after the segment's

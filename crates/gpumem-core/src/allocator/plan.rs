@@ -49,7 +49,9 @@
 //! region maps a page there again at its next use. Unmaps happen only there and at cache
 //! flushes, which unmap every free page and give back wholly unmapped reservations. A
 //! range over a lent page still mapped is a miss. Statistics, the trace (`segment_map`,
-//! `segment_unmap`) and snapshots count pages as for expandable segments; [`PlanPaging`]
+//! `segment_unmap`) and snapshots count pages as for expandable segments: a lent page is
+//! unmapped from its lender and mapped at its borrower when it is lent (the lender's old
+//! mapping, which only the device still has, is not traced when it goes). [`PlanPaging`]
 //! counts maps, lent and unmapped pages and synchronisations.
 //!
 //! # Invariants
@@ -326,6 +328,27 @@ impl Held {
         self.bytes - unmapped
     }
 
+    /// Whether free and unmapped blocks cover `[from, to)`.
+    fn range_free(&self, from: u64, to: u64, blocks: &slab::Slab<Block>) -> bool {
+        let mut at = from;
+        while at < to {
+            let free = self.free.range(..=at).next_back();
+            let unmapped = self
+                .paging
+                .as_ref()
+                .and_then(|p| p.unmapped.range(..=at).next_back());
+            let Some((&ptr, id)) = free.max(unmapped) else {
+                return false;
+            };
+            let end = ptr + blocks[id.index()].size;
+            if end <= at {
+                return false;
+            }
+            at = end;
+        }
+        true
+    }
+
     /// Its first block (free or unmapped: only asked of an idle one).
     fn head(&self, base: u64) -> Option<BlockId> {
         let unmapped = self.paging.as_ref().and_then(|p| p.unmapped.get(&base));
@@ -544,7 +567,12 @@ impl Following {
     /// Bytes the iteration's rest will bump into chunk `c` (all of it while not following).
     fn persistent_to_come(&self, c: usize) -> u64 {
         let rest = &self.persistent_rest[c];
-        let from = if self.following { self.position } else { 0 };
+        // The current entry (the one being placed) is still to come.
+        let from = if self.following {
+            self.position.saturating_sub(1)
+        } else {
+            0
+        };
         let i = rest.partition_point(|&(j, _)| j < from);
         rest.get(i).map_or(0, |&(_, bytes)| bytes)
     }
@@ -728,7 +756,11 @@ impl<D: Device> CachingAllocator<D> {
             .held
             .iter()
             .filter(|&(_, h)| {
-                !h.region && h.bytes >= size && h.stream == stream && h.idle(&self.blocks)
+                !h.region
+                    && h.bytes >= size
+                    && h.stream == stream
+                    && h.paging.as_ref().is_none_or(|p| p.stale.is_empty())
+                    && h.idle(&self.blocks)
             })
             .filter_map(|(&b, h)| Some((b, self.blocks[h.head(b)?.index()].counter)))
             .min_by_key(|&(b, counter)| order.tie(counter, b))
@@ -838,8 +870,8 @@ impl<D: Device> CachingAllocator<D> {
         Ok(Some(ptr))
     }
 
-    /// Allocates `[addr, addr + size)` of the held segment at `base`, if a free block holds
-    /// it (paged: once its pages are mapped): split off in front and behind as needed, the
+    /// Allocates `[addr, addr + size)` of the held segment at `base`, if free (paged: its
+    /// pages are mapped then, and only then): split off in front and behind as needed, the
     /// statistics counted as `alloc_found_block` counts them.
     fn carve(
         &mut self,
@@ -848,7 +880,12 @@ impl<D: Device> CachingAllocator<D> {
         size: u64,
         requested: u64,
     ) -> Result<Option<DevicePtr>, AllocError> {
-        if !self.map_for(base, addr, size)? {
+        let free = self
+            .following()
+            .held
+            .get(&base)
+            .is_some_and(|h| h.range_free(addr, addr + size, &self.blocks));
+        if !free || !self.map_for(base, addr, size)? {
             return Ok(None);
         }
         let Some(held) = self.following().held.get(&base) else {
@@ -912,6 +949,7 @@ impl<D: Device> CachingAllocator<D> {
     /// is paged: lent pages of the stream first (the dead pages of its chunks; for a chunk,
     /// also its regions' pages past their last use), new ones for the rest. `Ok(false)`
     /// when a page there is lent and still mapped, or memory for the new pages is refused.
+    /// On a driver error nothing is lent and no page is lost.
     fn map_for(&mut self, base: u64, addr: u64, size: u64) -> Result<bool, AllocError> {
         let Some(held) = self.following().held.get(&base) else {
             return Ok(false);
@@ -926,7 +964,7 @@ impl<D: Device> CachingAllocator<D> {
         if paging.stale.range(start..end).next().is_some() {
             return Ok(false);
         }
-        // The unmapped parts of [start, end): (block, from, to), by address.
+        // The unmapped parts of [start, end), by address.
         let first = paging.unmapped.range(..start).next_back().into_iter();
         let ranges: Vec<(u64, u64)> = first
             .chain(paging.unmapped.range(start..end))
@@ -940,17 +978,23 @@ impl<D: Device> CachingAllocator<D> {
         if needed == 0 {
             return Ok(true);
         }
-        let spares = self.spare_pages(stream, !region, needed);
+        let spares = self.spare_pages(stream, !region, needed, (base, start..end));
         let fresh = needed - spares.len() as u64;
-        if !self.within_limit(fresh * PLAN_PAGE) {
+        // Asked before any page is created: a hostile plan's range may span far more pages
+        // than the device has.
+        if fresh > 0
+            && (!self.within_limit(fresh * PLAN_PAGE)
+                || fresh.saturating_mul(PLAN_PAGE) > self.device.mem_get_info()?.free)
+        {
             return Ok(false);
         }
-        let mut handles = Vec::with_capacity(needed as usize);
+        // Each page with where it was lent from, if it was.
+        let mut pages: Vec<(PhysicalHandle, Option<(u64, u64)>)> = Vec::new();
         for _ in 0..fresh {
             match self.device.create_physical_page(PLAN_PAGE) {
-                Ok(handle) => handles.push(handle),
+                Ok(handle) => pages.push((handle, None)),
                 Err(e) => {
-                    for handle in handles {
+                    for (handle, _) in pages {
                         let _ = self.device.release_physical_page(handle);
                     }
                     return match e {
@@ -961,17 +1005,28 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         for (lender, page) in spares {
-            handles.extend(self.lend(lender, page));
+            let handle = self.lend(lender, page);
+            pages.push((handle, Some((lender, page))));
         }
         let lent = needed - fresh;
+        let mut pages = pages.into_iter();
         for (from, to) in ranges {
+            let taken: Vec<_> = pages
+                .by_ref()
+                .take(((to - from) / PLAN_PAGE) as usize)
+                .collect();
+            let handles: Vec<PhysicalHandle> = taken.iter().map(|&(h, _)| h).collect();
             let id = self.unmapped_from(base, from);
-            let pages = ((to - from) / PLAN_PAGE) as usize;
-            let taken: Vec<_> = handles.drain(..pages).collect();
             let seg = &mut self.expandable_segments[segment.index()];
-            if let Err(e) = seg.map_handles(&mut self.device, from, &taken) {
-                for handle in taken.into_iter().chain(handles) {
-                    let _ = self.device.release_physical_page(handle);
+            if let Err(e) = seg.map_handles(&mut self.device, from, &handles) {
+                self.merge_unmapped(id);
+                for (handle, lender) in taken.into_iter().chain(pages) {
+                    match lender {
+                        Some((lender, page)) => self.reattach(lender, page, handle),
+                        None => {
+                            let _ = self.device.release_physical_page(handle);
+                        }
+                    }
                 }
                 return Err(e.into());
             }
@@ -982,6 +1037,27 @@ impl<D: Device> CachingAllocator<D> {
         paging.pages_mapped += needed;
         paging.pages_lent += lent;
         Ok(true)
+    }
+
+    /// Merges unmapped block `id` of a paged segment with its unmapped neighbours again.
+    fn merge_unmapped(&mut self, id: BlockId) {
+        self.remove_unmapped(id);
+        let (prev, next) = (self.block(id).prev, self.block(id).next);
+        for neighbour in [prev, next].into_iter().flatten() {
+            self.try_merge(id, neighbour);
+        }
+        self.insert_unmapped(id);
+    }
+
+    /// Takes back a page lent from `page` of the paged segment at `base` (still mapped there):
+    /// the undoing of [`Self::lend`] when the borrower could not map it.
+    fn reattach(&mut self, base: u64, page: u64, handle: PhysicalHandle) {
+        let paging = self.planned_mut().paging_mut(base);
+        paging.stale.remove(&page);
+        let segment = paging.segment;
+        self.expandable_segments[segment.index()].attach(page, handle);
+        let id = self.unmapped_from(base, page);
+        self.adopt_mapping(id, PLAN_PAGE);
     }
 
     /// The unmapped block of the paged segment at `base` that starts at `from`, split off
@@ -1006,9 +1082,16 @@ impl<D: Device> CachingAllocator<D> {
     /// Up to `want` whole free mapped pages of `stream`'s paged regions and chunks that can
     /// be lent: pages of chunks the iteration's rest will not bump into (freed persistent
     /// memory, and a current chunk's free tail beyond what is still to come), then, for a
-    /// chunk (`to_chunk`), region pages past their last use in this iteration. As (base,
-    /// page address).
-    fn spare_pages(&self, stream: StreamId, to_chunk: bool, want: u64) -> Vec<(u64, u64)> {
+    /// chunk (`to_chunk`), region pages past their last use in this iteration; never one of
+    /// the `borrower`'s (base, range). As (base, page address). O(the stream's free mapped
+    /// pages).
+    fn spare_pages(
+        &self,
+        stream: StreamId,
+        to_chunk: bool,
+        want: u64,
+        borrower: (u64, std::ops::Range<u64>),
+    ) -> Vec<(u64, u64)> {
         let planned = self.following();
         let mut spares = Vec::new();
         for regions in [false, true] {
@@ -1032,10 +1115,11 @@ impl<D: Device> CachingAllocator<D> {
                     let end = ptr + self.block(id).size;
                     let mut page = base + (ptr - base).div_ceil(PLAN_PAGE) * PLAN_PAGE;
                     while page + PLAN_PAGE <= end {
-                        let lendable = match region {
-                            Some(r) => planned.past_last_use(r, page - base),
-                            None => page + PLAN_PAGE <= kept.start || page >= kept.end,
-                        };
+                        let lendable = !(base == borrower.0 && borrower.1.contains(&page))
+                            && match region {
+                                Some(r) => planned.past_last_use(r, page - base),
+                                None => page + PLAN_PAGE <= kept.start || page >= kept.end,
+                            };
                         if lendable {
                             spares.push((base, page));
                             if spares.len() as u64 == want {
@@ -1053,7 +1137,7 @@ impl<D: Device> CachingAllocator<D> {
     /// Lends the free mapped page at `page` of the paged segment at `base`: its handle, to
     /// be mapped elsewhere. The page is unmapped to the allocator from now on and stays
     /// mapped on the device until [`Self::unmap_stale_pages`].
-    fn lend(&mut self, base: u64, page: u64) -> Vec<PhysicalHandle> {
+    fn lend(&mut self, base: u64, page: u64) -> PhysicalHandle {
         let segment = self.following().held[&base]
             .paging
             .as_ref()
@@ -1064,10 +1148,12 @@ impl<D: Device> CachingAllocator<D> {
             .range(..=page)
             .next_back()
             .expect("a free block holds a spare page");
-        let handles = self.expandable_segments[segment.index()].detach(page, PLAN_PAGE);
+        let handle = self.expandable_segments[segment.index()]
+            .detach(page)
+            .expect("a mapped page has a handle");
         self.mark_unmapped(id, page, PLAN_PAGE);
         self.planned_mut().paging_mut(base).stale.insert(page);
-        handles
+        handle
     }
 
     /// Unmaps every lent page where it was lent from, after synchronising its stream
@@ -1104,8 +1190,9 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
-    /// the retry chain's, and when the plan is replaced); paged, first unmaps their lent
-    /// and free pages. Whether any memory was given back.
+    /// the retry chain's, and when the plan is replaced); paged, first unmaps the lent pages'
+    /// old mappings and every free page of every region and chunk, live blocks or not.
+    /// Whether any memory was given back.
     pub(super) fn give_back_plan_memory(&mut self) -> Result<bool, AllocError> {
         let Some(planned) = self.planned.as_ref() else {
             return Ok(false);
