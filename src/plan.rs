@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::allocator::size::ROUND_LARGE;
 use crate::allocator::{
-    MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, Plan, PlanEntry, PlanError, PlanRegion,
+    MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, Plan, PlanEntry, PlanError, PlanRegion, TraceEntry,
 };
 use crate::config::AllocatorConfig;
 use crate::device::StreamId;
@@ -211,23 +211,7 @@ pub fn plan(
             .get(first + period * iterations)
             .map_or(events.len(), |a| a.event)
     };
-    let placement = place_iteration(iteration, start, end - start);
-    let plan = Plan {
-        regions: placement.regions,
-        entries: iteration
-            .iter()
-            .zip(placement.offsets.iter().zip(&placement.tried))
-            .map(|(a, (&offset, &tried))| PlanEntry {
-                size: a.size,
-                stream: a.stream,
-                offset: offset.or(tried),
-                // A stream left out of the plan: its allocations go to the caching allocator.
-                persistent: offset.is_none() && placement.streams.binary_search(&a.stream).is_ok(),
-            })
-            .collect(),
-    };
-
-    debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
+    let (plan, lower_bound) = plan_iteration(iteration, start, end - start);
     let persistent_bytes = plan
         .entries
         .iter()
@@ -245,8 +229,52 @@ pub fn plan(
         iterations,
         events: start..end,
         evaluated: end..evaluated_end,
-        lower_bound_bytes: placement.lower_bound,
+        lower_bound_bytes: lower_bound,
     })
+}
+
+/// Plans the repeating iteration of a trace a job recorded itself (`plan_record:N`: the
+/// core's own trace, rounded under `config`), as [`plan`] plans a recording's.
+///
+/// # Errors
+/// [`PlanningError::NoIteration`] when no sequence of allocations repeats itself.
+pub fn plan_trace(events: &[TraceEntry], config: &AllocatorConfig) -> Result<Plan, PlanningError> {
+    let allocations = allocations(events, config);
+    let (first, period, _) = find_iteration(&allocations).ok_or_else(|| {
+        PlanningError::NoIteration(format!(
+            "no sequence of allocations repeats itself in the {} events recorded ({} allocations)",
+            events.len(),
+            allocations.len()
+        ))
+    })?;
+    let iteration = &allocations[first..first + period];
+    let start = iteration[0].event;
+    let end = allocations
+        .get(first + period)
+        .map_or(events.len(), |a| a.event);
+    Ok(plan_iteration(iteration, start, end - start).0)
+}
+
+/// The plan of `iteration` (starting at event `start`, `length` events long), and the most
+/// bytes its placed allocations hold at once.
+fn plan_iteration(iteration: &[Allocation], start: usize, length: usize) -> (Plan, u64) {
+    let placement = place_iteration(iteration, start, length);
+    let plan = Plan {
+        regions: placement.regions,
+        entries: iteration
+            .iter()
+            .zip(placement.offsets.iter().zip(&placement.tried))
+            .map(|(a, (&offset, &tried))| PlanEntry {
+                size: a.size,
+                stream: a.stream,
+                offset: offset.or(tried),
+                // A stream left out of the plan: its allocations go to the caching allocator.
+                persistent: offset.is_none() && placement.streams.binary_search(&a.stream).is_ok(),
+            })
+            .collect(),
+    };
+    debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
+    (plan, placement.lower_bound)
 }
 
 /// Whether persistent `a` is tried in the region first: its free completed within

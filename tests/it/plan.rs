@@ -38,6 +38,32 @@ fn the_plan_key_is_gpumem_syntax_only() {
     );
     let empty = AllocatorConfig::parse_as("plan:", Syntax::Gpumem).expect_err("a value");
     assert!(empty.reason.contains("needs a value"), "{}", empty.reason);
+    // A job that plans itself: gpumem's syntax only, a bounded count, not beside a file.
+    let own = AllocatorConfig::parse_as("plan_record:50000", Syntax::Gpumem).expect("valid");
+    assert_eq!(own.plan_record, Some(50_000));
+    for (text, syntax, reason) in [
+        ("plan_record:100", Syntax::PyTorch, "gpumem's own key"),
+        ("plan_record:0", Syntax::Gpumem, "between 1 and"),
+        ("plan_record:1048577", Syntax::Gpumem, "between 1 and"),
+        ("plan_record:-3", Syntax::Gpumem, "non-negative integer"),
+        (
+            "plan:/tmp/p.json,plan_record:100",
+            Syntax::Gpumem,
+            "exclude each other",
+        ),
+        (
+            "plan_record:100,plan:/tmp/p.json",
+            Syntax::Gpumem,
+            "exclude each other",
+        ),
+    ] {
+        let refused = AllocatorConfig::parse_as(text, syntax).expect_err(text);
+        assert!(
+            refused.reason.contains(reason),
+            "{text}: {}",
+            refused.reason
+        );
+    }
 }
 
 #[test]

@@ -24,7 +24,8 @@
 //! - A malformed reserve value is ignored, its reason kept in `ignored`, as PyTorch logs and
 //!   ignores it.
 //! - [`Syntax::Gpumem`] is PyTorch's syntax plus gpumem's own keys (`plan:PATH`,
-//!   `pytorch:MAJOR.MINOR`: the release whose decisions the allocator follows), read from
+//!   `plan_record:N`, `pytorch:MAJOR.MINOR`: the release whose decisions the allocator
+//!   follows), read from
 //!   `GPUMEM_ALLOC_CONF` and gpumem's own snapshots; where only PyTorch's syntax is valid
 //!   ([`Syntax::PyTorch`]: `PYTORCH_CUDA_ALLOC_CONF`, `_set_allocator_settings`, the command
 //!   line's `--config`) gpumem's keys are refused by name. The plan's path is kept
@@ -32,6 +33,9 @@
 //!   the file is the caller's business, the configuration stays pure.
 
 use serde::Serialize;
+
+/// The most trace events `plan_record` may ask for (each about 50 bytes while recorded).
+pub const MAX_PLAN_RECORD: usize = 1 << 20;
 
 /// Bytes in a MiB: option names say "mb" but mean MiB.
 const MIB: u64 = 1 << 20;
@@ -251,6 +255,9 @@ pub struct AllocatorConfig {
     pub pinned: PinnedSettings,
     /// gpumem only: the file of a placement plan to follow (Note [Planned placement]).
     pub plan: Option<String>,
+    /// gpumem only: record this many trace events, then plan from them and follow the plan
+    /// (`plan_record:N`, at most [`MAX_PLAN_RECORD`]; `gpumem-torch` does the planning).
+    pub plan_record: Option<usize>,
     /// gpumem only: the PyTorch release whose decisions (and keys) the allocator follows
     /// (2.15 by default).
     pub pytorch: PyTorchVersion,
@@ -287,6 +294,7 @@ impl Default for AllocatorConfig {
             release_lock_on_cudamalloc: false,
             pinned: PinnedSettings::default(),
             plan: None,
+            plan_record: None,
             pytorch: PyTorchVersion::LATEST,
             ignored: Vec::new(),
             last_settings: String::new(),
@@ -751,7 +759,25 @@ impl Parser {
             }
             "plan" => {
                 let v = self.value(option)?;
+                if config.plan_record.is_some() {
+                    return Err("`plan` and `plan_record` exclude each other: a job follows a plan file or plans itself".into());
+                }
                 config.plan = Some(v);
+            }
+            "plan_record" if self.syntax == Syntax::PyTorch => {
+                return Err("`plan_record` is gpumem's own key: set it in GPUMEM_ALLOC_CONF, not where PyTorch's syntax is read".into());
+            }
+            "plan_record" => {
+                let n = self.unsigned(option)?;
+                if n == 0 || n > MAX_PLAN_RECORD as u64 {
+                    return Err(format!(
+                        "`plan_record` must be between 1 and {MAX_PLAN_RECORD} events, not {n}"
+                    ));
+                }
+                if config.plan.is_some() {
+                    return Err("`plan` and `plan_record` exclude each other: a job follows a plan file or plans itself".into());
+                }
+                config.plan_record = Some(n as usize);
             }
             "pytorch" if self.syntax == Syntax::PyTorch => {
                 return Err("`pytorch` is gpumem's own key: set it in GPUMEM_ALLOC_CONF (the commands take --pytorch), not where PyTorch's syntax is read".into());

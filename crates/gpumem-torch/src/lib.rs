@@ -4,7 +4,10 @@
 //! "gpumem_free")` loads these entry points (the Python helper in `python/gpumem_torch` does
 //! it). Each device gets one thread-safe allocator, created on first use and configured from
 //! `GPUMEM_ALLOC_CONF` (the `PYTORCH_CUDA_ALLOC_CONF` syntax, plus gpumem's `plan:PATH`: each
-//! device's allocator follows the placement plan `gpumem plan` wrote there). With
+//! device's allocator follows the placement plan `gpumem plan` wrote there, or
+//! `plan_record:N`: each device's allocator records its first N trace events, plans them on
+//! a thread of its own, as `gpumem plan` would, and then follows the plan, switched to under
+//! the allocator's lock; misses fall back to the caching allocator, as with a plan file). With
 //! `GPUMEM_METRICS_LISTEN` set (for example `127.0.0.1:9418`), a background thread serves the
 //! allocators' counters on `/metrics`, with the agent's metric contract, and the agent's live
 //! page at `/` with the segment maps of this job's allocators (`GPUMEM_METRICS_UI=off` turns
@@ -35,7 +38,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -98,7 +101,26 @@ struct DeviceSlot {
     allocator: SharedAllocator<backend::Device>,
     /// What the metrics server exports for it (the figures the lock-free stats lack).
     source: Arc<AllocatorSource>,
+    /// `plan_record:N`: the allocator plans itself.
+    self_plan: Option<SelfPlan>,
 }
+
+/// A device's allocator planning itself (`plan_record:N`).
+struct SelfPlan {
+    /// Trace events to record before planning.
+    events: usize,
+    /// [`RECORDING`], [`PLANNING`] or [`SETTLED`].
+    state: AtomicU8,
+    /// The configuration (its rounding shapes the plan).
+    config: AllocatorConfig,
+}
+
+/// Recording the trace.
+const RECORDING: u8 = 0;
+/// The trace is being planned on the planner's thread.
+const PLANNING: u8 = 1;
+/// Following the plan, or running without one (reported).
+const SETTLED: u8 = 2;
 
 static SLOTS: [OnceLock<Option<DeviceSlot>>; MAX_DEVICES] =
     [const { OnceLock::new() }; MAX_DEVICES];
@@ -144,7 +166,15 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                 let config = config();
                 let settings = config.last_settings.clone();
                 let planned = config.plan.as_deref().and_then(plan);
+                let self_plan = config.plan_record.map(|events| SelfPlan {
+                    events,
+                    state: AtomicU8::new(RECORDING),
+                    config: config.clone(),
+                });
                 let mut core = CachingAllocator::new(dev, config);
+                if let Some(sp) = &self_plan {
+                    core.record_history(Some(sp.events));
+                }
                 if let Some(plan) = planned
                     && let Err(e) = core.set_plan(plan)
                 {
@@ -159,7 +189,11 @@ fn slot(device: c_int) -> Option<&'static DeviceSlot> {
                     Arc::clone(allocator.stats()),
                 ));
                 register_metrics(Arc::clone(&source));
-                Some(DeviceSlot { allocator, source })
+                Some(DeviceSlot {
+                    allocator,
+                    source,
+                    self_plan,
+                })
             }
             Err(e) => {
                 report(&format!("cannot open CUDA device {device}: {e}"));
@@ -193,10 +227,20 @@ pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) 
         let Some(slot) = slot(device) else {
             return std::ptr::null_mut();
         };
-        match slot
-            .allocator
-            .with(|a| malloc_outside_capture(a, size as u64, stream))
-        {
+        let served = slot.allocator.with(|a| {
+            let served = malloc_outside_capture(a, size as u64, stream);
+            if let Some(sp) = &slot.self_plan
+                && sp.state.load(Ordering::Relaxed) == RECORDING
+                && a.trace_len() >= sp.events
+            {
+                sp.state.store(PLANNING, Ordering::Relaxed);
+                let events = a.take_trace();
+                a.record_history(None);
+                plan_in_background(slot, sp, device, events);
+            }
+            served
+        });
+        match served {
             Ok(ptr) => ptr.0 as usize as *mut c_void,
             Err(Refused::Capturing) => {
                 report(&format!(
@@ -215,6 +259,47 @@ pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) 
             Err(Refused::Alloc(e)) => alloc_failed(slot, size, e),
         }
     })
+}
+
+/// Plans `events` on a thread of its own and has `slot`'s allocator follow the plan (or,
+/// reported, run without one).
+fn plan_in_background(
+    slot: &'static DeviceSlot,
+    sp: &'static SelfPlan,
+    device: c_int,
+    events: Vec<gpumem::allocator::TraceEntry>,
+) {
+    let run = move || {
+        let planned = guarded("the planner", None, || {
+            Some(gpumem::plan::plan_trace(&events, &sp.config))
+        });
+        let outcome = match planned {
+            Some(Ok(plan)) => {
+                let (entries, regions) = (plan.entries.len(), plan.region_bytes());
+                match slot.allocator.with(|a| a.set_plan(Arc::new(plan))) {
+                    Ok(()) => format!(
+                        "device {device}: planned from {} events: {entries} allocations an iteration in {} MiB of regions; following the plan",
+                        events.len(),
+                        regions >> 20
+                    ),
+                    Err(e) => format!("device {device}: {e}; running without a plan"),
+                }
+            }
+            Some(Err(e)) => format!("device {device}: {e}; running without a plan"),
+            None => format!("device {device}: running without a plan"),
+        };
+        report(&outcome);
+        sp.state.store(SETTLED, Ordering::Relaxed);
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("gpumem-plan".into())
+        .spawn(run)
+    {
+        report(&format!(
+            "device {device}: the planner cannot start: {e}; running without a plan"
+        ));
+        sp.state.store(SETTLED, Ordering::Relaxed);
+    }
 }
 
 /// Why an allocation was not served.
@@ -433,6 +518,18 @@ async fn refresh_cache_figures() {
 /// diagnostics (`None` if the device is not open).
 pub fn memory_stats(device: c_int) -> Option<std::collections::BTreeMap<String, i64>> {
     slot(device).map(|s| s.allocator.stats().memory_stats())
+}
+
+/// How `device`'s plan stands (`None` without one), for tests and diagnostics.
+pub fn plan_status(device: c_int) -> Option<gpumem::allocator::PlanStatus> {
+    slot(device)?.allocator.with(|a| a.plan_status())
+}
+
+/// Resets `device`'s peak statistics (`reset_peak_memory_stats`), for tests and diagnostics.
+pub fn reset_peak_stats(device: c_int) {
+    if let Some(slot) = slot(device) {
+        slot.allocator.with(|a| a.reset_peak_stats());
+    }
 }
 
 /// Starts or ends a simulated graph capture of `stream` on `device`, for tests.

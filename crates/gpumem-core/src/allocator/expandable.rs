@@ -384,6 +384,16 @@ impl<D: Device> CachingAllocator<D> {
         self.record(TraceAction::SegmentMap, ptr, mapped, stream, kind.owner);
     }
 
+    /// Whether a mapped block of an expandable segment covers a whole page.
+    pub(super) fn holds_whole_page(&self, id: BlockId) -> bool {
+        let b = self.block(id);
+        let Some(segment) = b.expandable else {
+            return false;
+        };
+        let seg = &self.expandable_segments[segment.index()];
+        b.mapped && seg.page_ceil(b.ptr) < seg.page_floor(b.ptr + b.size)
+    }
+
     /// Unmaps the whole free pages of a free mapped block (`unmap_block`); partial pages at
     /// either end stay mapped as free blocks of their own.
     /// (`synced`: the caller has synchronised the segment's stream already.)

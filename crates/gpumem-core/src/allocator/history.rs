@@ -118,6 +118,10 @@ impl History {
         self.entries.push_back(entry);
     }
 
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
     /// Removes and returns the entries, oldest first.
     pub fn take(&mut self) -> Vec<TraceEntry> {
         self.entries.drain(..).collect()

@@ -360,6 +360,11 @@ impl<D: Device> CachingAllocator<D> {
         self.history.entries()
     }
 
+    /// How many trace entries are recorded now.
+    pub fn trace_len(&self) -> usize {
+        self.history.len()
+    }
+
     /// Removes and returns the recorded trace, oldest first (recording stays on).
     pub fn take_trace(&mut self) -> Vec<TraceEntry> {
         self.history.take()

@@ -231,11 +231,15 @@ pub struct PlanStatus {
     pub paging: PlanPaging,
 }
 
-/// What a paged plan did so far (Note [Planned placement]); all zero where unpaged.
+/// What a followed plan did so far (Note [Planned placement]); but for `iterations` and
+/// `cache_releases`, all zero where unpaged.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PlanPaging {
     /// Iterations begun: the plan's first entry matched at the start or after the last.
     pub iterations: u64,
+    /// Times the caching allocator's idle memory was given back after an iteration the
+    /// plan served alone.
+    pub cache_releases: u64,
     /// Map operations: one per range of pages mapped at once into a region or chunk.
     pub maps: u64,
     /// Pages mapped, lent ones included.
@@ -275,6 +279,9 @@ pub(super) struct Following {
     /// Whether requests are being matched from the cursor (else: waiting for entry 0).
     following: bool,
     misses_in_row: u32,
+    /// Requests of the default pool the caching allocator served since the iteration began
+    /// (misses, entries left to it, requests while not following).
+    elsewhere: u64,
     /// Regions and chunks reserve address space and map pages on use.
     paged: bool,
     paging: PlanPaging,
@@ -487,6 +494,7 @@ impl Following {
             position: 0,
             following: false,
             misses_in_row: 0,
+            elsewhere: 0,
             paged,
             paging: PlanPaging::default(),
         }
@@ -671,10 +679,16 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(None);
         };
         let (expect, begins) = planned.expect(rounded, stream);
-        if begins && planned.paged {
-            planned.paging.iterations += 1;
+        if begins {
             // The iteration before is over: what it lent is unmapped where it came from.
-            self.unmap_stale_pages(&mut Vec::new())?;
+            let served_alone = planned.paging.iterations > 0 && planned.elsewhere == 0;
+            planned.paging.iterations += 1;
+            planned.elsewhere = 0;
+            let mut synced = Vec::new();
+            self.unmap_stale_pages(&mut synced)?;
+            if served_alone {
+                self.release_idle_cache()?;
+            }
         }
         let placed = match expect {
             Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
@@ -688,12 +702,16 @@ impl<D: Device> CachingAllocator<D> {
                 }
             }
             Expect::Miss => None,
-            Expect::Unplanned | Expect::Idle => return Ok(None),
+            Expect::Unplanned | Expect::Idle => {
+                self.planned_mut().elsewhere += 1;
+                return Ok(None);
+            }
         };
         if placed.is_some() {
             self.stats.num_plan_hits.bump();
         } else {
             self.stats.num_plan_misses.bump();
+            self.planned_mut().elsewhere += 1;
         }
         Ok(placed)
     }
@@ -1177,6 +1195,33 @@ impl<D: Device> CachingAllocator<D> {
                 planned.paging.pages_unmapped += 1;
             }
         }
+        Ok(())
+    }
+
+    /// After an iteration the plan served alone, gives back the caching allocator's whole
+    /// free segments of the default pool (and its expandable segments' free pages): memory
+    /// from before the plan was followed (a job that planned itself), which no request of
+    /// the plan's iterations asks for. Nothing (not even a synchronisation) when there are
+    /// none.
+    fn release_idle_cache(&mut self) -> Result<(), AllocError> {
+        let pools = [PoolKind::Large, PoolKind::Small].map(PoolRef::default_pool);
+        let idle = pools.iter().any(|&pool| {
+            self.pool(pool).free.iter().any(|(_, e)| {
+                let b = self.block(e.id);
+                match b.expandable {
+                    Some(_) => self.holds_whole_page(e.id),
+                    None => !b.is_split(),
+                }
+            })
+        });
+        if !idle {
+            return Ok(());
+        }
+        self.synchronize_and_free_events()?;
+        for pool in pools {
+            self.release_blocks(pool)?;
+        }
+        self.planned_mut().paging.cache_releases += 1;
         Ok(())
     }
 

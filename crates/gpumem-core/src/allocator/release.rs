@@ -44,7 +44,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Releases the whole free segments of a pool, in the pool's order, then unmaps the
     /// whole free pages of its expandable segments (`release_blocks`).
-    fn release_blocks(&mut self, kind: PoolRef) -> Result<(), AllocError> {
+    pub(super) fn release_blocks(&mut self, kind: PoolRef) -> Result<(), AllocError> {
         let free: Vec<BlockId> = self.pool(kind).free.iter().map(|(_, e)| e.id).collect();
         let mut to_unmap = Vec::new();
         for id in free {
