@@ -234,7 +234,7 @@ fn print_text(
         p.plan_hits,
         p.plan_misses
     )?;
-    if let Some(paging) = &p.plan_paging {
+    if let Some(paging) = p.plan_paging.filter(|g| g.maps > 0) {
         let per = |n: u64| n as f64 / paging.iterations.max(1) as f64;
         outln!(
             "  paged: {} iterations begun; per iteration {:.1} maps ({:.1} pages, {:.1} of them lent), {:.1} pages unmapped, {:.1} stream synchronisations",
@@ -244,6 +244,12 @@ fn print_text(
             per(paging.pages_lent),
             per(paging.pages_unmapped),
             per(paging.synchronizations)
+        )?;
+    }
+    if let Some(paging) = p.plan_paging.filter(|g| g.cache_releases > 0) {
+        outln!(
+            "  the caching allocator's idle segments given back {} time(s) after an iteration the plan served alone",
+            paging.cache_releases
         )?;
     }
     Ok(())

@@ -346,14 +346,19 @@ fn check(
     devices: &[u32],
     plan: Option<std::sync::Arc<gpumem::allocator::Plan>>,
 ) -> CliResult {
-    let recorded_plan = recording
+    let recorded = recording
         .config
         .as_ref()
-        .and_then(|c| AllocatorConfig::parse_as(&c.last_settings, Syntax::Gpumem).ok())
-        .and_then(|c| c.plan);
+        .and_then(|c| AllocatorConfig::parse_as(&c.last_settings, Syntax::Gpumem).ok());
+    let recorded_plan = recorded.as_ref().and_then(|c| c.plan.clone());
     if let (Some(path), None) = (&recorded_plan, &plan) {
         eprintln!(
             "gpumem: the recorded job followed the placement plan {path}; pass it with --plan to check its decisions"
+        );
+    }
+    if let Some(n) = recorded.and_then(|c| c.plan_record) {
+        eprintln!(
+            "gpumem: the recorded job planned itself (plan_record:{n}) and followed that plan from a moment its planner chose; the recording does not keep the plan, so its decisions from then on cannot be checked"
         );
     }
     let mut all = Vec::new();

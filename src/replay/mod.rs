@@ -868,11 +868,7 @@ fn run_with(
         ooms,
         plan_hits,
         plan_misses,
-        plan_paging: engine
-            .alloc
-            .plan_status()
-            .filter(|s| s.paged)
-            .map(|s| s.paging),
+        plan_paging: engine.alloc.plan_status().map(|s| s.paging),
         driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
         compared: engine.compared,
         divergence: engine.divergence,

@@ -92,8 +92,8 @@ pub struct ReplayReport {
     pub plan_hits: u64,
     /// Requests a placement plan expected but could not serve.
     pub plan_misses: u64,
-    /// What the plan's paged regions and chunks did (a plan followed on a device with
-    /// virtual memory).
+    /// What the followed plan did: iterations, the cache given back, and where its regions
+    /// and chunks are paged (a device with virtual memory), their maps and unmaps.
     pub plan_paging: Option<crate::allocator::PlanPaging>,
     /// Simulated time spent in driver calls during the trace, in nanoseconds.
     pub driver_time_ns: u64,

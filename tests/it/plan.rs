@@ -281,6 +281,62 @@ fn paged_regions_lend_their_pages_to_kept_memory() {
     assert_eq!(reserved, 40 * MIB, "unpaged: the region beside four chunks");
 }
 
+/// After the first iteration a plan served alone, the caching allocator's idle segments
+/// (cached before the plan was followed) are given back, once; not after an iteration in
+/// which a request went to the caching allocator.
+#[test]
+fn a_plan_gives_back_the_cache_it_no_longer_needs_once() {
+    use gpumem::CachingAllocator;
+    use gpumem::device::{SimConfig, SimDevice, StreamId};
+    const MIB: u64 = 1 << 20;
+    let plan = gpumem::plan::parse_plan(
+        &serde_json::json!({"format": "gpumem-plan", "version": 1,
+            "regions": [{"stream": 0, "bytes": 4 * MIB}],
+            "entries": [{"size": 4 * MIB, "stream": 0, "offset": 0}]})
+        .to_string(),
+    )
+    .expect("valid");
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(1 << 30)),
+        AllocatorConfig::default(),
+    );
+    let s = StreamId(0);
+    let cached = alloc.malloc(10 * MIB, s).expect("fits");
+    alloc.free(cached).expect("live");
+    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+    let reserved = |a: &CachingAllocator<SimDevice>| a.stats().reserved_bytes.all().current;
+    let iteration = |a: &mut CachingAllocator<SimDevice>, miss: bool| {
+        let p = a.malloc(4 * MIB, s).expect("fits");
+        a.free(p).expect("live");
+        if miss {
+            let q = a.malloc(3 * MIB, s).expect("fits");
+            a.free(q).expect("live");
+        }
+        a.check_invariants().expect("consistent");
+        a.plan_status().expect("followed").paging.cache_releases
+    };
+    // The first iteration, and one with a miss: the cache stays.
+    assert_eq!(iteration(&mut alloc, true), 0);
+    assert_eq!(iteration(&mut alloc, false), 0);
+    assert_eq!(
+        reserved(&alloc),
+        (10 + 4) as i64 * MIB as i64,
+        "the cached segment (the misses took part of it) and the region"
+    );
+    // It began after an iteration served alone: the cached segment goes, and the miss
+    // takes a new one (20 MiB, as requests of 1 to 10 MiB do).
+    assert_eq!(iteration(&mut alloc, true), 1);
+    assert_eq!(
+        reserved(&alloc),
+        (20 + 4) as i64 * MIB as i64,
+        "the miss cached anew"
+    );
+    for _ in 0..3 {
+        assert_eq!(iteration(&mut alloc, false), 1, "once per plan");
+    }
+    assert_eq!(reserved(&alloc), (20 + 4) as i64 * MIB as i64);
+}
+
 /// A paged chunk never lends the pages a request is about to take, nor those the
 /// iteration's remaining persistent entries will bump into: a job that frees its first kept
 /// allocation before its second grows one chunk, without lending or synchronising.

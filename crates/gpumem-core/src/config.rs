@@ -34,7 +34,7 @@
 
 use serde::Serialize;
 
-/// The most trace events `plan_record` may ask for (each about 50 bytes while recorded).
+/// The most trace events `plan_record` may ask for (64 bytes each while recorded).
 pub const MAX_PLAN_RECORD: usize = 1 << 20;
 
 /// Bytes in a MiB: option names say "mb" but mean MiB.

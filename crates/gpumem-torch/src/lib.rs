@@ -262,7 +262,8 @@ pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) 
 }
 
 /// Plans `events` on a thread of its own and has `slot`'s allocator follow the plan (or,
-/// reported, run without one).
+/// reported, run without one). A process forked while the planner runs (CUDA forbids using
+/// the device in the child anyway) never gets a plan in the child.
 fn plan_in_background(
     slot: &'static DeviceSlot,
     sp: &'static SelfPlan,
@@ -270,24 +271,28 @@ fn plan_in_background(
     events: Vec<gpumem::allocator::TraceEntry>,
 ) {
     let run = move || {
-        let planned = guarded("the planner", None, || {
-            Some(gpumem::plan::plan_trace(&events, &sp.config))
-        });
-        let outcome = match planned {
-            Some(Ok(plan)) => {
-                let (entries, regions) = (plan.entries.len(), plan.region_bytes());
-                match slot.allocator.with(|a| a.set_plan(Arc::new(plan))) {
-                    Ok(()) => format!(
-                        "device {device}: planned from {} events: {entries} allocations an iteration in {} MiB of regions; following the plan",
-                        events.len(),
-                        regions >> 20
-                    ),
-                    Err(e) => format!("device {device}: {e}; running without a plan"),
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            match gpumem::plan::plan_trace(&events, &sp.config) {
+                Ok(plan) => {
+                    let (entries, regions) = (plan.entries.len(), plan.region_bytes());
+                    if slot.allocator.is_poisoned() {
+                        return format!("device {device}: the allocator is refusing calls; running without a plan");
+                    }
+                    match slot.allocator.with(|a| a.set_plan(Arc::new(plan))) {
+                        Ok(()) => format!(
+                            "device {device}: planned from {} events: {entries} allocations an iteration in {} MiB of regions; following the plan",
+                            events.len(),
+                            regions >> 20
+                        ),
+                        Err(e) => format!("device {device}: {e}; running without a plan"),
+                    }
                 }
+                Err(e) => format!("device {device}: {e}; running without a plan"),
             }
-            Some(Err(e)) => format!("device {device}: {e}; running without a plan"),
-            None => format!("device {device}: running without a plan"),
-        };
+        }))
+        .unwrap_or_else(|_| {
+            format!("device {device}: internal error in the planner; running without a plan")
+        });
         report(&outcome);
         sp.state.store(SETTLED, Ordering::Relaxed);
     };
@@ -523,6 +528,17 @@ pub fn memory_stats(device: c_int) -> Option<std::collections::BTreeMap<String, 
 /// How `device`'s plan stands (`None` without one), for tests and diagnostics.
 pub fn plan_status(device: c_int) -> Option<gpumem::allocator::PlanStatus> {
     slot(device)?.allocator.with(|a| a.plan_status())
+}
+
+/// Where `device`'s self-planning stands (`plan_record:N`): `"recording"`, `"planning"` or
+/// `"settled"` (following the plan, or reported running without one); `None` without it.
+pub fn self_planning(device: c_int) -> Option<&'static str> {
+    let sp = slot(device)?.self_plan.as_ref()?;
+    Some(match sp.state.load(Ordering::Relaxed) {
+        RECORDING => "recording",
+        PLANNING => "planning",
+        _ => "settled",
+    })
 }
 
 /// Resets `device`'s peak statistics (`reset_peak_memory_stats`), for tests and diagnostics.

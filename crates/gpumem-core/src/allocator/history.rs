@@ -124,7 +124,8 @@ impl History {
 
     /// Removes and returns the entries, oldest first.
     pub fn take(&mut self) -> Vec<TraceEntry> {
-        self.entries.drain(..).collect()
+        // Moved out, not copied: a self-planning job takes up to 2^20 under the lock.
+        Vec::from(std::mem::take(&mut self.entries))
     }
 
     /// Entries, oldest first.

@@ -47,12 +47,19 @@
 //! unmapped to the allocator, until the next iteration begins (its first entry matched):
 //! then, after one synchronisation of the stream, its old mappings are unmapped, and the
 //! region maps a page there again at its next use. Unmaps happen only there and at cache
-//! flushes, which unmap every free page and give back wholly unmapped reservations. A
+//! flushes, which unmap every free page and give back wholly unmapped reservations; none
+//! while a graph capture is under way (the boundary's work waits for one outside it). A
 //! range over a lent page still mapped is a miss. Statistics, the trace (`segment_map`,
 //! `segment_unmap`) and snapshots count pages as for expandable segments: a lent page is
 //! unmapped from its lender and mapped at its borrower when it is lent (the lender's old
 //! mapping, which only the device still has, is not traced when it goes). [`PlanPaging`]
 //! counts maps, lent and unmapped pages and synchronisations.
+//!
+//! Once per plan, at the boundary after the first iteration the plan served alone (no
+//! request of the default pool went to the caching allocator), the caching allocator's
+//! whole free segments of the default pool are given back, after waiting for pending frees:
+//! a job that planned itself (`plan_record`) cached them before it followed the plan, and
+//! no request of its iterations asks for them any more.
 //!
 //! # Invariants
 //! - A plan is valid before the allocator follows it ([`Plan::validate`]): at most
@@ -282,6 +289,8 @@ pub(super) struct Following {
     /// Requests of the default pool the caching allocator served since the iteration began
     /// (misses, entries left to it, requests while not following).
     elsewhere: u64,
+    /// Whether the caching allocator's idle memory was given back (once per plan).
+    cache_released: bool,
     /// Regions and chunks reserve address space and map pages on use.
     paged: bool,
     paging: PlanPaging,
@@ -495,6 +504,7 @@ impl Following {
             following: false,
             misses_in_row: 0,
             elsewhere: 0,
+            cache_released: false,
             paged,
             paging: PlanPaging::default(),
         }
@@ -680,14 +690,18 @@ impl<D: Device> CachingAllocator<D> {
         };
         let (expect, begins) = planned.expect(rounded, stream);
         if begins {
-            // The iteration before is over: what it lent is unmapped where it came from.
             let served_alone = planned.paging.iterations > 0 && planned.elsewhere == 0;
             planned.paging.iterations += 1;
             planned.elsewhere = 0;
-            let mut synced = Vec::new();
-            self.unmap_stale_pages(&mut synced)?;
-            if served_alone {
-                self.release_idle_cache()?;
+            // Neither synchronisations nor frees while a capture is under way (Note [Private
+            // pools]): lent pages stay lent (a range over one is a miss) until a boundary
+            // outside it.
+            if !self.capturing() {
+                // The iteration before is over: what it lent is unmapped where it came from.
+                self.unmap_stale_pages(&mut Vec::new())?;
+                if served_alone && !self.following().cache_released {
+                    self.release_idle_cache()?;
+                }
             }
         }
         let placed = match expect {
@@ -967,7 +981,8 @@ impl<D: Device> CachingAllocator<D> {
     /// is paged: lent pages of the stream first (the dead pages of its chunks; for a chunk,
     /// also its regions' pages past their last use), new ones for the rest. `Ok(false)`
     /// when a page there is lent and still mapped, or memory for the new pages is refused.
-    /// On a driver error nothing is lent and no page is lost.
+    /// On a driver error the failed range's pages go back where they came from (ranges
+    /// mapped before it stay mapped) and no page is lost.
     fn map_for(&mut self, base: u64, addr: u64, size: u64) -> Result<bool, AllocError> {
         let Some(held) = self.following().held.get(&base) else {
             return Ok(false);
@@ -1026,7 +1041,6 @@ impl<D: Device> CachingAllocator<D> {
             let handle = self.lend(lender, page);
             pages.push((handle, Some((lender, page))));
         }
-        let lent = needed - fresh;
         let mut pages = pages.into_iter();
         for (from, to) in ranges {
             let taken: Vec<_> = pages
@@ -1049,11 +1063,11 @@ impl<D: Device> CachingAllocator<D> {
                 return Err(e.into());
             }
             self.adopt_mapping(id, to - from);
-            self.planned_mut().paging.maps += 1;
+            let paging = &mut self.planned_mut().paging;
+            paging.maps += 1;
+            paging.pages_mapped += taken.len() as u64;
+            paging.pages_lent += taken.iter().filter(|(_, lender)| lender.is_some()).count() as u64;
         }
-        let paging = &mut self.planned_mut().paging;
-        paging.pages_mapped += needed;
-        paging.pages_lent += lent;
         Ok(true)
     }
 
@@ -1198,11 +1212,12 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
-    /// After an iteration the plan served alone, gives back the caching allocator's whole
-    /// free segments of the default pool (and its expandable segments' free pages): memory
-    /// from before the plan was followed (a job that planned itself), which no request of
-    /// the plan's iterations asks for. Nothing (not even a synchronisation) when there are
-    /// none.
+    /// After the first iteration the plan served alone, gives back the caching allocator's
+    /// whole free segments of the default pool (and its expandable segments' free pages),
+    /// once: memory from before the plan was followed (a job that planned itself), which no
+    /// request of the plan's iterations asks for. Nothing (not even a synchronisation) when
+    /// there are none; a job whose later iterations go to the caching allocator again keeps
+    /// its cache from then on, as PyTorch's would.
     fn release_idle_cache(&mut self) -> Result<(), AllocError> {
         let pools = [PoolKind::Large, PoolKind::Small].map(PoolRef::default_pool);
         let idle = pools.iter().any(|&pool| {
@@ -1217,6 +1232,7 @@ impl<D: Device> CachingAllocator<D> {
         if !idle {
             return Ok(());
         }
+        self.planned_mut().cache_released = true;
         self.synchronize_and_free_events()?;
         for pool in pools {
             self.release_blocks(pool)?;
