@@ -382,6 +382,36 @@ fn a_paged_chunk_keeps_what_its_iteration_still_needs() {
     assert_eq!(st.allocated_bytes.all().peak, 24 * MIB as i64);
 }
 
+/// A plan whose region is far larger than the device (2^56 bytes, the most a plan may give)
+/// costs its requests nothing but a miss: paged, the reservation fails and the caching
+/// allocator serves them; an entry spanning the region is refused before a page is made.
+#[test]
+fn a_region_larger_than_the_device_is_a_miss_not_an_error() {
+    use gpumem::CachingAllocator;
+    use gpumem::allocator::MAX_REGION_BYTES;
+    use gpumem::device::{SimConfig, SimDevice, StreamId};
+    const MIB: u64 = 1 << 20;
+    let plan = gpumem::plan::parse_plan(
+        &serde_json::json!({"format": "gpumem-plan", "version": 1,
+            "regions": [{"stream": 0, "bytes": MAX_REGION_BYTES}],
+            "entries": [{"size": 4 * MIB, "stream": 0, "offset": MAX_REGION_BYTES - 4 * MIB}]})
+        .to_string(),
+    )
+    .expect("valid: within the bounds a plan may give");
+    let mut alloc = CachingAllocator::new(
+        SimDevice::new(SimConfig::with_capacity(1 << 30)),
+        AllocatorConfig::default(),
+    );
+    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+    let p = alloc
+        .malloc(4 * MIB, StreamId(0))
+        .expect("served all the same");
+    alloc.free(p).expect("live");
+    let st = alloc.stats();
+    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (0, 1));
+    alloc.check_invariants().expect("consistent");
+}
+
 /// An allocator dropped while pages are lent (mapped at two addresses until the next
 /// boundary) gives the device everything back.
 #[test]

@@ -147,6 +147,10 @@ impl Following {
 }
 
 impl<D: Device> CachingAllocator<D> {
+    /// Reserves a paged region or chunk of `bytes` (rounded up to pages) as one unmapped
+    /// block of an expandable segment of the plan's own; `Ok(None)` when the address space
+    /// cannot be reserved, for whatever reason the driver gives (a plan's region may be far
+    /// larger than the device: its requests then go to the caching allocator as misses).
     pub(super) fn hold_paged(
         &mut self,
         stream: StreamId,
@@ -155,11 +159,10 @@ impl<D: Device> CachingAllocator<D> {
     ) -> Result<Option<u64>, AllocError> {
         let pool = PoolRef::default_pool(PoolKind::Large);
         let bytes = bytes.div_ceil(PLAN_PAGE).saturating_mul(PLAN_PAGE);
-        let ptr = match self.device.reserve_address_range(bytes) {
-            Ok(ptr) => ptr.0,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
+        let Ok(ptr) = self.device.reserve_address_range(bytes) else {
+            return Ok(None);
         };
+        let ptr = ptr.0;
         if let Err(e) = self.admit_segment(ptr, bytes) {
             let _ = self.device.free_address_range(DevicePtr(ptr), bytes);
             return Err(e);
