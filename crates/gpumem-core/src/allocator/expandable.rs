@@ -306,6 +306,22 @@ impl<D: Device> CachingAllocator<D> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
+        let id = self.expandable_block(ptr, size, page_size, stream, kind)?;
+        self.insert_unmapped(id);
+        Ok(Some(id))
+    }
+
+    /// Makes the reserved range `[ptr, ptr + size)` an expandable segment of `page_size`
+    /// pages, as one unmapped block (not yet in an unmapped set), counted as a segment of
+    /// its pool; the range is freed again if the allocator cannot take another segment.
+    pub(super) fn expandable_block(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        page_size: u64,
+        stream: StreamId,
+        kind: PoolRef,
+    ) -> Result<BlockId, AllocError> {
         if let Err(e) = self.admit_segment(ptr, size) {
             let _ = self.device.free_address_range(DevicePtr(ptr), size);
             return Err(e);
@@ -324,9 +340,8 @@ impl<D: Device> CachingAllocator<D> {
             expandable: Some(segment),
             ..Block::segment(ptr, size, stream, kind, counter)
         });
-        self.insert_unmapped(id);
         self.count_pool_segment(kind.owner, 1);
-        Ok(Some(id))
+        Ok(id)
     }
 
     /// Maps the first `size` bytes (rounded up to pages) of an unmapped block and merges them

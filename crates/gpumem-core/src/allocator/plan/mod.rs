@@ -268,8 +268,6 @@ pub(super) struct Following {
     /// Requests of the default pool the caching allocator served since the iteration began
     /// (misses, entries left to it, requests while not following).
     elsewhere: u64,
-    /// Whether the caching allocator's idle memory was given back (once per plan).
-    cache_released: bool,
     /// Regions and chunks reserve address space and map pages on use.
     paged: bool,
     paging: PlanPaging,
@@ -291,44 +289,40 @@ struct Held {
 impl Held {
     /// Whether no block of it is allocated: its free and unmapped blocks tile it.
     fn idle(&self, blocks: &slab::Slab<Block>) -> bool {
-        let unmapped = self.paging.iter().flat_map(|p| p.unmapped.values());
-        let idle: u64 = self
-            .free
-            .values()
-            .chain(unmapped)
-            .map(|id| blocks[id.index()].size)
-            .sum();
-        idle == self.bytes
+        let free: u64 = self.free.values().map(|id| blocks[id.index()].size).sum();
+        free + self.unmapped_bytes(blocks) == self.bytes
     }
 
     /// Bytes of device memory it holds: all of it, or its mapped pages.
     fn mapped_bytes(&self, blocks: &slab::Slab<Block>) -> u64 {
-        let unmapped: u64 = self
-            .paging
-            .iter()
-            .flat_map(|p| p.unmapped.values())
-            .map(|id| blocks[id.index()].size)
-            .sum();
-        self.bytes - unmapped
+        self.bytes - self.unmapped_bytes(blocks)
+    }
+
+    fn unmapped_bytes(&self, blocks: &slab::Slab<Block>) -> u64 {
+        let unmapped = self.paging.iter().flat_map(|p| p.unmapped.values());
+        unmapped.map(|id| blocks[id.index()].size).sum()
+    }
+
+    /// Of its free and unmapped blocks starting within `starts`, the last: (address, size).
+    fn last_idle_block(
+        &self,
+        starts: impl std::ops::RangeBounds<u64> + Clone,
+        blocks: &slab::Slab<Block>,
+    ) -> Option<(u64, u64)> {
+        let free = self.free.range(starts.clone()).next_back();
+        let unmapped = (self.paging.as_ref()).and_then(|p| p.unmapped.range(starts).next_back());
+        free.max(unmapped)
+            .map(|(&ptr, id)| (ptr, blocks[id.index()].size))
     }
 
     /// Whether free and unmapped blocks cover `[from, to)`.
     fn range_free(&self, from: u64, to: u64, blocks: &slab::Slab<Block>) -> bool {
         let mut at = from;
         while at < to {
-            let free = self.free.range(..=at).next_back();
-            let unmapped = self
-                .paging
-                .as_ref()
-                .and_then(|p| p.unmapped.range(..=at).next_back());
-            let Some((&ptr, id)) = free.max(unmapped) else {
-                return false;
-            };
-            let end = ptr + blocks[id.index()].size;
-            if end <= at {
-                return false;
+            match self.last_idle_block(..=at, blocks) {
+                Some((ptr, size)) if ptr + size > at => at = ptr + size,
+                _ => return false,
             }
-            at = end;
         }
         true
     }
@@ -342,24 +336,13 @@ impl Held {
     /// Where the run of free and unmapped blocks that ends it starts.
     fn tail_start(&self, base: u64, blocks: &slab::Slab<Block>) -> u64 {
         let mut at = base + self.bytes;
-        loop {
-            let free = self.free.range(..at).next_back();
-            let unmapped = self
-                .paging
-                .as_ref()
-                .and_then(|p| p.unmapped.range(..at).next_back());
-            let last = match (free, unmapped) {
-                (Some(f), Some(u)) => f.max(u),
-                (f, u) => match f.or(u) {
-                    Some(b) => b,
-                    None => return at,
-                },
-            };
-            if last.0 + blocks[last.1.index()].size != at {
-                return at;
+        while let Some((ptr, size)) = self.last_idle_block(..at, blocks) {
+            if ptr + size != at {
+                break;
             }
-            at = *last.0;
+            at = ptr;
         }
+        at
     }
 }
 
@@ -436,7 +419,6 @@ impl Following {
             following: false,
             misses_in_row: 0,
             elsewhere: 0,
-            cache_released: false,
             paged,
             paging: PlanPaging::default(),
         }
@@ -588,7 +570,7 @@ impl<D: Device> CachingAllocator<D> {
             if !self.capturing() {
                 // The iteration before is over: what it lent is unmapped where it came from.
                 self.unmap_stale_pages(&mut Vec::new())?;
-                if served_alone && !self.following().cache_released {
+                if served_alone && self.following().paging.cache_releases == 0 {
                     self.release_idle_cache()?;
                 }
             }
@@ -716,28 +698,31 @@ impl<D: Device> CachingAllocator<D> {
         bytes: u64,
         region: bool,
     ) -> Result<Option<u64>, AllocError> {
-        let pool = PoolRef::default_pool(PoolKind::Large);
-        if self.following().paged {
-            return self.hold_paged(stream, bytes, region);
-        }
-        if !self.within_limit(bytes) {
-            return Ok(None);
-        }
-        let Some(id) = self.new_segment(bytes, stream, pool)? else {
-            return Ok(None);
+        let (id, free, paging) = if self.following().paged {
+            let Some((id, pages)) = self.reserve_pages(stream, bytes)? else {
+                return Ok(None);
+            };
+            (id, BTreeMap::new(), Some(pages))
+        } else {
+            let pool = PoolRef::default_pool(PoolKind::Large);
+            if !self.within_limit(bytes) {
+                return Ok(None);
+            }
+            let Some(id) = self.new_segment(bytes, stream, pool)? else {
+                return Ok(None);
+            };
+            (id, BTreeMap::from([(self.block(id).ptr, id)]), None)
         };
-        let ptr = self.block(id).ptr;
-        let free = BTreeMap::from([(ptr, id)]);
-        self.planned_mut().held.insert(
-            ptr,
-            Held {
-                bytes,
-                region,
-                stream,
-                free,
-                paging: None,
-            },
-        );
+        // One block spans it: its size is the held size (paged: rounded up to pages).
+        let (ptr, bytes) = (self.block(id).ptr, self.block(id).size);
+        let held = Held {
+            bytes,
+            region,
+            stream,
+            free,
+            paging,
+        };
+        self.planned_mut().held.insert(ptr, held);
         Ok(Some(ptr))
     }
 
@@ -836,12 +821,12 @@ impl<D: Device> CachingAllocator<D> {
         if !idle {
             return Ok(());
         }
-        self.planned_mut().cache_released = true;
+        // Counted first: a release that fails is not tried again.
+        self.planned_mut().paging.cache_releases += 1;
         self.synchronize_and_free_events()?;
         for pool in pools {
             self.release_blocks(pool)?;
         }
-        self.planned_mut().paging.cache_releases += 1;
         Ok(())
     }
 

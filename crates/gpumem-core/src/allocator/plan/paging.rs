@@ -23,12 +23,11 @@ use serde::Serialize;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::super::block::{Block, BlockId, SegmentId};
-use super::super::expandable::ExpandableSegment;
+use super::super::block::{BlockId, SegmentId};
 use super::super::pool_id::PoolRef;
 use super::super::size::PoolKind;
 use super::super::{AllocError, CachingAllocator};
-use super::{Following, Held, PlanEntry};
+use super::{Following, PlanEntry};
 
 /// What a followed plan did so far (Note [Planned placement]); but for `iterations` and
 /// `cache_releases`, all zero where unpaged.
@@ -147,57 +146,28 @@ impl Following {
 }
 
 impl<D: Device> CachingAllocator<D> {
-    /// Reserves a paged region or chunk of `bytes` (rounded up to pages) as one unmapped
-    /// block of an expandable segment of the plan's own; `Ok(None)` when the address space
-    /// cannot be reserved, for whatever reason the driver gives (a plan's region may be far
-    /// larger than the device: its requests then go to the caching allocator as misses).
-    pub(super) fn hold_paged(
+    /// Reserves a paged region or chunk of `bytes` (rounded up to pages): one unmapped block
+    /// of an expandable segment of the plan's own, and its pages (none mapped yet);
+    /// `Ok(None)` when the address space cannot be reserved, for whatever reason the driver
+    /// gives (a plan's region may be far larger than the device: its requests then go to the
+    /// caching allocator as misses).
+    pub(super) fn reserve_pages(
         &mut self,
         stream: StreamId,
         bytes: u64,
-        region: bool,
-    ) -> Result<Option<u64>, AllocError> {
-        let pool = PoolRef::default_pool(PoolKind::Large);
+    ) -> Result<Option<(BlockId, HeldPages)>, AllocError> {
         let bytes = bytes.div_ceil(PLAN_PAGE).saturating_mul(PLAN_PAGE);
         let Ok(ptr) = self.device.reserve_address_range(bytes) else {
             return Ok(None);
         };
-        let ptr = ptr.0;
-        if let Err(e) = self.admit_segment(ptr, bytes) {
-            let _ = self.device.free_address_range(DevicePtr(ptr), bytes);
-            return Err(e);
-        }
-        let counter = self.take_counter();
-        let segment = self.expandable_segments.insert(ExpandableSegment {
-            ptr,
-            size: bytes,
-            page_size: PLAN_PAGE,
-            stream,
-            handles: BTreeMap::new(),
-        });
-        let segment = SegmentId::new(segment).expect("fewer than 2^32 segments");
-        let id = self.new_block(Block {
-            mapped: false,
-            expandable: Some(segment),
-            ..Block::segment(ptr, bytes, stream, pool, counter)
-        });
-        let paging = HeldPages {
-            segment,
-            unmapped: BTreeMap::from([(ptr, id)]),
+        let pool = PoolRef::default_pool(PoolKind::Large);
+        let id = self.expandable_block(ptr.0, bytes, PLAN_PAGE, stream, pool)?;
+        let pages = HeldPages {
+            segment: self.block(id).expandable.expect("an expandable block"),
+            unmapped: BTreeMap::from([(ptr.0, id)]),
             stale: BTreeSet::new(),
         };
-        self.planned_mut().held.insert(
-            ptr,
-            Held {
-                bytes,
-                region,
-                stream,
-                free: BTreeMap::new(),
-                paging: Some(paging),
-            },
-        );
-        self.count_pool_segment(pool.owner, 1);
-        Ok(Some(ptr))
+        Ok(Some((id, pages)))
     }
 
     /// Maps the unmapped pages of `[addr, addr + size)` in the held segment at `base`, if it
