@@ -199,19 +199,12 @@ pub fn plan(
             ))
         })?,
     };
-    let iteration = &allocations[first..first + period];
-    let start = iteration[0].event;
-    let end = allocations
-        .get(first + period)
-        .map_or(events.len(), |a| a.event);
+    let (plan, lower_bound, planned) = plan_iteration(&allocations, first, period, events.len());
     let evaluated_end = if options.events.is_some() {
         events.len()
     } else {
-        allocations
-            .get(first + period * iterations)
-            .map_or(events.len(), |a| a.event)
+        event_at(&allocations, first + period * iterations, events.len())
     };
-    let (plan, lower_bound) = plan_iteration(iteration, start, end - start);
     let persistent_bytes = plan
         .entries
         .iter()
@@ -227,8 +220,8 @@ pub fn plan(
         first_allocation: first,
         period,
         iterations,
-        events: start..end,
-        evaluated: end..evaluated_end,
+        evaluated: planned.end..evaluated_end,
+        events: planned,
         lower_bound_bytes: lower_bound,
     })
 }
@@ -247,18 +240,28 @@ pub fn plan_trace(events: &[TraceEntry], config: &AllocatorConfig) -> Result<Pla
             allocations.len()
         ))
     })?;
-    let iteration = &allocations[first..first + period];
-    let start = iteration[0].event;
-    let end = allocations
-        .get(first + period)
-        .map_or(events.len(), |a| a.event);
-    Ok(plan_iteration(iteration, start, end - start).0)
+    Ok(plan_iteration(&allocations, first, period, events.len()).0)
 }
 
-/// The plan of `iteration` (starting at event `start`, `length` events long), and the most
-/// bytes its placed allocations hold at once.
-fn plan_iteration(iteration: &[Allocation], start: usize, length: usize) -> (Plan, u64) {
-    let placement = place_iteration(iteration, start, length);
+/// The event of allocation `k`, or the end of a trace of `events` events past the last.
+fn event_at(allocations: &[Allocation], k: usize, events: usize) -> usize {
+    allocations.get(k).map_or(events, |a| a.event)
+}
+
+/// The plan of the iteration of `period` allocations from allocation `first` (of a trace of
+/// `events` events), the most bytes its placed allocations hold at once, and its events.
+fn plan_iteration(
+    allocations: &[Allocation],
+    first: usize,
+    period: usize,
+    events: usize,
+) -> (Plan, u64, Range<usize>) {
+    let iteration = &allocations[first..first + period];
+    let (start, end) = (
+        iteration[0].event,
+        event_at(allocations, first + period, events),
+    );
+    let placement = place_iteration(iteration, start, end - start);
     let plan = Plan {
         regions: placement.regions,
         entries: iteration
@@ -274,7 +277,7 @@ fn plan_iteration(iteration: &[Allocation], start: usize, length: usize) -> (Pla
             .collect(),
     };
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
-    (plan, placement.lower_bound)
+    (plan, placement.lower_bound, start..end)
 }
 
 /// Whether persistent `a` is tried in the region first: its free completed within
