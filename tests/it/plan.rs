@@ -6,15 +6,35 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use gpumem::AllocatorConfig;
 use gpumem::allocator::{PLAN_PAGE, Plan};
 use gpumem::config::Syntax;
+use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
 use gpumem::recording::read_recording;
 use gpumem::replay::{Readings, ReplayOptions};
+use gpumem::{AllocatorConfig, CachingAllocator};
 
 use crate::common::{succeeded, temp_dir};
 use crate::replay::shared_traces;
+
+/// The plan of a plan file with these fields (its format and version added).
+fn plan_with(fields: serde_json::Value) -> Arc<Plan> {
+    let mut file = serde_json::json!({"format": "gpumem-plan", "version": 1});
+    if let (Some(file), serde_json::Value::Object(fields)) = (file.as_object_mut(), fields) {
+        file.extend(fields);
+    }
+    let parsed = gpumem::plan::parse_plan(&file.to_string()).expect("a valid plan");
+    Arc::new(parsed.plan())
+}
+
+/// An allocator of a simulated 1 GiB device, with virtual memory or without.
+fn on_sim(virtual_memory: bool) -> CachingAllocator<SimDevice> {
+    let device = SimDevice::new(SimConfig {
+        virtual_memory,
+        ..SimConfig::with_capacity(1 << 30)
+    });
+    CachingAllocator::new(device, AllocatorConfig::default())
+}
 
 #[test]
 fn the_plan_key_is_gpumem_syntax_only() {
@@ -151,22 +171,14 @@ fn bad_plan_files_are_refused_by_name() {
 /// that range is taken (here by its own earlier instance, still live), and is a hit both ways.
 #[test]
 fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
-    use gpumem::CachingAllocator;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1,
-            "regions": [{"stream": 0, "bytes": 4 * MIB}],
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 4 * MIB}],
             "entries": [{"size": MIB, "stream": 0, "offset": 0, "persistent": true},
-                        {"size": MIB, "stream": 0, "offset": MIB}]})
-        .to_string(),
-    )
-    .expect("valid: an offset tried first");
-    let mut alloc = CachingAllocator::new(
-        SimDevice::new(SimConfig::with_capacity(1 << 30)),
-        AllocatorConfig::default(),
+                        {"size": MIB, "stream": 0, "offset": MIB}]}),
     );
-    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+    let mut alloc = on_sim(true);
+    alloc.set_plan(plan.clone()).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(MIB, s).expect("fits");
     let other = alloc.malloc(MIB, s).expect("fits");
@@ -196,24 +208,15 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
 /// kept memory. Each boundary unmaps what was lent after one synchronisation.
 #[test]
 fn paged_regions_lend_their_pages_to_kept_memory() {
-    use gpumem::CachingAllocator;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1,
-            "regions": [{"stream": 0, "bytes": 8 * MIB}],
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 8 * MIB}],
             "entries": [{"size": 8 * MIB, "stream": 0, "offset": 0},
-                        {"size": 8 * MIB, "stream": 0, "persistent": true}]})
-        .to_string(),
-    )
-    .expect("valid");
+                        {"size": 8 * MIB, "stream": 0, "persistent": true}]}),
+    );
     let run = |virtual_memory: bool| {
-        let device = SimDevice::new(SimConfig {
-            virtual_memory,
-            ..SimConfig::with_capacity(1 << 30)
-        });
-        let mut alloc = CachingAllocator::new(device, AllocatorConfig::default());
-        alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+        let mut alloc = on_sim(virtual_memory);
+        alloc.set_plan(plan.clone()).expect("valid");
         let s = StreamId(0);
         let mut kept = Vec::new();
         let mut counts = Vec::new();
@@ -286,24 +289,16 @@ fn paged_regions_lend_their_pages_to_kept_memory() {
 /// which a request went to the caching allocator.
 #[test]
 fn a_plan_gives_back_the_cache_it_no_longer_needs_once() {
-    use gpumem::CachingAllocator;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1,
-            "regions": [{"stream": 0, "bytes": 4 * MIB}],
-            "entries": [{"size": 4 * MIB, "stream": 0, "offset": 0}]})
-        .to_string(),
-    )
-    .expect("valid");
-    let mut alloc = CachingAllocator::new(
-        SimDevice::new(SimConfig::with_capacity(1 << 30)),
-        AllocatorConfig::default(),
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 4 * MIB}],
+            "entries": [{"size": 4 * MIB, "stream": 0, "offset": 0}]}),
     );
+    let mut alloc = on_sim(true);
     let s = StreamId(0);
     let cached = alloc.malloc(10 * MIB, s).expect("fits");
     alloc.free(cached).expect("live");
-    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+    alloc.set_plan(plan.clone()).expect("valid");
     let reserved = |a: &CachingAllocator<SimDevice>| a.stats().reserved_bytes.all().current;
     let iteration = |a: &mut CachingAllocator<SimDevice>, miss: bool| {
         let p = a.malloc(4 * MIB, s).expect("fits");
@@ -342,21 +337,12 @@ fn a_plan_gives_back_the_cache_it_no_longer_needs_once() {
 /// allocation before its second grows one chunk, without lending or synchronising.
 #[test]
 fn a_paged_chunk_keeps_what_its_iteration_still_needs() {
-    use gpumem::CachingAllocator;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [],
+    let plan = plan_with(serde_json::json!({"regions": [],
             "entries": [{"size": 4 * MIB, "stream": 0, "persistent": true},
-                        {"size": 6 * MIB, "stream": 0, "persistent": true}]})
-        .to_string(),
-    )
-    .expect("valid");
-    let mut alloc = CachingAllocator::new(
-        SimDevice::new(SimConfig::with_capacity(1 << 30)),
-        AllocatorConfig::default(),
-    );
-    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+                        {"size": 6 * MIB, "stream": 0, "persistent": true}]}));
+    let mut alloc = on_sim(true);
+    alloc.set_plan(plan.clone()).expect("valid");
     let s = StreamId(0);
     let mut kept = Vec::new();
     for _ in 0..4 {
@@ -387,22 +373,14 @@ fn a_paged_chunk_keeps_what_its_iteration_still_needs() {
 /// allocator serves them; an entry spanning the region is refused before a page is made.
 #[test]
 fn a_region_larger_than_the_device_is_a_miss_not_an_error() {
-    use gpumem::CachingAllocator;
     use gpumem::allocator::MAX_REGION_BYTES;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1,
-            "regions": [{"stream": 0, "bytes": MAX_REGION_BYTES}],
-            "entries": [{"size": 4 * MIB, "stream": 0, "offset": MAX_REGION_BYTES - 4 * MIB}]})
-        .to_string(),
-    )
-    .expect("valid: within the bounds a plan may give");
-    let mut alloc = CachingAllocator::new(
-        SimDevice::new(SimConfig::with_capacity(1 << 30)),
-        AllocatorConfig::default(),
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": MAX_REGION_BYTES}],
+            "entries": [{"size": 4 * MIB, "stream": 0, "offset": MAX_REGION_BYTES - 4 * MIB}]}),
     );
-    alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+    let mut alloc = on_sim(true);
+    alloc.set_plan(plan.clone()).expect("valid");
     let p = alloc
         .malloc(4 * MIB, StreamId(0))
         .expect("served all the same");
@@ -416,21 +394,16 @@ fn a_region_larger_than_the_device_is_a_miss_not_an_error() {
 /// boundary) gives the device everything back.
 #[test]
 fn an_allocator_dropped_while_pages_are_lent_gives_everything_back() {
-    use gpumem::CachingAllocator;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     const MIB: u64 = 1 << 20;
-    let plan = gpumem::plan::parse_plan(
-        &serde_json::json!({"format": "gpumem-plan", "version": 1,
-            "regions": [{"stream": 0, "bytes": 8 * MIB}],
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 8 * MIB}],
             "entries": [{"size": 8 * MIB, "stream": 0, "offset": 0},
-                        {"size": 8 * MIB, "stream": 0, "persistent": true}]})
-        .to_string(),
-    )
-    .expect("valid");
+                        {"size": 8 * MIB, "stream": 0, "persistent": true}]}),
+    );
     let mut device = SimDevice::new(SimConfig::with_capacity(1 << 30));
     {
         let mut alloc = CachingAllocator::new(&mut device, AllocatorConfig::default());
-        alloc.set_plan(Arc::new(plan.plan())).expect("valid");
+        alloc.set_plan(plan.clone()).expect("valid");
         let transient = alloc.malloc(8 * MIB, StreamId(0)).expect("fits");
         alloc.free(transient).expect("live");
         let _kept = alloc.malloc(8 * MIB, StreamId(0)).expect("fits");
@@ -770,9 +743,7 @@ fn hostile_recordings_plan_or_refuse_without_panicking() {
 /// `replay --plan` refuses a source window outside the recording's trace.
 #[test]
 fn plans_agree_with_their_reader_on_every_bound() {
-    use gpumem::CachingAllocator;
     use gpumem::allocator::MAX_PLAN_STREAMS;
-    use gpumem::device::{SimConfig, SimDevice, StreamId};
     use gpumem::plan::{PlanFormatError, parse_plan};
     const MIB: u64 = 1 << 20;
     let streams = MAX_PLAN_STREAMS as u64 + 6;

@@ -6,10 +6,11 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use gpumem::allocator::PLAN_PAGE;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
-use gpumem_torch::{gpumem_alloc, gpumem_free, memory_stats, plan_status, reset_peak_stats};
+use gpumem_torch::{gpumem_alloc, gpumem_free, plan_status, reset_peak_stats};
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 /// Trace events recorded before planning: a few iterations' worth.
@@ -144,14 +145,11 @@ fn a_job_that_plans_itself_reaches_its_offline_plan() {
         &mut |ptr| gpumem_free(ptr as *mut c_void, 0, 0, s),
         &mut |k| {
             // The planner runs on its own thread, started once RECORD events were recorded
-            // (within the first ten steps): from then on, wait for it (bounded).
-            while settled_at.is_none() && (k >= 10 || plan_status(0).is_some()) {
-                if plan_status(0).is_some() {
-                    settled_at = Some(k);
-                }
-                assert!(Instant::now() < deadline, "no plan after step {k}");
-                std::thread::sleep(Duration::from_millis(5));
+            // (within the first ten steps): wait for it (bounded) before the next step.
+            if settled_at.is_none() && common::settle(deadline) {
+                settled_at = Some(k);
             }
+            assert!(settled_at.is_some() || k < 10, "no plan after step {k}");
             if k + 1 == 20 {
                 let status = plan_status(0).expect("following");
                 assert_eq!(status.paging.cache_releases, 1, "{status:?}");
@@ -163,22 +161,9 @@ fn a_job_that_plans_itself_reaches_its_offline_plan() {
     assert!(settled < 20, "planned after step {settled}");
     let status = plan_status(0).expect("following");
     assert!(status.following && status.paged, "{status:?}");
-    let stats = memory_stats(0).expect("device 0 open");
-    let own = (
-        stats["allocated_bytes.all.peak"],
-        stats["reserved_bytes.all.peak"],
-    );
+    let own = common::peaks();
     eprintln!(
         "peak (allocated, reserved) over the last 10 steps: caching allocator {caching:?}, offline plan {offline:?}, self-planned {own:?}; {status:?}"
     );
-    assert!(
-        own.1 <= offline.1 + PLAN_PAGE as i64,
-        "self-planned {} bytes, offline {} (one stream: one page allowed)",
-        own.1,
-        offline.1
-    );
-    assert!(
-        offline.1 < caching.1,
-        "the plan holds less than the caching allocator"
-    );
+    common::assert_reaches(own, offline, caching);
 }

@@ -12,14 +12,14 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use gpumem::allocator::{PLAN_PAGE, Plan, TraceAction};
+use gpumem::allocator::{Plan, TraceAction};
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::plan::PlanOptions;
 use gpumem::recording::{Recording, read_recording};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
-use gpumem_torch::{
-    gpumem_alloc, gpumem_free, memory_stats, plan_status, reset_peak_stats, self_planning,
-};
+use gpumem_torch::{gpumem_alloc, gpumem_free, plan_status, reset_peak_stats};
+
+mod common;
 
 /// Trace events the job records before planning: past the recording's warm-up (its first
 /// iteration starts at event 1 856) and three of its iterations (378 events each).
@@ -125,11 +125,7 @@ fn a_job_that_plans_itself_reaches_the_offline_plan_of_its_recording() {
             // The planner runs on its own thread: once it is under way, wait for it (bounded)
             // before the next event, where a job would run on (the plan would then start at
             // a later iteration).
-            while planned_at.is_none() && self_planning(0) == Some("planning") {
-                assert!(Instant::now() < deadline, "the planner took 30 s");
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if planned_at.is_none() && self_planning(0) == Some("settled") {
+            if planned_at.is_none() && common::settle(deadline) {
                 planned_at = Some(i);
             }
             if i == from {
@@ -143,22 +139,9 @@ fn a_job_that_plans_itself_reaches_the_offline_plan_of_its_recording() {
         "planned at event {planned_at}, measured from {from}"
     );
     let status = plan_status(0).expect("following");
-    let stats = memory_stats(0).expect("device 0 open");
-    let own = (
-        stats["allocated_bytes.all.peak"],
-        stats["reserved_bytes.all.peak"],
-    );
+    let own = common::peaks();
     eprintln!(
         "peak (allocated, reserved) over the last {MEASURED} iterations: caching allocator {caching:?}, offline plan {offline:?}, self-planned {own:?} (planned at event {planned_at}); {status:?}"
     );
-    assert!(
-        own.1 <= offline.1 + PLAN_PAGE as i64,
-        "self-planned {} bytes, offline {} (one stream: one page allowed)",
-        own.1,
-        offline.1
-    );
-    assert!(
-        offline.1 < caching.1,
-        "the plan holds less than the caching allocator"
-    );
+    common::assert_reaches(own, offline, caching);
 }
