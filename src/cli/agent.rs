@@ -412,18 +412,20 @@ fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) ->
             if let Some(listener) = push_listener {
                 serve(
                     listener,
-                    push_router,
+                    push_router.clone(),
                     limits,
                     until_stopped(stopped.clone()),
                 )
                 .await;
             }
         };
+        // Pods that mount the socket are tenants, not scrapers: it takes pushes, uploads and
+        // probes only, never /metrics or the page (every tenant's pods and labels).
         let socket = async {
             if let Some(listener) = unix {
                 serve_unix(
                     listener,
-                    router.clone(),
+                    push_router.clone(),
                     limits,
                     until_stopped(stopped.clone()),
                 )
@@ -569,7 +571,11 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         // As over the push socket: the kernel would name the pid.
         let store = Arc::clone(store);
         node.push_to(move |pid, body| {
-            let peer = gpumem::ingest::store::Peer::from(pid);
+            // Its pods started with the node: their start time is 0 (above).
+            let peer = gpumem::ingest::store::Peer {
+                pid,
+                start_time: Some(0),
+            };
             if let Err(e) = store.push_from(body, Some(peer)) {
                 tracing::warn!(error = %e.message, "the simulated job's push was refused");
             }

@@ -7,23 +7,39 @@
 //! and the process must have pushed (its pod and labels are the upload's). The body is
 //! streamed to a temporary file in the store's directory (never held whole), read once with
 //! the recording reader (which tells a malformed or truncated file from a recording and
-//! finds its OOM), then renamed into the store, the oldest recordings evicted to make room.
+//! finds its OOM), then renamed into the store, recordings evicted to make room.
+//!
+//! Places and room are shared out per *tenant*, whoever vouches for the uploader: a process
+//! the kernel named (`pid:<pid>`, over the socket), a pod the container runtime named
+//! (`pod:<uid>`, from the pod network), or every loopback TCP sender together (`loopback`:
+//! their pids are their own word, so inventing pids gains nothing).
 //!
 //! # Invariants (budgets)
 //! - An upload is at most [`RecordingLimits::max_bytes_each`] bytes as sent (a declared
 //!   larger one is refused unread, a longer one when it crosses the cap) and decompresses to
-//!   at most [`RecordingLimits::read`]'s input bound; at most [`MAX_UPLOADS`] bodies are
-//!   received at once (others are refused as `rate_limited`), each within [`UPLOAD_TIMEOUT`].
-//! - One upload is read at a time, within [`RecordingLimits::read`]'s memory budget.
+//!   at most [`RecordingLimits::read`]'s input bound.
+//! - At most [`MAX_UPLOADS`] uploads hold a place at once, from the body's first byte until
+//!   it is read and kept or refused, and at most one per tenant: others are refused at once
+//!   as `capacity` ("being received already": the hook tries again). So the store's
+//!   directory never holds more than its kept bytes and [`MAX_UPLOADS`] ×
+//!   [`RecordingLimits::max_bytes_each`] (the chart's `emptyDir` limit is sized so).
+//! - A body must bring [`UPLOAD_MIN_PROGRESS`] bytes in every [`UPLOAD_WINDOW`] (or end
+//!   within it), and arrive whole within [`UPLOAD_TIMEOUT`]; a trickled or withheld one is
+//!   cut off as `truncated` and frees its place.
+//! - One upload is read at a time, on the store's own reading thread (one heap arena,
+//!   however many uploads came), within [`RecordingLimits::read`]'s memory budget.
 //! - At most [`RecordingLimits::max_count`] recordings and [`RecordingLimits::max_bytes`]
-//!   bytes are kept: a new one evicts the oldest until it fits.
-//! - The store's files are `<id>.pickle.gz` and its `<id>.json`, and uploads in flight
-//!   (`.upload-*`). At start, valid pairs are listed again (oldest evicted past the caps) and
-//!   the store's other files (a partial upload, half a pair) removed; files of other names are
+//!   bytes are kept: past the count, the oldest recording of the tenant keeping the most
+//!   goes; past the bytes, the oldest of the tenant keeping the most bytes (ties: the oldest
+//!   recording). A tenant inventing pids evicts its own recordings, not a job's.
+//! - The store's directory is `0700` and its files `0600` (recordings hold source lines and
+//!   tensor sizes). They are `<id>.pickle.gz` and its `<id>.json`, and uploads in flight
+//!   (`.upload-*`). At start, valid pairs are listed again (evicted past the caps) and the
+//!   store's other files (a partial upload, half a pair) removed; files of other names are
 //!   left alone.
-//! - One process (by pid) uploads at most once per [`MIN_UPLOAD_GAP`] (`rate_limited`): its
-//!   hook records at most once per ten minutes, and a pusher cannot evict the other jobs'
-//!   recordings by uploading in a loop under one pid.
+//! - One process (by tenant and pid) uploads at most once per [`MIN_UPLOAD_GAP`]
+//!   (`rate_limited`), stamped only when its upload gets a place: its hook records at most once per ten
+//!   minutes, and a rank told to try again is not then refused for trying.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -38,10 +54,17 @@ use crate::allocator::TraceAction;
 use crate::recording::{ReadLimits, TraceError, read_recording_with};
 use crate::sources::RecordingsReport;
 
-/// Uploads received at once.
+/// Uploads holding a place at once (received, waiting to be read, or being read).
 pub const MAX_UPLOADS: usize = 2;
+/// Uploads one tenant holds a place for at once.
+pub const MAX_UPLOADS_PER_TENANT: usize = 1;
 /// The longest an upload's body may take.
-pub const UPLOAD_TIMEOUT: Duration = Duration::from_secs(60);
+pub const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The window in which a body must bring [`UPLOAD_MIN_PROGRESS`] bytes (or end).
+pub const UPLOAD_WINDOW: Duration = Duration::from_secs(2);
+/// The least a body must bring per [`UPLOAD_WINDOW`]: a hook on this node sends 16 MiB in
+/// well under a second; at this pace the largest upload still arrives within the timeout.
+pub const UPLOAD_MIN_PROGRESS: u64 = 1 << 20;
 /// The least time between two uploads of one process.
 pub const MIN_UPLOAD_GAP: Duration = Duration::from_secs(60);
 /// Processes whose last upload is remembered for the gap.
@@ -50,6 +73,8 @@ const MAX_REMEMBERED: usize = 4096;
 const RECORDING: &str = "pickle.gz";
 /// The prefix of an upload in flight.
 const UPLOADING: &str = ".upload-";
+/// The tenant of every loopback TCP sender.
+pub const LOOPBACK_TENANT: &str = "loopback";
 
 /// What the store keeps and reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,13 +133,22 @@ pub struct StoredRecording {
     pub bytes: u64,
     /// The index of its last OOM event in that device's trace, where it recorded one.
     pub oom_event: Option<usize>,
+    /// Who vouched for its uploader (`pid:<pid>`, `pod:<uid>`, `loopback`: see the module
+    /// documentation); a recording kept by an earlier release has none and counts as its
+    /// pid's.
+    #[serde(default)]
+    pub tenant: String,
 }
 
-/// Who an upload is from: a tracked process and the labels its pushes carry.
+/// Who an upload is from: a tracked process, who vouches for it, and the labels its pushes
+/// carry.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Owner {
     /// The host's pid.
     pub pid: u32,
+    /// Who vouches for the pid (`pid:<pid>`, `pod:<uid>`, [`LOOPBACK_TENANT`]): places and
+    /// room are shared out among tenants.
+    pub tenant: String,
     /// Its labels (`pod_uid`, `container_id`, `pod_namespace`, `pod_name`, `container_name`
     /// are read from them).
     pub labels: Vec<(String, String)>,
@@ -128,12 +162,107 @@ pub struct RecordingStore {
     /// Oldest first.
     kept: Mutex<VecDeque<StoredRecording>>,
     refused: Arc<Refused>,
-    uploads: Arc<tokio::sync::Semaphore>,
-    /// Held while an upload is read.
-    reading: Mutex<()>,
-    /// When each process last began an upload.
-    last_upload: Mutex<HashMap<u32, Instant>>,
+    uploads: Arc<Mutex<Places>>,
+    /// Reads uploads, one at a time.
+    reader: Reader,
     next: AtomicU64,
+}
+
+/// The uploads holding a place, by tenant, and when each process last got one.
+#[derive(Debug, Default)]
+struct Places {
+    held: HashMap<String, usize>,
+    /// By tenant and pid: a loopback sender naming a job's pid stamps no minute of the job's.
+    last_upload: HashMap<(String, u32), Instant>,
+}
+
+impl Places {
+    fn total(&self) -> usize {
+        self.held.values().sum()
+    }
+}
+
+/// An upload's place, given back when dropped.
+#[derive(Debug)]
+struct Place {
+    places: Arc<Mutex<Places>>,
+    tenant: String,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut places = self.places.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = places.held.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                places.held.remove(&self.tenant);
+            }
+        }
+    }
+}
+
+/// Where an upload's last OOM is: its device and that trace's index, where it has one.
+type OomAt = Option<(usize, usize)>;
+
+/// A reading to do: the file, its limits, and where the answer goes.
+type ReadJob = (
+    PathBuf,
+    ReadLimits,
+    std::sync::mpsc::SyncSender<Result<OomAt, TraceError>>,
+);
+
+/// The store's reading thread: every upload is read there, one at a time, so what reading
+/// allocates stays in one heap arena (reads on the runtime's blocking threads, each with an
+/// arena of its own, ratcheted the agent's memory up).
+#[derive(Debug)]
+struct Reader(Mutex<Option<std::sync::mpsc::Sender<ReadJob>>>);
+
+impl Reader {
+    fn new() -> Reader {
+        let (jobs, queue) = std::sync::mpsc::channel::<ReadJob>();
+        let spawned = std::thread::Builder::new()
+            .name("gpumem-recordings".into())
+            .spawn(move || {
+                for (path, limits, answer) in queue {
+                    let _ = answer.send(last_oom(&path, limits));
+                }
+            });
+        Reader(Mutex::new(spawned.is_ok().then_some(jobs)))
+    }
+
+    /// Reads `path` on the thread (inline where it could not be started, or has gone).
+    fn read(&self, path: &Path, limits: ReadLimits) -> Result<OomAt, TraceError> {
+        let (answer, answered) = std::sync::mpsc::sync_channel(1);
+        let sent = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|jobs| jobs.send((path.to_path_buf(), limits, answer)).is_ok());
+        match sent.then(|| answered.recv().ok()).flatten() {
+            Some(read) => read,
+            None => last_oom(path, limits),
+        }
+    }
+}
+
+/// Reads the recording at `path`: the device whose trace has the latest OOM, by time, and its
+/// index there.
+fn last_oom(path: &Path, limits: ReadLimits) -> Result<OomAt, TraceError> {
+    let recording = read_recording_with(path, limits, &mut |_| {})?;
+    Ok(recording
+        .device_traces
+        .iter()
+        .enumerate()
+        .filter_map(|(device, trace)| {
+            let (i, entry) = trace
+                .iter()
+                .enumerate()
+                .rfind(|(_, e)| e.action == TraceAction::Oom)?;
+            Some((device, i, entry.time_us))
+        })
+        .max_by_key(|&(_, _, time)| time)
+        .map(|(device, i, _)| (device, i)))
 }
 
 /// Uploads refused, by reason.
@@ -159,19 +288,22 @@ pub struct Upload {
     path: PathBuf,
     settled: bool,
     refused: Arc<Refused>,
-    /// Held while the body is received.
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Held until the upload is kept or refused: a body on disk still takes room.
+    _place: Place,
 }
 
 impl Upload {
-    /// The temporary file to write the body to.
+    /// The temporary file to write the body to (create it with [`Upload::create`]).
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// The body is on disk: another upload may be received while this one waits to be read.
-    pub fn received(&mut self) {
-        self.permit = None;
+    /// Creates the temporary file, readable by the agent only.
+    ///
+    /// # Errors
+    /// The file cannot be created.
+    pub fn create(&self) -> std::io::Result<std::fs::File> {
+        private_file(&self.path)
     }
 
     /// Refuses the upload: counted, its file removed.
@@ -207,6 +339,37 @@ fn read_meta(path: &Path) -> std::io::Result<String> {
     Ok(text)
 }
 
+/// Creates `path` (truncating it), readable and writable by the agent only.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Makes `dir` (created if missing) the agent's own: `0700`.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Whose a recording is, for the store's shares: its tenant, or its pid's where an earlier
+/// release kept it without one.
+fn tenant_of(recording: &StoredRecording) -> String {
+    if recording.tenant.is_empty() {
+        format!("pid:{}", recording.pid)
+    } else {
+        recording.tenant.clone()
+    }
+}
+
 fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
@@ -217,7 +380,8 @@ impl RecordingStore {
     /// # Errors
     /// The directory cannot be created or read.
     pub fn open(dir: PathBuf, limits: RecordingLimits) -> std::io::Result<RecordingStore> {
-        std::fs::create_dir_all(&dir)?;
+        use std::os::unix::fs::PermissionsExt;
+        private_dir(&dir)?;
         let mut kept = Vec::new();
         let mut files = Vec::new();
         for entry in std::fs::read_dir(&dir)? {
@@ -232,7 +396,17 @@ impl RecordingStore {
                 && std::fs::metadata(dir.join(format!("{id}.{RECORDING}")))
                     .is_ok_and(|m| m.len() == stored.bytes)
             {
-                kept.push(stored);
+                // An earlier release left them readable by all.
+                for name in [format!("{id}.{RECORDING}"), name.clone()] {
+                    let _ = std::fs::set_permissions(
+                        dir.join(name),
+                        std::fs::Permissions::from_mode(0o600),
+                    );
+                }
+                kept.push(StoredRecording {
+                    tenant: tenant_of(&stored),
+                    ..stored
+                });
             }
         }
         kept.sort_by(|a, b| a.time.total_cmp(&b.time));
@@ -256,12 +430,11 @@ impl RecordingStore {
             limits,
             kept: Mutex::new(kept.into()),
             refused: Arc::default(),
-            uploads: Arc::new(tokio::sync::Semaphore::new(MAX_UPLOADS)),
-            reading: Mutex::new(()),
-            last_upload: Mutex::new(HashMap::new()),
+            uploads: Arc::default(),
+            reader: Reader::new(),
             next: AtomicU64::new(0),
         };
-        let evicted = store.evict(&mut store.kept(), 0);
+        let evicted = store.evict(&mut store.kept(), None);
         for old in evicted {
             store.remove(&old);
         }
@@ -283,37 +456,52 @@ impl RecordingStore {
         rejected
     }
 
-    /// A place for one more upload of process `pid`, or `rate_limited` while [`MAX_UPLOADS`]
-    /// are being received or where `pid` began one within [`MIN_UPLOAD_GAP`].
+    /// A place for one more upload from `owner`, or why not: [`MAX_UPLOADS`] hold one, or
+    /// [`MAX_UPLOADS_PER_TENANT`] of its tenant's (`capacity`: try again shortly); or its
+    /// process got one within [`MIN_UPLOAD_GAP`] (`rate_limited`).
     ///
     /// # Errors
-    /// Too many uploads at once, or too soon for this process.
-    pub fn begin(&self, pid: u32) -> Result<Upload, Rejected> {
+    /// No place now, or too soon for this process.
+    pub fn begin(&self, owner: &Owner) -> Result<Upload, Rejected> {
+        let pid = owner.pid;
+        let mut places = self.uploads.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        let key = (owner.tenant.clone(), pid);
+        if places
+            .last_upload
+            .get(&key)
+            .is_some_and(|&t| now - t < MIN_UPLOAD_GAP)
         {
-            let mut last = self
-                .last_upload
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let now = Instant::now();
-            if last.get(&pid).is_some_and(|&t| now - t < MIN_UPLOAD_GAP) {
-                return Err(self.refuse(Rejected::new(
-                    Refusal::RateLimited,
-                    format!("pid {pid} sent a recording less than {MIN_UPLOAD_GAP:?} ago"),
-                )));
-            }
-            if last.len() >= MAX_REMEMBERED {
-                last.retain(|_, t| now - *t < MIN_UPLOAD_GAP);
-            }
-            if last.len() < MAX_REMEMBERED {
-                last.insert(pid, now);
-            }
-        }
-        let permit = Arc::clone(&self.uploads).try_acquire_owned().map_err(|_| {
-            self.refuse(Rejected::new(
+            return Err(self.refuse(Rejected::new(
                 Refusal::RateLimited,
-                format!("{MAX_UPLOADS} recordings are being received already; try again later"),
-            ))
-        })?;
+                format!("pid {pid} sent a recording less than {MIN_UPLOAD_GAP:?} ago"),
+            )));
+        }
+        // (The hook tries again on "being received": keep the words.)
+        if places.total() >= MAX_UPLOADS {
+            return Err(self.refuse(Rejected::new(
+                Refusal::Capacity,
+                format!("{MAX_UPLOADS} recordings are being received already; try again shortly"),
+            )));
+        }
+        let held = places.held.get(&owner.tenant).copied().unwrap_or(0);
+        if held >= MAX_UPLOADS_PER_TENANT {
+            return Err(self.refuse(Rejected::new(
+                Refusal::Capacity,
+                format!(
+                    "a recording from {} is being received already; try again shortly",
+                    owner.tenant
+                ),
+            )));
+        }
+        *places.held.entry(owner.tenant.clone()).or_default() += 1;
+        if places.last_upload.len() >= MAX_REMEMBERED {
+            places.last_upload.retain(|_, t| now - *t < MIN_UPLOAD_GAP);
+        }
+        if places.last_upload.len() < MAX_REMEMBERED {
+            places.last_upload.insert(key, now);
+        }
+        drop(places);
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         Ok(Upload {
             path: self
@@ -321,7 +509,10 @@ impl RecordingStore {
                 .join(format!("{UPLOADING}{}-{n}", std::process::id())),
             settled: false,
             refused: Arc::clone(&self.refused),
-            permit: Some(permit),
+            _place: Place {
+                places: Arc::clone(&self.uploads),
+                tenant: owner.tenant.clone(),
+            },
         })
     }
 
@@ -337,27 +528,10 @@ impl RecordingStore {
         bytes: u64,
         owner: &Owner,
     ) -> Result<StoredRecording, Rejected> {
-        let read = {
-            let _one_at_a_time = self.reading.lock().unwrap_or_else(PoisonError::into_inner);
-            read_recording_with(&upload.path, self.limits.read, &mut |_| {})
-        };
-        let recording = match read {
-            Ok(recording) => recording,
+        let oom = match self.reader.read(&upload.path, self.limits.read) {
+            Ok(oom) => oom,
             Err(e) => return Err(upload.refuse(unreadable(&e))),
         };
-        // The last OOM: the device whose trace has the latest one, by time.
-        let oom = recording
-            .device_traces
-            .iter()
-            .enumerate()
-            .filter_map(|(device, trace)| {
-                let (i, entry) = trace
-                    .iter()
-                    .enumerate()
-                    .rfind(|(_, e)| e.action == TraceAction::Oom)?;
-                Some((device, i, entry.time_us))
-            })
-            .max_by_key(|&(_, _, time)| time);
         let label = |name: &str| {
             owner
                 .labels
@@ -375,10 +549,11 @@ impl RecordingStore {
             pod_namespace: label("pod_namespace"),
             pod_name: label("pod_name"),
             container_name: label("container_name"),
-            device: oom.map(|(device, _, _)| device),
+            device: oom.map(|(device, _)| device),
             time,
             bytes,
-            oom_event: oom.map(|(_, i, _)| i),
+            oom_event: oom.map(|(_, i)| i),
+            tenant: owner.tenant.clone(),
         };
         if bytes > self.limits.max_bytes {
             return Err(upload.refuse(Rejected::new(
@@ -393,7 +568,7 @@ impl RecordingStore {
         let meta = self.dir.join(format!("{}.json", stored.id));
         let written = serde_json::to_vec(&stored)
             .map_err(std::io::Error::from)
-            .and_then(|json| std::fs::write(&meta, json))
+            .and_then(|json| std::io::Write::write_all(&mut private_file(&meta)?, &json))
             .and_then(|()| {
                 std::fs::rename(
                     &upload.path,
@@ -409,7 +584,7 @@ impl RecordingStore {
         }
         upload.settled = true;
         let mut kept = self.kept();
-        let evicted = self.evict(&mut kept, bytes);
+        let evicted = self.evict(&mut kept, Some(&stored));
         kept.push_back(stored.clone());
         drop(kept);
         for old in evicted {
@@ -418,20 +593,50 @@ impl RecordingStore {
         Ok(stored)
     }
 
-    /// Takes the oldest recordings off the list until one of `incoming` bytes fits; their
-    /// files are the caller's to remove ([`RecordingStore::remove`]), outside the lock.
-    fn evict(&self, kept: &mut VecDeque<StoredRecording>, incoming: u64) -> Vec<StoredRecording> {
+    /// Takes recordings off the list until `incoming` fits (see the module documentation for
+    /// which go); their files are the caller's to remove ([`RecordingStore::remove`]), outside
+    /// the lock.
+    fn evict(
+        &self,
+        kept: &mut VecDeque<StoredRecording>,
+        incoming: Option<&StoredRecording>,
+    ) -> Vec<StoredRecording> {
         let mut evicted = Vec::new();
-        let room = |kept: &VecDeque<StoredRecording>| {
-            let count = kept.len() + usize::from(incoming > 0);
-            let bytes: u64 = kept.iter().map(|r| r.bytes).sum::<u64>() + incoming;
-            count <= self.limits.max_count && bytes <= self.limits.max_bytes
-        };
-        while !room(kept) {
-            let Some(oldest) = kept.pop_front() else {
+        loop {
+            let count = kept.len() + usize::from(incoming.is_some());
+            let bytes: u64 =
+                kept.iter().map(|r| r.bytes).sum::<u64>() + incoming.map_or(0, |r| r.bytes);
+            // What each tenant keeps (the incoming recording counted as its tenant's), and by
+            // which measure the share is taken.
+            let by_bytes = if count > self.limits.max_count {
+                false
+            } else if bytes > self.limits.max_bytes {
+                true
+            } else {
                 break;
             };
-            evicted.push(oldest);
+            let mut shares: HashMap<String, (usize, u64)> = HashMap::new();
+            for r in kept.iter().chain(incoming) {
+                let share = shares.entry(tenant_of(r)).or_default();
+                share.0 += 1;
+                share.1 += r.bytes;
+            }
+            let share = |r: &StoredRecording| {
+                let (n, b) = shares.get(&tenant_of(r)).copied().unwrap_or_default();
+                if by_bytes { b } else { n as u64 }
+            };
+            // Oldest first: the first of the largest share is its tenant's oldest, and among
+            // equal shares the oldest recording.
+            let Some(victim) = kept
+                .iter()
+                .enumerate()
+                .rev()
+                .max_by_key(|(_, r)| share(r))
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            evicted.extend(kept.remove(victim));
         }
         evicted
     }
@@ -498,4 +703,136 @@ fn unreadable(e: &TraceError) -> Rejected {
         _ => Refusal::Malformed,
     };
     Rejected::new(refusal, format!("not a readable recording: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store in a directory of its own.
+    fn store(name: &str, max_count: usize, max_bytes: u64) -> (PathBuf, RecordingStore) {
+        let dir =
+            std::env::temp_dir().join(format!("gpumem-recordings-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let limits = RecordingLimits {
+            max_count,
+            max_bytes,
+            ..RecordingLimits::default()
+        };
+        let store = RecordingStore::open(dir.clone(), limits).expect("opens");
+        (dir, store)
+    }
+
+    fn owner(pid: u32, tenant: &str) -> Owner {
+        Owner {
+            pid,
+            tenant: tenant.to_string(),
+            labels: Vec::new(),
+        }
+    }
+
+    /// An upload of a small readable recording from `owner`, kept or refused.
+    fn upload(store: &RecordingStore, owner: &Owner) -> Result<StoredRecording, Rejected> {
+        use std::io::Write;
+        let upload = store.begin(owner)?;
+        let mut gz = flate2::write::GzEncoder::new(
+            upload.create().expect("creates"),
+            flate2::Compression::fast(),
+        );
+        gz.write_all(br#"{"segments": [], "device_traces": [[]]}"#)
+            .expect("writes");
+        gz.finish().expect("finishes");
+        let bytes = std::fs::metadata(upload.path()).expect("written").len();
+        store.finish(upload, bytes, owner)
+    }
+
+    /// Issue 53, items 1 to 3: a place is held from the first byte until the upload is read,
+    /// one per tenant and two in all; a refusal for want of a place is `capacity` (the hook
+    /// tries again), and only a granted place stamps the process's minute.
+    #[test]
+    fn places_are_shared_out_per_tenant_and_held_until_read() {
+        let (dir, store) = store("places", 100, 1 << 30);
+        let loopback = owner(100, LOOPBACK_TENANT);
+        let first = store.begin(&loopback).expect("a place");
+        // Received, not read yet: the place stays taken.
+        std::fs::write(first.path(), b"received").expect("writes");
+        let invented = store
+            .begin(&owner(101, LOOPBACK_TENANT))
+            .expect_err("one per tenant");
+        assert_eq!(invented.refusal, Refusal::Capacity, "{}", invented.message);
+        assert!(
+            invented.message.contains("being received"),
+            "{}",
+            invented.message
+        );
+        let rank0 = store
+            .begin(&owner(7, "pid:7"))
+            .expect("another tenant's place");
+        let rank1 = store.begin(&owner(8, "pid:8")).expect_err("two in all");
+        assert_eq!(rank1.refusal, Refusal::Capacity);
+        assert!(
+            rank1.message.contains("being received"),
+            "{}",
+            rank1.message
+        );
+        // The third rank tries again once a place is free: not refused for trying.
+        drop(rank0);
+        assert!(store.begin(&owner(8, "pid:8")).is_ok());
+        // The invented pid likewise, once its tenant's place is free; the first pid not.
+        drop(first);
+        assert!(store.begin(&owner(101, LOOPBACK_TENANT)).is_ok());
+        let again = store
+            .begin(&loopback)
+            .expect_err("stamped when it got its place");
+        assert_eq!(again.refusal, Refusal::RateLimited);
+        assert!(
+            !std::fs::read_dir(&dir).expect("lists").any(|e| e
+                .expect("entry")
+                .file_name()
+                .to_string_lossy()
+                .starts_with(UPLOADING)),
+            "an upload dropped unfinished leaves no file"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 53, item 4: a tenant inventing pids evicts its own recordings, never a job's,
+    /// by count and by bytes; and the files are the agent's only.
+    #[test]
+    fn a_tenant_inventing_pids_evicts_its_own() {
+        use std::os::unix::fs::PermissionsExt;
+        let (dir, store) = store("tenants", 5, 1 << 30);
+        let job = upload(&store, &owner(7, "pid:7")).expect("kept");
+        for pid in 100..164 {
+            upload(&store, &owner(pid, LOOPBACK_TENANT)).expect("kept");
+        }
+        let kept: Vec<u32> = store.list().iter().map(|r| r.pid).collect();
+        assert_eq!(kept, [163, 162, 161, 160, 7]);
+        // By bytes: room for three; the job's stays.
+        let size = job.bytes;
+        let (dir2, bytes) = store_with_room("tenant-bytes", 3 * size);
+        upload(&bytes, &owner(7, "pid:7")).expect("kept");
+        for pid in 100..110 {
+            upload(&bytes, &owner(pid, LOOPBACK_TENANT)).expect("kept");
+        }
+        let kept: Vec<u32> = bytes.list().iter().map(|r| r.pid).collect();
+        assert_eq!(kept, [109, 108, 7]);
+        // Equal shares: the oldest recording goes, whoever's.
+        upload(&bytes, &owner(9, "pid:9")).expect("kept");
+        upload(&bytes, &owner(10, "pid:10")).expect("kept");
+        let kept: Vec<u32> = bytes.list().iter().map(|r| r.pid).collect();
+        assert_eq!(kept, [10, 9, 109]);
+        // Private: the directory 0700, its files 0600.
+        let mode = |p: &Path| std::fs::metadata(p).expect("exists").permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        for entry in std::fs::read_dir(&dir).expect("lists") {
+            assert_eq!(mode(&entry.expect("entry").path()), 0o600);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&dir2);
+    }
+
+    fn store_with_room(name: &str, max_bytes: u64) -> (PathBuf, RecordingStore) {
+        store(name, 100, max_bytes)
+    }
 }

@@ -11,8 +11,9 @@
 //! is never looked up), it sends its `"exit"` push, or it stays silent for `ttl`. Its last
 //! series then stay for `exited_grace` (keep it at least two scrape intervals, so a job that
 //! dies of an OOM is still scraped with its OOM), and go. A push that the kernel did not
-//! attribute is known by its pid and the start time it gives, so two containers' pid 1 do
-//! not merge into one process (they replace each other: push over the socket instead). Expiry runs on the agent's own tick
+//! attribute is known by its pid and the start time it gives, exactly, so two containers'
+//! pid 1 do not merge into one process: while one is live the other is refused (`conflict`:
+//! push over the socket instead), and a push without a start time is no job that gave one. Expiry runs on the agent's own tick
 //! ([`PushStore::expire`]), not inside a scrape.
 //!
 //! # Invariants (budgets)
@@ -65,9 +66,9 @@ use super::refusal::{Refusal, Rejected};
 pub struct Peer {
     /// Its pid.
     pub pid: u32,
-    /// Its start time when it connected (`/proc/<pid>/stat`); `None` where `/proc` did not
-    /// say (the process gone by the accept, under load): then only that the pid exists at
-    /// each push is checked.
+    /// Its start time when it connected (`/proc/<pid>/stat`); `None` where nothing proves
+    /// whose the pid was then (the process gone by the accept, or its handle says it has
+    /// exited since): its pushes and uploads are refused.
     pub start_time: Option<u64>,
 }
 
@@ -77,16 +78,6 @@ impl Peer {
         Peer {
             pid,
             start_time: process::start_time(pid),
-        }
-    }
-}
-
-impl From<u32> for Peer {
-    /// A pid whose start time is not checked.
-    fn from(pid: u32) -> Peer {
-        Peer {
-            pid,
-            start_time: None,
         }
     }
 }
@@ -544,8 +535,10 @@ impl PushStore {
 
     /// Who an upload of a recording is from: a process this store tracks, known as its pushes
     /// are (the kernel's pid for a socket peer; a pod's process by the pid `pid` it has in the
-    /// pod, told apart by `start_time`; from loopback, `pid` as given), with the labels its
-    /// pushes carry. A recording follows its process's pushes.
+    /// pod, told apart by `start_time`; from loopback, `pid` and `start_time` as given, which
+    /// must be what its pushes said: a loopback sender naming only a pid is no other loopback
+    /// job), with its tenant and the labels its pushes carry. A recording follows its
+    /// process's pushes.
     ///
     /// # Errors
     /// A pid that is not the pod's (`not_in_pod`), or that has not pushed from there
@@ -556,7 +549,7 @@ impl PushStore {
         pid: u32,
         start_time: Option<u64>,
     ) -> Result<Owner, Rejected> {
-        // The uploader's start time, where known: a process reusing a tracked pid is not it.
+        // The uploader's start time: a process reusing a tracked pid is not it.
         let (pid, origin, started) = match sender {
             Sender::Unattributed => (pid, Origin::Tcp, start_time),
             Sender::Process(peer) => (peer.pid, Origin::Socket, peer.start_time),
@@ -567,20 +560,26 @@ impl PushStore {
             }
         };
         let state = self.state();
-        let tracked = state.tracked.get(&pid).filter(|t| {
-            t.origin == origin
-                && (t.start_time.is_none() || started.is_none() || t.start_time == started)
-        });
+        let tracked = state
+            .tracked
+            .get(&pid)
+            .filter(|t| t.origin == origin && t.start_time == started);
         let Some(tracked) = tracked else {
             return Err(Rejected::new(
                 Refusal::Forbidden,
                 format!(
-                    "pid {pid} has not pushed to this agent from there: a recording comes from a process that pushes"
+                    "pid {pid} (with start time {started:?}) has not pushed to this agent from there: a recording comes from a process that pushes, named as its pushes name it"
                 ),
             ));
         };
+        let tenant = match &origin {
+            Origin::Socket => format!("pid:{pid}"),
+            Origin::Pod(uid) => format!("pod:{uid}"),
+            Origin::Tcp => super::recordings::LOOPBACK_TENANT.to_string(),
+        };
         Ok(Owner {
             pid,
+            tenant,
             labels: tracked
                 .sources
                 .first()
@@ -638,10 +637,9 @@ impl PushStore {
             Sender::Process(peer) => {
                 let now = (self.config.start_time)(peer.pid);
                 // The connecting process exited (its connection inherited by a child, say):
-                // its pid is no one's now, or another process's. A pid gone by now is
-                // refused even where its start time was not read at the connection's
-                // accept (under load the accept can come after the process has gone).
-                if now.is_none() || (peer.start_time.is_some() && now != peer.start_time) {
+                // its pid is no one's now, or another process's. Where its start time was not
+                // read at the accept (it had gone by then), nothing proves whose the pid is.
+                if peer.start_time.is_none() || now != peer.start_time {
                     return Err(Rejected::new(
                         Refusal::Forbidden,
                         format!(
@@ -673,8 +671,7 @@ impl PushStore {
         let mut previous = None;
         let mut urgent = false;
         if let Some(t) = state.tracked.get(&pid) {
-            let same_process = t.origin == origin
-                && (t.start_time.is_none() || start_time.is_none() || t.start_time == start_time);
+            let same_process = t.origin == origin && t.start_time == start_time;
             // The kernel's word stands over the node's (which proves a pod's process exists,
             // not that it pushed), and both over a payload's.
             let outranked = match (&t.origin, &origin) {
@@ -698,6 +695,21 @@ impl PushStore {
                         } else {
                             "the pod network"
                         }
+                    ),
+                ));
+            }
+            // A loopback pid and start time are the payload's word: another's cannot take a
+            // live loopback job's series (another local user's, a stale pid's).
+            if t.origin == Origin::Tcp
+                && origin == Origin::Tcp
+                && !same_process
+                && t.end(self.config.ttl) > now
+            {
+                return Err(Rejected::new(
+                    Refusal::Conflict,
+                    format!(
+                        "pid {pid} is a live loopback job's (start time {:?}); a push naming start time {start_time:?} cannot replace it until it ends (its exit push, or {:?} of silence)",
+                        t.start_time, self.config.ttl
                     ),
                 ));
             }

@@ -12,7 +12,7 @@ use crate::telemetry::pod_processes::{NotInPod, PodProcess};
 use super::limits::MAX_BODY_BYTES;
 use super::refusal::Refusal;
 use super::store::{
-    IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, PushStore, REASON_REFILL, Sender,
+    IngestConfig, MAX_REASON_PUSHES, MAX_SEQ_JUMP, Peer, PushStore, REASON_REFILL, Sender,
 };
 
 fn payload(pid: u32, seq: u64, stats: serde_json::Value) -> Vec<u8> {
@@ -44,6 +44,14 @@ fn no_pod(_: u32) -> Option<ContainerRef> {
 /// Every pid is alive with start time 1 (tests pass their own view to `expire_at`).
 fn started_once(_: u32) -> Option<u64> {
     Some(1)
+}
+
+/// A socket peer whose start time at the accept is [`started_once`]'s.
+fn peer(pid: u32) -> Peer {
+    Peer {
+        pid,
+        start_time: Some(1),
+    }
 }
 
 fn config() -> IngestConfig {
@@ -200,7 +208,7 @@ fn an_ended_process_stays_for_its_grace_period_then_goes() {
         .push_at(&payload(1, 1, ok()), None, start)
         .expect("tcp");
     store
-        .push_at(&payload(2, 1, ok()), Some(40.into()), start)
+        .push_at(&payload(2, 1, ok()), Some(peer(40)), start)
         .expect("socket");
     store
         .push_at(&with_reason(3, 1, "exit", 0), None, start)
@@ -237,12 +245,19 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
     });
     let start = Instant::now();
     store
-        .push_at(&with_reason(1, 900, "oom", 3), Some(40.into()), start)
+        .push_at(&with_reason(1, 900, "oom", 3), Some(peer(40)), start)
         .expect("first process");
     // Pid 40 now names another process: its seq 1 is not stale, and it carries nothing over.
     START.store(2, Ordering::Relaxed);
     store
-        .push_at(&with_reason(1, 1, "interval", 0), Some(40.into()), start)
+        .push_at(
+            &with_reason(1, 1, "interval", 0),
+            Some(Peer {
+                pid: 40,
+                start_time: Some(2),
+            }),
+            start,
+        )
         .expect("a new process under the same pid");
     let list = sources.snapshot();
     assert_eq!(list.len(), 1, "one process per pid: no duplicate series");
@@ -253,7 +268,10 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
     store
         .push_at(
             &with_reason(1, 2, "interval", 0),
-            Some(40.into()),
+            Some(Peer {
+                pid: 40,
+                start_time: Some(2),
+            }),
             start + Duration::from_secs(9),
         )
         .expect("it goes on");
@@ -273,7 +291,7 @@ fn a_tcp_push_cannot_take_over_a_socket_pusher() {
     let (store, sources) = store(10);
     let start = Instant::now();
     store
-        .push_at(&payload(1, 1, ok()), Some(40.into()), start)
+        .push_at(&payload(1, 1, ok()), Some(peer(40)), start)
         .expect("socket");
     let err = store
         .push_at(
@@ -286,7 +304,7 @@ fn a_tcp_push_cannot_take_over_a_socket_pusher() {
     store
         .push_at(
             &payload(1, 2, ok()),
-            Some(40.into()),
+            Some(peer(40)),
             start + Duration::from_secs(2),
         )
         .expect("the real process goes on");
@@ -313,7 +331,7 @@ fn tcp_pushers_have_a_quota_of_their_own() {
     assert!(err.message.contains("TCP"), "{}", err.message);
     for pid in 100..105 {
         store
-            .push_at(&payload(1, 1, ok()), Some(pid.into()), now)
+            .push_at(&payload(1, 1, ok()), Some(peer(pid)), now)
             .expect("socket pushers still get in");
     }
     assert_eq!(store.tracked_processes(), 8);
@@ -375,12 +393,12 @@ fn tcp_pushers_cannot_take_the_socket_pushers_series() {
     );
     // A real job over the socket: its first push (16 wide devices) and its OOM push.
     store
-        .push_at(&wide(1, 1, 16, "interval"), Some(5000.into()), now)
+        .push_at(&wide(1, 1, 16, "interval"), Some(peer(5000)), now)
         .expect("a socket pusher's first push");
     store
         .push_at(
             &wide(1, 2, 16, "oom"),
-            Some(5000.into()),
+            Some(peer(5000)),
             now + Duration::from_millis(10),
         )
         .expect("its OOM push");
@@ -396,7 +414,7 @@ fn a_socket_push_must_come_from_the_process_that_connected() {
     }
     let (store, sources) = store_with(config());
     let now = Instant::now();
-    let connected = |start_time| super::store::Peer {
+    let connected = |start_time| Peer {
         pid: 40,
         start_time: Some(start_time),
     };
@@ -421,7 +439,14 @@ fn a_socket_push_must_come_from_the_process_that_connected() {
     // Gone by the accept already (under load), so its start time was never read: gone now
     // all the same (test-all caught an inherited connection pushing in this window).
     let err = store
-        .push_at(&payload(1, 1, ok()), Some(40.into()), now)
+        .push_at(
+            &payload(1, 1, ok()),
+            Some(Peer {
+                pid: 40,
+                start_time: None,
+            }),
+            now,
+        )
         .expect_err("the process that connected was gone by the accept");
     assert_eq!(err.refusal, Refusal::Forbidden, "{}", err.message);
     assert!(pids(&sources).is_empty());
@@ -556,14 +581,14 @@ fn pod_ooms_outlive_their_processes() {
     });
     let start = Instant::now();
     store
-        .push_at(&with_reason(1, 1, "interval", 0), Some(30.into()), start)
+        .push_at(&with_reason(1, 1, "interval", 0), Some(peer(30)), start)
         .expect("no OOM yet");
     assert!(store.report().pod_ooms.is_empty());
     store
-        .push_at(&with_reason(1, 2, "oom", 1), Some(30.into()), start)
+        .push_at(&with_reason(1, 2, "oom", 1), Some(peer(30)), start)
         .expect("OOM");
     store
-        .push_at(&with_reason(1, 3, "exit", 1), Some(30.into()), start)
+        .push_at(&with_reason(1, 3, "exit", 1), Some(peer(30)), start)
         .expect("exit");
     let ooms = store.report().pod_ooms;
     assert_eq!(ooms.len(), 1);
@@ -596,7 +621,7 @@ fn an_oom_dated_before_the_agent_started_is_not_counted_again() {
     let body = serde_json::json!({"pid": 1, "seq": 1, "last_oom_unix_seconds": 1000.0,
         "devices": [{"index": 0, "uuid": "GPU-abc", "stats": {"num_ooms": 2}}]});
     store
-        .push_at(body.to_string().as_bytes(), Some(30.into()), Instant::now())
+        .push_at(body.to_string().as_bytes(), Some(peer(30)), Instant::now())
         .expect("accepted");
     assert!(
         store.report().pod_ooms.is_empty(),
@@ -642,9 +667,25 @@ fn unattributed_pushes_tell_pid_reuse_by_their_start_time() {
     store
         .push_at(&push(500, 100, 2), None, start)
         .expect("pid 1 of one container");
-    // Another container's pid 1: not stale, and nothing of the first carried over.
-    store
+    // Another container's pid 1 (or another local user naming it): refused while the first
+    // lives (issue 53, item 7: it took the job's series over), a push naming no start time
+    // alike.
+    let err = store
         .push_at(&push(1, 200, 0), None, start + Duration::from_secs(1))
+        .expect_err("the first lives");
+    assert_eq!(err.refusal, Refusal::Conflict, "{}", err.message);
+    let anonymous = serde_json::json!({"pid": 1, "seq": 501,
+        "devices": [{"index": 0, "uuid": "u", "stats": {"num_ooms": 5}}]});
+    let err = store
+        .push_at(anonymous.to_string().as_bytes(), None, start)
+        .expect_err("no start time is no proof");
+    assert_eq!(err.refusal, Refusal::Conflict, "{}", err.message);
+    assert_eq!(sources.snapshot()[0].stats.num_ooms.get(), 2);
+    // Once the first has been silent for its time to live, the other starts afresh: not
+    // stale, and nothing of the first carried over.
+    let later = start + IngestConfig::default().ttl + Duration::from_secs(1);
+    store
+        .push_at(&push(1, 200, 0), None, later)
         .expect("another process");
     let list = sources.snapshot();
     assert_eq!(list.len(), 1);
@@ -652,7 +693,7 @@ fn unattributed_pushes_tell_pid_reuse_by_their_start_time() {
     assert_eq!(list[0].last_oom_unix_seconds, None);
     // The same one again is checked in order.
     let err = store
-        .push_at(&push(1, 200, 0), None, start + Duration::from_secs(2))
+        .push_at(&push(1, 200, 0), None, later + Duration::from_secs(1))
         .expect_err("stale");
     assert_eq!(err.refusal, Refusal::Stale);
 }
@@ -1110,6 +1151,6 @@ fn the_pods_together_hold_their_share() {
     assert!(err.message.contains("pod network"), "{}", err.message);
     // A socket pusher is not held to it.
     store
-        .push_at(&payload(1, 1, ok()), Some(9000.into()), now)
+        .push_at(&payload(1, 1, ok()), Some(peer(9000)), now)
         .expect("a socket pusher");
 }

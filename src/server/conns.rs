@@ -1,20 +1,26 @@
 //! The connections a listener serves, and which one gives way when they are too many.
 //!
-//! A connection *progresses* when it reads or writes a byte (`listen.rs` tells it). A
-//! listener at its cap that accepts one more connection evicts the one that progressed least
-//! recently: idle, half-sent and unread connections go first, and a new client (a liveness
-//! probe) is always accepted, never left in the kernel's backlog. What a connection's request
-//! holds (`slots.rs`) is taken from it the same way.
+//! A connection *progresses* when it reads or writes a byte (`listen.rs` tells it), and has
+//! an *owner* where the agent can tell who is at the other end (a socket peer's pid, a TCP
+//! peer's address). A listener at its cap that accepts one more connection evicts one: a
+//! connection not serving a request where there is one (a request being handled makes no
+//! progress, yet its client waits for the answer), of the owner holding the most
+//! connections, the one of those that progressed least recently. So a new client (a
+//! liveness probe) is always accepted, never left in the kernel's backlog, and an owner
+//! churning connections evicts its own, not another's request. What a connection's request
+//! holds (`slots.rs`) is taken from it by progress alone.
 //!
 //! # Invariants
 //! - A listener holds at most its cap of connections that were not evicted; accepting
 //!   never waits for room: the evicted one's place is free from the moment it is chosen.
+//! - Eviction never takes a connection serving a request while one that is not exists, nor
+//!   one of an owner holding fewer connections than another owner among those.
 //! - An evicted connection ends at its next poll: its request, if any, is dropped with what
 //!   it held (slots, buffers), which come back then.
 //! - Bookkeeping is a map per listener, scanned when it is full: at most the cap's entries,
 //!   each a pointer.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,15 @@ fn now_ms() -> u64 {
     EPOCH.elapsed().as_millis() as u64
 }
 
+/// Who is at the other end of a connection, as far as the agent can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Owner {
+    /// A process the kernel named (a socket peer's pid).
+    Process(u32),
+    /// A TCP peer's address (every loopback client is one).
+    Address(std::net::IpAddr),
+}
+
 /// One served connection: when it last progressed, and whether it was told to end.
 #[derive(Clone, Debug)]
 pub struct Connection(Arc<ConnectionState>);
@@ -34,10 +49,12 @@ pub struct Connection(Arc<ConnectionState>);
 #[derive(Debug)]
 struct ConnectionState {
     id: u64,
-    /// Who is at the other end where the kernel says (a socket peer's pid): slots are shared
+    /// Who is at the other end where the agent can tell: connections and slots are shared
     /// out among owners.
-    owner: Option<u32>,
+    owner: Option<Owner>,
     last: AtomicU64,
+    /// Requests being served (hyper serves one at a time per connection).
+    serving: AtomicUsize,
     evicted: AtomicBool,
     notify: Notify,
 }
@@ -45,11 +62,12 @@ struct ConnectionState {
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Connection {
-    pub(super) fn new(owner: Option<u32>) -> Connection {
+    pub(super) fn new(owner: Option<Owner>) -> Connection {
         Connection(Arc::new(ConnectionState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             owner,
             last: AtomicU64::new(now_ms()),
+            serving: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             notify: Notify::new(),
         }))
@@ -60,9 +78,19 @@ impl Connection {
         Connection::new(None)
     }
 
-    /// Who is at the other end, where the kernel says.
-    pub(super) fn owner(&self) -> Option<u32> {
+    /// Who is at the other end, where the agent can tell.
+    pub(super) fn owner(&self) -> Option<Owner> {
         self.0.owner
+    }
+
+    /// A request is being served on it until the returned guard drops.
+    pub(super) fn serving(&self) -> Serving {
+        self.0.serving.fetch_add(1, Ordering::AcqRel);
+        Serving(self.clone())
+    }
+
+    fn is_serving(&self) -> bool {
+        self.0.serving.load(Ordering::Acquire) > 0
     }
 
     /// Its identity among the connections served.
@@ -100,6 +128,16 @@ impl Connection {
     }
 }
 
+/// A request being served on a connection, until dropped.
+#[derive(Debug)]
+pub(super) struct Serving(Connection);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.0.serving.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The least recently progressed of `candidates` (their keys and connections), if it has
 /// been stalled for at least `min_stall`.
 pub(super) fn most_stalled<'a>(
@@ -127,14 +165,14 @@ impl Connections {
         })
     }
 
-    /// A new connection from `owner` (where the kernel names it), counted until the returned
-    /// guard drops; where that makes one too many, the least recently progressed other one is
-    /// evicted.
-    pub fn admit(self: &Arc<Self>, owner: Option<u32>) -> Admitted {
+    /// A new connection from `owner` (where the agent can tell), counted until the returned
+    /// guard drops; where that makes one too many, another is evicted (see the module
+    /// documentation for which).
+    pub fn admit(self: &Arc<Self>, owner: Option<Owner>) -> Admitted {
         let conn = Connection::new(owner);
         let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
         if live.len() >= self.cap
-            && let Some(victim) = most_stalled(live.iter(), Duration::ZERO)
+            && let Some(victim) = victim(&live)
             && let Some(victim) = live.remove(&victim)
         {
             victim.evict();
@@ -155,6 +193,24 @@ impl Connections {
             .unwrap_or_else(PoisonError::into_inner)
             .len()
     }
+}
+
+/// The connection to evict from a full listener: among those not serving a request (all,
+/// where every one is), those of the owner holding the most connections, the least recently
+/// progressed of them. Connections without an owner count as one owner.
+fn victim(live: &FxHashMap<u64, Connection>) -> Option<u64> {
+    let mut held: FxHashMap<Option<Owner>, usize> = FxHashMap::default();
+    for conn in live.values() {
+        *held.entry(conn.owner()).or_default() += 1;
+    }
+    let idle = live.values().any(|c| !c.is_serving());
+    live.iter()
+        .filter(|(_, c)| !(idle && c.is_serving()))
+        .min_by_key(|(_, c)| {
+            let holds = held.get(&c.owner()).copied().unwrap_or(0);
+            (std::cmp::Reverse(holds), c.stalled_since())
+        })
+        .map(|(key, _)| *key)
 }
 
 /// A connection counted by its listener until dropped.
@@ -206,5 +262,37 @@ mod tests {
         assert_eq!(connections.len(), 3, "an evicted one is no longer counted");
         drop(d);
         assert_eq!(connections.len(), 2);
+    }
+
+    /// Issue 53, item 8: an owner churning connections evicts its own, never another's
+    /// request in flight, however long that request has made no progress.
+    #[test]
+    fn a_crowd_evicts_its_own_and_a_request_in_flight_stays() {
+        let connections = Connections::new(4);
+        let job = connections.admit(Some(Owner::Process(1)));
+        let _request = job.connection().serving();
+        std::thread::sleep(Duration::from_millis(5));
+        let crowd: Vec<Admitted> = (0..40)
+            .map(|_| connections.admit(Some(Owner::Process(2))))
+            .collect();
+        assert!(!job.connection().is_evicted(), "the job's request stays");
+        assert_eq!(
+            crowd
+                .iter()
+                .filter(|c| !c.connection().is_evicted())
+                .count(),
+            3
+        );
+        // Another owner's new connection takes the crowd's place too.
+        let other = connections.admit(Some(Owner::Process(3)));
+        assert!(!other.connection().is_evicted());
+        assert!(!job.connection().is_evicted());
+        // All serving: the owner holding most gives way still.
+        let _serving: Vec<Serving> = crowd.iter().map(|c| c.connection().serving()).collect();
+        let _other_request = other.connection().serving();
+        let late = connections.admit(Some(Owner::Process(4)));
+        assert!(!job.connection().is_evicted());
+        assert!(!other.connection().is_evicted());
+        assert!(!late.connection().is_evicted());
     }
 }

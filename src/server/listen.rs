@@ -3,8 +3,9 @@
 //!
 //! # Invariants (budgets)
 //! - At most [`HttpLimits::max_connections`] connections are served at once per listener;
-//!   a new one is always accepted, and the one that progressed (read or wrote a byte) least
-//!   recently is closed to make room (`conns.rs`): idle connections cannot keep a probe out.
+//!   a new one is always accepted, and another closed to make room (`conns.rs`: one not
+//!   serving a request, of the owner holding most, the least recently progressed): idle
+//!   connections cannot keep a probe out, nor a crowd another owner's request.
 //! - A connection that does not send a request's headers within
 //!   [`HttpLimits::header_timeout`], whether new or idle between keep-alive requests, is
 //!   closed; one that keeps a response waiting and reads less than 1 MiB of it per
@@ -23,6 +24,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -34,7 +36,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tower::ServiceExt;
 
-use super::conns::{Connection, Connections};
+use super::conns::{Connection, Connections, Owner};
+use super::pidfd::{PeerHandle, PidFd};
 use crate::ingest::Peer;
 
 /// The limits within which connections are served.
@@ -100,7 +103,7 @@ async fn serve_tcp(
     shutdown: impl Future<Output = ()> + Send + 'static,
     tls: Option<Tls>,
 ) {
-    let info = |_: &_, addr| (addr, None);
+    let info = |_: &_, addr: SocketAddr| (addr, Some(Owner::Address(addr.ip().to_canonical())));
     serve_with(listener, app, limits, shutdown, info, || {}, tls).await;
 }
 
@@ -137,7 +140,8 @@ pub async fn serve_unix(
         shutdown,
         |io: &UnixStream, _| {
             let peer = UnixPeer::of(io);
-            (peer, peer.process.map(|p| p.pid))
+            let owner = peer.process.map(|p| Owner::Process(p.pid));
+            (peer, owner)
         },
         remove_own,
         None,
@@ -157,7 +161,7 @@ async fn serve_with<L, C>(
     app: Router,
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    info: impl Fn(&L::Io, L::Addr) -> (C, Option<u32>),
+    info: impl Fn(&L::Io, L::Addr) -> (C, Option<Owner>),
     stopped: impl FnOnce(),
     tls: Option<Tls>,
 ) where
@@ -183,7 +187,14 @@ async fn serve_with<L, C>(
         let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
             request.extensions_mut().insert(ConnectInfo(peer.clone()));
             request.extensions_mut().insert(tagged.clone());
-            app.clone().oneshot(request)
+            // Until its answer is made, the request is not a connection to evict first.
+            let serving = tagged.serving();
+            let answered = app.clone().oneshot(request);
+            async move {
+                let response = answered.await;
+                drop(serving);
+                response
+            }
         });
         let io = Watched::new(io, conn.clone(), limits.send_timeout);
         let (watcher, http, tls) = (graceful.watcher(), http.clone(), tls.clone());
@@ -506,24 +517,78 @@ fn openness(directory: &Path, socket: &Path) -> Option<&'static str> {
 }
 
 /// The process at the other end of a Unix-socket connection, as the kernel reports it
-/// (`SO_PEERCRED`, in the agent's pid namespace) with its start time, both read when it
-/// connected.
-#[derive(Clone, Copy, Debug)]
+/// (`SO_PEERCRED`, in the agent's pid namespace), with its start time and, where the kernel
+/// gives one, its handle (`SO_PEERPIDFD`), both taken when it connected.
+#[derive(Clone, Debug)]
 pub struct UnixPeer {
-    /// The peer; `None` where the kernel does not say (another pid namespace's).
+    /// The peer; `None` where the kernel does not say (another pid namespace's). Its start
+    /// time is `None` where nothing proves the pid was still the connecting process's when
+    /// it was read.
     pub process: Option<Peer>,
+    /// The connecting process's handle, where the kernel gave one.
+    handle: Option<Arc<PidFd>>,
 }
 
 impl UnixPeer {
     fn of(stream: &UnixStream) -> UnixPeer {
-        let process = stream
+        let pid = stream
             .peer_cred()
             .ok()
             .and_then(|cred| cred.pid())
             .and_then(|pid| u32::try_from(pid).ok())
-            .filter(|&pid| pid != 0)
-            .map(Peer::now);
-        UnixPeer { process }
+            .filter(|&pid| pid != 0);
+        let Some(pid) = pid else {
+            return UnixPeer {
+                process: None,
+                handle: None,
+            };
+        };
+        match PidFd::of_peer(stream) {
+            PeerHandle::Held(handle) => {
+                // Read after the handle was taken: the start time is the handle's process's
+                // only if that process had not exited by then.
+                let mut peer = Peer::now(pid);
+                if handle.exited() {
+                    peer.start_time = None;
+                }
+                UnixPeer {
+                    process: Some(peer),
+                    handle: Some(Arc::new(handle)),
+                }
+            }
+            // The process went before the accept: its pid may be another's already.
+            PeerHandle::Gone => UnixPeer {
+                process: Some(Peer {
+                    pid,
+                    start_time: None,
+                }),
+                handle: None,
+            },
+            PeerHandle::Unsupported => UnixPeer {
+                process: Some(Peer::now(pid)),
+                handle: None,
+            },
+        }
+    }
+
+    /// A peer known without a handle, its start time its proof (a request served without a
+    /// socket, as tests do).
+    pub fn without_handle(process: Option<Peer>) -> UnixPeer {
+        UnixPeer {
+            process,
+            handle: None,
+        }
+    }
+
+    /// The process, as proven now: its start time is cleared once its handle says it has
+    /// exited (the ingest refuses a peer without one), so a connection that outlived its
+    /// process cannot speak for whoever has its pid now.
+    pub fn peer(&self) -> Option<Peer> {
+        let mut peer = self.process?;
+        if self.handle.as_ref().is_some_and(|h| h.exited()) {
+            peer.start_time = None;
+        }
+        Some(peer)
     }
 }
 

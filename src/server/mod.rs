@@ -13,10 +13,11 @@
 //! (`server::view` over `view::kept`; `/recordings/pid/<pid>` leads to a process's newest),
 //! these three with the page. Where credentials are configured
 //! (`AppState::auth`, the web configuration file), `/metrics`, the page and its APIs answer
-//! them only (401 otherwise); pushes, uploads and probes answer anyone. [`app`] builds the
-//! router, so tests call it without a socket, and [`push_app`] a pushes-only one (a second,
-//! plain listener beside a TLS one); [`serve`] and `serve_tls` serve them within the
-//! [`HttpLimits`] (`listen.rs`).
+//! them only (401 otherwise, 503 while every check is taken); pushes, uploads and probes
+//! answer anyone. [`app`] builds the router, so tests call it without a socket, and
+//! [`push_app`] a pushes-only one: the push socket's (pods that mount it are tenants, never
+//! shown the node) and a second, plain listener's beside a TLS one; [`serve`] and `serve_tls`
+//! serve them within the [`HttpLimits`] (`listen.rs`).
 //!
 //! # Invariants
 //! - A push is read only from this host or a pod on it, only as `Content-Type:
@@ -36,7 +37,11 @@
 //! - A slot (push or scrape) whose holder made no progress for [`MIN_STALL`] goes to the
 //!   next request that wants it, the holder's connection closed (`slots.rs`): withheld
 //!   bodies and unread scrapes cannot keep a real push or scrape out. A push so dropped is
-//!   counted as `truncated`.
+//!   counted as `truncated`. An upload's body that brings too little in a window is cut off
+//!   as `truncated` (`ingest::recordings`' pace).
+//! - A socket peer speaks for its pid only while the process that connected lives (its
+//!   handle, `SO_PEERPIDFD`, or its start time at the accept: `pidfd.rs`); what cannot be
+//!   proved is refused.
 //!
 //! # Memory budget
 //! A scrape is at most the pushed-series budget (`IngestConfig::max_series`, 10 000) times a
@@ -56,6 +61,7 @@
 mod conns;
 pub mod hosts;
 mod listen;
+mod pidfd;
 mod slots;
 #[cfg(feature = "tls")]
 pub mod tls;
@@ -79,7 +85,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::ingest::recordings::UPLOAD_TIMEOUT;
+use crate::ingest::recordings::{UPLOAD_MIN_PROGRESS, UPLOAD_TIMEOUT, UPLOAD_WINDOW};
 use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal, Rejected, Sender};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
@@ -256,34 +262,52 @@ fn with_pushes_and_probes(state: AppState, routes: Router<AppState>) -> Router {
 }
 
 /// Refuses (401) a request that carries no configured credentials: a user with its password
-/// or a bearer token.
+/// or a bearer token; answers 503 where its password could not be checked in time (a flood).
 async fn check_user(
     State(state): State<AppState>,
     request: Request,
     next: axum::middleware::Next,
 ) -> Response {
     #[cfg(feature = "tls")]
-    if let Some(auth) = &state.auth
-        && !auth
-            .allows(request.headers().get(header::AUTHORIZATION))
+    if let Some(auth) = &state.auth {
+        match auth
+            .check(request.headers().get(header::AUTHORIZATION))
             .await
-    {
-        let mut refusal = (
-            StatusCode::UNAUTHORIZED,
-            "this agent answers configured credentials only (basic or bearer authentication)\n",
-        )
-            .into_response();
-        for challenge in auth.challenges() {
-            refusal.headers_mut().append(
-                header::WWW_AUTHENTICATE,
-                axum::http::HeaderValue::from_static(challenge),
-            );
+        {
+            web_config::Verdict::Allowed => {}
+            // Nothing is known of the credentials: the scraper should try again, not take
+            // them for wrong.
+            web_config::Verdict::Busy => {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::RETRY_AFTER, "1")],
+                    "too many credentials are being checked; try again\n",
+                )
+                    .into_response();
+            }
+            web_config::Verdict::Refused => return unauthorized(auth),
         }
-        return refusal;
     }
     #[cfg(not(feature = "tls"))]
     let _ = &state;
     next.run(request).await
+}
+
+/// A 401 with the challenges of the schemes configured.
+#[cfg(feature = "tls")]
+fn unauthorized(auth: &web_config::Authentication) -> Response {
+    let mut refusal = (
+        StatusCode::UNAUTHORIZED,
+        "this agent answers configured credentials only (basic or bearer authentication)\n",
+    )
+        .into_response();
+    for challenge in auth.challenges() {
+        refusal.headers_mut().append(
+            header::WWW_AUTHENTICATE,
+            axum::http::HeaderValue::from_static(challenge),
+        );
+    }
+    refusal
 }
 
 /// Refuses (421) a request whose `Host` the agent does not answer to; one without a `Host`
@@ -447,7 +471,7 @@ async fn push(
     // Only processes on this node may push: over the Unix socket (the kernel names the
     // process), from loopback, or from a pod on this node where the agent attributes them.
     let (unix, peer) = peers(&request);
-    let pod = match (unix, peer) {
+    let pod = match (&unix, peer) {
         (Some(_), _) => None,
         (None, Some(ip)) => match attribute(&state, ip).await {
             Ok(pod) => pod,
@@ -523,7 +547,7 @@ async fn push(
                 Err(e) => return internal("push", &e),
             }
         }
-        None => store.push_from(&body, unix.and_then(|peer| peer.process)),
+        None => store.push_from(&body, unix.as_ref().and_then(UnixPeer::peer)),
     };
     match pushed {
         Ok(()) => json(StatusCode::ACCEPTED, serde_json::json!({"accepted": true})),
@@ -545,7 +569,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
     let answer = |rejected: Rejected| refusal(rejected.refusal, &rejected.message);
     let refuse = |rejected: Rejected| answer(recordings.refuse(rejected));
     let sender = match peers(&request) {
-        (Some(unix), _) => Sender::from(unix.process),
+        (Some(unix), _) => Sender::from(unix.peer()),
         (None, Some(ip)) => match attribute(&state, ip).await {
             Ok(Some(pod)) => Sender::Pod(pod),
             Ok(None) => Sender::Unattributed,
@@ -599,19 +623,36 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             Err(e) => return internal("upload", &e),
         }
     };
-    let mut upload = match recordings.begin(owner.pid) {
+    let upload = match recordings.begin(&owner) {
         Ok(upload) => upload,
         Err(rejected) => return refusal(rejected.refusal, &rejected.message),
     };
     let deadline = tokio::time::Instant::now() + UPLOAD_TIMEOUT;
-    let written = match write_body(request.into_body(), upload.path(), limit, deadline).await {
+    let file = match upload.create() {
+        Ok(file) => tokio::fs::File::from_std(file),
+        Err(e) => {
+            return answer(upload.refuse(Rejected::new(
+                Refusal::Capacity,
+                format!("the recording could not be stored: {e}"),
+            )));
+        }
+    };
+    let written = match write_body(request.into_body(), file, limit, deadline).await {
         Ok(written) => written,
         Err(BodyError::TooLarge) => return answer(upload.refuse(too_large())),
-        // (An upload takes no slot: it is never busy.)
-        Err(BodyError::Late | BodyError::Busy) => {
+        Err(BodyError::Late) => {
             return answer(upload.refuse(Rejected::new(
                 Refusal::Truncated,
                 format!("the recording did not arrive within {UPLOAD_TIMEOUT:?}"),
+            )));
+        }
+        // (An upload takes no slot: never busy, but it may stall.)
+        Err(BodyError::Busy) => {
+            return answer(upload.refuse(Rejected::new(
+                Refusal::Truncated,
+                format!(
+                    "the recording stalled: less than {UPLOAD_MIN_PROGRESS} bytes came in {UPLOAD_WINDOW:?}"
+                ),
             )));
         }
         Err(BodyError::Broken(e)) => {
@@ -621,7 +662,6 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
             )));
         }
     };
-    upload.received();
     if declared.is_some_and(|n| n != written) {
         return answer(upload.refuse(Rejected::new(
             Refusal::Truncated,
@@ -679,13 +719,28 @@ async fn newest_recording_of(
     let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
         return no_recordings();
     };
-    match recordings.list().into_iter().find(|r| r.pid == pid) {
-        Some(newest) => see_other(&format!("../{}", recording_link(&newest))),
+    match newest_of(&recordings.list(), pid, |_| true) {
+        Some(newest) => see_other(&format!("../{}", recording_link(newest))),
         None => json(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": format!("this agent keeps no recording of pid {pid} (it may have been evicted, or the job recorded none: GPUMEM_PUSH_HISTORY)")}),
         ),
     }
+}
+
+/// The newest of `kept` (newest first) of process `pid` that `also` accepts, one a process
+/// the kernel or the runtime named before one from loopback TCP: a loopback sender's pid is
+/// its own word, so one naming a dead job's pid cannot take that job's link over.
+fn newest_of(
+    kept: &[crate::ingest::recordings::StoredRecording],
+    pid: u32,
+    also: impl Fn(&crate::ingest::recordings::StoredRecording) -> bool,
+) -> Option<&crate::ingest::recordings::StoredRecording> {
+    use crate::ingest::recordings::LOOPBACK_TENANT;
+    let of_pid = || kept.iter().filter(|r| r.pid == pid && also(r));
+    of_pid()
+        .find(|r| r.tenant != LOOPBACK_TENANT)
+        .or_else(|| of_pid().next())
 }
 
 /// Where a kept recording's page opens, relative to `/recordings/`: at its OOM, where it has
@@ -737,7 +792,9 @@ fn internal(what: &str, e: &tokio::task::JoinError) -> Response {
 /// dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d, made IPv4 again).
 fn peers(request: &Request) -> (Option<UnixPeer>, Option<std::net::IpAddr>) {
     let extensions = request.extensions();
-    let unix = extensions.get::<ConnectInfo<UnixPeer>>().map(|c| c.0);
+    let unix = extensions
+        .get::<ConnectInfo<UnixPeer>>()
+        .map(|c| c.0.clone());
     let peer = extensions
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip().to_canonical());
@@ -762,27 +819,35 @@ pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
         .and_then(|v| v.parse::<u64>().ok())
 }
 
-/// Writes a body to `path` by `deadline`, at most `limit` bytes: how many were written.
+/// Writes a body to `file` by `deadline`, at most `limit` bytes, and at least
+/// [`UPLOAD_MIN_PROGRESS`] of them in each [`UPLOAD_WINDOW`] (else [`BodyError::Busy`]: it
+/// stalled): how many were written.
 async fn write_body(
     mut body: axum::body::Body,
-    path: &std::path::Path,
+    mut file: tokio::fs::File,
     limit: u64,
     deadline: tokio::time::Instant,
 ) -> Result<u64, BodyError> {
     use http_body_util::BodyExt;
     use tokio::io::AsyncWriteExt;
     let broken = |e: std::io::Error| BodyError::Broken(axum::Error::new(e));
-    let mut file = tokio::fs::File::create(path).await.map_err(broken)?;
     let mut written = 0u64;
+    let mut window = (tokio::time::Instant::now() + UPLOAD_WINDOW, 0u64);
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) => return Err(BodyError::Late),
+        let frame = match tokio::time::timeout_at(deadline.min(window.0), body.frame()).await {
+            Err(_) if tokio::time::Instant::now() >= deadline => return Err(BodyError::Late),
+            Err(_) if window.1 < UPLOAD_MIN_PROGRESS => return Err(BodyError::Busy),
+            Err(_) => {
+                window = (tokio::time::Instant::now() + UPLOAD_WINDOW, 0);
+                continue;
+            }
             Ok(None) => break,
             Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
             Ok(Some(Ok(frame))) => frame,
         };
         if let Ok(data) = frame.into_data() {
             written += data.len() as u64;
+            window.1 += data.len() as u64;
             if written > limit {
                 return Err(BodyError::TooLarge);
             }
@@ -866,7 +931,8 @@ pub const UNSLOTTED_BODY_BYTES: usize = 16 * 1024;
 /// Why a push body was not read.
 enum BodyError {
     TooLarge,
-    /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`].
+    /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`] (a push), or the body came
+    /// too slowly (an upload).
     Busy,
     Late,
     Broken(axum::Error),
@@ -1034,13 +1100,16 @@ async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>
             let kept = store.list();
             for row in &mut view.processes {
                 // The same pid in the same pod (a pid the host reused names another pod).
-                row.recording = kept
-                    .iter()
-                    .find(|r| {
-                        r.pid.to_string() == row.pid
-                            && (r.pod_name.is_empty()
+                row.recording = row
+                    .pid
+                    .parse()
+                    .ok()
+                    .and_then(|pid| {
+                        newest_of(&kept, pid, |r| {
+                            r.pod_name.is_empty()
                                 || row.pod_name.is_empty()
-                                || r.pod_name == row.pod_name)
+                                || r.pod_name == row.pod_name
+                        })
                     })
                     .map(|r| format!("recordings/{}", recording_link(r)));
             }

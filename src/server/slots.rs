@@ -4,10 +4,9 @@
 //! A slot wanted while all are held is taken from the holder stalled longest, if it has made
 //! no progress for [`MIN_STALL`]: a body that never arrives, or a scrape nobody reads, cannot
 //! keep a real push or scrape out. A slot given back goes to a waiter of the owner (the
-//! socket peer's pid) holding fewest slots, the newest of them: one process's crowd waits
-//! behind every other process, and a crowd of stalled clients that came first cannot keep a
-//! new one out. Over TCP every client looks alike (no owner): a client that keeps sending new
-//! requests there can still delay others, until peers are told apart.
+//! socket peer's pid, a TCP peer's address) holding fewest slots, the newest of them: one
+//! process's crowd waits behind every other process, and a crowd of stalled clients that came
+//! first cannot keep a new one out. Every loopback TCP client is one owner.
 //!
 //! # Invariants
 //! - Every slot is either free, held by one [`Slot`], or on its way to a waiter; a [`Slot`]
@@ -26,7 +25,7 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
-use super::conns::{Connection, most_stalled};
+use super::conns::{Connection, Owner, most_stalled};
 
 /// How long a slot's holder must have made no progress before its slot goes to another: a
 /// request from this node sends its body, and a scraper reads, well within it.
@@ -160,7 +159,7 @@ impl Slots {
             inner.waiters = waiting;
             // The newest waiter of the owners holding fewest slots: one process's crowd of
             // requests waits behind everyone else's.
-            let held = |owner: Option<u32>| {
+            let held = |owner: Option<Owner>| {
                 owner.map_or(0, |o| {
                     inner
                         .holders
@@ -301,12 +300,12 @@ mod tests {
     #[tokio::test]
     async fn a_slot_goes_to_the_owner_holding_fewest() {
         let slots = Slots::new(2);
-        let crowd = Some(7);
+        let crowd = Some(Owner::Process(7));
         let first = Connection::new(crowd);
         let _held = slots.take(&first, Duration::ZERO).await.expect("free");
         let second = Connection::new(crowd);
         let slot = slots.take(&second, Duration::ZERO).await.expect("free");
-        let other = waiter(&slots, Connection::new(Some(8)));
+        let other = waiter(&slots, Connection::new(Some(Owner::Process(8))));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let more = waiter(&slots, Connection::new(crowd));
         tokio::time::sleep(Duration::from_millis(20)).await;

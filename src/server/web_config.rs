@@ -28,7 +28,7 @@
 //! - A request's credentials are checked with bcrypt (its cost is the hash's: 60 ms at cost
 //!   10, 245 ms at 12, measured on a 2-vCPU machine) on a blocking thread, at most [`MAX_CHECKS`] at once, a dropped request's
 //!   check included (the permit goes with the work); a request that waits [`MAX_WAIT`] for
-//!   its turn is refused. An unknown user costs one check against a dummy hash of the
+//!   its turn is answered 503 (nothing is known of its credentials), not 401. An unknown user costs one check against a dummy hash of the
 //!   users' highest cost, so timing does not tell users apart. A successful check is
 //!   remembered (the password's SHA-256, per user, compared in constant time), so a scraper
 //!   pays for bcrypt once, not per scrape. An `Authorization` header over
@@ -38,7 +38,8 @@
 //!   SHA-256 digests are kept, and a presented token is compared with every one in constant
 //!   time. The file is looked at again at most every [`TOKENS_RECHECK`] and re-read when its
 //!   modification time, length or inode changed (a Secret's rotation); a file that has become
-//!   unreadable or invalid leaves the last tokens in force, with a warning.
+//!   unreadable, missing or invalid (emptied, overfilled) revokes every token until it is
+//!   valid again, with a warning: revocation fails closed.
 //! - The file is read once, at start: new users or passwords take a restart (the
 //!   certificate files and the tokens file it names are re-read as they change). Credentials
 //!   over plain HTTP travel in the clear: configure `tls_server_config` with them.
@@ -127,18 +128,35 @@ pub struct Authentication {
     bearer: Option<BearerTokens>,
 }
 
+/// What a check of a request's credentials found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Configured credentials.
+    Allowed,
+    /// None, or not configured ones.
+    Refused,
+    /// Not checked: every check was taken for [`MAX_WAIT`] (a flood of wrong passwords).
+    /// Nothing is known of them: answered 503, not 401.
+    Busy,
+}
+
 impl Authentication {
-    /// Whether `header` (a request's `Authorization`) carries configured credentials.
-    pub async fn allows(&self, header: Option<&HeaderValue>) -> bool {
+    /// What `header` (a request's `Authorization`) carries.
+    pub async fn check(&self, header: Option<&HeaderValue>) -> Verdict {
         if let Some(bearer) = &self.bearer
             && bearer.allows(header)
         {
-            return true;
+            return Verdict::Allowed;
         }
         match &self.basic {
-            Some(basic) => basic.allows(header).await,
-            None => false,
+            Some(basic) => basic.check(header).await,
+            None => Verdict::Refused,
         }
+    }
+
+    /// Whether `header` carries configured credentials (checked now).
+    pub async fn allows(&self, header: Option<&HeaderValue>) -> bool {
+        self.check(header).await == Verdict::Allowed
     }
 
     /// The `WWW-Authenticate` challenges of a refusal, one per scheme configured.
@@ -348,7 +366,11 @@ impl BearerTokens {
         let mut loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
         if loaded.looked.elapsed() >= TOKENS_RECHECK {
             loaded.looked = Instant::now();
-            if file_version(&self.path).is_ok_and(|v| v != loaded.version) {
+            // A file changed, gone or unreadable is read again; one that is not valid now
+            // revokes every token (emptied, deleted, overfilled: a revocation must not
+            // leave the old tokens standing).
+            let version = file_version(&self.path).ok();
+            if version != Some(loaded.version) {
                 match read_tokens(&self.path) {
                     Ok((digests, version)) => {
                         tracing::info!(path = ?self.path, tokens = digests.len(), "bearer tokens re-read");
@@ -356,7 +378,11 @@ impl BearerTokens {
                         loaded.version = version;
                     }
                     Err(e) => {
-                        tracing::warn!(path = ?self.path, error = %e, "the bearer tokens file is not valid now: the last tokens stand");
+                        if !loaded.digests.is_empty() {
+                            tracing::warn!(path = ?self.path, error = %e, "the bearer tokens file is not valid now: no token is accepted until it is");
+                        }
+                        loaded.digests.clear();
+                        loaded.version = version.unwrap_or_default();
                     }
                 }
             }
@@ -470,8 +496,14 @@ impl BasicAuth {
 
     /// Whether `header` (a request's `Authorization`) names a user with its password.
     pub async fn allows(&self, header: Option<&HeaderValue>) -> bool {
+        self.check(header).await == Verdict::Allowed
+    }
+
+    /// What `header` (a request's `Authorization`) names: a user with its password, or not,
+    /// or [`Verdict::Busy`] where no check came within [`MAX_WAIT`].
+    pub async fn check(&self, header: Option<&HeaderValue>) -> Verdict {
         let Some((user, password)) = header.and_then(credentials) else {
-            return false;
+            return Verdict::Refused;
         };
         let digest = sha256(password.as_bytes());
         let remembered = self
@@ -481,11 +513,11 @@ impl BasicAuth {
             .get(&user)
             .is_some_and(|d| equal(d, &digest));
         if remembered {
-            return true;
+            return Verdict::Allowed;
         }
         let turn = Arc::clone(&self.checks).acquire_owned();
         let Ok(Ok(permit)) = tokio::time::timeout(MAX_WAIT, turn).await else {
-            return false;
+            return Verdict::Busy;
         };
         let known = self.users.contains_key(&user);
         let hash = self.users.get(&user).unwrap_or(&self.dummy).clone();
@@ -500,13 +532,14 @@ impl BasicAuth {
         .and_then(Result::ok)
         .unwrap_or(false)
             && known;
-        if ok {
-            self.verified
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(user, digest);
+        if !ok {
+            return Verdict::Refused;
         }
-        ok
+        self.verified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(user, digest);
+        Verdict::Allowed
     }
 }
 
@@ -672,6 +705,21 @@ mod tests {
             // Another password is checked again, never taken for the remembered one.
             assert!(!auth.allows(Some(&basic("alice", "pw2"))).await);
         });
+        // Issue 53, item 10: with every check taken (a flood of wrong passwords), a scraper
+        // never verified is told to try again (503), not that its password is wrong (401);
+        // a remembered one is still answered.
+        runtime.block_on(async {
+            tokio::time::pause();
+            let _taken = Arc::clone(&auth.checks)
+                .acquire_many_owned(MAX_CHECKS as u32)
+                .await
+                .expect("permits");
+            assert_eq!(auth.check(Some(&basic("carol", "pw"))).await, Verdict::Busy);
+            assert_eq!(
+                auth.check(Some(&basic("alice", "pw"))).await,
+                Verdict::Allowed
+            );
+        });
     }
 
     #[test]
@@ -714,10 +762,25 @@ mod tests {
         bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
         assert!(bearer_tokens.allows(Some(&bearer(new))));
         assert!(!bearer_tokens.allows(Some(&bearer(old))));
-        // Broken afterwards: the last tokens stand.
-        std::fs::write(&file, "short\n").expect("break");
-        bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
-        assert!(bearer_tokens.allows(Some(&bearer(new))));
+        // Issue 53, item 10: emptied, overfilled, broken or deleted, the file revokes every
+        // token (it failed open: the last tokens stood until a restart); valid again, its
+        // tokens are taken.
+        let overfilled = format!("{new}\n").repeat(MAX_TOKENS + 1);
+        for broken in ["", "short\n", overfilled.as_str(), "(deleted)"] {
+            if broken == "(deleted)" {
+                std::fs::remove_file(&file).expect("delete");
+            } else {
+                std::fs::write(&file, broken).expect("break");
+            }
+            bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
+            assert!(!bearer_tokens.allows(Some(&bearer(new))), "{broken:?}");
+            std::fs::write(&file, format!("{new}\n")).expect("mend");
+            bearer_tokens.loaded.lock().expect("lock").looked -= TOKENS_RECHECK;
+            assert!(
+                bearer_tokens.allows(Some(&bearer(new))),
+                "mended after {broken:?}"
+            );
+        }
         // At start, a bad file is an error naming why.
         for (text, says) in [
             ("", "no token"),

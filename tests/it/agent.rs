@@ -131,7 +131,11 @@ async fn demo_serves_the_whole_contract() {
         .expect("the agent ingests")
         .push_from(
             br#"{"pid": 1, "seq": 1, "reason": "oom", "host": {"allocated_bytes.current": 4096, "active_bytes.current": 1024, "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2, "num_host_free": 0, "host_alloc_time.total": 1500}, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
-            Some(77.into()),
+            // Connected as `alive` says it started.
+            Some(gpumem::ingest::store::Peer {
+                pid: 77,
+                start_time: Some(1),
+            }),
         )
         .expect("accepted");
     let router = app(state);

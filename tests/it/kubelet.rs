@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::common::temp_dir;
 use gpumem::ingest::IngestConfig;
+use gpumem::ingest::store::Peer;
 use gpumem::metrics::ReportReader;
 use gpumem::server::agent_state;
 use gpumem::sources::AllocatorSources;
@@ -319,7 +320,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"allocated_bytes.all.current": 1024}}],
     });
     store
-        .push_from(push.to_string().as_bytes(), Some(trainer().into()))
+        .push_from(push.to_string().as_bytes(), Some(Peer::now(trainer())))
         .expect("accepted");
 
     let me = format!(r#"pid="{}""#, trainer());
@@ -629,7 +630,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
             "pid": pid, "seq": 1,
             "devices": [{"index": 0, "uuid": uuid, "stats": {"reserved_bytes.all.current": 2_i64 << 30}}],
         });
-        let peer = (pid == trainer()).then(|| pid.into());
+        let peer = (pid == trainer()).then(|| Peer::now(pid));
         store
             .push_from(push.to_string().as_bytes(), peer)
             .expect("accepted");
@@ -723,7 +724,7 @@ async fn recordings_are_listed_with_their_pods_names() {
         "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"reserved_bytes.all.current": 1024}}],
     });
     store
-        .push_from(push.to_string().as_bytes(), Some(trainer().into()))
+        .push_from(push.to_string().as_bytes(), Some(Peer::now(trainer())))
         .expect("accepted");
     let json = crate::explain::recorded_json(900 << 20, 0, |a| {
         crate::explain::fragment(a);
@@ -738,9 +739,11 @@ async fn recordings_are_listed_with_their_pods_names() {
         .header("content-length", body.len())
         .body(axum::body::Body::from(body))
         .expect("request");
-    upload.extensions_mut().insert(ConnectInfo(UnixPeer {
-        process: Some(trainer().into()),
-    }));
+    upload
+        .extensions_mut()
+        .insert(ConnectInfo(UnixPeer::without_handle(Some(Peer::now(
+            trainer(),
+        )))));
     let (status, _, answer) = crate::agent::respond(&router, upload).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&answer));
     // The upload knows the pod's UID and container ID only.

@@ -29,5 +29,6 @@ mod replay_pools;
 mod scenarios;
 mod stress;
 mod tenant_alerts;
+mod tenants;
 mod view;
 mod web_config;

@@ -18,7 +18,7 @@ use crate::view::raw_get;
 
 const MIB: u64 = 1 << 20;
 
-fn gzip(bytes: &[u8]) -> Vec<u8> {
+pub(crate) fn gzip(bytes: &[u8]) -> Vec<u8> {
     let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     encoder.write_all(bytes).expect("compresses");
     encoder.finish().expect("compresses")
@@ -26,7 +26,7 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
 
 /// A snapshot of gpumem's allocator ending in a fragmentation OOM, as JSON, and the index of
 /// that OOM in its trace.
-fn oom_recording() -> (Vec<u8>, usize) {
+pub(crate) fn oom_recording() -> (Vec<u8>, usize) {
     let json = recorded_json(900 * MIB, 0, |a| {
         fragment(a);
     });
@@ -140,12 +140,12 @@ fn upload(port: u16, pid: u32, body: &[u8]) -> (u16, serde_json::Value) {
     )
 }
 
-fn listed(port: u16) -> Vec<serde_json::Value> {
+pub(crate) fn listed(port: u16) -> Vec<serde_json::Value> {
     let body = http_get(port, "/api/v1/recordings").expect("lists");
     serde_json::from_str(&body).expect("JSON")
 }
 
-fn metric(port: u16, series: &str) -> f64 {
+pub(crate) fn metric(port: u16, series: &str) -> f64 {
     let text = http_get(port, "/metrics").expect("scrapes");
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())

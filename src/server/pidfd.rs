@@ -1,0 +1,141 @@
+//! A handle on the process at the other end of a Unix-socket connection (`SO_PEERPIDFD`,
+//! Linux 6.5 and later): unlike its pid, it cannot come to name another process, so a
+//! connection that outlives its process (inherited by a child, its pid reused) is told apart
+//! without racing the reuse.
+//!
+//! # Invariants
+//! - A [`PidFd`] is the kernel's handle of the process that connected, taken when the agent
+//!   accepted; it polls readable once that process has exited, reaped or not.
+//! - Where the kernel gives no handles (an older kernel, an architecture whose option number
+//!   is not the generic one), [`PidFd::of_peer`] says so and callers fall back to the start
+//!   time read at the accept; where it gives none for this peer, the peer is unproven.
+//! - The two calls below are the only `unsafe` here: each passes the kernel a buffer of the
+//!   size it says, and takes ownership of a descriptor only when the kernel returned one.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// `SO_PEERPIDFD` in the kernel's generic socket options (x86, Arm, RISC-V and most others);
+/// the architectures with their own numbering get none.
+#[cfg(all(
+    target_os = "linux",
+    not(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "sparc",
+        target_arch = "sparc64",
+        target_arch = "powerpc",
+        target_arch = "powerpc64"
+    ))
+))]
+const SO_PEERPIDFD: Option<libc::c_int> = Some(77);
+#[cfg(not(all(
+    target_os = "linux",
+    not(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "sparc",
+        target_arch = "sparc64",
+        target_arch = "powerpc",
+        target_arch = "powerpc64"
+    ))
+)))]
+const SO_PEERPIDFD: Option<libc::c_int> = None;
+
+/// The process handle of a socket's peer.
+#[derive(Debug)]
+pub struct PidFd(OwnedFd);
+
+/// What the kernel says of a socket peer's process.
+#[derive(Debug)]
+pub enum PeerHandle {
+    /// Its handle.
+    Held(PidFd),
+    /// It has none to give: the process has gone (reaped before the accept), or another
+    /// error; nothing is proven then.
+    Gone,
+    /// This kernel or platform gives no handles.
+    Unsupported,
+}
+
+impl PidFd {
+    /// The handle of the process that connected `socket`, where the kernel gives one.
+    #[allow(unsafe_code)]
+    pub fn of_peer(socket: &impl AsRawFd) -> PeerHandle {
+        let Some(option) = SO_PEERPIDFD else {
+            return PeerHandle::Unsupported;
+        };
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `fd` and `len` outlive the call, and `len` is `fd`'s size.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                (&raw mut fd).cast(),
+                &raw mut len,
+            )
+        };
+        if rc == 0 && fd >= 0 {
+            // SAFETY: on success the kernel made `fd`, a descriptor no one else owns.
+            return PeerHandle::Held(PidFd(unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENOPROTOOPT | libc::EINVAL) => PeerHandle::Unsupported,
+            _ => PeerHandle::Gone,
+        }
+    }
+
+    /// Whether its process has exited (or the kernel cannot say: nothing is proven then).
+    #[allow(unsafe_code)]
+    pub fn exited(&self) -> bool {
+        let mut poll = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one `pollfd`, alive for the call; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&raw mut poll, 1, 0) };
+        ready != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PeerHandle, PidFd};
+
+    /// A peer's handle says alive while it runs and exited once it has gone, reaped or not.
+    #[test]
+    fn a_peer_handle_follows_its_process() {
+        let dir = std::env::temp_dir().join(format!("gpumem-pidfd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let path = dir.join("s.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("binds");
+        // This process as a peer: alive.
+        let _own = std::os::unix::net::UnixStream::connect(&path).expect("connects");
+        let (accepted, _) = listener.accept().expect("accepts");
+        let PeerHandle::Held(handle) = PidFd::of_peer(&accepted) else {
+            panic!("this kernel gives no SO_PEERPIDFD (Linux 6.5+ expected on the test machines)");
+        };
+        assert!(!handle.exited());
+        // A child that connects, then exits and is reaped.
+        let mut child = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); sys.stdin.readline()",
+            ])
+            .arg(&path)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 runs");
+        let (accepted, _) = listener.accept().expect("accepts");
+        let PeerHandle::Held(handle) = PidFd::of_peer(&accepted) else {
+            panic!("a handle of the child");
+        };
+        assert!(!handle.exited(), "the child still runs");
+        drop(child.stdin.take());
+        assert!(child.wait().expect("exits").success());
+        assert!(handle.exited(), "the child has exited");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
