@@ -3,8 +3,11 @@
 HTTPS (a certificate made here with openssl), on loopback only. An opted-in pod's patch,
 applied, must give a Pod that kubernetes-validate --strict accepts and that meets the Pod
 Security "restricted" rules (written out below from their source); a pod without the label,
-one already injected and any other object get no patch; malformed and oversized reviews get
-an error answer and the webhook goes on serving. Exits non-zero on any finding.
+one already injected and any other object get no patch; a pod with a container named as the
+init container would be gets one under another name; a Windows pod and one past etcd's 1.5 MiB
+get none, with a warning; malformed and oversized reviews get an error answer and the webhook
+goes on serving; the webhook's peak memory after reviews up to 3 MiB stays under the chart's
+limit. Exits non-zero on any finding.
 
   scripts/check-webhook.py [GPUMEM_BINARY]      # default target/release/gpumem"""
 
@@ -226,6 +229,28 @@ def validate(pod, tmp, name):
           + ("" if result.returncode == 0 else f"\n{result.stdout}{result.stderr}"))
 
 
+def chart_memory_limit():
+    """The webhook's memory limit in the chart's values (bytes)."""
+    values = yaml.safe_load((ROOT / "helm" / "gpumem" / "values.yaml").read_text())
+    limit = values["webhook"]["resources"]["limits"]["memory"]
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
+
+
+def peak_memory(pid):
+    """The process's peak resident memory so far (VmHWM, bytes)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def all_names(pod):
+    spec = pod["spec"]
+    return [c["name"] for key in ("containers", "initContainers", "ephemeralContainers")
+            for c in spec.get(key, [])]
+
+
 def env_of(container):
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
@@ -308,6 +333,51 @@ def main():
                 status, answer = hook.post(body)
                 check(status == 400 and isinstance(answer, str) and answer.strip(),
                       f"{what}: 400 with the reason ({status}: {str(answer)[:80]!r})")
+            # Names are unique across containers, init and ephemeral containers: the init
+            # container takes one none of them has.
+            clash = tenant_pod("clash", labels={"gpumem.io/inject": "true"})
+            clash["spec"]["containers"].append(dict(clash["spec"]["containers"][0],
+                                                    name="gpumem-inject"))
+            clash["spec"]["initContainers"] = [dict(clash["spec"]["containers"][0],
+                                                    name="gpumem-inject-2")]
+            pod, _ = patched(hook, clash, "uid-clash")
+            check(pod is not None, "a pod with a container named gpumem-inject gets a patch")
+            if pod:
+                names = all_names(pod)
+                check(len(names) == len(set(names)),
+                      f"the patched pod's container names are unique: {names}")
+                validate(pod, tmp, "clash")
+            windows = tenant_pod("windows", labels={"gpumem.io/inject": "true"})
+            windows["spec"]["os"] = {"name": "windows"}
+            pod, response = patched(hook, windows, "uid-windows")
+            check(pod is None and any("windows" in w for w in response.get("warnings", [])),
+                  "a Windows pod gets no patch, with a warning")
+            # Past etcd's default request limit (1.5 MiB) the API server could not store the
+            # pod: admitted unchanged, with a warning.
+            huge = tenant_pod("huge", labels={"gpumem.io/inject": "true"})
+            huge["spec"]["containers"][0]["command"] = ["python", "x" * (2 << 20)]
+            largest = len(json.dumps(review(huge, "uid-huge")))
+            pod, response = patched(hook, huge, "uid-huge")
+            check(pod is None and any("etcd" in w for w in response.get("warnings", [])),
+                  "a 2 MiB pod is admitted unchanged, with a warning")
+            # The cost: the largest reviews of many small containers and of fewer large
+            # ones, patched or not, keep the webhook under the chart's memory limit.
+            limit = chart_memory_limit()
+            many = tenant_pod("many", labels={"gpumem.io/inject": "true"})
+            many["spec"]["containers"] = [{"name": f"c{i}", "image": "i"} for i in range(43000)]
+            size = len(json.dumps(review(many, "uid-many")))
+            pod, response = patched(hook, many, "uid-many")
+            check(size < 3 << 19 and pod is None and response.get("warnings"),
+                  f"{size / (1 << 20):.2f} MiB of 43 000 containers: no patch (it could not be stored), a warning")
+            fat = tenant_pod("fat", labels={"gpumem.io/inject": "true"})
+            fat["spec"]["containers"] = [dict(fat["spec"]["containers"][0], name=f"c{i}",
+                                              command=["python", "y" * 600]) for i in range(1000)]
+            pod, _ = patched(hook, fat, "uid-fat")
+            check(pod is not None and len(pod["spec"]["containers"][999]["env"]) == 3,
+                  "a pod of 1 000 containers, 0.8 MiB, is patched")
+            peak = peak_memory(hook.process.pid)
+            check(0 < peak < limit, f"the webhook's peak memory ({peak >> 20} MiB) after reviews "
+                  f"of up to {largest / (1 << 20):.1f} MiB stays under the chart's limit ({limit >> 20} MiB)")
             status = hook.post_declaring((4 << 20) + 2)
             check(status == 413, f"a review past 3 MiB gets 413 before its body is read ({status})")
             check(hook.get("/healthz")[0] == 200 and hook.process.poll() is None,
