@@ -734,3 +734,69 @@ agent.wait()
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The peak resident memory of process `pid` (`VmHWM`), in MiB.
+fn peak_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .expect("VmHWM")
+        >> 10
+}
+
+/// A gzipped recording that the reader cannot read within its 64 MiB budget: 200 000 events,
+/// each with a frame of its own.
+fn budget_breaker() -> Vec<u8> {
+    let events: Vec<serde_json::Value> = (0..200_000u64)
+        .map(|i| {
+            serde_json::json!({
+                "action": "alloc", "addr": 4096 * i, "size": 512, "stream": 0, "time_us": i,
+                "frames": [{"filename": format!("f{i:08}{}", "x".repeat(40)), "line": i, "name": format!("n{i}")}]
+            })
+        })
+        .collect();
+    let json = serde_json::json!({"segments": [], "device_traces": [events]});
+    gzip(json.to_string().as_bytes())
+}
+
+/// Item 12: uploads that each take the reader to its budget ratcheted the agent up (90 MiB
+/// after one, 309 MiB after six rounds of two at once, measured): each read ran on whichever
+/// of the runtime's blocking threads, each with a heap arena of its own. Now every upload is
+/// read on the store's one reading thread, and the peak stays where one upload put it.
+#[test]
+fn hostile_uploads_do_not_ratchet_the_agent_up() {
+    let dir = temp_dir("tenants-ratchet");
+    let port = free_port();
+    let agent_process = agent(&dir, port, &[]);
+    let pid = agent_process.0.id();
+    let body = budget_breaker();
+    let recording = dir.join("breaker.gz");
+    std::fs::write(&recording, &body).expect("writes");
+    let loopback = |n: u32| {
+        assert_eq!(loopback_push(port, n, 1, None).0, 202);
+        let target = format!("/api/v1/recordings?pid={n}");
+        tcp(port, "POST", &target, "application/gzip", &body)
+    };
+    let (status, answer) = loopback(9500);
+    assert_eq!(status, 413, "{answer}");
+    let after_one = peak_mib(pid);
+    // Six rounds of two at once: one over loopback, one from a job over the socket.
+    for round in 0..6 {
+        let mut job = Job::start(&socket_of(&dir), &recording);
+        job.go();
+        let (status, answer) = loopback(9501 + round);
+        assert_eq!(status, 413, "{answer}");
+        let (status, answer) = job.answer();
+        assert_eq!(status, 413, "{answer}");
+    }
+    let after_all = peak_mib(pid);
+    assert!(
+        after_all <= after_one + 32,
+        "the agent peaked at {after_one} MiB after one upload, {after_all} MiB after thirteen"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
