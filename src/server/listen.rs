@@ -118,6 +118,7 @@ pub async fn serve_unix(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use std::os::unix::fs::MetadataExt;
+    super::pidfd::raise_open_files();
     let own = listener
         .local_addr()
         .ok()

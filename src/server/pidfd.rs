@@ -9,8 +9,11 @@
 //! - Where the kernel gives no handles (an older kernel, an architecture whose option number
 //!   is not the generic one), [`PidFd::of_peer`] says so and callers fall back to the start
 //!   time read at the accept; where it gives none for this peer, the peer is unproven.
-//! - The two calls below are the only `unsafe` here: each passes the kernel a buffer of the
-//!   size it says, and takes ownership of a descriptor only when the kernel returned one.
+//! - A handle is a descriptor, held as long as its connection: [`raise_open_files`] lifts the
+//!   agent's soft limit of open files to its hard one (at most [`MAX_OPEN_FILES`]), so the
+//!   listeners' connections and their handles stay within it.
+//! - The calls below are the only `unsafe` here: each passes the kernel a buffer of the size
+//!   it says, and takes ownership of a descriptor only when the kernel returned one.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -97,6 +100,31 @@ impl PidFd {
         // SAFETY: one `pollfd`, alive for the call; a zero timeout never blocks.
         let ready = unsafe { libc::poll(&raw mut poll, 1, 0) };
         ready != 0
+    }
+}
+
+/// The most open files [`raise_open_files`] asks for.
+pub const MAX_OPEN_FILES: u64 = 65_536;
+
+/// Raises this process's soft limit of open files to its hard limit, at most
+/// [`MAX_OPEN_FILES`]: each socket connection holds a second descriptor (its peer's handle),
+/// and two listeners of 384 connections with those handles pass the usual soft limit of
+/// 1 024. Where the limit cannot be read or raised it stays as it is.
+#[allow(unsafe_code)]
+pub fn raise_open_files() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` outlives both calls; the kernel reads or writes only it.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) == 0 {
+            let wanted = limit.rlim_max.min(MAX_OPEN_FILES);
+            if limit.rlim_cur < wanted {
+                limit.rlim_cur = wanted;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &raw const limit);
+            }
+        }
     }
 }
 
