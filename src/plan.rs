@@ -38,6 +38,11 @@
 //!   u64), so every sum of sizes stays far from overflowing.
 //! - Plan files are read up to [`MAX_PLAN_FILE_BYTES`], then validated
 //!   ([`Plan::validate`]).
+//! - Memory: every replay of the evaluation is held to the caller's
+//!   `ReplayOptions::max_memory_bytes` (`gpumem plan --max-memory-bytes`), the plan's paged
+//!   regions and chunks and the simulated device's pages included: a region far larger than
+//!   the device is address space until it is used, and mapping its pages stops with
+//!   [`ReplayError::MemoryBudget`] before they would pass the budget.
 
 use std::ops::Range;
 
@@ -761,27 +766,27 @@ pub struct Evaluation {
     pub planned: ReplayReport,
 }
 
-/// Replays `window` of `device`'s trace from an empty allocator, under the recorded
-/// configuration (or `config`) and then following `plan`, both after `readings` (those of the
-/// device's trace, [`Readings::of`]: found once, they serve every replay of it).
+/// Replays `window` of `options.device`'s trace from an empty allocator, under
+/// `options.config` (`None`: the recorded configuration) and then following `plan`, both
+/// after `readings` (those of the device's trace, [`Readings::of`]: found once, they serve
+/// every replay of it), on `options.capacity`, each held to `options.max_memory_bytes`
+/// (the rest of `options` as [`replay_following`] takes it; its window and plan are
+/// replaced).
 ///
 /// # Errors
-/// A [`ReplayError`] when a replay cannot run.
+/// A [`ReplayError`] when a replay cannot run, [`ReplayError::MemoryBudget`] among them.
 pub fn evaluate(
     recording: &Recording,
-    device: u32,
-    config: Option<AllocatorConfig>,
-    capacity: Option<u64>,
+    options: &ReplayOptions,
     readings: &Readings,
     plan: &std::sync::Arc<Plan>,
     window: Range<usize>,
 ) -> Result<Evaluation, ReplayError> {
     let options = ReplayOptions {
-        device,
-        config,
-        capacity,
+        check: false,
         window: Some(window.clone()),
-        ..ReplayOptions::default()
+        plan: None,
+        ..options.clone()
     };
     let default = replay_following(recording, &options, readings, &mut |_, _| {})?;
     let planned_options = ReplayOptions {

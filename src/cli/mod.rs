@@ -18,21 +18,42 @@ use clap::{Parser, Subcommand};
 /// Errors reach `main` as boxed errors with a readable message.
 pub(crate) type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
 
-/// `print!` that returns the write's error instead of panicking: a closed stdout (`gpumem …
-/// | head`) ends the command normally (see `main`).
+/// `print!` that returns the write's error instead of panicking, naming stdout
+/// ([`stdout_error`]): a reader gone away (`gpumem … | head`) ends the command normally (see
+/// `main`); any other failure, a full device or a closed stdout, is the command's error.
 macro_rules! out {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        write!(std::io::stdout().lock(), $($arg)*)
+        $crate::cli::stdout()
+            .and_then(|mut out| write!(out, $($arg)*))
+            .map_err($crate::cli::stdout_error)
     }};
 }
 
-/// `println!` that returns the write's error instead of panicking.
+/// `println!` that returns the write's error instead of panicking, as [`out!`].
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($arg)*)
+        $crate::cli::stdout()
+            .and_then(|mut out| writeln!(out, $($arg)*))
+            .map_err($crate::cli::stdout_error)
     }};
+}
+
+/// Standard output, locked, for a command's results; an error when the process started with
+/// it closed. Rust's runtime opens /dev/null in place of a closed descriptor before `main`,
+/// so every write would succeed and be lost: the command would seem to have printed.
+pub(crate) fn stdout() -> std::io::Result<std::io::StdoutLock<'static>> {
+    if crate::stdout_probe::closed() {
+        return Err(std::io::Error::other("it is closed"));
+    }
+    Ok(std::io::stdout().lock())
+}
+
+/// A failed write of the results, naming stdout; its kind is kept, so that a reader gone away
+/// ([`is_broken_pipe`]) stays a normal end.
+pub(crate) fn stdout_error(e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("cannot write the results to stdout: {e}"))
 }
 
 pub(crate) use {out, outln};

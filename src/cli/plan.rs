@@ -107,15 +107,11 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     // One check replay reads the trace's release runs; every replay below follows it.
     let readings = Readings::of(&recording, &base)?;
-    let evaluation = evaluate(
-        &recording,
-        args.device,
-        config.clone(),
-        args.capacity,
-        &readings,
-        &shared,
-        window.clone(),
-    )?;
+    let evaluated = ReplayOptions {
+        config: config.clone(),
+        ..base.clone()
+    };
+    let evaluation = evaluate(&recording, &evaluated, &readings, &shared, window.clone())?;
     let mut rows = Vec::new();
     if args.compare {
         let candidates = search_configurations(&recording, &base, &readings)?;

@@ -115,6 +115,27 @@ const MAX_RELEASE_RETRIES: usize = 64;
 /// deriving the start segments' order: past it, releases teach nothing more.
 const RELEASE_TRIES: usize = 4096;
 
+/// What the allocator may take for mapped pages ([`CachingAllocator::set_page_budget`]):
+/// the replay's budget less the `other` bytes of its state, all of it in what-if mode; a
+/// quarter in check mode, which holds up to three more copies of the allocator (with its
+/// device) while it tries an operation again (`Saved`, and the readings of a release run).
+fn page_allowance(budget: Option<u64>, other: u64, check: bool) -> Option<u64> {
+    let left = budget?.saturating_sub(other);
+    Some(if check { left / 4 } else { left })
+}
+
+/// The replay's error for an allocator's failure at event `index`: its memory budget where
+/// mapping pages would pass it, else the failure before the trace (for the caller to name
+/// otherwise).
+fn budget_error(source: AllocError, budget: Option<u64>, index: usize) -> ReplayError {
+    match (source, budget) {
+        (AllocError::HostMemory { .. }, Some(budget)) => {
+            ReplayError::MemoryBudget { budget, index }
+        }
+        (source, _) => ReplayError::BeforeTrace(source),
+    }
+}
+
 /// The engine's state before an operation, to try it again (Note [Finding the order]).
 struct Saved {
     alloc: CachingAllocator<SimDevice>,
@@ -325,8 +346,16 @@ impl<'a> Engine<'a> {
                 .map(|pool| (pool, no_split))
                 .collect();
         let mut ptrs = FxHashMap::default();
+        alloc.set_page_budget(page_allowance(options.max_memory_bytes, 0, options.check));
         let failed = if options.fresh_start && !options.check {
-            Self::allocate_afresh(&start.segments, &mut alloc, &pool_options, &mut ptrs)?
+            Self::allocate_afresh(&start.segments, &mut alloc, &pool_options, &mut ptrs).map_err(
+                |e| match e {
+                    ReplayError::BeforeTrace(source) => {
+                        budget_error(source, options.max_memory_bytes, first_event)
+                    }
+                    e => e,
+                },
+            )?
         } else {
             FxHashSet::default()
         };
@@ -509,8 +538,9 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// An error once the replay's state holds more than its budget.
-    fn check_memory(&self, index: usize) -> Result<(), ReplayError> {
+    /// An error once the replay's state holds more than its budget; else the allocator may
+    /// map pages with what is left of it (`page_allowance`).
+    fn check_memory(&mut self, index: usize) -> Result<(), ReplayError> {
         let Some(budget) = self.max_memory_bytes else {
             return Ok(());
         };
@@ -521,6 +551,9 @@ impl<'a> Engine<'a> {
         if held as u64 > budget {
             return Err(ReplayError::MemoryBudget { budget, index });
         }
+        let other = held.saturating_sub(self.alloc.page_bytes()) as u64;
+        self.alloc
+            .set_page_budget(page_allowance(Some(budget), other, self.check));
         Ok(())
     }
 
@@ -551,9 +584,10 @@ impl<'a> Engine<'a> {
     }
 
     fn fail(&self, index: usize, source: AllocError) -> ReplayError {
-        ReplayError::Allocator {
-            index: self.first_event + index,
-            source,
+        let index = self.first_event + index;
+        match budget_error(source, self.max_memory_bytes, index) {
+            ReplayError::BeforeTrace(source) => ReplayError::Allocator { index, source },
+            budget => budget,
         }
     }
 

@@ -1140,3 +1140,61 @@ for attempt in ("unlink", "bind"):
     assert!(sockets.join("push.sock").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 53, item 12: a command whose results cannot be written fails, naming stdout: a
+/// full device (ENOSPC), and a stdout closed before the start (which Rust's runtime fills
+/// with /dev/null, so that every write succeeded and the command exited 0). A reader that
+/// goes away stays a normal end (`a_closed_stdout_is_a_normal_end`).
+#[test]
+fn results_that_cannot_be_written_are_an_error() {
+    let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces");
+    let oom = traces.join("state_oldformat_flexgen_opt1p3b_oom.noframes.json.gz");
+    let tiny = traces.join("cs336_attention_tiny_complete.noframes.json.gz");
+    let (oom, tiny) = (oom.display().to_string(), tiny.display().to_string());
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["explain", &oom],
+        vec!["explain", &oom, "--json"],
+        vec!["replay", &oom],
+        vec!["replay", &oom, "--json"],
+        vec!["plan", &tiny],
+        vec!["plan", &tiny, "--json"],
+        vec!["simulate", "--steps", "2"],
+    ];
+    for args in &commands {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(args)
+            .stdout(Stdio::from(full))
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} > /dev/full: {stderr}");
+        assert!(
+            stderr.contains("cannot write the results to stdout: No space left on device"),
+            "{args:?}: {stderr}"
+        );
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(r#"exec "$0" "$@" >&-"#)
+            .arg(env!("CARGO_BIN_EXE_gpumem"))
+            .args(args)
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} >&-: {stderr}");
+        assert!(
+            stderr.contains("cannot write the results to stdout: it is closed"),
+            "{args:?}: {stderr}"
+        );
+    }
+    // Output thrown away on purpose is not a failure.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["explain", &oom])
+        .stdout(Stdio::null())
+        .output()
+        .expect("runs");
+    assert!(out.status.success(), "{out:?}");
+}

@@ -527,9 +527,7 @@ fn shared_recordings_planned() {
         let readings = Readings::of(&recording, &ReplayOptions::default()).expect("replays");
         let e = evaluate(
             &recording,
-            0,
-            None,
-            None,
+            &ReplayOptions::default(),
             &readings,
             &shared,
             planned.evaluated.clone(),
@@ -729,8 +727,14 @@ fn hostile_recordings_plan_or_refuse_without_panicking() {
                 };
                 let readings = Readings::of(&recording, &ReplayOptions::default())
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
-                evaluate(&recording, 0, None, None, &readings, &shared, window)
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                evaluate(
+                    &recording,
+                    &ReplayOptions::default(),
+                    &readings,
+                    &shared,
+                    window,
+                )
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             }
             Err(e) => assert!(!e.to_string().is_empty(), "{name}"),
         }
@@ -804,4 +808,189 @@ fn plans_agree_with_their_reader_on_every_bound() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("not this recording"), "{stderr}");
+}
+
+/// Runs the binary with `args`; its exit code, stderr and peak resident memory in KiB, as
+/// the kernel counted it for that child alone (`wait4`'s usage; `RUSAGE_CHILDREN` would mix
+/// in the other tests' children).
+#[allow(unsafe_code)]
+#[allow(clippy::zombie_processes)] // reaped by wait4, which std's `wait` cannot see
+fn run_measured(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, u64) {
+    use std::io::Read as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("piped")
+        .read_to_string(&mut stderr)
+        .expect("reads stderr");
+    let mut status = 0;
+    // SAFETY: all-zero bytes are a valid rusage (integers and timevals).
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 writes the status and usage of this child, which nothing else waits for.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as libc::pid_t, "waited");
+    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    (code, stderr, usage.ru_maxrss as u64)
+}
+
+/// Issue 53, item 11: a 2 KB recording whose iteration holds two allocations just under the
+/// planner's largest (8 TiB) on a 64 PiB device made `gpumem plan --max-memory-bytes 64MiB`
+/// map a paged region of four million pages (1.4 GB resident, 10 s): the plan's evaluation
+/// dropped the budget, and no replay counted the pages a map takes. Every plan and replay
+/// path now finishes within the budget (plus the binary's own, about 9 MB) or refuses with
+/// the budget error before mapping them; so do expandable segments on a device as large,
+/// in a what-if and a check replay.
+#[test]
+fn hostile_sizes_stay_within_the_memory_budget() {
+    const BUDGET: u64 = 64 << 20;
+    const ALLOWANCE_KIB: u64 = (BUDGET + (48 << 20)) >> 10;
+    let dir = temp_dir("plan-budget");
+    let write = |name: &str, json: serde_json::Value| {
+        let path = dir.join(name);
+        std::fs::write(&path, json.to_string()).expect("write");
+        path
+    };
+    let trace = |size: u64, streams: u64, iterations: u64| {
+        let mut events = Vec::new();
+        for i in 0..iterations {
+            let addr = |s: u64| 0x1_0000_0000 + i * 0x1000 + s * 0x100;
+            for s in 0..streams {
+                events.push(serde_json::json!({"action": "alloc", "addr": addr(s), "size": size, "stream": s}));
+            }
+            for s in 0..streams {
+                for action in ["free_requested", "free_completed"] {
+                    events.push(serde_json::json!({"action": action, "addr": addr(s), "size": size, "stream": s}));
+                }
+            }
+        }
+        events
+    };
+    let huge = (1u64 << 43) - 4096;
+    let planned = write(
+        "regions.json",
+        serde_json::json!({"segments": [], "device_traces": [trace(huge, 2, 4)],
+            "simulated_device": {"total_bytes": 1u64 << 56}}),
+    );
+    let plan_file = write(
+        "regions.plan.json",
+        serde_json::json!({"format": "gpumem-plan", "version": 1,
+            "regions": [{"stream": 0, "bytes": huge}, {"stream": 1, "bytes": huge}],
+            "entries": [{"size": huge, "stream": 0, "offset": 0}, {"size": huge, "stream": 1, "offset": 0}]}),
+    );
+    // Expandable segments: 9 TiB reserved on an 8 TiB device, 7 TiB of 20 MiB pages mapped.
+    let expandable = write(
+        "expandable.json",
+        serde_json::json!({"segments": [], "device_traces": [trace(7 << 40, 1, 2)],
+            "simulated_device": {"total_bytes": 1u64 << 43}}),
+    );
+    // The recording's own configuration expands: its check replay maps 4 PiB of pages.
+    let checked = write(
+        "checked.json",
+        serde_json::json!({"segments": [], "device_traces": [trace(1 << 52, 1, 2)],
+            "simulated_device": {"total_bytes": 1u64 << 53},
+            "allocator_settings": {"expandable_segments": true}}),
+    );
+    // As planned: the planner's own check replay expands under it.
+    let checked_plan = write(
+        "checked_plan.json",
+        serde_json::json!({"segments": [], "device_traces": [trace(huge, 2, 4)],
+            "simulated_device": {"total_bytes": 1u64 << 53},
+            "allocator_settings": {"expandable_segments": true}}),
+    );
+    let budget = BUDGET.to_string();
+    let expandable_conf = "expandable_segments:True";
+    let runs: Vec<Vec<&std::ffi::OsStr>> = [
+        vec!["plan".as_ref(), planned.as_os_str()],
+        vec!["plan".as_ref(), planned.as_os_str(), "--json".as_ref()],
+        vec!["plan".as_ref(), planned.as_os_str(), "--compare".as_ref()],
+        vec![
+            "plan".as_ref(),
+            planned.as_os_str(),
+            "--events".as_ref(),
+            "0..6".as_ref(),
+        ],
+        vec![
+            "replay".as_ref(),
+            planned.as_os_str(),
+            "--plan".as_ref(),
+            plan_file.as_os_str(),
+        ],
+        vec![
+            "replay".as_ref(),
+            expandable.as_os_str(),
+            "--config".as_ref(),
+            expandable_conf.as_ref(),
+        ],
+        vec!["replay".as_ref(), checked.as_os_str(), "--check".as_ref()],
+        vec!["plan".as_ref(), checked_plan.as_os_str()],
+    ]
+    .into_iter()
+    .map(|mut args: Vec<&std::ffi::OsStr>| {
+        args.push("--max-memory-bytes".as_ref());
+        args.push(budget.as_ref());
+        args
+    })
+    .collect();
+    for args in runs {
+        let (code, stderr, peak_kib) = run_measured(&args);
+        assert!(
+            peak_kib <= ALLOWANCE_KIB,
+            "{args:?}: {peak_kib} KiB resident, more than the budget allows ({ALLOWANCE_KIB} KiB); {stderr}"
+        );
+        assert!(
+            code == Some(0)
+                || (code == Some(2) && stderr.contains("memory budget of 67108864 bytes")),
+            "{args:?}: {code:?}: within the budget, or refused by it: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The library's evaluation holds its replays to the caller's budget: the plan of the
+/// hostile iteration above refuses at once where it used to map its regions.
+#[test]
+fn a_plans_evaluation_keeps_the_callers_budget() {
+    use gpumem::recording::parse_recording;
+    use gpumem::replay::ReplayError;
+    let huge = (1u64 << 43) - 4096;
+    let mut events = Vec::new();
+    for i in 0..4u64 {
+        let addr = 0x1_0000_0000 + i * 0x1000;
+        events
+            .push(serde_json::json!({"action": "alloc", "addr": addr, "size": huge, "stream": 0}));
+        for action in ["free_requested", "free_completed"] {
+            events.push(
+                serde_json::json!({"action": action, "addr": addr, "size": huge, "stream": 0}),
+            );
+        }
+    }
+    let json = serde_json::json!({"segments": [], "device_traces": [events],
+        "simulated_device": {"total_bytes": 1u64 << 56}});
+    let recording = parse_recording(json.to_string().as_bytes()).expect("a valid recording");
+    let planned = plan(&recording, "huge", &PlanOptions::default()).expect("planned");
+    let options = ReplayOptions {
+        max_memory_bytes: Some(64 << 20),
+        ..ReplayOptions::default()
+    };
+    let readings = Readings::of(&recording, &options).expect("the check replay maps nothing");
+    let shared = Arc::new(planned.plan.clone());
+    let error = evaluate(
+        &recording,
+        &options,
+        &readings,
+        &shared,
+        planned.evaluated.clone(),
+    )
+    .expect_err("past the budget");
+    assert!(
+        matches!(error, ReplayError::MemoryBudget { budget, .. } if budget == 64 << 20),
+        "{error}"
+    );
 }

@@ -141,6 +141,17 @@ pub enum AllocError {
     /// The driver failed with something other than out-of-memory.
     #[error("device error: {0}")]
     Device(#[from] DeviceError),
+    /// Mapping the pages a request needs would take their host-memory bookkeeping past the
+    /// page budget (`CachingAllocator::set_page_budget`); nothing was mapped.
+    #[error(
+        "mapping {pages} pages would take their bookkeeping past its host-memory budget of {budget} bytes"
+    )]
+    HostMemory {
+        /// Pages the map needed.
+        pages: u64,
+        /// The page budget.
+        budget: u64,
+    },
 }
 
 impl AllocError {

@@ -87,7 +87,8 @@ impl ExpandableSegment {
     /// released again on any failure.
     fn map<D: Device>(&mut self, device: &mut D, ptr: u64, size: u64) -> Result<u64, DeviceError> {
         let (begin, end) = (self.page_floor(ptr), self.page_ceil(ptr + size));
-        let mut created = Vec::with_capacity(end - begin);
+        // Grown as pages are created: the device may refuse long before `end`.
+        let mut created = Vec::with_capacity((end - begin).min(1024));
         let mut failure = None;
         for _ in begin..end {
             match device.create_physical_page(self.page_size) {
@@ -351,10 +352,14 @@ impl<D: Device> CachingAllocator<D> {
         debug_assert!(!b.mapped && size <= b.size);
         let ptr = b.ptr;
         let segment = b.expandable.expect("only expandable blocks are unmapped");
+        let seg = &self.expandable_segments[segment.index()];
+        let page_size = seg.page_size;
+        self.admit_pages((seg.page_ceil(ptr + size) - seg.page_floor(ptr)) as u64)?;
         let mapped = self.expandable_segments[segment.index()].map(&mut self.device, ptr, size)?;
         if mapped == 0 {
             return Ok(false);
         }
+        self.mapped_pages += (mapped / page_size) as usize;
         self.adopt_mapping(id, mapped);
         Ok(true)
     }
@@ -416,8 +421,9 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (ptr, size) = (b.ptr, b.size);
         let segment = b.expandable.expect("only expandable blocks are unmapped");
-        let done =
-            self.expandable_segments[segment.index()].unmap(&mut self.device, ptr, size, synced);
+        let seg = &mut self.expandable_segments[segment.index()];
+        let done = seg.unmap(&mut self.device, ptr, size, synced);
+        self.mapped_pages -= (done.size / seg.page_size) as usize;
         if done.size > 0 {
             self.mark_unmapped(id, done.start, done.size);
         }

@@ -120,6 +120,17 @@ impl<D: Device> CachingAllocator<D> {
         }
 
         let (in_plan, plan_unmapped) = self.check_plan_segments()?;
+        let handles: usize = self
+            .expandable_segments
+            .iter()
+            .map(|(_, s)| s.handles.len())
+            .sum();
+        if handles != self.mapped_pages {
+            return Err(format!(
+                "{handles} page handles, {} pages counted as mapped",
+                self.mapped_pages
+            ));
+        }
         let mut counters: FxHashSet<u32> = FxHashSet::default();
         // Counters are taken from the sequence and distinct per segment, inherited by every
         // block of it (per block in the block-counter order).

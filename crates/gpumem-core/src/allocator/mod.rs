@@ -53,7 +53,17 @@
 //! - the live map holds exactly the allocated blocks, the stream-use table exactly the blocks
 //!   flagged as having stream uses;
 //! - every statistic equals what the blocks add up to, and the driver holds exactly the
-//!   reserved bytes.
+//!   reserved bytes;
+//! - the count of mapped pages is the expandable segments' page handles together.
+//!
+//! # Budgets
+//! - Host memory: [`CachingAllocator::heap_bytes`] estimates the bookkeeping in time
+//!   independent of the blocks and pages. Mapping pages costs host memory per page (here and
+//!   in a simulated device), and one request may map as many as the device holds: with a
+//!   page budget ([`CachingAllocator::set_page_budget`]) a map whose pages would take
+//!   [`CachingAllocator::page_bytes`] past it fails with [`AllocError::HostMemory`] before
+//!   any page is created, so that a simulated device of any size is mapped within a
+//!   replay's memory budget.
 
 mod block;
 pub mod breakdown;
@@ -117,6 +127,14 @@ pub use snapshot::{
 };
 pub use stats::{Counter, DeviceStats, Stat, StatArray, StatValue};
 
+/// Host memory one mapped page's handle takes in an expandable segment's map (a B-tree
+/// entry, its nodes half full at worst).
+const PAGE_HANDLE_BYTES: usize = 2 * std::mem::size_of::<(usize, crate::device::PhysicalHandle)>();
+
+/// Host memory a map is charged per page before it is made ([`CachingAllocator::set_page_budget`]):
+/// the handle kept, the device's page and mapping, and the lists a map builds on the way.
+pub const NEW_PAGE_BYTES: u64 = 256;
+
 /// PyTorch's caching allocator for one device. See the module documentation.
 #[derive(Debug)]
 pub struct CachingAllocator<D: Device> {
@@ -143,6 +161,10 @@ pub struct CachingAllocator<D: Device> {
     history: History,
     /// Expandable segments (Note [Expandable segments]).
     expandable_segments: Slab<ExpandableSegment>,
+    /// Page handles the expandable segments (the plan's included) hold, all together.
+    mapped_pages: usize,
+    /// The most host memory mapped pages' bookkeeping may take ([`Self::set_page_budget`]).
+    page_budget: Option<u64>,
     /// Whether `max_split_size` changed after blocks were counted as oversize: the oversize
     /// stats then follow PyTorch's (drifting) arithmetic and cannot be checked exactly.
     max_split_size_changed: bool,
@@ -187,6 +209,8 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             memory_fraction: self.memory_fraction,
             history: self.history.clone(),
             expandable_segments: self.expandable_segments.clone(),
+            mapped_pages: self.mapped_pages,
+            page_budget: self.page_budget,
             max_split_size_changed: self.max_split_size_changed,
             planned: self.planned.clone(),
             next_counter: self.next_counter,
@@ -250,6 +274,8 @@ impl<D: Device> CachingAllocator<D> {
             memory_fraction: None,
             history: History::default(),
             expandable_segments: Slab::new(),
+            mapped_pages: 0,
+            page_budget: None,
             max_split_size_changed: false,
             planned: None,
             next_counter: 0,
@@ -293,18 +319,56 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Bytes the allocator's bookkeeping holds on the heap, estimated from what grows with
-    /// a workload: the block arena, the free sets (with each stream's bins), the live map
-    /// and the streams recorded per block. A replay of a hostile recording is bounded by it.
+    /// a workload: the block arena, the free sets (with each stream's bins), the live map,
+    /// the streams recorded per block, the expandable segments, a followed plan's maps, and
+    /// the mapped pages' bookkeeping with the device's ([`Self::page_bytes`]). A replay of a
+    /// hostile recording is bounded by it.
     pub fn heap_bytes(&self) -> usize {
         let free_sets: usize = self
             .all_pools()
             .map(|(_, pool)| pool.free.heap_bytes())
             .sum();
+        let planned = self
+            .planned
+            .as_ref()
+            .map_or(0, |p| p.heap_bytes(self.blocks.len(), self.mapped_pages));
         self.blocks.capacity() * std::mem::size_of::<Block>()
             + free_sets
             + self.live.len() * 2 * std::mem::size_of::<u32>()
             + self.stream_uses.len() * 2 * std::mem::size_of::<(BlockId, Vec<StreamId>)>()
             + self.pending_events.heap_bytes()
+            + self.expandable_segments.capacity() * std::mem::size_of::<ExpandableSegment>()
+            + planned
+            + self.page_bytes()
+    }
+
+    /// Host memory that mapped pages take, in constant time: the expandable segments' page
+    /// handles and the device's own bookkeeping ([`Device::host_bytes`]; a simulated device
+    /// keeps a page and a mapping for each).
+    pub fn page_bytes(&self) -> usize {
+        self.mapped_pages * PAGE_HANDLE_BYTES + self.device.host_bytes()
+    }
+
+    /// Sets the most host memory [`Self::page_bytes`] may reach by mapping pages: a map that
+    /// would pass it (counting [`NEW_PAGE_BYTES`] for each page it maps) fails with
+    /// [`AllocError::HostMemory`] before any page is created. `None` (the default): no
+    /// bound but the device's memory. A replay holds a simulated device of any size to its
+    /// memory budget this way: a single request may otherwise map millions of pages.
+    pub fn set_page_budget(&mut self, budget: Option<u64>) {
+        self.page_budget = budget;
+    }
+
+    /// Refuses a map of `pages` pages that would take [`Self::page_bytes`] past the page
+    /// budget.
+    fn admit_pages(&self, pages: u64) -> Result<(), AllocError> {
+        let Some(budget) = self.page_budget else {
+            return Ok(());
+        };
+        let after = (self.page_bytes() as u64).saturating_add(pages.saturating_mul(NEW_PAGE_BYTES));
+        if after > budget {
+            return Err(AllocError::HostMemory { pages, budget });
+        }
+        Ok(())
     }
 
     /// The statistics, shared: clone the `Arc` to read them without access to the allocator.

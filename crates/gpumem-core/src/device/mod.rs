@@ -231,6 +231,14 @@ pub trait Device {
     fn unmap(&mut self, _ptr: DevicePtr, _size: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("virtual memory management"))
     }
+
+    /// Host memory the device's own bookkeeping holds, estimated in constant time: a
+    /// simulated device's maps of pages, mappings and reservations grow with what it is asked
+    /// to map (a replay's memory budget counts them); 0 for a real GPU, whose driver keeps
+    /// its own.
+    fn host_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// A device lent to an allocator: the caller keeps it, and can look at it once the allocator
@@ -309,5 +317,8 @@ impl<D: Device + ?Sized> Device for &mut D {
     }
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
         (**self).unmap(ptr, size)
+    }
+    fn host_bytes(&self) -> usize {
+        (**self).host_bytes()
     }
 }

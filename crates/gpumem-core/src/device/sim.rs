@@ -23,6 +23,12 @@
 //!   exactly one page handle, and never overlaps another mapping. A page may be mapped at
 //!   several addresses at once (as `cuMemMap` allows); it is released only once unmapped
 //!   everywhere, a reservation freed only without mappings.
+//!
+//! # Budgets
+//! - Host memory: a constant number of bytes per page, mapping, reservation, segment, stream
+//!   and event it knows of; [`Device::host_bytes`] estimates them in constant time (from
+//!   the maps' lengths and capacities), so that a replay's memory budget counts a device
+//!   asked to map millions of pages.
 
 use std::collections::BTreeMap;
 
@@ -746,6 +752,28 @@ impl Device for SimDevice {
                 "no mapping of {size} bytes at {ptr:?}"
             ))),
         }
+    }
+
+    fn host_bytes(&self) -> usize {
+        use std::mem::size_of;
+        // Hash tables: an entry and a control byte per bucket; B-trees: an entry twice over
+        // (nodes are half full at worst).
+        fn table<T>(capacity: usize) -> usize {
+            capacity * (size_of::<T>() + 1)
+        }
+        fn tree<T>(len: usize) -> usize {
+            len * 2 * size_of::<T>()
+        }
+        table::<(PhysicalHandle, (u64, u32))>(self.pages.capacity())
+            + tree::<(u64, (u64, PhysicalHandle))>(self.mappings.len())
+            + tree::<(u64, u64)>(self.reservations.len() + self.free_ranges.len())
+            + table::<(u64, u64)>(self.segments.capacity())
+            + table::<(StreamId, SimStream)>(self.streams.capacity())
+            + table::<(EventId, SimEvent)>(self.events.capacity())
+            + self.address_hints.capacity() * size_of::<u64>()
+            + self.faults.capacity() * size_of::<Fault>()
+            + (self.capturing.capacity() + self.completed_since.as_ref().map_or(0, Vec::capacity))
+                * size_of::<StreamId>()
     }
 }
 

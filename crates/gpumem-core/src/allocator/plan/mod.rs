@@ -73,6 +73,15 @@
 //! - Paged: a page has a physical handle iff it lies in a mapped block (as for expandable
 //!   segments); a lent page lies in an unmapped block of the segment it was lent from, and
 //!   is lent only to the same stream.
+//!
+//! # Budgets
+//! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
+//!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
+//!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
+//!   size: only its mapped pages cost memory, and every map is first held to the page
+//!   budget (`paging.rs`), so a region far larger than the device is no more than one
+//!   reservation until it is used, and then fails early rather than mapping millions of
+//!   pages.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -365,6 +374,25 @@ enum Expect {
 }
 
 impl Following {
+    /// Host memory it holds, estimated in time independent of the blocks and pages: the
+    /// plan (shared with its caller, counted here all the same), the per-region and
+    /// per-chunk tables, the held regions and chunks, and their maps, which hold at most
+    /// each of the allocator's `blocks` once, and lent pages among its `pages` once.
+    pub(super) fn heap_bytes(&self, blocks: usize, pages: usize) -> usize {
+        use std::mem::size_of;
+        // B-tree entries twice over: nodes are half full at worst.
+        let last_use: usize = self.last_use.iter().map(BTreeMap::len).sum();
+        let rest: usize = self.persistent_rest.iter().map(Vec::capacity).sum();
+        self.plan.entries.capacity() * size_of::<PlanEntry>()
+            + self.plan.regions.capacity() * size_of::<PlanRegion>()
+            + (self.regions.capacity() + self.chunks.capacity())
+                * size_of::<(StreamId, u64, Option<u64>)>()
+            + last_use * 2 * size_of::<(u64, Option<usize>)>()
+            + rest * size_of::<(usize, u64)>()
+            + self.held.len() * 2 * size_of::<(u64, Held)>()
+            + (blocks + pages) * 2 * size_of::<(u64, BlockId)>()
+    }
+
     fn new(plan: Arc<Plan>, paged: bool) -> Following {
         let regions: Vec<(StreamId, u64, Option<u64>)> = plan
             .regions

@@ -15,7 +15,10 @@
 //! # Budgets
 //! - Finding pages to lend walks the stream's free mapped pages: O(those pages) per map.
 //! - New pages are asked of the device's free memory before any is created, so a plan's
-//!   range larger than the device costs one query, not a page per byte.
+//!   range larger than the device costs one query, not a page per byte; and of the page
+//!   budget (`CachingAllocator::set_page_budget`) before any is lent or created, so that
+//!   one larger than the host memory a replay may use fails at once
+//!   ([`AllocError::HostMemory`]) rather than after mapping millions of pages.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -204,6 +207,8 @@ impl<D: Device> CachingAllocator<D> {
         if needed == 0 {
             return Ok(true);
         }
+        // Before any page is lent or created: a hostile plan's range may span millions.
+        self.admit_pages(needed)?;
         let spares = self.spare_pages(stream, !region, needed, (base, start..end));
         let fresh = needed - spares.len() as u64;
         // Asked before any page is created: a hostile plan's range may span far more pages
@@ -255,6 +260,7 @@ impl<D: Device> CachingAllocator<D> {
                 }
                 return Err(e.into());
             }
+            self.mapped_pages += handles.len();
             self.adopt_mapping(id, to - from);
             let paging = &mut self.planned_mut().paging;
             paging.maps += 1;
@@ -281,6 +287,7 @@ impl<D: Device> CachingAllocator<D> {
         paging.stale.remove(&page);
         let segment = paging.segment;
         self.expandable_segments[segment.index()].attach(page, handle);
+        self.mapped_pages += 1;
         let id = self.unmapped_from(base, page);
         self.adopt_mapping(id, PLAN_PAGE);
     }
@@ -376,6 +383,7 @@ impl<D: Device> CachingAllocator<D> {
         let handle = self.expandable_segments[segment.index()]
             .detach(page)
             .expect("a mapped page has a handle");
+        self.mapped_pages -= 1;
         self.mark_unmapped(id, page, PLAN_PAGE);
         self.planned_mut().paging_mut(base).stale.insert(page);
         handle
