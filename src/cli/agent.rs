@@ -575,6 +575,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
             let peer = gpumem::ingest::store::Peer {
                 pid,
                 start_time: Some(0),
+                uid: None,
             };
             if let Err(e) = store.push_from(body, Some(peer)) {
                 tracing::warn!(error = %e.message, "the simulated job's push was refused");

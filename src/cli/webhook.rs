@@ -14,8 +14,10 @@
 //!   work and its memory are linear in the review and a small multiple of it (a few MiB at
 //!   most; `scripts/measure-webhook.py` measures them).
 //! - Reviews are worked on off the runtime's workers (`spawn_blocking`), at most
-//!   [`CONCURRENT_REVIEWS`] at once, so that concurrent reviews neither stall the health
-//!   check and the TLS handshakes nor multiply the memory past that.
+//!   [`CONCURRENT_REVIEWS`] at once, and a review's body is read only once it has its permit:
+//!   so concurrent reviews neither stall the health check and the TLS handshakes nor
+//!   multiply the memory past that (the others wait with their headers alone, at most 10 s,
+//!   then 503).
 //! - The certificate and key are re-read when either file changes (`gpumem::server::tls`:
 //!   cert-manager renews them in place).
 //! - Connections are served within the agent's limits (`server::listen`): the TLS handshake
@@ -128,10 +130,30 @@ struct Webhook {
     permits: Arc<Semaphore>,
 }
 
-/// Answers one AdmissionReview, on a blocking thread once a permit is free.
-async fn mutate(State(hook): State<Arc<Webhook>>, body: Bytes) -> Response {
-    let Ok(permit) = hook.permits.clone().acquire_owned().await else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
+/// How long a review waits for a permit before it is refused (503): the API server's own
+/// timeout for a webhook is 10 s by default.
+const PERMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Answers one AdmissionReview, on a blocking thread once a permit is free. Its body is read
+/// only then: reviews waiting for a permit hold their headers, not their bodies.
+async fn mutate(State(hook): State<Arc<Webhook>>, request: axum::extract::Request) -> Response {
+    let permit = tokio::time::timeout(PERMIT_WAIT, hook.permits.clone().acquire_owned()).await;
+    let Ok(Ok(permit)) = permit else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many reviews are being answered; try again\n",
+        )
+            .into_response();
+    };
+    let body: Bytes = match axum::body::to_bytes(request.into_body(), MAX_REVIEW_BYTES).await {
+        Ok(body) => body,
+        Err(e) => {
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("a review is at most {MAX_REVIEW_BYTES} bytes, read whole: {e}\n"),
+            )
+                .into_response();
+        }
     };
     let answered = tokio::task::spawn_blocking(move || {
         let answer = answer(&hook.injection, &body);

@@ -9,10 +9,11 @@
 //! the recording reader (which tells a malformed or truncated file from a recording and
 //! finds its OOM), then renamed into the store, recordings evicted to make room.
 //!
-//! Places and room are shared out per *tenant*, whoever vouches for the uploader: a process
-//! the kernel named (`pid:<pid>`, over the socket), a pod the container runtime named
-//! (`pod:<uid>`, from the pod network), or every loopback TCP sender together (`loopback`:
-//! their pids are their own word, so inventing pids gains nothing).
+//! Places and room are shared out per [`Tenant`], whoever vouches for the uploader: a pod
+//! (`pod:<uid>`: its processes over the socket, by their cgroup, or from the pod network, as
+//! the container runtime names it), a user's processes on the host (`uid:<uid>`, over the
+//! socket), or every loopback TCP sender together (`loopback`: their pids are their own word,
+//! so inventing pids gains nothing). Forking a crowd of uploaders gains a tenant nothing.
 //!
 //! # Invariants (budgets)
 //! - An upload is at most [`RecordingLimits::max_bytes_each`] bytes as sent (a declared
@@ -20,12 +21,15 @@
 //!   at most [`RecordingLimits::read`]'s input bound.
 //! - At most [`MAX_UPLOADS`] uploads hold a place at once, from the body's first byte until
 //!   it is read and kept or refused, and at most one per tenant: others are refused at once
-//!   as `capacity` ("being received already": the hook tries again). So the store's
-//!   directory never holds more than its kept bytes and [`MAX_UPLOADS`] ×
-//!   [`RecordingLimits::max_bytes_each`] (the chart's `emptyDir` limit is sized so).
+//!   as `capacity` ("being received already": the hook tries again for 10 s). So the
+//!   store's directory never holds more than its kept bytes and [`MAX_UPLOADS`] ×
+//!   [`RecordingLimits::max_bytes_each`] (the chart's `emptyDir` limit is sized so), and
+//!   keeping a job's upload out takes three tenants at once (a pod, its user's other
+//!   processes on the host, loopback).
 //! - A body must bring [`UPLOAD_MIN_PROGRESS`] bytes in every [`UPLOAD_WINDOW`] (or end
 //!   within it), and arrive whole within [`UPLOAD_TIMEOUT`]; a trickled or withheld one is
-//!   cut off as `truncated` and frees its place.
+//!   cut off as `truncated` and frees its place. So a tenant holds a place at most
+//!   [`UPLOAD_TIMEOUT`] and one reading at a time per pid per [`MIN_UPLOAD_GAP`].
 //! - One upload is read at a time, on the store's own reading thread (one heap arena,
 //!   however many uploads came), within [`RecordingLimits::read`]'s memory budget.
 //! - At most [`RecordingLimits::max_count`] recordings and [`RecordingLimits::max_bytes`]
@@ -55,15 +59,18 @@ use crate::recording::{ReadLimits, TraceError, read_recording_with};
 use crate::sources::RecordingsReport;
 
 /// Uploads holding a place at once (received, waiting to be read, or being read).
-pub const MAX_UPLOADS: usize = 2;
+pub const MAX_UPLOADS: usize = 3;
 /// Uploads one tenant holds a place for at once.
 pub const MAX_UPLOADS_PER_TENANT: usize = 1;
-/// The longest an upload's body may take.
-pub const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest an upload's body may take: shorter than the hook's 10 s for a whole
+/// recording, so a place held by the slowest body allowed frees before a waiting job gives
+/// up. A hook on this node sends 16 MiB in well under a second.
+pub const UPLOAD_TIMEOUT: Duration = Duration::from_secs(8);
 /// The window in which a body must bring [`UPLOAD_MIN_PROGRESS`] bytes (or end).
 pub const UPLOAD_WINDOW: Duration = Duration::from_secs(2);
-/// The least a body must bring per [`UPLOAD_WINDOW`]: a hook on this node sends 16 MiB in
-/// well under a second; at this pace the largest upload still arrives within the timeout.
+/// The least a body must bring per [`UPLOAD_WINDOW`]: cuts a trickle off early, yet leaves
+/// room for an agent descheduled for a while on a loaded node (the socket's buffer fills
+/// meanwhile, and is read when it runs again).
 pub const UPLOAD_MIN_PROGRESS: u64 = 1 << 20;
 /// The least time between two uploads of one process.
 pub const MIN_UPLOAD_GAP: Duration = Duration::from_secs(60);
@@ -73,8 +80,54 @@ const MAX_REMEMBERED: usize = 4096;
 const RECORDING: &str = "pickle.gz";
 /// The prefix of an upload in flight.
 const UPLOADING: &str = ".upload-";
-/// The tenant of every loopback TCP sender.
-pub const LOOPBACK_TENANT: &str = "loopback";
+/// Who vouches for an uploader, and so shares places and room with it: see the module
+/// documentation. Written `pod:<uid>`, `uid:<uid>`, `pid:<pid>` or `loopback`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum Tenant {
+    /// A pod: its processes over the socket (the kernel named them, their cgroup the pod)
+    /// and from the pod network (the container runtime named it).
+    Pod(String),
+    /// A user's processes on the host, over the socket.
+    User(u32),
+    /// One process, where nothing else is known of it (a recording kept by an earlier
+    /// release).
+    Process(u32),
+    /// Every loopback TCP sender together: their pids are their own word.
+    Loopback,
+}
+
+impl std::fmt::Display for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tenant::Pod(uid) => write!(f, "pod:{uid}"),
+            Tenant::User(uid) => write!(f, "uid:{uid}"),
+            Tenant::Process(pid) => write!(f, "pid:{pid}"),
+            Tenant::Loopback => f.write_str("loopback"),
+        }
+    }
+}
+
+impl From<Tenant> for String {
+    fn from(tenant: Tenant) -> String {
+        tenant.to_string()
+    }
+}
+
+impl TryFrom<String> for Tenant {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Tenant, String> {
+        let number = |n: &str| n.parse().map_err(|_| format!("not a tenant: {text:?}"));
+        match text.split_once(':') {
+            Some(("pod", uid)) if !uid.is_empty() => Ok(Tenant::Pod(uid.to_string())),
+            Some(("uid", uid)) => number(uid).map(Tenant::User),
+            Some(("pid", pid)) => number(pid).map(Tenant::Process),
+            None if text == "loopback" => Ok(Tenant::Loopback),
+            _ => Err(format!("not a tenant: {text:?}")),
+        }
+    }
+}
 
 /// What the store keeps and reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,22 +186,20 @@ pub struct StoredRecording {
     pub bytes: u64,
     /// The index of its last OOM event in that device's trace, where it recorded one.
     pub oom_event: Option<usize>,
-    /// Who vouched for its uploader (`pid:<pid>`, `pod:<uid>`, `loopback`: see the module
-    /// documentation); a recording kept by an earlier release has none and counts as its
-    /// pid's.
+    /// Who vouched for its uploader; a recording kept by an earlier release has none and
+    /// counts as its pid's.
     #[serde(default)]
-    pub tenant: String,
+    pub tenant: Option<Tenant>,
 }
 
 /// Who an upload is from: a tracked process, who vouches for it, and the labels its pushes
 /// carry.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Owner {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Uploader {
     /// The host's pid.
     pub pid: u32,
-    /// Who vouches for the pid (`pid:<pid>`, `pod:<uid>`, [`LOOPBACK_TENANT`]): places and
-    /// room are shared out among tenants.
-    pub tenant: String,
+    /// Who vouches for the pid: places and room are shared out among tenants.
+    pub tenant: Tenant,
     /// Its labels (`pod_uid`, `container_id`, `pod_namespace`, `pod_name`, `container_name`
     /// are read from them).
     pub labels: Vec<(String, String)>,
@@ -171,9 +222,9 @@ pub struct RecordingStore {
 /// The uploads holding a place, by tenant, and when each process last got one.
 #[derive(Debug, Default)]
 struct Places {
-    held: HashMap<String, usize>,
+    held: HashMap<Tenant, usize>,
     /// By tenant and pid: a loopback sender naming a job's pid stamps no minute of the job's.
-    last_upload: HashMap<(String, u32), Instant>,
+    last_upload: HashMap<(Tenant, u32), Instant>,
 }
 
 impl Places {
@@ -186,7 +237,7 @@ impl Places {
 #[derive(Debug)]
 struct Place {
     places: Arc<Mutex<Places>>,
-    tenant: String,
+    tenant: Tenant,
 }
 
 impl Drop for Place {
@@ -208,14 +259,15 @@ type OomAt = Option<(usize, usize)>;
 type ReadJob = (
     PathBuf,
     ReadLimits,
-    std::sync::mpsc::SyncSender<Result<OomAt, TraceError>>,
+    std::sync::mpsc::SyncSender<Result<OomAt, Rejected>>,
 );
 
 /// The store's reading thread: every upload is read there, one at a time, so what reading
 /// allocates stays in one heap arena (reads on the runtime's blocking threads, each with an
-/// arena of its own, ratcheted the agent's memory up).
+/// arena of its own, ratcheted the agent's memory up). A reading that panics is answered as
+/// a refusal and the thread goes on.
 #[derive(Debug)]
-struct Reader(Mutex<Option<std::sync::mpsc::Sender<ReadJob>>>);
+struct Reader(Option<std::sync::mpsc::Sender<ReadJob>>);
 
 impl Reader {
     fn new() -> Reader {
@@ -224,25 +276,38 @@ impl Reader {
             .name("gpumem-recordings".into())
             .spawn(move || {
                 for (path, limits, answer) in queue {
-                    let _ = answer.send(last_oom(&path, limits));
+                    let _ = answer.send(read_safely(&path, limits));
                 }
             });
-        Reader(Mutex::new(spawned.is_ok().then_some(jobs)))
+        Reader(spawned.is_ok().then_some(jobs))
     }
 
-    /// Reads `path` on the thread (inline where it could not be started, or has gone).
-    fn read(&self, path: &Path, limits: ReadLimits) -> Result<OomAt, TraceError> {
+    /// Reads `path` on the thread (inline where it could not be started).
+    fn read(&self, path: &Path, limits: ReadLimits) -> Result<OomAt, Rejected> {
+        let Some(jobs) = &self.0 else {
+            return read_safely(path, limits);
+        };
         let (answer, answered) = std::sync::mpsc::sync_channel(1);
-        let sent = self
-            .0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .is_some_and(|jobs| jobs.send((path.to_path_buf(), limits, answer)).is_ok());
-        match sent.then(|| answered.recv().ok()).flatten() {
-            Some(read) => read,
-            None => last_oom(path, limits),
-        }
+        jobs.send((path.to_path_buf(), limits, answer))
+            .ok()
+            .and_then(|()| answered.recv().ok())
+            .unwrap_or_else(|| {
+                Err(Rejected::new(
+                    Refusal::Capacity,
+                    "the agent's reader of recordings has stopped",
+                ))
+            })
+    }
+}
+
+/// [`last_oom`], its errors and panics as refusals.
+fn read_safely(path: &Path, limits: ReadLimits) -> Result<OomAt, Rejected> {
+    match std::panic::catch_unwind(|| last_oom(path, limits)) {
+        Ok(read) => read.map_err(|e| unreadable(&e)),
+        Err(_) => Err(Rejected::new(
+            Refusal::Malformed,
+            "not a readable recording: the reader failed on it",
+        )),
     }
 }
 
@@ -281,7 +346,7 @@ impl Refused {
 }
 
 /// A place to receive one upload: its temporary file (removed if dropped unfinished) and the
-/// permit that counts it among the uploads in flight. Dropped neither finished nor refused
+/// place that counts it among the uploads in flight. Dropped neither finished nor refused
 /// (its connection went while the body was read), it counts as `truncated`.
 #[derive(Debug)]
 pub struct Upload {
@@ -362,12 +427,11 @@ fn private_dir(dir: &Path) -> std::io::Result<()> {
 
 /// Whose a recording is, for the store's shares: its tenant, or its pid's where an earlier
 /// release kept it without one.
-fn tenant_of(recording: &StoredRecording) -> String {
-    if recording.tenant.is_empty() {
-        format!("pid:{}", recording.pid)
-    } else {
-        recording.tenant.clone()
-    }
+fn tenant_of(recording: &StoredRecording) -> Tenant {
+    recording
+        .tenant
+        .clone()
+        .unwrap_or(Tenant::Process(recording.pid))
 }
 
 fn valid_id(id: &str) -> bool {
@@ -404,7 +468,7 @@ impl RecordingStore {
                     );
                 }
                 kept.push(StoredRecording {
-                    tenant: tenant_of(&stored),
+                    tenant: Some(tenant_of(&stored)),
                     ..stored
                 });
             }
@@ -456,17 +520,17 @@ impl RecordingStore {
         rejected
     }
 
-    /// A place for one more upload from `owner`, or why not: [`MAX_UPLOADS`] hold one, or
+    /// A place for one more upload from `uploader`, or why not: [`MAX_UPLOADS`] hold one, or
     /// [`MAX_UPLOADS_PER_TENANT`] of its tenant's (`capacity`: try again shortly); or its
     /// process got one within [`MIN_UPLOAD_GAP`] (`rate_limited`).
     ///
     /// # Errors
     /// No place now, or too soon for this process.
-    pub fn begin(&self, owner: &Owner) -> Result<Upload, Rejected> {
-        let pid = owner.pid;
+    pub fn begin(&self, uploader: &Uploader) -> Result<Upload, Rejected> {
+        let pid = uploader.pid;
         let mut places = self.uploads.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
-        let key = (owner.tenant.clone(), pid);
+        let key = (uploader.tenant.clone(), pid);
         if places
             .last_upload
             .get(&key)
@@ -484,23 +548,32 @@ impl RecordingStore {
                 format!("{MAX_UPLOADS} recordings are being received already; try again shortly"),
             )));
         }
-        let held = places.held.get(&owner.tenant).copied().unwrap_or(0);
+        let held = places.held.get(&uploader.tenant).copied().unwrap_or(0);
         if held >= MAX_UPLOADS_PER_TENANT {
             return Err(self.refuse(Rejected::new(
                 Refusal::Capacity,
                 format!(
                     "a recording from {} is being received already; try again shortly",
-                    owner.tenant
+                    uploader.tenant
                 ),
             )));
         }
-        *places.held.entry(owner.tenant.clone()).or_default() += 1;
+        *places.held.entry(uploader.tenant.clone()).or_default() += 1;
         if places.last_upload.len() >= MAX_REMEMBERED {
             places.last_upload.retain(|_, t| now - *t < MIN_UPLOAD_GAP);
         }
-        if places.last_upload.len() < MAX_REMEMBERED {
-            places.last_upload.insert(key, now);
+        // Still full (a flood of invented pids): the oldest stamp gives way, so no stamp is
+        // ever skipped.
+        if places.last_upload.len() >= MAX_REMEMBERED
+            && let Some(oldest) = places
+                .last_upload
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(k, _)| k.clone())
+        {
+            places.last_upload.remove(&oldest);
         }
+        places.last_upload.insert(key, now);
         drop(places);
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         Ok(Upload {
@@ -511,13 +584,14 @@ impl RecordingStore {
             refused: Arc::clone(&self.refused),
             _place: Place {
                 places: Arc::clone(&self.uploads),
-                tenant: owner.tenant.clone(),
+                tenant: uploader.tenant.clone(),
             },
         })
     }
 
-    /// Reads the upload written to `upload`'s file (`bytes` long), and keeps it as `owner`'s,
-    /// evicting the oldest recordings to make room. Blocking: call it off the async runtime.
+    /// Reads the upload written to `upload`'s file (`bytes` long), and keeps it as
+    /// `uploader`'s, evicting recordings to make room (see the module documentation for
+    /// which). Blocking: call it off the async runtime.
     ///
     /// # Errors
     /// An upload that is not a recording (`malformed`), ends early (`truncated`), holds more
@@ -526,14 +600,14 @@ impl RecordingStore {
         &self,
         mut upload: Upload,
         bytes: u64,
-        owner: &Owner,
+        uploader: &Uploader,
     ) -> Result<StoredRecording, Rejected> {
         let oom = match self.reader.read(&upload.path, self.limits.read) {
             Ok(oom) => oom,
-            Err(e) => return Err(upload.refuse(unreadable(&e))),
+            Err(rejected) => return Err(upload.refuse(rejected)),
         };
         let label = |name: &str| {
-            owner
+            uploader
                 .labels
                 .iter()
                 .find_map(|(k, v)| (k == name).then(|| v.clone()))
@@ -542,8 +616,8 @@ impl RecordingStore {
         let time = unix_now();
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let stored = StoredRecording {
-            id: format!("{:x}-{:x}-{n:x}", (time * 1e6) as u64, owner.pid),
-            pid: owner.pid,
+            id: format!("{:x}-{:x}-{n:x}", (time * 1e6) as u64, uploader.pid),
+            pid: uploader.pid,
             pod_uid: label("pod_uid"),
             container_id: label("container_id"),
             pod_namespace: label("pod_namespace"),
@@ -553,7 +627,7 @@ impl RecordingStore {
             time,
             bytes,
             oom_event: oom.map(|(_, i)| i),
-            tenant: owner.tenant.clone(),
+            tenant: Some(uploader.tenant.clone()),
         };
         if bytes > self.limits.max_bytes {
             return Err(upload.refuse(Rejected::new(
@@ -615,7 +689,7 @@ impl RecordingStore {
             } else {
                 break;
             };
-            let mut shares: HashMap<String, (usize, u64)> = HashMap::new();
+            let mut shares: HashMap<Tenant, (usize, u64)> = HashMap::new();
             for r in kept.iter().chain(incoming) {
                 let share = shares.entry(tenant_of(r)).or_default();
                 share.0 += 1;
@@ -723,16 +797,16 @@ mod tests {
         (dir, store)
     }
 
-    fn owner(pid: u32, tenant: &str) -> Owner {
-        Owner {
+    fn owner(pid: u32, tenant: Tenant) -> Uploader {
+        Uploader {
             pid,
-            tenant: tenant.to_string(),
+            tenant,
             labels: Vec::new(),
         }
     }
 
     /// An upload of a small readable recording from `owner`, kept or refused.
-    fn upload(store: &RecordingStore, owner: &Owner) -> Result<StoredRecording, Rejected> {
+    fn upload(store: &RecordingStore, owner: &Uploader) -> Result<StoredRecording, Rejected> {
         use std::io::Write;
         let upload = store.begin(owner)?;
         let mut gz = flate2::write::GzEncoder::new(
@@ -747,17 +821,17 @@ mod tests {
     }
 
     /// Issue 53, items 1 to 3: a place is held from the first byte until the upload is read,
-    /// one per tenant and two in all; a refusal for want of a place is `capacity` (the hook
+    /// one per tenant and three in all; a refusal for want of a place is `capacity` (the hook
     /// tries again), and only a granted place stamps the process's minute.
     #[test]
     fn places_are_shared_out_per_tenant_and_held_until_read() {
         let (dir, store) = store("places", 100, 1 << 30);
-        let loopback = owner(100, LOOPBACK_TENANT);
+        let loopback = owner(100, Tenant::Loopback);
         let first = store.begin(&loopback).expect("a place");
         // Received, not read yet: the place stays taken.
         std::fs::write(first.path(), b"received").expect("writes");
         let invented = store
-            .begin(&owner(101, LOOPBACK_TENANT))
+            .begin(&owner(101, Tenant::Loopback))
             .expect_err("one per tenant");
         assert_eq!(invented.refusal, Refusal::Capacity, "{}", invented.message);
         assert!(
@@ -765,22 +839,29 @@ mod tests {
             "{}",
             invented.message
         );
-        let rank0 = store
-            .begin(&owner(7, "pid:7"))
-            .expect("another tenant's place");
-        let rank1 = store.begin(&owner(8, "pid:8")).expect_err("two in all");
+        // Ranks of one pod: one place for the pod; a user's process on the host takes the
+        // last; then none is left for anyone.
+        let pod = || Tenant::Pod("train-0".into());
+        let rank0 = store.begin(&owner(7, pod())).expect("the pod's place");
+        let rank1 = store.begin(&owner(8, pod())).expect_err("one per tenant");
         assert_eq!(rank1.refusal, Refusal::Capacity);
         assert!(
             rank1.message.contains("being received"),
             "{}",
             rank1.message
         );
-        // The third rank tries again once a place is free: not refused for trying.
+        let _host = store.begin(&owner(9, Tenant::User(1000))).expect("the last place");
+        let other = store
+            .begin(&owner(10, Tenant::User(1001)))
+            .expect_err("three in all");
+        assert_eq!(other.refusal, Refusal::Capacity);
+        assert!(other.message.contains("being received"), "{}", other.message);
+        // The second rank tries again once its pod's place is free: not refused for trying.
         drop(rank0);
-        assert!(store.begin(&owner(8, "pid:8")).is_ok());
+        assert!(store.begin(&owner(8, pod())).is_ok());
         // The invented pid likewise, once its tenant's place is free; the first pid not.
         drop(first);
-        assert!(store.begin(&owner(101, LOOPBACK_TENANT)).is_ok());
+        assert!(store.begin(&owner(101, Tenant::Loopback)).is_ok());
         let again = store
             .begin(&loopback)
             .expect_err("stamped when it got its place");
@@ -802,24 +883,24 @@ mod tests {
     fn a_tenant_inventing_pids_evicts_its_own() {
         use std::os::unix::fs::PermissionsExt;
         let (dir, store) = store("tenants", 5, 1 << 30);
-        let job = upload(&store, &owner(7, "pid:7")).expect("kept");
+        let job = upload(&store, &owner(7, Tenant::Process(7))).expect("kept");
         for pid in 100..164 {
-            upload(&store, &owner(pid, LOOPBACK_TENANT)).expect("kept");
+            upload(&store, &owner(pid, Tenant::Loopback)).expect("kept");
         }
         let kept: Vec<u32> = store.list().iter().map(|r| r.pid).collect();
         assert_eq!(kept, [163, 162, 161, 160, 7]);
         // By bytes: room for three; the job's stays.
         let size = job.bytes;
         let (dir2, bytes) = store_with_room("tenant-bytes", 3 * size);
-        upload(&bytes, &owner(7, "pid:7")).expect("kept");
+        upload(&bytes, &owner(7, Tenant::Process(7))).expect("kept");
         for pid in 100..110 {
-            upload(&bytes, &owner(pid, LOOPBACK_TENANT)).expect("kept");
+            upload(&bytes, &owner(pid, Tenant::Loopback)).expect("kept");
         }
         let kept: Vec<u32> = bytes.list().iter().map(|r| r.pid).collect();
         assert_eq!(kept, [109, 108, 7]);
         // Equal shares: the oldest recording goes, whoever's.
-        upload(&bytes, &owner(9, "pid:9")).expect("kept");
-        upload(&bytes, &owner(10, "pid:10")).expect("kept");
+        upload(&bytes, &owner(9, Tenant::Process(9))).expect("kept");
+        upload(&bytes, &owner(10, Tenant::Process(10))).expect("kept");
         let kept: Vec<u32> = bytes.list().iter().map(|r| r.pid).collect();
         assert_eq!(kept, [10, 9, 109]);
         // Private: the directory 0700, its files 0600.

@@ -13,7 +13,10 @@
 //! dies of an OOM is still scraped with its OOM), and go. A push that the kernel did not
 //! attribute is known by its pid and the start time it gives, exactly, so two containers'
 //! pid 1 do not merge into one process: while one is live the other is refused (`conflict`:
-//! push over the socket instead), and a push without a start time is no job that gave one. Expiry runs on the agent's own tick
+//! push over the socket instead), and a push without a start time is no job that gave one.
+//! That word is unauthenticated (a local user can read a host job's start time in `/proc`):
+//! loopback is for hosts without the socket, and its series and recordings are told apart
+//! (the recordings' `loopback` tenant). Expiry runs on the agent's own tick
 //! ([`PushStore::expire`]), not inside a scrape.
 //!
 //! # Invariants (budgets)
@@ -54,7 +57,7 @@ use crate::telemetry::process;
 
 use super::limits::OOM_BREAKDOWN_SERIES;
 use super::payload::{Reason, ValidPush, validate};
-use super::recordings::{Owner, RecordingStore};
+use super::recordings::{RecordingStore, Tenant, Uploader};
 use super::refusal::{Refusal, Rejected};
 
 /// A pushing process as the kernel named it when it connected (`SO_PEERCRED`, in the agent's
@@ -70,14 +73,17 @@ pub struct Peer {
     /// whose the pid was then (the process gone by the accept, or its handle says it has
     /// exited since): its pushes and uploads are refused.
     pub start_time: Option<u64>,
+    /// Its user, where the kernel said (`SO_PEERCRED`): a host process's tenant.
+    pub uid: Option<u32>,
 }
 
 impl Peer {
-    /// The process `pid` is now.
+    /// The process `pid` is now (its user not said).
     pub fn now(pid: u32) -> Peer {
         Peer {
             pid,
             start_time: process::start_time(pid),
+            uid: None,
         }
     }
 }
@@ -548,11 +554,15 @@ impl PushStore {
         sender: Sender,
         pid: u32,
         start_time: Option<u64>,
-    ) -> Result<Owner, Rejected> {
+    ) -> Result<Uploader, Rejected> {
         // The uploader's start time: a process reusing a tracked pid is not it.
+        let mut user = None;
         let (pid, origin, started) = match sender {
             Sender::Unattributed => (pid, Origin::Tcp, start_time),
-            Sender::Process(peer) => (peer.pid, Origin::Socket, peer.start_time),
+            Sender::Process(peer) => {
+                user = peer.uid;
+                (peer.pid, Origin::Socket, peer.start_time)
+            }
             Sender::Pod(pod) => {
                 let found = (self.config.pod_process)(&pod.uid, pid, start_time)
                     .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
@@ -572,19 +582,26 @@ impl PushStore {
                 ),
             ));
         };
-        let tenant = match &origin {
-            Origin::Socket => format!("pid:{pid}"),
-            Origin::Pod(uid) => format!("pod:{uid}"),
-            Origin::Tcp => super::recordings::LOOPBACK_TENANT.to_string(),
+        let labels = tracked
+            .sources
+            .first()
+            .map(|s| s.labels.clone())
+            .unwrap_or_default();
+        // A socket peer shares with its pod (as from the pod network) or its user: a process
+        // forking a crowd of pushers gains nothing.
+        let pod_uid = labels
+            .iter()
+            .find_map(|(k, v)| (k == "pod_uid" && !v.is_empty()).then_some(v));
+        let tenant = match (&origin, pod_uid, user) {
+            (Origin::Socket, Some(pod), _) | (Origin::Pod(pod), ..) => Tenant::Pod(pod.clone()),
+            (Origin::Socket, None, Some(uid)) => Tenant::User(uid),
+            (Origin::Socket, None, None) => Tenant::Process(pid),
+            (Origin::Tcp, ..) => Tenant::Loopback,
         };
-        Ok(Owner {
+        Ok(Uploader {
             pid,
             tenant,
-            labels: tracked
-                .sources
-                .first()
-                .map(|s| s.labels.clone())
-                .unwrap_or_default(),
+            labels,
         })
     }
 
@@ -705,11 +722,12 @@ impl PushStore {
                 && !same_process
                 && t.end(self.config.ttl) > now
             {
+                // (Its start time is not said: not to help another guess it.)
                 return Err(Rejected::new(
                     Refusal::Conflict,
                     format!(
-                        "pid {pid} is a live loopback job's (start time {:?}); a push naming start time {start_time:?} cannot replace it until it ends (its exit push, or {:?} of silence)",
-                        t.start_time, self.config.ttl
+                        "pid {pid} is a live loopback job's, of another start time; a push cannot replace it until it ends (its exit push, or {:?} of silence): push over the agent's socket",
+                        self.config.ttl
                     ),
                 ));
             }

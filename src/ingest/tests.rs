@@ -51,6 +51,7 @@ fn peer(pid: u32) -> Peer {
     Peer {
         pid,
         start_time: Some(1),
+        uid: None,
     }
 }
 
@@ -255,6 +256,7 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
             Some(Peer {
                 pid: 40,
                 start_time: Some(2),
+                uid: None,
             }),
             start,
         )
@@ -271,6 +273,7 @@ fn a_new_process_reusing_a_pid_starts_afresh() {
             Some(Peer {
                 pid: 40,
                 start_time: Some(2),
+                uid: None,
             }),
             start + Duration::from_secs(9),
         )
@@ -417,6 +420,7 @@ fn a_socket_push_must_come_from_the_process_that_connected() {
     let connected = |start_time| Peer {
         pid: 40,
         start_time: Some(start_time),
+        uid: None,
     };
     // The pid's process now started at tick 1 (`started_once`); the connection's at 2.
     let err = store
@@ -444,6 +448,7 @@ fn a_socket_push_must_come_from_the_process_that_connected() {
             Some(Peer {
                 pid: 40,
                 start_time: None,
+                uid: None,
             }),
             now,
         )

@@ -1,8 +1,8 @@
 //! The connections a listener serves, and which one gives way when they are too many.
 //!
 //! A connection *progresses* when it reads or writes a byte (`listen.rs` tells it), and has
-//! an *owner* where the agent can tell who is at the other end (a socket peer's pid, a TCP
-//! peer's address). A listener at its cap that accepts one more connection evicts one: a
+//! an *owner* where the agent can tell who is at the other end (a socket peer's pod, or its
+//! user on the host; a TCP peer's address). A listener at its cap that accepts one more connection evicts one: a
 //! connection not serving a request where there is one (a request being handled makes no
 //! progress, yet its client waits for the answer), of the owner holding the most
 //! connections, the one of those that progressed least recently. So a new client (a
@@ -33,13 +33,25 @@ fn now_ms() -> u64 {
     EPOCH.elapsed().as_millis() as u64
 }
 
-/// Who is at the other end of a connection, as far as the agent can tell.
+/// Who is at the other end of a connection, as far as the agent can tell: what connections
+/// and slots are shared out by. A socket peer is its pod or, on the host, its user, so that
+/// a process forking a crowd gains nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Owner {
-    /// A process the kernel named (a socket peer's pid).
-    Process(u32),
+    /// A socket peer's pod, by a hash of its UID.
+    Pod(u64),
+    /// A socket peer on the host, by its user.
+    User(u32),
     /// A TCP peer's address (every loopback client is one).
     Address(std::net::IpAddr),
+}
+
+impl Owner {
+    /// The owner of a pod's processes.
+    pub fn pod(uid: &str) -> Owner {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        Owner::Pod(BuildHasherDefault::<rustc_hash::FxHasher>::default().hash_one(uid))
+    }
 }
 
 /// One served connection: when it last progressed, and whether it was told to end.
@@ -269,11 +281,11 @@ mod tests {
     #[test]
     fn a_crowd_evicts_its_own_and_a_request_in_flight_stays() {
         let connections = Connections::new(4);
-        let job = connections.admit(Some(Owner::Process(1)));
+        let job = connections.admit(Some(Owner::User(1)));
         let _request = job.connection().serving();
         std::thread::sleep(Duration::from_millis(5));
         let crowd: Vec<Admitted> = (0..40)
-            .map(|_| connections.admit(Some(Owner::Process(2))))
+            .map(|_| connections.admit(Some(Owner::User(2))))
             .collect();
         assert!(!job.connection().is_evicted(), "the job's request stays");
         assert_eq!(
@@ -284,13 +296,13 @@ mod tests {
             3
         );
         // Another owner's new connection takes the crowd's place too.
-        let other = connections.admit(Some(Owner::Process(3)));
+        let other = connections.admit(Some(Owner::User(3)));
         assert!(!other.connection().is_evicted());
         assert!(!job.connection().is_evicted());
         // All serving: the owner holding most gives way still.
         let _serving: Vec<Serving> = crowd.iter().map(|c| c.connection().serving()).collect();
         let _other_request = other.connection().serving();
-        let late = connections.admit(Some(Owner::Process(4)));
+        let late = connections.admit(Some(Owner::User(4)));
         assert!(!job.connection().is_evicted());
         assert!(!other.connection().is_evicted());
         assert!(!late.connection().is_evicted());

@@ -141,7 +141,7 @@ pub async fn serve_unix(
         shutdown,
         |io: &UnixStream, _| {
             let peer = UnixPeer::of(io);
-            let owner = peer.process.map(|p| Owner::Process(p.pid));
+            let owner = peer.owner;
             (peer, owner)
         },
         remove_own,
@@ -528,13 +528,15 @@ pub struct UnixPeer {
     pub process: Option<Peer>,
     /// The connecting process's handle, where the kernel gave one.
     handle: Option<Arc<PidFd>>,
+    /// Whom its connections count against: its pod, or its user on the host.
+    owner: Option<Owner>,
 }
 
 impl UnixPeer {
     fn of(stream: &UnixStream) -> UnixPeer {
-        let pid = stream
-            .peer_cred()
-            .ok()
+        let cred = stream.peer_cred().ok();
+        let uid = cred.map(|cred| cred.uid());
+        let pid = cred
             .and_then(|cred| cred.pid())
             .and_then(|pid| u32::try_from(pid).ok())
             .filter(|&pid| pid != 0);
@@ -542,19 +544,30 @@ impl UnixPeer {
             return UnixPeer {
                 process: None,
                 handle: None,
+                owner: uid.map(Owner::User),
             };
+        };
+        // Shared out per pod, or per user on the host: forking gains a crowd nothing.
+        let owner = match crate::telemetry::cgroup::container_of(pid) {
+            Some(c) if !c.pod_uid.is_empty() => Some(Owner::pod(&c.pod_uid)),
+            _ => uid.map(Owner::User),
+        };
+        let now = |pid| Peer {
+            uid,
+            ..Peer::now(pid)
         };
         match PidFd::of_peer(stream) {
             PeerHandle::Held(handle) => {
                 // Read after the handle was taken: the start time is the handle's process's
                 // only if that process had not exited by then.
-                let mut peer = Peer::now(pid);
+                let mut peer = now(pid);
                 if handle.exited() {
                     peer.start_time = None;
                 }
                 UnixPeer {
                     process: Some(peer),
                     handle: Some(Arc::new(handle)),
+                    owner,
                 }
             }
             // The process went before the accept: its pid may be another's already.
@@ -562,12 +575,15 @@ impl UnixPeer {
                 process: Some(Peer {
                     pid,
                     start_time: None,
+                    uid,
                 }),
                 handle: None,
+                owner,
             },
             PeerHandle::Unsupported => UnixPeer {
-                process: Some(Peer::now(pid)),
+                process: Some(now(pid)),
                 handle: None,
+                owner,
             },
         }
     }
@@ -578,6 +594,7 @@ impl UnixPeer {
         UnixPeer {
             process,
             handle: None,
+            owner: None,
         }
     }
 

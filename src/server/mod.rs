@@ -523,7 +523,7 @@ async fn push(
                 "too many large pushes are being read at once",
             );
         }
-        Err(BodyError::Late) => {
+        Err(BodyError::Late | BodyError::Stalled) => {
             return refused(
                 &store,
                 Refusal::Truncated,
@@ -612,18 +612,18 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
         .and_then(|p| u32::try_from(p).ok())
         .unwrap_or(0);
     let start_time = param("start_time");
-    let owner = {
+    let uploader = {
         let store = Arc::clone(&store);
         // A pod's process not seen yet means a scan of /proc: off the runtime's threads.
         match tokio::task::spawn_blocking(move || store.recording_owner(sender, pid, start_time))
             .await
         {
-            Ok(Ok(owner)) => owner,
+            Ok(Ok(uploader)) => uploader,
             Ok(Err(rejected)) => return refuse(rejected),
             Err(e) => return internal("upload", &e),
         }
     };
-    let upload = match recordings.begin(&owner) {
+    let upload = match recordings.begin(&uploader) {
         Ok(upload) => upload,
         Err(rejected) => return refusal(rejected.refusal, &rejected.message),
     };
@@ -646,8 +646,8 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
                 format!("the recording did not arrive within {UPLOAD_TIMEOUT:?}"),
             )));
         }
-        // (An upload takes no slot: never busy, but it may stall.)
-        Err(BodyError::Busy) => {
+        // (An upload takes no slot: never busy.)
+        Err(BodyError::Stalled | BodyError::Busy) => {
             return answer(upload.refuse(Rejected::new(
                 Refusal::Truncated,
                 format!(
@@ -673,7 +673,7 @@ async fn upload_recording(State(state): State<AppState>, request: Request) -> Re
     }
     let kept = {
         let recordings = Arc::clone(recordings);
-        tokio::task::spawn_blocking(move || recordings.finish(upload, written, &owner)).await
+        tokio::task::spawn_blocking(move || recordings.finish(upload, written, &uploader)).await
     };
     match kept {
         // Refusals are counted by the store.
@@ -736,10 +736,10 @@ fn newest_of(
     pid: u32,
     also: impl Fn(&crate::ingest::recordings::StoredRecording) -> bool,
 ) -> Option<&crate::ingest::recordings::StoredRecording> {
-    use crate::ingest::recordings::LOOPBACK_TENANT;
+    use crate::ingest::recordings::Tenant;
     let of_pid = || kept.iter().filter(|r| r.pid == pid && also(r));
     of_pid()
-        .find(|r| r.tenant != LOOPBACK_TENANT)
+        .find(|r| r.tenant != Some(Tenant::Loopback))
         .or_else(|| of_pid().next())
 }
 
@@ -820,8 +820,7 @@ pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
 }
 
 /// Writes a body to `file` by `deadline`, at most `limit` bytes, and at least
-/// [`UPLOAD_MIN_PROGRESS`] of them in each [`UPLOAD_WINDOW`] (else [`BodyError::Busy`]: it
-/// stalled): how many were written.
+/// [`UPLOAD_MIN_PROGRESS`] of them in each [`UPLOAD_WINDOW`]: how many were written.
 async fn write_body(
     mut body: axum::body::Body,
     mut file: tokio::fs::File,
@@ -836,7 +835,7 @@ async fn write_body(
     loop {
         let frame = match tokio::time::timeout_at(deadline.min(window.0), body.frame()).await {
             Err(_) if tokio::time::Instant::now() >= deadline => return Err(BodyError::Late),
-            Err(_) if window.1 < UPLOAD_MIN_PROGRESS => return Err(BodyError::Busy),
+            Err(_) if window.1 < UPLOAD_MIN_PROGRESS => return Err(BodyError::Stalled),
             Err(_) => {
                 window = (tokio::time::Instant::now() + UPLOAD_WINDOW, 0);
                 continue;
@@ -931,9 +930,10 @@ pub const UNSLOTTED_BODY_BYTES: usize = 16 * 1024;
 /// Why a push body was not read.
 enum BodyError {
     TooLarge,
-    /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`] (a push), or the body came
-    /// too slowly (an upload).
+    /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`] (a push).
     Busy,
+    /// Too little of the body came in a window (an upload).
+    Stalled,
     Late,
     Broken(axum::Error),
 }

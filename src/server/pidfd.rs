@@ -6,9 +6,11 @@
 //! # Invariants
 //! - A [`PidFd`] is the kernel's handle of the process that connected, taken when the agent
 //!   accepted; it polls readable once that process has exited, reaped or not.
-//! - Where the kernel gives no handles (an older kernel, an architecture whose option number
-//!   is not the generic one), [`PidFd::of_peer`] says so and callers fall back to the start
-//!   time read at the accept; where it gives none for this peer, the peer is unproven.
+//! - Whether the kernel gives handles at all is asked once, of a socket pair of the agent's
+//!   own. Where it gives none (before Linux 6.5, an architecture whose option number is not
+//!   the generic one), callers fall back to the start time read at the accept, and the race
+//!   remains: a process that connected and was reaped, its pid reused, before the accept is
+//!   taken for the new one. Where it does, a peer it gives no handle for is unproven.
 //! - A handle is a descriptor, held as long as its connection: [`raise_open_files`] lifts the
 //!   agent's soft limit of open files to its hard one (at most [`MAX_OPEN_FILES`]), so the
 //!   listeners' connections and their handles stay within it.
@@ -53,39 +55,24 @@ pub struct PidFd(OwnedFd);
 pub enum PeerHandle {
     /// Its handle.
     Held(PidFd),
-    /// It has none to give: the process has gone (reaped before the accept), or another
-    /// error; nothing is proven then.
+    /// The kernel gives handles but none for this peer: the process has gone (reaped
+    /// before the accept); nothing is proven then.
     Gone,
     /// This kernel or platform gives no handles.
     Unsupported,
 }
 
 impl PidFd {
-    /// The handle of the process that connected `socket`, where the kernel gives one.
-    #[allow(unsafe_code)]
+    /// The handle of the process that connected `socket`, where the kernel gives one. Where
+    /// it gives handles at all ([`supported`]), any failure for this peer means it has none
+    /// to give (kernels before 6.16 refuse one for a process already reaped, with `EINVAL`).
     pub fn of_peer(socket: &impl AsRawFd) -> PeerHandle {
-        let Some(option) = SO_PEERPIDFD else {
+        if !supported() {
             return PeerHandle::Unsupported;
-        };
-        let mut fd: libc::c_int = -1;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: `fd` and `len` outlive the call, and `len` is `fd`'s size.
-        let rc = unsafe {
-            libc::getsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                option,
-                (&raw mut fd).cast(),
-                &raw mut len,
-            )
-        };
-        if rc == 0 && fd >= 0 {
-            // SAFETY: on success the kernel made `fd`, a descriptor no one else owns.
-            return PeerHandle::Held(PidFd(unsafe { OwnedFd::from_raw_fd(fd) }));
         }
-        match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::ENOPROTOOPT | libc::EINVAL) => PeerHandle::Unsupported,
-            _ => PeerHandle::Gone,
+        match peer_pidfd(socket) {
+            Some(handle) => PeerHandle::Held(handle),
+            None => PeerHandle::Gone,
         }
     }
 
@@ -126,6 +113,36 @@ pub fn raise_open_files() {
             }
         }
     }
+}
+
+/// Whether this kernel gives peers' handles: asked once, of a socket pair of this process's
+/// own (whose peer is alive), so that a failure for a real peer is never taken for a kernel
+/// without the option.
+fn supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        std::os::unix::net::UnixStream::pair().is_ok_and(|(ours, _theirs)| peer_pidfd(&ours).is_some())
+    })
+}
+
+/// The kernel's handle of `socket`'s peer (`SO_PEERPIDFD`), if it gives one.
+#[allow(unsafe_code)]
+fn peer_pidfd(socket: &impl AsRawFd) -> Option<PidFd> {
+    let option = SO_PEERPIDFD?;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` and `len` outlive the call, and `len` is `fd`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&raw mut fd).cast(),
+            &raw mut len,
+        )
+    };
+    // SAFETY: on success the kernel made `fd`, a descriptor no one else owns.
+    (rc == 0 && fd >= 0).then(|| PidFd(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 #[cfg(test)]

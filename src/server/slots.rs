@@ -4,7 +4,7 @@
 //! A slot wanted while all are held is taken from the holder stalled longest, if it has made
 //! no progress for [`MIN_STALL`]: a body that never arrives, or a scrape nobody reads, cannot
 //! keep a real push or scrape out. A slot given back goes to a waiter of the owner (the
-//! socket peer's pid, a TCP peer's address) holding fewest slots, the newest of them: one
+//! socket peer's pod or user, a TCP peer's address) holding fewest slots, the newest of them: one
 //! process's crowd waits behind every other process, and a crowd of stalled clients that came
 //! first cannot keep a new one out. Every loopback TCP client is one owner.
 //!
@@ -300,12 +300,12 @@ mod tests {
     #[tokio::test]
     async fn a_slot_goes_to_the_owner_holding_fewest() {
         let slots = Slots::new(2);
-        let crowd = Some(Owner::Process(7));
+        let crowd = Some(Owner::User(7));
         let first = Connection::new(crowd);
         let _held = slots.take(&first, Duration::ZERO).await.expect("free");
         let second = Connection::new(crowd);
         let slot = slots.take(&second, Duration::ZERO).await.expect("free");
-        let other = waiter(&slots, Connection::new(Some(Owner::Process(8))));
+        let other = waiter(&slots, Connection::new(Some(Owner::User(8))));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let more = waiter(&slots, Connection::new(crowd));
         tokio::time::sleep(Duration::from_millis(20)).await;

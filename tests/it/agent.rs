@@ -135,6 +135,7 @@ async fn demo_serves_the_whole_contract() {
             Some(gpumem::ingest::store::Peer {
                 pid: 77,
                 start_time: Some(1),
+                uid: None,
             }),
         )
         .expect("accepted");

@@ -217,8 +217,9 @@ fn trickle(port: u16, pid: u32) -> std::thread::JoinHandle<(u16, String, Duratio
 /// Items 1 and 2: two trickled uploads from a process that pushed (invented loopback pids)
 /// held both places for a minute and dropped every real OOM recording; and three ranks
 /// failing together lost the third (its retry refused as "less than 60s ago"). Now loopback
-/// is one tenant with one place, a trickle is cut off as stalled, and every rank's recording
-/// is kept; no refusal counts as `rate_limited`.
+/// is one tenant with one place, a trickle is cut off as stalled, the ranks (one tenant: one
+/// user's processes) take turns, and every rank's recording is kept; no refusal counts as
+/// `rate_limited`.
 #[test]
 fn trickled_uploads_and_ranks_failing_together_lose_no_recording() {
     let dir = temp_dir("tenants-trickle");
@@ -232,7 +233,16 @@ fn trickled_uploads_and_ranks_failing_together_lose_no_recording() {
         .map(|_| Job::start(&socket_of(&dir), &recording))
         .collect();
     let trickles = [trickle(port, 900), trickle(port, 901)];
-    std::thread::sleep(Duration::from_millis(300));
+    // One trickle holds loopback's place (its upload is on disk) before the ranks fail.
+    let store = dir.join("store");
+    let holding = wait_for(Duration::from_secs(10), || {
+        std::fs::read_dir(&store)
+            .ok()?
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(".upload-"))
+            .then_some(())
+    });
+    assert!(holding.is_some(), "a trickle holds a place");
     for rank in &mut ranks {
         rank.go();
     }
@@ -417,16 +427,16 @@ fn invented_pids_cannot_evict_or_take_over_a_jobs_recording() {
     let (status, answer) = tcp(port, "POST", &target, "application/gzip", &body);
     assert_eq!(status, 201, "{answer}");
     let listed = listed(port);
-    let id_of = |tenant: &str| {
+    let id_of = |loopback: bool| {
         listed
             .iter()
-            .find(|r| r["pid"] == job_pid && r["tenant"] == tenant)
+            .find(|r| r["pid"] == job_pid && (r["tenant"] == "loopback") == loopback)
             .and_then(|r| r["id"].as_str())
             .map(str::to_string)
-            .unwrap_or_else(|| panic!("a {tenant} recording of {job_pid}: {listed:?}"))
+            .unwrap_or_else(|| panic!("a recording of {job_pid}: {listed:?}"))
     };
-    let job_id = id_of(&format!("pid:{job_pid}"));
-    id_of("loopback");
+    let job_id = id_of(false);
+    id_of(true);
     let (status, location) = redirect(port, &format!("/recordings/pid/{job_pid}"));
     assert_eq!(status, 303);
     assert!(location.contains(&job_id), "{location} is not {job_id}");
@@ -554,18 +564,13 @@ fn a_loopback_push_cannot_take_a_live_loopback_jobs_pid() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Item 8: with 1 000 connections churning from another process, an OOM push being read was
-/// reset (the listener evicted the connection that progressed least recently, and a request
-/// being handled makes none). Now a full listener evicts the crowd's own connections.
-#[test]
-fn a_churning_crowd_cannot_reset_another_process_push() {
-    let dir = temp_dir("tenants-churn");
-    let port = free_port();
-    let _agent = agent(&dir, port, &["--max-connections", "16"]);
-    let socket = socket_of(&dir);
-    // The job sends its OOM push's head and half its body, waits, then the rest.
-    let script = r#"
-import json, os, socket, sys, time
+/// The churn test's job: it sends its OOM push's head and half its body, says so, waits to
+/// be told, sends the rest and prints the answer's status line (or "reset"). Run as root, it
+/// becomes user `argv[2]` first (where that is not empty).
+const SLOW_OOM_PUSH: &str = r#"
+import json, os, socket, sys
+if sys.argv[2]:
+    os.setuid(int(sys.argv[2]))
 body = json.dumps({"pid": os.getpid(), "seq": 1, "reason": "oom", "devices": [{"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": 1}}]}).encode()
 s = socket.socket(socket.AF_UNIX)
 s.settimeout(30)
@@ -585,9 +590,15 @@ try:
 except OSError as e:
     print("reset", e, flush=True)
 "#;
+
+/// Runs [`SLOW_OOM_PUSH`] as `user` (or as this process's) while this process churns 400
+/// connections to the socket, 40 held at a time, each sending `crowd_sends` first: the job's
+/// status line.
+fn oom_push_beside_a_crowd(socket: &Path, user: &str, crowd_sends: &[u8]) -> String {
     let mut job = Command::new("python3")
-        .args(["-c", script])
-        .arg(&socket)
+        .args(["-c", SLOW_OOM_PUSH])
+        .arg(socket)
+        .arg(user)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -596,11 +607,12 @@ except OSError as e:
     let mut stdout = BufReader::new(job.stdout.take().expect("stdout"));
     let mut line = String::new();
     stdout.read_line(&mut line).expect("the job sent half");
+    assert_eq!(line.trim(), "sent", "{line}");
     std::thread::sleep(Duration::from_millis(100));
-    // This process churns: 400 connections, 40 held at a time.
     let mut held = std::collections::VecDeque::new();
     for _ in 0..400 {
-        if let Ok(conn) = UnixStream::connect(&socket) {
+        if let Ok(mut conn) = UnixStream::connect(socket) {
+            let _ = conn.write_all(crowd_sends);
             held.push_back(conn);
         }
         if held.len() > 40 {
@@ -611,7 +623,36 @@ except OSError as e:
     line.clear();
     stdout.read_line(&mut line).expect("the job's answer");
     let _ = job.wait();
-    assert!(line.starts_with("HTTP/1.1 202"), "the OOM push: {line}");
+    line
+}
+
+/// Item 8: with 1 000 connections churning from another process, an OOM push being read was
+/// reset (the listener evicted the connection that progressed least recently, and a request
+/// being handled makes none). Now a full listener evicts connections not serving a request
+/// first, and those of the owner (a pod, a host user) holding most: an idle crowd of the
+/// job's own user, or a crowd of another user with requests of its own in flight, cannot
+/// reset the job's push.
+#[test]
+fn a_churning_crowd_cannot_reset_another_process_push() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("tenants-churn");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let port = free_port();
+    let _agent = agent(&dir, port, &["--max-connections", "16"]);
+    let socket = socket_of(&dir);
+    // An idle crowd of the job's own user: the request in flight stays.
+    let status = oom_push_beside_a_crowd(&socket, "", b"");
+    assert!(status.starts_with("HTTP/1.1 202"), "beside an idle crowd: {status}");
+    // A crowd whose connections each have a push in flight (a head, its body withheld), and
+    // the job another user: the crowd's owner holds most and gives way.
+    let root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+    if root.is_ok_and(|uid| uid == 0) {
+        let head = b"POST /api/v1/push HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+        let status = oom_push_beside_a_crowd(&socket, "65534", head);
+        assert!(status.starts_with("HTTP/1.1 202"), "beside a busy crowd: {status}");
+    } else {
+        eprintln!("not root: the job cannot become another user; the busy crowd's case is not run");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
