@@ -850,12 +850,18 @@ mod tests {
             "{}",
             rank1.message
         );
-        let _host = store.begin(&owner(9, Tenant::User(1000))).expect("the last place");
+        let _host = store
+            .begin(&owner(9, Tenant::User(1000)))
+            .expect("the last place");
         let other = store
             .begin(&owner(10, Tenant::User(1001)))
             .expect_err("three in all");
         assert_eq!(other.refusal, Refusal::Capacity);
-        assert!(other.message.contains("being received"), "{}", other.message);
+        assert!(
+            other.message.contains("being received"),
+            "{}",
+            other.message
+        );
         // The second rank tries again once its pod's place is free: not refused for trying.
         drop(rank0);
         assert!(store.begin(&owner(8, pod())).is_ok());

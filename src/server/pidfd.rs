@@ -121,7 +121,8 @@ pub fn raise_open_files() {
 fn supported() -> bool {
     static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SUPPORTED.get_or_init(|| {
-        std::os::unix::net::UnixStream::pair().is_ok_and(|(ours, _theirs)| peer_pidfd(&ours).is_some())
+        std::os::unix::net::UnixStream::pair()
+            .is_ok_and(|(ours, _theirs)| peer_pidfd(&ours).is_some())
     })
 }
 

@@ -642,14 +642,20 @@ fn a_churning_crowd_cannot_reset_another_process_push() {
     let socket = socket_of(&dir);
     // An idle crowd of the job's own user: the request in flight stays.
     let status = oom_push_beside_a_crowd(&socket, "", b"");
-    assert!(status.starts_with("HTTP/1.1 202"), "beside an idle crowd: {status}");
+    assert!(
+        status.starts_with("HTTP/1.1 202"),
+        "beside an idle crowd: {status}"
+    );
     // A crowd whose connections each have a push in flight (a head, its body withheld), and
     // the job another user: the crowd's owner holds most and gives way.
     let root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
     if root.is_ok_and(|uid| uid == 0) {
         let head = b"POST /api/v1/push HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
         let status = oom_push_beside_a_crowd(&socket, "65534", head);
-        assert!(status.starts_with("HTTP/1.1 202"), "beside a busy crowd: {status}");
+        assert!(
+            status.starts_with("HTTP/1.1 202"),
+            "beside a busy crowd: {status}"
+        );
     } else {
         eprintln!("not root: the job cannot become another user; the busy crowd's case is not run");
     }
