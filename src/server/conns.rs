@@ -1,20 +1,21 @@
 //! The connections a listener serves, and which one gives way when they are too many.
 //!
 //! A connection *progresses* when it reads or writes a byte (`listen.rs` tells it), and has
-//! an *owner* where the agent can tell who is at the other end (a socket peer's pod, or its
-//! user on the host; a TCP peer's address). A listener at its cap that accepts one more connection evicts one: a
-//! connection not serving a request where there is one (a request being handled makes no
-//! progress, yet its client waits for the answer), of the owner holding the most
-//! connections, the one of those that progressed least recently. So a new client (a
-//! liveness probe) is always accepted, never left in the kernel's backlog, and an owner
-//! churning connections evicts its own, not another's request. What a connection's request
-//! holds (`slots.rs`) is taken from it by progress alone.
+//! an [`Owner`] where the agent can tell who is at the other end: its *group* (a socket
+//! peer's pod, or its user on the host; a TCP peer's address) and, for a socket peer, its
+//! process. A listener at its cap that accepts one more connection evicts one: a connection
+//! not serving a request where there is one (a request being handled makes no progress, yet
+//! its client waits for the answer), of the group holding the most connections, the one of
+//! those that progressed least recently. So a new client (a liveness probe) is always
+//! accepted, never left in the kernel's backlog, and a group churning connections (however
+//! many processes it forks) evicts its own, not another's request. What a connection's
+//! request holds (`slots.rs`) is taken from it by progress alone.
 //!
 //! # Invariants
 //! - A listener holds at most its cap of connections that were not evicted; accepting
 //!   never waits for room: the evicted one's place is free from the moment it is chosen.
 //! - Eviction never takes a connection serving a request while one that is not exists, nor
-//!   one of an owner holding fewer connections than another owner among those.
+//!   one of a group holding fewer connections than another group among those.
 //! - An evicted connection ends at its next poll: its request, if any, is dropped with what
 //!   it held (slots, buffers), which come back then.
 //! - Bookkeeping is a map per listener, scanned when it is full: at most the cap's entries,
@@ -33,11 +34,21 @@ fn now_ms() -> u64 {
     EPOCH.elapsed().as_millis() as u64
 }
 
-/// Who is at the other end of a connection, as far as the agent can tell: what connections
-/// and slots are shared out by. A socket peer is its pod or, on the host, its user, so that
-/// a process forking a crowd gains nothing.
+/// Who is at the other end of a connection, as far as the agent can tell: its group, which
+/// connections are shared out by (a socket peer's pod or, on the host, its user, so that a
+/// process forking a crowd gains nothing), and its process where the kernel named one, which
+/// slots are shared out by (a request of one process waits behind no crowd of another's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Owner {
+pub struct Owner {
+    /// Whose connections it counts among.
+    pub group: Group,
+    /// The socket peer's pid.
+    pub process: Option<u32>,
+}
+
+/// What connections are shared out by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Group {
     /// A socket peer's pod, by a hash of its UID.
     Pod(u64),
     /// A socket peer on the host, by its user.
@@ -47,10 +58,30 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// The owner of a pod's processes.
-    pub fn pod(uid: &str) -> Owner {
+    /// A process of the pod with UID `uid`.
+    pub fn pod(uid: &str, process: Option<u32>) -> Owner {
         use std::hash::{BuildHasher, BuildHasherDefault};
-        Owner::Pod(BuildHasherDefault::<rustc_hash::FxHasher>::default().hash_one(uid))
+        let pod = BuildHasherDefault::<rustc_hash::FxHasher>::default().hash_one(uid);
+        Owner {
+            group: Group::Pod(pod),
+            process,
+        }
+    }
+
+    /// A process of user `uid` on the host.
+    pub fn user(uid: u32, process: Option<u32>) -> Owner {
+        Owner {
+            group: Group::User(uid),
+            process,
+        }
+    }
+
+    /// A TCP peer.
+    pub fn address(ip: std::net::IpAddr) -> Owner {
+        Owner {
+            group: Group::Address(ip),
+            process: None,
+        }
     }
 }
 
@@ -208,18 +239,19 @@ impl Connections {
 }
 
 /// The connection to evict from a full listener: among those not serving a request (all,
-/// where every one is), those of the owner holding the most connections, the least recently
-/// progressed of them. Connections without an owner count as one owner.
+/// where every one is), those of the group holding the most connections, the least recently
+/// progressed of them. Connections without an owner count as one group.
 fn victim(live: &FxHashMap<u64, Connection>) -> Option<u64> {
-    let mut held: FxHashMap<Option<Owner>, usize> = FxHashMap::default();
+    let group = |c: &Connection| c.owner().map(|o| o.group);
+    let mut held: FxHashMap<Option<Group>, usize> = FxHashMap::default();
     for conn in live.values() {
-        *held.entry(conn.owner()).or_default() += 1;
+        *held.entry(group(conn)).or_default() += 1;
     }
     let idle = live.values().any(|c| !c.is_serving());
     live.iter()
         .filter(|(_, c)| !(idle && c.is_serving()))
         .min_by_key(|(_, c)| {
-            let holds = held.get(&c.owner()).copied().unwrap_or(0);
+            let holds = held.get(&group(c)).copied().unwrap_or(0);
             (std::cmp::Reverse(holds), c.stalled_since())
         })
         .map(|(key, _)| *key)
@@ -281,11 +313,11 @@ mod tests {
     #[test]
     fn a_crowd_evicts_its_own_and_a_request_in_flight_stays() {
         let connections = Connections::new(4);
-        let job = connections.admit(Some(Owner::User(1)));
+        let job = connections.admit(Some(Owner::user(1, None)));
         let _request = job.connection().serving();
         std::thread::sleep(Duration::from_millis(5));
         let crowd: Vec<Admitted> = (0..40)
-            .map(|_| connections.admit(Some(Owner::User(2))))
+            .map(|_| connections.admit(Some(Owner::user(2, None))))
             .collect();
         assert!(!job.connection().is_evicted(), "the job's request stays");
         assert_eq!(
@@ -296,13 +328,13 @@ mod tests {
             3
         );
         // Another owner's new connection takes the crowd's place too.
-        let other = connections.admit(Some(Owner::User(3)));
+        let other = connections.admit(Some(Owner::user(3, None)));
         assert!(!other.connection().is_evicted());
         assert!(!job.connection().is_evicted());
         // All serving: the owner holding most gives way still.
         let _serving: Vec<Serving> = crowd.iter().map(|c| c.connection().serving()).collect();
         let _other_request = other.connection().serving();
-        let late = connections.admit(Some(Owner::User(4)));
+        let late = connections.admit(Some(Owner::user(4, None)));
         assert!(!job.connection().is_evicted());
         assert!(!other.connection().is_evicted());
         assert!(!late.connection().is_evicted());

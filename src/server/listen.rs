@@ -103,7 +103,7 @@ async fn serve_tcp(
     shutdown: impl Future<Output = ()> + Send + 'static,
     tls: Option<Tls>,
 ) {
-    let info = |_: &_, addr: SocketAddr| (addr, Some(Owner::Address(addr.ip().to_canonical())));
+    let info = |_: &_, addr: SocketAddr| (addr, Some(Owner::address(addr.ip().to_canonical())));
     serve_with(listener, app, limits, shutdown, info, || {}, tls).await;
 }
 
@@ -544,13 +544,13 @@ impl UnixPeer {
             return UnixPeer {
                 process: None,
                 handle: None,
-                owner: uid.map(Owner::User),
+                owner: uid.map(|uid| Owner::user(uid, None)),
             };
         };
         // Shared out per pod, or per user on the host: forking gains a crowd nothing.
         let owner = match crate::telemetry::cgroup::container_of(pid) {
-            Some(c) if !c.pod_uid.is_empty() => Some(Owner::pod(&c.pod_uid)),
-            _ => uid.map(Owner::User),
+            Some(c) if !c.pod_uid.is_empty() => Some(Owner::pod(&c.pod_uid, Some(pid))),
+            _ => uid.map(|uid| Owner::user(uid, Some(pid))),
         };
         let now = |pid| Peer {
             uid,

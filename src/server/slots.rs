@@ -4,9 +4,9 @@
 //! A slot wanted while all are held is taken from the holder stalled longest, if it has made
 //! no progress for [`MIN_STALL`]: a body that never arrives, or a scrape nobody reads, cannot
 //! keep a real push or scrape out. A slot given back goes to a waiter of the owner (the
-//! socket peer's pod or user, a TCP peer's address) holding fewest slots, the newest of them: one
+//! socket peer's process; over TCP every client alike) holding fewest slots, the newest of them: one
 //! process's crowd waits behind every other process, and a crowd of stalled clients that came
-//! first cannot keep a new one out. Every loopback TCP client is one owner.
+//! first cannot keep a new one out.
 //!
 //! # Invariants
 //! - Every slot is either free, held by one [`Slot`], or on its way to a waiter; a [`Slot`]
@@ -25,7 +25,7 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
-use super::conns::{Connection, Owner, most_stalled};
+use super::conns::{Connection, most_stalled};
 
 /// How long a slot's holder must have made no progress before its slot goes to another: a
 /// request from this node sends its body, and a scraper reads, well within it.
@@ -159,18 +159,19 @@ impl Slots {
             inner.waiters = waiting;
             // The newest waiter of the owners holding fewest slots: one process's crowd of
             // requests waits behind everyone else's.
-            let held = |owner: Option<Owner>| {
-                owner.map_or(0, |o| {
+            let process = |c: &Connection| c.owner().and_then(|o| o.process);
+            let held = |pid: Option<u32>| {
+                pid.map_or(0, |pid| {
                     inner
                         .holders
                         .values()
-                        .filter(|c| c.owner() == Some(o))
+                        .filter(|c| process(c) == Some(pid))
                         .count()
                 })
             };
             let next = (0..inner.waiters.len())
                 .rev()
-                .min_by_key(|&i| held(inner.waiters[i].conn.owner()));
+                .min_by_key(|&i| held(process(&inner.waiters[i].conn)));
             match next.map(|i| inner.waiters.remove(i)) {
                 Some(waiter) => {
                     let slot = self.held(&mut inner, waiter.id, &waiter.conn);
@@ -208,6 +209,7 @@ impl Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::conns::Owner;
 
     /// A task waiting up to 5 s for one of `slots` for `conn`.
     fn waiter(slots: &Arc<Slots>, conn: Connection) -> tokio::task::JoinHandle<Option<Slot>> {
@@ -300,12 +302,12 @@ mod tests {
     #[tokio::test]
     async fn a_slot_goes_to_the_owner_holding_fewest() {
         let slots = Slots::new(2);
-        let crowd = Some(Owner::User(7));
+        let crowd = Some(Owner::user(0, Some(7)));
         let first = Connection::new(crowd);
         let _held = slots.take(&first, Duration::ZERO).await.expect("free");
         let second = Connection::new(crowd);
         let slot = slots.take(&second, Duration::ZERO).await.expect("free");
-        let other = waiter(&slots, Connection::new(Some(Owner::User(8))));
+        let other = waiter(&slots, Connection::new(Some(Owner::user(0, Some(8)))));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let more = waiter(&slots, Connection::new(crowd));
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -810,34 +810,30 @@ fn plans_agree_with_their_reader_on_every_bound() {
     assert!(stderr.contains("not this recording"), "{stderr}");
 }
 
-/// Runs the binary with `args`; its exit code, stderr and peak resident memory in KiB, as
-/// the kernel counted it for that child alone (`wait4`'s usage; `RUSAGE_CHILDREN` would mix
-/// in the other tests' children).
-#[allow(unsafe_code)]
-#[allow(clippy::zombie_processes)] // reaped by wait4, which std's `wait` cannot see
+/// Runs gpumem with `args` (stdout discarded): its exit code, its stderr and its peak
+/// resident memory in KiB. Measured by a small Python parent: a child spawned from this test
+/// binary starts in its address space (vfork), and the kernel counts that address space's
+/// peak, hundreds of MiB while other tests run, as the child's own.
 fn run_measured(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, u64) {
-    use std::io::Read as _;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+    const MEASURE: &str = r#"
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+sys.stderr.buffer.write(done.stderr)
+print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"#;
+    let out = Command::new("python3")
+        .args(["-c", MEASURE, env!("CARGO_BIN_EXE_gpumem")])
         .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starts");
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .expect("piped")
-        .read_to_string(&mut stderr)
-        .expect("reads stderr");
-    let mut status = 0;
-    // SAFETY: all-zero bytes are a valid rusage (integers and timevals).
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: wait4 writes the status and usage of this child, which nothing else waits for.
-    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as libc::pid_t, "waited");
-    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
-    (code, stderr, usage.ru_maxrss as u64)
+        .output()
+        .expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    let (code, peak) = said.trim().split_once(' ').expect("code and peak");
+    let code: i32 = code.parse().expect("a code");
+    (
+        (code >= 0).then_some(code),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        peak.parse().expect("KiB"),
+    )
 }
 
 /// Issue 53, item 11: a 2 KB recording whose iteration holds two allocations just under the
