@@ -1010,9 +1010,13 @@ impl PushStore {
                 }
             }
         }
-        state
-            .tracked
-            .retain(|_, t| now.saturating_duration_since(t.end(config.ttl)) < config.exited_grace);
+        // A live process (its end still ahead) stays whatever the grace: with a grace of 0,
+        // `<` alone dropped live processes at every tick (a job between its push and its
+        // upload among them).
+        state.tracked.retain(|_, t| {
+            let end = t.end(config.ttl);
+            end > now || now.saturating_duration_since(end) < config.exited_grace
+        });
         state
             .pods
             .retain(|_, p| now.saturating_duration_since(p.last) < config.oom_retention);

@@ -1159,3 +1159,35 @@ fn the_pods_together_hold_their_share() {
         .push_at(&payload(1, 1, ok()), Some(peer(9000)), now)
         .expect("a socket pusher");
 }
+
+/// Issue 53, item 12 (the flaky recordings test): with no grace period (`--exited-grace 0`)
+/// the expiry tick dropped every tracked process, live ones too, so a job's upload between
+/// its push and the next tick was refused as from a process that never pushed.
+#[test]
+fn no_grace_period_drops_ended_processes_only() {
+    let (store, sources) = store_with(IngestConfig {
+        exited_grace: Duration::ZERO,
+        ..config()
+    });
+    let start = Instant::now();
+    store
+        .push_at(&payload(1, 1, ok()), None, start)
+        .expect("live");
+    store
+        .push_at(&with_reason(2, 1, "exit", 0), None, start)
+        .expect("ends at once");
+    store.expire_at(start + Duration::from_millis(1), started_once);
+    assert_eq!(
+        pids(&sources),
+        [1],
+        "the live one stays, the ended one goes"
+    );
+    let live = Sender::Unattributed;
+    assert!(store.recording_owner(live, 1, None).is_ok());
+    // Silent past its time to live, it has ended, and goes at once.
+    store.expire_at(
+        start + IngestConfig::default().ttl + Duration::from_secs(1),
+        started_once,
+    );
+    assert!(pids(&sources).is_empty());
+}
