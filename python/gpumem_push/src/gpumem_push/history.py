@@ -190,8 +190,9 @@ class History:
                     send(url, body, left, path + query, "application/gzip")
                     break
                 except Exception as busy:
-                    # The agent receives two recordings at once (all ranks of a job may fail
-                    # together): asked to wait, the upload is tried again in the time left.
+                    # The agent receives one recording at a time per pod or host user, three
+                    # in all (all ranks of a job may fail together): asked to wait, the upload
+                    # is tried again in the time left.
                     # (The agent's words for it, src/ingest/recordings.rs: not its refusal of a
                     # second recording of this process within a minute, which waiting for
                     # cannot cure.)
