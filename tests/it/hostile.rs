@@ -395,7 +395,7 @@ fn file_errors_name_the_path() {
 }
 
 /// Peak resident memory of a process (VmHWM), in KiB.
-fn peak_rss_kib(pid: u32) -> u64 {
+pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {

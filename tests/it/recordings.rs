@@ -161,7 +161,9 @@ fn files(dir: &Path) -> Vec<String> {
     names
 }
 
-fn agent(port: u16, dir: &Path, extra: &[&str]) -> Reaper {
+/// `gpumem serve` keeping recordings in `dir/store`, its log `dir/serve-<port>.log` and its
+/// push socket beside it ([`socket_of`]).
+pub(crate) fn agent(port: u16, dir: &Path, extra: &[&str]) -> Reaper {
     let store = dir.join("store");
     let mut args: Vec<&std::ffi::OsStr> = vec![
         "--pod-resources-socket".as_ref(),
@@ -173,6 +175,11 @@ fn agent(port: u16, dir: &Path, extra: &[&str]) -> Reaper {
     ];
     args.extend(extra.iter().map(std::ffi::OsStr::new));
     spawn_serve(port, &dir.join(format!("serve-{port}.log")), None, &args)
+}
+
+/// The push socket of the agent [`agent`] starts in `dir` on `port`.
+pub(crate) fn socket_of(dir: &Path, port: u16) -> std::path::PathBuf {
+    dir.join(format!("serve-{port}.log")).with_extension("sock")
 }
 
 /// A refused upload: what it is, its pid, content type, body and framing, and the status and

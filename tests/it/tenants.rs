@@ -11,28 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::agent::{Reaper, free_port, http_get, spawn_serve, wait_for};
+use crate::agent::{free_port, http_get, wait_for};
 use crate::common::temp_dir;
-use crate::recordings::{gzip, listed, metric, oom_recording};
-
-/// `gpumem serve` keeping recordings in `dir/store`, its socket `dir/agent.sock`.
-fn agent(dir: &Path, port: u16, extra: &[&str]) -> Reaper {
-    let store = dir.join("store");
-    let mut args: Vec<&std::ffi::OsStr> = vec![
-        "--pod-resources-socket".as_ref(),
-        "".as_ref(),
-        "--kubelet-logs".as_ref(),
-        "".as_ref(),
-        "--recordings-dir".as_ref(),
-        store.as_os_str(),
-    ];
-    args.extend(extra.iter().map(std::ffi::OsStr::new));
-    spawn_serve(port, &dir.join("agent.log"), None, &args)
-}
-
-fn socket_of(dir: &Path) -> PathBuf {
-    dir.join("agent.sock")
-}
+use crate::hostile::peak_rss_kib;
+use crate::recordings::{agent, gzip, listed, metric, oom_recording, socket_of};
 
 /// A job as the push hook is one: it pushes over the socket (the kernel names it), then, told
 /// to, uploads its recording, trying again while the agent says "being received" (as
@@ -224,13 +206,13 @@ fn trickle(port: u16, pid: u32) -> std::thread::JoinHandle<(u16, String, Duratio
 fn trickled_uploads_and_ranks_failing_together_lose_no_recording() {
     let dir = temp_dir("tenants-trickle");
     let port = free_port();
-    let _agent = agent(&dir, port, &[]);
+    let _agent = agent(port, &dir, &[]);
     let (recording, _) = recording_file(&dir);
     for pid in [900, 901] {
         assert_eq!(loopback_push(port, pid, 1, None).0, 202);
     }
     let mut ranks: Vec<Job> = (0..3)
-        .map(|_| Job::start(&socket_of(&dir), &recording))
+        .map(|_| Job::start(&socket_of(&dir, port), &recording))
         .collect();
     let trickles = [trickle(port, 900), trickle(port, 901)];
     // One trickle holds loopback's place (its upload is on disk) before the ranks fail.
@@ -291,7 +273,7 @@ fn trickled_uploads_and_ranks_failing_together_lose_no_recording() {
 fn uploads_slow_to_read_do_not_pile_up_on_disk() {
     let dir = temp_dir("tenants-pile");
     let port = free_port();
-    let _agent = agent(&dir, port, &[]);
+    let _agent = agent(port, &dir, &[]);
     let empty = {
         let encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         encoder.finish().expect("an empty member")
@@ -381,12 +363,12 @@ fn invented_pids_cannot_evict_or_take_over_a_jobs_recording() {
     let dir = temp_dir("tenants-evict");
     let port = free_port();
     let _agent = agent(
-        &dir,
         port,
+        &dir,
         &["--recordings-max-count", "5", "--exited-grace", "0.5"],
     );
     let (recording, body) = recording_file(&dir);
-    let mut job = Job::start(&socket_of(&dir), &recording);
+    let mut job = Job::start(&socket_of(&dir, port), &recording);
     job.go();
     let job_pid = job.pid;
     let (status, answer) = job.answer();
@@ -517,8 +499,8 @@ fn socket_get(socket: &Path, target: &str) -> u16 {
 fn the_push_socket_serves_pushes_uploads_and_probes_only() {
     let dir = temp_dir("tenants-socket");
     let port = free_port();
-    let _agent = agent(&dir, port, &["--ui", "on"]);
-    let socket = socket_of(&dir);
+    let _agent = agent(port, &dir, &["--ui", "on"]);
+    let socket = socket_of(&dir, port);
     assert_eq!(socket_get(&socket, "/healthz"), 200);
     for target in [
         "/metrics",
@@ -552,7 +534,7 @@ fn the_push_socket_serves_pushes_uploads_and_probes_only() {
 fn a_loopback_push_cannot_take_a_live_loopback_jobs_pid() {
     let dir = temp_dir("tenants-loopback");
     let port = free_port();
-    let _agent = agent(&dir, port, &[]);
+    let _agent = agent(port, &dir, &[]);
     assert_eq!(loopback_push(port, 4321, 1, Some(5000)).0, 202);
     for start_time in [Some(5001), None] {
         let (status, answer) = loopback_push(port, 4321, 2, start_time);
@@ -638,8 +620,8 @@ fn a_churning_crowd_cannot_reset_another_process_push() {
     let dir = temp_dir("tenants-churn");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let port = free_port();
-    let _agent = agent(&dir, port, &["--max-connections", "16"]);
-    let socket = socket_of(&dir);
+    let _agent = agent(port, &dir, &["--max-connections", "16"]);
+    let socket = socket_of(&dir, port);
     // An idle crowd of the job's own user: the request in flight stays.
     let status = oom_push_beside_a_crowd(&socket, "", b"");
     assert!(
@@ -782,19 +764,6 @@ agent.wait()
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The peak resident memory of process `pid` (`VmHWM`), in MiB.
-fn peak_mib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .expect("VmHWM")
-        >> 10
-}
-
 /// A gzipped recording that the reader cannot read within its 64 MiB budget: 200 000 events,
 /// each with a frame of its own.
 fn budget_breaker() -> Vec<u8> {
@@ -818,7 +787,7 @@ fn budget_breaker() -> Vec<u8> {
 fn hostile_uploads_do_not_ratchet_the_agent_up() {
     let dir = temp_dir("tenants-ratchet");
     let port = free_port();
-    let agent_process = agent(&dir, port, &[]);
+    let agent_process = agent(port, &dir, &[]);
     let pid = agent_process.0.id();
     let body = budget_breaker();
     let recording = dir.join("breaker.gz");
@@ -830,17 +799,17 @@ fn hostile_uploads_do_not_ratchet_the_agent_up() {
     };
     let (status, answer) = loopback(9500);
     assert_eq!(status, 413, "{answer}");
-    let after_one = peak_mib(pid);
+    let after_one = peak_rss_kib(pid) >> 10;
     // Six rounds of two at once: one over loopback, one from a job over the socket.
     for round in 0..6 {
-        let mut job = Job::start(&socket_of(&dir), &recording);
+        let mut job = Job::start(&socket_of(&dir, port), &recording);
         job.go();
         let (status, answer) = loopback(9501 + round);
         assert_eq!(status, 413, "{answer}");
         let (status, answer) = job.answer();
         assert_eq!(status, 413, "{answer}");
     }
-    let after_all = peak_mib(pid);
+    let after_all = peak_rss_kib(pid) >> 10;
     assert!(
         after_all <= after_one + 32,
         "the agent peaked at {after_one} MiB after one upload, {after_all} MiB after thirteen"
