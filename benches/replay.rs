@@ -4,12 +4,13 @@
 
 use std::hint::black_box;
 use std::path::Path;
+use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumem::AllocatorConfig;
 use gpumem::plan::{PlanOptions, plan};
 use gpumem::recording::parse_recording;
-use gpumem::replay::{ReplayOptions, replay};
+use gpumem::replay::{Mode, Session, Setup, WhatIf};
 
 fn replay_opt125m(c: &mut Criterion) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -22,19 +23,21 @@ fn replay_opt125m(c: &mut Criterion) {
     group.bench_function("decode_json_gz", |b| {
         b.iter(|| parse_recording(black_box(&bytes)).expect("valid"))
     });
-    let check = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
-    group.bench_function("check", |b| {
-        b.iter(|| replay(black_box(&recording), &check).expect("replays"))
-    });
-    let what_if = ReplayOptions {
+    // A new session each time: a what-if's cost includes finding how the recording reads.
+    let shared = Arc::new(recording.clone());
+    let session =
+        || Session::new(Arc::clone(black_box(&shared)), Setup::default()).expect("device 0");
+    group.bench_function("check", |b| b.iter(|| session().check().expect("replays")));
+    let what_if = Mode::WhatIf(WhatIf {
         config: Some(AllocatorConfig::parse("expandable_segments:True").expect("valid")),
-        ..ReplayOptions::default()
-    };
+        ..WhatIf::default()
+    });
     group.bench_function("what_if_expandable", |b| {
-        b.iter(|| replay(black_box(&recording), &what_if).expect("replays"))
+        b.iter(|| {
+            session()
+                .replay(&what_if, 0, &mut |_, _| {})
+                .expect("replays")
+        })
     });
     // The planner on the largest shared recording by events (this one): finding the
     // iteration and placing it, beside the replays above.

@@ -39,7 +39,7 @@
 //! - Plan files are read up to [`MAX_PLAN_FILE_BYTES`], then validated
 //!   ([`Plan::validate`]).
 //! - Memory: every replay of the evaluation is held to the caller's
-//!   `ReplayOptions::max_memory_bytes` (`gpumem plan --max-memory-bytes`), the plan's paged
+//!   session's `Setup::max_memory_bytes` (`gpumem plan --max-memory-bytes`), the plan's paged
 //!   regions and chunks and the simulated device's pages included: a region far larger than
 //!   the device is address space until it is used, and mapping its pages stops with
 //!   [`ReplayError::MemoryBudget`] before they would pass the budget.
@@ -62,7 +62,7 @@ pub use crate::iterations::{
 use crate::rng::XorShift;
 
 use crate::recording::Recording;
-use crate::replay::{Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
+use crate::replay::{Mode, ReplayError, ReplayReport, Session, WhatIf};
 
 /// Rounds of local search at most.
 pub const LOCAL_SEARCH_ROUNDS: usize = 400;
@@ -229,6 +229,55 @@ pub fn plan(
         events: planned,
         lower_bound_bytes: lower_bound,
     })
+}
+
+/// The device of `recording` a plan serves best, where the user named none, and why: the one
+/// whose repeating iteration (under `config`, else the recorded configuration) covers the
+/// most allocations, the lowest device on a tie; the first device with a trace where none
+/// repeats (its planning then says why). `None` when no device has a trace. The reason is
+/// given only where the recording has several devices with traces or not device 0.
+pub fn best_device(
+    recording: &Recording,
+    config: Option<&AllocatorConfig>,
+) -> Option<(u32, Option<String>)> {
+    let config = config
+        .cloned()
+        .or_else(|| recording.config.clone())
+        .unwrap_or_default();
+    let traced: Vec<u32> = (0..recording.device_traces.len() as u32)
+        .filter(|&d| !recording.device_traces[d as usize].is_empty())
+        .collect();
+    let covered = |device: u32| {
+        let allocations = allocations(&recording.device_traces[device as usize], &config);
+        find_iteration(&allocations).map(|(_, period, iterations)| (period, iterations))
+    };
+    let found: Vec<(u32, usize, usize)> = traced
+        .iter()
+        .filter_map(|&d| covered(d).map(|(p, n)| (d, p, n)))
+        .collect();
+    let best = found
+        .iter()
+        .max_by_key(|&&(d, period, iterations)| (period * iterations, std::cmp::Reverse(d)));
+    let (device, why) = match best {
+        Some(&(device, period, iterations)) => (
+            device,
+            format!(
+                "device {device}: its trace repeats {iterations} iterations of {period} allocations, the most allocations a plan covers of the recording's {} devices with traces (--device plans another)",
+                traced.len()
+            ),
+        ),
+        None => {
+            let device = *traced.first()?;
+            (
+                device,
+                format!(
+                    "device {device}: the first device with a trace (no device's allocations repeat)"
+                ),
+            )
+        }
+    };
+    let say = traced.len() > 1 || device != 0;
+    Some((device, say.then_some(why)))
 }
 
 /// Plans the repeating iteration of a trace a job recorded itself (`plan_record:N`: the
@@ -766,38 +815,26 @@ pub struct Evaluation {
     pub planned: ReplayReport,
 }
 
-/// Replays `window` of `options.device`'s trace from an empty allocator, under
-/// `options.config` (`None`: the recorded configuration) and then following `plan`, both
-/// after `readings` (those of the device's trace, [`Readings::of`]: found once, they serve
-/// every replay of it), on `options.capacity`, each held to `options.max_memory_bytes`
-/// (the rest of `options` as [`replay_following`] takes it; its window and plan are
-/// replaced).
+/// Replays `window` of the session's trace from an empty allocator, under `config` (`None`:
+/// the recorded configuration) and then following `plan` (each a what-if of the session:
+/// on a recording with an OOM, within the memory the job had).
 ///
 /// # Errors
 /// A [`ReplayError`] when a replay cannot run, [`ReplayError::MemoryBudget`] among them.
 pub fn evaluate(
-    recording: &Recording,
-    options: &ReplayOptions,
-    readings: &Readings,
+    session: &Session,
+    config: Option<AllocatorConfig>,
     plan: &std::sync::Arc<Plan>,
     window: Range<usize>,
 ) -> Result<Evaluation, ReplayError> {
-    let options = ReplayOptions {
-        check: false,
-        window: Some(window.clone()),
-        plan: None,
-        ..options.clone()
-    };
-    let default = replay_following(recording, &options, readings, &mut |_, _| {})?;
-    let planned_options = ReplayOptions {
-        plan: Some(plan.clone()),
-        ..options
-    };
-    let planned = replay_following(recording, &planned_options, readings, &mut |_, _| {})?;
+    let default = WhatIf::default()
+        .under(config)
+        .on_events(Some(window.clone()));
+    let planned = default.clone().following(Some(plan.clone()));
     Ok(Evaluation {
         events: window,
-        default,
-        planned,
+        default: session.replay(&Mode::WhatIf(default), 0, &mut |_, _| {})?,
+        planned: session.replay(&Mode::WhatIf(planned), 0, &mut |_, _| {})?,
     })
 }
 

@@ -7,7 +7,7 @@
 
 use gpumem::plan::{PlanOptions, plan};
 use gpumem::recording::{ReadLimits, parse_recording_with, state_summary};
-use gpumem::replay::{ReplayOptions, replay};
+use gpumem::replay::{Mode, Session, Setup, WhatIf};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -29,16 +29,18 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    let recording = std::sync::Arc::new(recording);
     for device in 0..recording.device_traces.len().min(2) {
-        for check in [false, true] {
-            let options = ReplayOptions {
-                device: device as u32,
-                check,
-                capacity: Some(1 << 34),
-                series_points: 16,
-                ..ReplayOptions::default()
-            };
-            let _ = replay(&recording, &options);
+        let setup = Setup {
+            device: device as u32,
+            capacity: Some(1 << 34),
+            ..Setup::default()
+        };
+        let Ok(session) = Session::new(std::sync::Arc::clone(&recording), setup) else {
+            continue;
+        };
+        for mode in [Mode::WhatIf(WhatIf::default()), Mode::CHECK] {
+            let _ = session.replay(&mode, 16, &mut |_, _| {});
         }
         // The planner, and what it plans: a valid plan, followed without a panic.
         let options = PlanOptions {
@@ -47,14 +49,12 @@ fuzz_target!(|data: &[u8]| {
         };
         if let Ok(planned) = plan(&recording, "fuzz", &options) {
             assert!(planned.plan.validate().is_ok(), "{:?}", planned.plan.validate());
-            let followed = ReplayOptions {
-                device: device as u32,
-                capacity: Some(1 << 34),
+            let followed = WhatIf {
                 window: Some(planned.evaluated.clone()),
                 plan: Some(std::sync::Arc::new(planned.plan)),
-                ..ReplayOptions::default()
+                ..WhatIf::default()
             };
-            let _ = replay(&recording, &followed);
+            let _ = session.replay(&Mode::WhatIf(followed), 0, &mut |_, _| {});
         }
     }
 });

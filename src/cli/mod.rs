@@ -254,6 +254,55 @@ impl PyTorchArg {
     }
 }
 
+/// A recording and how its replays run: what `replay`, `explain`, `plan` and `view` share.
+#[derive(clap::Args)]
+pub(crate) struct RecordingArgs {
+    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
+    /// optionally gzipped.
+    pub(crate) trace: Path,
+    /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
+    /// else inferred from expandable reservations, else 80 GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    pub(crate) capacity: Option<u64>,
+    #[command(flatten)]
+    pub(crate) pytorch: PyTorchArg,
+    #[command(flatten)]
+    pub(crate) read: ReadArgs,
+}
+
+impl RecordingArgs {
+    /// Reads the recording within the limits (see [`ReadArgs::read`]).
+    pub(crate) fn read(
+        &self,
+    ) -> Result<std::sync::Arc<gpumem::recording::Recording>, gpumem::recording::TraceError> {
+        self.read.read(&self.trace).map(std::sync::Arc::new)
+    }
+
+    /// What the replays of `device` share: the memory, order and budget asked for.
+    pub(crate) fn setup(&self, device: u32) -> gpumem::replay::Setup {
+        gpumem::replay::Setup {
+            device,
+            capacity: self.capacity,
+            order: self.pytorch.order(),
+            max_memory_bytes: Some(self.read.max_memory_bytes()),
+        }
+    }
+
+    /// A session on `device` of `recording`.
+    pub(crate) fn session(
+        &self,
+        recording: &std::sync::Arc<gpumem::recording::Recording>,
+        device: u32,
+    ) -> Result<gpumem::replay::Session, gpumem::replay::ReplayError> {
+        gpumem::replay::Session::new(std::sync::Arc::clone(recording), self.setup(device))
+    }
+
+    /// The recording's name as pages and charts title it.
+    pub(crate) fn name(&self) -> String {
+        file_name(&self.trace)
+    }
+}
+
 /// How a recording is read: the limits every command that reads one shares.
 #[derive(clap::Args)]
 pub(crate) struct ReadArgs {

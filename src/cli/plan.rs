@@ -7,19 +7,19 @@ use std::sync::Arc;
 
 use gpumem::allocator::size::format_size;
 use gpumem::explain::search_configurations;
-use gpumem::plan::{Evaluation, PlanOptions, Planned, evaluate, plan};
-use gpumem::replay::{Readings, ReplayOptions, replay_following};
+use gpumem::plan::{Evaluation, PlanOptions, Planned, best_device, evaluate, plan};
+use gpumem::replay::{Mode, WhatIf};
 
-use super::{CliResult, Path, ReadArgs, outln, parenthesised, parse_bytes};
+use super::{CliResult, Path, RecordingArgs, outln, parenthesised};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
-    /// optionally gzipped.
-    trace: Path,
-    /// The device whose trace to plan.
-    #[arg(long, default_value_t = 0)]
-    device: u32,
+    #[command(flatten)]
+    recording: RecordingArgs,
+    /// The device whose trace to plan. Default: the device whose repeating iteration covers
+    /// the most allocations.
+    #[arg(long)]
+    device: Option<u32>,
     /// Plan these trace events (`FIRST..END`) instead of the repeating iteration found.
     #[arg(long, value_parser = parse_range, value_name = "FIRST..END")]
     events: Option<Range<usize>>,
@@ -27,10 +27,6 @@ pub(crate) struct Args {
     /// shapes the plan); default: the recorded one.
     #[arg(long, value_name = "CONF")]
     config: Option<String>,
-    /// Device memory for the evaluation (bytes, or with a KiB/MiB/GiB suffix); default: the
-    /// recorded device, or 80 GiB.
-    #[arg(long, value_parser = parse_bytes)]
-    capacity: Option<u64>,
     /// Write the plan here (JSON), for `GPUMEM_ALLOC_CONF=plan:PATH` or `replay --plan`.
     #[arg(short, long, value_name = "PLAN.json")]
     output: Option<Path>,
@@ -41,10 +37,6 @@ pub(crate) struct Args {
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    pytorch: super::PyTorchArg,
-    #[command(flatten)]
-    read: ReadArgs,
 }
 
 fn parse_range(text: &str) -> Result<Range<usize>, String> {
@@ -75,19 +67,23 @@ struct Row {
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let recording = args.read.read(&args.trace)?;
+    let recording = args.recording.read()?;
+    let pytorch = &args.recording.pytorch;
     let config = args
         .config
         .as_deref()
-        .map(|c| args.pytorch.config(c))
+        .map(|c| pytorch.config(c))
         .transpose()?;
-    let name = super::file_name(&args.trace);
+    let (device, chosen) = match args.device {
+        Some(device) => (device, None),
+        None => best_device(&recording, config.as_ref()).unwrap_or((0, None)),
+    };
     let options = PlanOptions {
-        device: args.device,
+        device,
         config: config.clone(),
         events: args.events.clone(),
     };
-    let planned = plan(&recording, &name, &options)?;
+    let planned = plan(&recording, &args.recording.name(), &options)?;
     let shared = Arc::new(planned.plan.clone());
     // Single iteration (or nothing after it): the plan on its own events is the offline
     // bound, labelled as such.
@@ -97,30 +93,16 @@ pub(crate) fn run(args: Args) -> CliResult {
     } else {
         planned.evaluated.clone()
     };
-    let base = ReplayOptions {
-        device: args.device,
-        capacity: args.capacity,
-        window: Some(window.clone()),
-        order: args.pytorch.order(),
-        max_memory_bytes: Some(args.read.max_memory_bytes()),
-        ..ReplayOptions::default()
-    };
-    // One check replay reads the trace's release runs; every replay below follows it.
-    let readings = Readings::of(&recording, &base)?;
-    let evaluated = ReplayOptions {
-        config: config.clone(),
-        ..base.clone()
-    };
-    let evaluation = evaluate(&recording, &evaluated, &readings, &shared, window.clone())?;
+    // The session reads the trace's release runs once; every replay below follows it.
+    let session = args.recording.session(&recording, device)?;
+    let evaluation = evaluate(&session, config, &shared, window.clone())?;
     let mut rows = Vec::new();
     if args.compare {
-        let candidates = search_configurations(&recording, &base, &readings)?;
+        let within = WhatIf::default().on_events(Some(window));
+        let candidates = search_configurations(&session, &within)?;
         let replay_row = |conf: &str| -> Result<Row, Box<dyn std::error::Error>> {
-            let options = ReplayOptions {
-                config: Some(args.pytorch.config(conf)?),
-                ..base.clone()
-            };
-            let r = replay_following(&recording, &options, &readings, &mut |_, _| {})?;
+            let what_if = within.clone().under(Some(pytorch.config(conf)?));
+            let r = session.replay(&Mode::WhatIf(what_if), 0, &mut |_, _| {})?;
             Ok(Row {
                 config: conf.to_string(),
                 peak_allocated: r.peak_allocated,
@@ -135,17 +117,23 @@ pub(crate) fn run(args: Args) -> CliResult {
     }
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&planned.file())?;
-        super::write_output(path, (text + "\n").as_bytes(), &[&args.trace])?;
+        super::write_output(path, (text + "\n").as_bytes(), &[&args.recording.trace])?;
     }
     if args.json {
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "plan": planned,
             "offline_bound": offline,
             "evaluation": evaluation,
             "compare": rows,
         });
+        if let Some(why) = &chosen {
+            json["chosen"] = serde_json::json!(why);
+        }
         outln!("{}", serde_json::to_string_pretty(&json)?)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(why) = &chosen {
+        outln!("{why}")?;
     }
     print_text(&planned, &evaluation, offline, &rows)?;
     if let Some(path) = &args.output {

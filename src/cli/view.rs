@@ -10,37 +10,23 @@ use gpumem::server::view::view_app;
 use gpumem::server::{HttpLimits, serve, shutdown_signal};
 use gpumem::view::recording::RecordingView;
 
-use super::{CliResult, Path, ReadArgs, parse_bytes};
+use super::{CliResult, RecordingArgs};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
-    /// optionally gzipped.
-    trace: Path,
+    #[command(flatten)]
+    recording: RecordingArgs,
     /// Where to serve the page (loopback by default: the page shows the recording's frames).
     #[arg(long, default_value = "127.0.0.1:9419")]
     listen: SocketAddr,
-    /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
-    /// else inferred from expandable reservations, else 80 GiB.
-    #[arg(long, value_parser = parse_bytes)]
-    capacity: Option<u64>,
-    #[command(flatten)]
-    pytorch: super::PyTorchArg,
-    #[command(flatten)]
-    read: ReadArgs,
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
-    let recording = args.read.read(&args.trace)?;
+    let recording = args.recording.read()?;
     let read_done = Instant::now();
-    let name = super::file_name(&args.trace);
-    let base = gpumem::replay::ReplayOptions {
-        capacity: args.capacity,
-        order: args.pytorch.order(),
-        max_memory_bytes: Some(args.read.max_memory_bytes()),
-        ..Default::default()
-    };
-    let view = Arc::new(RecordingView::new(Arc::new(recording), name, &base));
+    // Every device's session takes the memory, order and budget asked for.
+    let setup = args.recording.setup(0);
+    let view = Arc::new(RecordingView::new(recording, args.recording.name(), setup));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

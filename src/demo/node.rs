@@ -738,7 +738,7 @@ impl SimNodeSource {
 mod tests {
     use super::*;
     use crate::allocator::{PoolId, TraceAction};
-    use crate::replay::{ReplayOptions, replay};
+    use crate::replay::{Session, Setup};
 
     #[test]
     fn the_private_pools_process_replays_both_pools_exactly() {
@@ -752,11 +752,9 @@ mod tests {
                 "allocations in {pool}"
             );
         }
-        let options = ReplayOptions {
-            check: true,
-            ..ReplayOptions::default()
-        };
-        let report = replay(&recording, &options).expect("replays");
+        let report = Session::new(std::sync::Arc::new(recording.clone()), Setup::default())
+            .and_then(|s| s.check())
+            .expect("replays");
         assert_eq!(report.divergence, None);
         assert_eq!(report.compared.total(), events.len() as u64);
         // The pools were released at the end and their cache flushed with it.

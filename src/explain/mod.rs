@@ -29,6 +29,8 @@
 
 pub(crate) mod block_stacks;
 pub mod growth;
+pub mod moment;
+pub mod text;
 
 use serde::Serialize;
 
@@ -39,27 +41,10 @@ use crate::allocator::{BlockState, PoolId, TraceAction};
 use crate::device::StreamId;
 
 pub use growth::{Growth, KeptGroup};
+pub use moment::{At, Choice, choose, peak_reserved_event};
 
 use crate::recording::Recording;
-use crate::replay::{
-    DEFAULT_CAPACITY, Divergence, MAX_CAPACITY, OrderingReport, Readings, ReplayError,
-    ReplayOptions, state_after,
-};
-
-/// Which moment to explain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum At {
-    /// The recording's first `oom` entry.
-    FirstOom,
-    /// The event after which the allocator reserved the most (the first such, where the trace
-    /// has no OOM to explain).
-    PeakReserved,
-    /// Just after this event (its index in the device's trace).
-    Event(usize),
-    /// The state the snapshot holds: after the trace's last event, or, in a snapshot taken
-    /// without traces (`include_traces=False`), the only moment it has.
-    Snapshot,
-}
+use crate::replay::{Divergence, Mode, OrderingReport, ReplayError, Session, WhatIf};
 
 /// The failing (or, at another event, the last) request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -89,6 +74,10 @@ pub struct Request {
 pub struct Explanation {
     /// The device.
     pub device: u32,
+    /// Why this device and moment, where they were chosen for the user
+    /// ([`moment::choose`]): which device of several, or why not an OOM.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chosen: Option<String>,
     /// The request at that moment.
     pub request: Request,
     /// The device's memory.
@@ -295,20 +284,14 @@ pub enum ExplainError {
     },
 }
 
-/// Explains `at` on `options.device` of `recording`, the device `options.capacity` bytes
-/// large where given, replayed in `options.order` where given, else in the order that
-/// reproduces the recording, every replay held to `options.max_memory_bytes`; the other
-/// options are the explanation's own.
+/// Explains `at` on the session's device (the session's memory, order and budget hold for
+/// every replay it runs).
 ///
 /// # Errors
 /// [`ExplainError`] when there is nothing to explain or the replay cannot run.
-pub fn explain(
-    recording: &Recording,
-    at: At,
-    options: &ReplayOptions,
-) -> Result<Explanation, ExplainError> {
-    let device = options.device;
-    let events = super::replay::device_events(recording, device)?;
+pub fn explain(session: &Session, at: At) -> Result<Explanation, ExplainError> {
+    let device = session.device();
+    let events = session.events();
     let event = match at {
         At::FirstOom => events
             .iter()
@@ -329,90 +312,28 @@ pub fn explain(
             });
         }
     };
-    let check = ReplayOptions {
-        device,
-        capacity: known_capacity(recording, options.capacity),
-        order: options.order,
-        max_memory_bytes: options.max_memory_bytes,
-        ..ReplayOptions::default()
-    };
-    let readings = Readings::of(recording, &check)?;
-    explain_at(recording, event, options, &readings)
-}
-
-/// The device's memory when given or recorded (at most [`MAX_CAPACITY`]).
-fn known_capacity(recording: &Recording, capacity: Option<u64>) -> Option<u64> {
-    capacity
-        .or(recording.simulated_device.map(|d| d.total_bytes))
-        .map(|c| c.min(MAX_CAPACITY))
+    explain_at(session, event)
 }
 
 /// Explains event `event` (which must be in the trace, or the trace's length for the state
-/// at the snapshot) on `options.device` of `recording`, as [`explain`] does, after
-/// `readings`: those of the same device, memory and order ([`Readings::of`]), which a
-/// caller explaining several events finds once.
+/// at the snapshot) on the session's device, as [`explain`] does.
 ///
 /// # Errors
 /// [`ExplainError`] when the replay cannot run.
-pub fn explain_at(
-    recording: &Recording,
-    event: usize,
-    options: &ReplayOptions,
-    readings: &Readings,
-) -> Result<Explanation, ExplainError> {
-    let device = options.device;
-    let events = super::replay::device_events(recording, device)?;
+pub fn explain_at(session: &Session, event: usize) -> Result<Explanation, ExplainError> {
+    let recording = session.recording();
+    let device = session.device();
+    let events = session.events();
     // The device's size: given or recorded, else as the check replays that found how the
     // recording reads settled it (inferred from expandable reservations where they could be,
     // else assumed).
-    let (total, total_known) = match (
-        known_capacity(recording, options.capacity),
-        readings.inferred_capacity(),
-    ) {
-        (Some(known), _) | (None, Some(known)) => (known, true),
-        (None, None) => (DEFAULT_CAPACITY, false),
-    };
-    let exact = ReplayOptions {
-        device,
-        capacity: Some(total),
-        max_memory_bytes: options.max_memory_bytes,
-        ..ReplayOptions::default()
-    };
-    let (mut alloc, divergence) = state_after(recording, event, &exact, readings)?;
+    let (total, total_known) = session.capacity()?;
+    let (mut alloc, divergence) = session.state_after(event)?;
     let config = alloc.config().clone();
     let entry = events.get(event).copied();
     let snapshot = alloc.snapshot();
     let upto = &events[..event.saturating_add(1).min(events.len())];
-    // At another event the request is the last allocation up to it.
-    let asked = upto
-        .iter()
-        .rposition(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc));
-    let request = match asked {
-        Some(i) => {
-            let e = events[i];
-            let rounded = round_size(&config, e.size);
-            let context = recording
-                .event_contexts
-                .get(device as usize)
-                .and_then(|c| c.get(i))
-                .map_or_else(Vec::new, |&c| {
-                    recording.frames.describe_context(c, CONTEXT_FORWARD_FRAMES)
-                });
-            Request {
-                event,
-                hypothetical: false,
-                bytes: e.size,
-                wanted: breakdown::Request {
-                    rounded,
-                    pool: PoolKind::for_size(rounded),
-                    stream: e.stream,
-                },
-                pool_id: e.pool,
-                context,
-            }
-        }
-        None => first_uncached_request(&snapshot, &config, device, event),
-    };
+    let request = request_at(recording, device, events, event, &snapshot, &config);
     let wanted = request.wanted;
     let rounded = wanted.rounded;
     let mut accounting = Accounting::default();
@@ -445,11 +366,7 @@ pub fn explain_at(
                 && live_and_request(&accounting, rounded)
                     <= available.saturating_sub(accounting.breakdown.other_pools) =>
         {
-            let base = ReplayOptions {
-                available: Some(available),
-                ..exact.clone()
-            };
-            search_configurations(recording, &base, readings)?
+            search_configurations(session, &WhatIf::default().within(Some(available)))?
         }
         _ => Vec::new(),
     };
@@ -482,6 +399,7 @@ pub fn explain_at(
     } = accounting;
     Ok(Explanation {
         device,
+        chosen: None,
         request,
         total,
         total_known,
@@ -495,7 +413,7 @@ pub fn explain_at(
         sentence,
         pinning,
         divergence,
-        ordering: readings.ordering().cloned(),
+        ordering: session.ordering()?.cloned(),
         private_pools: private_pools(&snapshot, device),
         candidates,
         growth,
@@ -577,6 +495,46 @@ fn live_and_request(accounting: &Accounting, rounded: u64) -> u64 {
     b.requested + b.rounding + rounded
 }
 
+/// The request of the moment after `event`: at an OOM the failing one, at another event the
+/// last allocation up to it, where there is none a hypothetical one.
+fn request_at(
+    recording: &Recording,
+    device: u32,
+    events: &[crate::allocator::TraceEntry],
+    event: usize,
+    snapshot: &crate::allocator::Snapshot,
+    config: &crate::AllocatorConfig,
+) -> Request {
+    let upto = &events[..event.saturating_add(1).min(events.len())];
+    let asked = upto
+        .iter()
+        .rposition(|e| matches!(e.action, TraceAction::Oom | TraceAction::Alloc));
+    let Some(i) = asked else {
+        return first_uncached_request(snapshot, config, device, event);
+    };
+    let e = events[i];
+    let rounded = round_size(config, e.size);
+    let context = recording
+        .event_contexts
+        .get(device as usize)
+        .and_then(|c| c.get(i))
+        .map_or_else(Vec::new, |&c| {
+            recording.frames.describe_context(c, CONTEXT_FORWARD_FRAMES)
+        });
+    Request {
+        event,
+        hypothetical: false,
+        bytes: e.size,
+        wanted: breakdown::Request {
+            rounded,
+            pool: PoolKind::for_size(rounded),
+            stream: e.stream,
+        },
+        pool_id: e.pool,
+        context,
+    }
+}
+
 /// The request of a moment without one (see [`Request::hypothetical`]): on the stream whose
 /// segments hold the most, the smallest large request no cached block of its large pool
 /// serves.
@@ -622,46 +580,24 @@ fn first_uncached_request(
     }
 }
 
-/// The first event after which reserved memory is highest: segments allocated or mapped,
-/// minus those freed or unmapped, from the trace's start (whatever the start state holds is
-/// the same at every event).
-pub(crate) fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize> {
-    let mut reserved = 0i128;
-    let mut peak = None;
-    for (i, e) in events.iter().enumerate() {
-        match e.action {
-            TraceAction::SegmentAlloc | TraceAction::SegmentMap => reserved += i128::from(e.size),
-            TraceAction::SegmentFree | TraceAction::SegmentUnmap => reserved -= i128::from(e.size),
-            _ => {}
-        }
-        if peak.is_none_or(|(_, best)| reserved > best) {
-            peak = Some((i, reserved));
-        }
-    }
-    peak.map(|(i, _)| i)
-}
-
 /// The configuration search of an explanation: the whole trace replayed under each of
 /// [`CANDIDATES`] (and [`GC_CANDIDATES`] where the recording has a memory fraction), then
-/// under combinations of the [`COMBINED`] best of different keys, each with `base`'s options
-/// (device, memory, what the allocator may have of it, window, budget) after `readings` (the
-/// trace's, `Readings::of`): the candidates with the fewest OOMs and the least peak reserved
-/// first.
+/// under combinations of the [`COMBINED`] best of different keys, each a what-if of the
+/// session like `base` (what the allocator may have, the window) under the candidate's
+/// configuration: the candidates with the fewest OOMs and the least peak reserved first.
 ///
 /// # Errors
 /// An [`ExplainError`] when a replay cannot run.
 pub fn search_configurations(
-    recording: &Recording,
-    base: &ReplayOptions,
-    readings: &super::replay::Readings,
+    session: &Session,
+    base: &WhatIf,
 ) -> Result<Vec<Candidate>, ExplainError> {
+    let recording = session.recording();
     let try_one = |conf: &str| -> Result<Candidate, ExplainError> {
-        let options = ReplayOptions {
-            config: Some(crate::AllocatorConfig::parse(conf)?),
-            ..base.clone()
-        };
-        let report =
-            super::replay::replay_following(recording, &options, readings, &mut |_, _| {})?;
+        let what_if = base
+            .clone()
+            .under(Some(crate::AllocatorConfig::parse(conf)?));
+        let report = session.replay(&Mode::WhatIf(what_if), 0, &mut |_, _| {})?;
         Ok(Candidate {
             config: conf.to_string(),
             ooms: report.ooms,

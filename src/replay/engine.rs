@@ -43,7 +43,7 @@ use crate::replay::start_state::{StartSegment, start_state};
 
 use super::order::{Derivation, RunReadings};
 use super::report::{Compared, Divergence, SeriesPoint, describe};
-use super::{ReplayError, ReplayOptions, SYNTHETIC_STREAM_BASE, device_events};
+use super::{Options, ReplayError, SYNTHETIC_STREAM_BASE, device_events};
 
 pub(super) struct Engine<'a> {
     pub(super) events: &'a [TraceEntry],
@@ -66,7 +66,7 @@ pub(super) struct Engine<'a> {
     pub(super) divergence: Option<Divergence>,
     pub(super) series: Vec<SeriesPoint>,
     pub(super) series_every: usize,
-    /// The replay's memory budget (`ReplayOptions::max_memory_bytes`).
+    /// The replay's memory budget (`Setup::max_memory_bytes`).
     max_memory_bytes: Option<u64>,
     /// The most allocated and reserved bytes since the last series point.
     bucket: (u64, u64),
@@ -77,7 +77,7 @@ pub(super) struct Engine<'a> {
     /// simulated device had reserved, how far from that range's start: the recorded
     /// device's reservation size (see `capacity_for_reservation`).
     pub(super) reservation_spacing: Option<u64>,
-    /// Where `events` starts in the device's trace (a window, `ReplayOptions::window`).
+    /// Where `events` starts in the device's trace (a window, `WhatIf::window`).
     first_event: usize,
     /// Replaying a window: frees of blocks allocated before it are skipped.
     windowed: bool,
@@ -310,7 +310,7 @@ impl<'a> Engine<'a> {
     /// the start segments.
     pub(super) fn start(
         recording: &'a Recording,
-        options: &ReplayOptions,
+        options: &Options,
         mut alloc: CachingAllocator<SimDevice>,
         releases_in_malloc: FxHashMap<usize, ReleaseReading>,
         start_order: Option<&[usize]>,

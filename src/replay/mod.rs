@@ -19,8 +19,10 @@
 //! a [`Divergence`]. In what-if mode the core decides freely under another configuration,
 //! and recorded addresses are mapped to the ones it chose.
 //!
-//! `mod.rs` holds the public API (options, errors, entry points, the step-by-step
-//! [`Cursor`], on its own allocator or the caller's); `report.rs` what a replay reports;
+//! `session.rs` holds the entry point, a [`Session`] per recording and device (its
+//! [`Setup`], the [`Mode`] of each replay, the readings its replays share); `mod.rs` the
+//! errors, the resolved options of one replay, the check runs and the step-by-step
+//! [`Cursor`] (on its own allocator or the caller's); `report.rs` what a replay reports;
 //! `engine.rs` the stepper that turns recorded events into operations; `compare.rs` the
 //! comparison with the recording; `order.rs` which best-fit order a recording was made in;
 //! `start_state.rs` the allocator's state at a mid-run trace's first event.
@@ -34,7 +36,7 @@
 //!
 //! # Budgets
 //! - Memory: the replay's own state (the allocator's bookkeeping, the replay's maps and
-//!   series) is held to [`ReplayOptions::max_memory_bytes`], by default the reader's
+//!   series) is held to [`Setup::max_memory_bytes`], by default the reader's
 //!   [`MAX_MEMORY_BYTES`] (4 GiB), checked every few thousand events: past it the replay
 //!   stops with [`ReplayError::MemoryBudget`]. `explain` and the view hold every replay they
 //!   run to the same budget.
@@ -47,7 +49,9 @@ mod compare;
 mod engine;
 mod order;
 mod report;
+mod session;
 pub mod start_state;
+pub mod table;
 
 use std::sync::Arc;
 
@@ -64,6 +68,7 @@ use engine::{Engine, ReleaseReading};
 pub use order::OrderingReport;
 use order::{Derivation, Found};
 pub use report::{Compared, Divergence, ReplayReport, SeriesPoint};
+pub use session::{JobMemory, Mode, Session, Setup, WhatIf};
 use start_state::StartStateError;
 
 /// The device memory assumed when neither the recording nor the user says: the 80 GiB of
@@ -75,47 +80,26 @@ pub const MAX_CAPACITY: u64 = crate::allocator::size::MAX_DEVICE_BYTES;
 
 /// Streams invented to defer frees start here, far from real stream handles.
 const SYNTHETIC_STREAM_BASE: u64 = 0xdefe_0000_0000_0000;
-/// How to replay.
+/// How one replay runs: a [`Session`]'s setup and a [`Mode`], resolved (what-if-only
+/// fields are unset in check mode).
 #[derive(Clone, Debug)]
-pub struct ReplayOptions {
-    /// Which device's trace.
-    pub device: u32,
-    /// The configuration; `None` for the recorded one (or the default).
-    pub config: Option<AllocatorConfig>,
-    /// Device memory; `None` for the recorded device or [`DEFAULT_CAPACITY`].
-    pub capacity: Option<u64>,
-    /// Compare every decision with the recording (and answer as the recorded device did).
-    pub check: bool,
-    /// Number of (allocated, reserved) samples to keep for plots; 0 for none.
-    pub series_points: usize,
-    /// What-if only: start from the blocks live at the trace's start, allocated afresh (in
-    /// address order) under the configuration, instead of from the recorded segments and
-    /// their cache: what a job started under that configuration would hold there.
-    pub fresh_start: bool,
-    /// What-if only: the device memory the allocator may have, the rest of `capacity` held
-    /// by others (other processes, the CUDA context, libraries). At an OOM, what the job had
-    /// is its reserved bytes plus the `oom` entry's `device_free`; `None` for all of it.
-    pub available: Option<u64>,
-    /// What-if only: replay just these events of the trace, from an empty allocator (no start
-    /// state); frees of blocks allocated before them are skipped. How a plan is evaluated on
-    /// the iterations it was not made from.
-    pub window: Option<std::ops::Range<usize>>,
-    /// Follow this placement plan (Note [Planned placement]): in what-if mode a policy to
-    /// evaluate, in check mode the plan the recorded gpumem job followed.
-    pub plan: Option<Arc<Plan>>,
-    /// The best-fit order of the release that made the recording (`--pytorch`); `None`: the
-    /// order found in the recording (Note [Finding the order]).
-    pub order: Option<FitOrder>,
-    /// The most memory the replay's state may hold (the allocator's bookkeeping and the
-    /// replay's maps, estimated every few thousand events); `None`: no bound. By default the
-    /// reader's default budget ([`MAX_MEMORY_BYTES`]); the commands pass their
-    /// `--max-memory-bytes`.
-    pub max_memory_bytes: Option<u64>,
+pub(super) struct Options {
+    pub(super) device: u32,
+    pub(super) config: Option<AllocatorConfig>,
+    pub(super) capacity: Option<u64>,
+    pub(super) check: bool,
+    pub(super) series_points: usize,
+    pub(super) fresh_start: bool,
+    pub(super) available: Option<u64>,
+    pub(super) window: Option<std::ops::Range<usize>>,
+    pub(super) plan: Option<Arc<Plan>>,
+    pub(super) order: Option<FitOrder>,
+    pub(super) max_memory_bytes: Option<u64>,
 }
 
-impl Default for ReplayOptions {
+impl Default for Options {
     fn default() -> Self {
-        ReplayOptions {
+        Options {
             device: 0,
             config: None,
             capacity: None,
@@ -197,139 +181,6 @@ pub enum ReplayError {
     },
 }
 
-/// Replays one device's trace. See the module documentation.
-///
-/// # Errors
-/// A [`ReplayError`] when the replay cannot run at all; a divergence is not an error but part
-/// of the report.
-pub fn replay(recording: &Recording, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
-    replay_with_progress(recording, options, &mut |_, _| {})
-}
-
-/// [`replay()`], calling `progress(events done, events in all)` every few thousand events.
-///
-/// # Errors
-/// As [`replay()`].
-pub fn replay_with_progress(
-    recording: &Recording,
-    options: &ReplayOptions,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<ReplayReport, ReplayError> {
-    let readings = if options.check {
-        Readings::default()
-    } else {
-        Readings::of(recording, options)?
-    };
-    replay_following(recording, options, &readings, progress)
-}
-
-/// How a recording reads: its ambiguous release runs (Note [Reading releases]) and its
-/// best-fit order (Note [Finding the order]), as they reproduce it under its own
-/// configuration; what-if replays follow them. Found by check replays; compute them once for
-/// several what-if replays of the same device and capacity.
-#[derive(Clone, Debug, Default)]
-pub struct Readings {
-    releases_in_malloc: FxHashMap<usize, ReleaseReading>,
-    /// The device memory inferred by the check replay, where it had to infer it.
-    inferred_capacity: Option<u64>,
-    /// The order found, with the start segments' order; `None` before a check replay.
-    found: Option<Found>,
-}
-
-impl Readings {
-    /// The readings of `options.device`'s trace on `options.capacity`. A what-if capacity too
-    /// small for the recording's own start falls back to the recorded device's: the readings
-    /// describe the recording, not the what-if.
-    ///
-    /// # Errors
-    /// As [`replay()`].
-    pub fn of(recording: &Recording, options: &ReplayOptions) -> Result<Readings, ReplayError> {
-        let check = ReplayOptions {
-            config: None,
-            check: true,
-            series_points: 0,
-            fresh_start: false,
-            available: None,
-            window: None,
-            plan: None,
-            ..options.clone()
-        };
-        let found = match check_run(recording, &check, &mut |_, _| {}) {
-            Err(ReplayError::StartState(_) | ReplayError::StartSegment { .. })
-                if check.capacity.is_some() =>
-            {
-                let recorded = ReplayOptions {
-                    capacity: None,
-                    ..check
-                };
-                check_run(recording, &recorded, &mut |_, _| {})
-            }
-            other => other,
-        };
-        let run = found?;
-        Ok(Readings {
-            releases_in_malloc: run.releases_in_malloc,
-            inferred_capacity: run.report.capacity_inferred.then_some(run.report.capacity),
-            found: Some(run.found),
-        })
-    }
-
-    /// The device memory the check replays inferred, where they had to infer it.
-    pub fn inferred_capacity(&self) -> Option<u64> {
-        self.inferred_capacity
-    }
-
-    /// How the order was found, once a check replay found it.
-    pub fn ordering(&self) -> Option<&OrderingReport> {
-        self.found.as_ref().map(|f| &f.report)
-    }
-
-    /// The order to follow: the one `options` names (with the start order found for it, if
-    /// the readings were found in it), else the one found, else PyTorch 2.15's.
-    fn found_or(&self, options: &ReplayOptions) -> Found {
-        match (&self.found, options.order) {
-            (Some(found), None) => found.clone(),
-            (Some(found), Some(order)) if found.order == order => found.clone(),
-            (_, Some(order)) => {
-                let mut named = Found::named(order);
-                named.report.ordering_source = "flag";
-                named
-            }
-            (None, None) => Found::named(FitOrder::default()),
-        }
-    }
-}
-
-/// A replay that follows `readings` (ignored in check mode, which finds its own), calling
-/// `progress` as [`replay_with_progress`] does.
-///
-/// # Errors
-/// As [`replay()`].
-pub fn replay_following(
-    recording: &Recording,
-    options: &ReplayOptions,
-    readings: &Readings,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<ReplayReport, ReplayError> {
-    if options.check {
-        return Ok(check_run(recording, options, progress)?.report);
-    }
-    let inferred = ReplayOptions {
-        capacity: options.capacity.or(readings.inferred_capacity),
-        ..options.clone()
-    };
-    let mut run = run_with(
-        recording,
-        &inferred,
-        progress,
-        readings.releases_in_malloc.clone(),
-        &readings.found_or(options),
-    )?;
-    run.report.capacity_inferred =
-        options.capacity.is_none() && readings.inferred_capacity.is_some();
-    Ok(run.report)
-}
-
 /// What one replay found.
 struct Run {
     report: ReplayReport,
@@ -347,7 +198,7 @@ struct Run {
 /// reproduces the recording (Note [Finding the order]); its report says which.
 fn check_run(
     recording: &Recording,
-    options: &ReplayOptions,
+    options: &Options,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Run, ReplayError> {
     let mut run = match options.order {
@@ -366,7 +217,7 @@ fn check_run(
 /// turn (Note [Finding the order]).
 fn find_order(
     recording: &Recording,
-    options: &ReplayOptions,
+    options: &Options,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Run, ReplayError> {
     let [first, second, third] = order::candidates(recording.trace_pool_ids);
@@ -412,7 +263,7 @@ fn find_order(
 /// reorder them, one more verifies the order derived.
 fn check_in(
     recording: &Recording,
-    options: &ReplayOptions,
+    options: &Options,
     order: FitOrder,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Run, ReplayError> {
@@ -454,10 +305,7 @@ fn check_in(
 }
 
 /// The start segments' addresses of `options.device`'s trace, in address order.
-fn start_addresses(
-    recording: &Recording,
-    options: &ReplayOptions,
-) -> Result<Vec<u64>, ReplayError> {
+fn start_addresses(recording: &Recording, options: &Options) -> Result<Vec<u64>, ReplayError> {
     let config = recording.config.clone().unwrap_or_default();
     let start = start_state::start_state(recording, options.device, &config)?;
     Ok(start.segments.iter().map(|s| s.address).collect())
@@ -471,7 +319,7 @@ fn start_addresses(
 /// report says it was inferred.
 fn check_on_capacity(
     recording: &Recording,
-    options: &ReplayOptions,
+    options: &Options,
     progress: &mut dyn FnMut(usize, usize),
     found: &Found,
 ) -> Result<Run, ReplayError> {
@@ -487,7 +335,7 @@ fn check_on_capacity(
         );
         return Ok(run);
     }
-    let inferred = ReplayOptions {
+    let inferred = Options {
         capacity: Some(capacity_for_reservation(
             spacing,
             expandable_page_size(&config, PoolKind::Large),
@@ -500,7 +348,7 @@ fn check_on_capacity(
 }
 
 /// The configuration a replay runs under: the what-if one, else the recorded one.
-fn replayed_config(recording: &Recording, options: &ReplayOptions) -> AllocatorConfig {
+fn replayed_config(recording: &Recording, options: &Options) -> AllocatorConfig {
     options
         .config
         .clone()
@@ -566,41 +414,13 @@ pub fn capacity_for_reservation(reservation: u64, large_page: u64) -> u64 {
     c.min(MAX_CAPACITY)
 }
 
-/// The allocator as an exact (check) replay of `options.device`'s trace on `options.capacity`
-/// bytes (within `options.max_memory_bytes`) leaves it just after event `stop`: at an `oom`
-/// entry, the state the failing allocation left (its cache flushed), which is what PyTorch's
-/// own snapshot at the error shows. Also says where the replay first differed from the
-/// recording, if it did before `stop`. In the order `readings` found (`Readings::of`).
-///
-/// # Errors
-/// As [`replay()`].
-pub fn state_after(
-    recording: &Recording,
-    stop: usize,
-    options: &ReplayOptions,
-    readings: &Readings,
-) -> Result<(CachingAllocator<SimDevice>, Option<Divergence>), ReplayError> {
-    let options = ReplayOptions {
-        device: options.device,
-        capacity: options.capacity,
-        check: true,
-        max_memory_bytes: options.max_memory_bytes,
-        ..ReplayOptions::default()
-    };
-    let mut cursor = Cursor::new(recording, &options, readings)?;
-    cursor.seek(stop)?;
-    let Cursor { engine, .. } = cursor;
-    Ok((engine.alloc, engine.divergence))
-}
-
 /// A replay driven step by step: the one stepper of the web view (any event, through
-/// [`Cursor::new`]) and of the demo's simulated processes (a recording looped on their own
-/// allocator at its recorded pace, through [`Cursor::on`]).
+/// [`Session::cursor`]) and of the demo's simulated processes (a recording looped on their
+/// own allocator at its recorded pace, through [`Cursor::on`]).
 ///
-/// A cursor made by [`Cursor::new`] owns its allocator and moves to any event: forward by
-/// replaying on, backward by starting again. A check replay (`options.check`) follows the
-/// recording exactly; a what-if one follows `readings`. Series points and fresh starts are
-/// not its business (ignored). A cursor made by [`Cursor::on`] replays on the caller's
+/// A session's cursor owns its allocator and moves to any event: forward by replaying on,
+/// backward by starting again. A check cursor follows the recording exactly; a what-if one
+/// follows the session's readings. A cursor made by [`Cursor::on`] replays on the caller's
 /// allocator, forward only, and hands it back with [`Cursor::finish`].
 pub struct Cursor<'a> {
     recording: &'a Recording,
@@ -614,33 +434,20 @@ pub struct Cursor<'a> {
 
 /// What a cursor that owns its allocator starts again from.
 struct Restart {
-    options: ReplayOptions,
+    options: Options,
     releases: FxHashMap<usize, ReleaseReading>,
     found: Found,
 }
 
 impl<'a> Cursor<'a> {
-    /// A cursor before the first event of `options.device`'s trace.
-    ///
-    /// # Errors
-    /// As [`replay()`].
-    pub fn new(
+    /// A cursor before the first event of `options.device`'s trace, following `releases`
+    /// (what-if) in `found`'s order.
+    fn new(
         recording: &'a Recording,
-        options: &ReplayOptions,
-        readings: &Readings,
+        options: Options,
+        releases: FxHashMap<usize, ReleaseReading>,
+        found: Found,
     ) -> Result<Cursor<'a>, ReplayError> {
-        let options = ReplayOptions {
-            capacity: options.capacity.or(readings.inferred_capacity),
-            series_points: 0,
-            fresh_start: false,
-            ..options.clone()
-        };
-        let releases = if options.check {
-            FxHashMap::default()
-        } else {
-            readings.releases_in_malloc.clone()
-        };
-        let found = readings.found_or(&options);
         let (engine, _) = engine_for(recording, &options, releases.clone(), &found)?;
         Ok(Cursor {
             recording,
@@ -654,9 +461,15 @@ impl<'a> Cursor<'a> {
         })
     }
 
+    /// The allocator where the cursor stands, and where the replay first differed from the
+    /// recording, if it did (check replays).
+    pub fn into_parts(self) -> (CachingAllocator<SimDevice>, Option<Divergence>) {
+        (self.engine.alloc, self.engine.divergence)
+    }
+
     /// A what-if cursor on `alloc` (which should hold no memory) at the first event of
     /// `device`'s trace, its start state loaded. The allocator's statistics go on from where
-    /// they were, as a process's do. Unlike [`replay()`], it does not first look for the
+    /// they were, as a process's do. Unlike a session's, it does not first look for the
     /// readings of ambiguous release runs: each run of releases before an allocation is
     /// replayed as an `empty_cache()`.
     ///
@@ -667,9 +480,9 @@ impl<'a> Cursor<'a> {
         device: u32,
         alloc: CachingAllocator<SimDevice>,
     ) -> Result<Self, ReplayError> {
-        let options = ReplayOptions {
+        let options = Options {
             device,
-            ..ReplayOptions::default()
+            ..Options::default()
         };
         let engine = Engine::start(
             recording,
@@ -691,7 +504,7 @@ impl<'a> Cursor<'a> {
     /// cache flushed).
     ///
     /// # Errors
-    /// As [`replay()`]; [`ReplayError::Rewind`] backward on a caller's allocator.
+    /// As [`Session::replay`]; [`ReplayError::Rewind`] backward on a caller's allocator.
     pub fn seek(&mut self, event: usize) -> Result<(), ReplayError> {
         self.advance_to(event.saturating_add(1))
     }
@@ -775,7 +588,7 @@ impl<'a> Cursor<'a> {
 /// configuration.
 fn engine_for<'a>(
     recording: &'a Recording,
-    options: &ReplayOptions,
+    options: &Options,
     releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     found: &Found,
 ) -> Result<(Engine<'a>, AllocatorConfig), ReplayError> {
@@ -823,7 +636,7 @@ fn engine_for<'a>(
 /// One replay following the given readings.
 fn run_with(
     recording: &Recording,
-    options: &ReplayOptions,
+    options: &Options,
     progress: &mut dyn FnMut(usize, usize),
     releases_in_malloc: FxHashMap<usize, ReleaseReading>,
     found: &Found,
@@ -875,6 +688,7 @@ fn run_with(
         series: engine.series,
         capacity,
         capacity_inferred: false,
+        job_memory: None,
         notes: settings_notes(recording, &config, options.config.is_none())
             .into_iter()
             .chain(engine.skipped.note().map(str::to_string))

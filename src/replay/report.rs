@@ -109,6 +109,10 @@ pub struct ReplayReport {
     /// Whether `capacity` was inferred from the spacing of the recording's expandable
     /// reservations (neither the user nor the recording said).
     pub capacity_inferred: bool,
+    /// Where a what-if replayed within the memory the job had at its first OOM (it was given
+    /// no `available` of its own): that memory and how it was read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_memory: Option<super::JobMemory>,
     /// The best-fit order replayed under and how it was chosen (Note [Finding the order]).
     pub ordering: super::OrderingReport,
     /// What the replay could not follow of the configuration, in sentences: options of the

@@ -125,6 +125,25 @@ fn ordering(b: &mut String, e: &Explanation) {
 /// the command that confirms the best candidate.
 pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     let mut b = String::new();
+    heading(&mut b, e, name);
+    request(&mut b, e);
+    private_pools(&mut b, e);
+    ordering(&mut b, e);
+    device(&mut b, e);
+    breakdown(&mut b, e);
+    candidates(&mut b, e, confirm);
+    growth(&mut b, e);
+    pinning(&mut b, e);
+    let _ = writeln!(
+        b,
+        "<p><small>gpumem explain {}</small></p>",
+        env!("CARGO_PKG_VERSION")
+    );
+    page(&format!("gpumem explain: {name}"), &b)
+}
+
+/// The title, the sentences, the divergence and what is to blame.
+fn heading(b: &mut String, e: &Explanation, name: &str) {
     let r = &e.request;
     // Only an `oom` entry records the device's free memory.
     let (what, at) = if e.available.is_some() {
@@ -143,6 +162,13 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         e.device,
         escape(name)
     );
+    if let Some(chosen) = &e.chosen {
+        let chosen = escape(chosen);
+        let _ = writeln!(
+            b,
+            "<p class=\"note\" data-field=\"chosen\" data-value=\"{chosen}\">{chosen}</p>"
+        );
+    }
     let sentence = escape(&e.sentence);
     let _ = writeln!(
         b,
@@ -199,7 +225,11 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         "<h2>To blame, most first</h2>\n<ol id=\"kinds\">{}</ol>",
         kinds.join("")
     );
+}
 
+/// The request at that moment.
+fn request(b: &mut String, e: &Explanation) {
+    let r = &e.request;
     let _ = writeln!(b, "<h2>The request</h2>");
     if r.hypothetical {
         let _ = writeln!(
@@ -208,41 +238,37 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         );
     }
     let _ = writeln!(b, "<table id=\"request\">");
-    row(&mut b, "event", value_cell("request.event", r.event));
+    row(b, "event", value_cell("request.event", r.event));
     row(
-        &mut b,
+        b,
         "hypothetical",
         value_cell("request.hypothetical", r.hypothetical),
     );
-    row(&mut b, "asked", bytes_cell("request.bytes", Some(r.bytes)));
+    row(b, "asked", bytes_cell("request.bytes", Some(r.bytes)));
     row(
-        &mut b,
+        b,
         "rounded",
         bytes_cell("request.rounded", Some(r.wanted.rounded)),
     );
     row(
-        &mut b,
+        b,
         "pool",
         text_cell("request.pool", r.wanted.pool.segment_type()),
     );
-    row(
-        &mut b,
-        "pool id",
-        pool_id_cell("request.pool_id", r.pool_id),
-    );
-    row(
-        &mut b,
-        "stream",
-        value_cell("request.stream", r.wanted.stream),
-    );
+    row(b, "pool id", pool_id_cell("request.pool_id", r.pool_id));
+    row(b, "stream", value_cell("request.stream", r.wanted.stream));
     for (i, line) in r.context.iter().enumerate() {
         row(
-            &mut b,
+            b,
             "context",
             text_cell(&format!("request.context.{i}"), line),
         );
     }
     let _ = writeln!(b, "</table>");
+}
+
+/// The private pools' memory.
+fn private_pools(b: &mut String, e: &Explanation) {
     if e.private_pools.is_empty() {
         let _ = writeln!(b, "<p>No private pool held memory.</p>");
     } else {
@@ -264,8 +290,10 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         }
         let _ = writeln!(b, "</table>");
     }
-    ordering(&mut b, e);
+}
 
+/// The device's figures at that moment.
+fn device(b: &mut String, e: &Explanation) {
     let _ = writeln!(
         b,
         "<h2>The device at that moment</h2>\n<table id=\"device\">"
@@ -275,12 +303,8 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
     } else {
         "total (assumed: not recorded; --capacity gives it)"
     };
-    row(&mut b, total, bytes_cell("total", Some(e.total)));
-    row(
-        &mut b,
-        "total known",
-        value_cell("total_known", e.total_known),
-    );
+    row(b, total, bytes_cell("total", Some(e.total)));
+    row(b, "total known", value_cell("total_known", e.total_known));
     for (field, label, value) in [
         ("reserved", "reserved by the allocator", Some(e.reserved)),
         ("allocated", "allocated", Some(e.allocated)),
@@ -295,15 +319,18 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
             Some(e.largest_free_block),
         ),
     ] {
-        row(&mut b, label, bytes_cell(field, value));
+        row(b, label, bytes_cell(field, value));
     }
     row(
-        &mut b,
+        b,
         "segments with free memory",
         value_cell("segments_with_free", e.segments_with_free),
     );
     let _ = writeln!(b, "</table>");
+}
 
+/// Where the memory was: the bar and its table.
+fn breakdown(b: &mut String, e: &Explanation) {
     let parts = breakdown_parts(e);
     let _ = writeln!(b, "<h2>Where the memory was</h2>");
     b.push_str(&bar(&parts));
@@ -316,7 +343,10 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         );
     }
     let _ = writeln!(b, "</table>");
+}
 
+/// The settings tried, and the command that confirms the best.
+fn candidates(b: &mut String, e: &Explanation, confirm: Option<&str>) {
     if !e.candidates.is_empty() {
         let _ = writeln!(
             b,
@@ -348,9 +378,10 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
             }
         }
     }
+}
 
-    growth(&mut b, e);
-
+/// What pins the free memory.
+fn pinning(b: &mut String, e: &Explanation) {
     if !e.pinning.is_empty() {
         let _ = writeln!(
             b,
@@ -388,12 +419,6 @@ pub fn page_of(name: &str, e: &Explanation, confirm: Option<&str>) -> String {
         }
         let _ = writeln!(b, "</table>");
     }
-    let _ = writeln!(
-        b,
-        "<p><small>gpumem explain {}</small></p>",
-        env!("CARGO_PKG_VERSION")
-    );
-    page(&format!("gpumem explain: {name}"), &b)
 }
 
 /// The repeating iterations and what each keeps past its end.

@@ -6,7 +6,7 @@
 //!   (`RecordingLimits::read`); opening another drops the open one first.
 //! - The view keeps no replay cursor between requests, and the server runs one request at a
 //!   time, opening included (`server::view`, one turn), each replay within the same budget
-//!   (`ReplayOptions::max_memory_bytes`): the recording and one replay add at most twice the
+//!   (`Setup::max_memory_bytes`): the recording and one replay add at most twice the
 //!   budget. Beside them: the view's bounded caches (a device's readings, 16 timelines of
 //!   1000 points, 32 explanations) and an explanation's growth analysis, a few words per
 //!   allocation of the trace (`explain::growth`).
@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::recording::{RecordingView, ViewError, ViewSource};
 use crate::ingest::recordings::{RecordingStore, StoredRecording};
 use crate::recording::read_recording_with;
-use crate::replay::ReplayOptions;
+use crate::replay::Setup;
 
 /// The store's recordings as views.
 pub struct KeptViews {
@@ -83,12 +83,12 @@ impl ViewSource for KeptViews {
                 )));
             }
         };
-        let base = ReplayOptions {
+        let setup = Setup {
             max_memory_bytes: Some(read.max_memory_bytes),
-            ..ReplayOptions::default()
+            ..Setup::default()
         };
         let view =
-            Arc::new(RecordingView::new(Arc::new(recording), name(&kept), &base).with_cursors(0));
+            Arc::new(RecordingView::new(Arc::new(recording), name(&kept), setup).with_cursors(0));
         *self.open() = Some((kept.id, Arc::clone(&view)));
         Ok(view)
     }

@@ -14,9 +14,9 @@
 //!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
 //! - At most [`RecordingView::with_cursors`] cursors ([`MAX_CURSORS`] by default),
 //!   [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`] explanations are kept (the least
-//!   recently used go first), and one set of readings per device, so memory does not grow
+//!   recently used go first), and one session per device, so memory does not grow
 //!   with requests; each replay's own state is held to the view's `--max-memory-bytes`
-//!   (`ReplayOptions::max_memory_bytes`), a kept cursor's too.
+//!   (`Setup::max_memory_bytes`), a kept cursor's too.
 //! - The browser gets down-sampled series ([`SERIES_POINTS`] a run) and one event's map at a
 //!   time, never the recording.
 
@@ -26,9 +26,9 @@ use serde::Serialize;
 
 use crate::AllocatorConfig;
 use crate::allocator::{TraceAction, TraceEntry};
-use crate::explain::{ExplainError, Explanation, explain_at, peak_reserved_event};
+use crate::explain::{At, ExplainError, Explanation, choose, explain_at, peak_reserved_event};
 use crate::recording::Recording;
-use crate::replay::{Cursor, Readings, ReplayError, ReplayOptions, ReplayReport, replay_following};
+use crate::replay::{Cursor, Mode, ReplayError, ReplayReport, Session, Setup, WhatIf};
 
 use super::segments::{self, SegmentMap};
 use super::timeline::{self, Run};
@@ -100,6 +100,18 @@ pub struct DeviceOverview {
     pub peak: Option<usize>,
 }
 
+/// The moment the page opens at: the one `gpumem explain` explains when given no device and
+/// no moment (`explain::choose`).
+#[derive(Clone, Debug, Serialize)]
+pub struct FirstMoment {
+    /// The device.
+    pub device: u32,
+    /// The event (0 for a device without a trace: the state the snapshot holds).
+    pub event: usize,
+    /// Why this device, where the recording names several.
+    pub why: Option<String>,
+}
+
 /// What the page shows first.
 #[derive(Clone, Debug, Serialize)]
 pub struct Overview {
@@ -109,6 +121,8 @@ pub struct Overview {
     pub config: String,
     /// Its devices with a trace.
     pub devices: Vec<DeviceOverview>,
+    /// Where the page opens.
+    pub first: Option<FirstMoment>,
 }
 
 type Key = (u32, Option<String>);
@@ -117,9 +131,9 @@ type Key = (u32, Option<String>);
 type Cache<K, V> = Mutex<Vec<(K, Arc<V>)>>;
 
 self_cell::self_cell!(
-    /// A replay cursor with the recording it borrows, so that a view owns both.
+    /// A replay cursor with the session it borrows, so that a view owns both.
     struct OwnedCursor {
-        owner: Arc<Recording>,
+        owner: Arc<Session>,
         #[covariant]
         dependent: Cursor,
     }
@@ -129,11 +143,12 @@ self_cell::self_cell!(
 pub struct RecordingView {
     recording: Arc<Recording>,
     name: String,
-    /// What every replay of the view starts from: the device's memory (`None`: the
+    /// What every replay of the view shares but the device: the device's memory (`None`: the
     /// recording's, else inferred, else 80 GiB), the best-fit order asked for (`None`: found
     /// in the recording) and the memory budget.
-    base: ReplayOptions,
-    readings: Cache<u32, Readings>,
+    setup: Setup,
+    /// One session per device, found once: how its trace reads.
+    sessions: Cache<u32, Session>,
     cursors: Cache<Key, Mutex<OwnedCursor>>,
     /// Cursors kept between requests.
     max_cursors: usize,
@@ -167,19 +182,14 @@ fn keep<K: PartialEq, V>(cache: &Cache<K, V>, key: K, value: Arc<V>, max: usize)
 }
 
 impl RecordingView {
-    /// A view of `recording`, named `name`, whose replays take `base`'s memory, order and
-    /// budget (its other options are the view's own).
-    pub fn new(recording: Arc<Recording>, name: String, base: &ReplayOptions) -> Self {
+    /// A view of `recording`, named `name`, whose replays take `setup`'s memory, order and
+    /// budget (on each device the recording has).
+    pub fn new(recording: Arc<Recording>, name: String, setup: Setup) -> Self {
         RecordingView {
             recording,
             name,
-            base: ReplayOptions {
-                capacity: base.capacity,
-                order: base.order,
-                max_memory_bytes: base.max_memory_bytes,
-                ..ReplayOptions::default()
-            },
-            readings: Mutex::default(),
+            setup,
+            sessions: Mutex::default(),
             cursors: Mutex::default(),
             max_cursors: MAX_CURSORS,
             timelines: Mutex::default(),
@@ -224,7 +234,25 @@ impl RecordingView {
                 .map(|c| c.last_settings.clone())
                 .unwrap_or_default(),
             devices,
+            first: self.first(),
         }
+    }
+
+    /// Where the page opens: the moment `explain` would choose.
+    fn first(&self) -> Option<FirstMoment> {
+        let choice = choose(&self.recording, None, None)?;
+        let trace = self.trace(choice.device)?;
+        let event = match choice.at {
+            At::FirstOom => trace.iter().position(|e| e.action == TraceAction::Oom),
+            At::PeakReserved => peak_reserved_event(trace),
+            At::Event(event) => Some(event),
+            At::Snapshot => None,
+        };
+        Some(FirstMoment {
+            device: choice.device,
+            event: event.unwrap_or(0),
+            why: choice.device_why,
+        })
     }
 
     /// Devices the recording names, by trace or by segment, in order.
@@ -267,39 +295,29 @@ impl RecordingView {
         }
     }
 
-    /// The options of a replay under `config` (`None`: as recorded, checked).
-    fn options(&self, device: u32, config: Option<&str>) -> Result<ReplayOptions, ViewError> {
-        let config = match config {
-            None => None,
-            Some(text) if text.len() > MAX_CONFIG_BYTES => {
-                return Err(ViewError::BadRequest(format!(
-                    "a configuration is at most {MAX_CONFIG_BYTES} bytes"
-                )));
+    /// The replay mode of `config`: `None` as recorded, checked; else a what-if under it.
+    fn mode(config: Option<&str>) -> Result<Mode, ViewError> {
+        match config {
+            None => Ok(Mode::CHECK),
+            Some(text) if text.len() > MAX_CONFIG_BYTES => Err(ViewError::BadRequest(format!(
+                "a configuration is at most {MAX_CONFIG_BYTES} bytes"
+            ))),
+            Some(text) => {
+                let config = AllocatorConfig::parse(text)
+                    .map_err(|e| ViewError::BadRequest(format!("configuration: {e}")))?;
+                Ok(Mode::WhatIf(WhatIf::default().under(Some(config))))
             }
-            Some(text) => Some(
-                AllocatorConfig::parse(text)
-                    .map_err(|e| ViewError::BadRequest(format!("configuration: {e}")))?,
-            ),
-        };
-        Ok(ReplayOptions {
-            device,
-            check: config.is_none(),
-            config,
-            ..self.base.clone()
-        })
+        }
     }
 
-    fn readings(&self, device: u32) -> Result<Arc<Readings>, ViewError> {
-        if let Some(r) = cached(&self.readings, &device) {
-            return Ok(r);
+    /// The session of `device` (made on first use; how its trace reads is found once).
+    fn session(&self, device: u32) -> Result<Arc<Session>, ViewError> {
+        if let Some(session) = cached(&self.sessions, &device) {
+            return Ok(session);
         }
-        // Found without the lock (a whole check replay): requests for other devices go on.
-        let options = ReplayOptions {
-            device,
-            ..self.base.clone()
-        };
-        let readings = Arc::new(Readings::of(&self.recording, &options)?);
-        Ok(keep(&self.readings, device, readings, usize::MAX))
+        let setup = self.setup.clone().on_device(device);
+        let session = Arc::new(Session::new(Arc::clone(&self.recording), setup)?);
+        Ok(keep(&self.sessions, device, session, usize::MAX))
     }
 
     fn run(&self, device: u32, config: Option<&str>) -> Result<Arc<ReplayReport>, ViewError> {
@@ -307,24 +325,11 @@ impl RecordingView {
         if let Some(r) = cached(&self.timelines, &key) {
             return Ok(r);
         }
-        let options = ReplayOptions {
-            series_points: SERIES_POINTS,
-            ..self.options(device, config)?
-        };
-        // A check replay finds its own readings (and the device's size): finding them first
-        // would replay the whole trace once more before the first page.
-        let readings = if options.check {
-            Arc::new(Readings::default())
-        } else {
-            self.readings(device)?
-        };
-        let report = Arc::new(replay_following(
-            &self.recording,
-            &options,
-            &readings,
-            &mut |_, _| {},
-        )?);
-        Ok(keep(&self.timelines, key, report, MAX_TIMELINES))
+        let mode = Self::mode(config)?;
+        let report = self
+            .session(device)?
+            .replay(&mode, SERIES_POINTS, &mut |_, _| {})?;
+        Ok(keep(&self.timelines, key, Arc::new(report), MAX_TIMELINES))
     }
 
     /// The timeline of `device` as recorded and, where given, under `what_if`, as SVG over
@@ -368,11 +373,11 @@ impl RecordingView {
     ) -> Result<SegmentMap, ViewError> {
         let event = self.event(device, event)?;
         let key: Key = (device, what_if.map(str::to_string));
-        let options = self.options(device, what_if)?;
+        let mode = Self::mode(what_if)?;
         let cursor = match cached(&self.cursors, &key) {
             Some(cursor) => cursor,
             None => {
-                let cursor = self.cursor(&options)?;
+                let cursor = self.cursor(device, &mode)?;
                 keep(
                     &self.cursors,
                     key,
@@ -387,7 +392,7 @@ impl RecordingView {
             Err(poisoned) => {
                 // A replay that panicked midway left the cursor anywhere: start it again.
                 let mut guard = poisoned.into_inner();
-                *guard = self.cursor(&options)?;
+                *guard = self.cursor(device, &mode)?;
                 cursor.clear_poison();
                 guard
             }
@@ -407,13 +412,11 @@ impl RecordingView {
         Ok(segments::map(&segments, device, Some(event), recording))
     }
 
-    /// A cursor before the first event, under `options`.
-    fn cursor(&self, options: &ReplayOptions) -> Result<OwnedCursor, ViewError> {
-        let readings = self.readings(options.device)?;
-        Ok(OwnedCursor::try_new(
-            Arc::clone(&self.recording),
-            |recording| Cursor::new(recording, options, &readings),
-        )?)
+    /// A cursor before the first event of `device`, replaying in `mode`.
+    fn cursor(&self, device: u32, mode: &Mode) -> Result<OwnedCursor, ViewError> {
+        Ok(OwnedCursor::try_new(self.session(device)?, |session| {
+            session.cursor(mode)
+        })?)
     }
 
     /// The explanation of `device`'s event `event`.
@@ -425,13 +428,8 @@ impl RecordingView {
         if let Some(e) = cached(&self.explanations, &(device, event)) {
             return Ok(e);
         }
-        // Found once per device (the same device, memory and order as `explain` uses).
-        let readings = self.readings(device)?;
-        let options = ReplayOptions {
-            device,
-            ..self.base.clone()
-        };
-        let e = Arc::new(explain_at(&self.recording, event, &options, &readings)?);
+        // The device's session: the same memory and order as `explain` uses.
+        let e = Arc::new(explain_at(&*self.session(device)?, event)?);
         Ok(keep(
             &self.explanations,
             (device, event),

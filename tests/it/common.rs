@@ -96,15 +96,48 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// A replay session of `setup` on (a copy of) `recording`.
+///
+/// # Errors
+/// As [`gpumem::replay::Session::new`].
+pub fn session(
+    recording: &gpumem::recording::Recording,
+    setup: gpumem::replay::Setup,
+) -> Result<gpumem::replay::Session, gpumem::replay::ReplayError> {
+    gpumem::replay::Session::new(std::sync::Arc::new(recording.clone()), setup)
+}
+
+/// The check replay of `setup`'s device of `recording`.
+pub fn replay_check(
+    recording: &gpumem::recording::Recording,
+    setup: gpumem::replay::Setup,
+) -> Result<gpumem::replay::ReplayReport, gpumem::replay::ReplayError> {
+    session(recording, setup)?.check()
+}
+
+/// A what-if replay of `setup`'s device of `recording`.
+pub fn what_if(
+    recording: &gpumem::recording::Recording,
+    setup: gpumem::replay::Setup,
+    what_if: gpumem::replay::WhatIf,
+) -> Result<gpumem::replay::ReplayReport, gpumem::replay::ReplayError> {
+    session(recording, setup)?.replay(&gpumem::replay::Mode::WhatIf(what_if), 0, &mut |_, _| {})
+}
+
+/// The explanation of `at` on `setup`'s device of `recording`.
+pub fn explain(
+    recording: &gpumem::recording::Recording,
+    at: gpumem::explain::At,
+    setup: gpumem::replay::Setup,
+) -> Result<gpumem::explain::Explanation, gpumem::explain::ExplainError> {
+    gpumem::explain::explain(&session(recording, setup)?, at)
+}
+
 /// The check replay of a recording given as JSON.
 pub fn check_replay(v: &serde_json::Value) -> gpumem::replay::ReplayReport {
     let bytes = serde_json::to_vec(v).expect("serialises");
     let recording = gpumem::recording::parse_recording(&bytes).expect("reads back");
-    let options = gpumem::replay::ReplayOptions {
-        check: true,
-        ..gpumem::replay::ReplayOptions::default()
-    };
-    gpumem::replay::replay(&recording, &options).expect("replay runs")
+    replay_check(&recording, gpumem::replay::Setup::default()).expect("replay runs")
 }
 
 /// `v` replays exactly, every event of its trace compared.

@@ -6,12 +6,12 @@ use std::process::Command;
 use gpumem::allocator::AllocError;
 use gpumem::allocator::TraceAction;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
-use gpumem::explain::{At, CANDIDATES, Cause, Explanation, GC_CANDIDATES, Kind, explain};
+use gpumem::explain::{At, CANDIDATES, Cause, Explanation, GC_CANDIDATES, Kind};
 use gpumem::recording::{Recording, parse_recording, read_recording};
-use gpumem::replay::ReplayOptions;
+use gpumem::replay::Setup;
 use gpumem::{AllocatorConfig, CachingAllocator};
 
-use crate::common::succeeded;
+use crate::common::{explain, succeeded};
 use crate::replay::shared_traces;
 
 /// The breakdown adds up to the reserved memory and, with free and outside, to the device.
@@ -61,12 +61,12 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
         ),
     ] {
         let rec = read_recording(&dir.join(name)).expect("readable");
-        let options = ReplayOptions {
+        let setup = Setup {
             device: device as u32,
             capacity,
-            ..ReplayOptions::default()
+            ..Setup::default()
         };
-        let e = explain(&rec, At::FirstOom, &options).expect(name);
+        let e = explain(&rec, At::FirstOom, setup).expect(name);
         let events = &rec.device_traces[device];
         let oom = events
             .iter()
@@ -193,7 +193,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let mut error = None;
     let fragmented_json = recorded_json(900 * MIB, 0, |a| error = Some(fragment(a)));
     let fragmented = parse_recording(&fragmented_json).expect("reads back");
-    let e = explain(&fragmented, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&fragmented, At::FirstOom, Setup::default()).expect("explains");
     // The allocator's own error says the same, from its blocks at the failure.
     let Some(AllocError::OutOfMemory(oom)) = error else {
         panic!("an out-of-memory error: {error:?}");
@@ -304,7 +304,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         .iter()
         .rposition(|e| e.action == TraceAction::FreeRequested)
         .expect("frees");
-    let e = explain(&pending, At::Event(frees), &ReplayOptions::default()).expect("explains");
+    let e = explain(&pending, At::Event(frees), Setup::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.breakdown.pending_stream_frees, 600 * MIB);
     assert_eq!(e.kinds[0], Kind::PendingStreamFrees, "{}", e.sentence);
@@ -314,7 +314,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         let _live = a.malloc(100 * MIB, s).expect("fits");
         assert!(a.malloc(400 * MIB, s).is_err(), "out of memory");
     });
-    let e = explain(&crowded, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&crowded, At::FirstOom, Setup::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds[0], Kind::OutsideAllocator, "{}", e.sentence);
     assert_eq!(e.breakdown.outside_allocator, Some(700 * MIB));
@@ -325,7 +325,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         a.set_memory_fraction(0.9).expect("a fraction");
         fragment(a);
     });
-    let e = explain(&limited, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&limited, At::FirstOom, Setup::default()).expect("explains");
     assert_adds_up(&e);
     assert!(
         GC_CANDIDATES
@@ -340,7 +340,7 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         let _live = a.malloc(100 * MIB, s).expect("fits");
         assert!(a.malloc(2048 * MIB, s).is_err(), "out of memory");
     });
-    let e = explain(&huge, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&huge, At::FirstOom, Setup::default()).expect("explains");
     assert_adds_up(&e);
     assert_eq!(e.kinds, [Kind::TooBig], "{}", e.sentence);
     assert!(
@@ -352,10 +352,9 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
     let none = recorded(1024 * MIB, 0, |a| {
         let _ = a.malloc(MIB, s).expect("fits");
     });
-    let err =
-        explain(&none, At::FirstOom, &ReplayOptions::default()).expect_err("nothing to explain");
+    let err = explain(&none, At::FirstOom, Setup::default()).expect_err("nothing to explain");
     assert!(err.to_string().contains("no out-of-memory event"), "{err}");
-    let e = explain(&none, At::Event(0), &ReplayOptions::default()).expect("an event");
+    let e = explain(&none, At::Event(0), Setup::default()).expect("an event");
     assert_adds_up(&e);
     // The peak of reserved memory, found in the entries.
     let peaked = recorded(1024 * MIB, 0, |a| {
@@ -364,13 +363,13 @@ fn synthetic_ooms_are_told_apart_with_their_figures() {
         a.empty_cache().expect("empties");
         let _ = a.malloc(100 * MIB, s).expect("fits");
     });
-    let e = explain(&peaked, At::PeakReserved, &ReplayOptions::default()).expect("the peak");
+    let e = explain(&peaked, At::PeakReserved, Setup::default()).expect("the peak");
     assert_eq!(e.reserved, 600 * MIB, "{e:?}");
     assert_eq!(
         peaked.device_traces[0][e.request.event].action,
         TraceAction::SegmentAlloc
     );
-    assert!(explain(&none, At::Event(99), &ReplayOptions::default()).is_err());
+    assert!(explain(&none, At::Event(99), Setup::default()).is_err());
 }
 
 #[test]
@@ -599,7 +598,7 @@ fn growth_is_told_apart_and_when_it_fills_predicted() {
     });
     let failed_in = failed_in.expect("the device fills");
     let recording = parse_recording(&json).expect("reads back");
-    let at_oom = explain(&recording, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let at_oom = explain(&recording, At::FirstOom, Setup::default()).expect("explains");
     assert_eq!(
         at_oom.cause,
         Some(Cause::Growth),
@@ -632,9 +631,9 @@ fn growth_is_told_apart_and_when_it_fills_predicted() {
     let early = explain(
         &recording,
         At::Event(moment),
-        &ReplayOptions {
+        Setup {
             capacity: Some(1024 * MIB),
-            ..ReplayOptions::default()
+            ..Setup::default()
         },
     )
     .expect("explains");
@@ -666,7 +665,7 @@ fn the_dit_oom_is_named_growth() {
     };
     let recording = read_recording(&dir.join("dit_discrete_diffusion_train_oom_complete.pickle"))
         .expect("reads");
-    let e = explain(&recording, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&recording, At::FirstOom, Setup::default()).expect("explains");
     let g = e.growth.as_ref().expect("iterations");
     let planned = gpumem::plan::plan(&recording, "dit", &gpumem::plan::PlanOptions::default())
         .expect("plans");
@@ -697,4 +696,141 @@ fn the_dit_oom_is_named_growth() {
         "{}",
         e.cause_sentence
     );
+}
+
+/// Issue 54, item 6: without `--device`, `explain` explains the first OOM of any device (the
+/// 3-GPU recording's device 1, which alone ran out of memory) and the only device a legacy
+/// snapshot holds (device 1), in text, JSON and HTML, saying which device and why; the
+/// view opens where `explain` would.
+#[test]
+fn without_a_device_the_device_that_ran_out_of_memory_is_explained() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found: skipped");
+        return;
+    };
+    let out_dir = crate::common::temp_dir("explain-device");
+    for (name, event, says) in [
+        (
+            "qwen3_gnn_3gpu_expandable_oom_complete.pickle",
+            Some(421),
+            "only device that ran out of memory",
+        ),
+        (
+            "state_legacy_segment_list.pickle",
+            None,
+            "only device the snapshot holds segments of",
+        ),
+    ] {
+        let trace = dir.join(name);
+        let recording = read_recording(&trace).expect("readable");
+        let page = out_dir.join(format!("{name}.html"));
+        let json = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .args(["explain", "--json", "--html"])
+                .arg(&page)
+                .arg(&trace),
+        );
+        let e: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON alone");
+        assert_eq!(e["device"], 1, "{name}");
+        let chosen = e["chosen"].as_str().expect("says why");
+        assert!(
+            chosen.starts_with("device 1: ") && chosen.contains(says),
+            "{chosen}"
+        );
+        match event {
+            Some(event) => {
+                assert_eq!(e["request"]["event"], event, "{name}");
+                let oom = recording.device_traces[1]
+                    .iter()
+                    .position(|e| e.action == TraceAction::Oom);
+                assert_eq!(oom, Some(event), "{name}: the trace's own first OOM");
+            }
+            None => assert_eq!(e["request"]["hypothetical"], true, "{name}"),
+        }
+        let text = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .arg("explain")
+                .arg(&trace),
+        );
+        let text = String::from_utf8_lossy(&text.stdout);
+        assert!(text.starts_with(chosen), "{name}: {text}");
+        assert!(text.contains("device 1, "), "{name}: {text}");
+        let html = std::fs::read_to_string(&page).expect("the page");
+        let escaped = gpumem::view::escape(chosen);
+        assert!(
+            html.contains(&format!("data-field=\"chosen\" data-value=\"{escaped}\"")),
+            "{name}"
+        );
+        // The view opens at the same moment.
+        let view = gpumem::view::recording::RecordingView::new(
+            std::sync::Arc::new(recording),
+            name.to_string(),
+            Setup::default(),
+        );
+        let first = view.overview().first.expect("a moment");
+        assert_eq!(
+            (first.device, first.event),
+            (1, event.unwrap_or(0)),
+            "{name}"
+        );
+        assert_eq!(
+            first.why.as_deref(),
+            Some(chosen.split("; ").next().unwrap_or_default())
+        );
+    }
+    // A device named is kept: device 0 of the 3-GPU recording has no OOM, its peak is shown.
+    let zero = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["explain", "--json", "--device", "0"])
+            .arg(dir.join("qwen3_gnn_3gpu_expandable_oom_complete.pickle")),
+    );
+    let e: serde_json::Value = serde_json::from_slice(&zero.stdout).expect("JSON alone");
+    assert_eq!(e["device"], 0);
+    assert_eq!(
+        e["chosen"],
+        "no out-of-memory error in the trace: the moment of peak reserved memory"
+    );
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+/// Issue 54, item 6: `plan` without `--device` plans the device whose repeating iteration
+/// covers the most allocations and says so; a single-device recording says nothing.
+#[test]
+fn without_a_device_plan_takes_the_device_it_plans_best() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found: skipped");
+        return;
+    };
+    let trace = dir.join("qwen3_gnn_3gpu_expandable_oom_complete.pickle");
+    let recording = read_recording(&trace).expect("readable");
+    let covered = |device: u32| {
+        gpumem::plan::plan(
+            &recording,
+            "qwen3",
+            &gpumem::plan::PlanOptions {
+                device,
+                ..gpumem::plan::PlanOptions::default()
+            },
+        )
+        .map_or(0, |p| p.period * p.iterations)
+    };
+    let best = (0..3u32)
+        .max_by_key(|&d| (covered(d), std::cmp::Reverse(d)))
+        .expect("three devices");
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["plan", "--json"])
+            .arg(&trace),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["plan"]["device"], best);
+    let chosen = v["chosen"].as_str().expect("says which device and why");
+    assert!(chosen.starts_with(&format!("device {best}: ")), "{chosen}");
+    let single = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["plan", "--json"])
+            .arg(dir.join("dit_discrete_diffusion_train_oom_complete.pickle")),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&single.stdout).expect("json");
+    assert!(v.get("chosen").is_none(), "{}", v["chosen"]);
 }

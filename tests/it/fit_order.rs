@@ -9,7 +9,7 @@ use std::process::Command;
 use gpumem::allocator::{AllocError, FitOrder, MAX_ADDRESS};
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::recording::parse_recording;
-use gpumem::replay::{ReplayOptions, replay};
+use gpumem::replay::Setup;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
 use crate::common::{GIB, MIB, S0, check, free, malloc, succeeded, temp_dir};
@@ -201,14 +201,7 @@ fn replay_finds_the_order_that_made_a_recording() {
         }
         // The library says the same, and a flag naming another release's order diverges.
         let rec = parse_recording(&json).expect("reads back");
-        let report = replay(
-            &rec,
-            &ReplayOptions {
-                check: true,
-                ..ReplayOptions::default()
-            },
-        )
-        .expect("replays");
+        let report = crate::common::replay_check(&rec, Setup::default()).expect("replays");
         assert_eq!(report.ordering.ordering, want);
         if want != "both" {
             let other = if order == FitOrder::Address {

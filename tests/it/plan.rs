@@ -11,10 +11,10 @@ use gpumem::config::Syntax;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
 use gpumem::recording::read_recording;
-use gpumem::replay::{Readings, ReplayOptions};
+use gpumem::replay::{Mode, Setup};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
-use crate::common::{succeeded, temp_dir};
+use crate::common::{session, succeeded, temp_dir};
 use crate::replay::shared_traces;
 
 /// The plan of a plan file with these fields (its format and version added).
@@ -524,15 +524,8 @@ fn shared_recordings_planned() {
         }
         assert!(planned.region_bytes >= planned.lower_bound_bytes, "{name}");
         let shared = Arc::new(planned.plan.clone());
-        let readings = Readings::of(&recording, &ReplayOptions::default()).expect("replays");
-        let e = evaluate(
-            &recording,
-            &ReplayOptions::default(),
-            &readings,
-            &shared,
-            planned.evaluated.clone(),
-        )
-        .expect("replays");
+        let session = session(&recording, Setup::default()).expect("a session");
+        let e = evaluate(&session, None, &shared, planned.evaluated.clone()).expect("replays");
         let (d, p) = (&e.default, &e.planned);
         eprintln!(
             "{name}: {} iterations of {} allocations; default {:.3}×, planned {:.3}× (hits {}, misses {}), bound {:.3}×",
@@ -608,7 +601,6 @@ fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
     use gpumem::demo::workload::{TrainingWorkload, finish_communication};
     use gpumem::device::{SimConfig, SimDevice};
     use gpumem::recording::parse_recording;
-    use gpumem::replay::replay;
 
     let workload = TrainingWorkload {
         steps: 6,
@@ -642,28 +634,16 @@ fn a_planned_jobs_own_snapshot_replays_exactly_with_its_plan() {
         Some(conf.as_str()),
         "the snapshot names the plan"
     );
-    let with = replay(
-        &recording,
-        &ReplayOptions {
-            check: true,
-            plan: Some(shared),
-            ..ReplayOptions::default()
-        },
-    )
-    .expect("replays");
+    let followed = Mode::Check { plan: Some(shared) };
+    let with = session(&recording, Setup::default())
+        .and_then(|s| s.replay(&followed, 0, &mut |_, _| {}))
+        .expect("replays");
     assert!(with.divergence.is_none(), "{:?}", with.divergence);
     assert_eq!(
         with.compared.total(),
         recording.device_traces[0].len() as u64
     );
-    let without = replay(
-        &recording,
-        &ReplayOptions {
-            check: true,
-            ..ReplayOptions::default()
-        },
-    )
-    .expect("replays");
+    let without = crate::common::replay_check(&recording, Setup::default()).expect("replays");
     assert!(
         without.divergence.is_some(),
         "the plan decided the addresses"
@@ -725,16 +705,9 @@ fn hostile_recordings_plan_or_refuse_without_panicking() {
                 } else {
                     planned.evaluated.clone()
                 };
-                let readings = Readings::of(&recording, &ReplayOptions::default())
+                session(&recording, Setup::default())
+                    .and_then(|session| evaluate(&session, None, &shared, window))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
-                evaluate(
-                    &recording,
-                    &ReplayOptions::default(),
-                    &readings,
-                    &shared,
-                    window,
-                )
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
             }
             Err(e) => assert!(!e.to_string().is_empty(), "{name}"),
         }
@@ -971,20 +944,15 @@ fn a_plans_evaluation_keeps_the_callers_budget() {
         "simulated_device": {"total_bytes": 1u64 << 56}});
     let recording = parse_recording(json.to_string().as_bytes()).expect("a valid recording");
     let planned = plan(&recording, "huge", &PlanOptions::default()).expect("planned");
-    let options = ReplayOptions {
+    let setup = Setup {
         max_memory_bytes: Some(64 << 20),
-        ..ReplayOptions::default()
+        ..Setup::default()
     };
-    let readings = Readings::of(&recording, &options).expect("the check replay maps nothing");
+    let session = session(&recording, setup).expect("a session");
+    session.check().expect("the check replay maps nothing");
     let shared = Arc::new(planned.plan.clone());
-    let error = evaluate(
-        &recording,
-        &options,
-        &readings,
-        &shared,
-        planned.evaluated.clone(),
-    )
-    .expect_err("past the budget");
+    let error =
+        evaluate(&session, None, &shared, planned.evaluated.clone()).expect_err("past the budget");
     assert!(
         matches!(error, ReplayError::MemoryBudget { budget, .. } if budget == 64 << 20),
         "{error}"

@@ -8,13 +8,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpumem::allocator::PoolId;
-use gpumem::explain::{At, explain};
+use gpumem::explain::At;
 use gpumem::recording::{parse_recording, read_recording};
-use gpumem::replay::{ReplayError, ReplayOptions, replay};
+use gpumem::replay::{ReplayError, Setup};
 
 use crate::agent::wait_for;
 use crate::browser::Browser;
-use crate::common::succeeded;
+use crate::common::{explain, replay_check, succeeded};
 
 const MIB: u64 = 1 << 20;
 const COMPILE: &str = "torch/_dynamo frame 0/1: __compiled_fn_7 (graph 2)";
@@ -99,15 +99,11 @@ fn a_2_15_snapshot_reads_replays_and_explains_with_its_context() {
         rec.frames.describe(frames[0])
     );
 
-    let options = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
-    let r = replay(&rec, &options).expect("replays");
+    let r = replay_check(&rec, Setup::default()).expect("replays");
     assert!(r.divergence.is_none(), "{:?}", r.divergence);
     assert_eq!(r.compared.total(), rec.device_traces[0].len() as u64);
 
-    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&rec, At::FirstOom, Setup::default()).expect("explains");
     assert!(
         e.request
             .context
@@ -215,7 +211,7 @@ fn traceless(mut v: serde_json::Value) -> serde_json::Value {
 fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     let v = traceless(snapshot_2_15());
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, At::Snapshot, &ReplayOptions::default()).expect("explains the state");
+    let e = explain(&rec, At::Snapshot, Setup::default()).expect("explains the state");
     assert!(e.request.hypothetical);
     // The recording's one segment is now a MemPool's: its 20 MiB pieces are no default
     // request's, so the smallest large request (just past the small pool's sizes) finds
@@ -235,7 +231,7 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
     );
     // The other moments need a trace.
     for at in [At::FirstOom, At::Event(0)] {
-        assert!(explain(&rec, at, &ReplayOptions::default()).is_err());
+        assert!(explain(&rec, at, Setup::default()).is_err());
     }
 
     let dir = std::env::temp_dir().join(format!("gpumem-traceless-{}", std::process::id()));
@@ -279,7 +275,7 @@ fn the_shared_traceless_snapshot_is_explained() {
         return;
     };
     let rec = read_recording(&dir.join("state_verl_vllm_qwen2.pickle")).expect("reads");
-    let e = explain(&rec, At::Snapshot, &ReplayOptions::default()).expect("explains");
+    let e = explain(&rec, At::Snapshot, Setup::default()).expect("explains");
     // Its two MemPools (or shared graph pools), named, hold 68 of its 127 segments.
     let pools = &e.private_pools;
     let ids: Vec<PoolId> = pools.iter().map(|p| p.id).collect();
@@ -315,21 +311,17 @@ fn without(action: &str) -> gpumem::recording::Recording {
 
 #[test]
 fn traces_recorded_with_skip_actions_replay_where_they_can() {
-    let options = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
     // Frees complete at once here: either half of them is enough to replay exactly.
     for skipped in ["free_completed", "free_requested", "snapshot"] {
         let rec = without(skipped);
-        let r = replay(&rec, &options).expect("replays");
+        let r = replay_check(&rec, Setup::default()).expect("replays");
         assert!(r.divergence.is_none(), "{skipped}: {:?}", r.divergence);
         assert_eq!(r.compared.total(), rec.device_traces[0].len() as u64);
         let said = r.notes.iter().any(|n| n.contains(skipped));
         assert_eq!(said, skipped != "snapshot", "{skipped}: {:?}", r.notes);
     }
     // Without allocations there is nothing to replay: refused, saying why.
-    let err = replay(&without("alloc"), &options).expect_err("no allocations");
+    let err = replay_check(&without("alloc"), Setup::default()).expect_err("no allocations");
     assert!(matches!(err, ReplayError::SkippedActions { .. }), "{err}");
     assert!(err.to_string().contains("skip_actions"), "{err}");
 }
@@ -391,11 +383,7 @@ fn fx_frames_are_interned_in_both_readers_like_plain_frames() {
     for i in [0, 1, 1000, 2999] {
         assert_eq!(describe(&b, i), describe(&c, i), "event {i}");
     }
-    let options = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
-    let r = replay(&b, &options).expect("replays");
+    let r = replay_check(&b, Setup::default()).expect("replays");
     assert!(r.divergence.is_none(), "{:?}", r.divergence);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -7,9 +7,9 @@ use std::process::Command;
 
 use gpumem::AllocatorConfig;
 use gpumem::recording::{Format, TraceError, parse_recording, read_recording, state_summary};
-use gpumem::replay::{ReplayOptions, replay};
+use gpumem::replay::{Mode, Setup, WhatIf};
 
-use crate::common::succeeded;
+use crate::common::{self, succeeded};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -35,13 +35,12 @@ fn check(
     device: u32,
     capacity: Option<u64>,
 ) -> gpumem::replay::ReplayReport {
-    let options = ReplayOptions {
+    let setup = Setup {
         device,
-        check: true,
         capacity,
-        ..ReplayOptions::default()
+        ..Setup::default()
     };
-    let report = replay(recording, &options).expect("replay runs");
+    let report = common::replay_check(recording, setup).expect("replay runs");
     if let Some(d) = &report.divergence {
         panic!(
             "diverges at event {}: expected {}, got {}\n{}",
@@ -179,13 +178,11 @@ fn expandable_recording_replays_exactly_on_all_three_devices() {
     }
     // On a device larger than the recorded one, the reservations no longer fit where the
     // recording put them, and the divergence says so.
-    let options = ReplayOptions {
-        device: 0,
-        check: true,
+    let setup = Setup {
         capacity: Some(80 << 30),
-        ..ReplayOptions::default()
+        ..Setup::default()
     };
-    let d = replay(&rec, &options)
+    let d = common::replay_check(&rec, setup)
         .expect("runs")
         .divergence
         .expect("diverges");
@@ -226,11 +223,7 @@ fn diverges_at(edit: impl Fn(&mut serde_json::Value) -> usize) {
     let mut doc: serde_json::Value = serde_json::from_str(&json).expect("json");
     let index = edit(&mut doc);
     let rec = parse_recording(doc.to_string().as_bytes()).expect("still valid");
-    let options = ReplayOptions {
-        check: true,
-        ..ReplayOptions::default()
-    };
-    let report = replay(&rec, &options).expect("replay runs");
+    let report = common::replay_check(&rec, Setup::default()).expect("replay runs");
     let d = report.divergence.expect("the edit is caught");
     assert_eq!(d.index, index, "{d:?}");
 }
@@ -268,12 +261,13 @@ fn a_changed_decision_is_reported_where_it_happens() {
 fn what_if_compares_configurations() {
     let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
     let run = |conf: Option<&str>| {
-        let options = ReplayOptions {
+        let what_if = WhatIf {
             config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
-            series_points: 100,
-            ..ReplayOptions::default()
+            ..WhatIf::default()
         };
-        replay(&rec, &options).expect("replay runs")
+        common::session(&rec, Setup::default())
+            .and_then(|s| s.replay(&Mode::WhatIf(what_if), 100, &mut |_, _| {}))
+            .expect("replay runs")
     };
     let recorded = run(None);
     let checked = check(&rec, 0, None);
@@ -312,11 +306,11 @@ fn what_if_compares_configurations() {
 #[test]
 fn a_smaller_device_runs_out_of_memory_in_what_if() {
     let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
-    let options = ReplayOptions {
+    let setup = Setup {
         capacity: Some(1 << 30),
-        ..ReplayOptions::default()
+        ..Setup::default()
     };
-    let r = replay(&rec, &options).expect("replay runs");
+    let r = common::what_if(&rec, setup, WhatIf::default()).expect("replay runs");
     assert!(r.ooms > 0 && r.alloc_retries > 0, "{r:?}");
     assert!(r.peak_reserved <= 1 << 30);
 }
@@ -565,7 +559,7 @@ fn overlapping_segments_are_refused() {
         "device_traces": [[{"action": "free_requested", "addr": 0x100000, "size": 512, "stream": 0}]]
     });
     let rec = parse_recording(doc.to_string().as_bytes()).expect("valid schema");
-    let err = replay(&rec, &ReplayOptions::default()).expect_err("inconsistent");
+    let err = common::what_if(&rec, Setup::default(), WhatIf::default()).expect_err("inconsistent");
     assert!(err.to_string().contains("overlaps"), "{err}");
 }
 
@@ -694,12 +688,12 @@ fn what_if(
     conf: Option<&str>,
     fresh_start: bool,
 ) -> gpumem::replay::ReplayReport {
-    let options = ReplayOptions {
+    let what_if = WhatIf {
         config: conf.map(|c| AllocatorConfig::parse(c).expect("valid")),
         fresh_start,
-        ..ReplayOptions::default()
+        ..WhatIf::default()
     };
-    replay(rec, &options).expect("replay runs")
+    common::what_if(rec, Setup::default(), what_if).expect("replay runs")
 }
 
 /// A fresh start sets the recorded cache aside: the blocks live at the trace's start are
@@ -744,26 +738,21 @@ fn a_fresh_start_allocates_the_live_blocks_anew() {
     let expandable = what_if(&rec, Some("expandable_segments:True"), true);
     assert_eq!(expandable.peak_reserved, 20 * MIB);
     // On a device too small for the live block, the fresh start counts an OOM and goes on.
-    let small = replay(
+    let small = common::what_if(
         &rec,
-        &ReplayOptions {
-            fresh_start: true,
+        Setup {
             capacity: Some(8 * MIB),
-            ..ReplayOptions::default()
+            ..Setup::default()
+        },
+        WhatIf {
+            fresh_start: true,
+            ..WhatIf::default()
         },
     )
     .expect("replay runs");
     assert_eq!((small.ooms, small.peak_reserved), (1, 0));
     // The fidelity check never starts afresh: it must see the recorded segments.
-    let checked = replay(
-        &rec,
-        &ReplayOptions {
-            check: true,
-            fresh_start: true,
-            ..ReplayOptions::default()
-        },
-    )
-    .expect("replay runs");
+    let checked = common::replay_check(&rec, Setup::default()).expect("replay runs");
     assert!(checked.divergence.is_none(), "{:?}", checked.divergence);
     assert_eq!(checked.peak_reserved, 40 * MIB);
 }
@@ -875,11 +864,7 @@ fn frees_completed_together_match_in_any_order() {
             .expect("a completion");
         list.remove(at);
         let rec = parse_recording(broken.to_string().as_bytes()).expect("valid recording");
-        let options = ReplayOptions {
-            check: true,
-            ..ReplayOptions::default()
-        };
-        let report = replay(&rec, &options);
+        let report = common::replay_check(&rec, Setup::default());
         assert!(
             report.as_ref().map_or(true, |r| r.divergence.is_some()),
             "{streams} streams: a missing completion is a divergence"
@@ -911,11 +896,12 @@ fn a_misaligned_recorded_segment_is_refused_cleanly() {
     });
     let rec = parse_recording(doc.to_string().as_bytes()).expect("valid recording");
     for check in [true, false] {
-        let options = ReplayOptions {
-            check,
-            ..ReplayOptions::default()
+        let report = if check {
+            common::replay_check(&rec, Setup::default())
+        } else {
+            common::what_if(&rec, Setup::default(), WhatIf::default())
         };
-        match replay(&rec, &options) {
+        match report {
             Err(e) => assert!(e.to_string().contains("does not fit"), "{e}"),
             Ok(report) => assert!(!check || report.divergence.is_some(), "{report:?}"),
         }
@@ -1033,12 +1019,12 @@ fn a_large_recording_with_stacks_streams_within_its_limits() {
 fn what_if_runs_within_the_available_memory() {
     let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("data");
     let what_if = |available: Option<u64>| {
-        let options = ReplayOptions {
+        let expandable = WhatIf {
             config: Some(AllocatorConfig::parse("expandable_segments:True").expect("valid")),
             available,
-            ..ReplayOptions::default()
+            ..WhatIf::default()
         };
-        replay(&rec, &options).expect("replays")
+        common::what_if(&rec, Setup::default(), expandable).expect("replays")
     };
     let free = what_if(None);
     assert_eq!(free.ooms, 0);
@@ -1137,12 +1123,13 @@ fn the_plot_opens_in_chromium_with_labelled_axes_and_a_legend_clear_of_the_data(
 #[test]
 fn a_cursor_goes_back_on_its_own_allocator_and_only_forward_on_the_callers() {
     use gpumem::device::{SimConfig, SimDevice};
-    use gpumem::replay::{Cursor, Readings, ReplayError};
+    use gpumem::replay::{Cursor, ReplayError};
 
     let rec = read_recording(&data("opt125m_zo_fedtrain_complete.noframes.json.gz")).expect("read");
-    let options = ReplayOptions::default();
-    let readings = Readings::of(&rec, &options).expect("readings");
-    let mut cursor = Cursor::new(&rec, &options, &readings).expect("cursor");
+    let session = common::session(&rec, Setup::default()).expect("a session");
+    let mut cursor = session
+        .cursor(&Mode::WhatIf(WhatIf::default()))
+        .expect("cursor");
     cursor.seek(2_000).expect("forward");
     let reserved_at = |c: &Cursor<'_>| c.allocator().memory_stats()["reserved_bytes.all.current"];
     let at_2000 = reserved_at(&cursor);
@@ -1190,4 +1177,58 @@ fn an_int_past_the_signed_64_bit_range_is_named_so() {
         "{message}"
     );
     assert!(message.contains("total_size"), "{message}");
+}
+
+/// Issue 54, item 7: on a recording with an OOM, a what-if without `--available` replays
+/// within the memory the job had there (as `explain` reads it), so the recorded
+/// configuration's row shows the recorded OOM, and the table says so; `--available` (the
+/// whole device here) overrides it.
+#[test]
+fn what_ifs_of_a_recording_with_an_oom_run_within_the_jobs_memory() {
+    let Some(dir) = shared_traces() else {
+        eprintln!("shared traces not found: skipped");
+        return;
+    };
+    let trace = dir.join("dit_discrete_diffusion_train_oom_complete.pickle");
+    let recording = read_recording(&trace).expect("readable");
+    let explained =
+        crate::common::explain(&recording, gpumem::explain::At::FirstOom, Setup::default())
+            .expect("explains");
+    let had = explained.available.expect("the job's memory at its OOM");
+    let run = |extra: &[&str]| {
+        let out = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_gpumem"))
+                .args(["replay", "--json", "--config", "expandable_segments:True"])
+                .args(extra)
+                .arg(&trace),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v[0]["results"].as_array().expect("rows").clone()
+    };
+    let rows = run(&[]);
+    let recorded = &rows[0];
+    assert_eq!(recorded["config"], "(default)");
+    assert!(recorded["ooms"].as_u64() >= Some(1), "{recorded}");
+    assert_eq!(recorded["available"], had);
+    assert_eq!(
+        recorded["job_memory"]["event"], explained.request.event,
+        "{recorded}"
+    );
+    let whole = explained.total.to_string();
+    let free = run(&["--available", &whole]);
+    assert_eq!(
+        free[0]["ooms"], 0,
+        "the whole device holds the recorded run"
+    );
+    assert!(free[0].get("job_memory").is_none());
+    let text = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["replay", "--config", "expandable_segments:True"])
+            .arg(&trace),
+    );
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("what the job had at its out-of-memory error"),
+        "{text}"
+    );
 }

@@ -6,12 +6,12 @@ use gpumem::CachingAllocator;
 use gpumem::allocator::{PoolId, PoolOptions, RouteKind, StreamFilter};
 use gpumem::device::SimDevice;
 use gpumem::recording::parse_recording;
-use gpumem::replay::{Divergence, ReplayOptions, replay};
+use gpumem::replay::{Divergence, Setup, WhatIf};
 use serde_json::{Value, json};
 
 use crate::common::{
     GIB, MIB, S0, S1, allocator, check_replay, empty_cache, explain_text, free, malloc,
-    replays_exactly,
+    replays_exactly, what_if,
 };
 
 const GRAPH: PoolId = PoolId(0, 1);
@@ -97,11 +97,11 @@ fn blocks_are_reused_only_within_their_pool_in_replay() {
     assert!(d.expected.starts_with("segment_alloc"), "{d:?}");
     // What-if keeps the pools apart too: under expandable segments each pool maps its own.
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let options = ReplayOptions {
+    let expandable = WhatIf {
         config: Some(gpumem::AllocatorConfig::parse("expandable_segments:True").expect("valid")),
-        ..ReplayOptions::default()
+        ..WhatIf::default()
     };
-    let r = replay(&rec, &options).expect("what-if runs");
+    let r = what_if(&rec, Setup::default(), expandable).expect("what-if runs");
     assert_eq!((r.device_allocs, r.ooms), (2, 0), "{r:?}");
     // Before 2.12 the pools are read off the segments, which both survive.
     let r = replays_exactly(&without_trace_pool_ids(v));
@@ -338,14 +338,15 @@ pub(crate) fn graph_oom_recording() -> Value {
 
 #[test]
 fn an_oom_beside_a_graph_pools_cache_is_explained_as_such() {
+    use crate::common::explain;
     use crate::common::succeeded;
-    use gpumem::explain::{At, explain};
+    use gpumem::explain::At;
     use std::process::Command;
 
     let v = graph_oom_recording();
     replays_exactly(&v);
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&rec, At::FirstOom, Setup::default()).expect("explains");
     assert_eq!(e.request.pool_id, PoolId::DEFAULT);
     assert_eq!(e.breakdown.other_pools, 40 * MIB);
     assert_eq!(
@@ -582,7 +583,8 @@ fn a_released_pool_on_expandable_segments_replays_its_unmaps() {
 
 #[test]
 fn settings_are_tried_where_the_request_fits_beside_a_graphs_cache() {
-    use gpumem::explain::{At, explain};
+    use crate::common::explain;
+    use gpumem::explain::At;
 
     // 80 MiB cached in a graph's pool; 60 MiB free in 20 MiB pieces between live blocks of
     // the default pool. The 40 MiB request fails; the graph's cache is the largest part, but
@@ -602,7 +604,7 @@ fn settings_are_tried_where_the_request_fits_beside_a_graphs_cache() {
     assert!(a.malloc(40 * MIB, S0).is_err());
     let v = snapshot(&mut a);
     let rec = parse_recording(v.to_string().as_bytes()).expect("reads");
-    let e = explain(&rec, At::FirstOom, &ReplayOptions::default()).expect("explains");
+    let e = explain(&rec, At::FirstOom, Setup::default()).expect("explains");
     assert_eq!(
         (e.breakdown.other_pools, e.breakdown.fragmented),
         (80 * MIB, 60 * MIB)

@@ -182,24 +182,23 @@ fn a_replay_is_held_to_its_memory_budget() {
     }
     let json = serde_json::json!({"segments": [], "device_traces": [events]});
     let recording = gpumem::recording::parse_recording(json.to_string().as_bytes()).expect("reads");
-    let options = |budget| gpumem::replay::ReplayOptions {
-        check: true,
+    let setup = |budget| gpumem::replay::Setup {
         capacity: Some(1 << 46),
         max_memory_bytes: budget,
-        ..gpumem::replay::ReplayOptions::default()
+        ..gpumem::replay::Setup::default()
     };
-    let report = gpumem::replay::replay(&recording, &options(None)).expect("replays");
+    let report = crate::common::replay_check(&recording, setup(None)).expect("replays");
     assert!(report.divergence.is_none());
-    let err = gpumem::replay::replay(&recording, &options(Some(1 << 20))).expect_err("bounded");
+    let err = crate::common::replay_check(&recording, setup(Some(1 << 20))).expect_err("bounded");
     assert!(
         matches!(err, gpumem::replay::ReplayError::MemoryBudget { budget, .. } if budget == 1 << 20),
         "{err}"
     );
     assert!(err.to_string().contains("--max-memory-bytes"), "{err}");
-    let explained = gpumem::explain::explain(
+    let explained = crate::common::explain(
         &recording,
         gpumem::explain::At::PeakReserved,
-        &options(Some(1 << 20)),
+        setup(Some(1 << 20)),
     );
     let err = explained.expect_err("explain is bounded");
     assert!(
@@ -210,19 +209,14 @@ fn a_replay_is_held_to_its_memory_budget() {
         "{err}"
     );
     assert!(
-        gpumem::explain::explain(
-            &recording,
-            gpumem::explain::At::PeakReserved,
-            &options(None)
-        )
-        .is_ok()
+        crate::common::explain(&recording, gpumem::explain::At::PeakReserved, setup(None)).is_ok()
     );
     let recording = std::sync::Arc::new(recording);
     let view = |budget| {
         gpumem::view::recording::RecordingView::new(
             std::sync::Arc::clone(&recording),
             "streams".into(),
-            &options(budget),
+            setup(budget),
         )
     };
     let err = view(Some(1 << 20))

@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 
 use gpumem::allocator::{BlockState, TraceAction};
 use gpumem::device::StreamId;
-use gpumem::explain::{At, explain};
+use gpumem::explain::At;
 use gpumem::recording::read_recording;
-use gpumem::replay::{Readings, ReplayOptions, state_after};
+use gpumem::replay::Setup;
 
 use crate::agent::{Reaper, free_port, http_get, wait_for};
 use crate::browser::Browser;
+use crate::common::{explain, session};
 
 const MIB: u64 = 1 << 20;
 
@@ -120,14 +121,13 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         .position(|e| e.action == TraceAction::Oom)
         .expect("an OOM");
     let total = rec.simulated_device.expect("recorded").total_bytes;
-    let options = ReplayOptions {
+    let setup = Setup {
         capacity: Some(total),
-        ..ReplayOptions::default()
+        ..Setup::default()
     };
-    let readings = Readings::of(&rec, &options).expect("replays");
+    let session = session(&rec, setup).expect("a session");
     let segments_at = |event: usize| {
-        let (mut alloc, divergence) =
-            state_after(&rec, event, &options, &readings).expect("replays");
+        let (mut alloc, divergence) = session.state_after(event).expect("replays");
         assert!(divergence.is_none());
         alloc.snapshot().segments.len() as u64
     };
@@ -139,7 +139,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
     // The states of the replayed blocks just after `event`, in address order, as the page
     // names them.
     let states_at = |event: usize| {
-        let (mut alloc, _) = state_after(&rec, event, &options, &readings).expect("replays");
+        let (mut alloc, _) = session.state_after(event).expect("replays");
         let mut replayed = alloc.snapshot().segments;
         replayed.sort_by_key(|s| s.address);
         let states: Vec<&str> = replayed
@@ -221,7 +221,7 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
                  alive: document.querySelectorAll('script:not([src]),img,iframe').length, \
                  title: document.title};",
     );
-    let e = explain(&rec, At::Event(oom), &ReplayOptions::default()).expect("explains");
+    let e = explain(&rec, At::Event(oom), Setup::default()).expect("explains");
     assert_eq!(shown["sentence"], e.sentence.as_str(), "{shown}");
     // Issue 38: the cause, in the view as in `explain`.
     assert_eq!(shown["cause"], e.cause_sentence.as_str(), "{shown}");

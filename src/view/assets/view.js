@@ -45,13 +45,21 @@ async function init() {
     return;
   }
   // An address may name the moment to open at (#device=N&event=E: the agent's links to a
-  // job's OOM); else the first device, at its first OOM or its peak.
+  // job's OOM); else the moment `gpumem explain` chooses (the first OOM of any device, else a
+  // device's peak), saying why where the recording has several devices.
   const at = new URLSearchParams(window.location.hash.slice(1));
   const named = overview.devices.find((d) => String(d.device) === at.get('device'));
   const event = at.has('event') ? Number(at.get('event')) : NaN;
-  if (named) select.value = String(named.device);
-  await selectDevice((named || overview.devices[0]).device,
-    named && Number.isInteger(event) && event >= 0 ? event : null);
+  const first = overview.first && overview.devices.find((d) => d.device === overview.first.device);
+  if (!named && first && overview.first.why) {
+    $('chosen').textContent = overview.first.why;
+    $('chosen').hidden = false;
+  }
+  const device = named || first || overview.devices[0];
+  select.value = String(device.device);
+  const opening = named ? (Number.isInteger(event) && event >= 0 ? event : null)
+    : (first ? overview.first.event : null);
+  await selectDevice(device.device, opening);
 }
 
 async function selectDevice(device, event = null) {

@@ -1,0 +1,173 @@
+//! Which moment of which device to explain when the user names neither: the first
+//! out-of-memory error of any device, else the peak of a device with a trace, else the state
+//! a snapshot holds of a device it has segments of; each choice with the sentence that says
+//! it.
+//!
+//! # Invariants
+//! - A choice names a device the recording has a trace or segments of, and a moment that
+//!   device has (an OOM only where its trace has one).
+//! - A device named by the user is kept; only the moment is chosen for it.
+
+use crate::allocator::TraceAction;
+use crate::recording::Recording;
+
+/// Which moment to explain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// The recording's first `oom` entry.
+    FirstOom,
+    /// The event after which the allocator reserved the most (the first such, where the trace
+    /// has no OOM to explain).
+    PeakReserved,
+    /// Just after this event (its index in the device's trace).
+    Event(usize),
+    /// The state the snapshot holds: after the trace's last event, or, in a snapshot taken
+    /// without traces (`include_traces=False`), the only moment it has.
+    Snapshot,
+}
+
+/// A device and moment to explain, and why they were chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// The device.
+    pub device: u32,
+    /// The moment.
+    pub at: At,
+    /// Why this device, where the recording names several devices or not device 0 and the
+    /// user named none.
+    pub device_why: Option<String>,
+    /// Why this moment, where the user named none and it is not an OOM.
+    pub moment_why: Option<String>,
+}
+
+impl Choice {
+    /// What was chosen and why, in a sentence; `None` where nothing needs saying.
+    pub fn sentence(&self) -> Option<String> {
+        match (&self.device_why, &self.moment_why) {
+            (Some(device), Some(moment)) => Some(format!("{device}; {moment}")),
+            (Some(why), None) | (None, Some(why)) => Some(why.clone()),
+            (None, None) => None,
+        }
+    }
+}
+
+/// The device and moment to explain: `device` and `at` where given, else as the module
+/// documentation says. `None` when the recording names no device at all.
+pub fn choose(recording: &Recording, device: Option<u32>, at: Option<At>) -> Option<Choice> {
+    let devices = devices(recording);
+    let (device, device_why) = match device {
+        Some(device) => (device, None),
+        None => {
+            let (device, why) = default_device(recording, &devices)?;
+            let say = devices.len() > 1 || device != 0;
+            (device, say.then_some(why))
+        }
+    };
+    let trace = trace(recording, device);
+    let (at, moment_why) = match at {
+        Some(at) => (at, None),
+        None if trace.is_empty() => (
+            At::Snapshot,
+            Some("no trace recorded: the state the snapshot holds".to_string()),
+        ),
+        None if trace.iter().any(|e| e.action == TraceAction::Oom) => (At::FirstOom, None),
+        None => (
+            At::PeakReserved,
+            Some("no out-of-memory error in the trace: the moment of peak reserved memory".into()),
+        ),
+    };
+    Some(Choice {
+        device,
+        at,
+        device_why,
+        moment_why,
+    })
+}
+
+/// The devices the recording names, by trace or by segment, in order.
+pub fn devices(recording: &Recording) -> Vec<u32> {
+    let traced = recording
+        .device_traces
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| !t.is_empty())
+        .map(|(d, _)| d as u32);
+    let held = recording.segments.iter().map(|s| s.device);
+    let set: std::collections::BTreeSet<u32> = traced.chain(held).collect();
+    set.into_iter().collect()
+}
+
+fn trace(recording: &Recording, device: u32) -> &[crate::allocator::TraceEntry] {
+    recording
+        .device_traces
+        .get(device as usize)
+        .map_or(&[][..], Vec::as_slice)
+}
+
+/// The device to explain and why: the one whose first OOM came first (by the recorded
+/// time where every such OOM has one, else the lowest device), else the first with a trace,
+/// else the first with segments.
+fn default_device(recording: &Recording, devices: &[u32]) -> Option<(u32, String)> {
+    let first_oom = |d: u32| {
+        let trace = trace(recording, d);
+        let i = trace.iter().position(|e| e.action == TraceAction::Oom)?;
+        Some((d, i, trace[i].time_us))
+    };
+    let ooms: Vec<(u32, usize, Option<u64>)> =
+        devices.iter().filter_map(|&d| first_oom(d)).collect();
+    let timed = ooms.iter().all(|(_, _, t)| t.is_some());
+    let first = ooms
+        .iter()
+        .min_by_key(|(d, _, t)| if timed { (*t, *d) } else { (None, *d) });
+    if let Some(&(device, event, _)) = first {
+        let others = match ooms.len() {
+            1 => "the only device that ran out of memory".to_string(),
+            n if timed => format!("the first of {n} devices that ran out of memory"),
+            n => format!("the lowest of {n} devices that ran out of memory"),
+        };
+        return Some((
+            device,
+            format!(
+                "device {device}: its out-of-memory error at event {event}, {others} (--device explains another)"
+            ),
+        ));
+    }
+    let traced = devices
+        .iter()
+        .copied()
+        .find(|&d| !trace(recording, d).is_empty());
+    if let Some(device) = traced {
+        return Some((
+            device,
+            format!(
+                "device {device}: no device ran out of memory; the first device with a trace (--device explains another)"
+            ),
+        ));
+    }
+    let device = *devices.first()?;
+    let only = if devices.len() == 1 {
+        "the only device the snapshot holds segments of"
+    } else {
+        "the first device the snapshot holds segments of"
+    };
+    Some((device, format!("device {device}: {only}")))
+}
+
+/// The first event after which reserved memory is highest: segments allocated or mapped,
+/// minus those freed or unmapped, from the trace's start (whatever the start state holds is
+/// the same at every event).
+pub fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<usize> {
+    let mut reserved = 0i128;
+    let mut peak = None;
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap => reserved += i128::from(e.size),
+            TraceAction::SegmentFree | TraceAction::SegmentUnmap => reserved -= i128::from(e.size),
+            _ => {}
+        }
+        if peak.is_none_or(|(_, best)| reserved > best) {
+            peak = Some((i, reserved));
+        }
+    }
+    peak.map(|(i, _)| i)
+}
