@@ -7,7 +7,7 @@ byte-identical; an intended change shows as the files it changes).
 
 Per recording (TRACES_DIR, by default ../shared/traces, its *.pickle): `replay --check`
 (text and JSON), `replay --config expandable_segments:True --json`, and per device `explain`
-(text and JSON, and without `--device`), `plan --json`; then `gpumem view` on loopback and
+(text, JSON and the HTML page, and without `--device`), `plan --json`; then `gpumem view` on loopback and
 its API: the overview, each device's timeline (recorded and the what-if), segment maps at
 the first, middle, last, OOM and peak events, and the explanations at the OOM and the peak.
 Each file holds the exit status, stderr and stdout (or the HTTP status and body).
@@ -125,6 +125,8 @@ def main():
             run(binary, ["explain", "--device", str(dev), str(trace)], out / f"explain-d{dev}.txt")
             run(binary, ["explain", "--json", "--device", str(dev), str(trace)], out / f"explain-d{dev}.json")
             run(binary, ["plan", "--json", "--device", str(dev), str(trace)], out / f"plan-d{dev}.json")
+            page = (out / f"explain-d{dev}.html").resolve()
+            run(binary, ["explain", "--device", str(dev), "--html", str(page), str(trace)], out / f"explain-d{dev}.html.log")
         view(binary, trace, out)
         print(f"{trace.name}: {time.time() - start:.1f} s", flush=True)
 

@@ -171,3 +171,84 @@ pub fn peak_reserved_event(events: &[crate::allocator::TraceEntry]) -> Option<us
     }
     peak.map(|(i, _)| i)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recording::parse_recording;
+
+    /// A recording of `traces`, each a device's events as (action, time).
+    fn recording(traces: &[&[(&str, Option<u64>)]]) -> Recording {
+        let traces: Vec<Vec<serde_json::Value>> = traces
+            .iter()
+            .map(|t| {
+                t.iter()
+                    .enumerate()
+                    .map(|(i, (action, time))| {
+                        let addr = 0x20_0000 * (i as u64 + 1);
+                        let mut e = serde_json::json!({"action": action, "addr": addr, "size": 512, "stream": 0});
+                        if let Some(t) = time {
+                            e["time_us"] = serde_json::json!(t);
+                        }
+                        e
+                    })
+                    .collect()
+            })
+            .collect();
+        let doc = serde_json::json!({"segments": [], "device_traces": traces});
+        parse_recording(doc.to_string().as_bytes()).expect("a valid recording")
+    }
+
+    #[test]
+    fn the_first_oom_in_time_is_chosen_else_the_lowest_device() {
+        let timed = recording(&[
+            &[("alloc", Some(10)), ("oom", Some(50))],
+            &[("alloc", Some(10))],
+            &[("oom", Some(20))],
+        ]);
+        let c = choose(&timed, None, None).expect("a device");
+        assert_eq!((c.device, c.at), (2, At::FirstOom));
+        let why = c.device_why.expect("several devices: says why");
+        assert!(
+            why.starts_with("device 2: its out-of-memory error at event 0, the first of 2"),
+            "{why}"
+        );
+        assert_eq!(c.moment_why, None);
+
+        let untimed = recording(&[&[("alloc", None), ("oom", None)], &[("oom", None)]]);
+        let c = choose(&untimed, None, None).expect("a device");
+        assert_eq!(c.device, 0, "without times, the lowest device");
+        assert!(c.device_why.expect("why").contains("the lowest of 2"));
+    }
+
+    #[test]
+    fn without_an_oom_a_traced_device_and_its_peak_are_chosen() {
+        let r = recording(&[&[], &[("alloc", None)]]);
+        let c = choose(&r, None, None).expect("a device");
+        assert_eq!((c.device, c.at), (1, At::PeakReserved));
+        assert!(
+            c.device_why
+                .expect("device 1, not 0")
+                .contains("no device ran out of memory")
+        );
+        assert!(
+            c.moment_why
+                .expect("why the peak")
+                .contains("peak reserved")
+        );
+        // A device named is kept, its moment chosen; a moment named is kept too.
+        let c = choose(&r, Some(0), None).expect("device 0");
+        assert_eq!((c.device, c.at, c.device_why), (0, At::Snapshot, None));
+        let c = choose(&r, None, Some(At::Event(0))).expect("a device");
+        assert_eq!((c.device, c.at, c.moment_why), (1, At::Event(0), None));
+        // A single device 0 needs no word on the device.
+        let one = recording(&[&[("alloc", None), ("oom", None)]]);
+        let c = choose(&one, None, None).expect("device 0");
+        assert_eq!((c.device, c.sentence(), c.device_why), (0, None, None));
+        assert_eq!(
+            choose(&recording(&[]), None, None),
+            None,
+            "no device at all"
+        );
+    }
+}

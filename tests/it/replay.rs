@@ -1232,3 +1232,60 @@ fn what_ifs_of_a_recording_with_an_oom_run_within_the_jobs_memory() {
         "{text}"
     );
 }
+
+/// Issue 54, item 7, on a recording made here (no shared traces needed): a job that ran out
+/// of memory on a 64 MiB device whose recording does not name the device. A what-if
+/// replays within what the job had at the OOM (reserved plus the driver's free), so the
+/// recorded configuration's OOM shows, not on the 80 GiB assumed; `available` overrides.
+#[test]
+fn a_what_if_takes_the_jobs_memory_at_its_oom() {
+    use common::MIB;
+    use gpumem::replay::JobMemory;
+
+    let mut a = common::allocator(64 * MIB, "");
+    let blocks: Vec<_> = (0..3)
+        .map(|_| common::malloc(&mut a, 20 * MIB, common::S0))
+        .collect();
+    assert!(
+        a.malloc(20 * MIB, common::S0).is_err(),
+        "the device is full"
+    );
+    let mut doc = serde_json::to_value(a.snapshot()).expect("serialises");
+    doc.as_object_mut()
+        .expect("a snapshot")
+        .remove("simulated_device");
+    let rec = parse_recording(doc.to_string().as_bytes()).expect("reads back");
+    let oom = rec.device_traces[0]
+        .iter()
+        .position(|e| e.action == gpumem::allocator::TraceAction::Oom)
+        .expect("an OOM");
+    let session = common::session(&rec, Setup::default()).expect("a session");
+    let memory = session.job_memory().expect("replays").expect("an OOM");
+    let free = rec.device_traces[0][oom].addr;
+    assert_eq!(
+        memory,
+        JobMemory {
+            event: oom,
+            reserved: 60 * MIB,
+            device_free: free
+        }
+    );
+    let explained =
+        gpumem::explain::explain(&session, gpumem::explain::At::FirstOom).expect("explains");
+    assert_eq!(
+        explained.available,
+        Some(memory.bytes()),
+        "as explain reads it"
+    );
+    let within = session
+        .replay(&Mode::WhatIf(WhatIf::default()), 0, &mut |_, _| {})
+        .expect("replays");
+    assert_eq!((within.ooms, within.job_memory), (1, Some(memory)));
+    assert_eq!(within.capacity, gpumem::replay::DEFAULT_CAPACITY);
+    let whole = WhatIf::default().within(Some(within.capacity));
+    let free_run = session
+        .replay(&Mode::WhatIf(whole), 0, &mut |_, _| {})
+        .expect("replays");
+    assert_eq!((free_run.ooms, free_run.job_memory), (0, None));
+    drop(blocks);
+}
