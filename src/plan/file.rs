@@ -1,0 +1,177 @@
+//! The plan file (`gpumem plan -o`, `plan:PATH`): its envelope (format, version, where the
+//! plan came from), read within [`MAX_PLAN_FILE_BYTES`] and validated.
+
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::{Plan, PlanEntry, PlanError, PlanRegion};
+
+/// The largest plan file read.
+pub const MAX_PLAN_FILE_BYTES: u64 = 256 << 20;
+
+/// The plan file's `format` field.
+pub const PLAN_FORMAT: &str = "gpumem-plan";
+/// The plan file's version this build reads and writes.
+pub const PLAN_VERSION: u32 = 1;
+
+/// A plan file (`gpumem plan -o`, `plan:PATH`): the [`Plan`] the allocator follows, with its
+/// format, version and where it came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    /// Always [`PLAN_FORMAT`].
+    pub format: String,
+    /// Always [`PLAN_VERSION`].
+    pub version: u32,
+    /// One region per stream.
+    pub regions: Vec<PlanRegion>,
+    /// The iteration's allocations in order.
+    pub entries: Vec<PlanEntry>,
+    /// Where the plan came from and what the planner found (informative only).
+    #[serde(default)]
+    pub source: Option<PlanSource>,
+}
+
+impl PlanFile {
+    /// The file of `plan`, made from `source`.
+    pub fn new(plan: &Plan, source: Option<PlanSource>) -> PlanFile {
+        PlanFile {
+            format: PLAN_FORMAT.to_string(),
+            version: PLAN_VERSION,
+            regions: plan.regions.clone(),
+            entries: plan.entries.clone(),
+            source,
+        }
+    }
+
+    /// The plan the allocator follows.
+    pub fn plan(&self) -> Plan {
+        Plan {
+            regions: self.regions.clone(),
+            entries: self.entries.clone(),
+        }
+    }
+}
+
+/// What the planner found (informative: the allocator does not read it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanSource {
+    /// The recording's file name.
+    pub recording: String,
+    /// The device whose trace was planned.
+    pub device: u32,
+    /// Index (among the trace's allocations) of the planned iteration's first allocation.
+    pub first_allocation: usize,
+    /// Allocations per iteration.
+    pub period: usize,
+    /// Iterations found in a row, the planned one included.
+    pub iterations: usize,
+    /// Trace events of the planned iteration: `[first, end)`.
+    pub events: [usize; 2],
+    /// Trace events the plan is evaluated on (the iterations after it): `[first, end)`.
+    pub evaluated: [usize; 2],
+    /// The most bytes the planned allocations hold at once: no placement needs less.
+    pub lower_bound_bytes: u64,
+    /// Bytes of the persistent allocations (they outlive an iteration: placed in chunks, some
+    /// tried at an offset first).
+    pub persistent_bytes: u64,
+}
+
+/// Why a plan file's text is not a plan to follow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanFormatError {
+    /// Not JSON of the plan file's shape.
+    #[error("not a gpumem plan: {0}")]
+    Malformed(String),
+    /// Another format or version.
+    #[error(
+        "a plan of format {format:?} version {version}; this build reads {PLAN_FORMAT:?} version {PLAN_VERSION}"
+    )]
+    Version {
+        /// The file's format field.
+        format: String,
+        /// The file's version field.
+        version: u32,
+    },
+    /// A `source` that contradicts itself (a window that ends before it starts).
+    #[error("the plan's source: {0}")]
+    Source(String),
+    /// A plan the allocator cannot follow.
+    #[error(transparent)]
+    Invalid(#[from] PlanError),
+}
+
+/// Why a plan file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanFileError {
+    /// It cannot be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It is larger than [`MAX_PLAN_FILE_BYTES`].
+    #[error("{path}: larger than {MAX_PLAN_FILE_BYTES} bytes, not a plan")]
+    TooLarge {
+        /// The file.
+        path: String,
+    },
+    /// It is not a valid plan.
+    #[error("{path}: {source}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// Why.
+        source: PlanFormatError,
+    },
+}
+
+/// Reads and validates a plan file (at most [`MAX_PLAN_FILE_BYTES`]).
+///
+/// # Errors
+/// A [`PlanFileError`] naming the file.
+pub fn read_plan_file(path: &std::path::Path) -> Result<PlanFile, PlanFileError> {
+    use std::io::Read as _;
+    let name = path.display().to_string();
+    let io = |source| PlanFileError::Io {
+        path: name.clone(),
+        source,
+    };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_PLAN_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_PLAN_FILE_BYTES {
+        return Err(PlanFileError::TooLarge { path: name });
+    }
+    parse_plan(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
+}
+
+/// Reads a plan file's JSON text, its plan validated ([`Plan::validate`]).
+///
+/// # Errors
+/// A [`PlanFormatError`] saying what is wrong.
+pub fn parse_plan(text: &str) -> Result<PlanFile, PlanFormatError> {
+    let file: PlanFile =
+        serde_json::from_str(text).map_err(|e| PlanFormatError::Malformed(e.to_string()))?;
+    if file.format != PLAN_FORMAT || file.version != PLAN_VERSION {
+        return Err(PlanFormatError::Version {
+            format: file.format,
+            version: file.version,
+        });
+    }
+    if let Some(s) = &file.source {
+        for (name, [from, to]) in [("events", s.events), ("evaluated", s.evaluated)] {
+            if from > to {
+                return Err(PlanFormatError::Source(format!(
+                    "{name} [{from}, {to}] is reversed"
+                )));
+            }
+        }
+    }
+    file.plan().validate()?;
+    Ok(file)
+}
