@@ -79,51 +79,10 @@ pub(crate) fn run(args: Args) -> CliResult {
     for c in &args.configs {
         configs.push(Some(args.recording.pytorch.config(c)?));
     }
-    let mut tables = Vec::new();
-    for &device in &devices {
-        let session = args.recording.session(&recording, device)?;
-        // A plan made from this recording is evaluated on what it was not made from.
-        let events = session.events().len();
-        let window = plan
-            .as_ref()
-            .map(|_| plan_window(source, &args.recording.name(), device, events))
-            .transpose()?;
-        let mut rows = Vec::new();
-        for config in &configs {
-            let label = config
-                .as_ref()
-                .map_or("recorded".to_string(), |c| c.last_settings.clone());
-            let what_if = args
-                .what_if()
-                .under(config.clone())
-                .on_events(window.clone());
-            let report = replay_shown(&session, &Mode::WhatIf(what_if), args.series())?;
-            rows.push(Row {
-                label: Some(label),
-                report,
-            });
-        }
-        if let Some(plan) = &plan {
-            let what_if = args
-                .what_if()
-                .starting_afresh(false)
-                .on_events(window.clone())
-                .following(Some(plan.clone()));
-            let mut report = replay_shown(&session, &Mode::WhatIf(what_if), args.series())?;
-            report.config = format!("planned {}", super::parenthesised(&report.config));
-            rows.push(Row {
-                label: None,
-                report,
-            });
-        }
-        tables.push(Comparison {
-            device,
-            window,
-            available: args.available,
-            fresh_start: args.fresh_start,
-            rows,
-        });
-    }
+    let tables = devices
+        .iter()
+        .map(|&device| comparison(&args, &recording, device, &configs, plan_file.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = &args.plot {
         write_plot(&args, path, &tables)?;
     }
@@ -137,6 +96,65 @@ pub(crate) fn run(args: Args) -> CliResult {
         out!("{}", table.text())?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `device`'s what-if rows: one per configuration (the recorded one first), and one that
+/// follows the plan where one was given.
+fn comparison(
+    args: &Args,
+    recording: &Arc<Recording>,
+    device: u32,
+    configs: &[Option<AllocatorConfig>],
+    plan_file: Option<&gpumem::plan::PlanFile>,
+) -> Result<Comparison, Box<dyn std::error::Error>> {
+    let session = args.recording.session(recording, device)?;
+    // A plan made from this recording is evaluated on what it was not made from.
+    let source = plan_file.and_then(|f| f.source.as_ref());
+    let window = plan_file
+        .map(|_| {
+            plan_window(
+                source,
+                &args.recording.name(),
+                device,
+                session.events().len(),
+            )
+        })
+        .transpose()?;
+    let mut rows = Vec::new();
+    for config in configs {
+        let label = config
+            .as_ref()
+            .map_or("recorded".to_string(), |c| c.last_settings.clone());
+        let what_if = args
+            .what_if()
+            .under(config.clone())
+            .on_events(window.clone());
+        let report = replay_shown(&session, &Mode::WhatIf(what_if), args.series())?;
+        rows.push(Row {
+            label: Some(label),
+            report,
+        });
+    }
+    if let Some(file) = plan_file {
+        let what_if = args
+            .what_if()
+            .starting_afresh(false)
+            .on_events(window.clone())
+            .following(Some(Arc::new(file.plan())));
+        let mut report = replay_shown(&session, &Mode::WhatIf(what_if), args.series())?;
+        report.config = format!("planned {}", super::parenthesised(&report.config));
+        rows.push(Row {
+            label: None,
+            report,
+        });
+    }
+    Ok(Comparison {
+        device,
+        window,
+        available: args.available,
+        fresh_start: args.fresh_start,
+        rows,
+    })
 }
 
 impl Args {
