@@ -36,6 +36,7 @@ use std::sync::atomic::{
 
 use super::size::PoolKind;
 use active::Derived;
+pub(super) use active::slot;
 pub use stat::{Counter, Stat, StatArray, StatValue};
 
 /// All statistics of one device's allocator (PyTorch's `DeviceStats`).
