@@ -69,6 +69,24 @@ mod opcode {
     pub(super) const MEMOIZE: u8 = 0x94;
     /// FRAME: an 8-byte length hint for buffered readers.
     pub(super) const FRAME: u8 = 0x95;
+
+    /// The opcodes that name a class or call a function (GLOBAL, STACK_GLOBAL, REDUCE, BUILD,
+    /// INST, OBJ, NEWOBJ, NEWOBJ_EX, PERSID, BINPERSID, EXT1, EXT2, EXT4): refused.
+    pub(super) const REFUSED: [u8; 13] = [
+        b'c',
+        STACK_GLOBAL,
+        b'R',
+        b'b',
+        b'i',
+        b'o',
+        NEWOBJ,
+        NEWOBJ_EX,
+        b'P',
+        b'Q',
+        EXT1,
+        EXT2,
+        EXT4,
+    ];
 }
 
 /// How often (in opcodes) memory is checked against the budget.
@@ -580,19 +598,7 @@ impl Machine<'_, '_> {
                     let v = self.doc.scalar(Val::Bool(op == opcode::NEWTRUE));
                     self.push(v);
                 }
-                b'c'
-                | opcode::STACK_GLOBAL
-                | b'R'
-                | b'b'
-                | b'i'
-                | b'o'
-                | opcode::NEWOBJ
-                | opcode::NEWOBJ_EX
-                | b'P'
-                | b'Q'
-                | opcode::EXT1
-                | opcode::EXT2
-                | opcode::EXT4 => {
+                op if opcode::REFUSED.contains(&op) => {
                     return Err(self.fail(format!(
                         "opcode {op:#04x} names a class or calls a function; only plain data (dict, list, tuple, str, int, float, bool) is accepted"
                     )));
