@@ -60,6 +60,13 @@ fn write_text(out: &mut String, e: &Explanation, confirm: Option<&str>) -> std::
             d.index
         )?;
     }
+    write_memory(out, e)?;
+    write_remedies(out, e, confirm)
+}
+
+/// Where the memory was: the private pools, the breakdown, the reserved figures.
+fn write_memory(out: &mut String, e: &Explanation) -> std::fmt::Result {
+    let f = format_size;
     if !e.private_pools.is_empty() {
         writeln!(
             out,
@@ -103,6 +110,12 @@ fn write_text(out: &mut String, e: &Explanation, confirm: Option<&str>) -> std::
         f(e.largest_free_block),
         e.segments_with_free
     )?;
+    Ok(())
+}
+
+/// What would have avoided it, what grows, what pins the free memory.
+fn write_remedies(out: &mut String, e: &Explanation, confirm: Option<&str>) -> std::fmt::Result {
+    let f = format_size;
     if let Some(available) = e.available.filter(|_| !e.candidates.is_empty()) {
         writeln!(
             out,

@@ -480,6 +480,156 @@ fn check_identity(
     Ok(())
 }
 
+/// Who a push is from, as [`PushStore`]'s identification found it.
+struct Identity {
+    origin: Origin,
+    /// Its start time: the kernel's or the node's where they said, else the payload's.
+    start_time: Option<u64>,
+    /// Its container, where the kernel or the node named it.
+    container: Option<ContainerRef>,
+    /// Its pod's namespace and name, where the pod network named it.
+    pod_names: Option<(String, String)>,
+}
+
+/// What admitting a push found.
+#[derive(Clone, Copy, Default)]
+struct Admission {
+    /// It is the tracked process's next push (else it starts a new entry).
+    replaces: bool,
+    /// It came too soon and uses the allowance of urgent pushes.
+    urgent: bool,
+}
+
+/// The series that what an earlier push of `t` (a snapshot, an OOM's explanation) keeps
+/// exporting adds: they count as much as what this push brings.
+fn kept_series(t: &Tracked, push: &ValidPush) -> usize {
+    push.devices
+        .iter()
+        .filter_map(|d| Some((d, t.sources.iter().find(|s| s.uuid == d.uuid)?)))
+        .map(|(d, before)| {
+            let classes = if d.snapshot.is_none() {
+                2 * before
+                    .segment_classes
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .len()
+            } else {
+                0
+            };
+            let explanation = d.last_oom.is_none()
+                && before.last_oom().is_some()
+                && before.stats.num_ooms.get() >= d.stats.num_ooms.get();
+            classes + if explanation { OOM_BREAKDOWN_SERIES } else { 0 }
+        })
+        .sum()
+}
+
+/// A push's labels with its container's and pod's, where the kernel or the node named them.
+fn labels_of(
+    mut labels: Vec<(String, String)>,
+    container: Option<&ContainerRef>,
+    pod_names: Option<(String, String)>,
+) -> Vec<(String, String)> {
+    if let Some(c) = container {
+        labels.push(("pod_uid".into(), c.pod_uid.clone()));
+        labels.push(("container_id".into(), c.container_id.clone()));
+    }
+    if let Some((namespace, name)) = pod_names {
+        labels.push(("pod_namespace".into(), namespace));
+        labels.push(("pod_name".into(), name));
+    }
+    labels
+}
+
+/// The sources of a push's devices (taken out of it), with what `old`, its process's last
+/// entry, keeps: a snapshot's figures stand until a later snapshot replaces them; an OOM's
+/// explanation until the device's next OOM (explained or not).
+fn pushed_sources(
+    push: &mut ValidPush,
+    old: Option<&Tracked>,
+    labels: &[(String, String)],
+    last_oom_at: Option<f64>,
+) -> Vec<Arc<AllocatorSource>> {
+    let pid = push.pid;
+    std::mem::take(&mut push.devices)
+        .into_iter()
+        .map(|device| {
+            let before = old.and_then(|t| t.sources.iter().find(|s| s.uuid == device.uuid));
+            let last_oom = device.last_oom.or_else(|| {
+                before
+                    .filter(|s| s.stats.num_ooms.get() >= device.stats.num_ooms.get())
+                    .and_then(|s| s.last_oom())
+            });
+            let kept = before.filter(|_| device.snapshot.is_none()).map(|s| {
+                let classes = s
+                    .segment_classes
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                (s.largest_free_block.load(Ordering::Relaxed), classes)
+            });
+            let (largest, classes) = device
+                .snapshot
+                .or(kept)
+                .unwrap_or((UNKNOWN_SIZE, Vec::new()));
+            Arc::new(AllocatorSource {
+                gpu: device.index,
+                uuid: device.uuid,
+                pid,
+                allocator: AllocatorKind::Pytorch,
+                version: push.version.clone(),
+                config: push.config.clone(),
+                stats: Arc::new(device.stats),
+                largest_free_block: Arc::new(AtomicU64::new(largest)),
+                segment_classes: Mutex::new(classes),
+                labels: labels.to_vec(),
+                last_oom_unix_seconds: last_oom_at,
+                last_oom: Mutex::new(last_oom),
+                segments: Default::default(),
+            })
+        })
+        .collect()
+}
+
+/// OOMs a push brings for its pod's count.
+struct PodOom {
+    /// Counted now and not at its last push.
+    new_ooms: u64,
+    /// The process is seen afresh (its entry had gone).
+    fresh: bool,
+    /// When the job dates its last OOM, by its own clock.
+    dated: Option<f64>,
+    /// When its last OOM is taken to be.
+    last_oom_at: Option<f64>,
+}
+
+/// Adds a push's new OOMs to its container's pod count. A process seen afresh brings its
+/// whole count again: the OOMs it dates to at or before the pod's last counted one were
+/// counted then.
+fn count_pod_ooms(
+    pods: &mut BTreeMap<(String, String), PodCount>,
+    c: &ContainerRef,
+    oom: PodOom,
+    now: Instant,
+) {
+    let key = (c.pod_uid.clone(), c.container_id.clone());
+    let count = pods.entry(key).or_insert(PodCount {
+        ooms: 0,
+        last: now,
+        last_oom_unix: None,
+    });
+    let recounted = oom.fresh
+        && oom
+            .dated
+            .zip(count.last_oom_unix)
+            .is_some_and(|(theirs, counted)| theirs <= counted);
+    if !recounted {
+        count.ooms += oom.new_ooms;
+        count.last = now;
+        count.last_oom_unix = oom.last_oom_at.or(count.last_oom_unix);
+    }
+}
+
 /// The pushed processes and the ingest's own counters.
 pub struct PushStore {
     config: IngestConfig,
@@ -639,6 +789,9 @@ impl PushStore {
             .map_err(|rejected| self.refuse(rejected))
     }
 
+    /// A push, in its phases: validate the body, identify the sender, admit it (order and
+    /// rate), fit it in the budgets (evicting ended processes where that is enough), then
+    /// track and publish it. A refusal at any phase changes nothing.
     pub(super) fn push_at(
         &self,
         body: &[u8],
@@ -646,11 +799,27 @@ impl PushStore {
         now: Instant,
     ) -> Result<(), Rejected> {
         let mut push = validate(body)?;
-        // Who the pid is: a host pid with its start time from /proc and its container, or
-        // the payload's own word (which tells apart, say, two containers' pid 1).
-        let mut pod_names = None;
-        let (origin, start_time, container) = match sender.into() {
-            Sender::Unattributed => (Origin::Tcp, push.start_time, None),
+        let who = self.identify(&mut push, sender.into())?;
+        let mut state = self.state();
+        let admitted = self.admit(&state, &push, &who.origin, who.start_time, now)?;
+        let series = self.budget(&mut state, &push, &who.origin, admitted.replaces, now)?;
+        self.track(&mut state, push, who, admitted, series, now);
+        self.publish(&state);
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Who the pid is: a host pid with its start time from /proc and its container, or the
+    /// payload's own word (which tells apart, say, two containers' pid 1). Replaces the
+    /// payload's pid by the host's where the kernel or the node named it.
+    fn identify(&self, push: &mut ValidPush, sender: Sender) -> Result<Identity, Rejected> {
+        Ok(match sender {
+            Sender::Unattributed => Identity {
+                origin: Origin::Tcp,
+                start_time: push.start_time,
+                container: None,
+                pod_names: None,
+            },
             Sender::Process(peer) => {
                 let now = (self.config.start_time)(peer.pid);
                 // The connecting process exited (its connection inherited by a child, say):
@@ -666,107 +835,126 @@ impl PushStore {
                     ));
                 }
                 push.pid = peer.pid;
-                (Origin::Socket, now, (self.config.resolve)(peer.pid))
+                Identity {
+                    origin: Origin::Socket,
+                    start_time: now,
+                    container: (self.config.resolve)(peer.pid),
+                    pod_names: None,
+                }
             }
             Sender::Pod(pod) => {
                 let found = (self.config.pod_process)(&pod.uid, push.pid, push.start_time)
                     .map_err(|e| Rejected::new(Refusal::NotInPod, e.to_string()))?;
                 check_identity(&push.labels, &pod, &found.container)?;
                 push.pid = found.pid;
-                // The runtime named the pod: its series need no kubelet directory for that.
-                pod_names = Some((pod.namespace, pod.name));
-                (
-                    Origin::Pod(pod.uid),
-                    Some(found.start_time),
-                    Some(found.container),
-                )
+                Identity {
+                    origin: Origin::Pod(pod.uid),
+                    start_time: Some(found.start_time),
+                    container: Some(found.container),
+                    // The runtime named the pod: its series need no kubelet directory for that.
+                    pod_names: Some((pod.namespace, pod.name)),
+                }
             }
-        };
+        })
+    }
+
+    /// Whether a push from `origin` may write its pid's entry: not over a higher-ranked
+    /// sender's, not over a live loopback job of another start time, and, from the same
+    /// process, in order and not too often.
+    fn admit(
+        &self,
+        state: &State,
+        push: &ValidPush,
+        origin: &Origin,
+        start_time: Option<u64>,
+        now: Instant,
+    ) -> Result<Admission, Rejected> {
         let pid = push.pid;
-
-        let mut state = self.state();
-        let mut previous = None;
-        let mut urgent = false;
-        if let Some(t) = state.tracked.get(&pid) {
-            let same_process = t.origin == origin && t.start_time == start_time;
-            // The kernel's word stands over the node's (which proves a pod's process exists,
-            // not that it pushed), and both over a payload's.
-            let outranked = match (&t.origin, &origin) {
-                (Origin::Socket, Origin::Socket) => false,
-                (Origin::Socket, _) => true,
-                (Origin::Pod(_), Origin::Tcp) => true,
-                _ => false,
-            };
-            if outranked {
-                return Err(Rejected::new(
-                    Refusal::Conflict,
-                    format!(
-                        "pid {pid} pushes over the agent's {}; pushes from {} cannot write it",
-                        if t.origin == Origin::Socket {
-                            "socket"
-                        } else {
-                            "pod network"
-                        },
-                        if origin == Origin::Tcp {
-                            "loopback"
-                        } else {
-                            "the pod network"
-                        }
-                    ),
-                ));
-            }
-            // A loopback pid and start time are the payload's word: another's cannot take a
-            // live loopback job's series (another local user's, a stale pid's).
-            if t.origin == Origin::Tcp
-                && origin == Origin::Tcp
-                && !same_process
-                && t.end(self.config.ttl) > now
-            {
-                // (Its start time is not said: not to help another guess it.)
-                return Err(Rejected::new(
-                    Refusal::Conflict,
-                    format!(
-                        "pid {pid} is a live loopback job's, of another start time; a push cannot replace it until it ends (its exit push, or {:?} of silence): push over the agent's socket",
-                        self.config.ttl
-                    ),
-                ));
-            }
-            if same_process {
-                urgent = self.check_order(t, &push, now)?;
-                previous = Some(pid);
-            }
-            // Otherwise a new process under a dead one's pid (or the kernel now names a pid
-            // a TCP push claimed): it replaces the old entry.
+        let mut admitted = Admission::default();
+        let Some(t) = state.tracked.get(&pid) else {
+            return Ok(admitted);
+        };
+        let same_process = t.origin == *origin && t.start_time == start_time;
+        // The kernel's word stands over the node's (which proves a pod's process exists,
+        // not that it pushed), and both over a payload's.
+        let outranked = match (&t.origin, origin) {
+            (Origin::Socket, Origin::Socket) => false,
+            (Origin::Socket, _) => true,
+            (Origin::Pod(_), Origin::Tcp) => true,
+            _ => false,
+        };
+        if outranked {
+            return Err(Rejected::new(
+                Refusal::Conflict,
+                format!(
+                    "pid {pid} pushes over the agent's {}; pushes from {} cannot write it",
+                    if t.origin == Origin::Socket {
+                        "socket"
+                    } else {
+                        "pod network"
+                    },
+                    if *origin == Origin::Tcp {
+                        "loopback"
+                    } else {
+                        "the pod network"
+                    }
+                ),
+            ));
         }
-        // What a snapshot or an OOM's explanation from an earlier push keeps exporting (below)
-        // counts as much as what this push brings.
-        let kept_series: usize = previous
-            .and_then(|pid| state.tracked.get(&pid))
-            .map_or(0, |t| {
-                push.devices
-                    .iter()
-                    .filter_map(|d| Some((d, t.sources.iter().find(|s| s.uuid == d.uuid)?)))
-                    .map(|(d, before)| {
-                        let classes = if d.snapshot.is_none() {
-                            2 * before
-                                .segment_classes
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner)
-                                .len()
-                        } else {
-                            0
-                        };
-                        let explanation = d.last_oom.is_none()
-                            && before.last_oom().is_some()
-                            && before.stats.num_ooms.get() >= d.stats.num_ooms.get();
-                        classes + if explanation { OOM_BREAKDOWN_SERIES } else { 0 }
-                    })
-                    .sum()
-            });
-        let series = push.series() + kept_series;
-        self.make_room(&mut state, pid, &origin, series, now)?;
+        // A loopback pid and start time are the payload's word: another's cannot take a
+        // live loopback job's series (another local user's, a stale pid's).
+        if t.origin == Origin::Tcp
+            && *origin == Origin::Tcp
+            && !same_process
+            && t.end(self.config.ttl) > now
+        {
+            // (Its start time is not said: not to help another guess it.)
+            return Err(Rejected::new(
+                Refusal::Conflict,
+                format!(
+                    "pid {pid} is a live loopback job's, of another start time; a push cannot replace it until it ends (its exit push, or {:?} of silence): push over the agent's socket",
+                    self.config.ttl
+                ),
+            ));
+        }
+        if same_process {
+            admitted.urgent = self.check_order(t, push, now)?;
+            admitted.replaces = true;
+        }
+        // Otherwise a new process under a dead one's pid (or the kernel now names a pid
+        // a TCP push claimed): it replaces the old entry.
+        Ok(admitted)
+    }
 
-        let old = previous.and_then(|pid| state.tracked.get(&pid));
+    /// The series the push will hold (its own and what its process's last push keeps
+    /// exporting, where it `replaces` it), once room is made for them.
+    fn budget(
+        &self,
+        state: &mut State,
+        push: &ValidPush,
+        origin: &Origin,
+        replaces: bool,
+        now: Instant,
+    ) -> Result<usize, Rejected> {
+        let old = state.tracked.get(&push.pid).filter(|_| replaces);
+        let series = push.series() + old.map_or(0, |t| kept_series(t, push));
+        self.make_room(state, push.pid, origin, series, now)?;
+        Ok(series)
+    }
+
+    /// Tracks an admitted push holding `series` series: its sources, its OOMs (counted for
+    /// its pod), its allowance and its end.
+    fn track(
+        &self,
+        state: &mut State,
+        mut push: ValidPush,
+        who: Identity,
+        admitted: Admission,
+        series: usize,
+        now: Instant,
+    ) {
+        let pid = push.pid;
+        let old = state.tracked.get(&pid).filter(|_| admitted.replaces);
         let old_ooms = old.map_or(0, |t| t.ooms);
         let ooms = push.ooms().max(old_ooms);
         let new_ooms = ooms - old_ooms;
@@ -779,97 +967,42 @@ impl PushStore {
                 .and_then(|t| t.sources.first())
                 .and_then(|s| s.last_oom_unix_seconds),
         };
-        // OOMs the job dates to before this agent started were counted by its predecessor.
-        let counted = push
-            .last_oom_unix_seconds
-            .is_none_or(|t| t >= self.started_unix);
-        let mut labels = std::mem::take(&mut push.labels);
-        if let Some(c) = &container {
-            labels.push(("pod_uid".into(), c.pod_uid.clone()));
-            labels.push(("container_id".into(), c.container_id.clone()));
-        }
-        if let Some((namespace, name)) = pod_names {
-            labels.push(("pod_namespace".into(), namespace));
-            labels.push(("pod_name".into(), name));
-        }
-        let sources: Vec<Arc<AllocatorSource>> = push
-            .devices
-            .into_iter()
-            .map(|device| {
-                // A snapshot's figures stand until a later snapshot replaces them; an OOM's
-                // explanation until the device's next OOM (explained or not).
-                let before = old.and_then(|t| t.sources.iter().find(|s| s.uuid == device.uuid));
-                let last_oom = device.last_oom.or_else(|| {
-                    before
-                        .filter(|s| s.stats.num_ooms.get() >= device.stats.num_ooms.get())
-                        .and_then(|s| s.last_oom())
-                });
-                let kept = before.filter(|_| device.snapshot.is_none()).map(|s| {
-                    let classes = s
-                        .segment_classes
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .clone();
-                    (s.largest_free_block.load(Ordering::Relaxed), classes)
-                });
-                let (largest, classes) = device
-                    .snapshot
-                    .or(kept)
-                    .unwrap_or((UNKNOWN_SIZE, Vec::new()));
-                Arc::new(AllocatorSource {
-                    gpu: device.index,
-                    uuid: device.uuid,
-                    pid,
-                    allocator: AllocatorKind::Pytorch,
-                    version: push.version.clone(),
-                    config: push.config.clone(),
-                    stats: Arc::new(device.stats),
-                    largest_free_block: Arc::new(AtomicU64::new(largest)),
-                    segment_classes: Mutex::new(classes),
-                    labels: labels.clone(),
-                    last_oom_unix_seconds: last_oom_at,
-                    last_oom: Mutex::new(last_oom),
-                    segments: Default::default(),
-                })
-            })
-            .collect();
+        let labels = labels_of(
+            std::mem::take(&mut push.labels),
+            who.container.as_ref(),
+            who.pod_names,
+        );
+        let sources = pushed_sources(&mut push, old, &labels, last_oom_at);
         // Only pushes that needed the allowance use it up.
         let mut allowance = old.map_or(Allowance::new(now), |t| t.allowance.at(now));
-        allowance.spent += u32::from(urgent);
+        allowance.spent += u32::from(admitted.urgent);
         let ended = old
             .and_then(|t| t.ended)
             .or_else(|| (push.reason == Reason::Exit).then_some(now));
         let fresh = old.is_none();
+        // OOMs the job dates to before this agent started were counted by its predecessor.
+        let counted = push
+            .last_oom_unix_seconds
+            .is_none_or(|t| t >= self.started_unix);
         if new_ooms > 0
             && counted
-            && let Some(c) = &container
+            && let Some(c) = &who.container
         {
-            let key = (c.pod_uid.clone(), c.container_id.clone());
-            let count = state.pods.entry(key).or_insert(PodCount {
-                ooms: 0,
-                last: now,
-                last_oom_unix: None,
-            });
-            // A process seen afresh (its entry had gone) brings its whole count again; the
-            // OOMs it dates to at or before the pod's last counted one were counted then.
-            let recounted = fresh
-                && push
-                    .last_oom_unix_seconds
-                    .zip(count.last_oom_unix)
-                    .is_some_and(|(theirs, counted)| theirs <= counted);
-            if !recounted {
-                count.ooms += new_ooms;
-                count.last = now;
-                count.last_oom_unix = last_oom_at.or(count.last_oom_unix);
-            }
+            let oom = PodOom {
+                new_ooms,
+                fresh,
+                dated: push.last_oom_unix_seconds,
+                last_oom_at,
+            };
+            count_pod_ooms(&mut state.pods, c, oom, now);
         }
         state.tracked.insert(
             pid,
             Tracked {
                 seq: push.seq,
                 last: now,
-                origin,
-                start_time,
+                origin: who.origin,
+                start_time: who.start_time,
                 ended,
                 allowance,
                 ooms,
@@ -878,9 +1011,6 @@ impl PushStore {
                 host: push.host,
             },
         );
-        self.publish(&state);
-        self.accepted.fetch_add(1, Ordering::Relaxed);
-        Ok(())
     }
 
     /// A push of a known process: after its last, not too far after, not too soon. `true`

@@ -12,7 +12,7 @@ use gpumem::replay::Setup;
 use gpumem::{AllocatorConfig, CachingAllocator};
 
 use crate::common::{explain, succeeded};
-use crate::replay::shared_traces;
+use crate::support::traces::shared_traces;
 
 /// The breakdown adds up to the reserved memory and, with free and outside, to the device.
 fn assert_adds_up(e: &Explanation) {
@@ -48,8 +48,8 @@ fn from_entries(rec: &Recording, device: usize, at: usize) -> (u64, u64) {
 
 #[test]
 fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found: skipped");
+    let Some(dir) = shared_traces("the_real_ooms_are_explained_with_the_recordings_own_figures")
+    else {
         return;
     };
     for (name, device, capacity) in [
@@ -523,7 +523,9 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
         (file.clone(), "explain-fragmentation.png"),
         (graph, "explain-graph-pool.png"),
     ];
-    if let Some(shared) = shared_traces() {
+    if let Some(shared) =
+        shared_traces("the DiT page of the_html_page_shows_the_json_figures_in_chromium")
+    {
         cases.push((
             shared.join("dit_discrete_diffusion_train_oom_complete.pickle"),
             "explain-dit.png",
@@ -659,8 +661,7 @@ fn growth_is_told_apart_and_when_it_fills_predicted() {
 /// and the device fills in the iteration that failed.
 #[test]
 fn the_dit_oom_is_named_growth() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found: skipped");
+    let Some(dir) = shared_traces("the_dit_oom_is_named_growth") else {
         return;
     };
     let recording = read_recording(&dir.join("dit_discrete_diffusion_train_oom_complete.pickle"))
@@ -704,8 +705,9 @@ fn the_dit_oom_is_named_growth() {
 /// view opens where `explain` would.
 #[test]
 fn without_a_device_the_device_that_ran_out_of_memory_is_explained() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found: skipped");
+    let Some(dir) =
+        shared_traces("without_a_device_the_device_that_ran_out_of_memory_is_explained")
+    else {
         return;
     };
     let out_dir = crate::common::temp_dir("explain-device");
@@ -797,8 +799,7 @@ fn without_a_device_the_device_that_ran_out_of_memory_is_explained() {
 /// covers the most allocations and says so; a single-device recording says nothing.
 #[test]
 fn without_a_device_plan_takes_the_device_it_plans_best() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found: skipped");
+    let Some(dir) = shared_traces("without_a_device_plan_takes_the_device_it_plans_best") else {
         return;
     };
     let trace = dir.join("qwen3_gnn_3gpu_expandable_oom_complete.pickle");

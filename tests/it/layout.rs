@@ -1,9 +1,9 @@
 //! The layering ARCHITECTURE.md promises, checked on the source: among the file-level edges
 //! of non-test code (every `crate::`, `super::` and `self::` path, in `use` items or inline),
 //! no cycle joins two files or more, and no edge runs against the data's flow between the
-//! homes ([`FORBIDDEN`]). Each crate of the workspace is read from its root
-//! through its `mod` declarations; `#[cfg(test)]` items are left out, comments and string
-//! literals blanked first.
+//! homes ([`FORBIDDEN`]); and no production function is long ([`LONG`], [`VERY_LONG`]). Each
+//! crate of the workspace is read from its root through its `mod` declarations;
+//! `#[cfg(test)]` items are left out, comments and string literals blanked first.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -143,8 +143,13 @@ fn without_tests(code: &str) -> String {
             (_, Some(semi)) => item + semi + 1,
             _ => out.len(),
         };
-        out.replace_range(at..end, &" ".repeat(end - at));
-        from = end;
+        // Blanked, its lines kept (the function lengths count lines).
+        let blank: String = out[at..end]
+            .chars()
+            .map(|c| if c == '\n' { '\n' } else { ' ' })
+            .collect();
+        out.replace_range(at..end, &blank);
+        from = at + blank.len();
     }
     out
 }
@@ -516,5 +521,129 @@ fn the_data_flows_one_way_between_the_homes() {
         found.is_empty(),
         "edges against the flow:\n{}",
         found.join("\n")
+    );
+}
+
+/// Every crate root of the workspace, one-file crates included: where production code is.
+const ALL_ROOTS: [&str; 5] = [
+    "crates/gpumem-core/src/lib.rs",
+    "crates/gpumem-torch/src/lib.rs",
+    "crates/gpumem-baseline/src/lib.rs",
+    "src/lib.rs",
+    "src/main.rs",
+];
+
+/// A production function this long (in lines, from `fn` to its closing brace) is too long.
+const VERY_LONG: usize = 250;
+/// At most [`MOST_LONG`] production functions are this long: an interpreter's one `match`
+/// (the pickle reader's `run`) may be, orchestration should not.
+const LONG: usize = 150;
+const MOST_LONG: usize = 2;
+
+/// The functions with a body in `code` (scrubbed, tests left out): each one's name, first
+/// line (1-based) and length in lines, from its `fn` to its closing brace.
+fn function_lengths(code: &str) -> Vec<(String, usize, usize)> {
+    let line_of = |at: usize| code[..at].matches('\n').count() + 1;
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = code[from..].find("fn").map(|n| from + n) {
+        from = at + 2;
+        let before = code[..at].chars().next_back();
+        let after = &code[at + 2..];
+        if before.is_some_and(is_ident) || !after.starts_with(char::is_whitespace) {
+            continue;
+        }
+        let name: String = after
+            .trim_start()
+            .chars()
+            .take_while(|&c| is_ident(c))
+            .collect();
+        if name.is_empty() {
+            continue;
+        }
+        // Its body opens at the first brace outside brackets, unless a `;` ends it first (a
+        // declaration: a trait's method, a foreign function).
+        let (open, semi) = (outside_brackets(after, '{'), outside_brackets(after, ';'));
+        let Some(open) = open.filter(|&o| semi.is_none_or(|s| o < s)) else {
+            continue;
+        };
+        let open = at + 2 + open;
+        let mut depth = 0;
+        let close = code[open..].char_indices().find_map(|(k, c)| {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(open + k)
+        });
+        let Some(close) = close else { continue };
+        let first = line_of(at);
+        out.push((name, first, line_of(close) - first + 1));
+    }
+    out
+}
+
+/// Every production function of the workspace: file (from the repository root), name, first
+/// line and length.
+fn production_functions() -> Vec<(String, String, usize, usize)> {
+    let mut files = BTreeMap::new();
+    for crate_root in ALL_ROOTS {
+        for (file, code) in modules(&root().join(crate_root)).into_values() {
+            files.insert(file, code);
+        }
+    }
+    assert!(files.len() > 100, "the crates' files found");
+    let mut out = Vec::new();
+    for (file, code) in files {
+        let rel = file
+            .strip_prefix(root())
+            .unwrap_or(&file)
+            .display()
+            .to_string();
+        for (name, line, length) in function_lengths(&code) {
+            out.push((rel.clone(), name, line, length));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_production_function_is_long() {
+    let mut long: Vec<_> = production_functions()
+        .into_iter()
+        .filter(|(.., length)| *length >= LONG)
+        .collect();
+    long.sort_by_key(|(.., length)| std::cmp::Reverse(*length));
+    let listed: Vec<String> = long
+        .iter()
+        .map(|(file, name, line, length)| format!("{length:>5} lines  {file}:{line} {name}"))
+        .collect();
+    let very_long = long.iter().filter(|(.., l)| *l >= VERY_LONG).count();
+    assert!(
+        very_long == 0 && long.len() <= MOST_LONG,
+        "{very_long} production functions of {VERY_LONG} lines or more (none may be), {} of {LONG} or more (at most {MOST_LONG} may be):\n{}",
+        long.len(),
+        listed.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_count_bodies_only_of_production_code() {
+    let code = scrub(
+        "fn short() -> [u8; 2] {\n    [b'{', 0]\n}\n\
+         trait T {\n    fn declared(&self);\n    fn provided(&self) {\n        \"}}}\";\n    }\n}\n\
+         // fn in_a_comment() {\n\
+         #[cfg(test)]\nmod tests {\n    fn a_test() {\n    }\n}\n\
+         pub(crate) fn last<F: Fn() -> u8>(f: F)\nwhere\n    F: Copy,\n{\n    let _ = f;\n}\n",
+    );
+    let found = function_lengths(&without_tests(&code));
+    let found: Vec<(&str, usize, usize)> = found
+        .iter()
+        .map(|(name, line, length)| (name.as_str(), *line, *length))
+        .collect();
+    assert_eq!(
+        found,
+        [("short", 1, 3), ("provided", 6, 3), ("last", 16, 6)]
     );
 }

@@ -28,6 +28,7 @@ mod replay;
 mod replay_pools;
 mod scenarios;
 mod stress;
+mod support;
 mod tenant_alerts;
 mod tenants;
 mod view;

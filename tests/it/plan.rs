@@ -15,7 +15,7 @@ use gpumem::replay::{Mode, Setup};
 use gpumem::{AllocatorConfig, CachingAllocator};
 
 use crate::common::{session, succeeded, temp_dir};
-use crate::replay::shared_traces;
+use crate::support::traces::shared_traces;
 
 /// The plan of a plan file with these fields (its format and version added).
 fn plan_with(fields: serde_json::Value) -> Arc<Plan> {
@@ -498,8 +498,7 @@ fn bundled_recordings_plan_and_replay_alike() {
 /// grow nor empty their cache, no page is unmapped and no stream synchronised.
 #[test]
 fn shared_recordings_planned() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+    let Some(dir) = shared_traces("shared_recordings_planned") else {
         return;
     };
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)

@@ -15,6 +15,7 @@ use gpumem::replay::{ReplayError, Setup};
 use crate::agent::wait_for;
 use crate::browser::Browser;
 use crate::common::{explain, replay_check, succeeded};
+use crate::support::traces::shared_traces;
 
 const MIB: u64 = 1 << 20;
 const COMPILE: &str = "torch/_dynamo frame 0/1: __compiled_fn_7 (graph 2)";
@@ -270,8 +271,7 @@ fn a_snapshot_without_a_trace_is_explained_and_viewed() {
 
 #[test]
 fn the_shared_traceless_snapshot_is_explained() {
-    let Some(dir) = crate::replay::shared_traces() else {
-        eprintln!("skipped: ../shared/traces is not here");
+    let Some(dir) = shared_traces("the_shared_traceless_snapshot_is_explained") else {
         return;
     };
     let rec = read_recording(&dir.join("state_verl_vllm_qwen2.pickle")).expect("reads");

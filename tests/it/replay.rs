@@ -10,19 +10,12 @@ use gpumem::recording::{Format, TraceError, parse_recording, read_recording, sta
 use gpumem::replay::{Mode, Setup, WhatIf};
 
 use crate::common::{self, succeeded};
+use crate::support::traces::shared_traces;
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data/traces")
         .join(name)
-}
-
-/// The shared recordings, where they exist (CI has them; a bare clone may not).
-pub(crate) fn shared_traces() -> Option<PathBuf> {
-    let dir = std::env::var_os("GPUMEM_TRACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"));
-    dir.is_dir().then_some(dir)
 }
 
 /// A device memory the qwen3 recording's address layout implies (79.15 GiB, an "80 GB"
@@ -82,8 +75,7 @@ fn bundled_recordings_replay_exactly() {
 
 #[test]
 fn every_shared_recording_with_a_trace_replays_exactly() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+    let Some(dir) = shared_traces("every_shared_recording_with_a_trace_replays_exactly") else {
         return;
     };
     let (mut replayed, mut distinguished) = (0, 0);
@@ -127,8 +119,8 @@ fn every_shared_recording_with_a_trace_replays_exactly() {
 
 #[test]
 fn oom_and_empty_cache_recordings_reproduce_at_the_same_event() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+    let Some(dir) = shared_traces("oom_and_empty_cache_recordings_reproduce_at_the_same_event")
+    else {
         return;
     };
     let rec = read_recording(&dir.join("dit_discrete_diffusion_train_oom_complete.pickle"))
@@ -149,8 +141,8 @@ fn oom_and_empty_cache_recordings_reproduce_at_the_same_event() {
 
 #[test]
 fn expandable_recording_replays_exactly_on_all_three_devices() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+    let Some(dir) = shared_traces("expandable_recording_replays_exactly_on_all_three_devices")
+    else {
         return;
     };
     let rec = read_recording(&dir.join("qwen3_gnn_3gpu_expandable_oom_complete.pickle"))
@@ -191,8 +183,7 @@ fn expandable_recording_replays_exactly_on_all_three_devices() {
 
 #[test]
 fn pickle_and_json_copies_decode_to_the_same_recording() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found (../shared/traces or GPUMEM_TRACES): skipped");
+    let Some(dir) = shared_traces("pickle_and_json_copies_decode_to_the_same_recording") else {
         return;
     };
     for name in [
@@ -335,13 +326,11 @@ fn end_state_files_load_and_summarise() {
     );
     // Its only event is a snapshot marker, which the rebuilt state must reproduce.
     assert_eq!(check(&old, 0, None).compared.snapshots, 1);
-    if let Some(dir) = shared_traces() {
+    if let Some(dir) = shared_traces("the legacy-list part of end_state_files_load_and_summarise") {
         let legacy = read_recording(&dir.join("state_legacy_segment_list.pickle")).expect("legacy");
         assert_eq!(legacy.format, Format::LegacyList);
         assert_eq!(legacy.segments.len(), 255);
         assert!(state_summary(&legacy).contains("255 segments (123 large, 132 small)"));
-    } else {
-        eprintln!("shared traces not found: the legacy-list part skipped");
     }
 }
 
@@ -1185,8 +1174,8 @@ fn an_int_past_the_signed_64_bit_range_is_named_so() {
 /// whole device here) overrides it.
 #[test]
 fn what_ifs_of_a_recording_with_an_oom_run_within_the_jobs_memory() {
-    let Some(dir) = shared_traces() else {
-        eprintln!("shared traces not found: skipped");
+    let Some(dir) = shared_traces("what_ifs_of_a_recording_with_an_oom_run_within_the_jobs_memory")
+    else {
         return;
     };
     let trace = dir.join("dit_discrete_diffusion_train_oom_complete.pickle");

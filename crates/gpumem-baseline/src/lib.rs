@@ -11,6 +11,9 @@
 
 use std::ffi::c_void;
 
+// The C++ side's entry points (`src/pytorch_design.cpp`); every call below says why it is
+// sound.
+#[allow(unsafe_code)]
 unsafe extern "C" {
     fn gpumem_baseline_new(capacity: u64, counter_order: i32) -> *mut c_void;
     fn gpumem_baseline_delete(allocator: *mut c_void);
@@ -59,9 +62,13 @@ pub struct PytorchDesign {
     raw: *mut c_void,
 }
 
-// The C++ allocator locks its own state (a recursive mutex and sharded mutexes, as PyTorch's).
+// SAFETY: the C++ allocator is not tied to the thread that made it, and it locks its own
+// state (a recursive mutex and sharded mutexes, as PyTorch's); `raw` is owned by this handle
+// alone, so moving the handle to another thread moves the only user of the pointer.
+#[allow(unsafe_code)]
 unsafe impl Send for PytorchDesign {}
 
+#[allow(unsafe_code)] // calls into C++, each with its SAFETY comment
 impl PytorchDesign {
     /// An allocator over a device of `capacity` bytes whose pools order free blocks by
     /// (stream, size, address), as PyTorch 2.11 and before.
@@ -103,6 +110,7 @@ impl PytorchDesign {
     }
 }
 
+#[allow(unsafe_code)] // the C++ destructor
 impl Drop for PytorchDesign {
     fn drop(&mut self) {
         // SAFETY: `raw` came from `gpumem_baseline_new` and is deleted once.

@@ -34,8 +34,6 @@
 //! - A failed allocation returns null (PyTorch then raises its out-of-memory error); a free of
 //!   a pointer gpumem does not hold is reported and ignored.
 
-#![allow(unsafe_code)]
-
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -220,6 +218,9 @@ fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 
 /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's pluggable `alloc`).
 /// Returns null when the memory cannot be provided.
+// SAFETY: `gpumem_` names no other symbol in a PyTorch process, and the signature is the
+// pluggable allocator's `alloc` (size_t, int, cudaStream_t) -> void*, as PyTorch calls it.
+#[allow(unsafe_code)] // the exported symbol (`no_mangle`)
 #[unsafe(no_mangle)]
 pub extern "C" fn gpumem_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let stream = StreamId(stream as usize as u64);
@@ -363,6 +364,10 @@ fn alloc_failed(slot: &DeviceSlot, size: usize, error: AllocError) -> *mut c_voi
 
 /// Frees a pointer from [`gpumem_alloc`] (PyTorch's pluggable `free`). A pointer gpumem does
 /// not hold is reported and ignored.
+// SAFETY: `gpumem_` names no other symbol in a PyTorch process, and the signature is the
+// pluggable allocator's `free` (void*, size_t, int, cudaStream_t); the pointer is only
+// looked up, never dereferenced.
+#[allow(unsafe_code)] // the exported symbol (`no_mangle`)
 #[unsafe(no_mangle)]
 pub extern "C" fn gpumem_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let _ = (size, stream);
@@ -377,6 +382,8 @@ pub extern "C" fn gpumem_free(ptr: *mut c_void, size: usize, device: c_int, stre
 }
 
 /// Returns every whole cached segment of every device to the driver (`empty_cache`).
+// SAFETY: `gpumem_` names no other symbol in a PyTorch process; no arguments.
+#[allow(unsafe_code)] // the exported symbol (`no_mangle`)
 #[unsafe(no_mangle)]
 pub extern "C" fn gpumem_empty_cache() {
     guarded("gpumem_empty_cache", (), || {
@@ -390,6 +397,9 @@ pub extern "C" fn gpumem_empty_cache() {
 
 /// Limits this process to `fraction` of `device`'s memory
 /// (`set_per_process_memory_fraction`).
+// SAFETY: `gpumem_` names no other symbol in a PyTorch process, and the signature is the
+// pluggable allocator's `set_memory_fraction` (double, int).
+#[allow(unsafe_code)] // the exported symbol (`no_mangle`)
 #[unsafe(no_mangle)]
 pub extern "C" fn gpumem_set_memory_fraction(fraction: f64, device: c_int) {
     guarded("gpumem_set_memory_fraction", (), || {
@@ -402,6 +412,10 @@ pub extern "C" fn gpumem_set_memory_fraction(fraction: f64, device: c_int) {
 }
 
 /// Marks a live block as used by `stream` (`record_stream`).
+// SAFETY: `gpumem_` names no other symbol in a PyTorch process, and the signature is the
+// pluggable allocator's `record_stream` (void*, cudaStream_t); the pointer is only looked
+// up, never dereferenced.
+#[allow(unsafe_code)] // the exported symbol (`no_mangle`)
 #[unsafe(no_mangle)]
 pub extern "C" fn gpumem_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     let stream = StreamId(stream as usize as u64);

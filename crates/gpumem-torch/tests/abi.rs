@@ -46,6 +46,7 @@ fn free_port() -> u16 {
 fn entry_points_on_simulated_gpus() {
     let port = free_port();
     // SAFETY of the test: set before any allocator exists, while no other thread runs.
+    #[allow(unsafe_code)] // the environment, set once at the start
     unsafe {
         std::env::set_var("GPUMEM_ALLOC_CONF", "max_split_size_mb:64");
         std::env::set_var("GPUMEM_METRICS_LISTEN", format!("127.0.0.1:{port}"));

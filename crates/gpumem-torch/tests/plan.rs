@@ -43,6 +43,7 @@ fn a_job_follows_the_plan_its_configuration_names() {
         .map(|a| a.port())
         .expect("a free port");
     // SAFETY of the test: set before any allocator exists, while no other thread runs.
+    #[allow(unsafe_code)] // the environment, set once at the start
     unsafe {
         std::env::set_var("GPUMEM_ALLOC_CONF", format!("plan:{}", path.display()));
         std::env::set_var("GPUMEM_METRICS_LISTEN", format!("127.0.0.1:{port}"));

@@ -129,6 +129,7 @@ fn a_job_that_plans_itself_reaches_its_offline_plan() {
     let (offline, _) = in_process(Some(plan), 30, 10);
     // Self-planning, through the C entry points.
     // SAFETY of the test: set before any allocator exists, while no other thread runs.
+    #[allow(unsafe_code)] // the environment, set once at the start
     unsafe {
         std::env::set_var("GPUMEM_ALLOC_CONF", format!("plan_record:{RECORD}"));
     }

@@ -105,6 +105,7 @@ fn a_job_that_plans_itself_reaches_the_offline_plan_of_its_recording() {
     let caching = in_process(&recording, None, from);
     let offline = in_process(&recording, Some(planned.plan.clone()), from);
     // SAFETY of the test: set before any allocator exists, while no other thread runs.
+    #[allow(unsafe_code)] // the environment, set once at the start
     unsafe {
         std::env::set_var(
             "GPUMEM_ALLOC_CONF",

@@ -11,6 +11,8 @@ use crate::recording::doc::Val;
 use crate::recording::frames::{Frame, Frames, FxNode, StringId};
 use crate::recording::memo::Memo;
 
+use super::opcode::{MEMOIZE, SHORT_BINUNICODE};
+
 /// A frame dict read by `Machine::frame_dict`.
 pub(super) struct ParsedFrame {
     pub(super) frame: Frame,
@@ -55,7 +57,7 @@ pub(super) fn parse_frame(
         *p += 4;
         Some([b[0], b[1], b[2], b[3]])
     };
-    if next(&mut p)? != 0x94 || next(&mut p)? != b'(' {
+    if next(&mut p)? != MEMOIZE || next(&mut p)? != b'(' {
         return None;
     }
     let (mut filename, mut line, mut name) = (None, None, None);
@@ -81,8 +83,8 @@ pub(super) fn parse_frame(
                     None => memo.get(index)?,
                 }
             }
-            0x8c | b'X' => {
-                let n = if op == 0x8c {
+            SHORT_BINUNICODE | b'X' => {
+                let n = if op == SHORT_BINUNICODE {
                     usize::from(next(p)?)
                 } else {
                     u32::from_le_bytes(le4(p)?) as usize
@@ -90,7 +92,7 @@ pub(super) fn parse_frame(
                 let bytes = buf.get(*p..p.checked_add(n)?)?;
                 *p += n;
                 let id = frames.string(std::str::from_utf8(bytes).ok()?);
-                if buf.get(*p) == Some(&0x94) {
+                if buf.get(*p) == Some(&MEMOIZE) {
                     *p += 1;
                     let index = next_memo.checked_add(1 + new_strings as u32)?;
                     *strings.get_mut(new_strings)? = (index, id);

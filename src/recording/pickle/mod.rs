@@ -38,6 +38,57 @@ use super::input::Input;
 use super::memo::Memo;
 use frame::parse_frame;
 
+/// The opcodes above ASCII (protocol 2 and later), by `pickletools`' names; the ASCII ones
+/// are written as their characters (`b'}'` is EMPTY_DICT), as the pickle source spells them.
+mod opcode {
+    /// PROTO: the protocol number follows.
+    pub(super) const PROTO: u8 = 0x80;
+    /// NEWOBJ: `cls.__new__(cls, *args)` (refused).
+    pub(super) const NEWOBJ: u8 = 0x81;
+    /// EXT1, EXT2, EXT4: an object from the extension registry (refused).
+    pub(super) const EXT1: u8 = 0x82;
+    pub(super) const EXT2: u8 = 0x83;
+    pub(super) const EXT4: u8 = 0x84;
+    /// TUPLE1, TUPLE2, TUPLE3: a tuple of the top one, two or three values.
+    pub(super) const TUPLE1: u8 = 0x85;
+    pub(super) const TUPLE3: u8 = 0x87;
+    /// NEWTRUE, NEWFALSE.
+    pub(super) const NEWTRUE: u8 = 0x88;
+    pub(super) const NEWFALSE: u8 = 0x89;
+    /// LONG1, LONG4: a little-endian two's-complement integer of a 1- or 4-byte length.
+    pub(super) const LONG1: u8 = 0x8a;
+    pub(super) const LONG4: u8 = 0x8b;
+    /// SHORT_BINUNICODE, BINUNICODE8: a UTF-8 string of a 1- or 8-byte length.
+    pub(super) const SHORT_BINUNICODE: u8 = 0x8c;
+    pub(super) const BINUNICODE8: u8 = 0x8d;
+    /// NEWOBJ_EX: `cls.__new__(cls, *args, **kwargs)` (refused).
+    pub(super) const NEWOBJ_EX: u8 = 0x92;
+    /// STACK_GLOBAL: a class or function by module and name (refused).
+    pub(super) const STACK_GLOBAL: u8 = 0x93;
+    /// MEMOIZE: the top value into the memo, at the next index.
+    pub(super) const MEMOIZE: u8 = 0x94;
+    /// FRAME: an 8-byte length hint for buffered readers.
+    pub(super) const FRAME: u8 = 0x95;
+
+    /// The opcodes that name a class or call a function (GLOBAL, STACK_GLOBAL, REDUCE, BUILD,
+    /// INST, OBJ, NEWOBJ, NEWOBJ_EX, PERSID, BINPERSID, EXT1, EXT2, EXT4): refused.
+    pub(super) const REFUSED: [u8; 13] = [
+        b'c',
+        STACK_GLOBAL,
+        b'R',
+        b'b',
+        b'i',
+        b'o',
+        NEWOBJ,
+        NEWOBJ_EX,
+        b'P',
+        b'Q',
+        EXT1,
+        EXT2,
+        EXT4,
+    ];
+}
+
 /// How often (in opcodes) memory is checked against the budget.
 const CHECK_EVERY: u64 = 4096;
 
@@ -359,7 +410,7 @@ impl Machine<'_, '_> {
                 return Err(self.fail("truncated: the pickle ends before STOP"));
             };
             match op {
-                0x80 => {
+                opcode::PROTO => {
                     let protocol = self.byte("the protocol number")?;
                     if !(2..=5).contains(&protocol) {
                         return Err(
@@ -367,7 +418,7 @@ impl Machine<'_, '_> {
                         );
                     }
                 }
-                0x95 => {
+                opcode::FRAME => {
                     // FRAME: a length hint for buffered readers; the data follows inline.
                     self.u64("a frame length")?;
                 }
@@ -429,8 +480,8 @@ impl Machine<'_, '_> {
                     self.stack.truncate(mark);
                     self.push(v);
                 }
-                0x85..=0x87 => {
-                    let n = usize::from(op - 0x84);
+                opcode::TUPLE1..=opcode::TUPLE3 => {
+                    let n = usize::from(op - opcode::TUPLE1) + 1;
                     if self.stack.len() < n + self.marks.last().copied().unwrap_or(0) {
                         return Err(self.fail("TUPLE1/2/3 with too few values on the stack"));
                     }
@@ -474,7 +525,7 @@ impl Machine<'_, '_> {
                     result.map_err(|e| self.fail(e))?;
                     self.stack.truncate(mark);
                 }
-                0x94 => {
+                opcode::MEMOIZE => {
                     let index = self.next_memo;
                     self.next_memo = self
                         .next_memo
@@ -513,11 +564,11 @@ impl Machine<'_, '_> {
                     let v = self.doc.scalar(Val::Int(i64::from(v)));
                     self.push(v);
                 }
-                0x8a => {
+                opcode::LONG1 => {
                     let n = usize::from(self.byte("a long length")?);
                     self.long(n)?;
                 }
-                0x8b => {
+                opcode::LONG4 => {
                     let n = self.u32("a long length")? as i32;
                     let n = usize::try_from(n).map_err(|_| self.fail("negative long length"))?;
                     self.long(n)?;
@@ -527,7 +578,7 @@ impl Machine<'_, '_> {
                     let v = self.doc.scalar(Val::Float(f64::from_be_bytes(b)));
                     self.push(v);
                 }
-                0x8c => {
+                opcode::SHORT_BINUNICODE => {
                     let n = self.byte("a string length")?;
                     self.string(u64::from(n))?;
                 }
@@ -535,7 +586,7 @@ impl Machine<'_, '_> {
                     let n = self.u32("a string length")?;
                     self.string(u64::from(n))?;
                 }
-                0x8d => {
+                opcode::BINUNICODE8 => {
                     let n = self.u64("a string length")?;
                     self.string(n)?;
                 }
@@ -543,12 +594,11 @@ impl Machine<'_, '_> {
                     let v = self.doc.scalar(Val::None);
                     self.push(v);
                 }
-                0x88 | 0x89 => {
-                    let v = self.doc.scalar(Val::Bool(op == 0x88));
+                opcode::NEWTRUE | opcode::NEWFALSE => {
+                    let v = self.doc.scalar(Val::Bool(op == opcode::NEWTRUE));
                     self.push(v);
                 }
-                b'c' | 0x93 | b'R' | b'b' | b'i' | b'o' | 0x81 | 0x92 | b'P' | b'Q' | 0x82
-                | 0x83 | 0x84 => {
+                op if opcode::REFUSED.contains(&op) => {
                     return Err(self.fail(format!(
                         "opcode {op:#04x} names a class or calls a function; only plain data (dict, list, tuple, str, int, float, bool) is accepted"
                     )));

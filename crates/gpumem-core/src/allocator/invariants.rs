@@ -10,11 +10,11 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::device::{Device, StreamId};
 
-use super::block::BlockId;
+use super::CachingAllocator;
+use super::block::{Block, BlockId};
 use super::pool_id::PoolSlot;
-use super::size::{MIN_BLOCK_SIZE, PoolKind};
-use super::stats::StatArray;
-use super::{CachingAllocator, PoolKind as Kind};
+use super::size::MIN_BLOCK_SIZE;
+use super::stats::{StatArray, slot};
 
 /// Per-pool sums of what the blocks hold.
 #[derive(Default, Clone, Copy)]
@@ -80,20 +80,39 @@ impl<D: Device> CachingAllocator<D> {
         self.first_violation().map_err(InvariantViolation)
     }
 
+    /// Each family of invariants in turn, in the order of ARCHITECTURE.md's list; the first
+    /// violation found. The free sets are read before any segment is walked; the later
+    /// families walk segments only once tiling has held (a broken link cannot loop them).
     fn first_violation(&self) -> Result<(), String> {
-        let mut sums = [Sums::default(); 2];
-        let idx = |k: PoolKind| match k {
-            Kind::Small => 0,
-            Kind::Large => 1,
-        };
-        let mut seen: FxHashSet<BlockId> = FxHashSet::default();
-        let mut last_end = 0u64;
-        let mut reserved_total = 0u64;
-        let mut oversize_allocations = 0i64;
-        let mut oversize_segments = 0i64;
-        let max_split = self.config.max_split_size;
+        self.check_free_sets()?;
+        let heads = self.check_tiling_and_counters()?;
+        self.check_live_map_and_events()?;
+        self.check_private_pools(&heads)?;
+        self.check_statistics(&heads)?;
+        self.check_expandable_segments(&heads)?;
+        self.check_plan(&heads)
+    }
+
+    /// Every block of the arena with its id, in the arena's order (no link followed).
+    fn arena_blocks(&self) -> impl Iterator<Item = (BlockId, &Block)> {
+        self.blocks
+            .iter()
+            .filter_map(|(k, b)| Some((BlockId::new(k)?, b)))
+    }
+
+    /// Every block of every segment, segment by segment in address order.
+    fn segmented_blocks<'a>(
+        &'a self,
+        heads: &'a [BlockId],
+    ) -> impl Iterator<Item = (BlockId, &'a super::block::Block)> {
+        heads.iter().flat_map(|&head| self.segment_blocks(head))
+    }
+
+    /// The free sets: each iterates in the allocator's order, each entry agrees with its block
+    /// and appears once, and a block is in its pool's free set iff it is free, mapped and
+    /// outside a plan's regions and chunks.
+    fn check_free_sets(&self) -> Result<(), String> {
         let mut in_free_sets: FxHashSet<BlockId> = FxHashSet::default();
-        let mut unmapped_blocks = 0usize;
         for (kind, pool) in self.all_pools() {
             let mut last: Option<(StreamId, u64, u64)> = None;
             for (stream, e) in pool.free.iter() {
@@ -118,24 +137,41 @@ impl<D: Device> CachingAllocator<D> {
                 }
             }
         }
-
-        let (in_plan, plan_unmapped) = self.check_plan_segments()?;
-        let handles: usize = self
-            .expandable_segments
-            .iter()
-            .map(|(_, s)| s.handles.len())
-            .sum();
-        if handles != self.mapped_pages {
+        for (id, b) in self.arena_blocks() {
+            let free = b.is_free();
+            let in_set = in_free_sets.contains(&id);
+            let in_region = self.plan_segment_at(b.ptr).is_some();
+            if (free && b.mapped && !in_region) != in_set {
+                return Err(format!(
+                    "block {:#x}: free={free} but in its pool's free set={in_set}",
+                    b.ptr
+                ));
+            }
+        }
+        let free_count: usize = self.all_pools().map(|(_, p)| p.free.len()).sum();
+        if free_count != in_free_sets.len() {
             return Err(format!(
-                "{handles} page handles, {} pages counted as mapped",
-                self.mapped_pages
+                "free sets count {free_count} entries but hold {}",
+                in_free_sets.len()
             ));
         }
+        Ok(())
+    }
+
+    /// Tiling and counters: segments never overlap; the blocks of a segment tile it exactly,
+    /// 512-aligned, with agreeing links and their segment's pool, stream and kind; no two
+    /// adjacent free blocks are left unmerged; every block is reachable from a segment; the
+    /// segment counters are distinct, below the next one and inherited as the order says.
+    /// Returns the segments' heads in address order.
+    fn check_tiling_and_counters(&self) -> Result<Vec<BlockId>, String> {
+        let mut seen: FxHashSet<BlockId> = FxHashSet::default();
+        let mut last_end = 0u64;
         let mut counters: FxHashSet<u32> = FxHashSet::default();
         // Counters are taken from the sequence and distinct per segment, inherited by every
         // block of it (per block in the block-counter order).
         let per_block = self.fit_order.pieces_take_counters();
-        for head in self.segment_heads() {
+        let heads = self.segment_heads();
+        for &head in &heads {
             let first = self.block(head);
             if first.ptr < last_end {
                 return Err(format!(
@@ -145,14 +181,11 @@ impl<D: Device> CachingAllocator<D> {
             }
             let (kind, stream) = (first.pool, first.stream);
             let expandable = first.expandable.is_some();
-            self.check_expandable_pages(head)?;
-            let s = &mut sums[idx(kind)];
             let mut expected_ptr = first.ptr;
             let mut prev: Option<BlockId> = None;
             // The previous block's (free, mapped) state: free neighbours merge when both
             // are mapped or both unmapped.
             let mut prev_state = (false, true);
-            let mut segment_size = 0;
             for (id, b) in self.segment_blocks(head) {
                 seen.insert(id);
                 let own = if per_block || id == head {
@@ -196,75 +229,12 @@ impl<D: Device> CachingAllocator<D> {
                         b.ptr
                     ));
                 }
-                if !b.mapped && (!expandable || !free) {
-                    return Err(format!(
-                        "block {:#x}: unmapped but not a free expandable block",
-                        b.ptr
-                    ));
-                }
-                unmapped_blocks += usize::from(!b.mapped);
-                let in_set = in_free_sets.contains(&id);
-                let in_region = self.plan_segment_at(b.ptr).is_some();
-                if (free && b.mapped && !in_region) != in_set {
-                    return Err(format!(
-                        "block {:#x}: free={free} but in its pool's free set={in_set}",
-                        b.ptr
-                    ));
-                }
-                if (free && in_region) != in_plan.contains(&id) {
-                    return Err(format!(
-                        "block {:#x}: free={free} in a plan's region or chunk, but not in its map",
-                        b.ptr
-                    ));
-                }
-                let uses = self.stream_uses.get(&id).is_some_and(|u| !u.is_empty());
-                if b.has_stream_uses != uses {
-                    return Err(format!(
-                        "block {:#x}: has_stream_uses={} but listed uses={uses}",
-                        b.ptr, b.has_stream_uses
-                    ));
-                }
-                let live = self.live.get(b.ptr, &self.blocks) == Some(id);
-                if b.allocated != live {
-                    return Err(format!(
-                        "block {:#x}: allocated={} but live={live}",
-                        b.ptr, b.allocated
-                    ));
-                }
-                if b.allocated {
-                    s.allocation += 1;
-                    s.allocated_bytes += b.size as i64;
-                    if b.size >= max_split {
-                        oversize_allocations += 1;
-                    }
-                }
-                if !free {
-                    s.active += 1;
-                    s.active_bytes += b.size as i64;
-                    s.requested_bytes += b.requested_size as i64;
-                } else if b.is_split() && !expandable {
-                    s.inactive_split += 1;
-                    s.inactive_split_bytes += b.size as i64;
-                }
-                if b.mapped {
-                    segment_size += b.size;
-                }
                 expected_ptr = b.ptr + b.size;
                 prev = Some(id);
                 prev_state = (free, b.mapped);
             }
             last_end = expected_ptr;
-            s.reserved_bytes += segment_size as i64;
-            reserved_total += segment_size;
-            // Expandable segments count in reserved bytes (mapped) but not as segments.
-            if !expandable {
-                s.segment += 1;
-                if segment_size >= max_split {
-                    oversize_segments += 1;
-                }
-            }
         }
-
         if seen.len() != self.blocks.len() {
             return Err(format!(
                 "{} blocks in the arena, {} reachable from segments",
@@ -272,33 +242,28 @@ impl<D: Device> CachingAllocator<D> {
                 seen.len()
             ));
         }
-        let unmapped_entries: usize = self
-            .all_pools()
-            .map(|(_, p)| p.unmapped.len())
-            .sum::<usize>()
-            + plan_unmapped;
-        if unmapped_entries != unmapped_blocks {
-            return Err(format!(
-                "unmapped sets hold {unmapped_entries} entries for {unmapped_blocks} unmapped blocks"
-            ));
-        }
-        let heads = self.segment_heads();
-        let expandable_heads = heads
-            .iter()
-            .filter(|&&h| self.block(h).expandable.is_some())
-            .count();
-        if expandable_heads != self.expandable_segments.len() {
-            return Err(format!(
-                "{} expandable segments, {expandable_heads} reachable",
-                self.expandable_segments.len()
-            ));
-        }
-        let free_count: usize = self.all_pools().map(|(_, p)| p.free.len()).sum();
-        if free_count != in_free_sets.len() {
-            return Err(format!(
-                "free sets count {free_count} entries but hold {}",
-                in_free_sets.len()
-            ));
+        Ok(heads)
+    }
+
+    /// The live map and events: the live map holds exactly the allocated blocks, the
+    /// stream-use table exactly the blocks flagged as having uses, and the queued events
+    /// equal the blocks' event counts.
+    fn check_live_map_and_events(&self) -> Result<(), String> {
+        for (id, b) in self.arena_blocks() {
+            let uses = self.stream_uses.get(&id).is_some_and(|u| !u.is_empty());
+            if b.has_stream_uses != uses {
+                return Err(format!(
+                    "block {:#x}: has_stream_uses={} but listed uses={uses}",
+                    b.ptr, b.has_stream_uses
+                ));
+            }
+            let live = self.live.get(b.ptr, &self.blocks) == Some(id);
+            if b.allocated != live {
+                return Err(format!(
+                    "block {:#x}: allocated={} but live={live}",
+                    b.ptr, b.allocated
+                ));
+            }
         }
         if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated).count() {
             return Err("the live map holds blocks that are not allocated".into());
@@ -311,7 +276,6 @@ impl<D: Device> CachingAllocator<D> {
         if self.stream_uses.len() != with_uses {
             return Err("the stream-use table lists blocks that have none".into());
         }
-        self.check_private_pools(&heads)?;
         let pending = self.pending_events.len();
         let counted: u64 = self
             .blocks
@@ -320,6 +284,52 @@ impl<D: Device> CachingAllocator<D> {
             .sum();
         if pending as u64 != counted {
             return Err(format!("{pending} queued events, blocks wait on {counted}"));
+        }
+        Ok(())
+    }
+
+    /// Statistics: whether active stats are tracked, the bytes the driver holds, and every
+    /// statistic against what the blocks add up to, per pool and in total.
+    fn check_statistics(&self, heads: &[BlockId]) -> Result<(), String> {
+        let mut sums = [Sums::default(); 2];
+        let mut reserved_total = 0u64;
+        let mut oversize_allocations = 0i64;
+        let mut oversize_segments = 0i64;
+        let max_split = self.config.max_split_size;
+        for &head in heads {
+            let first = self.block(head);
+            let expandable = first.expandable.is_some();
+            let s = &mut sums[slot(first.pool)];
+            let mut segment_size = 0;
+            for (_, b) in self.segment_blocks(head) {
+                if b.allocated {
+                    s.allocation += 1;
+                    s.allocated_bytes += b.size as i64;
+                    if b.size >= max_split {
+                        oversize_allocations += 1;
+                    }
+                }
+                if !b.is_free() {
+                    s.active += 1;
+                    s.active_bytes += b.size as i64;
+                    s.requested_bytes += b.requested_size as i64;
+                } else if b.is_split() && !expandable {
+                    s.inactive_split += 1;
+                    s.inactive_split_bytes += b.size as i64;
+                }
+                if b.mapped {
+                    segment_size += b.size;
+                }
+            }
+            s.reserved_bytes += segment_size as i64;
+            reserved_total += segment_size;
+            // Expandable segments count in reserved bytes (mapped) but not as segments.
+            if !expandable {
+                s.segment += 1;
+                if segment_size >= max_split {
+                    oversize_segments += 1;
+                }
+            }
         }
         // The allocator's own stats start at zero, so they track `active*` exactly while a
         // free waits (Note [Active stats]).
@@ -336,49 +346,9 @@ impl<D: Device> CachingAllocator<D> {
                 self.total_allocated_memory
             ));
         }
-
-        let st = &self.stats;
-        let [sm, lg] = sums;
-        check_array("allocation", &st.allocation, sm.allocation, lg.allocation)?;
-        check_array(
-            "allocated_bytes",
-            &st.allocated_bytes,
-            sm.allocated_bytes,
-            lg.allocated_bytes,
-        )?;
-        check_array("active", &st.active(), sm.active, lg.active)?;
-        check_array(
-            "active_bytes",
-            &st.active_bytes(),
-            sm.active_bytes,
-            lg.active_bytes,
-        )?;
-        check_array(
-            "requested_bytes",
-            &st.requested_bytes,
-            sm.requested_bytes,
-            lg.requested_bytes,
-        )?;
-        check_array("segment", &st.segment, sm.segment, lg.segment)?;
-        check_array(
-            "reserved_bytes",
-            &st.reserved_bytes,
-            sm.reserved_bytes,
-            lg.reserved_bytes,
-        )?;
-        check_array(
-            "inactive_split",
-            &st.inactive_split,
-            sm.inactive_split,
-            lg.inactive_split,
-        )?;
-        check_array(
-            "inactive_split_bytes",
-            &st.inactive_split_bytes,
-            sm.inactive_split_bytes,
-            lg.inactive_split_bytes,
-        )?;
+        self.check_stat_arrays(sums)?;
         if !self.max_split_size_changed {
+            let st = &self.stats;
             let (a, s) = (
                 st.oversize_allocations.current(),
                 st.oversize_segments.current(),
@@ -388,6 +358,125 @@ impl<D: Device> CachingAllocator<D> {
                     "oversize allocations/segments: stats {a}/{s}, blocks {oversize_allocations}/{oversize_segments}"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Each per-pool statistic against the blocks' sums (small, large).
+    fn check_stat_arrays(&self, [sm, lg]: [Sums; 2]) -> Result<(), String> {
+        let st = &self.stats;
+        let arrays: [(&str, &StatArray, i64, i64); 9] = [
+            ("allocation", &st.allocation, sm.allocation, lg.allocation),
+            (
+                "allocated_bytes",
+                &st.allocated_bytes,
+                sm.allocated_bytes,
+                lg.allocated_bytes,
+            ),
+            ("active", &st.active(), sm.active, lg.active),
+            (
+                "active_bytes",
+                &st.active_bytes(),
+                sm.active_bytes,
+                lg.active_bytes,
+            ),
+            (
+                "requested_bytes",
+                &st.requested_bytes,
+                sm.requested_bytes,
+                lg.requested_bytes,
+            ),
+            ("segment", &st.segment, sm.segment, lg.segment),
+            (
+                "reserved_bytes",
+                &st.reserved_bytes,
+                sm.reserved_bytes,
+                lg.reserved_bytes,
+            ),
+            (
+                "inactive_split",
+                &st.inactive_split,
+                sm.inactive_split,
+                lg.inactive_split,
+            ),
+            (
+                "inactive_split_bytes",
+                &st.inactive_split_bytes,
+                sm.inactive_split_bytes,
+                lg.inactive_split_bytes,
+            ),
+        ];
+        for (name, array, small, large) in arrays {
+            check_array(name, array, small, large)?;
+        }
+        Ok(())
+    }
+
+    /// Expandable segments: as many page handles as pages counted as mapped, each segment's
+    /// pages (`check_expandable_pages`), only free blocks of expandable segments unmapped, and
+    /// every expandable segment reachable.
+    fn check_expandable_segments(&self, heads: &[BlockId]) -> Result<(), String> {
+        let handles: usize = self
+            .expandable_segments
+            .iter()
+            .map(|(_, s)| s.handles.len())
+            .sum();
+        if handles != self.mapped_pages {
+            return Err(format!(
+                "{handles} page handles, {} pages counted as mapped",
+                self.mapped_pages
+            ));
+        }
+        for &head in heads {
+            self.check_expandable_pages(head)?;
+        }
+        for (_, b) in self.segmented_blocks(heads) {
+            if !b.mapped && (b.expandable.is_none() || !b.is_free()) {
+                return Err(format!(
+                    "block {:#x}: unmapped but not a free expandable block",
+                    b.ptr
+                ));
+            }
+        }
+        let expandable_heads = heads
+            .iter()
+            .filter(|&&h| self.block(h).expandable.is_some())
+            .count();
+        if expandable_heads != self.expandable_segments.len() {
+            return Err(format!(
+                "{} expandable segments, {expandable_heads} reachable",
+                self.expandable_segments.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The plan: its held segments (`check_plan_segments`); a block is in a plan's map iff it
+    /// is free in a region or chunk; the unmapped sets (the pools' and the plan's) hold
+    /// exactly the unmapped blocks.
+    fn check_plan(&self, heads: &[BlockId]) -> Result<(), String> {
+        let (in_plan, plan_unmapped) = self.check_plan_segments()?;
+        let mut unmapped_blocks = 0usize;
+        for (id, b) in self.segmented_blocks(heads) {
+            let free = b.is_free();
+            let in_region = self.plan_segment_at(b.ptr).is_some();
+            if (free && in_region) != in_plan.contains(&id) {
+                return Err(format!(
+                    "block {:#x}: free={free} in a plan's region or chunk, but not in its map",
+                    b.ptr
+                ));
+            }
+            unmapped_blocks += usize::from(!b.mapped);
+        }
+        let unmapped_entries: usize = self
+            .all_pools()
+            .map(|(_, p)| p.unmapped.len())
+            .sum::<usize>()
+            + plan_unmapped;
+        if unmapped_entries != unmapped_blocks {
+            return Err(format!(
+                "unmapped sets hold {unmapped_entries} entries for {unmapped_blocks} unmapped blocks"
+            ));
         }
         Ok(())
     }

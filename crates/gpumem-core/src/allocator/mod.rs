@@ -15,9 +15,10 @@
 //! `pool_id.rs` (which pool: ids, the slot a block carries),
 //! `private_pool.rs` (Note [Private pools]: CUDA graphs' pools and MemPools),
 //! `split.rs` (split and merge), `events.rs` (Note [Stream-ordered reuse]), `release.rs`
-//! (release and garbage collection), `expandable.rs`, `plan.rs` (Note [Planned placement]),
-//! `snapshot.rs`, `size.rs` (the pure size, fit and split rules), `stats/`, `ipc.rs`
-//! (Note [IPC handles]: what sharing a block with another process exports).
+//! (release and garbage collection), `expandable.rs`, `plan/` (Note [Planned placement];
+//! `paging.rs` pages its regions), `snapshot.rs`, `size.rs` (the pure size, fit and split
+//! rules), `stats/`, `ipc.rs` (Note [IPC handles]: what sharing a block with another process
+//! exports).
 //!
 //! # Note [OOM retry chain]
 //! When no cached block fits, `malloc` tries, in PyTorch's order (2.11 to 2.15): the

@@ -9,7 +9,7 @@
 //!
 //! # Invariants
 //! - A block is in its pool's free set iff it is free, mapped and outside a plan's regions and
-//!   chunks (those sit in their own maps, `plan.rs`), under its own current
+//!   chunks (those sit in their own maps, `plan/mod.rs`), under its own current
 //!   (stream, size, tie-break) key; in its pool's unmapped set iff it is free and unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.

@@ -33,7 +33,8 @@ pub(super) struct Derived {
     all_peak: AtomicI64,
 }
 
-fn slot(pool: PoolKind) -> usize {
+/// A pool kind's index in per-pool arrays (small, large), as [`StatArray`]'s buckets order them.
+pub(in crate::allocator) fn slot(pool: PoolKind) -> usize {
     match pool {
         PoolKind::Small => 0,
         PoolKind::Large => 1,

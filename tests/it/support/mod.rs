@@ -1,0 +1,3 @@
+//! Helpers the test modules share (more move here as they are touched: issue 54).
+
+pub(crate) mod traces;
