@@ -28,7 +28,7 @@ use super::engine::ReleaseReading;
 use super::order::Found;
 use super::{
     Cursor, DEFAULT_CAPACITY, Divergence, MAX_CAPACITY, Options, OrderingReport, ReplayError,
-    ReplayReport, check_run, device_events, run_with,
+    ReplayReport, Run, check_run, device_events, run_with,
 };
 
 /// What every replay of a session shares.
@@ -203,12 +203,16 @@ impl Readings {
             }
             other => other,
         };
-        let run = found?;
-        Ok(Readings {
-            releases_in_malloc: run.releases_in_malloc,
+        Ok(Readings::found_by(&found?))
+    }
+
+    /// How a check run of the recording (under its own configuration) read it.
+    fn found_by(run: &Run) -> Readings {
+        Readings {
+            releases_in_malloc: run.releases_in_malloc.clone(),
             inferred_capacity: run.report.capacity_inferred.then_some(run.report.capacity),
-            found: Some(run.found),
-        })
+            found: Some(run.found.clone()),
+        }
     }
 
     /// The order to follow: the one `options` names (with the start order found for it, if
@@ -291,11 +295,7 @@ impl Session {
             let run = check_run(&self.recording, &options, progress)?;
             if options.plan.is_none() && self.readings.get().is_none() {
                 // The check of the recording as it is read is the readings' own replay.
-                let _ = self.readings.set(Readings {
-                    releases_in_malloc: run.releases_in_malloc,
-                    inferred_capacity: run.report.capacity_inferred.then_some(run.report.capacity),
-                    found: Some(run.found),
-                });
+                let _ = self.readings.set(Readings::found_by(&run));
             }
             return Ok(run.report);
         }
