@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde::Serialize;
 
 use crate::AllocatorConfig;
+use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
 use crate::explain::{At, ExplainError, Explanation, choose, explain_at, peak_reserved_event};
 use crate::recording::Recording;
@@ -345,11 +346,24 @@ impl RecordingView {
             "(default)" => "as recorded".to_string(),
             config => format!("as recorded: {config}"),
         };
+        // A what-if of a recording with an OOM ran within what the job had there: its name
+        // says so.
+        let other_name =
+            other
+                .as_ref()
+                .zip(what_if)
+                .map(|(report, config)| match report.job_memory {
+                    Some(m) => format!(
+                        "{config}, within the {} the job had at its OOM",
+                        format_size(m.bytes())
+                    ),
+                    None => config.to_string(),
+                });
         let mut runs = vec![Run {
             name: &recorded_name,
             points: &recorded.series,
         }];
-        if let (Some(report), Some(name)) = (&other, what_if) {
+        if let (Some(report), Some(name)) = (&other, &other_name) {
             runs.push(Run {
                 name,
                 points: &report.series,

@@ -1276,5 +1276,19 @@ fn a_what_if_takes_the_jobs_memory_at_its_oom() {
         .replay(&Mode::WhatIf(whole), 0, &mut |_, _| {})
         .expect("replays");
     assert_eq!((free_run.ooms, free_run.job_memory), (0, None));
+    // The view's what-if timeline runs within it too, and its legend says so.
+    let view = gpumem::view::recording::RecordingView::new(
+        std::sync::Arc::new(rec),
+        "oom".into(),
+        Setup::default(),
+    );
+    let svg = view
+        .timeline(0, Some("expandable_segments:True"))
+        .expect("draws");
+    let legend = format!(
+        "expandable_segments:True, within the {} the job had at its OOM",
+        gpumem::allocator::size::format_size(memory.bytes())
+    );
+    assert!(svg.contains(&legend), "{legend}: {svg}");
     drop(blocks);
 }
