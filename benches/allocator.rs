@@ -28,18 +28,19 @@
 //! Time per iteration of the first two is one malloc plus one free for both allocators;
 //! divide to compare.
 
-use std::collections::HashMap;
 use std::hint::black_box;
-use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gpumem::allocator::{FitOrder, TraceAction};
+use gpumem::allocator::FitOrder;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::rng::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
 use gpumem_baseline::{PytorchDesign, stat_names};
 use offset_allocator::{Allocation, Allocator};
 use rustc_hash::FxHashMap;
+
+mod common;
+use common::{Event, RECORDINGS, recorded_events};
 
 const MIB: u64 = 1 << 20;
 const UNIT: u64 = 512;
@@ -203,48 +204,6 @@ fn mixed_2000_live(c: &mut Criterion) {
     group.finish();
 }
 
-/// One event of a recording: allocate `size` bytes into a slot, or free a slot.
-#[derive(Clone, Copy)]
-enum Event {
-    Alloc { slot: usize, size: u64 },
-    Free { slot: usize },
-}
-
-/// The allocations and frees of a bundled recording's first device, each live block in its
-/// own slot, ending with frees of whatever is still live; and the number of slots.
-fn recorded_events(file: &str) -> (Vec<Event>, usize) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("data/traces")
-        .join(file);
-    let recording = gpumem::recording::read_recording(&path).expect("bundled recording");
-    let mut events = Vec::new();
-    let mut live = HashMap::new();
-    let mut slots = 0;
-    for event in &recording.device_traces[0] {
-        match event.action {
-            TraceAction::Alloc => {
-                live.insert(event.addr, slots);
-                events.push(Event::Alloc {
-                    slot: slots,
-                    size: event.size,
-                });
-                slots += 1;
-            }
-            // Frees of blocks allocated before the trace began have no slot: skipped.
-            TraceAction::FreeRequested => {
-                if let Some(slot) = live.remove(&event.addr) {
-                    events.push(Event::Free { slot });
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut left: Vec<usize> = live.into_values().collect();
-    left.sort_unstable();
-    events.extend(left.into_iter().map(|slot| Event::Free { slot }));
-    (events, slots)
-}
-
 /// Checks, before anything is timed, that PyTorch's design (the C++ peer) makes gpumem's
 /// decisions on `events` in the same order: the same address for every allocation, and the
 /// same statistics after every event. Returns the addresses.
@@ -290,10 +249,7 @@ fn same_decisions(
 
 fn recorded(c: &mut Criterion) {
     let mut group = c.benchmark_group("recorded");
-    for (name, file) in [
-        ("opt125m", "opt125m_zo_fedtrain_complete.noframes.json.gz"),
-        ("lm_fwd_bwd", "cs336_lm_fwd_bwd_step.noframes.json.gz"),
-    ] {
+    for (name, file) in RECORDINGS {
         let (events, slots) = recorded_events(file);
         let placed: Vec<Vec<u64>> = ORDERS
             .iter()

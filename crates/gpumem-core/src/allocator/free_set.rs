@@ -322,17 +322,7 @@ pub(crate) struct FreeSet {
 }
 
 impl FreeSet {
-    /// Where `stream`'s bins are: a scan for a job's few streams (cheaper than hashing), the
-    /// index beyond.
-    #[inline]
-    fn stream_index(&self, stream: StreamId) -> Option<usize> {
-        if self.streams.len() <= SCAN_STREAMS {
-            return self.streams.iter().position(|(s, _)| *s == stream);
-        }
-        self.indexed(stream)
-    }
-
-    /// [`FreeSet::stream_index`] beyond a few streams (kept out of the scan's inlined path).
+    /// Where `stream`'s bins are beyond a few streams (kept out of the scan's inlined path).
     #[inline(never)]
     fn indexed(&self, stream: StreamId) -> Option<usize> {
         self.examined.set(self.examined.get() + 1);
@@ -356,14 +346,28 @@ impl FreeSet {
                 .sum::<usize>()
     }
 
+    /// `stream`'s bins: a scan for a job's few streams (cheaper than hashing), the index
+    /// beyond. The scan yields the bins themselves, with no position to check again.
     #[inline]
     fn bins(&self, stream: StreamId) -> Option<&StreamBins> {
-        Some(&self.streams[self.stream_index(stream)?].1)
+        if self.streams.len() <= SCAN_STREAMS {
+            return self
+                .streams
+                .iter()
+                .find_map(|(s, bins)| (*s == stream).then_some(bins));
+        }
+        Some(&self.streams[self.indexed(stream)?].1)
     }
 
     #[inline]
     fn bins_mut(&mut self, stream: StreamId) -> Option<&mut StreamBins> {
-        let i = self.stream_index(stream)?;
+        if self.streams.len() <= SCAN_STREAMS {
+            return self
+                .streams
+                .iter_mut()
+                .find_map(|(s, bins)| (*s == stream).then_some(bins));
+        }
+        let i = self.indexed(stream)?;
         Some(&mut self.streams[i].1)
     }
 
@@ -412,11 +416,13 @@ impl FreeSet {
     /// Adds a free block.
     #[inline]
     pub fn insert(&mut self, stream: StreamId, entry: FreeEntry) {
-        let i = match self.stream_index(stream) {
-            Some(i) => i,
-            None => self.add_stream(stream),
-        };
-        self.streams[i].1.insert(entry);
+        match self.bins_mut(stream) {
+            Some(bins) => bins.insert(entry),
+            None => {
+                let i = self.add_stream(stream);
+                self.streams[i].1.insert(entry);
+            }
+        }
     }
 
     /// Makes bins for a stream that has none (rare: kept out of `insert`'s fast path), first

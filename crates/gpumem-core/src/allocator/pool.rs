@@ -16,10 +16,12 @@
 
 use std::collections::BTreeMap;
 
+use slab::Slab;
+
 use crate::device::{Device, StreamId};
 
 use super::CachingAllocator;
-use super::block::BlockId;
+use super::block::{Block, BlockId};
 use super::free_set::{FreeEntry, FreeSet};
 use super::pool_id::{PoolRef, PoolSlot};
 use super::size::{self, PoolKind};
@@ -44,6 +46,20 @@ impl<D: Device> CachingAllocator<D> {
         match pool.kind {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
+        }
+    }
+
+    /// A pool and the block arena together (disjoint fields), so that a caller holding a
+    /// block finds its pool once.
+    #[inline]
+    fn pool_and_blocks(&mut self, pool: PoolRef) -> (&mut BlockPool, &mut Slab<Block>) {
+        let blocks = &mut self.blocks;
+        if !pool.owner.is_default() {
+            return (self.private.get_mut(pool.owner).pool_mut(pool.kind), blocks);
+        }
+        match pool.kind {
+            PoolKind::Small => (&mut self.small, blocks),
+            PoolKind::Large => (&mut self.large, blocks),
         }
     }
 
@@ -145,17 +161,17 @@ impl<D: Device> CachingAllocator<D> {
             return self.insert_held_free(base, id);
         }
         let kind = block.pool_ref();
-        let base = self.pool(kind).get_free_blocks_call_count;
         let order = self.fit_order;
-        let block = self.block_mut(id);
-        block.gc_count_base = base;
-        let stream = block.stream;
+        // The pool is found once, for its count and its set.
+        let (pool, blocks) = self.pool_and_blocks(kind);
+        let block = &mut blocks[id.index()];
+        block.gc_count_base = pool.get_free_blocks_call_count;
         let entry = FreeEntry {
             size: block.size,
             tie: order.tie(block.counter, block.ptr),
             id,
         };
-        self.pool_mut(kind).free.insert(stream, entry);
+        pool.free.insert(block.stream, entry);
     }
 
     /// Puts an unmapped block into its pool's unmapped set, or its plan segment's map.
