@@ -17,7 +17,7 @@ pub(crate) struct Args {
     #[command(flatten)]
     recording: RecordingArgs,
     /// The device whose trace to plan. Default: the device whose repeating iteration covers
-    /// the most allocations.
+    /// the most allocations (device 0 with `--events`).
     #[arg(long)]
     device: Option<u32>,
     /// Plan these trace events (`FIRST..END`) instead of the repeating iteration found.
@@ -76,6 +76,8 @@ pub(crate) fn run(args: Args) -> CliResult {
         .transpose()?;
     let (device, chosen) = match args.device {
         Some(device) => (device, None),
+        // Events named are device 0's unless it is named.
+        None if args.events.is_some() => (0, None),
         None => best_device(&recording, config.as_ref()).unwrap_or((0, None)),
     };
     let options = PlanOptions {
