@@ -1,5 +1,5 @@
 //! What `gpumem replay` prints, as text and as JSON, from one value per device: the fidelity
-//! check's verdict ([`Checked`]) and the what-if table ([`Compared`]'s rows under each
+//! check's verdict ([`Checked`]) and the what-if table ([`Comparison`]: its rows under each
 //! configuration).
 //!
 //! # Invariants
