@@ -287,32 +287,26 @@ impl Session {
         series_points: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<ReplayReport, ReplayError> {
-        let options = Options {
-            series_points,
-            ..self.options(mode)?
-        };
-        if options.check {
+        if let Mode::Check { plan } = mode {
+            let options = Options {
+                series_points,
+                ..self.options(mode)?
+            };
             let run = check_run(&self.recording, &options, progress)?;
-            if options.plan.is_none() && self.readings.get().is_none() {
+            if plan.is_none() && self.readings.get().is_none() {
                 // The check of the recording as it is read is the readings' own replay.
                 let _ = self.readings.set(Readings::found_by(&run));
             }
             return Ok(run.report);
         }
-        let readings = self.readings()?;
-        let capacity = options.capacity;
-        let inferred = Options {
-            capacity: capacity.or(readings.inferred_capacity),
-            ..options
+        let (followed, releases, found) = self.following(mode)?;
+        let followed = Options {
+            series_points,
+            ..followed
         };
-        let mut run = run_with(
-            &self.recording,
-            &inferred,
-            progress,
-            readings.releases_in_malloc.clone(),
-            &readings.found_or(&inferred),
-        )?;
-        run.report.capacity_inferred = capacity.is_none() && readings.inferred_capacity.is_some();
+        let mut run = run_with(&self.recording, &followed, progress, releases, &found)?;
+        run.report.capacity_inferred =
+            self.setup.capacity.is_none() && self.readings()?.inferred_capacity.is_some();
         if let Mode::WhatIf(WhatIf {
             available: None, ..
         }) = mode
@@ -441,10 +435,24 @@ impl Session {
     /// # Errors
     /// As [`Session::replay`].
     pub fn cursor(&self, mode: &Mode) -> Result<Cursor<'_>, ReplayError> {
+        let (options, releases, found) = self.following(mode)?;
+        let options = Options {
+            fresh_start: false,
+            ..options
+        };
+        Cursor::new(&self.recording, options, releases, found)
+    }
+
+    /// A replay in `mode` that follows the readings (a what-if, or a cursor of either mode):
+    /// its options on the device's memory (inferred where the readings had to), the release
+    /// runs it follows (none in check mode, which finds its own) and its order.
+    fn following(
+        &self,
+        mode: &Mode,
+    ) -> Result<(Options, FxHashMap<usize, ReleaseReading>, Found), ReplayError> {
         let readings = self.readings()?;
         let options = Options {
             capacity: self.setup.capacity.or(readings.inferred_capacity),
-            fresh_start: false,
             ..self.options(mode)?
         };
         let releases = if options.check {
@@ -453,6 +461,6 @@ impl Session {
             readings.releases_in_malloc.clone()
         };
         let found = readings.found_or(&options);
-        Cursor::new(&self.recording, options, releases, found)
+        Ok((options, releases, found))
     }
 }
