@@ -60,9 +60,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     let plan = plan_file.as_ref().map(|f| Arc::new(f.plan()));
     let devices: Vec<u32> = match args.device.or_else(|| source.map(|s| s.device)) {
         Some(d) => vec![d],
-        None => (0..recording.device_traces.len() as u32)
-            .filter(|&d| !recording.device_traces[d as usize].is_empty())
-            .collect(),
+        None => recording.traced_devices().collect(),
     };
     if devices.is_empty() {
         out!("{}", state_summary(&recording))?;

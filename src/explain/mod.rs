@@ -290,29 +290,37 @@ pub enum ExplainError {
 /// # Errors
 /// [`ExplainError`] when there is nothing to explain or the replay cannot run.
 pub fn explain(session: &Session, at: At) -> Result<Explanation, ExplainError> {
-    let device = session.device();
-    let events = session.events();
-    let event = match at {
+    explain_at(session, event_of(session.events(), session.device(), at)?)
+}
+
+/// The index of `at` in `device`'s trace `events` (its length for the state at the
+/// snapshot).
+///
+/// # Errors
+/// [`ExplainError::NoOom`] or [`ExplainError::NoSuchEvent`] when the trace has no such moment.
+pub fn event_of(
+    events: &[crate::allocator::TraceEntry],
+    device: u32,
+    at: At,
+) -> Result<usize, ExplainError> {
+    match at {
         At::FirstOom => events
             .iter()
             .position(|e| e.action == TraceAction::Oom)
-            .ok_or(ExplainError::NoOom { device })?,
+            .ok_or(ExplainError::NoOom { device }),
         At::PeakReserved => peak_reserved_event(events).ok_or(ExplainError::NoSuchEvent {
             device,
             event: 0,
             events: 0,
-        })?,
-        At::Event(i) if i < events.len() => i,
-        At::Snapshot => events.len(),
-        At::Event(event) => {
-            return Err(ExplainError::NoSuchEvent {
-                device,
-                event,
-                events: events.len(),
-            });
-        }
-    };
-    explain_at(session, event)
+        }),
+        At::Event(i) if i < events.len() => Ok(i),
+        At::Snapshot => Ok(events.len()),
+        At::Event(event) => Err(ExplainError::NoSuchEvent {
+            device,
+            event,
+            events: events.len(),
+        }),
+    }
 }
 
 /// Explains event `event` (which must be in the trace, or the trace's length for the state

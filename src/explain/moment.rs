@@ -54,7 +54,7 @@ impl Choice {
 /// The device and moment to explain: `device` and `at` where given, else as the module
 /// documentation says. `None` when the recording names no device at all.
 pub fn choose(recording: &Recording, device: Option<u32>, at: Option<At>) -> Option<Choice> {
-    let devices = devices(recording);
+    let devices = recording.devices();
     let (device, device_why) = match device {
         Some(device) => (device, None),
         None => {
@@ -63,7 +63,7 @@ pub fn choose(recording: &Recording, device: Option<u32>, at: Option<At>) -> Opt
             (device, say.then_some(why))
         }
     };
-    let trace = trace(recording, device);
+    let trace = recording.trace(device);
     let (at, moment_why) = match at {
         Some(at) => (at, None),
         None if trace.is_empty() => (
@@ -84,32 +84,12 @@ pub fn choose(recording: &Recording, device: Option<u32>, at: Option<At>) -> Opt
     })
 }
 
-/// The devices the recording names, by trace or by segment, in order.
-pub fn devices(recording: &Recording) -> Vec<u32> {
-    let traced = recording
-        .device_traces
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| !t.is_empty())
-        .map(|(d, _)| d as u32);
-    let held = recording.segments.iter().map(|s| s.device);
-    let set: std::collections::BTreeSet<u32> = traced.chain(held).collect();
-    set.into_iter().collect()
-}
-
-fn trace(recording: &Recording, device: u32) -> &[crate::allocator::TraceEntry] {
-    recording
-        .device_traces
-        .get(device as usize)
-        .map_or(&[][..], Vec::as_slice)
-}
-
 /// The device to explain and why: the one whose first OOM came first (by the recorded
 /// time where every such OOM has one, else the lowest device), else the first with a trace,
 /// else the first with segments.
 fn default_device(recording: &Recording, devices: &[u32]) -> Option<(u32, String)> {
     let first_oom = |d: u32| {
-        let trace = trace(recording, d);
+        let trace = recording.trace(d);
         let i = trace.iter().position(|e| e.action == TraceAction::Oom)?;
         Some((d, i, trace[i].time_us))
     };
@@ -132,11 +112,7 @@ fn default_device(recording: &Recording, devices: &[u32]) -> Option<(u32, String
             ),
         ));
     }
-    let traced = devices
-        .iter()
-        .copied()
-        .find(|&d| !trace(recording, d).is_empty());
-    if let Some(device) = traced {
+    if let Some(device) = recording.traced_devices().next() {
         return Some((
             device,
             format!(

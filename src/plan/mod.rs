@@ -253,11 +253,9 @@ pub fn best_device(
         .cloned()
         .or_else(|| recording.config.clone())
         .unwrap_or_default();
-    let traced: Vec<u32> = (0..recording.device_traces.len() as u32)
-        .filter(|&d| !recording.device_traces[d as usize].is_empty())
-        .collect();
+    let traced: Vec<u32> = recording.traced_devices().collect();
     let covered = |device: u32| {
-        let allocations = allocations(&recording.device_traces[device as usize], &config);
+        let allocations = allocations(recording.trace(device), &config);
         find_iteration(&allocations).map(|(_, period, iterations)| (period, iterations))
     };
     let found: Vec<(u32, usize, usize)> = traced

@@ -95,6 +95,27 @@ pub struct Recording {
     pub inferred_pools: Vec<Option<InferredPools>>,
 }
 
+impl Recording {
+    /// `device`'s trace: empty where the recording has none for it.
+    pub fn trace(&self, device: u32) -> &[TraceEntry] {
+        self.device_traces
+            .get(device as usize)
+            .map_or(&[][..], Vec::as_slice)
+    }
+
+    /// The devices with events in their trace, in order.
+    pub fn traced_devices(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.device_traces.len() as u32).filter(|&d| !self.trace(d).is_empty())
+    }
+
+    /// The devices the recording says anything of, by trace or by segment, in order.
+    pub fn devices(&self) -> Vec<u32> {
+        let held = self.segments.iter().map(|s| s.device);
+        let set: std::collections::BTreeSet<u32> = self.traced_devices().chain(held).collect();
+        set.into_iter().collect()
+    }
+}
+
 fn schema_error(node: &Node<'_>, expected: &str, found: String) -> TraceError {
     TraceError::Schema {
         path: node.path().to_string(),

@@ -27,7 +27,9 @@ use serde::Serialize;
 use crate::AllocatorConfig;
 use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
-use crate::explain::{At, ExplainError, Explanation, choose, explain_at, peak_reserved_event};
+use crate::explain::{
+    ExplainError, Explanation, choose, event_of, explain_at, peak_reserved_event,
+};
 use crate::recording::Recording;
 use crate::replay::{Cursor, Mode, ReplayError, ReplayReport, Session, Setup, WhatIf};
 
@@ -211,6 +213,7 @@ impl RecordingView {
     /// The devices and their moments.
     pub fn overview(&self) -> Overview {
         let devices = self
+            .recording
             .devices()
             .into_iter()
             .filter_map(|d| Some((d, self.trace(d)?)))
@@ -242,37 +245,20 @@ impl RecordingView {
     /// Where the page opens: the moment `explain` would choose.
     fn first(&self) -> Option<FirstMoment> {
         let choice = choose(&self.recording, None, None)?;
-        let trace = self.trace(choice.device)?;
-        let event = match choice.at {
-            At::FirstOom => trace.iter().position(|e| e.action == TraceAction::Oom),
-            At::PeakReserved => peak_reserved_event(trace),
-            At::Event(event) => Some(event),
-            At::Snapshot => None,
-        };
+        let trace = self.recording.trace(choice.device);
         Some(FirstMoment {
             device: choice.device,
-            event: event.unwrap_or(0),
+            // A device without a trace has one moment, the snapshot: event 0 (its length).
+            event: event_of(trace, choice.device, choice.at).unwrap_or(0),
             why: choice.device_why,
         })
-    }
-
-    /// Devices the recording names, by trace or by segment, in order.
-    fn devices(&self) -> std::collections::BTreeSet<u32> {
-        let traced = 0..self.recording.device_traces.len() as u32;
-        traced
-            .chain(self.recording.segments.iter().map(|s| s.device))
-            .collect()
     }
 
     /// `device`'s trace: empty for a device a snapshot without traces holds segments of
     /// (its one moment is the snapshot, event 0); `None` for a device it says nothing of.
     fn trace(&self, device: u32) -> Option<&[TraceEntry]> {
-        let recording = &*self.recording;
-        let trace = recording
-            .device_traces
-            .get(device as usize)
-            .map_or(&[][..], Vec::as_slice);
-        let has_segments = recording.segments.iter().any(|s| s.device == device);
+        let trace = self.recording.trace(device);
+        let has_segments = self.recording.segments.iter().any(|s| s.device == device);
         (!trace.is_empty() || has_segments).then_some(trace)
     }
 
