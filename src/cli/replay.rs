@@ -79,7 +79,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     }
     let tables = devices
         .iter()
-        .map(|&device| comparison(&args, &recording, device, &configs, plan_file.as_ref()))
+        .map(|&device| comparison(&args, &recording, device, &configs, plan.as_ref(), source))
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = &args.plot {
         write_plot(&args, path, &tables)?;
@@ -103,12 +103,12 @@ fn comparison(
     recording: &Arc<Recording>,
     device: u32,
     configs: &[Option<AllocatorConfig>],
-    plan_file: Option<&gpumem::plan::PlanFile>,
+    plan: Option<&Arc<gpumem::allocator::Plan>>,
+    source: Option<&gpumem::plan::PlanSource>,
 ) -> Result<Comparison, Box<dyn std::error::Error>> {
     let session = args.recording.session(recording, device)?;
     // A plan made from this recording is evaluated on what it was not made from.
-    let source = plan_file.and_then(|f| f.source.as_ref());
-    let window = plan_file
+    let window = plan
         .map(|_| {
             plan_window(
                 source,
@@ -133,12 +133,12 @@ fn comparison(
             report,
         });
     }
-    if let Some(file) = plan_file {
+    if let Some(plan) = plan {
         let what_if = args
             .what_if()
             .starting_afresh(false)
             .on_events(window.clone())
-            .following(Some(Arc::new(file.plan())));
+            .following(Some(Arc::clone(plan)));
         let mut report = replay_shown(&session, &Mode::WhatIf(what_if), args.series())?;
         report.config = format!("planned {}", super::parenthesised(&report.config));
         rows.push(Row {

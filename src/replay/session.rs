@@ -272,7 +272,7 @@ impl Session {
 
     /// The device's trace (empty for a device a snapshot without traces holds segments of).
     pub fn events(&self) -> &[crate::allocator::TraceEntry] {
-        device_events(&self.recording, self.setup.device).unwrap_or_default()
+        self.recording.trace(self.setup.device)
     }
 
     /// A replay in `mode`, keeping `series_points` (allocated, reserved) samples for plots,
