@@ -23,7 +23,9 @@
 
 pub use gpumem_core::{allocator, config, device, shared};
 
+#[cfg(feature = "tools")]
 pub mod demo;
+#[cfg(feature = "tools")]
 pub mod explain;
 pub mod ingest;
 #[cfg(feature = "webhook")]
@@ -33,7 +35,9 @@ pub mod iterations;
 pub mod metrics;
 pub mod ops;
 pub mod plan;
+#[cfg(feature = "tools")]
 pub mod recording;
+#[cfg(feature = "tools")]
 pub mod replay;
 pub mod rng;
 pub mod server;

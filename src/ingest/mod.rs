@@ -10,12 +10,14 @@
 pub mod limits;
 pub mod oom;
 pub mod payload;
+#[cfg(feature = "tools")]
 pub mod recordings;
 pub mod refusal;
 pub mod store;
 
 pub use limits::MAX_BODY_BYTES;
 pub use payload::Reason;
+#[cfg(feature = "tools")]
 pub use recordings::{RecordingLimits, RecordingStore};
 pub use refusal::{Refusal, Rejected};
 pub use store::{IngestConfig, Peer, PushStore, Sender};

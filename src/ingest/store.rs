@@ -40,8 +40,10 @@
 //! - Every refusal has a reason, returned to the client and counted.
 
 use std::collections::BTreeMap;
+#[cfg(feature = "tools")]
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustc_hash::FxHashMap;
@@ -57,6 +59,7 @@ use crate::telemetry::process;
 
 use super::limits::OOM_BREAKDOWN_SERIES;
 use super::payload::{Reason, ValidPush, validate};
+#[cfg(feature = "tools")]
 use super::recordings::{RecordingStore, Tenant, Uploader};
 use super::refusal::{Refusal, Rejected};
 
@@ -640,6 +643,7 @@ pub struct PushStore {
     accepted: AtomicU64,
     refused: [AtomicU64; Refusal::ALL.len()],
     /// Where recordings its processes upload are kept, once the agent keeps them.
+    #[cfg(feature = "tools")]
     recordings: OnceLock<Arc<RecordingStore>>,
 }
 
@@ -659,16 +663,19 @@ impl PushStore {
             started_unix: unix_now(),
             accepted: AtomicU64::new(0),
             refused: Default::default(),
+            #[cfg(feature = "tools")]
             recordings: OnceLock::new(),
         }
     }
 
+    #[cfg(feature = "tools")]
     /// Keeps the recordings its processes upload in `store` (once; a second store is
     /// ignored).
     pub fn keep_recordings(&self, store: Arc<RecordingStore>) {
         let _ = self.recordings.set(store);
     }
 
+    #[cfg(feature = "tools")]
     /// Where its processes' recordings are kept, where they are.
     pub fn recordings(&self) -> Option<&Arc<RecordingStore>> {
         self.recordings.get()
@@ -689,6 +696,7 @@ impl PushStore {
         self.refused[i].fetch_add(1, Ordering::Relaxed);
     }
 
+    #[cfg(feature = "tools")]
     /// Who an upload of a recording is from: a process this store tracks, known as its pushes
     /// are (the kernel's pid for a socket peer; a pod's process by the pid `pid` it has in the
     /// pod, told apart by `start_time`; from loopback, `pid` and `start_time` as given, which
@@ -1241,7 +1249,10 @@ impl PushStore {
             processes,
             pod_ooms,
             hosts,
+            #[cfg(feature = "tools")]
             recordings: self.recordings().map(|r| r.report()),
+            #[cfg(not(feature = "tools"))]
+            recordings: None,
         }
     }
 }

@@ -62,9 +62,12 @@ mod conns;
 pub mod hosts;
 mod listen;
 mod pidfd;
+#[cfg(feature = "tools")]
+mod recordings;
 mod slots;
 #[cfg(feature = "tls")]
 pub mod tls;
+#[cfg(feature = "tools")]
 pub mod view;
 #[cfg(feature = "tls")]
 pub mod web_config;
@@ -85,8 +88,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::ingest::recordings::{UPLOAD_MIN_PROGRESS, UPLOAD_TIMEOUT, UPLOAD_WINDOW};
-use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal, Rejected, Sender};
+use crate::ingest::{IngestConfig, MAX_BODY_BYTES, PushStore, Refusal, Rejected};
 use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::{Health, Kubelet, Unhealthy};
@@ -211,15 +213,10 @@ pub fn app(state: AppState) -> Router {
             get(|| async { page_asset(STYLE, "text/css; charset=utf-8") }),
         )
         .route("/api/v1/node", get(node))
-        .route("/api/v1/segments", get(live_segments))
-        .route("/api/v1/recordings", get(list_recordings));
-    if let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) {
-        // Each kept recording in the view, one request at a time (`view::kept`'s budget).
-        let kept = Arc::new(crate::view::kept::KeptViews::new(Arc::clone(store)));
-        page = page
-            .merge(view::view_routes("/recordings/{id}", kept, 1))
-            .route("/recordings/{id}", get(to_recording_page))
-            .route("/recordings/pid/{pid}", get(newest_recording_of));
+        .route("/api/v1/segments", get(live_segments));
+    #[cfg(feature = "tools")]
+    {
+        page = recordings::page_routes(page, &state);
     }
     if !state.ui {
         page = page.route_layer(axum::middleware::from_fn(ui_off));
@@ -248,9 +245,10 @@ pub fn push_app(state: AppState) -> Router {
 /// own Host) answering only to the agent's names (`hosts.rs`). Pushes are attributed, not
 /// authenticated.
 fn with_pushes_and_probes(state: AppState, routes: Router<AppState>) -> Router {
-    Router::new()
-        .route("/api/v1/push", post(push))
-        .route("/api/v1/recordings", post(upload_recording))
+    let pushes = Router::new().route("/api/v1/push", post(push));
+    #[cfg(feature = "tools")]
+    let pushes = pushes.route("/api/v1/recordings", post(recordings::upload));
+    pushes
         .merge(routes)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -555,230 +553,6 @@ async fn push(
     }
 }
 
-/// `POST /api/v1/recordings`: a job's memory snapshot at its OOM, gzipped, from a process
-/// that pushes (attributed as its pushes are; `?pid=` names it where the kernel does not,
-/// with `&start_time=` from a pod). Streamed to the store's directory, then read and kept
-/// (`ingest/recordings.rs`).
-async fn upload_recording(State(state): State<AppState>, request: Request) -> Response {
-    let Some(store) = state.ingest.clone() else {
-        return no_recordings();
-    };
-    let Some(recordings) = store.recordings() else {
-        return no_recordings();
-    };
-    let answer = |rejected: Rejected| refusal(rejected.refusal, &rejected.message);
-    let refuse = |rejected: Rejected| answer(recordings.refuse(rejected));
-    let sender = match peers(&request) {
-        (Some(unix), _) => Sender::from(unix.peer()),
-        (None, Some(ip)) => match attribute(&state, ip).await {
-            Ok(Some(pod)) => Sender::Pod(pod),
-            Ok(None) => Sender::Unattributed,
-            Err(rejected) => return refuse(rejected),
-        },
-        (None, None) => return refuse(Rejected::new(Refusal::Forbidden, FROM_ELSEWHERE)),
-    };
-    let headers = request.headers();
-    if headers.contains_key(header::ORIGIN) {
-        return refuse(Rejected::new(
-            Refusal::Forbidden,
-            "uploads from web pages (with an Origin header) are refused",
-        ));
-    }
-    if !media_type_is(headers, &["application/gzip", "application/x-gzip"]) {
-        return refuse(Rejected::new(
-            Refusal::Forbidden,
-            "a recording must be sent as Content-Type: application/gzip",
-        ));
-    }
-    let limit = recordings.limits().max_bytes_each;
-    let too_large = || {
-        Rejected::new(
-            Refusal::TooLarge,
-            format!("a recording may be at most {limit} bytes as sent"),
-        )
-    };
-    let declared = declared_length(headers);
-    if declared.is_some_and(|n| n > limit) {
-        return refuse(too_large());
-    }
-    let query = request.uri().query().unwrap_or_default();
-    let param = |name: &str| {
-        query
-            .split('&')
-            .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    let pid = param("pid")
-        .and_then(|p| u32::try_from(p).ok())
-        .unwrap_or(0);
-    let start_time = param("start_time");
-    let uploader = {
-        let store = Arc::clone(&store);
-        // A pod's process not seen yet means a scan of /proc: off the runtime's threads.
-        match tokio::task::spawn_blocking(move || store.recording_owner(sender, pid, start_time))
-            .await
-        {
-            Ok(Ok(uploader)) => uploader,
-            Ok(Err(rejected)) => return refuse(rejected),
-            Err(e) => return internal("upload", &e),
-        }
-    };
-    let upload = match recordings.begin(&uploader) {
-        Ok(upload) => upload,
-        Err(rejected) => return refusal(rejected.refusal, &rejected.message),
-    };
-    let deadline = tokio::time::Instant::now() + UPLOAD_TIMEOUT;
-    let file = match upload.create() {
-        Ok(file) => tokio::fs::File::from_std(file),
-        Err(e) => {
-            return answer(upload.refuse(Rejected::new(
-                Refusal::Capacity,
-                format!("the recording could not be stored: {e}"),
-            )));
-        }
-    };
-    let written = match write_body(request.into_body(), file, limit, deadline).await {
-        Ok(written) => written,
-        Err(BodyError::TooLarge) => return answer(upload.refuse(too_large())),
-        Err(BodyError::Late) => {
-            return answer(upload.refuse(Rejected::new(
-                Refusal::Truncated,
-                format!("the recording did not arrive within {UPLOAD_TIMEOUT:?}"),
-            )));
-        }
-        // (An upload takes no slot: never busy.)
-        Err(BodyError::Stalled | BodyError::Busy) => {
-            return answer(upload.refuse(Rejected::new(
-                Refusal::Truncated,
-                format!(
-                    "the recording stalled: less than {UPLOAD_MIN_PROGRESS} bytes came in {UPLOAD_WINDOW:?}"
-                ),
-            )));
-        }
-        Err(BodyError::Broken(e)) => {
-            return answer(upload.refuse(Rejected::new(
-                Refusal::Truncated,
-                format!("the recording could not be read whole: {e}"),
-            )));
-        }
-    };
-    if declared.is_some_and(|n| n != written) {
-        return answer(upload.refuse(Rejected::new(
-            Refusal::Truncated,
-            format!(
-                "the recording ended after {written} of its {} bytes",
-                declared.unwrap_or(0)
-            ),
-        )));
-    }
-    let kept = {
-        let recordings = Arc::clone(recordings);
-        tokio::task::spawn_blocking(move || recordings.finish(upload, written, &uploader)).await
-    };
-    match kept {
-        // Refusals are counted by the store.
-        Ok(Ok(stored)) => json(StatusCode::CREATED, serde_json::json!(stored)),
-        Ok(Err(rejected)) => refusal(rejected.refusal, &rejected.message),
-        Err(e) => internal("upload", &e),
-    }
-}
-
-/// `GET /api/v1/recordings`: the recordings kept, newest first, each pod named by the
-/// kubelet's log directories where its upload did not name it.
-async fn list_recordings(State(state): State<AppState>) -> Response {
-    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
-        return no_recordings();
-    };
-    let directory = state
-        .pod_names
-        .as_ref()
-        .map(crate::telemetry::pod_names::PodNames::directory);
-    let mut list = recordings.list();
-    for r in list.iter_mut().filter(|r| r.pod_name.is_empty()) {
-        if let Some(name) = directory
-            .as_deref()
-            .and_then(|d| d.name(&r.pod_uid, &r.container_id))
-        {
-            (r.pod_namespace, r.pod_name, r.container_name) =
-                (name.namespace, name.pod, name.container);
-        }
-    }
-    json(StatusCode::OK, serde_json::json!(list))
-}
-
-/// `/recordings/<id>` to its page, `/recordings/<id>/` (the page's addresses are relative).
-async fn to_recording_page(axum::extract::Path(id): axum::extract::Path<String>) -> Response {
-    see_other(&format!("{}/", percent_encoded(&id)))
-}
-
-/// The newest recording of process `pid` (the OOM alert's `recording_url`), opened at its OOM.
-async fn newest_recording_of(
-    State(state): State<AppState>,
-    axum::extract::Path(pid): axum::extract::Path<u32>,
-) -> Response {
-    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
-        return no_recordings();
-    };
-    match newest_of(&recordings.list(), pid, |_| true) {
-        Some(newest) => see_other(&format!("../{}", recording_link(newest))),
-        None => json(
-            StatusCode::NOT_FOUND,
-            serde_json::json!({"error": format!("this agent keeps no recording of pid {pid} (it may have been evicted, or the job recorded none: GPUMEM_PUSH_HISTORY)")}),
-        ),
-    }
-}
-
-/// The newest of `kept` (newest first) of process `pid` that `also` accepts, one a process
-/// the kernel or the runtime named before one from loopback TCP: a loopback sender's pid is
-/// its own word, so one naming a dead job's pid cannot take that job's link over.
-fn newest_of(
-    kept: &[crate::ingest::recordings::StoredRecording],
-    pid: u32,
-    also: impl Fn(&crate::ingest::recordings::StoredRecording) -> bool,
-) -> Option<&crate::ingest::recordings::StoredRecording> {
-    use crate::ingest::recordings::Tenant;
-    let of_pid = || kept.iter().filter(|r| r.pid == pid && also(r));
-    of_pid()
-        .find(|r| r.tenant != Some(Tenant::Loopback))
-        .or_else(|| of_pid().next())
-}
-
-/// Where a kept recording's page opens, relative to `/recordings/`: at its OOM, where it has
-/// one.
-pub fn recording_link(kept: &crate::ingest::recordings::StoredRecording) -> String {
-    let at = match (kept.device, kept.oom_event) {
-        (Some(device), Some(event)) => format!("#device={device}&event={event}"),
-        _ => String::new(),
-    };
-    format!("{}/{at}", percent_encoded(&kept.id))
-}
-
-/// The bytes a path segment percent-encodes: all but letters, digits, `-`, `_` and `.`.
-const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'_')
-    .remove(b'.');
-
-/// `text` as a path segment.
-fn percent_encoded(text: &str) -> String {
-    percent_encoding::utf8_percent_encode(text, SEGMENT).to_string()
-}
-
-/// A redirect to `location` (relative: the agent may sit behind a proxy's path).
-fn see_other(location: &str) -> Response {
-    match axum::http::HeaderValue::from_str(location) {
-        Ok(value) => (StatusCode::SEE_OTHER, [(header::LOCATION, value)]).into_response(),
-        Err(_) => (StatusCode::BAD_REQUEST, "not a recording's address\n").into_response(),
-    }
-}
-
-fn no_recordings() -> Response {
-    json(
-        StatusCode::NOT_FOUND,
-        serde_json::json!({"error": "this agent keeps no recordings"}),
-    )
-}
-
 /// A push's or upload's work that failed off the event loop (`what`: `push`, `upload`).
 fn internal(what: &str, e: &tokio::task::JoinError) -> Response {
     tracing::error!(error = %e, "a {what} could not be processed");
@@ -817,44 +591,6 @@ pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-}
-
-/// Writes a body to `file` by `deadline`, at most `limit` bytes, and at least
-/// [`UPLOAD_MIN_PROGRESS`] of them in each [`UPLOAD_WINDOW`]: how many were written.
-async fn write_body(
-    mut body: axum::body::Body,
-    mut file: tokio::fs::File,
-    limit: u64,
-    deadline: tokio::time::Instant,
-) -> Result<u64, BodyError> {
-    use http_body_util::BodyExt;
-    use tokio::io::AsyncWriteExt;
-    let broken = |e: std::io::Error| BodyError::Broken(axum::Error::new(e));
-    let mut written = 0u64;
-    let mut window = (tokio::time::Instant::now() + UPLOAD_WINDOW, 0u64);
-    loop {
-        let frame = match tokio::time::timeout_at(deadline.min(window.0), body.frame()).await {
-            Err(_) if tokio::time::Instant::now() >= deadline => return Err(BodyError::Late),
-            Err(_) if window.1 < UPLOAD_MIN_PROGRESS => return Err(BodyError::Stalled),
-            Err(_) => {
-                window = (tokio::time::Instant::now() + UPLOAD_WINDOW, 0);
-                continue;
-            }
-            Ok(None) => break,
-            Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
-            Ok(Some(Ok(frame))) => frame,
-        };
-        if let Ok(data) = frame.into_data() {
-            written += data.len() as u64;
-            window.1 += data.len() as u64;
-            if written > limit {
-                return Err(BodyError::TooLarge);
-            }
-            file.write_all(&data).await.map_err(broken)?;
-        }
-    }
-    file.flush().await.map_err(broken)?;
-    Ok(written)
 }
 
 /// The pod a TCP push or upload from `peer` is from (`None`: this host's own loopback,
@@ -933,6 +669,7 @@ enum BodyError {
     /// No slot came for the part past [`UNSLOTTED_BODY_BYTES`] (a push).
     Busy,
     /// Too little of the body came in a window (an upload).
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     Stalled,
     Late,
     Broken(axum::Error),
@@ -1036,13 +773,17 @@ pub(crate) fn page_asset(body: &'static str, content_type: &'static str) -> Resp
     (
         [
             (header::CONTENT_TYPE, content_type),
-            (header::CONTENT_SECURITY_POLICY, view::VIEW_CSP),
+            (header::CONTENT_SECURITY_POLICY, VIEW_CSP),
             (header::CACHE_CONTROL, "no-store"),
         ],
         body,
     )
         .into_response()
 }
+
+/// The policy of the pages with a script (the live page, `gpumem view`'s): their own
+/// origin's script, style and API only.
+pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
 /// The media type of the pages' scripts.
 pub(crate) const JAVASCRIPT: &str = "text/javascript; charset=utf-8";
@@ -1094,26 +835,9 @@ async fn live_segments(
 async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
     held(&state, conn, "application/json", |m| {
         let sources = state.sources.snapshot();
-        let mut view = crate::view::node::view(&m.gather(), &sources);
-        if let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) {
-            // Newest first: each process links its last recording.
-            let kept = store.list();
-            for row in &mut view.processes {
-                // The same pid in the same pod (a pid the host reused names another pod).
-                row.recording = row
-                    .pid
-                    .parse()
-                    .ok()
-                    .and_then(|pid| {
-                        newest_of(&kept, pid, |r| {
-                            r.pod_name.is_empty()
-                                || row.pod_name.is_empty()
-                                || r.pod_name == row.pod_name
-                        })
-                    })
-                    .map(|r| format!("recordings/{}", recording_link(r)));
-            }
-        }
+        let view = crate::view::node::view(&m.gather(), &sources);
+        #[cfg(feature = "tools")]
+        let view = recordings::with_newest(&state, view);
         serde_json::to_string(&view).unwrap_or_default()
     })
     .await

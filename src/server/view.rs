@@ -38,9 +38,6 @@ use serde::Deserialize;
 
 use crate::view::recording::{RecordingView, ViewError, ViewSource};
 
-/// The policy of the view's page.
-pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
-
 const INDEX: &str = include_str!("../view/assets/index.html");
 const SCRIPT: &str = include_str!("../view/assets/view.js");
 
@@ -133,7 +130,7 @@ async fn same_site(request: Request, next: Next) -> Response {
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(VIEW_CSP),
+        HeaderValue::from_static(super::VIEW_CSP),
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     headers.insert(

@@ -12,11 +12,15 @@
 //!   API (`server::view`), so both open the same on an air-gapped machine and a recording
 //!   cannot make them fetch anything.
 
+#[cfg(feature = "tools")]
 pub mod explain;
+#[cfg(feature = "tools")]
 pub mod kept;
 pub mod node;
+#[cfg(feature = "tools")]
 pub mod recording;
 pub mod segments;
+#[cfg(feature = "tools")]
 pub mod timeline;
 
 use std::fmt::Write;

@@ -27,13 +27,15 @@ use serde::Serialize;
 use crate::AllocatorConfig;
 use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
+use crate::explain::block_stacks::BlockStacks;
 use crate::explain::{
     ExplainError, Explanation, choose, event_of, explain_at, peak_reserved_event,
 };
 use crate::recording::Recording;
+use crate::recording::frames::{ContextId, StackId};
 use crate::replay::{Cursor, Mode, ReplayError, ReplayReport, Session, Setup, WhatIf};
 
-use super::segments::{self, SegmentMap};
+use super::segments::{self, MAX_FRAMES, Provenance, SegmentMap};
 use super::timeline::{self, Run};
 
 /// Bytes of a what-if configuration string.
@@ -408,8 +410,11 @@ impl RecordingView {
         })?;
         // A what-if replay places blocks at its own addresses: the recording's stacks are
         // named by the recorded ones.
-        let recording = what_if.is_none().then_some(&*self.recording);
-        Ok(segments::map(&segments, device, Some(event), recording))
+        let stacks = what_if
+            .is_none()
+            .then(|| RecordedStacks::new(&self.recording, device, event));
+        let provenance = stacks.as_ref().map(|s| s as &dyn Provenance);
+        Ok(segments::map(&segments, device, Some(event), provenance))
     }
 
     /// A cursor before the first event of `device`, replaying in `mode`.
@@ -436,5 +441,40 @@ impl RecordingView {
             e,
             MAX_EXPLANATIONS,
         ))
+    }
+}
+
+/// The stacks that allocated the blocks live just after an event of a recording, for the
+/// segment map (a key packs the stack's and the context's ids).
+struct RecordedStacks<'a> {
+    recording: &'a Recording,
+    stacks: BlockStacks,
+}
+
+impl<'a> RecordedStacks<'a> {
+    fn new(recording: &'a Recording, device: u32, event: usize) -> RecordedStacks<'a> {
+        let trace = recording.trace(device);
+        let events = &trace[..(event + 1).min(trace.len())];
+        let stacks = BlockStacks::new(recording, device as usize, events);
+        RecordedStacks { recording, stacks }
+    }
+}
+
+impl Provenance for RecordedStacks<'_> {
+    fn key_of(&self, address: u64) -> Option<u64> {
+        let (stack, context) = (self.stacks.of(address), self.stacks.context_of(address));
+        if self.recording.frames.frames_of(stack).is_empty() && context == ContextId::NONE {
+            return None;
+        }
+        Some(u64::from(stack.0) << 32 | u64::from(context.0))
+    }
+
+    fn describe(&self, key: u64) -> Vec<String> {
+        let (stack, context) = (StackId((key >> 32) as u32), ContextId(key as u32));
+        let frames = &self.recording.frames;
+        let mut lines = frames.describe_context(context, MAX_FRAMES);
+        let stack = frames.frames_of(stack).iter().take(MAX_FRAMES);
+        lines.extend(stack.map(|&id| frames.describe(id)));
+        lines
     }
 }

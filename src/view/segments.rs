@@ -19,9 +19,6 @@ use serde::Serialize;
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, PoolId, SegmentInfo};
 use crate::device::StreamId;
-use crate::explain::block_stacks::BlockStacks;
-use crate::recording::Recording;
-use crate::recording::frames::{ContextId, StackId};
 
 /// Segments listed in one map.
 pub const MAX_SEGMENTS: usize = 4096;
@@ -98,48 +95,36 @@ pub struct TopBlock {
     pub stack: Option<usize>,
 }
 
+/// Who allocated a map's blocks: a recording's stacks (`view::recording`), or nothing known
+/// (a live allocator's map).
+pub trait Provenance {
+    /// A key equal for the blocks allocated from the same stack and context, for the block
+    /// at `address`; `None` where nothing is known of it.
+    fn key_of(&self, address: u64) -> Option<u64>;
+    /// The lines naming the stack of `key`: its context first, then at most [`MAX_FRAMES`]
+    /// frames, innermost first.
+    fn describe(&self, key: u64) -> Vec<String>;
+}
+
 /// The map of `device`'s `segments`, taken just after `event` of a recording where it is
-/// one; with `recording` (whose addresses the segments must carry: the exact replay's, not a
-/// what-if's), the stacks that allocated their blocks.
+/// one; with `provenance`, the stacks that allocated their blocks.
 pub fn map(
     segments: &[SegmentInfo],
     device: u32,
     event: Option<usize>,
-    recording: Option<&Recording>,
+    provenance: Option<&dyn Provenance>,
 ) -> SegmentMap {
-    let stacks = recording.zip(event).map(|(recording, event)| {
-        let events = recording
-            .device_traces
-            .get(device as usize)
-            .map_or(&[][..], |t| &t[..(event + 1).min(t.len())]);
-        (
-            recording,
-            BlockStacks::new(recording, device as usize, events),
-        )
-    });
     let mut out = SegmentMap {
         event,
         ..SegmentMap::default()
     };
-    let mut stack_index: FxHashMap<(StackId, ContextId), usize> = FxHashMap::default();
+    // Each stack is listed once; blocks refer to it by index.
+    let mut stack_index: FxHashMap<u64, usize> = FxHashMap::default();
     let mut index_of = |address: u64, out: &mut SegmentMap| -> Option<usize> {
-        let (recording, stacks) = stacks.as_ref()?;
-        let (stack, context) = (stacks.of(address), stacks.context_of(address));
-        let frames = recording.frames.frames_of(stack);
-        if frames.is_empty() && context == ContextId::NONE {
-            return None;
-        }
-        Some(*stack_index.entry((stack, context)).or_insert_with(|| {
-            // The allocation's context (compile context, user metadata, forward frames)
-            // first, then its frames.
-            let mut lines = recording.frames.describe_context(context, MAX_FRAMES);
-            lines.extend(
-                frames
-                    .iter()
-                    .take(MAX_FRAMES)
-                    .map(|&id| recording.frames.describe(id)),
-            );
-            out.stacks.push(lines);
+        let provenance = provenance?;
+        let key = provenance.key_of(address)?;
+        Some(*stack_index.entry(key).or_insert_with(|| {
+            out.stacks.push(provenance.describe(key));
             out.stacks.len() - 1
         }))
     };
