@@ -13,10 +13,13 @@
 //! ```
 //!
 //! Arguments: the recording (`opt125m`, `lm_fwd_bwd`; default both), the order (`address`,
-//! `counter`; default both) and the number of passes (default 10). It prints each run's
-//! events, time per event (a rough figure: use criterion's `recorded` group to compare) and
-//! a digest of the addresses of one more pass, which any change to the hot path must leave
-//! as it was.
+//! `counter`; default both), the number of passes (default 10) and the allocator: `gpumem`
+//! (the default), or a peer of the `recorded` group, `pytorch_design` or
+//! `offset_allocator_by_address` (count it with `--toggle-collect='*peer_pass*'`), so that
+//! the instructions of both sides of a ratio come from one tool. It prints each run's
+//! events, time per event (a rough figure: use criterion's `recorded` group to compare) and,
+//! for gpumem, a digest of the addresses of one more pass, which any change to the hot path
+//! must leave as it was.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -24,6 +27,9 @@ use std::time::Instant;
 use gpumem::allocator::FitOrder;
 use gpumem::device::{SimConfig, SimDevice};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, StreamId};
+use gpumem_baseline::PytorchDesign;
+use offset_allocator::{Allocation, Allocator};
+use rustc_hash::FxHashMap;
 
 mod common;
 use common::{Event, RECORDINGS, recorded_events};
@@ -41,6 +47,40 @@ fn replay_pass(a: &mut CachingAllocator<SimDevice>, events: &[Event], live: &mut
                 live[slot] = a.malloc(black_box(size), StreamId::DEFAULT).expect("fits");
             }
             Event::Free { slot } => a.free(live[slot]).expect("live"),
+        }
+    }
+}
+
+/// PyTorch's design (the C++ peer) on the same events.
+#[inline(never)]
+fn pytorch_peer_pass(a: &mut PytorchDesign, events: &[Event], live: &mut [u64]) {
+    for event in events {
+        match *event {
+            Event::Alloc { slot, size } => live[slot] = a.malloc(black_box(size), 0).expect("fits"),
+            Event::Free { slot } => {
+                a.free(live[slot]);
+            }
+        }
+    }
+}
+
+/// offset-allocator behind a map from offset to handle (as `recorded`'s row), in 512 B units.
+#[inline(never)]
+fn offset_peer_pass(
+    a: &mut Allocator<u32>,
+    by_offset: &mut FxHashMap<u32, Allocation<u32>>,
+    events: &[Event],
+    live: &mut [u32],
+) {
+    for event in events {
+        match *event {
+            Event::Alloc { slot, size } => {
+                let units = black_box(size).div_ceil(512) as u32;
+                let allocation = a.allocate(units).expect("fits");
+                by_offset.insert(allocation.offset, allocation);
+                live[slot] = allocation.offset;
+            }
+            Event::Free { slot } => a.free(by_offset.remove(&live[slot]).expect("live")),
         }
     }
 }
@@ -79,21 +119,49 @@ fn main() {
         .into_iter()
         .filter(|(o, _)| wanted(1, o))
         {
-            let mut a = CachingAllocator::with_fit_order(
-                SimDevice::new(SimConfig::with_capacity(CAPACITY)),
-                AllocatorConfig::default(),
-                order,
-            );
-            let mut live = vec![DevicePtr::NULL; slots];
             let start = Instant::now();
-            for _ in 0..passes {
-                replay_pass(&mut a, &events, &mut live);
-            }
-            let per_event =
-                start.elapsed().as_nanos() as f64 / (passes * events.len()).max(1) as f64;
-            let digest = digest(&mut a, &events, &mut live);
+            let (elapsed, digest) = match args.get(3).map_or("gpumem", String::as_str) {
+                "gpumem" => {
+                    let mut a = CachingAllocator::with_fit_order(
+                        SimDevice::new(SimConfig::with_capacity(CAPACITY)),
+                        AllocatorConfig::default(),
+                        order,
+                    );
+                    let mut live = vec![DevicePtr::NULL; slots];
+                    for _ in 0..passes {
+                        replay_pass(&mut a, &events, &mut live);
+                    }
+                    let elapsed = start.elapsed();
+                    (
+                        elapsed,
+                        format!(", addresses {:016x}", digest(&mut a, &events, &mut live)),
+                    )
+                }
+                "pytorch_design" => {
+                    let counter = order == FitOrder::Counter;
+                    let mut a = PytorchDesign::with_counter_order(CAPACITY, counter);
+                    let mut live = vec![0; slots];
+                    for _ in 0..passes {
+                        pytorch_peer_pass(&mut a, &events, &mut live);
+                    }
+                    (start.elapsed(), String::new())
+                }
+                "offset_allocator_by_address" => {
+                    let mut a = Allocator::with_max_allocs(1 << 31, 1 << 17);
+                    let mut by_offset = FxHashMap::default();
+                    let mut live = vec![0; slots];
+                    for _ in 0..passes {
+                        offset_peer_pass(&mut a, &mut by_offset, &events, &mut live);
+                    }
+                    (start.elapsed(), String::new())
+                }
+                other => panic!(
+                    "no allocator {other}: gpumem, pytorch_design or offset_allocator_by_address"
+                ),
+            };
+            let per_event = elapsed.as_nanos() as f64 / (passes * events.len()).max(1) as f64;
             println!(
-                "{name} {order_name}: {} events x {passes} passes, {per_event:.1} ns/event, addresses {digest:016x}",
+                "{name} {order_name}: {} events x {passes} passes, {per_event:.1} ns/event{digest}",
                 events.len()
             );
         }

@@ -8,6 +8,8 @@
 //!   record); free (neither, and then it sits in its pool's free set, or in its pool's
 //!   unmapped set if it is an unmapped part of an expandable segment; in a plan's region or
 //!   chunk, in the plan's own maps instead).
+//! - A block is tagged `held` iff it lies in a plan's region or chunk: the tag is set on the
+//!   segment's one block when the plan obtains it and inherited by every piece split off.
 //! - Only blocks of expandable segments are ever unmapped; unmapped blocks are free.
 //! - Sizes and addresses are multiples of 512.
 
@@ -89,13 +91,44 @@ pub(crate) struct Block {
     pub counter: u32,
     /// The size class of the pool that owns the block.
     pub pool: PoolKind,
-    /// Handed out to a caller.
-    pub allocated: bool,
-    /// Backed by physical memory (always true outside expandable segments).
-    pub mapped: bool,
-    /// Streams other than `stream` used the block and are not yet covered by events: the
-    /// allocator's `stream_uses` table lists them.
-    pub has_stream_uses: bool,
+    /// Allocated, mapped, used by other streams, held by a plan: see the accessors.
+    pub flags: Flags,
+}
+
+/// A block's yes-or-no facts, a bit each (the block fills its cache line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Flags(u8);
+
+impl Flags {
+    const ALLOCATED: u8 = 1;
+    const MAPPED: u8 = 2;
+    const STREAM_USES: u8 = 4;
+    const HELD: u8 = 8;
+
+    /// A free block backed by physical memory (every block outside expandable segments).
+    pub const MAPPED_FREE: Flags = Flags(Flags::MAPPED);
+    /// A free block of an expandable segment without physical memory.
+    pub const UNMAPPED_FREE: Flags = Flags(0);
+
+    /// These flags, with `bit` set to `on`.
+    #[inline]
+    const fn with(self, bit: u8, on: bool) -> Flags {
+        if on {
+            Flags(self.0 | bit)
+        } else {
+            Flags(self.0 & !bit)
+        }
+    }
+
+    /// These flags, allocated or not.
+    pub const fn allocated(self, on: bool) -> Flags {
+        self.with(Flags::ALLOCATED, on)
+    }
+
+    /// These flags, held by a plan or not.
+    pub const fn held(self, on: bool) -> Flags {
+        self.with(Flags::HELD, on)
+    }
 }
 
 impl Block {
@@ -109,12 +142,10 @@ impl Block {
             stream,
             pool: pool.kind,
             owner: pool.owner,
-            allocated: false,
-            mapped: true,
+            flags: Flags::MAPPED_FREE,
             prev: None,
             next: None,
             event_count: 0,
-            has_stream_uses: false,
             gc_count_base: 0,
             expandable: None,
         }
@@ -128,6 +159,53 @@ impl Block {
         }
     }
 
+    /// Handed out to a caller.
+    #[inline]
+    pub fn allocated(&self) -> bool {
+        self.flags.0 & Flags::ALLOCATED != 0
+    }
+
+    #[inline]
+    pub fn set_allocated(&mut self, on: bool) {
+        self.flags = self.flags.allocated(on);
+    }
+
+    /// Backed by physical memory (always true outside expandable segments).
+    #[inline]
+    pub fn mapped(&self) -> bool {
+        self.flags.0 & Flags::MAPPED != 0
+    }
+
+    #[inline]
+    pub fn set_mapped(&mut self, on: bool) {
+        self.flags = self.flags.with(Flags::MAPPED, on);
+    }
+
+    /// Streams other than `stream` used the block and are not yet covered by events: the
+    /// allocator's `stream_uses` table lists them.
+    #[inline]
+    pub fn has_stream_uses(&self) -> bool {
+        self.flags.0 & Flags::STREAM_USES != 0
+    }
+
+    #[inline]
+    pub fn set_stream_uses(&mut self, on: bool) {
+        self.flags = self.flags.with(Flags::STREAM_USES, on);
+    }
+
+    /// Part of a plan's region or chunk (Note [Planned placement]): its free parts are the
+    /// plan's, in the plan's own maps, never in a pool's sets. Inherited by every piece of
+    /// the segment.
+    #[inline]
+    pub fn held(&self) -> bool {
+        self.flags.0 & Flags::HELD != 0
+    }
+
+    /// Marks a region's or chunk's block as the plan's.
+    pub fn hold_for_plan(&mut self) {
+        self.flags = self.flags.held(true);
+    }
+
     /// Part of a segment that also holds other blocks.
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
@@ -135,13 +213,14 @@ impl Block {
 
     /// Freed by the user but waiting on other streams.
     pub fn is_pending_free(&self) -> bool {
-        !self.allocated && (self.event_count > 0 || self.has_stream_uses)
+        !self.allocated() && (self.event_count > 0 || self.has_stream_uses())
     }
 
     /// Neither allocated nor pending. A free block is in its pool's free set when mapped and
     /// in its pool's unmapped set otherwise (PyTorch's "allocatable").
     pub fn is_free(&self) -> bool {
-        !self.allocated && self.event_count == 0 && !self.has_stream_uses
+        // One test of both bits.
+        self.flags.0 & (Flags::ALLOCATED | Flags::STREAM_USES) == 0 && self.event_count == 0
     }
 }
 

@@ -1,5 +1,5 @@
 //! The allocator's errors. An out-of-memory error carries the figures PyTorch's message
-//! reports and the breakdown `gpumem explain` gives (`breakdown.rs`), computed from the
+//! reports and the breakdown `gpumem explain` gives (`ext/breakdown.rs`), computed from the
 //! allocator's blocks only when the allocation has failed, so that a caller (or an operator
 //! reading a log) can tell fragmentation from a full device.
 //!

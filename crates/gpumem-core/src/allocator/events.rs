@@ -134,7 +134,7 @@ impl<D: Device> CachingAllocator<D> {
     /// completes after a synchronisation.
     pub(super) fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
         let streams = self.stream_uses.remove(&id).unwrap_or_default();
-        self.block_mut(id).has_stream_uses = false;
+        self.block_mut(id).set_stream_uses(false);
         if streams.len() > usize::from(u16::MAX) {
             // More streams than a block counts events for: wait for the device instead.
             return self.free_after_synchronize(id, &streams);
@@ -165,7 +165,7 @@ impl<D: Device> CachingAllocator<D> {
     ) -> Result<(), AllocError> {
         if let Err(e) = self.device.synchronize() {
             self.stream_uses.insert(id, uncovered.to_vec());
-            self.block_mut(id).has_stream_uses = true;
+            self.block_mut(id).set_stream_uses(true);
             return Err(AllocError::Device(e));
         }
         if self.block(id).event_count == 0 {
@@ -180,7 +180,7 @@ impl<D: Device> CachingAllocator<D> {
         self.event_pool.push(event);
         let block = self.block_mut(id);
         block.event_count = block.event_count.saturating_sub(1);
-        if block.event_count == 0 && !block.has_stream_uses {
+        if block.event_count == 0 && !block.has_stream_uses() {
             self.complete_free(id);
         }
     }
@@ -216,7 +216,7 @@ impl<D: Device> CachingAllocator<D> {
             return self.insert_events(id);
         }
         self.stream_uses.remove(&id);
-        self.block_mut(id).has_stream_uses = false;
+        self.block_mut(id).set_stream_uses(false);
         if self.block(id).event_count == 0 {
             self.complete_free(id);
         }
@@ -305,7 +305,7 @@ impl<D: Device> CachingAllocator<D> {
         if !uses.contains(&stream) {
             uses.push(stream);
         }
-        self.block_mut(id).has_stream_uses = true;
+        self.block_mut(id).set_stream_uses(true);
         if self.capturing() {
             let captured = self.capture_uses.entry(id).or_default();
             if !captured.contains(&stream) {

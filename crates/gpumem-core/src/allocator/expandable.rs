@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::block::{Block, BlockId, SegmentId};
+use super::block::{Block, BlockId, Flags, SegmentId};
 use super::pool_id::PoolRef;
 use super::size::{self, SMALL_BUFFER};
 use super::{AllocError, CachingAllocator, TraceAction};
@@ -212,7 +212,7 @@ impl<D: Device> CachingAllocator<D> {
         let growth = b
             .next
             .map(|n| self.block(n))
-            .filter(|n| !n.mapped)
+            .filter(|n| !n.mapped())
             .map_or(0, |n| n.size);
         b.size + growth
     }
@@ -229,7 +229,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(None);
         };
         // The candidate starts a run of free and unmapped blocks of at least `size` bytes.
-        if !self.block(candidate).mapped {
+        if !self.block(candidate).mapped() {
             let first = self.block(candidate).size.min(size);
             if !self.map_block(candidate, first)? {
                 return Ok(None);
@@ -337,7 +337,7 @@ impl<D: Device> CachingAllocator<D> {
         });
         let segment = SegmentId::new(segment).expect("fewer than 2^32 segments");
         let id = self.new_block(Block {
-            mapped: false,
+            flags: Flags::UNMAPPED_FREE,
             expandable: Some(segment),
             ..Block::segment(ptr, size, stream, kind, counter)
         });
@@ -349,7 +349,7 @@ impl<D: Device> CachingAllocator<D> {
     /// with free mapped neighbours (`map_block`). `Ok(false)` when out of memory.
     fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
         let b = self.block(id);
-        debug_assert!(!b.mapped && size <= b.size);
+        debug_assert!(!b.mapped() && size <= b.size);
         let ptr = b.ptr;
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         let seg = &self.expandable_segments[segment.index()];
@@ -370,16 +370,16 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn adopt_mapping(&mut self, id: BlockId, mapped: u64) {
         let b = self.block(id);
         let (ptr, block_size, stream, kind) = (b.ptr, b.size, b.stream, b.pool_ref());
-        let counter = b.counter;
+        let (counter, held) = (b.counter, b.held());
         let segment = b.expandable.expect("only expandable blocks are unmapped");
         self.remove_unmapped(id);
-        self.block_mut(id).mapped = true;
+        self.block_mut(id).set_mapped(true);
         if mapped < block_size {
             // The rest stays unmapped, as a block of its own right after this one.
             let next = self.block(id).next;
             let counter = self.piece_counter(counter);
             let rest = self.new_block(Block {
-                mapped: false,
+                flags: Flags::UNMAPPED_FREE.held(held),
                 expandable: Some(segment),
                 prev: Some(id),
                 next,
@@ -411,7 +411,7 @@ impl<D: Device> CachingAllocator<D> {
             return false;
         };
         let seg = &self.expandable_segments[segment.index()];
-        b.mapped && seg.page_ceil(b.ptr) < seg.page_floor(b.ptr + b.size)
+        b.mapped() && seg.page_ceil(b.ptr) < seg.page_floor(b.ptr + b.size)
     }
 
     /// Unmaps the whole free pages of a free mapped block (`unmap_block`); partial pages at
@@ -450,7 +450,7 @@ impl<D: Device> CachingAllocator<D> {
         if after > 0 {
             self.split_off_back(id, after);
         }
-        self.block_mut(id).mapped = false;
+        self.block_mut(id).set_mapped(false);
         let (prev, next) = (self.block(id).prev, self.block(id).next);
         for neighbour in [prev, next].into_iter().flatten() {
             self.try_merge(id, neighbour);
@@ -467,12 +467,13 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (end, stream, kind, next, segment) =
             (b.ptr + b.size, b.stream, b.pool_ref(), b.next, b.expandable);
-        let counter = b.counter;
+        let (counter, held) = (b.counter, b.held());
         let counter = self.piece_counter(counter);
         let back = self.new_block(Block {
             prev: Some(id),
             next,
             expandable: segment,
+            flags: Flags::MAPPED_FREE.held(held),
             ..Block::segment(end - size, size, stream, kind, counter)
         });
         if let Some(n) = next {
@@ -491,7 +492,7 @@ impl<D: Device> CachingAllocator<D> {
         let (ptr, kind) = (b.ptr, b.pool_ref());
         let segment = b.expandable.expect("expandable block");
         let size = self.expandable_segments[segment.index()].size;
-        debug_assert!(!b.mapped && !b.is_split() && b.size == size);
+        debug_assert!(!b.mapped() && !b.is_split() && b.size == size);
         self.device.free_address_range(DevicePtr(ptr), size)?;
         self.expandable_segments.remove(segment.index());
         self.remove_unmapped(id);
@@ -518,7 +519,7 @@ impl<D: Device> CachingAllocator<D> {
                 return Err(format!("block {:#x} belongs to another segment", b.ptr));
             }
             let (first, last) = (seg.page_floor(b.ptr), seg.page_ceil(b.ptr + b.size));
-            if b.mapped {
+            if b.mapped() {
                 if seg.handles.range(first..last).count() != last - first {
                     return Err(format!("mapped block {:#x} covers an unmapped page", b.ptr));
                 }

@@ -141,7 +141,7 @@ impl<D: Device> CachingAllocator<D> {
             let free = b.is_free();
             let in_set = in_free_sets.contains(&id);
             let in_region = self.plan_segment_at(b.ptr).is_some();
-            if (free && b.mapped && !in_region) != in_set {
+            if (free && b.mapped() && !in_region) != in_set {
                 return Err(format!(
                     "block {:#x}: free={free} but in its pool's free set={in_set}",
                     b.ptr
@@ -223,7 +223,7 @@ impl<D: Device> CachingAllocator<D> {
                     ));
                 }
                 let free = b.is_free();
-                if free && prev_state == (true, b.mapped) {
+                if free && prev_state == (true, b.mapped()) {
                     return Err(format!(
                         "block {:#x}: two adjacent free blocks unmerged",
                         b.ptr
@@ -231,7 +231,7 @@ impl<D: Device> CachingAllocator<D> {
                 }
                 expected_ptr = b.ptr + b.size;
                 prev = Some(id);
-                prev_state = (free, b.mapped);
+                prev_state = (free, b.mapped());
             }
             last_end = expected_ptr;
         }
@@ -251,27 +251,29 @@ impl<D: Device> CachingAllocator<D> {
     fn check_live_map_and_events(&self) -> Result<(), String> {
         for (id, b) in self.arena_blocks() {
             let uses = self.stream_uses.get(&id).is_some_and(|u| !u.is_empty());
-            if b.has_stream_uses != uses {
+            if b.has_stream_uses() != uses {
                 return Err(format!(
                     "block {:#x}: has_stream_uses={} but listed uses={uses}",
-                    b.ptr, b.has_stream_uses
+                    b.ptr,
+                    b.has_stream_uses()
                 ));
             }
             let live = self.live.get(b.ptr, &self.blocks) == Some(id);
-            if b.allocated != live {
+            if b.allocated() != live {
                 return Err(format!(
                     "block {:#x}: allocated={} but live={live}",
-                    b.ptr, b.allocated
+                    b.ptr,
+                    b.allocated()
                 ));
             }
         }
-        if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated).count() {
+        if self.live.len() != self.blocks.iter().filter(|(_, b)| b.allocated()).count() {
             return Err("the live map holds blocks that are not allocated".into());
         }
         let with_uses = self
             .blocks
             .iter()
-            .filter(|(_, b)| b.has_stream_uses)
+            .filter(|(_, b)| b.has_stream_uses())
             .count();
         if self.stream_uses.len() != with_uses {
             return Err("the stream-use table lists blocks that have none".into());
@@ -302,7 +304,7 @@ impl<D: Device> CachingAllocator<D> {
             let s = &mut sums[slot(first.pool)];
             let mut segment_size = 0;
             for (_, b) in self.segment_blocks(head) {
-                if b.allocated {
+                if b.allocated() {
                     s.allocation += 1;
                     s.allocated_bytes += b.size as i64;
                     if b.size >= max_split {
@@ -317,7 +319,7 @@ impl<D: Device> CachingAllocator<D> {
                     s.inactive_split += 1;
                     s.inactive_split_bytes += b.size as i64;
                 }
-                if b.mapped {
+                if b.mapped() {
                     segment_size += b.size;
                 }
             }
@@ -431,7 +433,7 @@ impl<D: Device> CachingAllocator<D> {
             self.check_expandable_pages(head)?;
         }
         for (_, b) in self.segmented_blocks(heads) {
-            if !b.mapped && (b.expandable.is_none() || !b.is_free()) {
+            if !b.mapped() && (b.expandable.is_none() || !b.is_free()) {
                 return Err(format!(
                     "block {:#x}: unmapped but not a free expandable block",
                     b.ptr
@@ -451,8 +453,8 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
-    /// The plan: its held segments (`check_plan_segments`); a block is in a plan's map iff it
-    /// is free in a region or chunk; the unmapped sets (the pools' and the plan's) hold
+    /// The plan: its held segments (`check_plan_segments`); a block is tagged held iff it lies
+    /// in a region or chunk, and in a plan's map iff it is free there; the unmapped sets (the pools' and the plan's) hold
     /// exactly the unmapped blocks.
     fn check_plan(&self, heads: &[BlockId]) -> Result<(), String> {
         let (in_plan, plan_unmapped) = self.check_plan_segments()?;
@@ -460,13 +462,20 @@ impl<D: Device> CachingAllocator<D> {
         for (id, b) in self.segmented_blocks(heads) {
             let free = b.is_free();
             let in_region = self.plan_segment_at(b.ptr).is_some();
+            if b.held() != in_region {
+                return Err(format!(
+                    "block {:#x}: held by the plan={} but in a plan's region or chunk={in_region}",
+                    b.ptr,
+                    b.held()
+                ));
+            }
             if (free && in_region) != in_plan.contains(&id) {
                 return Err(format!(
                     "block {:#x}: free={free} in a plan's region or chunk, but not in its map",
                     b.ptr
                 ));
             }
-            unmapped_blocks += usize::from(!b.mapped);
+            unmapped_blocks += usize::from(!b.mapped());
         }
         let unmapped_entries: usize = self
             .all_pools()
@@ -514,7 +523,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         for &id in &self.deferred {
             let b = self.block(id);
-            if b.allocated || !b.has_stream_uses || b.event_count > 0 {
+            if b.allocated() || !b.has_stream_uses() || b.event_count > 0 {
                 return Err(format!(
                     "deferred free {:#x} is not a pending free without events",
                     b.ptr
@@ -523,7 +532,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         for id in self.capture_uses.keys() {
             if !self.blocks.contains(id.index())
-                || !(self.block(*id).allocated || self.deferred.contains(id))
+                || !(self.block(*id).allocated() || self.deferred.contains(id))
             {
                 return Err("captured stream uses name a block neither live nor deferred".into());
             }

@@ -67,23 +67,21 @@
 //!   replay's memory budget.
 
 mod block;
-pub mod breakdown;
 mod callbacks;
 mod error;
 mod events;
 mod expandable;
+mod ext;
 pub mod fit_order;
 mod free_set;
 mod history;
 mod invariants;
 mod ipc;
 mod live;
-mod plan;
 mod pool;
 mod pool_id;
 mod private_pool;
 mod release;
-mod restore;
 pub mod size;
 mod snapshot;
 mod split;
@@ -104,23 +102,24 @@ pub use callbacks::FreeMemoryCallback;
 pub use error::{AllocError, OutOfMemory};
 use events::PendingEvents;
 use expandable::ExpandableSegment;
+pub use ext::breakdown;
+use ext::plan::Following;
+pub use ext::plan::{
+    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan, PlanEntry,
+    PlanError, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
+};
+pub use ext::restore::RestoredBlock;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
 use history::History;
 pub use history::{TraceAction, TraceEntry};
 pub use invariants::InvariantViolation;
 pub use ipc::ShareableHandle;
 use live::LiveMap;
-use plan::Following;
-pub use plan::{
-    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan, PlanEntry,
-    PlanError, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
-};
 use pool::BlockPool;
 pub use pool_id::PoolId;
 use pool_id::{PoolRef, PoolSlot};
 use private_pool::PrivatePools;
 pub use private_pool::{MAX_PRIVATE_POOLS, PoolError, PoolOptions, RouteKind, StreamFilter};
-pub use restore::RestoredBlock;
 use size::{ONE_EXABYTE, PoolKind};
 pub use snapshot::{
     BlockInfo, BlockState, NoFrames, SegmentClass, SegmentInfo, SimulatedDevice, Snapshot,
@@ -231,7 +230,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
         let _ = device.synchronize();
         // A plan's lent pages are mapped twice until then: their old mappings go first.
         for page in self.planned.iter().flat_map(|p| p.stale_pages()) {
-            let _ = device.unmap(DevicePtr(page), plan::PLAN_PAGE);
+            let _ = device.unmap(DevicePtr(page), ext::plan::PLAN_PAGE);
         }
         for event in self.pending_events.drain().chain(self.event_pool.drain(..)) {
             let _ = device.destroy_event(event);
@@ -633,7 +632,7 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::InvalidPointer(ptr));
         };
         let block = self.block_mut(id);
-        block.allocated = false;
+        block.set_allocated(false);
         let (kind, size, requested, stream, owner) = (
             block.pool,
             block.size,
@@ -641,7 +640,7 @@ impl<D: Device> CachingAllocator<D> {
             block.stream,
             block.owner,
         );
-        let has_uses = block.has_stream_uses;
+        let has_uses = block.has_stream_uses();
         let oversize = size >= self.config.max_split_size;
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream, owner);
         if has_uses {

@@ -9,7 +9,8 @@
 //!
 //! # Invariants
 //! - A block is in its pool's free set iff it is free, mapped and outside a plan's regions and
-//!   chunks (those sit in their own maps, `plan/mod.rs`), under its own current
+//!   chunks (a block the plan holds, `Block::held`, sits in the plan's own maps:
+//!   `ext/plan/`), under its own current
 //!   (stream, size, tie-break) key; in its pool's unmapped set iff it is free and unmapped.
 //! - `get_free_blocks_call_count` only grows, and only while garbage collection is enabled;
 //!   every block in the free set has `gc_count_base` at most that count.
@@ -157,8 +158,8 @@ impl<D: Device> CachingAllocator<D> {
     #[inline]
     pub(super) fn insert_free(&mut self, id: BlockId) {
         let block = self.block(id);
-        if let Some(base) = self.plan_segment_at(block.ptr) {
-            return self.insert_held_free(base, id);
+        if block.held() {
+            return self.insert_held_free(id);
         }
         let kind = block.pool_ref();
         let order = self.fit_order;
@@ -178,8 +179,8 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn insert_unmapped(&mut self, id: BlockId) {
         let b = self.block(id);
         let (kind, key) = (b.pool_ref(), (b.stream, b.ptr));
-        if let Some(base) = self.plan_segment_at(b.ptr) {
-            return self.insert_held_unmapped(base, id);
+        if b.held() {
+            return self.insert_held_unmapped(id);
         }
         self.pool_mut(kind).unmapped.insert(key, id);
     }
@@ -188,8 +189,8 @@ impl<D: Device> CachingAllocator<D> {
     pub(super) fn remove_unmapped(&mut self, id: BlockId) {
         let b = self.block(id);
         let (kind, key) = (b.pool_ref(), (b.stream, b.ptr));
-        if let Some(base) = self.plan_segment_at(b.ptr) {
-            return self.remove_held_unmapped(base, id);
+        if b.held() {
+            return self.remove_held_unmapped(id);
         }
         let removed = self.pool_mut(kind).unmapped.remove(&key);
         debug_assert!(removed.is_some(), "unmapped block {:#x} missing", key.1);
@@ -198,18 +199,18 @@ impl<D: Device> CachingAllocator<D> {
     /// Whether an unmapped block is where [`Self::insert_unmapped`] puts it.
     pub(super) fn in_unmapped_set(&self, id: BlockId) -> bool {
         let b = self.block(id);
-        match self.plan_segment_at(b.ptr) {
-            Some(base) => self.held_unmapped_has(base, id),
-            None => self.pool(b.pool_ref()).unmapped.get(&(b.stream, b.ptr)) == Some(&id),
+        if b.held() {
+            return self.held_unmapped_has(id);
         }
+        self.pool(b.pool_ref()).unmapped.get(&(b.stream, b.ptr)) == Some(&id)
     }
 
     /// Takes a free block out of its pool's free set (its key must be current).
     #[inline(always)]
     pub(super) fn remove_free(&mut self, id: BlockId) {
         let block = self.block(id);
-        if let Some(base) = self.plan_segment_at(block.ptr) {
-            return self.remove_held_free(base, id);
+        if block.held() {
+            return self.remove_held_free(id);
         }
         let (kind, stream, size, ptr) = (block.pool_ref(), block.stream, block.size, block.ptr);
         let tie = self.fit_order.tie(block.counter, ptr);

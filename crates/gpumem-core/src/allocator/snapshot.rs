@@ -149,7 +149,7 @@ pub struct Snapshot {
 impl Block {
     /// The block's state as a snapshot shows it.
     pub(super) fn snapshot_state(&self) -> BlockState {
-        if self.allocated {
+        if self.allocated() {
             BlockState::ActiveAllocated
         } else if self.is_pending_free() {
             BlockState::ActivePendingFree
@@ -167,7 +167,7 @@ impl<D: Device> CachingAllocator<D> {
         for head in self.segment_heads() {
             let mut run = Vec::new();
             for (_, b) in self.segment_blocks(head) {
-                if b.mapped {
+                if b.mapped() {
                     run.push(b);
                 } else if !run.is_empty() {
                     runs.push(std::mem::take(&mut run));
@@ -220,7 +220,7 @@ impl<D: Device> CachingAllocator<D> {
                 for b in run {
                     let state = b.snapshot_state();
                     segment.total_size += b.size;
-                    if b.allocated {
+                    if b.allocated() {
                         segment.allocated_size += b.size;
                     }
                     if state != BlockState::Inactive {

@@ -11,7 +11,7 @@
 
 use crate::device::{Device, DevicePtr};
 
-use super::block::{Block, BlockId};
+use super::block::{Block, BlockId, Flags};
 use super::{CachingAllocator, TraceAction};
 
 impl<D: Device> CachingAllocator<D> {
@@ -48,7 +48,7 @@ impl<D: Device> CachingAllocator<D> {
             self.stats.inactive_split.decrease(kind, 1);
         }
         let block = self.block_mut(id);
-        block.allocated = true;
+        block.set_allocated(true);
         block.requested_size = requested;
         self.record(TraceAction::Alloc, ptr, requested, stream, owner);
         self.live.insert(ptr, id, &self.blocks);
@@ -64,12 +64,13 @@ impl<D: Device> CachingAllocator<D> {
         let b = self.block(id);
         let (ptr, stream, kind, prev, expandable) =
             (b.ptr, b.stream, b.pool_ref(), b.prev, b.expandable);
-        let counter = b.counter;
+        let (counter, held) = (b.counter, b.held());
         let counter = self.piece_counter(counter);
         let front = self.new_block(Block {
             prev,
             next: Some(id),
             expandable,
+            flags: Flags::MAPPED_FREE.held(held),
             ..Block::segment(ptr, size, stream, kind, counter)
         });
         if let Some(p) = prev {
@@ -132,7 +133,7 @@ impl<D: Device> CachingAllocator<D> {
     #[inline]
     fn mergeable(&self, dst: BlockId, src: BlockId) -> bool {
         let s = self.block(src);
-        s.is_free() && s.mapped == self.block(dst).mapped
+        s.is_free() && s.mapped() == self.block(dst).mapped()
     }
 
     /// Absorbs the free neighbour `src` into `dst`; returns the bytes absorbed, 0 unless
@@ -152,7 +153,7 @@ impl<D: Device> CachingAllocator<D> {
         debug_assert!(self.mergeable(dst, src));
         let s = self.block(src);
         let (src_size, src_ptr, src_prev, src_next) = (s.size, s.ptr, s.prev, s.next);
-        if s.mapped {
+        if s.mapped() {
             self.remove_free(src);
         } else {
             self.remove_unmapped(src);

@@ -83,7 +83,7 @@ pub struct DeviceStats {
     /// Driver frees (`cudaFree`, or an expandable-segment unmap).
     pub num_device_free: Counter,
     /// gpumem's own, outside PyTorch's map: requests a placement plan served from its
-    /// region (Note [Planned placement] in `plan/mod.rs`).
+    /// region (Note [Planned placement] in `ext/plan/mod.rs`).
     pub num_plan_hits: Counter,
     /// gpumem's own: requests the plan expected but could not serve (another size or stream
     /// than planned, its range still taken, or no region), served by the caching allocator.

@@ -26,11 +26,11 @@ use serde::Serialize;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::super::block::{BlockId, SegmentId};
-use super::super::pool_id::PoolRef;
-use super::super::size::PoolKind;
-use super::super::{AllocError, CachingAllocator};
 use super::{Following, PlanEntry};
+use crate::allocator::block::{BlockId, SegmentId};
+use crate::allocator::pool_id::PoolRef;
+use crate::allocator::size::PoolKind;
+use crate::allocator::{AllocError, CachingAllocator};
 
 /// What a followed plan did so far (Note [Planned placement]); but for `iterations` and
 /// `cache_releases`, all zero where unpaged.
@@ -305,7 +305,7 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.remove_unmapped(id);
         let front = self.split_front(id, from - ptr);
-        self.block_mut(front).mapped = false;
+        self.block_mut(front).set_mapped(false);
         self.insert_unmapped(front);
         self.insert_unmapped(id);
         id
@@ -416,27 +416,42 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
-    /// Puts an unmapped block into its paged region's or chunk's map.
+    /// Puts an unmapped block the plan holds into its paged region's or chunk's map.
     #[cold]
-    pub(in crate::allocator) fn insert_held_unmapped(&mut self, base: u64, id: BlockId) {
-        let ptr = self.block(id).ptr;
-        self.planned_mut().paging_mut(base).unmapped.insert(ptr, id);
+    pub(in crate::allocator) fn insert_held_unmapped(&mut self, id: BlockId) {
+        let found = self
+            .held_pages(id)
+            .map(|(ptr, pages)| pages.unmapped.insert(ptr, id));
+        debug_assert!(
+            found.is_some(),
+            "an unmapped held block outside the plan's paged segments"
+        );
     }
 
-    /// Takes an unmapped block out of its paged region's or chunk's map.
+    /// Takes an unmapped block the plan holds out of its paged region's or chunk's map.
     #[cold]
-    pub(in crate::allocator) fn remove_held_unmapped(&mut self, base: u64, id: BlockId) {
-        let ptr = self.block(id).ptr;
-        let removed = self.planned_mut().paging_mut(base).unmapped.remove(&ptr);
-        debug_assert!(removed.is_some(), "unmapped plan block {ptr:#x} missing");
+    pub(in crate::allocator) fn remove_held_unmapped(&mut self, id: BlockId) {
+        let removed = self
+            .held_pages(id)
+            .and_then(|(ptr, pages)| pages.unmapped.remove(&ptr));
+        debug_assert!(
+            removed.is_some(),
+            "an unmapped plan block missing from its map"
+        );
     }
 
-    /// Whether an unmapped block is in its paged region's or chunk's map.
-    pub(in crate::allocator) fn held_unmapped_has(&self, base: u64, id: BlockId) -> bool {
+    /// Whether an unmapped block the plan holds is in its paged region's or chunk's map.
+    pub(in crate::allocator) fn held_unmapped_has(&self, id: BlockId) -> bool {
         let ptr = self.block(id).ptr;
-        self.following().held[&base]
-            .paging
-            .as_ref()
-            .is_some_and(|p| p.unmapped.get(&ptr) == Some(&id))
+        let planned = self.planned.as_ref();
+        let held = planned.and_then(|p| p.held.get(&p.held_at(ptr)?));
+        let pages = held.and_then(|h| h.paging.as_ref());
+        pages.is_some_and(|p| p.unmapped.get(&ptr) == Some(&id))
+    }
+
+    /// The address of a block the plan holds, and its region's or chunk's pages.
+    fn held_pages(&mut self, id: BlockId) -> Option<(u64, &mut HeldPages)> {
+        let (ptr, held) = self.held_of(id)?;
+        Some((ptr, held.paging.as_mut()?))
     }
 }

@@ -10,11 +10,11 @@
 
 use crate::device::{Device, DevicePtr, StreamId};
 
-use super::block::{Block, BlockId};
-use super::pool_id::{PoolId, PoolRef, PoolSlot};
-use super::private_pool::PoolOptions;
-use super::size::{MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind};
-use super::{AllocError, CachingAllocator};
+use crate::allocator::block::{Block, BlockId, Flags};
+use crate::allocator::pool_id::{PoolId, PoolRef, PoolSlot};
+use crate::allocator::private_pool::PoolOptions;
+use crate::allocator::size::{MIN_BLOCK_SIZE, ONE_EXABYTE, PoolKind};
+use crate::allocator::{AllocError, CachingAllocator};
 
 /// One block of a segment to restore, in address order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,7 +105,7 @@ impl<D: Device> CachingAllocator<D> {
             let id = self.new_block(Block {
                 prev,
                 requested_size: b.allocated.unwrap_or(0),
-                allocated: b.allocated.is_some(),
+                flags: Flags::MAPPED_FREE.allocated(b.allocated.is_some()),
                 ..Block::segment(ptr, b.size, stream, pool, counter)
             });
             if let Some(p) = prev {

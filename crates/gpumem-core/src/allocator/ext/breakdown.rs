@@ -12,8 +12,8 @@ use serde::Serialize;
 
 use crate::device::StreamId;
 
-use super::size::{PoolKind, format_size};
-use super::snapshot::BlockState;
+use crate::allocator::size::{PoolKind, format_size};
+use crate::allocator::snapshot::BlockState;
 
 /// Where the device's memory was, in bytes; the parts add up (see the module's invariants).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]

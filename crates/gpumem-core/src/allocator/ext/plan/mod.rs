@@ -92,12 +92,12 @@ use crate::device::{Device, DevicePtr, StreamId};
 
 use rustc_hash::FxHashSet;
 
-use super::block::{Block, BlockId};
+use crate::allocator::block::{Block, BlockId};
 
 mod paging;
-use super::pool_id::{PoolRef, PoolSlot};
-use super::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
-use super::{AllocError, CachingAllocator, TraceAction};
+use crate::allocator::pool_id::{PoolRef, PoolSlot};
+use crate::allocator::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
+use crate::allocator::{AllocError, CachingAllocator, TraceAction};
 use paging::{HeldPages, last_uses};
 pub use paging::{PLAN_PAGE, PlanPaging};
 
@@ -106,7 +106,7 @@ pub const MAX_PLAN_ENTRIES: usize = 1 << 20;
 /// The most regions (streams) a plan may hold.
 pub const MAX_PLAN_STREAMS: usize = 64;
 /// The largest region: the largest device gpumem models.
-pub const MAX_REGION_BYTES: u64 = super::size::MAX_DEVICE_BYTES;
+pub const MAX_REGION_BYTES: u64 = crate::allocator::size::MAX_DEVICE_BYTES;
 /// How many entries a request may match: the one expected and those after it (allocations
 /// the job skipped).
 pub const RESYNC_WINDOW: usize = 16;
@@ -252,7 +252,7 @@ pub struct PlanStatus {
 
 /// The allocator's side of a plan it follows.
 #[derive(Debug, Clone)]
-pub(super) struct Following {
+pub(in crate::allocator) struct Following {
     plan: Arc<Plan>,
     /// Per planned stream: its region's size and base while held.
     regions: Vec<(StreamId, u64, Option<u64>)>,
@@ -378,7 +378,7 @@ impl Following {
     /// plan (shared with its caller, counted here all the same), the per-region and
     /// per-chunk tables, the held regions and chunks, and their maps, which hold at most
     /// each of the allocator's `blocks` once, and lent pages among its `pages` once.
-    pub(super) fn heap_bytes(&self, blocks: usize, pages: usize) -> usize {
+    pub(in crate::allocator) fn heap_bytes(&self, blocks: usize, pages: usize) -> usize {
         use std::mem::size_of;
         // B-tree entries twice over: nodes are half full at worst.
         let last_use: usize = self.last_use.iter().map(BTreeMap::len).sum();
@@ -578,7 +578,7 @@ impl<D: Device> CachingAllocator<D> {
     /// Serves a rounded request from the plan when it expects it and can: `Ok(None)` sends
     /// it to the caching allocator. Out of line: `malloc` without a plan pays one test.
     #[inline(never)]
-    pub(super) fn plan_malloc(
+    pub(in crate::allocator) fn plan_malloc(
         &mut self,
         rounded: u64,
         requested: u64,
@@ -741,7 +741,9 @@ impl<D: Device> CachingAllocator<D> {
             };
             (id, BTreeMap::from([(self.block(id).ptr, id)]), None)
         };
-        // One block spans it: its size is the held size (paged: rounded up to pages).
+        // One block spans it: its size is the held size (paged: rounded up to pages). It and
+        // every piece carved from it are the plan's.
+        self.block_mut(id).hold_for_plan();
         let (ptr, bytes) = (self.block(id).ptr, self.block(id).size);
         let held = Held {
             bytes,
@@ -813,7 +815,7 @@ impl<D: Device> CachingAllocator<D> {
                 .update(kind, piece_bytes - if was_split { whole as i64 } else { 0 });
         }
         let block = self.block_mut(id);
-        block.allocated = true;
+        block.set_allocated(true);
         block.requested_size = requested;
         let stream = block.stream;
         self.record(
@@ -871,7 +873,7 @@ impl<D: Device> CachingAllocator<D> {
     /// the retry chain's, and when the plan is replaced); paged, first unmaps the lent pages'
     /// old mappings and every free page of every region and chunk, live blocks or not.
     /// Whether any memory was given back.
-    pub(super) fn give_back_plan_memory(&mut self) -> Result<bool, AllocError> {
+    pub(in crate::allocator) fn give_back_plan_memory(&mut self) -> Result<bool, AllocError> {
         let Some(planned) = self.planned.as_ref() else {
             return Ok(false);
         };
@@ -928,31 +930,45 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// The base of the plan's region or chunk holding `ptr`, if it lies in one.
-    #[inline]
-    pub(super) fn plan_segment_at(&self, ptr: u64) -> Option<u64> {
+    pub(in crate::allocator) fn plan_segment_at(&self, ptr: u64) -> Option<u64> {
         self.planned.as_ref()?.held_at(ptr)
     }
 
-    /// Puts a free block into its region's or chunk's map (`insert_free` for them).
-    #[cold]
-    pub(super) fn insert_held_free(&mut self, base: u64, id: BlockId) {
+    /// The address of a block the plan holds (`Block::held`), and its region or chunk.
+    /// `None` only if the tag and the plan's map disagree, which `check_invariants` reports.
+    fn held_of(&mut self, id: BlockId) -> Option<(u64, &mut Held)> {
         let ptr = self.block(id).ptr;
-        self.held_free_mut(base).insert(ptr, id);
+        let planned = self.planned.as_mut()?;
+        let base = planned.held_at(ptr)?;
+        planned.held.get_mut(&base).map(|held| (ptr, held))
     }
 
-    /// Takes a free block out of its region's or chunk's map.
+    /// Puts a free block the plan holds into its region's or chunk's map (`insert_free` for
+    /// them).
     #[cold]
-    pub(super) fn remove_held_free(&mut self, base: u64, id: BlockId) {
-        let ptr = self.block(id).ptr;
-        let removed = self.held_free_mut(base).remove(&ptr);
-        debug_assert!(removed.is_some(), "free plan block {ptr:#x} missing");
+    pub(in crate::allocator) fn insert_held_free(&mut self, id: BlockId) {
+        let found = self
+            .held_of(id)
+            .map(|(ptr, held)| held.free.insert(ptr, id));
+        debug_assert!(found.is_some(), "a held block outside the plan's segments");
+    }
+
+    /// Takes a free block the plan holds out of its region's or chunk's map.
+    #[cold]
+    pub(in crate::allocator) fn remove_held_free(&mut self, id: BlockId) {
+        let removed = self
+            .held_of(id)
+            .and_then(|(ptr, held)| held.free.remove(&ptr));
+        debug_assert!(removed.is_some(), "a free plan block missing from its map");
     }
 
     /// For `check_invariants`: the blocks in the regions' and chunks' free and unmapped maps
     /// and how many are unmapped, after checking that each held one is one segment of its
     /// size whose maps hold blocks of its own under their addresses, and that lent pages lie
     /// in unmapped blocks; the first violation otherwise.
-    pub(super) fn check_plan_segments(&self) -> Result<(FxHashSet<BlockId>, usize), String> {
+    pub(in crate::allocator) fn check_plan_segments(
+        &self,
+    ) -> Result<(FxHashSet<BlockId>, usize), String> {
         let mut ids = FxHashSet::default();
         let mut unmapped_count = 0;
         let Some(planned) = self.planned.as_ref() else {
@@ -987,7 +1003,7 @@ impl<D: Device> CachingAllocator<D> {
                 };
                 if b.ptr != ptr
                     || !b.is_free()
-                    || b.mapped != mapped
+                    || b.mapped() != mapped
                     || ptr - base >= held.bytes
                     || !ids.insert(id)
                 {
