@@ -1,9 +1,105 @@
 //! The plan file (`gpumem plan -o`, `plan:PATH`): its envelope (format, version, where the
-//! plan came from), read within [`MAX_PLAN_FILE_BYTES`] and validated.
+//! plan came from) and its JSON schema for the core's plan (which knows no file format), read
+//! within [`MAX_PLAN_FILE_BYTES`] and validated.
+//!
+//! The schema: a region is `{"stream", "bytes"}`; an entry `{"size", "stream"}` with
+//! `"offset"` where it has one and `"persistent": true` where it is; unknown fields are
+//! refused, in the envelope and in every region and entry.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::allocator::{Plan, PlanEntry, PlanError, PlanRegion};
+use crate::device::StreamId;
+
+/// The schema of a region (serde's derive for the core's type).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "PlanRegion", deny_unknown_fields)]
+struct RegionSchema {
+    stream: StreamId,
+    bytes: u64,
+}
+
+/// The schema of an entry.
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "PlanEntry", deny_unknown_fields)]
+struct EntrySchema {
+    size: u64,
+    stream: StreamId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    offset: Option<u64>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    persistent: bool,
+}
+
+/// A region as an element of the file's list.
+#[derive(Serialize, Deserialize)]
+struct Region(#[serde(with = "RegionSchema")] PlanRegion);
+
+/// An entry as an element of the file's list.
+#[derive(Serialize, Deserialize)]
+struct Entry(#[serde(with = "EntrySchema")] PlanEntry);
+
+impl From<PlanRegion> for Region {
+    fn from(region: PlanRegion) -> Region {
+        Region(region)
+    }
+}
+
+impl From<PlanEntry> for Entry {
+    fn from(entry: PlanEntry) -> Entry {
+        Entry(entry)
+    }
+}
+
+/// `items` written as a list of their schema `W`.
+fn serialize_as<W, T, S>(items: &[T], serializer: S) -> Result<S::Ok, S::Error>
+where
+    W: Serialize + From<T>,
+    T: Copy,
+    S: Serializer,
+{
+    serializer.collect_seq(items.iter().map(|&item| W::from(item)))
+}
+
+/// A list read through its elements' schema `W`.
+fn deserialize_as<'de, W, T, D>(deserializer: D) -> Result<Vec<T>, D::Error>
+where
+    W: Deserialize<'de> + Into<T>,
+    D: Deserializer<'de>,
+{
+    let items = Vec::<W>::deserialize(deserializer)?;
+    Ok(items.into_iter().map(Into::into).collect())
+}
+
+impl From<Region> for PlanRegion {
+    fn from(region: Region) -> PlanRegion {
+        region.0
+    }
+}
+
+impl From<Entry> for PlanEntry {
+    fn from(entry: Entry) -> PlanEntry {
+        entry.0
+    }
+}
+
+/// `plan` as its file writes it (its regions, then its entries): `gpumem plan --json`'s
+/// `plan`.
+#[cfg(feature = "tools")]
+pub(super) fn serialize_plan<S: Serializer>(plan: &Plan, serializer: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Body<'a> {
+        #[serde(serialize_with = "serialize_as::<Region, _, _>")]
+        regions: &'a [PlanRegion],
+        #[serde(serialize_with = "serialize_as::<Entry, _, _>")]
+        entries: &'a [PlanEntry],
+    }
+    Body {
+        regions: &plan.regions,
+        entries: &plan.entries,
+    }
+    .serialize(serializer)
+}
 
 /// The largest plan file read.
 pub const MAX_PLAN_FILE_BYTES: u64 = 256 << 20;
@@ -23,8 +119,16 @@ pub struct PlanFile {
     /// Always [`PLAN_VERSION`].
     pub version: u32,
     /// One region per stream.
+    #[serde(
+        serialize_with = "serialize_as::<Region, _, _>",
+        deserialize_with = "deserialize_as::<Region, _, _>"
+    )]
     pub regions: Vec<PlanRegion>,
     /// The iteration's allocations in order.
+    #[serde(
+        serialize_with = "serialize_as::<Entry, _, _>",
+        deserialize_with = "deserialize_as::<Entry, _, _>"
+    )]
     pub entries: Vec<PlanEntry>,
     /// Where the plan came from and what the planner found (informative only).
     #[serde(default)]

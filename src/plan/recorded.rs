@@ -29,6 +29,7 @@ pub struct PlanOptions {
 #[derive(Clone, Debug, Serialize)]
 pub struct Planned {
     /// The plan.
+    #[serde(serialize_with = "super::file::serialize_plan")]
     pub plan: Plan,
     /// The recording's file name.
     pub recording: String,

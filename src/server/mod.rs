@@ -11,7 +11,8 @@
 //! gzipped snapshot streamed to disk within `ingest::recordings`' caps, never buffered),
 //! `GET /api/v1/recordings`, and each kept recording in the view at `/recordings/<id>/`
 //! (`server::view` over `view::kept`; `/recordings/pid/<pid>` leads to a process's newest),
-//! these three with the page. Where credentials are configured
+//! these three with the page (`recordings.rs`, built with the `tools` feature only: an agent
+//! in a PyTorch process keeps none). Where credentials are configured
 //! (`AppState::auth`, the web configuration file), `/metrics`, the page and its APIs answer
 //! them only (401 otherwise, 503 while every check is taken); pushes, uploads and probes
 //! answer anyone. [`app`] builds the router, so tests call it without a socket, and

@@ -133,6 +133,19 @@ fn bad_plan_files_are_refused_by_name() {
             serde_json::json!({"format": "gpumem-plan", "version": 1, "regions": [], "entries": [], "extra": 1}),
             "unknown field",
         ),
+        // The schema of regions and entries (the file's, not the core's) refuses them too.
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20, "pinned": true}],
+                "entries": [{"size": 512, "stream": 0}]}),
+            "unknown field `pinned`",
+        ),
+        (
+            serde_json::json!({"format": "gpumem-plan", "version": 1,
+                "regions": [{"stream": 0, "bytes": 4 << 20}],
+                "entries": [{"size": 512, "stream": 0, "offest": 0}]}),
+            "unknown field `offest`",
+        ),
     ];
     for (json, expected) in cases {
         let e = gpumem::plan::parse_plan(&json.to_string()).expect_err(expected);

@@ -86,8 +86,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
 use crate::device::{Device, DevicePtr, StreamId};
 
 use rustc_hash::FxHashSet;
@@ -113,10 +111,13 @@ pub const RESYNC_WINDOW: usize = 16;
 /// Misses in a row after which the plan waits for its first entry again.
 pub const LOST_AFTER: u32 = 16;
 
+/// What a plan's step finds when the allocator follows no plan (a bug: it is never called then).
+const NOT_FOLLOWED: PlanError = PlanError::Internal("no plan is followed");
+
 /// A placement plan: one iteration's allocations and where each goes. See the module
-/// documentation.
-/// Its file (format, version, where it came from) is `gpumem::plan::PlanFile`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// documentation. Its file (format, version, where it came from, the JSON schema) is
+/// `gpumem::plan::PlanFile`: the core reads no file.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     /// One region per stream.
     pub regions: Vec<PlanRegion>,
@@ -125,8 +126,7 @@ pub struct Plan {
 }
 
 /// A stream's region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanRegion {
     /// The stream, as the allocator's callers name it.
     pub stream: StreamId,
@@ -135,8 +135,7 @@ pub struct PlanRegion {
 }
 
 /// One allocation of the iteration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanEntry {
     /// The request's size after rounding.
     pub size: u64,
@@ -144,12 +143,10 @@ pub struct PlanEntry {
     pub stream: StreamId,
     /// Its offset in the stream's region: where it goes when it is freed within an
     /// iteration, where it is tried first when persistent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
     /// It outlives an iteration: placed one after another in chunks of the stream (each
     /// the size of an iteration's persistent entries), unless its offset is given and that
     /// range is free. An entry with neither goes to the caching allocator.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub persistent: bool,
 }
 
@@ -159,6 +156,10 @@ pub enum PlanError {
     /// Something out of bounds or inconsistent, named.
     #[error("invalid plan: {0}")]
     Invalid(String),
+    /// The allocator's record of the plan disagrees with itself (a bug in gpumem, reported
+    /// instead of a panic; `check_invariants` names the first broken invariant).
+    #[error("internal error following the plan: {0}")]
+    Internal(&'static str),
 }
 
 impl Plan {
@@ -356,6 +357,7 @@ impl Held {
 }
 
 /// What the plan says about a request.
+#[derive(Debug, PartialEq, Eq)]
 enum Expect {
     /// At `offset` in the region of `regions[region]`.
     Placed { region: usize, offset: u64 },
@@ -452,8 +454,28 @@ impl Following {
         }
     }
 
+    /// Region `r`: its stream, size and base where held.
+    fn region_mut(&mut self, r: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
+        let region = self.regions.get_mut(r);
+        region.ok_or(AllocError::Plan(PlanError::Internal("no such region")))
+    }
+
+    /// Chunk list `c`: its stream, size and current chunk's base.
+    fn chunk_mut(&mut self, c: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
+        let chunk = self.chunks.get_mut(c);
+        chunk.ok_or(AllocError::Plan(PlanError::Internal("no such chunk list")))
+    }
+
+    /// The held region or chunk at `base`.
+    fn held(&self, base: u64) -> Result<&Held, AllocError> {
+        let held = self.held.get(&base);
+        held.ok_or(AllocError::Plan(PlanError::Internal(
+            "no region or chunk held there",
+        )))
+    }
+
     /// What the plan says about a request, and whether it begins an iteration.
-    fn expect(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
+    fn match_request(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
         let entries = &self.plan.entries;
         let matches = |e: &PlanEntry| e.size == size && e.stream == stream;
         let found = if self.following {
@@ -481,24 +503,17 @@ impl Following {
         self.cursor = (j + 1) % entries.len();
         self.position = j + 1;
         let e = &entries[j];
-        let at = e.offset.map(|offset| {
-            let r = self.regions.iter().position(|r| r.0 == stream);
-            (
-                r.expect("validated: a planned entry's stream has a region"),
-                offset,
-            )
+        // A validated plan has a region for every planned entry's stream and chunks for every
+        // persistent one's; were one missing, the entry would go to the caching allocator.
+        let at = e.offset.and_then(|offset| {
+            let r = self.regions.iter().position(|r| r.0 == stream)?;
+            Some((r, offset))
         });
-        let expect = if e.persistent {
-            let chunk = self.chunks.iter().position(|c| c.0 == stream);
-            Expect::Persistent {
-                tried: at,
-                chunk: chunk.expect("a persistent entry's stream has chunks"),
-            }
-        } else {
-            match at {
-                Some((region, offset)) => Expect::Placed { region, offset },
-                None => Expect::Unplanned,
-            }
+        let chunk = self.chunks.iter().position(|c| c.0 == stream);
+        let expect = match (e.persistent, chunk, at) {
+            (true, Some(chunk), tried) => Expect::Persistent { tried, chunk },
+            (false, _, Some((region, offset))) => Expect::Placed { region, offset },
+            _ => Expect::Unplanned,
         };
         (expect, begins)
     }
@@ -587,7 +602,7 @@ impl<D: Device> CachingAllocator<D> {
         let Some(planned) = self.planned.as_mut() else {
             return Ok(None);
         };
-        let (expect, begins) = planned.expect(rounded, stream);
+        let (expect, begins) = planned.match_request(rounded, stream);
         if begins {
             let served_alone = planned.paging.iterations > 0 && planned.elsewhere == 0;
             planned.paging.iterations += 1;
@@ -598,7 +613,7 @@ impl<D: Device> CachingAllocator<D> {
             if !self.capturing() {
                 // The iteration before is over: what it lent is unmapped where it came from.
                 self.unmap_stale_pages(&mut Vec::new())?;
-                if served_alone && self.following().paging.cache_releases == 0 {
+                if served_alone && self.following()?.paging.cache_releases == 0 {
                     self.release_idle_cache()?;
                 }
             }
@@ -616,7 +631,7 @@ impl<D: Device> CachingAllocator<D> {
             }
             Expect::Miss => None,
             Expect::Unplanned | Expect::Idle => {
-                self.planned_mut().elsewhere += 1;
+                self.planned_mut()?.elsewhere += 1;
                 return Ok(None);
             }
         };
@@ -624,17 +639,22 @@ impl<D: Device> CachingAllocator<D> {
             self.stats.num_plan_hits.bump();
         } else {
             self.stats.num_plan_misses.bump();
-            self.planned_mut().elsewhere += 1;
+            self.planned_mut()?.elsewhere += 1;
         }
         Ok(placed)
     }
 
-    fn planned_mut(&mut self) -> &mut Following {
-        self.planned.as_mut().expect("a plan is followed")
+    /// The plan followed: called only where one is (an error otherwise, never a panic).
+    fn planned_mut(&mut self) -> Result<&mut Following, AllocError> {
+        self.planned
+            .as_deref_mut()
+            .ok_or(AllocError::Plan(NOT_FOLLOWED))
     }
 
-    fn following(&self) -> &Following {
-        self.planned.as_ref().expect("a plan is followed")
+    fn following(&self) -> Result<&Following, AllocError> {
+        self.planned
+            .as_deref()
+            .ok_or(AllocError::Plan(NOT_FOLLOWED))
     }
 
     /// Allocates `[offset, offset + size)` of region `r`, obtaining the region first if it
@@ -646,14 +666,14 @@ impl<D: Device> CachingAllocator<D> {
         size: u64,
         requested: u64,
     ) -> Result<Option<DevicePtr>, AllocError> {
-        let (stream, bytes, base) = self.planned_mut().regions[r];
+        let (stream, bytes, base) = *self.planned_mut()?.region_mut(r)?;
         let base = match base {
             Some(base) => base,
             None => {
                 let Some(base) = self.hold(stream, bytes, true)? else {
                     return Ok(None);
                 };
-                self.planned_mut().regions[r].2 = Some(base);
+                self.planned_mut()?.region_mut(r)?.2 = Some(base);
                 base
             }
         };
@@ -669,9 +689,9 @@ impl<D: Device> CachingAllocator<D> {
         size: u64,
         requested: u64,
     ) -> Result<Option<DevicePtr>, AllocError> {
-        let (stream, bytes, current) = self.planned_mut().chunks[c];
+        let (stream, bytes, current) = *self.planned_mut()?.chunk_mut(c)?;
         if let Some(base) = current {
-            let held = &self.following().held[&base];
+            let held = self.following()?.held(base)?;
             let tail = held.tail_start(base, &self.blocks);
             if base + held.bytes - tail >= size
                 && let Some(ptr) = self.carve(base, tail, size, requested)?
@@ -679,7 +699,7 @@ impl<D: Device> CachingAllocator<D> {
                 return Ok(Some(ptr));
             }
         }
-        let planned = self.following();
+        let planned = self.following()?;
         // Of the wholly free chunks large enough, the first by the pools' tie-break: the lowest
         // address, or the oldest (PyTorch 2.12 and later).
         let order = self.fit_order;
@@ -693,17 +713,17 @@ impl<D: Device> CachingAllocator<D> {
                     && h.paging.as_ref().is_none_or(|p| p.stale.is_empty())
                     && h.idle(&self.blocks)
             })
-            .filter_map(|(&b, h)| Some((b, self.blocks[h.head(b)?.index()].counter)))
+            .filter_map(|(&b, h)| Some((b, self.blocks.get(h.head(b)?.index())?.counter)))
             .min_by_key(|&(b, counter)| order.tie(counter, b))
             .map(|(b, _)| b);
         if let Some(base) = reuse
             && let Some(ptr) = self.carve(base, base, size, requested)?
         {
-            self.planned_mut().chunks[c].2 = Some(base);
+            self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
             return Ok(Some(ptr));
         }
         let mut bytes = bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE);
-        if self.following().paged {
+        if self.following()?.paged {
             // Address space is not memory: a paged chunk spans 9/8 of the device, as an
             // expandable segment does, and grows page by page for as long as the job keeps
             // memory, with one partly used page at its end.
@@ -713,7 +733,7 @@ impl<D: Device> CachingAllocator<D> {
         let Some(base) = self.hold(stream, bytes, false)? else {
             return Ok(None);
         };
-        self.planned_mut().chunks[c].2 = Some(base);
+        self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
         self.carve(base, base, size, requested)
     }
 
@@ -726,7 +746,7 @@ impl<D: Device> CachingAllocator<D> {
         bytes: u64,
         region: bool,
     ) -> Result<Option<u64>, AllocError> {
-        let (id, free, paging) = if self.following().paged {
+        let (id, free, paging) = if self.following()?.paged {
             let Some((id, pages)) = self.reserve_pages(stream, bytes)? else {
                 return Ok(None);
             };
@@ -752,7 +772,7 @@ impl<D: Device> CachingAllocator<D> {
             free,
             paging,
         };
-        self.planned_mut().held.insert(ptr, held);
+        self.planned_mut()?.held.insert(ptr, held);
         Ok(Some(ptr))
     }
 
@@ -767,14 +787,14 @@ impl<D: Device> CachingAllocator<D> {
         requested: u64,
     ) -> Result<Option<DevicePtr>, AllocError> {
         let free = self
-            .following()
+            .following()?
             .held
             .get(&base)
             .is_some_and(|h| h.range_free(addr, addr + size, &self.blocks));
         if !free || !self.map_for(base, addr, size)? {
             return Ok(None);
         }
-        let Some(held) = self.following().held.get(&base) else {
+        let Some(held) = self.following()?.held.get(&base) else {
             return Ok(None);
         };
         let Some((&start, &id)) = held.free.range(..=addr).next_back() else {
@@ -786,20 +806,20 @@ impl<D: Device> CachingAllocator<D> {
         }
         let (was_split, whole) = (block.is_split(), block.size);
         let expandable = block.expandable.is_some();
-        self.held_free_mut(base).remove(&start);
+        self.held_free_mut(base)?.remove(&start);
         let (mut pieces, mut piece_bytes) = (0i64, 0i64);
         let mut id = id;
         if addr > start {
             let front = self.split_front(id, addr - start);
             let bytes = self.block(front).size;
-            self.held_free_mut(base).insert(start, front);
+            self.held_free_mut(base)?.insert(start, front);
             pieces += 1;
             piece_bytes += bytes as i64;
         }
         if self.block(id).size > size {
             let taken = self.split_front(id, size);
             let (ptr, bytes) = (self.block(id).ptr, self.block(id).size);
-            self.held_free_mut(base).insert(ptr, id);
+            self.held_free_mut(base)?.insert(ptr, id);
             pieces += 1;
             piece_bytes += bytes as i64;
             id = taken;
@@ -852,7 +872,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         // Counted first: a release that fails is not tried again.
-        self.planned_mut().paging.cache_releases += 1;
+        self.planned_mut()?.paging.cache_releases += 1;
         self.synchronize_and_free_events()?;
         for pool in pools {
             self.release_blocks(pool)?;
@@ -860,13 +880,11 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
-    fn held_free_mut(&mut self, base: u64) -> &mut BTreeMap<u64, BlockId> {
-        &mut self
-            .planned_mut()
-            .held
-            .get_mut(&base)
-            .expect("a held region or chunk")
-            .free
+    fn held_free_mut(&mut self, base: u64) -> Result<&mut BTreeMap<u64, BlockId>, AllocError> {
+        let held = self.planned_mut()?.held.get_mut(&base);
+        Ok(&mut held
+            .ok_or(PlanError::Internal("no held region or chunk there"))?
+            .free)
     }
 
     /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
@@ -882,7 +900,7 @@ impl<D: Device> CachingAllocator<D> {
             let mut synced = Vec::new();
             self.unmap_stale_pages(&mut synced)?;
             let free: Vec<(StreamId, BlockId)> = self
-                .following()
+                .following()?
                 .held
                 .values()
                 .flat_map(|h| h.free.values().map(|&id| (h.stream, id)))
@@ -891,16 +909,16 @@ impl<D: Device> CachingAllocator<D> {
                 if !synced.contains(&stream) {
                     self.device.synchronize_stream(stream)?;
                     synced.push(stream);
-                    self.planned_mut().paging.synchronizations += 1;
+                    self.planned_mut()?.paging.synchronizations += 1;
                 }
                 let before = self.total_allocated_memory;
                 self.unmap_block(id, true)?;
                 let pages = (before - self.total_allocated_memory) / PLAN_PAGE;
-                self.planned_mut().paging.pages_unmapped += pages;
+                self.planned_mut()?.paging.pages_unmapped += pages;
             }
         }
         let idle: Vec<u64> = self
-            .following()
+            .following()?
             .held
             .iter()
             .filter(|&(_, h)| {
@@ -909,8 +927,10 @@ impl<D: Device> CachingAllocator<D> {
             .map(|(&base, _)| base)
             .collect();
         for &base in &idle {
-            let held = &self.following().held[&base];
-            let id = held.head(base).expect("an idle segment has a head block");
+            let held = self.following()?.held(base)?;
+            let id = held.head(base).ok_or(AllocError::Plan(PlanError::Internal(
+                "an idle region or chunk without a head block",
+            )))?;
             if held.paging.is_some() {
                 // Wholly unmapped: its address range goes back.
                 self.release_expandable_segment(id)?;
@@ -918,7 +938,7 @@ impl<D: Device> CachingAllocator<D> {
                 // As any whole free segment: its free-map entry goes with it.
                 self.release_block(id)?;
             }
-            let planned = self.planned_mut();
+            let planned = self.planned_mut()?;
             planned.held.remove(&base);
             for r in planned.regions.iter_mut().chain(planned.chunks.iter_mut()) {
                 if r.2 == Some(base) {
@@ -1013,8 +1033,11 @@ impl<D: Device> CachingAllocator<D> {
                 }
                 unmapped_count += usize::from(!mapped);
             }
-            for &page in held.paging.iter().flat_map(|p| &p.stale) {
-                let paging = held.paging.as_ref().expect("stale pages are paged");
+            for (paging, &page) in held
+                .paging
+                .iter()
+                .flat_map(|p| p.stale.iter().map(move |s| (p, s)))
+            {
                 let within = paging
                     .unmapped
                     .range(..=page)
@@ -1033,5 +1056,103 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         Ok((ids, unmapped_count))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S0: StreamId = StreamId(0);
+    const S1: StreamId = StreamId(1);
+
+    fn entry(size: u64, stream: StreamId, offset: Option<u64>, persistent: bool) -> PlanEntry {
+        PlanEntry {
+            size,
+            stream,
+            offset,
+            persistent,
+        }
+    }
+
+    /// Requests in turn, each with what the plan says and whether it begins an iteration.
+    #[test]
+    fn a_request_matches_the_entry_expected_or_one_a_little_after() {
+        let plan = Plan {
+            regions: vec![PlanRegion {
+                stream: S0,
+                bytes: 4096,
+            }],
+            entries: vec![
+                entry(512, S0, Some(0), false),
+                entry(1024, S0, Some(512), false),
+                entry(2048, S0, None, true),
+                entry(512, S1, None, false),
+            ],
+        };
+        plan.validate().expect("a valid plan");
+        let mut following = Following::new(Arc::new(plan), false);
+        let placed = |offset| Expect::Placed { region: 0, offset };
+        let persistent = Expect::Persistent {
+            tried: None,
+            chunk: 0,
+        };
+        let steps = [
+            // Nothing is followed until the first entry comes.
+            ((1024, S0), (Expect::Idle, false)),
+            ((512, S0), (placed(0), true)),
+            ((1024, S0), (placed(512), false)),
+            // The persistent entry skipped: the next matching one is taken.
+            ((512, S1), (Expect::Unplanned, false)),
+            // Another size on the stream: a miss, the cursor stays.
+            ((4096, S0), (Expect::Miss, false)),
+            // Back at the start: a new iteration.
+            ((512, S0), (placed(0), true)),
+            ((1024, S0), (placed(512), false)),
+            ((2048, S0), (persistent, false)),
+            // The same size on another stream is another request.
+            ((1024, S1), (Expect::Miss, false)),
+        ];
+        for (i, ((size, stream), want)) in steps.into_iter().enumerate() {
+            assert_eq!(following.match_request(size, stream), want, "step {i}");
+        }
+    }
+
+    /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first
+    /// entry again.
+    #[test]
+    fn misses_in_a_row_lose_the_plan() {
+        let plan = Plan {
+            regions: vec![PlanRegion {
+                stream: S0,
+                bytes: 4096,
+            }],
+            entries: vec![
+                entry(512, S0, Some(0), false),
+                entry(1024, S0, Some(512), false),
+            ],
+        };
+        let mut following = Following::new(Arc::new(plan), false);
+        assert_eq!(
+            following.match_request(512, S0).0,
+            Expect::Placed {
+                region: 0,
+                offset: 0
+            }
+        );
+        for _ in 0..LOST_AFTER {
+            assert_eq!(following.match_request(4096, S0).0, Expect::Miss);
+        }
+        assert_eq!(following.match_request(1024, S0).0, Expect::Idle);
+        assert_eq!(
+            following.match_request(512, S0),
+            (
+                Expect::Placed {
+                    region: 0,
+                    offset: 0
+                },
+                true
+            )
+        );
     }
 }

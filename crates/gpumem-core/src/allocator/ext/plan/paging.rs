@@ -26,7 +26,7 @@ use serde::Serialize;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::{Following, PlanEntry};
+use super::{Following, PlanEntry, PlanError};
 use crate::allocator::block::{BlockId, SegmentId};
 use crate::allocator::pool_id::PoolRef;
 use crate::allocator::size::PoolKind;
@@ -132,11 +132,13 @@ impl Following {
         rest.get(i).map_or(0, |&(_, bytes)| bytes)
     }
 
-    pub(super) fn paging_mut(&mut self, base: u64) -> &mut HeldPages {
-        self.held
-            .get_mut(&base)
-            .and_then(|h| h.paging.as_mut())
-            .expect("a paged region or chunk")
+    /// The pages of the paged region or chunk at `base`.
+    pub(super) fn paging_mut(&mut self, base: u64) -> Result<&mut HeldPages, AllocError> {
+        let held = self.held.get_mut(&base);
+        held.and_then(|h| h.paging.as_mut())
+            .ok_or(AllocError::Plan(PlanError::Internal(
+                "no paged region or chunk there",
+            )))
     }
 
     /// The addresses of every lent page still mapped where it was lent from.
@@ -166,7 +168,12 @@ impl<D: Device> CachingAllocator<D> {
         let pool = PoolRef::default_pool(PoolKind::Large);
         let id = self.expandable_block(ptr.0, bytes, PLAN_PAGE, stream, pool)?;
         let pages = HeldPages {
-            segment: self.block(id).expandable.expect("an expandable block"),
+            segment: self
+                .block(id)
+                .expandable
+                .ok_or(AllocError::Plan(PlanError::Internal(
+                    "a reservation's block outside an expandable segment",
+                )))?,
             unmapped: BTreeMap::from([(ptr.0, id)]),
             stale: BTreeSet::new(),
         };
@@ -180,7 +187,7 @@ impl<D: Device> CachingAllocator<D> {
     /// On a driver error the failed range's pages go back where they came from (ranges
     /// mapped before it stay mapped) and no page is lost.
     pub(super) fn map_for(&mut self, base: u64, addr: u64, size: u64) -> Result<bool, AllocError> {
-        let Some(held) = self.following().held.get(&base) else {
+        let Some(held) = self.following()?.held.get(&base) else {
             return Ok(false);
         };
         let Some(paging) = &held.paging else {
@@ -236,7 +243,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         for (lender, page) in spares {
-            let handle = self.lend(lender, page);
+            let handle = self.lend(lender, page)?;
             pages.push((handle, Some((lender, page))));
         }
         let mut pages = pages.into_iter();
@@ -246,23 +253,29 @@ impl<D: Device> CachingAllocator<D> {
                 .take(((to - from) / PLAN_PAGE) as usize)
                 .collect();
             let handles: Vec<PhysicalHandle> = taken.iter().map(|&(h, _)| h).collect();
-            let id = self.unmapped_from(base, from);
+            let id = self.unmapped_from(base, from)?;
             let seg = &mut self.expandable_segments[segment.index()];
             if let Err(e) = seg.map_handles(&mut self.device, from, &handles) {
                 self.merge_unmapped(id);
+                // Every page goes back; the first failure to take one back is the answer.
+                let mut failed = None;
                 for (handle, lender) in taken.into_iter().chain(pages) {
                     match lender {
-                        Some((lender, page)) => self.reattach(lender, page, handle),
+                        Some((lender, page)) => {
+                            if let Err(e) = self.reattach(lender, page, handle) {
+                                failed.get_or_insert(e);
+                            }
+                        }
                         None => {
                             let _ = self.device.release_physical_page(handle);
                         }
                     }
                 }
-                return Err(e.into());
+                return Err(failed.unwrap_or(e.into()));
             }
             self.mapped_pages += handles.len();
             self.adopt_mapping(id, to - from);
-            let paging = &mut self.planned_mut().paging;
+            let paging = &mut self.planned_mut()?.paging;
             paging.maps += 1;
             paging.pages_mapped += taken.len() as u64;
             paging.pages_lent += taken.iter().filter(|(_, lender)| lender.is_some()).count() as u64;
@@ -282,33 +295,37 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Takes back a page lent from `page` of the paged segment at `base` (still mapped there):
     /// the undoing of [`Self::lend`] when the borrower could not map it.
-    fn reattach(&mut self, base: u64, page: u64, handle: PhysicalHandle) {
-        let paging = self.planned_mut().paging_mut(base);
+    fn reattach(&mut self, base: u64, page: u64, handle: PhysicalHandle) -> Result<(), AllocError> {
+        let paging = self.planned_mut()?.paging_mut(base)?;
         paging.stale.remove(&page);
         let segment = paging.segment;
         self.expandable_segments[segment.index()].attach(page, handle);
         self.mapped_pages += 1;
-        let id = self.unmapped_from(base, page);
+        let id = self.unmapped_from(base, page)?;
         self.adopt_mapping(id, PLAN_PAGE);
+        Ok(())
     }
 
     /// The unmapped block of the paged segment at `base` that starts at `from`, split off
     /// the unmapped block holding it if need be.
-    fn unmapped_from(&mut self, base: u64, from: u64) -> BlockId {
-        let unmapped = &self.planned_mut().paging_mut(base).unmapped;
-        let (&ptr, &id) = unmapped
-            .range(..=from)
-            .next_back()
-            .expect("an unmapped block holds the range");
+    fn unmapped_from(&mut self, base: u64, from: u64) -> Result<BlockId, AllocError> {
+        let unmapped = &self.planned_mut()?.paging_mut(base)?.unmapped;
+        let (&ptr, &id) =
+            unmapped
+                .range(..=from)
+                .next_back()
+                .ok_or(AllocError::Plan(PlanError::Internal(
+                    "no unmapped block holds the range",
+                )))?;
         if ptr == from {
-            return id;
+            return Ok(id);
         }
         self.remove_unmapped(id);
         let front = self.split_front(id, from - ptr);
         self.block_mut(front).set_mapped(false);
         self.insert_unmapped(front);
         self.insert_unmapped(id);
-        id
+        Ok(id)
     }
 
     /// Up to `want` whole free mapped pages of `stream`'s paged regions and chunks that can
@@ -324,7 +341,9 @@ impl<D: Device> CachingAllocator<D> {
         want: u64,
         borrower: (u64, std::ops::Range<u64>),
     ) -> Vec<(u64, u64)> {
-        let planned = self.following();
+        let Some(planned) = self.planned.as_ref() else {
+            return Vec::new();
+        };
         let mut spares = Vec::new();
         for regions in [false, true] {
             if regions && !to_chunk {
@@ -369,24 +388,24 @@ impl<D: Device> CachingAllocator<D> {
     /// Lends the free mapped page at `page` of the paged segment at `base`: its handle, to
     /// be mapped elsewhere. The page is unmapped to the allocator from now on and stays
     /// mapped on the device until [`Self::unmap_stale_pages`].
-    fn lend(&mut self, base: u64, page: u64) -> PhysicalHandle {
-        let segment = self.following().held[&base]
+    fn lend(&mut self, base: u64, page: u64) -> Result<PhysicalHandle, AllocError> {
+        let internal = |what| AllocError::Plan(PlanError::Internal(what));
+        let held = self.following()?.held.get(&base);
+        let held = held.ok_or(internal("no region or chunk lends there"))?;
+        let segment = held
             .paging
             .as_ref()
-            .expect("paged")
+            .ok_or(internal("a lender not paged"))?
             .segment;
-        let (_, &id) = self.following().held[&base]
-            .free
-            .range(..=page)
-            .next_back()
-            .expect("a free block holds a spare page");
+        let free = held.free.range(..=page).next_back();
+        let (_, &id) = free.ok_or(internal("no free block holds a spare page"))?;
         let handle = self.expandable_segments[segment.index()]
             .detach(page)
-            .expect("a mapped page has a handle");
+            .ok_or(internal("a mapped page without a handle"))?;
         self.mapped_pages -= 1;
         self.mark_unmapped(id, page, PLAN_PAGE);
-        self.planned_mut().paging_mut(base).stale.insert(page);
-        handle
+        self.planned_mut()?.paging_mut(base)?.stale.insert(page);
+        Ok(handle)
     }
 
     /// Unmaps every lent page where it was lent from, after synchronising its stream
