@@ -68,6 +68,10 @@
 //!   sizes and offsets multiples of 512, every planned range inside its stream's region.
 //! - A held region is one segment of exactly its planned size whose free blocks are exactly
 //!   the entries of its free map, under their addresses; none of them is in a pool.
+//! - A block is tagged held (`Block::held`) iff it lies in a held region or chunk: the port
+//!   (`pool.rs`) sends a free or unmapped block to the plan's maps by the tag alone.
+//! - Following a plan panics nowhere: a step that finds the plan's record disagreeing with
+//!   itself returns [`PlanError::Internal`].
 //! - A region or chunk is given back only when it holds one free block spanning it (paged:
 //!   one unmapped block).
 //! - Paged: a page has a physical handle iff it lies in a mapped block (as for expandable
