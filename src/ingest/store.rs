@@ -668,15 +668,15 @@ impl PushStore {
         }
     }
 
-    #[cfg(feature = "tools")]
     /// Keeps the recordings its processes upload in `store` (once; a second store is
     /// ignored).
+    #[cfg(feature = "tools")]
     pub fn keep_recordings(&self, store: Arc<RecordingStore>) {
         let _ = self.recordings.set(store);
     }
 
-    #[cfg(feature = "tools")]
     /// Where its processes' recordings are kept, where they are.
+    #[cfg(feature = "tools")]
     pub fn recordings(&self) -> Option<&Arc<RecordingStore>> {
         self.recordings.get()
     }
@@ -696,7 +696,6 @@ impl PushStore {
         self.refused[i].fetch_add(1, Ordering::Relaxed);
     }
 
-    #[cfg(feature = "tools")]
     /// Who an upload of a recording is from: a process this store tracks, known as its pushes
     /// are (the kernel's pid for a socket peer; a pod's process by the pid `pid` it has in the
     /// pod, told apart by `start_time`; from loopback, `pid` and `start_time` as given, which
@@ -707,6 +706,7 @@ impl PushStore {
     /// # Errors
     /// A pid that is not the pod's (`not_in_pod`), or that has not pushed from there
     /// (`forbidden`).
+    #[cfg(feature = "tools")]
     pub fn recording_owner(
         &self,
         sender: Sender,
