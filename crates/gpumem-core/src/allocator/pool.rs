@@ -1,8 +1,8 @@
 //! Block pools (PyTorch's `BlockPool`) and the search for a cached block (`get_free_block`).
 //!
 //! Each allocator has two default pools, small and large, and each private pool two of its
-//! own (Note [Private pools]). A pool holds its free mapped blocks in a
-//! [`FreeSet`] ordered by stream, size and the allocator's tie-break ([`FitOrder`]), and the
+//! own (Note [Private pools]). A pool holds its free mapped blocks in a [`FreeSet`] ordered
+//! by stream, size and the allocator's tie-break ([`FitOrder`](super::FitOrder)), and the
 //! unmapped blocks of its expandable segments by (stream, address). A request is served by
 //! the best fit of its own stream only: the first block at or above its rounded size in that
 //! order, which the `max_split_size` rules ([`size::fits`]) may still refuse.
