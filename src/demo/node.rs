@@ -526,10 +526,7 @@ impl Drop for SimNode {
 }
 
 fn offsets(recording: &Recording) -> Vec<u64> {
-    let events = recording
-        .device_traces
-        .first()
-        .map_or(&[][..], Vec::as_slice);
+    let events = recording.trace(0);
     let first = events.iter().find_map(|e| e.time_us);
     events
         .iter()
@@ -577,13 +574,7 @@ fn replay_loop(
             job,
             started: Instant::now(),
             finished_at: None,
-            peak: crate::explain::peak_reserved_event(
-                recordings[which]
-                    .device_traces
-                    .first()
-                    .map_or(&[][..], Vec::as_slice),
-            )
-            .unwrap_or(0),
+            peak: crate::explain::peak_reserved_event(recordings[which].trace(0)).unwrap_or(0),
         })
         .collect();
     while !stop.load(Ordering::Relaxed) {

@@ -49,10 +49,8 @@ impl BlockStacks {
             }
         }
         let allocated_in_trace: rustc_hash::FxHashSet<u64> = recording
-            .device_traces
-            .get(device)
-            .into_iter()
-            .flatten()
+            .trace(device as u32)
+            .iter()
             .filter(|e| e.action == TraceAction::Alloc)
             .map(|e| e.addr)
             .collect();

@@ -130,10 +130,7 @@ pub fn start_state(
     let mut expandable_live: Vec<u64> = Vec::new();
     // Blocks the snapshot shows freed but waiting on other streams' events, by address.
     let mut pending_at_end: BTreeMap<u64, u64> = BTreeMap::new();
-    let events = recording
-        .device_traces
-        .get(device as usize)
-        .map_or(&[][..], Vec::as_slice);
+    let events = recording.trace(device);
     for seg in recording.segments.iter().filter(|s| s.device == device) {
         if seg.is_expandable {
             mapped += i128::from(seg.total_size);
