@@ -17,16 +17,21 @@ use super::{
 };
 use crate::ingest::Sender;
 use crate::ingest::recordings::{
-    StoredRecording, Tenant, UPLOAD_MIN_PROGRESS, UPLOAD_TIMEOUT, UPLOAD_WINDOW,
+    RecordingStore, StoredRecording, Tenant, UPLOAD_MIN_PROGRESS, UPLOAD_TIMEOUT, UPLOAD_WINDOW,
 };
 use crate::ingest::{Refusal, Rejected};
 use crate::view::node::NodeView;
+
+/// Where the agent keeps its processes' recordings, if it does.
+fn kept_by(state: &AppState) -> Option<&Arc<RecordingStore>> {
+    state.ingest.as_ref()?.recordings()
+}
 
 /// `page` with the listing and, where the agent keeps recordings, each one's view (one
 /// request at a time: `view::kept`'s budget).
 pub(super) fn page_routes(page: Router<AppState>, state: &AppState) -> Router<AppState> {
     let page = page.route("/api/v1/recordings", get(list_recordings));
-    let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+    let Some(store) = kept_by(state) else {
         return page;
     };
     let kept = Arc::new(crate::view::kept::KeptViews::new(Arc::clone(store)));
@@ -38,7 +43,7 @@ pub(super) fn page_routes(page: Router<AppState>, state: &AppState) -> Router<Ap
 /// The live `view` with each process linked to its newest recording, where the agent keeps
 /// it.
 pub(super) fn with_newest(state: &AppState, mut view: NodeView) -> NodeView {
-    let Some(store) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+    let Some(store) = kept_by(state) else {
         return view;
     };
     // Newest first: each process links its last recording.
@@ -190,7 +195,7 @@ pub(super) async fn upload(State(state): State<AppState>, request: Request) -> R
 /// `GET /api/v1/recordings`: the recordings kept, newest first, each pod named by the
 /// kubelet's log directories where its upload did not name it.
 async fn list_recordings(State(state): State<AppState>) -> Response {
-    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+    let Some(recordings) = kept_by(&state) else {
         return no_recordings();
     };
     let directory = state
@@ -220,7 +225,7 @@ async fn newest_recording_of(
     State(state): State<AppState>,
     axum::extract::Path(pid): axum::extract::Path<u32>,
 ) -> Response {
-    let Some(recordings) = state.ingest.as_ref().and_then(|s| s.recordings()) else {
+    let Some(recordings) = kept_by(&state) else {
         return no_recordings();
     };
     match newest_of(&recordings.list(), pid, |_| true) {

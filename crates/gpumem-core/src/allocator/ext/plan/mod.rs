@@ -115,8 +115,10 @@ pub const RESYNC_WINDOW: usize = 16;
 /// Misses in a row after which the plan waits for its first entry again.
 pub const LOST_AFTER: u32 = 16;
 
-/// What a plan's step finds when the allocator follows no plan (a bug: it is never called then).
-const NOT_FOLLOWED: PlanError = PlanError::Internal("no plan is followed");
+/// The error of a step that finds the plan's record disagreeing with itself (`what`).
+fn internal(what: &'static str) -> AllocError {
+    AllocError::Plan(PlanError::Internal(what))
+}
 
 /// A placement plan: one iteration's allocations and where each goes. See the module
 /// documentation. Its file (format, version, where it came from, the JSON schema) is
@@ -461,21 +463,19 @@ impl Following {
     /// Region `r`: its stream, size and base where held.
     fn region_mut(&mut self, r: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
         let region = self.regions.get_mut(r);
-        region.ok_or(AllocError::Plan(PlanError::Internal("no such region")))
+        region.ok_or(internal("no such region"))
     }
 
     /// Chunk list `c`: its stream, size and current chunk's base.
     fn chunk_mut(&mut self, c: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
         let chunk = self.chunks.get_mut(c);
-        chunk.ok_or(AllocError::Plan(PlanError::Internal("no such chunk list")))
+        chunk.ok_or(internal("no such chunk list"))
     }
 
     /// The held region or chunk at `base`.
     fn held(&self, base: u64) -> Result<&Held, AllocError> {
         let held = self.held.get(&base);
-        held.ok_or(AllocError::Plan(PlanError::Internal(
-            "no region or chunk held there",
-        )))
+        held.ok_or(internal("no region or chunk held there"))
     }
 
     /// What the plan says about a request, and whether it begins an iteration.
@@ -652,13 +652,13 @@ impl<D: Device> CachingAllocator<D> {
     fn planned_mut(&mut self) -> Result<&mut Following, AllocError> {
         self.planned
             .as_deref_mut()
-            .ok_or(AllocError::Plan(NOT_FOLLOWED))
+            .ok_or(internal("no plan is followed"))
     }
 
     fn following(&self) -> Result<&Following, AllocError> {
         self.planned
             .as_deref()
-            .ok_or(AllocError::Plan(NOT_FOLLOWED))
+            .ok_or(internal("no plan is followed"))
     }
 
     /// Allocates `[offset, offset + size)` of region `r`, obtaining the region first if it
@@ -886,9 +886,7 @@ impl<D: Device> CachingAllocator<D> {
 
     fn held_free_mut(&mut self, base: u64) -> Result<&mut BTreeMap<u64, BlockId>, AllocError> {
         let held = self.planned_mut()?.held.get_mut(&base);
-        Ok(&mut held
-            .ok_or(PlanError::Internal("no held region or chunk there"))?
-            .free)
+        Ok(&mut held.ok_or(internal("no held region or chunk there"))?.free)
     }
 
     /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
@@ -932,9 +930,9 @@ impl<D: Device> CachingAllocator<D> {
             .collect();
         for &base in &idle {
             let held = self.following()?.held(base)?;
-            let id = held.head(base).ok_or(AllocError::Plan(PlanError::Internal(
-                "an idle region or chunk without a head block",
-            )))?;
+            let id = held
+                .head(base)
+                .ok_or(internal("an idle region or chunk without a head block"))?;
             if held.paging.is_some() {
                 // Wholly unmapped: its address range goes back.
                 self.release_expandable_segment(id)?;
@@ -1079,23 +1077,28 @@ mod tests {
         }
     }
 
-    /// Requests in turn, each with what the plan says and whether it begins an iteration.
-    #[test]
-    fn a_request_matches_the_entry_expected_or_one_a_little_after() {
+    /// A plan of `entries` with one 4 KiB region on stream 0, followed unpaged.
+    fn following(entries: Vec<PlanEntry>) -> Following {
         let plan = Plan {
             regions: vec![PlanRegion {
                 stream: S0,
                 bytes: 4096,
             }],
-            entries: vec![
-                entry(512, S0, Some(0), false),
-                entry(1024, S0, Some(512), false),
-                entry(2048, S0, None, true),
-                entry(512, S1, None, false),
-            ],
+            entries,
         };
         plan.validate().expect("a valid plan");
-        let mut following = Following::new(Arc::new(plan), false);
+        Following::new(Arc::new(plan), false)
+    }
+
+    /// Requests in turn, each with what the plan says and whether it begins an iteration.
+    #[test]
+    fn a_request_matches_the_entry_expected_or_one_a_little_after() {
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+            entry(2048, S0, None, true),
+            entry(512, S1, None, false),
+        ]);
         let placed = |offset| Expect::Placed { region: 0, offset };
         let persistent = Expect::Persistent {
             tried: None,
@@ -1126,17 +1129,10 @@ mod tests {
     /// entry again.
     #[test]
     fn misses_in_a_row_lose_the_plan() {
-        let plan = Plan {
-            regions: vec![PlanRegion {
-                stream: S0,
-                bytes: 4096,
-            }],
-            entries: vec![
-                entry(512, S0, Some(0), false),
-                entry(1024, S0, Some(512), false),
-            ],
-        };
-        let mut following = Following::new(Arc::new(plan), false);
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+        ]);
         assert_eq!(
             following.match_request(512, S0).0,
             Expect::Placed {

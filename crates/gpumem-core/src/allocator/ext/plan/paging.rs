@@ -26,7 +26,7 @@ use serde::Serialize;
 
 use crate::device::{Device, DeviceError, DevicePtr, PhysicalHandle, StreamId};
 
-use super::{Following, PlanEntry, PlanError};
+use super::{Following, PlanEntry, internal};
 use crate::allocator::block::{BlockId, SegmentId};
 use crate::allocator::pool_id::PoolRef;
 use crate::allocator::size::PoolKind;
@@ -136,9 +136,7 @@ impl Following {
     pub(super) fn paging_mut(&mut self, base: u64) -> Result<&mut HeldPages, AllocError> {
         let held = self.held.get_mut(&base);
         held.and_then(|h| h.paging.as_mut())
-            .ok_or(AllocError::Plan(PlanError::Internal(
-                "no paged region or chunk there",
-            )))
+            .ok_or(internal("no paged region or chunk there"))
     }
 
     /// The addresses of every lent page still mapped where it was lent from.
@@ -168,12 +166,9 @@ impl<D: Device> CachingAllocator<D> {
         let pool = PoolRef::default_pool(PoolKind::Large);
         let id = self.expandable_block(ptr.0, bytes, PLAN_PAGE, stream, pool)?;
         let pages = HeldPages {
-            segment: self
-                .block(id)
-                .expandable
-                .ok_or(AllocError::Plan(PlanError::Internal(
-                    "a reservation's block outside an expandable segment",
-                )))?,
+            segment: self.block(id).expandable.ok_or(internal(
+                "a reservation's block outside an expandable segment",
+            ))?,
             unmapped: BTreeMap::from([(ptr.0, id)]),
             stale: BTreeSet::new(),
         };
@@ -310,13 +305,10 @@ impl<D: Device> CachingAllocator<D> {
     /// the unmapped block holding it if need be.
     fn unmapped_from(&mut self, base: u64, from: u64) -> Result<BlockId, AllocError> {
         let unmapped = &self.planned_mut()?.paging_mut(base)?.unmapped;
-        let (&ptr, &id) =
-            unmapped
-                .range(..=from)
-                .next_back()
-                .ok_or(AllocError::Plan(PlanError::Internal(
-                    "no unmapped block holds the range",
-                )))?;
+        let (&ptr, &id) = unmapped
+            .range(..=from)
+            .next_back()
+            .ok_or(internal("no unmapped block holds the range"))?;
         if ptr == from {
             return Ok(id);
         }
@@ -389,7 +381,6 @@ impl<D: Device> CachingAllocator<D> {
     /// be mapped elsewhere. The page is unmapped to the allocator from now on and stays
     /// mapped on the device until [`Self::unmap_stale_pages`].
     fn lend(&mut self, base: u64, page: u64) -> Result<PhysicalHandle, AllocError> {
-        let internal = |what| AllocError::Plan(PlanError::Internal(what));
         let held = self.following()?.held.get(&base);
         let held = held.ok_or(internal("no region or chunk lends there"))?;
         let segment = held
