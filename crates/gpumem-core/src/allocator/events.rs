@@ -225,7 +225,17 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Completes the frees whose events have completed, looking at each stream's oldest
     /// events only (`process_events`), after recording the events of deferred frees.
+    // Every malloc asks; the usual answer (nothing waits) is given inline, without the call.
+    #[inline(always)]
     pub(super) fn process_events(&mut self) -> Result<(), AllocError> {
+        if self.deferred.is_empty() && self.pending_events.is_empty() {
+            return Ok(());
+        }
+        self.process_waiting_events()
+    }
+
+    #[inline(never)]
+    fn process_waiting_events(&mut self) -> Result<(), AllocError> {
         if !self.deferred.is_empty() {
             self.insert_deferred_events()?;
         }

@@ -115,7 +115,7 @@ pub use history::{TraceAction, TraceEntry};
 pub use invariants::InvariantViolation;
 pub use ipc::ShareableHandle;
 use live::LiveMap;
-use pool::BlockPool;
+use pool::PoolPair;
 pub use pool_id::PoolId;
 use pool_id::{PoolRef, PoolSlot};
 use private_pool::PrivatePools;
@@ -141,8 +141,8 @@ pub struct CachingAllocator<D: Device> {
     device: D,
     config: AllocatorConfig,
     blocks: Slab<Block>,
-    small: BlockPool,
-    large: BlockPool,
+    /// The default pools.
+    pools: PoolPair,
     /// Allocated blocks by address (PyTorch's top-level pointer map).
     live: LiveMap,
     /// The streams other than its own that used a block (`record_stream`), until its free
@@ -197,8 +197,7 @@ impl<D: Device + Clone> Clone for CachingAllocator<D> {
             device: self.device.clone(),
             config: self.config.clone(),
             blocks: self.blocks.clone(),
-            small: self.small.clone(),
-            large: self.large.clone(),
+            pools: self.pools.clone(),
             live: self.live.clone(),
             stream_uses: self.stream_uses.clone(),
             pending_events: self.pending_events.clone(),
@@ -262,8 +261,7 @@ impl<D: Device> CachingAllocator<D> {
             device,
             config,
             blocks: Slab::new(),
-            small: BlockPool::default(),
-            large: BlockPool::default(),
+            pools: PoolPair::default(),
             live: LiveMap::default(),
             stream_uses: FxHashMap::default(),
             pending_events: PendingEvents::default(),
@@ -444,11 +442,13 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::OutOfMemory`] when every step of the retry chain failed (see
     /// Note [OOM retry chain]); [`AllocError::TooLarge`] for 1 EiB or more;
     /// [`AllocError::Device`] when the driver fails otherwise.
+    #[inline]
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         let result = self.malloc_unchecked(size, stream);
         self.checked("malloc", result)
     }
 
+    #[inline(always)]
     fn malloc_unchecked(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         if size == 0 {
             return Ok(DevicePtr::NULL);
@@ -618,11 +618,13 @@ impl<D: Device> CachingAllocator<D> {
     /// [`AllocError::InvalidPointer`] for a pointer that is not live;
     /// [`AllocError::Device`] if events could not be recorded and the device could not be
     /// synchronised instead (the block is then kept out of reuse).
+    #[inline]
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
         let result = self.free_unchecked(ptr);
         self.checked("free", result)
     }
 
+    #[inline(always)]
     fn free_unchecked(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
         if ptr.is_null() {
             return Ok(());
@@ -738,9 +740,9 @@ impl<D: Device> CachingAllocator<D> {
     /// The largest cached free block in either pool: the biggest request that can be served
     /// without the driver (`cacheInfo`, without its driver fallback).
     pub fn largest_free_block(&self) -> u64 {
-        [&self.small, &self.large]
-            .iter()
-            .filter_map(|p| p.free.largest())
+        [PoolKind::Small, PoolKind::Large]
+            .into_iter()
+            .filter_map(|kind| self.pools.get(kind).free.largest())
             .map(|e| e.size)
             .max()
             .unwrap_or(0)

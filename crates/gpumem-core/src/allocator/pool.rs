@@ -1,7 +1,8 @@
 //! Block pools (PyTorch's `BlockPool`) and the search for a cached block (`get_free_block`).
 //!
 //! Each allocator has two default pools, small and large, and each private pool two of its
-//! own (Note [Private pools]). A pool holds its free mapped blocks in a [`FreeSet`] ordered
+//! own (Note [Private pools]), held as a [`PoolPair`] indexed by kind: which pool a request
+//! or block belongs to alternates unpredictably, and an index costs no branch to mispredict. A pool holds its free mapped blocks in a [`FreeSet`] ordered
 //! by stream, size and the allocator's tie-break ([`FitOrder`](super::FitOrder)), and the
 //! unmapped blocks of its expandable segments by (stream, address). A request is served by
 //! the best fit of its own stream only: the first block at or above its rounded size in that
@@ -38,16 +39,30 @@ pub(super) struct BlockPool {
     pub get_free_blocks_call_count: u64,
 }
 
+/// A small and a large pool (an allocator's default pools, or a private pool's), chosen by
+/// [`PoolKind::index`] without a branch.
+#[derive(Debug, Default, Clone)]
+pub(super) struct PoolPair([BlockPool; 2]);
+
+impl PoolPair {
+    #[inline]
+    pub fn get(&self, kind: PoolKind) -> &BlockPool {
+        &self.0[kind.index()]
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, kind: PoolKind) -> &mut BlockPool {
+        &mut self.0[kind.index()]
+    }
+}
+
 impl<D: Device> CachingAllocator<D> {
     #[inline]
     pub(super) fn pool_mut(&mut self, pool: PoolRef) -> &mut BlockPool {
         if !pool.owner.is_default() {
-            return self.private.get_mut(pool.owner).pool_mut(pool.kind);
+            return self.private.get_mut(pool.owner).pools.get_mut(pool.kind);
         }
-        match pool.kind {
-            PoolKind::Small => &mut self.small,
-            PoolKind::Large => &mut self.large,
-        }
+        self.pools.get_mut(pool.kind)
     }
 
     /// A pool and the block arena together (disjoint fields), so that a caller holding a
@@ -56,23 +71,20 @@ impl<D: Device> CachingAllocator<D> {
     fn pool_and_blocks(&mut self, pool: PoolRef) -> (&mut BlockPool, &mut Slab<Block>) {
         let blocks = &mut self.blocks;
         if !pool.owner.is_default() {
-            return (self.private.get_mut(pool.owner).pool_mut(pool.kind), blocks);
+            return (
+                self.private.get_mut(pool.owner).pools.get_mut(pool.kind),
+                blocks,
+            );
         }
-        match pool.kind {
-            PoolKind::Small => (&mut self.small, blocks),
-            PoolKind::Large => (&mut self.large, blocks),
-        }
+        (self.pools.get_mut(pool.kind), blocks)
     }
 
     #[inline]
     pub(super) fn pool(&self, pool: PoolRef) -> &BlockPool {
         if !pool.owner.is_default() {
-            return self.private.get(pool.owner).pool(pool.kind);
+            return self.private.get(pool.owner).pools.get(pool.kind);
         }
-        match pool.kind {
-            PoolKind::Small => &self.small,
-            PoolKind::Large => &self.large,
-        }
+        self.pools.get(pool.kind)
     }
 
     /// Every block pool: the default ones, then each private pool's.

@@ -2,10 +2,10 @@
 //! and of `torch.cuda.MemPool`, and the routing of requests into them.
 //!
 //! # Note [Private pools]
-//! A private pool has a small and a large [`BlockPool`] of its own. Requests reach it only
-//! while it is routed to (`begin_allocate_to_pool` with a stream filter, until
-//! `end_allocate_to_pool`): the newest route whose filter takes the request's stream wins,
-//! and without a route every request goes to the default pools. A block is reused only
+//! A private pool has a small and a large [`BlockPool`](super::pool::BlockPool) of its
+//! own. Requests reach it only while it is routed to (`begin_allocate_to_pool` with a
+//! stream filter, until `end_allocate_to_pool`): the newest route whose filter takes the
+//! request's stream wins, and without a route every request goes to the default pools. A block is reused only
 //! within its pool, so a default-pool request never takes a private pool's block.
 //! - **Ids.** `(0, 0)` is the default pool; a MemPool or `graph_pool_handle()` is `(0, uid)`;
 //!   a capture's implicit pool is `(capture id, 0)`.
@@ -40,9 +40,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::{Device, StreamId};
 
-use super::pool::BlockPool;
+use super::pool::PoolPair;
 use super::pool_id::{PoolId, PoolSlot};
-use super::size::PoolKind;
 use super::{AllocError, CachingAllocator};
 
 /// The most private pools that exist at once.
@@ -92,24 +91,7 @@ pub(crate) struct PrivatePool {
     /// Segments it owns (`cudaMalloc_count`).
     pub segments: u32,
     pub options: PoolOptions,
-    pub small: BlockPool,
-    pub large: BlockPool,
-}
-
-impl PrivatePool {
-    pub fn pool(&self, kind: PoolKind) -> &BlockPool {
-        match kind {
-            PoolKind::Small => &self.small,
-            PoolKind::Large => &self.large,
-        }
-    }
-
-    pub fn pool_mut(&mut self, kind: PoolKind) -> &mut BlockPool {
-        match kind {
-            PoolKind::Small => &mut self.small,
-            PoolKind::Large => &mut self.large,
-        }
-    }
+    pub pools: PoolPair,
 }
 
 #[derive(Debug, Clone)]
@@ -235,8 +217,7 @@ impl PrivatePools {
             use_count: 1,
             segments: 0,
             options,
-            small: BlockPool::default(),
-            large: BlockPool::default(),
+            pools: PoolPair::default(),
         };
         let index = match self.slots.iter().position(Option::is_none) {
             Some(i) => i,

@@ -145,10 +145,10 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         let target = self.total_allocated_memory - limit;
-        let now = self.large.get_free_blocks_call_count;
+        let large = self.pools.get(PoolKind::Large);
+        let now = large.get_free_blocks_call_count;
         let age = |b: &Block| (now - b.gc_count_base) as f64;
-        let (mut total_age, mut count) = self
-            .large
+        let (mut total_age, mut count) = large
             .free
             .iter()
             .map(|(_, e)| self.block(e.id))
@@ -159,7 +159,13 @@ impl<D: Device> CachingAllocator<D> {
         while reclaimed < target && freed_any && count > 0 {
             let average = total_age / count as f64;
             freed_any = false;
-            let candidates: Vec<FreeEntry> = self.large.free.iter().map(|(_, e)| e).collect();
+            let candidates: Vec<FreeEntry> = self
+                .pools
+                .get(PoolKind::Large)
+                .free
+                .iter()
+                .map(|(_, e)| e)
+                .collect();
             for entry in candidates {
                 let block = self.block(entry.id);
                 if !block.is_split() && block.expandable.is_none() && age(block) >= average {

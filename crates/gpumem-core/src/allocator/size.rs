@@ -33,11 +33,12 @@ pub const MAX_DEVICE_BYTES: u64 = 1 << 56;
     Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
+#[repr(u8)]
 pub enum PoolKind {
     /// Rounded sizes up to 1 MiB, in 2 MiB segments.
-    Small,
+    Small = 0,
     /// Everything larger.
-    Large,
+    Large = 1,
 }
 
 impl std::fmt::Display for PoolKind {
@@ -47,6 +48,13 @@ impl std::fmt::Display for PoolKind {
 }
 
 impl PoolKind {
+    /// 0 for the small pool, 1 for the large: an index into a pair, so that choosing by
+    /// kind (which alternates unpredictably on the hot path) needs no branch.
+    #[inline]
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// The pool for a rounded request size.
     pub fn for_size(rounded: u64) -> PoolKind {
         if rounded <= SMALL_SIZE {

@@ -16,6 +16,8 @@ use super::{CachingAllocator, TraceAction};
 
 impl<D: Device> CachingAllocator<D> {
     /// Hands out a block, splitting off its tail when `split` (`alloc_found_block`).
+    // Inlined into `malloc`, as `free_block` into `free`.
+    #[inline(always)]
     pub(super) fn alloc_found_block(
         &mut self,
         mut id: BlockId,

@@ -122,10 +122,7 @@ impl StatArray {
     /// The bucket of one pool.
     #[inline]
     pub fn pool(&self, pool: PoolKind) -> &Stat {
-        match pool {
-            PoolKind::Small => &self.small_pool,
-            PoolKind::Large => &self.large_pool,
-        }
+        [&self.small_pool, &self.large_pool][pool.index()]
     }
 
     /// Both pools together.
@@ -148,10 +145,8 @@ impl StatArray {
 
     #[inline]
     pub(crate) fn increase(&self, pool: PoolKind, amount: u64) {
-        let (this, other) = match pool {
-            PoolKind::Small => (&self.small_pool, &self.large_pool),
-            PoolKind::Large => (&self.large_pool, &self.small_pool),
-        };
+        let pools = [&self.small_pool, &self.large_pool];
+        let (this, other) = (pools[pool.index()], pools[1 - pool.index()]);
         // The sum from the value just computed, not reloaded from the store just made.
         let all = this
             .increase(amount as i64)
