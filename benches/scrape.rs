@@ -1,20 +1,28 @@
 //! The agent under load: a scrape at 8 GPUs × 64 processes, each with allocator series.
 //!
 //! Prints the median and p99 latency of a scrape (encoding all families, and through the
-//! HTTP router), the resident memory of the process holding what an agent holds (the
+//! HTTP router, as text and as Prometheus asks: OpenMetrics, gzipped), the CPU of gzip at the
+//! level the agent uses and at the default one on this scrape and on the worst valid pushes'
+//! (the pushed-series budget filled with every label and text at its bound), the resident
+//! memory of the process holding what an agent holds (the
 //! published counters and a node view, not the allocators), and the allocator's same-size
 //! hot path side by side with and without a scraper thread reading its counters.
 //!
 //! `cargo bench --bench scrape`; without `--bench` (as `cargo test` runs it) a short smoke run.
 
 use std::hint::black_box;
+use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use flate2::Compression;
+use flate2::write::GzEncoder;
 use gpumem::device::{SimConfig, SimDevice, simulated_uuid};
-use gpumem::metrics::{Metrics, ReportReader};
-use gpumem::server::{AppState, app};
+use gpumem::ingest::IngestConfig;
+use gpumem::ingest::store::Peer;
+use gpumem::metrics::{Format, Metrics, ReportReader};
+use gpumem::server::{AppState, agent_state, app};
 use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
 use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
 use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
@@ -24,6 +32,8 @@ use tower::ServiceExt;
 const GPUS: u32 = 8;
 const PROCESSES: u32 = 64;
 const MIB: u64 = 1 << 20;
+/// What Debian's Prometheus (2.42) asks for.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
 /// A `/proc/self/status` figure in KiB (`VmRSS`: resident now; `VmHWM`: the peak).
 fn status_kib(field: &str) -> u64 {
@@ -125,7 +135,7 @@ fn hot_path(iterations: u64, rounds: u32, scraper: Option<&Metrics>) -> f64 {
         if let Some(metrics) = scraper {
             scope.spawn(|| {
                 while !stop.load(Ordering::Relaxed) {
-                    black_box(metrics.encode());
+                    black_box(metrics.encode(Format::Text));
                 }
             });
         }
@@ -142,6 +152,90 @@ fn hot_path(iterations: u64, rounds: u32, scraper: Option<&Metrics>) -> f64 {
         stop.store(true, Ordering::Relaxed);
     });
     best
+}
+
+/// The exposition of an agent whose pushed-series budget is filled with the worst valid
+/// pushes: each process with 16 devices and eight labels of 64 bytes, its texts 128 bytes.
+fn worst_pushed_exposition() -> String {
+    fn alive(_: u32) -> Option<u64> {
+        Some(1)
+    }
+    let ingest = IngestConfig {
+        start_time: alive,
+        ..IngestConfig::default()
+    };
+    let state = agent_state(
+        AllocatorSources::new(Vec::new()),
+        Vec::new(),
+        ingest,
+        Default::default(),
+    )
+    .expect("registers");
+    let store = state.ingest.as_ref().expect("ingests");
+    let labels: serde_json::Map<String, serde_json::Value> = (0..8)
+        .map(|i| {
+            (
+                format!("label_{i}_{}", "k".repeat(8)),
+                "v".repeat(44).into(),
+            )
+        })
+        .collect();
+    let stats: serde_json::Map<String, serde_json::Value> = ["allocated", "reserved", "active"]
+        .iter()
+        .flat_map(|stat| {
+            ["all", "small_pool", "large_pool"].map(|pool| {
+                (
+                    format!("{stat}_bytes.{pool}.current"),
+                    serde_json::json!(123_456_789),
+                )
+            })
+        })
+        .collect();
+    for pid in 1..2_000 {
+        let devices: Vec<serde_json::Value> = (0..16)
+            .map(|i| serde_json::json!({"index": i, "uuid": format!("GPU-{i:04}-{}", "u".repeat(100)), "stats": stats}))
+            .collect();
+        let body = serde_json::json!({"pid": pid, "seq": 1, "labels": labels,
+            "torch_version": "t".repeat(128), "alloc_conf": "a".repeat(128), "devices": devices});
+        let peer = Peer {
+            pid,
+            start_time: Some(1),
+            uid: None,
+        };
+        if store
+            .push_from(body.to_string().as_bytes(), Some(peer))
+            .is_err()
+        {
+            break;
+        }
+    }
+    state.metrics.encode(Format::Text)
+}
+
+/// Median time and size of gzip over `body` at `level`.
+fn gzip_cost(body: &[u8], level: Compression, runs: usize) -> (Duration, usize) {
+    let mut size = 0;
+    let times = (0..runs)
+        .map(|_| {
+            let started = Instant::now();
+            let mut encoder = GzEncoder::new(Vec::new(), level);
+            encoder.write_all(body).expect("compresses");
+            size = encoder.finish().expect("compresses").len();
+            started.elapsed()
+        })
+        .collect();
+    (percentiles(times).0, size)
+}
+
+fn print_gzip(what: &str, body: &str, runs: usize) {
+    let (fast, fast_size) = gzip_cost(body.as_bytes(), Compression::fast(), runs);
+    let (default, default_size) = gzip_cost(body.as_bytes(), Compression::default(), runs);
+    println!(
+        "  gzip of {what} ({:.1} MB): fastest level (the agent's) {fast:?} to {:.2} MB; default level {default:?} to {:.2} MB",
+        body.len() as f64 / 1e6,
+        fast_size as f64 / 1e6,
+        default_size as f64 / 1e6
+    );
 }
 
 fn main() {
@@ -165,13 +259,13 @@ fn main() {
         )
         .expect("registers"),
     );
-    let body = metrics.encode();
+    let body = metrics.encode(Format::Text);
     let series = body.lines().filter(|l| !l.starts_with('#')).count();
 
     let encode: Vec<Duration> = (0..scrapes)
         .map(|_| {
             let started = Instant::now();
-            black_box(metrics.encode());
+            black_box(metrics.encode(Format::Text));
             started.elapsed()
         })
         .collect();
@@ -181,28 +275,45 @@ fn main() {
         .build()
         .expect("runtime");
     let router = app(AppState::new(Arc::clone(&metrics), None));
-    let http: Vec<Duration> = runtime.block_on(async {
-        let mut out = Vec::new();
-        for _ in 0..scrapes {
-            let started = Instant::now();
-            let request = axum::http::Request::get("/metrics")
-                .body(axum::body::Body::empty())
-                .expect("request");
-            let response = router.clone().oneshot(request).await.expect("responds");
-            black_box(response.into_body().collect().await.expect("body"));
-            out.push(started.elapsed());
-        }
-        out
-    });
+    let scrape_times = |accept: &'static str, encoding: &'static str| {
+        runtime.block_on(async {
+            let mut out = Vec::new();
+            let mut size = 0;
+            for _ in 0..scrapes {
+                let started = Instant::now();
+                let request = axum::http::Request::get("/metrics")
+                    .header("accept", accept)
+                    .header("accept-encoding", encoding)
+                    .body(axum::body::Body::empty())
+                    .expect("request");
+                let response = router.clone().oneshot(request).await.expect("responds");
+                size = black_box(response.into_body().collect().await.expect("body"))
+                    .to_bytes()
+                    .len();
+                out.push(started.elapsed());
+            }
+            (out, size)
+        })
+    };
+    let (http, _) = scrape_times("text/plain", "identity");
+    let (asked, asked_size) = scrape_times(PROMETHEUS_ACCEPT, "gzip");
     let (rss, peak) = (status_kib("VmRSS:"), status_kib("VmHWM:"));
     let (encode_p50, encode_p99) = percentiles(encode);
     let (http_p50, http_p99) = percentiles(http);
+    let (asked_p50, asked_p99) = percentiles(asked);
     println!(
         "scrape of {GPUS} GPUs x {PROCESSES} processes: {series} series, {} KiB of text",
         body.len() / 1024
     );
     println!("  encode:         p50 {encode_p50:?}  p99 {encode_p99:?}");
     println!("  HTTP /metrics:  p50 {http_p50:?}  p99 {http_p99:?}");
+    println!(
+        "  HTTP /metrics as Prometheus asks (OpenMetrics, gzip): p50 {asked_p50:?}  p99 {asked_p99:?}, {} KiB sent",
+        asked_size / 1024
+    );
+    print_gzip("this scrape", &body, scrapes.min(30));
+    let worst = worst_pushed_exposition();
+    print_gzip("the worst valid pushes' scrape", &worst, scrapes.min(30));
     println!(
         "  resident memory: {:.1} MiB after the scrapes, peak {:.1} MiB (process start {:.1} MiB; peak after encoding only {:.1} MiB)",
         rss as f64 / 1024.0,

@@ -7,6 +7,7 @@
 
 mod collectors;
 pub mod contract;
+pub mod openmetrics;
 
 use prometheus::{Encoder, Registry, TextEncoder};
 
@@ -45,13 +46,40 @@ impl Metrics {
         self.registry.gather()
     }
 
-    /// The text exposition of every metric.
-    pub fn encode(&self) -> String {
-        let mut buffer = Vec::with_capacity(64 * 1024);
+    /// The exposition of every metric in `format`.
+    pub fn encode(&self, format: Format) -> String {
         let families = self.registry.gather();
-        if let Err(e) = TextEncoder::new().encode(&families, &mut buffer) {
-            tracing::error!(error = %e, "encoding metrics failed");
+        match format {
+            Format::Text => {
+                let mut buffer = Vec::with_capacity(64 * 1024);
+                if let Err(e) = TextEncoder::new().encode(&families, &mut buffer) {
+                    tracing::error!(error = %e, "encoding metrics failed");
+                }
+                String::from_utf8(buffer).unwrap_or_default()
+            }
+            Format::OpenMetrics => openmetrics::encode(&families).unwrap_or_else(|e| {
+                tracing::error!(error = %e, "encoding metrics failed");
+                "# EOF\n".to_string()
+            }),
         }
-        String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+/// The exposition formats `/metrics` serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// Prometheus's text format 0.0.4.
+    Text,
+    /// OpenMetrics 1.0 text ([`openmetrics`]).
+    OpenMetrics,
+}
+
+impl Format {
+    /// The Content-Type of an exposition in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
+            Format::OpenMetrics => openmetrics::CONTENT_TYPE,
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! The HTTP shell: `/metrics` (text exposition), `/healthz` (liveness: the runtime answers and
+//! The HTTP shell: `/metrics` (the exposition, in the format and encoding the scraper asks
+//! for: `scrape.rs`), `/healthz` (liveness: the runtime answers and
 //! every polling loop keeps finishing rounds, whatever the sources say), `/readyz` (readiness:
 //! every loop's first round is done), `/` (the live page, drawn from `GET /api/v1/node`:
 //! `view::node` over one gather of the same metrics, and `GET /api/v1/segments` for the
@@ -49,8 +50,9 @@
 //! series' largest size: about 800 bytes with every pushed label and text at its bound (a
 //! 7.8 MB scrape, measured), and up to 500 bytes more where the agent adds a pod's UID,
 //! container ID and names (about 13 MB). The agent holds at most four such bodies in flight
-//! and one being encoded; at most sixteen push bodies of 512 KiB being read (eight per kind
-//! of listener); and, per connection (384 per listener), the first [`UNSLOTTED_BODY_BYTES`]
+//! and one being encoded (a gzipped body is held compressed once made: a 25th to a 58th of
+//! it in `benches/scrape.rs`); at most sixteen push bodies of 512 KiB being read (eight per
+//! kind of listener); and, per connection (384 per listener), the first [`UNSLOTTED_BODY_BYTES`]
 //! of a body (and the rest of the read that crossed them: hyper reads 8 KiB at first): about
 //! 20 MiB at worst. Measured at 66 MiB peak resident with the worst valid pushes over TCP and
 //! twelve slow scrapers (`tests/it/hostile.rs`; about 100 MiB estimated with pod labels),
@@ -65,6 +67,7 @@ mod listen;
 mod pidfd;
 #[cfg(feature = "tools")]
 mod recordings;
+mod scrape;
 mod slots;
 #[cfg(feature = "tls")]
 pub mod tls;
@@ -77,6 +80,7 @@ pub use conns::Connection;
 #[cfg(feature = "tls")]
 pub use listen::serve_tls;
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
+pub use scrape::{DEFAULT_SCRAPE_SLOTS, EXPOSITION_CONTENT_TYPE};
 pub use slots::{MIN_STALL, Slots};
 
 use std::net::SocketAddr;
@@ -94,9 +98,7 @@ use crate::metrics::{Metrics, ReportReader};
 use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::{Health, Kubelet, Unhealthy};
 use hosts::AgentHosts;
-
-/// The media type of the Prometheus text exposition format.
-pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+use scrape::held;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -224,7 +226,7 @@ pub fn app(state: AppState) -> Router {
     }
     // What shows the node: only to users where authentication is configured.
     let mut shown = Router::new()
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(scrape::metrics))
         .route("/", get(index))
         .merge(page);
     if state.authenticates() {
@@ -328,91 +330,6 @@ async fn check_host(
             "this agent answers to its addresses, the loopback names and the names given with --allow-host (Host header)\n",
         )
             .into_response()
-    }
-}
-
-async fn metrics(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
-    held(&state, conn, EXPOSITION_CONTENT_TYPE, |m| m.encode()).await
-}
-
-/// A body made from the metrics by `make`, held until the client has read it within one of
-/// the scrape slots: a few at once bound the agent's memory whatever slow clients do (the
-/// exposition and the live page's view alike).
-async fn held(
-    state: &AppState,
-    conn: Option<Extension<Connection>>,
-    content_type: &'static str,
-    make: impl FnOnce(&Metrics) -> String,
-) -> Response {
-    let conn = conn.map_or_else(Connection::detached, |c| c.0);
-    let Some(slot) = state.scrape_slots.take(&conn, SCRAPE_WAIT).await else {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many scrapes in flight\n",
-        )
-            .into_response();
-    };
-    // Made inline: a scrape takes milliseconds, and staying on the runtime's thread keeps
-    // the agent to one heap (a blocking-pool thread would grow a second malloc arena as large
-    // as the exposition).
-    let body = make(&state.metrics);
-    (
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CACHE_CONTROL, "no-store"),
-        ],
-        axum::body::Body::new(HeldBody {
-            body: body.into_bytes(),
-            sent: 0,
-            _slot: slot,
-        }),
-    )
-        .into_response()
-}
-
-/// How long a scrape waits for a slot before it is refused (503).
-const SCRAPE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Scrapes whose bodies may be in flight at once, by default.
-pub const DEFAULT_SCRAPE_SLOTS: usize = 4;
-
-/// Bytes of a scrape body handed to hyper at a time.
-const SCRAPE_CHUNK: usize = 64 * 1024;
-
-/// A scrape body that holds its slot, and its bytes, until the last of them was taken: it is
-/// handed out in copied chunks, so hyper's write backpressure keeps the slot held while a
-/// slow client reads (one whole chunk would end the body at once and free the slot while the
-/// bytes still waited in hyper's buffer).
-struct HeldBody {
-    body: Vec<u8>,
-    sent: usize,
-    _slot: slots::Slot,
-}
-
-impl axum::body::HttpBody for HeldBody {
-    type Data = axum::body::Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let start = self.sent;
-        let end = self.body.len().min(start + SCRAPE_CHUNK);
-        if start == end {
-            return std::task::Poll::Ready(None);
-        }
-        self.sent = end;
-        let chunk = axum::body::Bytes::copy_from_slice(&self.body[start..end]);
-        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.sent == self.body.len()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        hyper::body::SizeHint::with_exact((self.body.len() - self.sent) as u64)
     }
 }
 
@@ -806,6 +723,7 @@ struct Allocator {
 async fn live_segments(
     State(state): State<AppState>,
     conn: Option<Extension<Connection>>,
+    headers: axum::http::HeaderMap,
     axum::extract::Query(at): axum::extract::Query<Allocator>,
 ) -> Response {
     let found = state.sources.snapshot().into_iter().find(|s| {
@@ -829,12 +747,16 @@ async fn live_segments(
     let map = crate::view::segments::map(&segments, source.gpu, None, None);
     // Within the scrape slots: a map of many blocks is a body of megabytes.
     let body = serde_json::to_string(&map).unwrap_or_default();
-    held(&state, conn, "application/json", move |_| body).await
+    held(&state, conn, &headers, "application/json", move |_| body).await
 }
 
 /// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
-async fn node(State(state): State<AppState>, conn: Option<Extension<Connection>>) -> Response {
-    held(&state, conn, "application/json", |m| {
+async fn node(
+    State(state): State<AppState>,
+    conn: Option<Extension<Connection>>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    held(&state, conn, &headers, "application/json", |m| {
         let sources = state.sources.snapshot();
         let view = crate::view::node::view(&m.gather(), &sources);
         #[cfg(feature = "tools")]

@@ -520,6 +520,202 @@ fn serve_reports_a_failed_nvml_init() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What Debian's Prometheus (2.42) sends with every scrape.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// The series of an exposition (each sample line's name and labels), sorted.
+fn series(exposition: &str) -> Vec<String> {
+    let mut out: Vec<String> = exposition
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' ').map(|(series, _)| series.to_string()))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scrape_answers_in_the_format_and_encoding_asked_for() {
+    let (_node, _poller, state) = demo_metrics();
+    let router = app(state);
+    let scrape = |accept: Option<&'static str>, encoding: Option<&'static str>| {
+        let router = router.clone();
+        async move {
+            let mut request = axum::http::Request::get("/metrics");
+            if let Some(accept) = accept {
+                request = request.header("accept", accept);
+            }
+            if let Some(encoding) = encoding {
+                request = request.header("accept-encoding", encoding);
+            }
+            let request = request.body(axum::body::Body::empty()).expect("request");
+            let response = router.oneshot(request).await.expect("responds");
+            let headers = response.headers().clone();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
+            (headers, body)
+        }
+    };
+    let header = |headers: &axum::http::HeaderMap, name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    // As Prometheus asks: OpenMetrics, gzipped.
+    let (headers, zipped) = scrape(Some(PROMETHEUS_ACCEPT), Some("gzip")).await;
+    assert_eq!(
+        header(&headers, "content-type"),
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert_eq!(header(&headers, "content-encoding"), "gzip");
+    assert_eq!(header(&headers, "vary"), "accept-encoding");
+    let mut om = String::new();
+    flate2::read::GzDecoder::new(&zipped[..])
+        .read_to_string(&mut om)
+        .expect("a gzip body");
+    assert!(
+        zipped.len() * 5 < om.len(),
+        "{} of {}",
+        zipped.len(),
+        om.len()
+    );
+    assert!(
+        om.ends_with("\n# EOF\n"),
+        "{}",
+        &om[om.len().saturating_sub(200)..]
+    );
+    // Plain text by default, uncompressed.
+    let (headers, text) = scrape(None, None).await;
+    assert_eq!(header(&headers, "content-type"), EXPOSITION_CONTENT_TYPE);
+    assert_eq!(header(&headers, "content-encoding"), "");
+    let text = String::from_utf8(text.to_vec()).expect("utf-8");
+    assert!(!text.contains("# EOF"));
+    // The same series under the same names in both (the demo moves, so values may differ).
+    assert_eq!(series(&om), series(&text));
+    // Counter families lose `_total` in their TYPE line only; the build, allocator, device and
+    // assignment families are `info` ones.
+    let mut families = 0;
+    for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let (name, kind) = line.split_once(' ').expect("a TYPE line");
+        let expected = match (
+            kind,
+            name.strip_suffix("_total"),
+            name.strip_suffix("_info"),
+        ) {
+            ("counter", Some(family), _) => format!("# TYPE {family} counter\n"),
+            ("gauge", _, Some(family)) => format!("# TYPE {family} info\n"),
+            _ => format!("# TYPE {name} {kind}\n"),
+        };
+        assert!(om.contains(&expected), "{expected} missing");
+        families += 1;
+    }
+    assert!(families > 30, "{families} families");
+    assert!(om.contains("# TYPE gpumem_build info\n"));
+    // A weight of zero is a refusal.
+    let (headers, _) = scrape(Some("text/plain"), Some("gzip;q=0, identity")).await;
+    assert_eq!(header(&headers, "content-encoding"), "");
+}
+
+/// A TCP relay from a port of its own to `upstream`, keeping the first bytes of every
+/// response (their headers); it serves until the process ends, a thread per direction and
+/// connection (a scraper keeps one connection).
+fn relay(upstream: u16) -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+    let port = listener.local_addr().expect("address").port();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = Arc::clone(&seen);
+    std::thread::spawn(move || {
+        for client in listener.incoming().take(64).flatten() {
+            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                continue;
+            };
+            let (Ok(mut client_in), Ok(mut server_out)) = (client.try_clone(), server.try_clone())
+            else {
+                continue;
+            };
+            std::thread::spawn(move || std::io::copy(&mut client_in, &mut server_out));
+            let (mut server_in, mut client_out) = (server, client);
+            let kept = Arc::clone(&kept);
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 64 * 1024];
+                while let Ok(n) = server_in.read(&mut buffer) {
+                    if n == 0 || client_out.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                    let head = String::from_utf8_lossy(&buffer[..n.min(512)]).into_owned();
+                    if head.starts_with("HTTP/") {
+                        kept.lock().expect("lock").push(head);
+                    }
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[test]
+fn a_real_prometheus_scrapes_gzipped_openmetrics() {
+    let agent_port = free_port();
+    let dir: PathBuf = std::env::temp_dir().join(format!("gpumem-prom-om-{agent_port}"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let _agent = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["demo", "--listen", &format!("127.0.0.1:{agent_port}")])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("demo starts"),
+    );
+    let (relay_port, responses) = relay(agent_port);
+    let (_prometheus, prom_port) = spawn_prometheus(&dir, relay_port);
+    let up = wait_for(Duration::from_secs(60), || {
+        let up = prometheus_query(prom_port, "up{job=\"gpumem\"}")?;
+        let samples = prometheus_query(prom_port, "scrape_samples_scraped{job=\"gpumem\"}")?;
+        let samples: f64 = samples[0]["value"][1].as_str()?.parse().ok()?;
+        (up[0]["value"][1] == "1" && samples > 100.0).then_some(samples)
+    });
+    assert!(
+        up.is_some(),
+        "Prometheus scraped the demo through the relay"
+    );
+    // What the agent answered Prometheus: gzipped OpenMetrics.
+    let answers = responses.lock().expect("lock").clone();
+    let scrape = answers
+        .iter()
+        .find(|h| h.starts_with("HTTP/1.1 200"))
+        .unwrap_or_else(|| panic!("no scrape answered: {answers:?}"));
+    let scrape = scrape.to_ascii_lowercase();
+    assert!(
+        scrape.contains("content-type: application/openmetrics-text; version=1.0.0")
+            && scrape.contains("content-encoding: gzip"),
+        "{scrape}"
+    );
+    // And Prometheus read it as OpenMetrics: the metadata of an info family and a counter's
+    // are under their OpenMetrics family names.
+    let metadata = |family: &str| -> Option<String> {
+        let body = http_get(prom_port, &format!("/api/v1/metadata?metric={family}"))?;
+        let json: serde_json::Value = serde_json::from_str(&body).ok()?;
+        json["data"][family][0]["type"].as_str().map(str::to_string)
+    };
+    let kinds = wait_for(Duration::from_secs(20), || {
+        Some((
+            metadata("gpumem_build")?,
+            metadata("gpumem_allocator_ooms")?,
+        ))
+    });
+    assert_eq!(
+        kinds,
+        Some(("info".to_string(), "counter".to_string())),
+        "metadata as OpenMetrics names it"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 pub(crate) fn prometheus_query(port: u16, query: &str) -> Option<serde_json::Value> {
     let encoded: String = query
         .bytes()

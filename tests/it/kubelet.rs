@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::common::temp_dir;
 use gpumem::ingest::IngestConfig;
 use gpumem::ingest::store::Peer;
-use gpumem::metrics::ReportReader;
+use gpumem::metrics::{Format, ReportReader};
 use gpumem::server::agent_state;
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
@@ -324,7 +324,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         .expect("accepted");
 
     let me = format!(r#"pid="{}""#, trainer());
-    let text = state.metrics.encode();
+    let text = state.metrics.encode(Format::Text);
     let trainer_names = names("ml", "train-0", "trainer");
     assert!(
         line(&text, "gpumem_process_used_bytes", &me).contains(&trainer_names),
@@ -388,7 +388,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
             .is_some_and(|e| e.contains("kubelet.sock")),
         "{report:?}"
     );
-    let text = state.metrics.encode();
+    let text = state.metrics.encode(Format::Text);
     assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 0"));
     assert!(line(&text, "gpumem_gpu_assigned_info", r#"gpu="0""#).contains(&trainer_names));
     let _ = std::fs::remove_dir_all(&dir);
@@ -479,7 +479,7 @@ fn a_container_ordinal_joins_nvml_by_uuid() {
         ],
     });
     store.push(push.to_string().as_bytes()).expect("accepted");
-    let text = state.metrics.encode();
+    let text = state.metrics.encode(Format::Text);
     let pushed = |uuid: &str| -> Vec<String> {
         text.lines()
             .filter(|l| {
@@ -635,7 +635,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
             .push_from(push.to_string().as_bytes(), peer)
             .expect("accepted");
     }
-    let text = state.metrics.encode();
+    let text = state.metrics.encode(Format::Text);
     let instance = |gi: &str, profile: &str, uuid: &str| {
         format!(r#"GPU_I_ID="{gi}",GPU_I_PROFILE="{profile}",mig_uuid="{uuid}""#)
     };
