@@ -46,20 +46,31 @@ fn header_str(headers: &HeaderMap, name: header::HeaderName) -> Option<&str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// One element of a comma-separated header: its value, lower-cased; its weight (`q`: 1 where
+/// absent, 0 where malformed or outside [0, 1]); and its `version` parameter, if any.
+fn element(item: &str) -> (String, f64, Option<&str>) {
+    let mut parts = item.split(';').map(str::trim);
+    let value = parts.next().unwrap_or("").to_ascii_lowercase();
+    let (mut q, mut version) = (1.0, None);
+    for (key, v) in parts.filter_map(|p| p.split_once('=')) {
+        let (key, v) = (key.trim(), v.trim());
+        if key.eq_ignore_ascii_case("q") {
+            q = v
+                .parse()
+                .ok()
+                .filter(|q| (0.0..=1.0).contains(q))
+                .unwrap_or(0.0);
+        } else if key.eq_ignore_ascii_case("version") {
+            version = Some(v);
+        }
+    }
+    (value, q, version)
+}
+
 /// The exposition format an `Accept` header ranks first (module doc).
 pub(super) fn format_for(accept: Option<&str>) -> Format {
     let mut best = (Format::Text, 0.0);
-    for range in accept.unwrap_or("").split(',') {
-        let mut parts = range.split(';').map(str::trim);
-        let media = parts.next().unwrap_or("").to_ascii_lowercase();
-        let (mut q, mut version) = (1.0, None);
-        for param in parts {
-            match param.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
-                Some((k, v)) if k.eq_ignore_ascii_case("q") => q = v.parse().unwrap_or(0.0),
-                Some((k, v)) if k.eq_ignore_ascii_case("version") => version = Some(v),
-                _ => {}
-            }
-        }
+    for (media, q, version) in accept.unwrap_or("").split(',').map(element) {
         let format = match media.as_str() {
             "application/openmetrics-text" if version.is_none_or(|v| v == "1.0.0") => {
                 Format::OpenMetrics
@@ -75,17 +86,12 @@ pub(super) fn format_for(accept: Option<&str>) -> Format {
     best.0
 }
 
-/// Whether an `Accept-Encoding` header takes gzip (module doc).
+/// Whether an `Accept-Encoding` header takes gzip (module doc): named, or by `*` where it is
+/// not named.
 pub(super) fn accepts_gzip(accept_encoding: Option<&str>) -> bool {
     let (mut gzip, mut any) = (None, None);
-    for coding in accept_encoding.unwrap_or("").split(',') {
-        let mut parts = coding.split(';').map(str::trim);
-        let name = parts.next().unwrap_or("").to_ascii_lowercase();
-        let q = parts
-            .filter_map(|p| p.split_once('='))
-            .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
-            .map_or(1.0, |(_, v)| v.trim().parse().unwrap_or(0.0));
-        match name.as_str() {
+    for (coding, q, _) in accept_encoding.unwrap_or("").split(',').map(element) {
+        match coding.as_str() {
             "gzip" | "x-gzip" => gzip = Some(q > 0.0),
             "*" => any = Some(q > 0.0),
             _ => {}
@@ -228,6 +234,14 @@ mod tests {
             ),
             ("application/openmetrics-text;q=0", Format::Text),
             ("application/openmetrics-text;q=oops", Format::Text),
+            (
+                "text/plain;q=0.5,application/openmetrics-text;q=7",
+                Format::Text,
+            ),
+            (
+                "text/plain;q=0.5,application/openmetrics-text;q=NaN",
+                Format::Text,
+            ),
             // Equal weights: the first listed.
             ("*/*,application/openmetrics-text", Format::Text),
             ("application/openmetrics-text,*/*", Format::OpenMetrics),
@@ -257,6 +271,7 @@ mod tests {
             ("identity", false),
             ("", false),
             ("gzip;q=nonsense", false),
+            ("gzip;q=-1", false),
         ] {
             assert_eq!(accepts_gzip(Some(header)), expected, "{header}");
         }

@@ -11,7 +11,7 @@
 //! # Invariants
 //! - Every figure is a series of the scrape, or a sum or difference of them; nothing else is
 //!   read but the last OOM's sentence (from its allocator source). A process is joined to its
-//!   allocator by (GPU UUID, pid).
+//!   allocator by (GPU UUID, pid), and to a MIG instance's line-up by its MIG device's UUID.
 //! - Differences that NVML's and the allocators' timing can make negative are clamped at 0.
 
 use std::collections::BTreeMap;
@@ -54,6 +54,32 @@ pub struct GpuView {
     /// Used by processes without allocator figures.
     pub other_processes: f64,
     /// Counted used by nvidia-smi but charged to no process.
+    pub unattributed: f64,
+    /// Its MIG devices' GPU instances, where it is in MIG mode, by instance id.
+    pub migs: Vec<MigView>,
+}
+
+/// The line-up of a MIG device's GPU instance: its memory as NVML reports it, and the
+/// processes on it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MigView {
+    /// The GPU instance's id (`GPU_I_ID`).
+    pub instance: String,
+    /// Its profile (`GPU_I_PROFILE`, such as `2g.26gb`).
+    pub profile: String,
+    /// The MIG device's UUID.
+    pub mig_uuid: String,
+    /// Its memory.
+    pub total: f64,
+    /// Used.
+    pub used: f64,
+    /// Free.
+    pub free: f64,
+    /// Per process on it: its parts of the line-up.
+    pub processes: Vec<ProcessPart>,
+    /// Used by processes on it without allocator figures.
+    pub other_processes: f64,
+    /// Counted used but charged to no process on it.
     pub unattributed: f64,
 }
 
@@ -160,6 +186,8 @@ type ProcKey = (String, String);
 type Labels<'a> = BTreeMap<&'a str, &'a str>;
 /// Sets one of a GPU's figures.
 type SetFigure = fn(&mut GpuView, f64);
+/// Sets one of a MIG instance's figures.
+type SetMigFigure = fn(&mut MigView, f64);
 
 fn key(labels: &Labels<'_>) -> ProcKey {
     let get = |k: &str| labels.get(k).copied().unwrap_or_default().to_string();
@@ -245,45 +273,29 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         };
     }
 
-    // GPUs by UUID.
-    let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
-    let gpu = |labels: &Labels<'_>| -> GpuView {
-        GpuView {
-            gpu: label(labels, "gpu"),
-            uuid: label(labels, "UUID"),
-            ..GpuView::default()
-        }
-    };
-    let figures: [(&str, SetFigure); 4] = [
-        (c::DEVICE_TOTAL.name, |g, v| g.total = v),
-        (c::DEVICE_USED.name, |g, v| g.used = v),
-        (c::DEVICE_FREE.name, |g, v| g.free = v),
-        (c::DEVICE_RESERVED.name, |g, v| g.driver_reserved = v),
-    ];
-    for (name, set) in figures {
-        for (labels, v) in series(families, name) {
-            let g = gpus
-                .entry(label(&labels, "UUID"))
-                .or_insert_with(|| gpu(&labels));
-            set(g, v);
-        }
-    }
-    for (labels, _) in series(families, c::DEVICE_INFO.name) {
-        if let Some(g) = gpus.get_mut(&label(&labels, "UUID")) {
-            g.model = label(&labels, "model");
-        }
-    }
+    let mut gpus = gpus_of(families);
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
+    let mut mig_charged: BTreeMap<String, f64> = BTreeMap::new();
     for (labels, used) in series(families, c::PROCESS_USED.name) {
         let k = key(&labels);
         *charged.entry(k.0.clone()).or_default() += used;
         let Some(g) = gpus.get_mut(&k.0) else {
             continue;
         };
-        match rows.get(&k) {
-            Some(r) => g
-                .processes
-                .push(r.part(label(&labels, "process"), (used - r.reserved).max(0.0))),
+        let part = rows
+            .get(&k)
+            .map(|r| r.part(label(&labels, "process"), (used - r.reserved).max(0.0)));
+        // On a MIG device, the process counts in its instance's line-up too.
+        let mig_uuid = label(&labels, "mig_uuid");
+        if let Some(m) = g.migs.iter_mut().find(|m| m.mig_uuid == mig_uuid) {
+            *mig_charged.entry(mig_uuid).or_default() += used;
+            match &part {
+                Some(part) => m.processes.push(part.clone()),
+                None => m.other_processes += used,
+            }
+        }
+        match part {
+            Some(part) => g.processes.push(part),
             None => g.other_processes += used,
         }
     }
@@ -306,6 +318,15 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         let uncharged = uncharged.get(&g.uuid).copied().unwrap_or(0.0);
         g.unattributed = (left - uncharged).max(0.0);
         g.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
+        for m in &mut g.migs {
+            let charged = mig_charged.get(&m.mig_uuid).copied().unwrap_or(0.0);
+            m.unattributed = (m.used - charged).max(0.0);
+            m.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
+        }
+        g.migs.sort_by(|a, b| {
+            (a.instance.parse::<u32>().ok(), &a.instance)
+                .cmp(&(b.instance.parse::<u32>().ok(), &b.instance))
+        });
     }
     let mut gpus: Vec<GpuView> = gpus.into_values().collect();
     gpus.sort_by(|a, b| {
@@ -317,4 +338,65 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             .cmp(&(b.gpu.parse::<u32>().ok(), b.pid.parse::<u32>().ok()))
     });
     NodeView { gpus, processes }
+}
+
+/// The GPUs of one scrape by UUID, with their figures, models and MIG instances (no
+/// processes yet).
+fn gpus_of(families: &[MetricFamily]) -> BTreeMap<String, GpuView> {
+    let label =
+        |labels: &Labels<'_>, k: &str| labels.get(k).copied().unwrap_or_default().to_string();
+    let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
+    let gpu = |labels: &Labels<'_>| -> GpuView {
+        GpuView {
+            gpu: label(labels, "gpu"),
+            uuid: label(labels, "UUID"),
+            ..GpuView::default()
+        }
+    };
+    let figures: [(&str, SetFigure); 4] = [
+        (c::DEVICE_TOTAL.name, |g, v| g.total = v),
+        (c::DEVICE_USED.name, |g, v| g.used = v),
+        (c::DEVICE_FREE.name, |g, v| g.free = v),
+        (c::DEVICE_RESERVED.name, |g, v| g.driver_reserved = v),
+    ];
+    for (name, set) in figures {
+        for (labels, v) in series(families, name) {
+            let g = gpus
+                .entry(label(&labels, "UUID"))
+                .or_insert_with(|| gpu(&labels));
+            set(g, v);
+        }
+    }
+    let mig_figures: [(&str, SetMigFigure); 3] = [
+        (c::MIG_TOTAL.name, |m, v| m.total = v),
+        (c::MIG_USED.name, |m, v| m.used = v),
+        (c::MIG_FREE.name, |m, v| m.free = v),
+    ];
+    for (name, set) in mig_figures {
+        for (labels, v) in series(families, name) {
+            let Some(g) = gpus.get_mut(&label(&labels, "UUID")) else {
+                continue;
+            };
+            let mig_uuid = label(&labels, "mig_uuid");
+            let at = match g.migs.iter().position(|m| m.mig_uuid == mig_uuid) {
+                Some(at) => at,
+                None => {
+                    g.migs.push(MigView {
+                        instance: label(&labels, "GPU_I_ID"),
+                        profile: label(&labels, "GPU_I_PROFILE"),
+                        mig_uuid,
+                        ..MigView::default()
+                    });
+                    g.migs.len() - 1
+                }
+            };
+            set(&mut g.migs[at], v);
+        }
+    }
+    for (labels, _) in series(families, c::DEVICE_INFO.name) {
+        if let Some(g) = gpus.get_mut(&label(&labels, "UUID")) {
+            g.model = label(&labels, "model");
+        }
+    }
+    gpus
 }

@@ -475,7 +475,7 @@ torch._fake.oom(0, 1 << 37)
     browser.open(&format!("http://127.0.0.1:{port}/"));
     let link = wait_for(Duration::from_secs(20), || {
         let href = browser.eval(&format!(
-            "const a = document.querySelector('tr[data-pid=\"{pid}\"] a.recording'); \
+            "const a = document.querySelector('tr[data-oom-of=\"{pid}\"] a.recording'); \
              return a ? a.href : null;"
         ));
         href.as_str().map(str::to_string)

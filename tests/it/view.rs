@@ -518,6 +518,35 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
         }
     }
     assert_eq!(pids, 6, "three processes a GPU: {page}");
+    // GPU 1 is in MIG mode: a bar per GPU instance under it, each with its process, and
+    // the instances /metrics names.
+    let migs = browser.eval(
+        "return Array.from(document.querySelectorAll('section.gpu[data-gpu=\"1\"] div.mig')).map(m => ({ \
+           uuid: m.dataset.migUuid, parts: m.querySelectorAll('rect.part').length, \
+           allocated: m.querySelectorAll('rect.part.allocated').length}));",
+    );
+    let migs = migs.as_array().expect("MIG instances");
+    assert_eq!(migs.len(), 3, "three instances under GPU 1: {migs:?}");
+    for m in migs {
+        let uuid = m["uuid"].as_str().expect("a MIG device's UUID");
+        assert!(
+            metric_sum(&exposition, "gpumem_mig_total_bytes", &[("mig_uuid", uuid)]) > 0.0,
+            "{uuid} not in /metrics"
+        );
+        assert_eq!(m["allocated"], 1, "its process's allocated part: {m}");
+    }
+    // At 1 280 px, with an OOM's cell drawn, the page does not scroll sideways.
+    let widths = wait_for(Duration::from_secs(30), || {
+        let w = browser.eval(
+            "const oom = document.querySelector('#processes tr.oom .last-oom'); \
+             return oom ? [window.innerWidth, document.documentElement.scrollWidth] : null;",
+        );
+        let w = w.as_array()?;
+        Some((w[0].as_u64()?, w[1].as_u64()?))
+    })
+    .expect("an OOM row is drawn");
+    assert_eq!(widths.0, 1280, "the window's width");
+    assert!(widths.1 <= widths.0, "scrolls sideways: {widths:?}");
     // The segments of an allocator the demo holds, drawn on request.
     browser.eval("document.querySelector('#processes button.segments').click(); return true;");
     let rows = wait_for(Duration::from_secs(30), || {

@@ -22,18 +22,17 @@ function parts(gpu) {
   }
   out.push({ kind: 'others', bytes: gpu.other_processes, label: 'other processes' });
   out.push({ kind: 'unattributed', bytes: gpu.unattributed, label: 'used, no process charged' });
-  out.push({ kind: 'driver', bytes: gpu.driver_reserved, label: 'driver reserved' });
+  // A MIG instance has no driver reservation of its own.
+  out.push({ kind: 'driver', bytes: gpu.driver_reserved || 0, label: 'driver reserved' });
   out.push({ kind: 'free', bytes: gpu.free, label: 'free' });
   return out;
 }
 
-function drawGpu(gpu) {
-  const card = node('section', { class: 'gpu', 'data-gpu': gpu.gpu, 'data-uuid': gpu.uuid });
-  card.append(node('h2', {}, `GPU ${gpu.gpu}${gpu.model ? ` (${gpu.model})` : ''}: ` +
-    `${fmt(gpu.used)} used of ${fmt(gpu.total)}`));
+// One bar: a GPU's or a MIG instance's memory in the parts of its line-up.
+function lineup(device) {
   const width = 900;
   const svg = node('svg', { viewBox: `0 0 ${width} 28`, class: 'lineup' });
-  const all = parts(gpu);
+  const all = parts(device);
   const sum = all.reduce((s, p) => s + p.bytes, 0) || 1;
   let x = 0;
   for (const p of all) {
@@ -44,7 +43,22 @@ function drawGpu(gpu) {
     svg.append(rect);
     x += w;
   }
-  card.append(svg);
+  return svg;
+}
+
+function drawGpu(gpu) {
+  const card = node('section', { class: 'gpu', 'data-gpu': gpu.gpu, 'data-uuid': gpu.uuid });
+  card.append(node('h2', {}, `GPU ${gpu.gpu}${gpu.model ? ` (${gpu.model})` : ''}: ` +
+    `${fmt(gpu.used)} used of ${fmt(gpu.total)}`));
+  card.append(lineup(gpu));
+  // In MIG mode, each GPU instance's own line-up, with the processes on it.
+  for (const mig of gpu.migs) {
+    const sub = node('div', { class: 'mig', 'data-instance': mig.instance, 'data-mig-uuid': mig.mig_uuid });
+    sub.append(node('h3', {}, `GPU instance ${mig.instance} (${mig.profile}): ` +
+      `${fmt(mig.used)} used of ${fmt(mig.total)}`));
+    sub.append(lineup(mig));
+    card.append(sub);
+  }
   const table = node('table', { class: 'figures' });
   const row = (name, field, bytes) => {
     const tr = node('tr');
@@ -74,7 +88,7 @@ function drawProcesses(processes) {
   table.replaceChildren();
   const head = node('tr');
   for (const h of ['GPU', 'pid', 'pod', 'allocator', 'configuration', 'reserved', 'allocated',
-    'fragmentation', 'largest free block', 'retries', 'OOMs', 'last OOM', 'why', '']) {
+    'fragmentation', 'largest free block', 'retries', 'OOMs', '']) {
     head.append(node('th', {}, h));
   }
   table.append(head);
@@ -86,26 +100,16 @@ function drawProcesses(processes) {
       tr.append(node('td', attrs, text));
     };
     const pod = p.pod_name ? `${p.pod_namespace}/${p.pod_name}${p.container_name ? ` (${p.container_name})` : ''}` : '';
-    cell(p.gpu); cell(p.pid); cell(pod); cell(p.allocator); cell(p.config || '(default)');
+    cell(p.gpu); cell(p.pid);
+    cell(pod); tr.lastChild.classList.add('wraps');
+    cell(p.allocator);
+    cell(p.config || '(default)'); tr.lastChild.classList.add('wraps');
     cell(fmt(p.reserved), 'reserved', p.reserved);
     cell(fmt(p.allocated), 'allocated', p.allocated);
     cell(`${(100 * p.fragmentation).toFixed(1)} %`, 'fragmentation', p.fragmentation);
     cell(p.largest_free_block === null ? '' : fmt(p.largest_free_block), 'largest_free_block', p.largest_free_block ?? '');
     cell(String(p.retries), 'retries', p.retries);
     cell(String(p.ooms), 'ooms', p.ooms);
-    let last = '';
-    if (p.last_oom !== null) {
-      last = new Date(p.last_oom * 1000).toISOString();
-      const kinds = Object.entries(p.oom_breakdown).filter(([, v]) => v > 0)
-        .map(([k, v]) => `${k} ${fmt(v)}`);
-      if (kinds.length) last += `: ${kinds.join(', ')}`;
-    }
-    cell(last);
-    if (p.recording) {
-      // The recording the job uploaded at its OOM, opened at that OOM.
-      tr.lastChild.append(' ', node('a', { href: p.recording, class: 'recording' }, 'recording'));
-    }
-    cell(p.oom_why || '');
     const td = node('td');
     if (p.allocator === 'gpumem') {
       // This process holds the allocator: its segments can be drawn.
@@ -119,6 +123,28 @@ function drawProcesses(processes) {
     }
     tr.append(td);
     table.append(tr);
+    // The last OOM, its breakdown and its sentence: a full-width row of their own under the
+    // process's, where long text wraps without widening the table.
+    if (p.last_oom !== null || p.oom_why || p.recording) {
+      const detail = node('td', { colspan: head.children.length });
+      if (p.last_oom !== null) {
+        let last = `last OOM ${new Date(p.last_oom * 1000).toISOString()}`;
+        const kinds = Object.entries(p.oom_breakdown).filter(([, v]) => v > 0)
+          .map(([k, v]) => `${k} ${fmt(v)}`);
+        if (kinds.length) last += `: ${kinds.join(', ')}`;
+        detail.append(node('span', { class: 'last-oom' }, last));
+      }
+      if (p.oom_why) {
+        detail.append(p.last_oom !== null ? '. ' : '', node('span', { class: 'why' }, p.oom_why));
+      }
+      if (p.recording) {
+        // The recording the job uploaded at its OOM, opened at that OOM.
+        detail.append(' ', node('a', { href: p.recording, class: 'recording' }, 'recording'));
+      }
+      const oom = node('tr', { class: 'oom', 'data-oom-of': p.pid, 'data-uuid': p.uuid });
+      oom.append(detail);
+      table.append(oom);
+    }
   }
 }
 
