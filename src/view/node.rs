@@ -11,7 +11,7 @@
 //! # Invariants
 //! - Every figure is a series of the scrape, or a sum or difference of them; nothing else is
 //!   read but the last OOM's sentence (from its allocator source). A process is joined to its
-//!   allocator by (GPU UUID, pid), and to a MIG instance's line-up by its MIG device's UUID.
+//!   allocator by (GPU UUID, pid), and to a GPU instance's line-up by (GPU UUID, `GPU_I_ID`).
 //! - Differences that NVML's and the allocators' timing can make negative are clamped at 0.
 
 use std::collections::BTreeMap;
@@ -55,19 +55,20 @@ pub struct GpuView {
     pub other_processes: f64,
     /// Counted used by nvidia-smi but charged to no process.
     pub unattributed: f64,
-    /// Its MIG devices' GPU instances, where it is in MIG mode, by instance id.
+    /// Its GPU instances, where it is in MIG mode, by instance id.
     pub migs: Vec<MigView>,
 }
 
-/// The line-up of a MIG device's GPU instance: its memory as NVML reports it, and the
-/// processes on it.
+/// The line-up of a GPU instance (MIG): its memory as NVML reports it for its MIG devices
+/// (compute instances of one GPU instance share its memory and report the same figures, so
+/// it is drawn once), and the processes on it.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct MigView {
     /// The GPU instance's id (`GPU_I_ID`).
     pub instance: String,
     /// Its profile (`GPU_I_PROFILE`, such as `2g.26gb`).
     pub profile: String,
-    /// The MIG device's UUID.
+    /// The UUID of its first MIG device in the scrape.
     pub mig_uuid: String,
     /// Its memory.
     pub total: f64,
@@ -275,7 +276,7 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
 
     let mut gpus = gpus_of(families);
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
-    let mut mig_charged: BTreeMap<String, f64> = BTreeMap::new();
+    let mut mig_charged: BTreeMap<(String, String), f64> = BTreeMap::new();
     for (labels, used) in series(families, c::PROCESS_USED.name) {
         let k = key(&labels);
         *charged.entry(k.0.clone()).or_default() += used;
@@ -285,10 +286,10 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         let part = rows
             .get(&k)
             .map(|r| r.part(label(&labels, "process"), (used - r.reserved).max(0.0)));
-        // On a MIG device, the process counts in its instance's line-up too.
-        let mig_uuid = label(&labels, "mig_uuid");
-        if let Some(m) = g.migs.iter_mut().find(|m| m.mig_uuid == mig_uuid) {
-            *mig_charged.entry(mig_uuid).or_default() += used;
+        // On a MIG device, the process counts in its GPU instance's line-up too.
+        let instance = label(&labels, "GPU_I_ID");
+        if let Some(m) = g.migs.iter_mut().find(|m| m.instance == instance) {
+            *mig_charged.entry((k.0.clone(), instance)).or_default() += used;
             match &part {
                 Some(part) => m.processes.push(part.clone()),
                 None => m.other_processes += used,
@@ -319,7 +320,8 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
         g.unattributed = (left - uncharged).max(0.0);
         g.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
         for m in &mut g.migs {
-            let charged = mig_charged.get(&m.mig_uuid).copied().unwrap_or(0.0);
+            let key = (g.uuid.clone(), m.instance.clone());
+            let charged = mig_charged.get(&key).copied().unwrap_or(0.0);
             m.unattributed = (m.used - charged).max(0.0);
             m.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
         }
@@ -377,14 +379,14 @@ fn gpus_of(families: &[MetricFamily]) -> BTreeMap<String, GpuView> {
             let Some(g) = gpus.get_mut(&label(&labels, "UUID")) else {
                 continue;
             };
-            let mig_uuid = label(&labels, "mig_uuid");
-            let at = match g.migs.iter().position(|m| m.mig_uuid == mig_uuid) {
+            let instance = label(&labels, "GPU_I_ID");
+            let at = match g.migs.iter().position(|m| m.instance == instance) {
                 Some(at) => at,
                 None => {
                     g.migs.push(MigView {
-                        instance: label(&labels, "GPU_I_ID"),
+                        instance,
                         profile: label(&labels, "GPU_I_PROFILE"),
-                        mig_uuid,
+                        mig_uuid: label(&labels, "mig_uuid"),
                         ..MigView::default()
                     });
                     g.migs.len() - 1
@@ -399,4 +401,90 @@ fn gpus_of(families: &[MetricFamily]) -> BTreeMap<String, GpuView> {
         }
     }
     gpus
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::core::Collector;
+    use prometheus::{GaugeVec, Opts};
+
+    use super::*;
+
+    /// A gauge family of `name` with one series per `(labels, value)`.
+    fn family(name: &str, series: &[(&[(&str, &str)], f64)]) -> MetricFamily {
+        let names: Vec<&str> = series[0].0.iter().map(|(k, _)| *k).collect();
+        let gauge = GaugeVec::new(Opts::new(name, "help"), &names).expect("valid");
+        for (labels, value) in series {
+            let values: Vec<&str> = labels.iter().map(|(_, v)| *v).collect();
+            gauge.with_label_values(&values).set(*value);
+        }
+        gauge.collect().remove(0)
+    }
+
+    #[test]
+    fn a_gpu_instance_is_drawn_once_with_the_processes_on_its_mig_devices() {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let gpu = [("gpu", "0"), ("UUID", "GPU-a")];
+        // Two compute instances of GPU instance 1 (MIG devices m1 and m2) report its
+        // figures; GPU instance 2 has one MIG device.
+        let mig = |id: &'static str, mig_uuid: &'static str| -> [(&str, &str); 5] {
+            [
+                gpu[0],
+                gpu[1],
+                ("GPU_I_ID", id),
+                ("GPU_I_PROFILE", "3g.40gb"),
+                ("mig_uuid", mig_uuid),
+            ]
+        };
+        let (m1, m2, m3) = (mig("1", "MIG-1"), mig("1", "MIG-2"), mig("2", "MIG-3"));
+        let process = |pid: &'static str, mig_uuid: &'static str, id: &'static str| {
+            [
+                gpu[0],
+                gpu[1],
+                ("pid", pid),
+                ("process", "python"),
+                ("GPU_I_ID", id),
+                ("mig_uuid", mig_uuid),
+            ]
+        };
+        let (p1, p2) = (process("10", "MIG-1", "1"), process("11", "MIG-2", "1"));
+        let allocator = [gpu[0], gpu[1], ("pid", "10"), ("pool", "large")];
+        let families = [
+            family(c::DEVICE_TOTAL.name, &[(&gpu, 80.0 * GIB)]),
+            family(c::DEVICE_USED.name, &[(&gpu, 10.0 * GIB)]),
+            family(
+                c::MIG_TOTAL.name,
+                &[(&m1, 40.0 * GIB), (&m2, 40.0 * GIB), (&m3, 40.0 * GIB)],
+            ),
+            family(
+                c::MIG_USED.name,
+                &[(&m1, 7.0 * GIB), (&m2, 7.0 * GIB), (&m3, 1.0 * GIB)],
+            ),
+            family(c::PROCESS_USED.name, &[(&p1, 4.0 * GIB), (&p2, 2.0 * GIB)]),
+            family(c::RESERVED_BYTES.name, &[(&allocator, 3.0 * GIB)]),
+            family(c::ALLOCATED_BYTES.name, &[(&allocator, 1.0 * GIB)]),
+        ];
+        let view = from_families(&families);
+        let migs = &view.gpus[0].migs;
+        assert_eq!(migs.len(), 2, "{migs:#?}");
+        let (one, two) = (&migs[0], &migs[1]);
+        assert_eq!(
+            (one.instance.as_str(), one.total, one.used),
+            ("1", 40.0 * GIB, 7.0 * GIB)
+        );
+        assert_eq!(two.instance, "2");
+        // Pid 10 has an allocator (its parts), pid 11 none (another process); the rest of
+        // the instance's use is charged to no process.
+        assert_eq!(one.processes.len(), 1);
+        assert_eq!(one.processes[0].pid, "10");
+        assert_eq!(one.processes[0].allocated, GIB);
+        assert_eq!(one.processes[0].outside, GIB);
+        assert_eq!(one.other_processes, 2.0 * GIB);
+        assert_eq!(one.unattributed, GIB);
+        assert!(two.processes.is_empty());
+        assert_eq!(two.unattributed, GIB);
+        // The GPU's own line-up still holds both processes.
+        assert_eq!(view.gpus[0].processes.len(), 1);
+        assert_eq!(view.gpus[0].other_processes, 2.0 * GIB);
+    }
 }
