@@ -190,9 +190,13 @@ type SetFigure = fn(&mut GpuView, f64);
 /// Sets one of a MIG instance's figures.
 type SetMigFigure = fn(&mut MigView, f64);
 
+/// A series' label `k`, empty where it has none.
+fn label(labels: &Labels<'_>, k: &str) -> String {
+    labels.get(k).copied().unwrap_or_default().to_string()
+}
+
 fn key(labels: &Labels<'_>) -> ProcKey {
-    let get = |k: &str| labels.get(k).copied().unwrap_or_default().to_string();
-    (get("UUID"), get("pid"))
+    (label(labels, "UUID"), label(labels, "pid"))
 }
 
 /// The view of one scrape's `families`, with the sentences of the last OOMs that `sources`
@@ -217,8 +221,6 @@ pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource
 }
 
 fn from_families(families: &[MetricFamily]) -> NodeView {
-    let label =
-        |labels: &Labels<'_>, k: &str| labels.get(k).copied().unwrap_or_default().to_string();
     // Allocators by (UUID, pid).
     let mut rows: BTreeMap<ProcKey, ProcessRow> = BTreeMap::new();
     let row = |labels: &Labels<'_>| -> ProcessRow {
@@ -345,8 +347,6 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
 /// The GPUs of one scrape by UUID, with their figures, models and MIG instances (no
 /// processes yet).
 fn gpus_of(families: &[MetricFamily]) -> BTreeMap<String, GpuView> {
-    let label =
-        |labels: &Labels<'_>, k: &str| labels.get(k).copied().unwrap_or_default().to_string();
     let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
     let gpu = |labels: &Labels<'_>| -> GpuView {
         GpuView {

@@ -661,16 +661,8 @@ fn relay(upstream: u16) -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
 
 #[test]
 fn a_real_prometheus_scrapes_gzipped_openmetrics() {
-    let agent_port = free_port();
-    let dir: PathBuf = std::env::temp_dir().join(format!("gpumem-prom-om-{agent_port}"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let _agent = Reaper(
-        Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["demo", "--listen", &format!("127.0.0.1:{agent_port}")])
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("demo starts"),
-    );
+    let dir = crate::common::temp_dir("prom-om");
+    let (_agent, agent_port) = crate::view::spawn_demo(&[], &dir.join("demo.log"));
     let (relay_port, responses) = relay(agent_port);
     let (_prometheus, prom_port) = spawn_prometheus(&dir, relay_port);
     let up = wait_for(Duration::from_secs(60), || {

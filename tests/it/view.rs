@@ -381,7 +381,7 @@ fn read_events(port: u16) -> usize {
 }
 
 /// Starts `gpumem demo` on a free loopback port with `extra` arguments; waits until ready.
-fn spawn_demo(extra: &[&str], log: &Path) -> (Reaper, u16) {
+pub(crate) fn spawn_demo(extra: &[&str], log: &Path) -> (Reaper, u16) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
         .arg("demo")
