@@ -178,6 +178,47 @@ impl AllocatorSource {
         }
     }
 
+    /// A PyTorch allocator as `process` pushed it on GPU `gpu` (`uuid`): its statistics, the
+    /// cache's figures from a snapshot (`cache`: the largest free block and the segments by
+    /// size; [`UNKNOWN_SIZE`] and none where no snapshot stands) and its last OOM's
+    /// explanation, where one stands.
+    pub fn pushed(
+        process: &Pusher,
+        gpu: u32,
+        uuid: String,
+        stats: DeviceStats,
+        cache: (u64, Vec<SegmentClass>),
+        last_oom: Option<LastOom>,
+    ) -> AllocatorSource {
+        let (largest, classes) = cache;
+        AllocatorSource {
+            gpu,
+            uuid,
+            pid: process.pid,
+            allocator: AllocatorKind::Pytorch,
+            version: process.version.clone(),
+            config: process.config.clone(),
+            stats: Arc::new(stats),
+            largest_free_block: Arc::new(AtomicU64::new(largest)),
+            segment_classes: Mutex::new(classes),
+            labels: process.labels.clone(),
+            last_oom_unix_seconds: process.last_oom_unix_seconds,
+            last_oom: Mutex::new(last_oom),
+            segments: Default::default(),
+        }
+    }
+
+    /// The cache's figures as last published: the largest free block and the segments by
+    /// size.
+    pub fn cache(&self) -> (u64, Vec<SegmentClass>) {
+        let classes = self
+            .segment_classes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        (self.largest_free_block.load(Ordering::Relaxed), classes)
+    }
+
     /// The explanation of its last OOM, as last published.
     pub fn last_oom(&self) -> Option<LastOom> {
         self.last_oom
@@ -185,6 +226,21 @@ impl AllocatorSource {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
+}
+
+/// What a pushing process says of itself, the same on each of its devices' sources.
+#[derive(Clone, Debug, Default)]
+pub struct Pusher {
+    /// Its pid (the host's, where the kernel or the node named it).
+    pub pid: u32,
+    /// `torch.__version__`.
+    pub version: String,
+    /// `PYTORCH_CUDA_ALLOC_CONF`.
+    pub config: String,
+    /// Its labels: the push's own, then its container's and pod's where named.
+    pub labels: Vec<(String, String)>,
+    /// When it last ran out of memory (Unix seconds), as far as the agent saw.
+    pub last_oom_unix_seconds: Option<f64>,
 }
 
 /// The allocators exported by an agent; the list may change while it runs.
