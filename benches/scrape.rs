@@ -18,11 +18,12 @@ use std::time::{Duration, Instant};
 
 use flate2::Compression;
 use flate2::write::GzEncoder;
+use gpumem::agent::Agent;
 use gpumem::device::{SimConfig, SimDevice, simulated_uuid};
 use gpumem::ingest::IngestConfig;
 use gpumem::ingest::store::Peer;
 use gpumem::metrics::{Format, Metrics, ReportReader};
-use gpumem::server::{AppState, agent_state, app};
+use gpumem::server::{AppState, app};
 use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
 use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
 use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
@@ -164,14 +165,14 @@ fn worst_pushed_exposition() -> String {
         start_time: alive,
         ..IngestConfig::default()
     };
-    let state = agent_state(
+    let agent = Agent::node(
         AllocatorSources::new(Vec::new()),
         Vec::new(),
         ingest,
         Default::default(),
     )
     .expect("registers");
-    let store = state.ingest.as_ref().expect("ingests");
+    let store = agent.ingest().expect("ingests");
     let labels: serde_json::Map<String, serde_json::Value> = (0..8)
         .map(|i| {
             (
@@ -209,7 +210,7 @@ fn worst_pushed_exposition() -> String {
             break;
         }
     }
-    state.metrics.encode(Format::Text)
+    agent.state.metrics.encode(Format::Text)
 }
 
 /// Median time and size of gzip over `body` at `level`.

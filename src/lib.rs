@@ -15,7 +15,9 @@
 //! - [`telemetry`]: where the node view comes from (NVML, or a simulated node).
 //! - [`metrics`]: the metric contract and the collector that reads sources at scrape time.
 //! - [`ingest`]: statistics pushed by unmodified PyTorch jobs.
-//! - [`server`]: the `/metrics` endpoint and `gpumem view`'s (axum).
+//! - [`server`]: the `/metrics` endpoint and `gpumem view`'s (axum), the HTTP shell.
+//! - [`agent`]: the node agent composed once (metrics, ingest, loops, listeners), for
+//!   `gpumem serve`, `gpumem demo`, gpumem-torch's endpoint and the tests.
 //! - [`view`]: pages and drawings: the explanation's page, the timeline, `gpumem view`'s
 //!   segment maps and state.
 //! - [`demo`]: the simulated node (`gpumem demo`) and the synthetic training workload.
@@ -23,6 +25,7 @@
 
 pub use gpumem_core::{allocator, config, device, shared};
 
+pub mod agent;
 #[cfg(feature = "tools")]
 pub mod demo;
 #[cfg(feature = "tools")]

@@ -9,20 +9,16 @@ use std::time::Duration;
 
 use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
+use gpumem::agent::{Agent, KubeletWatch, Listen};
 use gpumem::demo::{SimNode, SimNodeConfig};
 use gpumem::ingest::{IngestConfig, RecordingLimits, RecordingStore};
 use gpumem::metrics::ReportReader;
+use gpumem::server::HttpLimits;
 use gpumem::server::web_config::WebConfig;
-use gpumem::server::{
-    AppState, HttpLimits, agent_state, app, bind, bind_unix, push_app, serve, serve_tls,
-    serve_unix, shutdown_signal,
-};
 use gpumem::sources::AllocatorSources;
-use gpumem::telemetry::Kubelet;
-use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_network::PodNetwork;
-use gpumem::telemetry::pod_resources::{self, PodResources};
-use gpumem::telemetry::{Heartbeat, NvmlSource, Poller};
+use gpumem::telemetry::pod_resources;
+use gpumem::telemetry::{NvmlSource, Poller};
 
 use super::{CliResult, parse_bytes};
 
@@ -201,64 +197,6 @@ fn parse_grace(text: &str) -> Result<f64, String> {
 /// How long the container runtime has to answer one call.
 const CRI_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How often ended pushing processes are looked for.
-const EXPIRY_TICK: Duration = Duration::from_secs(1);
-
-/// The least time between two questions to the kubelet (its pod-resources API is
-/// rate-limited), whatever the polling interval.
-const KUBELET_MIN_INTERVAL: Duration = Duration::from_secs(1);
-
-/// What the agent asks the kubelet, and how often (on the agent's runtime).
-struct KubeletWatch {
-    kubelet: Kubelet,
-    socket: PathBuf,
-    interval: Duration,
-    heartbeat: Heartbeat,
-}
-
-impl KubeletWatch {
-    /// The parts of the kubelet this node has: on a Kubernetes node its directories exist
-    /// (even while the kubelet restarts); elsewhere there is nothing to report down.
-    fn new(socket: PathBuf, logs: PathBuf, interval: f64) -> KubeletWatch {
-        let present = |path: &Path| !path.as_os_str().is_empty() && path.is_dir();
-        // An empty path turns a part off (joined, it would name a relative directory).
-        let names = (present(&logs) && present(&logs.join("pods")))
-            .then(|| PodNames::new(logs.join("pods"), logs.join("containers")));
-        let resources = socket
-            .parent()
-            .is_some_and(|dir| !socket.as_os_str().is_empty() && present(dir))
-            .then(PodResources::new);
-        if names.is_none() && resources.is_none() {
-            tracing::info!("not a Kubernetes node: pods are named by UID only");
-        }
-        let interval = Duration::from_secs_f64(interval).max(KUBELET_MIN_INTERVAL);
-        KubeletWatch {
-            kubelet: Kubelet { names, resources },
-            socket,
-            interval,
-            heartbeat: Heartbeat::new("kubelet", Heartbeat::allowance_for(interval)),
-        }
-    }
-
-    /// Refreshes what the kubelet says every interval, forever.
-    async fn run(self) {
-        let timeout = self.interval.min(Duration::from_secs(5));
-        let mut ticks = tokio::time::interval(self.interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            if let Some(names) = &self.kubelet.names {
-                // Listing two directories takes well under a millisecond.
-                names.refresh();
-            }
-            if let Some(resources) = &self.kubelet.resources {
-                resources.refresh(&self.socket, timeout).await;
-            }
-            self.heartbeat.beat();
-        }
-    }
-}
-
 #[derive(clap::Args)]
 pub(crate) struct DemoArgs {
     /// Address to serve /metrics on.
@@ -321,123 +259,6 @@ fn number_in(
     Ok(value)
 }
 
-fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    // One thread: scrapes are short and serial, and the agent should stay small on a GPU
-    // node (sources are polled on threads of their own).
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-}
-
-/// Where and how the agent serves.
-struct Listen {
-    address: SocketAddr,
-    /// TLS on `address`, where configured.
-    tls: Option<Arc<rustls::ServerConfig>>,
-    /// A plain-HTTP listener for pushes only.
-    push_address: Option<SocketAddr>,
-    push_socket: Option<PathBuf>,
-    socket_wait: Duration,
-    limits: HttpLimits,
-}
-
-fn run_server(listen: Listen, kubelet: Option<KubeletWatch>, state: AppState) -> CliResult {
-    runtime()?.block_on(async move {
-        if let Some(watch) = kubelet {
-            tokio::spawn(watch.run());
-        }
-        if let Some(store) = state.ingest.clone() {
-            // Ended processes go on the agent's own tick, whether or not anyone scrapes.
-            tokio::spawn(async move {
-                let mut ticks = tokio::time::interval(EXPIRY_TICK);
-                loop {
-                    ticks.tick().await;
-                    store.expire();
-                }
-            });
-        }
-        let listener = bind(listen.address).await?;
-        let push_listener = match listen.push_address {
-            Some(address) => Some(bind(address).await?),
-            None => None,
-        };
-        let push_router = push_app(state.clone());
-        let router = app(state);
-        // The socket is optional: without it, pushes still come over loopback.
-        let unix = match listen.push_socket {
-            Some(path) => match bind_unix(&path, listen.socket_wait).await {
-                Ok(listener) => Some(listener),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no push socket");
-                    eprintln!("gpumem: warning: {e}; pushes are accepted from loopback only");
-                    None
-                }
-            },
-            None => None,
-        };
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let signal = async move {
-            shutdown_signal().await;
-            let _ = stop.send(true);
-        };
-        let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|&stopped| stopped).await;
-        };
-        tokio::spawn(signal);
-        let limits = listen.limits;
-        let tcp = async {
-            match listen.tls {
-                Some(tls) => {
-                    serve_tls(
-                        listener,
-                        tls,
-                        router.clone(),
-                        limits,
-                        until_stopped(stopped.clone()),
-                    )
-                    .await;
-                }
-                None => {
-                    serve(
-                        listener,
-                        router.clone(),
-                        limits,
-                        until_stopped(stopped.clone()),
-                    )
-                    .await;
-                }
-            }
-        };
-        let pushes = async {
-            if let Some(listener) = push_listener {
-                serve(
-                    listener,
-                    push_router.clone(),
-                    limits,
-                    until_stopped(stopped.clone()),
-                )
-                .await;
-            }
-        };
-        // Pods that mount the socket are tenants, not scrapers: it takes pushes, uploads and
-        // probes only, never /metrics or the page (every tenant's pods and labels).
-        let socket = async {
-            if let Some(listener) = unix {
-                serve_unix(
-                    listener,
-                    push_router.clone(),
-                    limits,
-                    until_stopped(stopped.clone()),
-                )
-                .await;
-            }
-        };
-        tokio::join!(tcp, pushes, socket);
-        Ok::<(), std::io::Error>(())
-    })?;
-    Ok(ExitCode::SUCCESS)
-}
-
 pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     let poller = Poller::start(
         Box::new(NvmlSource::new()),
@@ -446,8 +267,8 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     let reader: ReportReader = Box::new(poller.reader());
     let watch = KubeletWatch::new(
         args.pod_resources_socket.into(),
-        args.kubelet_logs.into(),
-        args.interval,
+        Path::new(&args.kubelet_logs),
+        Duration::from_secs_f64(args.interval),
     );
     let ingest = IngestConfig {
         exited_grace: Duration::from_secs_f64(args.exited_grace),
@@ -455,7 +276,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         max_pod_processes: args.max_pod_processes as usize,
         ..IngestConfig::default()
     };
-    let mut state = agent_state(
+    let mut agent = Agent::node(
         AllocatorSources::default(),
         vec![reader],
         ingest,
@@ -465,8 +286,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         Some(path) => WebConfig::load(path)?,
         None => WebConfig::default(),
     };
-    state.auth = web.auth;
-    if let (Some(dir), Some(store)) = (args.recordings_dir, &state.ingest) {
+    if let (Some(dir), Some(store)) = (args.recordings_dir, agent.ingest()) {
         let defaults = RecordingLimits::default();
         let limits = RecordingLimits {
             max_bytes_each: args.recordings_max_bytes_each,
@@ -482,11 +302,13 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         tracing::info!(dir = ?dir, kept = recordings.list().len(), "recordings uploaded at an OOM are kept");
         store.keep_recordings(Arc::new(recordings));
     }
+    agent.watch(poller.heartbeat());
+    agent.keep_watching(watch);
+    let state = &mut agent.state;
+    state.auth = web.auth;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui.serves(args.listen, state.authenticates());
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
-    state.health.watch(poller.heartbeat());
-    state.health.watch(watch.heartbeat.clone());
     // An empty value turns it off, as for the other sockets.
     state.pod_network = args
         .cri_socket
@@ -504,7 +326,8 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         socket_wait: Duration::from_secs_f64(args.socket_wait),
         limits: args.http.limits(),
     };
-    run_server(listen, Some(watch), state)
+    agent.run_until_signalled(listen)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The demo's recordings directory, removed when the demo ends.
@@ -548,10 +371,8 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         processes_per_gpu = args.processes_per_gpu,
         "simulated node replaying recorded traces"
     );
-    let reader: ReportReader = Box::new(node.report_reader());
-    let mut state = agent_state(
-        AllocatorSources::new(node.allocator_sources()),
-        vec![reader],
+    let mut agent = Agent::simulated(
+        &node,
         IngestConfig {
             // The simulated job that pushes is in its simulated pod.
             resolve: |pid| {
@@ -565,9 +386,8 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
             },
             ..IngestConfig::default()
         },
-        node.kubelet(),
     )?;
-    if let Some(store) = &state.ingest {
+    if let Some(store) = agent.ingest() {
         // As over the push socket: the kernel would name the pid.
         let store = Arc::clone(store);
         node.push_to(move |pid, body| {
@@ -585,25 +405,22 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
     // Jobs pushing to the demo from this host may upload their recordings too: kept in a
     // directory of its own, removed at exit.
     let recordings = DemoRecordings::make()?;
-    if let Some(store) = &state.ingest {
+    if let Some(store) = agent.ingest() {
         let kept = RecordingStore::open(recordings.0.clone(), RecordingLimits::default())?;
         store.keep_recordings(Arc::new(kept));
     }
+    let state = &mut agent.state;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);
     state.ui = args.http.ui.serves(args.listen, false);
     state.hosts = gpumem::server::hosts::AgentHosts::new(&args.http.allow_host);
-    state.health.watch(node.heartbeat());
     let listen = Listen {
-        address: args.listen,
-        tls: None,
-        push_address: None,
-        push_socket: None,
-        socket_wait: Duration::ZERO,
         limits: args.http.limits(),
+        ..Listen::on(args.listen)
     };
-    let result = run_server(listen, None, state);
+    let result = agent.run_until_signalled(listen);
     drop(node);
-    result
+    result?;
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

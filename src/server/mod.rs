@@ -94,10 +94,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::ingest::{IngestConfig, PushStore};
-use crate::metrics::{Metrics, ReportReader};
-use crate::sources::{AllocatorSources, IngestReader};
-use crate::telemetry::{Health, Kubelet, Unhealthy};
+use crate::ingest::PushStore;
+use crate::metrics::Metrics;
+use crate::sources::AllocatorSources;
+use crate::telemetry::{Health, Unhealthy};
 use hosts::AgentHosts;
 #[cfg(feature = "tools")]
 use push::{BodyError, FROM_ELSEWHERE, attribute, internal, json, media_type_is, peers, refusal};
@@ -177,30 +177,6 @@ impl AppState {
 
 /// The time a push's body may take by default: a push is at most 512 KiB from this host.
 pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// The agent's state: metrics over `sources` and `reports` (with what the `kubelet` says,
-/// where it says), with pushes from this host accepted into `sources`.
-///
-/// # Errors
-/// A registration error, which only a collector defect can cause.
-pub fn agent_state(
-    sources: AllocatorSources,
-    reports: Vec<ReportReader>,
-    ingest: IngestConfig,
-    kubelet: Kubelet,
-) -> Result<AppState, prometheus::Error> {
-    let store = Arc::new(PushStore::new(ingest, sources.clone()));
-    let reader: IngestReader = {
-        let store = Arc::clone(&store);
-        Arc::new(move || store.report())
-    };
-    let pod_names = kubelet.names.clone();
-    let metrics = Metrics::new(sources.clone(), reports, Some(reader), kubelet)?;
-    let mut state = AppState::new(Arc::new(metrics), Some(store));
-    state.sources = sources;
-    state.pod_names = pod_names;
-    Ok(state)
-}
 
 /// The router.
 pub fn app(state: AppState) -> Router {

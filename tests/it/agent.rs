@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use gpumem::demo::{SimNode, SimNodeConfig};
 use std::sync::Arc;
 
+use gpumem::agent::Agent;
 use gpumem::ingest::{IngestConfig, RecordingLimits, RecordingStore};
-use gpumem::metrics::ReportReader;
 use gpumem::metrics::contract::CONTRACT;
-use gpumem::server::{AppState, EXPOSITION_CONTENT_TYPE, agent_state, app};
-use gpumem::sources::AllocatorSources;
+use gpumem::server::EXPOSITION_CONTENT_TYPE;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
 use gpumem::telemetry::{Heartbeat, Poller};
 use http_body_util::BodyExt;
@@ -25,7 +24,7 @@ fn manifest() -> &'static Path {
 }
 
 /// A simulated node running fast, with its metrics.
-fn demo_metrics() -> (SimNode, Poller, AppState) {
+fn demo_metrics() -> (SimNode, Poller, Agent) {
     // The demo reads the node's view at scrape time; the poller (NVML's path) is used by
     // the line-up test.
     let node = SimNode::start(SimNodeConfig {
@@ -35,7 +34,6 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
     })
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
-    let reader: ReportReader = Box::new(node.report_reader());
     // Pid 77, when the kernel names it, runs in a pod: its OOMs count for the pod.
     fn in_pod(pid: u32) -> Option<ContainerRef> {
         (pid == 77).then(|| ContainerRef {
@@ -53,27 +51,20 @@ fn demo_metrics() -> (SimNode, Poller, AppState) {
         start_time: alive,
         ..IngestConfig::default()
     };
-    let mut state = agent_state(
-        AllocatorSources::new(node.allocator_sources()),
-        vec![reader],
-        ingest,
-        node.kubelet(),
-    )
-    .expect("registers");
+    let mut agent = Agent::simulated(&node, ingest).expect("registers");
     // It keeps recordings, as `gpumem demo` does.
     let recordings = RecordingStore::open(
         crate::common::temp_dir("demo-recordings"),
         RecordingLimits::default(),
     )
     .expect("opens");
-    if let Some(store) = &state.ingest {
+    if let Some(store) = agent.ingest() {
         store.keep_recordings(Arc::new(recordings));
     }
-    state.health.watch(node.heartbeat());
-    state.health.watch(poller.heartbeat());
+    agent.watch(poller.heartbeat());
     // Let the processes replay a while, so that every series has moved.
     std::thread::sleep(Duration::from_millis(400));
-    (node, poller, state)
+    (node, poller, agent)
 }
 
 /// Sends `request` to `router` in-process: status, content type and the whole body.
@@ -122,12 +113,11 @@ fn types(exposition: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_serves_the_whole_contract() {
-    let (_node, _poller, state) = demo_metrics();
+    let (_node, _poller, agent) = demo_metrics();
     // One pushed process that ran out of memory in a pod, so that the ingest's per-process
     // and per-pod series exist too.
-    state
-        .ingest
-        .as_ref()
+    agent
+        .ingest()
         .expect("the agent ingests")
         .push_from(
             br#"{"pid": 1, "seq": 1, "reason": "oom", "host": {"allocated_bytes.current": 4096, "active_bytes.current": 1024, "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2, "num_host_free": 0, "host_alloc_time.total": 1500}, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
@@ -139,7 +129,7 @@ async fn demo_serves_the_whole_contract() {
             }),
         )
         .expect("accepted");
-    let router = app(state);
+    let router = agent.router();
     // The simulated processes run on threads of their own: on a loaded machine the planned one
     // may not have served a request yet. Scrape until every contract metric is there, for at
     // most 10 s (the check below names what is still missing then).
@@ -273,10 +263,10 @@ async fn demo_serves_the_whole_contract() {
 /// live either, each saying which loop.
 #[tokio::test]
 async fn a_stalled_loop_fails_the_probes_by_name() {
-    let (_node, _poller, mut state) = demo_metrics();
+    let (_node, _poller, mut agent) = demo_metrics();
     let stuck = Heartbeat::new("nvml", Duration::from_millis(50));
-    state.health.watch(stuck);
-    let router = app(state);
+    agent.watch(stuck);
+    let router = agent.router();
     let (status, _, body) = get(router.clone(), "/readyz").await;
     assert_eq!(
         (status, body.as_str()),
@@ -536,8 +526,8 @@ fn series(exposition: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scrape_answers_in_the_format_and_encoding_asked_for() {
-    let (_node, _poller, state) = demo_metrics();
-    let router = app(state);
+    let (_node, _poller, agent) = demo_metrics();
+    let router = agent.router();
     let scrape = |accept: Option<&'static str>, encoding: Option<&'static str>| {
         let router = router.clone();
         async move {

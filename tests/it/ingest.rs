@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
+use gpumem::agent::Agent;
 use gpumem::demo::workload::TrainingWorkload;
 use gpumem::ingest::{IngestConfig, PushStore};
-use gpumem::server::{agent_state, app};
 use gpumem::sources::AllocatorSources;
 use gpumem::{AllocatorConfig, CachingAllocator, SimDevice};
 
@@ -23,15 +23,15 @@ fn agent(max_processes: usize) -> (axum::Router, Arc<PushStore>) {
         min_interval: std::time::Duration::ZERO,
         ..IngestConfig::default()
     };
-    let state = agent_state(
+    let agent = Agent::node(
         AllocatorSources::default(),
         Vec::new(),
         config,
         Default::default(),
     )
     .expect("registers");
-    let store = Arc::clone(state.ingest.as_ref().expect("the agent ingests"));
-    (app(state), store)
+    let store = Arc::clone(agent.ingest().expect("the agent ingests"));
+    (agent.router(), store)
 }
 
 async fn post(

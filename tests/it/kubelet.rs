@@ -11,10 +11,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::common::temp_dir;
+use gpumem::agent::Agent;
 use gpumem::ingest::IngestConfig;
 use gpumem::ingest::store::Peer;
 use gpumem::metrics::{Format, ReportReader};
-use gpumem::server::agent_state;
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
 use gpumem::telemetry::pod_names::PodNames;
@@ -271,12 +271,8 @@ fn kubelet_answering(
 
 /// The agent over `report`, with the kubelet's names (and assignments, where given), its
 /// processes placed in pods as `resolve` says.
-fn named_agent(
-    report: ReportReader,
-    names: PodNames,
-    resources: Option<PodResources>,
-) -> gpumem::server::AppState {
-    agent_state(
+fn named_agent(report: ReportReader, names: PodNames, resources: Option<PodResources>) -> Agent {
+    Agent::node(
         AllocatorSources::default(),
         vec![report],
         IngestConfig {
@@ -313,8 +309,8 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
     );
     pod_names.refresh();
 
-    let state = named_agent(node_report(), pod_names, Some(resources.clone()));
-    let store = state.ingest.as_ref().expect("ingest");
+    let agent = named_agent(node_report(), pod_names, Some(resources.clone()));
+    let store = agent.ingest().expect("ingest");
     let push = serde_json::json!({
         "pid": 1, "seq": 1,
         "devices": [{"index": 0, "uuid": "GPU-0aaa", "stats": {"allocated_bytes.all.current": 1024}}],
@@ -324,7 +320,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
         .expect("accepted");
 
     let me = format!(r#"pid="{}""#, trainer());
-    let text = state.metrics.encode(Format::Text);
+    let text = agent.state.metrics.encode(Format::Text);
     let trainer_names = names("ml", "train-0", "trainer");
     assert!(
         line(&text, "gpumem_process_used_bytes", &me).contains(&trainer_names),
@@ -388,7 +384,7 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
             .is_some_and(|e| e.contains("kubelet.sock")),
         "{report:?}"
     );
-    let text = state.metrics.encode(Format::Text);
+    let text = agent.state.metrics.encode(Format::Text);
     assert!(text.contains("gpumem_source_up{source=\"pod_resources\"} 0"));
     assert!(line(&text, "gpumem_gpu_assigned_info", r#"gpu="0""#).contains(&trainer_names));
     let _ = std::fs::remove_dir_all(&dir);
@@ -463,14 +459,14 @@ fn serve_reports_the_kubelet_up_and_down() {
 /// list keeps the pushed index.
 #[test]
 fn a_container_ordinal_joins_nvml_by_uuid() {
-    let state = agent_state(
+    let agent = Agent::node(
         AllocatorSources::default(),
         vec![node_report()],
         IngestConfig::default(),
         Kubelet::default(),
     )
     .expect("registers");
-    let store = state.ingest.as_ref().expect("ingest");
+    let store = agent.ingest().expect("ingest");
     let push = serde_json::json!({
         "pid": 5151, "seq": 1,
         "devices": [
@@ -479,7 +475,7 @@ fn a_container_ordinal_joins_nvml_by_uuid() {
         ],
     });
     store.push(push.to_string().as_bytes()).expect("accepted");
-    let text = state.metrics.encode(Format::Text);
+    let text = agent.state.metrics.encode(Format::Text);
     let pushed = |uuid: &str| -> Vec<String> {
         text.lines()
             .filter(|l| {
@@ -617,8 +613,8 @@ fn mig_devices_processes_pushes_and_assignments_join() {
         ],
     );
     pod_names.refresh();
-    let state = named_agent(mig_node_report(), pod_names, Some(resources));
-    let store = state.ingest.as_ref().expect("ingest");
+    let agent = named_agent(mig_node_report(), pod_names, Some(resources));
+    let store = agent.ingest().expect("ingest");
     // The trainer's hook saw MIG_A in NVIDIA_VISIBLE_DEVICES; the server's older hook spelled
     // its device GPU-, in upper case, as torch's UUID with the prefix added.
     let body_b = MIG_B.trim_start_matches("MIG-").to_ascii_uppercase();
@@ -635,7 +631,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
             .push_from(push.to_string().as_bytes(), peer)
             .expect("accepted");
     }
-    let text = state.metrics.encode(Format::Text);
+    let text = agent.state.metrics.encode(Format::Text);
     let instance = |gi: &str, profile: &str, uuid: &str| {
         format!(r#"GPU_I_ID="{gi}",GPU_I_PROFILE="{profile}",mig_uuid="{uuid}""#)
     };
@@ -709,14 +705,14 @@ fn mig_devices_processes_pushes_and_assignments_join() {
 async fn recordings_are_listed_with_their_pods_names() {
     use axum::extract::ConnectInfo;
     use gpumem::ingest::{RecordingLimits, RecordingStore};
-    use gpumem::server::{UnixPeer, app};
+    use gpumem::server::UnixPeer;
     use std::io::Write;
 
     let dir = temp_dir("kubelet-recordings");
     let pod_names = log_dirs(&dir.join("log"), &[("ml", "train-0", "trainer", TRAIN_UID)]);
     pod_names.refresh();
-    let state = named_agent(node_report(), pod_names, None);
-    let store = state.ingest.clone().expect("ingest");
+    let agent = named_agent(node_report(), pod_names, None);
+    let store = agent.ingest().cloned().expect("ingest");
     let kept = RecordingStore::open(dir.join("store"), RecordingLimits::default()).expect("opens");
     store.keep_recordings(Arc::new(kept));
     let push = serde_json::json!({
@@ -732,7 +728,7 @@ async fn recordings_are_listed_with_their_pods_names() {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(&json).expect("compresses");
     let body = gz.finish().expect("compresses");
-    let router = app(state);
+    let router = agent.router();
     let mut upload = http::Request::post("/api/v1/recordings")
         .header("host", "127.0.0.1")
         .header("content-type", "application/gzip")

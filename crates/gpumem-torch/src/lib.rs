@@ -40,9 +40,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use gpumem::agent::{Agent, Listen};
 use gpumem::allocator::{AllocError, Plan};
 use gpumem::config::Syntax;
-use gpumem::metrics::Metrics;
 use gpumem::sources::{AllocatorSource, AllocatorSources};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
 
@@ -451,13 +451,22 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             return;
         }
     };
-    let metrics = match Metrics::new(sources.clone(), Vec::new(), None, Default::default()) {
-        Ok(m) => Arc::new(m),
+    let mut agent = match Agent::in_process(sources) {
+        Ok(agent) => agent,
         Err(e) => {
             report(&format!("metrics unavailable: {e}"));
             return;
         }
     };
+    agent.state.ui = std::env::var("GPUMEM_METRICS_UI").map_or(true, |v| v != "off");
+    let names: Vec<String> = std::env::var("GPUMEM_METRICS_ALLOW_HOST")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+        .collect();
+    agent.state.hosts = gpumem::server::hosts::AgentHosts::new(&names);
     let spawned = std::thread::Builder::new()
         .name("gpumem-metrics".into())
         .spawn(move || {
@@ -470,29 +479,8 @@ fn start_server(listen: &str, sources: AllocatorSources) {
             };
             runtime.block_on(async move {
                 tokio::spawn(refresh_cache_figures());
-                let mut state = gpumem::server::AppState::new(metrics, None);
-                state.sources = sources;
-                state.ui = std::env::var("GPUMEM_METRICS_UI").map_or(true, |v| v != "off");
-                let names: Vec<String> = std::env::var("GPUMEM_METRICS_ALLOW_HOST")
-                    .unwrap_or_default()
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|n| !n.is_empty())
-                    .map(str::to_string)
-                    .collect();
-                state.hosts = gpumem::server::hosts::AgentHosts::new(&names);
-                match gpumem::server::bind(address).await {
-                    Ok(listener) => {
-                        let app = gpumem::server::app(state);
-                        gpumem::server::serve(
-                            listener,
-                            app,
-                            gpumem::server::HttpLimits::default(),
-                            std::future::pending(),
-                        )
-                        .await;
-                    }
-                    Err(e) => report(&e.to_string()),
+                if let Err(e) = agent.run(Listen::on(address), std::future::pending()).await {
+                    report(&e.to_string());
                 }
             });
         });
