@@ -89,7 +89,7 @@ pub(crate) async fn respond(
     (status, content_type, body)
 }
 
-async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
+pub(crate) async fn get(router: axum::Router, path: &str) -> (u16, String, String) {
     let request = axum::http::Request::get(path)
         .body(axum::body::Body::empty())
         .expect("request");

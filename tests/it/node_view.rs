@@ -1,0 +1,391 @@
+//! The live page agrees with `/metrics`, value for value: every figure `GET /api/v1/node`
+//! serves is read back from the exposition of the same still node (the simulated node held
+//! at speed 0, a pushed job that ran out of memory), by its metric and labels.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use gpumem::agent::Agent;
+use gpumem::demo::{SimNode, SimNodeConfig};
+use gpumem::ingest::IngestConfig;
+use gpumem::metrics::contract as c;
+use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
+
+use crate::agent::get;
+
+type Labels = BTreeMap<String, String>;
+
+/// The samples of an exposition in the 0.0.4 text format.
+struct Scrape(Vec<(String, Labels, f64)>);
+
+/// `name{a="x",b="y"} value`, with the format's escapes in label values.
+fn sample(line: &str) -> (String, Labels, f64) {
+    let (series, value) = line.rsplit_once(' ').expect("a value");
+    let value: f64 = value.parse().expect("a number");
+    let Some((name, rest)) = series.split_once('{') else {
+        return (series.to_string(), Labels::new(), value);
+    };
+    let mut labels = Labels::new();
+    let mut chars = rest.strip_suffix('}').expect("closed labels").chars();
+    loop {
+        let key: String = chars.by_ref().take_while(|&ch| ch != '=').collect();
+        if key.is_empty() {
+            break;
+        }
+        assert_eq!(chars.next(), Some('"'), "{line}");
+        let mut text = String::new();
+        while let Some(ch) = chars.next() {
+            match ch {
+                '"' => break,
+                '\\' => match chars.next() {
+                    Some('n') => text.push('\n'),
+                    Some(other) => text.push(other),
+                    None => panic!("{line}"),
+                },
+                other => text.push(other),
+            }
+        }
+        labels.insert(key, text);
+        if chars.next() != Some(',') {
+            break;
+        }
+    }
+    (name.to_string(), labels, value)
+}
+
+impl Scrape {
+    fn of(text: &str) -> Scrape {
+        Scrape(
+            text.lines()
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(sample)
+                .collect(),
+        )
+    }
+
+    /// The series of `name` whose labels include `with`.
+    fn series<'a>(
+        &'a self,
+        name: &'a str,
+        with: &'a [(&str, &str)],
+    ) -> impl Iterator<Item = &'a (String, Labels, f64)> + 'a {
+        self.0.iter().filter(move |(n, labels, _)| {
+            n == name
+                && with
+                    .iter()
+                    .all(|(k, v)| labels.get(*k).map(String::as_str) == Some(*v))
+        })
+    }
+
+    fn sum(&self, name: &str, with: &[(&str, &str)]) -> f64 {
+        self.series(name, with).map(|(_, _, v)| v).sum()
+    }
+
+    /// The one value of `name` with `with` (compute instances of one GPU instance report
+    /// the same figures: all must agree), if any.
+    fn one(&self, name: &str, with: &[(&str, &str)]) -> Option<f64> {
+        let values: BTreeSet<u64> = self
+            .series(name, with)
+            .map(|(_, _, v)| v.to_bits())
+            .collect();
+        assert!(values.len() <= 1, "{name} {with:?}: {values:?}");
+        values.first().map(|&bits| f64::from_bits(bits))
+    }
+
+    fn label(&self, name: &str, with: &[(&str, &str)], label: &str) -> Option<String> {
+        self.series(name, with)
+            .next()
+            .and_then(|(_, l, _)| l.get(label).cloned())
+    }
+}
+
+fn in_pod(pid: u32) -> Option<ContainerRef> {
+    (pid == 77).then(|| ContainerRef {
+        pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+        container_id: "ab".repeat(32),
+        runtime: Runtime::Containerd,
+    })
+}
+
+fn alive(_: u32) -> Option<u64> {
+    Some(1)
+}
+
+/// The simulated node held still (its own OOM job off: the test pushes one), and its agent.
+fn still_agent() -> (SimNode, Agent) {
+    let node = SimNode::start(SimNodeConfig {
+        speed: 0.0,
+        tick: Duration::from_millis(10),
+        oom_job: false,
+        ..SimNodeConfig::default()
+    })
+    .expect("starts");
+    let ingest = IngestConfig {
+        resolve: in_pod,
+        start_time: alive,
+        ..IngestConfig::default()
+    };
+    let agent = Agent::simulated(&node, ingest).expect("registers");
+    (node, agent)
+}
+
+/// A push of pid 77 that ran out of memory on GPU `uuid`, its snapshot sent.
+fn pushed_oom(uuid: &str) -> Vec<u8> {
+    serde_json::json!({"pid": 77, "seq": 1, "reason": "oom", "alloc_conf": "expandable_segments:False",
+        "devices": [{"index": 0, "uuid": uuid,
+            "stats": {"allocated_bytes.all.current": 3u64 << 30, "allocated_bytes.large_pool.current": 3u64 << 30,
+                      "reserved_bytes.all.current": 5u64 << 30, "reserved_bytes.large_pool.current": 5u64 << 30,
+                      "num_ooms": 1, "num_alloc_retries": 4},
+            "largest_free_block": 1 << 29,
+            "segments_by_size": [{"size": 1 << 30, "segments": 5, "free_bytes": 2u64 << 30}],
+            "oom": {"size": 1 << 30, "stream": 0, "device_total": 80u64 << 30, "device_free": 0,
+                    "pools": [{"pool": "large", "stream": 0, "allocated": 3u64 << 30, "requested": 3u64 << 30,
+                               "pending_free": 0, "free": 2u64 << 30, "largest_free": 1 << 29,
+                               "segments_with_free": 3}]}}]})
+    .to_string()
+    .into_bytes()
+}
+
+fn approx(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_agrees_with_the_metrics_value_for_value() {
+    let (_node, agent) = still_agent();
+    let router = agent.router();
+    // The simulated processes reach their still picture on their own threads.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, _, first) = get(router.clone(), "/metrics").await;
+    let gpu0 = Scrape::of(&first)
+        .label(c::DEVICE_TOTAL.name, &[("gpu", "0")], "UUID")
+        .expect("GPU 0");
+    let store = agent.ingest().expect("ingests");
+    let peer = gpumem::ingest::Peer {
+        pid: 77,
+        start_time: Some(1),
+        uid: None,
+    };
+    store
+        .push_from(&pushed_oom(&gpu0), Some(peer))
+        .expect("accepted");
+    // A page between two identical scrapes saw what they saw.
+    let (metrics, page) = {
+        let mut last = None;
+        for _ in 0..20 {
+            let (_, _, before) = get(router.clone(), "/metrics").await;
+            let (status, _, page) = get(router.clone(), "/api/v1/node").await;
+            assert_eq!(status, 200, "{page}");
+            let (_, _, after) = get(router.clone(), "/metrics").await;
+            let still = |text: &str| {
+                text.lines()
+                    .filter(|l| !l.contains("duration_seconds") && !l.contains("age_seconds"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            if still(&before) == still(&after) {
+                last = Some((after, page));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        last.expect("the node holds still")
+    };
+    let m = Scrape::of(&metrics);
+    let page: serde_json::Value = serde_json::from_str(&page).expect("JSON");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    let s = |v: &serde_json::Value, k: &str| v[k].as_str().unwrap_or_default().to_string();
+
+    // Each process row: its allocator's series, by (UUID, pid).
+    let rows = page["processes"].as_array().expect("processes");
+    let keys: BTreeSet<(String, String)> = m
+        .series(c::RESERVED_BYTES.name, &[])
+        .map(|(_, l, _)| (l["UUID"].clone(), l["pid"].clone()))
+        .collect();
+    let row_keys: BTreeSet<(String, String)> =
+        rows.iter().map(|r| (s(r, "uuid"), s(r, "pid"))).collect();
+    assert_eq!(row_keys, keys, "a row per allocator");
+    assert!(
+        keys.contains(&(gpu0.clone(), "77".into())),
+        "the pushed job has a row"
+    );
+    for r in rows {
+        let (uuid, pid) = (s(r, "uuid"), s(r, "pid"));
+        let at = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
+        let reserved = m.sum(c::RESERVED_BYTES.name, &at);
+        let allocated = m.sum(c::ALLOCATED_BYTES.name, &at);
+        assert_eq!(f(r, "reserved"), reserved, "{pid}");
+        assert_eq!(f(r, "allocated"), allocated, "{pid}");
+        let fragmentation = m.one(c::FRAGMENTATION_RATIO.name, &at).expect("exported");
+        assert!(approx(f(r, "fragmentation"), fragmentation), "{pid}: {r}");
+        assert_eq!(
+            r["largest_free_block"].as_f64(),
+            m.one(c::LARGEST_FREE_BLOCK.name, &at)
+        );
+        assert_eq!(
+            Some(f(r, "retries")),
+            m.one(c::ALLOC_RETRIES.name, &at),
+            "{pid}"
+        );
+        assert_eq!(Some(f(r, "ooms")), m.one(c::OOMS.name, &at), "{pid}");
+        assert_eq!(
+            r["last_oom"].as_f64(),
+            m.one(c::LAST_OOM_TIMESTAMP.name, &at),
+            "{pid}"
+        );
+        let breakdown: BTreeMap<String, f64> = m
+            .series(c::OOM_BREAKDOWN.name, &at)
+            .map(|(_, l, v)| (l["kind"].clone(), *v))
+            .collect();
+        let shown: BTreeMap<String, f64> =
+            serde_json::from_value(r["oom_breakdown"].clone()).expect("a breakdown");
+        assert_eq!(shown, breakdown, "{pid}");
+        for (field, label) in [
+            ("config", "config"),
+            ("allocator", "allocator"),
+            ("gpu", "gpu"),
+        ] {
+            let info = m.label(c::ALLOCATOR_INFO.name, &at, label);
+            assert_eq!(Some(s(r, field)), info, "{pid} {field}");
+        }
+        for name in ["pod_namespace", "pod_name", "container_name", "mig_uuid"] {
+            let labelled = m
+                .label(c::RESERVED_BYTES.name, &at, name)
+                .unwrap_or_default();
+            assert_eq!(s(r, name), labelled, "{pid} {name}");
+        }
+    }
+    let pushed = rows.iter().find(|r| s(r, "pid") == "77").expect("pushed");
+    assert!(
+        f(pushed, "ooms") == 1.0 && pushed["last_oom"].is_f64(),
+        "{pushed}"
+    );
+    assert!(
+        !pushed["oom_breakdown"]
+            .as_object()
+            .expect("parts")
+            .is_empty()
+    );
+
+    // Each GPU: NVML's figures, its instances', and its line-up's parts.
+    let gpus = page["gpus"].as_array().expect("gpus");
+    let devices: BTreeSet<String> = m
+        .series(c::DEVICE_TOTAL.name, &[])
+        .map(|(_, l, _)| l["UUID"].clone())
+        .collect();
+    assert_eq!(
+        gpus.iter().map(|g| s(g, "uuid")).collect::<BTreeSet<_>>(),
+        devices
+    );
+    let mut migs = 0;
+    for g in gpus {
+        let uuid = s(g, "uuid");
+        let at = [("UUID", uuid.as_str())];
+        for (field, def) in [
+            ("total", &c::DEVICE_TOTAL),
+            ("used", &c::DEVICE_USED),
+            ("free", &c::DEVICE_FREE),
+        ] {
+            assert_eq!(Some(f(g, field)), m.one(def.name, &at), "{uuid} {field}");
+        }
+        let reserved = m.one(c::DEVICE_RESERVED.name, &at).unwrap_or(0.0);
+        assert_eq!(f(g, "driver_reserved"), reserved);
+        assert_eq!(
+            Some(s(g, "model")),
+            m.label(c::DEVICE_INFO.name, &at, "model")
+        );
+        for mig in g["migs"].as_array().expect("migs") {
+            migs += 1;
+            let instance = s(mig, "instance");
+            let at = [("UUID", uuid.as_str()), ("GPU_I_ID", instance.as_str())];
+            for (field, def) in [
+                ("total", &c::MIG_TOTAL),
+                ("used", &c::MIG_USED),
+                ("free", &c::MIG_FREE),
+            ] {
+                assert_eq!(
+                    Some(f(mig, field)),
+                    m.one(def.name, &at),
+                    "{instance} {field}"
+                );
+            }
+            assert_eq!(
+                Some(s(mig, "profile")),
+                m.label(c::MIG_TOTAL.name, &at, "GPU_I_PROFILE")
+            );
+            // Its processes: NVML's on its MIG devices, by GPU instance.
+            let on: BTreeMap<String, f64> = m
+                .series(c::PROCESS_USED.name, &at)
+                .map(|(_, l, v)| (l["pid"].clone(), *v))
+                .collect();
+            let parts: BTreeSet<String> = mig["processes"]
+                .as_array()
+                .expect("parts")
+                .iter()
+                .map(|p| s(p, "pid"))
+                .collect();
+            let mut others = 0.0;
+            for (pid, used) in &on {
+                let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
+                if m.series(c::RESERVED_BYTES.name, &allocator)
+                    .next()
+                    .is_none()
+                {
+                    others += used;
+                } else {
+                    assert!(parts.contains(pid), "{instance}: {pid}");
+                }
+            }
+            assert!(!parts.is_empty(), "{instance} runs a process of the demo");
+            assert!(approx(f(mig, "other_processes"), others), "{instance}");
+            let charged: f64 = on.values().sum();
+            let unattributed = (f(mig, "used") - charged).max(0.0);
+            assert!(approx(f(mig, "unattributed"), unattributed), "{instance}");
+        }
+        // The parts: an allocator's allocated and reserved, and what NVML charges its pid
+        // beyond them; processes without an allocator; what NVML charges to no process.
+        let mut charged = 0.0;
+        let mut others = 0.0;
+        let used_of: BTreeMap<String, f64> = m
+            .series(c::PROCESS_USED.name, &at)
+            .map(|(_, l, v)| (l["pid"].clone(), *v))
+            .collect();
+        for (pid, used) in &used_of {
+            charged += used;
+            let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
+            if m.series(c::RESERVED_BYTES.name, &allocator)
+                .next()
+                .is_none()
+            {
+                others += used;
+            }
+        }
+        assert!(approx(f(g, "other_processes"), others), "{uuid}");
+        let mut uncharged = 0.0;
+        for part in g["processes"].as_array().expect("parts") {
+            let pid = s(part, "pid");
+            let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
+            let reserved = m.sum(c::RESERVED_BYTES.name, &allocator);
+            let allocated = m.sum(c::ALLOCATED_BYTES.name, &allocator);
+            assert_eq!(f(part, "allocated"), allocated, "{pid}");
+            assert_eq!(
+                f(part, "reserved_unallocated"),
+                (reserved - allocated).max(0.0)
+            );
+            let outside = match used_of.get(&pid) {
+                Some(used) => (used - reserved).max(0.0),
+                None => {
+                    uncharged += reserved;
+                    0.0
+                }
+            };
+            assert_eq!(f(part, "outside"), outside, "{pid}");
+        }
+        let left = (f(g, "used") - charged).max(0.0);
+        assert!(
+            approx(f(g, "unattributed"), (left - uncharged).max(0.0)),
+            "{uuid}"
+        );
+    }
+    assert!(migs >= 3, "the demo's GPU in MIG mode shows its instances");
+}
