@@ -5,13 +5,13 @@
 //! allocator's published counters (never its lock), the latest report of each polled source
 //! (never the source itself), the ingest's report and the kubelet's latest answers.
 
-mod collectors;
+mod collect;
 pub mod contract;
 pub mod openmetrics;
 
 use prometheus::{Encoder, Registry, TextEncoder};
 
-pub use collectors::{AgentCollector, ReportReader};
+pub use collect::{AgentCollector, ReportReader};
 
 use crate::sources::{AllocatorSources, IngestReader};
 use crate::telemetry::Kubelet;

@@ -1,0 +1,209 @@
+//! The agent's collector: allocator counters and the node view, read at scrape time, one
+//! file per source as node_exporter's collectors are: `allocator.rs` (each allocator's
+//! counters, pushed or held), `node.rs` (a polled source's report: NVML or the simulated
+//! node, the kubelet's parts), `ingest.rs` (the ingest's counters and pushed processes'
+//! pinned host memory); `names.rs` holds what they share to label a process (its pod, the
+//! pod's names, its MIG device).
+//!
+//! # Invariants
+//! - A series' label values are the contract's labels for its metric, in order, then extra
+//!   labels ([`Family::push_with`] pairs them by position, checked in debug builds).
+//! - A family without series is not exported; every contract metric has one family.
+//! - A scrape reads each allocator's published counters (never its lock), each polled
+//!   source's latest report (never the source), the ingest's report and the kubelet's latest
+//!   answers, once each.
+
+mod allocator;
+mod ingest;
+mod names;
+mod node;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
+
+use crate::sources::{AllocatorSources, IngestReader};
+use crate::telemetry::pod_names::PodNames;
+use crate::telemetry::pod_resources::PodResources;
+use crate::telemetry::{Kubelet, SourceReport};
+
+use super::contract::{self as c, CONTRACT, Kind, MetricDef};
+use names::Names;
+
+/// Reads the latest report of a polled source, without waiting for the source.
+pub type ReportReader = Box<dyn Fn() -> Arc<SourceReport> + Send + Sync>;
+
+/// Series of one metric, gathered during a scrape.
+pub(super) struct Family {
+    def: &'static MetricDef,
+    metrics: Vec<proto::Metric>,
+}
+
+fn pair(name: &str, value: &str) -> LabelPair {
+    let mut pair = LabelPair::default();
+    pair.set_name(name.to_string());
+    pair.set_value(value.to_string());
+    pair
+}
+
+impl Family {
+    pub(super) fn push(&mut self, values: &[&str], value: f64) {
+        self.push_with(values, &[], value);
+    }
+
+    /// A series with the contract's labels, then `extra` ones.
+    pub(super) fn push_with(&mut self, values: &[&str], extra: &[(String, String)], value: f64) {
+        debug_assert_eq!(values.len(), self.def.labels.len(), "{}", self.def.name);
+        let labels = self
+            .def
+            .labels
+            .iter()
+            .zip(values)
+            .map(|(name, value)| pair(name, value))
+            .chain(extra.iter().map(|(name, value)| pair(name, value)))
+            .collect();
+        let mut metric = proto::Metric::default();
+        metric.set_label(labels);
+        match self.def.kind {
+            Kind::Gauge => {
+                let mut g = proto::Gauge::default();
+                g.set_value(value);
+                metric.set_gauge(g);
+            }
+            Kind::Counter => {
+                let mut k = proto::Counter::default();
+                k.set_value(value);
+                metric.set_counter(k);
+            }
+        }
+        self.metrics.push(metric);
+    }
+
+    fn into_family(self) -> Option<MetricFamily> {
+        if self.metrics.is_empty() {
+            return None;
+        }
+        let mut family = MetricFamily::default();
+        family.set_name(self.def.name.to_string());
+        family.set_help(self.def.help.to_string());
+        family.set_field_type(match self.def.kind {
+            Kind::Gauge => MetricType::GAUGE,
+            Kind::Counter => MetricType::COUNTER,
+        });
+        family.set_metric(self.metrics);
+        Some(family)
+    }
+}
+
+/// All the agent's metrics, from allocator sources and polled node sources.
+pub struct AgentCollector {
+    descs: Vec<Desc>,
+    allocators: AllocatorSources,
+    reports: Vec<ReportReader>,
+    ingest: Option<IngestReader>,
+    kubelet: Kubelet,
+}
+
+/// Builds the collector's descriptors once.
+fn descs() -> Vec<Desc> {
+    CONTRACT
+        .iter()
+        .map(|d| {
+            Desc::new(
+                d.name.to_string(),
+                d.help.to_string(),
+                d.labels.iter().map(|l| (*l).to_string()).collect(),
+                Default::default(),
+            )
+            .expect("the contract's names and labels are valid")
+        })
+        .collect()
+}
+
+impl AgentCollector {
+    /// A collector over these sources; the `kubelet`'s parts, where given, name pods and
+    /// list GPU assignments (each reported as a source of its own).
+    pub fn new(
+        allocators: AllocatorSources,
+        reports: Vec<ReportReader>,
+        ingest: Option<IngestReader>,
+        kubelet: Kubelet,
+    ) -> Self {
+        AgentCollector {
+            descs: descs(),
+            allocators,
+            reports,
+            ingest,
+            kubelet,
+        }
+    }
+}
+
+/// Families by contract position, so collection code names them by constant.
+pub(super) struct Families(Vec<Family>);
+
+impl Families {
+    fn new() -> Self {
+        Families(
+            CONTRACT
+                .iter()
+                .map(|&def| Family {
+                    def,
+                    metrics: Vec::new(),
+                })
+                .collect(),
+        )
+    }
+
+    pub(super) fn of(&mut self, def: &MetricDef) -> &mut Family {
+        self.0
+            .iter_mut()
+            .find(|f| f.def.name == def.name)
+            .expect("every metric of the contract has a family")
+    }
+}
+
+impl Collector for AgentCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let mut f = Families::new();
+        let started = Instant::now();
+        let allocators = self.allocators.snapshot();
+        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
+        let pods = names::process_pods(&reports);
+        let places = allocator::Places::of(&reports);
+        let directory = self.kubelet.names.as_ref().map(PodNames::directory);
+        let names = Names(directory.as_deref());
+        let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
+        for source in &allocators {
+            allocator::collect(&mut f, source, &pods, names, &places);
+        }
+        if !allocators.is_empty() {
+            f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
+            f.of(&c::COLLECT_DURATION)
+                .push(&["allocator"], started.elapsed().as_secs_f64());
+        }
+        for report in &reports {
+            node::collect(&mut f, report, names, assigned.as_deref());
+        }
+        let kubelet_reports = [
+            self.kubelet.names.as_ref().map(PodNames::report),
+            self.kubelet.resources.as_ref().map(PodResources::report),
+        ];
+        for report in kubelet_reports.into_iter().flatten() {
+            node::collect(&mut f, &report, names, None);
+        }
+        if let Some(read) = &self.ingest {
+            let report = read();
+            ingest::collect(&mut f, &report, names);
+            ingest::collect_hosts(&mut f, &report, &pods, names);
+        }
+        f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
+        f.0.into_iter().filter_map(Family::into_family).collect()
+    }
+}

@@ -1,0 +1,108 @@
+//! A polled source's series: whether it answered and how long it took, the GPUs, MIG
+//! devices and processes of its node sample, and the pods the kubelet assigned each device.
+
+use crate::telemetry::SourceReport;
+use crate::telemetry::pod_resources::{DeviceIndex, PodDirectory};
+
+use super::super::contract as c;
+use super::Families;
+use super::names::{Names, mig_labels};
+
+/// A polled source's series.
+pub(super) fn collect(
+    f: &mut Families,
+    report: &SourceReport,
+    names: Names<'_>,
+    assigned: Option<&PodDirectory>,
+) {
+    f.of(&c::SOURCE_UP)
+        .push(&[report.source], if report.up { 1.0 } else { 0.0 });
+    f.of(&c::COLLECT_DURATION)
+        .push(&[report.source], report.duration_seconds);
+    let Some(node) = &report.sample else {
+        return;
+    };
+    let simulated = if node.simulated { "true" } else { "false" };
+    for gpu in &node.gpus {
+        let index = gpu.index.to_string();
+        let labels = [index.as_str(), gpu.uuid.as_str()];
+        f.of(&c::DEVICE_TOTAL).push(&labels, gpu.total as f64);
+        f.of(&c::DEVICE_USED).push(&labels, gpu.used as f64);
+        f.of(&c::DEVICE_FREE).push(&labels, gpu.free as f64);
+        if let Some(reserved) = gpu.reserved {
+            f.of(&c::DEVICE_RESERVED).push(&labels, reserved as f64);
+        }
+        f.of(&c::DEVICE_INFO).push(
+            &[
+                &index,
+                &gpu.uuid,
+                &gpu.model,
+                &node.driver_version,
+                simulated,
+            ],
+            1.0,
+        );
+        for (mig, uuid, processes) in gpu.devices() {
+            let at = mig.map_or(DeviceIndex::Gpu(gpu.index), |mig| {
+                DeviceIndex::Mig(gpu.index, mig.index)
+            });
+            let named = mig.map(mig_labels);
+            let extra: &[(String, String)] = named.as_ref().map_or(&[], |l| l.as_slice());
+            // The contract's MIG labels are these three, in this order.
+            if let (Some(mig), Some([(_, gpu_instance), (_, profile), (_, mig_uuid)])) =
+                (mig, &named)
+            {
+                let labels = [
+                    index.as_str(),
+                    gpu.uuid.as_str(),
+                    gpu_instance,
+                    profile,
+                    mig_uuid,
+                ];
+                f.of(&c::MIG_TOTAL).push(&labels, mig.total as f64);
+                f.of(&c::MIG_USED).push(&labels, mig.used as f64);
+                f.of(&c::MIG_FREE).push(&labels, mig.free as f64);
+            }
+            for holder in assigned
+                .map(|d| d.holders(uuid, Some(at)))
+                .unwrap_or_default()
+            {
+                f.of(&c::GPU_ASSIGNED).push_with(
+                    &[
+                        &index,
+                        &gpu.uuid,
+                        &holder.namespace,
+                        &holder.pod,
+                        &holder.container,
+                    ],
+                    extra,
+                    1.0,
+                );
+            }
+            for p in processes {
+                let Some(used) = p.used else { continue };
+                let pid = p.pid.to_string();
+                let (pod_uid, container_id) = p
+                    .container
+                    .as_ref()
+                    .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
+                let [namespace, pod, container] = names.of(pod_uid, container_id);
+                f.of(&c::PROCESS_USED).push_with(
+                    &[
+                        &index,
+                        &gpu.uuid,
+                        &pid,
+                        &p.name,
+                        pod_uid,
+                        container_id,
+                        &namespace,
+                        &pod,
+                        &container,
+                    ],
+                    extra,
+                    used as f64,
+                );
+            }
+        }
+    }
+}
