@@ -7,7 +7,11 @@
 
 mod collect;
 pub mod contract;
+mod names;
 pub mod openmetrics;
+pub mod snapshot;
+
+use std::sync::Arc;
 
 use prometheus::{Encoder, Registry, TextEncoder};
 
@@ -19,6 +23,20 @@ use crate::telemetry::Kubelet;
 /// Everything `/metrics` serves.
 pub struct Metrics {
     registry: Registry,
+    collector: Arc<AgentCollector>,
+}
+
+/// The collector as the registry holds it, shared with [`Metrics::snapshot`].
+struct Registered(Arc<AgentCollector>);
+
+impl prometheus::core::Collector for Registered {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.0.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.collect()
+    }
 }
 
 impl Metrics {
@@ -35,10 +53,17 @@ impl Metrics {
         kubelet: Kubelet,
     ) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
-        registry.register(Box::new(AgentCollector::new(
-            allocators, reports, ingest, kubelet,
-        )))?;
-        Ok(Metrics { registry })
+        let collector = Arc::new(AgentCollector::new(allocators, reports, ingest, kubelet));
+        registry.register(Box::new(Registered(Arc::clone(&collector))))?;
+        Ok(Metrics {
+            registry,
+            collector,
+        })
+    }
+
+    /// What one scrape reads, typed: the live page is drawn from it.
+    pub fn snapshot(&self) -> snapshot::NodeSnapshot {
+        self.collector.snapshot()
     }
 
     /// Every metric family, as one scrape reads them.

@@ -420,8 +420,7 @@ async fn node(
     headers: axum::http::HeaderMap,
 ) -> Response {
     held(&state, conn, &headers, "application/json", |m| {
-        let sources = state.sources.snapshot();
-        let view = crate::view::node::view(&m.gather(), &sources);
+        let view = crate::view::node::view(&m.snapshot());
         #[cfg(feature = "tools")]
         let view = recordings::with_newest(&state, view);
         serde_json::to_string(&view).unwrap_or_default()

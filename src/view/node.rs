@@ -1,6 +1,6 @@
-//! The agent's live view, read off the metric families of one scrape (so it always agrees
-//! with `/metrics`): per GPU the line-up as the dashboards draw it, and a row per process with
-//! an allocator.
+//! The agent's live view, drawn from one scrape's [`NodeSnapshot`] as the exposition is (so
+//! it agrees with `/metrics`, checked value for value by `tests/it/node_view.rs`): per GPU the
+//! line-up as the dashboards draw it, and a row per process with an allocator.
 //!
 //! The line-up of a GPU, as the overview dashboard stacks it: what the caching allocators
 //! have allocated, what they reserve beyond that, what their processes use outside them (CUDA
@@ -9,19 +9,18 @@
 //! process, the driver's reservation and free memory.
 //!
 //! # Invariants
-//! - Every figure is a series of the scrape, or a sum or difference of them; nothing else is
-//!   read but the last OOM's sentence (from its allocator source). A process is joined to its
-//!   allocator by (GPU UUID, pid), and to a GPU instance's line-up by (GPU UUID, `GPU_I_ID`).
+//! - Every figure is one the exposition exports from the same snapshot (through the
+//!   snapshot's functions where one is computed: fragmentation, the OOM's time and parts), or
+//!   a sum or difference of them; the last OOM's sentence is its source's. A process is
+//!   joined to its allocator by (GPU UUID, pid), and to a GPU instance's line-up by (GPU
+//!   UUID, GPU instance ID).
 //! - Differences that NVML's and the allocators' timing can make negative are clamped at 0.
 
 use std::collections::BTreeMap;
 
-use prometheus::proto::MetricFamily;
 use serde::Serialize;
 
-use crate::metrics::contract as c;
-use crate::sources::AllocatorSource;
-use crate::telemetry::uuid_body;
+use crate::metrics::snapshot::{NodeSnapshot, oom_parts};
 
 /// The node at one scrape.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -143,27 +142,6 @@ pub struct ProcessRow {
     pub recording: Option<String>,
 }
 
-/// Each series of `name` in `families`: its labels and value.
-fn series<'a>(
-    families: &'a [MetricFamily],
-    name: &str,
-) -> impl Iterator<Item = (BTreeMap<&'a str, &'a str>, f64)> + 'a {
-    let name = name.to_string();
-    families
-        .iter()
-        .filter(move |f| f.name() == name)
-        .flat_map(|f| f.get_metric())
-        .map(|m| {
-            let labels = m
-                .get_label()
-                .iter()
-                .map(|l| (l.name(), l.value()))
-                .collect();
-            let value = m.get_gauge().get_value() + m.get_counter().get_value();
-            (labels, value)
-        })
-}
-
 impl ProcessRow {
     /// Its part of its GPU's line-up, named by its pod where known (else `unnamed`), with
     /// `outside` bytes used beyond its allocator.
@@ -182,135 +160,69 @@ impl ProcessRow {
     }
 }
 
-type ProcKey = (String, String);
-/// A series' labels.
-type Labels<'a> = BTreeMap<&'a str, &'a str>;
-/// Sets one of a GPU's figures.
-type SetFigure = fn(&mut GpuView, f64);
-/// Sets one of a MIG instance's figures.
-type SetMigFigure = fn(&mut MigView, f64);
+/// A process by (GPU UUID, pid).
+type ProcKey = (String, u32);
 
-/// A series' label `k`, empty where it has none.
-fn label(labels: &Labels<'_>, k: &str) -> String {
-    labels.get(k).copied().unwrap_or_default().to_string()
+/// `x` as the page's JSON carries figures.
+fn bytes(x: impl Into<i128>) -> f64 {
+    x.into() as f64
 }
 
-fn key(labels: &Labels<'_>) -> ProcKey {
-    (label(labels, "UUID"), label(labels, "pid"))
-}
-
-/// The view of one scrape's `families`, with the sentences of the last OOMs that `sources`
-/// explain (a sentence is not a metric).
-pub fn view(families: &[MetricFamily], sources: &[std::sync::Arc<AllocatorSource>]) -> NodeView {
-    let mut view = from_families(families);
-    for row in &mut view.processes {
-        // A source on a MIG device is known by the MIG device's UUID, pushed ones by any
-        // spelling of it.
-        let device = if row.mig_uuid.is_empty() {
-            &row.uuid
-        } else {
-            &row.mig_uuid
-        };
-        row.oom_why = sources
-            .iter()
-            .find(|s| s.pid.to_string() == row.pid && uuid_body(&s.uuid) == uuid_body(device))
-            .and_then(|s| s.last_oom())
-            .map(|o| o.why);
-    }
-    view
-}
-
-fn from_families(families: &[MetricFamily]) -> NodeView {
-    // Allocators by (UUID, pid).
-    let mut rows: BTreeMap<ProcKey, ProcessRow> = BTreeMap::new();
-    let row = |labels: &Labels<'_>| -> ProcessRow {
-        ProcessRow {
-            gpu: label(labels, "gpu"),
-            uuid: label(labels, "UUID"),
-            mig_uuid: label(labels, "mig_uuid"),
-            pid: label(labels, "pid"),
-            pod_namespace: label(labels, "pod_namespace"),
-            pod_name: label(labels, "pod_name"),
-            container_name: label(labels, "container_name"),
-            allocator: label(labels, "allocator"),
-            ..ProcessRow::default()
-        }
-    };
-    for (labels, v) in series(families, c::RESERVED_BYTES.name) {
-        rows.entry(key(&labels))
-            .or_insert_with(|| row(&labels))
-            .reserved += v;
-    }
-    for (labels, v) in series(families, c::ALLOCATED_BYTES.name) {
-        rows.entry(key(&labels))
-            .or_insert_with(|| row(&labels))
-            .allocated += v;
-    }
-    let mut each = |name: &str, set: &mut dyn FnMut(&mut ProcessRow, &Labels<'_>, f64)| {
-        for (labels, v) in series(families, name) {
-            if let Some(r) = rows.get_mut(&key(&labels)) {
-                set(r, &labels, v);
-            }
-        }
-    };
-    each(c::ALLOCATOR_INFO.name, &mut |r, l, _| {
-        r.config = l.get("config").copied().unwrap_or_default().to_string();
-    });
-    each(c::LARGEST_FREE_BLOCK.name, &mut |r, _, v| {
-        r.largest_free_block = Some(v);
-    });
-    each(c::ALLOC_RETRIES.name, &mut |r, _, v| r.retries = v);
-    each(c::OOMS.name, &mut |r, _, v| r.ooms = v);
-    each(c::LAST_OOM_TIMESTAMP.name, &mut |r, _, v| {
-        r.last_oom = Some(v);
-    });
-    each(c::OOM_BREAKDOWN.name, &mut |r, l, v| {
-        let kind = l.get("kind").copied().unwrap_or_default().to_string();
-        r.oom_breakdown.insert(kind, v);
-    });
-    for r in rows.values_mut() {
-        r.fragmentation = if r.reserved > 0.0 {
-            (r.reserved - r.allocated).max(0.0) / r.reserved
-        } else {
-            0.0
-        };
-    }
-
-    let mut gpus = gpus_of(families);
+/// The view of one scrape's snapshot.
+pub fn view(snapshot: &NodeSnapshot) -> NodeView {
+    let mut rows = allocator_rows(snapshot);
+    let mut gpus = gpus_of(snapshot);
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
     let mut mig_charged: BTreeMap<(String, String), f64> = BTreeMap::new();
-    for (labels, used) in series(families, c::PROCESS_USED.name) {
-        let k = key(&labels);
-        *charged.entry(k.0.clone()).or_default() += used;
-        let Some(g) = gpus.get_mut(&k.0) else {
-            continue;
-        };
-        let part = rows
-            .get(&k)
-            .map(|r| r.part(label(&labels, "process"), (used - r.reserved).max(0.0)));
-        // On a MIG device, the process counts in its GPU instance's line-up too.
-        let instance = label(&labels, "GPU_I_ID");
-        if let Some(m) = g.migs.iter_mut().find(|m| m.instance == instance) {
-            *mig_charged.entry((k.0.clone(), instance)).or_default() += used;
-            match &part {
-                Some(part) => m.processes.push(part.clone()),
-                None => m.other_processes += used,
+    for gpu in snapshot
+        .reports
+        .iter()
+        .filter_map(|r| r.sample.as_ref())
+        .flat_map(|n| &n.gpus)
+    {
+        for (mig, _, processes) in gpu.devices() {
+            for p in processes {
+                let Some(used) = p.used.map(bytes) else {
+                    continue;
+                };
+                *charged.entry(gpu.uuid.clone()).or_default() += used;
+                let Some(g) = gpus.get_mut(&gpu.uuid) else {
+                    continue;
+                };
+                let part = rows
+                    .get(&(gpu.uuid.clone(), p.pid))
+                    .map(|r| r.part(p.name.clone(), (used - r.reserved).max(0.0)));
+                // On a MIG device, the process counts in its GPU instance's line-up too.
+                let instance = mig.map(|m| m.gpu_instance.to_string());
+                if let Some(m) = g
+                    .migs
+                    .iter_mut()
+                    .find(|m| Some(&m.instance) == instance.as_ref())
+                {
+                    *mig_charged
+                        .entry((gpu.uuid.clone(), m.instance.clone()))
+                        .or_default() += used;
+                    match &part {
+                        Some(part) => m.processes.push(part.clone()),
+                        None => m.other_processes += used,
+                    }
+                }
+                match part {
+                    Some(part) => g.processes.push(part),
+                    None => g.other_processes += used,
+                }
             }
-        }
-        match part {
-            Some(part) => g.processes.push(part),
-            None => g.other_processes += used,
         }
     }
     // Allocators NVML charges no memory to (a pushed process it does not list) still hold
     // their reserved memory, which nvidia-smi counts used: it comes out of the unattributed.
     let mut uncharged: BTreeMap<String, f64> = BTreeMap::new();
-    for (k, r) in &rows {
-        if let Some(g) = gpus.get_mut(&k.0)
-            && !g.processes.iter().any(|p| p.pid == k.1)
+    for ((uuid, pid), r) in &rows {
+        if let Some(g) = gpus.get_mut(uuid)
+            && !g.processes.iter().any(|p| p.pid == r.pid)
         {
-            *uncharged.entry(k.0.clone()).or_default() += r.reserved;
-            g.processes.push(r.part(format!("pid {}", k.1), 0.0));
+            *uncharged.entry(uuid.clone()).or_default() += r.reserved;
+            g.processes.push(r.part(format!("pid {pid}"), 0.0));
         }
     }
     for g in gpus.values_mut() {
@@ -327,16 +239,12 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
             m.unattributed = (m.used - charged).max(0.0);
             m.processes.sort_by(|a, b| a.pid.cmp(&b.pid));
         }
-        g.migs.sort_by(|a, b| {
-            (a.instance.parse::<u32>().ok(), &a.instance)
-                .cmp(&(b.instance.parse::<u32>().ok(), &b.instance))
-        });
     }
     let mut gpus: Vec<GpuView> = gpus.into_values().collect();
     gpus.sort_by(|a, b| {
         (a.gpu.parse::<u32>().ok(), &a.gpu).cmp(&(b.gpu.parse::<u32>().ok(), &b.gpu))
     });
-    let mut processes: Vec<ProcessRow> = rows.into_values().collect();
+    let mut processes: Vec<ProcessRow> = std::mem::take(&mut rows).into_values().collect();
     processes.sort_by(|a, b| {
         (a.gpu.parse::<u32>().ok(), a.pid.parse::<u32>().ok())
             .cmp(&(b.gpu.parse::<u32>().ok(), b.pid.parse::<u32>().ok()))
@@ -344,147 +252,207 @@ fn from_families(families: &[MetricFamily]) -> NodeView {
     NodeView { gpus, processes }
 }
 
-/// The GPUs of one scrape by UUID, with their figures, models and MIG instances (no
-/// processes yet).
-fn gpus_of(families: &[MetricFamily]) -> BTreeMap<String, GpuView> {
+/// A row per allocator, by (GPU UUID, pid); two allocators of one process on one GPU add up.
+fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
+    let mut rows: BTreeMap<ProcKey, ProcessRow> = BTreeMap::new();
+    for a in &snapshot.allocators {
+        let s = &a.source;
+        let st = &s.stats;
+        let row = rows.entry((a.uuid.clone(), s.pid)).or_insert_with(|| {
+            let pod = a.pod.clone();
+            ProcessRow {
+                gpu: a.gpu.to_string(),
+                uuid: a.uuid.clone(),
+                mig_uuid: a.mig.as_ref().map(|m| m.uuid.clone()).unwrap_or_default(),
+                pid: s.pid.to_string(),
+                pod_namespace: pod.namespace,
+                pod_name: pod.pod,
+                container_name: pod.container,
+                allocator: s.allocator.label().to_string(),
+                config: s.config.clone(),
+                ..ProcessRow::default()
+            }
+        });
+        row.reserved += bytes(a.reserved());
+        row.allocated += bytes(a.allocated());
+        row.fragmentation = a.fragmentation();
+        row.largest_free_block = a.largest_free_block().map(bytes);
+        row.retries = bytes(st.num_alloc_retries.get());
+        row.ooms = bytes(st.num_ooms.get());
+        let last_oom = a.last_oom();
+        row.last_oom = a.last_oom_at(last_oom.as_ref());
+        if let Some(oom) = last_oom {
+            row.oom_breakdown = oom_parts(&oom)
+                .map(|(kind, b)| (kind.to_string(), bytes(b)))
+                .collect();
+            row.oom_why = Some(oom.why);
+        }
+    }
+    rows
+}
+
+/// The GPUs of one snapshot by UUID, with their figures, models and MIG instances (no
+/// processes yet). Compute instances of one GPU instance report its figures: it is drawn
+/// once, as its first MIG device says.
+fn gpus_of(snapshot: &NodeSnapshot) -> BTreeMap<String, GpuView> {
     let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
-    let gpu = |labels: &Labels<'_>| -> GpuView {
-        GpuView {
-            gpu: label(labels, "gpu"),
-            uuid: label(labels, "UUID"),
+    for gpu in snapshot
+        .reports
+        .iter()
+        .filter_map(|r| r.sample.as_ref())
+        .flat_map(|n| &n.gpus)
+    {
+        let mut view = GpuView {
+            gpu: gpu.index.to_string(),
+            uuid: gpu.uuid.clone(),
+            model: gpu.model.clone(),
+            total: bytes(gpu.total),
+            used: bytes(gpu.used),
+            free: bytes(gpu.free),
+            driver_reserved: gpu.reserved.map_or(0.0, bytes),
             ..GpuView::default()
-        }
-    };
-    let figures: [(&str, SetFigure); 4] = [
-        (c::DEVICE_TOTAL.name, |g, v| g.total = v),
-        (c::DEVICE_USED.name, |g, v| g.used = v),
-        (c::DEVICE_FREE.name, |g, v| g.free = v),
-        (c::DEVICE_RESERVED.name, |g, v| g.driver_reserved = v),
-    ];
-    for (name, set) in figures {
-        for (labels, v) in series(families, name) {
-            let g = gpus
-                .entry(label(&labels, "UUID"))
-                .or_insert_with(|| gpu(&labels));
-            set(g, v);
-        }
-    }
-    let mig_figures: [(&str, SetMigFigure); 3] = [
-        (c::MIG_TOTAL.name, |m, v| m.total = v),
-        (c::MIG_USED.name, |m, v| m.used = v),
-        (c::MIG_FREE.name, |m, v| m.free = v),
-    ];
-    for (name, set) in mig_figures {
-        for (labels, v) in series(families, name) {
-            let Some(g) = gpus.get_mut(&label(&labels, "UUID")) else {
+        };
+        for mig in &gpu.mig {
+            let instance = mig.gpu_instance.to_string();
+            if view.migs.iter().any(|m| m.instance == instance) {
                 continue;
-            };
-            let instance = label(&labels, "GPU_I_ID");
-            let at = match g.migs.iter().position(|m| m.instance == instance) {
-                Some(at) => at,
-                None => {
-                    g.migs.push(MigView {
-                        instance,
-                        profile: label(&labels, "GPU_I_PROFILE"),
-                        mig_uuid: label(&labels, "mig_uuid"),
-                        ..MigView::default()
-                    });
-                    g.migs.len() - 1
-                }
-            };
-            set(&mut g.migs[at], v);
+            }
+            view.migs.push(MigView {
+                instance,
+                profile: mig.profile.clone(),
+                mig_uuid: mig.uuid.clone(),
+                total: bytes(mig.total),
+                used: bytes(mig.used),
+                free: bytes(mig.free),
+                ..MigView::default()
+            });
         }
-    }
-    for (labels, _) in series(families, c::DEVICE_INFO.name) {
-        if let Some(g) = gpus.get_mut(&label(&labels, "UUID")) {
-            g.model = label(&labels, "model");
-        }
+        view.migs.sort_by_key(|m| m.instance.parse::<u32>().ok());
+        gpus.insert(gpu.uuid.clone(), view);
     }
     gpus
 }
 
 #[cfg(test)]
 mod tests {
-    use prometheus::core::Collector;
-    use prometheus::{GaugeVec, Opts};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use crate::allocator::DeviceStats;
+    use crate::sources::{AllocatorSource, Pusher};
+    use crate::telemetry::{GpuSample, MigSample, NodeSample, ProcessSample, SourceReport};
 
     use super::*;
 
-    /// A gauge family of `name` with one series per `(labels, value)`.
-    fn family(name: &str, series: &[(&[(&str, &str)], f64)]) -> MetricFamily {
-        let names: Vec<&str> = series[0].0.iter().map(|(k, _)| *k).collect();
-        let gauge = GaugeVec::new(Opts::new(name, "help"), &names).expect("valid");
-        for (labels, value) in series {
-            let values: Vec<&str> = labels.iter().map(|(_, v)| *v).collect();
-            gauge.with_label_values(&values).set(*value);
+    const GIB: u64 = 1 << 30;
+
+    fn process(pid: u32, used: u64) -> ProcessSample {
+        ProcessSample {
+            pid,
+            name: "python".into(),
+            used: Some(used),
+            container: None,
         }
-        gauge.collect().remove(0)
+    }
+
+    /// A MIG device of GPU instance `instance` (3g.40gb), with `used` of it in use.
+    fn mig(index: u32, instance: u32, used: u64, processes: Vec<ProcessSample>) -> MigSample {
+        MigSample {
+            index,
+            uuid: format!("MIG-{index}"),
+            gpu_instance: instance,
+            profile: "3g.40gb".into(),
+            total: 40 * GIB,
+            used,
+            free: 40 * GIB - used,
+            processes,
+        }
     }
 
     #[test]
     fn a_gpu_instance_is_drawn_once_with_the_processes_on_its_mig_devices() {
-        const GIB: f64 = (1u64 << 30) as f64;
-        let gpu = [("gpu", "0"), ("UUID", "GPU-a")];
-        // Two compute instances of GPU instance 1 (MIG devices m1 and m2) report its
-        // figures; GPU instance 2 has one MIG device.
-        let mig = |id: &'static str, mig_uuid: &'static str| -> [(&str, &str); 5] {
-            [
-                gpu[0],
-                gpu[1],
-                ("GPU_I_ID", id),
-                ("GPU_I_PROFILE", "3g.40gb"),
-                ("mig_uuid", mig_uuid),
-            ]
+        // Two compute instances of GPU instance 1 (MIG devices 0 and 1) report its figures;
+        // GPU instance 2 has one MIG device.
+        let gpu = GpuSample {
+            index: 0,
+            uuid: "GPU-a".into(),
+            model: "A100".into(),
+            total: 80 * GIB,
+            used: 10 * GIB,
+            free: 70 * GIB,
+            reserved: None,
+            processes: Vec::new(),
+            mig: vec![
+                mig(0, 1, 7 * GIB, vec![process(10, 4 * GIB)]),
+                mig(1, 1, 7 * GIB, vec![process(11, 2 * GIB)]),
+                mig(2, 2, GIB, Vec::new()),
+            ],
         };
-        let (m1, m2, m3) = (mig("1", "MIG-1"), mig("1", "MIG-2"), mig("2", "MIG-3"));
-        let process = |pid: &'static str, mig_uuid: &'static str, id: &'static str| {
-            [
-                gpu[0],
-                gpu[1],
-                ("pid", pid),
-                ("process", "python"),
-                ("GPU_I_ID", id),
-                ("mig_uuid", mig_uuid),
-            ]
+        let report = SourceReport {
+            source: "simulated",
+            up: true,
+            sample: Some(NodeSample {
+                driver_version: "1".into(),
+                simulated: true,
+                gpus: vec![gpu],
+            }),
+            error: None,
+            duration_seconds: 0.0,
         };
-        let (p1, p2) = (process("10", "MIG-1", "1"), process("11", "MIG-2", "1"));
-        let allocator = [gpu[0], gpu[1], ("pid", "10"), ("pool", "large")];
-        let families = [
-            family(c::DEVICE_TOTAL.name, &[(&gpu, 80.0 * GIB)]),
-            family(c::DEVICE_USED.name, &[(&gpu, 10.0 * GIB)]),
-            family(
-                c::MIG_TOTAL.name,
-                &[(&m1, 40.0 * GIB), (&m2, 40.0 * GIB), (&m3, 40.0 * GIB)],
-            ),
-            family(
-                c::MIG_USED.name,
-                &[(&m1, 7.0 * GIB), (&m2, 7.0 * GIB), (&m3, 1.0 * GIB)],
-            ),
-            family(c::PROCESS_USED.name, &[(&p1, 4.0 * GIB), (&p2, 2.0 * GIB)]),
-            family(c::RESERVED_BYTES.name, &[(&allocator, 3.0 * GIB)]),
-            family(c::ALLOCATED_BYTES.name, &[(&allocator, 1.0 * GIB)]),
-        ];
-        let view = from_families(&families);
+        // Pid 10 has an allocator, pushed with its MIG device's UUID.
+        let stats: BTreeMap<String, i64> = [
+            ("reserved_bytes.large_pool.current", 3 * GIB as i64),
+            ("allocated_bytes.large_pool.current", GIB as i64),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let pusher = Pusher {
+            pid: 10,
+            ..Pusher::default()
+        };
+        let cache = (u64::MAX, Vec::new());
+        let stats = DeviceStats::from_memory_stats(&stats);
+        let source = AllocatorSource::pushed(&pusher, 0, "MIG-0".into(), stats, cache, None);
+        let snapshot = NodeSnapshot::new(
+            Instant::now(),
+            &[Arc::new(source)],
+            vec![Arc::new(report)],
+            (None, None),
+            Vec::new(),
+            None,
+        );
+        let view = view(&snapshot);
         let migs = &view.gpus[0].migs;
         assert_eq!(migs.len(), 2, "{migs:#?}");
         let (one, two) = (&migs[0], &migs[1]);
+        let gib = GIB as f64;
         assert_eq!(
             (one.instance.as_str(), one.total, one.used),
-            ("1", 40.0 * GIB, 7.0 * GIB)
+            ("1", 40.0 * gib, 7.0 * gib)
         );
+        assert_eq!(one.mig_uuid, "MIG-0");
         assert_eq!(two.instance, "2");
         // Pid 10 has an allocator (its parts), pid 11 none (another process); the rest of
         // the instance's use is charged to no process.
         assert_eq!(one.processes.len(), 1);
         assert_eq!(one.processes[0].pid, "10");
-        assert_eq!(one.processes[0].allocated, GIB);
-        assert_eq!(one.processes[0].outside, GIB);
-        assert_eq!(one.other_processes, 2.0 * GIB);
-        assert_eq!(one.unattributed, GIB);
+        assert_eq!(one.processes[0].allocated, gib);
+        assert_eq!(one.processes[0].outside, gib);
+        assert_eq!(one.other_processes, 2.0 * gib);
+        assert_eq!(one.unattributed, gib);
         assert!(two.processes.is_empty());
-        assert_eq!(two.unattributed, GIB);
-        // The GPU's own line-up still holds both processes.
+        assert_eq!(two.unattributed, gib);
+        // The GPU's own line-up still holds both processes; the allocator's row is placed
+        // on NVML's GPU and MIG device.
         assert_eq!(view.gpus[0].processes.len(), 1);
-        assert_eq!(view.gpus[0].other_processes, 2.0 * GIB);
+        assert_eq!(view.gpus[0].other_processes, 2.0 * gib);
+        let row = &view.processes[0];
+        assert_eq!(
+            (row.uuid.as_str(), row.mig_uuid.as_str()),
+            ("GPU-a", "MIG-0")
+        );
+        assert_eq!((row.reserved, row.fragmentation), (3.0 * gib, 2.0 / 3.0));
     }
 }

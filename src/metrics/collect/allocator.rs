@@ -1,95 +1,23 @@
 //! Each allocator's series: its counters (a pushed process's or one this process holds),
-//! placed where NVML reports its device.
-
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+//! placed where NVML reports its device (the snapshot's [`PlacedAllocator`]).
 
 use crate::allocator::size::PoolKind;
-use crate::sources::{AllocatorSource, UNKNOWN_SIZE};
-use crate::telemetry::{MigSample, SourceReport, uuid_body};
 
 use super::super::contract as c;
+use super::super::snapshot::{PlacedAllocator, oom_parts, ratio};
 use super::Families;
-use super::names::{Names, ProcessPods, mig_labels, process_labels};
 
-/// `part / whole`, 0 for an empty whole; never negative, whatever a source reports.
-fn ratio(part: i64, whole: i64) -> f64 {
-    if whole <= 0 {
-        0.0
-    } else {
-        part.max(0) as f64 / whole as f64
-    }
-}
-
-/// Where a device lies on the node, as NVML reports it: its GPU's index and UUID, and the MIG
-/// device when it is one.
-#[derive(Clone, Copy)]
-struct Place<'a> {
-    index: u32,
-    uuid: &'a str,
-    mig: Option<&'a MigSample>,
-}
-
-/// Every GPU and MIG device NVML reports, by UUID and by the UUID's body. A pushed device's
-/// index is the job's CUDA ordinal (in a container given host GPU 5 it says 0) and a MIG job's
-/// hook may spell its device `GPU-…`, so pushed series take NVML's place.
-pub(super) struct Places<'a> {
-    exact: HashMap<&'a str, Place<'a>>,
-    body: HashMap<String, Place<'a>>,
-}
-
-impl<'a> Places<'a> {
-    pub(super) fn of(reports: &'a [Arc<SourceReport>]) -> Self {
-        let mut places = Places {
-            exact: HashMap::new(),
-            body: HashMap::new(),
-        };
-        let gpus = reports
-            .iter()
-            .filter_map(|r| r.sample.as_ref())
-            .flat_map(|node| &node.gpus);
-        for gpu in gpus {
-            for (mig, uuid, _) in gpu.devices() {
-                let place = Place {
-                    index: gpu.index,
-                    uuid: &gpu.uuid,
-                    mig,
-                };
-                places.exact.insert(uuid, place);
-                places.body.insert(uuid_body(uuid), place);
-            }
-        }
-        places
-    }
-
-    fn find(&self, uuid: &str) -> Option<Place<'a>> {
-        self.exact
-            .get(uuid)
-            .or_else(|| self.body.get(&uuid_body(uuid)))
-            .copied()
-    }
-}
-
-/// An allocator's series. Its extra labels: its own (a push's job, rank, pod_uid and
-/// container_id), the pod of its process as NVML's view gives it where the source says none,
-/// the pod's names where known, and its MIG device's where it runs on one.
-pub(super) fn collect(
-    f: &mut Families,
-    s: &AllocatorSource,
-    pods: &ProcessPods<'_>,
-    names: Names<'_>,
-    places: &Places<'_>,
-) {
-    let place = places.find(&s.uuid);
-    let (index, uuid) = place.map_or((s.gpu, s.uuid.as_str()), |p| (p.index, p.uuid));
-    let (gpu, pid) = (index.to_string(), s.pid.to_string());
-    let mut extra = process_labels(&s.labels, pods.get(&(uuid, s.pid)).copied(), names);
-    if let Some(mig) = place.and_then(|p| p.mig) {
-        extra.to_mut().extend(mig_labels(mig));
-    }
-    let extra = extra.as_ref();
-    let base = [gpu.as_str(), uuid, pid.as_str(), s.allocator.label()];
+/// An allocator's series, with its placed labels beyond the contract's.
+pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
+    let s = &a.source;
+    let (gpu, pid) = (a.gpu.to_string(), s.pid.to_string());
+    let extra = a.labels.as_slice();
+    let base = [
+        gpu.as_str(),
+        a.uuid.as_str(),
+        pid.as_str(),
+        s.allocator.label(),
+    ];
     let st = &s.stats;
     let active_bytes = st.active_bytes();
     for pool in [PoolKind::Small, PoolKind::Large] {
@@ -118,13 +46,7 @@ pub(super) fn collect(
         (&c::DEVICE_ALLOCS, st.num_device_alloc.get() as f64),
         (&c::DEVICE_FREES, st.num_device_free.get() as f64),
         (&c::SYNC_ALL_STREAMS, st.num_sync_all_streams.get() as f64),
-        (
-            &c::FRAGMENTATION_RATIO,
-            ratio(
-                reserved.current.saturating_sub(allocated.current),
-                reserved.current,
-            ),
-        ),
+        (&c::FRAGMENTATION_RATIO, a.fragmentation()),
         (
             &c::INACTIVE_SPLIT_RATIO,
             ratio(inactive_split, reserved.current),
@@ -139,31 +61,16 @@ pub(super) fn collect(
             f.of(&c::PLAN_REQUESTS).push_with(&labels, extra, n as f64);
         }
     }
-    let last_oom = s.last_oom();
-    // A push says when in its own field; an allocator this process holds with its OOM.
-    let at = s
-        .last_oom_unix_seconds
-        .or_else(|| last_oom.as_ref().and_then(|o| o.at_unix_seconds));
-    if let Some(t) = at {
+    let last_oom = a.last_oom();
+    if let Some(t) = a.last_oom_at(last_oom.as_ref()) {
         f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
     }
-    if let Some(oom) = last_oom {
-        for (field, _, bytes) in oom.breakdown.parts() {
-            // The metric names live tensors' bytes `allocated` (the JSON's `requested`).
-            let kind = if field == "requested" {
-                "allocated"
-            } else {
-                field
-            };
-            if let Some(bytes) = bytes {
-                let labels = [base[0], base[1], base[2], base[3], kind];
-                f.of(&c::OOM_BREAKDOWN)
-                    .push_with(&labels, extra, bytes as f64);
-            }
-        }
+    for (kind, bytes) in last_oom.iter().flat_map(oom_parts) {
+        let labels = [base[0], base[1], base[2], base[3], kind];
+        f.of(&c::OOM_BREAKDOWN)
+            .push_with(&labels, extra, bytes as f64);
     }
-    let largest = s.largest_free_block.load(Ordering::Relaxed);
-    if largest != UNKNOWN_SIZE {
+    if let Some(largest) = a.largest_free_block() {
         f.of(&c::LARGEST_FREE_BLOCK)
             .push_with(&base, extra, largest as f64);
     }

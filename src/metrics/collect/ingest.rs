@@ -4,8 +4,8 @@
 use crate::sources::IngestReport;
 
 use super::super::contract as c;
+use super::super::names::{Names, ProcessPods, process_labels};
 use super::Families;
-use super::names::{Names, ProcessPods, process_labels};
 
 /// Each pushed process's pinned host memory, labelled as its allocators are.
 pub(super) fn collect_hosts(

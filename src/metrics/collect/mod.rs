@@ -2,8 +2,7 @@
 //! file per source as node_exporter's collectors are: `allocator.rs` (each allocator's
 //! counters, pushed or held), `node.rs` (a polled source's report: NVML or the simulated
 //! node, the kubelet's parts), `ingest.rs` (the ingest's counters and pushed processes'
-//! pinned host memory); `names.rs` holds what they share to label a process (its pod, the
-//! pod's names, its MIG device).
+//! pinned host memory), each over one [`NodeSnapshot`] (`metrics/snapshot.rs`).
 //!
 //! # Invariants
 //! - A series' label values are the contract's labels for its metric, in order, then extra
@@ -15,7 +14,6 @@
 
 mod allocator;
 mod ingest;
-mod names;
 mod node;
 
 use std::sync::Arc;
@@ -30,7 +28,8 @@ use crate::telemetry::pod_resources::PodResources;
 use crate::telemetry::{Kubelet, SourceReport};
 
 use super::contract::{self as c, CONTRACT, Kind, MetricDef};
-use names::Names;
+use super::names::process_pods;
+use super::snapshot::NodeSnapshot;
 
 /// Reads the latest report of a polled source, without waiting for the source.
 pub type ReportReader = Box<dyn Fn() -> Arc<SourceReport> + Send + Sync>;
@@ -171,39 +170,61 @@ impl Collector for AgentCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let mut f = Families::new();
-        let started = Instant::now();
-        let allocators = self.allocators.snapshot();
-        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
-        let pods = names::process_pods(&reports);
-        let places = allocator::Places::of(&reports);
-        let directory = self.kubelet.names.as_ref().map(PodNames::directory);
-        let names = Names(directory.as_deref());
-        let assigned = self.kubelet.resources.as_ref().map(PodResources::directory);
-        for source in &allocators {
-            allocator::collect(&mut f, source, &pods, names, &places);
-        }
-        if !allocators.is_empty() {
-            f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
-            f.of(&c::COLLECT_DURATION)
-                .push(&["allocator"], started.elapsed().as_secs_f64());
-        }
-        for report in &reports {
-            node::collect(&mut f, report, names, assigned.as_deref());
-        }
-        let kubelet_reports = [
-            self.kubelet.names.as_ref().map(PodNames::report),
-            self.kubelet.resources.as_ref().map(PodResources::report),
-        ];
-        for report in kubelet_reports.into_iter().flatten() {
-            node::collect(&mut f, &report, names, None);
-        }
-        if let Some(read) = &self.ingest {
-            let report = read();
-            ingest::collect(&mut f, &report, names);
-            ingest::collect_hosts(&mut f, &report, &pods, names);
-        }
-        f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
-        f.0.into_iter().filter_map(Family::into_family).collect()
+        render(&self.snapshot())
     }
+}
+
+impl AgentCollector {
+    /// What one scrape reads, typed: the page is drawn from it as the exposition is.
+    pub fn snapshot(&self) -> NodeSnapshot {
+        let taken = Instant::now();
+        let sources = self.allocators.snapshot();
+        let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
+        let names = self.kubelet.names.as_ref();
+        let resources = self.kubelet.resources.as_ref();
+        let kubelet = (
+            names.map(PodNames::directory),
+            resources.map(PodResources::directory),
+        );
+        let kubelet_reports = [
+            names.map(PodNames::report),
+            resources.map(PodResources::report),
+        ];
+        let ingest = self.ingest.as_ref().map(|read| read());
+        NodeSnapshot::new(
+            taken,
+            &sources,
+            reports,
+            kubelet,
+            kubelet_reports.into_iter().flatten().collect(),
+            ingest,
+        )
+    }
+}
+
+/// The families of a snapshot, every contract metric with series.
+fn render(snapshot: &NodeSnapshot) -> Vec<MetricFamily> {
+    let mut f = Families::new();
+    let names = snapshot.names();
+    for allocator in &snapshot.allocators {
+        allocator::collect(&mut f, allocator);
+    }
+    if !snapshot.allocators.is_empty() {
+        f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
+        f.of(&c::COLLECT_DURATION)
+            .push(&["allocator"], snapshot.taken.elapsed().as_secs_f64());
+    }
+    for report in &snapshot.reports {
+        node::collect(&mut f, report, names, snapshot.assigned.as_deref());
+    }
+    for report in &snapshot.kubelet_reports {
+        node::collect(&mut f, report, names, None);
+    }
+    if let Some(report) = &snapshot.ingest {
+        ingest::collect(&mut f, report, names);
+        let pods = process_pods(&snapshot.reports);
+        ingest::collect_hosts(&mut f, report, &pods, names);
+    }
+    f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
+    f.0.into_iter().filter_map(Family::into_family).collect()
 }

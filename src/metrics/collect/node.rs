@@ -5,8 +5,8 @@ use crate::telemetry::SourceReport;
 use crate::telemetry::pod_resources::{DeviceIndex, PodDirectory};
 
 use super::super::contract as c;
+use super::super::names::{Names, mig_labels};
 use super::Families;
-use super::names::{Names, mig_labels};
 
 /// A polled source's series.
 pub(super) fn collect(

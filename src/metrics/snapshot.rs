@@ -1,0 +1,279 @@
+//! One scrape's reading of the node, typed, rendered twice: as the exposition
+//! (`collect/`) and as the live page (`view::node`). So the page agrees with `/metrics` by
+//! construction: both read the same [`NodeSnapshot`], and where they show one figure they
+//! compute it with one function here.
+//!
+//! # Invariants
+//! - A snapshot reads each allocator source's list, each polled source's latest report, the
+//!   kubelet's parts and the ingest's report once, when it is taken; never a source itself,
+//!   never an allocator's lock.
+//! - An allocator is placed where NVML reports its device ([`PlacedAllocator`]: NVML's index
+//!   and UUID of its GPU, and its MIG device), else where it says; its labels are its own,
+//!   then its pod as NVML's view gives it where it names none, the pod's names where known,
+//!   and its MIG device's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::allocator::StatArray;
+use crate::allocator::size::PoolKind;
+use crate::sources::{AllocatorSource, IngestReport, LastOom, UNKNOWN_SIZE};
+use crate::telemetry::pod_names::NameDirectory;
+use crate::telemetry::pod_resources::PodDirectory;
+use crate::telemetry::{MigSample, SourceReport, uuid_body};
+
+use super::names::{Names, mig_labels, process_labels, process_pods};
+
+/// What one scrape reads.
+pub struct NodeSnapshot {
+    /// When it was taken.
+    pub taken: Instant,
+    /// The allocators exported, placed.
+    pub allocators: Vec<PlacedAllocator>,
+    /// The polled sources' latest reports (NVML's, or the simulated node's).
+    pub reports: Vec<Arc<SourceReport>>,
+    /// The kubelet's parts' reports (its log directories, its pod-resources API), where read.
+    pub kubelet_reports: Vec<Arc<SourceReport>>,
+    /// The ingest's report, where the agent takes pushes.
+    pub ingest: Option<IngestReport>,
+    /// Pod and container names, where the kubelet's log directories are read.
+    pub names: Option<Arc<NameDirectory>>,
+    /// The pods the kubelet assigned each device, where its pod-resources API is read.
+    pub assigned: Option<Arc<PodDirectory>>,
+}
+
+/// The MIG device an allocator runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigPlace {
+    /// Its GPU instance's ID (`GPU_I_ID`).
+    pub gpu_instance: u32,
+    /// Its GPU instance's profile (`GPU_I_PROFILE`).
+    pub profile: String,
+    /// Its UUID (`mig_uuid`).
+    pub uuid: String,
+}
+
+/// A pod's names, as the kubelet's log directories (or a pod-network push) give them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodName {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub pod: String,
+    /// The container's name.
+    pub container: String,
+}
+
+/// An allocator, placed on the node.
+pub struct PlacedAllocator {
+    /// Its source (counters and what its owner published).
+    pub source: Arc<AllocatorSource>,
+    /// Its GPU's index (NVML's, where NVML lists its device).
+    pub gpu: u32,
+    /// Its GPU's UUID (NVML's spelling, where NVML lists its device).
+    pub uuid: String,
+    /// Its MIG device, where it runs on one.
+    pub mig: Option<MigPlace>,
+    /// Its pod's names, each empty where not known.
+    pub pod: PodName,
+    /// Its series' labels beyond the contract's: see the module's invariants.
+    pub labels: Vec<(String, String)>,
+}
+
+/// `part / whole`, 0 for an empty whole; never negative, whatever a source reports.
+pub fn ratio(part: i64, whole: i64) -> f64 {
+    if whole <= 0 {
+        0.0
+    } else {
+        part.max(0) as f64 / whole as f64
+    }
+}
+
+/// Sums `array`'s current figure over the small and large pools, as the exposition's
+/// per-pool series add up.
+fn pools_current(array: &StatArray) -> i64 {
+    [PoolKind::Small, PoolKind::Large]
+        .iter()
+        .map(|&pool| array.pool(pool).current())
+        .sum()
+}
+
+impl PlacedAllocator {
+    /// Reserved bytes, over its pools.
+    pub fn reserved(&self) -> i64 {
+        pools_current(&self.source.stats.reserved_bytes)
+    }
+
+    /// Allocated bytes, over its pools.
+    pub fn allocated(&self) -> i64 {
+        pools_current(&self.source.stats.allocated_bytes)
+    }
+
+    /// Reserved but unallocated, as a share of reserved.
+    pub fn fragmentation(&self) -> f64 {
+        let st = &self.source.stats;
+        let (allocated, reserved) = (st.allocated_bytes.all(), st.reserved_bytes.all());
+        ratio(
+            reserved.current.saturating_sub(allocated.current),
+            reserved.current,
+        )
+    }
+
+    /// The largest cached free block, where its owner said.
+    pub fn largest_free_block(&self) -> Option<u64> {
+        let largest = self.source.largest_free_block.load(Ordering::Relaxed);
+        (largest != UNKNOWN_SIZE).then_some(largest)
+    }
+
+    /// Its last OOM's explanation, where its owner published one.
+    pub fn last_oom(&self) -> Option<LastOom> {
+        self.source.last_oom()
+    }
+
+    /// When it last ran out of memory (Unix seconds): a push says so in its own field, an
+    /// allocator this process holds with its OOM.
+    pub fn last_oom_at(&self, last_oom: Option<&LastOom>) -> Option<f64> {
+        self.source
+            .last_oom_unix_seconds
+            .or_else(|| last_oom.and_then(|o| o.at_unix_seconds))
+    }
+}
+
+/// Where the memory was at an OOM, by the exposition's `kind`: the breakdown's parts that
+/// were measured (live tensors' bytes are `allocated`, the JSON's `requested`).
+pub fn oom_parts(oom: &LastOom) -> impl Iterator<Item = (&'static str, u64)> {
+    oom.breakdown
+        .parts()
+        .into_iter()
+        .filter_map(|(field, _, bytes)| {
+            let kind = if field == "requested" {
+                "allocated"
+            } else {
+                field
+            };
+            Some((kind, bytes?))
+        })
+}
+
+/// Where a device lies on the node, as NVML reports it.
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    index: u32,
+    uuid: &'a str,
+    mig: Option<&'a MigSample>,
+}
+
+/// Every GPU and MIG device NVML reports, by UUID and by the UUID's body. A pushed device's
+/// index is the job's CUDA ordinal (in a container given host GPU 5 it says 0) and a MIG job's
+/// hook may spell its device `GPU-…`, so pushed series take NVML's place.
+struct Places<'a> {
+    exact: HashMap<&'a str, Place<'a>>,
+    body: HashMap<String, Place<'a>>,
+}
+
+impl<'a> Places<'a> {
+    fn of(reports: &'a [Arc<SourceReport>]) -> Self {
+        let mut places = Places {
+            exact: HashMap::new(),
+            body: HashMap::new(),
+        };
+        let gpus = reports
+            .iter()
+            .filter_map(|r| r.sample.as_ref())
+            .flat_map(|node| &node.gpus);
+        for gpu in gpus {
+            for (mig, uuid, _) in gpu.devices() {
+                let place = Place {
+                    index: gpu.index,
+                    uuid: &gpu.uuid,
+                    mig,
+                };
+                places.exact.insert(uuid, place);
+                places.body.insert(uuid_body(uuid), place);
+            }
+        }
+        places
+    }
+
+    fn find(&self, uuid: &str) -> Option<Place<'a>> {
+        self.exact
+            .get(uuid)
+            .or_else(|| self.body.get(&uuid_body(uuid)))
+            .copied()
+    }
+}
+
+/// A label's value in `labels`.
+fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find_map(|(k, v)| (k == name).then_some(v.as_str()))
+}
+
+impl NodeSnapshot {
+    /// A snapshot of what was read at `taken`: the allocator `sources`, the polled sources'
+    /// `reports`, the kubelet's parts (`names`, `assigned` and their reports) and the ingest's
+    /// report.
+    pub fn new(
+        taken: Instant,
+        sources: &[Arc<AllocatorSource>],
+        reports: Vec<Arc<SourceReport>>,
+        kubelet: (Option<Arc<NameDirectory>>, Option<Arc<PodDirectory>>),
+        kubelet_reports: Vec<Arc<SourceReport>>,
+        ingest: Option<IngestReport>,
+    ) -> NodeSnapshot {
+        let (names, assigned) = kubelet;
+        let allocators = {
+            let pods = process_pods(&reports);
+            let places = Places::of(&reports);
+            let named = Names(names.as_deref());
+            sources
+                .iter()
+                .map(|s| {
+                    let place = places.find(&s.uuid);
+                    let (gpu, uuid) = place.map_or((s.gpu, s.uuid.as_str()), |p| (p.index, p.uuid));
+                    let nvml = pods.get(&(uuid, s.pid)).copied();
+                    let mut labels = process_labels(&s.labels, nvml, named).into_owned();
+                    let mig = place.and_then(|p| p.mig);
+                    if let Some(mig) = mig {
+                        labels.extend(mig_labels(mig));
+                    }
+                    let named = |name| label(&labels, name).unwrap_or_default().to_string();
+                    let pod = PodName {
+                        namespace: named("pod_namespace"),
+                        pod: named("pod_name"),
+                        container: named("container_name"),
+                    };
+                    PlacedAllocator {
+                        source: Arc::clone(s),
+                        gpu,
+                        uuid: uuid.to_string(),
+                        mig: mig.map(|m| MigPlace {
+                            gpu_instance: m.gpu_instance,
+                            profile: m.profile.clone(),
+                            uuid: m.uuid.clone(),
+                        }),
+                        pod,
+                        labels,
+                    }
+                })
+                .collect()
+        };
+        NodeSnapshot {
+            taken,
+            allocators,
+            reports,
+            kubelet_reports,
+            ingest,
+            names,
+            assigned,
+        }
+    }
+
+    /// The pod and container names of this snapshot.
+    pub(super) fn names(&self) -> Names<'_> {
+        Names(self.names.as_deref())
+    }
+}
