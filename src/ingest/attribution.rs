@@ -13,6 +13,7 @@
 //! - The kernel's word outranks the node's, and both a payload's ([`Origin`]'s order, which
 //!   the store's admission applies).
 
+use crate::metrics::contract::label;
 use crate::telemetry::cgroup::ContainerRef;
 use crate::telemetry::pod_network::PodPeer;
 use crate::telemetry::process;
@@ -108,12 +109,12 @@ impl Identity {
     /// them.
     pub(super) fn labels(&self, mut labels: Vec<(String, String)>) -> Vec<(String, String)> {
         if let Some(c) = &self.container {
-            labels.push(("pod_uid".into(), c.pod_uid.clone()));
-            labels.push(("container_id".into(), c.container_id.clone()));
+            labels.push((label::POD_UID.into(), c.pod_uid.clone()));
+            labels.push((label::CONTAINER_ID.into(), c.container_id.clone()));
         }
         if let Some((namespace, name)) = &self.pod_names {
-            labels.push(("pod_namespace".into(), namespace.clone()));
-            labels.push(("pod_name".into(), name.clone()));
+            labels.push((label::POD_NAMESPACE.into(), namespace.clone()));
+            labels.push((label::POD_NAME.into(), name.clone()));
         }
         labels
     }
@@ -184,10 +185,10 @@ fn check_identity(
         // A colliding name is exported as `exported_<name>`: still a claim.
         let base = name.strip_prefix("exported_").unwrap_or(name);
         let own = match base {
-            "pod_uid" => &pod.uid,
-            "namespace" | "pod_namespace" => &pod.namespace,
-            "pod" | "pod_name" => &pod.name,
-            "container_id" => &container.container_id,
+            label::POD_UID => &pod.uid,
+            "namespace" | label::POD_NAMESPACE => &pod.namespace,
+            "pod" | label::POD_NAME => &pod.name,
+            label::CONTAINER_ID => &container.container_id,
             _ => continue,
         };
         if value != own {

@@ -55,6 +55,7 @@ use serde::{Deserialize, Serialize};
 
 use super::refusal::{Refusal, Rejected};
 use crate::allocator::TraceAction;
+use crate::metrics::contract;
 use crate::recording::{ReadLimits, TraceError, read_recording_with};
 use crate::sources::RecordingsReport;
 
@@ -618,11 +619,11 @@ impl RecordingStore {
         let stored = StoredRecording {
             id: format!("{:x}-{:x}-{n:x}", (time * 1e6) as u64, uploader.pid),
             pid: uploader.pid,
-            pod_uid: label("pod_uid"),
-            container_id: label("container_id"),
-            pod_namespace: label("pod_namespace"),
-            pod_name: label("pod_name"),
-            container_name: label("container_name"),
+            pod_uid: label(contract::label::POD_UID),
+            container_id: label(contract::label::CONTAINER_ID),
+            pod_namespace: label(contract::label::POD_NAMESPACE),
+            pod_name: label(contract::label::POD_NAME),
+            container_name: label(contract::label::CONTAINER_NAME),
             device: oom.map(|(device, _)| device),
             time,
             bytes,

@@ -12,7 +12,7 @@ pub enum Kind {
     Counter,
 }
 
-/// One metric of the contract.
+/// One metric of the contract, as listed ([`CONTRACT`]).
 #[derive(Debug)]
 pub struct MetricDef {
     /// Full name.
@@ -25,22 +25,65 @@ pub struct MetricDef {
     pub labels: &'static [&'static str],
 }
 
+/// One metric of the contract with its `N` label names: a series gives exactly `N` values, in
+/// their order (the collectors' `Families::of` takes `[&str; N]`), so a value cannot go
+/// unpaired. It reads as its [`MetricDef`].
+#[derive(Debug)]
+pub struct Metric<const N: usize>(pub MetricDef);
+
+impl<const N: usize> std::ops::Deref for Metric<N> {
+    type Target = MetricDef;
+
+    fn deref(&self) -> &MetricDef {
+        &self.0
+    }
+}
+
+/// Label names the agent writes beside the contract's, where known: a process's pod and
+/// container (from the cgroup, or the pod network), the pod's names (the kubelet's log
+/// directories), and a MIG device's (dcgm-exporter's spellings).
+pub mod label {
+    /// The pod's UID.
+    pub const POD_UID: &str = "pod_uid";
+    /// The container's 64-hex ID.
+    pub const CONTAINER_ID: &str = "container_id";
+    /// The pod's namespace.
+    pub const POD_NAMESPACE: &str = "pod_namespace";
+    /// The pod's name.
+    pub const POD_NAME: &str = "pod_name";
+    /// The container's name.
+    pub const CONTAINER_NAME: &str = "container_name";
+    /// A MIG device's GPU instance ID.
+    pub const GPU_I_ID: &str = "GPU_I_ID";
+    /// A MIG device's GPU instance profile.
+    pub const GPU_I_PROFILE: &str = "GPU_I_PROFILE";
+    /// A MIG device's UUID.
+    pub const MIG_UUID: &str = "mig_uuid";
+}
+
+const NONE: &[&str] = &[];
 const ALLOCATOR: &[&str] = &["gpu", "UUID", "pid", "allocator"];
 const ALLOCATOR_POOL: &[&str] = &["gpu", "UUID", "pid", "allocator", "pool"];
 const ALLOCATOR_SIZE: &[&str] = &["gpu", "UUID", "pid", "allocator", "segment_size"];
 const ALLOCATOR_KIND: &[&str] = &["gpu", "UUID", "pid", "allocator", "kind"];
 const DEVICE: &[&str] = &["gpu", "UUID"];
-const MIG: &[&str] = &["gpu", "UUID", "GPU_I_ID", "GPU_I_PROFILE", "mig_uuid"];
+const MIG: &[&str] = &[
+    "gpu",
+    "UUID",
+    label::GPU_I_ID,
+    label::GPU_I_PROFILE,
+    label::MIG_UUID,
+];
 
 macro_rules! metric {
     ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
         #[doc = concat!("`", $name, "`")]
-        pub const $id: MetricDef = MetricDef {
+        pub const $id: Metric<{ $labels.len() }> = Metric(MetricDef {
             name: $name,
             help: $help,
             kind: Kind::$kind,
             labels: $labels,
-        };
+        });
     };
 }
 
@@ -296,21 +339,21 @@ metric!(
     INGEST_TRACKED,
     "gpumem_ingest_tracked_processes",
     Gauge,
-    &[],
+    NONE,
     "Processes whose pushed statistics the agent currently serves."
 );
 metric!(
     RECORDINGS_STORED,
     "gpumem_recordings_stored",
     Gauge,
-    &[],
+    NONE,
     "Recordings (memory snapshots jobs uploaded at an OOM) the agent keeps (GET /api/v1/recordings lists them)."
 );
 metric!(
     RECORDINGS_STORED_BYTES,
     "gpumem_recordings_stored_bytes",
     Gauge,
-    &[],
+    NONE,
     "Bytes of the recordings the agent keeps, as stored (gzipped)."
 );
 metric!(
@@ -414,56 +457,56 @@ metric!(
 
 /// Every metric of the contract.
 pub const CONTRACT: [&MetricDef; 50] = [
-    &ALLOCATED_BYTES,
-    &RESERVED_BYTES,
-    &ACTIVE_BYTES,
-    &INACTIVE_SPLIT_BYTES,
-    &REQUESTED_BYTES,
-    &PEAK_ALLOCATED_BYTES,
-    &PEAK_RESERVED_BYTES,
-    &SEGMENTS,
-    &ALLOC_RETRIES,
-    &PLAN_REQUESTS,
-    &OOMS,
-    &OOM_REJECTIONS,
-    &DEVICE_ALLOCS,
-    &DEVICE_FREES,
-    &SYNC_ALL_STREAMS,
-    &FRAGMENTATION_RATIO,
-    &INACTIVE_SPLIT_RATIO,
-    &LARGEST_FREE_BLOCK,
-    &SEGMENTS_BY_SIZE,
-    &SEGMENT_FREE_BYTES_BY_SIZE,
-    &ALLOCATOR_INFO,
-    &LAST_OOM_TIMESTAMP,
-    &OOM_BREAKDOWN,
-    &DEVICE_TOTAL,
-    &DEVICE_USED,
-    &DEVICE_FREE,
-    &DEVICE_RESERVED,
-    &MIG_TOTAL,
-    &MIG_USED,
-    &MIG_FREE,
-    &PROCESS_USED,
-    &GPU_ASSIGNED,
-    &DEVICE_INFO,
-    &SOURCE_UP,
-    &COLLECT_DURATION,
-    &INGEST_PAYLOADS,
-    &INGEST_TRACKED,
-    &RECORDINGS_STORED,
-    &RECORDINGS_STORED_BYTES,
-    &RECORDINGS_REFUSED,
-    &INGEST_LAST_PUSH_AGE,
-    &POD_OOMS,
-    &HOST_PINNED_ALLOCATED_BYTES,
-    &HOST_PINNED_ACTIVE_BYTES,
-    &HOST_PINNED_ALLOCATIONS,
-    &HOST_PINNED_ACTIVE_REQUESTS,
-    &HOST_PINNED_ALLOCS,
-    &HOST_PINNED_FREES,
-    &HOST_PINNED_ALLOC_SECONDS,
-    &BUILD_INFO,
+    &ALLOCATED_BYTES.0,
+    &RESERVED_BYTES.0,
+    &ACTIVE_BYTES.0,
+    &INACTIVE_SPLIT_BYTES.0,
+    &REQUESTED_BYTES.0,
+    &PEAK_ALLOCATED_BYTES.0,
+    &PEAK_RESERVED_BYTES.0,
+    &SEGMENTS.0,
+    &ALLOC_RETRIES.0,
+    &PLAN_REQUESTS.0,
+    &OOMS.0,
+    &OOM_REJECTIONS.0,
+    &DEVICE_ALLOCS.0,
+    &DEVICE_FREES.0,
+    &SYNC_ALL_STREAMS.0,
+    &FRAGMENTATION_RATIO.0,
+    &INACTIVE_SPLIT_RATIO.0,
+    &LARGEST_FREE_BLOCK.0,
+    &SEGMENTS_BY_SIZE.0,
+    &SEGMENT_FREE_BYTES_BY_SIZE.0,
+    &ALLOCATOR_INFO.0,
+    &LAST_OOM_TIMESTAMP.0,
+    &OOM_BREAKDOWN.0,
+    &DEVICE_TOTAL.0,
+    &DEVICE_USED.0,
+    &DEVICE_FREE.0,
+    &DEVICE_RESERVED.0,
+    &MIG_TOTAL.0,
+    &MIG_USED.0,
+    &MIG_FREE.0,
+    &PROCESS_USED.0,
+    &GPU_ASSIGNED.0,
+    &DEVICE_INFO.0,
+    &SOURCE_UP.0,
+    &COLLECT_DURATION.0,
+    &INGEST_PAYLOADS.0,
+    &INGEST_TRACKED.0,
+    &RECORDINGS_STORED.0,
+    &RECORDINGS_STORED_BYTES.0,
+    &RECORDINGS_REFUSED.0,
+    &INGEST_LAST_PUSH_AGE.0,
+    &POD_OOMS.0,
+    &HOST_PINNED_ALLOCATED_BYTES.0,
+    &HOST_PINNED_ACTIVE_BYTES.0,
+    &HOST_PINNED_ALLOCATIONS.0,
+    &HOST_PINNED_ACTIVE_REQUESTS.0,
+    &HOST_PINNED_ALLOCS.0,
+    &HOST_PINNED_FREES.0,
+    &HOST_PINNED_ALLOC_SECONDS.0,
+    &BUILD_INFO.0,
 ];
 
 /// The contract as the Markdown page `docs/metrics.md`: every family with its type, labels and

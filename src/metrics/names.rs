@@ -9,12 +9,14 @@ use crate::telemetry::cgroup::ContainerRef;
 use crate::telemetry::pod_names::NameDirectory;
 use crate::telemetry::{MigSample, SourceReport};
 
+use super::contract::label;
+
 /// The labels that name a MIG device, beside its parent's `gpu` and `UUID`.
 pub(super) fn mig_labels(mig: &MigSample) -> [(String, String); 3] {
     [
-        ("GPU_I_ID".into(), mig.gpu_instance.to_string()),
-        ("GPU_I_PROFILE".into(), mig.profile.clone()),
-        ("mig_uuid".into(), mig.uuid.clone()),
+        (label::GPU_I_ID.into(), mig.gpu_instance.to_string()),
+        (label::GPU_I_PROFILE.into(), mig.profile.clone()),
+        (label::MIG_UUID.into(), mig.uuid.clone()),
     ]
 }
 
@@ -31,7 +33,7 @@ impl Names<'_> {
     }
 }
 
-fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
+fn value_of<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
     labels
         .iter()
         .find_map(|(k, v)| (k == name).then_some(v.as_str()))
@@ -65,15 +67,17 @@ pub(super) fn process_labels<'a>(
     names: Names<'_>,
 ) -> Cow<'a, [(String, String)]> {
     let mut labels = Cow::Borrowed(own);
-    if label(own, "pod_uid").is_none()
+    if value_of(own, label::POD_UID).is_none()
         && let Some(container) = nvml
     {
         let all = labels.to_mut();
-        all.push(("pod_uid".into(), container.pod_uid.clone()));
-        all.push(("container_id".into(), container.container_id.clone()));
+        all.push((label::POD_UID.into(), container.pod_uid.clone()));
+        all.push((label::CONTAINER_ID.into(), container.container_id.clone()));
     }
-    let uid = label(&labels, "pod_uid").unwrap_or_default().to_string();
-    let id = label(&labels, "container_id")
+    let uid = value_of(&labels, label::POD_UID)
+        .unwrap_or_default()
+        .to_string();
+    let id = value_of(&labels, label::CONTAINER_ID)
         .unwrap_or_default()
         .to_string();
     if let [namespace, pod, container] = names.of(&uid, &id)
@@ -81,11 +85,11 @@ pub(super) fn process_labels<'a>(
     {
         // A push from the pod network names its pod already (the runtime said).
         for (name, value) in [
-            ("pod_namespace", namespace),
-            ("pod_name", pod),
-            ("container_name", container),
+            (label::POD_NAMESPACE, namespace),
+            (label::POD_NAME, pod),
+            (label::CONTAINER_NAME, container),
         ] {
-            if label(&labels, name).is_none() {
+            if value_of(&labels, name).is_none() {
                 labels.to_mut().push((name.into(), value));
             }
         }

@@ -24,6 +24,7 @@ use crate::telemetry::pod_names::NameDirectory;
 use crate::telemetry::pod_resources::PodDirectory;
 use crate::telemetry::{MigSample, SourceReport, uuid_body};
 
+use super::contract::label;
 use super::names::{Names, mig_labels, process_labels, process_pods};
 
 /// What one scrape reads.
@@ -206,7 +207,7 @@ impl<'a> Places<'a> {
 }
 
 /// A label's value in `labels`.
-fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
+fn value_of<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
     labels
         .iter()
         .find_map(|(k, v)| (k == name).then_some(v.as_str()))
@@ -240,11 +241,11 @@ impl NodeSnapshot {
                     if let Some(mig) = mig {
                         labels.extend(mig_labels(mig));
                     }
-                    let named = |name| label(&labels, name).unwrap_or_default().to_string();
+                    let named = |name| value_of(&labels, name).unwrap_or_default().to_string();
                     let pod = PodName {
-                        namespace: named("pod_namespace"),
-                        pod: named("pod_name"),
-                        container: named("container_name"),
+                        namespace: named(label::POD_NAMESPACE),
+                        pod: named(label::POD_NAME),
+                        container: named(label::CONTAINER_NAME),
                     };
                     PlacedAllocator {
                         source: Arc::clone(s),

@@ -31,7 +31,7 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
             (&c::SEGMENTS, &st.segment),
         ] {
             f.of(def)
-                .push_with(&labels, extra, array.pool(pool).current() as f64);
+                .push_with(labels, extra, array.pool(pool).current() as f64);
         }
     }
     let allocated = st.allocated_bytes.all();
@@ -52,27 +52,27 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
             ratio(inactive_split, reserved.current),
         ),
     ] {
-        f.of(def).push_with(&base, extra, value);
+        f.of(def).push_with(base, extra, value);
     }
     let (hits, misses) = (st.num_plan_hits.get(), st.num_plan_misses.get());
     if hits + misses > 0 {
         for (outcome, n) in [("hit", hits), ("miss", misses)] {
             let labels = [base[0], base[1], base[2], base[3], outcome];
-            f.of(&c::PLAN_REQUESTS).push_with(&labels, extra, n as f64);
+            f.of(&c::PLAN_REQUESTS).push_with(labels, extra, n as f64);
         }
     }
     let last_oom = a.last_oom();
     if let Some(t) = a.last_oom_at(last_oom.as_ref()) {
-        f.of(&c::LAST_OOM_TIMESTAMP).push_with(&base, extra, t);
+        f.of(&c::LAST_OOM_TIMESTAMP).push_with(base, extra, t);
     }
     for (kind, bytes) in last_oom.iter().flat_map(oom_parts) {
         let labels = [base[0], base[1], base[2], base[3], kind];
         f.of(&c::OOM_BREAKDOWN)
-            .push_with(&labels, extra, bytes as f64);
+            .push_with(labels, extra, bytes as f64);
     }
     if let Some(largest) = a.largest_free_block() {
         f.of(&c::LARGEST_FREE_BLOCK)
-            .push_with(&base, extra, largest as f64);
+            .push_with(base, extra, largest as f64);
     }
     let classes = s
         .segment_classes
@@ -83,12 +83,12 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
         let size = class.size.to_string();
         let labels = [base[0], base[1], base[2], base[3], size.as_str()];
         f.of(&c::SEGMENTS_BY_SIZE)
-            .push_with(&labels, extra, class.segments as f64);
+            .push_with(labels, extra, class.segments as f64);
         f.of(&c::SEGMENT_FREE_BYTES_BY_SIZE)
-            .push_with(&labels, extra, class.free_bytes as f64);
+            .push_with(labels, extra, class.free_bytes as f64);
     }
     f.of(&c::ALLOCATOR_INFO).push_with(
-        &[base[0], base[1], base[2], base[3], &s.version, &s.config],
+        [base[0], base[1], base[2], base[3], &s.version, &s.config],
         extra,
         1.0,
     );

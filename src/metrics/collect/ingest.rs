@@ -34,7 +34,7 @@ pub(super) fn collect_hosts(
         ] {
             if let Some(value) = value {
                 f.of(def)
-                    .push_with(&[&pid], extra.as_ref(), value as f64 / per_unit);
+                    .push_with([&pid], extra.as_ref(), value as f64 / per_unit);
             }
         }
     }
@@ -43,27 +43,27 @@ pub(super) fn collect_hosts(
 /// The ingest's own series.
 pub(super) fn collect(f: &mut Families, report: &IngestReport, names: Names<'_>) {
     for (result, count) in &report.results {
-        f.of(&c::INGEST_PAYLOADS).push(&[result], *count as f64);
+        f.of(&c::INGEST_PAYLOADS).push([result], *count as f64);
     }
     f.of(&c::INGEST_TRACKED)
-        .push(&[], report.processes.len() as f64);
+        .push([], report.processes.len() as f64);
     for p in &report.processes {
         f.of(&c::INGEST_LAST_PUSH_AGE)
-            .push(&[&p.pid.to_string()], p.last_push.elapsed().as_secs_f64());
+            .push([&p.pid.to_string()], p.last_push.elapsed().as_secs_f64());
     }
     if let Some(recordings) = &report.recordings {
         f.of(&c::RECORDINGS_STORED)
-            .push(&[], recordings.stored as f64);
+            .push([], recordings.stored as f64);
         f.of(&c::RECORDINGS_STORED_BYTES)
-            .push(&[], recordings.bytes as f64);
+            .push([], recordings.bytes as f64);
         for (reason, n) in &recordings.refused {
-            f.of(&c::RECORDINGS_REFUSED).push(&[reason], *n as f64);
+            f.of(&c::RECORDINGS_REFUSED).push([reason], *n as f64);
         }
     }
     for pod in &report.pod_ooms {
         let [namespace, name, container] = names.of(&pod.pod_uid, &pod.container_id);
         f.of(&c::POD_OOMS).push(
-            &[
+            [
                 &pod.pod_uid,
                 &pod.container_id,
                 &namespace,

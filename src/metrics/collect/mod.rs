@@ -6,7 +6,8 @@
 //!
 //! # Invariants
 //! - A series' label values are the contract's labels for its metric, in order, then extra
-//!   labels ([`Family::push_with`] pairs them by position, checked in debug builds).
+//!   labels: [`Families::of`] takes a [`Metric<N>`] and its series `[&str; N]`, so the count
+//!   is checked where the code is compiled.
 //! - A family without series is not exported; every contract metric has one family.
 //! - A scrape reads each allocator's published counters (never its lock), each polled
 //!   source's latest report (never the source), the ingest's report and the kubelet's latest
@@ -27,7 +28,7 @@ use crate::telemetry::pod_names::PodNames;
 use crate::telemetry::pod_resources::PodResources;
 use crate::telemetry::{Kubelet, SourceReport};
 
-use super::contract::{self as c, CONTRACT, Kind, MetricDef};
+use super::contract::{self as c, CONTRACT, Kind, Metric, MetricDef};
 use super::names::process_pods;
 use super::snapshot::NodeSnapshot;
 
@@ -35,7 +36,7 @@ use super::snapshot::NodeSnapshot;
 pub type ReportReader = Box<dyn Fn() -> Arc<SourceReport> + Send + Sync>;
 
 /// Series of one metric, gathered during a scrape.
-pub(super) struct Family {
+struct Family {
     def: &'static MetricDef,
     metrics: Vec<proto::Metric>,
 }
@@ -47,14 +48,25 @@ fn pair(name: &str, value: &str) -> LabelPair {
     pair
 }
 
-impl Family {
-    pub(super) fn push(&mut self, values: &[&str], value: f64) {
-        self.push_with(values, &[], value);
+/// Where series of a metric with `N` labels go: each gives `N` values, paired with the
+/// contract's label names in order.
+pub(super) struct Series<'a, const N: usize>(&'a mut Family);
+
+impl<const N: usize> Series<'_, N> {
+    /// A series with the contract's labels.
+    pub(super) fn push(self, values: [&str; N], value: f64) {
+        self.0.push(&values, &[], value);
     }
 
     /// A series with the contract's labels, then `extra` ones.
-    pub(super) fn push_with(&mut self, values: &[&str], extra: &[(String, String)], value: f64) {
-        debug_assert_eq!(values.len(), self.def.labels.len(), "{}", self.def.name);
+    pub(super) fn push_with(self, values: [&str; N], extra: &[(String, String)], value: f64) {
+        self.0.push(&values, extra, value);
+    }
+}
+
+impl Family {
+    /// A series: `values` are as many as the contract's labels ([`Series`] holds it).
+    fn push(&mut self, values: &[&str], extra: &[(String, String)], value: f64) {
         let labels = self
             .def
             .labels
@@ -156,11 +168,13 @@ impl Families {
         )
     }
 
-    pub(super) fn of(&mut self, def: &MetricDef) -> &mut Family {
-        self.0
+    pub(super) fn of<const N: usize>(&mut self, metric: &Metric<N>) -> Series<'_, N> {
+        let family = self
+            .0
             .iter_mut()
-            .find(|f| f.def.name == def.name)
-            .expect("every metric of the contract has a family")
+            .find(|f| f.def.name == metric.name)
+            .expect("every metric of the contract has a family");
+        Series(family)
     }
 }
 
@@ -210,9 +224,9 @@ fn render(snapshot: &NodeSnapshot) -> Vec<MetricFamily> {
         allocator::collect(&mut f, allocator);
     }
     if !snapshot.allocators.is_empty() {
-        f.of(&c::SOURCE_UP).push(&["allocator"], 1.0);
+        f.of(&c::SOURCE_UP).push(["allocator"], 1.0);
         f.of(&c::COLLECT_DURATION)
-            .push(&["allocator"], snapshot.taken.elapsed().as_secs_f64());
+            .push(["allocator"], snapshot.taken.elapsed().as_secs_f64());
     }
     for report in &snapshot.reports {
         node::collect(&mut f, report, names, snapshot.assigned.as_deref());
@@ -225,6 +239,6 @@ fn render(snapshot: &NodeSnapshot) -> Vec<MetricFamily> {
         let pods = process_pods(&snapshot.reports);
         ingest::collect_hosts(&mut f, report, &pods, names);
     }
-    f.of(&c::BUILD_INFO).push(&[env!("CARGO_PKG_VERSION")], 1.0);
+    f.of(&c::BUILD_INFO).push([env!("CARGO_PKG_VERSION")], 1.0);
     f.0.into_iter().filter_map(Family::into_family).collect()
 }

@@ -16,9 +16,9 @@ pub(super) fn collect(
     assigned: Option<&PodDirectory>,
 ) {
     f.of(&c::SOURCE_UP)
-        .push(&[report.source], if report.up { 1.0 } else { 0.0 });
+        .push([report.source], if report.up { 1.0 } else { 0.0 });
     f.of(&c::COLLECT_DURATION)
-        .push(&[report.source], report.duration_seconds);
+        .push([report.source], report.duration_seconds);
     let Some(node) = &report.sample else {
         return;
     };
@@ -26,14 +26,14 @@ pub(super) fn collect(
     for gpu in &node.gpus {
         let index = gpu.index.to_string();
         let labels = [index.as_str(), gpu.uuid.as_str()];
-        f.of(&c::DEVICE_TOTAL).push(&labels, gpu.total as f64);
-        f.of(&c::DEVICE_USED).push(&labels, gpu.used as f64);
-        f.of(&c::DEVICE_FREE).push(&labels, gpu.free as f64);
+        f.of(&c::DEVICE_TOTAL).push(labels, gpu.total as f64);
+        f.of(&c::DEVICE_USED).push(labels, gpu.used as f64);
+        f.of(&c::DEVICE_FREE).push(labels, gpu.free as f64);
         if let Some(reserved) = gpu.reserved {
-            f.of(&c::DEVICE_RESERVED).push(&labels, reserved as f64);
+            f.of(&c::DEVICE_RESERVED).push(labels, reserved as f64);
         }
         f.of(&c::DEVICE_INFO).push(
-            &[
+            [
                 &index,
                 &gpu.uuid,
                 &gpu.model,
@@ -59,16 +59,16 @@ pub(super) fn collect(
                     profile,
                     mig_uuid,
                 ];
-                f.of(&c::MIG_TOTAL).push(&labels, mig.total as f64);
-                f.of(&c::MIG_USED).push(&labels, mig.used as f64);
-                f.of(&c::MIG_FREE).push(&labels, mig.free as f64);
+                f.of(&c::MIG_TOTAL).push(labels, mig.total as f64);
+                f.of(&c::MIG_USED).push(labels, mig.used as f64);
+                f.of(&c::MIG_FREE).push(labels, mig.free as f64);
             }
             for holder in assigned
                 .map(|d| d.holders(uuid, Some(at)))
                 .unwrap_or_default()
             {
                 f.of(&c::GPU_ASSIGNED).push_with(
-                    &[
+                    [
                         &index,
                         &gpu.uuid,
                         &holder.namespace,
@@ -88,7 +88,7 @@ pub(super) fn collect(
                     .map_or(("", ""), |c| (c.pod_uid.as_str(), c.container_id.as_str()));
                 let [namespace, pod, container] = names.of(pod_uid, container_id);
                 f.of(&c::PROCESS_USED).push_with(
-                    &[
+                    [
                         &index,
                         &gpu.uuid,
                         &pid,
