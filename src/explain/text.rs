@@ -97,9 +97,15 @@ fn write_memory(out: &mut String, e: &Explanation) -> std::fmt::Result {
             "\nwhere the memory was (the device's size is not recorded: --capacity gives it, and with it what sat outside the allocator):"
         )?;
     }
-    let width = b.parts().iter().map(|p| p.1.len()).max().unwrap_or(0);
-    for (_, label, bytes) in b.parts() {
+    let width = b
+        .parts()
+        .iter()
+        .map(|p| p.0.meaning().len())
+        .max()
+        .unwrap_or(0);
+    for (part, bytes) in b.parts() {
         let bytes = bytes.map_or_else(|| "unknown".to_string(), f);
+        let label = part.meaning();
         writeln!(out, "  {label:<width$} {bytes:>12}")?;
     }
     writeln!(

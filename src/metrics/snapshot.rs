@@ -18,6 +18,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::allocator::StatArray;
+use crate::allocator::breakdown::Part;
 use crate::allocator::size::PoolKind;
 use crate::sources::{AllocatorSource, IngestReport, LastOom, UNKNOWN_SIZE};
 use crate::telemetry::pod_names::NameDirectory;
@@ -148,11 +149,10 @@ pub fn oom_parts(oom: &LastOom) -> impl Iterator<Item = (&'static str, u64)> {
     oom.breakdown
         .parts()
         .into_iter()
-        .filter_map(|(field, _, bytes)| {
-            let kind = if field == "requested" {
-                "allocated"
-            } else {
-                field
+        .filter_map(|(part, bytes)| {
+            let kind = match part {
+                Part::Requested => "allocated",
+                other => other.field(),
             };
             Some((kind, bytes?))
         })

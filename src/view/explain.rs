@@ -541,7 +541,7 @@ fn breakdown_parts(
         .parts()
         .into_iter()
         .zip(COLOURS)
-        .map(|((field, label, bytes), colour)| (field, label, colour, bytes))
+        .map(|((part, bytes), colour)| (part.field(), part.meaning(), colour, bytes))
         .collect()
 }
 

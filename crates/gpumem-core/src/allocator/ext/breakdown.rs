@@ -39,47 +39,91 @@ pub struct Breakdown {
     pub outside_allocator: Option<u64>,
 }
 
+/// A part of a [`Breakdown`], in the order they are shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Part {
+    /// What live tensors asked for.
+    Requested,
+    /// What rounding added to them.
+    Rounding,
+    /// Cached and free, too small for the request.
+    Fragmented,
+    /// Cached and free, in other streams' pools.
+    OtherStreams,
+    /// Cached and free, in pools the request could not use.
+    OtherPools,
+    /// Freed, waiting on other streams.
+    PendingStreamFrees,
+    /// Free on the device.
+    Free,
+    /// Held outside the allocator.
+    OutsideAllocator,
+}
+
+impl Part {
+    /// Every part, in the order they are shown.
+    pub const ALL: [Part; 8] = [
+        Part::Requested,
+        Part::Rounding,
+        Part::Fragmented,
+        Part::OtherStreams,
+        Part::OtherPools,
+        Part::PendingStreamFrees,
+        Part::Free,
+        Part::OutsideAllocator,
+    ];
+
+    /// Its field in the breakdown's JSON.
+    pub fn field(self) -> &'static str {
+        match self {
+            Part::Requested => "requested",
+            Part::Rounding => "rounding",
+            Part::Fragmented => "fragmented",
+            Part::OtherStreams => "other_streams",
+            Part::OtherPools => "other_pools",
+            Part::PendingStreamFrees => "pending_stream_frees",
+            Part::Free => "free",
+            Part::OutsideAllocator => "outside_allocator",
+        }
+    }
+
+    /// What it holds, in words.
+    pub fn meaning(self) -> &'static str {
+        match self {
+            Part::Requested => "live tensors (requested)",
+            Part::Rounding => "rounding of live tensors",
+            Part::Fragmented => "cached, free, too small for the request",
+            Part::OtherStreams => "cached, free, other streams' pools",
+            Part::OtherPools => "cached, free, other pools (CUDA graphs, MemPools)",
+            Part::PendingStreamFrees => "freed, waiting on other streams (record_stream)",
+            Part::Free => "free on the device",
+            Part::OutsideAllocator => "outside the allocator",
+        }
+    }
+}
+
 impl Breakdown {
     /// How many parts there are.
-    pub const PARTS: usize = 8;
+    pub const PARTS: usize = Part::ALL.len();
 
-    /// The parts in the order they are shown: JSON field, what it holds, bytes (`None` where
-    /// unknown).
-    pub fn parts(&self) -> [(&'static str, &'static str, Option<u64>); Self::PARTS] {
-        [
-            (
-                "requested",
-                "live tensors (requested)",
-                Some(self.requested),
-            ),
-            ("rounding", "rounding of live tensors", Some(self.rounding)),
-            (
-                "fragmented",
-                "cached, free, too small for the request",
-                Some(self.fragmented),
-            ),
-            (
-                "other_streams",
-                "cached, free, other streams' pools",
-                Some(self.other_streams),
-            ),
-            (
-                "other_pools",
-                "cached, free, other pools (CUDA graphs, MemPools)",
-                Some(self.other_pools),
-            ),
-            (
-                "pending_stream_frees",
-                "freed, waiting on other streams (record_stream)",
-                Some(self.pending_stream_frees),
-            ),
-            ("free", "free on the device", self.free),
-            (
-                "outside_allocator",
-                "outside the allocator",
-                self.outside_allocator,
-            ),
-        ]
+    /// A part's bytes, `None` where unknown (the device's free memory and what sat outside
+    /// the allocator, where the device's size was not recorded).
+    pub fn get(&self, part: Part) -> Option<u64> {
+        match part {
+            Part::Requested => Some(self.requested),
+            Part::Rounding => Some(self.rounding),
+            Part::Fragmented => Some(self.fragmented),
+            Part::OtherStreams => Some(self.other_streams),
+            Part::OtherPools => Some(self.other_pools),
+            Part::PendingStreamFrees => Some(self.pending_stream_frees),
+            Part::Free => self.free,
+            Part::OutsideAllocator => self.outside_allocator,
+        }
+    }
+
+    /// The parts in the order they are shown, with their bytes.
+    pub fn parts(&self) -> [(Part, Option<u64>); Self::PARTS] {
+        Part::ALL.map(|part| (part, self.get(part)))
     }
 }
 
