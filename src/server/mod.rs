@@ -1,12 +1,12 @@
 //! The HTTP shell: `/metrics` (the exposition, in the format and encoding the scraper asks
 //! for: `scrape.rs`), `/healthz` (liveness: the runtime answers and every polling loop keeps
-//! finishing rounds, whatever the sources say), `/readyz` (readiness: every loop's first
-//! round is done), `/` (the live page, drawn from `GET /api/v1/node`: `view::node` over one
-//! gather of the same metrics, and `GET /api/v1/segments` for the allocators this process
-//! holds; with [`AppState::ui`] off, only links) and, when the agent ingests pushed
-//! statistics, `POST /api/v1/push` (`push.rs`) from this host or its pods only: over a Unix
-//! socket ([`serve_unix`], where the kernel names the pushing process), from a loopback TCP
-//! peer, or, where the agent attributes the pod network
+//! finishing rounds, whatever the sources say) and `/readyz` (readiness: every loop's first
+//! round is done: `probes.rs`), `/` (the live page, drawn from `GET /api/v1/node`:
+//! `view::node` over the snapshot a scrape renders, and `GET /api/v1/segments` for the
+//! allocators this process holds; with [`AppState::ui`] off, only links: `page.rs`) and, when
+//! the agent ingests pushed statistics, `POST /api/v1/push` (`push.rs`) from this host or its
+//! pods only: over a Unix socket ([`serve_unix`], where the kernel names the pushing
+//! process), from a loopback TCP peer, or, where the agent attributes the pod network
 //! (`AppState::pod_network`), from a ready pod's address on this node; and, where the ingest
 //! keeps recordings, `POST /api/v1/recordings` from a pushing process, attributed alike (a
 //! gzipped snapshot streamed to disk within `ingest::recordings`' caps, never buffered),
@@ -64,7 +64,9 @@
 mod conns;
 pub mod hosts;
 mod listen;
+mod page;
 mod pidfd;
+mod probes;
 mod push;
 #[cfg(feature = "tools")]
 mod recordings;
@@ -81,27 +83,29 @@ pub use conns::Connection;
 #[cfg(feature = "tls")]
 pub use listen::serve_tls;
 pub use listen::{HttpLimits, UnixPeer, bind, bind_unix, serve, serve_unix, shutdown_signal};
+pub use page::VIEW_CSP;
+#[cfg(feature = "tools")]
+pub(crate) use page::{JAVASCRIPT, MAP_SCRIPT, STYLE, page_asset};
 pub use push::{UNSLOTTED_BODY_BYTES, declared_length, status_of};
 pub use scrape::{DEFAULT_SCRAPE_SLOTS, EXPOSITION_CONTENT_TYPE};
 pub use slots::{MIN_STALL, Slots};
 
 use std::sync::Arc;
 
-use axum::Extension;
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 use crate::ingest::PushStore;
 use crate::metrics::Metrics;
 use crate::sources::AllocatorSources;
-use crate::telemetry::{Health, Unhealthy};
+use crate::telemetry::Health;
 use hosts::AgentHosts;
+use probes::{healthz, readyz};
 #[cfg(feature = "tools")]
 use push::{BodyError, FROM_ELSEWHERE, attribute, internal, json, media_type_is, peers, refusal};
-use scrape::held;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -180,34 +184,11 @@ pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_
 
 /// The router.
 pub fn app(state: AppState) -> Router {
-    // The live page's assets and API, answered only with the page turned on.
-    let mut page = Router::new()
-        .route(
-            "/assets/agent.js",
-            get(|| async { page_asset(AGENT_SCRIPT, JAVASCRIPT) }),
-        )
-        .route(
-            "/assets/map.js",
-            get(|| async { page_asset(MAP_SCRIPT, JAVASCRIPT) }),
-        )
-        .route(
-            "/assets/view.css",
-            get(|| async { page_asset(STYLE, "text/css; charset=utf-8") }),
-        )
-        .route("/api/v1/node", get(node))
-        .route("/api/v1/segments", get(live_segments));
-    #[cfg(feature = "tools")]
-    {
-        page = recordings::page_routes(page, &state);
-    }
-    if !state.ui {
-        page = page.route_layer(axum::middleware::from_fn(ui_off));
-    }
     // What shows the node: only to users where authentication is configured.
     let mut shown = Router::new()
         .route("/metrics", get(scrape::metrics))
-        .route("/", get(index))
-        .merge(page);
+        .route("/", get(page::index))
+        .merge(page::routes(&state));
     if state.authenticates() {
         shown = shown.route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -310,120 +291,4 @@ async fn check_host(
         )
             .into_response()
     }
-}
-
-async fn healthz(State(state): State<AppState>) -> Response {
-    probe(state.health.live(), "ok\n")
-}
-
-async fn readyz(State(state): State<AppState>) -> Response {
-    probe(state.health.ready(), "ready\n")
-}
-
-fn probe(result: Result<(), Unhealthy>, ok: &'static str) -> Response {
-    match result {
-        Ok(()) => ok.into_response(),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
-    }
-}
-
-async fn index(State(state): State<AppState>) -> Response {
-    if state.ui {
-        return page_asset(AGENT_PAGE, "text/html; charset=utf-8");
-    }
-    Html(concat!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>gpumem</title></head><body>",
-        "<h1>gpumem</h1><p>GPU memory as nvidia-smi sees it and as the caching allocator holds it.</p>",
-        "<ul><li><a href=\"/metrics\">/metrics</a> (Prometheus)</li>",
-        "<li><a href=\"/healthz\">/healthz</a> (live)</li>",
-        "<li><a href=\"/readyz\">/readyz</a> (ready)</li></ul></body></html>\n"
-    ))
-    .into_response()
-}
-
-const AGENT_PAGE: &str = include_str!("../view/assets/agent.html");
-const AGENT_SCRIPT: &str = include_str!("../view/assets/agent.js");
-/// The segment map's drawing, shared with `gpumem view`'s page.
-pub(crate) const MAP_SCRIPT: &str = include_str!("../view/assets/map.js");
-/// The pages' style, shared with `gpumem view`.
-pub(crate) const STYLE: &str = include_str!("../view/assets/view.css");
-
-/// An embedded asset of a page (the live page's, `gpumem view`'s), under the pages' policy
-/// (their own script and style only), never cached.
-pub(crate) fn page_asset(body: &'static str, content_type: &'static str) -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CONTENT_SECURITY_POLICY, VIEW_CSP),
-            (header::CACHE_CONTROL, "no-store"),
-        ],
-        body,
-    )
-        .into_response()
-}
-
-/// The policy of the pages with a script (the live page, `gpumem view`'s): their own
-/// origin's script, style and API only.
-pub const VIEW_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
-
-/// The media type of the pages' scripts.
-pub(crate) const JAVASCRIPT: &str = "text/javascript; charset=utf-8";
-
-/// The answer of the live page's routes with the page turned off.
-async fn ui_off(_: Request, _: axum::middleware::Next) -> Response {
-    (StatusCode::NOT_FOUND, "the page is turned off (--ui off)\n").into_response()
-}
-
-#[derive(serde::Deserialize)]
-struct Allocator {
-    uuid: String,
-    pid: u32,
-}
-
-/// The segment map of an allocator this process holds (`?uuid=GPU-…&pid=N`), as its owner
-/// last published it; asking makes the owner publish a fresh one at its next round (so the
-/// first answer may be 202 "not yet": ask again).
-async fn live_segments(
-    State(state): State<AppState>,
-    conn: Option<Extension<Connection>>,
-    headers: axum::http::HeaderMap,
-    axum::extract::Query(at): axum::extract::Query<Allocator>,
-) -> Response {
-    let found = state.sources.snapshot().into_iter().find(|s| {
-        s.uuid == at.uuid && s.pid == at.pid && s.allocator == crate::sources::AllocatorKind::Gpumem
-    });
-    let Some(source) = found else {
-        return (
-            StatusCode::NOT_FOUND,
-            "no allocator of this process has that GPU and pid (pushed processes' segments are not known)\n",
-        )
-            .into_response();
-    };
-    let Some(segments) = source.segments.request() else {
-        // Accepted: the owner publishes them at its next round.
-        return (
-            StatusCode::ACCEPTED,
-            "not yet: the allocator publishes its segments at its next round; ask again\n",
-        )
-            .into_response();
-    };
-    let map = crate::view::segments::map(&segments, source.gpu, None, None);
-    // Within the scrape slots: a map of many blocks is a body of megabytes.
-    let body = serde_json::to_string(&map).unwrap_or_default();
-    held(&state, conn, &headers, "application/json", move |_| body).await
-}
-
-/// The live view (`view::node`), from one scrape of the same metrics `/metrics` serves.
-async fn node(
-    State(state): State<AppState>,
-    conn: Option<Extension<Connection>>,
-    headers: axum::http::HeaderMap,
-) -> Response {
-    held(&state, conn, &headers, "application/json", |m| {
-        let view = crate::view::node::view(&m.snapshot());
-        #[cfg(feature = "tools")]
-        let view = recordings::with_newest(&state, view);
-        serde_json::to_string(&view).unwrap_or_default()
-    })
-    .await
 }
