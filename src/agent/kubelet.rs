@@ -37,9 +37,12 @@ impl KubeletWatch {
         // An empty path turns a part off (joined, it would name a relative directory).
         let names = (present(logs) && present(&logs.join("pods")))
             .then(|| PodNames::new(logs.join("pods"), logs.join("containers")));
+        // Without the gRPC client (feature `kubelet`) it is never asked: not a part then.
         let resources = socket
             .parent()
-            .is_some_and(|dir| !socket.as_os_str().is_empty() && present(dir))
+            .is_some_and(|dir| {
+                cfg!(feature = "kubelet") && !socket.as_os_str().is_empty() && present(dir)
+            })
             .then(PodResources::new);
         if names.is_none() && resources.is_none() {
             tracing::info!("not a Kubernetes node: pods are named by UID only");

@@ -126,6 +126,23 @@ impl Agent {
         })
     }
 
+    /// A node's agent as [`Agent::node`], with what the kubelet says as `watch` reads it on
+    /// the agent's runtime (`gpumem serve`); its probes report on the watch.
+    ///
+    /// # Errors
+    /// A registration error, which only a collector defect can cause.
+    pub fn watching(
+        sources: AllocatorSources,
+        reports: Vec<ReportReader>,
+        ingest: IngestConfig,
+        watch: KubeletWatch,
+    ) -> Result<Agent, prometheus::Error> {
+        let mut agent = Agent::node(sources, reports, ingest, watch.kubelet.clone())?;
+        agent.watch(watch.heartbeat.clone());
+        agent.kubelet = Some(watch);
+        Ok(agent)
+    }
+
     /// The agent of a simulated node (`gpumem demo`): metrics over `node`'s allocators and
     /// its view of the node, with its kubelet's names, taking pushes under `ingest`; its
     /// replay loop is watched.
@@ -151,13 +168,6 @@ impl Agent {
         self.state.health.watch(beat);
     }
 
-    /// Runs `watch` on the agent's runtime (the kubelet it reads should be the one
-    /// [`Agent::node`] was given), and reports on it.
-    pub fn keep_watching(&mut self, watch: KubeletWatch) {
-        self.watch(watch.heartbeat.clone());
-        self.kubelet = Some(watch);
-    }
-
     /// The router of the main listener: `/metrics`, the page, pushes and probes.
     pub fn router(&self) -> Router {
         server::app(self.state.clone())
@@ -175,11 +185,13 @@ impl Agent {
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let Agent { state, kubelet } = self;
+        // The agent's loops stop with its listeners (on a caller's runtime too).
+        let mut loops = tokio::task::JoinSet::new();
         if let Some(watch) = kubelet {
-            tokio::spawn(watch.run());
+            loops.spawn(watch.run());
         }
         if let Some(store) = state.ingest.clone() {
-            tokio::spawn(async move {
+            loops.spawn(async move {
                 let mut ticks = tokio::time::interval(EXPIRY_TICK);
                 loop {
                     ticks.tick().await;
@@ -235,6 +247,7 @@ impl Agent {
             }
         };
         tokio::join!(main, pushes, socket);
+        loops.abort_all();
         Ok(())
     }
 

@@ -276,12 +276,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         max_pod_processes: args.max_pod_processes as usize,
         ..IngestConfig::default()
     };
-    let mut agent = Agent::node(
-        AllocatorSources::default(),
-        vec![reader],
-        ingest,
-        watch.kubelet.clone(),
-    )?;
+    let mut agent = Agent::watching(AllocatorSources::default(), vec![reader], ingest, watch)?;
     let web = match &args.web_config_file {
         Some(path) => WebConfig::load(path)?,
         None => WebConfig::default(),
@@ -303,7 +298,6 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         store.keep_recordings(Arc::new(recordings));
     }
     agent.watch(poller.heartbeat());
-    agent.keep_watching(watch);
     let state = &mut agent.state;
     state.auth = web.auth;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);

@@ -79,9 +79,9 @@ pub(super) struct Admission {
     pub urgent: bool,
 }
 
-/// Whether a push from `who` may write its pid's entry (`tracked`, where one is): not over a higher-ranked
-/// sender's, not over a live loopback job of another start time, and, from the same
-/// process, in order and not too often.
+/// Whether a push from `who` may write its pid's entry (`tracked`, where one is): not over
+/// a higher-ranked sender's, not over a live loopback job of another start time, and, from
+/// the same process, in order and not too often.
 pub(super) fn admit(
     config: &IngestConfig,
     tracked: Option<Entry<'_>>,

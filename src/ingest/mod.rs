@@ -2,11 +2,11 @@
 //!
 //! [`payload`] is the wire schema and its validation (pure), [`oom`] the figures of an
 //! out-of-memory push and their explanation, both within the budgets of [`limits`] and
-//! refusing with [`refusal`]'s types (two leaves); [`store`] keeps the pushed
-//! processes, bounded, and publishes them as allocator sources of kind `pytorch` for the one
-//! collector, taking each push through its phases (validate, attribute, admit, budget,
-//! publish: one file each, under [`config`]'s settings); [`recordings`] keeps the recordings its processes upload at an OOM. HTTP
-//! (status codes, body limits, who may push) is the server's.
+//! refusing with [`refusal`]'s types (two leaves); [`store`] keeps the pushed processes,
+//! bounded, and publishes them as allocator sources of kind `pytorch` for the one collector,
+//! taking each push through its phases (validate, attribute, admit, budget, publish: one file
+//! each, under [`config`]'s settings); [`recordings`] keeps the recordings its processes
+//! upload at an OOM. HTTP (status codes, body limits, who may push) is the server's.
 
 mod admission;
 mod attribution;

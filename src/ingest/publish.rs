@@ -46,7 +46,11 @@ pub(super) fn kept_series(before: &[Arc<AllocatorSource>], push: &ValidPush) -> 
         .filter_map(|d| Some((d, previous(before, d)?)))
         .map(|(d, before)| {
             let classes = if d.snapshot.is_none() {
-                2 * before.cache().1.len()
+                2 * before
+                    .segment_classes
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .len()
             } else {
                 0
             };

@@ -24,9 +24,10 @@
 //! (`attribution.rs`: who sent it, as the kernel or the node knows it) → admit
 //! (`admission.rs`: rank, order and rate against its pid's entry) → budget (`budget.rs`,
 //! pure: the caps, and the ended processes to evict) → publish (`publish.rs`: its devices as
-//! allocator sources, with what its last push keeps standing, and its pod's OOMs). Each is a
-//! function with its own tests; the store holds the lock across the last three, and a
-//! refusal at any phase changes nothing.
+//! allocator sources, with what its last push keeps standing, and its pod's OOMs; the
+//! store's `track` then keeps the process and republishes). Each phase is a function with its
+//! own tests; the store holds the lock across the last three, and a refusal at any phase
+//! changes nothing.
 //!
 //! # Invariants (budgets)
 //! - At most `max_processes` processes are kept, live and ended together, of which at most
@@ -55,6 +56,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use rustc_hash::FxHashMap;
 
+#[cfg(feature = "tools")]
+use crate::metrics::contract::label;
 use crate::sources::{
     AllocatorKind, AllocatorSource, AllocatorSources, HostPinned, IngestReport, PodOoms,
     PushedHost, PushedProcess, Pusher,
@@ -233,7 +236,7 @@ impl PushStore {
         // forking a crowd of pushers gains nothing.
         let pod_uid = labels
             .iter()
-            .find_map(|(k, v)| (k == "pod_uid" && !v.is_empty()).then_some(v));
+            .find_map(|(k, v)| (k == label::POD_UID && !v.is_empty()).then_some(v));
         let tenant = match (&origin, pod_uid, user) {
             (Origin::Socket, Some(pod), _) | (Origin::Pod(pod), ..) => Tenant::Pod(pod.clone()),
             (Origin::Socket, None, Some(uid)) => Tenant::User(uid),
@@ -300,7 +303,7 @@ impl PushStore {
             .map(|t| t.entry(self.config.ttl));
         let admitted = admit(&self.config, entry, &push, &who, now)?;
         let series = self.budget(&mut state, &push, &who.origin, admitted.replaces, now)?;
-        self.publish(&mut state, push, who, admitted, series, now);
+        self.track(&mut state, push, who, admitted, series, now);
         self.accepted.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -338,8 +341,9 @@ impl PushStore {
     }
 
     /// Tracks an admitted push holding `series` series (its sources, its OOMs, counted for
-    /// its pod, its allowance and its end) and publishes the tracked processes' sources.
-    fn publish(
+    /// its pod, its allowance and its end) and publishes the tracked processes' sources: the
+    /// publish phase's part that needs the store (tested through it, `tests.rs`).
+    fn track(
         &self,
         state: &mut State,
         mut push: ValidPush,

@@ -29,7 +29,7 @@ pub struct MetricDef {
 /// their order (the collectors' `Families::of` takes `[&str; N]`), so a value cannot go
 /// unpaired. It reads as its [`MetricDef`].
 #[derive(Debug)]
-pub struct Metric<const N: usize>(pub MetricDef);
+pub struct Metric<const N: usize>(MetricDef);
 
 impl<const N: usize> std::ops::Deref for Metric<N> {
     type Target = MetricDef;

@@ -1,7 +1,9 @@
-//! Prometheus metrics: the contract, and the one collector that reads its sources at scrape
-//! time.
+//! Prometheus metrics: the contract (`contract.rs`), one typed [`snapshot::NodeSnapshot`] per
+//! scrape, and the one collector that takes it and renders it (`collect/`; `names.rs` labels
+//! a process by its pod and MIG device).
 //!
-//! The collector (`AgentCollector`) holds no state beyond its descriptors: it reads each
+//! The collector (`AgentCollector`) keeps no figures: it holds its sources (the allocators'
+//! list, a reader per polled source, the ingest's report, the kubelet's parts) and reads each
 //! allocator's published counters (never its lock), the latest report of each polled source
 //! (never the source itself), the ingest's report and the kubelet's latest answers.
 
@@ -64,11 +66,6 @@ impl Metrics {
     /// What one scrape reads, typed: the live page is drawn from it.
     pub fn snapshot(&self) -> snapshot::NodeSnapshot {
         self.collector.snapshot()
-    }
-
-    /// Every metric family, as one scrape reads them.
-    pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
-        self.registry.gather()
     }
 
     /// The exposition of every metric in `format`.

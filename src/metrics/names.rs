@@ -33,7 +33,8 @@ impl Names<'_> {
     }
 }
 
-fn value_of<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
+/// A label's value in `labels`.
+pub(super) fn value_of<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
     labels
         .iter()
         .find_map(|(k, v)| (k == name).then_some(v.as_str()))

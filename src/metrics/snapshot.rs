@@ -1,12 +1,14 @@
 //! One scrape's reading of the node, typed, rendered twice: as the exposition
-//! (`collect/`) and as the live page (`view::node`). So the page agrees with `/metrics` by
-//! construction: both read the same [`NodeSnapshot`], and where they show one figure they
-//! compute it with one function here.
+//! (`collect/`) and as the live page (`view::node`). Each request takes its own snapshot;
+//! within one, the page shows what the exposition exports, computed by the same functions
+//! here (`tests/it/node_view.rs` checks it value for value on a still node).
 //!
 //! # Invariants
-//! - A snapshot reads each allocator source's list, each polled source's latest report, the
+//! - A snapshot reads the allocator sources' list, each polled source's latest report, the
 //!   kubelet's parts and the ingest's report once, when it is taken; never a source itself,
-//!   never an allocator's lock.
+//!   never an allocator's lock. An allocator's reserved and allocated bytes are read then too
+//!   (the page's figures agree with each other); its other counters are read, lock-free, when
+//!   the exposition renders them.
 //! - An allocator is placed where NVML reports its device ([`PlacedAllocator`]: NVML's index
 //!   and UUID of its GPU, and its MIG device), else where it says; its labels are its own,
 //!   then its pod as NVML's view gives it where it names none, the pod's names where known,
@@ -15,23 +17,22 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::allocator::StatArray;
 use crate::allocator::breakdown::Part;
-use crate::allocator::size::PoolKind;
 use crate::sources::{AllocatorSource, IngestReport, LastOom, UNKNOWN_SIZE};
 use crate::telemetry::pod_names::NameDirectory;
 use crate::telemetry::pod_resources::PodDirectory;
 use crate::telemetry::{MigSample, SourceReport, uuid_body};
 
 use super::contract::label;
-use super::names::{Names, mig_labels, process_labels, process_pods};
+use super::names::{Names, mig_labels, process_labels, process_pods, value_of};
 
 /// What one scrape reads.
 pub struct NodeSnapshot {
-    /// When it was taken.
-    pub taken: Instant,
+    /// How long reading the allocators' list and the polled sources' reports, and placing
+    /// the allocators, took (part of the `allocator` source's collection time).
+    pub placing: Duration,
     /// The allocators exported, placed.
     pub allocators: Vec<PlacedAllocator>,
     /// The polled sources' latest reports (NVML's, or the simulated node's).
@@ -80,6 +81,10 @@ pub struct PlacedAllocator {
     pub mig: Option<MigPlace>,
     /// Its pod's names, each empty where not known.
     pub pod: PodName,
+    /// Reserved bytes over its pools, when the snapshot was taken.
+    pub reserved: i64,
+    /// Allocated bytes over its pools, then.
+    pub allocated: i64,
     /// Its series' labels beyond the contract's: see the module's invariants.
     pub labels: Vec<(String, String)>,
 }
@@ -93,34 +98,10 @@ pub fn ratio(part: i64, whole: i64) -> f64 {
     }
 }
 
-/// Sums `array`'s current figure over the small and large pools, as the exposition's
-/// per-pool series add up.
-fn pools_current(array: &StatArray) -> i64 {
-    [PoolKind::Small, PoolKind::Large]
-        .iter()
-        .map(|&pool| array.pool(pool).current())
-        .sum()
-}
-
 impl PlacedAllocator {
-    /// Reserved bytes, over its pools.
-    pub fn reserved(&self) -> i64 {
-        pools_current(&self.source.stats.reserved_bytes)
-    }
-
-    /// Allocated bytes, over its pools.
-    pub fn allocated(&self) -> i64 {
-        pools_current(&self.source.stats.allocated_bytes)
-    }
-
     /// Reserved but unallocated, as a share of reserved.
     pub fn fragmentation(&self) -> f64 {
-        let st = &self.source.stats;
-        let (allocated, reserved) = (st.allocated_bytes.all(), st.reserved_bytes.all());
-        ratio(
-            reserved.current.saturating_sub(allocated.current),
-            reserved.current,
-        )
+        ratio(self.reserved.saturating_sub(self.allocated), self.reserved)
     }
 
     /// The largest cached free block, where its owner said.
@@ -206,24 +187,15 @@ impl<'a> Places<'a> {
     }
 }
 
-/// A label's value in `labels`.
-fn value_of<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    labels
-        .iter()
-        .find_map(|(k, v)| (k == name).then_some(v.as_str()))
-}
-
 impl NodeSnapshot {
-    /// A snapshot of what was read at `taken`: the allocator `sources`, the polled sources'
-    /// `reports`, the kubelet's parts (`names`, `assigned` and their reports) and the ingest's
-    /// report.
+    /// A snapshot of the allocator `sources` and the polled sources' `reports`, read from
+    /// `started`, with the kubelet's parts (`names`, `assigned`); the kubelet's reports and the
+    /// ingest's are the caller's to add.
     pub fn new(
-        taken: Instant,
+        started: Instant,
         sources: &[Arc<AllocatorSource>],
         reports: Vec<Arc<SourceReport>>,
         kubelet: (Option<Arc<NameDirectory>>, Option<Arc<PodDirectory>>),
-        kubelet_reports: Vec<Arc<SourceReport>>,
-        ingest: Option<IngestReport>,
     ) -> NodeSnapshot {
         let (names, assigned) = kubelet;
         let allocators = {
@@ -248,6 +220,8 @@ impl NodeSnapshot {
                         container: named(label::CONTAINER_NAME),
                     };
                     PlacedAllocator {
+                        reserved: s.stats.reserved_bytes.all_current(),
+                        allocated: s.stats.allocated_bytes.all_current(),
                         source: Arc::clone(s),
                         gpu,
                         uuid: uuid.to_string(),
@@ -263,11 +237,11 @@ impl NodeSnapshot {
                 .collect()
         };
         NodeSnapshot {
-            taken,
+            placing: started.elapsed(),
             allocators,
             reports,
-            kubelet_reports,
-            ingest,
+            kubelet_reports: Vec::new(),
+            ingest: None,
             names,
             assigned,
         }

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::metrics::snapshot::{NodeSnapshot, oom_parts};
+use crate::metrics::snapshot::{NodeSnapshot, oom_parts, ratio};
 
 /// The node at one scrape.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -170,7 +170,7 @@ fn bytes(x: impl Into<i128>) -> f64 {
 
 /// The view of one scrape's snapshot.
 pub fn view(snapshot: &NodeSnapshot) -> NodeView {
-    let mut rows = allocator_rows(snapshot);
+    let rows = allocator_rows(snapshot);
     let mut gpus = gpus_of(snapshot);
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
     let mut mig_charged: BTreeMap<(String, String), f64> = BTreeMap::new();
@@ -244,7 +244,7 @@ pub fn view(snapshot: &NodeSnapshot) -> NodeView {
     gpus.sort_by(|a, b| {
         (a.gpu.parse::<u32>().ok(), &a.gpu).cmp(&(b.gpu.parse::<u32>().ok(), &b.gpu))
     });
-    let mut processes: Vec<ProcessRow> = std::mem::take(&mut rows).into_values().collect();
+    let mut processes: Vec<ProcessRow> = rows.into_values().collect();
     processes.sort_by(|a, b| {
         (a.gpu.parse::<u32>().ok(), a.pid.parse::<u32>().ok())
             .cmp(&(b.gpu.parse::<u32>().ok(), b.pid.parse::<u32>().ok()))
@@ -269,18 +269,19 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
                 pod_name: pod.pod,
                 container_name: pod.container,
                 allocator: s.allocator.label().to_string(),
-                config: s.config.clone(),
                 ..ProcessRow::default()
             }
         });
-        row.reserved += bytes(a.reserved());
-        row.allocated += bytes(a.allocated());
-        row.fragmentation = a.fragmentation();
-        row.largest_free_block = a.largest_free_block().map(bytes);
+        // One allocator is the rule; where two share the key, their bytes add up and the
+        // rest is the last one's that says it.
+        row.reserved += bytes(a.reserved);
+        row.allocated += bytes(a.allocated);
+        row.config.clone_from(&s.config);
+        row.largest_free_block = a.largest_free_block().map(bytes).or(row.largest_free_block);
         row.retries = bytes(st.num_alloc_retries.get());
         row.ooms = bytes(st.num_ooms.get());
         let last_oom = a.last_oom();
-        row.last_oom = a.last_oom_at(last_oom.as_ref());
+        row.last_oom = a.last_oom_at(last_oom.as_ref()).or(row.last_oom);
         if let Some(oom) = last_oom {
             row.oom_breakdown = oom_parts(&oom)
                 .map(|(kind, b)| (kind.to_string(), bytes(b)))
@@ -288,7 +289,15 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
             row.oom_why = Some(oom.why);
         }
     }
+    for row in rows.values_mut() {
+        row.fragmentation = fragmentation(row.reserved, row.allocated);
+    }
     rows
+}
+
+/// The fragmentation of summed figures, as the snapshot computes one allocator's.
+fn fragmentation(reserved: f64, allocated: f64) -> f64 {
+    ratio((reserved - allocated) as i64, reserved as i64)
 }
 
 /// The GPUs of one snapshot by UUID, with their figures, models and MIG instances (no
@@ -340,7 +349,7 @@ mod tests {
     use std::time::Instant;
 
     use crate::allocator::DeviceStats;
-    use crate::sources::{AllocatorSource, Pusher};
+    use crate::sources::{AllocatorSource, Pusher, UNKNOWN_SIZE};
     use crate::telemetry::{GpuSample, MigSample, NodeSample, ProcessSample, SourceReport};
 
     use super::*;
@@ -412,7 +421,7 @@ mod tests {
             pid: 10,
             ..Pusher::default()
         };
-        let cache = (u64::MAX, Vec::new());
+        let cache = (UNKNOWN_SIZE, Vec::new());
         let stats = DeviceStats::from_memory_stats(&stats);
         let source = AllocatorSource::pushed(&pusher, 0, "MIG-0".into(), stats, cache, None);
         let snapshot = NodeSnapshot::new(
@@ -420,8 +429,6 @@ mod tests {
             &[Arc::new(source)],
             vec![Arc::new(report)],
             (None, None),
-            Vec::new(),
-            None,
         );
         let view = view(&snapshot);
         let migs = &view.gpus[0].migs;

@@ -267,6 +267,8 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
             .expect("parts")
             .is_empty()
     );
+    let why = pushed["oom_why"].as_str().unwrap_or_default();
+    assert!(!why.is_empty(), "the OOM's sentence: {pushed}");
 
     // Each GPU: NVML's figures, its instances', and its line-up's parts.
     let gpus = page["gpus"].as_array().expect("gpus");
@@ -326,6 +328,7 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
                 .map(|p| s(p, "pid"))
                 .collect();
             let mut others = 0.0;
+            let mut with_allocator = BTreeSet::new();
             for (pid, used) in &on {
                 let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
                 if m.series(c::RESERVED_BYTES.name, &allocator)
@@ -334,9 +337,13 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
                 {
                     others += used;
                 } else {
-                    assert!(parts.contains(pid), "{instance}: {pid}");
+                    with_allocator.insert(pid.clone());
                 }
             }
+            assert_eq!(
+                parts, with_allocator,
+                "{instance}: a part per allocator on it"
+            );
             assert!(!parts.is_empty(), "{instance} runs a process of the demo");
             assert!(approx(f(mig, "other_processes"), others), "{instance}");
             let charged: f64 = on.values().sum();
@@ -363,7 +370,17 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
         }
         assert!(approx(f(g, "other_processes"), others), "{uuid}");
         let mut uncharged = 0.0;
-        for part in g["processes"].as_array().expect("parts") {
+        let parts = g["processes"].as_array().expect("parts");
+        let allocators: BTreeSet<String> = m
+            .series(c::RESERVED_BYTES.name, &at)
+            .map(|(_, l, _)| l["pid"].clone())
+            .collect();
+        let part_pids: BTreeSet<String> = parts.iter().map(|p| s(p, "pid")).collect();
+        assert_eq!(
+            part_pids, allocators,
+            "{uuid}: a part per allocator, charged or not"
+        );
+        for part in parts {
             let pid = s(part, "pid");
             let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
             let reserved = m.sum(c::RESERVED_BYTES.name, &allocator);
@@ -381,6 +398,18 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
                 }
             };
             assert_eq!(f(part, "outside"), outside, "{pid}");
+            // Named by its pod, else as NVML names the process, else by its pid.
+            let pod = m.label(c::RESERVED_BYTES.name, &allocator, "pod_name");
+            let namespace = m.label(c::RESERVED_BYTES.name, &allocator, "pod_namespace");
+            let process = m.label(c::PROCESS_USED.name, &allocator, "process");
+            let name = match (pod, process) {
+                (Some(pod), _) if !pod.is_empty() => {
+                    format!("{}/{pod}", namespace.unwrap_or_default())
+                }
+                (_, Some(process)) => process,
+                _ => format!("pid {pid}"),
+            };
+            assert_eq!(s(part, "name"), name, "{pid}");
         }
         let left = (f(g, "used") - charged).max(0.0);
         assert!(

@@ -191,7 +191,7 @@ impl Collector for AgentCollector {
 impl AgentCollector {
     /// What one scrape reads, typed: the page is drawn from it as the exposition is.
     pub fn snapshot(&self) -> NodeSnapshot {
-        let taken = Instant::now();
+        let started = Instant::now();
         let sources = self.allocators.snapshot();
         let reports: Vec<_> = self.reports.iter().map(|read| read()).collect();
         let names = self.kubelet.names.as_ref();
@@ -200,19 +200,16 @@ impl AgentCollector {
             names.map(PodNames::directory),
             resources.map(PodResources::directory),
         );
-        let kubelet_reports = [
+        let mut snapshot = NodeSnapshot::new(started, &sources, reports, kubelet);
+        snapshot.kubelet_reports = [
             names.map(PodNames::report),
             resources.map(PodResources::report),
-        ];
-        let ingest = self.ingest.as_ref().map(|read| read());
-        NodeSnapshot::new(
-            taken,
-            &sources,
-            reports,
-            kubelet,
-            kubelet_reports.into_iter().flatten().collect(),
-            ingest,
-        )
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        snapshot.ingest = self.ingest.as_ref().map(|read| read());
+        snapshot
     }
 }
 
@@ -220,13 +217,14 @@ impl AgentCollector {
 fn render(snapshot: &NodeSnapshot) -> Vec<MetricFamily> {
     let mut f = Families::new();
     let names = snapshot.names();
+    let started = Instant::now();
     for allocator in &snapshot.allocators {
         allocator::collect(&mut f, allocator);
     }
     if !snapshot.allocators.is_empty() {
+        let seconds = (snapshot.placing + started.elapsed()).as_secs_f64();
         f.of(&c::SOURCE_UP).push(["allocator"], 1.0);
-        f.of(&c::COLLECT_DURATION)
-            .push(["allocator"], snapshot.taken.elapsed().as_secs_f64());
+        f.of(&c::COLLECT_DURATION).push(["allocator"], seconds);
     }
     for report in &snapshot.reports {
         node::collect(&mut f, report, names, snapshot.assigned.as_deref());
