@@ -22,6 +22,7 @@ print(_json.dumps({
     "stats": _gp.stats() if _gp else None,
     "settings": _gp.settings() if _gp else None,
     "violations": _torch._fake.violations if _torch else None,
+    "snapshot_calls": _torch._fake.snapshot_calls if _torch else None,
     "observers": len(_torch._C._oom_observers) if _torch else None,
     "initialized": _torch.cuda.is_initialized() if _torch else None,
 }))
@@ -503,6 +504,24 @@ class OutOfMemory(PushTest):
         self.assertNotIn("oom", exit_push["devices"][0])
         self.assertEqual(exit_push["devices"][0]["stats"]["num_ooms"], 1)
 
+    def test_the_oom_snapshot_leaves_the_history_out(self):
+        # With the history recorded, a snapshot with it would copy every entry: the summary
+        # asks for none (PyTorch 2.11+'s include_traces=False).
+        child = self.run_child(self.OOM + textwrap.dedent("""
+            torch.cuda.memory._record_memory_history(max_entries=1000)
+            try:
+                torch._fake.oom(0, 1 << 40)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            wait_sent(1)
+            """), GPUMEM_PUSH_INTERVAL=None)
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertSnapshot(next(p for p in self.agent.recorder.accepted()
+                                 if p.get("reason") == "oom")["devices"][0])
+        calls = child.result["snapshot_calls"]
+        self.assertTrue(calls, "the OOM push took a snapshot")
+        self.assertEqual(set(calls), {False}, calls)
+
     def test_ooms_in_a_row_are_pushed_at_most_once_a_second(self):
         child = self.run_child(self.OOM + textwrap.dedent("""
             for _ in range(3):
@@ -782,6 +801,30 @@ class OomFigures(unittest.TestCase):
         # A device smaller than what is reserved on it (a stand-in's zeros): no figures.
         bad = readings.snapshot_summary(torch, (0, MIB, 0, 0, 0))
         self.assertNotIn("oom", bad[0])
+
+    def test_the_snapshot_is_asked_without_history_where_pytorch_can(self):
+        from gpumem_push import limits, readings  # noqa: F401 (as installed)
+        import types
+        asked = []
+
+        def new(mempool_id=None, include_traces=True):  # PyTorch 2.11+
+            asked.append(include_traces)
+            return []
+
+        def old(mempool_id=None):  # before 2.11
+            asked.append("old")
+            return []
+
+        def wrapped(*args, **kwargs):  # a wrapper: its signature names nothing
+            asked.append(kwargs)
+            return []
+
+        for snapshot in (new, old, wrapped):
+            torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory_snapshot=snapshot))
+            self.assertEqual(readings.snapshot_summary(torch), {})
+        self.assertEqual(asked, [False, "old", {}])
+        # A builtin without a readable signature is called as it is.
+        self.assertFalse(readings.takes_include_traces(min))
 
     def test_observer_arguments_that_are_not_figures_give_no_request(self):
         from gpumem_push import limits, readings  # noqa: F401 (as installed)

@@ -2,6 +2,7 @@
 function here is a plain reading; the pusher's state (devices used, UUIDs) is not its
 business."""
 
+import inspect
 import sys
 
 from .limits import (HOST_KEYS, MAX_HOST_FIGURE, MAX_OOM_POOLS, MAX_STATS_KEYS, OLD_HOST_KEYS,
@@ -22,6 +23,27 @@ def find_torch():
     return module
 
 
+def memory_segments(torch):
+    """The segments of the job's memory snapshot, without its allocation history where the
+    job's PyTorch can leave it out (`include_traces=False`, 2.11 and later): with the history,
+    a snapshot copies every recorded entry and its frames under the allocator's lock, and the
+    summary reads none of them. An older `memory_snapshot` takes no such argument: it is
+    called as it is."""
+    snapshot = torch.cuda.memory_snapshot
+    if takes_include_traces(snapshot):
+        return snapshot(include_traces=False)
+    return snapshot()
+
+
+def takes_include_traces(function):
+    """Whether `function` names an `include_traces` parameter (a builtin whose signature
+    cannot be read is taken not to)."""
+    try:
+        return "include_traces" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def snapshot_summary(torch, request=None):
     """{device index: {"largest": largest free block, "classes": {size class: [segments, free
     bytes]}, "pools": {(pool, stream, private): figures}}} from a memory snapshot; a segment's
@@ -29,7 +51,7 @@ def snapshot_summary(torch, request=None):
     size, total and free, and the failing thread's stream), the failing device's entry also
     gets the "oom" object the agent explains."""
     summary = {}
-    for segment in torch.cuda.memory_snapshot():
+    for segment in memory_segments(torch):
         device = int(segment.get("device", 0))
         entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
         blocks = segment.get("blocks", ())

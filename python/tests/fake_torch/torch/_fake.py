@@ -14,6 +14,7 @@ initialized = False
 device_count = int(os.environ.get("FAKE_TORCH_DEVICES", "1"))
 broken = set(filter(None, os.environ.get("FAKE_TORCH_BROKEN", "").split(",")))
 violations = []
+snapshot_calls = []  # include_traces of each memory_snapshot call
 allocator = None  # what change_current_allocator installed
 # Per device: its segments ({"total_size", "blocks": [{"size", "state"}]}) and counters.
 segments = [[] for _ in range(device_count)]

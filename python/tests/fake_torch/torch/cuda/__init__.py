@@ -77,7 +77,10 @@ def get_device_properties(device):
     return _Properties(_index(device))
 
 
-def memory_snapshot():
+def memory_snapshot(mempool_id=None, include_traces=True):
+    """As PyTorch 2.11 and later: `include_traces=False` leaves the history out (the stand-in
+    has none, and records what each call asked for)."""
+    _fake.snapshot_calls.append(include_traces)
     _fake.check("memory_snapshot")
     if not _fake.initialized:
         _fake.violations.append("memory_snapshot before CUDA was initialised")
