@@ -211,12 +211,29 @@ impl AllocatorSource {
     /// The cache's figures as last published: the largest free block and the segments by
     /// size.
     pub fn cache(&self) -> (u64, Vec<SegmentClass>) {
-        let classes = self
-            .segment_classes
+        (
+            self.largest_free_block.load(Ordering::Relaxed),
+            self.segments_by_size(),
+        )
+    }
+
+    /// Its segments by size class, as last published.
+    pub fn segments_by_size(&self) -> Vec<SegmentClass> {
+        self.segment_classes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        (self.largest_free_block.load(Ordering::Relaxed), classes)
+            .clone()
+    }
+
+    /// Publishes the cache's figures (its owner's call: an allocator this process holds,
+    /// between its operations): the largest free block and the segments by size.
+    pub fn publish_cache(&self, largest_free_block: u64, segments_by_size: Vec<SegmentClass>) {
+        self.largest_free_block
+            .store(largest_free_block, Ordering::Relaxed);
+        *self
+            .segment_classes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = segments_by_size;
     }
 
     /// The explanation of its last OOM, as last published.

@@ -617,19 +617,12 @@ fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayEr
         let chunk = due.min(replayer.position().saturating_add(EVENTS_PER_CHUNK));
         replayer.advance_to(chunk)?;
     }
+    let allocator = replayer.allocator();
     run.source
-        .largest_free_block
-        .store(replayer.allocator().largest_free_block(), Ordering::Relaxed);
+        .publish_cache(allocator.largest_free_block(), allocator.segments_by_size());
     if run.source.segments.wanted() {
-        run.source
-            .segments
-            .publish(replayer.allocator().segment_infos());
+        run.source.segments.publish(allocator.segment_infos());
     }
-    let classes = replayer.allocator().segments_by_size();
-    *run.source
-        .segment_classes
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = classes;
     if speed > 0.0 && replayer.position() >= replayer.len() {
         let finished = *run.finished_at.get_or_insert_with(Instant::now);
         if finished.elapsed() >= PAUSE_BETWEEN_RUNS {

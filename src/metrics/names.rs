@@ -46,11 +46,7 @@ pub(super) type ProcessPods<'a> = HashMap<(&'a str, u32), &'a ContainerRef>;
 
 pub(super) fn process_pods(reports: &[Arc<SourceReport>]) -> ProcessPods<'_> {
     let mut pods = ProcessPods::new();
-    for gpu in reports
-        .iter()
-        .filter_map(|r| r.sample.as_ref())
-        .flat_map(|node| &node.gpus)
-    {
+    for gpu in reports.iter().flat_map(|r| r.gpus()) {
         for p in gpu.devices().flat_map(|(_, _, processes)| processes) {
             if let Some(container) = &p.container {
                 pods.insert((gpu.uuid.as_str(), p.pid), container);

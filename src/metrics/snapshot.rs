@@ -23,7 +23,7 @@ use crate::allocator::breakdown::Part;
 use crate::sources::{AllocatorSource, IngestReport, LastOom, UNKNOWN_SIZE};
 use crate::telemetry::pod_names::NameDirectory;
 use crate::telemetry::pod_resources::PodDirectory;
-use crate::telemetry::{MigSample, SourceReport, uuid_body};
+use crate::telemetry::{GpuSample, MigSample, SourceReport, uuid_body};
 
 use super::contract::label;
 use super::names::{Names, mig_labels, process_labels, process_pods, value_of};
@@ -161,11 +161,7 @@ impl<'a> Places<'a> {
             exact: HashMap::new(),
             body: HashMap::new(),
         };
-        let gpus = reports
-            .iter()
-            .filter_map(|r| r.sample.as_ref())
-            .flat_map(|node| &node.gpus);
-        for gpu in gpus {
+        for gpu in reports.iter().flat_map(|r| r.gpus()) {
             for (mig, uuid, _) in gpu.devices() {
                 let place = Place {
                     index: gpu.index,
@@ -213,11 +209,11 @@ impl NodeSnapshot {
                     if let Some(mig) = mig {
                         labels.extend(mig_labels(mig));
                     }
-                    let named = |name| value_of(&labels, name).unwrap_or_default().to_string();
+                    let of = |name| value_of(&labels, name).unwrap_or_default().to_string();
                     let pod = PodName {
-                        namespace: named(label::POD_NAMESPACE),
-                        pod: named(label::POD_NAME),
-                        container: named(label::CONTAINER_NAME),
+                        namespace: of(label::POD_NAMESPACE),
+                        pod: of(label::POD_NAME),
+                        container: of(label::CONTAINER_NAME),
                     };
                     PlacedAllocator {
                         reserved: s.stats.reserved_bytes.all_current(),
@@ -245,6 +241,11 @@ impl NodeSnapshot {
             names,
             assigned,
         }
+    }
+
+    /// The GPUs its polled sources report.
+    pub fn gpus(&self) -> impl Iterator<Item = &GpuSample> {
+        self.reports.iter().flat_map(|r| r.gpus())
     }
 
     /// The pod and container names of this snapshot.

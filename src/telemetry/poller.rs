@@ -24,6 +24,11 @@ pub struct SourceReport {
 }
 
 impl SourceReport {
+    /// The GPUs of its sample (none while it is down).
+    pub fn gpus(&self) -> &[super::GpuSample] {
+        self.sample.as_ref().map_or(&[], |node| &node.gpus)
+    }
+
     /// A source read in `duration_seconds`, with its sample where it has one.
     pub fn up(source: &'static str, sample: Option<NodeSample>, duration_seconds: f64) -> Self {
         SourceReport {

@@ -174,12 +174,7 @@ pub fn view(snapshot: &NodeSnapshot) -> NodeView {
     let mut gpus = gpus_of(snapshot);
     let mut charged: BTreeMap<String, f64> = BTreeMap::new();
     let mut mig_charged: BTreeMap<(String, String), f64> = BTreeMap::new();
-    for gpu in snapshot
-        .reports
-        .iter()
-        .filter_map(|r| r.sample.as_ref())
-        .flat_map(|n| &n.gpus)
-    {
+    for gpu in snapshot.gpus() {
         for (mig, _, processes) in gpu.devices() {
             for p in processes {
                 let Some(used) = p.used.map(bytes) else {
@@ -305,12 +300,7 @@ fn fragmentation(reserved: f64, allocated: f64) -> f64 {
 /// once, as its first MIG device says.
 fn gpus_of(snapshot: &NodeSnapshot) -> BTreeMap<String, GpuView> {
     let mut gpus: BTreeMap<String, GpuView> = BTreeMap::new();
-    for gpu in snapshot
-        .reports
-        .iter()
-        .filter_map(|r| r.sample.as_ref())
-        .flat_map(|n| &n.gpus)
-    {
+    for gpu in snapshot.gpus() {
         let mut view = GpuView {
             gpu: gpu.index.to_string(),
             uuid: gpu.uuid.clone(),

@@ -23,6 +23,26 @@ fn manifest() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The ingest's settings where pid 77, when the kernel names it, runs in a pod (its OOMs
+/// count for the pod) and every pid is alive (no such process need exist here).
+pub(crate) fn pid_77_in_a_pod() -> IngestConfig {
+    fn in_pod(pid: u32) -> Option<ContainerRef> {
+        (pid == 77).then(|| ContainerRef {
+            pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
+            container_id: "ab".repeat(32),
+            runtime: Runtime::Containerd,
+        })
+    }
+    fn alive(_: u32) -> Option<u64> {
+        Some(1)
+    }
+    IngestConfig {
+        resolve: in_pod,
+        start_time: alive,
+        ..IngestConfig::default()
+    }
+}
+
 /// A simulated node running fast, with its metrics.
 fn demo_metrics() -> (SimNode, Poller, Agent) {
     // The demo reads the node's view at scrape time; the poller (NVML's path) is used by
@@ -34,24 +54,7 @@ fn demo_metrics() -> (SimNode, Poller, Agent) {
     })
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
-    // Pid 77, when the kernel names it, runs in a pod: its OOMs count for the pod.
-    fn in_pod(pid: u32) -> Option<ContainerRef> {
-        (pid == 77).then(|| ContainerRef {
-            pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
-            container_id: "ab".repeat(32),
-            runtime: Runtime::Containerd,
-        })
-    }
-    // And it is alive (no such process need exist here).
-    fn alive(_: u32) -> Option<u64> {
-        Some(1)
-    }
-    let ingest = IngestConfig {
-        resolve: in_pod,
-        start_time: alive,
-        ..IngestConfig::default()
-    };
-    let mut agent = Agent::simulated(&node, ingest).expect("registers");
+    let mut agent = Agent::simulated(&node, pid_77_in_a_pod()).expect("registers");
     // It keeps recordings, as `gpumem demo` does.
     let recordings = RecordingStore::open(
         crate::common::temp_dir("demo-recordings"),

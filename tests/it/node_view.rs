@@ -7,11 +7,9 @@ use std::time::Duration;
 
 use gpumem::agent::Agent;
 use gpumem::demo::{SimNode, SimNodeConfig};
-use gpumem::ingest::IngestConfig;
 use gpumem::metrics::contract as c;
-use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
 
-use crate::agent::get;
+use crate::agent::{get, pid_77_in_a_pod};
 
 type Labels = BTreeMap<String, String>;
 
@@ -99,18 +97,6 @@ impl Scrape {
     }
 }
 
-fn in_pod(pid: u32) -> Option<ContainerRef> {
-    (pid == 77).then(|| ContainerRef {
-        pod_uid: "5f0a3c2e-7b1d-4e8a-9c6f-2d4b8e1a7c30".into(),
-        container_id: "ab".repeat(32),
-        runtime: Runtime::Containerd,
-    })
-}
-
-fn alive(_: u32) -> Option<u64> {
-    Some(1)
-}
-
 /// The simulated node held still (its own OOM job off: the test pushes one), and its agent.
 fn still_agent() -> (SimNode, Agent) {
     let node = SimNode::start(SimNodeConfig {
@@ -120,12 +106,7 @@ fn still_agent() -> (SimNode, Agent) {
         ..SimNodeConfig::default()
     })
     .expect("starts");
-    let ingest = IngestConfig {
-        resolve: in_pod,
-        start_time: alive,
-        ..IngestConfig::default()
-    };
-    let agent = Agent::simulated(&node, ingest).expect("registers");
+    let agent = Agent::simulated(&node, pid_77_in_a_pod()).expect("registers");
     (node, agent)
 }
 

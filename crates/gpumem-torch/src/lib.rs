@@ -507,14 +507,7 @@ async fn refresh_cache_figures() {
                 if let Some(segments) = segments {
                     slot.source.segments.publish(segments);
                 }
-                slot.source
-                    .largest_free_block
-                    .store(largest, Ordering::Relaxed);
-                *slot
-                    .source
-                    .segment_classes
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = classes;
+                slot.source.publish_cache(largest, classes);
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -74,12 +74,7 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
         f.of(&c::LARGEST_FREE_BLOCK)
             .push_with(base, extra, largest as f64);
     }
-    let classes = s
-        .segment_classes
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    for class in classes {
+    for class in s.segments_by_size() {
         let size = class.size.to_string();
         let labels = [base[0], base[1], base[2], base[3], size.as_str()];
         f.of(&c::SEGMENTS_BY_SIZE)
