@@ -12,8 +12,8 @@
 
 use std::hint::black_box;
 use std::io::Write;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flate2::Compression;
@@ -24,7 +24,7 @@ use gpumem::ingest::IngestConfig;
 use gpumem::ingest::store::Peer;
 use gpumem::metrics::{Format, Metrics, ReportReader};
 use gpumem::server::{AppState, app};
-use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources};
+use gpumem::sources::{AllocatorKind, AllocatorSource, AllocatorSources, Cache};
 use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
 use gpumem::{AllocatorConfig, CachingAllocator, StreamId};
 use http_body_util::BodyExt;
@@ -72,8 +72,11 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 version: "2.5.1".into(),
                 config: "expandable_segments:True".into(),
                 stats: Arc::clone(&stats),
-                largest_free_block: Arc::new(AtomicU64::new(largest)),
-                segment_classes: Default::default(),
+                cache: Mutex::new(Some(Cache {
+                    largest_free_block: largest,
+                    segments_by_size: Vec::new(),
+                    read_at: Instant::now(),
+                })),
                 labels: Vec::new(),
                 last_oom_unix_seconds: None,
                 last_oom: Default::default(),

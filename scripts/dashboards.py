@@ -320,7 +320,9 @@ def allocator():
         timeseries("Largest free block and requested bytes",
                    "The largest cached free block is the biggest request the allocator can serve "
                    "without the driver. When it falls below the size of the job's large tensors, "
-                   "each of them forces a cudaMalloc (and, near the limit, a cache flush).",
+                   "each of them forces a cudaMalloc (and, near the limit, a cache flush). For "
+                   "PyTorch processes that push, as of their last memory snapshot "
+                   "(gpumem_allocator_cache_age_seconds says how old).",
                    (12, 16, 12, 8),
                    [target("A", f"max by ({per}) (gpumem_allocator_largest_free_block_bytes{{{POD}}})",
                            legend + " largest free block"),
@@ -356,8 +358,8 @@ def allocator():
               {"instance": "node"}, labels_only=True),
         table("Segments by size",
               "Segments per size class (sizes in (class/2, class]) and the free bytes cached in "
-              "them, per process; for PyTorch processes that push, as of their last "
-              "out-of-memory error. Many segments with free bytes but a small largest free "
+              "them, per process; for PyTorch processes that push, as of their last memory "
+              "snapshot (periodic, or at an out-of-memory error). Many segments with free bytes but a small largest free "
               "block is fragmentation: expandable_segments:True lets one segment grow instead.",
               (0, 40, 24, 8),
               [target("A", by(per + ", segment_size", "gpumem_allocator_segments_by_size", POD),

@@ -16,4 +16,4 @@ done
 # The pushed job's OOM push comes within its first seconds.
 sleep 6
 curl -sf "http://127.0.0.1:$port/metrics" | sed -E \
-    -e 's/^((gpumem_allocator_last_oom_timestamp_seconds|gpumem_collect_duration_seconds|gpumem_ingest_last_push_age_seconds|gpumem_ingest_payloads_total\{result="accepted"\})(\{[^}]*\})?) .*/\1 X/'
+    -e 's/^((gpumem_allocator_last_oom_timestamp_seconds|gpumem_allocator_cache_age_seconds|gpumem_collect_duration_seconds|gpumem_ingest_last_push_age_seconds|gpumem_ingest_payloads_total\{result="accepted"\})(\{[^}]*\})?) .*/\1 X/'

@@ -8,15 +8,12 @@
 //! - [`AllocatorSources::replace`] changes only the sources of one [`AllocatorKind`], so the
 //!   ingest never touches the agent's own allocators and the other way round.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use crate::allocator::breakdown::{Breakdown, Kind};
 use crate::allocator::{DeviceStats, SegmentClass, SegmentInfo};
-
-/// A size nobody has reported.
-pub const UNKNOWN_SIZE: u64 = u64::MAX;
 
 /// Whose counters a source carries: the `allocator` label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,14 +52,10 @@ pub struct AllocatorSource {
     pub config: String,
     /// The counters, read without any lock.
     pub stats: Arc<DeviceStats>,
-    /// The largest cached free block, as last published by the allocator's owner;
-    /// [`UNKNOWN_SIZE`] while nobody has said (a pushed process reports it only with a
-    /// snapshot), and then it is not exported.
-    pub largest_free_block: Arc<AtomicU64>,
-    /// Its segments by size class, as last published by the allocator's owner (a pushed
-    /// process sends them from the snapshot of its out-of-memory push; they stand until the
-    /// next); empty while nobody has said.
-    pub segment_classes: Mutex<Vec<SegmentClass>>,
+    /// Its cache's figures, as last published by the allocator's owner (a pushed process
+    /// sends them with a push that carries a memory snapshot; they stand until the next);
+    /// `None` while nobody has said, and then they are not exported.
+    pub cache: Mutex<Option<Cache>>,
     /// Extra labels (a push's own, renamed where they collide, then pod_uid and
     /// container_id where the kernel named the process), added to each of its series.
     pub labels: Vec<(String, String)>,
@@ -169,8 +162,7 @@ impl AllocatorSource {
             version: env!("CARGO_PKG_VERSION").to_string(),
             config,
             stats,
-            largest_free_block: Arc::new(AtomicU64::new(0)),
-            segment_classes: Default::default(),
+            cache: Mutex::new(None),
             labels: Vec::new(),
             last_oom_unix_seconds: None,
             last_oom: Default::default(),
@@ -178,19 +170,17 @@ impl AllocatorSource {
         }
     }
 
-    /// A PyTorch allocator as `process` pushed it on GPU `gpu` (`uuid`): its statistics, the
-    /// cache's figures from a snapshot (`cache`: the largest free block and the segments by
-    /// size; [`UNKNOWN_SIZE`] and none where no snapshot stands) and its last OOM's
-    /// explanation, where one stands.
+    /// A PyTorch allocator as `process` pushed it on GPU `gpu` (`uuid`): its statistics, its
+    /// cache's figures from a snapshot where one stands, and its last OOM's explanation,
+    /// where one stands.
     pub fn pushed(
         process: &Pusher,
         gpu: u32,
         uuid: String,
         stats: DeviceStats,
-        cache: (u64, Vec<SegmentClass>),
+        cache: Option<Cache>,
         last_oom: Option<LastOom>,
     ) -> AllocatorSource {
-        let (largest, classes) = cache;
         AllocatorSource {
             gpu,
             uuid,
@@ -199,8 +189,7 @@ impl AllocatorSource {
             version: process.version.clone(),
             config: process.config.clone(),
             stats: Arc::new(stats),
-            largest_free_block: Arc::new(AtomicU64::new(largest)),
-            segment_classes: Mutex::new(classes),
+            cache: Mutex::new(cache),
             labels: process.labels.clone(),
             last_oom_unix_seconds: process.last_oom_unix_seconds,
             last_oom: Mutex::new(last_oom),
@@ -208,32 +197,22 @@ impl AllocatorSource {
         }
     }
 
-    /// The cache's figures as last published: the largest free block and the segments by
-    /// size.
-    pub fn cache(&self) -> (u64, Vec<SegmentClass>) {
-        (
-            self.largest_free_block.load(Ordering::Relaxed),
-            self.segments_by_size(),
-        )
-    }
-
-    /// Its segments by size class, as last published.
-    pub fn segments_by_size(&self) -> Vec<SegmentClass> {
-        self.segment_classes
+    /// The cache's figures as last published, if they were.
+    pub fn cache(&self) -> Option<Cache> {
+        self.cache
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
 
-    /// Publishes the cache's figures (its owner's call: an allocator this process holds,
-    /// between its operations): the largest free block and the segments by size.
+    /// Publishes the cache's figures, read now (its owner's call: an allocator this process
+    /// holds, between its operations).
     pub fn publish_cache(&self, largest_free_block: u64, segments_by_size: Vec<SegmentClass>) {
-        self.largest_free_block
-            .store(largest_free_block, Ordering::Relaxed);
-        *self
-            .segment_classes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = segments_by_size;
+        *self.cache.lock().unwrap_or_else(PoisonError::into_inner) = Some(Cache {
+            largest_free_block,
+            segments_by_size,
+            read_at: Instant::now(),
+        });
     }
 
     /// The explanation of its last OOM, as last published.
@@ -243,6 +222,18 @@ impl AllocatorSource {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
+}
+
+/// What an allocator's cache held when it was read: what a request can be served from
+/// without the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cache {
+    /// The largest cached free block: the biggest request it can serve without the driver.
+    pub largest_free_block: u64,
+    /// Its segments by size class, sorted by size.
+    pub segments_by_size: Vec<SegmentClass>,
+    /// When it was read (a pushed snapshot: when the push carrying it was received).
+    pub read_at: Instant,
 }
 
 /// What a pushing process says of itself, the same on each of its devices' sources.

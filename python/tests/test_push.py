@@ -1,6 +1,7 @@
 """gpumem_push as a job uses it: child Python processes with the stand-in torch push to a
 recording stand-in for the agent, which applies the agent's rules to every payload."""
 
+import json
 import os
 import socket
 import textwrap
@@ -188,7 +189,14 @@ class Activation(PushTest):
             self.assertEqual(device["stats"]["reserved_bytes.all.current"], 4 * MIB)
             self.assertEqual(device["stats"]["allocated_bytes.all.current"], 3 * MIB)
             self.assertEqual(device["stats"]["max_split_size"], -1)
-            self.assertNotIn("largest_free_block", device, "figures only come with a snapshot")
+            if "reason" in p:
+                self.assertNotIn("largest_free_block", device, "only with a snapshot")
+            else:  # a periodic snapshot's: the 4 MiB segment with 1 MiB free
+                self.assertEqual(device["largest_free_block"], MIB)
+                self.assertEqual(device["segments_by_size"],
+                                 [{"size": 4 * MIB, "segments": 1, "free_bytes": MIB}])
+        self.assertEqual(set(r["snapshot_calls"]), {False}, "never with the history")
+        self.assertGreaterEqual(r["stats"]["snapshots"]["periodic"], 3)
         times = [e["t"] for e in self.agent.recorder.pushes if "reason" not in e["payload"]]
         self.assertTrue(all(b - a >= 0.5 for a, b in zip(times, times[1:])), times)
 
@@ -214,6 +222,8 @@ class Activation(PushTest):
         self.assertEqual(self.agent.recorder.pushes, [], "nothing to push without CUDA")
         self.assertEqual(r["stats"], {
             "sent": 0, "dropped": 0, "errors": 0, "last_error": None, "observer_seconds": None,
+            "snapshots": {"periodic": 0, "oom": 0, "seconds": 0.0, "last_seconds": None,
+                          "off": None},
             "history": {"sent": 0, "saved": 0, "dropped": 0, "skipped": 0, "seconds": None,
                         "last_error": None, "state": None}})
 
@@ -566,6 +576,102 @@ class OutOfMemory(PushTest):
         self.assertNotIn("oom", reasons)
 
 
+class LiveSnapshots(PushTest):
+    """Periodic snapshots without the history: figures before any OOM, at a bounded cost."""
+
+    # A 4 MiB segment with 1 MiB free, then pushes; the child reports the fake's snapshot
+    # spans too.
+    JOB = textwrap.dedent("""
+        import json, time, torch
+        torch._fake.allocate(0, 3 << 20)
+        """)
+    SPANS = "print(json.dumps(torch._fake.snapshot_spans))\n"
+
+    def periodic(self):
+        return [p for p in self.agent.recorder.accepted() if "reason" not in p]
+
+    def assertLive(self, device):
+        self.assertEqual(device["largest_free_block"], MIB)
+        self.assertEqual(device["segments_by_size"],
+                         [{"size": 4 * MIB, "segments": 1, "free_bytes": MIB}])
+
+    def test_every_periodic_push_has_figures_and_no_snapshot_copies_the_history(self):
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            torch.cuda.memory._record_memory_history(max_entries=1000)
+            wait_sent(3)
+            """))
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        periodic = self.periodic()
+        self.assertGreaterEqual(len(periodic), 3)
+        for p in periodic:
+            self.assertLive(p["devices"][0])
+        calls = child.result["snapshot_calls"]
+        self.assertGreaterEqual(len(calls), 3)
+        self.assertEqual(set(calls), {False}, calls)
+        snapshots = child.result["stats"]["snapshots"]
+        self.assertIsNone(snapshots["off"], snapshots)
+        self.assertEqual(snapshots["periodic"], len(calls))
+
+    def test_an_older_pytorch_without_history_gets_figures_too(self):
+        child = self.run_child(self.JOB + "wait_sent(3)\n", FAKE_TORCH_SNAPSHOT="old")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        for p in self.periodic():
+            self.assertLive(p["devices"][0])
+        self.assertIsNone(child.result["stats"]["snapshots"]["off"])
+        self.assertGreaterEqual(child.result["stats"]["snapshots"]["periodic"], 3)
+
+    def test_an_older_pytorch_recording_history_takes_no_periodic_snapshot(self):
+        # The job records its own history: the first snapshot that shows it is the last.
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            torch.cuda.memory._record_memory_history(max_entries=1000)
+            torch._fake.allocate(0, 1 << 20)  # one entry at least
+            import gpumem_push
+            wait_sent(2)
+            before = gpumem_push.stats()["snapshots"]["periodic"]
+            wait_sent(5)
+            print("periodic", before, gpumem_push.stats()["snapshots"]["periodic"])
+            """), FAKE_TORCH_SNAPSHOT="old")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        _, before, after = next(line for line in child.stdout.splitlines()
+                                if line.startswith("periodic")).split()
+        self.assertEqual(before, after, "no periodic snapshot once the history shows")
+        self.assertLessEqual(int(after), 2)
+        self.assertIn("the job records", child.result["stats"]["snapshots"]["off"])
+        self.assertNotIn("largest_free_block", self.periodic()[-1]["devices"][0])
+        # GPUMEM_PUSH_HISTORY records it: none at all.
+        self.agent.recorder.pushes.clear()
+        child = self.run_child(self.JOB + "wait_sent(3)\n", FAKE_TORCH_SNAPSHOT="old",
+                               GPUMEM_PUSH_HISTORY="500")
+        self.assertEqual(child.rc, 0, child.stderr)
+        snapshots = child.result["stats"]["snapshots"]
+        self.assertEqual(snapshots["periodic"], 0, snapshots)
+        self.assertIn("GPUMEM_PUSH_HISTORY", snapshots["off"])
+        for p in self.periodic():
+            self.assertNotIn("largest_free_block", p["devices"][0])
+
+    def test_a_slow_snapshot_is_taken_less_often(self):
+        # Each snapshot takes 10 ms: at most 0.5 % of the time means one per 2 s or less,
+        # while the pushes go on every 0.5 s.
+        child = self.run_child(self.JOB + "wait_sent(9, 15)\n" + self.SPANS,
+                               FAKE_TORCH_SNAPSHOT_SECONDS="0.01")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        spans = json.loads(child.stdout.splitlines()[-2])
+        self.assertGreaterEqual(len(spans), 2, spans)
+        for (start, end), (following, _) in zip(spans, spans[1:]):
+            self.assertGreaterEqual(following - start, (end - start) / 0.005,
+                                    f"a snapshot of {end - start:.4f} s, the next after "
+                                    f"{following - start:.3f} s")
+        periodic = self.periodic()
+        with_figures = [p for p in periodic if "largest_free_block" in p["devices"][0]]
+        self.assertEqual(len(with_figures), len(spans))
+        self.assertGreater(len(periodic), 2 * len(with_figures), "the pushes did not wait")
+        self.assertEqual(child.result["stats"]["snapshots"]["periodic"], len(spans))
+
+
 class Interval(PushTest):
     def test_bad_intervals_warn_once_and_push_every_5_s(self):
         code = "import gpumem_push; gpumem_push.start(); print(gpumem_push.settings()['interval'])"
@@ -786,6 +892,29 @@ class OomFigures(unittest.TestCase):
         self.assertIsNone(check_oom(oom))
         self.assertEqual([(p["free"], p.get("private")) for p in oom["pools"]],
                          [(2 * MIB, None), (12 * MIB, True)])
+
+    def test_a_periodic_summary_finds_what_an_oom_summary_does(self):
+        from gpumem_push import readings  # as installed
+        def segment(device, total, free, stream=0):
+            blocks = [{"size": total - sum(free), "state": "active_allocated",
+                       "requested_size": 1}]
+            blocks += [{"size": f, "state": "inactive"} for f in free]
+            blocks.append({"size": 0, "state": "active_pending_free"})
+            return {"device": device, "total_size": total, "segment_type": "large",
+                    "stream": stream, "blocks": blocks}
+        snapshot = [segment(0, 20 * MIB, [MIB, 3 * MIB]), segment(0, 2 * MIB, []),
+                    segment(1, 64 * MIB, [40 * MIB], stream=5), segment(0, 20 * MIB, [0])]
+        periodic = readings.summarize(snapshot)
+        oom = readings.summarize(snapshot, (0, MIB, 1 << 40, 0, 0))
+        for device in (0, 1):
+            self.assertEqual(periodic[device]["largest"], oom[device]["largest"])
+            self.assertEqual(periodic[device]["classes"], oom[device]["classes"])
+            self.assertEqual(periodic[device]["pools"], {}, "no pools without a request")
+        self.assertEqual(periodic[0]["largest"], 3 * MIB)
+        self.assertEqual(periodic[0]["classes"], {2 * MIB: [1, 0], 32 * MIB: [2, 4 * MIB]})
+        self.assertEqual(periodic[1], {"largest": 40 * MIB, "classes": {64 * MIB: [1, 40 * MIB]},
+                                       "pools": {}})
+        self.assertEqual(oom[0]["pools"][("large", 0, False)]["segments_with_free"], 1)
 
     def test_figures_that_cannot_add_up_are_not_sent(self):
         from gpumem_push import limits, readings  # noqa: F401 (as installed)

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::sources::{AllocatorSource, Pusher, UNKNOWN_SIZE};
+use crate::sources::{AllocatorSource, Cache, Pusher};
 use crate::telemetry::cgroup::ContainerRef;
 
 use super::limits::OOM_BREAKDOWN_SERIES;
@@ -45,14 +45,9 @@ pub(super) fn kept_series(before: &[Arc<AllocatorSource>], push: &ValidPush) -> 
         .iter()
         .filter_map(|d| Some((d, previous(before, d)?)))
         .map(|(d, before)| {
-            let classes = if d.snapshot.is_none() {
-                2 * before
-                    .segment_classes
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .len()
-            } else {
-                0
+            let classes = match (&d.snapshot, before.cache()) {
+                (None, Some(kept)) => 2 * kept.segments_by_size.len(),
+                _ => 0,
             };
             let explanation = explanation_stands(before, d) && before.last_oom().is_some();
             classes + if explanation { OOM_BREAKDOWN_SERIES } else { 0 }
@@ -60,11 +55,13 @@ pub(super) fn kept_series(before: &[Arc<AllocatorSource>], push: &ValidPush) -> 
         .sum()
 }
 
-/// The sources of `process`'s pushed `devices`, with what `before`, its last push's, keeps.
+/// The sources of `process`'s pushed `devices`, received at `now`, with what `before`, its
+/// last push's, keeps.
 pub(super) fn pushed_sources(
     process: &Pusher,
     devices: Vec<ValidDevice>,
     before: &[Arc<AllocatorSource>],
+    now: Instant,
 ) -> Vec<Arc<AllocatorSource>> {
     devices
         .into_iter()
@@ -74,10 +71,14 @@ pub(super) fn pushed_sources(
                 Some(b) if explanation_stands(b, &device) => b.last_oom(),
                 _ => device.last_oom,
             };
-            let cache = device
-                .snapshot
-                .or_else(|| before.map(AllocatorSource::cache))
-                .unwrap_or((UNKNOWN_SIZE, Vec::new()));
+            let cache = match device.snapshot {
+                Some((largest_free_block, segments_by_size)) => Some(Cache {
+                    largest_free_block,
+                    segments_by_size,
+                    read_at: now,
+                }),
+                None => before.and_then(AllocatorSource::cache),
+            };
             Arc::new(AllocatorSource::pushed(
                 process,
                 device.index,
@@ -172,7 +173,7 @@ mod tests {
     /// The source of `device` pushed after `before`.
     fn after(before: &[Arc<AllocatorSource>], device: serde_json::Value) -> Arc<AllocatorSource> {
         let devices = push(device).devices;
-        let mut sources = pushed_sources(&process(), devices, before);
+        let mut sources = pushed_sources(&process(), devices, before, Instant::now());
         assert_eq!(sources.len(), 1);
         sources.remove(0)
     }
@@ -183,7 +184,8 @@ mod tests {
             "largest_free_block": 4096,
             "segments_by_size": [{"size": 2097152, "segments": 3, "free_bytes": 4096}]});
         let first = after(&[], snapshot);
-        assert_eq!(first.cache().0, 4096);
+        let cache = first.cache().expect("a snapshot's");
+        assert_eq!(cache.largest_free_block, 4096);
         assert_eq!((first.pid, first.version.as_str()), (7, "2.5.1"));
         assert_eq!(first.labels, process().labels);
         assert_eq!(first.last_oom_unix_seconds, Some(1.5));
@@ -198,8 +200,8 @@ mod tests {
             &before,
             serde_json::json!({"index": 1, "uuid": "GPU-b", "stats": {}}),
         );
-        assert_eq!(other.cache(), (UNKNOWN_SIZE, Vec::new()));
-        assert_eq!(after(&[], plain).cache(), (UNKNOWN_SIZE, Vec::new()));
+        assert_eq!(other.cache(), None);
+        assert_eq!(after(&[], plain).cache(), None);
     }
 
     #[test]
@@ -207,7 +209,8 @@ mod tests {
         let device = |ooms: u64| serde_json::json!({"index": 0, "uuid": "GPU-a", "stats": {"num_ooms": ooms}});
         let mut p = push(device(1));
         p.devices[0].last_oom = Some(oom("fragmented"));
-        let explained = pushed_sources(&process(), std::mem::take(&mut p.devices), &[]);
+        let devices = std::mem::take(&mut p.devices);
+        let explained = pushed_sources(&process(), devices, &[], Instant::now());
         assert_eq!(explained[0].last_oom(), Some(oom("fragmented")));
         // No OOM since: it stands, and counts.
         let p = push(device(1));

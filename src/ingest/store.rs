@@ -374,7 +374,7 @@ impl PushStore {
             last_oom_unix_seconds: last_oom_at,
         };
         let before = old.map_or(&[][..], |t| &t.sources[..]);
-        let sources = pushed_sources(&process, std::mem::take(&mut push.devices), before);
+        let sources = pushed_sources(&process, std::mem::take(&mut push.devices), before, now);
         // Only pushes that needed the allowance use it up.
         let mut allowance = old.map_or(Allowance::new(now), |t| t.allowance.at(now));
         allowance.spent += u32::from(admitted.urgent);

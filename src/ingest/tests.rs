@@ -174,10 +174,9 @@ fn segments_by_size_stand_until_the_next_snapshot() {
     ];
     let published = || {
         sources.snapshot()[0]
-            .segment_classes
-            .lock()
-            .expect("lock")
-            .clone()
+            .cache()
+            .map(|c| c.segments_by_size)
+            .unwrap_or_default()
     };
     assert_eq!(published(), expected, "sorted by size");
     let later = serde_json::json!({"pid": 5, "seq": 2,
@@ -193,6 +192,24 @@ fn segments_by_size_stand_until_the_next_snapshot() {
         published(),
         expected,
         "a push without a snapshot keeps them"
+    );
+    let read_at = sources.snapshot()[0].cache().map(|c| c.read_at);
+    assert_eq!(read_at, Some(start), "as old as the push that carried them");
+    let newer = serde_json::json!({"pid": 5, "seq": 3,
+        "devices": [{"index": 0, "uuid": "GPU-a", "stats": {}, "largest_free_block": 0}]});
+    let third = start + Duration::from_secs(2);
+    store
+        .push_at(newer.to_string().as_bytes(), None, third)
+        .expect("accepted");
+    let cache = sources.snapshot()[0].cache().expect("a snapshot's");
+    assert_eq!(
+        (
+            cache.largest_free_block,
+            cache.segments_by_size,
+            cache.read_at
+        ),
+        (0, Vec::new(), third),
+        "a newer snapshot replaces them all: no segments, nothing free"
     );
 }
 
@@ -482,17 +499,20 @@ fn ended_processes_are_evicted_before_a_push_is_refused() {
 
 #[test]
 fn the_series_budget_bounds_every_push() {
+    let one = super::payload::validate(&payload(1, 1, ok()))
+        .expect("valid")
+        .series();
     let (store, _) = store_with(IngestConfig {
-        max_series: 52,
+        max_series: 2 * one,
         ..config()
     });
     let now = Instant::now();
     store
         .push_at(&payload(1, 1, ok()), None, now)
-        .expect("26 series");
+        .expect("one process's series");
     store
         .push_at(&payload(2, 1, ok()), None, now)
-        .expect("52 series");
+        .expect("two processes' series: the budget");
     let err = store
         .push_at(&payload(3, 1, ok()), None, now)
         .expect_err("over budget");
@@ -941,9 +961,11 @@ fn inconsistent_or_oversized_oom_figures_are_refused_by_name() {
 
 #[test]
 fn an_explanation_kept_from_an_earlier_push_counts_in_the_series_budget() {
-    // 25 series for a plain push of one device, 7 more while an OOM's explanation is kept.
+    // A plain push of one device: its series and the process's push age; an OOM's
+    // explanation, while kept, adds one per part.
+    let plain = 1 + super::limits::SERIES_PER_DEVICE;
     let (store, sources) = store_with(IngestConfig {
-        max_series: 25 + 7 + 25 - 1,
+        max_series: plain + super::limits::OOM_BREAKDOWN_SERIES + plain - 1,
         ..config()
     });
     let now = Instant::now();

@@ -211,14 +211,14 @@ metric!(
     "gpumem_allocator_largest_free_block_bytes",
     Gauge,
     ALLOCATOR,
-    "Largest cached free block: the biggest request the allocator can serve without the driver (for pushed PyTorch processes: as of their last out-of-memory error)."
+    "Largest cached free block: the biggest request the allocator can serve without the driver (for pushed PyTorch processes: as of their last memory snapshot, periodic or at an out-of-memory error; its age is gpumem_allocator_cache_age_seconds)."
 );
 metric!(
     SEGMENTS_BY_SIZE,
     "gpumem_allocator_segments_by_size",
     Gauge,
     ALLOCATOR_SIZE,
-    "Segments whose size is in (segment_size/2, segment_size] (for pushed PyTorch processes: in the memory snapshot of their last out-of-memory error)."
+    "Segments whose size is in (segment_size/2, segment_size] (for pushed PyTorch processes: in their last memory snapshot)."
 );
 metric!(
     SEGMENT_FREE_BYTES_BY_SIZE,
@@ -226,6 +226,13 @@ metric!(
     Gauge,
     ALLOCATOR_SIZE,
     "Free bytes cached in the segments of each size class: reserved memory only requests up to the largest free block can use."
+);
+metric!(
+    CACHE_AGE,
+    "gpumem_allocator_cache_age_seconds",
+    Gauge,
+    ALLOCATOR,
+    "Seconds since the largest free block and segments by size were read: for a pushed process, since the agent received the push carrying its last memory snapshot (the hook takes them periodically where the job's PyTorch makes them cheap, and at each out-of-memory error); absent while none was read."
 );
 metric!(
     ALLOCATOR_INFO,
@@ -456,7 +463,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 50] = [
+pub const CONTRACT: [&MetricDef; 51] = [
     &ALLOCATED_BYTES.0,
     &RESERVED_BYTES.0,
     &ACTIVE_BYTES.0,
@@ -477,6 +484,7 @@ pub const CONTRACT: [&MetricDef; 50] = [
     &LARGEST_FREE_BLOCK.0,
     &SEGMENTS_BY_SIZE.0,
     &SEGMENT_FREE_BYTES_BY_SIZE.0,
+    &CACHE_AGE.0,
     &ALLOCATOR_INFO.0,
     &LAST_OOM_TIMESTAMP.0,
     &OOM_BREAKDOWN.0,

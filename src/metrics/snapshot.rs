@@ -6,9 +6,9 @@
 //! # Invariants
 //! - A snapshot reads the allocator sources' list, each polled source's latest report, the
 //!   kubelet's parts and the ingest's report once, when it is taken; never a source itself,
-//!   never an allocator's lock. An allocator's reserved and allocated bytes are read then too
-//!   (the page's figures agree with each other); its other counters are read, lock-free, when
-//!   the exposition renders them.
+//!   never an allocator's lock. An allocator's reserved and allocated bytes and its cache's
+//!   figures are read then too (the page's figures agree with each other); its other
+//!   counters are read, lock-free, when the exposition renders them.
 //! - An allocator is placed where NVML reports its device ([`PlacedAllocator`]: NVML's index
 //!   and UUID of its GPU, and its MIG device), else where it says; its labels are its own,
 //!   then its pod as NVML's view gives it where it names none, the pod's names where known,
@@ -16,11 +16,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::allocator::breakdown::Part;
-use crate::sources::{AllocatorSource, IngestReport, LastOom, UNKNOWN_SIZE};
+use crate::sources::{AllocatorSource, Cache, IngestReport, LastOom};
 use crate::telemetry::pod_names::NameDirectory;
 use crate::telemetry::pod_resources::PodDirectory;
 use crate::telemetry::{GpuSample, MigSample, SourceReport, uuid_body};
@@ -30,6 +29,8 @@ use super::names::{Names, mig_labels, process_labels, process_pods, value_of};
 
 /// What one scrape reads.
 pub struct NodeSnapshot {
+    /// When it was taken: what the cache figures' age is counted to.
+    pub taken: Instant,
     /// How long reading the allocators' list and the polled sources' reports, and placing
     /// the allocators, took (part of the `allocator` source's collection time).
     pub placing: Duration,
@@ -85,6 +86,8 @@ pub struct PlacedAllocator {
     pub reserved: i64,
     /// Allocated bytes over its pools, then.
     pub allocated: i64,
+    /// Its cache's figures as last published, read then.
+    pub cache: Option<Cache>,
     /// Its series' labels beyond the contract's: see the module's invariants.
     pub labels: Vec<(String, String)>,
 }
@@ -106,8 +109,14 @@ impl PlacedAllocator {
 
     /// The largest cached free block, where its owner said.
     pub fn largest_free_block(&self) -> Option<u64> {
-        let largest = self.source.largest_free_block.load(Ordering::Relaxed);
-        (largest != UNKNOWN_SIZE).then_some(largest)
+        self.cache.as_ref().map(|c| c.largest_free_block)
+    }
+
+    /// How old its cache's figures were at `now`, where its owner published them.
+    pub fn cache_age(&self, now: Instant) -> Option<Duration> {
+        self.cache
+            .as_ref()
+            .map(|c| now.saturating_duration_since(c.read_at))
     }
 
     /// Its last OOM's explanation, where its owner published one.
@@ -218,6 +227,7 @@ impl NodeSnapshot {
                     PlacedAllocator {
                         reserved: s.stats.reserved_bytes.all_current(),
                         allocated: s.stats.allocated_bytes.all_current(),
+                        cache: s.cache(),
                         source: Arc::clone(s),
                         gpu,
                         uuid: uuid.to_string(),
@@ -233,6 +243,7 @@ impl NodeSnapshot {
                 .collect()
         };
         NodeSnapshot {
+            taken: started,
             placing: started.elapsed(),
             allocators,
             reports,

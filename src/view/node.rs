@@ -339,7 +339,7 @@ mod tests {
     use std::time::Instant;
 
     use crate::allocator::DeviceStats;
-    use crate::sources::{AllocatorSource, Pusher, UNKNOWN_SIZE};
+    use crate::sources::{AllocatorSource, Pusher};
     use crate::telemetry::{GpuSample, MigSample, NodeSample, ProcessSample, SourceReport};
 
     use super::*;
@@ -411,9 +411,8 @@ mod tests {
             pid: 10,
             ..Pusher::default()
         };
-        let cache = (UNKNOWN_SIZE, Vec::new());
         let stats = DeviceStats::from_memory_stats(&stats);
-        let source = AllocatorSource::pushed(&pusher, 0, "MIG-0".into(), stats, cache, None);
+        let source = AllocatorSource::pushed(&pusher, 0, "MIG-0".into(), stats, None, None);
         let snapshot = NodeSnapshot::new(
             Instant::now(),
             &[Arc::new(source)],

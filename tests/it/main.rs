@@ -16,6 +16,7 @@ mod ipc;
 mod kubelet;
 mod layout;
 mod lifecycle;
+mod live_snapshots;
 mod node_view;
 mod oom_path;
 mod plan;

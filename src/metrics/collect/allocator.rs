@@ -1,14 +1,17 @@
 //! Each allocator's series: its counters (a pushed process's or one this process holds),
 //! placed where NVML reports its device (the snapshot's [`PlacedAllocator`]).
 
+use std::time::Instant;
+
 use crate::allocator::size::PoolKind;
 
 use super::super::contract as c;
 use super::super::snapshot::{PlacedAllocator, oom_parts, ratio};
 use super::Families;
 
-/// An allocator's series, with its placed labels beyond the contract's.
-pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
+/// An allocator's series, with its placed labels beyond the contract's, in a snapshot
+/// taken at `taken`.
+pub(super) fn collect(f: &mut Families, a: &PlacedAllocator, taken: Instant) {
     let s = &a.source;
     let (gpu, pid) = (a.gpu.to_string(), s.pid.to_string());
     let extra = a.labels.as_slice();
@@ -70,11 +73,15 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator) {
         f.of(&c::OOM_BREAKDOWN)
             .push_with(labels, extra, bytes as f64);
     }
-    if let Some(largest) = a.largest_free_block() {
+    if let Some(cache) = &a.cache {
         f.of(&c::LARGEST_FREE_BLOCK)
-            .push_with(base, extra, largest as f64);
+            .push_with(base, extra, cache.largest_free_block as f64);
     }
-    for class in s.segments_by_size() {
+    if let Some(age) = a.cache_age(taken) {
+        f.of(&c::CACHE_AGE)
+            .push_with(base, extra, age.as_secs_f64());
+    }
+    for class in a.cache.iter().flat_map(|c| &c.segments_by_size) {
         let size = class.size.to_string();
         let labels = [base[0], base[1], base[2], base[3], size.as_str()];
         f.of(&c::SEGMENTS_BY_SIZE)

@@ -219,7 +219,7 @@ fn render(snapshot: &NodeSnapshot) -> Vec<MetricFamily> {
     let names = snapshot.names();
     let started = Instant::now();
     for allocator in &snapshot.allocators {
-        allocator::collect(&mut f, allocator);
+        allocator::collect(&mut f, allocator, snapshot.taken);
     }
     if !snapshot.allocators.is_empty() {
         let seconds = (snapshot.placing + started.elapsed()).as_secs_f64();

@@ -13,10 +13,13 @@ labels, to the agent's ``POST /api/v1/push``; where the job's torch has
 ``torch.cuda.host_memory_stats()`` and the job pinned memory, its pinned host memory too (key
 names of releases before 2.10 renamed to 2.10's). It never imports torch itself: it waits until the
 job has imported it, and reads devices only once PyTorch has initialised CUDA (it never
-initialises CUDA). Then it attaches PyTorch's out-of-memory observer, which pushes at once, from
-the failing thread, with each device's largest free block and segments by size class from a
-memory snapshot taken at the error (``"reason": "oom"``). A last push at interpreter exit
-carries ``"reason": "exit"``.
+initialises CUDA). With its pushes go each device's largest free block and segments by size
+class, from a memory snapshot without the allocation history (``include_traces=False``,
+PyTorch 2.11+), taken as often as the pushes but spaced so that snapshots take at most 0.5 %
+of the job's wall time (``cadence``); none where the job's PyTorch would copy a recorded
+history into each. It attaches PyTorch's out-of-memory observer, which pushes at once, from
+the failing thread, with those figures from a snapshot taken at the error (``"reason":
+"oom"``). A last push at interpreter exit carries ``"reason": "exit"``.
 
 The agent's Unix socket (``unix:/run/gpumem/push.sock``, used whenever it exists) lets the
 agent name the pushing process itself, which a job in a container cannot: its own pid is its
@@ -41,8 +44,10 @@ Environment (read by ``start()``; the hook calls ``start()`` with no arguments):
 Only the standard library is used (and torch, once the job has imported it).
 
 The package: ``limits`` (the agent's bounds, copied and checked against it), ``config`` (what
-start() settles on), ``readings`` (what is read of PyTorch), ``transport`` (one push sent),
-``pusher`` (the ``Pusher``: state, thread, observer, exit push; ``Outcome`` of each push).
+start() settles on), ``readings`` (what is read of PyTorch), ``cadence`` (when a periodic
+snapshot may be taken), ``transport`` (one push sent), ``history`` (the allocation history
+and its recording at an OOM), ``pusher`` (the ``Pusher``: state, thread, observer, exit push;
+``Outcome`` of each push).
 """
 
 import os
@@ -77,7 +82,9 @@ def stop():
 
 def stats():
     """Counters of this process's pushes: sent, dropped (the agent unreachable or refusing),
-    errors (a failure reading PyTorch's figures or in this module), and the last error."""
+    errors (a failure reading PyTorch's figures or in this module), and the last error; the
+    memory snapshots taken (periodic, at OOMs), their seconds, and why periodic ones are off
+    where they are; the allocation history's recordings."""
     return _pusher.stats()
 
 

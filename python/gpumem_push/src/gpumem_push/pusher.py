@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 
+from . import cadence as _cadence
 from . import config as _config
 from . import history as _history
 from . import readings, transport
@@ -129,6 +130,7 @@ class Pusher:
         self._history = _history.History()  # a forked child's CUDA is not its parent's
         self._history_queued = False  # whether torch.cuda._lazy_call holds the history's start
         self._observer_seconds = None  # the last out-of-memory observer's wall time
+        self._cadence = _cadence.Cadence()  # when a periodic snapshot may be taken
 
     def _after_fork_in_child(self):
         # Threads do not survive fork; a forked child (a DataLoader worker, say) does not push
@@ -144,11 +146,13 @@ class Pusher:
         """Counters of this process's pushes: sent, dropped (the agent unreachable or
         refusing), errors (a failure reading PyTorch's figures or in this module), and the
         last error; the last out-of-memory observer's wall time on the failing thread
-        (seconds), and the allocation history's recordings (history.History.stats)."""
+        (seconds), the memory snapshots taken (cadence.Cadence.stats) and the allocation
+        history's recordings (history.History.stats)."""
         with self._lock:
             out = {"sent": self._sent, "dropped": self._dropped, "errors": self._errors,
                    "last_error": self._last_error, "observer_seconds": self._observer_seconds}
-            recorder = self._history
+            recorder, cadence = self._history, self._cadence
+        out["snapshots"] = cadence.stats()
         out["history"] = recorder.stats()
         return out
 
@@ -356,11 +360,7 @@ class Pusher:
             if recent:
                 self._wake_thread()
                 return
-            try:
-                snapshot = readings.snapshot_summary(torch, readings.oom_request(torch, args))
-            except Exception as error:
-                snapshot = None  # pushed without the figures rather than with false ones
-                self._error(error)
+            snapshot = self._oom_summary(torch, readings.oom_request(torch, args))
             result = self.push(torch, "oom", REASON_TIMEOUT, snapshot,
                                lock_timeout=REASON_TIMEOUT)
             if result.rate_limited or result.outcome is Outcome.BUSY:
@@ -377,6 +377,49 @@ class Pusher:
                             send_to_agent=reachable)
         except Exception as error:
             self._error(error)
+
+    def _oom_summary(self, torch, request=None):
+        """The snapshot's summary at an out-of-memory error (None where it fails: pushed
+        without the figures rather than with false ones), timed for the cadence."""
+        with self._lock:
+            cadence = self._cadence
+        started = time.monotonic()
+        try:
+            return readings.snapshot_summary(torch, request)
+        except Exception as error:
+            self._error(error)
+            return None
+        finally:
+            end = time.monotonic()
+            cadence.took("oom", end - started, end)
+
+    def _periodic_summary(self, torch, now):
+        """A snapshot's summary for a periodic push, where the cadence lets one be taken
+        now; else None. Where the job's PyTorch cannot leave the allocation history out of a
+        snapshot and the history is recorded (by this hook, or by the job: the snapshot shows
+        it), periodic snapshots stop."""
+        with self._lock:
+            cadence, recorder = self._cadence, self._history
+        if not cadence.due(now) or not torch.cuda.is_initialized():
+            return None
+        light = readings.takes_include_traces(torch.cuda.memory_snapshot)
+        if not light and recorder.state() == "on":
+            cadence.turn_off("this PyTorch's snapshots copy the allocation history, which "
+                             "GPUMEM_PUSH_HISTORY records")
+            return None
+        started = time.monotonic()
+        try:
+            segments, history = readings.periodic_segments(torch)
+            if history:
+                cadence.turn_off("this PyTorch's snapshots copy the allocation history, which "
+                                 "the job records")
+            return readings.summarize(segments)
+        except Exception as error:
+            self._error(error)
+            return None
+        finally:
+            end = time.monotonic()
+            cadence.took("periodic", end - started, end)
 
     def _attach_observer(self, torch):
         """Attaches the observer once per process, once CUDA is initialised (attaching needs
@@ -437,10 +480,7 @@ class Pusher:
             return
         snapshot = pending[0]
         if snapshot is None:
-            try:
-                snapshot = readings.snapshot_summary(torch)
-            except Exception as error:
-                self._error(error)
+            snapshot = self._oom_summary(torch)
         self.push(torch, "oom", REASON_TIMEOUT, snapshot)
 
     def _run(self, stop, wake):
@@ -461,8 +501,11 @@ class Pusher:
                     if now >= next_push:
                         # The gap is checked under the send lock: an out-of-memory push on the
                         # training thread may have gone out just now.
+                        with self._lock:
+                            early = now - self._last_push < MIN_GAP
+                        snapshot = None if early else self._periodic_summary(torch, now)
                         result = self.push(torch, None, min(interval, PERIODIC_TIMEOUT),
-                                           min_gap=MIN_GAP)
+                                           snapshot, min_gap=MIN_GAP)
                         if result.outcome is Outcome.EARLY:
                             with self._lock:
                                 next_push = self._last_push + MIN_GAP

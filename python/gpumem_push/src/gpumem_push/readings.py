@@ -35,6 +35,22 @@ def memory_segments(torch):
     return snapshot()
 
 
+def periodic_segments(torch):
+    """(segments, history) for a periodic reading: the segments as memory_segments reads
+    them, and whether the snapshot showed an allocation history being recorded (known only
+    where the job's PyTorch cannot leave it out: then `torch.cuda.memory._snapshot()`, which
+    memory_snapshot() itself calls, gives the segments and tells whether it copied a
+    history). A history recorded means the next periodic reading would copy it again."""
+    if takes_include_traces(torch.cuda.memory_snapshot):
+        return torch.cuda.memory_snapshot(include_traces=False), False
+    full = getattr(getattr(torch.cuda, "memory", None), "_snapshot", None)
+    if full is None:
+        return torch.cuda.memory_snapshot(), False
+    snapshot = full()
+    traces = snapshot.get("device_traces") or ()
+    return snapshot.get("segments", ()), any(traces)
+
+
 def takes_include_traces(function):
     """Whether `function` names an `include_traces` parameter (a builtin whose signature
     cannot be read is taken not to)."""
@@ -45,41 +61,41 @@ def takes_include_traces(function):
 
 
 def snapshot_summary(torch, request=None):
+    """summarize() of the job's memory snapshot, read now."""
+    return summarize(memory_segments(torch), request)
+
+
+def summarize(segments, request=None):
     """{device index: {"largest": largest free block, "classes": {size class: [segments, free
-    bytes]}, "pools": {(pool, stream, private): figures}}} from a memory snapshot; a segment's
-    class is the power of two at or above its size. With `request` (the observer's device,
-    size, total and free, and the failing thread's stream), the failing device's entry also
-    gets the "oom" object the agent explains."""
+    bytes]}, "pools": {(pool, stream, private): figures}}} from a memory snapshot's segments;
+    a segment's class is the power of two at or above its size. With `request` (the
+    observer's device, size, total and free, and the failing thread's stream), the pools'
+    figures are added up too, and the failing device's entry gets the "oom" object the agent
+    explains; without, "pools" stays empty (a periodic push sends none: each block is then
+    looked at once, for its state)."""
     summary = {}
-    for segment in memory_segments(torch):
+    for segment in segments:
         device = int(segment.get("device", 0))
-        entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
+        entry = summary.get(device)
+        if entry is None:
+            entry = summary[device] = {"largest": 0, "classes": {}, "pools": {}}
         blocks = segment.get("blocks", ())
-        free = [int(b.get("size", 0)) for b in blocks if b.get("state") == "inactive"]
+        free = largest = 0
+        for b in blocks:
+            if b.get("state") == "inactive":
+                size = int(b.get("size", 0))
+                free += size
+                if size > largest:
+                    largest = size
         total = int(segment.get("total_size", 0))
         if total > 0:
             count = entry["classes"].setdefault(1 << (total - 1).bit_length(), [0, 0])
             count[0] += 1
-            count[1] += sum(free)
-        entry["largest"] = max([entry["largest"]] + free)
-        pool = "small" if segment.get("segment_type") == "small" else "large"
-        # A private pool's (CUDA graph, MemPool) free bytes serve only its own requests.
-        private = tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0)
-        figures = entry["pools"].setdefault(
-            (pool, int(segment.get("stream", 0) or 0), private),
-            {"allocated": 0, "requested": 0, "pending_free": 0, "free": 0, "largest_free": 0,
-             "segments_with_free": 0})
-        for b in blocks:
-            size, state = int(b.get("size", 0)), b.get("state")
-            if state == "active_allocated":
-                figures["allocated"] += size
-                figures["requested"] += min(size, int(b.get("requested_size", size)))
-            elif state == "active_pending_free":
-                figures["pending_free"] += size
-            elif state == "inactive":
-                figures["free"] += size
-                figures["largest_free"] = max(figures["largest_free"], size)
-        figures["segments_with_free"] += 1 if free and sum(free) > 0 else 0
+            count[1] += free
+        if largest > entry["largest"]:
+            entry["largest"] = largest
+        if request is not None:
+            add_pool_figures(entry["pools"], segment, blocks, free)
     if request is not None:
         device, size, device_total, device_free, stream = request
         entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
@@ -92,6 +108,29 @@ def snapshot_summary(torch, request=None):
                             "device_free": device_free,
                             "pools": oom_pools(entry["pools"], stream)}
     return summary
+
+
+def add_pool_figures(pools, segment, blocks, free):
+    """Adds a segment's blocks (`free` of their bytes free) to its (pool, stream, private)
+    figures in `pools`."""
+    pool = "small" if segment.get("segment_type") == "small" else "large"
+    # A private pool's (CUDA graph, MemPool) free bytes serve only its own requests.
+    private = tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0)
+    figures = pools.setdefault(
+        (pool, int(segment.get("stream", 0) or 0), private),
+        {"allocated": 0, "requested": 0, "pending_free": 0, "free": 0, "largest_free": 0,
+         "segments_with_free": 0})
+    for b in blocks:
+        size, state = int(b.get("size", 0)), b.get("state")
+        if state == "active_allocated":
+            figures["allocated"] += size
+            figures["requested"] += min(size, int(b.get("requested_size", size)))
+        elif state == "active_pending_free":
+            figures["pending_free"] += size
+        elif state == "inactive":
+            figures["free"] += size
+            figures["largest_free"] = max(figures["largest_free"], size)
+    figures["segments_with_free"] += 1 if free > 0 else 0
 
 
 def oom_pools(pools, stream):
@@ -157,13 +196,30 @@ def is_used(stats):
                for key in ("reserved_bytes.all.current", "reserved_bytes.all.peak", "num_ooms"))
 
 
+# Statistics keys found acceptable: each is checked once, not at every push (PyTorch's keys
+# are the same each time); at most this many are remembered.
+_GOOD_KEYS = set()
+MAX_GOOD_KEYS = 4 * MAX_STATS_KEYS
+
+
+def good_key(key):
+    """Whether the agent accepts `key` as a statistics key."""
+    if key in _GOOD_KEYS:
+        return True
+    if not isinstance(key, str) or text_problem(key):
+        return False
+    if len(_GOOD_KEYS) < MAX_GOOD_KEYS:
+        _GOOD_KEYS.add(key)
+    return True
+
+
 def clean_stats(stats):
     """Integer statistics the agent accepts (it refuses a whole push for one bad value)."""
     out = {}
     for key, value in stats.items():
         if len(out) >= MAX_STATS_KEYS:
             break
-        if not isinstance(key, str) or text_problem(key) or isinstance(value, bool):
+        if isinstance(value, bool) or not good_key(key):
             continue
         try:
             number = int(value)

@@ -14,7 +14,14 @@ initialized = False
 device_count = int(os.environ.get("FAKE_TORCH_DEVICES", "1"))
 broken = set(filter(None, os.environ.get("FAKE_TORCH_BROKEN", "").split(",")))
 violations = []
-snapshot_calls = []  # include_traces of each memory_snapshot call
+snapshot_calls = []  # include_traces of each memory_snapshot call (None: not given)
+# FAKE_TORCH_SNAPSHOT: "new" (2.11+: memory_snapshot takes include_traces) or "old" (it takes
+# no argument and copies the history, as memory._snapshot() does); FAKE_TORCH_SNAPSHOT_SECONDS:
+# how long each snapshot takes (a large job's, under the allocator's lock). Each snapshot's
+# (start, end) in time.monotonic() is kept in snapshot_spans.
+snapshot_kind = os.environ.get("FAKE_TORCH_SNAPSHOT", "new")
+snapshot_seconds = float(os.environ.get("FAKE_TORCH_SNAPSHOT_SECONDS", "0"))
+snapshot_spans = []
 allocator = None  # what change_current_allocator installed
 # Per device: its segments ({"total_size", "blocks": [{"size", "state"}]}) and counters.
 segments = [[] for _ in range(device_count)]
@@ -65,6 +72,20 @@ def init():
         with lock:
             initializing = False
             initialized = True
+
+
+def snapshot(include_traces=True):
+    """A snapshot of every segment, and each device's trace where `include_traces`; it takes
+    snapshot_seconds."""
+    start = time.monotonic()
+    if snapshot_seconds:
+        time.sleep(snapshot_seconds)
+    with lock:
+        out = {"segments": [dict(s, blocks=[dict(b) for b in s["blocks"]])
+                            for device in segments for s in device],
+               "device_traces": [list(t) if include_traces else [] for t in traces]}
+    snapshot_spans.append((start, time.monotonic()))
+    return out
 
 
 def trace(device, action, addr, size):

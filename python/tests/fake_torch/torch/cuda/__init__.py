@@ -79,12 +79,22 @@ def get_device_properties(device):
 
 def memory_snapshot(mempool_id=None, include_traces=True):
     """As PyTorch 2.11 and later: `include_traces=False` leaves the history out (the stand-in
-    has none, and records what each call asked for)."""
+    records what each call asked for)."""
     _fake.snapshot_calls.append(include_traces)
     _fake.check("memory_snapshot")
     if not _fake.initialized:
         _fake.violations.append("memory_snapshot before CUDA was initialised")
         return []
-    with _fake.lock:
-        return [dict(s, blocks=[dict(b) for b in s["blocks"]])
-                for device in _fake.segments for s in device]
+    return _fake.snapshot(include_traces)["segments"]
+
+
+def _old_memory_snapshot():
+    """As PyTorch 2.10 and before: no arguments; the whole snapshot, history included, is
+    taken for its segments."""
+    _fake.snapshot_calls.append(None)
+    _fake.check("memory_snapshot")
+    return memory._snapshot()["segments"]
+
+
+if _fake.snapshot_kind == "old":
+    memory_snapshot = _old_memory_snapshot  # noqa: F811

@@ -32,9 +32,4 @@ def _record_memory_history(enabled="all", context="all", stacks="all", max_entri
 def _snapshot(device=None):
     """PyTorch's snapshot: every segment with its blocks, and each device's trace."""
     _fake.check("_snapshot")
-    with _fake.lock:
-        return {
-            "segments": [dict(s, blocks=[dict(b) for b in s["blocks"]])
-                         for device in _fake.segments for s in device],
-            "device_traces": [list(t) for t in _fake.traces],
-        }
+    return _fake.snapshot()
