@@ -81,6 +81,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 last_oom_unix_seconds: None,
                 last_oom: Default::default(),
                 segments: Default::default(),
+                xla: None,
             }));
         }
     }

@@ -5,8 +5,9 @@
 //! - A source's counters are read without any lock ([`DeviceStats`] are atomics); the list
 //!   itself is swapped under one short lock, so a scrape sees each producer's whole update or
 //!   none of it.
-//! - [`AllocatorSources::replace`] changes only the sources of one [`AllocatorKind`], so the
-//!   ingest never touches the agent's own allocators and the other way round.
+//! - [`AllocatorSources::replace`] changes only the sources of the kinds it names, so the
+//!   ingest (PyTorch's and XLA's) never touches the agent's own allocators and the other way
+//!   round.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +23,8 @@ pub enum AllocatorKind {
     Gpumem,
     /// PyTorch's allocator, as a job pushed its `memory_stats()`.
     Pytorch,
+    /// XLA's allocator (a JAX job's), as the job pushed its devices' `memory_stats()`.
+    Xla,
 }
 
 impl AllocatorKind {
@@ -30,6 +33,7 @@ impl AllocatorKind {
         match self {
             AllocatorKind::Gpumem => "gpumem",
             AllocatorKind::Pytorch => "pytorch",
+            AllocatorKind::Xla => "xla",
         }
     }
 }
@@ -67,6 +71,24 @@ pub struct AllocatorSource {
     pub last_oom: Mutex<Option<LastOom>>,
     /// Its segments, for a live segment map, where its owner holds the allocator.
     pub segments: SegmentsOnRequest,
+    /// What XLA's allocator reports beyond its statistics, for an [`AllocatorKind::Xla`]
+    /// source (`None` for the others).
+    pub xla: Option<XlaFigures>,
+}
+
+/// What XLA's allocator reports (PJRT's `memory_stats()` of a JAX device) that its
+/// [`DeviceStats`] do not carry: which of the contract's figures it has, and its limit.
+/// Its statistics hold `bytes_in_use` and `peak_bytes_in_use` as allocated bytes, and
+/// `pool_bytes` and `peak_pool_bytes` as reserved bytes, in the large pool's place (it has
+/// one pool); the out-of-memory errors the hook counted as `num_ooms`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XlaFigures {
+    /// Whether it reported `pool_bytes` (its reserved bytes).
+    pub pool: bool,
+    /// Whether it reported `peak_pool_bytes`.
+    pub peak_pool: bool,
+    /// `bytes_limit`: the most it may hold, where reported.
+    pub limit: Option<u64>,
 }
 
 /// An allocator's segments, published by the allocator's owner when someone asks: a reader
@@ -167,33 +189,39 @@ impl AllocatorSource {
             last_oom_unix_seconds: None,
             last_oom: Default::default(),
             segments: Default::default(),
+            xla: None,
         }
     }
 
-    /// A PyTorch allocator as `process` pushed it on GPU `gpu` (`uuid`): its statistics, its
-    /// cache's figures from a snapshot where one stands, and its last OOM's explanation,
-    /// where one stands.
+    /// An allocator as `process` pushed it on GPU `gpu` (`uuid`): PyTorch's, or XLA's
+    /// where `xla` says what it reported; its statistics, its cache's figures where they
+    /// stand, and its last OOM's explanation, where one stands.
     pub fn pushed(
         process: &Pusher,
-        gpu: u32,
-        uuid: String,
+        (gpu, uuid): (u32, String),
         stats: DeviceStats,
+        xla: Option<XlaFigures>,
         cache: Option<Cache>,
         last_oom: Option<LastOom>,
     ) -> AllocatorSource {
+        let (allocator, version, config) = match xla {
+            Some(_) => (AllocatorKind::Xla, &process.xla.0, &process.xla.1),
+            None => (AllocatorKind::Pytorch, &process.version, &process.config),
+        };
         AllocatorSource {
             gpu,
             uuid,
             pid: process.pid,
-            allocator: AllocatorKind::Pytorch,
-            version: process.version.clone(),
-            config: process.config.clone(),
+            allocator,
+            version: version.clone(),
+            config: config.clone(),
             stats: Arc::new(stats),
             cache: Mutex::new(cache),
             labels: process.labels.clone(),
             last_oom_unix_seconds: process.last_oom_unix_seconds,
             last_oom: Mutex::new(last_oom),
             segments: Default::default(),
+            xla,
         }
     }
 
@@ -245,6 +273,9 @@ pub struct Pusher {
     pub version: String,
     /// `PYTORCH_CUDA_ALLOC_CONF`.
     pub config: String,
+    /// `jax.__version__` and its XLA client's settings (`XLA_PYTHON_CLIENT_*`), for its XLA
+    /// allocators.
+    pub xla: (String, String),
     /// Its labels: the push's own, then its container's and pod's where named.
     pub labels: Vec<(String, String)>,
     /// When it last ran out of memory (Unix seconds), as far as the agent saw.
@@ -277,10 +308,10 @@ impl AllocatorSources {
             .clone()
     }
 
-    /// Replaces every source of `kind` by `sources`, in one step.
-    pub fn replace(&self, kind: AllocatorKind, sources: Vec<Arc<AllocatorSource>>) {
+    /// Replaces every source of the `kinds` by `sources`, in one step.
+    pub fn replace(&self, kinds: &[AllocatorKind], sources: Vec<Arc<AllocatorSource>>) {
         let mut list = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        list.retain(|s| s.allocator != kind);
+        list.retain(|s| !kinds.contains(&s.allocator));
         list.extend(sources);
     }
 }

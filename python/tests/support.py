@@ -18,15 +18,22 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_TORCH = os.path.join(HERE, "fake_torch")
+FAKE_JAX = os.path.join(HERE, "fake_jax")
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 PUSH_KEYS = {"pid", "seq", "torch_version", "alloc_conf", "alloc_conf_generic", "labels",
-             "devices", "reason", "last_oom_unix_seconds", "start_time", "host"}
+             "devices", "reason", "last_oom_unix_seconds", "start_time", "host", "jax_version",
+             "xla_conf"}
 # The host figures the hook sends (it drops every other key of host_memory_stats()).
 HOST_KEYS = {"allocated_bytes.current", "active_bytes.current", "allocations.current",
              "active_requests.current", "num_host_alloc", "num_host_free",
              "host_alloc_time.total"}
-DEVICE_KEYS = {"index", "uuid", "stats", "largest_free_block", "segments_by_size", "oom"}
+DEVICE_KEYS = {"index", "uuid", "allocator", "stats", "largest_free_block", "segments_by_size",
+               "oom"}
+# PJRT's memory_stats() keys a JAX device's push carries, and the hook's OOM count.
+XLA_STATS = {"num_allocs", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size",
+             "bytes_limit", "bytes_reserved", "peak_bytes_reserved", "bytes_reservable_limit",
+             "largest_free_block_bytes", "pool_bytes", "peak_pool_bytes", "num_ooms"}
 OOM_KEYS = {"size", "stream", "device_total", "device_free", "pools"}
 POOL_KEYS = {"pool", "stream", "allocated", "requested", "pending_free", "free", "largest_free",
              "segments_with_free"}
@@ -52,7 +59,7 @@ def check_payload(p):
         return f"unknown keys {sorted(set(p) - PUSH_KEYS)}"
     if not is_int(p.get("pid")) or p["pid"] <= 0 or not is_int(p.get("seq")) or p["seq"] <= 0:
         return "pid and seq must be positive integers"
-    for key in ("torch_version", "alloc_conf", "alloc_conf_generic"):
+    for key in ("torch_version", "alloc_conf", "alloc_conf_generic", "jax_version", "xla_conf"):
         if key in p and not text_ok(p[key]):
             return f"bad {key}"
     if "reason" in p and p["reason"] not in ("oom", "exit"):
@@ -82,6 +89,10 @@ def check_payload(p):
     devices = p.get("devices")
     if not isinstance(devices, list) or not 1 <= len(devices) <= 16:
         return "devices must list 1 to 16 devices"
+    kinds = [(d.get("allocator", "pytorch"), d.get("index")) for d in devices
+             if isinstance(d, dict)]
+    if len(set(kinds)) != len(kinds):
+        return "a device listed twice under one allocator"
     for d in devices:
         if not isinstance(d, dict) or set(d) - DEVICE_KEYS or not {"index", "uuid", "stats"} <= set(d):
             return f"bad device {d!r}"
@@ -90,6 +101,14 @@ def check_payload(p):
         for key, value in d["stats"].items():
             if not text_ok(key) or not is_int(value) or (value < 0 and key != "max_split_size"):
                 return f"bad statistic {key}={value!r}"
+        if d.get("allocator", "pytorch") not in ("pytorch", "xla"):
+            return f"bad allocator {d['allocator']!r}"
+        if d.get("allocator") == "xla":
+            st = d["stats"]
+            if set(st) - XLA_STATS or set(d) - {"index", "uuid", "allocator", "stats"}:
+                return f"bad xla device {d!r}"
+            if st.get("bytes_in_use", 0) > st.get("pool_bytes", 1 << 62):
+                return "xla: bytes_in_use exceeds pool_bytes"
         if "segments_by_size" in d:
             if not is_int(d.get("largest_free_block")):
                 return "segments_by_size without largest_free_block"
@@ -280,16 +299,19 @@ class Agent:
 
 
 def child_env(tmp, **extra):
-    """The environment of a child job: none of this process's gpumem, torchrun or proxy
-    settings, the stand-in torch on PYTHONPATH, no agent socket unless a test makes one, and
-    a proxy that goes nowhere (pushes to the node's agent must never use one)."""
-    drop = ("GPUMEM_", "PYTORCH_", "FAKE_TORCH_")
+    """The environment of a child job: none of this process's gpumem, torchrun, XLA, device
+    or proxy settings, the stand-in torch and jax on PYTHONPATH, no agent socket unless a
+    test makes one, and a proxy that goes nowhere (pushes to the node's agent must never use
+    one)."""
+    drop = ("GPUMEM_", "PYTORCH_", "FAKE_TORCH_", "FAKE_JAX_", "XLA_")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(drop) and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                    "TORCHELASTIC_RUN_ID", "PYTHONPATH")
+                                                    "TORCHELASTIC_RUN_ID", "PYTHONPATH",
+                                                    "CUDA_VISIBLE_DEVICES",
+                                                    "NVIDIA_VISIBLE_DEVICES")
            and k.lower() not in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")}
     env.update({
-        "PYTHONPATH": FAKE_TORCH,
+        "PYTHONPATH": os.pathsep.join((FAKE_TORCH, FAKE_JAX)),
         "PYTHONUNBUFFERED": "1",
         "GPUMEM_PUSH_SOCKET": os.path.join(tmp, "no-agent", "push.sock"),
         "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",

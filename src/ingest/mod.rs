@@ -1,12 +1,13 @@
-//! Allocator statistics pushed by unmodified PyTorch jobs (`POST /api/v1/push`).
+//! Allocator statistics pushed by unmodified PyTorch and JAX jobs (`POST /api/v1/push`).
 //!
-//! [`payload`] is the wire schema and its validation (pure), [`oom`] the figures of an
-//! out-of-memory push and their explanation, both within the budgets of [`limits`] and
-//! refusing with [`refusal`]'s types (two leaves); [`store`] keeps the pushed processes,
-//! bounded, and publishes them as allocator sources of kind `pytorch` for the one collector,
-//! taking each push through its phases (validate, attribute, admit, budget, publish: one file
-//! each, under [`config`]'s settings); [`recordings`] keeps the recordings its processes
-//! upload at an OOM. HTTP (status codes, body limits, who may push) is the server's.
+//! [`payload`] is the wire schema and its validation (pure), [`xla`] a JAX job's devices in
+//! the contract's terms, [`oom`] the figures of an out-of-memory push and their
+//! explanation, all within the budgets of [`limits`] and refusing with [`refusal`]'s types
+//! (two leaves); [`store`] keeps the pushed processes, bounded, and publishes them as
+//! allocator sources of kind `pytorch` or `xla` for the one collector, taking each push
+//! through its phases (validate, attribute, admit, budget, publish: one file each, under
+//! [`config`]'s settings); [`recordings`] keeps the recordings its processes upload at an
+//! OOM. HTTP (status codes, body limits, who may push) is the server's.
 
 mod admission;
 mod attribution;
@@ -20,6 +21,7 @@ mod publish;
 pub mod recordings;
 pub mod refusal;
 pub mod store;
+pub mod xla;
 
 pub use config::IngestConfig;
 pub use limits::MAX_BODY_BYTES;

@@ -61,7 +61,7 @@ use serde::Deserialize;
 
 use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
-use crate::sources::{HostPinned, LastOom};
+use crate::sources::{HostPinned, LastOom, XlaFigures};
 use crate::telemetry::uuid_body;
 
 use super::limits::{
@@ -170,6 +170,12 @@ struct Push {
     /// `torch.cuda.host_memory_stats()`, under 2.10+'s key names.
     #[serde(default)]
     host: Option<Unique<serde_json::Value>>,
+    /// `jax.__version__`, where the job pushes XLA's devices.
+    #[serde(default)]
+    jax_version: Option<String>,
+    /// The XLA client's settings (`XLA_PYTHON_CLIENT_*=value`, comma-separated).
+    #[serde(default)]
+    xla_conf: Option<String>,
     devices: Vec<PushedDevice>,
 }
 
@@ -177,6 +183,9 @@ struct Push {
 struct PushedDevice {
     index: u32,
     uuid: String,
+    /// Whose: `pytorch` (the default) or `xla`.
+    #[serde(default)]
+    allocator: Option<String>,
     stats: Unique<serde_json::Value>,
     /// From a memory snapshot (the hook takes one on out-of-memory).
     #[serde(default)]
@@ -210,6 +219,8 @@ pub struct ValidPush {
     pub version: String,
     /// `PYTORCH_CUDA_ALLOC_CONF`.
     pub config: String,
+    /// `jax.__version__` and the XLA client's settings, where it pushes XLA's devices.
+    pub xla: (String, String),
     /// Its labels, renamed where they collide (sorted by pushed name).
     pub labels: Vec<(String, String)>,
     /// When the job last ran out of memory, by its own clock (Unix seconds).
@@ -229,9 +240,11 @@ pub struct ValidDevice {
     pub index: u32,
     /// The device's UUID.
     pub uuid: String,
-    /// `memory_stats()`.
+    /// `memory_stats()` (XLA's in the contract's terms, [`super::xla`]).
     pub stats: DeviceStats,
-    /// From a snapshot, with its size classes.
+    /// What XLA's allocator reported, where the device's allocator is XLA's.
+    pub xla: Option<XlaFigures>,
+    /// From a snapshot, with its size classes (XLA's: its largest free block, no classes).
     pub snapshot: Option<(u64, Vec<SegmentClass>)>,
     /// The explanation of the out-of-memory error this push reports, on the device that had it.
     pub last_oom: Option<LastOom>,
@@ -330,53 +343,96 @@ pub fn validate(body: &[u8]) -> Result<ValidPush, Rejected> {
     let host = push.host.as_deref().map(host).transpose()?.flatten();
     let mut devices: Vec<ValidDevice> = Vec::with_capacity(push.devices.len());
     for device in &push.devices {
-        text("uuid", &device.uuid)?;
-        if device.uuid.is_empty() {
-            return Err(invalid(format!("device {}: uuid is empty", device.index)));
-        }
+        let valid = self::device(device)?;
         // Spellings of one UUID (its case, a GPU- or MIG- prefix) are one device: the
-        // collector places them alike.
-        let body = uuid_body(&device.uuid);
-        if let Some(twin) = devices
-            .iter()
-            .find(|d| d.index == device.index || uuid_body(&d.uuid) == body)
-        {
+        // collector places them alike. A process may push one device twice: once per
+        // allocator (PyTorch's and XLA's).
+        let body = uuid_body(&valid.uuid);
+        if let Some(twin) = devices.iter().find(|d| {
+            d.xla.is_some() == valid.xla.is_some()
+                && (d.index == valid.index || uuid_body(&d.uuid) == body)
+        }) {
             return Err(invalid(format!(
                 "device {} ({}) is listed twice (as device {} ({}))",
-                device.index,
-                truncate(&device.uuid),
+                valid.index,
+                truncate(&valid.uuid),
                 twin.index,
                 truncate(&twin.uuid)
             )));
         }
-        let stats = statistics(device)?;
-        let snapshot = snapshot(device)?;
-        let last_oom = device
-            .oom
-            .as_ref()
-            .map(|oom| super::oom::explain(device.index, oom, stats.get("max_split_size").copied()))
-            .transpose()?
-            .flatten();
-        devices.push(ValidDevice {
-            index: device.index,
-            uuid: device.uuid.clone(),
-            stats: DeviceStats::from_memory_stats(&stats),
-            snapshot,
-            last_oom,
-        });
+        devices.push(valid);
     }
+    let jax_version = trimmed(push.jax_version).unwrap_or_default();
+    text("jax_version", &jax_version)?;
+    let xla_conf = trimmed(push.xla_conf).unwrap_or_default();
+    text("xla_conf", &xla_conf)?;
     Ok(ValidPush {
         pid: push.pid,
         seq: push.seq,
         reason,
         version,
         config,
+        xla: (jax_version, xla_conf),
         labels,
         last_oom_unix_seconds: push.last_oom_unix_seconds,
         start_time: push.start_time,
         devices,
         host,
     })
+}
+
+/// One device of a push, checked: its UUID, its statistics (PyTorch's, or XLA's through
+/// [`super::xla`]), its snapshot and its OOM's figures (PyTorch's only).
+fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
+    let index = device.index;
+    text("uuid", &device.uuid)?;
+    if device.uuid.is_empty() {
+        return Err(invalid(format!("device {index}: uuid is empty")));
+    }
+    let stats = statistics(device)?;
+    match device.allocator.as_deref() {
+        None | Some("pytorch") => {
+            let snapshot = snapshot(device)?;
+            let last_oom = device
+                .oom
+                .as_ref()
+                .map(|oom| super::oom::explain(index, oom, stats.get("max_split_size").copied()))
+                .transpose()?
+                .flatten();
+            Ok(ValidDevice {
+                index,
+                uuid: device.uuid.clone(),
+                stats: DeviceStats::from_memory_stats(&stats),
+                xla: None,
+                snapshot,
+                last_oom,
+            })
+        }
+        Some("xla") => {
+            if device.largest_free_block.is_some()
+                || device.segments_by_size.is_some()
+                || device.oom.is_some()
+            {
+                return Err(invalid(format!(
+                    "device {index}: an xla allocator's figures are its statistics \
+                     (largest_free_block_bytes among them): no snapshot, no oom object"
+                )));
+            }
+            let (stats, reported, largest) = super::xla::figures(index, &stats)?;
+            Ok(ValidDevice {
+                index,
+                uuid: device.uuid.clone(),
+                stats,
+                xla: Some(reported),
+                snapshot: largest.map(|l| (l, Vec::new())),
+                last_oom: None,
+            })
+        }
+        Some(other) => Err(invalid(format!(
+            "device {index}: allocator must be \"pytorch\" or \"xla\", not {:?}",
+            truncate(other)
+        ))),
+    }
 }
 
 /// The keys of a push's `host` object that gpumem reads (PyTorch 2.10+'s names), in
@@ -991,5 +1047,86 @@ mod tests {
         assert!(r.message.contains("more than"), "{}", r.message);
         let r = refused(&with_host(serde_json::json!([1, 2])));
         assert_eq!(r.refusal, Refusal::Malformed);
+    }
+
+    #[test]
+    fn an_xla_device_is_read_as_xla_reports_it_beside_pytorchs() {
+        let body = serde_json::json!({"pid": 7, "seq": 1, "jax_version": " 0.10.2 ",
+            "xla_conf": "XLA_PYTHON_CLIENT_MEM_FRACTION=.5",
+            "devices": [
+                {"index": 0, "uuid": "GPU-a", "stats": {"reserved_bytes.all.current": 4}},
+                {"index": 0, "uuid": "GPU-a", "allocator": "xla",
+                 "stats": {"bytes_in_use": 3, "pool_bytes": 10, "largest_free_block_bytes": 6,
+                           "num_allocs": 9, "num_ooms": 1}}]});
+        let push = validate(body.to_string().as_bytes()).expect("one device, two allocators");
+        assert_eq!(push.xla.0, "0.10.2", "trimmed as torch_version is");
+        assert_eq!(push.xla.1, "XLA_PYTHON_CLIENT_MEM_FRACTION=.5");
+        let (torch, xla) = (&push.devices[0], &push.devices[1]);
+        assert_eq!(torch.xla, None);
+        let reported = xla.xla.expect("xla's");
+        assert!(reported.pool && !reported.peak_pool);
+        assert_eq!(xla.stats.reserved_bytes.all_current(), 10);
+        assert_eq!(
+            xla.snapshot,
+            Some((6, Vec::new())),
+            "its largest free block"
+        );
+        assert_eq!(push.ooms(), 1);
+    }
+
+    #[test]
+    fn an_xla_device_is_refused_for_what_xla_does_not_send() {
+        let device = |extra: serde_json::Value| {
+            let mut d = serde_json::json!({"index": 0, "uuid": "GPU-a", "allocator": "xla",
+                                           "stats": {"bytes_in_use": 3}});
+            d.as_object_mut()
+                .expect("object")
+                .extend(extra.as_object().expect("object").clone());
+            d
+        };
+        let body = |devices: Vec<serde_json::Value>| {
+            serde_json::json!({"pid": 7, "seq": 1, "devices": devices})
+                .to_string()
+                .into_bytes()
+        };
+        for (devices, why) in [
+            (
+                vec![device(serde_json::json!({"largest_free_block": 1}))],
+                "no snapshot",
+            ),
+            (
+                vec![device(serde_json::json!({"allocator": "tensorflow"}))],
+                "\"pytorch\" or \"xla\"",
+            ),
+            (
+                vec![
+                    device(serde_json::json!({})),
+                    device(serde_json::json!({"index": 1})),
+                ],
+                "listed twice",
+            ),
+            (
+                vec![device(
+                    serde_json::json!({"stats": {"bytes_in_use": 3, "pool_bytes": 2}}),
+                )],
+                "exceeds pool_bytes",
+            ),
+            (
+                vec![device(serde_json::json!({"stats": {"bytes_in_use": -1}}))],
+                "negative",
+            ),
+        ] {
+            let r = refused(&body(devices));
+            assert_eq!(r.refusal, Refusal::Invalid, "{why}");
+            assert!(r.message.contains(why), "{why}: {}", r.message);
+        }
+        let long = "x".repeat(200);
+        let r = refused(
+            serde_json::json!({"pid": 7, "seq": 1, "jax_version": long,
+                "devices": [device(serde_json::json!({}))]})
+            .to_string()
+            .as_bytes(),
+        );
+        assert!(r.message.contains("jax_version"), "{}", r.message);
     }
 }

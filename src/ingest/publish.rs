@@ -21,14 +21,15 @@ use crate::telemetry::cgroup::ContainerRef;
 use super::limits::OOM_BREAKDOWN_SERIES;
 use super::payload::{ValidDevice, ValidPush};
 
-/// The device's source in `before` (its process's last push), if it had one.
+/// The device's source in `before` (its process's last push), if it had one: the same
+/// device, under the same allocator.
 fn previous<'a>(
     before: &'a [Arc<AllocatorSource>],
     device: &ValidDevice,
 ) -> Option<&'a AllocatorSource> {
     before
         .iter()
-        .find(|s| s.uuid == device.uuid)
+        .find(|s| s.uuid == device.uuid && s.xla.is_some() == device.xla.is_some())
         .map(Arc::as_ref)
 }
 
@@ -81,9 +82,9 @@ pub(super) fn pushed_sources(
             };
             Arc::new(AllocatorSource::pushed(
                 process,
-                device.index,
-                device.uuid,
+                (device.index, device.uuid),
                 device.stats,
+                device.xla,
                 cache,
                 last_oom,
             ))
@@ -156,6 +157,7 @@ mod tests {
             pid: 7,
             version: "2.5.1".into(),
             config: "expandable_segments:True".into(),
+            xla: ("0.10.2".into(), "XLA_PYTHON_CLIENT_MEM_FRACTION=.5".into()),
             labels: vec![("team".into(), "a".into())],
             last_oom_unix_seconds: Some(1.5),
         }
@@ -202,6 +204,26 @@ mod tests {
         );
         assert_eq!(other.cache(), None);
         assert_eq!(after(&[], plain).cache(), None);
+    }
+
+    #[test]
+    fn an_xla_allocator_keeps_its_own_figures_beside_pytorchs_on_one_gpu() {
+        let xla = serde_json::json!({"index": 0, "uuid": "GPU-a", "allocator": "xla",
+            "stats": {"bytes_in_use": 3, "pool_bytes": 10, "largest_free_block_bytes": 6}});
+        let first = after(&[], xla);
+        assert_eq!(first.allocator, crate::sources::AllocatorKind::Xla);
+        assert_eq!(
+            (first.version.as_str(), first.config.as_str()),
+            ("0.10.2", "XLA_PYTHON_CLIENT_MEM_FRACTION=.5")
+        );
+        // PyTorch's allocator on the same GPU, without a snapshot: nothing of XLA's stands.
+        let torch = after(
+            std::slice::from_ref(&first),
+            serde_json::json!({"index": 0, "uuid": "GPU-a", "stats": {}}),
+        );
+        assert_eq!(torch.allocator, crate::sources::AllocatorKind::Pytorch);
+        assert_eq!(torch.cache(), None);
+        assert_eq!(torch.version, "2.5.1");
     }
 
     #[test]

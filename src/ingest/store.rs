@@ -3,7 +3,8 @@
 //! A process is known by its pid and, where the kernel named it (a Unix-socket push), by its
 //! start time from `/proc/<pid>/stat`: a new process that reuses a dead one's pid starts
 //! afresh. Its series are published as [`AllocatorSource`]s of kind
-//! [`AllocatorKind::Pytorch`], so the one collector serves them under the metric contract.
+//! [`AllocatorKind::Pytorch`] or [`AllocatorKind::Xla`], so the one collector serves them
+//! under the metric contract.
 //!
 //! # Lifecycle
 //! A process is *live* until it is seen to end: its pid vanishes from `/proc` or changes
@@ -370,6 +371,7 @@ impl PushStore {
             pid,
             version: std::mem::take(&mut push.version),
             config: std::mem::take(&mut push.config),
+            xla: std::mem::take(&mut push.xla),
             labels: who.labels(std::mem::take(&mut push.labels)),
             last_oom_unix_seconds: last_oom_at,
         };
@@ -469,7 +471,8 @@ impl PushStore {
             .flat_map(|t| t.sources.iter().cloned())
             .collect();
         pushed.sort_by_key(|s| (s.pid, s.gpu));
-        self.sources.replace(AllocatorKind::Pytorch, pushed);
+        self.sources
+            .replace(&[AllocatorKind::Pytorch, AllocatorKind::Xla], pushed);
     }
 
     /// Processes kept now, live and ended.

@@ -235,6 +235,13 @@ metric!(
     "Seconds since the largest free block and segments by size were read: for a pushed process, since the agent received the push carrying its last memory snapshot (the hook takes them periodically where the job's PyTorch makes them cheap, and at each out-of-memory error); absent while none was read."
 );
 metric!(
+    LIMIT_BYTES,
+    "gpumem_allocator_limit_bytes",
+    Gauge,
+    ALLOCATOR,
+    "The most the allocator may hold, where it reports a limit (XLA's bytes_limit: its preallocated region, or what XLA_PYTHON_CLIENT_MEM_FRACTION allows)."
+);
+metric!(
     ALLOCATOR_INFO,
     "gpumem_allocator_info",
     Gauge,
@@ -463,7 +470,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 51] = [
+pub const CONTRACT: [&MetricDef; 52] = [
     &ALLOCATED_BYTES.0,
     &RESERVED_BYTES.0,
     &ACTIVE_BYTES.0,
@@ -485,6 +492,7 @@ pub const CONTRACT: [&MetricDef; 51] = [
     &SEGMENTS_BY_SIZE.0,
     &SEGMENT_FREE_BYTES_BY_SIZE.0,
     &CACHE_AGE.0,
+    &LIMIT_BYTES.0,
     &ALLOCATOR_INFO.0,
     &LAST_OOM_TIMESTAMP.0,
     &OOM_BREAKDOWN.0,
@@ -526,7 +534,10 @@ pub fn reference_page() -> String {
          writes it again; the tests fail while it differs). Every series of an allocator also \
          carries, where known, the pod labels `pod_uid`, `container_id`, `pod_namespace`, \
          `pod_name` and `container_name`, a pushing job's own labels, and on a MIG device \
-         `GPU_I_ID`, `GPU_I_PROFILE` and `mig_uuid`; Prometheus adds its target labels.\n\n\
+         `GPU_I_ID`, `GPU_I_PROFILE` and `mig_uuid`; Prometheus adds its target labels. \
+         `allocator` is `gpumem` (gpumem's own), `pytorch` (a pushing PyTorch job's) or `xla` \
+         (a pushing JAX job's: only the figures XLA reports, its one pool as `pool=\"all\"`; \
+         see docs/jobs.md); `pool` is otherwise `small` or `large`.\n\n\
          | name | type | labels | meaning |\n|---|---|---|---|\n",
     );
     for def in CONTRACT {

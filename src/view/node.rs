@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::metrics::snapshot::{NodeSnapshot, oom_parts, ratio};
+use crate::sources::AllocatorKind;
 
 /// The node at one scrape.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -115,7 +116,8 @@ pub struct ProcessRow {
     pub pod_name: String,
     /// The container's name.
     pub container_name: String,
-    /// `gpumem` or `pytorch`.
+    /// `gpumem`, `pytorch` or `xla` (two joined by `+` where one process has both on
+    /// one GPU).
     pub allocator: String,
     /// Its configuration.
     pub config: String,
@@ -123,12 +125,13 @@ pub struct ProcessRow {
     pub reserved: f64,
     /// Allocated bytes.
     pub allocated: f64,
-    /// (reserved − allocated) / reserved.
-    pub fragmentation: f64,
+    /// (reserved − allocated) / reserved, for caching allocators (XLA's pool is
+    /// preallocated: what no tensor uses in it is headroom, not fragmentation).
+    pub fragmentation: Option<f64>,
     /// The largest cached free block, where reported.
     pub largest_free_block: Option<f64>,
-    /// Allocations that flushed the cache and retried.
-    pub retries: f64,
+    /// Allocations that flushed the cache and retried, for caching allocators.
+    pub retries: Option<f64>,
     /// Allocations that failed.
     pub ooms: f64,
     /// When it last ran out of memory (Unix seconds), where it did.
@@ -269,11 +272,17 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
         });
         // One allocator is the rule; where two share the key, their bytes add up and the
         // rest is the last one's that says it.
+        let label = s.allocator.label();
+        if !row.allocator.split('+').any(|a| a == label) {
+            row.allocator = format!("{}+{label}", row.allocator);
+        }
         row.reserved += bytes(a.reserved);
         row.allocated += bytes(a.allocated);
         row.config.clone_from(&s.config);
         row.largest_free_block = a.largest_free_block().map(bytes).or(row.largest_free_block);
-        row.retries = bytes(st.num_alloc_retries.get());
+        if s.xla.is_none() {
+            row.retries = Some(bytes(st.num_alloc_retries.get()));
+        }
         row.ooms = bytes(st.num_ooms.get());
         let last_oom = a.last_oom();
         row.last_oom = a.last_oom_at(last_oom.as_ref()).or(row.last_oom);
@@ -285,7 +294,11 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
         }
     }
     for row in rows.values_mut() {
-        row.fragmentation = fragmentation(row.reserved, row.allocated);
+        let caching = !row
+            .allocator
+            .split('+')
+            .any(|a| a == AllocatorKind::Xla.label());
+        row.fragmentation = caching.then(|| fragmentation(row.reserved, row.allocated));
     }
     rows
 }
@@ -412,7 +425,8 @@ mod tests {
             ..Pusher::default()
         };
         let stats = DeviceStats::from_memory_stats(&stats);
-        let source = AllocatorSource::pushed(&pusher, 0, "MIG-0".into(), stats, None, None);
+        let place = (0, "MIG-0".into());
+        let source = AllocatorSource::pushed(&pusher, place, stats, None, None, None);
         let snapshot = NodeSnapshot::new(
             Instant::now(),
             &[Arc::new(source)],
@@ -449,6 +463,9 @@ mod tests {
             (row.uuid.as_str(), row.mig_uuid.as_str()),
             ("GPU-a", "MIG-0")
         );
-        assert_eq!((row.reserved, row.fragmentation), (3.0 * gib, 2.0 / 3.0));
+        assert_eq!(
+            (row.reserved, row.fragmentation),
+            (3.0 * gib, Some(2.0 / 3.0))
+        );
     }
 }

@@ -118,7 +118,7 @@ fn types(exposition: &str) -> String {
 async fn demo_serves_the_whole_contract() {
     let (_node, _poller, agent) = demo_metrics();
     // One pushed process that ran out of memory in a pod, so that the ingest's per-process
-    // and per-pod series exist too.
+    // and per-pod series exist too, and a JAX job's.
     agent
         .ingest()
         .expect("the agent ingests")
@@ -130,6 +130,15 @@ async fn demo_serves_the_whole_contract() {
                 start_time: Some(1),
                 uid: None,
             }),
+        )
+        .expect("accepted");
+    // And a JAX job's GPU (XLA's figures; its limit only XLA reports).
+    agent
+        .ingest()
+        .expect("the agent ingests")
+        .push_from(
+            br#"{"pid": 2, "seq": 1, "jax_version": "0.10.2", "devices": [{"index": 0, "uuid": "GPU-1", "allocator": "xla", "stats": {"bytes_in_use": 512, "pool_bytes": 4096, "peak_pool_bytes": 4096, "bytes_limit": 4096, "largest_free_block_bytes": 2048}}]}"#,
+            None,
         )
         .expect("accepted");
     let router = agent.router();
@@ -794,6 +803,27 @@ fn a_real_prometheus_scrapes_the_demo() {
             .spawn()
             .expect("demo starts"),
     );
+    // A JAX job pushing over loopback as the hook does, once a second until the agent stops
+    // answering (at most 150 times): the series only XLA's allocator has (its limit) are
+    // scraped too. The demo has no JAX job of its own, and NVML's simulated view does not
+    // list this one: its pool is smaller than the CUDA contexts, so the line-up below holds.
+    let _jax = std::thread::spawn(move || {
+        let mut answered = false;
+        for seq in 1..=150u64 {
+            let body = serde_json::json!({"pid": 424_242, "seq": seq, "jax_version": "0.10.2",
+                "devices": [{"index": 0, "uuid": gpumem::device::simulated_uuid(0),
+                             "allocator": "xla",
+                             "stats": {"bytes_in_use": 16u64 << 20, "pool_bytes": 64u64 << 20,
+                                       "peak_pool_bytes": 64u64 << 20, "bytes_limit": 64u64 << 20,
+                                       "largest_free_block_bytes": 32u64 << 20}}]});
+            match crate::ingest::post_tcp(agent_port, body.to_string().as_bytes()) {
+                Some(_) => answered = true,
+                None if answered => break,
+                None => {}
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
     let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("alerts/gpumem.rules.yml");
     let (_prometheus, prom_port) = spawn_prometheus_with_rules(&dir, agent_port, Some(&rules));
     // Two scrapes of the agent, at most a minute.

@@ -575,7 +575,7 @@ async fn the_push_socket_replaces_only_stale_sockets() {
 
 /// One HTTP/1.1 POST to `/api/v1/push` on loopback; the status, or `None` when the agent
 /// closed the connection first (it may, mid-way through an oversized body).
-fn post_tcp(port: u16, body: &[u8]) -> Option<u16> {
+pub(crate) fn post_tcp(port: u16, body: &[u8]) -> Option<u16> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream

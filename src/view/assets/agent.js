@@ -106,9 +106,9 @@ function drawProcesses(processes) {
     cell(p.config || '(default)'); tr.lastChild.classList.add('wraps');
     cell(fmt(p.reserved), 'reserved', p.reserved);
     cell(fmt(p.allocated), 'allocated', p.allocated);
-    cell(`${(100 * p.fragmentation).toFixed(1)} %`, 'fragmentation', p.fragmentation);
+    cell(p.fragmentation === null ? '' : `${(100 * p.fragmentation).toFixed(1)} %`, 'fragmentation', p.fragmentation ?? '');
     cell(p.largest_free_block === null ? '' : fmt(p.largest_free_block), 'largest_free_block', p.largest_free_block ?? '');
-    cell(String(p.retries), 'retries', p.retries);
+    cell(p.retries === null ? '' : String(p.retries), 'retries', p.retries ?? '');
     cell(String(p.ooms), 'ooms', p.ooms);
     const td = node('td');
     if (p.allocator === 'gpumem') {

@@ -19,7 +19,7 @@ import weakref
 from . import cadence as _cadence
 from . import config as _config
 from . import history as _history
-from . import readings, transport
+from . import readings, transport, xla
 from .limits import MAX_DEVICES, MIN_GAP
 
 # Out-of-memory pushes from the failing thread at most this often; one more error within it is
@@ -100,6 +100,7 @@ class Pusher:
         self._reset()
         self._observer_state = None  # None: not tried yet; True: attached; False: unavailable
         self._atexit = False
+        self._xla_hooks = False  # whether the exception hooks that see XLA's OOMs are set
         if hasattr(os, "register_at_fork"):
             # Weakly: a Pusher let go of is not kept alive by the interpreter's fork hooks.
             ref = weakref.ref(self)
@@ -131,6 +132,7 @@ class Pusher:
         self._history_queued = False  # whether torch.cuda._lazy_call holds the history's start
         self._observer_seconds = None  # the last out-of-memory observer's wall time
         self._cadence = _cadence.Cadence()  # when a periodic snapshot may be taken
+        self._xla_ooms = 0           # XLA out-of-memory errors the exception hooks saw
 
     def _after_fork_in_child(self):
         # Threads do not survive fork; a forked child (a DataLoader worker, say) does not push
@@ -244,9 +246,40 @@ class Pusher:
             out.append(device)
         return out
 
+    def _xla_devices(self, torch, room):
+        """A JAX job's GPU devices (at most `room`), with their PJRT figures and the
+        out-of-memory errors counted (on the first device: the error does not say which);
+        [] where jax has not initialised its GPUs."""
+        if xla.find_jax() is None:
+            return []
+        with self._lock:
+            ooms = self._xla_ooms
+        out = []
+        for device in xla.gpu_devices()[:max(room, 0)]:
+            try:
+                figures = xla.stats(device)
+                if figures is None:
+                    continue
+                hardware = getattr(device, "local_hardware_id", None)
+                ordinal = int(device.id if hardware is None else hardware)
+                uuid = xla.visible_uuid(ordinal, os.environ)
+                if uuid is None and torch is not None and torch.cuda.is_initialized() \
+                        and ordinal < int(torch.cuda.device_count()):
+                    uuid = self._uuid(torch, ordinal)  # the same CUDA ordinal, named
+                uuid = _config.clean_text(uuid or f"GPU-index-{ordinal}", "the device UUID",
+                                          self._warn)
+            except Exception as error:  # one device's failure does not cost the others
+                self._error(error)
+                continue
+            if not out:
+                figures["num_ooms"] = ooms
+            out.append({"index": ordinal, "uuid": uuid, "allocator": "xla", "stats": figures})
+        return out
+
     def push(self, torch, reason=None, timeout=PERIODIC_TIMEOUT, snapshot=None,
              lock_timeout=5.0, min_gap=None):
-        """One push of the used devices, with `reason` ("oom", "exit") or none. Never raises."""
+        """One push of the used devices, PyTorch's (where `torch`) and XLA's, with `reason`
+        ("oom", "exit") or none. Never raises."""
         import json  # here, not at import: the hook imports this package at interpreter start
 
         if not self._send_lock.acquire(timeout=lock_timeout):
@@ -261,7 +294,9 @@ class Pusher:
                 return Result(Outcome.EMPTY)
             if early:
                 return Result(Outcome.EARLY)
-            devices = self._devices(torch, snapshot)
+            devices = self._devices(torch, snapshot) if torch is not None else []
+            accelerated = self._xla_devices(torch, MAX_DEVICES - len(devices))
+            devices += accelerated
             if not devices:
                 return Result(Outcome.EMPTY)
             with self._lock:
@@ -272,15 +307,22 @@ class Pusher:
             payload = {
                 "pid": os.getpid(),
                 "seq": seq,
-                "torch_version": _config.clean_text(str(getattr(torch, "__version__", "")),
-                                                    "torch.__version__", self._warn),
                 "labels": dict(config.labels),
                 "devices": devices,
             }
-            payload.update(_config.alloc_conf(self._warn))
-            host = readings.host(torch, self._error)
-            if host:
-                payload["host"] = host
+            if torch is not None:
+                payload["torch_version"] = _config.clean_text(
+                    str(getattr(torch, "__version__", "")), "torch.__version__", self._warn)
+                payload.update(_config.alloc_conf(self._warn))
+                host = readings.host(torch, self._error)
+                if host:
+                    payload["host"] = host
+            if accelerated:
+                jax = xla.find_jax()
+                payload["jax_version"] = _config.clean_text(
+                    str(getattr(jax, "__version__", "")), "jax.__version__", self._warn)
+                payload["xla_conf"] = _config.clean_text(
+                    xla.settings(os.environ), "XLA_PYTHON_CLIENT_*", self._warn)
             if start_time is not None:
                 payload["start_time"] = start_time
             if reason:
@@ -421,6 +463,45 @@ class Pusher:
             end = time.monotonic()
             cadence.took("periodic", end - started, end)
 
+    def _watch_xla_errors(self):
+        """Sets, once per process, the exception hooks that see XLA's out-of-memory errors
+        (JAX has no observer): the interpreter's for the main thread and threading's for the
+        others, each calling the one it replaces."""
+        with self._lock:
+            if self._xla_hooks:
+                return
+            self._xla_hooks = True
+        previous, previous_thread = sys.excepthook, threading.excepthook
+
+        def hook(kind, value, traceback):
+            self._xla_error(value)
+            previous(kind, value, traceback)
+
+        def thread_hook(args):
+            self._xla_error(args.exc_value)
+            previous_thread(args)
+
+        sys.excepthook, threading.excepthook = hook, thread_hook
+
+    def _xla_error(self, error):
+        """An uncaught exception: if XLA ran out of memory, counted and pushed at once (the
+        process is most likely ending; its exit push follows)."""
+        try:
+            if not self._is_active() or not xla.is_out_of_memory(error):
+                return
+            with self._lock:
+                self._xla_ooms += 1
+                self._last_oom_wall = time.time()
+                self._last_oom = time.monotonic()
+            result = self.push(readings.find_torch(), "oom", REASON_TIMEOUT,
+                               lock_timeout=REASON_TIMEOUT)
+            if result.rate_limited or result.outcome is Outcome.BUSY:
+                with self._lock:
+                    self._oom_pending = self._oom_pending or (None,)
+                self._wake_thread()
+        except Exception as failure:
+            self._error(failure)
+
     def _attach_observer(self, torch):
         """Attaches the observer once per process, once CUDA is initialised (attaching needs
         it: PyTorch adds the observer to each device's allocator)."""
@@ -479,7 +560,7 @@ class Pusher:
         if not due:
             return
         snapshot = pending[0]
-        if snapshot is None:
+        if snapshot is None and torch is not None:
             snapshot = self._oom_summary(torch)
         self.push(torch, "oom", REASON_TIMEOUT, snapshot)
 
@@ -492,10 +573,14 @@ class Pusher:
                     pending = self._oom_pending is not None
                 interval = config.interval if config else _config.DEFAULT_INTERVAL
                 torch = readings.find_torch()
+                jax = xla.find_jax()
                 now = time.monotonic()
+                if jax is not None:
+                    self._watch_xla_errors()
                 if torch is not None:
                     self._attach_observer(torch)
                     self._start_history(torch)
+                if torch is not None or jax is not None:
                     if pending:
                         self._pending_oom(torch, now)
                     if now >= next_push:
@@ -503,7 +588,8 @@ class Pusher:
                         # training thread may have gone out just now.
                         with self._lock:
                             early = now - self._last_push < MIN_GAP
-                        snapshot = None if early else self._periodic_summary(torch, now)
+                        snapshot = None if early or torch is None \
+                            else self._periodic_summary(torch, now)
                         result = self.push(torch, None, min(interval, PERIODIC_TIMEOUT),
                                            snapshot, min_gap=MIN_GAP)
                         if result.outcome is Outcome.EARLY:
@@ -541,7 +627,7 @@ class Pusher:
             if not active:
                 return
             torch = readings.find_torch()
-            if torch is None:
+            if torch is None and xla.find_jax() is None:
                 return
             result = self.push(torch, "exit", REASON_TIMEOUT, lock_timeout=REASON_TIMEOUT)
             if result.rate_limited:  # the agent's gap: once more when it has passed
