@@ -34,6 +34,10 @@
 #      plan (GPUMEM_ALLOC_CONF=plan:PATH): its /metrics must count plan hits.
 #   5. "== PyTorch pushing to the agent" (likewise): PyTorch's own allocator with gpumem_push,
 #      an out-of-memory error, and the agent's figures checked against memory_stats().
+#      "== the push hook's cost …": scripts/gpu_push_cost.py: a training loop's median step
+#      time with the hook off, on (every 0.5 s) and on with the history, PyTorch's snapshot
+#      with and without the history, the hook's own snapshots, and the seconds from an OOM to
+#      the agent listing its recording (issue 56).
 #   6. "== an unmodified job, the hook switched on by GPUMEM_PUSH=1, dies of an OOM":
 #      scripts/gpu_oom_job.py (no gpumem import) started before `gpumem serve`; after it died
 #      of torch.OutOfMemoryError, the agent still serves its ooms_total (1), its last OOM's time
@@ -124,6 +128,9 @@ sys.exit(0 if int(setuptools.__version__.split(".")[0]) >= 61 else 1)' 2>/dev/nu
     sleep 1
     "$python" scripts/gpu_push_check.py "$socket" 19419
     kill $pushed
+
+    step "the push hook's cost: a training step with the hook off, on and with history; its snapshots; an OOM's recording reaching the agent"
+    "$python" scripts/gpu_push_cost.py "$bin/gpumem" "$(mktemp -d)"
 
     step "an unmodified job, the hook switched on by GPUMEM_PUSH=1, dies of an OOM"
     socket="$(mktemp -d)/push.sock"

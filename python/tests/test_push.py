@@ -895,15 +895,25 @@ class OomFigures(unittest.TestCase):
 
     def test_a_periodic_summary_finds_what_an_oom_summary_does(self):
         from gpumem_push import readings  # as installed
-        def segment(device, total, free, stream=0):
+        def segment(device, total, free, stream=0, active=True):
             blocks = [{"size": total - sum(free), "state": "active_allocated",
                        "requested_size": 1}]
             blocks += [{"size": f, "state": "inactive"} for f in free]
             blocks.append({"size": 0, "state": "active_pending_free"})
-            return {"device": device, "total_size": total, "segment_type": "large",
-                    "stream": stream, "blocks": blocks}
-        snapshot = [segment(0, 20 * MIB, [MIB, 3 * MIB]), segment(0, 2 * MIB, []),
+            out = {"device": device, "total_size": total, "segment_type": "large",
+                   "stream": stream, "blocks": blocks}
+            if active:  # as PyTorch gives it: what is not free
+                out["active_size"] = total - sum(free)
+            return out
+        # With and without active_size; a segment whose free bytes could hold a larger
+        # block than found so far is looked into (the 3 MiB after the 2 MiB), one that
+        # cannot is not, and one whose figures do not add up is looked into as well.
+        snapshot = [segment(0, 20 * MIB, [2 * MIB]), segment(0, 20 * MIB, [MIB, 3 * MIB]),
+                    segment(0, 2 * MIB, [], active=False), segment(0, 20 * MIB, [MIB, MIB]),
                     segment(1, 64 * MIB, [40 * MIB], stream=5), segment(0, 20 * MIB, [0])]
+        lying = segment(1, 64 * MIB, [MIB])
+        lying["active_size"] = 65 * MIB  # more than the segment: its blocks are read
+        snapshot.append(lying)
         periodic = readings.summarize(snapshot)
         oom = readings.summarize(snapshot, (0, MIB, 1 << 40, 0, 0))
         for device in (0, 1):
@@ -911,10 +921,10 @@ class OomFigures(unittest.TestCase):
             self.assertEqual(periodic[device]["classes"], oom[device]["classes"])
             self.assertEqual(periodic[device]["pools"], {}, "no pools without a request")
         self.assertEqual(periodic[0]["largest"], 3 * MIB)
-        self.assertEqual(periodic[0]["classes"], {2 * MIB: [1, 0], 32 * MIB: [2, 4 * MIB]})
-        self.assertEqual(periodic[1], {"largest": 40 * MIB, "classes": {64 * MIB: [1, 40 * MIB]},
-                                       "pools": {}})
-        self.assertEqual(oom[0]["pools"][("large", 0, False)]["segments_with_free"], 1)
+        self.assertEqual(periodic[0]["classes"], {2 * MIB: [1, 0], 32 * MIB: [4, 8 * MIB]})
+        self.assertEqual(periodic[1], {"largest": 40 * MIB,
+                                       "classes": {64 * MIB: [2, 41 * MIB]}, "pools": {}})
+        self.assertEqual(oom[0]["pools"][("large", 0, False)]["segments_with_free"], 3)
 
     def test_figures_that_cannot_add_up_are_not_sent(self):
         from gpumem_push import limits, readings  # noqa: F401 (as installed)

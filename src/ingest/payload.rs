@@ -18,6 +18,11 @@
 //! `oom` (on the device that ran out of memory, in an OOM push) is described in
 //! [`super::oom`].
 //!
+//! A JAX job's GPU device says `"allocator": "xla"`: its `stats` are PJRT's
+//! `memory_stats()` keys (and the hook's `num_ooms`), read by [`super::xla`], with no snapshot
+//! fields and no `oom`; the push then names `jax_version` and `xla_conf` (the XLA client's
+//! settings). One device may be listed once per allocator.
+//!
 //! `host`, where the job's torch has `torch.cuda.host_memory_stats()` and the job pinned
 //! memory, holds its pinned host memory under PyTorch 2.10+'s key names (the hook renames
 //! older releases' keys): `allocated_bytes.current` and `allocations.current` (the pool's

@@ -138,4 +138,4 @@ fn xla_figures(f: &mut Families, a: &PlacedAllocator, base: [&str; 4], xla: XlaF
 }
 
 /// The `pool` label of an allocator with one pool for every size.
-pub const XLA_POOL: &str = "all";
+const XLA_POOL: &str = "all";

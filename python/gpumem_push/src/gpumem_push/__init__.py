@@ -1,4 +1,4 @@
-"""Push a PyTorch job's allocator statistics to the gpumem agent on its node.
+"""Push a PyTorch (or JAX) job's allocator statistics to the gpumem agent on its node.
 
 Without a line of code: install the package and set ``GPUMEM_PUSH=1`` in the job's
 environment; ``gpumem_push.pth`` (installed into site-packages) then starts the pusher when the
@@ -20,6 +20,11 @@ of the job's wall time (``cadence``); none where the job's PyTorch would copy a 
 history into each. It attaches PyTorch's out-of-memory observer, which pushes at once, from
 the failing thread, with those figures from a snapshot taken at the error (``"reason":
 "oom"``). A last push at interpreter exit carries ``"reason": "exit"``.
+
+A JAX job's GPUs are pushed too (``xla``): once the job has used JAX, each local GPU
+device's ``memory_stats()`` goes with every push as allocator ``xla``, and XLA's
+``RESOURCE_EXHAUSTED`` errors that reach the interpreter's exception hooks are counted and
+pushed at once. It never imports jax nor initialises its backends.
 
 The agent's Unix socket (``unix:/run/gpumem/push.sock``, used whenever it exists) lets the
 agent name the pushing process itself, which a job in a container cannot: its own pid is its
@@ -44,8 +49,8 @@ Environment (read by ``start()``; the hook calls ``start()`` with no arguments):
 Only the standard library is used (and torch, once the job has imported it).
 
 The package: ``limits`` (the agent's bounds, copied and checked against it), ``config`` (what
-start() settles on), ``readings`` (what is read of PyTorch), ``cadence`` (when a periodic
-snapshot may be taken), ``transport`` (one push sent), ``history`` (the allocation history
+start() settles on), ``readings`` (what is read of PyTorch), ``xla`` (what is read of JAX),
+``cadence`` (when a periodic snapshot may be taken), ``transport`` (one push sent), ``history`` (the allocation history
 and its recording at an OOM), ``pusher`` (the ``Pusher``: state, thread, observer, exit push;
 ``Outcome`` of each push).
 """

@@ -444,8 +444,11 @@ class Pusher:
             cadence, recorder = self._cadence, self._history
         if not cadence.due(now) or not torch.cuda.is_initialized():
             return None
-        light = readings.takes_include_traces(torch.cuda.memory_snapshot)
-        if not light and recorder.state() == "on":
+        snapshot = getattr(torch.cuda, "memory_snapshot", None)
+        if snapshot is None:
+            cadence.turn_off("this PyTorch has no memory_snapshot")
+            return None
+        if not readings.takes_include_traces(snapshot) and recorder.state() == "on":
             cadence.turn_off("this PyTorch's snapshots copy the allocation history, which "
                              "GPUMEM_PUSH_HISTORY records")
             return None

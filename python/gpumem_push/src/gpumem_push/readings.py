@@ -71,31 +71,38 @@ def summarize(segments, request=None):
     a segment's class is the power of two at or above its size. With `request` (the
     observer's device, size, total and free, and the failing thread's stream), the pools'
     figures are added up too, and the failing device's entry gets the "oom" object the agent
-    explains; without, "pools" stays empty (a periodic push sends none: each block is then
-    looked at once, for its state)."""
+    explains; without, "pools" stays empty (a periodic push sends none), and a segment's
+    blocks are looked at only where its free bytes (`total_size - active_size`, where
+    PyTorch gives them, expandable segments aside) could hold a block larger than the
+    largest found so far."""
     summary = {}
     for segment in segments:
-        device = int(segment.get("device", 0))
+        get = segment.get
+        device = int(get("device", 0))
         entry = summary.get(device)
         if entry is None:
             entry = summary[device] = {"largest": 0, "classes": {}, "pools": {}}
-        blocks = segment.get("blocks", ())
-        free = largest = 0
-        for b in blocks:
-            if b.get("state") == "inactive":
-                size = int(b.get("size", 0))
-                free += size
-                if size > largest:
-                    largest = size
-        total = int(segment.get("total_size", 0))
+        total = int(get("total_size", 0))
+        active = get("active_size")
+        free = total - int(active) if active is not None else -1
+        if request is None and 0 <= free <= entry["largest"] and not get("is_expandable"):
+            # Its free bytes (all but the active ones, as PyTorch counts them) hold no block
+            # larger than the largest found: its blocks need no look.
+            largest = 0
+        else:
+            free, largest = free_blocks(get("blocks", ()))
         if total > 0:
-            count = entry["classes"].setdefault(1 << (total - 1).bit_length(), [0, 0])
-            count[0] += 1
-            count[1] += free
+            size_class = 1 << (total - 1).bit_length()
+            count = entry["classes"].get(size_class)
+            if count is None:
+                entry["classes"][size_class] = [1, free]
+            else:
+                count[0] += 1
+                count[1] += free
         if largest > entry["largest"]:
             entry["largest"] = largest
         if request is not None:
-            add_pool_figures(entry["pools"], segment, blocks, free)
+            add_pool_figures(entry["pools"], segment, get("blocks", ()), free)
     if request is not None:
         device, size, device_total, device_free, stream = request
         entry = summary.setdefault(device, {"largest": 0, "classes": {}, "pools": {}})
@@ -108,6 +115,18 @@ def summarize(segments, request=None):
                             "device_free": device_free,
                             "pools": oom_pools(entry["pools"], stream)}
     return summary
+
+
+def free_blocks(blocks):
+    """(free bytes, the largest free block) of a segment's blocks."""
+    free = largest = 0
+    for b in blocks:
+        if b.get("state") == "inactive":
+            size = int(b.get("size", 0))
+            free += size
+            if size > largest:
+                largest = size
+    return free, largest
 
 
 def add_pool_figures(pools, segment, blocks, free):
