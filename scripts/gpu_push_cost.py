@@ -80,8 +80,15 @@ def serve(port, socket, recordings=None):
     if recordings:
         args += ["--recordings-dir", recordings]
     agent = subprocess.Popen(args, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
-    return agent
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                return agent
+        except OSError:
+            time.sleep(0.2)
+    agent.kill()
+    sys.exit("FAIL: gpumem serve did not answer /healthz within 15 s")
 
 
 def job(code, env, *args):
@@ -112,6 +119,9 @@ def main():
                   f"{100 * (r['median_ms'] / off - 1):+.2f} % |")
         for name, r in rows[1:]:
             hook = r["hook"]
+            if not hook["sent"] or hook["errors"]:
+                sys.exit(f"FAIL: {name}: the hook sent {hook['sent']} pushes, "
+                         f"{hook['errors']} errors: {hook['last_error']}")
             print(f"{name}: memory_snapshot() {r['snapshot_ms']:.2f} ms over {r['segments']} "
                   f"segments; include_traces=False "
                   f"{r.get('snapshot_without_history_ms', float('nan')):.2f} ms; the hook's "
@@ -130,10 +140,13 @@ def main():
                 break
         listed = None
         deadline = time.time() + 30
-        while time.time() < deadline:
-            with urllib.request.urlopen("http://127.0.0.1:19431/api/v1/recordings",
-                                        timeout=5) as r:
-                entries = json.loads(r.read())
+        while oom_at is not None and time.time() < deadline:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:19431/api/v1/recordings",
+                                            timeout=5) as r:
+                    entries = json.loads(r.read())
+            except OSError as error:
+                sys.exit(f"FAIL: the agent's recordings could not be listed: {error!r}")
             entries = entries.get("recordings", entries) if isinstance(entries, dict) \
                 else entries
             if any(e.get("pid") == child.pid for e in entries):
@@ -147,6 +160,7 @@ def main():
         print(f"from the OOM to the agent listing its recording: {listed - oom_at:.3f} s")
     finally:
         agent.kill()
+        agent.wait()
 
 
 main()

@@ -83,10 +83,17 @@ pub struct AllocatorSource {
 /// one pool); the out-of-memory errors the hook counted as `num_ooms`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct XlaFigures {
+    /// Whether it reported `bytes_in_use` (its allocated bytes).
+    pub has_in_use: bool,
+    /// Whether it reported `peak_bytes_in_use`.
+    pub has_peak_in_use: bool,
     /// Whether it reported `pool_bytes` (its reserved bytes).
-    pub pool: bool,
+    pub has_pool: bool,
     /// Whether it reported `peak_pool_bytes`.
-    pub peak_pool: bool,
+    pub has_peak_pool: bool,
+    /// Whether the hook counted its out-of-memory errors (`num_ooms`, on the job's first
+    /// GPU).
+    pub has_ooms: bool,
     /// `bytes_limit`: the most it may hold, where reported.
     pub limit: Option<u64>,
 }

@@ -196,10 +196,12 @@ def measure(operation, runs, victim):
             rate = (n1 - n0) / (t1 - t0)
             operation()
             t2, n2 = time.perf_counter(), victim.count
-            gil.append(max(0.0, (t2 - t1) - (n2 - n1) / rate))
+            if rate > 0:  # the counting thread ran in its window (else: no reading)
+                gil.append(max(0.0, (t2 - t1) - (n2 - n1) / rate))
     finally:
         victim.counting.clear()
-    return statistics.median(cpu), min(cpu), statistics.median(gil), statistics.median(wall)
+    return (statistics.median(cpu), min(cpu), statistics.median(gil) if gil else float("nan"),
+            statistics.median(wall))
 
 
 def pace():

@@ -89,10 +89,11 @@ def check_payload(p):
     devices = p.get("devices")
     if not isinstance(devices, list) or not 1 <= len(devices) <= 16:
         return "devices must list 1 to 16 devices"
-    kinds = [(d.get("allocator", "pytorch"), d.get("index")) for d in devices
-             if isinstance(d, dict)]
-    if len(set(kinds)) != len(kinds):
-        return "a device listed twice under one allocator"
+    for field in ("index", "uuid"):
+        kinds = [(d.get("allocator", "pytorch"), str(d.get(field)).lower().split("-", 1)[-1])
+                 for d in devices if isinstance(d, dict)]
+        if len(set(kinds)) != len(kinds):
+            return f"a device listed twice under one allocator (by {field})"
     for d in devices:
         if not isinstance(d, dict) or set(d) - DEVICE_KEYS or not {"index", "uuid", "stats"} <= set(d):
             return f"bad device {d!r}"

@@ -160,6 +160,7 @@ class DeviceNames(unittest.TestCase):
             ({"NVIDIA_VISIBLE_DEVICES": f"{a},{b}", "CUDA_VISIBLE_DEVICES": "7"}, 0, None),
             ({"NVIDIA_VISIBLE_DEVICES": f"{a}"}, 3, None),
             ({"CUDA_VISIBLE_DEVICES": "MIG-GPU-x/1/0"}, 0, None),  # the legacy MIG form
+            ({"CUDA_VISIBLE_DEVICES": "GPU-11111111"}, 0, None),  # a prefix: no exact name
             ({}, 0, None),
         ]
         for environ, ordinal, want in cases:
@@ -174,6 +175,7 @@ class DeviceNames(unittest.TestCase):
         oom = XlaRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
         self.assertTrue(is_out_of_memory(oom))
         self.assertFalse(is_out_of_memory(XlaRuntimeError("INTERNAL: something else")))
+        self.assertFalse(is_out_of_memory(XlaRuntimeError("RESOURCE_EXHAUSTED: no more handles")))
         self.assertFalse(is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: not XLA's type")))
         wrapped = ValueError("during the step")
         wrapped.__cause__ = oom
@@ -201,18 +203,25 @@ class RealJax(unittest.TestCase):
         del env["PYTHONPATH"]  # the real jax, not the stand-ins
         code = textwrap.dedent("""
             import json, time, jax, jax.numpy as jnp
+            from gpumem_push import xla
+            found = xla.backends()
+            before = None if found is None else sorted(found)
             x = jnp.ones((256, 256))
             y = (x @ x).block_until_ready()
             time.sleep(1.5)
             import gpumem_push
             print(json.dumps({"platforms": sorted({d.platform for d in jax.devices()}),
                               "sum": float(y.sum()), "stats": gpumem_push.stats(),
+                              "backends": [before, sorted(xla.backends() or ["none"])],
                               "running": gpumem_push.settings()["running"]}))
             """)
         child = Child(code, env, self.tmp, python=self.python).finish(120)
         self.assertEqual(child.rc, 0, child.stderr)
         self.assertNotIn("gpumem_push", child.stderr)
         self.assertEqual(child.result["platforms"], ["cpu"])
+        # Where this JAX keeps its backends is where the hook looks: none before use, then
+        # the CPU's (so on a GPU machine the GPU's).
+        self.assertEqual(child.result["backends"], [[], ["cpu"]])
         self.assertEqual(child.result["sum"], 256.0 ** 3)
         self.assertTrue(child.result["running"], "the hook ran")
         self.assertEqual(child.result["stats"]["errors"], 0, child.result["stats"])

@@ -191,12 +191,14 @@ class Activation(PushTest):
             self.assertEqual(device["stats"]["max_split_size"], -1)
             if "reason" in p:
                 self.assertNotIn("largest_free_block", device, "only with a snapshot")
-            else:  # a periodic snapshot's: the 4 MiB segment with 1 MiB free
+            elif "largest_free_block" in device:  # a periodic snapshot's: 4 MiB, 1 MiB free
                 self.assertEqual(device["largest_free_block"], MIB)
                 self.assertEqual(device["segments_by_size"],
                                  [{"size": 4 * MIB, "segments": 1, "free_bytes": MIB}])
         self.assertEqual(set(r["snapshot_calls"]), {False}, "never with the history")
-        self.assertGreaterEqual(r["stats"]["snapshots"]["periodic"], 3)
+        self.assertGreaterEqual(r["stats"]["snapshots"]["periodic"], 2)
+        self.assertGreaterEqual(sum("largest_free_block" in p["devices"][0] for p in periodic),
+                                len(periodic) - 1, "figures with the periodic pushes")
         times = [e["t"] for e in self.agent.recorder.pushes if "reason" not in e["payload"]]
         self.assertTrue(all(b - a >= 0.5 for a, b in zip(times, times[1:])), times)
 
@@ -604,7 +606,11 @@ class LiveSnapshots(PushTest):
         self.assertNoRefusals()
         periodic = self.periodic()
         self.assertGreaterEqual(len(periodic), 3)
-        for p in periodic:
+        live = [p for p in periodic if "largest_free_block" in p["devices"][0]]
+        # Each push can carry one (a snapshot takes microseconds here); a preempted one may
+        # space the next.
+        self.assertGreaterEqual(len(live), len(periodic) - 1)
+        for p in live:
             self.assertLive(p["devices"][0])
         calls = child.result["snapshot_calls"]
         self.assertGreaterEqual(len(calls), 3)
@@ -617,7 +623,9 @@ class LiveSnapshots(PushTest):
         child = self.run_child(self.JOB + "wait_sent(3)\n", FAKE_TORCH_SNAPSHOT="old")
         self.assertEqual(child.rc, 0, child.stderr)
         self.assertNoRefusals()
-        for p in self.periodic():
+        live = [p for p in self.periodic() if "largest_free_block" in p["devices"][0]]
+        self.assertGreaterEqual(len(live), 2)
+        for p in live:
             self.assertLive(p["devices"][0])
         self.assertIsNone(child.result["stats"]["snapshots"]["off"])
         self.assertGreaterEqual(child.result["stats"]["snapshots"]["periodic"], 3)

@@ -1069,7 +1069,7 @@ mod tests {
         let (torch, xla) = (&push.devices[0], &push.devices[1]);
         assert_eq!(torch.xla, None);
         let reported = xla.xla.expect("xla's");
-        assert!(reported.pool && !reported.peak_pool);
+        assert!(reported.has_pool && !reported.has_peak_pool && reported.has_ooms);
         assert_eq!(xla.stats.reserved_bytes.all_current(), 10);
         assert_eq!(
             xla.snapshot,

@@ -12,8 +12,8 @@
 //! | `bytes_limit` | the allocator's limit |
 //! | `num_ooms` (the hook's count of `RESOURCE_EXHAUSTED` errors, not PJRT's) | OOMs |
 //!
-//! Each may be missing (PJRT leaves out what an allocator does not track); what is missing
-//! is not exported. `num_allocs`, `largest_alloc_size`, `bytes_reserved`,
+//! Each may be missing (PJRT leaves out what an allocator does not track; the hook counts
+//! OOMs on the job's first GPU only); what is missing is not exported. `num_allocs`, `largest_alloc_size`, `bytes_reserved`,
 //! `peak_bytes_reserved` and `bytes_reservable_limit` are accepted and not exported.
 //!
 //! # Invariants
@@ -82,28 +82,32 @@ pub fn figures(
         }
     }
     let mut mapped = BTreeMap::new();
-    let mut put = |keys: &[&str], value: Option<i64>| {
-        for key in keys {
-            mapped.insert((*key).to_string(), value.unwrap_or(0));
+    for (from, to) in [
+        (IN_USE, &["allocated_bytes.large_pool.current"][..]),
+        (
+            PEAK_IN_USE,
+            &[
+                "allocated_bytes.large_pool.peak",
+                "allocated_bytes.all.peak",
+            ],
+        ),
+        (POOL, &["reserved_bytes.large_pool.current"]),
+        (
+            PEAK_POOL,
+            &["reserved_bytes.large_pool.peak", "reserved_bytes.all.peak"],
+        ),
+        (OOMS, &[OOMS]),
+    ] {
+        if let Some(value) = get(from) {
+            mapped.extend(to.iter().map(|key| (key.to_string(), value)));
         }
-    };
-    put(&["allocated_bytes.large_pool.current"], in_use);
-    put(
-        &[
-            "allocated_bytes.large_pool.peak",
-            "allocated_bytes.all.peak",
-        ],
-        get(PEAK_IN_USE).or(in_use),
-    );
-    put(&["reserved_bytes.large_pool.current"], pool);
-    put(
-        &["reserved_bytes.large_pool.peak", "reserved_bytes.all.peak"],
-        get(PEAK_POOL).or(pool),
-    );
-    put(&[OOMS], get(OOMS));
+    }
     let reported = XlaFigures {
-        pool: pool.is_some(),
-        peak_pool: get(PEAK_POOL).is_some(),
+        has_in_use: in_use.is_some(),
+        has_peak_in_use: get(PEAK_IN_USE).is_some(),
+        has_pool: pool.is_some(),
+        has_peak_pool: get(PEAK_POOL).is_some(),
+        has_ooms: get(OOMS).is_some(),
         limit: get(LIMIT).map(|l| l as u64),
     };
     Ok((
@@ -146,8 +150,11 @@ mod tests {
         assert_eq!(
             reported,
             XlaFigures {
-                pool: true,
-                peak_pool: true,
+                has_in_use: true,
+                has_peak_in_use: true,
+                has_pool: true,
+                has_peak_pool: true,
+                has_ooms: true,
                 limit: Some(60 << 30)
             }
         );
@@ -159,11 +166,13 @@ mod tests {
         let (st, reported, largest) = figures(0, &stats(&[(IN_USE, 7)])).expect("ok");
         assert_eq!(st.allocated_bytes.all_current(), 7);
         assert_eq!(
-            st.allocated_bytes.all().peak,
-            7,
-            "no peak: the current figure"
+            reported,
+            XlaFigures {
+                has_in_use: true,
+                ..XlaFigures::default()
+            },
+            "no peak, no pool, no OOM count, no limit: each said missing"
         );
-        assert_eq!(reported, XlaFigures::default());
         assert_eq!(largest, None);
     }
 

@@ -132,8 +132,8 @@ pub struct ProcessRow {
     pub largest_free_block: Option<f64>,
     /// Allocations that flushed the cache and retried, for caching allocators.
     pub retries: Option<f64>,
-    /// Allocations that failed.
-    pub ooms: f64,
+    /// Allocations that failed, where its allocators count them.
+    pub ooms: Option<f64>,
     /// When it last ran out of memory (Unix seconds), where it did.
     pub last_oom: Option<f64>,
     /// Where its device's memory was at that OOM, by part, where it said.
@@ -270,20 +270,25 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
                 ..ProcessRow::default()
             }
         });
-        // One allocator is the rule; where two share the key, their bytes add up and the
-        // rest is the last one's that says it.
+        // One allocator is the rule; where two share the key (PyTorch's and XLA's in one
+        // process), their bytes and OOMs add up, the configuration is the first one's, and
+        // the rest is the last one's that says it.
         let label = s.allocator.label();
         if !row.allocator.split('+').any(|a| a == label) {
             row.allocator = format!("{}+{label}", row.allocator);
         }
         row.reserved += bytes(a.reserved);
         row.allocated += bytes(a.allocated);
-        row.config.clone_from(&s.config);
+        if row.config.is_empty() {
+            row.config.clone_from(&s.config);
+        }
         row.largest_free_block = a.largest_free_block().map(bytes).or(row.largest_free_block);
         if s.xla.is_none() {
             row.retries = Some(bytes(st.num_alloc_retries.get()));
         }
-        row.ooms = bytes(st.num_ooms.get());
+        if s.xla.is_none_or(|x| x.has_ooms) {
+            row.ooms = Some(row.ooms.unwrap_or_default() + bytes(st.num_ooms.get()));
+        }
         let last_oom = a.last_oom();
         row.last_oom = a.last_oom_at(last_oom.as_ref()).or(row.last_oom);
         if let Some(oom) = last_oom {

@@ -784,6 +784,8 @@ fn the_hooks_copies_of_the_agents_bounds_agree() {
         value("MAX_HOST_FIGURE") <= MAX_COUNT as f64,
         "host figures within the agent's"
     );
+    assert_eq!(value("MAX_BYTES"), gpumem::ingest::limits::MAX_BYTES as f64);
+    assert_eq!(value("MAX_COUNT"), MAX_COUNT as f64);
     // The host figures it sends are those the agent reads.
     let start = hook.find("HOST_KEYS = (").expect("HOST_KEYS");
     let end = start + hook[start..].find(')').expect("its end");

@@ -113,27 +113,35 @@ fn caching_figures(f: &mut Families, a: &PlacedAllocator, base: [&str; 4]) {
 fn xla_figures(f: &mut Families, a: &PlacedAllocator, base: [&str; 4], xla: XlaFigures) {
     let (st, extra) = (&a.source.stats, a.labels.as_slice());
     let pooled = [base[0], base[1], base[2], base[3], XLA_POOL];
-    f.of(&c::ALLOCATED_BYTES)
-        .push_with(pooled, extra, a.allocated as f64);
-    if xla.pool {
+    if xla.has_in_use {
+        f.of(&c::ALLOCATED_BYTES)
+            .push_with(pooled, extra, a.allocated as f64);
+    }
+    if xla.has_pool {
         f.of(&c::RESERVED_BYTES)
             .push_with(pooled, extra, a.reserved as f64);
     }
-    let mut figures = vec![
+    for (def, reported, value) in [
         (
             &c::PEAK_ALLOCATED_BYTES,
+            xla.has_peak_in_use,
             st.allocated_bytes.all().peak as f64,
         ),
-        (&c::OOMS, st.num_ooms.get() as f64),
-    ];
-    if xla.peak_pool {
-        figures.push((&c::PEAK_RESERVED_BYTES, st.reserved_bytes.all().peak as f64));
-    }
-    if let Some(limit) = xla.limit {
-        figures.push((&c::LIMIT_BYTES, limit as f64));
-    }
-    for (def, value) in figures {
-        f.of(def).push_with(base, extra, value);
+        (
+            &c::PEAK_RESERVED_BYTES,
+            xla.has_peak_pool,
+            st.reserved_bytes.all().peak as f64,
+        ),
+        (&c::OOMS, xla.has_ooms, st.num_ooms.get() as f64),
+        (
+            &c::LIMIT_BYTES,
+            xla.limit.is_some(),
+            xla.limit.unwrap_or_default() as f64,
+        ),
+    ] {
+        if reported {
+            f.of(def).push_with(base, extra, value);
+        }
     }
 }
 

@@ -109,7 +109,7 @@ function drawProcesses(processes) {
     cell(p.fragmentation === null ? '' : `${(100 * p.fragmentation).toFixed(1)} %`, 'fragmentation', p.fragmentation ?? '');
     cell(p.largest_free_block === null ? '' : fmt(p.largest_free_block), 'largest_free_block', p.largest_free_block ?? '');
     cell(p.retries === null ? '' : String(p.retries), 'retries', p.retries ?? '');
-    cell(String(p.ooms), 'ooms', p.ooms);
+    cell(p.ooms === null ? '' : String(p.ooms), 'ooms', p.ooms ?? '');
     const td = node('td');
     if (p.allocator === 'gpumem') {
       // This process holds the allocator: its segments can be drawn.

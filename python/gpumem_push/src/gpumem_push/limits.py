@@ -25,6 +25,10 @@ MAX_DEVICES = 16
 MAX_STATS_KEYS = 512
 MAX_OOM_POOLS = 64  # (pool, stream, private) entries in an out-of-memory push
 MAX_HOST_FIGURE = 1 << 53
+# Byte figures (a key naming bytes) are below MAX_BYTES, others below MAX_COUNT (the
+# agent's bound_of).
+MAX_BYTES = 1 << 60
+MAX_COUNT = 1 << 53
 # Labels added under torchrun / torchelastic, from these variables where set.
 RANK_LABELS = (("rank", "RANK"), ("local_rank", "LOCAL_RANK"), ("world_size", "WORLD_SIZE"),
                ("run_id", "TORCHELASTIC_RUN_ID"))

@@ -101,6 +101,7 @@ class Pusher:
         self._observer_state = None  # None: not tried yet; True: attached; False: unavailable
         self._atexit = False
         self._xla_hooks = False  # whether the exception hooks that see XLA's OOMs are set
+        self._exit_pushed = False
         if hasattr(os, "register_at_fork"):
             # Weakly: a Pusher let go of is not kept alive by the interpreter's fork hooks.
             ref = weakref.ref(self)
@@ -124,7 +125,8 @@ class Pusher:
         self._last_push = -math.inf  # monotonic time the last push attempt ended
         self._last_oom = -math.inf   # monotonic time of the last out-of-memory push
         self._last_oom_wall = None   # time.time() of the last out-of-memory error
-        self._oom_pending = None     # (snapshot or None,) for the thread to push with "oom"
+        # (snapshot or None, whether to take one) for the thread to push with "oom"
+        self._oom_pending = None
         self._used = set()           # device indices this process has used: pushed from then on
         self._uuids = {}
         self._warned = set()
@@ -254,18 +256,24 @@ class Pusher:
             return []
         with self._lock:
             ooms = self._xla_ooms
+        try:
+            devices = xla.gpu_devices()[:max(room, 0)]
+        except Exception as error:  # PyTorch's devices still go
+            self._error(error)
+            return []
         out = []
-        for device in xla.gpu_devices()[:max(room, 0)]:
+        for device in devices:
             try:
                 figures = xla.stats(device)
                 if figures is None:
                     continue
                 hardware = getattr(device, "local_hardware_id", None)
                 ordinal = int(device.id if hardware is None else hardware)
-                uuid = xla.visible_uuid(ordinal, os.environ)
-                if uuid is None and torch is not None and torch.cuda.is_initialized() \
+                uuid = None
+                if torch is not None and torch.cuda.is_initialized() \
                         and ordinal < int(torch.cuda.device_count()):
-                    uuid = self._uuid(torch, ordinal)  # the same CUDA ordinal, named
+                    uuid = self._uuid(torch, ordinal)  # the same CUDA ordinal, named by CUDA
+                uuid = uuid or xla.visible_uuid(ordinal, os.environ)
                 uuid = _config.clean_text(uuid or f"GPU-index-{ordinal}", "the device UUID",
                                           self._warn)
             except Exception as error:  # one device's failure does not cost the others
@@ -295,8 +303,8 @@ class Pusher:
             if early:
                 return Result(Outcome.EARLY)
             devices = self._devices(torch, snapshot) if torch is not None else []
-            accelerated = self._xla_devices(torch, MAX_DEVICES - len(devices))
-            devices += accelerated
+            xla_devices = self._xla_devices(torch, MAX_DEVICES - len(devices))
+            devices += xla_devices
             if not devices:
                 return Result(Outcome.EMPTY)
             with self._lock:
@@ -317,7 +325,7 @@ class Pusher:
                 host = readings.host(torch, self._error)
                 if host:
                     payload["host"] = host
-            if accelerated:
+            if xla_devices:
                 jax = xla.find_jax()
                 payload["jax_version"] = _config.clean_text(
                     str(getattr(jax, "__version__", "")), "jax.__version__", self._warn)
@@ -396,7 +404,7 @@ class Pusher:
                 self._last_oom_wall = time.time()
                 recent = now - self._last_oom < OOM_GAP
                 if recent:
-                    self._oom_pending = self._oom_pending or (None,)
+                    self._oom_pending = self._oom_pending or (None, True)
                 else:
                     self._last_oom = now
             if recent:
@@ -407,7 +415,7 @@ class Pusher:
                                lock_timeout=REASON_TIMEOUT)
             if result.rate_limited or result.outcome is Outcome.BUSY:
                 with self._lock:  # the thread sends it once the agent's gap has passed
-                    self._oom_pending = (snapshot,)
+                    self._oom_pending = (snapshot, snapshot is None)
                 self._wake_thread()
             # After the push, which names the process to the agent: the recording follows it,
             # unless the agent could not be reached just now (then it goes to the directory).
@@ -474,6 +482,10 @@ class Pusher:
             if self._xla_hooks:
                 return
             self._xla_hooks = True
+        # JAX's own exit handler (registered when jax was imported) drops its backends, and
+        # handlers run last-registered first: registered again now, the exit push runs
+        # before it and still finds the GPUs (_at_exit runs once).
+        atexit.register(self._at_exit)
         previous, previous_thread = sys.excepthook, threading.excepthook
 
         def hook(kind, value, traceback):
@@ -492,15 +504,20 @@ class Pusher:
         try:
             if not self._is_active() or not xla.is_out_of_memory(error):
                 return
+            now = time.monotonic()
             with self._lock:
                 self._xla_ooms += 1
                 self._last_oom_wall = time.time()
-                self._last_oom = time.monotonic()
-            result = self.push(readings.find_torch(), "oom", REASON_TIMEOUT,
-                               lock_timeout=REASON_TIMEOUT)
-            if result.rate_limited or result.outcome is Outcome.BUSY:
-                with self._lock:
-                    self._oom_pending = self._oom_pending or (None,)
+                recent = now - self._last_oom < OOM_GAP
+                if not recent:
+                    self._last_oom = now
+            result = None
+            if not recent:  # several threads dying at once: one push now, one after the gap
+                result = self.push(readings.find_torch(), "oom", REASON_TIMEOUT,
+                                   lock_timeout=REASON_TIMEOUT)
+            if result is None or result.rate_limited or result.outcome is Outcome.BUSY:
+                with self._lock:  # the thread sends it, without a PyTorch snapshot
+                    self._oom_pending = self._oom_pending or (None, False)
                 self._wake_thread()
         except Exception as failure:
             self._error(failure)
@@ -562,8 +579,8 @@ class Pusher:
                 self._last_oom = now
         if not due:
             return
-        snapshot = pending[0]
-        if snapshot is None and torch is not None:
+        snapshot, take = pending
+        if snapshot is None and take and torch is not None and torch.cuda.is_initialized():
             snapshot = self._oom_summary(torch)
         self.push(torch, "oom", REASON_TIMEOUT, snapshot)
 
@@ -619,7 +636,12 @@ class Pusher:
                 stop.wait(1.0)
 
     def _at_exit(self):
-        """The last push, with "reason": "exit", at interpreter exit (not after stop())."""
+        """The last push, with "reason": "exit", at interpreter exit (not after stop()); once,
+        though it may be registered twice."""
+        with self._lock:
+            if self._exit_pushed:
+                return
+            self._exit_pushed = True
         try:
             active = self._is_active()
             with self._lock:

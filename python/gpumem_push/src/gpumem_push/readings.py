@@ -9,14 +9,22 @@ from .limits import (HOST_KEYS, MAX_HOST_FIGURE, MAX_OOM_POOLS, MAX_STATS_KEYS, 
                      text_problem)
 
 
-def find_torch():
-    """The job's torch module once it has imported it completely, else None. Never imports."""
-    module = sys.modules.get("torch")
+def imported(name):
+    """Module `name` once the job has imported it completely, else None. Never imports."""
+    module = sys.modules.get(name)
     if module is None:
         return None
     spec = getattr(module, "__spec__", None)
     if spec is not None and getattr(spec, "_initializing", False):
-        return None  # the job's `import torch` is still running
+        return None  # the job's import is still running
+    return module
+
+
+def find_torch():
+    """The job's torch module once it has imported it completely, else None. Never imports."""
+    module = imported("torch")
+    if module is None:
+        return None
     cuda = module.__dict__.get("cuda")
     if cuda is None or not hasattr(cuda, "is_initialized"):
         return None  # not PyTorch (a namespace package called torch, say)

@@ -7,9 +7,13 @@ FAKE_JAX_KEYS: "all" (PJRT's keys with pool_bytes) or "old" (without pool_bytes 
 peak_pool_bytes). figures(i) is device i's memory_stats().
 """
 
+import atexit
 import os
 
 from ._src import xla_bridge
+
+# As jax does: at exit its backends are dropped (a handler registered at import).
+atexit.register(xla_bridge._backends.clear)
 
 __version__ = "0.10.2+fake"
 
