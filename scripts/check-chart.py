@@ -384,8 +384,8 @@ unit = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
                        "severity": "warning"},
         "exp_annotations": {
             "summary": "CUDA out of memory in job run-1 (namespace ml)",
-            "description": "An allocation of job run-1 failed after every recovery step of the "
-                           "caching allocator. Compare reserved-but-unallocated memory with the "
+            "description": "An allocation of job run-1 failed after every recovery step of its "
+                           "allocator. Compare reserved-but-unallocated memory with the "
                            "request to tell fragmentation from a full device.",
             "runbook_url": "https://github.com/gpumem/gpumem/blob/main/docs/runbooks.md"
                            "#gpumemoutofmemory",
