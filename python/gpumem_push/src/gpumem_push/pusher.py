@@ -431,17 +431,7 @@ class Pusher:
     def _oom_summary(self, torch, request=None):
         """The snapshot's summary at an out-of-memory error (None where it fails: pushed
         without the figures rather than with false ones), timed for the cadence."""
-        with self._lock:
-            cadence = self._cadence
-        started = time.monotonic()
-        try:
-            return readings.snapshot_summary(torch, request)
-        except Exception as error:
-            self._error(error)
-            return None
-        finally:
-            end = time.monotonic()
-            cadence.took("oom", end - started, end)
+        return self._timed_summary("oom", lambda: readings.snapshot_summary(torch, request))
 
     def _periodic_summary(self, torch, now):
         """A snapshot's summary for a periodic push, where the cadence lets one be taken
@@ -460,19 +450,30 @@ class Pusher:
             cadence.turn_off("this PyTorch's snapshots copy the allocation history, which "
                              "GPUMEM_PUSH_HISTORY records")
             return None
-        started = time.monotonic()
-        try:
+
+        def read():
             segments, history = readings.periodic_segments(torch)
             if history:
                 cadence.turn_off("this PyTorch's snapshots copy the allocation history, which "
                                  "the job records")
             return readings.summarize(segments)
+
+        return self._timed_summary("periodic", read)
+
+    def _timed_summary(self, kind, read):
+        """`read()`'s summary (None where it fails), its time reported to the cadence as a
+        snapshot of `kind`."""
+        with self._lock:
+            cadence = self._cadence
+        started = time.monotonic()
+        try:
+            return read()
         except Exception as error:
             self._error(error)
             return None
         finally:
             end = time.monotonic()
-            cadence.took("periodic", end - started, end)
+            cadence.took(kind, end - started, end)
 
     def _watch_xla_errors(self):
         """Sets, once per process, the exception hooks that see XLA's out-of-memory errors
