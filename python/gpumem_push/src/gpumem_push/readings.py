@@ -49,11 +49,9 @@ def periodic_segments(torch):
     where the job's PyTorch cannot leave it out: then `torch.cuda.memory._snapshot()`, which
     memory_snapshot() itself calls, gives the segments and tells whether it copied a
     history). A history recorded means the next periodic reading would copy it again."""
-    if takes_include_traces(torch.cuda.memory_snapshot):
-        return torch.cuda.memory_snapshot(include_traces=False), False
     full = getattr(getattr(torch.cuda, "memory", None), "_snapshot", None)
-    if full is None:
-        return torch.cuda.memory_snapshot(), False
+    if full is None or takes_include_traces(torch.cuda.memory_snapshot):
+        return memory_segments(torch), False
     snapshot = full()
     traces = snapshot.get("device_traces") or ()
     return snapshot.get("segments", ()), any(traces)
