@@ -213,6 +213,8 @@ pub struct SimNode {
     /// held).
     sink: PushSink,
     stop: Arc<AtomicBool>,
+    /// At speed 0: every process has reached its still picture.
+    still: Arc<AtomicBool>,
     heartbeat: Heartbeat,
     thread: Option<JoinHandle<()>>,
 }
@@ -392,9 +394,11 @@ impl SimNode {
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let still = Arc::new(AtomicBool::new(false));
         let heartbeat = Heartbeat::new("sim-node", Heartbeat::allowance_for(config.tick));
         let thread = {
             let stop = Arc::clone(&stop);
+            let still = Arc::clone(&still);
             let heartbeat = heartbeat.clone();
             let sources = processes.clone();
             let sink = Arc::clone(&sink);
@@ -404,7 +408,7 @@ impl SimNode {
                 .name("gpumem-sim-node".into())
                 .spawn(move || {
                     replay_loop(
-                        recordings, allocators, oom_job, sink, sources, speed, tick, &stop,
+                        recordings, allocators, oom_job, sink, sources, speed, tick, &stop, &still,
                         &heartbeat,
                     )
                 })
@@ -415,9 +419,16 @@ impl SimNode {
             processes,
             sink,
             stop,
+            still,
             heartbeat,
             thread: Some(thread),
         })
+    }
+
+    /// At speed 0, whether every process has reached its still picture (replays catch up in
+    /// rounds of bounded time, so a loaded machine takes a while); false at any other speed.
+    pub fn is_still(&self) -> bool {
+        self.still.load(Ordering::Acquire)
     }
 
     /// Beaten after every step of the replay thread (for `/healthz` and `/readyz`).
@@ -548,6 +559,7 @@ fn replay_loop(
     speed: f64,
     tick: Duration,
     stop: &AtomicBool,
+    still: &AtomicBool,
     heartbeat: &Heartbeat,
 ) {
     let mut runs: Vec<Run<'_>> = allocators
@@ -578,27 +590,35 @@ fn replay_loop(
         })
         .collect();
     while !stop.load(Ordering::Relaxed) {
+        let mut caught_up = true;
         for run in &mut runs {
-            if let Err(e) = step(run, speed, stop) {
-                tracing::warn!(pid = run.source.pid, error = %e, "simulated process stopped");
-                run.replayer = None;
-                run.spare = None;
+            match step(run, speed, stop) {
+                Ok(done) => caught_up &= done,
+                Err(e) => {
+                    tracing::warn!(pid = run.source.pid, error = %e, "simulated process stopped");
+                    run.replayer = None;
+                    run.spare = None;
+                }
             }
+        }
+        if speed == 0.0 && caught_up {
+            still.store(true, Ordering::Release);
         }
         heartbeat.beat();
         std::thread::sleep(tick);
     }
 }
 
-/// Advances one process to where its recording's clock says it should be.
-fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayError> {
+/// Advances one process to where its recording's clock says it should be; whether it got
+/// there (the job that runs out of memory always does).
+fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<bool, ReplayError> {
     if let Some(job) = &mut run.job {
         job.step(speed);
-        return Ok(());
+        return Ok(true);
     }
     if run.replayer.is_none() {
         let Some(alloc) = run.spare.take() else {
-            return Ok(());
+            return Ok(true);
         };
         run.replayer = Some(Cursor::on(run.recording, 0, alloc)?);
         run.started = Instant::now();
@@ -617,6 +637,7 @@ fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayEr
         let chunk = due.min(replayer.position().saturating_add(EVENTS_PER_CHUNK));
         replayer.advance_to(chunk)?;
     }
+    let arrived = replayer.position() >= due.min(replayer.len());
     let allocator = replayer.allocator();
     run.source
         .publish_cache(allocator.largest_free_block(), allocator.segments_by_size());
@@ -630,7 +651,7 @@ fn step(run: &mut Run<'_>, speed: f64, stop: &AtomicBool) -> Result<(), ReplayEr
             run.spare = Some(replayer.finish()?);
         }
     }
-    Ok(())
+    Ok(arrived)
 }
 
 /// The NVML view of a [`SimNode`].

@@ -133,10 +133,20 @@ fn approx(a: f64, b: f64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_agrees_with_the_metrics_value_for_value() {
-    let (_node, agent) = still_agent();
+    let (node, agent) = still_agent();
     let router = agent.router();
-    // The simulated processes reach their still picture on their own threads.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The simulated processes reach their still picture on their own thread, in rounds of
+    // bounded time: a loaded machine takes a while.
+    for _ in 0..600 {
+        if node.is_still() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        node.is_still(),
+        "the node reaches its still picture in a minute"
+    );
     let (_, _, first) = get(router.clone(), "/metrics").await;
     let gpu0 = Scrape::of(&first)
         .label(c::DEVICE_TOTAL.name, &[("gpu", "0")], "UUID")
@@ -164,6 +174,7 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
     // A page between two identical scrapes saw what they saw.
     let (metrics, page) = {
         let mut last = None;
+        let mut moved = Vec::new();
         for _ in 0..20 {
             let (_, _, before) = get(router.clone(), "/metrics").await;
             let (status, _, page) = get(router.clone(), "/api/v1/node").await;
@@ -179,9 +190,16 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
                 last = Some((after, page));
                 break;
             }
+            let (before, after) = (still(&before), still(&after));
+            let before: BTreeSet<&str> = before.lines().collect();
+            moved = after
+                .lines()
+                .filter(|l| !before.contains(l))
+                .map(str::to_string)
+                .collect();
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        last.expect("the node holds still")
+        last.unwrap_or_else(|| panic!("the node holds still; still moving: {moved:?}"))
     };
     let m = Scrape::of(&metrics);
     let page: serde_json::Value = serde_json::from_str(&page).expect("JSON");
