@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::allocator::{
-    AllocError, FitOrder, Plan, PlanEntry, PlanRegion, PoolId, PoolOptions, RouteKind,
+    AllocError, FitOrder, Plan, PlanEntry, PlanMode, PlanRegion, PoolId, PoolOptions, RouteKind,
     ShareableHandle, StreamFilter,
 };
 use crate::device::{DeviceError, SimConfig, SimDevice};
@@ -142,7 +142,7 @@ pub fn pool_id(pool: u64) -> PoolId {
 /// A random but valid plan: up to 24 entries over the [`STREAMS`], regions of up to 256 MiB,
 /// offsets anywhere inside them (so entries may overlap: a bad plan); of the entries without
 /// an offset (a tenth, and those of streams without a region), half are persistent, and a
-/// fifth of those with one are persistent entries tried there first.
+/// fifth of those with one are persistent entries tried there first; whole or paged alike.
 pub fn random_plan(seed: u64) -> Plan {
     let mut rng = XorShift::new(seed | 1);
     let mut regions: Vec<PlanRegion> = Vec::new();
@@ -174,7 +174,16 @@ pub fn random_plan(seed: u64) -> Plan {
             }
         })
         .collect();
-    Plan { regions, entries }
+    let mode = if rng.next_u64().is_multiple_of(2) {
+        PlanMode::Whole
+    } else {
+        PlanMode::Paged
+    };
+    Plan {
+        regions,
+        entries,
+        mode,
+    }
 }
 
 impl Op {

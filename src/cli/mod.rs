@@ -268,6 +268,17 @@ pub(crate) struct RecordingArgs {
     pub(crate) pytorch: PyTorchArg,
     #[command(flatten)]
     pub(crate) read: ReadArgs,
+    /// What each driver call costs the replays' clock: `h200` (measured; the default),
+    /// `public` (public figures only), or a cost table file (`gpumem-costs`, as
+    /// scripts/gpu-check.sh writes it).
+    #[arg(long, value_name = "TABLE", value_parser = parse_costs, default_value = "h200")]
+    pub(crate) costs: std::sync::Arc<gpumem::device::DriverCosts>,
+}
+
+fn parse_costs(text: &str) -> Result<std::sync::Arc<gpumem::device::DriverCosts>, String> {
+    gpumem::replay::costs::read_costs(text)
+        .map(std::sync::Arc::new)
+        .map_err(|e| e.to_string())
 }
 
 impl RecordingArgs {
@@ -285,6 +296,7 @@ impl RecordingArgs {
             capacity: self.capacity,
             order: self.pytorch.order(),
             max_memory_bytes: Some(self.read.max_memory_bytes()),
+            costs: std::sync::Arc::clone(&self.costs),
         }
     }
 

@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use gpumem::allocator::PlanMode;
 use gpumem::allocator::size::format_size;
 use gpumem::explain::search_configurations;
 use gpumem::plan::{Evaluation, PlanOptions, Planned, best_device, evaluate, plan};
@@ -34,9 +35,29 @@ pub(crate) struct Args {
     /// search finds, on the same events.
     #[arg(long)]
     compare: bool,
+    /// How the plan's regions hold memory: `whole` (time first: one segment each, the
+    /// caching allocator's driver work) or `paged` (memory first: 2 MiB pages mapped at first
+    /// use and lent, each a driver call of its own). `--compare` evaluates the other too.
+    #[arg(long, value_enum, default_value_t = Holding::Whole)]
+    mode: Holding,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Holding {
+    Whole,
+    Paged,
+}
+
+impl From<Holding> for PlanMode {
+    fn from(mode: Holding) -> PlanMode {
+        match mode {
+            Holding::Whole => PlanMode::Whole,
+            Holding::Paged => PlanMode::Paged,
+        }
+    }
 }
 
 fn parse_range(text: &str) -> Result<Range<usize>, String> {
@@ -64,6 +85,21 @@ struct Row {
     peak_allocated: u64,
     peak_reserved: u64,
     ooms: u64,
+    driver_calls: u64,
+    driver_time_ns: u64,
+}
+
+impl Row {
+    fn of(config: &str, r: &gpumem::replay::ReplayReport) -> Row {
+        Row {
+            config: config.to_string(),
+            peak_allocated: r.peak_allocated,
+            peak_reserved: r.peak_reserved,
+            ooms: r.ooms,
+            driver_calls: r.driver_calls,
+            driver_time_ns: r.driver_time_ns,
+        }
+    }
 }
 
 pub(crate) fn run(args: Args) -> CliResult {
@@ -84,6 +120,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         device,
         config: config.clone(),
         events: args.events.clone(),
+        mode: args.mode.into(),
     };
     let planned = plan(&recording, &args.recording.name(), &options)?;
     let shared = Arc::new(planned.plan.clone());
@@ -97,7 +134,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     // The session reads the trace's release runs once; every replay below follows it.
     let session = args.recording.session(&recording, device)?;
-    let evaluation = evaluate(&session, config, &shared, window.clone())?;
+    let evaluation = evaluate(&session, config.clone(), &shared, window.clone())?;
     let mut rows = Vec::new();
     if args.compare {
         let within = WhatIf::default().on_events(Some(window));
@@ -105,17 +142,23 @@ pub(crate) fn run(args: Args) -> CliResult {
         let replay_row = |conf: &str| -> Result<Row, Box<dyn std::error::Error>> {
             let what_if = within.clone().under(Some(pytorch.config(conf)?));
             let r = session.replay(&Mode::WhatIf(what_if), 0, &mut |_, _| {})?;
-            Ok(Row {
-                config: conf.to_string(),
-                peak_allocated: r.peak_allocated,
-                peak_reserved: r.peak_reserved,
-                ooms: r.ooms,
-            })
+            Ok(Row::of(conf, &r))
         };
         rows.push(replay_row("expandable_segments:True")?);
         if let Some(best) = candidates.first() {
             rows.push(replay_row(&best.config)?);
         }
+        // The plan in the other mode, on the same events.
+        let (name, mode) = match args.mode {
+            Holding::Whole => ("planned, paged (--mode paged)", PlanMode::Paged),
+            Holding::Paged => ("planned, whole (--mode whole)", PlanMode::Whole),
+        };
+        let other = Arc::new(gpumem::allocator::Plan {
+            mode,
+            ..planned.plan.clone()
+        });
+        let r = evaluate(&session, config.clone(), &other, evaluation.events.clone())?;
+        rows.push(Row::of(name, &r.planned));
     }
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&planned.file())?;
@@ -137,6 +180,10 @@ pub(crate) fn run(args: Args) -> CliResult {
     if let Some(why) = &chosen {
         outln!("{why}")?;
     }
+    outln!(
+        "driver time priced by the {} table (--costs)",
+        args.recording.costs.gpu
+    )?;
     print_text(&planned, &evaluation, offline, &rows)?;
     if let Some(path) = &args.output {
         outln!("wrote {}", path.display())?;
@@ -186,35 +233,41 @@ fn print_text(
         evaluation.events.end
     )?;
     outln!(
-        "  {:<40} {:>14} {:>14} {:>7} {:>5}",
+        "  {:<40} {:>14} {:>14} {:>7} {:>5} {:>13} {:>8} {:>16} {:>8}",
         "",
         "peak allocated",
         "peak reserved",
         "ratio",
-        "OOMs"
+        "OOMs",
+        "driver calls",
+        "ratio",
+        "driver time",
+        "ratio"
     )?;
-    let line = |name: &str, allocated: u64, reserved: u64, ooms: u64| {
+    let d = Row::of(
+        &format!("recorded {}", parenthesised(&evaluation.default.config)),
+        &evaluation.default,
+    );
+    let line = |r: &Row| {
         outln!(
-            "  {:<40} {:>14} {:>14} {:>6.3}× {:>5}",
-            name,
-            format_size(allocated),
-            format_size(reserved),
-            reserved as f64 / allocated.max(1) as f64,
-            ooms
+            "  {:<40} {:>14} {:>14} {:>6.3}× {:>5} {:>13} {:>7.2}× {:>13.3} ms {:>7.2}×",
+            r.config,
+            format_size(r.peak_allocated),
+            format_size(r.peak_reserved),
+            r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
+            r.ooms,
+            r.driver_calls,
+            r.driver_calls as f64 / d.driver_calls.max(1) as f64,
+            r.driver_time_ns as f64 / 1e6,
+            r.driver_time_ns as f64 / d.driver_time_ns.max(1) as f64,
         )
     };
-    let d = &evaluation.default;
-    line(
-        &format!("recorded {}", parenthesised(&d.config)),
-        d.peak_allocated,
-        d.peak_reserved,
-        d.ooms,
-    )?;
+    line(&d)?;
     for r in rows {
-        line(&r.config, r.peak_allocated, r.peak_reserved, r.ooms)?;
+        line(r)?;
     }
     let p = &evaluation.planned;
-    line("planned", p.peak_allocated, p.peak_reserved, p.ooms)?;
+    line(&Row::of("planned", p))?;
     outln!(
         "  plan: {} requests served from the regions, {} misses",
         p.plan_hits,

@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::allocator::{Plan, PlanEntry, PlanError, PlanRegion};
+use crate::allocator::{Plan, PlanEntry, PlanError, PlanMode, PlanRegion};
 use crate::device::StreamId;
 
 /// The schema of a region (serde's derive for the core's type).
@@ -29,6 +29,14 @@ struct EntrySchema {
     offset: Option<u64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     persistent: bool,
+}
+
+/// The schema of the mode: `"whole"` (the default where absent) or `"paged"`.
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "PlanMode", rename_all = "snake_case")]
+enum ModeSchema {
+    Whole,
+    Paged,
 }
 
 /// A region as an element of the file's list.
@@ -93,10 +101,13 @@ pub(super) fn serialize_plan<S: Serializer>(plan: &Plan, serializer: S) -> Resul
         regions: &'a [PlanRegion],
         #[serde(serialize_with = "serialize_as::<Entry, _, _>")]
         entries: &'a [PlanEntry],
+        #[serde(with = "ModeSchema")]
+        mode: PlanMode,
     }
     Body {
         regions: &plan.regions,
         entries: &plan.entries,
+        mode: plan.mode,
     }
     .serialize(serializer)
 }
@@ -130,6 +141,9 @@ pub struct PlanFile {
         deserialize_with = "deserialize_as::<Entry, _, _>"
     )]
     pub entries: Vec<PlanEntry>,
+    /// How the regions and chunks hold memory (absent: whole segments).
+    #[serde(with = "ModeSchema", default)]
+    pub mode: PlanMode,
     /// Where the plan came from and what the planner found (informative only).
     #[serde(default)]
     pub source: Option<PlanSource>,
@@ -143,6 +157,7 @@ impl PlanFile {
             version: PLAN_VERSION,
             regions: plan.regions.clone(),
             entries: plan.entries.clone(),
+            mode: plan.mode,
             source,
         }
     }
@@ -152,6 +167,7 @@ impl PlanFile {
         Plan {
             regions: self.regions.clone(),
             entries: self.entries.clone(),
+            mode: self.mode,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use rustc_hash::FxHashMap;
 
 use crate::allocator::size::ROUND_LARGE;
-use crate::allocator::{MAX_PLAN_STREAMS, Plan, PlanEntry, PlanRegion};
+use crate::allocator::{MAX_PLAN_STREAMS, Plan, PlanEntry, PlanMode, PlanRegion};
 use crate::device::StreamId;
 use crate::iterations::{Allocation, placeable};
 use crate::rng::XorShift;
@@ -41,6 +41,7 @@ pub(super) fn plan_iteration(
                 persistent: offset.is_none() && placement.streams.binary_search(&a.stream).is_ok(),
             })
             .collect(),
+        mode: PlanMode::default(),
     };
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
     (plan, placement.lower_bound, start..end)

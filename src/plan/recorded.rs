@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::allocator::Plan;
+use crate::allocator::{Plan, PlanMode};
 use crate::config::AllocatorConfig;
 use crate::iterations::{allocations, find_iteration};
 use crate::recording::Recording;
@@ -23,6 +23,8 @@ pub struct PlanOptions {
     pub config: Option<AllocatorConfig>,
     /// The trace events of the iteration to plan; `None` to find it.
     pub events: Option<Range<usize>>,
+    /// How its regions and chunks hold memory.
+    pub mode: PlanMode,
 }
 
 /// A plan and what the planner found.
@@ -122,7 +124,9 @@ pub fn plan(
             ))
         })?,
     };
-    let (plan, lower_bound, planned) = plan_iteration(&allocations, first, period, events.len());
+    let (mut plan, lower_bound, planned) =
+        plan_iteration(&allocations, first, period, events.len());
+    plan.mode = options.mode;
     let evaluated_end = if options.events.is_some() {
         events.len()
     } else {

@@ -46,6 +46,7 @@
 //!   it.
 
 mod compare;
+pub mod costs;
 mod engine;
 mod order;
 mod report;
@@ -60,7 +61,7 @@ use rustc_hash::FxHashMap;
 use crate::allocator::size::{PoolKind, SMALL_BUFFER, expandable_page_size};
 use crate::allocator::{AllocError, CachingAllocator, FitOrder, Plan, TraceEntry};
 use crate::config::AllocatorConfig;
-use crate::device::{SimConfig, SimDevice};
+use crate::device::{DriverCosts, SimConfig, SimDevice};
 
 use crate::recording::event_pools::InferredPools;
 use crate::recording::{MAX_MEMORY_BYTES, Recording};
@@ -95,6 +96,7 @@ pub(super) struct Options {
     pub(super) plan: Option<Arc<Plan>>,
     pub(super) order: Option<FitOrder>,
     pub(super) max_memory_bytes: Option<u64>,
+    pub(super) costs: Arc<DriverCosts>,
 }
 
 impl Default for Options {
@@ -111,6 +113,7 @@ impl Default for Options {
             plan: None,
             order: None,
             max_memory_bytes: Some(MAX_MEMORY_BYTES),
+            costs: Arc::default(),
         }
     }
 }
@@ -600,6 +603,7 @@ fn engine_for<'a>(
         .min(MAX_CAPACITY);
     let mut sim = SimConfig {
         index: options.device,
+        costs: Arc::clone(&options.costs),
         ..SimConfig::with_capacity(capacity)
     };
     if options.check {
@@ -647,7 +651,7 @@ fn run_with(
     engine.alloc.reset_accumulated_stats();
     engine.alloc.reset_peak_stats();
     let start_segments = engine.start_segments;
-    let driver_time_before = engine.alloc.device().stats().driver_time_ns;
+    let driver_before = engine.alloc.device().stats();
     engine.run(progress)?;
 
     let stats = engine.alloc.stats();
@@ -682,7 +686,8 @@ fn run_with(
         plan_hits,
         plan_misses,
         plan_paging: engine.alloc.plan_status().map(|s| s.paging),
-        driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_time_before,
+        driver_time_ns: engine.alloc.device().stats().driver_time_ns - driver_before.driver_time_ns,
+        driver_calls: engine.alloc.device().stats().driver_calls() - driver_before.driver_calls(),
         compared: engine.compared,
         divergence: engine.divergence,
         series: engine.series,

@@ -95,8 +95,12 @@ pub struct ReplayReport {
     /// What the followed plan did: iterations, the cache given back, and where its regions
     /// and chunks are paged (a device with virtual memory), their maps and unmaps.
     pub plan_paging: Option<crate::allocator::PlanPaging>,
-    /// Simulated time spent in driver calls during the trace, in nanoseconds.
+    /// Simulated time spent in driver calls during the trace, in nanoseconds, priced by the
+    /// session's table ([`crate::device::DriverCosts`]).
     pub driver_time_ns: u64,
+    /// Driver calls made during the trace to obtain, map or give back memory, one per CUDA
+    /// call ([`crate::device::SimStats::driver_calls`]).
+    pub driver_calls: u64,
     /// Decisions compared (check mode).
     pub compared: Compared,
     /// The first divergence (check mode).

@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::AllocatorConfig;
 use crate::allocator::{CachingAllocator, FitOrder, Plan, TraceAction};
-use crate::device::SimDevice;
+use crate::device::{DriverCosts, SimDevice};
 use crate::recording::{MAX_MEMORY_BYTES, Recording};
 
 use super::engine::ReleaseReading;
@@ -46,6 +46,9 @@ pub struct Setup {
     /// replay's maps, estimated every few thousand events); `None`: no bound. By default the
     /// reader's default budget ([`MAX_MEMORY_BYTES`]).
     pub max_memory_bytes: Option<u64>,
+    /// What each driver call costs the replays' clock (`--costs`; by default an H200's,
+    /// [`DriverCosts::default`]).
+    pub costs: Arc<DriverCosts>,
 }
 
 impl Default for Setup {
@@ -55,6 +58,7 @@ impl Default for Setup {
             capacity: None,
             order: None,
             max_memory_bytes: Some(MAX_MEMORY_BYTES),
+            costs: Arc::default(),
         }
     }
 }
@@ -331,6 +335,7 @@ impl Session {
             capacity: self.setup.capacity,
             order: self.setup.order,
             max_memory_bytes: self.setup.max_memory_bytes,
+            costs: Arc::clone(&self.setup.costs),
             ..Options::default()
         };
         Ok(match mode {

@@ -402,7 +402,7 @@ fn releases_go_through_the_pools_in_their_order() {
 
 #[test]
 fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
-    use gpumem::allocator::{Plan, PlanEntry};
+    use gpumem::allocator::{Plan, PlanEntry, PlanMode};
     let persistent = PlanEntry {
         size: 4 * MIB,
         stream: gpumem::StreamId(0),
@@ -412,6 +412,7 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
     let plan = std::sync::Arc::new(Plan {
         regions: Vec::new(),
         entries: vec![persistent, persistent],
+        mode: PlanMode::Paged,
     });
     for order in [FitOrder::Address, FitOrder::Counter] {
         // Whole-segment chunks: a device without virtual memory (paged chunks grow instead).

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
-use gpumem::device::{SimConfig, SimDevice};
+use gpumem::device::{Call, SimConfig, SimDevice};
 use gpumem::rng::XorShift;
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr, SharedAllocator, StreamId};
 
@@ -273,7 +273,7 @@ fn pending_frees_cost_linear_polling() {
     // The clock charges the queries left out: every pending stream at each of the n mallocs
     // made while all n frees wait, n(n+1)/2 more as they complete one by one.
     let (n, (_, charged)) = (sizes[2], costs[2]);
-    let event_ns = SimConfig::default().event_ns;
+    let event_ns = SimConfig::default().costs.ns(Call::Event, 0);
     assert!(
         charged >= (n * n + n * (n + 1) / 2) * event_ns,
         "{charged} ns charged"

@@ -106,7 +106,7 @@ pub use ext::breakdown;
 use ext::plan::Following;
 pub use ext::plan::{
     LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan, PlanEntry,
-    PlanError, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
+    PlanError, PlanMode, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
 };
 pub use ext::restore::RestoredBlock;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};
@@ -479,6 +479,11 @@ impl<D: Device> CachingAllocator<D> {
                 None => self.allocate_segment_with_retries(pool, stream, rounded)?,
             },
         };
+        Ok(self.serve_found_block(id, rounded, size))
+    }
+
+    /// Hands out found block `id` for a rounded request, split where its pool's rules say.
+    fn serve_found_block(&mut self, id: BlockId, rounded: u64, size: u64) -> DevicePtr {
         let block = self.block(id);
         // The block may come from a `use_on_oom` pool: its own pool's rules apply.
         let no_split = !block.owner.is_default() && self.private.get(block.owner).options.no_split;
@@ -490,7 +495,7 @@ impl<D: Device> CachingAllocator<D> {
                 self.expandable_segments(),
                 self.config.max_split_size,
             );
-        Ok(self.alloc_found_block(id, rounded, size, split))
+        self.alloc_found_block(id, rounded, size, split)
     }
 
     /// Whether a capture is under way, as the configured release counts them

@@ -15,13 +15,15 @@
 //!   error as fatal for the request.
 //! - Device memory is never dereferenced by anything in this crate: a [`DevicePtr`] is a number.
 
+mod costs;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod sim;
 
+pub use costs::{Call, CallCost, CostsError, DriverCosts, MAX_COST_NS, MAX_POINTS, Source};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDevice;
-pub use sim::{SimConfig, SimDevice, simulated_uuid};
+pub use sim::{SimConfig, SimDevice, SimStats, simulated_uuid};
 
 use std::fmt;
 

@@ -34,6 +34,9 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
+use std::sync::Arc;
+
+use super::costs::{Call, DriverCosts};
 use super::{Device, DeviceError, DevicePtr, EventId, MemInfo, PhysicalHandle, StreamId};
 
 /// Configuration of a [`SimDevice`].
@@ -55,35 +58,19 @@ pub struct SimConfig {
     pub address_space: u64,
     /// Clock reading (µs since the Unix epoch) at creation.
     pub start_time_us: u64,
-    /// Cost of a `cudaMalloc`, in nanoseconds (on top of the device-wide synchronisation).
-    pub malloc_ns: u64,
-    /// Cost of a `cudaFree`, in nanoseconds (on top of the device-wide synchronisation).
-    pub free_ns: u64,
-    /// Cost of a device-wide synchronisation, in nanoseconds.
-    pub synchronize_ns: u64,
-    /// Cost of an event create, record or query, in nanoseconds.
-    pub event_ns: u64,
-    /// Cost of `cudaMemGetInfo`, in nanoseconds.
-    pub mem_get_info_ns: u64,
+    /// What each driver call costs the clock.
+    pub costs: Arc<DriverCosts>,
     /// Whether the virtual-memory API (expandable segments) is offered.
     pub virtual_memory: bool,
     /// Granularity of physical pages and mappings.
     pub page_granularity: u64,
-    /// Cost of creating a physical page, in nanoseconds.
-    pub create_page_ns: u64,
-    /// Cost of mapping a page and setting its access, in nanoseconds.
-    pub map_ns: u64,
-    /// Cost of unmapping a page and releasing it, in nanoseconds.
-    pub unmap_ns: u64,
     /// Whether the device names the streams whose work completed
     /// ([`Device::take_completed_streams`]); off, it answers as a real GPU does ("any").
     pub names_completed_streams: bool,
 }
 
 impl Default for SimConfig {
-    /// An 80 GiB GPU, with call costs measured on real hardware (see the performance notes:
-    /// cudaMalloc ≈ 2.4 µs, cudaFree ≈ 2 µs plus a synchronisation, event calls ≈ 0.5 µs,
-    /// cudaMemGetInfo ≈ 10 µs).
+    /// An 80 GiB GPU, its calls priced by [`DriverCosts::default`] (an H200's, measured).
     fn default() -> Self {
         SimConfig {
             index: 0,
@@ -94,18 +81,9 @@ impl Default for SimConfig {
             base_address: 0x7f00_0000_0000,
             address_space: 1 << 44,
             start_time_us: 1_700_000_000_000_000,
-            malloc_ns: 2_400,
-            free_ns: 2_000,
-            synchronize_ns: 10_000,
-            event_ns: 500,
-            mem_get_info_ns: 10_000,
+            costs: Arc::new(DriverCosts::default()),
             virtual_memory: true,
             page_granularity: 2 << 20,
-            // No vetted per-call figures exist for the VMM calls (see the performance notes);
-            // these are in the range public projects report for a 2 MiB page.
-            create_page_ns: 20_000,
-            map_ns: 20_000,
-            unmap_ns: 20_000,
             names_completed_streams: true,
         }
     }
@@ -132,6 +110,12 @@ pub struct SimStats {
     pub maps: u64,
     /// Pages unmapped.
     pub unmaps: u64,
+    /// Physical pages released.
+    pub releases: u64,
+    /// Address ranges reserved or freed.
+    pub address_calls: u64,
+    /// Synchronisations asked for: of the device, a stream or an event.
+    pub synchronize_calls: u64,
     /// `free` calls.
     pub free_calls: u64,
     /// Events created.
@@ -148,6 +132,24 @@ pub struct SimStats {
     pub used_bytes: u64,
     /// Most bytes this process has held at once.
     pub peak_used_bytes: u64,
+}
+
+impl SimStats {
+    /// The calls the driver received to obtain, map or give back memory, one per CUDA call:
+    /// `cudaMalloc`, `cudaFree`, `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` (two per
+    /// map), `cuMemUnmap`, `cuMemRelease`, address reservations and their frees, and the
+    /// synchronisations asked for. Event calls are left out: the caching allocator and a
+    /// plan alike make them per free on another stream.
+    pub fn driver_calls(&self) -> u64 {
+        self.malloc_calls
+            + self.free_calls
+            + self.page_creates
+            + 2 * self.maps
+            + self.unmaps
+            + self.releases
+            + self.address_calls
+            + self.synchronize_calls
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -195,8 +197,9 @@ pub struct SimDevice {
     allocation_calls: u64,
     /// Address reservations: start → size.
     reservations: BTreeMap<u64, u64>,
-    /// Physical pages: handle → (size, the addresses it is mapped at).
-    pages: FxHashMap<PhysicalHandle, (u64, u32)>,
+    /// Physical pages: handle → (size, the addresses it is mapped at, whether it was ever
+    /// mapped: its first map is priced with its creation).
+    pages: FxHashMap<PhysicalHandle, (u64, u32, bool)>,
     next_page: u64,
     /// Mappings: start → (size, handle).
     mappings: BTreeMap<u64, (u64, PhysicalHandle)>,
@@ -415,16 +418,22 @@ impl SimDevice {
         }
     }
 
-    fn charge(&mut self, ns: u64) {
-        self.stats.driver_time_ns += ns;
+    /// Charges the clock one `call` of `size` bytes.
+    fn charge(&mut self, call: Call, size: u64) {
+        let ns = self.config.costs.ns(call, size);
+        self.stats.driver_time_ns = self.stats.driver_time_ns.saturating_add(ns);
     }
 
-    /// Charges the device-wide synchronisation that `cudaMalloc`/`cudaFree` imply. Queued work
-    /// is not completed by it: when work completes stays the caller's decision, so that tests
-    /// and replays control exactly when deferred frees become reusable.
-    fn charge_implied_synchronize(&mut self) {
+    /// Charges `call` and the device-wide synchronisation it implies (`cudaMalloc`,
+    /// `cudaFree`), unless the table's figure for it includes it. Queued work is not
+    /// completed by it: when work completes stays the caller's decision, so that tests and
+    /// replays control exactly when deferred frees become reusable.
+    fn charge_synchronizing(&mut self, call: Call, size: u64) {
         self.stats.synchronizations += 1;
-        self.charge(self.config.synchronize_ns);
+        self.charge(call, size);
+        if !self.config.costs.includes_synchronize(call) {
+            self.charge(Call::Synchronize, 0);
+        }
     }
 
     /// Bytes this process may still obtain: the smaller of what the device has left and what
@@ -517,8 +526,7 @@ impl Device for SimDevice {
 
     fn malloc(&mut self, size: u64) -> Result<DevicePtr, DeviceError> {
         self.stats.malloc_calls += 1;
-        self.charge(self.config.malloc_ns);
-        self.charge_implied_synchronize();
+        self.charge_synchronizing(Call::Malloc, size);
         self.admit_allocation(size)?;
         // cudaMalloc's addresses are at least 512-byte aligned (gpumem's block granularity).
         let addr = self
@@ -531,19 +539,17 @@ impl Device for SimDevice {
 
     fn free(&mut self, ptr: DevicePtr) -> Result<(), DeviceError> {
         self.stats.free_calls += 1;
-        self.charge(self.config.free_ns);
-        self.charge_implied_synchronize();
-        let size = self
-            .segments
-            .remove(&ptr.0)
-            .ok_or_else(|| DeviceError::InvalidArgument(format!("free of unknown {ptr:?}")))?;
+        let size = self.segments.remove(&ptr.0);
+        self.charge_synchronizing(Call::Free, size.unwrap_or(0));
+        let size =
+            size.ok_or_else(|| DeviceError::InvalidArgument(format!("free of unknown {ptr:?}")))?;
         self.stats.used_bytes -= size;
         self.return_address_range(ptr.0, size);
         Ok(())
     }
 
     fn mem_get_info(&mut self) -> Result<MemInfo, DeviceError> {
-        self.charge(self.config.mem_get_info_ns);
+        self.charge(Call::MemGetInfo, 0);
         let used = self.config.other_process_bytes + self.stats.used_bytes;
         Ok(MemInfo {
             free: self.config.capacity.saturating_sub(used),
@@ -553,7 +559,7 @@ impl Device for SimDevice {
 
     fn create_event(&mut self) -> Result<EventId, DeviceError> {
         self.stats.events_created += 1;
-        self.charge(self.config.event_ns);
+        self.charge(Call::Event, 0);
         let id = EventId(self.next_event);
         self.next_event += 1;
         self.events.insert(id, SimEvent { recorded: None });
@@ -561,7 +567,7 @@ impl Device for SimDevice {
     }
 
     fn record_event(&mut self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
-        self.charge(self.config.event_ns);
+        self.charge(Call::Event, 0);
         let s = self.streams.entry(stream).or_default();
         s.submitted += 1;
         let mark = s.submitted;
@@ -571,13 +577,14 @@ impl Device for SimDevice {
 
     fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError> {
         self.stats.event_queries += 1;
-        self.charge(self.config.event_ns);
+        self.charge(Call::Event, 0);
         let e = *self.event_mut(event)?;
         Ok(self.is_recorded_complete(&e))
     }
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
-        self.charge(self.config.event_ns);
+        self.stats.synchronize_calls += 1;
+        self.charge(Call::Event, 0);
         if let Some((stream, mark)) = self.event_mut(event)?.recorded {
             // Waiting for the event means the stream's work up to it has run.
             self.complete_stream_to(stream, mark);
@@ -593,13 +600,16 @@ impl Device for SimDevice {
     }
 
     fn synchronize(&mut self) -> Result<(), DeviceError> {
-        self.charge_implied_synchronize();
+        self.stats.synchronizations += 1;
+        self.stats.synchronize_calls += 1;
+        self.charge(Call::Synchronize, 0);
         self.complete_all_streams();
         Ok(())
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
-        self.charge(self.config.synchronize_ns);
+        self.stats.synchronize_calls += 1;
+        self.charge(Call::Synchronize, 0);
         self.complete_stream(stream);
         Ok(())
     }
@@ -618,7 +628,12 @@ impl Device for SimDevice {
     }
 
     fn skip_event_queries(&mut self, n: usize) {
-        self.charge(self.config.event_ns.saturating_mul(n as u64));
+        let ns = self
+            .config
+            .costs
+            .ns(Call::Event, 0)
+            .saturating_mul(n as u64);
+        self.stats.driver_time_ns = self.stats.driver_time_ns.saturating_add(ns);
     }
 
     fn supports_virtual_memory(&self) -> bool {
@@ -639,6 +654,7 @@ impl Device for SimDevice {
                 "reservation of {size} bytes is not a multiple of the {granularity}-byte granularity"
             )));
         }
+        self.stats.address_calls += 1;
         let addr = self
             .take_address_range(size, granularity)
             .ok_or(DeviceError::OutOfMemory)?;
@@ -647,6 +663,7 @@ impl Device for SimDevice {
     }
 
     fn free_address_range(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
+        self.stats.address_calls += 1;
         if self.reservations.get(&ptr.0) != Some(&size) {
             return Err(DeviceError::InvalidArgument(format!(
                 "no reservation of {size} bytes at {ptr:?}"
@@ -665,7 +682,7 @@ impl Device for SimDevice {
     fn create_physical_page(&mut self, size: u64) -> Result<PhysicalHandle, DeviceError> {
         let granularity = self.page_granularity()?;
         self.stats.page_creates += 1;
-        self.charge(self.config.create_page_ns);
+        self.charge(Call::PageIn, size);
         if !size.is_multiple_of(granularity) {
             return Err(DeviceError::InvalidArgument(format!(
                 "page of {size} bytes is not a multiple of the {granularity}-byte granularity"
@@ -674,19 +691,21 @@ impl Device for SimDevice {
         self.admit_allocation(size)?;
         let handle = PhysicalHandle(self.next_page);
         self.next_page += 1;
-        self.pages.insert(handle, (size, 0));
+        self.pages.insert(handle, (size, 0, false));
         self.use_bytes(size);
         Ok(handle)
     }
 
     fn release_physical_page(&mut self, handle: PhysicalHandle) -> Result<(), DeviceError> {
+        self.stats.releases += 1;
         match self.pages.get(&handle) {
-            Some(&(size, 0)) => {
+            Some(&(size, 0, _)) => {
+                self.charge(Call::Release, size);
                 self.pages.remove(&handle);
                 self.stats.used_bytes -= size;
                 Ok(())
             }
-            Some(&(_, at)) => Err(DeviceError::InvalidArgument(format!(
+            Some(&(_, at, _)) => Err(DeviceError::InvalidArgument(format!(
                 "page {} is still mapped at {at} addresses",
                 handle.0
             ))),
@@ -704,8 +723,7 @@ impl Device for SimDevice {
         handle: PhysicalHandle,
     ) -> Result<(), DeviceError> {
         self.stats.maps += 1;
-        self.charge(self.config.map_ns);
-        let Some(&(page_size, mappings)) = self.pages.get(&handle) else {
+        let Some(&(page_size, mappings, mapped_before)) = self.pages.get(&handle) else {
             return Err(DeviceError::InvalidArgument(format!(
                 "unknown page {}",
                 handle.0
@@ -732,14 +750,17 @@ impl Device for SimDevice {
                 "{ptr:?} is already mapped"
             )));
         }
+        if mapped_before {
+            self.charge(Call::Remap, size);
+        }
         self.mappings.insert(ptr.0, (size, handle));
-        self.pages.insert(handle, (size, mappings + 1));
+        self.pages.insert(handle, (size, mappings + 1, true));
         Ok(())
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), DeviceError> {
         self.stats.unmaps += 1;
-        self.charge(self.config.unmap_ns);
+        self.charge(Call::Unmap, size);
         match self.mappings.get(&ptr.0) {
             Some(&(len, handle)) if len == size => {
                 self.mappings.remove(&ptr.0);
@@ -764,7 +785,7 @@ impl Device for SimDevice {
         fn tree<T>(len: usize) -> usize {
             len * 2 * size_of::<T>()
         }
-        table::<(PhysicalHandle, (u64, u32))>(self.pages.capacity())
+        table::<(PhysicalHandle, (u64, u32, bool))>(self.pages.capacity())
             + tree::<(u64, (u64, PhysicalHandle))>(self.mappings.len())
             + tree::<(u64, u64)>(self.reservations.len() + self.free_ranges.len())
             + table::<(u64, u64)>(self.segments.capacity())
@@ -939,5 +960,65 @@ mod tests {
             d.stats().driver_time_ns > before,
             "driver calls advance the clock"
         );
+    }
+
+    #[test]
+    fn the_clock_charges_each_call_from_the_table_and_counts_calls_as_cuda_gets_them() {
+        let mut costs = DriverCosts::public();
+        let mut price = |call, points: Vec<(u64, u64)>, includes_synchronize| {
+            costs.calls.insert(
+                call,
+                crate::device::CallCost {
+                    points,
+                    includes_synchronize,
+                    source: crate::device::Source::Public("test".into()),
+                },
+            );
+        };
+        price(
+            Call::Malloc,
+            vec![(2 << 20, 1_000), (4 << 20, 3_000)],
+            false,
+        );
+        price(Call::Free, vec![(0, 500)], true);
+        price(Call::Synchronize, vec![(0, 7)], false);
+        price(Call::PageIn, vec![(2 << 20, 100), (4 << 20, 300)], false);
+        price(Call::Remap, vec![(0, 40)], false);
+        price(Call::Unmap, vec![(0, 20)], false);
+        price(Call::Release, vec![(0, 10)], false);
+        let mut d = SimDevice::new(SimConfig {
+            costs: Arc::new(costs),
+            ..SimConfig::with_capacity(1 << 30)
+        });
+        let clock = |d: &SimDevice| d.stats().driver_time_ns;
+        let p = d.malloc(3 << 20).expect("fits");
+        assert_eq!(
+            clock(&d),
+            2_000 + 7,
+            "by size, and the implied synchronisation"
+        );
+        d.free(p).expect("live");
+        assert_eq!(clock(&d), 2_007 + 500, "a figure that includes it");
+        let va = d.reserve_address_range(8 << 20).expect("reserve");
+        let h = d.create_physical_page(4 << 20).expect("page");
+        d.map(va, 4 << 20, h).expect("map");
+        assert_eq!(
+            clock(&d),
+            2_507 + 300,
+            "a page in: created, mapped, accessed"
+        );
+        d.map(DevicePtr(va.0 + (4 << 20)), 4 << 20, h)
+            .expect("a second mapping");
+        assert_eq!(clock(&d), 2_807 + 40, "a handle mapped again");
+        d.unmap(va, 4 << 20).expect("mapped");
+        d.unmap(DevicePtr(va.0 + (4 << 20)), 4 << 20)
+            .expect("mapped");
+        d.release_physical_page(h).expect("unmapped");
+        d.free_address_range(va, 8 << 20).expect("reserved");
+        d.synchronize_stream(StreamId(3)).expect("sync");
+        assert_eq!(clock(&d), 2_847 + 2 * 20 + 10 + 7);
+        // malloc, free; reserve, create, map+access twice, unmap twice, release, free the
+        // range; the stream synchronisation.
+        assert_eq!(d.stats().driver_calls(), 2 + 1 + 1 + 4 + 2 + 1 + 1 + 1);
     }
 }

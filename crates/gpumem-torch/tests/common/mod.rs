@@ -25,17 +25,19 @@ pub fn peaks() -> (i64, i64) {
     )
 }
 
-/// The job that planned itself reserves at most a page (one stream) more than the offline
-/// plan, which reserves less than the caching allocator.
+/// The job that planned itself reserves no more than the caching allocator, and at most 3 %
+/// (and a page, for one stream) more than the offline plan (issue 57's limits).
 pub fn assert_reaches(own: (i64, i64), offline: (i64, i64), caching: (i64, i64)) {
     assert!(
-        own.1 <= offline.1 + PLAN_PAGE as i64,
-        "self-planned {} bytes, offline {} (one stream: one page allowed)",
+        own.1 <= caching.1,
+        "self-planned {} bytes, the caching allocator {}",
         own.1,
-        offline.1
+        caching.1
     );
     assert!(
-        offline.1 < caching.1,
-        "the plan holds less than the caching allocator"
+        own.1 as f64 <= offline.1 as f64 * 1.03 + PLAN_PAGE as f64,
+        "self-planned {} bytes, offline {}",
+        own.1,
+        offline.1
     );
 }

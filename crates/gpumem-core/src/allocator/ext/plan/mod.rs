@@ -34,7 +34,10 @@
 //! Reuse of a range stays on one stream (each stream has its own region), which keeps the
 //! stream-ordered reuse of Note [Stream-ordered reuse].
 //!
-//! **Paged** (a device with virtual memory): a region or chunk is a reservation of address
+//! **Whole** ([`PlanMode::Whole`], the default): a region or chunk is one segment of the
+//! driver's, obtained at its first hit, so a steady iteration costs no driver call.
+//!
+//! **Paged** ([`PlanMode::Paged`], on a device with virtual memory): a region or chunk is a reservation of address
 //! space, an expandable segment of the plan's own ([`PLAN_PAGE`] pages), whose pages are
 //! mapped when a planned allocation first uses them; what the job holds is what it uses,
 //! rounded to pages. A chunk spans 9/8 of the device (address space is not memory) and grows
@@ -98,7 +101,7 @@ use crate::allocator::block::{Block, BlockId};
 
 mod paging;
 use crate::allocator::pool_id::{PoolRef, PoolSlot};
-use crate::allocator::size::{MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
+use crate::allocator::size::{self, MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use crate::allocator::{AllocError, CachingAllocator, TraceAction};
 use paging::{HeldPages, last_uses};
 pub use paging::{PLAN_PAGE, PlanPaging};
@@ -129,6 +132,22 @@ pub struct Plan {
     pub regions: Vec<PlanRegion>,
     /// The iteration's allocations in order.
     pub entries: Vec<PlanEntry>,
+    /// How its regions and chunks hold memory.
+    pub mode: PlanMode,
+}
+
+/// How a plan's regions and chunks hold memory: the trade between driver work and memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlanMode {
+    /// Time first: each region or chunk is one segment, obtained whole at its first hit and
+    /// kept until a cache flush, so a steady iteration makes no driver call after the first
+    /// (the driver work of the caching allocator's segments, no more).
+    #[default]
+    Whole,
+    /// Memory first: regions and chunks are address space whose pages are mapped at first
+    /// use and lent between them (Note [Planned placement]); a page costs driver calls of
+    /// its own. Whole on a device without virtual memory.
+    Paged,
 }
 
 /// A stream's region.
@@ -251,7 +270,8 @@ pub struct PlanStatus {
     pub pinned_bytes: u64,
     /// Whether requests are matched from the cursor (else: waiting for the first entry).
     pub following: bool,
-    /// Whether regions and chunks are paged (the device offers virtual memory).
+    /// Whether regions and chunks are paged (the plan asks for it and the device offers
+    /// virtual memory).
     pub paged: bool,
     /// What paging did so far.
     pub paging: PlanPaging,
@@ -286,6 +306,9 @@ pub(in crate::allocator) struct Following {
     elsewhere: u64,
     /// Regions and chunks reserve address space and map pages on use.
     paged: bool,
+    /// The segment counter when the plan was set: segments below it are the caching
+    /// allocator's from before (whole plans put persistent entries in their free parts).
+    counter_at_start: u32,
     paging: PlanPaging,
 }
 
@@ -401,7 +424,7 @@ impl Following {
             + (blocks + pages) * 2 * size_of::<(u64, BlockId)>()
     }
 
-    fn new(plan: Arc<Plan>, paged: bool) -> Following {
+    fn new(plan: Arc<Plan>, paged: bool, counter_at_start: u32) -> Following {
         let regions: Vec<(StreamId, u64, Option<u64>)> = plan
             .regions
             .iter()
@@ -456,6 +479,7 @@ impl Following {
             misses_in_row: 0,
             elsewhere: 0,
             paged,
+            counter_at_start,
             paging: PlanPaging::default(),
         }
     }
@@ -541,12 +565,13 @@ impl<D: Device> CachingAllocator<D> {
     pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), AllocError> {
         plan.validate()?;
         self.give_back_all_plan_memory()?;
-        let paged = self.device.supports_virtual_memory()
+        let paged = plan.mode == PlanMode::Paged
+            && self.device.supports_virtual_memory()
             && self
                 .device
                 .page_granularity()
                 .is_ok_and(|g| PLAN_PAGE.is_multiple_of(g));
-        self.planned = Some(Box::new(Following::new(plan, paged)));
+        self.planned = Some(Box::new(Following::new(plan, paged, self.next_counter)));
         self.checked("set_plan", Ok(()))
     }
 
@@ -726,6 +751,10 @@ impl<D: Device> CachingAllocator<D> {
             self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
             return Ok(Some(ptr));
         }
+        if let Some(id) = self.cached_from_before(stream, size)? {
+            self.planned_mut()?.paging.from_cache += 1;
+            return Ok(Some(self.serve_found_block(id, size, requested)));
+        }
         let mut bytes = bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE);
         if self.following()?.paged {
             // Address space is not memory: a paged chunk spans 9/8 of the device, as an
@@ -739,6 +768,42 @@ impl<D: Device> CachingAllocator<D> {
         };
         self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
         self.carve(base, base, size, requested)
+    }
+
+    /// Whole plans, before a new chunk: the best-fitting block the caching allocator cached
+    /// in a whole segment it obtained before the plan was set, taken out of its pool. A job
+    /// that planned itself keeps those segments (they hold its weights too): their free
+    /// parts take its kept memory instead of new chunks beside them.
+    fn cached_from_before(
+        &mut self,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let planned = self.following()?;
+        if planned.paged || !self.expandable_segments.is_empty() {
+            return Ok(None);
+        }
+        let before = planned.counter_at_start;
+        let pool = PoolRef {
+            owner: PoolSlot::DEFAULT,
+            kind: PoolKind::for_size(size),
+        };
+        let Some(entry) = self.pool(pool).free.lower_bound(stream, size) else {
+            return Ok(None);
+        };
+        let fits = size::fits(
+            entry.size,
+            size,
+            self.config.max_split_size,
+            self.config.max_non_split_rounding_size,
+        );
+        if !fits || self.block(entry.id).counter >= before {
+            return Ok(None);
+        }
+        self.pool_mut(pool)
+            .free
+            .remove(stream, entry.size, entry.tie);
+        Ok(Some(entry.id))
     }
 
     /// Obtains a region or chunk of `bytes` from the driver: one free block of a large-pool
@@ -1085,9 +1150,10 @@ mod tests {
                 bytes: 4096,
             }],
             entries,
+            mode: PlanMode::Whole,
         };
         plan.validate().expect("a valid plan");
-        Following::new(Arc::new(plan), false)
+        Following::new(Arc::new(plan), false, 0)
     }
 
     /// Requests in turn, each with what the plan says and whether it begins an iteration.

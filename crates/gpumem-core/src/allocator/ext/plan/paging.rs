@@ -41,6 +41,9 @@ pub struct PlanPaging {
     /// Times the caching allocator's idle memory was given back after an iteration the
     /// plan served alone.
     pub cache_releases: u64,
+    /// Whole plans: persistent entries served from a block the caching allocator had
+    /// cached, before a new chunk.
+    pub from_cache: u64,
     /// Map operations: one per range of pages mapped at once into a region or chunk.
     pub maps: u64,
     /// Pages mapped, lent ones included.
