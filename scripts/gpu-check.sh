@@ -9,9 +9,15 @@
 #   1. "== build": the library, the agent and libgpumem_torch.so built with the `cuda` feature.
 #   2. "== core on the GPU": the GPU tests of tests/it/gpu.rs, which the normal test command
 #      skips: the specification's scenarios on real cudaMalloc, a free deferred behind real work
-#      on a second stream, expandable segments mapping real pages, and a line
+#      on a second stream, expandable segments mapping real pages, and this GPU's driver-cost
+#      table (issue 57): every call the simulated clock prices, measured at 2 MiB, 20 MiB and
+#      1 GiB where it has a size, printed and written to target/gpu-costs.json (the
+#      `gpumem-costs` format `--costs` reads; docs/planning.md), then a line
 #      "GPU timings: cudaMalloc(2 MiB) …, cudaFree …, create+map+set access of a 20 MiB page …,
 #      cache hit (malloc+free of 4 MiB) …".
+#      "== plans priced by this GPU": `gpumem plan --compare --costs target/gpu-costs.json` on
+#      the bundled cs336_lm_compiled_train: driver calls and time of the recorded
+#      configuration, of whole and of paged plans, under the measured table.
 #   3. "== agent": `gpumem serve` for two seconds: gpumem_source_up{source="nvml"} must be 1,
 #      and the NVML device totals are printed.
 #   4. "== installing gpumem_push and gpumem_torch into a virtual environment" (only where
@@ -64,7 +70,13 @@ fi
 bin="$(cd "$bin" && pwd)"
 
 step "core on the GPU"
+export GPUMEM_COSTS_OUT="$PWD/target/gpu-costs.json"
+mkdir -p target
 "$bin/it" gpu --ignored --nocapture --test-threads 1
+
+step "plans priced by this GPU"
+"$bin/gpumem" plan data/traces/cs336_lm_compiled_train.noframes.json.gz --compare \
+    --costs "$GPUMEM_COSTS_OUT"
 
 step "agent"
 "$bin/gpumem" serve --listen 127.0.0.1:19417 --interval 0.5 --push-socket "" 2>/dev/null &

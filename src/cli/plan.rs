@@ -145,7 +145,11 @@ pub(crate) fn run(args: Args) -> CliResult {
             Ok(Row::of(conf, &r))
         };
         rows.push(replay_row("expandable_segments:True")?);
-        if let Some(best) = candidates.first() {
+        // (Its best may be the row above.)
+        if let Some(best) = candidates
+            .first()
+            .filter(|b| b.config != "expandable_segments:True")
+        {
             rows.push(replay_row(&best.config)?);
         }
         // The plan in the other mode, on the same events.

@@ -66,6 +66,7 @@ impl Comparison {
                     "plan_hits": r.plan_hits,
                     "plan_misses": r.plan_misses,
                     "driver_time_ns": r.driver_time_ns,
+                    "driver_calls": r.driver_calls,
                     "capacity": r.capacity,
                     "capacity_inferred": r.capacity_inferred,
                     "notes": r.notes,
@@ -144,7 +145,7 @@ impl Comparison {
         }
         writeln!(
             out,
-            "{:<40} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>5} {:>11}",
+            "{:<40} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>5} {:>12} {:>11} {:>8}",
             "config",
             "peak alloc",
             "peak resv",
@@ -153,12 +154,14 @@ impl Comparison {
             "dev free",
             "retries",
             "OOMs",
-            "driver ms"
+            "driver calls",
+            "driver ms",
+            "× first"
         )?;
         for Row { report: r, .. } in &self.rows {
             writeln!(
                 out,
-                "{:<40} {:>12} {:>12} {:>6.3} {:>8} {:>8} {:>8} {:>5} {:>11.3}",
+                "{:<40} {:>12} {:>12} {:>6.3} {:>8} {:>8} {:>8} {:>5} {:>12} {:>11.3} {:>7.2}×",
                 truncate(&r.config, 40),
                 format_size(r.peak_allocated),
                 format_size(r.peak_reserved),
@@ -167,7 +170,9 @@ impl Comparison {
                 r.device_frees,
                 r.alloc_retries,
                 r.ooms,
-                r.driver_time_ns as f64 / 1e6
+                r.driver_calls,
+                r.driver_time_ns as f64 / 1e6,
+                r.driver_time_ns as f64 / first.driver_time_ns.max(1) as f64
             )?;
         }
         let planned = self.rows.iter().map(|r| &r.report);

@@ -114,45 +114,129 @@ fn expandable_segments_map_real_pages() {
     assert_eq!(a.memory_stats()["reserved_bytes.all.current"], 0);
 }
 
+/// The sizes the cost table is measured at, with the calls made at each.
+const MEASURED_SIZES: [(u64, u32); 3] = [(2 * MIB, 50), (20 * MIB, 20), (1 << 30, 4)];
+
+/// Nanoseconds per call of `n` calls that took `elapsed`.
+fn per_call(elapsed: std::time::Duration, n: u32) -> u64 {
+    (elapsed.as_nanos() / u128::from(n.max(1))) as u64
+}
+
+/// Measures the driver-cost table of this GPU (`gpumem-costs`, what `--costs` reads): each
+/// call at 2 MiB, 20 MiB and 1 GiB where it has a size, on an idle device (so cudaMalloc's
+/// and cudaFree's figures include the synchronisation they imply), and writes it to
+/// `$GPUMEM_COSTS_OUT` (default `target/gpu-costs.json`).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run scripts/gpu-check.sh"]
 fn timings() {
+    use gpumem::device::{Call, CallCost, DriverCosts, Source};
     let mut device = CudaDevice::new(0).expect("a CUDA device");
-    let n = 50u32;
-    let started = Instant::now();
-    let ptrs: Vec<_> = (0..n)
-        .map(|_| device.malloc(2 * MIB).expect("fits"))
-        .collect();
-    let malloc = started.elapsed() / n;
-    let started = Instant::now();
-    for p in ptrs {
-        device.free(p).expect("live");
-    }
-    let free = started.elapsed() / n;
-    let mut map = None;
-    if device.supports_virtual_memory() {
-        let page = 20 * MIB;
-        let va = device.reserve_address_range(page * 20).expect("reserve");
+    let gpu = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "an NVIDIA GPU".into());
+    let source = Source::Measured(format!(
+        "{gpu}, scripts/gpu-check.sh (tests/it/gpu.rs timings)"
+    ));
+    let mut points: std::collections::BTreeMap<Call, Vec<(u64, u64)>> = Default::default();
+    let mut add = |call: Call, size: u64, ns: u64| points.entry(call).or_default().push((size, ns));
+    for (size, n) in MEASURED_SIZES {
+        device.synchronize().expect("idle");
         let started = Instant::now();
-        let mut pages = Vec::new();
-        for i in 0..20 {
-            let h = device.create_physical_page(page).expect("page");
-            device
-                .map(gpumem::DevicePtr(va.0 + i * page), page, h)
-                .expect("map");
-            pages.push(h);
+        let ptrs: Vec<_> = (0..n).map(|_| device.malloc(size).expect("fits")).collect();
+        add(Call::Malloc, size, per_call(started.elapsed(), n));
+        let started = Instant::now();
+        for p in ptrs {
+            device.free(p).expect("live");
         }
-        map = Some(started.elapsed() / 20);
-        for (i, h) in pages.into_iter().enumerate() {
-            device
-                .unmap(gpumem::DevicePtr(va.0 + i as u64 * page), page)
-                .expect("unmap");
+        add(Call::Free, size, per_call(started.elapsed(), n));
+        if !device.supports_virtual_memory() {
+            continue;
+        }
+        // Pages in at one address range, mapped again at a second, then out.
+        let va = device
+            .reserve_address_range(size * u64::from(n))
+            .expect("reserve");
+        let again = device
+            .reserve_address_range(size * u64::from(n))
+            .expect("reserve");
+        let at = |base: gpumem::DevicePtr, i: u32| gpumem::DevicePtr(base.0 + u64::from(i) * size);
+        let started = Instant::now();
+        let pages: Vec<_> = (0..n)
+            .map(|i| {
+                let h = device.create_physical_page(size).expect("page");
+                device.map(at(va, i), size, h).expect("map");
+                h
+            })
+            .collect();
+        add(Call::PageIn, size, per_call(started.elapsed(), n));
+        let started = Instant::now();
+        for (i, &h) in (0..n).zip(&pages) {
+            device.map(at(again, i), size, h).expect("map again");
+        }
+        add(Call::Remap, size, per_call(started.elapsed(), n));
+        let started = Instant::now();
+        for i in 0..n {
+            device.unmap(at(again, i), size).expect("unmap");
+            device.unmap(at(va, i), size).expect("unmap");
+        }
+        add(Call::Unmap, size, per_call(started.elapsed(), 2 * n));
+        let started = Instant::now();
+        for h in pages {
             device.release_physical_page(h).expect("release");
         }
+        add(Call::Release, size, per_call(started.elapsed(), n));
         device
-            .free_address_range(va, page * 20)
+            .free_address_range(va, size * u64::from(n))
+            .expect("free range");
+        device
+            .free_address_range(again, size * u64::from(n))
             .expect("free range");
     }
+    let n = 1000u32;
+    let started = Instant::now();
+    for _ in 0..n {
+        device.synchronize().expect("sync");
+    }
+    add(Call::Synchronize, 0, per_call(started.elapsed(), n));
+    let event = device.create_event().expect("event");
+    let started = Instant::now();
+    for _ in 0..n {
+        device
+            .record_event(event, StreamId::DEFAULT)
+            .expect("record");
+        device.query_event(event).expect("query");
+    }
+    add(Call::Event, 0, per_call(started.elapsed(), 2 * n));
+    device.destroy_event(event).expect("destroy");
+    let started = Instant::now();
+    for _ in 0..n {
+        device.mem_get_info().expect("info");
+    }
+    add(Call::MemGetInfo, 0, per_call(started.elapsed(), n));
+    // Calls this device could not measure (no virtual memory) keep the public figures.
+    let mut costs = DriverCosts::public();
+    costs.gpu = gpu;
+    for (call, points) in points {
+        costs.calls.insert(
+            call,
+            CallCost {
+                points,
+                includes_synchronize: matches!(call, Call::Malloc | Call::Free),
+                source: source.clone(),
+            },
+        );
+    }
+    costs.validate().expect("a valid table");
+    let out = std::env::var("GPUMEM_COSTS_OUT").unwrap_or_else(|_| "target/gpu-costs.json".into());
+    let text = gpumem::replay::costs::costs_json(&costs);
+    std::fs::write(&out, format!("{text}\n")).expect("written");
+    println!("GPU driver costs ({out}):\n{text}");
+    let ns = |call, size| costs.ns(call, size) as f64 / 1e3;
     let mut a = CachingAllocator::new(device, AllocatorConfig::default());
     let warm = a.malloc(4 * MIB, StreamId::DEFAULT).expect("fits");
     a.free(warm).expect("live");
@@ -164,7 +248,9 @@ fn timings() {
     }
     let hit = started.elapsed() / iterations;
     println!(
-        "GPU timings: cudaMalloc(2 MiB) {malloc:?}, cudaFree {free:?}, create+map+set access of a 20 MiB page {}, cache hit (malloc+free of 4 MiB) {hit:?}",
-        map.map_or("n/a (no VMM)".to_string(), |d| format!("{d:?}"))
+        "GPU timings: cudaMalloc(2 MiB) {:.1} µs, cudaFree {:.1} µs, create+map+set access of a 20 MiB page {:.1} µs, cache hit (malloc+free of 4 MiB) {hit:?}",
+        ns(Call::Malloc, 2 * MIB),
+        ns(Call::Free, 2 * MIB),
+        ns(Call::PageIn, 20 * MIB)
     );
 }

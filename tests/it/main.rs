@@ -19,6 +19,7 @@ mod lifecycle;
 mod node_view;
 mod oom_path;
 mod plan;
+mod plan_live;
 mod pod_network;
 mod private_pools;
 mod properties;

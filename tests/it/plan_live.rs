@@ -1,0 +1,340 @@
+//! Plans that hold in live jobs (issue 57). A live job's iterations are not the recorded
+//! ones: requests come out of their recorded order, sizes change within their rounded class
+//! and some across it, allocations are added and others missing, and the job runs one
+//! iteration more or fewer than recorded. The plan made from the recording still serves at
+//! least 95 % of the requests the recorded iterations also have, and the job holds no more
+//! than the caching allocator does on the same live requests.
+//!
+//! Not yet met (docs/planning.md): the tests are ignored until they pass.
+
+use std::sync::Arc;
+
+use gpumem::allocator::size::round_size;
+use gpumem::allocator::{Plan, TraceAction};
+use gpumem::device::{SimConfig, SimDevice, StreamId};
+use gpumem::plan::{PlanOptions, plan};
+use gpumem::recording::{Recording, read_recording};
+use gpumem::rng::XorShift;
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
+
+use crate::support::traces::shared_traces;
+
+/// A live request (`recorded`: the recording has it, perhaps resized) or a free, by id.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Alloc {
+        id: usize,
+        size: u64,
+        stream: StreamId,
+        recorded: bool,
+    },
+    Free {
+        id: usize,
+    },
+}
+
+/// Device 0's default-pool requests and frees, with the event each comes from.
+fn ops_of(recording: &Recording) -> Vec<(Op, usize)> {
+    let mut live = std::collections::HashMap::new();
+    let mut ops = Vec::new();
+    for (event, e) in recording.trace(0).iter().enumerate() {
+        if !e.pool.is_default() {
+            continue;
+        }
+        match e.action {
+            TraceAction::Alloc => {
+                let id = event;
+                live.insert(e.addr, id);
+                let (size, stream, recorded) = (e.size, e.stream, true);
+                ops.push((
+                    Op::Alloc {
+                        id,
+                        size,
+                        stream,
+                        recorded,
+                    },
+                    event,
+                ));
+            }
+            TraceAction::FreeRequested => {
+                if let Some(id) = live.remove(&e.addr) {
+                    ops.push((Op::Free { id }, event));
+                }
+            }
+            _ => {}
+        }
+    }
+    ops
+}
+
+/// Whether an op refers to `id`.
+fn refers(op: &Op, to: usize) -> bool {
+    match *op {
+        Op::Alloc { id, .. } | Op::Free { id } => id == to,
+    }
+}
+
+/// The live job: the recording's requests from op `from` on perturbed as the module
+/// documentation says (rates per request: 10 % reordered, 5 % resized across their class,
+/// half the rest within it, 5 % extra, 5 % missing).
+fn perturbed(ops: &[Op], from: usize, config: &AllocatorConfig, seed: u64) -> Vec<Op> {
+    let mut rng = XorShift::new(seed);
+    let mut chance = |percent: u64| rng.next_u64() % 100 < percent;
+    let mut out: Vec<Op> = ops[..from].to_vec();
+    let mut missing = std::collections::HashSet::new();
+    let mut extra_id = usize::MAX / 2;
+    // Extras waiting to be freed: (ops to go, id).
+    let mut pending: Vec<(u32, usize)> = Vec::new();
+    let mut sizes = XorShift::new(seed ^ 0x5eed);
+    for &op in &ops[from..] {
+        match op {
+            Op::Alloc { id, .. } if chance(5) => {
+                missing.insert(id);
+            }
+            Op::Alloc {
+                id,
+                size,
+                stream,
+                recorded,
+            } => {
+                let rounded = round_size(config, size);
+                let size = if chance(5) {
+                    // Across its class: a quarter larger or smaller, or so.
+                    let percent = if sizes.next_u64().is_multiple_of(2) {
+                        sizes.between(110, 140)
+                    } else {
+                        sizes.between(60, 90)
+                    };
+                    (size * percent / 100).max(1)
+                } else if chance(50) {
+                    let within = rounded.saturating_sub(sizes.next_u64() % 512).max(1);
+                    if round_size(config, within) == rounded {
+                        within
+                    } else {
+                        size
+                    }
+                } else {
+                    size
+                };
+                out.push(Op::Alloc {
+                    id,
+                    size,
+                    stream,
+                    recorded,
+                });
+                if chance(5) {
+                    extra_id += 1;
+                    out.push(Op::Alloc {
+                        id: extra_id,
+                        size: sizes.between(4 << 10, 4 << 20),
+                        stream,
+                        recorded: false,
+                    });
+                    pending.push((sizes.between(1, 8) as u32, extra_id));
+                }
+            }
+            Op::Free { id } if missing.contains(&id) => {}
+            Op::Free { .. } => out.push(op),
+        }
+        pending.retain_mut(|(left, id)| {
+            *left -= 1;
+            if *left == 0 {
+                out.push(Op::Free { id: *id });
+            }
+            *left > 0
+        });
+    }
+    out.extend(pending.into_iter().map(|(_, id)| Op::Free { id }));
+    // Out of order: a request swapped with the next one, where neither's free lies between.
+    let allocs: Vec<usize> = (from..out.len())
+        .filter(|&i| matches!(out[i], Op::Alloc { .. }))
+        .collect();
+    for pair in allocs.windows(2) {
+        let (i, k) = (pair[0], pair[1]);
+        let (Op::Alloc { id: a, .. }, Op::Alloc { id: b, .. }) = (out[i], out[k]) else {
+            continue;
+        };
+        if chance(10)
+            && !out[i + 1..k]
+                .iter()
+                .any(|op| refers(op, a) || refers(op, b))
+        {
+            out.swap(i, k);
+        }
+    }
+    out
+}
+
+/// Requests of the recording the plan decided in a live run (hits and misses), and the peak
+/// reserved from op `from` on.
+struct Outcome {
+    hits: u64,
+    decided: u64,
+    peak_reserved: i64,
+}
+
+fn run(ops: &[Op], from: usize, config: &AllocatorConfig, plan: Option<Arc<Plan>>) -> Outcome {
+    let device = SimDevice::new(SimConfig::with_capacity(80 << 30));
+    let mut a = CachingAllocator::new(device, config.clone());
+    if let Some(plan) = plan {
+        a.set_plan(plan).expect("valid");
+    }
+    let mut ptrs = std::collections::HashMap::new();
+    let (mut hits, mut decided) = (0, 0);
+    for (i, op) in ops.iter().enumerate() {
+        if i == from {
+            a.reset_peak_stats();
+        }
+        match *op {
+            Op::Alloc {
+                id,
+                size,
+                stream,
+                recorded,
+            } => {
+                let st = a.stats();
+                let before = (st.num_plan_hits.get(), st.num_plan_misses.get());
+                let p = a.malloc(size, stream).expect("fits");
+                ptrs.insert(id, p);
+                let st = a.stats();
+                let after = (st.num_plan_hits.get(), st.num_plan_misses.get());
+                if i >= from && recorded {
+                    hits += (after.0 - before.0) as u64;
+                    decided += (after.0 + after.1 - before.0 - before.1) as u64;
+                }
+            }
+            Op::Free { id } => {
+                if let Some(p) = ptrs.remove(&id) {
+                    a.free(DevicePtr(p.0)).expect("live");
+                }
+            }
+        }
+    }
+    a.check_invariants().expect("consistent");
+    Outcome {
+        hits,
+        decided,
+        peak_reserved: a.stats().reserved_bytes.all().peak,
+    }
+}
+
+/// The live job of `recording` in three lengths (as recorded, one iteration fewer, one
+/// more), each against the caching allocator.
+fn holds_live(name: &str, recording: &Recording) {
+    let config = AllocatorConfig::default();
+    let options = PlanOptions {
+        config: Some(config.clone()),
+        ..PlanOptions::default()
+    };
+    let planned = plan(recording, name, &options).expect("the recording repeats");
+    assert!(
+        planned.iterations >= 3,
+        "{name}: {} iterations",
+        planned.iterations
+    );
+    let shared = Arc::new(planned.plan.clone());
+    // The job starts at the planned iteration (a warm-up before it is another matter: its
+    // requests would take the plan's ranges for good).
+    let start = planned.events.start;
+    let recorded: Vec<(Op, usize)> = ops_of(recording)
+        .into_iter()
+        .filter(|&(_, event)| event >= start)
+        .collect();
+    let from = recorded
+        .iter()
+        .position(|&(_, event)| event >= planned.evaluated.start)
+        .expect("evaluated iterations");
+    // Where the last evaluated iteration begins, by its requests.
+    let allocs: Vec<usize> = (from..recorded.len())
+        .filter(|&i| matches!(recorded[i].0, Op::Alloc { .. }))
+        .collect();
+    let last = allocs[allocs.len().saturating_sub(planned.period)];
+    let ops: Vec<Op> = recorded.iter().map(|&(op, _)| op).collect();
+    let fewer = ops[..last].to_vec();
+    let mut more = ops.clone();
+    let offset = usize::MAX / 4;
+    let copied: std::collections::HashSet<usize> = ops[last..]
+        .iter()
+        .filter_map(|op| match *op {
+            Op::Alloc { id, .. } => Some(id),
+            Op::Free { .. } => None,
+        })
+        .collect();
+    more.extend(ops[last..].iter().filter_map(|op| match *op {
+        Op::Alloc {
+            id,
+            size,
+            stream,
+            recorded,
+        } => Some(Op::Alloc {
+            id: id + offset,
+            size,
+            stream,
+            recorded,
+        }),
+        Op::Free { id } if copied.contains(&id) => Some(Op::Free { id: id + offset }),
+        Op::Free { .. } => None,
+    }));
+    for (length, ops) in [
+        ("as recorded", ops),
+        ("one fewer", fewer),
+        ("one more", more),
+    ] {
+        for seed in 1..=3u64 {
+            let live = perturbed(&ops, from, &config, seed * 7919);
+            let planned = run(&live, from, &config, Some(shared.clone()));
+            let caching = run(&live, from, &config, None);
+            let served = planned.hits as f64 / planned.decided.max(1) as f64;
+            eprintln!(
+                "{name} {length} seed {seed}: {} of {} requests served by the plan ({:.1} %); peak reserved {} MiB against the caching allocator's {} MiB",
+                planned.hits,
+                planned.decided,
+                100.0 * served,
+                planned.peak_reserved >> 20,
+                caching.peak_reserved >> 20
+            );
+            assert!(planned.decided > 0, "{name}: the plan decided no request");
+            assert!(served >= 0.95, "{name} {length} seed {seed}: {served:.3}");
+            assert!(
+                planned.peak_reserved <= caching.peak_reserved,
+                "{name} {length} seed {seed}: {} bytes, the caching allocator {}",
+                planned.peak_reserved,
+                caching.peak_reserved
+            );
+        }
+    }
+}
+
+fn bundled(file: &str) -> Recording {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/traces")
+        .join(file);
+    read_recording(&path).expect("a bundled recording")
+}
+
+#[test]
+#[ignore = "issue 57, open: plans do not yet hold in perturbed live jobs (cs336_lm_compiled_train: 16.5 % served); run with --ignored"]
+fn plans_hold_in_live_jobs_on_bundled_recordings() {
+    for file in [
+        "cs336_lm_compiled_train.noframes.json.gz",
+        "cs336_lm_forward_bf16.noframes.json.gz",
+    ] {
+        holds_live(file, &bundled(file));
+    }
+}
+
+#[test]
+#[ignore = "issue 57, open: plans do not yet hold in perturbed live jobs (cnn_counterfactual_eor: 59 % served); run with --ignored"]
+fn plans_hold_in_live_jobs_on_shared_recordings() {
+    let Some(dir) = shared_traces("plans_hold_in_live_jobs_on_shared_recordings") else {
+        return;
+    };
+    for name in [
+        "cnn_counterfactual_eor.pickle",
+        "qwen3_gnn_3gpu_expandable_oom_complete.pickle",
+        "toy_transformer_train.pickle",
+    ] {
+        let recording = read_recording(&dir.join(name)).expect("reads");
+        holds_live(name, &recording);
+    }
+}
