@@ -362,6 +362,38 @@ fn a_plan_gives_back_the_cache_it_no_longer_needs_once() {
     assert_eq!(reserved(&alloc), (20 + 4) as i64 * MIB as i64);
 }
 
+/// A whole plan's entry whose range is taken (a live job does not quite repeat its recorded
+/// iteration) goes to the smallest free block of its region that holds it, not to the
+/// caching allocator; a region with no such block leaves it a miss.
+#[test]
+fn an_entry_whose_range_is_taken_stays_in_its_region() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": [{"size": MIB, "stream": 0, "offset": 0},
+                    {"size": MIB, "stream": 0, "offset": 0},
+                    {"size": 3 * MIB, "stream": 0, "offset": MIB}]}),
+    );
+    let s = StreamId(0);
+    let mut alloc = on_sim(true);
+    alloc.set_plan(plan).expect("valid");
+    let first = alloc.malloc(MIB, s).expect("fits");
+    // The second's range is the first's, still live: the rest of the region takes it.
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(second.0, first.0 + MIB, "the region's one free block");
+    // The third's range is now partly taken and no free block of the region holds it.
+    let third = alloc.malloc(3 * MIB, s).expect("fits");
+    assert!(
+        third.0 < first.0 || third.0 >= first.0 + 4 * MIB,
+        "{third:?}"
+    );
+    let st = alloc.stats();
+    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (2, 1));
+    let status = alloc.plan_status().expect("followed");
+    assert_eq!(status.paging.elsewhere_in_region, 1, "{status:?}");
+    alloc.check_invariants().expect("consistent");
+}
+
 /// A whole plan set while the caching allocator holds a segment with a free part (as when a
 /// job plans itself): its persistent entries take that part before a new chunk is obtained.
 /// A segment the caching allocator obtains after the plan was set is left to it.

@@ -17,8 +17,12 @@
 //!   the size of one iteration's persistent entries, a new one (or one wholly free again)
 //!   when the current is full. Either is a hit. An entry with neither goes to the caching
 //!   allocator.
+//! - Whole: a planned entry whose range is still taken goes to the smallest free block of
+//!   its region that holds it (a live job's requests are not quite the recorded ones; the
+//!   request stays in the plan's memory), a hit all the same.
 //! - A request that matches none of them, or a planned (not persistent) one whose range is
-//!   still taken or whose region cannot be obtained, or a persistent one for which no chunk
+//!   still taken (whole: and no free block of the region holds it) or whose region cannot be
+//!   obtained, or a persistent one for which no chunk
 //!   can be obtained, is a miss: the caching allocator serves it, from segments
 //!   outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
 //!   that matches its first entry, and follows again from there.
@@ -648,7 +652,12 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         let placed = match expect {
-            Expect::Placed { region, offset } => self.place(region, offset, rounded, requested)?,
+            Expect::Placed { region, offset } => {
+                match self.place(region, offset, rounded, requested)? {
+                    Some(ptr) => Some(ptr),
+                    None => self.place_elsewhere(region, rounded, requested)?,
+                }
+            }
             Expect::Persistent { tried, chunk } => {
                 if let Some((region, offset)) = tried
                     && let Some(ptr) = self.place(region, offset, rounded, requested)?
@@ -707,6 +716,38 @@ impl<D: Device> CachingAllocator<D> {
             }
         };
         self.carve(base, base + offset, size, requested)
+    }
+
+    /// Whole plans, an entry whose range is taken (a live job's requests are not quite the
+    /// recorded ones): the smallest free block of its region that holds it, at its start,
+    /// so that the request stays in the plan's memory; `Ok(None)` if none does.
+    fn place_elsewhere(
+        &mut self,
+        r: usize,
+        size: u64,
+        requested: u64,
+    ) -> Result<Option<DevicePtr>, AllocError> {
+        let planned = self.following()?;
+        let Some(base) = planned.regions.get(r).and_then(|region| region.2) else {
+            return Ok(None);
+        };
+        if planned.paged {
+            return Ok(None);
+        }
+        let fit = planned.held(base)?.free.values().filter_map(|id| {
+            let b = self.blocks.get(id.index())?;
+            (b.size >= size).then_some((b.size, b.ptr))
+        });
+        match fit.min() {
+            Some((_, ptr)) => {
+                let placed = self.carve(base, ptr, size, requested)?;
+                if placed.is_some() {
+                    self.planned_mut()?.paging.elsewhere_in_region += 1;
+                }
+                Ok(placed)
+            }
+            None => Ok(None),
+        }
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,

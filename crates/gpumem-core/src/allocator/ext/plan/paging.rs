@@ -44,6 +44,9 @@ pub struct PlanPaging {
     /// Whole plans: persistent entries served from a block the caching allocator had
     /// cached, before a new chunk.
     pub from_cache: u64,
+    /// Whole plans: entries whose range was taken, served from another free block of their
+    /// region.
+    pub elsewhere_in_region: u64,
     /// Map operations: one per range of pages mapped at once into a region or chunk.
     pub maps: u64,
     /// Pages mapped, lent ones included.
