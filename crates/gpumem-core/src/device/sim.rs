@@ -4,8 +4,9 @@
 //! capacity shared with other processes, an optional per-process limit, an address space that
 //! hands out aligned addresses (and reuses freed ones, lowest first, as a driver does), streams
 //! whose work completes only when the caller says so (or an explicit synchronisation waits for
-//! it), and a virtual clock that charges each driver call its typical cost, including the
-//! device-wide synchronisation that `cudaMalloc` and `cudaFree` imply. No host memory stands
+//! it), and a virtual clock that charges each driver call what a GPU kind's table says it
+//! costs ([`DriverCosts`]), including the device-wide synchronisation that `cudaMalloc` and
+//! `cudaFree` imply. No host memory stands
 //! behind simulated device memory.
 //!
 //! # Invariants
@@ -31,10 +32,9 @@
 //!   asked to map millions of pages.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
-
-use std::sync::Arc;
 
 use super::costs::{Call, DriverCosts};
 use super::{Device, DeviceError, DevicePtr, EventId, MemInfo, PhysicalHandle, StreamId};

@@ -22,9 +22,8 @@
 //!   request stays in the plan's memory), a hit all the same.
 //! - A request that matches none of them, or a planned (not persistent) one whose range is
 //!   still taken (whole: and no free block of the region holds it) or whose region cannot be
-//!   obtained, or a persistent one for which no chunk
-//!   can be obtained, is a miss: the caching allocator serves it, from segments
-//!   outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
+//!   obtained, or a persistent one for which no chunk can be obtained, is a miss: the
+//!   caching allocator serves it, from segments outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
 //!   that matches its first entry, and follows again from there.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
 //!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
@@ -41,10 +40,10 @@
 //! **Whole** ([`PlanMode::Whole`], the default): a region or chunk is one segment of the
 //! driver's, obtained at its first hit, so a steady iteration costs no driver call.
 //!
-//! **Paged** ([`PlanMode::Paged`], on a device with virtual memory): a region or chunk is a reservation of address
-//! space, an expandable segment of the plan's own ([`PLAN_PAGE`] pages), whose pages are
-//! mapped when a planned allocation first uses them; what the job holds is what it uses,
-//! rounded to pages. A chunk spans 9/8 of the device (address space is not memory) and grows
+//! **Paged** ([`PlanMode::Paged`], on a device with virtual memory): a region or chunk is a
+//! reservation of address space, an expandable segment of the plan's own ([`PLAN_PAGE`]
+//! pages), whose pages are mapped when a planned allocation first uses them; what the job
+//! holds is what it uses, rounded to pages. A chunk spans 9/8 of the device (address space is not memory) and grows
 //! page by page. A page a region or chunk needs is *lent* where the stream has one to spare,
 //! before a new one is created: a chunk's free pages that the iteration's remaining
 //! persistent entries will not bump into (memory the job freed), and, for a chunk, a
@@ -720,7 +719,8 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Whole plans, an entry whose range is taken (a live job's requests are not quite the
     /// recorded ones): the smallest free block of its region that holds it, at its start,
-    /// so that the request stays in the plan's memory; `Ok(None)` if none does.
+    /// so that the request stays in the plan's memory; `Ok(None)` if none does. Linear in
+    /// the region's free blocks, and only when a range is taken.
     fn place_elsewhere(
         &mut self,
         r: usize,
