@@ -271,7 +271,11 @@ fn print_text(
         line(r)?;
     }
     let p = &evaluation.planned;
-    line(&Row::of("planned", p))?;
+    let mode = match planned.plan.mode {
+        PlanMode::Whole => "planned, whole",
+        PlanMode::Paged => "planned, paged",
+    };
+    line(&Row::of(mode, p))?;
     outln!(
         "  plan: {} requests served from the regions, {} misses",
         p.plan_hits,
