@@ -38,26 +38,28 @@ pub(crate) struct Args {
     /// How the plan's regions hold memory: `whole` (time first: one segment each, the
     /// caching allocator's driver work) or `paged` (memory first: 2 MiB pages mapped at first
     /// use and lent, each a driver call of its own). `--compare` evaluates the other too.
-    #[arg(long, value_enum, default_value_t = Holding::Whole)]
-    mode: Holding,
+    #[arg(long, default_value = "whole", value_parser = parse_mode())]
+    mode: PlanMode,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Holding {
-    Whole,
-    Paged,
+/// The modes by their names on the command line.
+const MODES: [(&str, PlanMode); 2] = [("whole", PlanMode::Whole), ("paged", PlanMode::Paged)];
+
+fn parse_mode() -> impl clap::builder::TypedValueParser<Value = PlanMode> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(MODES.map(|(name, _)| name)).map(|name| {
+        MODES
+            .iter()
+            .find(|m| m.0 == name)
+            .map_or(PlanMode::Whole, |m| m.1)
+    })
 }
 
-impl From<Holding> for PlanMode {
-    fn from(mode: Holding) -> PlanMode {
-        match mode {
-            Holding::Whole => PlanMode::Whole,
-            Holding::Paged => PlanMode::Paged,
-        }
-    }
+fn mode_name(mode: PlanMode) -> &'static str {
+    MODES.iter().find(|m| m.1 == mode).map_or("whole", |m| m.0)
 }
 
 fn parse_range(text: &str) -> Result<Range<usize>, String> {
@@ -120,7 +122,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         device,
         config: config.clone(),
         events: args.events.clone(),
-        mode: args.mode.into(),
+        mode: args.mode,
     };
     let planned = plan(&recording, &args.recording.name(), &options)?;
     let shared = Arc::new(planned.plan.clone());
@@ -153,16 +155,17 @@ pub(crate) fn run(args: Args) -> CliResult {
             rows.push(replay_row(&best.config)?);
         }
         // The plan in the other mode, on the same events.
-        let (name, mode) = match args.mode {
-            Holding::Whole => ("planned, paged (--mode paged)", PlanMode::Paged),
-            Holding::Paged => ("planned, whole (--mode whole)", PlanMode::Whole),
+        let mode = match args.mode {
+            PlanMode::Whole => PlanMode::Paged,
+            PlanMode::Paged => PlanMode::Whole,
         };
+        let name = format!("planned, {0} (--mode {0})", mode_name(mode));
         let other = Arc::new(gpumem::allocator::Plan {
             mode,
             ..planned.plan.clone()
         });
         let r = evaluate(&session, config.clone(), &other, evaluation.events.clone())?;
-        rows.push(Row::of(name, &r.planned));
+        rows.push(Row::of(&name, &r.planned));
     }
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&planned.file())?;
@@ -271,11 +274,10 @@ fn print_text(
         line(r)?;
     }
     let p = &evaluation.planned;
-    let mode = match planned.plan.mode {
-        PlanMode::Whole => "planned, whole",
-        PlanMode::Paged => "planned, paged",
-    };
-    line(&Row::of(mode, p))?;
+    line(&Row::of(
+        &format!("planned, {}", mode_name(planned.plan.mode)),
+        p,
+    ))?;
     outln!(
         "  plan: {} requests served from the regions, {} misses",
         p.plan_hits,

@@ -47,22 +47,25 @@ pub enum CostsFileError {
     /// It is larger than [`MAX_COSTS_FILE_BYTES`].
     #[error("{0}: larger than {MAX_COSTS_FILE_BYTES} bytes, not a cost table")]
     TooLarge(String),
-    /// It is not a cost table of this version.
-    #[error("{path}: not a {COSTS_FORMAT} version {COSTS_VERSION} table: {why}")]
-    Format {
-        /// The file.
-        path: String,
-        /// What is wrong.
-        why: String,
-    },
-    /// Its figures are out of bounds.
+    /// Its text is not a valid cost table.
     #[error("{path}: {source}")]
     Invalid {
         /// The file.
         path: String,
-        /// The entry at fault.
-        source: CostsError,
+        /// What is wrong.
+        source: CostsFormatError,
     },
+}
+
+/// Why a text is not a valid cost table.
+#[derive(Debug, thiserror::Error)]
+pub enum CostsFormatError {
+    /// Not a cost table of this version.
+    #[error("not a {COSTS_FORMAT} version {COSTS_VERSION} table: {0}")]
+    Format(String),
+    /// Its figures are out of bounds.
+    #[error(transparent)]
+    Figures(#[from] CostsError),
 }
 
 /// The file's text for `costs`.
@@ -100,25 +103,18 @@ pub fn read_costs(name_or_path: &str) -> Result<DriverCosts, CostsFileError> {
     if text.len() as u64 > MAX_COSTS_FILE_BYTES {
         return Err(CostsFileError::TooLarge(path));
     }
-    parse_costs(&text).map_err(|e| match e {
-        CostsFileError::Format { why, .. } => CostsFileError::Format { path, why },
-        CostsFileError::Invalid { source, .. } => CostsFileError::Invalid { path, source },
-        other => other,
-    })
+    parse_costs(&text).map_err(|source| CostsFileError::Invalid { path, source })
 }
 
 /// Reads a cost table from the file's text.
 ///
 /// # Errors
-/// [`CostsFileError::Format`] or [`CostsFileError::Invalid`] (with an empty path).
-pub fn parse_costs(text: &str) -> Result<DriverCosts, CostsFileError> {
-    let format = |why: String| CostsFileError::Format {
-        path: String::new(),
-        why,
-    };
-    let file: CostsFile = serde_json::from_str(text).map_err(|e| format(e.to_string()))?;
+/// A [`CostsFormatError`]: another format or version, or figures out of bounds.
+pub fn parse_costs(text: &str) -> Result<DriverCosts, CostsFormatError> {
+    let file: CostsFile =
+        serde_json::from_str(text).map_err(|e| CostsFormatError::Format(e.to_string()))?;
     if file.format != COSTS_FORMAT || file.version != COSTS_VERSION {
-        return Err(format(format!(
+        return Err(CostsFormatError::Format(format!(
             "format {:?} version {}",
             file.format, file.version
         )));
@@ -127,10 +123,7 @@ pub fn parse_costs(text: &str) -> Result<DriverCosts, CostsFileError> {
         gpu: file.gpu,
         calls: file.calls,
     };
-    costs.validate().map_err(|source| CostsFileError::Invalid {
-        path: String::new(),
-        source,
-    })?;
+    costs.validate()?;
     Ok(costs)
 }
 
