@@ -93,6 +93,7 @@ fn node() -> Arc<SourceReport> {
         .map(|gpu| GpuSample {
             index: gpu,
             uuid: simulated_uuid(gpu),
+            minor: Some(gpu),
             model: "NVIDIA H200".into(),
             total: 141 << 30,
             used: 100 << 30,

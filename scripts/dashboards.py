@@ -249,14 +249,19 @@ def overview():
                "Value #D": "outside the allocator"}, sort="used (nvidia-smi)"),
         table("GPU assignments",
               "The containers the kubelet assigned each GPU to (its pod-resources API; a "
-              "time-sliced GPU lists several). Compare with the Processes table: a pod using a "
-              "GPU it was not assigned, or an assigned GPU with no process, shows here.",
+              "time-sliced GPU lists several), by a device plugin or through a DRA claim (claim "
+              "and DRA device set; a DRA device the agent cannot place on a GPU of the node has "
+              "no gpu). Compare with the Processes table: a pod using a GPU it was not "
+              "assigned, or an assigned GPU with no process, shows here.",
               (0, 22, 24, 8),
-              [target("A", "max by (instance, gpu, pod_namespace, pod_name, container_name) "
+              [target("A", "max by (instance, gpu, pod_namespace, pod_name, container_name, "
+                           "claim_name, dra_device) "
                            f"(gpumem_gpu_assigned_info{{{POD}}})", table=True)],
-              None, ["instance", "gpu", "pod_namespace", "pod_name", "container_name"],
+              None, ["instance", "gpu", "pod_namespace", "pod_name", "container_name",
+                     "claim_name", "dra_device"],
               {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
-               "container_name": "container"}, labels_only=True),
+               "container_name": "container", "claim_name": "claim",
+               "dra_device": "DRA device"}, labels_only=True),
         table("Last OOM: where the memory was",
               "Per process that pushed its figures with an out-of-memory error (gpumem_push), "
               "where its device's memory was at that moment, in parts that add up to the "

@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::telemetry::dra::NodeFiles;
 use crate::telemetry::pod_names::PodNames;
 use crate::telemetry::pod_resources::PodResources;
 use crate::telemetry::{Heartbeat, Kubelet};
@@ -32,7 +33,13 @@ impl KubeletWatch {
     /// The parts of the kubelet this node has (`socket`: its pod-resources socket; `logs`:
     /// its log directory), asked every `interval`: on a Kubernetes node their directories
     /// exist (even while the kubelet restarts); elsewhere there is nothing to report down.
-    pub fn new(socket: PathBuf, logs: &Path, interval: Duration) -> KubeletWatch {
+    /// DRA devices are resolved from `node_files`.
+    pub fn new(
+        socket: PathBuf,
+        logs: &Path,
+        node_files: NodeFiles,
+        interval: Duration,
+    ) -> KubeletWatch {
         let present = |path: &Path| !path.as_os_str().is_empty() && path.is_dir();
         // An empty path turns a part off (joined, it would name a relative directory).
         let names = (present(logs) && present(&logs.join("pods")))
@@ -43,7 +50,7 @@ impl KubeletWatch {
             .is_some_and(|dir| {
                 cfg!(feature = "kubelet") && !socket.as_os_str().is_empty() && present(dir)
             })
-            .then(PodResources::new);
+            .then(|| PodResources::with_node_files(node_files));
         if names.is_none() && resources.is_none() {
             tracing::info!("not a Kubernetes node: pods are named by UID only");
         }

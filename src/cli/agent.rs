@@ -16,9 +16,10 @@ use gpumem::metrics::ReportReader;
 use gpumem::server::HttpLimits;
 use gpumem::server::web_config::WebConfig;
 use gpumem::sources::AllocatorSources;
+use gpumem::telemetry::dra::NodeFiles;
 use gpumem::telemetry::pod_network::PodNetwork;
-use gpumem::telemetry::pod_resources;
 use gpumem::telemetry::{NvmlSource, Poller};
+use gpumem::telemetry::{cdi, nvidia_caps, pod_resources};
 
 use super::{CliResult, parse_bytes};
 
@@ -43,6 +44,13 @@ pub(crate) struct ServeArgs {
     /// skipped where its directory does not exist, an empty value turns it off.
     #[arg(long, default_value = pod_resources::DEFAULT_SOCKET, value_parser = ValueParser::os_string())]
     pod_resources_socket: OsString,
+    /// Directories of the node's CDI specs, in increasing priority (comma-separated): they
+    /// resolve devices assigned through DRA claims to their GPUs and MIG devices.
+    #[arg(long, value_delimiter = ',', default_values = cdi::DEFAULT_SPEC_DIRS)]
+    cdi_spec_dirs: Vec<PathBuf>,
+    /// The NVIDIA driver's MIG capability minors, which resolve a DRA claim's MIG device.
+    #[arg(long, default_value = nvidia_caps::DEFAULT_PATH)]
+    mig_minors: PathBuf,
     /// The node's log directory, whose `pods/` and `containers/` entries name the pods and
     /// containers of processes; skipped where `pods/` does not exist, an empty value turns it
     /// off.
@@ -268,6 +276,10 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
     let watch = KubeletWatch::new(
         args.pod_resources_socket.into(),
         Path::new(&args.kubelet_logs),
+        NodeFiles {
+            cdi_dirs: args.cdi_spec_dirs,
+            mig_minors: args.mig_minors,
+        },
         Duration::from_secs_f64(args.interval),
     );
     let ingest = IngestConfig {

@@ -187,7 +187,7 @@ enum Command {
     /// processes replay real recorded traces through the allocator.
     Demo(agent::DemoArgs),
     /// Serve /metrics on a GPU node: NVML's device and per-process view.
-    Serve(agent::ServeArgs),
+    Serve(Box<agent::ServeArgs>),
     /// Run a synthetic transformer training loop through the allocator on a simulated GPU and
     /// print what the allocator did (PyTorch's memory_summary and the key figures).
     Simulate(simulate::Args),
@@ -214,7 +214,7 @@ enum Command {
 pub(crate) fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Demo(args) => agent::demo_command(args),
-        Command::Serve(args) => agent::serve_command(args),
+        Command::Serve(args) => agent::serve_command(*args),
         Command::Simulate(args) => simulate::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Explain(args) => explain::run(args),

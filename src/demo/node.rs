@@ -484,6 +484,7 @@ impl SimNode {
                                 device_ids: vec![format!("{uuid}::{i}")],
                             }
                         }],
+                        dynamic_resources: Vec::new(),
                     }],
                 })
                 .collect(),
@@ -703,6 +704,7 @@ impl SimNodeSource {
                                 index,
                                 uuid: simulated_mig_uuid(gpu, index),
                                 gpu_instance: index + 1,
+                                compute_instance: 0,
                                 profile: mig_profile(slices, share),
                                 total: share,
                                 used,
@@ -718,6 +720,7 @@ impl SimNodeSource {
                 GpuSample {
                     index: gpu,
                     uuid: simulated_uuid(gpu),
+                    minor: Some(gpu),
                     model: "Simulated GPU".into(),
                     total: self.config.capacity,
                     used,

@@ -318,8 +318,19 @@ metric!(
     GPU_ASSIGNED,
     "gpumem_gpu_assigned_info",
     Gauge,
-    &["gpu", "UUID", "pod_namespace", "pod_name", "container_name"],
-    "1 for each container the kubelet assigned the GPU to (pod-resources API; a time-sliced GPU lists several); a MIG device's also carry GPU_I_ID, GPU_I_PROFILE and mig_uuid."
+    &[
+        "gpu",
+        "UUID",
+        "pod_namespace",
+        "pod_name",
+        "container_name",
+        "claim_namespace",
+        "claim_name",
+        "dra_driver",
+        "dra_pool",
+        "dra_device",
+    ],
+    "1 for each container the kubelet assigned the GPU to (pod-resources API; a time-sliced GPU lists several); a MIG device's also carry GPU_I_ID, GPU_I_PROFILE and mig_uuid. A device assigned through Dynamic Resource Allocation carries its ResourceClaim (claim_namespace, claim_name) and its driver, pool and device names (dra_driver, dra_pool, dra_device; empty for a device plugin's); one the agent cannot resolve to a GPU of the node has gpu and UUID empty."
 );
 metric!(
     DEVICE_INFO,

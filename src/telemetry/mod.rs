@@ -10,13 +10,16 @@
 //! - A failed sample is data, not a crash: the poller publishes `up = false` with the reason,
 //!   logs it once per change, and keeps asking.
 
+pub mod cdi;
 pub mod cgroup;
 #[cfg(feature = "kubelet")]
 pub mod cri;
+pub mod dra;
 #[cfg(feature = "kubelet")]
 pub mod grpc;
 mod heartbeat;
 mod latest;
+pub mod nvidia_caps;
 mod nvml;
 pub mod pod_names;
 pub mod pod_network;
@@ -49,6 +52,9 @@ pub struct GpuSample {
     pub index: u32,
     /// UUID, spelled `GPU-…` as DCGM spells it.
     pub uuid: String,
+    /// Its device minor (`/dev/nvidia<minor>`), where the driver says (DRA's CDI specs and
+    /// MIG capability minors name GPUs by it).
+    pub minor: Option<u32>,
     /// Model name.
     pub model: String,
     /// Device memory.
@@ -90,6 +96,8 @@ pub struct MigSample {
     pub uuid: String,
     /// The GPU instance's ID (dcgm-exporter's `GPU_I_ID`).
     pub gpu_instance: u32,
+    /// The compute instance's ID in it.
+    pub compute_instance: u32,
     /// The GPU instance's profile, as nvidia-smi names it (`1g.10gb`; dcgm-exporter's
     /// `GPU_I_PROFILE`).
     pub profile: String,

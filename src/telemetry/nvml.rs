@@ -103,6 +103,7 @@ fn mig_device(nvml: &Nvml, index: u32, mig: &Device<'_>) -> Result<MigSample, Nv
         index,
         uuid: mig.uuid()?,
         gpu_instance,
+        compute_instance,
         profile: MigSample::profile_of(&mig.name()?),
         total: memory.total,
         used: memory.used,
@@ -157,6 +158,8 @@ impl NvmlSource {
             gpus.push(GpuSample {
                 index,
                 uuid: device.uuid()?,
+                // Not every platform has one (nvml-wrapper reads it on Linux only).
+                minor: device.minor_number().ok(),
                 model: device.name()?,
                 total: memory.total,
                 used: memory.used,

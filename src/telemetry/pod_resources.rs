@@ -3,27 +3,35 @@
 //! `PodResourcesLister.List` (gRPC over `/var/lib/kubelet/pod-resources/kubelet.sock`) names,
 //! for every container, the devices device plugins gave it: for NVIDIA's plugin, GPU UUIDs
 //! (`GPU-…`, `GPU-…::<n>` for a time slice) or node indices, and MIG devices' UUIDs
-//! (`MIG-…`, under `nvidia.com/gpu` or `nvidia.com/mig-<profile>`) or `<gpu>:<mig>` indices. The agent exports the assignment
-//! beside NVML's view, so a GPU assigned to one pod but used by another's processes, or
-//! assigned and idle, shows. (Processes are named from their own cgroups, never from this.)
+//! (`MIG-…`, under `nvidia.com/gpu` or `nvidia.com/mig-<profile>`) or `<gpu>:<mig>`
+//! indices; and the devices its DRA claims were allocated (`dynamic_resources`), by driver,
+//! pool and device name, resolved on the node by [`super::dra`]. The agent exports the
+//! assignment beside NVML's view, so a GPU assigned to one pod but used by another's
+//! processes, or assigned and idle, shows. (Processes are named from their own cgroups,
+//! never from this.)
 //!
 //! # Invariants
-//! - A GPU's holders are listed without repeats; a time-sliced or shared GPU has several.
+//! - A device's holders are listed without repeats (a container through one claim once); a
+//!   time-sliced or shared GPU has several.
+//! - Every DRA device is kept: one that resolves to no device of the node is placed on none
+//!   ([`PodDirectory::place`]), to be listed by its driver, pool and device names.
 //! - The directory is the last successful answer; while the kubelet does not answer, the
 //!   source is reported down and the last directory stands. Answers are bounded by the gRPC
 //!   decoder's 4 MiB limit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 #[cfg(feature = "kubelet")]
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 #[cfg(feature = "kubelet")]
 use std::time::{Duration, Instant};
 
-use super::SourceReport;
+use super::dra::{DraDevice, NodeFiles, NodeReader, Resolver};
 #[cfg(feature = "kubelet")]
 use super::grpc::{self, GrpcError};
 use super::latest::Latest;
+use super::nvidia_caps::MigInstance;
+use super::{GpuSample, MigSample, SourceReport};
 
 /// The kubelet's socket on a node.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -74,6 +82,9 @@ pub mod api {
         /// Devices given to it by device plugins.
         #[prost(message, repeated, tag = "2")]
         pub devices: Vec<ContainerDevices>,
+        /// Devices given to it through DRA claims (stable in Kubernetes 1.36).
+        #[prost(message, repeated, tag = "5")]
+        pub dynamic_resources: Vec<DynamicResource>,
     }
 
     /// `ContainerDevices`.
@@ -85,6 +96,45 @@ pub mod api {
         /// The plugin's device IDs.
         #[prost(string, repeated, tag = "2")]
         pub device_ids: Vec<String>,
+    }
+
+    /// `DynamicResource`: one claim of the container's (its `class_name = 1` was removed).
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct DynamicResource {
+        /// The ResourceClaim's name.
+        #[prost(string, tag = "2")]
+        pub claim_name: String,
+        /// Its namespace.
+        #[prost(string, tag = "3")]
+        pub claim_namespace: String,
+        /// The devices allocated to it.
+        #[prost(message, repeated, tag = "4")]
+        pub claim_resources: Vec<ClaimResource>,
+    }
+
+    /// `ClaimResource`: one allocated device.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ClaimResource {
+        /// The CDI devices the driver prepared for it.
+        #[prost(message, repeated, tag = "1")]
+        pub cdi_devices: Vec<CdiDevice>,
+        /// The DRA driver (`gpu.nvidia.com`).
+        #[prost(string, tag = "2")]
+        pub driver_name: String,
+        /// The ResourceSlice pool.
+        #[prost(string, tag = "3")]
+        pub pool_name: String,
+        /// The device's name in the pool.
+        #[prost(string, tag = "4")]
+        pub device_name: String,
+    }
+
+    /// `CDIDevice`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct CdiDevice {
+        /// Fully qualified: `vendor/class=name`.
+        #[prost(string, tag = "1")]
+        pub name: String,
     }
 
     /// The method's gRPC path.
@@ -103,7 +153,7 @@ pub struct PodContainer {
 }
 
 /// A device's place on the node, as the device plugin's index strategy names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeviceIndex {
     /// A whole GPU: NVML's index.
     Gpu(u32),
@@ -111,26 +161,101 @@ pub enum DeviceIndex {
     Mig(u32, u32),
 }
 
-impl DeviceIndex {
-    fn key(self) -> String {
-        match self {
-            DeviceIndex::Gpu(i) => format!("#{i}"),
-            DeviceIndex::Mig(gpu, mig) => format!("#{gpu}:{mig}"),
+/// One way an assignment names a device on the node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKey {
+    /// A GPU's or MIG device's UUID (`GPU-…`, `MIG-…`).
+    Uuid(String),
+    /// Its node index.
+    Index(DeviceIndex),
+    /// A whole GPU's device minor (`/dev/nvidia<minor>`).
+    Minor(u32),
+    /// A MIG instance, by its GPU's minor (a GPU instance's node names every compute
+    /// instance in it).
+    Mig(MigInstance),
+}
+
+/// An assignment where it is on the node.
+#[derive(Clone, Copy, Debug)]
+pub struct Placed<'a> {
+    /// Its GPU and, for a MIG device, the MIG device; none for a DRA device that names no
+    /// device of the node.
+    pub on: Option<(&'a GpuSample, Option<&'a MigSample>)>,
+    /// The assignment.
+    pub assignment: &'a Assignment,
+}
+
+/// A GPU or MIG device of the node, by every name an assignment may give it.
+#[derive(Clone, Copy, Debug)]
+struct NodeDevice<'a> {
+    /// Its UUID.
+    uuid: &'a str,
+    /// Its index.
+    index: DeviceIndex,
+    /// Its GPU's device minor, where known.
+    minor: Option<u32>,
+    /// A MIG device's GPU and compute instance IDs.
+    instance: Option<(u32, u32)>,
+}
+
+impl NodeDevice<'_> {
+    /// The keys that name it.
+    fn keys(&self) -> Vec<DeviceKey> {
+        let mut keys = vec![
+            DeviceKey::Uuid(self.uuid.to_string()),
+            DeviceKey::Index(self.index),
+        ];
+        match (self.minor, self.instance) {
+            (Some(gpu_minor), Some((gpu_instance, compute_instance))) => {
+                for compute_instance in [Some(compute_instance), None] {
+                    keys.push(DeviceKey::Mig(MigInstance {
+                        gpu_minor,
+                        gpu_instance,
+                        compute_instance,
+                    }));
+                }
+            }
+            (Some(minor), None) => keys.push(DeviceKey::Minor(minor)),
+            (None, _) => {}
         }
+        keys
     }
+}
+
+/// The DRA claim a device was assigned through.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DraClaim {
+    /// The ResourceClaim's namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// The device, as its driver names it.
+    pub device: DraDevice,
+}
+
+/// One device given to one container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    /// The container.
+    pub holder: PodContainer,
+    /// The claim, for a device assigned through DRA (none for a device plugin's).
+    pub dra: Option<DraClaim>,
+    /// The keys naming the device on the node (none: a DRA device left unresolved).
+    keys: Vec<DeviceKey>,
 }
 
 /// Who holds each device, from one `List` answer.
 #[derive(Debug, Default)]
 pub struct PodDirectory {
-    /// GPU UUID (or `#<index>` under the index strategy) → its holders, without repeats.
-    holders: HashMap<String, Vec<PodContainer>>,
+    assignments: Vec<Assignment>,
+    /// Each key → the assignments naming it.
+    by_key: HashMap<DeviceKey, Vec<usize>>,
 }
 
 impl PodDirectory {
-    /// The directory of one answer.
-    pub fn from_list(list: &api::ListPodResourcesResponse) -> Self {
-        let mut holders: HashMap<String, Vec<PodContainer>> = HashMap::new();
+    /// The directory of one answer, its DRA devices resolved by `resolver`.
+    pub fn from_list(list: &api::ListPodResourcesResponse, resolver: &Resolver) -> Self {
+        let mut directory = PodDirectory::default();
         for pod in &list.pod_resources {
             for container in &pod.containers {
                 let holder = PodContainer {
@@ -140,36 +265,88 @@ impl PodDirectory {
                 };
                 for devices in &container.devices {
                     for id in &devices.device_ids {
-                        let Some(key) = device_key(&devices.resource_name, id) else {
-                            continue;
-                        };
-                        let list = holders.entry(key).or_default();
-                        if !list.contains(&holder) {
-                            list.push(holder.clone());
+                        if let Some(key) = device_key(&devices.resource_name, id) {
+                            directory.add(holder.clone(), None, vec![key]);
                         }
+                    }
+                }
+                for claim in &container.dynamic_resources {
+                    for device in &claim.claim_resources {
+                        let dra = DraClaim {
+                            namespace: claim.claim_namespace.clone(),
+                            name: claim.claim_name.clone(),
+                            device: DraDevice {
+                                driver: device.driver_name.clone(),
+                                pool: device.pool_name.clone(),
+                                device: device.device_name.clone(),
+                            },
+                        };
+                        directory.add(holder.clone(), Some(dra), resolver.resolve(device));
                     }
                 }
             }
         }
-        PodDirectory { holders }
+        directory
     }
 
-    /// The containers holding the GPU with this UUID and node index, or the MIG device with
-    /// this UUID and `<gpu>:<mig>` index.
-    pub fn holders(&self, uuid: &str, index: Option<DeviceIndex>) -> Vec<&PodContainer> {
-        let by_uuid = self
-            .holders
-            .get(uuid)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        let by_index = index
-            .and_then(|i| self.holders.get(&i.key()))
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        let mut all: Vec<&PodContainer> = Vec::new();
-        for holder in by_uuid.iter().chain(by_index) {
-            if !all.contains(&holder) {
-                all.push(holder);
+    /// Adds an assignment, unless an equal one is there.
+    fn add(&mut self, holder: PodContainer, dra: Option<DraClaim>, keys: Vec<DeviceKey>) {
+        let assignment = Assignment { holder, dra, keys };
+        if self.assignments.contains(&assignment) {
+            return;
+        }
+        let at = self.assignments.len();
+        for key in &assignment.keys {
+            self.by_key.entry(key.clone()).or_default().push(at);
+        }
+        self.assignments.push(assignment);
+    }
+
+    /// Each assignment where it is among `gpus`: on a GPU or one of its MIG devices, each
+    /// container and claim once per device; then the DRA assignments that name none of them
+    /// (unresolved, or resolved to a device the node does not list), on no GPU.
+    pub fn place<'a>(&'a self, gpus: impl IntoIterator<Item = &'a GpuSample>) -> Vec<Placed<'a>> {
+        let mut placed = Vec::new();
+        let mut on_node: HashSet<DeviceKey> = HashSet::new();
+        for gpu in gpus {
+            for (mig, uuid, _) in gpu.devices() {
+                let device = NodeDevice {
+                    uuid,
+                    index: mig.map_or(DeviceIndex::Gpu(gpu.index), |m| {
+                        DeviceIndex::Mig(gpu.index, m.index)
+                    }),
+                    minor: gpu.minor,
+                    instance: mig.map(|m| (m.gpu_instance, m.compute_instance)),
+                };
+                for assignment in self.holders(&device) {
+                    placed.push(Placed {
+                        on: Some((gpu, mig)),
+                        assignment,
+                    });
+                }
+                on_node.extend(device.keys());
+            }
+        }
+        let elsewhere = self
+            .assignments
+            .iter()
+            .filter(|a| a.dra.is_some() && !a.keys.iter().any(|k| on_node.contains(k)));
+        placed.extend(elsewhere.map(|assignment| Placed {
+            on: None,
+            assignment,
+        }));
+        placed
+    }
+
+    /// The assignments of this device of the node (each container and claim once).
+    fn holders(&self, device: &NodeDevice<'_>) -> Vec<&Assignment> {
+        let mut all: Vec<&Assignment> = Vec::new();
+        for key in device.keys() {
+            for &at in self.by_key.get(&key).map(Vec::as_slice).unwrap_or_default() {
+                let a = &self.assignments[at];
+                if !all.iter().any(|b| b.holder == a.holder && b.dra == a.dra) {
+                    all.push(a);
+                }
             }
         }
         all
@@ -177,31 +354,30 @@ impl PodDirectory {
 
     /// Whether the kubelet named no device at all.
     pub fn is_empty(&self) -> bool {
-        self.holders.is_empty()
+        self.assignments.is_empty()
     }
 }
 
-/// The directory key of a device ID: the GPU's or MIG device's UUID (a time slice's `::<n>`
-/// dropped), or under the index strategy `#<index>` for a GPU and `#<gpu>:<mig>` for a MIG
-/// device; `None` for devices that are not GPUs.
-fn device_key(resource: &str, id: &str) -> Option<String> {
+/// The directory key of a device plugin's device ID: the GPU's or MIG device's UUID (a
+/// time slice's `::<n>` dropped), or under the index strategy its index; `None` for devices
+/// that are not GPUs.
+fn device_key(resource: &str, id: &str) -> Option<DeviceKey> {
     let id = id.split_once("::").map_or(id, |(gpu, _)| gpu);
     let number = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
     let (gpus, migs) = (resource == NVIDIA_GPU, resource.starts_with(NVIDIA_MIG));
     if id.starts_with("GPU-") || id.starts_with("MIG-") {
-        Some(id.to_string())
+        Some(DeviceKey::Uuid(id.to_string()))
     } else if gpus && number(id) {
-        id.parse::<u32>().ok().map(|i| format!("#{i}"))
+        Some(DeviceKey::Index(DeviceIndex::Gpu(id.parse().ok()?)))
     } else if (gpus || migs)
         && let Some((gpu, mig)) = id.split_once(':')
         && number(gpu)
         && number(mig)
     {
-        Some(format!(
-            "#{}:{}",
-            gpu.parse::<u32>().ok()?,
-            mig.parse::<u32>().ok()?
-        ))
+        Some(DeviceKey::Index(DeviceIndex::Mig(
+            gpu.parse().ok()?,
+            mig.parse().ok()?,
+        )))
     } else {
         None
     }
@@ -224,6 +400,8 @@ pub async fn list(
 #[derive(Clone)]
 pub struct PodResources {
     latest: Latest<PodDirectory>,
+    /// What resolves DRA devices (read only for answers that have some).
+    node: Arc<Mutex<NodeReader>>,
 }
 
 impl Default for PodResources {
@@ -233,10 +411,17 @@ impl Default for PodResources {
 }
 
 impl PodResources {
-    /// No answer yet: down, with an empty directory.
+    /// No answer yet: down, with an empty directory; DRA devices resolved from the node's
+    /// default CDI directories and `mig-minors`.
     pub fn new() -> Self {
+        PodResources::with_node_files(NodeFiles::default())
+    }
+
+    /// As [`PodResources::new`], DRA devices resolved from `files`.
+    pub fn with_node_files(files: NodeFiles) -> Self {
         PodResources {
             latest: Latest::new(SOURCE, "the kubelet has not been asked yet"),
+            node: Arc::new(Mutex::new(NodeReader::new(files))),
         }
     }
 
@@ -267,11 +452,27 @@ impl PodResources {
         }
     }
 
-    /// Publishes an answer of the kubelet's, obtained in `duration_seconds`.
+    /// Publishes an answer of the kubelet's, obtained in `duration_seconds`; its DRA devices
+    /// are resolved from the node's files as they are now.
     pub fn publish(&self, answer: &api::ListPodResourcesResponse, duration_seconds: f64) {
+        let dra = answer
+            .pod_resources
+            .iter()
+            .flat_map(|p| &p.containers)
+            .any(|c| !c.dynamic_resources.is_empty());
+        let resolver = if dra {
+            let mut node = self.node.lock().unwrap_or_else(PoisonError::into_inner);
+            let (resolver, skipped) = node.resolver();
+            for (path, reason) in skipped {
+                tracing::debug!(path = %path.display(), %reason, "a CDI spec was skipped");
+            }
+            resolver
+        } else {
+            Resolver::default()
+        };
         if self
             .latest
-            .up(PodDirectory::from_list(answer), duration_seconds)
+            .up(PodDirectory::from_list(answer, &resolver), duration_seconds)
         {
             tracing::info!(
                 pods = answer.pod_resources.len(),
@@ -298,6 +499,7 @@ mod tests {
                         resource_name: (*resource).into(),
                         device_ids: ids.iter().map(|s| (*s).to_string()).collect(),
                     }],
+                    dynamic_resources: Vec::new(),
                 })
                 .collect(),
         }
@@ -311,9 +513,28 @@ mod tests {
     }
 
     fn directory(pods: Vec<api::PodResources>) -> PodDirectory {
-        PodDirectory::from_list(&ListPodResourcesResponse {
-            pod_resources: pods,
-        })
+        PodDirectory::from_list(
+            &ListPodResourcesResponse {
+                pod_resources: pods,
+            },
+            &Resolver::default(),
+        )
+    }
+
+    /// The containers holding the device with this UUID and index (no minor).
+    fn held<'a>(
+        d: &'a PodDirectory,
+        uuid: &str,
+        index: Option<DeviceIndex>,
+    ) -> Vec<&'a PodContainer> {
+        let device = NodeDevice {
+            uuid,
+            // An index no answer names stands for "none".
+            index: index.unwrap_or(DeviceIndex::Gpu(u32::MAX)),
+            minor: None,
+            instance: None,
+        };
+        d.holders(&device).into_iter().map(|a| &a.holder).collect()
     }
 
     #[test]
@@ -352,13 +573,13 @@ mod tests {
         ]);
         let trainer = holder("ml", "train-0", "trainer");
         assert_eq!(
-            d.holders("GPU-aaa", Some(DeviceIndex::Gpu(0))),
+            held(&d, "GPU-aaa", Some(DeviceIndex::Gpu(0))),
             vec![&trainer]
         );
-        assert_eq!(d.holders("GPU-bbb", None), vec![&trainer]);
+        assert_eq!(held(&d, "GPU-bbb", None), vec![&trainer]);
         // Time slices of one GPU: each container once.
         assert_eq!(
-            d.holders("GPU-ccc", Some(DeviceIndex::Gpu(2))),
+            held(&d, "GPU-ccc", Some(DeviceIndex::Gpu(2))),
             vec![
                 &holder("ml", "infer", "server"),
                 &holder("ml", "infer-2", "server")
@@ -366,27 +587,24 @@ mod tests {
         );
         // The index strategy, and only for nvidia.com/gpu.
         assert_eq!(
-            d.holders("GPU-ddd", Some(DeviceIndex::Gpu(3))),
+            held(&d, "GPU-ddd", Some(DeviceIndex::Gpu(3))),
             vec![&holder("batch", "job", "main")]
         );
-        assert!(d.holders("GPU-eee", Some(DeviceIndex::Gpu(4))).is_empty());
-        assert!(d.holders("GPU-unknown", None).is_empty());
+        assert!(held(&d, "GPU-eee", Some(DeviceIndex::Gpu(4))).is_empty());
+        assert!(held(&d, "GPU-unknown", None).is_empty());
         assert_eq!(
-            d.holders("MIG-111", Some(DeviceIndex::Mig(0, 0))),
+            held(&d, "MIG-111", Some(DeviceIndex::Mig(0, 0))),
             vec![&holder("ml", "small", "a")]
         );
+        assert_eq!(held(&d, "MIG-222", None), vec![&holder("ml", "mixed", "b")]);
         assert_eq!(
-            d.holders("MIG-222", None),
-            vec![&holder("ml", "mixed", "b")]
-        );
-        assert_eq!(
-            d.holders("MIG-333", Some(DeviceIndex::Mig(5, 1))),
+            held(&d, "MIG-333", Some(DeviceIndex::Mig(5, 1))),
             vec![&holder("ml", "indexed", "c")]
         );
         // A MIG index is not a GPU's, nor is a bare number of a MIG resource: GPUs 5 and 6
         // are nobody's.
-        assert!(d.holders("GPU-fff", Some(DeviceIndex::Gpu(5))).is_empty());
-        assert!(d.holders("GPU-ggg", Some(DeviceIndex::Gpu(6))).is_empty());
+        assert!(held(&d, "GPU-fff", Some(DeviceIndex::Gpu(5))).is_empty());
+        assert!(held(&d, "GPU-ggg", Some(DeviceIndex::Gpu(6))).is_empty());
     }
 
     #[test]

@@ -190,6 +190,7 @@ mod tests {
                 gpus: vec![GpuSample {
                     index: 0,
                     uuid: "GPU-0".into(),
+                    minor: Some(0),
                     model: "test".into(),
                     total: 10,
                     used: 4,

@@ -30,6 +30,30 @@ pub struct NodeView {
     pub gpus: Vec<GpuView>,
     /// Processes with an allocator's figures, by GPU and pid.
     pub processes: Vec<ProcessRow>,
+    /// The containers the kubelet assigned each device to, by GPU (DRA devices that name no
+    /// GPU of the node last).
+    pub assigned: Vec<AssignedRow>,
+}
+
+/// A container a device is assigned to (`gpumem_gpu_assigned_info`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AssignedRow {
+    /// Its GPU's index (empty for a DRA device that names no GPU of the node).
+    pub gpu: String,
+    /// Its GPU's UUID (likewise).
+    pub uuid: String,
+    /// The MIG device's UUID, for a MIG device.
+    pub mig_uuid: String,
+    /// The container's pod's namespace.
+    pub pod_namespace: String,
+    /// The pod's name.
+    pub pod_name: String,
+    /// The container's name.
+    pub container_name: String,
+    /// `namespace/name` of its ResourceClaim, for a device assigned through DRA.
+    pub claim: String,
+    /// `driver/pool/device`, for a device assigned through DRA.
+    pub dra_device: String,
 }
 
 /// One GPU's line-up.
@@ -247,7 +271,48 @@ pub fn view(snapshot: &NodeSnapshot) -> NodeView {
         (a.gpu.parse::<u32>().ok(), a.pid.parse::<u32>().ok())
             .cmp(&(b.gpu.parse::<u32>().ok(), b.pid.parse::<u32>().ok()))
     });
-    NodeView { gpus, processes }
+    NodeView {
+        gpus,
+        processes,
+        assigned: assigned_rows(snapshot),
+    }
+}
+
+/// The assignments, as the exposition places them.
+fn assigned_rows(snapshot: &NodeSnapshot) -> Vec<AssignedRow> {
+    let Some(directory) = &snapshot.assigned else {
+        return Vec::new();
+    };
+    let mut rows: Vec<AssignedRow> = directory
+        .place(snapshot.gpus())
+        .into_iter()
+        .map(|placed| {
+            let a = placed.assignment;
+            let (gpu, uuid, mig_uuid) = placed.on.map_or_else(Default::default, |(g, mig)| {
+                let mig_uuid = mig.map(|m| m.uuid.clone()).unwrap_or_default();
+                (g.index.to_string(), g.uuid.clone(), mig_uuid)
+            });
+            let dra = a.dra.as_ref();
+            AssignedRow {
+                gpu,
+                uuid,
+                mig_uuid,
+                pod_namespace: a.holder.namespace.clone(),
+                pod_name: a.holder.pod.clone(),
+                container_name: a.holder.container.clone(),
+                claim: dra.map_or_else(String::new, |c| format!("{}/{}", c.namespace, c.name)),
+                dra_device: dra.map_or_else(String::new, |c| {
+                    let d = &c.device;
+                    format!("{}/{}/{}", d.driver, d.pool, d.device)
+                }),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        let key = |r: &AssignedRow| (r.gpu.is_empty(), r.gpu.parse::<u32>().ok(), r.gpu.clone());
+        key(a).cmp(&key(b))
+    });
+    rows
 }
 
 /// A row per allocator, by (GPU UUID, pid); two allocators of one process on one GPU add up.
@@ -379,6 +444,7 @@ mod tests {
             index,
             uuid: format!("MIG-{index}"),
             gpu_instance: instance,
+            compute_instance: 0,
             profile: "3g.40gb".into(),
             total: 40 * GIB,
             used,
@@ -394,6 +460,7 @@ mod tests {
         let gpu = GpuSample {
             index: 0,
             uuid: "GPU-a".into(),
+            minor: Some(0),
             model: "A100".into(),
             total: 80 * GIB,
             used: 10 * GIB,

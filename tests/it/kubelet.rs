@@ -17,11 +17,12 @@ use gpumem::ingest::store::Peer;
 use gpumem::metrics::{Format, ReportReader};
 use gpumem::sources::AllocatorSources;
 use gpumem::telemetry::cgroup::{ContainerRef, Runtime};
+use gpumem::telemetry::dra::NodeFiles;
 use gpumem::telemetry::pod_names::PodNames;
 use gpumem::telemetry::pod_resources::PodResources;
 use gpumem::telemetry::pod_resources::api::{
-    ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse,
-    PodResources as PodEntry,
+    CdiDevice, ClaimResource, ContainerDevices, ContainerResources, DynamicResource,
+    ListPodResourcesRequest, ListPodResourcesResponse, PodResources as PodEntry,
 };
 use gpumem::telemetry::{GpuSample, Kubelet, MigSample, NodeSample, ProcessSample, SourceReport};
 use tonic::codegen::http;
@@ -150,6 +151,7 @@ fn pod(namespace: &str, name: &str, container: &str, gpus: &[&str]) -> PodEntry 
                 resource_name: "nvidia.com/gpu".into(),
                 device_ids: gpus.iter().map(|g| (*g).to_string()).collect(),
             }],
+            dynamic_resources: Vec::new(),
         }],
     }
 }
@@ -208,6 +210,7 @@ fn node_report() -> ReportReader {
     let gpu = |index: u32, processes| GpuSample {
         index,
         uuid: format!("GPU-{index}aaa"),
+        minor: Some(index),
         model: "H100".into(),
         total: 80 << 30,
         used: 4 << 30,
@@ -257,13 +260,21 @@ fn kubelet_answering(
     socket: &Path,
     answer: Answer,
 ) -> (StandIn, PodResources, tokio::runtime::Runtime) {
+    kubelet_answering_with(socket, answer, PodResources::new())
+}
+
+/// As [`kubelet_answering`], asked by `resources`.
+fn kubelet_answering_with(
+    socket: &Path,
+    answer: Answer,
+    resources: PodResources,
+) -> (StandIn, PodResources, tokio::runtime::Runtime) {
     let kubelet = StandIn::start(socket, answer);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .expect("runtime");
-    let resources = PodResources::new();
     runtime.block_on(resources.refresh(socket, Duration::from_secs(5)));
     assert!(resources.report().up, "{:?}", resources.report().error);
     (kubelet, resources, runtime)
@@ -516,6 +527,7 @@ fn mig_node_report() -> ReportReader {
         index,
         uuid: uuid.into(),
         gpu_instance,
+        compute_instance: 0,
         profile: profile.into(),
         total,
         used: 3 << 30,
@@ -532,6 +544,7 @@ fn mig_node_report() -> ReportReader {
                 GpuSample {
                     index: 0,
                     uuid: "GPU-0aaa".into(),
+                    minor: Some(0),
                     model: "H100".into(),
                     total: 80 << 30,
                     used: 6 << 30,
@@ -560,6 +573,7 @@ fn mig_node_report() -> ReportReader {
                 GpuSample {
                     index: 1,
                     uuid: "GPU-1aaa".into(),
+                    minor: Some(1),
                     model: "H100".into(),
                     total: 80 << 30,
                     used: 0,
@@ -595,6 +609,7 @@ fn mig_devices_processes_pushes_and_assignments_join() {
                 resource_name: resource.into(),
                 device_ids: vec![id.into()],
             }],
+            dynamic_resources: Vec::new(),
         }],
     };
     let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
@@ -696,6 +711,233 @@ fn mig_devices_processes_pushes_and_assignments_join() {
             "{pod}: {assigned:?}"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A node as NVIDIA's DRA driver prepares it: GPU 0 in MIG mode (instances 2 and 9), and
+/// GPUs whose device minors differ from NVML's indices (index 1 is `/dev/nvidia3`, index 3
+/// `/dev/nvidia1`), as the driver names GPUs by minor.
+fn dra_node_report() -> ReportReader {
+    let gpu = |index: u32, minor: u32, mig: Vec<MigSample>| GpuSample {
+        index,
+        uuid: format!("GPU-{index}aaa"),
+        minor: Some(minor),
+        model: "H100".into(),
+        total: 80 << 30,
+        used: 0,
+        free: 80 << 30,
+        reserved: None,
+        processes: Vec::new(),
+        mig,
+    };
+    let mig = |index, uuid: &str, gpu_instance| MigSample {
+        index,
+        uuid: uuid.into(),
+        gpu_instance,
+        compute_instance: 0,
+        profile: "1g.10gb".into(),
+        total: 10 << 30,
+        used: 0,
+        free: 10 << 30,
+        processes: Vec::new(),
+    };
+    let report = Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "580.95.05".into(),
+            simulated: false,
+            gpus: vec![
+                gpu(0, 0, vec![mig(0, MIG_A, 2), mig(1, MIG_B, 9)]),
+                gpu(1, 3, Vec::new()),
+                gpu(2, 2, Vec::new()),
+                gpu(3, 1, Vec::new()),
+            ],
+        }),
+        error: None,
+        duration_seconds: 0.001,
+    });
+    Box::new(move || Arc::clone(&report))
+}
+
+/// A pod whose one container holds one DRA claim of one device.
+fn claim_pod(name: &str, claim: &str, driver: &str, device: &str, cdi: &[&str]) -> PodEntry {
+    PodEntry {
+        name: name.into(),
+        namespace: "ml".into(),
+        containers: vec![ContainerResources {
+            name: "main".into(),
+            devices: Vec::new(),
+            dynamic_resources: vec![DynamicResource {
+                claim_name: claim.into(),
+                claim_namespace: "ml".into(),
+                claim_resources: vec![ClaimResource {
+                    cdi_devices: cdi
+                        .iter()
+                        .map(|n| CdiDevice { name: (*n).into() })
+                        .collect(),
+                    driver_name: driver.into(),
+                    pool_name: "node-a".into(),
+                    device_name: device.into(),
+                }],
+            }],
+        }],
+    }
+}
+
+/// DRA claims on one node beside a device plugin's pod: whole GPUs through the per-claim CDI
+/// specs NVIDIA's driver writes (device minor, not NVML's index) or by their `gpu-<minor>`
+/// names alone, a MIG device through its capability nodes and `mig-minors`, an unknown
+/// driver's device and one naming no GPU of the node by their names; the plugin's pod as
+/// before.
+#[test]
+fn dra_claims_name_their_gpus_and_mig_devices_beside_the_device_plugin() {
+    let dir = temp_dir("kubelet-dra");
+    let (etc_cdi, run_cdi) = (dir.join("etc-cdi"), dir.join("run-cdi"));
+    for d in [&etc_cdi, &run_cdi] {
+        std::fs::create_dir_all(d).expect("cdi dir");
+    }
+    let (whole, small) = (
+        "6a1f0c2e-0d8b-4c55-9f1e-3b8f7c2d1e00",
+        "c8593c85-440d-4156-b199-aea592ff83df",
+    );
+    // As the driver writes them: one spec per claim, the devices named after the claim's
+    // UID, the common edits (NVIDIA_VISIBLE_DEVICES=void, control nodes) at the spec level.
+    let common = "containerEdits:\n  env: [NVIDIA_CTK_LIBCUDA_DIR=/usr/lib64, NVIDIA_VISIBLE_DEVICES=void]\n  deviceNodes:\n  - path: /dev/nvidiactl\n  - path: /dev/nvidia-uvm\n";
+    std::fs::write(
+        run_cdi.join(format!("k8s.gpu.nvidia.com-claim_{whole}.yaml")),
+        format!(
+            "cdiVersion: 0.5.0\nkind: k8s.gpu.nvidia.com/claim\ndevices:\n- name: {whole}-gpu-3\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia3\n    - path: /dev/dri/card4\n{common}"
+        ),
+    )
+    .expect("spec");
+    std::fs::write(
+        run_cdi.join(format!("k8s.gpu.nvidia.com-claim_{small}.yaml")),
+        format!(
+            "cdiVersion: 0.5.0\nkind: k8s.gpu.nvidia.com/claim\ndevices:\n- name: {small}-gpu-0-mig-1g10gb-19-6\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n    - {{path: /dev/nvidia-caps/nvidia-cap102, type: c, major: 239, minor: 102}}\n    - {{path: /dev/nvidia-caps/nvidia-cap103, type: c, major: 239, minor: 103}}\n{common}"
+        ),
+    )
+    .expect("spec");
+    let mig_minors = dir.join("mig-minors");
+    std::fs::write(
+        &mig_minors,
+        "config 1\nmonitor 2\ngpu0/gi2/access 21\ngpu0/gi2/ci0/access 22\ngpu0/gi9/access 102\ngpu0/gi9/ci0/access 103\n",
+    )
+    .expect("mig-minors");
+
+    let socket = dir.join("kubelet.sock");
+    let answer: Answer = Arc::new(Mutex::new(ListPodResourcesResponse {
+        pod_resources: vec![
+            claim_pod(
+                "train-0",
+                "train-gpu",
+                "gpu.nvidia.com",
+                "gpu-3",
+                &[&format!("k8s.gpu.nvidia.com/claim={whole}-gpu-3")],
+            ),
+            claim_pod(
+                "infer-b",
+                "small-mig",
+                "gpu.nvidia.com",
+                "gpu-0-mig-1g10gb-19-6",
+                &[&format!(
+                    "k8s.gpu.nvidia.com/claim={small}-gpu-0-mig-1g10gb-19-6"
+                )],
+            ),
+            // No spec on the node for it: its name alone.
+            claim_pod("bare", "plain", "gpu.nvidia.com", "gpu-1", &[]),
+            claim_pod(
+                "accel",
+                "fpga",
+                "accel.example.com",
+                "accel-0",
+                &["example.com/accel=accel-0"],
+            ),
+            claim_pod("ghost", "gone", "gpu.nvidia.com", "gpu-9", &[]),
+            pod("ml", "legacy", "main", &["GPU-2aaa"]),
+        ],
+    }));
+    let resources = PodResources::with_node_files(NodeFiles {
+        cdi_dirs: vec![etc_cdi, run_cdi],
+        mig_minors,
+    });
+    let (_kubelet, resources, _runtime) = kubelet_answering_with(&socket, answer, resources);
+    let pod_names = log_dirs(&dir.join("log"), &[]);
+    pod_names.refresh();
+    let agent = named_agent(dra_node_report(), pod_names, Some(resources));
+    let text = agent.state.metrics.encode(Format::Text);
+    let assigned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gpumem_gpu_assigned_info{"))
+        .collect();
+    assert_eq!(assigned.len(), 6, "{assigned:?}");
+    let of = |pod: &str| {
+        let needle = format!(r#"pod_name="{pod}""#);
+        assigned
+            .iter()
+            .find(|l| l.contains(&needle))
+            .copied()
+            .unwrap_or_else(|| panic!("no assignment of {pod}: {assigned:?}"))
+    };
+    let claim = |name: &str, driver: &str, device: &str| {
+        format!(
+            r#"claim_namespace="ml",claim_name="{name}",dra_driver="{driver}",dra_pool="node-a",dra_device="{device}""#
+        )
+    };
+    // The whole GPU by its spec's /dev/nvidia3: NVML's index 1, not 3.
+    let train = of("train-0");
+    assert!(
+        train.starts_with(r#"gpumem_gpu_assigned_info{gpu="1",UUID="GPU-1aaa","#)
+            && train.contains(&claim("train-gpu", "gpu.nvidia.com", "gpu-3")),
+        "{train}"
+    );
+    // The MIG device by its compute instance's capability node: instance 9, MIG_B.
+    let infer = of("infer-b");
+    assert!(
+        infer.starts_with(r#"gpumem_gpu_assigned_info{gpu="0",UUID="GPU-0aaa","#)
+            && infer.contains(&format!(
+                r#"GPU_I_ID="9",GPU_I_PROFILE="1g.10gb",mig_uuid="{MIG_B}""#
+            ))
+            && infer.contains(&claim(
+                "small-mig",
+                "gpu.nvidia.com",
+                "gpu-0-mig-1g10gb-19-6"
+            )),
+        "{infer}"
+    );
+    assert!(!assigned.iter().any(|l| l.contains(MIG_A)), "{assigned:?}");
+    // By name alone: gpu-1 is minor 1, NVML's index 3.
+    assert!(
+        of("bare").starts_with(r#"gpumem_gpu_assigned_info{gpu="3",UUID="GPU-3aaa","#),
+        "{}",
+        of("bare")
+    );
+    // Unresolved, and resolved to no GPU of the node: by their names.
+    for (pod, name, driver, device) in [
+        ("accel", "fpga", "accel.example.com", "accel-0"),
+        ("ghost", "gone", "gpu.nvidia.com", "gpu-9"),
+    ] {
+        let line = of(pod);
+        assert!(
+            line.starts_with(r#"gpumem_gpu_assigned_info{gpu="",UUID="","#)
+                && line.contains(&claim(name, driver, device)),
+            "{line}"
+        );
+    }
+    // The device plugin's pod: the same series as before DRA (Prometheus drops labels
+    // whose value is empty).
+    let legacy: Vec<&str> = of("legacy")
+        .trim_start_matches("gpumem_gpu_assigned_info{")
+        .split(',')
+        .filter(|l| !l.contains(r#"="""#))
+        .collect();
+    assert_eq!(
+        legacy.join(","),
+        r#"gpu="2",UUID="GPU-2aaa",pod_namespace="ml",pod_name="legacy",container_name="main""#,
+        "{}",
+        of("legacy")
+    );
+    assert!(of("legacy").ends_with(" 1"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

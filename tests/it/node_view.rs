@@ -448,4 +448,43 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
         );
     }
     assert!(migs >= 3, "the demo's GPU in MIG mode shows its instances");
+
+    // The assignments: one row per series, as labelled.
+    let labelled = |l: &Labels, k: &str| l.get(k).cloned().unwrap_or_default();
+    let series: BTreeSet<[String; 6]> = m
+        .series(c::GPU_ASSIGNED.name, &[])
+        .map(|(_, l, _)| {
+            let claim = match labelled(l, "claim_name") {
+                name if name.is_empty() => name,
+                name => format!("{}/{name}", labelled(l, "claim_namespace")),
+            };
+            [
+                labelled(l, "UUID"),
+                labelled(l, "mig_uuid"),
+                labelled(l, "pod_namespace"),
+                labelled(l, "pod_name"),
+                labelled(l, "container_name"),
+                claim,
+            ]
+        })
+        .collect();
+    let rows: Vec<[String; 6]> = page["assigned"]
+        .as_array()
+        .expect("assigned")
+        .iter()
+        .map(|r| {
+            [
+                "uuid",
+                "mig_uuid",
+                "pod_namespace",
+                "pod_name",
+                "container_name",
+                "claim",
+            ]
+            .map(|k| s(r, k))
+        })
+        .collect();
+    assert!(!series.is_empty(), "the demo assigns its GPUs");
+    assert_eq!(rows.len(), series.len(), "{rows:?}");
+    assert_eq!(rows.into_iter().collect::<BTreeSet<_>>(), series);
 }

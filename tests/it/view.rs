@@ -518,6 +518,32 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
         }
     }
     assert_eq!(pids, 6, "three processes a GPU: {page}");
+    // The assignments' table: a row per series, each naming its pod.
+    let assigned = browser.eval(
+        "return {shown: !document.getElementById('assignments').hidden, \
+           pods: Array.from(document.querySelectorAll('#assigned tr[data-pod]')).map(r => r.dataset.pod)};",
+    );
+    let series: Vec<&str> = exposition
+        .lines()
+        .filter(|l| l.starts_with("gpumem_gpu_assigned_info{"))
+        .collect();
+    let pods = assigned["pods"].as_array().expect("rows");
+    assert!(
+        assigned["shown"] == true && !series.is_empty(),
+        "{assigned}"
+    );
+    assert_eq!(pods.len(), series.len(), "{assigned} {series:?}");
+    for pod in pods {
+        let (namespace, name) = pod
+            .as_str()
+            .and_then(|p| p.split_once('/'))
+            .expect("ns/pod");
+        let labels = format!(r#"pod_namespace="{namespace}",pod_name="{name}""#);
+        assert!(
+            series.iter().any(|l| l.contains(&labels)),
+            "{pod}: {series:?}"
+        );
+    }
     // GPU 1 is in MIG mode: a bar per GPU instance under it, each with its process, and
     // the instances /metrics names.
     let migs = browser.eval(

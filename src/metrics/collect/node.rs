@@ -1,8 +1,9 @@
 //! A polled source's series: whether it answered and how long it took, the GPUs, MIG
-//! devices and processes of its node sample, and the pods the kubelet assigned each device.
+//! devices and processes of its node sample, and the pods the kubelet assigned each device
+//! (DRA devices that name none of the sample's, by their names).
 
 use crate::telemetry::SourceReport;
-use crate::telemetry::pod_resources::{DeviceIndex, PodDirectory};
+use crate::telemetry::pod_resources::{Placed, PodDirectory};
 
 use super::super::contract as c;
 use super::super::names::{Names, mig_labels};
@@ -42,10 +43,7 @@ pub(super) fn collect(
             ],
             1.0,
         );
-        for (mig, uuid, processes) in gpu.devices() {
-            let at = mig.map_or(DeviceIndex::Gpu(gpu.index), |mig| {
-                DeviceIndex::Mig(gpu.index, mig.index)
-            });
+        for (mig, _, processes) in gpu.devices() {
             let named = mig.map(mig_labels);
             let extra: &[(String, String)] = named.as_ref().map_or(&[], |l| l.as_slice());
             // The contract's MIG labels are these three, in this order.
@@ -62,22 +60,6 @@ pub(super) fn collect(
                 f.of(&c::MIG_TOTAL).push(labels, mig.total as f64);
                 f.of(&c::MIG_USED).push(labels, mig.used as f64);
                 f.of(&c::MIG_FREE).push(labels, mig.free as f64);
-            }
-            for holder in assigned
-                .map(|d| d.holders(uuid, Some(at)))
-                .unwrap_or_default()
-            {
-                f.of(&c::GPU_ASSIGNED).push_with(
-                    [
-                        &index,
-                        &gpu.uuid,
-                        &holder.namespace,
-                        &holder.pod,
-                        &holder.container,
-                    ],
-                    extra,
-                    1.0,
-                );
             }
             for p in processes {
                 let Some(used) = p.used else { continue };
@@ -105,4 +87,43 @@ pub(super) fn collect(
             }
         }
     }
+    for placed in assigned.map(|d| d.place(&node.gpus)).unwrap_or_default() {
+        assignment_series(f, &placed);
+    }
+}
+
+/// The series of one assignment: its GPU's `gpu` and `UUID` (empty where it names none of
+/// the node's) and a MIG device's labels.
+fn assignment_series(f: &mut Families, placed: &Placed<'_>) {
+    let a = placed.assignment;
+    let h = &a.holder;
+    let (index, uuid) = placed.on.map_or((String::new(), ""), |(gpu, _)| {
+        (gpu.index.to_string(), gpu.uuid.as_str())
+    });
+    let named = placed.on.and_then(|(_, mig)| mig).map(mig_labels);
+    let extra: &[(String, String)] = named.as_ref().map_or(&[], |l| l.as_slice());
+    let (claim_namespace, claim_name) = a
+        .dra
+        .as_ref()
+        .map_or(("", ""), |c| (c.namespace.as_str(), c.name.as_str()));
+    let (driver, pool, name) = a.dra.as_ref().map_or(("", "", ""), |c| {
+        let d = &c.device;
+        (d.driver.as_str(), d.pool.as_str(), d.device.as_str())
+    });
+    f.of(&c::GPU_ASSIGNED).push_with(
+        [
+            &index,
+            uuid,
+            &h.namespace,
+            &h.pod,
+            &h.container,
+            claim_namespace,
+            claim_name,
+            driver,
+            pool,
+            name,
+        ],
+        extra,
+        1.0,
+    );
 }

@@ -155,12 +155,30 @@ async function refresh() {
     const view = await response.json();
     $('gpus').replaceChildren(...view.gpus.map(drawGpu));
     drawProcesses(view.processes);
+    drawAssigned(view.assigned);
     if (mapOf) await refreshMap();
     $('updated').textContent = new Date().toISOString();
     $('error').textContent = '';
     window.gpumemDrawn += 1;
   } catch (error) {
     $('error').textContent = String(error.message || error);
+  }
+}
+
+function drawAssigned(assigned) {
+  $('assignments').hidden = assigned.length === 0;
+  const table = $('assigned');
+  table.replaceChildren();
+  const head = node('tr');
+  for (const h of ['GPU', 'MIG device', 'pod', 'claim', 'DRA device']) head.append(node('th', {}, h));
+  table.append(head);
+  for (const a of assigned) {
+    const tr = node('tr', { 'data-uuid': a.uuid, 'data-pod': `${a.pod_namespace}/${a.pod_name}` });
+    const pod = `${a.pod_namespace}/${a.pod_name}${a.container_name ? ` (${a.container_name})` : ''}`;
+    for (const text of [a.gpu === '' ? '(not on this node)' : a.gpu, a.mig_uuid, pod, a.claim, a.dra_device]) {
+      tr.append(node('td', { class: 'wraps' }, text));
+    }
+    table.append(tr);
   }
 }
 

@@ -1,0 +1,286 @@
+//! Devices assigned by Dynamic Resource Allocation, resolved on the node without the API
+//! server: the kubelet names a claim's device by its driver, pool and device name (a
+//! ResourceSlice's, not a GPU's) and by the CDI devices the driver prepared for it; the
+//! node's CDI specs and the driver's MIG capability minors say which GPU or MIG device that
+//! is.
+//!
+//! A claim's device resolves, first match wins, to:
+//! 1. what its CDI devices' own edits name: `NVIDIA_VISIBLE_DEVICES` entries (UUIDs or
+//!    indices), and device nodes: a MIG instance's `/dev/nvidia-caps/nvidia-cap<N>` (through
+//!    [`MigMinors`]: its GPU's minor and instance IDs) rather than its parent's
+//!    `/dev/nvidia<M>`, which a MIG device's spec lists too, else a whole GPU's
+//!    `/dev/nvidia<M>` (its device minor);
+//! 2. for NVIDIA's driver (`gpu.nvidia.com`), a whole GPU's device name `gpu-<N>`: the GPU
+//!    whose device minor is `N` (the driver names GPUs by minor since its PR #428, not by
+//!    NVML's index; the two differ where the driver numbered GPUs otherwise than the PCI
+//!    order NVML follows). Its MIG devices' names (`gpu-<minor>-mig-<profile>-<profile
+//!    ID>-<placement>`) carry no instance IDs: only their CDI specs resolve them;
+//! 3. nothing: the assignment is exported by its driver, pool and device names.
+//!
+//! # Invariants
+//! - Resolution reads files only (the CDI spec directories, `mig-minors`): no RBAC, no
+//!   network; what it cannot resolve it reports unresolved, never guesses.
+
+use std::path::{Path, PathBuf};
+
+use super::cdi::{CdiSpecs, Edits};
+use super::nvidia_caps::MigMinors;
+use super::pod_resources::api::ClaimResource;
+use super::pod_resources::{DeviceIndex, DeviceKey};
+
+/// NVIDIA's DRA driver.
+pub const NVIDIA_DRIVER: &str = "gpu.nvidia.com";
+
+/// A device as a DRA driver's ResourceSlice names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DraDevice {
+    /// The driver (`gpu.nvidia.com`).
+    pub driver: String,
+    /// Its pool (NVIDIA's: the node's name).
+    pub pool: String,
+    /// The device's name in the pool (NVIDIA's: `gpu-0`, `gpu-0-mig-…`).
+    pub device: String,
+}
+
+/// Where a node keeps what resolves DRA devices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeFiles {
+    /// CDI spec directories, in increasing priority.
+    pub cdi_dirs: Vec<PathBuf>,
+    /// The driver's `mig-minors` file.
+    pub mig_minors: PathBuf,
+}
+
+impl Default for NodeFiles {
+    fn default() -> Self {
+        NodeFiles {
+            cdi_dirs: super::cdi::DEFAULT_SPEC_DIRS.map(PathBuf::from).to_vec(),
+            mig_minors: super::nvidia_caps::DEFAULT_PATH.into(),
+        }
+    }
+}
+
+/// The node's files, read again as they change.
+pub struct NodeReader {
+    specs: CdiSpecs,
+    mig_minors: PathBuf,
+}
+
+impl NodeReader {
+    /// A reader of `files`.
+    pub fn new(files: NodeFiles) -> NodeReader {
+        NodeReader {
+            specs: CdiSpecs::new(files.cdi_dirs),
+            mig_minors: files.mig_minors,
+        }
+    }
+
+    /// What resolves devices now; the CDI spec files skipped, with their reasons.
+    pub fn resolver(&mut self) -> (Resolver, Vec<(PathBuf, String)>) {
+        let (cdi, skipped) = self.specs.devices();
+        let resolver = Resolver {
+            cdi,
+            mig_minors: MigMinors::read(&self.mig_minors),
+        };
+        (resolver, skipped)
+    }
+}
+
+/// The node's CDI devices and MIG capability minors at one moment.
+#[derive(Debug, Default)]
+pub struct Resolver {
+    cdi: std::collections::HashMap<String, Edits>,
+    mig_minors: MigMinors,
+}
+
+impl Resolver {
+    /// A resolver of these CDI devices (qualified name → edits) and minors.
+    pub fn new(cdi: std::collections::HashMap<String, Edits>, mig_minors: MigMinors) -> Self {
+        Resolver { cdi, mig_minors }
+    }
+
+    /// The keys naming the node's device a claim's device is; empty when unresolved.
+    pub fn resolve(&self, device: &ClaimResource) -> Vec<DeviceKey> {
+        let mut keys: Vec<DeviceKey> = Vec::new();
+        let (mut instances, mut minors) = (Vec::new(), Vec::new());
+        for edits in device
+            .cdi_devices
+            .iter()
+            .filter_map(|d| self.cdi.get(&d.name))
+        {
+            keys.extend(edits.env.iter().flat_map(|e| visible_devices(e)));
+            for node in &edits.device_nodes {
+                let path = Path::new(node.host_path());
+                if let Some(cap) = minor_of(path, "/dev/nvidia-caps", "nvidia-cap") {
+                    instances.extend(self.mig_minors.get(cap));
+                } else if let Some(minor) = minor_of(path, "/dev", "nvidia") {
+                    minors.push(minor);
+                }
+            }
+        }
+        // A MIG device's spec lists its parent's node too: the instance names it. A compute
+        // instance's node is more precise than its GPU instance's.
+        let precise = instances.iter().any(|i| i.compute_instance.is_some());
+        instances.retain(|i| !precise || i.compute_instance.is_some());
+        if instances.is_empty() {
+            keys.extend(minors.into_iter().map(DeviceKey::Minor));
+        } else {
+            keys.extend(instances.into_iter().map(DeviceKey::Mig));
+        }
+        if keys.is_empty()
+            && device.driver_name == NVIDIA_DRIVER
+            && let Some(minor) = device.device_name.strip_prefix("gpu-").and_then(number)
+        {
+            keys.push(DeviceKey::Minor(minor));
+        }
+        keys.dedup();
+        keys
+    }
+}
+
+/// A decimal number of at most 10 digits, without sign or leading `+`.
+fn number(s: &str) -> Option<u32> {
+    (!s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| s.parse().ok())
+        .flatten()
+}
+
+/// `<dir>/<prefix><N>` → `N`.
+fn minor_of(path: &Path, dir: &str, prefix: &str) -> Option<u32> {
+    if path.parent()? != Path::new(dir) {
+        return None;
+    }
+    number(path.file_name()?.to_str()?.strip_prefix(prefix)?)
+}
+
+/// The devices an `NVIDIA_VISIBLE_DEVICES=…` entry names: UUIDs, indices and `<gpu>:<mig>`
+/// indices (`all`, `none` and `void` name none).
+fn visible_devices(entry: &str) -> Vec<DeviceKey> {
+    let Some(list) = entry.strip_prefix("NVIDIA_VISIBLE_DEVICES=") else {
+        return Vec::new();
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter_map(|item| {
+            if item.starts_with("GPU-") || item.starts_with("MIG-") {
+                Some(DeviceKey::Uuid(item.to_string()))
+            } else if let Some(i) = number(item) {
+                Some(DeviceKey::Index(DeviceIndex::Gpu(i)))
+            } else {
+                let (gpu, mig) = item.split_once(':')?;
+                Some(DeviceKey::Index(DeviceIndex::Mig(
+                    number(gpu)?,
+                    number(mig)?,
+                )))
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cdi::DeviceNode;
+    use super::super::nvidia_caps::MigInstance;
+    use super::super::pod_resources::api::CdiDevice;
+    use super::*;
+
+    fn claim(driver: &str, device: &str, cdi: &[&str]) -> ClaimResource {
+        ClaimResource {
+            cdi_devices: cdi
+                .iter()
+                .map(|n| CdiDevice { name: (*n).into() })
+                .collect(),
+            driver_name: driver.into(),
+            pool_name: "node-a".into(),
+            device_name: device.into(),
+        }
+    }
+
+    fn edits(env: &[&str], nodes: &[&str]) -> Edits {
+        Edits {
+            env: env.iter().map(|s| (*s).to_string()).collect(),
+            device_nodes: nodes
+                .iter()
+                .map(|p| DeviceNode {
+                    path: (*p).into(),
+                    host_path: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn cdi_edits_names_and_minors_resolve_and_the_rest_does_not() {
+        let cdi = [
+            (
+                "k8s.gpu.nvidia.com/claim=u1-gpu-1",
+                edits(&[], &["/dev/nvidia1"]),
+            ),
+            (
+                "k8s.gpu.nvidia.com/claim=u2-mig",
+                edits(
+                    &[],
+                    &[
+                        "/dev/nvidia0",
+                        "/dev/nvidia-caps/nvidia-cap21",
+                        "/dev/nvidia-caps/nvidia-cap22",
+                    ],
+                ),
+            ),
+            (
+                "nvidia.com/gpu=uuid",
+                edits(&["NVIDIA_VISIBLE_DEVICES=GPU-abc,3:1,void"], &[]),
+            ),
+            (
+                "k8s.gpu.nvidia.com/claim=u3-ctl",
+                edits(&[], &["/dev/nvidiactl"]),
+            ),
+        ]
+        .into_iter()
+        .map(|(n, e)| (n.to_string(), e))
+        .collect();
+        let resolver = Resolver::new(
+            cdi,
+            MigMinors::parse("gpu0/gi3/access 21\ngpu0/gi3/ci0/access 22\n"),
+        );
+        let r = |c: ClaimResource| resolver.resolve(&c);
+        assert_eq!(
+            r(claim(
+                NVIDIA_DRIVER,
+                "gpu-1",
+                &["k8s.gpu.nvidia.com/claim=u1-gpu-1"]
+            )),
+            [DeviceKey::Minor(1)]
+        );
+        assert_eq!(
+            r(claim(
+                NVIDIA_DRIVER,
+                "gpu-0-mig-9-3-4",
+                &["k8s.gpu.nvidia.com/claim=u2-mig"]
+            )),
+            [DeviceKey::Mig(MigInstance {
+                gpu_minor: 0,
+                gpu_instance: 3,
+                compute_instance: Some(0)
+            })]
+        );
+        assert_eq!(
+            r(claim("other.example.com", "x", &["nvidia.com/gpu=uuid"])),
+            [
+                DeviceKey::Uuid("GPU-abc".into()),
+                DeviceKey::Index(DeviceIndex::Mig(3, 1))
+            ]
+        );
+        // No CDI device: NVIDIA's whole-GPU name is the device minor; its MIG names, another
+        // driver's names and nodes that are no GPU's resolve to nothing.
+        assert_eq!(r(claim(NVIDIA_DRIVER, "gpu-5", &[])), [DeviceKey::Minor(5)]);
+        for unresolved in [
+            claim(NVIDIA_DRIVER, "gpu-0-mig-1g10gb-0-0", &["missing=x"]),
+            claim(NVIDIA_DRIVER, "gpu-+1", &[]),
+            claim("dra.example.com", "gpu-2", &[]),
+            claim(NVIDIA_DRIVER, "gpux", &["k8s.gpu.nvidia.com/claim=u3-ctl"]),
+        ] {
+            assert_eq!(r(unresolved.clone()), [], "{unresolved:?}");
+        }
+    }
+}
