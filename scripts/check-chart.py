@@ -67,6 +67,7 @@ ALL_ON = {
                        "successThreshold": 1},
     "gpuNodeLabel": {"key": "gpumem.io/gpu", "value": "true"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
+    "dra": {"enabled": True, "cdiSpecDirs": ["/etc/cdi", "/var/run/cdi", "/opt/cdi"]},
     "webhook": {"enabled": True, "volume": "image", "replicas": 3,
                 "namespaceSelector": {"matchLabels": {"gpumem.io/tenant": "true"}}},
     "podNetwork": {"enabled": True, "criSocket": "/var/run/crio/crio.sock", "expose": "hostPort",
@@ -186,8 +187,50 @@ if container["livenessProbe"] != {"httpGet": {"path": "/healthz", "port": "metri
     fail(f"probes: {container['livenessProbe']} {container['readinessProbe']}")
 if ds_pod.get("nodeSelector") != {"gpumem.io/gpu": "true", "kubernetes.io/os": "linux"}:
     fail(f"gpuNodeLabel and nodeSelector: {ds_pod.get('nodeSelector')}")
-if default_pod.get("nodeSelector") != {"nvidia.com/gpu.present": "true"} or "affinity" in default_pod:
+# By default, nodes of either setup (device plugin or DRA): any of gpuNodeAffinity's expressions.
+GPU_EXPRESSIONS = yaml.safe_load((CHART / "values.yaml").read_text())["gpuNodeAffinity"]
+
+
+def required_terms(pod):
+    """The pod's required node-affinity terms."""
+    affinity = pod.get("affinity", {}).get("nodeAffinity", {})
+    return affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
+        "nodeSelectorTerms")
+
+
+keys = {e["key"] for e in GPU_EXPRESSIONS}
+if "nodeSelector" in default_pod \
+        or required_terms(default_pod) != [{"matchExpressions": [e]} for e in GPU_EXPRESSIONS] \
+        or not {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present",
+                "eks.amazonaws.com/instance-gpu-manufacturer"} <= keys:
     fail(f"default node selection: {default_pod.get('nodeSelector')} {default_pod.get('affinity')}")
+# The user's required terms (ORed) are each ANDed with each expression: term × expression.
+user_terms = [{"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In",
+                                     "values": ["amd64"]}]},
+              {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-7"]}]}]
+both = daemonset({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+    "nodeSelectorTerms": user_terms}}}})
+expected = [{**term, "matchExpressions": term.get("matchExpressions", []) + [e]}
+            for term in user_terms for e in GPU_EXPRESSIONS]
+if required_terms(both) != expected:
+    fail(f"gpuNodeAffinity beside the user's node affinity: {required_terms(both)}")
+# The node's CDI spec directories, read-only under /host, passed to the agent; none without
+# DRA or without pod resources.
+default_container = default_pod["containers"][0]
+cdi_volumes = [v for v in default_pod["volumes"] if v["name"].startswith("cdi-")]
+cdi_mounts = [m for m in default_container["volumeMounts"] if m["name"].startswith("cdi-")]
+args = default_container["args"]
+if [v["hostPath"]["path"] for v in cdi_volumes] != ["/etc/cdi", "/var/run/cdi"] \
+        or [(m["mountPath"], m.get("readOnly")) for m in cdi_mounts] \
+        != [("/host/etc/cdi", True), ("/host/var/run/cdi", True)] \
+        or args[args.index("--cdi-spec-dirs") + 1] != "/host/etc/cdi,/host/var/run/cdi":
+    fail(f"CDI directories: {cdi_volumes} {cdi_mounts} {args}")
+for off in [{"dra": {"enabled": False, "cdiSpecDirs": ["/etc/cdi"]}},
+            {"podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"}}]:
+    pod = daemonset(off)
+    if "--cdi-spec-dirs" in pod["containers"][0]["args"] \
+            or any(v["name"].startswith("cdi-") for v in pod.get("volumes", [])):
+        fail(f"CDI directories with {off}")
 default_probes = default_pod["containers"][0]
 if default_probes["livenessProbe"]["httpGet"]["path"] != "/healthz" \
         or default_probes["readinessProbe"]["httpGet"]["path"] != "/readyz":
@@ -301,8 +344,15 @@ def refused(values, message, what):
             print(f"{what}: refused")
 
 
-refused({"gpuNodeLabel": {"key": "example.com/gpu", "value": ""}, "affinity": ALL_ON["affinity"]},
-        "gpuNodeLabel with an empty value adds a node affinity", "gpuNodeLabel beside nodeAffinity")
+# A label of any value beside the user's node affinity: both required.
+beside = daemonset({"gpuNodeLabel": {"key": "example.com/gpu", "value": ""},
+                    "affinity": ALL_ON["affinity"]})
+if required_terms(beside) != [{"matchExpressions": [
+        {"key": "nvidia.com/gpu.product", "operator": "Exists"},
+        {"key": "example.com/gpu", "operator": "Exists"}]}]:
+    fail(f"gpuNodeLabel beside nodeAffinity: {beside.get('affinity')}")
+refused({"dra": {"enabled": True, "cdiSpecDirs": ["/etc/cdi,/run/cdi"]}},
+        "cdiSpecDirs", "a CDI directory with a comma")
 
 # The rules: at default values exactly the repository's file (its {{ $labels }} untouched by
 # Helm), and with every knob set, the knobs applied and the result still valid rules.
@@ -482,7 +532,10 @@ mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
 hosts = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v}
 expected = {"push": "/run/gpumem", "pod-resources": "/var/lib/kubelet/pod-resources",
             "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}
-if mounts != dict(expected, recordings="/var/lib/gpumem/recordings") or hosts != expected:
+cdi = {"cdi-0": "/etc/cdi", "cdi-1": "/var/run/cdi"}
+cdi_mounts = {name: "/host" + path for name, path in cdi.items()}
+if mounts != dict(expected, recordings="/var/lib/gpumem/recordings", **cdi_mounts) \
+        or hosts != dict(expected, **cdi):
     fail(f"default mounts {mounts}, host paths {hosts}")
 # Recordings: on an emptyDir with a size limit of their own, never a host path, with their caps.
 recordings = [v for v in pod["volumes"] if v["name"] == "recordings"]
