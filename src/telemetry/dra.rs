@@ -24,9 +24,8 @@
 use std::path::{Path, PathBuf};
 
 use super::cdi::{CdiSpecs, Edits};
+use super::device_key::{DeviceIndex, DeviceKey};
 use super::nvidia_caps::MigMinors;
-use super::pod_resources::api::ClaimResource;
-use super::pod_resources::{DeviceIndex, DeviceKey};
 
 /// NVIDIA's DRA driver.
 pub const NVIDIA_DRIVER: &str = "gpu.nvidia.com";
@@ -99,15 +98,17 @@ impl Resolver {
         Resolver { cdi, mig_minors }
     }
 
-    /// The keys naming the node's device a claim's device is; empty when unresolved.
-    pub fn resolve(&self, device: &ClaimResource) -> Vec<DeviceKey> {
+    /// The keys naming the node's device that a claim's device is (its driver's name for it,
+    /// and the qualified names of the CDI devices prepared for it); empty when unresolved.
+    pub fn resolve<'a>(
+        &self,
+        driver: &str,
+        device: &str,
+        cdi_devices: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<DeviceKey> {
         let mut keys: Vec<DeviceKey> = Vec::new();
         let (mut instances, mut minors) = (Vec::new(), Vec::new());
-        for edits in device
-            .cdi_devices
-            .iter()
-            .filter_map(|d| self.cdi.get(&d.name))
-        {
+        for edits in cdi_devices.into_iter().filter_map(|d| self.cdi.get(d)) {
             keys.extend(edits.env.iter().flat_map(|e| visible_devices(e)));
             for node in &edits.device_nodes {
                 let path = Path::new(node.host_path());
@@ -128,8 +129,8 @@ impl Resolver {
             keys.extend(instances.into_iter().map(DeviceKey::Mig));
         }
         if keys.is_empty()
-            && device.driver_name == NVIDIA_DRIVER
-            && let Some(minor) = device.device_name.strip_prefix("gpu-").and_then(number)
+            && driver == NVIDIA_DRIVER
+            && let Some(minor) = device.strip_prefix("gpu-").and_then(number)
         {
             keys.push(DeviceKey::Minor(minor));
         }
@@ -181,20 +182,14 @@ fn visible_devices(entry: &str) -> Vec<DeviceKey> {
 mod tests {
     use super::super::cdi::DeviceNode;
     use super::super::nvidia_caps::MigInstance;
-    use super::super::pod_resources::api::CdiDevice;
     use super::*;
 
-    fn claim(driver: &str, device: &str, cdi: &[&str]) -> ClaimResource {
-        ClaimResource {
-            cdi_devices: cdi
-                .iter()
-                .map(|n| CdiDevice { name: (*n).into() })
-                .collect(),
-            driver_name: driver.into(),
-            pool_name: "node-a".into(),
-            device_name: device.into(),
-        }
+    /// A claim's device: its driver, its name, its CDI devices.
+    fn claim<'a>(driver: &'a str, device: &'a str, cdi: &'a [&'a str]) -> Claim<'a> {
+        (driver, device, cdi)
     }
+
+    type Claim<'a> = (&'a str, &'a str, &'a [&'a str]);
 
     fn edits(env: &[&str], nodes: &[&str]) -> Edits {
         Edits {
@@ -243,7 +238,9 @@ mod tests {
             cdi,
             MigMinors::parse("gpu0/gi3/access 21\ngpu0/gi3/ci0/access 22\n"),
         );
-        let r = |c: ClaimResource| resolver.resolve(&c);
+        let r = |(driver, device, cdi): Claim<'_>| {
+            resolver.resolve(driver, device, cdi.iter().copied())
+        };
         assert_eq!(
             r(claim(
                 NVIDIA_DRIVER,
@@ -280,7 +277,7 @@ mod tests {
             claim("dra.example.com", "gpu-2", &[]),
             claim(NVIDIA_DRIVER, "gpux", &["k8s.gpu.nvidia.com/claim=u3-ctl"]),
         ] {
-            assert_eq!(r(unresolved.clone()), [], "{unresolved:?}");
+            assert_eq!(r(unresolved), [], "{unresolved:?}");
         }
     }
 }

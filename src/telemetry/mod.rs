@@ -14,6 +14,7 @@ pub mod cdi;
 pub mod cgroup;
 #[cfg(feature = "kubelet")]
 pub mod cri;
+pub mod device_key;
 pub mod dra;
 #[cfg(feature = "kubelet")]
 pub mod grpc;

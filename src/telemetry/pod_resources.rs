@@ -26,11 +26,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 #[cfg(feature = "kubelet")]
 use std::time::{Duration, Instant};
 
+use super::device_key::NodeDevice;
+pub use super::device_key::{DeviceIndex, DeviceKey};
 use super::dra::{DraDevice, NodeFiles, NodeReader, Resolver};
 #[cfg(feature = "kubelet")]
 use super::grpc::{self, GrpcError};
 use super::latest::Latest;
-use super::nvidia_caps::MigInstance;
 use super::{GpuSample, MigSample, SourceReport};
 
 /// The kubelet's socket on a node.
@@ -152,29 +153,6 @@ pub struct PodContainer {
     pub container: String,
 }
 
-/// A device's place on the node, as the device plugin's index strategy names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeviceIndex {
-    /// A whole GPU: NVML's index.
-    Gpu(u32),
-    /// A MIG device: its parent's index and its own among the parent's.
-    Mig(u32, u32),
-}
-
-/// One way an assignment names a device on the node.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum DeviceKey {
-    /// A GPU's or MIG device's UUID (`GPU-…`, `MIG-…`).
-    Uuid(String),
-    /// Its node index.
-    Index(DeviceIndex),
-    /// A whole GPU's device minor (`/dev/nvidia<minor>`).
-    Minor(u32),
-    /// A MIG instance, by its GPU's minor (a GPU instance's node names every compute
-    /// instance in it).
-    Mig(MigInstance),
-}
-
 /// An assignment where it is on the node.
 #[derive(Clone, Copy, Debug)]
 pub struct Placed<'a> {
@@ -183,43 +161,6 @@ pub struct Placed<'a> {
     pub on: Option<(&'a GpuSample, Option<&'a MigSample>)>,
     /// The assignment.
     pub assignment: &'a Assignment,
-}
-
-/// A GPU or MIG device of the node, by every name an assignment may give it.
-#[derive(Clone, Copy, Debug)]
-struct NodeDevice<'a> {
-    /// Its UUID.
-    uuid: &'a str,
-    /// Its index.
-    index: DeviceIndex,
-    /// Its GPU's device minor, where known.
-    minor: Option<u32>,
-    /// A MIG device's GPU and compute instance IDs.
-    instance: Option<(u32, u32)>,
-}
-
-impl NodeDevice<'_> {
-    /// The keys that name it.
-    fn keys(&self) -> Vec<DeviceKey> {
-        let mut keys = vec![
-            DeviceKey::Uuid(self.uuid.to_string()),
-            DeviceKey::Index(self.index),
-        ];
-        match (self.minor, self.instance) {
-            (Some(gpu_minor), Some((gpu_instance, compute_instance))) => {
-                for compute_instance in [Some(compute_instance), None] {
-                    keys.push(DeviceKey::Mig(MigInstance {
-                        gpu_minor,
-                        gpu_instance,
-                        compute_instance,
-                    }));
-                }
-            }
-            (Some(minor), None) => keys.push(DeviceKey::Minor(minor)),
-            (None, _) => {}
-        }
-        keys
-    }
 }
 
 /// The DRA claim a device was assigned through.
@@ -234,7 +175,7 @@ pub struct DraClaim {
 }
 
 /// One device given to one container.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Assignment {
     /// The container.
     pub holder: PodContainer,
@@ -247,6 +188,7 @@ pub struct Assignment {
 /// Who holds each device, from one `List` answer.
 #[derive(Debug, Default)]
 pub struct PodDirectory {
+    /// Without repeats.
     assignments: Vec<Assignment>,
     /// Each key → the assignments naming it.
     by_key: HashMap<DeviceKey, Vec<usize>>,
@@ -256,6 +198,13 @@ impl PodDirectory {
     /// The directory of one answer, its DRA devices resolved by `resolver`.
     pub fn from_list(list: &api::ListPodResourcesResponse, resolver: &Resolver) -> Self {
         let mut directory = PodDirectory::default();
+        let mut seen = HashSet::new();
+        let mut add = |holder: PodContainer, dra: Option<DraClaim>, keys: Vec<DeviceKey>| {
+            let assignment = Assignment { holder, dra, keys };
+            if seen.insert(assignment.clone()) {
+                directory.add(assignment);
+            }
+        };
         for pod in &list.pod_resources {
             for container in &pod.containers {
                 let holder = PodContainer {
@@ -266,7 +215,7 @@ impl PodDirectory {
                 for devices in &container.devices {
                     for id in &devices.device_ids {
                         if let Some(key) = device_key(&devices.resource_name, id) {
-                            directory.add(holder.clone(), None, vec![key]);
+                            add(holder.clone(), None, vec![key]);
                         }
                     }
                 }
@@ -281,7 +230,9 @@ impl PodDirectory {
                                 device: device.device_name.clone(),
                             },
                         };
-                        directory.add(holder.clone(), Some(dra), resolver.resolve(device));
+                        let cdi = device.cdi_devices.iter().map(|d| d.name.as_str());
+                        let keys = resolver.resolve(&device.driver_name, &device.device_name, cdi);
+                        add(holder.clone(), Some(dra), keys);
                     }
                 }
             }
@@ -289,12 +240,8 @@ impl PodDirectory {
         directory
     }
 
-    /// Adds an assignment, unless an equal one is there.
-    fn add(&mut self, holder: PodContainer, dra: Option<DraClaim>, keys: Vec<DeviceKey>) {
-        let assignment = Assignment { holder, dra, keys };
-        if self.assignments.contains(&assignment) {
-            return;
-        }
+    /// Adds an assignment (not there yet).
+    fn add(&mut self, assignment: Assignment) {
         let at = self.assignments.len();
         for key in &assignment.keys {
             self.by_key.entry(key.clone()).or_default().push(at);
@@ -341,10 +288,11 @@ impl PodDirectory {
     /// The assignments of this device of the node (each container and claim once).
     fn holders(&self, device: &NodeDevice<'_>) -> Vec<&Assignment> {
         let mut all: Vec<&Assignment> = Vec::new();
+        let mut seen = HashSet::new();
         for key in device.keys() {
             for &at in self.by_key.get(&key).map(Vec::as_slice).unwrap_or_default() {
                 let a = &self.assignments[at];
-                if !all.iter().any(|b| b.holder == a.holder && b.dra == a.dra) {
+                if seen.insert((&a.holder, &a.dra)) {
                     all.push(a);
                 }
             }

@@ -10,6 +10,7 @@ import unicodedata
 # list against the agent's). Names it sets itself are accepted under that prefix.
 COLLIDING = frozenset((
     "UUID", "GPU_I_ID", "GPU_I_PROFILE", "mig_uuid",
+    "claim_name", "claim_namespace", "dra_device", "dra_driver", "dra_pool",
     "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
     "kind", "model", "outcome", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process",
     "reason", "result",

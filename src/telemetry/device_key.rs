@@ -1,0 +1,66 @@
+//! How an assignment names a device of the node, and every name a GPU or MIG device of the
+//! node answers to: a device plugin's UUIDs and node indices, a DRA device's device minors
+//! and MIG instances (resolved in [`super::dra`]). The directory of assignments
+//! ([`super::pod_resources`]) joins the two by these keys.
+
+use super::nvidia_caps::MigInstance;
+
+/// A device's place on the node, as the device plugin's index strategy names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceIndex {
+    /// A whole GPU: NVML's index.
+    Gpu(u32),
+    /// A MIG device: its parent's index and its own among the parent's.
+    Mig(u32, u32),
+}
+
+/// One way an assignment names a device on the node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKey {
+    /// A GPU's or MIG device's UUID (`GPU-…`, `MIG-…`).
+    Uuid(String),
+    /// Its node index.
+    Index(DeviceIndex),
+    /// A whole GPU's device minor (`/dev/nvidia<minor>`).
+    Minor(u32),
+    /// A MIG instance, by its GPU's minor (a GPU instance's node names every compute
+    /// instance in it).
+    Mig(MigInstance),
+}
+
+/// A GPU or MIG device of the node, by every name an assignment may give it.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeDevice<'a> {
+    /// Its UUID.
+    pub uuid: &'a str,
+    /// Its index.
+    pub index: DeviceIndex,
+    /// Its GPU's device minor, where known.
+    pub minor: Option<u32>,
+    /// A MIG device's GPU and compute instance IDs.
+    pub instance: Option<(u32, u32)>,
+}
+
+impl NodeDevice<'_> {
+    /// The keys that name it.
+    pub fn keys(&self) -> Vec<DeviceKey> {
+        let mut keys = vec![
+            DeviceKey::Uuid(self.uuid.to_string()),
+            DeviceKey::Index(self.index),
+        ];
+        match (self.minor, self.instance) {
+            (Some(gpu_minor), Some((gpu_instance, compute_instance))) => {
+                for compute_instance in [Some(compute_instance), None] {
+                    keys.push(DeviceKey::Mig(MigInstance {
+                        gpu_minor,
+                        gpu_instance,
+                        compute_instance,
+                    }));
+                }
+            }
+            (Some(minor), None) => keys.push(DeviceKey::Minor(minor)),
+            (None, _) => {}
+        }
+        keys
+    }
+}
