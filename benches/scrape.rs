@@ -82,6 +82,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 last_oom: Default::default(),
                 segments: Default::default(),
                 xla: None,
+                unmapped: 0,
             }));
         }
     }

@@ -120,22 +120,37 @@ def by(labels, metric, selector):
 IG = "instance, gpu"
 
 
+def resident(labels, selector):
+    """What the caching allocators hold on the device, by `labels`: reserved, less what a
+    sleeping pool unmapped (XLA's allocators have no such part)."""
+    reserved = by(labels, "gpumem_allocator_reserved_bytes", selector)
+    return f"({reserved} - {by(labels, 'gpumem_allocator_unmapped_bytes', selector)} or {reserved})"
+
+
+def outside(labels, selector):
+    """Per process (then summed by `labels`): NVML's figure beyond what its allocator holds
+    resident, never below 0."""
+    proc = "instance, gpu, UUID, pid"
+    return (f"sum by ({labels}) (clamp_min({by(proc, 'gpumem_process_used_bytes', selector)} "
+            f"- on ({proc}) group_left () {resident(proc, selector)}, 0))")
+
+
 def lineup():
     """nvidia-smi's view of one GPU split into what holds it; the stacked bands meet the
     total: allocated + reserved-unallocated + outside + other processes = what processes use,
     plus memory nvidia-smi counts used but charges to no process, the driver's reservation,
     and free."""
     alloc = by(IG, "gpumem_allocator_allocated_bytes", GPU)
-    reserved = by(IG, "gpumem_allocator_reserved_bytes", GPU)
+    held = resident(IG, GPU)
     total = by(IG, "gpumem_device_total_bytes", GPU)
     zero = f"0 * {total}"
     procs = by(IG, "gpumem_process_used_bytes", GPU)
     targets = [
-        target("A", alloc, "allocated"),
-        target("B", f"{reserved} - {alloc}", "reserved but unallocated"),
-        target("C", f"sum by ({IG}) (gpumem_process_used_bytes{{{GPU}}} and on (instance, gpu, "
-                    f"UUID, pid) gpumem_allocator_reserved_bytes) - {reserved}",
-               "outside the allocator"),
+        # Allocated bytes are drawn within what is resident: a sleeping pool's blocks stay
+        # allocated in PyTorch's count while their memory is unmapped.
+        target("A", f"({alloc} <= {held}) or {held}", "allocated"),
+        target("B", f"clamp_min({held} - {alloc}, 0)", "reserved but unallocated"),
+        target("C", outside(IG, GPU), "outside the allocator"),
         target("D", f"sum by ({IG}) (gpumem_process_used_bytes{{{GPU}}} unless on (instance, gpu, "
                     f"UUID, pid) gpumem_allocator_reserved_bytes) or {zero}", "other processes"),
         target("E", f"clamp_min({by(IG, 'gpumem_device_used_bytes', GPU)} - ({procs} or {zero}), 0)",
@@ -144,6 +159,7 @@ def lineup():
         target("G", by(IG, "gpumem_device_free_bytes", GPU), "free"),
         target("H", by(IG, "gpumem_device_used_bytes", GPU), "used (nvidia-smi)"),
         target("I", total, "total"),
+        target("J", by(IG, "gpumem_allocator_unmapped_bytes", GPU), "reserved, not resident"),
     ]
     p = timeseries(
         "Line-up: $node GPU $gpu",
@@ -152,6 +168,8 @@ def lineup():
         "(cache and fragmentation), memory their processes hold outside the allocator (CUDA "
         "context, NCCL, cuBLAS workspaces), other processes, memory nvidia-smi counts used but "
         "charges to no process, the driver's reservation and free: together the total (line). "
+        "Reserved memory a sleeping pool (vLLM, SGLang) unmapped is not on the device: its own "
+        "line, 'reserved, not resident', outside the stack. "
         "A thick 'reserved but unallocated' band with OOMs means fragmentation: try "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A thick 'outside the allocator' band "
         "is invisible to torch.cuda.memory_stats().",
@@ -161,7 +179,7 @@ def lineup():
             {"id": "custom.fillOpacity", "value": 0}, {"id": "custom.lineWidth", "value": 2}]
     p["fieldConfig"]["overrides"] = [
         {"matcher": {"id": "byFrameRefID", "options": ref}, "properties": line}
-        for ref in "HI"]
+        for ref in "HIJ"]
     return p
 
 
@@ -186,10 +204,10 @@ def overview():
              "unallocated", "percentunit", [(None, "green"), (0.3, "yellow"), (0.5, "red")]),
         stat("Outside the allocators",
              "Memory nvidia-smi charges to processes with a caching allocator beyond what it "
-             "reserves: CUDA context, NCCL buffers, cuBLAS and cuDNN workspaces.",
+             "holds resident (reserved, less what a sleeping pool unmapped): CUDA context, NCCL "
+             "buffers, cuBLAS and cuDNN workspaces.",
              (8, 0, 4, 5),
-             f"sum(gpumem_process_used_bytes{{{POD}}} and on (instance, gpu, UUID, pid) "
-             f"gpumem_allocator_reserved_bytes) - sum(gpumem_allocator_reserved_bytes{{{POD}}})",
+             f"sum({outside('instance, gpu, UUID, pid', POD)})",
              "outside", "bytes", [(None, "green"), (8 * 2**30, "yellow")]),
         stat("Alloc retries per second",
              "Allocations that had to flush the whole cache and retry. Anything above zero for "
@@ -230,23 +248,25 @@ def overview():
                "Value #A": "retries/s"}, sort="retries/s"),
         table("Processes",
               "Per process, with its node, pod and container: memory nvidia-smi charges it with, "
-              "what its caching allocator reserves and has allocated, and the rest (outside the "
-              "allocator). Namespace, pod and container come from the kubelet's log directories "
+              "what its caching allocator reserves and has allocated, what of the reserved a "
+              "sleeping pool unmapped (not resident), and the rest (outside the allocator). Namespace, pod and container come from the kubelet's log directories "
               "where the agent can tie a process's cgroup to its pod.",
               (0, 13, 24, 9),
               [target("A", by(proc, "gpumem_process_used_bytes", POD), table=True),
                target("B", by(proc, "gpumem_allocator_reserved_bytes", POD), table=True),
                target("C", by(proc, "gpumem_allocator_allocated_bytes", POD), table=True),
-               target("D", f"{by(proc, 'gpumem_process_used_bytes', POD)} - on (instance, gpu, "
-                           f"pid) group_left {by('instance, gpu, pid', 'gpumem_allocator_reserved_bytes', POD)}",
-                      table=True)],
+               target("D", f"clamp_min({by(proc, 'gpumem_process_used_bytes', POD)} - on "
+                           f"(instance, gpu, pid) group_left () "
+                           f"{resident('instance, gpu, pid', POD)}, 0)", table=True),
+               target("E", by(proc, "gpumem_allocator_unmapped_bytes", POD), table=True)],
               "bytes",
               ["instance", "gpu", "pid", "pod_namespace", "pod_name", "container_name",
-               "Value #A", "Value #B", "Value #C", "Value #D"],
+               "Value #A", "Value #B", "Value #C", "Value #E", "Value #D"],
               {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
                "container_name": "container", "Value #A": "used (nvidia-smi)",
                "Value #B": "reserved", "Value #C": "allocated",
-               "Value #D": "outside the allocator"}, sort="used (nvidia-smi)"),
+               "Value #E": "reserved, not resident", "Value #D": "outside the allocator"},
+              sort="used (nvidia-smi)"),
         table("GPU assignments",
               "The containers the kubelet assigned each GPU to (its pod-resources API; a "
               "time-sliced GPU lists several), by a device plugin or through a DRA claim (claim "

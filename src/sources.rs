@@ -74,6 +74,10 @@ pub struct AllocatorSource {
     /// What XLA's allocator reports beyond its statistics, for an [`AllocatorKind::Xla`]
     /// source (`None` for the others).
     pub xla: Option<XlaFigures>,
+    /// Of its reserved bytes, those whose physical memory a pool has unmapped (a sleeping
+    /// vLLM or SGLang pool, as the job said): reserved, resident nowhere, left out of NVML's
+    /// per-process figure. At most its reserved bytes.
+    pub unmapped: u64,
 }
 
 /// What XLA's allocator reports (PJRT's `memory_stats()` of a JAX device) that its
@@ -197,6 +201,7 @@ impl AllocatorSource {
             last_oom: Default::default(),
             segments: Default::default(),
             xla: None,
+            unmapped: 0,
         }
     }
 
@@ -229,6 +234,7 @@ impl AllocatorSource {
             last_oom: Mutex::new(last_oom),
             segments: Default::default(),
             xla,
+            unmapped: 0,
         }
     }
 

@@ -29,7 +29,7 @@ HOST_KEYS = {"allocated_bytes.current", "active_bytes.current", "allocations.cur
              "active_requests.current", "num_host_alloc", "num_host_free",
              "host_alloc_time.total"}
 DEVICE_KEYS = {"index", "uuid", "allocator", "stats", "largest_free_block", "segments_by_size",
-               "oom"}
+               "oom", "unmapped_bytes"}
 # PJRT's memory_stats() keys a JAX device's push carries, and the hook's OOM count.
 XLA_STATS = {"num_allocs", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size",
              "bytes_limit", "bytes_reserved", "peak_bytes_reserved", "bytes_reservable_limit",
@@ -110,6 +110,10 @@ def check_payload(p):
                 return f"bad xla device {d!r}"
             if st.get("bytes_in_use", 0) > st.get("pool_bytes", 1 << 62):
                 return "xla: bytes_in_use exceeds pool_bytes"
+        if "unmapped_bytes" in d:
+            reserved = d["stats"].get("reserved_bytes.all.current", 0)
+            if not is_int(d["unmapped_bytes"]) or not 0 <= d["unmapped_bytes"] <= reserved:
+                return f"unmapped_bytes {d['unmapped_bytes']!r} not within the reserved {reserved}"
         if "segments_by_size" in d:
             if not is_int(d.get("largest_free_block")):
                 return "segments_by_size without largest_free_block"

@@ -680,6 +680,81 @@ class LiveSnapshots(PushTest):
         self.assertEqual(child.result["stats"]["snapshots"]["periodic"], len(spans))
 
 
+class SleepingPools(PushTest):
+    """A vLLM-style pool asleep: its unmapped bytes go with the pushes, within the reserved,
+    until it wakes; what a job reports itself goes too."""
+
+    # A stand-in for vLLM's CuMemAllocator (only what the hook reads and wraps): 20 GiB of
+    # weights and 10 GiB of KV cache on device 0, in 40 GiB reserved.
+    JOB = textwrap.dedent("""
+        import json, sys, types, torch
+        torch._fake.allocate(0, 40 << 30)
+        for name in ("vllm", "vllm.device_allocator"):
+            sys.modules[name] = types.ModuleType(name)
+        cumem = types.ModuleType("vllm.device_allocator.cumem")
+        class Data:
+            def __init__(self, size, tag):
+                self.handle, self.tag = (0, size, 0, 0), tag
+        class CuMemAllocator:
+            def __init__(self):
+                self.pointer_to_data = {1: Data(20 << 30, "weights"), 2: Data(10 << 30, "kv_cache")}
+                self.calls = []
+            def sleep(self, offload_tags=None):
+                self.calls.append(("sleep", offload_tags))
+            def wake_up(self, tags=None):
+                self.calls.append(("wake_up", tags))
+        cumem.CuMemAllocator = CuMemAllocator
+        sys.modules["vllm.device_allocator.cumem"] = cumem
+        allocator = CuMemAllocator()
+        """)
+
+    def unmapped(self):
+        """Each accepted push's device 0 unmapped bytes (None where absent), in order."""
+        return [p["devices"][0].get("unmapped_bytes") for p in self.agent.recorder.accepted()]
+
+    def test_a_sleeping_vllm_pool_is_pushed_unmapped_until_it_wakes(self):
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            wait_sent(2)  # the hook has seen vLLM's module and wrapped it
+            allocator.sleep(offload_tags=("weights",))
+            sent = __import__("gpumem_push").stats()["sent"]
+            wait_sent(sent + 2)
+            allocator.wake_up(tags=["weights"])
+            sent = __import__("gpumem_push").stats()["sent"]
+            wait_sent(sent + 2)
+            allocator.wake_up()
+            sent = __import__("gpumem_push").stats()["sent"]
+            wait_sent(sent + 2)
+            print(json.dumps(allocator.calls))
+            """))
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        # vLLM's own calls went through, as made.
+        self.assertIn('[["sleep", ["weights"]], ["wake_up", ["weights"]], ["wake_up", null]]',
+                      child.stdout)
+        seen = self.unmapped()
+        gib = 1 << 30
+        # Awake, asleep (both allocations), the weights mapped again (the KV cache still
+        # unmapped), awake: in that order, each at least once.
+        order = [v for i, v in enumerate(seen) if i == 0 or seen[i - 1] != v]
+        self.assertEqual(order, [None, 30 * gib, 10 * gib, None], seen)
+
+    def test_a_job_reports_its_own_unmapped_memory_within_the_reserved(self):
+        child = self.run_child(self.JOB + textwrap.dedent("""
+            import gpumem_push
+            gpumem_push.report_unmapped(0, 50 << 30)  # more than reserved: pushed as all of it
+            sent = gpumem_push.stats()["sent"]
+            wait_sent(sent + 2)
+            gpumem_push.report_unmapped(0, 0)
+            sent = gpumem_push.stats()["sent"]
+            wait_sent(sent + 2)
+            """))
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        seen = self.unmapped()
+        order = [v for i, v in enumerate(seen) if i == 0 or seen[i - 1] != v]
+        self.assertEqual(order[-2:], [40 << 30, None], seen)
+
+
 class Interval(PushTest):
     def test_bad_intervals_warn_once_and_push_every_5_s(self):
         code = "import gpumem_push; gpumem_push.start(); print(gpumem_push.settings()['interval'])"

@@ -29,9 +29,9 @@ pub const MAX_BYTES: i64 = crate::allocator::size::ONE_EXABYTE as i64;
 pub const MAX_COUNT: i64 = 1 << 53;
 /// The largest pid Linux hands out (`PID_MAX_LIMIT`).
 pub const MAX_PID: u32 = 1 << 22;
-/// Series of one device without size classes: six per pool, ten per device, the largest
+/// Series of one device without size classes: six per pool, eleven per device, the largest
 /// free block and its age, the last OOM's time and the info series.
-pub(super) const SERIES_PER_DEVICE: usize = 2 * 6 + 10 + 4;
+pub(super) const SERIES_PER_DEVICE: usize = 2 * 6 + 11 + 4;
 /// Series of a device's OOM explanation: one per part of the breakdown.
 pub const OOM_BREAKDOWN_SERIES: usize = 7;
 /// (pool, stream) entries in one OOM push: both pools on 32 streams.

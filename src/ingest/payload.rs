@@ -16,7 +16,9 @@
 //! ```
 //!
 //! `oom` (on the device that ran out of memory, in an OOM push) is described in
-//! [`super::oom`].
+//! [`super::oom`]. `unmapped_bytes`, where a pool of the job has given its physical memory back
+//! while PyTorch still counts it reserved (vLLM's sleep mode, SGLang's torch_memory_saver
+//! paused), is that part of the reserved bytes: never more than `reserved_bytes.all.current`.
 //!
 //! A JAX job's GPU device says `"allocator": "xla"`: its `stats` are PJRT's
 //! `memory_stats()` keys (and the hook's `num_ooms`), read by [`super::xla`], with no snapshot
@@ -201,6 +203,10 @@ struct PushedDevice {
     /// On the device that ran out of memory: the request and each pool's figures.
     #[serde(default)]
     oom: Option<super::oom::PushedOom>,
+    /// Reserved bytes whose physical memory a pool has unmapped (a sleeping vLLM or SGLang
+    /// pool): counted reserved, resident nowhere.
+    #[serde(default)]
+    unmapped_bytes: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -253,6 +259,8 @@ pub struct ValidDevice {
     pub snapshot: Option<(u64, Vec<SegmentClass>)>,
     /// The explanation of the out-of-memory error this push reports, on the device that had it.
     pub last_oom: Option<LastOom>,
+    /// Of its reserved bytes, those whose physical memory is unmapped (0 unless said).
+    pub unmapped: u64,
 }
 
 impl ValidPush {
@@ -404,6 +412,17 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 .map(|oom| super::oom::explain(index, oom, stats.get("max_split_size").copied()))
                 .transpose()?
                 .flatten();
+            let unmapped = device.unmapped_bytes.unwrap_or(0);
+            let reserved = stats
+                .get("reserved_bytes.all.current")
+                .copied()
+                .unwrap_or(0);
+            if unmapped > reserved.max(0) as u64 {
+                return Err(invalid(format!(
+                    "device {index}: unmapped_bytes {unmapped} exceeds the {reserved} bytes \
+                     reserved (reserved_bytes.all.current)"
+                )));
+            }
             Ok(ValidDevice {
                 index,
                 uuid: device.uuid.clone(),
@@ -411,16 +430,19 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 xla: None,
                 snapshot,
                 last_oom,
+                unmapped,
             })
         }
         Some("xla") => {
             if device.largest_free_block.is_some()
                 || device.segments_by_size.is_some()
                 || device.oom.is_some()
+                || device.unmapped_bytes.is_some()
             {
                 return Err(invalid(format!(
                     "device {index}: an xla allocator's figures are its statistics \
-                     (largest_free_block_bytes among them): no snapshot, no oom object"
+                     (largest_free_block_bytes among them): no snapshot, no oom object, \
+                     no unmapped_bytes"
                 )));
             }
             let (stats, reported, largest) = super::xla::figures(index, &stats)?;
@@ -431,6 +453,7 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 xla: Some(reported),
                 snapshot: largest.map(|l| (l, Vec::new())),
                 last_oom: None,
+                unmapped: 0,
             })
         }
         Some(other) => Err(invalid(format!(
@@ -1120,6 +1143,10 @@ mod tests {
                 vec![device(serde_json::json!({"stats": {"bytes_in_use": -1}}))],
                 "negative",
             ),
+            (
+                vec![device(serde_json::json!({"unmapped_bytes": 0}))],
+                "no unmapped_bytes",
+            ),
         ] {
             let r = refused(&body(devices));
             assert_eq!(r.refusal, Refusal::Invalid, "{why}");
@@ -1133,5 +1160,27 @@ mod tests {
             .as_bytes(),
         );
         assert!(r.message.contains("jax_version"), "{}", r.message);
+    }
+
+    /// A sleeping pool's unmapped bytes are part of the reserved bytes: at most all of them.
+    #[test]
+    fn unmapped_bytes_are_within_the_reserved() {
+        let body = |unmapped: u64| {
+            serde_json::json!({"pid": 7, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-a",
+                "stats": {"reserved_bytes.all.current": 40, "reserved_bytes.large_pool.current": 40},
+                "unmapped_bytes": unmapped}]})
+            .to_string()
+            .into_bytes()
+        };
+        let push = validate(&body(40)).expect("all of it asleep");
+        assert_eq!(push.devices[0].unmapped, 40);
+        let r = refused(&body(41));
+        assert_eq!(r.refusal, Refusal::Invalid);
+        assert!(
+            r.message
+                .contains("unmapped_bytes 41 exceeds the 40 bytes reserved"),
+            "{}",
+            r.message
+        );
     }
 }

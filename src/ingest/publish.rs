@@ -80,14 +80,16 @@ pub(super) fn pushed_sources(
                 }),
                 None => before.and_then(AllocatorSource::cache),
             };
-            Arc::new(AllocatorSource::pushed(
+            let mut source = AllocatorSource::pushed(
                 process,
                 (device.index, device.uuid),
                 device.stats,
                 device.xla,
                 cache,
                 last_oom,
-            ))
+            );
+            source.unmapped = device.unmapped;
+            Arc::new(source)
         })
         .collect()
 }

@@ -137,6 +137,13 @@ metric!(
     "Highest reserved bytes since start or the last peak reset (torch.cuda.max_memory_reserved)."
 );
 metric!(
+    UNMAPPED_BYTES,
+    "gpumem_allocator_unmapped_bytes",
+    Gauge,
+    ALLOCATOR,
+    "Of the reserved bytes, those whose physical memory a pool of the job has unmapped while the caching allocator still counts them reserved (vLLM's sleep mode, SGLang's torch_memory_saver paused, as the push hook reports them; 0 otherwise): resident nowhere, left out of NVML's per-process figure. What the process holds on the device is reserved minus these."
+);
+metric!(
     SEGMENTS,
     "gpumem_allocator_segments",
     Gauge,
@@ -481,7 +488,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 52] = [
+pub const CONTRACT: [&MetricDef; 53] = [
     &ALLOCATED_BYTES.0,
     &RESERVED_BYTES.0,
     &ACTIVE_BYTES.0,
@@ -489,6 +496,7 @@ pub const CONTRACT: [&MetricDef; 52] = [
     &REQUESTED_BYTES.0,
     &PEAK_ALLOCATED_BYTES.0,
     &PEAK_RESERVED_BYTES.0,
+    &UNMAPPED_BYTES.0,
     &SEGMENTS.0,
     &ALLOC_RETRIES.0,
     &PLAN_REQUESTS.0,

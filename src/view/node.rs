@@ -4,7 +4,8 @@
 //!
 //! The line-up of a GPU, as the overview dashboard stacks it: what the caching allocators
 //! have allocated, what they reserve beyond that, what their processes use outside them (CUDA
-//! context, NCCL, libraries: NVML's per-process figure minus the allocator's reserved), what
+//! context, NCCL, libraries: NVML's per-process figure minus what the allocator holds
+//! resident, its reserved bytes but for those a sleeping pool unmapped), what
 //! processes without allocator figures use, what nvidia-smi counts used but charges to no
 //! process, the driver's reservation and free memory.
 //!
@@ -115,12 +116,18 @@ pub struct ProcessPart {
     pub pid: String,
     /// `namespace/pod` where known, else the process name.
     pub name: String,
-    /// Its allocator's allocated bytes.
+    /// Its allocator's allocated bytes, as far as they are resident (a sleeping pool's are
+    /// not: PyTorch cannot say which of its blocks lie in unmapped segments, so allocated
+    /// bytes are drawn within what is resident).
     pub allocated: f64,
-    /// Reserved beyond allocated.
+    /// Resident beyond allocated.
     pub reserved_unallocated: f64,
-    /// Used outside the allocator (NVML's figure minus reserved), where NVML charges it.
+    /// Used outside the allocator (NVML's figure minus what the allocator holds resident),
+    /// where NVML charges it.
     pub outside: f64,
+    /// Reserved but not resident (unmapped by a sleeping pool): drawn beside the device's
+    /// line-up, not in it (the device does not hold it).
+    pub not_resident: f64,
 }
 
 /// A process with an allocator's figures.
@@ -147,6 +154,8 @@ pub struct ProcessRow {
     pub config: String,
     /// Reserved bytes.
     pub reserved: f64,
+    /// Of them, unmapped by a sleeping pool (not resident).
+    pub unmapped: f64,
     /// Allocated bytes.
     pub allocated: f64,
     /// (reserved − allocated) / reserved, for caching allocators (XLA's pool is
@@ -180,10 +189,16 @@ impl ProcessRow {
             } else {
                 format!("{}/{}", self.pod_namespace, self.pod_name)
             },
-            allocated: self.allocated,
-            reserved_unallocated: (self.reserved - self.allocated).max(0.0),
+            allocated: self.allocated.min(self.resident()),
+            reserved_unallocated: (self.resident() - self.allocated).max(0.0),
             outside,
+            not_resident: self.unmapped,
         }
+    }
+
+    /// What its allocator holds on the device: reserved but for what a pool unmapped.
+    fn resident(&self) -> f64 {
+        (self.reserved - self.unmapped).max(0.0)
     }
 }
 
@@ -213,7 +228,7 @@ pub fn view(snapshot: &NodeSnapshot) -> NodeView {
                 };
                 let part = rows
                     .get(&(gpu.uuid.clone(), p.pid))
-                    .map(|r| r.part(p.name.clone(), (used - r.reserved).max(0.0)));
+                    .map(|r| r.part(p.name.clone(), (used - r.resident()).max(0.0)));
                 // On a MIG device, the process counts in its GPU instance's line-up too.
                 let instance = mig.map(|m| m.gpu_instance.to_string());
                 if let Some(m) = g
@@ -243,7 +258,7 @@ pub fn view(snapshot: &NodeSnapshot) -> NodeView {
         if let Some(g) = gpus.get_mut(uuid)
             && !g.processes.iter().any(|p| p.pid == r.pid)
         {
-            *uncharged.entry(uuid.clone()).or_default() += r.reserved;
+            *uncharged.entry(uuid.clone()).or_default() += r.resident();
             g.processes.push(r.part(format!("pid {pid}"), 0.0));
         }
     }
@@ -343,6 +358,7 @@ fn allocator_rows(snapshot: &NodeSnapshot) -> BTreeMap<ProcKey, ProcessRow> {
             row.allocator = format!("{}+{label}", row.allocator);
         }
         row.reserved += bytes(a.reserved);
+        row.unmapped += bytes(s.unmapped);
         row.allocated += bytes(a.allocated);
         if row.config.is_empty() {
             row.config.clone_from(&s.config);

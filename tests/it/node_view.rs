@@ -117,7 +117,7 @@ fn pushed_oom(uuid: &str) -> Vec<u8> {
             "stats": {"allocated_bytes.all.current": 3u64 << 30, "allocated_bytes.large_pool.current": 3u64 << 30,
                       "reserved_bytes.all.current": 5u64 << 30, "reserved_bytes.large_pool.current": 5u64 << 30,
                       "num_ooms": 1, "num_alloc_retries": 4},
-            "largest_free_block": 1 << 29,
+            "largest_free_block": 1 << 29, "unmapped_bytes": 2u64 << 30,
             "segments_by_size": [{"size": 1 << 30, "segments": 5, "free_bytes": 2u64 << 30}],
             "oom": {"size": 1 << 30, "stream": 0, "device_total": 80u64 << 30, "device_free": 0,
                     "pools": [{"pool": "large", "stream": 0, "allocated": 3u64 << 30, "requested": 3u64 << 30,
@@ -291,6 +291,13 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
         f(pushed, "ooms") == 1.0 && pushed["last_oom"].is_f64(),
         "{pushed}"
     );
+    // Its sleeping pool: exported, and on the row.
+    let unmapped = [("pid", "77")];
+    assert_eq!(
+        m.one(c::UNMAPPED_BYTES.name, &unmapped),
+        Some(f64::from(2u32 << 30))
+    );
+    assert_eq!(f(pushed, "unmapped"), f64::from(2u32 << 30), "{pushed}");
     assert!(
         !pushed["oom_breakdown"]
             .as_object()
@@ -413,17 +420,22 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
         for part in parts {
             let pid = s(part, "pid");
             let allocator = [("UUID", uuid.as_str()), ("pid", pid.as_str())];
+            // What the allocator holds on the device: reserved but for what a sleeping pool
+            // unmapped, which is drawn beside the line-up.
             let reserved = m.sum(c::RESERVED_BYTES.name, &allocator);
+            let unmapped = m.sum(c::UNMAPPED_BYTES.name, &allocator);
+            let resident = (reserved - unmapped).max(0.0);
             let allocated = m.sum(c::ALLOCATED_BYTES.name, &allocator);
-            assert_eq!(f(part, "allocated"), allocated, "{pid}");
+            assert_eq!(f(part, "allocated"), allocated.min(resident), "{pid}");
+            assert_eq!(f(part, "not_resident"), unmapped, "{pid}");
             assert_eq!(
                 f(part, "reserved_unallocated"),
-                (reserved - allocated).max(0.0)
+                (resident - allocated).max(0.0)
             );
             let outside = match used_of.get(&pid) {
-                Some(used) => (used - reserved).max(0.0),
+                Some(used) => (used - resident).max(0.0),
                 None => {
-                    uncharged += reserved;
+                    uncharged += resident;
                     0.0
                 }
             };
@@ -487,4 +499,119 @@ async fn the_page_agrees_with_the_metrics_value_for_value() {
     assert!(!series.is_empty(), "the demo assigns its GPUs");
     assert_eq!(rows.len(), series.len(), "{rows:?}");
     assert_eq!(rows.into_iter().collect::<BTreeSet<_>>(), series);
+}
+
+/// NVML's view of one GPU whose only process is pid 77, charged `used` bytes.
+fn one_process(used: u64) -> std::sync::Arc<gpumem::telemetry::SourceReport> {
+    use gpumem::telemetry::{GpuSample, NodeSample, ProcessSample, SourceReport};
+    std::sync::Arc::new(SourceReport {
+        source: "nvml",
+        up: true,
+        sample: Some(NodeSample {
+            driver_version: "580.95.05".into(),
+            simulated: false,
+            gpus: vec![GpuSample {
+                index: 0,
+                uuid: "GPU-a".into(),
+                minor: Some(0),
+                model: "H100".into(),
+                total: 80 << 30,
+                used: used + (2 << 30),
+                free: (78 << 30) - used,
+                reserved: Some(0),
+                processes: vec![ProcessSample {
+                    pid: 77,
+                    name: "python3".into(),
+                    used: Some(used),
+                    container: None,
+                }],
+                mig: Vec::new(),
+            }],
+        }),
+        error: None,
+        duration_seconds: 0.001,
+    })
+}
+
+/// An RL job's vLLM pool asleep (40 GiB reserved, 30 GiB of it unmapped, NVML charging the
+/// process 12 GiB), then awake (42 GiB charged): the split is exported, no figure is negative
+/// anywhere, the page draws what is resident in the line-up and the rest beside it, and awake
+/// the figures are as they would be without a pool that sleeps.
+#[tokio::test]
+async fn a_sleeping_pool_is_reserved_but_not_resident() {
+    use std::sync::{Arc, Mutex, PoisonError};
+    let nvml = Arc::new(Mutex::new(one_process(12 << 30)));
+    let reader = {
+        let nvml = Arc::clone(&nvml);
+        Box::new(move || Arc::clone(&nvml.lock().unwrap_or_else(PoisonError::into_inner)))
+    };
+    let ingest = gpumem::ingest::IngestConfig {
+        min_interval: Duration::ZERO,
+        ..pid_77_in_a_pod()
+    };
+    let agent = Agent::node(Default::default(), vec![reader], ingest, Default::default())
+        .expect("registers");
+    let store = agent.ingest().expect("ingests");
+    let push = |seq: u64, unmapped: Option<u64>| {
+        let mut device = serde_json::json!({"index": 0, "uuid": "GPU-a",
+            "stats": {"allocated_bytes.all.current": 35u64 << 30, "allocated_bytes.large_pool.current": 35u64 << 30,
+                      "reserved_bytes.all.current": 40u64 << 30, "reserved_bytes.large_pool.current": 40u64 << 30}});
+        if let Some(bytes) = unmapped {
+            device["unmapped_bytes"] = bytes.into();
+        }
+        serde_json::json!({"pid": 77, "seq": seq, "devices": [device]})
+            .to_string()
+            .into_bytes()
+    };
+    let peer = || gpumem::ingest::Peer {
+        pid: 77,
+        start_time: Some(1),
+        uid: None,
+    };
+    let gib = |n: u64| (n << 30) as f64;
+    for (seq, unmapped, used, [allocated, unallocated, outside, not_resident]) in [
+        // Asleep: 10 GiB resident, all of it allocated in PyTorch's count; 2 GiB outside.
+        (1, Some(30u64 << 30), 12u64 << 30, [10, 0, 2, 30]),
+        // Awake: as without a sleeping pool.
+        (2, None, 42 << 30, [35, 5, 2, 0]),
+    ] {
+        *nvml.lock().unwrap_or_else(PoisonError::into_inner) = one_process(used);
+        store
+            .push_from(&push(seq, unmapped), Some(peer()))
+            .expect("accepted");
+        let router = agent.router();
+        let (_, _, metrics) = get(router.clone(), "/metrics").await;
+        let m = Scrape::of(&metrics);
+        let negative: Vec<&(String, Labels, f64)> =
+            m.0.iter().filter(|(_, _, v)| *v < 0.0).collect();
+        assert!(negative.is_empty(), "{negative:?}");
+        assert_eq!(
+            m.one(c::UNMAPPED_BYTES.name, &[("pid", "77")]),
+            Some(unmapped.unwrap_or(0) as f64)
+        );
+        let (status, _, page) = get(router, "/api/v1/node").await;
+        assert_eq!(status, 200, "{page}");
+        let page: serde_json::Value = serde_json::from_str(&page).expect("JSON");
+        let gpu = &page["gpus"][0];
+        let part = &gpu["processes"][0];
+        let figures = [
+            "allocated",
+            "reserved_unallocated",
+            "outside",
+            "not_resident",
+        ]
+        .map(|k| part[k].as_f64().unwrap_or(f64::NAN));
+        assert_eq!(
+            figures,
+            [allocated, unallocated, outside, not_resident].map(gib),
+            "{part}"
+        );
+        // The line-up meets nvidia-smi's total; what is not resident is not in it.
+        let lineup: f64 = figures[..3].iter().sum::<f64>()
+            + ["other_processes", "unattributed", "driver_reserved", "free"]
+                .iter()
+                .map(|k| gpu[*k].as_f64().unwrap_or(f64::NAN))
+                .sum::<f64>();
+        assert_eq!(lineup, gib(80), "{gpu}");
+    }
 }

@@ -633,6 +633,43 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
         "the MIG process's map: {:?}",
         browser.eval("return document.getElementById('error').textContent;")
     );
+    // A job whose vLLM pool sleeps pushes (from loopback): its reserved-but-not-resident
+    // bytes are said beside its GPU's bar.
+    let gpu0 = node["gpus"][0]["uuid"].as_str().expect("a GPU").to_string();
+    let me = std::process::id();
+    let push = serde_json::json!({"pid": me, "seq": 1, "devices": [{"index": 0, "uuid": gpu0,
+        "stats": {"reserved_bytes.all.current": 40u64 << 30, "reserved_bytes.large_pool.current": 40u64 << 30},
+        "unmapped_bytes": 30u64 << 30}]})
+    .to_string();
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    std::io::Write::write_all(
+        &mut stream,
+        format!(
+            "POST /api/v1/push HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{push}",
+            push.len()
+        )
+        .as_bytes(),
+    )
+    .expect("sends");
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut stream, &mut answer);
+    assert!(answer.starts_with("HTTP/1.1 2"), "{answer}");
+    let beside = wait_for(Duration::from_secs(30), || {
+        let found = browser.eval(&format!(
+            "const p = document.querySelector('section.gpu p.beside[data-pid=\"{me}\"]'); \
+             return p ? [Number(p.dataset.notResident), p.textContent] : null;"
+        ));
+        found.as_array().cloned()
+    })
+    .expect("the sleeping pool is said beside the bar");
+    assert_eq!(beside[0].as_f64(), Some((30u64 << 30) as f64), "{beside:?}");
+    assert!(
+        beside[1]
+            .as_str()
+            .is_some_and(|t| t.contains("30.00 GiB reserved, not resident")),
+        "{beside:?}"
+    );
     let errors = browser.console_errors();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     browser.screenshot("agent-live.png");

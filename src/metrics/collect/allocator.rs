@@ -83,6 +83,7 @@ fn caching_figures(f: &mut Families, a: &PlacedAllocator, base: [&str; 4]) {
     for (def, value) in [
         (&c::PEAK_ALLOCATED_BYTES, allocated.peak as f64),
         (&c::PEAK_RESERVED_BYTES, reserved.peak as f64),
+        (&c::UNMAPPED_BYTES, a.source.unmapped as f64),
         (&c::ALLOC_RETRIES, st.num_alloc_retries.get() as f64),
         (&c::OOMS, st.num_ooms.get() as f64),
         (&c::OOM_REJECTIONS, st.num_oom_rejections.get() as f64),

@@ -51,6 +51,12 @@ function drawGpu(gpu) {
   card.append(node('h2', {}, `GPU ${gpu.gpu}${gpu.model ? ` (${gpu.model})` : ''}: ` +
     `${fmt(gpu.used)} used of ${fmt(gpu.total)}`));
   card.append(lineup(gpu));
+  // Reserved memory a sleeping pool unmapped is not on the device: said beside the bar.
+  for (const p of gpu.processes.filter((p) => p.not_resident > 0)) {
+    card.append(node('p', { class: 'beside', 'data-pid': p.pid, 'data-not-resident': p.not_resident },
+      `${p.name} (pid ${p.pid}): ${fmt(p.not_resident)} reserved, not resident ` +
+      '(a sleeping pool unmapped it: counted reserved by PyTorch, held nowhere on the device)'));
+  }
   // In MIG mode, each GPU instance's own line-up, with the processes on it.
   for (const mig of gpu.migs) {
     const sub = node('div', { class: 'mig', 'data-instance': mig.instance, 'data-mig-uuid': mig.mig_uuid });

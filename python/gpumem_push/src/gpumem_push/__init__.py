@@ -58,9 +58,11 @@ and its recording at an OOM), ``pusher`` (the ``Pusher``: state, thread, observe
 import os
 
 from .pusher import Outcome, Pusher, Result
+from .sleeping import report_unmapped
 
 __version__ = "0.1.0"
-__all__ = ["start", "stop", "stats", "settings", "Pusher", "Outcome", "Result"]
+__all__ = ["start", "stop", "stats", "settings", "report_unmapped", "Pusher", "Outcome",
+           "Result"]
 
 _pusher = Pusher()  # registers its own fork handler
 

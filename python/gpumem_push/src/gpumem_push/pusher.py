@@ -19,7 +19,7 @@ import weakref
 from . import cadence as _cadence
 from . import config as _config
 from . import history as _history
-from . import readings, transport, xla
+from . import readings, sleeping, transport, xla
 from .limits import MAX_DEVICES, MIN_GAP
 
 # Out-of-memory pushes from the failing thread at most this often; one more error within it is
@@ -219,6 +219,8 @@ class Pusher:
         cuda = torch.cuda
         if not cuda.is_initialized():
             return []
+        sleeping.watch()
+        unmapped = sleeping.unmapped_bytes()
         out = []
         for index in range(min(int(cuda.device_count()), MAX_DEVICES)):
             try:
@@ -234,6 +236,10 @@ class Pusher:
                         self._used.add(index)
                 device = {"index": index, "uuid": self._uuid(torch, index),
                           "stats": readings.clean_stats(raw)}
+                if unmapped.get(index):
+                    # Part of the reserved bytes, never more (the agent refuses more).
+                    reserved = device["stats"].get("reserved_bytes.all.current", 0)
+                    device["unmapped_bytes"] = min(unmapped[index], max(0, reserved))
             except Exception as error:  # one device's failure does not cost the others
                 self._error(error)
                 continue
