@@ -83,6 +83,7 @@ fn sources() -> Vec<Arc<AllocatorSource>> {
                 segments: Default::default(),
                 xla: None,
                 unmapped: 0,
+                memory_limit: None,
             }));
         }
     }

@@ -78,6 +78,19 @@ pub struct AllocatorSource {
     /// vLLM or SGLang pool, as the job said): reserved, resident nowhere, left out of NVML's
     /// per-process figure. At most its reserved bytes.
     pub unmapped: u64,
+    /// The limit a GPU-sharing layer enforces on its container on this device, where its
+    /// owner said.
+    pub memory_limit: Option<MemoryLimit>,
+}
+
+/// A device-memory limit a GPU-sharing layer (HAMi, volcano's vGPU) enforces on a container
+/// on one device, from a variable it set in the container's environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryLimit {
+    /// The limit.
+    pub bytes: u64,
+    /// The variable that set it (`CUDA_DEVICE_MEMORY_LIMIT_0`).
+    pub variable: String,
 }
 
 /// What XLA's allocator reports (PJRT's `memory_stats()` of a JAX device) that its
@@ -202,6 +215,7 @@ impl AllocatorSource {
             segments: Default::default(),
             xla: None,
             unmapped: 0,
+            memory_limit: None,
         }
     }
 
@@ -235,6 +249,7 @@ impl AllocatorSource {
             segments: Default::default(),
             xla,
             unmapped: 0,
+            memory_limit: None,
         }
     }
 

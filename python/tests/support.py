@@ -29,7 +29,7 @@ HOST_KEYS = {"allocated_bytes.current", "active_bytes.current", "allocations.cur
              "active_requests.current", "num_host_alloc", "num_host_free",
              "host_alloc_time.total"}
 DEVICE_KEYS = {"index", "uuid", "allocator", "stats", "largest_free_block", "segments_by_size",
-               "oom", "unmapped_bytes"}
+               "oom", "unmapped_bytes", "memory_limit"}
 # PJRT's memory_stats() keys a JAX device's push carries, and the hook's OOM count.
 XLA_STATS = {"num_allocs", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size",
              "bytes_limit", "bytes_reserved", "peak_bytes_reserved", "bytes_reservable_limit",
@@ -110,6 +110,12 @@ def check_payload(p):
                 return f"bad xla device {d!r}"
             if st.get("bytes_in_use", 0) > st.get("pool_bytes", 1 << 62):
                 return "xla: bytes_in_use exceeds pool_bytes"
+        if "memory_limit" in d:
+            limit = d["memory_limit"]
+            if not isinstance(limit, dict) or set(limit) != {"bytes", "variable"} \
+                    or not is_int(limit["bytes"]) or not 0 <= limit["bytes"] < 1 << 60 \
+                    or not re.fullmatch(r"[A-Z0-9_]{1,64}", str(limit["variable"])):
+                return f"bad memory_limit {limit!r}"
         if "unmapped_bytes" in d:
             reserved = d["stats"].get("reserved_bytes.all.current", 0)
             if not is_int(d["unmapped_bytes"]) or not 0 <= d["unmapped_bytes"] <= reserved:

@@ -60,7 +60,8 @@ class Installed(unittest.TestCase):
             "_gpumem_push_hook.py", "gpumem_push.pth", "gpumem_push/__init__.py",
             "gpumem_push/cadence.py", "gpumem_push/config.py", "gpumem_push/history.py",
             "gpumem_push/limits.py", "gpumem_push/pusher.py", "gpumem_push/readings.py",
-            "gpumem_push/sleeping.py", "gpumem_push/transport.py", "gpumem_push/xla.py"])
+            "gpumem_push/sharing.py", "gpumem_push/sleeping.py", "gpumem_push/transport.py",
+            "gpumem_push/xla.py"])
         # No libgpumem_torch.so: the wheel does not bundle the shared library.
         self.assertEqual(files("gpumem-torch"), ["gpumem_torch/__init__.py"])
 

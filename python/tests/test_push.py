@@ -680,6 +680,39 @@ class LiveSnapshots(PushTest):
         self.assertEqual(child.result["stats"]["snapshots"]["periodic"], len(spans))
 
 
+class SharedGpuLimits(PushTest):
+    """HAMi's limit variables, read from the job's own environment and pushed per device."""
+
+    def test_the_devices_own_limit_wins_and_values_parse_as_hami_writes_them(self):
+        from gpumem_push import sharing
+        env = {"CUDA_DEVICE_MEMORY_LIMIT": "8g", "CUDA_DEVICE_MEMORY_LIMIT_1": "3000m"}
+        self.assertEqual(sharing.memory_limit(env, 0),
+                         {"bytes": 8 << 30, "variable": "CUDA_DEVICE_MEMORY_LIMIT"})
+        self.assertEqual(sharing.memory_limit(env, 1),
+                         {"bytes": 3000 << 20, "variable": "CUDA_DEVICE_MEMORY_LIMIT_1"})
+        self.assertIsNone(sharing.memory_limit({}, 0))
+        for value, expected in [("1073741824", 1 << 30), ("512K", 512 << 10), (" 2G ", 2 << 30),
+                                ("", None), ("0", None), ("-1g", None), ("1.5g", None),
+                                ("1t", None), ("9" * 19 + "g", None)]:
+            self.assertEqual(sharing.parse(value), expected, value)
+        # A device's own variable that does not parse is not replaced by the other one.
+        self.assertIsNone(sharing.memory_limit({"CUDA_DEVICE_MEMORY_LIMIT_0": "lots",
+                                                "CUDA_DEVICE_MEMORY_LIMIT": "1g"}, 0))
+
+    def test_a_job_under_hami_pushes_its_limit(self):
+        child = self.run_child(textwrap.dedent("""
+            import torch
+            torch._fake.allocate(0, 1 << 30)
+            wait_sent(2)
+            """), CUDA_DEVICE_MEMORY_LIMIT_0="40960m")
+        self.assertEqual(child.rc, 0, child.stderr)
+        self.assertNoRefusals()
+        pushed = [p["devices"][0].get("memory_limit") for p in self.agent.recorder.accepted()]
+        self.assertTrue(pushed)
+        self.assertEqual(set(map(json.dumps, pushed)), {json.dumps(
+            {"bytes": 40960 << 20, "variable": "CUDA_DEVICE_MEMORY_LIMIT_0"})})
+
+
 class SleepingPools(PushTest):
     """A vLLM-style pool asleep: its unmapped bytes go with the pushes, within the reserved,
     until it wakes; what a job reports itself goes too."""

@@ -30,8 +30,8 @@ pub const MAX_COUNT: i64 = 1 << 53;
 /// The largest pid Linux hands out (`PID_MAX_LIMIT`).
 pub const MAX_PID: u32 = 1 << 22;
 /// Series of one device without size classes: six per pool, eleven per device, the largest
-/// free block and its age, the last OOM's time and the info series.
-pub(super) const SERIES_PER_DEVICE: usize = 2 * 6 + 11 + 4;
+/// free block and its age, the last OOM's time, the memory limit and the info series.
+pub(super) const SERIES_PER_DEVICE: usize = 2 * 6 + 11 + 5;
 /// Series of a device's OOM explanation: one per part of the breakdown.
 pub const OOM_BREAKDOWN_SERIES: usize = 7;
 /// (pool, stream) entries in one OOM push: both pools on 32 streams.

@@ -19,6 +19,9 @@
 //! [`super::oom`]. `unmapped_bytes`, where a pool of the job has given its physical memory back
 //! while PyTorch still counts it reserved (vLLM's sleep mode, SGLang's torch_memory_saver
 //! paused), is that part of the reserved bytes: never more than `reserved_bytes.all.current`.
+//! `memory_limit` (`{"bytes": …, "variable": "CUDA_DEVICE_MEMORY_LIMIT_0"}`) is the limit a
+//! GPU-sharing layer enforces on the job's container on that device, as the job read it from
+//! the variable the layer set.
 //!
 //! A JAX job's GPU device says `"allocator": "xla"`: its `stats` are PJRT's
 //! `memory_stats()` keys (and the hook's `num_ooms`), read by [`super::xla`], with no snapshot
@@ -68,7 +71,7 @@ use serde::Deserialize;
 
 use crate::allocator::{DeviceStats, SegmentClass};
 use crate::metrics::contract::CONTRACT;
-use crate::sources::{HostPinned, LastOom, XlaFigures};
+use crate::sources::{HostPinned, LastOom, MemoryLimit, XlaFigures};
 use crate::telemetry::uuid_body;
 
 use super::limits::{
@@ -207,6 +210,17 @@ struct PushedDevice {
     /// pool): counted reserved, resident nowhere.
     #[serde(default)]
     unmapped_bytes: Option<u64>,
+    /// The device-memory limit a GPU-sharing layer enforces on the process's container on
+    /// this device, from the variable it set in the environment (HAMi's).
+    #[serde(default)]
+    memory_limit: Option<PushedLimit>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PushedLimit {
+    bytes: u64,
+    variable: String,
 }
 
 #[derive(Deserialize)]
@@ -261,6 +275,9 @@ pub struct ValidDevice {
     pub last_oom: Option<LastOom>,
     /// Of its reserved bytes, those whose physical memory is unmapped (0 unless said).
     pub unmapped: u64,
+    /// The limit a GPU-sharing layer enforces on its container here: bytes and the variable
+    /// that set it, where the job said.
+    pub memory_limit: Option<MemoryLimit>,
 }
 
 impl ValidPush {
@@ -431,6 +448,7 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 snapshot,
                 last_oom,
                 unmapped,
+                memory_limit: memory_limit(device)?,
             })
         }
         Some("xla") => {
@@ -454,6 +472,7 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 snapshot: largest.map(|l| (l, Vec::new())),
                 last_oom: None,
                 unmapped: 0,
+                memory_limit: memory_limit(device)?,
             })
         }
         Some(other) => Err(invalid(format!(
@@ -461,6 +480,38 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
             truncate(other)
         ))),
     }
+}
+
+/// A device's `memory_limit`: below 2^60 bytes, set by a variable whose name is an
+/// environment variable's (`[A-Z0-9_]`, at most [`MAX_LABEL_NAME`] characters).
+fn memory_limit(device: &PushedDevice) -> Result<Option<MemoryLimit>, Rejected> {
+    let Some(limit) = &device.memory_limit else {
+        return Ok(None);
+    };
+    let name = &limit.variable;
+    let named = !name.is_empty()
+        && name.len() <= MAX_LABEL_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+    if !named {
+        return Err(invalid(format!(
+            "device {}: memory_limit.variable {:?} is not a variable's name ([A-Z0-9_], at \
+             most {MAX_LABEL_NAME} characters)",
+            device.index,
+            truncate(name)
+        )));
+    }
+    if limit.bytes >= MAX_BYTES as u64 {
+        return Err(invalid(format!(
+            "device {}: memory_limit.bytes {} is not below 2^60",
+            device.index, limit.bytes
+        )));
+    }
+    Ok(Some(MemoryLimit {
+        bytes: limit.bytes,
+        variable: name.clone(),
+    }))
 }
 
 /// The keys of a push's `host` object that gpumem reads (PyTorch 2.10+'s names), in

@@ -89,6 +89,7 @@ pub(super) fn pushed_sources(
                 last_oom,
             );
             source.unmapped = device.unmapped;
+            source.memory_limit = device.memory_limit;
             Arc::new(source)
         })
         .collect()

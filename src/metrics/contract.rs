@@ -137,6 +137,13 @@ metric!(
     "Highest reserved bytes since start or the last peak reset (torch.cuda.max_memory_reserved)."
 );
 metric!(
+    MEMORY_LIMIT_BYTES,
+    "gpumem_process_memory_limit_bytes",
+    Gauge,
+    &["gpu", "UUID", "pid", "variable"],
+    "The device-memory limit a GPU-sharing layer (HAMi, volcano's vGPU) enforces on the process's container on this GPU, as the push hook read it from the variable the layer set in the container's environment (variable: CUDA_DEVICE_MEMORY_LIMIT_<i>, or CUDA_DEVICE_MEMORY_LIMIT for every device); with the process's pod labels. Compare it with the container's gpumem_process_used_bytes on the GPU."
+);
+metric!(
     UNMAPPED_BYTES,
     "gpumem_allocator_unmapped_bytes",
     Gauge,
@@ -488,7 +495,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 53] = [
+pub const CONTRACT: [&MetricDef; 54] = [
     &ALLOCATED_BYTES.0,
     &RESERVED_BYTES.0,
     &ACTIVE_BYTES.0,
@@ -497,6 +504,7 @@ pub const CONTRACT: [&MetricDef; 53] = [
     &PEAK_ALLOCATED_BYTES.0,
     &PEAK_RESERVED_BYTES.0,
     &UNMAPPED_BYTES.0,
+    &MEMORY_LIMIT_BYTES.0,
     &SEGMENTS.0,
     &ALLOC_RETRIES.0,
     &PLAN_REQUESTS.0,

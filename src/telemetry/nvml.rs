@@ -47,6 +47,20 @@ fn process_name(pid: u32) -> String {
         .unwrap_or_default()
 }
 
+/// The name of MPS's server process (`nvidia-cuda-mps-server`), which NVML lists beside its
+/// clients under MPS.
+pub const MPS_SERVER: &str = "nvidia-cuda-mps-server";
+
+/// The container a process's memory is charged to: its own, but none for MPS's server, which
+/// holds memory for every client pod on the GPU and runs in the MPS control daemon's pod
+/// (charging it there would put the tenants' memory on the platform's pod).
+fn charged_to(
+    name: &str,
+    container: impl FnOnce() -> Option<super::cgroup::ContainerRef>,
+) -> Option<super::cgroup::ContainerRef> {
+    (name != MPS_SERVER).then(container).flatten()
+}
+
 /// The processes using a device (a GPU or a MIG device), each once; on a MIG device, only
 /// those of its compute instance (`compute_instance`) where NVML says which.
 fn processes(device: &Device<'_>, compute_instance: Option<u32>) -> Vec<ProcessSample> {
@@ -61,10 +75,11 @@ fn processes(device: &Device<'_>, compute_instance: Option<u32>) -> Vec<ProcessS
         if elsewhere || processes.iter().any(|q| q.pid == p.pid) {
             continue;
         }
+        let name = process_name(p.pid);
         processes.push(ProcessSample {
             pid: p.pid,
-            name: process_name(p.pid),
-            container: super::cgroup::container_of(p.pid),
+            container: charged_to(&name, || super::cgroup::container_of(p.pid)),
+            name,
             used: match p.used_gpu_memory {
                 UsedGpuMemory::Used(bytes) => Some(bytes),
                 UsedGpuMemory::Unavailable => None,
@@ -217,6 +232,20 @@ mod tests {
             "3g.20gb"
         );
         assert_eq!(MigSample::profile_of("NVIDIA H200"), "");
+    }
+
+    #[test]
+    fn mps_server_is_charged_to_no_pod() {
+        use super::super::cgroup::{ContainerRef, Runtime};
+        let in_pod = || {
+            Some(ContainerRef {
+                pod_uid: "u".into(),
+                container_id: "c".into(),
+                runtime: Runtime::Containerd,
+            })
+        };
+        assert_eq!(charged_to(MPS_SERVER, in_pod), None);
+        assert_eq!(charged_to("python3", in_pod), in_pod());
     }
 
     #[test]

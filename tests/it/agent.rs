@@ -117,13 +117,13 @@ fn types(exposition: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_serves_the_whole_contract() {
     let (_node, _poller, agent) = demo_metrics();
-    // One pushed process that ran out of memory in a pod, so that the ingest's per-process
-    // and per-pod series exist too, and a JAX job's.
+    // One pushed process that ran out of memory in a pod under a sharing layer's limit, so
+    // that the ingest's per-process and per-pod series exist too, and a JAX job's.
     agent
         .ingest()
         .expect("the agent ingests")
         .push_from(
-            br#"{"pid": 1, "seq": 1, "reason": "oom", "host": {"allocated_bytes.current": 4096, "active_bytes.current": 1024, "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2, "num_host_free": 0, "host_alloc_time.total": 1500}, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
+            br#"{"pid": 1, "seq": 1, "reason": "oom", "host": {"allocated_bytes.current": 4096, "active_bytes.current": 1024, "allocations.current": 2, "active_requests.current": 1, "num_host_alloc": 2, "num_host_free": 0, "host_alloc_time.total": 1500}, "devices": [{"index": 0, "uuid": "GPU-0", "stats": {"allocated_bytes.all.current": 512, "reserved_bytes.all.current": 1024, "num_ooms": 1}, "memory_limit": {"bytes": 8192, "variable": "CUDA_DEVICE_MEMORY_LIMIT"}, "oom": {"size": 4194304, "stream": 0, "device_total": 8192, "device_free": 0, "pools": [{"pool": "large", "stream": 0, "allocated": 512, "requested": 500, "pending_free": 0, "free": 512, "largest_free": 512, "segments_with_free": 1}]}}]}"#,
             // Connected as `alive` says it started.
             Some(gpumem::ingest::store::Peer {
                 pid: 77,

@@ -401,6 +401,59 @@ fn processes_and_pushes_are_named_and_assignments_listed() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two pods time-slicing GPU 0 (the trainer's and a debug pod's), the trainer's under a
+/// HAMi limit its hook pushed: each process is charged to its own pod, and the limit is
+/// exported for the trainer's container only, beside its use.
+#[test]
+fn a_shared_gpus_limit_is_exported_for_its_own_pod() {
+    let dir = temp_dir("kubelet-limit");
+    let pod_names = log_dirs(
+        &dir.join("log"),
+        &[
+            ("ml", "train-0", "trainer", TRAIN_UID),
+            ("tools", "debug", "shell", DEBUG_UID),
+        ],
+    );
+    pod_names.refresh();
+    let agent = named_agent(node_report(), pod_names, None);
+    let store = agent.ingest().expect("ingest");
+    let push = serde_json::json!({
+        "pid": 1, "seq": 1,
+        "devices": [{"index": 0, "uuid": "GPU-0aaa",
+                     "stats": {"reserved_bytes.all.current": 1024},
+                     "memory_limit": {"bytes": 10u64 << 30, "variable": "CUDA_DEVICE_MEMORY_LIMIT_0"}}],
+    });
+    store
+        .push_from(push.to_string().as_bytes(), Some(Peer::now(trainer())))
+        .expect("accepted");
+    let text = agent.state.metrics.encode(Format::Text);
+    let me = format!(r#"pid="{}""#, trainer());
+    let limits: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gpumem_process_memory_limit_bytes{"))
+        .collect();
+    assert_eq!(limits.len(), 1, "{limits:?}");
+    let limit = limits[0];
+    assert!(
+        limit.contains(r#"gpu="0",UUID="GPU-0aaa""#)
+            && limit.contains(&me)
+            && limit.contains(r#"variable="CUDA_DEVICE_MEMORY_LIMIT_0""#)
+            && limit.contains(&format!(r#"container_id="{}""#, container_id(TRAIN_UID)))
+            && limit.contains(&names("ml", "train-0", "trainer"))
+            && limit.ends_with(&format!(" {}", 10u64 << 30)),
+        "{limit}"
+    );
+    // Each pod's use is its own: the trainer's process and the debug pod's, on one GPU.
+    assert!(
+        line(&text, "gpumem_process_used_bytes", &me).contains(&names("ml", "train-0", "trainer"))
+    );
+    assert!(
+        line(&text, "gpumem_process_used_bytes", r#"pid="23""#)
+            .contains(&names("tools", "debug", "shell"))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `gpumem serve` asks the kubelet at the socket it is given and reads the log directories,
 /// reports both up, and the kubelet down once it goes; where neither exists there is no such
 /// source at all.

@@ -36,6 +36,11 @@ pub(super) fn collect(f: &mut Families, a: &PlacedAllocator, taken: Instant) {
         f.of(&c::OOM_BREAKDOWN)
             .push_with(labels, extra, bytes as f64);
     }
+    if let Some(limit) = &s.memory_limit {
+        let labels = [base[0], base[1], base[2], limit.variable.as_str()];
+        f.of(&c::MEMORY_LIMIT_BYTES)
+            .push_with(labels, extra, limit.bytes as f64);
+    }
     if let Some(cache) = &a.cache {
         f.of(&c::LARGEST_FREE_BLOCK)
             .push_with(base, extra, cache.largest_free_block as f64);

@@ -14,7 +14,7 @@ COLLIDING = frozenset((
     "allocator", "config", "container_id", "container_name", "driver_version", "gpu",
     "kind", "model", "outcome", "pid", "pod_name", "pod_namespace", "pod_uid", "pool", "process",
     "reason", "result",
-    "segment_size", "simulated", "source", "version", "le",
+    "segment_size", "simulated", "source", "variable", "version", "le",
     "job", "instance", "namespace", "pod", "container", "node", "service", "endpoint",
     "cluster",
 ))

@@ -19,7 +19,7 @@ import weakref
 from . import cadence as _cadence
 from . import config as _config
 from . import history as _history
-from . import readings, sleeping, transport, xla
+from . import readings, sharing, sleeping, transport, xla
 from .limits import MAX_DEVICES, MIN_GAP
 
 # Out-of-memory pushes from the failing thread at most this often; one more error within it is
@@ -236,6 +236,9 @@ class Pusher:
                         self._used.add(index)
                 device = {"index": index, "uuid": self._uuid(torch, index),
                           "stats": readings.clean_stats(raw)}
+                limit = sharing.memory_limit(os.environ, index)
+                if limit is not None:
+                    device["memory_limit"] = limit
                 if unmapped.get(index):
                     # Part of the reserved bytes, never more (the agent refuses more).
                     reserved = device["stats"].get("reserved_bytes.all.current", 0)
