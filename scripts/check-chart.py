@@ -228,7 +228,8 @@ if [v["hostPath"]["path"] for v in cdi_volumes] != ["/etc/cdi", "/var/run/cdi"] 
 for off in [{"dra": {"enabled": False, "cdiSpecDirs": ["/etc/cdi"]}},
             {"podResources": {"enabled": False, "hostPath": "/var/lib/kubelet/pod-resources"}}]:
     pod = daemonset(off)
-    if "--cdi-spec-dirs" in pod["containers"][0]["args"] \
+    off_args = pod["containers"][0]["args"]
+    if off_args[off_args.index("--cdi-spec-dirs") + 1] != "" \
             or any(v["name"].startswith("cdi-") for v in pod.get("volumes", [])):
         fail(f"CDI directories with {off}")
 default_probes = default_pod["containers"][0]

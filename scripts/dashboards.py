@@ -140,16 +140,19 @@ def lineup():
     total: allocated + reserved-unallocated + outside + other processes = what processes use,
     plus memory nvidia-smi counts used but charges to no process, the driver's reservation,
     and free."""
-    alloc = by(IG, "gpumem_allocator_allocated_bytes", GPU)
-    held = resident(IG, GPU)
+    proc = "instance, gpu, UUID, pid"
+    alloc = by(proc, "gpumem_allocator_allocated_bytes", GPU)
+    held = resident(proc, GPU)
     total = by(IG, "gpumem_device_total_bytes", GPU)
     zero = f"0 * {total}"
     procs = by(IG, "gpumem_process_used_bytes", GPU)
     targets = [
-        # Allocated bytes are drawn within what is resident: a sleeping pool's blocks stay
-        # allocated in PyTorch's count while their memory is unmapped.
-        target("A", f"({alloc} <= {held}) or {held}", "allocated"),
-        target("B", f"clamp_min({held} - {alloc}, 0)", "reserved but unallocated"),
+        # Per process, as the page draws it: allocated bytes within what is resident (a
+        # sleeping pool's blocks stay allocated in PyTorch's count while their memory is
+        # unmapped), the rest of the resident memory unallocated.
+        target("A", f"sum by ({IG}) (({alloc} <= {held}) or {held})", "allocated"),
+        target("B", f"sum by ({IG}) (clamp_min({held} - {alloc}, 0))",
+               "reserved but unallocated"),
         target("C", outside(IG, GPU), "outside the allocator"),
         target("D", f"sum by ({IG}) (gpumem_process_used_bytes{{{GPU}}} unless on (instance, gpu, "
                     f"UUID, pid) gpumem_allocator_reserved_bytes) or {zero}", "other processes"),
@@ -274,14 +277,15 @@ def overview():
               "no gpu). Compare with the Processes table: a pod using a GPU it was not "
               "assigned, or an assigned GPU with no process, shows here.",
               (0, 22, 24, 8),
-              [target("A", "max by (instance, gpu, pod_namespace, pod_name, container_name, "
-                           "claim_name, dra_device) "
+              [target("A", "max by (instance, gpu, mig_uuid, pod_namespace, pod_name, "
+                           "container_name, claim_name, dra_driver, dra_pool, dra_device) "
                            f"(gpumem_gpu_assigned_info{{{POD}}})", table=True)],
-              None, ["instance", "gpu", "pod_namespace", "pod_name", "container_name",
-                     "claim_name", "dra_device"],
-              {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
-               "container_name": "container", "claim_name": "claim",
-               "dra_device": "DRA device"}, labels_only=True),
+              None, ["instance", "gpu", "mig_uuid", "pod_namespace", "pod_name", "container_name",
+                     "claim_name", "dra_driver", "dra_pool", "dra_device"],
+              {"instance": "node", "mig_uuid": "MIG device", "pod_namespace": "namespace",
+               "pod_name": "pod", "container_name": "container", "claim_name": "claim",
+               "dra_driver": "DRA driver", "dra_pool": "DRA pool", "dra_device": "DRA device"},
+              labels_only=True),
         table("Last OOM: where the memory was",
               "Per process that pushed its figures with an out-of-memory error (gpumem_push), "
               "where its device's memory was at that moment, in parts that add up to the "

@@ -113,8 +113,9 @@ def check_payload(p):
         if "memory_limit" in d:
             limit = d["memory_limit"]
             if not isinstance(limit, dict) or set(limit) != {"bytes", "variable"} \
-                    or not is_int(limit["bytes"]) or not 0 <= limit["bytes"] < 1 << 60 \
-                    or not re.fullmatch(r"[A-Z0-9_]{1,64}", str(limit["variable"])):
+                    or not is_int(limit["bytes"]) or not 0 < limit["bytes"] < 1 << 60 \
+                    or not isinstance(limit["variable"], str) \
+                    or not re.fullmatch(r"[A-Z0-9_]{1,64}", limit["variable"]):
                 return f"bad memory_limit {limit!r}"
         if "unmapped_bytes" in d:
             reserved = d["stats"].get("reserved_bytes.all.current", 0)

@@ -44,8 +44,9 @@ pub(crate) struct ServeArgs {
     /// skipped where its directory does not exist, an empty value turns it off.
     #[arg(long, default_value = pod_resources::DEFAULT_SOCKET, value_parser = ValueParser::os_string())]
     pod_resources_socket: OsString,
-    /// Directories of the node's CDI specs, in increasing priority (comma-separated): they
-    /// resolve devices assigned through DRA claims to their GPUs and MIG devices.
+    /// Directories of the node's CDI specs, in increasing priority (comma-separated; an empty
+    /// value reads none): they resolve devices assigned through DRA claims to their GPUs and
+    /// MIG devices.
     #[arg(long, value_delimiter = ',', default_values = cdi::DEFAULT_SPEC_DIRS)]
     cdi_spec_dirs: Vec<PathBuf>,
     /// The NVIDIA driver's MIG capability minors, which resolve a DRA claim's MIG device.
@@ -277,7 +278,9 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         args.pod_resources_socket.into(),
         Path::new(&args.kubelet_logs),
         NodeFiles {
-            cdi_dirs: args.cdi_spec_dirs,
+            cdi_dirs: (args.cdi_spec_dirs.into_iter())
+                .filter(|d| !d.as_os_str().is_empty())
+                .collect(),
             mig_minors: args.mig_minors,
         },
         Duration::from_secs_f64(args.interval),

@@ -9,8 +9,9 @@
 //! does, and starts again after a pause, as a job under a restart policy does.
 //!
 //! It is an unmodified PyTorch job as the agent sees one: it pushes what the push hook sends
-//! (`memory_stats()`, the largest free block, segments by size, pinned host memory, and at the
-//! OOM the observer's figures with each pool's per stream) into the agent's ingest, once a
+//! (`memory_stats()`, the largest free block, segments by size, its share of the GPU as a
+//! sharing layer's limit, pinned host memory, and at the OOM the observer's figures with each
+//! pool's per stream) into the agent's ingest, once a
 //! second and at once on the OOM, so the pushed path's series, the OOM's breakdown and the
 //! per-pod OOM count are on show. Its pinned host memory is simulated: a pool of
 //! [`PINNED_BYTES`] its data loader pins at each start and frees at exit.
@@ -165,6 +166,8 @@ impl OomJob {
             "stats": stats,
             "largest_free_block": self.alloc.largest_free_block(),
             "segments_by_size": classes,
+            // Its share of the GPU, as a sharing layer (HAMi) would set it in its environment.
+            "memory_limit": {"bytes": self.limit, "variable": "CUDA_DEVICE_MEMORY_LIMIT_0"},
         });
         if let Some(oom) = &self.oom {
             device["oom"] = oom.clone();

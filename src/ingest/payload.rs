@@ -456,11 +456,12 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 || device.segments_by_size.is_some()
                 || device.oom.is_some()
                 || device.unmapped_bytes.is_some()
+                || device.memory_limit.is_some()
             {
                 return Err(invalid(format!(
                     "device {index}: an xla allocator's figures are its statistics \
                      (largest_free_block_bytes among them): no snapshot, no oom object, \
-                     no unmapped_bytes"
+                     no unmapped_bytes, no memory_limit (its PyTorch device's carries it)"
                 )));
             }
             let (stats, reported, largest) = super::xla::figures(index, &stats)?;
@@ -472,7 +473,7 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
                 snapshot: largest.map(|l| (l, Vec::new())),
                 last_oom: None,
                 unmapped: 0,
-                memory_limit: memory_limit(device)?,
+                memory_limit: None,
             })
         }
         Some(other) => Err(invalid(format!(
@@ -482,7 +483,8 @@ fn device(device: &PushedDevice) -> Result<ValidDevice, Rejected> {
     }
 }
 
-/// A device's `memory_limit`: below 2^60 bytes, set by a variable whose name is an
+/// A device's `memory_limit`: 1 byte to below 2^60 (a limit of 0 limits nothing a ratio can
+/// say), set by a variable whose name is an
 /// environment variable's (`[A-Z0-9_]`, at most [`MAX_LABEL_NAME`] characters).
 fn memory_limit(device: &PushedDevice) -> Result<Option<MemoryLimit>, Rejected> {
     let Some(limit) = &device.memory_limit else {
@@ -502,9 +504,9 @@ fn memory_limit(device: &PushedDevice) -> Result<Option<MemoryLimit>, Rejected> 
             truncate(name)
         )));
     }
-    if limit.bytes >= MAX_BYTES as u64 {
+    if limit.bytes == 0 || limit.bytes >= MAX_BYTES as u64 {
         return Err(invalid(format!(
-            "device {}: memory_limit.bytes {} is not below 2^60",
+            "device {}: memory_limit.bytes {} is not between 1 and 2^60",
             device.index, limit.bytes
         )));
     }
@@ -1198,6 +1200,12 @@ mod tests {
                 vec![device(serde_json::json!({"unmapped_bytes": 0}))],
                 "no unmapped_bytes",
             ),
+            (
+                vec![device(
+                    serde_json::json!({"memory_limit": {"bytes": 1, "variable": "V"}}),
+                )],
+                "no memory_limit",
+            ),
         ] {
             let r = refused(&body(devices));
             assert_eq!(r.refusal, Refusal::Invalid, "{why}");
@@ -1211,6 +1219,59 @@ mod tests {
             .as_bytes(),
         );
         assert!(r.message.contains("jax_version"), "{}", r.message);
+    }
+
+    /// A sharing layer's limit: its bytes within bounds, its variable a variable's name.
+    #[test]
+    fn a_memory_limit_is_a_variables_positive_figure() {
+        let body = |limit: serde_json::Value| {
+            serde_json::json!({"pid": 7, "seq": 1, "devices": [{"index": 0, "uuid": "GPU-a",
+                "stats": {}, "memory_limit": limit}]})
+            .to_string()
+            .into_bytes()
+        };
+        let ok = validate(&body(
+            serde_json::json!({"bytes": 10u64 << 30, "variable": "CUDA_DEVICE_MEMORY_LIMIT_0"}),
+        ))
+        .expect("valid");
+        assert_eq!(
+            ok.devices[0].memory_limit,
+            Some(MemoryLimit {
+                bytes: 10 << 30,
+                variable: "CUDA_DEVICE_MEMORY_LIMIT_0".into()
+            })
+        );
+        for (limit, why) in [
+            (
+                serde_json::json!({"bytes": 0, "variable": "V"}),
+                "between 1 and 2^60",
+            ),
+            (
+                serde_json::json!({"bytes": 1u64 << 60, "variable": "V"}),
+                "between 1 and 2^60",
+            ),
+            (
+                serde_json::json!({"bytes": 1, "variable": "cuda_limit"}),
+                "not a variable's name",
+            ),
+            (
+                serde_json::json!({"bytes": 1, "variable": ""}),
+                "not a variable's name",
+            ),
+            (
+                serde_json::json!({"bytes": 1, "variable": "V".repeat(65)}),
+                "not a variable's name",
+            ),
+        ] {
+            let r = refused(&body(limit));
+            assert_eq!(r.refusal, Refusal::Invalid, "{why}");
+            assert!(r.message.contains(why), "{why}: {}", r.message);
+        }
+        let extra = refused(&body(
+            serde_json::json!({"bytes": 1, "variable": "V", "extra": 1}),
+        ));
+        assert_eq!(extra.refusal, Refusal::Malformed);
+        assert!(extra.message.contains("unknown field"), "{}", extra.message);
     }
 
     /// A sleeping pool's unmapped bytes are part of the reserved bytes: at most all of them.

@@ -11,10 +11,13 @@
 //! common edits (`/dev/nvidiactl`, libraries) name no one device.
 //!
 //! # Budgets
-//! - At most [`MAX_SPEC_FILES`] spec files per directory and [`MAX_SPEC_BYTES`] per file;
-//!   a file beyond either is skipped with its reason, the others still read.
+//! - At most [`MAX_SPEC_FILES`] spec files per directory, [`MAX_SPEC_BYTES`] per file and
+//!   [`MAX_TOTAL_BYTES`] parsed per reading; a file beyond any is skipped with its reason, the
+//!   others still read. Only regular files are opened (a FIFO never blocks the reader).
 //! - A file is parsed again only when its length or modification time changes: a node's
 //!   specs are read once, not on every refresh.
+//! - Of each device, only what names a GPU is kept (`NVIDIA_VISIBLE_DEVICES` entries, device
+//!   nodes under `/dev/nvidia`), so what stays in memory is a few bytes a device.
 //!
 //! # Invariants
 //! - Reading never fails as a whole: an absent directory holds no spec, an unreadable or
@@ -34,6 +37,8 @@ use serde::Deserialize;
 pub const MAX_SPEC_FILES: usize = 4096;
 /// The largest spec file read (NVIDIA's per-claim specs are a few kilobytes).
 pub const MAX_SPEC_BYTES: u64 = 1 << 20;
+/// The most bytes of changed spec files parsed in one reading.
+pub const MAX_TOTAL_BYTES: u64 = 64 << 20;
 /// The directories CDI reads by default, in increasing priority.
 pub const DEFAULT_SPEC_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
@@ -44,8 +49,7 @@ pub struct Edits {
     /// `NAME=value` entries.
     #[serde(default)]
     pub env: Vec<String>,
-    /// Device nodes, by their path in the container (their host path where it differs is
-    /// irrelevant: the driver names both alike).
+    /// Device nodes (their host path, where given, is the one that names the host's device).
     #[serde(default)]
     pub device_nodes: Vec<DeviceNode>,
 }
@@ -72,9 +76,9 @@ impl DeviceNode {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Spec {
-    /// Checked present: a file without it is not a CDI spec.
-    #[allow(dead_code)]
-    cdi_version: String,
+    /// Required: a file without it is not a CDI spec.
+    #[serde(rename = "cdiVersion")]
+    _cdi_version: String,
     kind: String,
     #[serde(default)]
     devices: Vec<SpecDevice>,
@@ -141,17 +145,32 @@ impl CdiSpecs {
         let present: HashSet<&PathBuf> = seen.iter().collect();
         self.files.retain(|path, _| present.contains(path));
         let mut devices = HashMap::new();
+        let mut budget = MAX_TOTAL_BYTES;
         for path in seen {
-            let stamp = std::fs::metadata(&path)
+            let meta = std::fs::metadata(&path);
+            let stamp = meta
+                .as_ref()
                 .map(|m| (m.len(), m.modified().ok()))
                 .unwrap_or((0, None));
             let fresh = self.files.get(&path).is_some_and(|p| p.stamp == stamp);
             if !fresh {
-                let parsed = Parsed {
-                    stamp,
-                    devices: read_spec(&path),
+                let read = match meta {
+                    Ok(m) if !m.is_file() => Some(Err("not a regular file".to_string())),
+                    // Read again at the next reading, within its budget.
+                    Ok(m) if m.len() > budget => None,
+                    Ok(m) => {
+                        budget -= m.len().min(MAX_SPEC_BYTES);
+                        Some(read_spec(&path))
+                    }
+                    Err(e) => Some(Err(e.to_string())),
                 };
-                self.files.insert(path.clone(), parsed);
+                let Some(devices) = read else {
+                    self.files.remove(&path);
+                    let why = format!("past the {MAX_TOTAL_BYTES} bytes parsed in one reading");
+                    skipped.push((path, why));
+                    continue;
+                };
+                self.files.insert(path.clone(), Parsed { stamp, devices });
             }
             match &self.files[&path].devices {
                 Ok(list) => devices.extend(list.iter().cloned()),
@@ -191,8 +210,25 @@ fn read_spec(path: &Path) -> Result<Vec<(String, Edits)>, String> {
     Ok(spec
         .devices
         .into_iter()
-        .map(|d| (format!("{}={}", spec.kind, d.name), d.container_edits))
+        .map(|d| {
+            (
+                format!("{}={}", spec.kind, d.name),
+                naming(d.container_edits),
+            )
+        })
         .collect())
+}
+
+/// Of a device's edits, what can name a GPU: `NVIDIA_VISIBLE_DEVICES` entries and device nodes
+/// under `/dev/nvidia` (`/dev/nvidia3`, `/dev/nvidia-caps/…`).
+fn naming(mut edits: Edits) -> Edits {
+    edits
+        .env
+        .retain(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES="));
+    edits
+        .device_nodes
+        .retain(|n| n.host_path().starts_with("/dev/nvidia"));
+    edits
 }
 
 fn parse_spec(text: &str, format: Format) -> Result<Spec, String> {
@@ -307,7 +343,7 @@ mod tests {
     }
 
     #[test]
-    fn an_oversized_spec_is_skipped_and_the_rest_read() {
+    fn an_oversized_spec_or_a_fifo_is_skipped_and_the_rest_read() {
         let dir = temp("big");
         let big = format!(
             r#"{{"cdiVersion":"0.5.0","kind":"a.com/b","devices":[],"pad":"{}"}}"#,
@@ -319,10 +355,23 @@ mod tests {
             "small.json",
             r#"{"cdiVersion":"0.5.0","kind":"a.com/b","devices":[{"name":"d","containerEdits":{}}]}"#,
         );
+        // A FIFO named like a spec would block whoever opens it: not opened.
+        let fifo = dir.join("fifo.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
         let (devices, skipped) = CdiSpecs::new(vec![dir.clone()]).devices();
         assert!(devices.contains_key("a.com/b=d"));
-        assert_eq!(skipped.len(), 1);
-        assert!(skipped[0].1.contains("larger than"), "{skipped:?}");
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(
+            skipped
+                .iter()
+                .any(|(p, why)| p.ends_with("big.json") && why.contains("larger than"))
+        );
+        assert!(
+            skipped
+                .iter()
+                .any(|(p, why)| p == &fifo && why == "not a regular file")
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }

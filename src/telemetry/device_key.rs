@@ -28,6 +28,31 @@ pub enum DeviceKey {
     Mig(MigInstance),
 }
 
+/// A decimal number of at most 10 digits, without sign, as device IDs and names write them.
+pub fn number(s: &str) -> Option<u32> {
+    (!s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| s.parse().ok())
+        .flatten()
+}
+
+/// What a device ID names by itself: a GPU's or MIG device's UUID (`GPU-…`, `MIG-…`; a time
+/// slice's `::<n>` dropped), a GPU's index (`3`) or a MIG device's (`3:1`); `None` for
+/// anything else.
+pub fn parse_id(id: &str) -> Option<DeviceKey> {
+    let id = id.split_once("::").map_or(id, |(device, _)| device);
+    if id.starts_with("GPU-") || id.starts_with("MIG-") {
+        return Some(DeviceKey::Uuid(id.to_string()));
+    }
+    if let Some(gpu) = number(id) {
+        return Some(DeviceKey::Index(DeviceIndex::Gpu(gpu)));
+    }
+    let (gpu, mig) = id.split_once(':')?;
+    Some(DeviceKey::Index(DeviceIndex::Mig(
+        number(gpu)?,
+        number(mig)?,
+    )))
+}
+
 /// A GPU or MIG device of the node, by every name an assignment may give it.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeDevice<'a> {

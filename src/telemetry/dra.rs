@@ -19,12 +19,13 @@
 //!
 //! # Invariants
 //! - Resolution reads files only (the CDI spec directories, `mig-minors`): no RBAC, no
-//!   network; what it cannot resolve it reports unresolved, never guesses.
+//!   network; what it cannot resolve it reports unresolved, never guesses (a MIG device whose
+//!   capability node `mig-minors` does not list is not taken for its parent GPU).
 
 use std::path::{Path, PathBuf};
 
 use super::cdi::{CdiSpecs, Edits};
-use super::device_key::{DeviceIndex, DeviceKey};
+use super::device_key::{DeviceKey, number, parse_id};
 use super::nvidia_caps::MigMinors;
 
 /// NVIDIA's DRA driver.
@@ -107,12 +108,13 @@ impl Resolver {
         cdi_devices: impl IntoIterator<Item = &'a str>,
     ) -> Vec<DeviceKey> {
         let mut keys: Vec<DeviceKey> = Vec::new();
-        let (mut instances, mut minors) = (Vec::new(), Vec::new());
+        let (mut instances, mut minors, mut caps) = (Vec::new(), Vec::new(), 0);
         for edits in cdi_devices.into_iter().filter_map(|d| self.cdi.get(d)) {
             keys.extend(edits.env.iter().flat_map(|e| visible_devices(e)));
             for node in &edits.device_nodes {
                 let path = Path::new(node.host_path());
                 if let Some(cap) = minor_of(path, "/dev/nvidia-caps", "nvidia-cap") {
+                    caps += 1;
                     instances.extend(self.mig_minors.get(cap));
                 } else if let Some(minor) = minor_of(path, "/dev", "nvidia") {
                     minors.push(minor);
@@ -123,7 +125,9 @@ impl Resolver {
         // instance's node is more precise than its GPU instance's.
         let precise = instances.iter().any(|i| i.compute_instance.is_some());
         instances.retain(|i| !precise || i.compute_instance.is_some());
-        if instances.is_empty() {
+        // A capability node names a MIG instance: one `mig-minors` does not list leaves the
+        // device unresolved, never its parent GPU.
+        if caps == 0 {
             keys.extend(minors.into_iter().map(DeviceKey::Minor));
         } else {
             keys.extend(instances.into_iter().map(DeviceKey::Mig));
@@ -134,16 +138,10 @@ impl Resolver {
         {
             keys.push(DeviceKey::Minor(minor));
         }
-        keys.dedup();
+        let mut seen = std::collections::HashSet::new();
+        keys.retain(|k| seen.insert(k.clone()));
         keys
     }
-}
-
-/// A decimal number of at most 10 digits, without sign or leading `+`.
-fn number(s: &str) -> Option<u32> {
-    (!s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| s.parse().ok())
-        .flatten()
 }
 
 /// `<dir>/<prefix><N>` → `N`.
@@ -154,33 +152,21 @@ fn minor_of(path: &Path, dir: &str, prefix: &str) -> Option<u32> {
     number(path.file_name()?.to_str()?.strip_prefix(prefix)?)
 }
 
-/// The devices an `NVIDIA_VISIBLE_DEVICES=…` entry names: UUIDs, indices and `<gpu>:<mig>`
-/// indices (`all`, `none` and `void` name none).
+/// The devices an `NVIDIA_VISIBLE_DEVICES=…` entry names ([`parse_id`]; `all`, `none` and
+/// `void` name none).
 fn visible_devices(entry: &str) -> Vec<DeviceKey> {
     let Some(list) = entry.strip_prefix("NVIDIA_VISIBLE_DEVICES=") else {
         return Vec::new();
     };
     list.split(',')
-        .map(str::trim)
-        .filter_map(|item| {
-            if item.starts_with("GPU-") || item.starts_with("MIG-") {
-                Some(DeviceKey::Uuid(item.to_string()))
-            } else if let Some(i) = number(item) {
-                Some(DeviceKey::Index(DeviceIndex::Gpu(i)))
-            } else {
-                let (gpu, mig) = item.split_once(':')?;
-                Some(DeviceKey::Index(DeviceIndex::Mig(
-                    number(gpu)?,
-                    number(mig)?,
-                )))
-            }
-        })
+        .filter_map(|id| parse_id(id.trim()))
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::cdi::DeviceNode;
+    use super::super::device_key::DeviceIndex;
     use super::super::nvidia_caps::MigInstance;
     use super::*;
 
@@ -276,6 +262,12 @@ mod tests {
             claim(NVIDIA_DRIVER, "gpu-+1", &[]),
             claim("dra.example.com", "gpu-2", &[]),
             claim(NVIDIA_DRIVER, "gpux", &["k8s.gpu.nvidia.com/claim=u3-ctl"]),
+            // A MIG instance mig-minors does not list: not its parent GPU.
+            claim(
+                NVIDIA_DRIVER,
+                "gpu-0-mig-1g10gb-19-0",
+                &["k8s.gpu.nvidia.com/claim=u4-mig-unlisted"],
+            ),
         ] {
             assert_eq!(r(unresolved), [], "{unresolved:?}");
         }

@@ -47,9 +47,9 @@ fn process_name(pid: u32) -> String {
         .unwrap_or_default()
 }
 
-/// The name of MPS's server process (`nvidia-cuda-mps-server`), which NVML lists beside its
-/// clients under MPS.
-pub const MPS_SERVER: &str = "nvidia-cuda-mps-server";
+/// MPS's server process (`nvidia-cuda-mps-server`), which NVML lists beside its clients under
+/// MPS, as `/proc/<pid>/comm` names it: cut to 15 bytes by the kernel.
+pub const MPS_SERVER: &str = "nvidia-cuda-mps";
 
 /// The container a process's memory is charged to: its own, but none for MPS's server, which
 /// holds memory for every client pod on the GPU and runs in the MPS control daemon's pod
@@ -244,7 +244,8 @@ mod tests {
                 runtime: Runtime::Containerd,
             })
         };
-        assert_eq!(charged_to(MPS_SERVER, in_pod), None);
+        // As the kernel names it: "nvidia-cuda-mps-server" cut to 15 bytes.
+        assert_eq!(charged_to("nvidia-cuda-mps", in_pod), None);
         assert_eq!(charged_to("python3", in_pod), in_pod());
     }
 

@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 #[cfg(feature = "kubelet")]
 use std::time::{Duration, Instant};
 
-use super::device_key::NodeDevice;
 pub use super::device_key::{DeviceIndex, DeviceKey};
+use super::device_key::{NodeDevice, parse_id};
 use super::dra::{DraDevice, NodeFiles, NodeReader, Resolver};
 #[cfg(feature = "kubelet")]
 use super::grpc::{self, GrpcError};
@@ -306,28 +306,16 @@ impl PodDirectory {
     }
 }
 
-/// The directory key of a device plugin's device ID: the GPU's or MIG device's UUID (a
-/// time slice's `::<n>` dropped), or under the index strategy its index; `None` for devices
-/// that are not GPUs.
+/// The directory key of a device plugin's device ID ([`parse_id`]): a UUID under any
+/// resource, an index only under NVIDIA's (a GPU's under `nvidia.com/gpu`, a MIG device's
+/// under it or `nvidia.com/mig-<profile>`); `None` for devices that are not GPUs.
 fn device_key(resource: &str, id: &str) -> Option<DeviceKey> {
-    let id = id.split_once("::").map_or(id, |(gpu, _)| gpu);
-    let number = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
     let (gpus, migs) = (resource == NVIDIA_GPU, resource.starts_with(NVIDIA_MIG));
-    if id.starts_with("GPU-") || id.starts_with("MIG-") {
-        Some(DeviceKey::Uuid(id.to_string()))
-    } else if gpus && number(id) {
-        Some(DeviceKey::Index(DeviceIndex::Gpu(id.parse().ok()?)))
-    } else if (gpus || migs)
-        && let Some((gpu, mig)) = id.split_once(':')
-        && number(gpu)
-        && number(mig)
-    {
-        Some(DeviceKey::Index(DeviceIndex::Mig(
-            gpu.parse().ok()?,
-            mig.parse().ok()?,
-        )))
-    } else {
-        None
+    match parse_id(id)? {
+        key @ DeviceKey::Uuid(_) => Some(key),
+        key @ DeviceKey::Index(DeviceIndex::Gpu(_)) if gpus => Some(key),
+        key @ DeviceKey::Index(DeviceIndex::Mig(..)) if gpus || migs => Some(key),
+        _ => None,
     }
 }
 
@@ -390,7 +378,15 @@ impl PodResources {
         let result = list(socket, timeout).await;
         let duration_seconds = started.elapsed().as_secs_f64();
         match result {
-            Ok(answer) => self.publish(&answer, duration_seconds),
+            // The node's CDI specs are files: read off the agent's runtime.
+            Ok(answer) => {
+                let me = self.clone();
+                let read =
+                    tokio::task::spawn_blocking(move || me.publish(&answer, duration_seconds));
+                if let Err(e) = read.await {
+                    tracing::warn!(error = %e, "resolving the kubelet's answer failed");
+                }
+            }
             Err(error) => {
                 let reason = error.to_string();
                 if self.latest.down(reason.clone(), duration_seconds) {

@@ -798,7 +798,7 @@ fn the_hooks_copies_of_the_agents_bounds_agree() {
 }
 
 /// The series budget counts what a scrape shows: a push whose devices have every optional
-/// series (a snapshot's figures, the last OOM's time) yields exactly the series it is charged
+/// series (a snapshot's figures, the last OOM's time, a sharing layer's limit) yields exactly the series it is charged
 /// for, so no series can get around the budget.
 #[tokio::test]
 async fn a_push_is_charged_the_series_it_shows() {
@@ -806,7 +806,8 @@ async fn a_push_is_charged_the_series_it_shows() {
     let device = |i: u32| {
         serde_json::json!({"index": i, "uuid": format!("GPU-{i}"),
             "stats": {"num_ooms": 1, "reserved_bytes.all.current": 4096},
-            "largest_free_block": 512,
+            "largest_free_block": 512, "unmapped_bytes": 1024,
+            "memory_limit": {"bytes": 8192, "variable": "CUDA_DEVICE_MEMORY_LIMIT"},
             "segments_by_size": [{"size": 2048, "segments": 1, "free_bytes": 512},
                                  {"size": 4096, "segments": 1, "free_bytes": 0}]})
     };
@@ -825,9 +826,14 @@ async fn a_push_is_charged_the_series_it_shows() {
     let shown = text
         .lines()
         .filter(|l| {
-            ["gpumem_allocator_", "gpumem_ingest_", "gpumem_host_pinned_"]
-                .iter()
-                .any(|p| l.starts_with(p))
+            [
+                "gpumem_allocator_",
+                "gpumem_ingest_",
+                "gpumem_host_pinned_",
+                "gpumem_process_memory_limit_",
+            ]
+            .iter()
+            .any(|p| l.starts_with(p))
                 && l.contains(r#"pid="77""#)
         })
         .count();

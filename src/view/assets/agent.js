@@ -181,7 +181,7 @@ function drawAssigned(assigned) {
   for (const a of assigned) {
     const tr = node('tr', { 'data-uuid': a.uuid, 'data-pod': `${a.pod_namespace}/${a.pod_name}` });
     const pod = `${a.pod_namespace}/${a.pod_name}${a.container_name ? ` (${a.container_name})` : ''}`;
-    for (const text of [a.gpu === '' ? '(not on this node)' : a.gpu, a.mig_uuid, pod, a.claim, a.dra_device]) {
+    for (const text of [a.gpu === '' ? '(no GPU of this node resolved)' : a.gpu, a.mig_uuid, pod, a.claim, a.dra_device]) {
       tr.append(node('td', { class: 'wraps' }, text));
     }
     table.append(tr);

@@ -16,6 +16,7 @@ stacks (torch_memory_saver's ``pause``/``resume``, an allocator of the job's own
 ``gpumem_push.report_unmapped(device, nbytes)``. Nothing here imports either stack.
 """
 
+import os
 import sys
 import threading
 
@@ -29,6 +30,15 @@ _asleep = {}
 _reported = {}
 # The vLLM allocators seen sleeping, whose allocations are read again at each push.
 _allocators = []
+
+
+def _after_fork_in_child():
+    # A fork while another thread held the lock would leave the child's copy held forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def report_unmapped(device, nbytes):
@@ -63,8 +73,9 @@ def watch(modules=None):
                 _allocators.append(self)
         return result
 
-    def waking(self, tags=None, *args, **kwargs):
-        result = wake_up(self, tags, *args, **kwargs)
+    def waking(self, *args, **kwargs):
+        result = wake_up(self, *args, **kwargs)
+        tags = args[0] if args else kwargs.get("tags")
         with _lock:
             for pointer, data in _allocations(self):
                 if tags is None or getattr(data, "tag", None) in tags:
