@@ -114,8 +114,11 @@ impl Resolver {
             for node in &edits.device_nodes {
                 let path = Path::new(node.host_path());
                 if let Some(cap) = minor_of(path, "/dev/nvidia-caps", "nvidia-cap") {
-                    caps += 1;
-                    instances.extend(self.mig_minors.get(cap));
+                    // MIG's config and monitor capabilities name no instance.
+                    if !self.mig_minors.names_no_instance(cap) {
+                        caps += 1;
+                        instances.extend(self.mig_minors.get(cap));
+                    }
                 } else if let Some(minor) = minor_of(path, "/dev", "nvidia") {
                     minors.push(minor);
                 }
@@ -216,13 +219,22 @@ mod tests {
                 "k8s.gpu.nvidia.com/claim=u3-ctl",
                 edits(&[], &["/dev/nvidiactl"]),
             ),
+            (
+                "k8s.gpu.nvidia.com/claim=u4-mig-unlisted",
+                edits(&[], &["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap99"]),
+            ),
+            // A management container's whole GPU, with MIG's config capability.
+            (
+                "k8s.gpu.nvidia.com/claim=u5-gpu-2",
+                edits(&[], &["/dev/nvidia2", "/dev/nvidia-caps/nvidia-cap1"]),
+            ),
         ]
         .into_iter()
         .map(|(n, e)| (n.to_string(), e))
         .collect();
         let resolver = Resolver::new(
             cdi,
-            MigMinors::parse("gpu0/gi3/access 21\ngpu0/gi3/ci0/access 22\n"),
+            MigMinors::parse("config 1\nmonitor 2\ngpu0/gi3/access 21\ngpu0/gi3/ci0/access 22\n"),
         );
         let r = |(driver, device, cdi): Claim<'_>| {
             resolver.resolve(driver, device, cdi.iter().copied())
@@ -234,6 +246,14 @@ mod tests {
                 &["k8s.gpu.nvidia.com/claim=u1-gpu-1"]
             )),
             [DeviceKey::Minor(1)]
+        );
+        assert_eq!(
+            r(claim(
+                NVIDIA_DRIVER,
+                "gpu-2",
+                &["k8s.gpu.nvidia.com/claim=u5-gpu-2"]
+            )),
+            [DeviceKey::Minor(2)]
         );
         assert_eq!(
             r(claim(

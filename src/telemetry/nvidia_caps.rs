@@ -8,7 +8,7 @@
 //! # Budgets
 //! - The file is read up to [`MAX_BYTES`]; lines that do not parse are skipped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::path::Path;
 
@@ -28,9 +28,13 @@ pub struct MigInstance {
     pub compute_instance: Option<u32>,
 }
 
-/// Capability device minor → the instance it grants access to.
+/// Capability device minor → the instance it grants access to, and the minors of the
+/// capabilities that name no instance (`config`, `monitor`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MigMinors(HashMap<u32, MigInstance>);
+pub struct MigMinors {
+    instances: HashMap<u32, MigInstance>,
+    others: HashSet<u32>,
+}
 
 impl MigMinors {
     /// The file at `path`; none where it is absent (no MIG-capable driver) or unreadable.
@@ -46,23 +50,36 @@ impl MigMinors {
 
     /// The file's text.
     pub fn parse(text: &str) -> MigMinors {
-        let mut minors = HashMap::new();
+        let mut minors = MigMinors::default();
         for line in text.lines() {
             let Some((name, minor)) = line.trim().split_once(char::is_whitespace) else {
                 continue;
             };
-            let (Some(instance), Ok(minor)) = (instance_of(name), minor.trim().parse::<u32>())
-            else {
+            let Ok(minor) = minor.trim().parse::<u32>() else {
                 continue;
             };
-            minors.insert(minor, instance);
+            match instance_of(name) {
+                Some(instance) => {
+                    minors.instances.insert(minor, instance);
+                }
+                None if matches!(name, "config" | "monitor") => {
+                    minors.others.insert(minor);
+                }
+                None => {}
+            }
         }
-        MigMinors(minors)
+        minors
     }
 
     /// The instance `/dev/nvidia-caps/nvidia-cap<minor>` grants access to.
     pub fn get(&self, minor: u32) -> Option<MigInstance> {
-        self.0.get(&minor).copied()
+        self.instances.get(&minor).copied()
+    }
+
+    /// Whether `/dev/nvidia-caps/nvidia-cap<minor>` is MIG's `config` or `monitor`
+    /// capability, which names no instance.
+    pub fn names_no_instance(&self, minor: u32) -> bool {
+        self.others.contains(&minor)
     }
 }
 
@@ -116,6 +133,8 @@ mod tests {
         for none in [1, 2, 9] {
             assert_eq!(minors.get(none), None);
         }
+        assert!(minors.names_no_instance(1) && minors.names_no_instance(2));
+        assert!(!minors.names_no_instance(9) && !minors.names_no_instance(66));
         assert_eq!(
             MigMinors::read(Path::new("/nonexistent/mig-minors")),
             MigMinors::default()
