@@ -26,6 +26,7 @@
 pub use gpumem_core::{allocator, config, device, shared};
 
 pub mod agent;
+pub mod bounded_file;
 #[cfg(feature = "tools")]
 pub mod demo;
 #[cfg(feature = "tools")]

@@ -252,21 +252,15 @@ pub enum PlanFileError {
 /// # Errors
 /// A [`PlanFileError`] naming the file.
 pub fn read_plan_file(path: &std::path::Path) -> Result<PlanFile, PlanFileError> {
-    use std::io::Read as _;
+    use crate::bounded_file::{ReadError, read};
     let name = path.display().to_string();
-    let io = |source| PlanFileError::Io {
-        path: name.clone(),
-        source,
-    };
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .map_err(io)?
-        .take(MAX_PLAN_FILE_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(io)?;
-    if text.len() as u64 > MAX_PLAN_FILE_BYTES {
-        return Err(PlanFileError::TooLarge { path: name });
-    }
+    let text = read(path, MAX_PLAN_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(source) => PlanFileError::Io {
+            path: name.clone(),
+            source,
+        },
+        ReadError::TooLarge(_) => PlanFileError::TooLarge { path: name.clone() },
+    })?;
     parse_plan(&text).map_err(|source| PlanFileError::Invalid { path: name, source })
 }
 

@@ -11,7 +11,6 @@
 //! Every call of [`Call::ALL`] has an entry; unknown fields and calls are refused.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 
 use serde::{Deserialize, Serialize};
 
@@ -89,20 +88,15 @@ pub fn read_costs(name_or_path: &str) -> Result<DriverCosts, CostsFileError> {
         "public" => return Ok(DriverCosts::public()),
         _ => {}
     }
+    use crate::bounded_file::{ReadError, read};
     let path = name_or_path.to_string();
-    let io = |source| CostsFileError::Io {
-        path: path.clone(),
-        source,
-    };
-    let mut text = String::new();
-    std::fs::File::open(name_or_path)
-        .map_err(io)?
-        .take(MAX_COSTS_FILE_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(io)?;
-    if text.len() as u64 > MAX_COSTS_FILE_BYTES {
-        return Err(CostsFileError::TooLarge(path));
-    }
+    let text = read(name_or_path.as_ref(), MAX_COSTS_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(source) => CostsFileError::Io {
+            path: path.clone(),
+            source,
+        },
+        ReadError::TooLarge(_) => CostsFileError::TooLarge(path.clone()),
+    })?;
     parse_costs(&text).map_err(|source| CostsFileError::Invalid { path, source })
 }
 

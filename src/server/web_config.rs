@@ -238,16 +238,7 @@ fn read_bounded(path: &Path) -> Result<String, String> {
 }
 
 fn read_at_most(path: &Path, limit: u64) -> Result<String, String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut text = String::new();
-    file.take(limit + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| e.to_string())?;
-    if text.len() as u64 > limit {
-        return Err(format!("larger than {limit} bytes"));
-    }
-    Ok(text)
+    crate::bounded_file::read(path, limit).map_err(|e| e.to_string())
 }
 
 fn tls_settings(t: TlsFile, base: &Path) -> Result<TlsSettings, String> {

@@ -27,7 +27,6 @@
 //!   deterministic).
 
 use std::collections::{HashMap, HashSet};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -198,14 +197,7 @@ fn spec_format(path: &Path) -> Option<Format> {
 /// One spec file's devices by qualified name, or why it is skipped.
 fn read_spec(path: &Path) -> Result<Vec<(String, Edits)>, String> {
     let format = spec_format(path).ok_or("not a .json, .yaml or .yml file")?;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut text = String::new();
-    file.take(MAX_SPEC_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| e.to_string())?;
-    if text.len() as u64 > MAX_SPEC_BYTES {
-        return Err(format!("larger than {MAX_SPEC_BYTES} bytes"));
-    }
+    let text = crate::bounded_file::read(path, MAX_SPEC_BYTES).map_err(|e| e.to_string())?;
     let spec = parse_spec(&text, format)?;
     Ok(spec
         .devices
