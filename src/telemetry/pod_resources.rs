@@ -265,13 +265,14 @@ impl PodDirectory {
                     minor: gpu.minor,
                     instance: mig.map(|m| (m.gpu_instance, m.compute_instance)),
                 };
-                for assignment in self.holders(&device) {
+                let keys = device.keys();
+                for assignment in self.holders(&keys) {
                     placed.push(Placed {
                         on: Some((gpu, mig)),
                         assignment,
                     });
                 }
-                on_node.extend(device.keys());
+                on_node.extend(keys);
             }
         }
         let elsewhere = self
@@ -285,12 +286,13 @@ impl PodDirectory {
         placed
     }
 
-    /// The assignments of this device of the node (each container and claim once).
-    fn holders(&self, device: &NodeDevice<'_>) -> Vec<&Assignment> {
+    /// The assignments of the device of the node these keys name (each container and claim
+    /// once).
+    fn holders(&self, keys: &[DeviceKey]) -> Vec<&Assignment> {
         let mut all: Vec<&Assignment> = Vec::new();
         let mut seen = HashSet::new();
-        for key in device.keys() {
-            for &at in self.by_key.get(&key).map(Vec::as_slice).unwrap_or_default() {
+        for key in keys {
+            for &at in self.by_key.get(key).map(Vec::as_slice).unwrap_or_default() {
                 let a = &self.assignments[at];
                 if seen.insert((&a.holder, &a.dra)) {
                     all.push(a);
@@ -478,7 +480,10 @@ mod tests {
             minor: None,
             instance: None,
         };
-        d.holders(&device).into_iter().map(|a| &a.holder).collect()
+        d.holders(&device.keys())
+            .into_iter()
+            .map(|a| &a.holder)
+            .collect()
     }
 
     #[test]

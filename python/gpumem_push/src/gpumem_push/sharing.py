@@ -11,11 +11,11 @@ its statistics. A value that does not parse is left out, never guessed.
 
 import re
 
+from .limits import MAX_BYTES
+
 VARIABLE = "CUDA_DEVICE_MEMORY_LIMIT"
 _VALUE = re.compile(r"\s*(\d{1,19})\s*([kKmMgG]?)\s*")
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-# The agent's bound on byte figures.
-_MAX = 1 << 60
 
 
 def parse(value):
@@ -24,7 +24,7 @@ def parse(value):
     if match is None:
         return None
     n = int(match.group(1)) * _SCALE[match.group(2).lower()]
-    return n if 0 < n < _MAX else None
+    return n if 0 < n < MAX_BYTES else None
 
 
 def memory_limit(environ, ordinal):
