@@ -207,35 +207,82 @@ fn node_report() -> ReportReader {
         used: Some(1 << 30),
         container,
     };
-    let gpu = |index: u32, processes| GpuSample {
+    nvml(vec![
+        h100(
+            0,
+            0,
+            4 << 30,
+            vec![
+                process(trainer(), in_pod(TRAIN_UID)),
+                process(17, None),
+                process(23, in_pod(DEBUG_UID)),
+            ],
+            Vec::new(),
+        ),
+        h100(
+            1,
+            1,
+            4 << 30,
+            vec![process(5151, in_pod(INFER_UID))],
+            Vec::new(),
+        ),
+    ])
+}
+
+/// An 80 GiB H100 as NVML reports it (`GPU-<index>aaa`, its device minor), `used` bytes in
+/// use, its processes (none of its own in MIG mode) and MIG devices.
+fn h100(
+    index: u32,
+    minor: u32,
+    used: u64,
+    processes: Vec<ProcessSample>,
+    mig: Vec<MigSample>,
+) -> GpuSample {
+    GpuSample {
         index,
         uuid: format!("GPU-{index}aaa"),
-        minor: Some(index),
+        minor: Some(minor),
         model: "H100".into(),
         total: 80 << 30,
-        used: 4 << 30,
-        free: 76 << 30,
+        used,
+        free: (80 << 30) - used,
         reserved: None,
         processes,
-        mig: Vec::new(),
-    };
+        mig,
+    }
+}
+
+/// A MIG device (compute instance 0) of GPU instance `gpu_instance`, `used` of its `total`
+/// bytes in use.
+fn mig_device(
+    (index, uuid): (u32, &str),
+    gpu_instance: u32,
+    (profile, total): (&str, u64),
+    used: u64,
+    processes: Vec<ProcessSample>,
+) -> MigSample {
+    MigSample {
+        index,
+        uuid: uuid.into(),
+        gpu_instance,
+        compute_instance: 0,
+        profile: profile.into(),
+        total,
+        used,
+        free: total - used,
+        processes,
+    }
+}
+
+/// NVML's answer for these GPUs, up, as the agent reads a polled source.
+fn nvml(gpus: Vec<GpuSample>) -> ReportReader {
     let report = Arc::new(SourceReport {
         source: "nvml",
         up: true,
         sample: Some(NodeSample {
             driver_version: "550.54.15".into(),
             simulated: false,
-            gpus: vec![
-                gpu(
-                    0,
-                    vec![
-                        process(trainer(), in_pod(TRAIN_UID)),
-                        process(17, None),
-                        process(23, in_pod(DEBUG_UID)),
-                    ],
-                ),
-                gpu(1, vec![process(5151, in_pod(INFER_UID))]),
-            ],
+            gpus,
         }),
         error: None,
         duration_seconds: 0.001,
@@ -576,71 +623,26 @@ fn mig_node_report() -> ReportReader {
         used: Some(3 << 30),
         container,
     };
-    let mig = |index, uuid: &str, gpu_instance, profile: &str, total: u64, processes| MigSample {
-        index,
-        uuid: uuid.into(),
-        gpu_instance,
-        compute_instance: 0,
-        profile: profile.into(),
-        total,
-        used: 3 << 30,
-        free: total - (3 << 30),
-        processes,
-    };
-    let report = Arc::new(SourceReport {
-        source: "nvml",
-        up: true,
-        sample: Some(NodeSample {
-            driver_version: "550.54.15".into(),
-            simulated: false,
-            gpus: vec![
-                GpuSample {
-                    index: 0,
-                    uuid: "GPU-0aaa".into(),
-                    minor: Some(0),
-                    model: "H100".into(),
-                    total: 80 << 30,
-                    used: 6 << 30,
-                    free: 74 << 30,
-                    reserved: None,
-                    processes: Vec::new(),
-                    mig: vec![
-                        mig(
-                            0,
-                            MIG_A,
-                            2,
-                            "3g.40gb",
-                            40 << 30,
-                            vec![process(trainer(), in_pod(TRAIN_UID))],
-                        ),
-                        mig(
-                            1,
-                            MIG_B,
-                            9,
-                            "1g.10gb",
-                            10 << 30,
-                            vec![process(4242, in_pod(INFER_UID))],
-                        ),
-                    ],
-                },
-                GpuSample {
-                    index: 1,
-                    uuid: "GPU-1aaa".into(),
-                    minor: Some(1),
-                    model: "H100".into(),
-                    total: 80 << 30,
-                    used: 0,
-                    free: 80 << 30,
-                    reserved: None,
-                    processes: Vec::new(),
-                    mig: Vec::new(),
-                },
-            ],
-        }),
-        error: None,
-        duration_seconds: 0.001,
-    });
-    Box::new(move || Arc::clone(&report))
+    let migs = vec![
+        mig_device(
+            (0, MIG_A),
+            2,
+            ("3g.40gb", 40 << 30),
+            3 << 30,
+            vec![process(trainer(), in_pod(TRAIN_UID))],
+        ),
+        mig_device(
+            (1, MIG_B),
+            9,
+            ("1g.10gb", 10 << 30),
+            3 << 30,
+            vec![process(4242, in_pod(INFER_UID))],
+        ),
+    ];
+    nvml(vec![
+        h100(0, 0, 6 << 30, Vec::new(), migs),
+        h100(1, 1, 0, Vec::new(), Vec::new()),
+    ])
 }
 
 const MIG_A: &str = "MIG-4b6c2f1e-8d3a-5e7b-9c0d-1e2f3a4b5c6d";
@@ -771,46 +773,27 @@ fn mig_devices_processes_pushes_and_assignments_join() {
 /// GPUs whose device minors differ from NVML's indices (index 1 is `/dev/nvidia3`, index 3
 /// `/dev/nvidia1`), as the driver names GPUs by minor.
 fn dra_node_report() -> ReportReader {
-    let gpu = |index: u32, minor: u32, mig: Vec<MigSample>| GpuSample {
-        index,
-        uuid: format!("GPU-{index}aaa"),
-        minor: Some(minor),
-        model: "H100".into(),
-        total: 80 << 30,
-        used: 0,
-        free: 80 << 30,
-        reserved: None,
-        processes: Vec::new(),
-        mig,
+    let mig = |index, uuid, gpu_instance| {
+        mig_device(
+            (index, uuid),
+            gpu_instance,
+            ("1g.10gb", 10 << 30),
+            0,
+            Vec::new(),
+        )
     };
-    let mig = |index, uuid: &str, gpu_instance| MigSample {
-        index,
-        uuid: uuid.into(),
-        gpu_instance,
-        compute_instance: 0,
-        profile: "1g.10gb".into(),
-        total: 10 << 30,
-        used: 0,
-        free: 10 << 30,
-        processes: Vec::new(),
-    };
-    let report = Arc::new(SourceReport {
-        source: "nvml",
-        up: true,
-        sample: Some(NodeSample {
-            driver_version: "580.95.05".into(),
-            simulated: false,
-            gpus: vec![
-                gpu(0, 0, vec![mig(0, MIG_A, 2), mig(1, MIG_B, 9)]),
-                gpu(1, 3, Vec::new()),
-                gpu(2, 2, Vec::new()),
-                gpu(3, 1, Vec::new()),
-            ],
-        }),
-        error: None,
-        duration_seconds: 0.001,
-    });
-    Box::new(move || Arc::clone(&report))
+    nvml(vec![
+        h100(
+            0,
+            0,
+            0,
+            Vec::new(),
+            vec![mig(0, MIG_A, 2), mig(1, MIG_B, 9)],
+        ),
+        h100(1, 3, 0, Vec::new(), Vec::new()),
+        h100(2, 2, 0, Vec::new(), Vec::new()),
+        h100(3, 1, 0, Vec::new(), Vec::new()),
+    ])
 }
 
 /// A pod whose one container holds one DRA claim of one device.
