@@ -26,6 +26,8 @@
 pub use gpumem_core::{allocator, config, device, shared};
 
 pub mod agent;
+#[cfg(feature = "archive")]
+pub mod archive;
 pub mod bounded_file;
 #[cfg(feature = "tools")]
 pub mod demo;

@@ -369,6 +369,17 @@ pub struct RecordingsReport {
     pub bytes: u64,
     /// Uploads refused, by reason (the ingest's refusal labels).
     pub refused: Vec<(&'static str, u64)>,
+    /// What became of the recordings to archive, where the agent archives them.
+    pub uploads: Option<UploadsReport>,
+}
+
+/// The archive's side of the recordings (`archive::uploader`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UploadsReport {
+    /// Attempts to archive a recording, by result (`uploaded`, `failed`, `evicted`).
+    pub results: Vec<(&'static str, u64)>,
+    /// Recordings kept and not archived yet.
+    pub pending: usize,
 }
 
 /// A pushed process's pinned host memory (PyTorch's `CachingHostAllocator`, read from

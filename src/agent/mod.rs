@@ -17,7 +17,9 @@
 //! - The push socket is optional: where it cannot be bound, the agent warns and takes pushes
 //!   over loopback.
 //! - Every listener stops on the one stop signal, giving requests in flight the limits'
-//!   shutdown timeout.
+//!   shutdown timeout; where the agent archives its recordings, the archiving goes on
+//!   after the listeners have stopped, for at most its grace (`archive::uploader`), and
+//!   [`Agent::run`] returns when it is done.
 
 mod kubelet;
 
@@ -47,6 +49,9 @@ pub struct Agent {
     /// What the handlers share: set its limits, names and credentials before running.
     pub state: AppState,
     kubelet: Option<KubeletWatch>,
+    /// The archiving of kept recordings, and the time it is given after the stop signal.
+    #[cfg(feature = "archive")]
+    archiving: Option<(Arc<crate::archive::uploader::Uploads>, Duration)>,
 }
 
 /// Where and how an agent serves.
@@ -108,6 +113,8 @@ impl Agent {
         Ok(Agent {
             state,
             kubelet: None,
+            #[cfg(feature = "archive")]
+            archiving: None,
         })
     }
 
@@ -123,6 +130,8 @@ impl Agent {
         Ok(Agent {
             state,
             kubelet: None,
+            #[cfg(feature = "archive")]
+            archiving: None,
         })
     }
 
@@ -163,6 +172,14 @@ impl Agent {
         self.state.ingest.as_ref()
     }
 
+    /// Archives the kept recordings through `uploads` while running, and for at most
+    /// `grace` after the stop signal.
+    #[cfg(feature = "archive")]
+    pub fn archive(&mut self, uploads: Arc<crate::archive::uploader::Uploads>, grace: Duration) {
+        self.state.uploads = Some(Arc::clone(&uploads));
+        self.archiving = Some((uploads, grace));
+    }
+
     /// Reports on `beat`'s loop in `/healthz` and `/readyz`.
     pub fn watch(&mut self, beat: Heartbeat) {
         self.state.health.watch(beat);
@@ -184,6 +201,13 @@ impl Agent {
         listen: Listen,
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
+        #[cfg(feature = "archive")]
+        let Agent {
+            state,
+            kubelet,
+            archiving,
+        } = self;
+        #[cfg(not(feature = "archive"))]
         let Agent { state, kubelet } = self;
         // The agent's loops stop with its listeners (on a caller's runtime too).
         let mut loops = tokio::task::JoinSet::new();
@@ -222,6 +246,9 @@ impl Agent {
             stop.await;
             let _ = tell.send(true);
         });
+        #[cfg(feature = "archive")]
+        let archiving =
+            archiving.map(|(uploads, grace)| tokio::spawn(uploads.run(told.clone(), grace)));
         let stopped = move || {
             let mut told = told.clone();
             async move {
@@ -248,6 +275,10 @@ impl Agent {
         };
         tokio::join!(main, pushes, socket);
         loops.abort_all();
+        #[cfg(feature = "archive")]
+        if let Some(archiving) = archiving {
+            let _ = archiving.await;
+        }
         Ok(())
     }
 

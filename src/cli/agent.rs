@@ -10,6 +10,8 @@ use std::time::Duration;
 use clap::builder::ValueParser;
 use gpumem::AllocatorConfig;
 use gpumem::agent::{Agent, KubeletWatch, Listen};
+use gpumem::archive::uploader::Uploads;
+use gpumem::archive::{Archive, Credentials};
 use gpumem::demo::{SimNode, SimNodeConfig};
 use gpumem::ingest::{IngestConfig, RecordingLimits, RecordingStore};
 use gpumem::metrics::ReportReader;
@@ -96,6 +98,26 @@ pub(crate) struct ServeArgs {
     /// replay at a time within it.
     #[arg(long, default_value_t = RecordingLimits::default().read.max_memory_bytes, value_parser = clap::value_parser!(u64).range((1 << 20)..=(64 << 30)))]
     recordings_max_memory_bytes: u64,
+    /// Archive each kept recording, with a JSON sidecar, in object storage: s3://bucket/prefix
+    /// (S3 or an S3-compatible store at AWS_ENDPOINT_URL), gs://, az:// or file://; a prefix
+    /// segment {namespace} stands for each recording's namespace. Credentials come from the
+    /// environment (workload identity, or a Secret's variables). Needs --recordings-dir, the
+    /// spool: nothing leaves it before it is archived, but by its caps.
+    #[arg(long, value_name = "URL", requires = "recordings_dir")]
+    recordings_url: Option<gpumem::archive::ArchiveUrl>,
+    /// The cluster's name, under which this agent files the recordings it archives and its
+    /// view finds archived ones (the same for every agent of the cluster).
+    #[arg(long, default_value = "default", value_parser = parse_segment)]
+    cluster: String,
+    /// This node's name, under which recordings of processes in no known pod are archived
+    /// (the chart passes spec.nodeName). Default: the host's name.
+    #[arg(long, value_parser = parse_segment)]
+    node_name: Option<String>,
+    /// Seconds the archiving goes on after the stop signal (SIGTERM), for recordings not yet
+    /// archived; keep the pod's termination grace period longer than this plus
+    /// --shutdown-timeout.
+    #[arg(long, default_value_t = 20.0, value_parser = parse_grace)]
+    recordings_upload_grace: f64,
     /// A web configuration file in the Prometheus exporter-toolkit's format: TLS
     /// (tls_server_config, the certificate re-read when it changes) and authentication (basic
     /// with basic_auth_users, bcrypt hashes; bearer with gpumem's bearer_auth_tokens_file) for
@@ -193,6 +215,24 @@ fn parse_host_name(text: &str) -> Result<String, String> {
             "{text:?} is not a DNS name (letters, digits, '-' and '.'; no port, no trailing dot)"
         ))
     }
+}
+
+/// A name that may be a segment of an archived recording's key (a cluster's, a node's).
+fn parse_segment(text: &str) -> Result<String, String> {
+    if gpumem::archive::address::valid_segment(text) {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "{text:?} is not 1 to 253 letters, digits, '-', '_' and '.'"
+        ))
+    }
+}
+
+/// The host's name, as the kernel has it.
+fn host_name() -> Result<String, String> {
+    let name = gpumem::bounded_file::read(Path::new("/proc/sys/kernel/hostname"), 256)
+        .map_err(|e| format!("the host's name (give --node-name): {e}"))?;
+    parse_segment(name.trim()).map_err(|e| format!("the host's name (give --node-name): {e}"))
 }
 
 fn parse_timeout(text: &str) -> Result<f64, String> {
@@ -310,7 +350,21 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
         let recordings = RecordingStore::open(dir.clone(), limits)
             .map_err(|e| format!("--recordings-dir {}: {e}", dir.display()))?;
         tracing::info!(dir = ?dir, kept = recordings.list().len(), "recordings uploaded at an OOM are kept");
-        store.keep_recordings(Arc::new(recordings));
+        let recordings = Arc::new(recordings);
+        store.keep_recordings(Arc::clone(&recordings));
+        if let Some(url) = args.recordings_url {
+            let node = match args.node_name {
+                Some(node) => node,
+                None => host_name()?,
+            };
+            let archive = Archive::open(url.clone(), Credentials::Environment)
+                .map_err(|e| format!("--recordings-url {url}: {e}"))?;
+            let uploads = Uploads::new(archive, recordings, args.cluster, node)
+                .map_err(|e| format!("--recordings-url {url}: {e}"))?;
+            tracing::info!(%url, cluster = uploads.cluster(), "kept recordings are archived");
+            let grace = Duration::from_secs_f64(args.recordings_upload_grace);
+            agent.archive(Arc::new(uploads), grace);
+        }
     }
     agent.watch(poller.heartbeat());
     let state = &mut agent.state;
@@ -412,11 +466,24 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
         });
     }
     // Jobs pushing to the demo from this host may upload their recordings too: kept in a
-    // directory of its own, removed at exit.
+    // directory of its own, and archived beside it as into a bucket (file://), removed at
+    // exit.
     let recordings = DemoRecordings::make()?;
     if let Some(store) = agent.ingest() {
-        let kept = RecordingStore::open(recordings.0.clone(), RecordingLimits::default())?;
-        store.keep_recordings(Arc::new(kept));
+        let kept = Arc::new(RecordingStore::open(
+            recordings.0.join("spool"),
+            RecordingLimits::default(),
+        )?);
+        store.keep_recordings(Arc::clone(&kept));
+        let archived = format!("file://{}", recordings.0.join("archive").display());
+        let uploads = archived
+            .parse::<gpumem::archive::ArchiveUrl>()
+            .and_then(|url| Archive::open(url, Credentials::Environment).map_err(|e| e.to_string()))
+            .and_then(|archive| Uploads::new(archive, kept, "demo".into(), "demo-node".into()));
+        match uploads {
+            Ok(uploads) => agent.archive(Arc::new(uploads), Duration::from_secs(2)),
+            Err(e) => tracing::warn!(error = %e, "the demo archives no recordings"),
+        }
     }
     let state = &mut agent.state;
     state.body_timeout = Duration::from_secs_f64(args.http.body_timeout);

@@ -1,10 +1,12 @@
 //! Subcommands: `demo` and `serve` (the agent), `simulate` (a training loop on a simulated
 //! GPU), `replay` (recorded traces: fidelity check and what-if comparison), `explain`, `view`
-//! and `plan` (on recordings), `webhook` and `copy-hook` (injecting the push hook into pods).
+//! and `plan` (on recordings, local or archived), `recordings` (the archive's listing),
+//! `webhook` and `copy-hook` (injecting the push hook into pods).
 
 mod agent;
 mod explain;
 mod plan;
+mod recordings;
 mod replay;
 mod simulate;
 mod view;
@@ -204,6 +206,9 @@ enum Command {
     /// percent of the bytes live at once), write the plan, and evaluate it against the
     /// recorded configuration on the iterations it was not made from.
     Plan(plan::Args),
+    /// Recordings archived in object storage by the agents (--recordings-url): list them.
+    #[command(subcommand)]
+    Recordings(recordings::Command),
     /// Serve the mutating admission webhook (HTTPS) that injects the push hook into pods
     /// labelled gpumem.io/inject=true: no gpumem_push in their image, no host path.
     Webhook(webhook::Args),
@@ -220,6 +225,7 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Explain(args) => explain::run(args),
         Command::View(args) => view::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Recordings(command) => recordings::run(command),
         Command::Webhook(args) => webhook::run(args),
         Command::CopyHook(args) => webhook::copy_hook(args),
     }
@@ -258,7 +264,9 @@ impl PyTorchArg {
 #[derive(clap::Args)]
 pub(crate) struct RecordingArgs {
     /// The snapshot: `torch.cuda.memory._dump_snapshot` pickle, or the same schema as JSON,
-    /// optionally gzipped.
+    /// optionally gzipped; a file, or an object in a store (s3://bucket/key, gs://, az://,
+    /// file://: an archived recording or its sidecar), fetched with the environment's
+    /// credentials or the AWS CLI's profile.
     pub(crate) trace: Path,
     /// Device memory (bytes, or with a KiB/MiB/GiB suffix); default: the recorded device,
     /// else inferred from expandable reservations, else 80 GiB.
@@ -285,8 +293,19 @@ impl RecordingArgs {
     /// Reads the recording within the limits (see [`ReadArgs::read`]).
     pub(crate) fn read(
         &self,
-    ) -> Result<std::sync::Arc<gpumem::recording::Recording>, gpumem::recording::TraceError> {
-        self.read.read(&self.trace).map(std::sync::Arc::new)
+    ) -> Result<std::sync::Arc<gpumem::recording::Recording>, Box<dyn std::error::Error>> {
+        let Some(address) = self.address() else {
+            return Ok(std::sync::Arc::new(self.read.read(&self.trace)?));
+        };
+        // Within the same input bound as a local file; removed once read.
+        let fetched = gpumem::archive::fetch(address, self.read.max_input_bytes)?;
+        Ok(std::sync::Arc::new(self.read.read(fetched.path())?))
+    }
+
+    /// The store's address the recording was given as, where it was.
+    fn address(&self) -> Option<&str> {
+        let text = self.trace.to_str()?;
+        gpumem::archive::address::object_address(text).map(|_| text)
     }
 
     /// What the replays of `device` share: the memory, order and budget asked for.
@@ -309,9 +328,12 @@ impl RecordingArgs {
         gpumem::replay::Session::new(std::sync::Arc::clone(recording), self.setup(device))
     }
 
-    /// The recording's name as pages and charts title it.
+    /// The recording's name as pages and charts title it (an archived one's address).
     pub(crate) fn name(&self) -> String {
-        file_name(&self.trace)
+        match self.address() {
+            Some(address) => address.to_string(),
+            None => file_name(&self.trace),
+        }
     }
 }
 

@@ -41,6 +41,11 @@
 //!   (`.upload-*`). At start, valid pairs are listed again (evicted past the caps) and the
 //!   store's other files (a partial upload, half a pair) removed; files of other names are
 //!   left alone.
+//! - Where recordings are archived too (`archive::uploader`, [`RecordingStore::archive`]),
+//!   this directory is the spool: a recording leaves it only when evicted by the caps above
+//!   (counted as `evicted` if it was not archived yet), and its metadata file says where it
+//!   was archived once it is, so an agent restarted with recordings still to archive
+//!   archives them.
 //! - One process (by tenant and pid) uploads at most once per [`MIN_UPLOAD_GAP`]
 //!   (`rate_limited`), stamped only when its upload gets a place: its hook records at most once per ten
 //!   minutes, and a rank told to try again is not then refused for trying.
@@ -57,7 +62,7 @@ use super::refusal::{Refusal, Rejected};
 use crate::allocator::TraceAction;
 use crate::metrics::contract;
 use crate::recording::{ReadLimits, TraceError, read_recording_with};
-use crate::sources::RecordingsReport;
+use crate::sources::{RecordingsReport, UploadsReport};
 
 /// Uploads holding a place at once (received, waiting to be read, or being read).
 pub const MAX_UPLOADS: usize = 3;
@@ -191,6 +196,32 @@ pub struct StoredRecording {
     /// counts as its pid's.
     #[serde(default)]
     pub tenant: Option<Tenant>,
+    /// Its last OOM's figures, read from the recording.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom: Option<OomFigures>,
+    /// `torch.__version__` as the process pushed it (empty where unknown).
+    #[serde(default)]
+    pub pytorch_version: String,
+    /// `PYTORCH_CUDA_ALLOC_CONF` as the process pushed it.
+    #[serde(default)]
+    pub allocator_settings: String,
+    /// Its object's address where it has been archived (`archive`), `None` until then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archived: Option<String>,
+}
+
+/// A recording's last OOM, as its trace and final state say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OomFigures {
+    /// The bytes the failed request asked for.
+    pub requested_bytes: u64,
+    /// The driver's free bytes at the OOM (PyTorch's `device_free`).
+    pub device_free_bytes: u64,
+    /// Bytes the allocator reserved on that device in the recording's final state (taken
+    /// just after the OOM).
+    pub reserved_bytes: u64,
+    /// Bytes of blocks allocated then (handed out or waiting on other streams).
+    pub allocated_bytes: u64,
 }
 
 /// Who an upload is from: a tracked process, who vouches for it, and the labels its pushes
@@ -204,6 +235,10 @@ pub struct Uploader {
     /// Its labels (`pod_uid`, `container_id`, `pod_namespace`, `pod_name`, `container_name`
     /// are read from them).
     pub labels: Vec<(String, String)>,
+    /// `torch.__version__`, as it pushed it.
+    pub pytorch_version: String,
+    /// `PYTORCH_CUDA_ALLOC_CONF`, as it pushed it.
+    pub allocator_settings: String,
 }
 
 /// The recordings kept in one directory.
@@ -218,6 +253,44 @@ pub struct RecordingStore {
     /// Reads uploads, one at a time.
     reader: Reader,
     next: AtomicU64,
+    /// What became of the recordings to archive, where they are archived.
+    archiving: Mutex<Option<Archiving>>,
+}
+
+/// The archive's results so far, by [`UploadResult`].
+#[derive(Debug, Default)]
+struct Archiving {
+    results: [u64; UploadResult::ALL.len()],
+}
+
+/// What became of an attempt to archive a recording (`gpumem_recordings_uploaded_total`'s
+/// `result`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UploadResult {
+    /// Archived: the recording and its sidecar are in the store.
+    Uploaded,
+    /// The store refused it or could not be reached: tried again later.
+    Failed,
+    /// Evicted from the spool by its caps before it was archived: lost.
+    Evicted,
+}
+
+impl UploadResult {
+    /// Every result, in the order reports list them.
+    pub const ALL: [UploadResult; 3] = [
+        UploadResult::Uploaded,
+        UploadResult::Failed,
+        UploadResult::Evicted,
+    ];
+
+    /// Its label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            UploadResult::Uploaded => "uploaded",
+            UploadResult::Failed => "failed",
+            UploadResult::Evicted => "evicted",
+        }
+    }
 }
 
 /// The uploads holding a place, by tenant, and when each process last got one.
@@ -253,8 +326,9 @@ impl Drop for Place {
     }
 }
 
-/// Where an upload's last OOM is: its device and that trace's index, where it has one.
-type OomAt = Option<(usize, usize)>;
+/// Where an upload's last OOM is: its device, that trace's index and its figures, where it
+/// has one.
+type OomAt = Option<(usize, usize, OomFigures)>;
 
 /// A reading to do: the file, its limits, and where the answer goes.
 type ReadJob = (
@@ -312,11 +386,12 @@ fn read_safely(path: &Path, limits: ReadLimits) -> Result<OomAt, Rejected> {
     }
 }
 
-/// Reads the recording at `path`: the device whose trace has the latest OOM, by time, and its
-/// index there.
+/// Reads the recording at `path`: the device whose trace has the latest OOM, by time, its
+/// index there and its figures.
 fn last_oom(path: &Path, limits: ReadLimits) -> Result<OomAt, TraceError> {
+    use crate::allocator::BlockState;
     let recording = read_recording_with(path, limits, &mut |_| {})?;
-    Ok(recording
+    let Some((device, i, entry)) = recording
         .device_traces
         .iter()
         .enumerate()
@@ -325,10 +400,33 @@ fn last_oom(path: &Path, limits: ReadLimits) -> Result<OomAt, TraceError> {
                 .iter()
                 .enumerate()
                 .rfind(|(_, e)| e.action == TraceAction::Oom)?;
-            Some((device, i, entry.time_us))
+            Some((device, i, *entry))
         })
-        .max_by_key(|&(_, _, time)| time)
-        .map(|(device, i, _)| (device, i)))
+        .max_by_key(|(_, _, entry)| entry.time_us)
+    else {
+        return Ok(None);
+    };
+    let segments = recording
+        .segments
+        .iter()
+        .filter(|s| s.device as usize == device);
+    let (mut reserved_bytes, mut allocated_bytes) = (0u64, 0u64);
+    for segment in segments {
+        reserved_bytes = reserved_bytes.saturating_add(segment.total_size);
+        let allocated = segment
+            .blocks
+            .iter()
+            .filter(|b| b.state != BlockState::Inactive)
+            .map(|b| b.size);
+        allocated_bytes = allocated_bytes.saturating_add(allocated.sum());
+    }
+    let figures = OomFigures {
+        requested_bytes: entry.size,
+        device_free_bytes: entry.addr,
+        reserved_bytes,
+        allocated_bytes,
+    };
+    Ok(Some((device, i, figures)))
 }
 
 /// Uploads refused, by reason.
@@ -498,6 +596,7 @@ impl RecordingStore {
             uploads: Arc::default(),
             reader: Reader::new(),
             next: AtomicU64::new(0),
+            archiving: Mutex::default(),
         };
         let evicted = store.evict(&mut store.kept(), None);
         for old in evicted {
@@ -624,11 +723,15 @@ impl RecordingStore {
             pod_namespace: label(contract::label::POD_NAMESPACE),
             pod_name: label(contract::label::POD_NAME),
             container_name: label(contract::label::CONTAINER_NAME),
-            device: oom.map(|(device, _)| device),
+            device: oom.map(|(device, ..)| device),
             time,
             bytes,
-            oom_event: oom.map(|(_, i)| i),
+            oom_event: oom.map(|(_, i, _)| i),
             tenant: Some(uploader.tenant.clone()),
+            oom: oom.map(|(.., figures)| figures),
+            pytorch_version: uploader.pytorch_version.clone(),
+            allocator_settings: uploader.allocator_settings.clone(),
+            archived: None,
         };
         if bytes > self.limits.max_bytes {
             return Err(upload.refuse(Rejected::new(
@@ -716,8 +819,14 @@ impl RecordingStore {
         evicted
     }
 
-    /// Removes a recording's files.
+    /// Removes a recording's files (counted as `evicted` where it was to be archived and was
+    /// not yet).
     fn remove(&self, recording: &StoredRecording) {
+        if recording.archived.is_none()
+            && let Some(archiving) = &mut *self.archiving()
+        {
+            archiving.results[UploadResult::Evicted as usize] += 1;
+        }
         for name in [
             format!("{}.{RECORDING}", recording.id),
             format!("{}.json", recording.id),
@@ -742,8 +851,74 @@ impl RecordingStore {
             .then(|| self.dir.join(format!("{id}.{RECORDING}")))
     }
 
+    fn archiving(&self) -> std::sync::MutexGuard<'_, Option<Archiving>> {
+        self.archiving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes this directory the spool of an archive: its recordings are to be archived, and
+    /// the report counts what became of them.
+    pub fn archive(&self) {
+        self.archiving().get_or_insert_with(Archiving::default);
+    }
+
+    /// The recordings not archived yet, oldest first.
+    pub fn unarchived(&self) -> Vec<StoredRecording> {
+        self.kept()
+            .iter()
+            .filter(|r| r.archived.is_none())
+            .cloned()
+            .collect()
+    }
+
+    /// Counts an attempt to archive a recording.
+    pub fn count_upload(&self, result: UploadResult) {
+        if let Some(archiving) = &mut *self.archiving() {
+            archiving.results[result as usize] += 1;
+        }
+    }
+
+    /// Notes that recording `id` was archived at `address`: in its metadata file (written
+    /// whole, then renamed over the old) and in the list. A recording evicted meanwhile is
+    /// left gone.
+    ///
+    /// # Errors
+    /// The metadata file cannot be written.
+    pub fn archived(&self, id: &str, address: &str) -> std::io::Result<()> {
+        let mut kept = self.kept();
+        let Some(recording) = kept.iter_mut().find(|r| r.id == id) else {
+            return Ok(());
+        };
+        let updated = StoredRecording {
+            archived: Some(address.to_string()),
+            ..recording.clone()
+        };
+        let json = serde_json::to_vec(&updated).map_err(std::io::Error::from)?;
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let temporary = self
+            .dir
+            .join(format!("{UPLOADING}{}-{n}", std::process::id()));
+        let written = private_file(&temporary)
+            .and_then(|mut file| std::io::Write::write_all(&mut file, &json))
+            .and_then(|()| std::fs::rename(&temporary, self.dir.join(format!("{id}.json"))));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&temporary);
+        }
+        written?;
+        *recording = updated;
+        Ok(())
+    }
+
     /// What it holds and what it refused.
     pub fn report(&self) -> RecordingsReport {
+        let uploads = self.archiving().as_ref().map(|archiving| UploadsReport {
+            results: UploadResult::ALL
+                .iter()
+                .map(|r| (r.label(), archiving.results[*r as usize]))
+                .collect(),
+            pending: self.unarchived().len(),
+        });
         let kept = self.kept();
         let refused = self
             .refused
@@ -758,6 +933,7 @@ impl RecordingStore {
                 .iter()
                 .map(|r| (r.label(), refused.get(r).copied().unwrap_or(0)))
                 .collect(),
+            uploads,
         }
     }
 }
@@ -803,6 +979,8 @@ mod tests {
             pid,
             tenant,
             labels: Vec::new(),
+            pytorch_version: String::new(),
+            allocator_settings: String::new(),
         }
     }
 

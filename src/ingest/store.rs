@@ -228,11 +228,8 @@ impl PushStore {
                 ),
             ));
         };
-        let labels = tracked
-            .sources
-            .first()
-            .map(|s| s.labels.clone())
-            .unwrap_or_default();
+        let first = tracked.sources.first();
+        let labels = first.map(|s| s.labels.clone()).unwrap_or_default();
         // A socket peer shares with its pod (as from the pod network) or its user: a process
         // forking a crowd of pushers gains nothing.
         let pod_uid = labels
@@ -248,6 +245,8 @@ impl PushStore {
             pid,
             tenant,
             labels,
+            pytorch_version: first.map(|s| s.version.clone()).unwrap_or_default(),
+            allocator_settings: first.map(|s| s.config.clone()).unwrap_or_default(),
         })
     }
 

@@ -403,6 +403,20 @@ metric!(
     "Recording uploads refused, by reason (too_large, truncated, malformed, forbidden, not_in_pod, rate_limited, capacity, ...)."
 );
 metric!(
+    RECORDINGS_UPLOADED,
+    "gpumem_recordings_uploaded_total",
+    Counter,
+    &["result"],
+    "Attempts to archive a kept recording in object storage (--recordings-url), by result: uploaded, failed (tried again with backoff), evicted (left the spool by its caps before it was archived: lost). Absent where the agent archives nothing."
+);
+metric!(
+    RECORDINGS_UPLOAD_PENDING,
+    "gpumem_recordings_upload_pending",
+    Gauge,
+    NONE,
+    "Kept recordings not archived yet (the spool's queue). Absent where the agent archives nothing."
+);
+metric!(
     INGEST_LAST_PUSH_AGE,
     "gpumem_ingest_last_push_age_seconds",
     Gauge,
@@ -495,7 +509,7 @@ metric!(
 );
 
 /// Every metric of the contract.
-pub const CONTRACT: [&MetricDef; 54] = [
+pub const CONTRACT: [&MetricDef; 56] = [
     &ALLOCATED_BYTES.0,
     &RESERVED_BYTES.0,
     &ACTIVE_BYTES.0,
@@ -540,6 +554,8 @@ pub const CONTRACT: [&MetricDef; 54] = [
     &RECORDINGS_STORED.0,
     &RECORDINGS_STORED_BYTES.0,
     &RECORDINGS_REFUSED.0,
+    &RECORDINGS_UPLOADED.0,
+    &RECORDINGS_UPLOAD_PENDING.0,
     &INGEST_LAST_PUSH_AGE.0,
     &POD_OOMS.0,
     &HOST_PINNED_ALLOCATED_BYTES.0,

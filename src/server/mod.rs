@@ -142,6 +142,10 @@ pub struct AppState {
     /// configures users or bearer tokens; pushes and probes answer anyone.
     #[cfg(feature = "tls")]
     pub auth: Option<Arc<web_config::Authentication>>,
+    /// Where the kept recordings are archived, where they are: told of each new one, and
+    /// the view opens archived recordings from it (`/recordings/archive/…`).
+    #[cfg(feature = "archive")]
+    pub uploads: Option<Arc<crate::archive::uploader::Uploads>>,
 }
 
 /// Push bodies read at once per kind of listener, by default: 8 × 512 KiB at most each.
@@ -167,6 +171,8 @@ impl AppState {
             pod_network: None,
             #[cfg(feature = "tls")]
             auth: None,
+            #[cfg(feature = "archive")]
+            uploads: None,
         }
     }
 

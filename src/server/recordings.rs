@@ -34,10 +34,95 @@ pub(super) fn page_routes(page: Router<AppState>, state: &AppState) -> Router<Ap
     let Some(store) = kept_by(state) else {
         return page;
     };
-    let kept = Arc::new(crate::view::kept::KeptViews::new(Arc::clone(store)));
-    page.merge(view::view_routes("/recordings/{id}", kept, 1))
+    let kept = crate::view::kept::KeptViews::new(Arc::clone(store));
+    #[cfg(feature = "archive")]
+    if let Some(uploads) = &state.uploads {
+        // One view for both: one recording open and one replay at a time.
+        let kept = Arc::new(kept.with_archive(Arc::clone(uploads)));
+        return page
+            .merge(view::view_routes(
+                &["/recordings/{id}", ARCHIVED_VIEW],
+                kept,
+                1,
+            ))
+            .route("/recordings/{id}", get(to_recording_page))
+            .route("/recordings/pid/{pid}", get(newest_recording_of))
+            .route(
+                "/recordings/archive/{namespace}/{pod}/{name}",
+                get(to_archived_page),
+            )
+            .route(
+                "/recordings/archive/{namespace}/{pod}",
+                get(newest_archived),
+            )
+            .route(
+                "/recordings/archive/{namespace}/{pod}/",
+                get(newest_archived),
+            );
+    }
+    page.merge(view::view_routes(&["/recordings/{id}"], Arc::new(kept), 1))
         .route("/recordings/{id}", get(to_recording_page))
         .route("/recordings/pid/{pid}", get(newest_recording_of))
+}
+
+/// An archived recording's view, by namespace, pod and name (`archive::address`).
+#[cfg(feature = "archive")]
+const ARCHIVED_VIEW: &str = "/recordings/archive/{namespace}/{pod}/{name}";
+
+/// `/recordings/archive/<namespace>/<pod>/<name>` to its page (the page's addresses are
+/// relative).
+#[cfg(feature = "archive")]
+async fn to_archived_page(
+    axum::extract::Path((_, _, name)): axum::extract::Path<(String, String, String)>,
+) -> Response {
+    see_other(&format!("{}/", percent_encoded(&name)))
+}
+
+/// The newest archived recording of a pod (the OOM alert's `recording_url` where it names
+/// the archive), opened at its OOM: found in the archive by this agent's cluster, whichever
+/// node kept it.
+#[cfg(feature = "archive")]
+async fn newest_archived(
+    State(state): State<AppState>,
+    axum::extract::Path((namespace, pod)): axum::extract::Path<(String, String)>,
+    request: Request,
+) -> Response {
+    use crate::archive::address::{RecordingKey, valid_segment};
+    let Some(uploads) = state.uploads.clone() else {
+        return no_recordings();
+    };
+    if !(valid_segment(&namespace) && valid_segment(&pod)) {
+        return json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not a namespace and pod name"}),
+        );
+    }
+    let archive = uploads.archive();
+    let prefix = archive.url().prefix(&namespace);
+    let dir = RecordingKey::pod_dir(&prefix, uploads.cluster(), &namespace, &pod);
+    match archive.newest(&prefix, &dir).await {
+        Ok(Some((key, sidecar))) => {
+            // Relative to this address, with or without its trailing slash.
+            let base = if request.uri().path().ends_with('/') {
+                String::new()
+            } else {
+                format!("{}/", percent_encoded(&pod))
+            };
+            see_other(&format!(
+                "{base}{}/{}",
+                percent_encoded(&key.name),
+                sidecar.fragment()
+            ))
+        }
+        Ok(None) => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": format!("the archive holds no recording of {namespace}/{pod} in cluster {}", uploads.cluster())}),
+        ),
+        Err(e) => json(
+            StatusCode::BAD_GATEWAY,
+            serde_json::json!({"error": format!("the archive could not be read: {e}")}),
+        ),
+    }
 }
 
 /// The live `view` with each process linked to its newest recording, where the agent keeps
@@ -186,7 +271,13 @@ pub(super) async fn upload(State(state): State<AppState>, request: Request) -> R
     };
     match kept {
         // Refusals are counted by the store.
-        Ok(Ok(stored)) => json(StatusCode::CREATED, serde_json::json!(stored)),
+        Ok(Ok(stored)) => {
+            #[cfg(feature = "archive")]
+            if let Some(uploads) = &state.uploads {
+                uploads.poke();
+            }
+            json(StatusCode::CREATED, serde_json::json!(stored))
+        }
         Ok(Err(rejected)) => refusal(rejected.refusal, &rejected.message),
         Err(e) => internal("upload", &e),
     }

@@ -56,7 +56,7 @@ const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// `gpumem view`'s router: `view` at `/`, served to clients whose `Host` is one of `hosts`.
 pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
     let hosts = Arc::new(hosts);
-    view_routes::<()>("", Arc::new(view), REPLAYS_AT_ONCE).layer(middleware::from_fn(
+    view_routes::<()>(&[""], Arc::new(view), REPLAYS_AT_ONCE).layer(middleware::from_fn(
         move |request: Request, next: Next| {
             let hosts = Arc::clone(&hosts);
             async move {
@@ -79,10 +79,11 @@ pub fn view_app(view: Arc<RecordingView>, hosts: Vec<String>) -> Router {
     ))
 }
 
-/// The view's page and API under `prefix` (`""`, or a path with an `{id}` the source is
-/// asked for), `replays` of them running at once; the caller checks the `Host`.
+/// The view's page and API under each of `prefixes` (`""`, or a path whose parameters name
+/// the recording the source is asked for), `replays` of them running at once over all; the
+/// caller checks the `Host`.
 pub fn view_routes<S: Clone + Send + Sync + 'static>(
-    prefix: &str,
+    prefixes: &[&str],
     source: Arc<dyn ViewSource>,
     replays: usize,
 ) -> Router<S> {
@@ -90,6 +91,17 @@ pub fn view_routes<S: Clone + Send + Sync + 'static>(
         source,
         work: Arc::new(tokio::sync::Semaphore::new(replays)),
     };
+    let mut router = Router::new();
+    for prefix in prefixes {
+        router = router.merge(routes_under(prefix));
+    }
+    router
+        .route_layer(middleware::from_fn(same_site))
+        .with_state(state)
+}
+
+/// The view's page and API under `prefix`.
+fn routes_under(prefix: &str) -> Router<ViewState> {
     Router::new()
         .route(
             &format!("{prefix}/"),
@@ -111,8 +123,6 @@ pub fn view_routes<S: Clone + Send + Sync + 'static>(
         .route(&format!("{prefix}/api/v1/timeline.svg"), get(timeline))
         .route(&format!("{prefix}/api/v1/segments"), get(segments))
         .route(&format!("{prefix}/api/v1/explain"), get(explain))
-        .route_layer(middleware::from_fn(same_site))
-        .with_state(state)
 }
 
 /// Refuses (403) a request another site's page sent, before any work is done (a page may send
@@ -203,11 +213,11 @@ fn json(value: &impl serde::Serialize) -> Response {
     }
 }
 
-/// The recording the path names (its `{id}`), where it names one.
+/// The recording the path names (its parameters, in order, joined by `/`), where it names
+/// one.
 fn id_of(params: &RawPathParams) -> Option<String> {
-    params
-        .iter()
-        .find_map(|(k, v)| (k == "id").then(|| v.to_string()))
+    let parts: Vec<&str> = params.iter().map(|(_, v)| v).collect();
+    (!parts.is_empty()).then(|| parts.join("/"))
 }
 
 /// Runs `work` on the view of the recording `params` names, on the blocking pool (opening a

@@ -55,12 +55,13 @@ fn demo_metrics() -> (SimNode, Poller, Agent) {
     .expect("starts");
     let poller = Poller::start(Box::new(node.gpu_source()), Duration::from_millis(20));
     let mut agent = Agent::simulated(&node, pid_77_in_a_pod()).expect("registers");
-    // It keeps recordings, as `gpumem demo` does.
+    // It keeps recordings and counts their archiving, as `gpumem demo` does.
     let recordings = RecordingStore::open(
         crate::common::temp_dir("demo-recordings"),
         RecordingLimits::default(),
     )
     .expect("opens");
+    recordings.archive();
     if let Some(store) = agent.ingest() {
         store.keep_recordings(Arc::new(recordings));
     }
@@ -345,7 +346,19 @@ pub(crate) fn spawn_serve(
     library_path: Option<&Path>,
     extra: &[&std::ffi::OsStr],
 ) -> Reaper {
+    spawn_serve_with_env(port, log, library_path, extra, &[])
+}
+
+/// [`spawn_serve`] with `env` added to its environment.
+pub(crate) fn spawn_serve_with_env(
+    port: u16,
+    log: &Path,
+    library_path: Option<&Path>,
+    extra: &[&std::ffi::OsStr],
+    env: &[(&str, String)],
+) -> Reaper {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    command.envs(env.iter().map(|(k, v)| (k, v)));
     command
         .args([
             "serve",

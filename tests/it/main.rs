@@ -1,6 +1,7 @@
 //! gpumem's integration tests: one binary, sharing helpers.
 
 mod agent;
+mod archive;
 mod assets;
 mod browser;
 mod common;

@@ -40,7 +40,7 @@ pub(crate) fn oom_recording() -> (Vec<u8>, usize) {
 
 /// How a request's body is framed.
 #[derive(Clone, Copy, Debug)]
-enum Length {
+pub(crate) enum Length {
     /// Its Content-Length.
     Own,
     /// A Content-Length of this many bytes, whatever the body is.
@@ -50,7 +50,7 @@ enum Length {
 }
 
 /// One HTTP/1.1 request on a connection of its own (`Connection: close`): the status and body.
-fn request(
+pub(crate) fn request(
     port: u16,
     method: &str,
     path: &str,
@@ -100,7 +100,7 @@ fn request(
     (status, body.to_string())
 }
 
-fn push(port: u16, pid: u32) {
+pub(crate) fn push(port: u16, pid: u32) {
     push_as(port, pid, 1, None);
 }
 
@@ -125,7 +125,7 @@ fn push_as(port: u16, pid: u32, seq: u64, reason: Option<&str>) {
     assert_eq!(status, 202, "{answer}");
 }
 
-fn upload(port: u16, pid: u32, body: &[u8]) -> (u16, serde_json::Value) {
+pub(crate) fn upload(port: u16, pid: u32, body: &[u8]) -> (u16, serde_json::Value) {
     let (status, answer) = request(
         port,
         "POST",

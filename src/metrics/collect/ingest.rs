@@ -59,6 +59,13 @@ pub(super) fn collect(f: &mut Families, report: &IngestReport, names: Names<'_>)
         for (reason, n) in &recordings.refused {
             f.of(&c::RECORDINGS_REFUSED).push([reason], *n as f64);
         }
+        if let Some(uploads) = &recordings.uploads {
+            for (result, n) in &uploads.results {
+                f.of(&c::RECORDINGS_UPLOADED).push([result], *n as f64);
+            }
+            f.of(&c::RECORDINGS_UPLOAD_PENDING)
+                .push([], uploads.pending as f64);
+        }
     }
     for pod in &report.pod_ooms {
         let [namespace, name, container] = names.of(&pod.pod_uid, &pod.container_id);
