@@ -695,6 +695,68 @@ refused(dict(secured, webConfig=dict(secured["webConfig"], pushPort=9417)), "pus
 refused({"webhook": {"enabled": True, "certificate": {"source": "certManager", "issuerRef": {"kind": "Issuer"}}}},
         "issuerRef", "an issuer without a name")
 print("TLS, credentials and the NetworkPolicy: as configured")
+# recordings.urlTemplate naming the archive: {namespace} and {pod} become the rank's labels.
+ARCHIVE_LINK = "https://gpumem.example.com/recordings/archive/{namespace}/{pod}"
+archive_linked = rendered({"prometheusRule": {"enabled": True},
+                           "recordings": {"urlTemplate": ARCHIVE_LINK}}, "PrometheusRule")
+archive_oom = next(r for g in archive_linked[0]["spec"]["groups"] for r in g["rules"]
+                   if r.get("alert") == "GpumemOutOfMemory")
+if "/recordings/archive/{{ label \"pod_namespace\" . }}/{{ label \"pod_name\" . }}" \
+        not in archive_oom["annotations"].get("recording_url", ""):
+    fail(f"the archive's recording_url: {archive_oom['annotations']}")
+
+# recordings.archive: the agent archives with workload identity (the ServiceAccount's
+# annotation, no key in the pod) or a Secret's keys, its node's name from the downward API,
+# and time to finish after SIGTERM; every object validated.
+IRSA = {"recordings": {"archive": {"url": "s3://gpu-ooms/gpumem/{namespace}", "cluster": "prod-eu",
+                                   "uploadGraceSeconds": 30, "secretName": "", "env": {}}},
+        "serviceAccount": {"annotations": {
+            "eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/gpumem-recordings"}}}
+SECRET = {"recordings": {"archive": {"url": "s3://gpu-ooms/gpumem", "cluster": "lab",
+                                     "uploadGraceSeconds": 20, "secretName": "gpumem-s3",
+                                     "env": {"AWS_ENDPOINT_URL": "https://minio.example.com",
+                                             "AWS_REGION": "eu-west-1"}}}}
+AZURE = {"recordings": {"archive": {"url": "az://recordings/gpumem", "cluster": "aks-1",
+                                    "uploadGraceSeconds": 20, "secretName": "",
+                                    "env": {"AZURE_STORAGE_ACCOUNT_NAME": "gpuooms"}}},
+         "podLabels": {"azure.workload.identity/use": "true"},
+         "serviceAccount": {"annotations": {
+             "azure.workload.identity/client-id": "00000000-0000-0000-0000-000000000000"}}}
+for values, label in [(IRSA, "workload identity (EKS)"), (SECRET, "a Secret's keys"),
+                      (AZURE, "workload identity (AKS)")]:
+    check(values, f"recordings archived with {label}")
+    pod = daemonset(values)
+    agent = pod["containers"][0]
+    archive = values["recordings"]["archive"]
+    env = {e["name"]: e for e in agent.get("env", [])}
+    wanted = {"--recordings-url": archive["url"], "--cluster": archive["cluster"],
+              "--node-name": "$(GPUMEM_NODE_NAME)",
+              "--recordings-upload-grace": str(archive["uploadGraceSeconds"])}
+    if {k: flag(agent["args"], k) for k in wanted} != wanted \
+            or env.get("GPUMEM_NODE_NAME", {}).get("valueFrom") \
+            != {"fieldRef": {"fieldPath": "spec.nodeName"}} \
+            or pod.get("terminationGracePeriodSeconds") != archive["uploadGraceSeconds"] + 15 \
+            or any(env.get(k, {}).get("value") != v for k, v in archive["env"].items()):
+        fail(f"archived with {label}: {agent['args']} {env} {pod.get('terminationGracePeriodSeconds')}")
+    secret_refs = [s["secretRef"]["name"] for s in agent.get("envFrom", [])]
+    if secret_refs != ([archive["secretName"]] if archive["secretName"] else []):
+        fail(f"archived with {label}: envFrom {agent.get('envFrom')}")
+    account = rendered(values, "ServiceAccount")[0]
+    if account["metadata"].get("annotations") != values.get("serviceAccount", {}).get("annotations"):
+        fail(f"archived with {label}: the ServiceAccount's annotations {account['metadata']}")
+if "--recordings-url" in daemonset({})["containers"][0]["args"] \
+        or "terminationGracePeriodSeconds" in daemonset({}):
+    fail("archiving is on by default")
+if "--recordings-url" in daemonset({"recordings": dict(IRSA["recordings"], enabled=False)})[
+        "containers"][0]["args"]:
+    fail("recordings off still archive")
+for bad, what in [({"url": "http://bucket/x"}, "url"), ({"url": "s3://Bucket"}, "url"),
+                  ({"url": "s3://bk/a/../x"}, "url"), ({"url": "s3://bk/./x"}, "url"), ({"cluster": "a/b"}, "cluster"),
+                  ({"env": {"PATH": "/tmp"}}, "'PATH' does not match"), ({"uploadGraceSeconds": -1}, "uploadGraceSeconds")]:
+    values = {"recordings": {"archive": dict(SECRET["recordings"]["archive"], **bad)}}
+    refused(values, what, f"recordings.archive {bad}")
+print("recordings.archive: workload identity or a Secret, the node's name, the grace; "
+      "bad settings refused")
 try:
     with helm.Chart.load(str(CHART)) as chart:
         chart.validate_schema({"service": {"port": "not a port"}})

@@ -439,3 +439,84 @@ fn private_temp_dir() -> std::io::Result<std::path::PathBuf> {
         "no temporary directory could be made for the fetched recording",
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    }
+
+    #[test]
+    fn objects_are_read_within_their_limit_and_listed() {
+        let url: ArchiveUrl = "file:///archive".parse().expect("parses");
+        let archive = Archive {
+            url,
+            store: Arc::new(object_store::memory::InMemory::new()),
+        };
+        let key = RecordingKey::new("c", "ns", "pod", "node", 1.5, 9).expect("valid");
+        let prefix = archive.url().prefix("ns");
+        runtime().block_on(async {
+            archive
+                .put(&key.recording(&prefix), vec![7; 100])
+                .await
+                .expect("written");
+            assert_eq!(
+                archive
+                    .get(&key.recording(&prefix), 100)
+                    .await
+                    .expect("read"),
+                vec![7; 100]
+            );
+            let refused = archive.get(&key.recording(&prefix), 99).await;
+            assert!(
+                matches!(refused, Err(ArchiveError::TooLarge { limit: 99, .. })),
+                "{refused:?}"
+            );
+            let missing = archive.get(&key.sidecar(&prefix), 1 << 20).await;
+            assert!(
+                matches!(missing, Err(ArchiveError::NotFound(_))),
+                "{missing:?}"
+            );
+            // A pod's newest is found by its sidecar: none yet.
+            let dir = RecordingKey::pod_dir(&prefix, "c", "ns", "pod");
+            assert_eq!(archive.newest(&prefix, &dir).await.expect("lists"), None);
+            let kept = crate::ingest::recordings::StoredRecording {
+                id: "1".into(),
+                pid: 9,
+                pod_uid: String::new(),
+                container_id: String::new(),
+                pod_namespace: "ns".into(),
+                pod_name: "pod".into(),
+                container_name: String::new(),
+                device: Some(0),
+                time: 1.5,
+                bytes: 100,
+                oom_event: Some(3),
+                tenant: None,
+                oom: None,
+                pytorch_version: "2.11.0".into(),
+                allocator_settings: String::new(),
+                archived: None,
+            };
+            let address = archive.url().object_url(&key.recording(&prefix));
+            let sidecar = Sidecar::of(&kept, &key, address, "node");
+            let json = serde_json::to_vec(&sidecar).expect("JSON");
+            archive
+                .put(&key.sidecar(&prefix), json)
+                .await
+                .expect("written");
+            let (newest, read) = archive
+                .newest(&prefix, &dir)
+                .await
+                .expect("lists")
+                .expect("one");
+            assert_eq!((newest, read.clone()), (key, sidecar));
+            assert_eq!(read.fragment(), "#device=0&event=3");
+        });
+    }
+}

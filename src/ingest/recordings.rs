@@ -1101,4 +1101,61 @@ mod tests {
     fn store_with_room(name: &str, max_bytes: u64) -> (PathBuf, RecordingStore) {
         store(name, 100, max_bytes)
     }
+
+    /// Issue 60: as a spool, the store counts what became of its recordings, notes each
+    /// one's archive in its metadata (found again after a restart), and counts a recording
+    /// evicted before it was archived as lost.
+    #[test]
+    fn a_spool_remembers_what_it_archived_and_counts_what_it_lost() {
+        let counts = |store: &RecordingStore| {
+            let uploads = store.report().uploads.expect("archiving");
+            (uploads.results, uploads.pending)
+        };
+        let (dir, store) = store("spool", 2, 1 << 30);
+        assert_eq!(store.report().uploads, None, "not a spool until archiving");
+        store.archive();
+        let first = upload(&store, &owner(1, Tenant::Process(1))).expect("kept");
+        let second = upload(&store, &owner(2, Tenant::Process(2))).expect("kept");
+        let ids = |list: Vec<StoredRecording>| list.into_iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(
+            ids(store.unarchived()),
+            [first.id.clone(), second.id.clone()]
+        );
+        store.count_upload(UploadResult::Failed);
+        store
+            .archived(&first.id, "s3://b/k.pickle.gz")
+            .expect("noted");
+        store.count_upload(UploadResult::Uploaded);
+        assert_eq!(ids(store.unarchived()), [second.id.clone()]);
+        assert_eq!(
+            counts(&store),
+            (vec![("uploaded", 1), ("failed", 1), ("evicted", 0)], 1)
+        );
+        // Reopened (an agent restarted): the note is in the metadata file.
+        drop(store);
+        let reopened = RecordingStore::open(
+            dir.clone(),
+            RecordingLimits {
+                max_count: 2,
+                ..RecordingLimits::default()
+            },
+        )
+        .expect("reopens");
+        reopened.archive();
+        let kept = reopened.get(&first.id).expect("kept");
+        assert_eq!(kept.archived.as_deref(), Some("s3://b/k.pickle.gz"));
+        assert_eq!(ids(reopened.unarchived()), [second.id.clone()]);
+        // Past the count: the oldest goes. Archived, it is no loss; the next one is.
+        upload(&reopened, &owner(3, Tenant::Process(3))).expect("kept");
+        assert_eq!(counts(&reopened).0[2], ("evicted", 0));
+        upload(&reopened, &owner(4, Tenant::Process(4))).expect("kept");
+        assert_eq!(counts(&reopened).0[2], ("evicted", 1));
+        assert_eq!(counts(&reopened).1, 2);
+        // A recording evicted meanwhile is not noted again.
+        reopened
+            .archived(&second.id, "s3://b/gone.pickle.gz")
+            .expect("nothing to note");
+        assert!(reopened.get(&second.id).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -90,3 +90,10 @@ GPUMEM_NODE_NAME (Kubernetes expands $(VAR) in args); empty without a template.
 {{- regexReplaceAll "^https?://([^/:]+).*$" . "${1}" | replace "{node}" "$(GPUMEM_NODE_NAME)" -}}
 {{- end -}}
 {{- end }}
+
+{{/* Whether the agent archives its recordings (non-empty when it does). */}}
+{{- define "gpumem.archiving" -}}
+{{- if and (.Values.recordings).enabled ((.Values.recordings).archive).url -}}
+true
+{{- end -}}
+{{- end }}
