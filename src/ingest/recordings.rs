@@ -1126,7 +1126,7 @@ mod tests {
             .archived(&first.id, "s3://b/k.pickle.gz")
             .expect("noted");
         store.count_upload(UploadResult::Uploaded);
-        assert_eq!(ids(store.unarchived()), [second.id.clone()]);
+        assert_eq!(ids(store.unarchived()), std::slice::from_ref(&second.id));
         assert_eq!(
             counts(&store),
             (vec![("uploaded", 1), ("failed", 1), ("evicted", 0)], 1)
@@ -1144,7 +1144,7 @@ mod tests {
         reopened.archive();
         let kept = reopened.get(&first.id).expect("kept");
         assert_eq!(kept.archived.as_deref(), Some("s3://b/k.pickle.gz"));
-        assert_eq!(ids(reopened.unarchived()), [second.id.clone()]);
+        assert_eq!(ids(reopened.unarchived()), std::slice::from_ref(&second.id));
         // Past the count: the oldest goes. Archived, it is no loss; the next one is.
         upload(&reopened, &owner(3, Tenant::Process(3))).expect("kept");
         assert_eq!(counts(&reopened).0[2], ("evicted", 0));
