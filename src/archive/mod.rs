@@ -27,7 +27,7 @@
 //!   [`CONNECT_TIMEOUT`]) and is retried at most [`STORE_RETRIES`] times within
 //!   [`STORE_RETRY_TIME`]; the uploader's own backoff comes on top (`uploader`).
 //! - An object is read within a byte limit the caller gives ([`Archive::get`],
-//!   [`Archive::fetch`]): a larger one is refused as it crosses it, never read whole.
+//!   [`fetch`]): a larger one is refused as it crosses it, never read whole.
 //! - A listing stops at [`MAX_LISTED`] objects, and says it did.
 
 pub mod address;
