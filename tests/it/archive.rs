@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::agent::{Reaper, free_port, http_get, spawn_serve_with_env, wait_for};
+use crate::browser::Browser;
 use crate::common::temp_dir;
 use crate::recordings::{Length, gzip, listed, metric, oom_recording, push, request, upload};
 use crate::view::raw_get;
@@ -359,6 +360,91 @@ fn recordings_are_archived_with_a_sidecar_listed_and_opened_by_the_tools_and_ano
             .contains(&format!("node-a ({name}, archived)")),
         "{overview}"
     );
+    // The other agent's page, in a browser: opened at the OOM, explained as from the file.
+    let from_file: serde_json::Value = serde_json::from_str(&from_file).expect("JSON");
+    shown_in_a_browser(b, oom, &from_file["sentence"]);
+    // `gpumem view` on the address, as on a file.
+    let view_port = free_port();
+    let _view = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "view",
+                &address,
+                "--listen",
+                &format!("127.0.0.1:{view_port}"),
+            ])
+            .envs(s3_env(s3.port))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("gpumem view starts"),
+    );
+    let overview = wait_for(Duration::from_secs(30), || {
+        http_get(view_port, "/api/v1/recording")
+    })
+    .expect("gpumem view serves the archived recording");
+    let overview: serde_json::Value = serde_json::from_str(&overview).expect("JSON");
+    assert_eq!(
+        overview["devices"][0]["ooms"],
+        serde_json::json!([oom]),
+        "{overview}"
+    );
+    assert!(
+        overview.to_string().contains(&address),
+        "named by its address: {overview}"
+    );
+    // A laptop's AWS CLI profile: keys and endpoint from its files, none in the environment.
+    let aws = dir.join("aws");
+    std::fs::create_dir_all(&aws).expect("a directory");
+    std::fs::write(
+        aws.join("credentials"),
+        "[oncall]\naws_access_key_id = testing\naws_secret_access_key = testing\n",
+    )
+    .expect("writes");
+    std::fs::write(
+        aws.join("config"),
+        format!(
+            "[profile oncall]\nregion = us-east-1\nendpoint_url = http://127.0.0.1:{}\n",
+            s3.port
+        ),
+    )
+    .expect("writes");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["recordings", "list", url, "--namespace", "_host"])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_ENDPOINT_URL")
+        .env_remove("AWS_REGION")
+        .env("AWS_PROFILE", "oncall")
+        .env("AWS_SHARED_CREDENTIALS_FILE", aws.join("credentials"))
+        .env("AWS_CONFIG_FILE", aws.join("config"))
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .stdin(Stdio::null())
+        .output()
+        .expect("runs");
+    let text = succeeded(out, "recordings list with a profile");
+    assert!(
+        text.contains(&address) && text.contains("test/_host/node-a") && text.contains("pid 4242"),
+        "{text}"
+    );
+    // Behind the page's credentials, as the kept recordings are.
+    let c = free_port();
+    std::fs::write(dir.join("tokens"), "t0ken-of-the-oncall-team\n").expect("writes");
+    std::fs::write(dir.join("web.yml"), "bearer_auth_tokens_file: tokens\n").expect("writes");
+    let web = dir.join("web.yml");
+    let _agent_c = archiving_agent(
+        c,
+        &dir,
+        "node-c",
+        url,
+        s3.port,
+        &["--web-config-file", web.to_str().expect("UTF-8")],
+    );
+    let newest = "/recordings/archive/_host/node-a";
+    assert_eq!(get_with_token(c, newest, None), 401);
+    assert_eq!(get_with_token(c, newest, Some("wrong")), 401);
+    assert_eq!(get_with_token(c, newest, Some("t0ken-of-the-oncall-team")), 303);
     for (path, wanted) in [
         ("/recordings/archive/_host/nobody".to_string(), 404),
         (
@@ -374,6 +460,71 @@ fn recordings_are_archived_with_a_sidecar_listed_and_opened_by_the_tools_and_ano
         let (status, _, body) = raw_get(b, &path, "127.0.0.1", None).expect("answers");
         assert_eq!(status, wanted, "{path}: {body}");
     }
+}
+
+/// The status of a GET of `path` on `port`, with `token` as a bearer token where given.
+fn get_with_token(port: u16, path: &str, token: Option<&str>) -> u16 {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n"
+    )
+    .expect("writes");
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Opens the pod's newest archived recording on the agent on `port` in Chromium, as the OOM
+/// alert's link would: it must show event `oom` explained by `sentence`, without errors.
+fn shown_in_a_browser(port: u16, oom: usize, sentence: &serde_json::Value) {
+    let browser = Browser::start();
+    browser.open(&format!(
+        "http://127.0.0.1:{port}/recordings/archive/_host/node-a"
+    ));
+    let shown = wait_for(Duration::from_secs(30), || {
+        let shown = browser.eval(
+            "const e = document.getElementById('explain'); \
+             return e && !e.hidden ? {sentence: document.getElementById('sentence').textContent, \
+               event: document.getElementById('slider').value, \
+               shown_error: document.getElementById('error').textContent, \
+               url: window.location.href} : null;",
+        );
+        (!shown.is_null()).then_some(shown)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the archived recording's view shows no explanation: {} (console: {:?})",
+            browser.eval(
+                "return [window.location.href, document.getElementById('error').textContent];"
+            ),
+            browser.console_errors()
+        )
+    });
+    assert_eq!(&shown["sentence"], sentence, "{shown}");
+    assert_eq!(
+        shown["event"],
+        oom.to_string(),
+        "opened at the OOM: {shown}"
+    );
+    assert_eq!(shown["shown_error"], "", "{shown}");
+    assert!(
+        shown["url"]
+            .as_str()
+            .is_some_and(|u| u.contains("/recordings/archive/_host/node-a/")),
+        "{shown}"
+    );
+    assert_eq!(browser.console_errors(), Vec::<String>::new());
+    browser.screenshot("archived-recording.png");
 }
 
 #[test]
