@@ -22,6 +22,11 @@
 //! `AZURE_STORAGE_ACCOUNT_KEY`, …), or the instance's role. The command line also reads the
 //! AWS CLI's profile files ([`profile`]) and gcloud's application-default credentials.
 //!
+//! TLS: the stores' certificates are checked against Mozilla's roots, compiled in
+//! (`webpki-root-certs`: the agent's image has no CA bundle), and the system's where it has
+//! any (`SSL_CERT_FILE`, `SSL_CERT_DIR`, `/etc/ssl/certs`): a store behind a private CA is
+//! trusted by mounting its CA and naming it with `SSL_CERT_FILE`.
+//!
 //! # Invariants (budgets)
 //! - Every request to a store ends within [`REQUEST_TIMEOUT`] (connecting within
 //!   [`CONNECT_TIMEOUT`]) and is retried at most [`STORE_RETRIES`] times within
@@ -118,13 +123,18 @@ pub fn open_store(
         ..Default::default()
     };
     let seconds = |d: Duration| format!("{}s", d.as_secs());
+    let roots = client_options()?;
     let (scheme, _) = ObjectStoreScheme::parse(store)
         .map_err(|e| ArchiveError::Address(format!("{store}: {e}")))?;
     let opened: Arc<dyn ObjectStore> = match scheme {
         ObjectStoreScheme::Local => Arc::new(object_store::local::LocalFileSystem::new()),
         ObjectStoreScheme::AmazonS3 => {
             use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-            let mut builder = AmazonS3Builder::from_env();
+            let mut builder = from_env(
+                "AWS_",
+                AmazonS3Builder::from_env().with_client_options(roots),
+                AmazonS3Builder::with_config,
+            );
             if credentials == Credentials::WithProfiles {
                 for (key, value) in profile::options().map_err(ArchiveError::Address)? {
                     let key: AmazonS3ConfigKey = key.parse().map_err(config_error)?;
@@ -159,32 +169,40 @@ pub fn open_store(
             use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
             let client = |key| GoogleConfigKey::Client(key);
             Arc::new(
-                GoogleCloudStorageBuilder::from_env()
-                    .with_url(store.as_str())
-                    .with_retry(retry)
-                    .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
-                    .with_config(
-                        client(ClientConfigKey::ConnectTimeout),
-                        seconds(CONNECT_TIMEOUT),
-                    )
-                    .build()
-                    .map_err(config_error)?,
+                from_env(
+                    "GOOGLE_",
+                    GoogleCloudStorageBuilder::from_env().with_client_options(roots),
+                    GoogleCloudStorageBuilder::with_config,
+                )
+                .with_url(store.as_str())
+                .with_retry(retry)
+                .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
+                .with_config(
+                    client(ClientConfigKey::ConnectTimeout),
+                    seconds(CONNECT_TIMEOUT),
+                )
+                .build()
+                .map_err(config_error)?,
             )
         }
         ObjectStoreScheme::MicrosoftAzure => {
             use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
             let client = |key| AzureConfigKey::Client(key);
             Arc::new(
-                MicrosoftAzureBuilder::from_env()
-                    .with_url(store.as_str())
-                    .with_retry(retry)
-                    .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
-                    .with_config(
-                        client(ClientConfigKey::ConnectTimeout),
-                        seconds(CONNECT_TIMEOUT),
-                    )
-                    .build()
-                    .map_err(config_error)?,
+                from_env(
+                    "AZURE_",
+                    MicrosoftAzureBuilder::from_env().with_client_options(roots),
+                    MicrosoftAzureBuilder::with_config,
+                )
+                .with_url(store.as_str())
+                .with_retry(retry)
+                .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
+                .with_config(
+                    client(ClientConfigKey::ConnectTimeout),
+                    seconds(CONNECT_TIMEOUT),
+                )
+                .build()
+                .map_err(config_error)?,
             )
         }
         _ => {
@@ -194,6 +212,37 @@ pub fn open_store(
         }
     };
     Ok(opened)
+}
+
+/// The client's options: Mozilla's roots beside the system's.
+fn client_options() -> Result<object_store::ClientOptions, ArchiveError> {
+    let mut options = object_store::ClientOptions::new();
+    for root in webpki_root_certs::TLS_SERVER_ROOT_CERTS {
+        let root = object_store::Certificate::from_der(root).map_err(|e| ArchiveError::Store {
+            address: "Mozilla's root certificates".into(),
+            source: e,
+        })?;
+        options = options.with_root_certificate(root);
+    }
+    Ok(options)
+}
+
+/// `builder` with the environment's variables of `prefix` applied again, as its `from_env`
+/// did: setting the client's options (the roots) replaced those the environment had set.
+fn from_env<B, K: std::str::FromStr>(
+    prefix: &str,
+    mut builder: B,
+    with_config: fn(B, K, String) -> B,
+) -> B {
+    for (key, value) in std::env::vars_os() {
+        if let (Some(key), Some(value)) = (key.to_str(), value.to_str())
+            && key.starts_with(prefix)
+            && let Ok(key) = key.to_ascii_lowercase().parse()
+        {
+            builder = with_config(builder, key, value.to_string());
+        }
+    }
+    builder
 }
 
 /// An archive: its address and its store.

@@ -444,7 +444,10 @@ fn recordings_are_archived_with_a_sidecar_listed_and_opened_by_the_tools_and_ano
     let newest = "/recordings/archive/_host/node-a";
     assert_eq!(get_with_token(c, newest, None), 401);
     assert_eq!(get_with_token(c, newest, Some("wrong")), 401);
-    assert_eq!(get_with_token(c, newest, Some("t0ken-of-the-oncall-team")), 303);
+    assert_eq!(
+        get_with_token(c, newest, Some("t0ken-of-the-oncall-team")),
+        303
+    );
     for (path, wanted) in [
         ("/recordings/archive/_host/nobody".to_string(), 404),
         (
@@ -525,6 +528,93 @@ fn shown_in_a_browser(port: u16, oom: usize, sentence: &serde_json::Value) {
     );
     assert_eq!(browser.console_errors(), Vec::<String>::new());
     browser.screenshot("archived-recording.png");
+}
+
+/// A TLS front of the plain-HTTP server on `target`, its certificate (for localhost and
+/// 127.0.0.1) signed by a CA of its own: its port and the CA's file. Its thread serves for
+/// at most two minutes.
+fn tls_front(target: u16, dir: &Path) -> (u16, PathBuf) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let (ca, cert, key) = crate::web_config::certificates_named(dir, "store");
+    let chain = CertificateDer::pem_file_iter(&cert)
+        .expect("reads")
+        .collect::<Result<Vec<_>, _>>()
+        .expect("PEM");
+    let key = PrivateKeyDer::from_pem_file(&key).expect("a key");
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .expect("a server configuration");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let port = listener.local_addr().expect("an address").port();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async move {
+            let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+            let listener = tokio::net::TcpListener::from_std(listener).expect("a listener");
+            let serve = async {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let acceptor = acceptor.clone();
+                    tokio::spawn(async move {
+                        let Ok(mut tls) = acceptor.accept(tcp).await else {
+                            return;
+                        };
+                        let Ok(mut plain) =
+                            tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                        else {
+                            return;
+                        };
+                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                    });
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(120), serve).await;
+        });
+    });
+    (port, ca)
+}
+
+#[test]
+fn a_store_behind_a_private_ca_is_reached_over_tls_once_its_ca_is_trusted() {
+    let dir = temp_dir("archive-tls");
+    let s3 = S3::start(free_port(), &dir);
+    s3.bucket("ooms");
+    let (port, ca) = tls_front(s3.port, &dir);
+    let https = |trusted: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+        command
+            .args(["recordings", "list", "s3://ooms/p"])
+            .envs(s3_env(s3.port))
+            .env("AWS_ENDPOINT_URL", format!("https://localhost:{port}"))
+            .env_remove("SSL_CERT_DIR")
+            .stdin(Stdio::null());
+        if trusted {
+            command.env("SSL_CERT_FILE", &ca);
+        } else {
+            command.env("SSL_CERT_FILE", "/nonexistent");
+        }
+        command.output().expect("runs")
+    };
+    // Mozilla's roots and the system's do not include the store's CA: refused.
+    let refused = https(false);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "an unknown CA is trusted");
+    assert!(said.to_ascii_lowercase().contains("certificate"), "{said}");
+    // Its CA named: the listing goes through (an empty archive).
+    let listed = succeeded(https(true), "recordings list over TLS");
+    assert!(
+        listed.contains("no recording in s3://ooms/p matches"),
+        "{listed}"
+    );
 }
 
 #[test]

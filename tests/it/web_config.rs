@@ -18,7 +18,7 @@ use crate::common::temp_dir;
 
 /// A CA (`<name>-ca.crt`) and a certificate it signed for 127.0.0.1 and localhost
 /// (`<name>.crt`, `<name>.key`), in `dir`: (CA file, cert file, key file).
-fn certificates_named(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+pub(crate) fn certificates_named(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca_key = KeyPair::generate().expect("key");
