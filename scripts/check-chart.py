@@ -701,9 +701,16 @@ archive_linked = rendered({"prometheusRule": {"enabled": True},
                            "recordings": {"urlTemplate": ARCHIVE_LINK}}, "PrometheusRule")
 archive_oom = next(r for g in archive_linked[0]["spec"]["groups"] for r in g["rules"]
                    if r.get("alert") == "GpumemOutOfMemory")
-if "/recordings/archive/{{ label \"pod_namespace\" . }}/{{ label \"pod_name\" . }}" \
-        not in archive_oom["annotations"].get("recording_url", ""):
-    fail(f"the archive's recording_url: {archive_oom['annotations']}")
+archive_unit = yaml.safe_load(yaml.safe_dump(unit))
+archive_unit["tests"][0]["alert_rule_test"][0]["exp_alerts"][0]["exp_annotations"][
+    "recording_url"] = "https://gpumem.example.com/recordings/archive/ml/train-1"
+with tempfile.TemporaryDirectory() as work:
+    (Path(work) / "rules.yml").write_text(yaml.safe_dump({"groups": archive_linked[0]["spec"]["groups"]}))
+    (Path(work) / "test.yml").write_text(yaml.safe_dump(archive_unit))
+    result = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=work,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        fail(f"the archive's recording_url: promtool: {result.stdout}{result.stderr}")
 
 # recordings.archive: the agent archives with workload identity (the ServiceAccount's
 # annotation, no key in the pod) or a Secret's keys, its node's name from the downward API,
