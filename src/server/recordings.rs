@@ -35,22 +35,25 @@ pub(super) fn page_routes(page: Router<AppState>, state: &AppState) -> Router<Ap
         return page;
     };
     let kept = crate::view::kept::KeptViews::new(Arc::clone(store));
+    // One view for kept and archived recordings: one open and one replay at a time.
     #[cfg(feature = "archive")]
-    if let Some(uploads) = &state.uploads {
-        // One view for both: one recording open and one replay at a time.
-        let kept = Arc::new(kept.with_archive(Arc::clone(uploads)));
+    let (kept, prefixes) = match &state.uploads {
+        Some(uploads) => (
+            kept.with_archive(Arc::clone(uploads)),
+            vec![KEPT_VIEW, ARCHIVED_VIEW],
+        ),
+        None => (kept, vec![KEPT_VIEW]),
+    };
+    #[cfg(not(feature = "archive"))]
+    let prefixes = [KEPT_VIEW];
+    let page = page
+        .merge(view::view_routes(&prefixes, Arc::new(kept), 1))
+        .route("/recordings/{id}", get(to_recording_page))
+        .route("/recordings/pid/{pid}", get(newest_recording_of));
+    #[cfg(feature = "archive")]
+    if state.uploads.is_some() {
         return page
-            .merge(view::view_routes(
-                &["/recordings/{id}", ARCHIVED_VIEW],
-                kept,
-                1,
-            ))
-            .route("/recordings/{id}", get(to_recording_page))
-            .route("/recordings/pid/{pid}", get(newest_recording_of))
-            .route(
-                "/recordings/archive/{namespace}/{pod}/{name}",
-                get(to_archived_page),
-            )
+            .route(ARCHIVED_VIEW, get(to_archived_page))
             .route(
                 "/recordings/archive/{namespace}/{pod}",
                 get(newest_archived),
@@ -60,10 +63,11 @@ pub(super) fn page_routes(page: Router<AppState>, state: &AppState) -> Router<Ap
                 get(newest_archived),
             );
     }
-    page.merge(view::view_routes(&["/recordings/{id}"], Arc::new(kept), 1))
-        .route("/recordings/{id}", get(to_recording_page))
-        .route("/recordings/pid/{pid}", get(newest_recording_of))
+    page
 }
+
+/// A kept recording's view, by its id.
+const KEPT_VIEW: &str = "/recordings/{id}";
 
 /// An archived recording's view, by namespace, pod and name (`archive::address`).
 #[cfg(feature = "archive")]

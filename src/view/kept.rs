@@ -61,7 +61,7 @@ impl KeptViews {
     /// The archived recording `id` (`<namespace>/<pod>/<name>`), read within the store's
     /// budgets. Blocking: called off the event loop, on the agent's runtime.
     #[cfg(feature = "archive")]
-    fn archived(&self, id: &str) -> Result<(String, crate::recording::Recording), ViewError> {
+    fn archived(&self, id: &str) -> Result<(String, Recording), ViewError> {
         use crate::archive::address::RecordingKey;
         let not_found = || {
             ViewError::NotFound(format!(

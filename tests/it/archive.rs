@@ -315,6 +315,14 @@ fn recordings_are_archived_with_a_sidecar_listed_and_opened_by_the_tools_and_ano
         );
         assert_eq!(from_store, from_file, "{archived}");
     }
+    let replayed = succeeded(
+        gpumem(&["replay", "--check", &address], s3.port),
+        "replay --check",
+    );
+    assert!(
+        replayed.contains("events match the recording"),
+        "{replayed}"
+    );
     let missing = gpumem(
         &[
             "explain",

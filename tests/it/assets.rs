@@ -384,7 +384,7 @@ fn alert_rules_pass_promtool_and_use_only_the_contract() {
     );
     let contract = contract_names();
     let alerts = text.matches("- alert: ").count();
-    assert_eq!(alerts, 13);
+    assert_eq!(alerts, 14);
     for m in metric_names(&text) {
         assert!(
             contract.contains(&m.as_str()) || recorded.contains(&m),
