@@ -246,9 +246,14 @@ impl Agent {
             stop.await;
             let _ = tell.send(true);
         });
+        // The archiving goes on until the listeners have stopped (an upload they were still
+        // reading is archived too).
         #[cfg(feature = "archive")]
-        let archiving =
-            archiving.map(|(uploads, grace)| tokio::spawn(uploads.run(told.clone(), grace)));
+        let (listening, listeners_stopped) = tokio::sync::watch::channel(false);
+        #[cfg(feature = "archive")]
+        let archiving = archiving.map(|(uploads, grace)| {
+            tokio::spawn(uploads.run(told.clone(), listeners_stopped, grace))
+        });
         let stopped = move || {
             let mut told = told.clone();
             async move {
@@ -277,6 +282,7 @@ impl Agent {
         loops.abort_all();
         #[cfg(feature = "archive")]
         if let Some(archiving) = archiving {
+            let _ = listening.send(true);
             let _ = archiving.await;
         }
         Ok(())

@@ -78,7 +78,11 @@ fn split(text: &str) -> Result<(url::Url, Vec<String>), String> {
             SCHEMES.map(|s| format!("{s}://")).join(", ")
         ));
     }
-    if url.query().is_some() || url.fragment().is_some() || !url.username().is_empty() {
+    if url.query().is_some()
+        || url.fragment().is_some()
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
         return Err(format!(
             "{text:?}: an address takes no query, fragment or credentials (credentials come from the environment)"
         ));
@@ -124,10 +128,18 @@ impl std::str::FromStr for ArchiveUrl {
     }
 }
 
+/// A store's URL as the start of its objects' addresses (`s3://bucket`, `file://`).
+fn store_text(store: &url::Url) -> &str {
+    if store.scheme() == "file" {
+        "file://"
+    } else {
+        store.as_str().trim_end_matches('/')
+    }
+}
+
 impl std::fmt::Display for ArchiveUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let store = self.store.as_str().trim_end_matches('/');
-        write!(f, "{store}")?;
+        write!(f, "{}", store_text(&self.store))?;
         for segment in &self.prefix {
             write!(f, "/{segment}")?;
         }
@@ -169,8 +181,7 @@ impl ArchiveUrl {
 
     /// The address of the object at `path` in this archive's store.
     pub fn object_url(&self, path: &Path) -> String {
-        let store = self.store.as_str().trim_end_matches('/');
-        format!("{store}/{path}")
+        format!("{}/{path}", store_text(&self.store))
     }
 }
 
@@ -279,8 +290,19 @@ impl RecordingKey {
     }
 }
 
+/// Whether `name` is a recording's name in the layout (`{stamp}-{pid}`).
+fn is_recording_name(name: &str) -> bool {
+    let Some((stamp, pid)) = name.rsplit_once('-') else {
+        return false;
+    };
+    !pid.is_empty()
+        && pid.bytes().all(|b| b.is_ascii_digit())
+        && chrono::NaiveDateTime::parse_from_str(stamp, "%Y%m%dT%H%M%S%.6fZ").is_ok()
+}
+
 /// An object's address as the tools take a recording (`gpumem view s3://bucket/key`): its
-/// store and path. A sidecar's address (`.json`) stands for the recording beside it.
+/// store and path. A sidecar's address (`{stamp}-{pid}.json` in the layout) stands for the
+/// recording beside it; any other `.json` object is a snapshot in JSON.
 /// `None` where `text` is not an address of one of [`SCHEMES`] (a local path).
 ///
 /// # Errors
@@ -295,7 +317,9 @@ pub fn object_address(text: &str) -> Option<Result<(url::Url, Path), String>> {
             return Err(format!("{text:?} names a bucket, not a recording"));
         };
         let mut segments = segments.clone();
-        if let Some(name) = last.strip_suffix(&format!(".{SIDECAR}")) {
+        if let Some(name) = last.strip_suffix(&format!(".{SIDECAR}"))
+            && is_recording_name(name)
+        {
             let recording = format!("{name}.{RECORDING}");
             *segments.last_mut().unwrap_or(&mut String::new()) = recording;
         }
@@ -367,6 +391,7 @@ mod tests {
             "s3://bucket/a%2Fb",
             "s3://bucket/..",
             "s3://user:secret@bucket/x",
+            "s3://:secret@bucket/x",
             "s3://bucket/x?versionId=1",
             "not a url",
         ] {
@@ -377,14 +402,32 @@ mod tests {
         assert!(!plain.per_namespace());
         assert_eq!(object_address("/tmp/x.pickle"), None, "a local path");
         assert_eq!(object_address("http://x/y"), None, "not a store's scheme");
-        let (store, path) = object_address("s3://b/p/c/ns/pod/t-1.json")
+        let sidecar = "s3://b/p/c/ns/pod/20261207T011203.250000Z-42.json";
+        let (store, path) = object_address(sidecar).expect("an address").expect("valid");
+        assert_eq!(
+            (store.as_str(), path.as_ref()),
+            ("s3://b", "p/c/ns/pod/20261207T011203.250000Z-42.pickle.gz"),
+            "a sidecar stands for its recording"
+        );
+        assert!(object_address("s3://b").expect("an address").is_err());
+        let (_, snapshot) = object_address("gs://b/runs/snap.json")
             .expect("an address")
             .expect("valid");
         assert_eq!(
-            (store.as_str(), path.as_ref()),
-            ("s3://b", "p/c/ns/pod/t-1.pickle.gz")
+            snapshot.as_ref(),
+            "runs/snap.json",
+            "a JSON snapshot stays itself"
         );
-        assert!(object_address("s3://b").expect("an address").is_err());
+        // Local archives: addresses the tools open again.
+        let local: ArchiveUrl = "file:///var/lib/archive".parse().expect("parses");
+        assert_eq!(local.to_string(), "file:///var/lib/archive");
+        let path = local.prefix("ns").join("c");
+        let address = local.object_url(&path);
+        assert_eq!(address, "file:///var/lib/archive/c");
+        let (store, again) = object_address(&address)
+            .expect("an address")
+            .expect("valid");
+        assert_eq!((store.scheme(), again), ("file", path));
         assert!(
             object_address("s3://b/a/../x")
                 .expect("an address")

@@ -33,7 +33,9 @@
 //!   [`STORE_RETRY_TIME`]; the uploader's own backoff comes on top (`uploader`).
 //! - An object is read within a byte limit the caller gives ([`Archive::get`],
 //!   [`fetch`]): a larger one is refused as it crosses it, never read whole.
-//! - A listing stops at [`MAX_LISTED`] objects, and says it did.
+//! - A listing stops at [`MAX_LISTED`] objects, and says it did; an object whose key is not
+//!   a path gpumem can name (`a//b`, a `..` segment: not one an agent wrote) is counted and
+//!   skipped. Finding a pod's newest recording holds one key at a time.
 
 pub mod address;
 pub mod profile;
@@ -310,21 +312,32 @@ impl Archive {
         Ok(bytes)
     }
 
-    /// The objects under `prefix` (at most [`MAX_LISTED`]), and whether the listing stopped
-    /// there.
+    /// Calls `each` with the objects under `prefix` (at most [`MAX_LISTED`]): whether the
+    /// listing stopped there, and how many keys were skipped (not paths gpumem names).
     ///
     /// # Errors
     /// The store failed.
-    pub async fn list(&self, prefix: &Path) -> Result<(Vec<ObjectMeta>, bool), ArchiveError> {
+    pub async fn for_each(
+        &self,
+        prefix: &Path,
+        mut each: impl FnMut(ObjectMeta),
+    ) -> Result<Listed, ArchiveError> {
         let mut listing = self.store.list(Some(prefix));
-        let mut objects = Vec::new();
+        let mut listed = Listed::default();
+        let mut seen = 0usize;
         while let Some(meta) = listing.next().await {
-            if objects.len() == MAX_LISTED {
-                return Ok((objects, true));
+            if seen == MAX_LISTED {
+                listed.truncated = true;
+                break;
             }
-            objects.push(meta.map_err(self.failed(prefix))?);
+            seen += 1;
+            match meta {
+                Ok(meta) => each(meta),
+                Err(object_store::Error::InvalidPath { .. }) => listed.skipped += 1,
+                Err(e) => return Err(self.failed(prefix)(e)),
+            }
         }
-        Ok((objects, false))
+        Ok(listed)
     }
 
     /// The newest recording under `pod_dir` (a pod's directory), by its key, with its
@@ -337,14 +350,16 @@ impl Archive {
         prefix: &Path,
         pod_dir: &Path,
     ) -> Result<Option<(RecordingKey, Sidecar)>, ArchiveError> {
-        let (objects, _) = self.list(pod_dir).await?;
-        let Some(key) = objects
-            .iter()
-            .filter_map(|o| RecordingKey::of(prefix, &o.location))
-            .filter(|(_, is_sidecar)| *is_sidecar)
-            .map(|(key, _)| key)
-            .max()
-        else {
+        let mut newest: Option<RecordingKey> = None;
+        self.for_each(pod_dir, |object| {
+            if let Some((key, true)) = RecordingKey::of(prefix, &object.location)
+                && newest.as_ref().is_none_or(|n| key > *n)
+            {
+                newest = Some(key);
+            }
+        })
+        .await?;
+        let Some(key) = newest else {
             return Ok(None);
         };
         let sidecar = self.sidecar(prefix, &key).await?;
@@ -365,6 +380,15 @@ impl Archive {
         Sidecar::parse(&bytes)
             .map_err(|e| ArchiveError::Address(format!("{}: {e}", self.url.object_url(&path))))
     }
+}
+
+/// What a listing met beside the objects it gave.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Listed {
+    /// It stopped at [`MAX_LISTED`] objects.
+    pub truncated: bool,
+    /// Keys that are not paths gpumem names, skipped.
+    pub skipped: usize,
 }
 
 /// Reads the object at `path` of `store` chunk by chunk into `sink`, refusing it past

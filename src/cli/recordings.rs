@@ -32,8 +32,8 @@ pub(crate) struct ListArgs {
     /// The most recordings listed (their sidecars are read).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
     limit: u32,
-    /// JSON: {"recordings": [sidecar, …], "matched": N, "truncated": bool, "unreadable":
-    /// [{"sidecar": address, "error": text}, …]}.
+    /// JSON: {"recordings": [sidecar, …], "matched": N, "truncated": bool, "skipped": N,
+    /// "unreadable": [{"sidecar": address, "error": text}, …]}.
     #[arg(long)]
     json: bool,
 }
@@ -76,18 +76,21 @@ fn list(args: ListArgs) -> CliResult {
         .enable_all()
         .build()?;
     let listed = runtime.block_on(async {
-        let (objects, truncated) = archive.list(&dir).await?;
         let keep = |key: &RecordingKey| {
             args.cluster.as_ref().is_none_or(|c| *c == key.cluster)
                 && args.namespace.as_ref().is_none_or(|n| *n == key.namespace)
                 && args.pod.as_ref().is_none_or(|p| *p == key.pod)
         };
-        let mut keys: Vec<RecordingKey> = objects
-            .iter()
-            .filter_map(|o| RecordingKey::of(&prefix, &o.location))
-            .filter(|(key, is_sidecar)| *is_sidecar && keep(key))
-            .map(|(key, _)| key)
-            .collect();
+        let mut keys: Vec<RecordingKey> = Vec::new();
+        let listed = archive
+            .for_each(&dir, |object| {
+                if let Some((key, true)) = RecordingKey::of(&prefix, &object.location)
+                    && keep(&key)
+                {
+                    keys.push(key);
+                }
+            })
+            .await?;
         // Newest first: a name starts with its time.
         keys.sort_by(|a, b| b.name.cmp(&a.name).then_with(|| a.cmp(b)));
         let matched = keys.len();
@@ -95,21 +98,29 @@ fn list(args: ListArgs) -> CliResult {
         let mut unreadable = Vec::new();
         for key in keys.iter().take(args.limit as usize) {
             match archive.sidecar(&prefix, key).await {
-                Ok(sidecar) => sidecars.push(sidecar),
+                // Whose it is, as its key says: a sidecar's own words are not trusted.
+                Ok(sidecar) => sidecars.push(Sidecar {
+                    recording: archive.url().object_url(&key.recording(&prefix)),
+                    cluster: key.cluster.clone(),
+                    namespace: key.namespace.clone(),
+                    pod: key.pod.clone(),
+                    ..sidecar
+                }),
                 Err(e) => unreadable.push(serde_json::json!({
                     "sidecar": archive.url().object_url(&key.sidecar(&prefix)),
                     "error": e.to_string(),
                 })),
             }
         }
-        Ok::<_, gpumem::archive::ArchiveError>((sidecars, matched, truncated, unreadable))
+        Ok::<_, gpumem::archive::ArchiveError>((sidecars, matched, listed, unreadable))
     });
-    let (sidecars, matched, truncated, unreadable) = listed?;
+    let (sidecars, matched, listed, unreadable) = listed?;
     if args.json {
         let json = serde_json::json!({
             "recordings": sidecars,
             "matched": matched,
-            "truncated": truncated,
+            "truncated": listed.truncated,
+            "skipped": listed.skipped,
             "unreadable": unreadable,
         });
         outln!("{json}")?;
@@ -130,7 +141,13 @@ fn list(args: ListArgs) -> CliResult {
             sidecars.len() + unreadable.len()
         )?;
     }
-    if truncated {
+    if listed.skipped > 0 {
+        outln!(
+            "{} objects skipped: their keys are not paths an agent writes",
+            listed.skipped
+        )?;
+    }
+    if listed.truncated {
         outln!(
             "the listing stopped at {MAX_LISTED} objects: narrow it with --cluster, --namespace and --pod"
         )?;
@@ -152,6 +169,7 @@ fn line(sidecar: &Sidecar) -> String {
         ),
         _ => "no OOM recorded".to_string(),
     };
+    // The names and address come from the key (validated); the rest are numbers.
     format!(
         "{time}  {}/{}/{}  pid {}  {oom}  {}",
         sidecar.cluster, sidecar.namespace, sidecar.pod, sidecar.pid, sidecar.recording

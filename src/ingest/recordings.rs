@@ -487,7 +487,8 @@ impl Drop for Upload {
     }
 }
 
-fn unix_now() -> f64 {
+/// The time now, in Unix seconds.
+pub(crate) fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
@@ -879,12 +880,13 @@ impl RecordingStore {
         }
     }
 
-    /// Notes that recording `id` was archived at `address`: in its metadata file (written
-    /// whole, then renamed over the old) and in the list. A recording evicted meanwhile is
-    /// left gone.
+    /// Notes that recording `id` was archived at `address`: in the list, and in its metadata
+    /// file (written whole, then renamed over the old). A recording evicted meanwhile is left
+    /// gone.
     ///
     /// # Errors
-    /// The metadata file cannot be written.
+    /// The metadata file cannot be written (the list has the note all the same: a restarted
+    /// agent would archive it again).
     pub fn archived(&self, id: &str, address: &str) -> std::io::Result<()> {
         let mut kept = self.kept();
         let Some(recording) = kept.iter_mut().find(|r| r.id == id) else {
@@ -894,20 +896,20 @@ impl RecordingStore {
             archived: Some(address.to_string()),
             ..recording.clone()
         };
-        let json = serde_json::to_vec(&updated).map_err(std::io::Error::from)?;
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let temporary = self
             .dir
             .join(format!("{UPLOADING}{}-{n}", std::process::id()));
-        let written = private_file(&temporary)
-            .and_then(|mut file| std::io::Write::write_all(&mut file, &json))
+        let written = serde_json::to_vec(&updated)
+            .map_err(std::io::Error::from)
+            .and_then(|json| std::io::Write::write_all(&mut private_file(&temporary)?, &json))
             .and_then(|()| std::fs::rename(&temporary, self.dir.join(format!("{id}.json"))));
         if written.is_err() {
             let _ = std::fs::remove_file(&temporary);
         }
-        written?;
+        // Noted in memory whatever the file says: this agent does not archive it again.
         *recording = updated;
-        Ok(())
+        written
     }
 
     /// What it holds and what it refused.

@@ -725,8 +725,8 @@ fn sigterm_with_uploads_pending_archives_within_the_grace_or_leaves_them_spooled
     );
     push(a, 12);
     assert_eq!(upload(a, 12, &recording).0, 201);
-    // Two failures: the next try is 4 s away.
-    wait_until(a, FAILED, 2.0, Duration::from_secs(20));
+    // Three failures: the next try is 4 s away.
+    wait_until(a, FAILED, 3.0, Duration::from_secs(20));
     assert_eq!(metric(a, PENDING), 1.0);
     gate.pass();
     let status = terminate(&mut agent, Duration::from_secs(25));
