@@ -10,6 +10,11 @@
 //! one kept maximises the allocations its run covers times the share of its first iteration's
 //! bytes that are placeable (freed within an iteration), the shortest on a tie.
 //!
+//! A recording whose profiler named the job's iterations (`ProfilerStep#N` annotations) is
+//! split on them instead ([`of_recording`], with the `tools` feature): each step runs from its
+//! `START` to the next step's (the last to its `END`), its allocations those whose events
+//! happened then; two complete steps with allocations at least, else the search is used.
+//!
 //! # Budgets
 //! - Periods up to [`MAX_PERIOD`] allocations; the search makes at most [`SCAN_WORK`] token
 //!   comparisons, or O(allocations × candidates) beyond.
@@ -79,6 +84,123 @@ pub(crate) fn allocations(events: &[TraceEntry], config: &AllocatorConfig) -> Ve
 /// Whether `a` (made `event` events into an iteration of `length` events) repeats in place.
 pub(crate) fn placeable(a: &Allocation, length: usize) -> bool {
     a.freed.is_some_and(|f| f - a.event < length)
+}
+
+#[cfg(feature = "tools")]
+/// Where a trace's iterations came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IterationSource {
+    /// The job's profiler (`ProfilerStep#N` annotations).
+    ProfilerSteps,
+    /// The longest repeating sequence of allocations.
+    Search,
+}
+
+#[cfg(feature = "tools")]
+impl IterationSource {
+    /// Its name in JSON.
+    pub fn label(self) -> &'static str {
+        match self {
+            IterationSource::ProfilerSteps => "profiler_steps",
+            IterationSource::Search => "search",
+        }
+    }
+}
+
+#[cfg(feature = "tools")]
+/// A trace's iterations in a row: the index (in its allocations) of each one's first
+/// allocation, then the end of the last; at least two iterations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Iterations {
+    /// `bounds[k]..bounds[k + 1]` are iteration `k`'s allocations.
+    pub bounds: Vec<usize>,
+    /// Where they came from.
+    pub source: IterationSource,
+    /// The first one's step number, where the profiler named them.
+    pub first_step: Option<u64>,
+}
+
+#[cfg(feature = "tools")]
+impl Iterations {
+    /// How many.
+    pub fn count(&self) -> usize {
+        self.bounds.len() - 1
+    }
+
+    /// Iteration `k`'s allocations.
+    pub fn range(&self, k: usize) -> std::ops::Range<usize> {
+        self.bounds[k]..self.bounds[k + 1]
+    }
+
+    /// The search's iterations of `allocations`.
+    pub fn searched(allocations: &[Allocation]) -> Option<Iterations> {
+        let (first, period, count) = find_iteration(allocations)?;
+        Some(Iterations {
+            bounds: (0..=count).map(|k| first + k * period).collect(),
+            source: IterationSource::Search,
+            first_step: None,
+        })
+    }
+}
+
+/// The iterations of device `device`'s trace `events` (whose allocations are `allocations`,
+/// possibly a prefix's): the profiler's steps where it named at least two complete ones with
+/// allocations, else the search's.
+#[cfg(feature = "tools")]
+pub(crate) fn of_recording(
+    recording: &crate::recording::Recording,
+    device: u32,
+    events: &[TraceEntry],
+    allocations: &[Allocation],
+) -> Option<Iterations> {
+    profiler_steps(recording, device, events, allocations)
+        .or_else(|| Iterations::searched(allocations))
+}
+
+/// The profiler's steps as iterations (see [`of_recording`]).
+#[cfg(feature = "tools")]
+fn profiler_steps(
+    recording: &crate::recording::Recording,
+    device: u32,
+    events: &[TraceEntry],
+    allocations: &[Allocation],
+) -> Option<Iterations> {
+    let steps = recording.profiler_steps(device);
+    // Each allocation's time; every one needs one to be placed in a step.
+    let times: Vec<u64> = allocations
+        .iter()
+        .map(|a| events.get(a.event)?.time_us)
+        .collect::<Option<_>>()?;
+    // A step is complete once the trace (up to where it is read) passed its end.
+    let last_time = events.iter().rev().find_map(|e| e.time_us)?;
+    // The first allocation at or after `t` (times run forward in a device's trace).
+    let at = |t: u64| times.partition_point(|&time| time < t);
+    let mut bounds = Vec::new();
+    let mut first_step = None;
+    for (k, step) in steps.iter().enumerate() {
+        let start = step.start_us?;
+        // A step ends where the next starts, the last at its END.
+        let end = match steps.get(k + 1) {
+            Some(next) => next.start_us?,
+            None => step.end_us?,
+        };
+        if end > last_time || end < start {
+            break;
+        }
+        if bounds.is_empty() {
+            first_step = Some(step.number);
+            bounds.push(at(start));
+        }
+        bounds.push(at(end));
+    }
+    let iterations = bounds.len().checked_sub(1)?;
+    let with_allocations = bounds.windows(2).filter(|w| w[1] > w[0]).count();
+    (iterations >= 2 && with_allocations >= 2).then_some(Iterations {
+        bounds,
+        source: IterationSource::ProfilerSteps,
+        first_step,
+    })
 }
 
 /// The repeating iteration: (first allocation, period, iterations in a row).

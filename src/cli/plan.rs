@@ -204,8 +204,13 @@ fn print_text(
     offline: bool,
     rows: &[Row],
 ) -> std::io::Result<()> {
+    let found = match (planned.source, planned.step) {
+        (Some(_), Some(step)) => format!("the job's profiler step ProfilerStep#{step}"),
+        (Some(_), None) => "repeating allocations".to_string(),
+        (None, _) => "the events given".to_string(),
+    };
     outln!(
-        "iteration: {} allocations from allocation {} (events {}..{}), {} in a row",
+        "iteration ({found}): {} allocations from allocation {} (events {}..{}), {} in a row",
         planned.period,
         planned.first_allocation,
         planned.events.start,

@@ -8,8 +8,9 @@
 //!
 //! # Invariants
 //! - Only complete iterations before the moment count, found as the planner finds them
-//!   (`iterations`: the longest run of a repeating sequence of allocations, within its scan
-//!   budget); the moment's own, unfinished iteration is left out.
+//!   (`iterations`: the job's profiler steps where it recorded them, else the longest run
+//!   of a repeating sequence of allocations, within its scan budget); the moment's own,
+//!   unfinished iteration is left out. [`Growth::source`] says which.
 //! - Memory grows where more than half the iterations keep some. The rate is the median of
 //!   what the iterations kept, leaving out the first where there are
 //!   three or more (a first step that creates optimizer state keeps it once, not every step).
@@ -27,7 +28,7 @@ use serde::Serialize;
 
 use crate::allocator::TraceEntry;
 use crate::config::AllocatorConfig;
-use crate::iterations::{Allocation, allocations, find_iteration};
+use crate::iterations::{Allocation, IterationSource, allocations};
 use crate::recording::Recording;
 use crate::recording::frames::StackId;
 
@@ -39,8 +40,13 @@ pub const GROWTH_GROUPS: usize = 8;
 pub struct Growth {
     /// Complete iterations in a row before the moment.
     pub iterations: usize,
-    /// Allocations each makes.
+    /// Allocations each makes (on average, where the profiler's steps differ).
     pub allocations_per_iteration: usize,
+    /// Where the iterations came from: the job's profiler steps, or the search.
+    pub source: IterationSource,
+    /// The first iteration's step number (`ProfilerStep#N`), where the profiler named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_step: Option<u64>,
     /// The event the first starts at.
     pub first_event: usize,
     /// Events an iteration takes, on average.
@@ -104,16 +110,23 @@ pub(crate) fn growth(
 ) -> Option<Growth> {
     let upto = &events[..moment.saturating_add(1).min(events.len())];
     let all = allocations(upto, config);
-    let (first, period, iterations) = find_iteration(&all)?;
+    let found = crate::iterations::of_recording(recording, device as u32, upto, &all)?;
+    // The event at allocation bound `b` (the moment's end past the last allocation).
+    let event_at = |b: usize| all.get(b).map_or(upto.len(), |a| a.event);
     // The last found iteration may be the moment's own, unfinished: only those that ended
-    // (the next allocation came) before the moment count.
-    let ends = |k: usize| all.get(first + (k + 1) * period).map(|a| a.event);
-    let complete = (0..iterations).take_while(|&k| ends(k).is_some()).count();
+    // (the next allocation came) before the moment count; the profiler's steps are
+    // complete as found.
+    let complete = match found.source {
+        IterationSource::ProfilerSteps => found.count(),
+        IterationSource::Search => (0..found.count())
+            .take_while(|&k| all.get(found.bounds[k + 1]).is_some())
+            .count(),
+    };
     if complete < 2 {
         return None;
     }
     let kept = |a: &&Allocation| a.freed.is_none_or(|f| f > moment);
-    let iteration = |k: usize| &all[first + k * period..first + (k + 1) * period];
+    let iteration = |k: usize| &all[found.range(k)];
     let kept_by: Vec<(u64, usize)> = (0..complete)
         .map(|k| {
             let kept: Vec<&Allocation> = iteration(k).iter().filter(kept).collect();
@@ -136,9 +149,7 @@ pub(crate) fn growth(
     // Live bytes through the iterations, relative to the trace's start (blocks live before
     // it are a constant, found from what the moment held): at each iteration's start, and the
     // most any complete iteration had beyond its start.
-    let starts: Vec<usize> = (0..=complete)
-        .map(|k| all[first + k * period].event)
-        .collect();
+    let starts: Vec<usize> = (0..=complete).map(|k| event_at(found.bounds[k])).collect();
     let mut deltas: Vec<(usize, i128)> = all
         .iter()
         .map(|a| (a.event, i128::from(a.size)))
@@ -176,22 +187,20 @@ pub(crate) fn growth(
         (last as u64 + n + 1).max(complete as u64 + 1)
     });
 
-    let events_per_iteration = (all[first + complete * period].event - all[first].event) / complete;
+    let (first, end) = (found.bounds[0], found.bounds[complete]);
+    let events_per_iteration = (starts[complete] - starts[0]) / complete;
     Some(Growth {
         iterations: complete,
-        allocations_per_iteration: period,
-        first_event: all[first].event,
+        allocations_per_iteration: (end - first) / complete,
+        source: found.source,
+        first_step: found.first_step,
+        first_event: starts[0],
         events_per_iteration,
         kept_per_iteration,
         kept_allocations_per_iteration,
         iterations_keeping,
         kept_bytes,
-        kept_at: kept_groups(
-            recording,
-            device,
-            &all[first..first + complete * period],
-            moment,
-        ),
+        kept_at: kept_groups(recording, device, &all[first..end], moment),
         iteration_peak_bytes: peak,
         fills_at_iteration,
         fills_bytes,
@@ -255,4 +264,120 @@ fn kept_groups(
     groups.sort_by(|a, b| (b.bytes, &a.frame).cmp(&(a.bytes, &b.frame)));
     groups.truncate(GROWTH_GROUPS);
     groups
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::iterations::{IterationSource, allocations, of_recording};
+
+    const MIB: u64 = 1 << 20;
+
+    /// A hand-made recording of four profiler steps on device 0: the first makes optimizer
+    /// state (1 MiB, kept); each makes and frees 8 and 16 MiB, and keeps 2 MiB (a loss summed
+    /// as a tensor); the third also makes a 4 MiB scratch. So the steps differ in length, and
+    /// the allocations alone repeat in no sequence as long as a step.
+    pub(crate) fn stepped() -> (crate::recording::Recording, Vec<usize>) {
+        let mut events = Vec::new();
+        let mut annotations = Vec::new();
+        let mut bounds = vec![0usize];
+        let mut allocations = 0usize;
+        let mut addr = 0x7f00_0000_0000u64;
+        for step in 0..4u64 {
+            let t0 = 1_000_000 + step * 10_000;
+            annotations.push(serde_json::json!({"stage": "START", "name": format!("ProfilerStep#{}", step + 5), "device": 0, "time_us": t0}));
+            let mut sizes = vec![8 * MIB, 16 * MIB, 2 * MIB];
+            if step == 0 {
+                sizes.insert(0, MIB);
+            }
+            if step == 2 {
+                sizes.push(4 * MIB);
+            }
+            let mut t = t0 + 10;
+            let mut freed = Vec::new();
+            for size in sizes {
+                addr += 64 * MIB;
+                events.push(serde_json::json!({"action": "alloc", "addr": addr, "size": size, "stream": 0, "time_us": t}));
+                allocations += 1;
+                if size != MIB && size != 2 * MIB {
+                    freed.push((addr, size));
+                }
+                t += 10;
+            }
+            for (a, size) in freed {
+                for action in ["free_requested", "free_completed"] {
+                    events.push(serde_json::json!({"action": action, "addr": a, "size": size, "stream": 0, "time_us": t}));
+                }
+                t += 10;
+            }
+            annotations.push(serde_json::json!({"stage": "END", "name": format!("ProfilerStep#{}", step + 5), "device": 0, "time_us": t}));
+            bounds.push(allocations);
+        }
+        // Something after the last step's end: it is complete. An annotation of another
+        // device, one of another name and a malformed one are skipped.
+        events.push(serde_json::json!({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": 2_000_000}));
+        annotations.push(serde_json::json!({"stage": "START", "name": "ProfilerStep#1", "device": 1, "time_us": 1}));
+        annotations.push(serde_json::json!({"stage": "START", "name": "forward", "device": 0, "time_us": 1_000_005}));
+        annotations.push(serde_json::json!({"stage": 3, "name": "ProfilerStep#9"}));
+        let doc = serde_json::json!({"segments": [], "device_traces": [events], "external_annotations": annotations});
+        let recording =
+            crate::recording::parse_recording(doc.to_string().as_bytes()).expect("reads");
+        (recording, bounds)
+    }
+
+    /// Issue 61, item 2: a recording with `ProfilerStep#N` annotations is split on them.
+    #[test]
+    fn a_recording_with_profiler_steps_is_split_on_them() {
+        let (recording, bounds) = stepped();
+        assert_eq!(recording.annotations.len(), 10, "the malformed one skipped");
+        let steps = recording.profiler_steps(0);
+        assert_eq!(
+            steps.iter().map(|s| s.number).collect::<Vec<_>>(),
+            [5, 6, 7, 8]
+        );
+        let events = recording.trace(0);
+        let all = allocations(events, &AllocatorConfig::default());
+        let found = of_recording(&recording, 0, events, &all).expect("iterations");
+        assert_eq!(found.source, IterationSource::ProfilerSteps);
+        assert_eq!(found.first_step, Some(5));
+        assert_eq!(found.bounds, bounds);
+        // Cut before the last step ends: three complete steps.
+        let last_end = steps[3].end_us.expect("an end");
+        let cut = events
+            .iter()
+            .position(|e| e.time_us >= Some(last_end))
+            .expect("an event");
+        let upto = &events[..cut];
+        let some = allocations(upto, &AllocatorConfig::default());
+        let partial = of_recording(&recording, 0, upto, &some).expect("iterations");
+        assert_eq!(partial.bounds, bounds[..4]);
+        // Without annotations, the search finds no step-long iteration.
+        let bare = crate::recording::Recording {
+            annotations: Vec::new(),
+            ..recording.clone()
+        };
+        let searched = of_recording(&bare, 0, events, &all);
+        assert!(
+            searched
+                .as_ref()
+                .is_none_or(|s| s.source == IterationSource::Search && s.bounds != bounds),
+            "{searched:?}"
+        );
+        // Explain's growth uses the steps and tells the 2 MiB kept per step.
+        let moment = events.len() - 1;
+        let growth = growth(
+            &recording,
+            0,
+            events,
+            moment,
+            9 * MIB,
+            None,
+            &AllocatorConfig::default(),
+        )
+        .expect("a growth");
+        assert_eq!(growth.source, IterationSource::ProfilerSteps);
+        assert_eq!((growth.iterations, growth.first_step), (4, Some(5)));
+        assert_eq!(growth.kept_per_iteration, 2 * MIB);
+        assert!(growth.grows());
+    }
 }

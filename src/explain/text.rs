@@ -149,9 +149,16 @@ fn write_remedies(out: &mut String, e: &Explanation, confirm: Option<&str>) -> s
         }
     }
     if let Some(g) = &e.growth {
+        let (found, per) = match g.first_step {
+            Some(step) => (
+                format!("the job's profiler steps from ProfilerStep#{step}"),
+                "about ",
+            ),
+            None => ("repeating allocations".to_string(), ""),
+        };
         writeln!(
             out,
-            "\nrepeating iterations: {} of {} allocations from event {} (about {} events each); {} of them keep memory past their end, {} ({} allocations) each (median), {} in all",
+            "\niterations ({found}): {} of {per}{} allocations from event {} (about {} events each); {} of them keep memory past their end, {} ({} allocations) each (median), {} in all",
             g.iterations,
             g.allocations_per_iteration,
             g.first_event,

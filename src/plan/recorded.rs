@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::allocator::{Plan, PlanMode};
 use crate::config::AllocatorConfig;
-use crate::iterations::{allocations, find_iteration};
+use crate::iterations::{IterationSource, allocations, find_iteration};
 use crate::recording::Recording;
 
 use super::placement::plan_iteration;
@@ -44,6 +44,13 @@ pub struct Planned {
     pub period: usize,
     /// Iterations found in a row (1 for a given range).
     pub iterations: usize,
+    /// Where the iterations came from: the job's profiler steps (the second of three or
+    /// more is planned: a job's first step often differs), the search, or `None` for a
+    /// given range.
+    pub source: Option<IterationSource>,
+    /// The planned step's number (`ProfilerStep#N`), where the profiler named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
     /// The planned iteration's events.
     pub events: Range<usize>,
     /// The events after it that the plan is evaluated on: the remaining iterations (for a
@@ -96,6 +103,10 @@ pub fn plan(
         .or_else(|| recording.config.clone())
         .unwrap_or_default();
     let allocations = allocations(events, &config);
+    let mut source = None;
+    let mut step = None;
+    // The allocation after the last iteration found (the steps' may differ in length).
+    let mut found_end = None;
     let (first, period, iterations) = match &options.events {
         Some(range) => {
             let first = allocations.partition_point(|a| a.event < range.start);
@@ -116,13 +127,32 @@ pub fn plan(
             }
             (first, end - first, 1)
         }
-        None => find_iteration(&allocations).ok_or_else(|| {
-            PlanningError::NoIteration(format!(
-                "no sequence of allocations repeats itself in device {}'s trace ({} allocations)",
-                options.device,
-                allocations.len()
-            ))
-        })?,
+        None => {
+            let found =
+                crate::iterations::of_recording(recording, options.device, events, &allocations)
+                    .ok_or_else(|| {
+                        PlanningError::NoIteration(format!(
+                            "no sequence of allocations repeats itself in device {}'s trace ({} allocations)",
+                            options.device,
+                            allocations.len()
+                        ))
+                    })?;
+            // Of three steps or more, the second: a job's first often differs.
+            let k =
+                usize::from(found.count() >= 3 && found.source == IterationSource::ProfilerSteps);
+            let planned = found.range(k);
+            if planned.len() > MAX_PERIOD || planned.is_empty() {
+                return Err(PlanningError::NoIteration(format!(
+                    "the profiler's step {} holds {} allocations: 1 to {MAX_PERIOD} are planned",
+                    found.first_step.unwrap_or_default() + k as u64,
+                    planned.len()
+                )));
+            }
+            source = Some(found.source);
+            step = found.first_step.map(|s| s + k as u64);
+            found_end = found.bounds.last().copied();
+            (planned.start, planned.len(), found.count() - k)
+        }
     };
     let (mut plan, lower_bound, planned) =
         plan_iteration(&allocations, first, period, events.len());
@@ -130,7 +160,8 @@ pub fn plan(
     let evaluated_end = if options.events.is_some() {
         events.len()
     } else {
-        event_at(&allocations, first + period * iterations, events.len())
+        let end = found_end.unwrap_or(first + period * iterations);
+        event_at(&allocations, end, events.len())
     };
     let persistent_bytes = plan
         .entries
@@ -147,6 +178,8 @@ pub fn plan(
         first_allocation: first,
         period,
         iterations,
+        source,
+        step,
         evaluated: planned.end..evaluated_end,
         events: planned,
         lower_bound_bytes: lower_bound,
@@ -198,4 +231,31 @@ pub fn best_device(
     };
     let say = traced.len() > 1 || device != 0;
     Some((device, say.then_some(why)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 61, item 2: the planner plans the job's own profiler step (the second of
+    /// three or more) and says so.
+    #[test]
+    fn the_second_profiler_step_is_planned() {
+        let (recording, bounds) = crate::explain::growth::tests::stepped();
+        let planned = plan(&recording, "stepped", &PlanOptions::default()).expect("plans");
+        assert_eq!(planned.source, Some(IterationSource::ProfilerSteps));
+        assert_eq!(planned.step, Some(6));
+        assert_eq!(
+            (planned.first_allocation, planned.period, planned.iterations),
+            (bounds[1], bounds[2] - bounds[1], 3)
+        );
+        let events = recording.trace(0);
+        let all = allocations(events, &AllocatorConfig::default());
+        assert_eq!(planned.events.start, all[bounds[1]].event);
+        assert_eq!(
+            planned.evaluated.end,
+            events.len(),
+            "to the last step's end"
+        );
+    }
 }

@@ -32,7 +32,7 @@ use std::path::Path;
 
 pub use crate::allocator::SimulatedDevice;
 pub use frames::{Frame, FrameId, Frames, StackId, StringId};
-pub use schema::{Format, RecordedBlock, RecordedSegment, Recording};
+pub use schema::{Annotation, Format, ProfilerStep, RecordedBlock, RecordedSegment, Recording};
 pub use summary::state_summary;
 
 /// The largest input accepted by default, compressed or not: real dumps with stacks reach

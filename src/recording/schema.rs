@@ -3,8 +3,9 @@
 //! Four layouts exist in the wild (see the traces' SOURCES): the newest dict (with
 //! `allocator_settings`), an older dict without settings, the oldest dict whose blocks carry
 //! `history` and may lack `address`, and a legacy bare list of segments. Each event's and
-//! block's `frames` are kept as an interned stack ([`StackId`]); annotations and other
-//! metadata are skipped.
+//! block's `frames` are kept as an interned stack ([`StackId`]); the profiler's annotations
+//! (`external_annotations`) are kept where they have a device, a time, a stage and a name
+//! (others are skipped: they are for people to read); other metadata is skipped.
 
 use crate::allocator::size::PoolKind;
 use crate::allocator::{BlockState, PoolId, SimulatedDevice, TraceAction, TraceEntry};
@@ -93,6 +94,34 @@ pub struct Recording {
     /// Per device, where its trace records no pools and its snapshot shows a private pool:
     /// how its events' pools were inferred (Note [Inferred pools]).
     pub inferred_pools: Vec<Option<InferredPools>>,
+    /// The profiler's annotations (`external_annotations`), in file order.
+    pub annotations: Vec<Annotation>,
+}
+
+/// One of the job's own iterations, as its profiler named it (`ProfilerStep#N`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProfilerStep {
+    /// Its `N`.
+    pub number: u64,
+    /// Its `START`'s time (always set in [`Recording::profiler_steps`]).
+    pub start_us: Option<u64>,
+    /// Its `END`'s time, where recorded.
+    pub end_us: Option<u64>,
+}
+
+/// A named range's start or end that the profiler recorded on a device
+/// (`external_annotations`: `{stage: START|END, name, device, time_us}`, matched to events by
+/// `time_us`). `ProfilerStep#N` names the job's own iterations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Annotation {
+    /// The device.
+    pub device: u32,
+    /// Microseconds since the Unix epoch, on the events' clock.
+    pub time_us: u64,
+    /// Whether it starts the range (`START`), or ends it (`END`).
+    pub start: bool,
+    /// The range's name.
+    pub name: String,
 }
 
 impl Recording {
@@ -106,6 +135,34 @@ impl Recording {
     /// The devices with events in their trace, in order.
     pub fn traced_devices(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.device_traces.len() as u32).filter(|&d| !self.trace(d).is_empty())
+    }
+
+    /// The job's own iterations on `device`: its profiler's `ProfilerStep#N` ranges, by
+    /// start, each with its end where an `END` was recorded (a step whose `START` is
+    /// recorded twice keeps its first).
+    pub fn profiler_steps(&self, device: u32) -> Vec<ProfilerStep> {
+        let number = |name: &str| name.strip_prefix("ProfilerStep#")?.parse::<u64>().ok();
+        let mut steps: std::collections::BTreeMap<u64, ProfilerStep> = Default::default();
+        for a in self.annotations.iter().filter(|a| a.device == device) {
+            let Some(n) = number(&a.name) else { continue };
+            let step = steps.entry(n).or_insert(ProfilerStep {
+                number: n,
+                start_us: None,
+                end_us: None,
+            });
+            let slot = if a.start {
+                &mut step.start_us
+            } else {
+                &mut step.end_us
+            };
+            slot.get_or_insert(a.time_us);
+        }
+        let mut steps: Vec<ProfilerStep> = steps
+            .into_values()
+            .filter(|s| s.start_us.is_some())
+            .collect();
+        steps.sort_by_key(|s| (s.start_us, s.number));
+        steps
     }
 
     /// The devices the recording says anything of, by trace or by segment, in order.
@@ -193,6 +250,7 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
             simulated_device: None,
             trace_pool_ids: false,
             inferred_pools: Vec::new(),
+            annotations: Vec::new(),
         });
     }
     let segments = segments(&root.field("segments")?, budget)?;
@@ -248,6 +306,10 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
         .get("simulated_device")?
         .map(|d| simulated_device(&d))
         .transpose()?;
+    let annotations = match root.get("external_annotations")? {
+        Some(list) => annotations(&list, budget)?,
+        None => Vec::new(),
+    };
     Ok(Recording {
         format,
         segments,
@@ -260,7 +322,46 @@ fn read(doc: &Doc, contexts: &mut Contexts) -> Result<Recording, TraceError> {
         simulated_device,
         trace_pool_ids,
         inferred_pools: Vec::new(),
+        annotations,
     })
+}
+
+/// The annotations of `list` that say a device, a time, a stage and a name; a list that is
+/// not one gives none (annotations are for people to read: never an error).
+fn annotations(list: &Node<'_>, budget: &mut Budget) -> Result<Vec<Annotation>, TraceError> {
+    let Ok(items) = list.items() else {
+        return Ok(Vec::new());
+    };
+    let mut kept = Vec::new();
+    for item in items {
+        budget.take(&item)?;
+        let field = |key: &str| item.get(key).ok().flatten();
+        let device = field("device").and_then(|d| d.uint().ok());
+        let time_us = field("time_us").and_then(|t| t.uint().ok());
+        let stage = field("stage").and_then(|s| s.str().ok().map(str::to_string));
+        let name = field("name").and_then(|n| n.str().ok().map(str::to_string));
+        let (Some(device), Some(time_us), Some(stage), Some(name)) = (device, time_us, stage, name)
+        else {
+            continue;
+        };
+        let (Ok(device), Some(start)) = (
+            u32::try_from(device),
+            match stage.as_str() {
+                "START" => Some(true),
+                "END" => Some(false),
+                _ => None,
+            },
+        ) else {
+            continue;
+        };
+        kept.push(Annotation {
+            device,
+            time_us,
+            start,
+            name,
+        });
+    }
+    Ok(kept)
 }
 
 /// The stack of an event or block: its `frames` list, interned as it was read (a list that is

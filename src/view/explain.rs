@@ -441,6 +441,18 @@ fn growth(b: &mut String, e: &Explanation) {
     );
     row(
         b,
+        "found from",
+        text_cell("growth.source", g.source.label()),
+    );
+    if let Some(step) = g.first_step {
+        row(
+            b,
+            "first profiler step (ProfilerStep#N)",
+            value_cell("growth.first_step", step),
+        );
+    }
+    row(
+        b,
         "allocations each",
         value_cell(
             "growth.allocations_per_iteration",
