@@ -173,9 +173,11 @@ impl Agent {
     }
 
     /// Archives the kept recordings through `uploads` while running, and for at most
-    /// `grace` after the stop signal.
+    /// `grace` after the stop signal; pods known by UID only are named as the agent names
+    /// them (the kubelet's log directories).
     #[cfg(feature = "archive")]
-    pub fn archive(&mut self, uploads: Arc<crate::archive::uploader::Uploads>, grace: Duration) {
+    pub fn archive(&mut self, uploads: crate::archive::uploader::Uploads, grace: Duration) {
+        let uploads = Arc::new(uploads.with_names(self.state.pod_names.clone()));
         self.state.uploads = Some(Arc::clone(&uploads));
         self.archiving = Some((uploads, grace));
     }

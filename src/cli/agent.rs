@@ -363,7 +363,7 @@ pub(crate) fn serve_command(args: ServeArgs) -> CliResult {
                 .map_err(|e| format!("--recordings-url {url}: {e}"))?;
             tracing::info!(%url, cluster = uploads.cluster(), "kept recordings are archived");
             let grace = Duration::from_secs_f64(args.recordings_upload_grace);
-            agent.archive(Arc::new(uploads), grace);
+            agent.archive(uploads, grace);
         }
     }
     agent.watch(poller.heartbeat());
@@ -481,7 +481,7 @@ pub(crate) fn demo_command(args: DemoArgs) -> CliResult {
             .and_then(|url| Archive::open(url, Credentials::Environment).map_err(|e| e.to_string()))
             .and_then(|archive| Uploads::new(archive, kept, "demo".into(), "demo-node".into()));
         match uploads {
-            Ok(uploads) => agent.archive(Arc::new(uploads), Duration::from_secs(2)),
+            Ok(uploads) => agent.archive(uploads, Duration::from_secs(2)),
             Err(e) => tracing::warn!(error = %e, "the demo archives no recordings"),
         }
     }
