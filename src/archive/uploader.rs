@@ -168,7 +168,8 @@ impl Uploads {
             loop {
                 // No more waiting for pods' names: under the node rather than lost.
                 let pass = self.pass(false).await;
-                let stopped = *listening.borrow_and_update();
+                // A sender gone (the agent's run dropped) counts as stopped listeners.
+                let stopped = *listening.borrow_and_update() || listening.has_changed().is_err();
                 if pass == Pass::default() && stopped && self.spool.unarchived().is_empty() {
                     return;
                 }
