@@ -255,6 +255,8 @@ pub struct RecordingStore {
     next: AtomicU64,
     /// What became of the recordings to archive, where they are archived.
     archiving: Mutex<Option<Archiving>>,
+    /// Recordings not archived that the caps evicted when the store was opened.
+    evicted_at_open: AtomicU64,
 }
 
 /// The archive's results so far, by [`UploadResult`].
@@ -598,8 +600,14 @@ impl RecordingStore {
             reader: Reader::new(),
             next: AtomicU64::new(0),
             archiving: Mutex::default(),
+            evicted_at_open: AtomicU64::new(0),
         };
         let evicted = store.evict(&mut store.kept(), None);
+        // Not archived and gone: counted as lost once the store is known to be a spool.
+        let unarchived = evicted.iter().filter(|r| r.archived.is_none()).count();
+        store
+            .evicted_at_open
+            .store(unarchived as u64, Ordering::Relaxed);
         for old in evicted {
             store.remove(&old);
         }
@@ -861,7 +869,12 @@ impl RecordingStore {
     /// Makes this directory the spool of an archive: its recordings are to be archived, and
     /// the report counts what became of them.
     pub fn archive(&self) {
-        self.archiving().get_or_insert_with(Archiving::default);
+        self.archiving().get_or_insert_with(|| {
+            let mut archiving = Archiving::default();
+            archiving.results[UploadResult::Evicted as usize] =
+                self.evicted_at_open.load(Ordering::Relaxed);
+            archiving
+        });
     }
 
     /// The recordings not archived yet, oldest first.
@@ -1158,6 +1171,21 @@ mod tests {
             .archived(&second.id, "s3://b/gone.pickle.gz")
             .expect("nothing to note");
         assert!(reopened.get(&second.id).is_none());
+        // Opened again under a lower cap: what it evicts unarchived is lost too.
+        drop(reopened);
+        let smaller = RecordingStore::open(
+            dir.clone(),
+            RecordingLimits {
+                max_count: 1,
+                ..RecordingLimits::default()
+            },
+        )
+        .expect("reopens");
+        smaller.archive();
+        assert_eq!(
+            counts(&smaller),
+            (vec![("uploaded", 0), ("failed", 0), ("evicted", 1)], 1)
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
