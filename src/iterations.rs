@@ -11,7 +11,7 @@
 //! bytes that are placeable (freed within an iteration), the shortest on a tie.
 //!
 //! A recording whose profiler named the job's iterations (`ProfilerStep#N` annotations) is
-//! split on them instead ([`of_recording`], with the `tools` feature): each step runs from its
+//! split on them instead (`of_recording`, with the `tools` feature): each step runs from its
 //! `START` to the next step's (the last to its `END`), its allocations those whose events
 //! happened then; two complete steps with allocations at least, else the search is used.
 //!

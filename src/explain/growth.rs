@@ -75,7 +75,7 @@ pub struct Growth {
 /// Kept memory allocated at one place in the program.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KeptGroup {
-    /// The innermost frame in the program's own code, as the pinning groups name it.
+    /// The allocations' site, as the pinning groups name it (`site`).
     pub frame: String,
     /// The first such allocation's stack, innermost first (at most 8 frames).
     pub frames: Vec<String>,

@@ -30,6 +30,7 @@
 pub(crate) mod block_stacks;
 pub mod growth;
 pub mod moment;
+pub mod site;
 pub mod text;
 
 use serde::Serialize;
@@ -235,9 +236,10 @@ pub const PIN_GROUPS: usize = 10;
 /// nor merged into larger free blocks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PinGroup {
-    /// The innermost frame of the stack in the program's own code (a Python file outside
-    /// torch), else the innermost frame, as `file:line in function`; "(no stack recorded)"
-    /// for blocks whose allocation the recording did not keep.
+    /// The stack's site (`site`): its innermost frame in the program's own code (a Python
+    /// file outside torch), else its innermost Python frame, as `file:line in function` with
+    /// the path normalised; for C++ frames only, the autograd node and operator; "(no stack
+    /// recorded)" for blocks whose allocation the recording did not keep.
     pub frame: String,
     /// The frames of the first such block's stack, innermost first, as `file:line in
     /// function` (at most 8).
@@ -716,15 +718,8 @@ fn group_of(recording: &Recording, stack: crate::recording::frames::StackId) -> 
     let f = &recording.frames;
     let name = |id: crate::recording::frames::FrameId| f.describe(id);
     let frames = f.frames_of(stack);
-    // The program's own code: a Python file that is not torch's.
-    let own = frames.iter().copied().find(|&id| {
-        let file = f.str(f.get(id).filename);
-        file.ends_with(".py") && !file.contains("/torch/")
-    });
     PinGroup {
-        frame: own
-            .or_else(|| frames.first().copied())
-            .map_or_else(|| "(no stack recorded)".to_string(), name),
+        frame: site::site_of(recording, stack),
         frames: frames.iter().take(8).map(|&id| name(id)).collect(),
         blocks: 0,
         live_bytes: 0,

@@ -111,13 +111,21 @@ fn the_real_ooms_are_explained_with_the_recordings_own_figures() {
         assert!(!e.pinning.is_empty(), "{name}");
         let live: u64 = e.pinning.iter().map(|g| g.live_bytes).sum();
         assert!(live <= e.allocated, "{name}");
+        // The files the recording's stacks name, normalised as sites are.
+        let stacks = rec.event_stacks.iter().flatten().chain(
+            rec.segments
+                .iter()
+                .flat_map(|s| s.blocks.iter().map(|b| &b.stack)),
+        );
+        let files: std::collections::HashSet<String> = stacks
+            .flat_map(|&stack| rec.frames.frames_of(stack))
+            .map(|&id| rec.frames.str(rec.frames.get(id).filename))
+            .map(|f| gpumem::explain::site::normalised_path(f).into_owned())
+            .collect();
         for g in &e.pinning {
             let file = g.frame.rsplit_once(':').map_or("", |(file, _)| file);
             assert!(file.ends_with(".py"), "{name}: {}", g.frame);
-            assert!(
-                rec.frames.find_string(file).is_some(),
-                "{name}: {file} is the file's"
-            );
+            assert!(files.contains(file), "{name}: {file} is the file's");
             assert!(g.pinned_free_bytes > 0 && g.blocks > 0, "{name}: {g:?}");
         }
         assert!(
@@ -834,4 +842,50 @@ fn without_a_device_plan_takes_the_device_it_plans_best() {
     );
     let v: serde_json::Value = serde_json::from_slice(&single.stdout).expect("json");
     assert!(v.get("chosen").is_none(), "{}", v["chosen"]);
+}
+
+/// Issue 61, item 3: sites read the same across environments, and an allocation with C++
+/// frames only (the backward pass, about half of a training step's) is named by its autograd
+/// node and operator, not by the unwinder's own frame.
+#[test]
+fn sites_are_normalised_and_backward_allocations_named() {
+    let Some(dir) = shared_traces("sites_are_normalised_and_backward_allocations_named") else {
+        return;
+    };
+    let recording = read_recording(&dir.join("cs336_lm_fullstep_ctx128.pickle")).expect("reads");
+    let stacks = &recording.event_stacks[0];
+    let sites: std::collections::BTreeSet<String> = recording.device_traces[0]
+        .iter()
+        .zip(stacks)
+        .filter(|(e, _)| e.action == TraceAction::Alloc)
+        .map(|(_, &stack)| gpumem::explain::site::site_of(&recording, stack))
+        .collect();
+    assert!(
+        sites.iter().all(|s| !s.starts_with("??")
+            && !s.contains("site-packages/")
+            && !s.contains("/home/")),
+        "{sites:#?}"
+    );
+    assert!(
+        sites
+            .iter()
+            .any(|s| s.starts_with("backward: ") && s.contains("(aten::")),
+        "{sites:#?}"
+    );
+    assert!(
+        sites
+            .iter()
+            .any(|s| s.starts_with("~/") && s.contains(".py:")),
+        "the program's own lines, its home as ~: {sites:#?}"
+    );
+    // Explain's groups carry them.
+    let e = explain(&recording, At::PeakReserved, Setup::default()).expect("explains");
+    assert!(!e.pinning.is_empty());
+    for group in &e.pinning {
+        let f = &group.frame;
+        assert!(
+            !f.starts_with("??") && !f.contains("site-packages/") && !f.contains("/home/"),
+            "{group:?}"
+        );
+    }
 }

@@ -1,0 +1,147 @@
+//! Where an allocation was made, as a site that reads the same from one run, machine or
+//! virtual environment to another (issue 61): explain's groups name it, and two runs' sites
+//! match by it.
+//!
+//! A stack's site is, innermost first:
+//! 1. its innermost frame in the program's own code (a Python file outside torch);
+//! 2. else its innermost Python frame (torch's own: `torch/nn/modules/linear.py:125 in
+//!    forward`);
+//! 3. else, for a stack of C++ frames only (about half of a training step's allocations: the
+//!    autograd engine's backward work, on its own thread), the autograd node and the
+//!    operator that allocated (`backward: MeanBackward0 (aten::div_Scalar)`), or either
+//!    alone;
+//! 4. else its innermost frame as written, or `(no stack recorded)`. No allocation is left
+//!    without a site.
+//!
+//! Python paths are normalised ([`normalised_path`]): what follows `site-packages/` or
+//! `dist-packages/`, a home directory as `~`, a Python's own library from `python3.N/`.
+
+use std::borrow::Cow;
+
+use crate::recording::Recording;
+use crate::recording::frames::{FrameId, StackId};
+
+/// A frame's file as it reads the same across machines, users and environments.
+pub fn normalised_path(path: &str) -> Cow<'_, str> {
+    for marker in ["/site-packages/", "/dist-packages/"] {
+        if let Some(i) = path.rfind(marker) {
+            return Cow::Borrowed(&path[i + marker.len()..]);
+        }
+    }
+    if let Some(i) = path.find("/lib/python3.") {
+        return Cow::Borrowed(&path[i + "/lib/".len()..]);
+    }
+    for home in ["/home/", "/Users/"] {
+        if let Some(rest) = path.strip_prefix(home)
+            && let Some((_user, within)) = rest.split_once('/')
+        {
+            return Cow::Owned(format!("~/{within}"));
+        }
+    }
+    if let Some(within) = path.strip_prefix("/root/") {
+        return Cow::Owned(format!("~/{within}"));
+    }
+    Cow::Borrowed(path)
+}
+
+/// The site of `stack` in `recording` (see the module's documentation).
+pub fn site_of(recording: &Recording, stack: StackId) -> String {
+    let f = &recording.frames;
+    let frames = f.frames_of(stack);
+    let file = |id: FrameId| f.str(f.get(id).filename);
+    let python = |id: &&FrameId| file(**id).ends_with(".py");
+    let own = frames
+        .iter()
+        .filter(python)
+        .find(|&&id| !file(id).contains("/torch/"));
+    if let Some(&id) = own.or_else(|| frames.iter().find(python)) {
+        // As people read it (a compiled graph's node too), its path normalised.
+        let described = f.describe(id);
+        let path = file(id);
+        let rest = described.strip_prefix(path).unwrap_or(&described);
+        return format!("{}{rest}", normalised_path(path));
+    }
+    let names: Vec<&str> = frames.iter().map(|&id| f.str(f.get(id).name)).collect();
+    match (autograd_node(&names), operator(&names)) {
+        (Some(node), Some(op)) => format!("backward: {node} (aten::{op})"),
+        (Some(node), None) => format!("backward: {node}"),
+        (None, Some(op)) => format!("aten::{op}"),
+        (None, None) => frames
+            .first()
+            .map_or_else(|| "(no stack recorded)".to_string(), |&id| f.describe(id)),
+    }
+}
+
+/// The innermost autograd node of C++ frame names (`torch::autograd::generated::
+/// MeanBackward0::apply(…)` → `MeanBackward0`).
+fn autograd_node<'a>(names: &[&'a str]) -> Option<&'a str> {
+    names.iter().find_map(|name| {
+        let rest = name.split_once("torch::autograd::generated::")?.1;
+        let (node, after) = rest.split_once("::")?;
+        after.starts_with("apply(").then_some(node)
+    })
+}
+
+/// The innermost operator of C++ frame names (`at::_ops::div_Scalar::call(…)` →
+/// `div_Scalar`).
+fn operator<'a>(names: &[&'a str]) -> Option<&'a str> {
+    names.iter().find_map(|name| {
+        let rest = name.split_once("at::_ops::")?.1;
+        let op = rest.split_once("::")?.0;
+        (!op.is_empty()).then_some(op)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_read_the_same_across_environments_and_users() {
+        for (path, wanted) in [
+            (
+                "/scratch/u/uv-envs/a2/lib/python3.13/site-packages/torch/nn/modules/linear.py",
+                "torch/nn/modules/linear.py",
+            ),
+            (
+                "/opt/conda/envs/x/lib/python3.11/site-packages/transformers/models/llama.py",
+                "transformers/models/llama.py",
+            ),
+            (
+                "/usr/lib/python3/dist-packages/numpy/core.py",
+                "numpy/core.py",
+            ),
+            (
+                "/usr/lib/python3.11/contextlib.py",
+                "python3.11/contextlib.py",
+            ),
+            (
+                "/home/c-kaitwang/assignment1/cs336_basics/model.py",
+                "~/assignment1/cs336_basics/model.py",
+            ),
+            ("/Users/ana/work/train.py", "~/work/train.py"),
+            ("/root/train.py", "~/train.py"),
+            ("/workspace/train.py", "/workspace/train.py"),
+            ("train.py", "train.py"),
+            ("", ""),
+        ] {
+            assert_eq!(normalised_path(path), wanted, "{path}");
+        }
+    }
+
+    #[test]
+    fn a_stack_of_cpp_frames_is_named_by_its_autograd_node_and_operator() {
+        let names = [
+            "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::malloc(void**)",
+            "at::_ops::div_Scalar::redispatch(c10::DispatchKeySet, at::Tensor const&)",
+            "at::_ops::div_Scalar::call(at::Tensor const&, c10::Scalar const&)",
+            "torch::autograd::generated::MeanBackward0::apply(std::vector<at::Tensor>&&)",
+            "torch::autograd::Node::operator()(std::vector<at::Tensor>&&)",
+            "torch::autograd::Engine::thread_main(std::shared_ptr<GraphTask> const&)",
+        ];
+        assert_eq!(autograd_node(&names), Some("MeanBackward0"));
+        assert_eq!(operator(&names), Some("div_Scalar"));
+        assert_eq!(autograd_node(&names[..3]), None);
+        assert_eq!(operator(&names[3..]), None);
+    }
+}
