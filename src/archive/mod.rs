@@ -125,6 +125,22 @@ pub fn open_store(
         ..Default::default()
     };
     let seconds = |d: Duration| format!("{}s", d.as_secs());
+    // A cloud store's builder at `store`, within the budgets (after the environment's
+    // settings: they never lift them), built. The builders share no trait.
+    macro_rules! within_budgets {
+        ($builder:expr, $client:path) => {
+            $builder
+                .with_url(store.as_str())
+                .with_retry(retry)
+                .with_config($client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
+                .with_config(
+                    $client(ClientConfigKey::ConnectTimeout),
+                    seconds(CONNECT_TIMEOUT),
+                )
+                .build()
+                .map_err(config_error)?
+        };
+    }
     let roots = client_options()?;
     let (scheme, _) = ObjectStoreScheme::parse(store)
         .map_err(|e| ArchiveError::Address(format!("{store}: {e}")))?;
@@ -152,60 +168,28 @@ pub fn open_store(
             {
                 builder = builder.with_region("us-east-1");
             }
-            let client = |key| AmazonS3ConfigKey::Client(key);
-            Arc::new(
-                builder
-                    .with_url(store.as_str())
-                    .with_allow_http(http)
-                    .with_retry(retry)
-                    .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
-                    .with_config(
-                        client(ClientConfigKey::ConnectTimeout),
-                        seconds(CONNECT_TIMEOUT),
-                    )
-                    .build()
-                    .map_err(config_error)?,
-            )
+            Arc::new(within_budgets!(
+                builder.with_allow_http(http),
+                AmazonS3ConfigKey::Client
+            ))
         }
         ObjectStoreScheme::GoogleCloudStorage => {
             use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
-            let client = |key| GoogleConfigKey::Client(key);
-            Arc::new(
-                from_env(
-                    "GOOGLE_",
-                    GoogleCloudStorageBuilder::from_env().with_client_options(roots),
-                    GoogleCloudStorageBuilder::with_config,
-                )
-                .with_url(store.as_str())
-                .with_retry(retry)
-                .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
-                .with_config(
-                    client(ClientConfigKey::ConnectTimeout),
-                    seconds(CONNECT_TIMEOUT),
-                )
-                .build()
-                .map_err(config_error)?,
-            )
+            let builder = from_env(
+                "GOOGLE_",
+                GoogleCloudStorageBuilder::from_env().with_client_options(roots),
+                GoogleCloudStorageBuilder::with_config,
+            );
+            Arc::new(within_budgets!(builder, GoogleConfigKey::Client))
         }
         ObjectStoreScheme::MicrosoftAzure => {
             use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
-            let client = |key| AzureConfigKey::Client(key);
-            Arc::new(
-                from_env(
-                    "AZURE_",
-                    MicrosoftAzureBuilder::from_env().with_client_options(roots),
-                    MicrosoftAzureBuilder::with_config,
-                )
-                .with_url(store.as_str())
-                .with_retry(retry)
-                .with_config(client(ClientConfigKey::Timeout), seconds(REQUEST_TIMEOUT))
-                .with_config(
-                    client(ClientConfigKey::ConnectTimeout),
-                    seconds(CONNECT_TIMEOUT),
-                )
-                .build()
-                .map_err(config_error)?,
-            )
+            let builder = from_env(
+                "AZURE_",
+                MicrosoftAzureBuilder::from_env().with_client_options(roots),
+                MicrosoftAzureBuilder::with_config,
+            );
+            Arc::new(within_budgets!(builder, AzureConfigKey::Client))
         }
         _ => {
             return Err(ArchiveError::Address(format!(
