@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use crate::agent::{Reaper, free_port, http_get, spawn_serve_with_env, wait_for};
 use crate::browser::Browser;
 use crate::common::temp_dir;
-use crate::recordings::{Length, gzip, listed, metric, oom_recording, push, request, upload};
+use crate::recordings::{
+    Length, gzip, keeping_in, listed, metric, oom_recording, push, request, upload,
+};
 use crate::view::raw_get;
 
 /// moto's version: the server the tests were written against.
@@ -140,20 +142,15 @@ fn archiving_agent(
     extra: &[&str],
 ) -> Reaper {
     let spool = dir.join(node);
-    let mut args: Vec<&std::ffi::OsStr> = vec![
-        "--pod-resources-socket".as_ref(),
-        "".as_ref(),
-        "--kubelet-logs".as_ref(),
-        "".as_ref(),
-        "--recordings-dir".as_ref(),
-        spool.as_os_str(),
+    let mut args = keeping_in(&spool);
+    args.extend::<[&std::ffi::OsStr; 6]>([
         "--recordings-url".as_ref(),
         url.as_ref(),
         "--cluster".as_ref(),
         "test".as_ref(),
         "--node-name".as_ref(),
         node.as_ref(),
-    ];
+    ]);
     args.extend(extra.iter().map(std::ffi::OsStr::new));
     let log = dir.join(format!("serve-{node}-{port}.log"));
     spawn_serve_with_env(port, &log, None, &args, &s3_env(s3_port))
@@ -176,6 +173,19 @@ fn succeeded(out: Output, what: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `gpumem recordings list` with `args` and `--json`, using the store on `s3_port`: its
+/// answer.
+fn listing(args: &[&str], s3_port: u16) -> serde_json::Value {
+    let command: Vec<&str> = ["recordings", "list"]
+        .iter()
+        .chain(args)
+        .chain(&["--json"])
+        .copied()
+        .collect();
+    let out = succeeded(gpumem(&command, s3_port), "recordings list");
+    serde_json::from_str(&out).expect("JSON")
 }
 
 /// Waits until the agent on `port` shows `series` at `value` or more.
@@ -242,14 +252,7 @@ fn recordings_are_archived_with_a_sidecar_listed_and_opened_by_the_tools_and_ano
     let refused = gpumem(&["recordings", "list", url], s3.port);
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--namespace"));
-    let listing = succeeded(
-        gpumem(
-            &["recordings", "list", url, "--namespace", "_host", "--json"],
-            s3.port,
-        ),
-        "recordings list",
-    );
-    let listing: serde_json::Value = serde_json::from_str(&listing).expect("JSON");
+    let listing = listing(&[url, "--namespace", "_host"], s3.port);
     assert_eq!(listing["matched"], 1, "{listing}");
     assert_eq!(listing["truncated"], false);
     let sidecar = &listing["recordings"][0];
@@ -502,25 +505,7 @@ fn shown_in_a_browser(port: u16, oom: usize, sentence: &serde_json::Value) {
     browser.open(&format!(
         "http://127.0.0.1:{port}/recordings/archive/_host/node-a"
     ));
-    let shown = wait_for(Duration::from_secs(30), || {
-        let shown = browser.eval(
-            "const e = document.getElementById('explain'); \
-             return e && !e.hidden ? {sentence: document.getElementById('sentence').textContent, \
-               event: document.getElementById('slider').value, \
-               shown_error: document.getElementById('error').textContent, \
-               url: window.location.href} : null;",
-        );
-        (!shown.is_null()).then_some(shown)
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "the archived recording's view shows no explanation: {} (console: {:?})",
-            browser.eval(
-                "return [window.location.href, document.getElementById('error').textContent];"
-            ),
-            browser.console_errors()
-        )
-    });
+    let shown = crate::view::shown_explanation(&browser);
     assert_eq!(&shown["sentence"], sentence, "{shown}");
     assert_eq!(
         shown["event"],
@@ -649,11 +634,7 @@ fn a_store_that_is_down_keeps_the_spool_counts_and_tries_again() {
     wait_until(a, UPLOADED, 1.0, Duration::from_secs(60));
     assert_eq!(metric(a, PENDING), 0.0);
     assert!(spooled.exists());
-    let listing = succeeded(
-        gpumem(&["recordings", "list", "s3://ooms/p", "--json"], s3.port),
-        "recordings list",
-    );
-    let listing: serde_json::Value = serde_json::from_str(&listing).expect("JSON");
+    let listing = listing(&["s3://ooms/p"], s3.port);
     assert_eq!(listing["matched"], 1, "{listing}");
     assert_eq!(listing["recordings"][0]["pid"], 7);
 }
@@ -736,11 +717,7 @@ fn sigterm_with_uploads_pending_archives_within_the_grace_or_leaves_them_spooled
         said.contains("archiving the recordings left before stopping") && said.contains("left=1"),
         "archived while stopping: {said}"
     );
-    let listing = succeeded(
-        gpumem(&["recordings", "list", url, "--json"], s3.port),
-        "recordings list",
-    );
-    let listing: serde_json::Value = serde_json::from_str(&listing).expect("JSON");
+    let listing = listing(&[url], s3.port);
     assert_eq!(listing["matched"], 2, "{listing}");
     let pids: Vec<_> = (0..2)
         .map(|i| listing["recordings"][i]["pid"].clone())

@@ -484,27 +484,7 @@ torch._fake.oom(0, 1 << 37)
     assert_eq!(link, format!("http://127.0.0.1:{port}/recordings/{at}"));
     // Followed as a user would (open waits for the page to load; a click would not).
     browser.open(&link);
-    let shown = wait_for(Duration::from_secs(30), || {
-        let shown = browser.eval(
-            "const e = document.getElementById('explain'); \
-             return e && !e.hidden ? {sentence: document.getElementById('sentence').textContent, \
-               event: document.getElementById('slider').value, \
-               parts: document.querySelectorAll('#breakdown tr').length, \
-               blocks: document.querySelectorAll('#map-recorded rect').length, \
-               shown_error: document.getElementById('error').textContent, \
-               url: window.location.href} : null;",
-        );
-        (!shown.is_null()).then_some(shown)
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "the view shows no explanation: {} (console: {:?})",
-            browser.eval(
-                "return [window.location.href, document.getElementById('error').textContent];"
-            ),
-            browser.console_errors()
-        )
-    });
+    let shown = crate::view::shown_explanation(&browser);
     assert_eq!(shown["url"], link, "{shown}");
     assert_eq!(shown["sentence"], explanation["sentence"], "{shown}");
     assert_eq!(

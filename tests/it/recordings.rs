@@ -165,16 +165,21 @@ fn files(dir: &Path) -> Vec<String> {
 /// push socket beside it ([`socket_of`]).
 pub(crate) fn agent(port: u16, dir: &Path, extra: &[&str]) -> Reaper {
     let store = dir.join("store");
-    let mut args: Vec<&std::ffi::OsStr> = vec![
+    let mut args = keeping_in(&store);
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    spawn_serve(port, &dir.join(format!("serve-{port}.log")), None, &args)
+}
+
+/// The flags of an agent off a node (no kubelet) keeping recordings in `store`.
+pub(crate) fn keeping_in(store: &Path) -> Vec<&std::ffi::OsStr> {
+    vec![
         "--pod-resources-socket".as_ref(),
         "".as_ref(),
         "--kubelet-logs".as_ref(),
         "".as_ref(),
         "--recordings-dir".as_ref(),
         store.as_os_str(),
-    ];
-    args.extend(extra.iter().map(std::ffi::OsStr::new));
-    spawn_serve(port, &dir.join(format!("serve-{port}.log")), None, &args)
+    ]
 }
 
 /// The push socket of the agent [`agent`] starts in `dir` on `port`.

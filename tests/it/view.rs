@@ -683,3 +683,30 @@ fn the_agents_live_page_lines_up_with_its_metrics() {
     assert!(http_get(off_port, "/metrics").is_some());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The explanation the view's page in `browser` shows, once it shows one (30 s at most):
+/// its sentence, slider event, breakdown rows, map blocks, error text and address; a panic
+/// naming the page's address, error and console otherwise.
+pub(crate) fn shown_explanation(browser: &crate::browser::Browser) -> serde_json::Value {
+    crate::agent::wait_for(Duration::from_secs(30), || {
+        let shown = browser.eval(
+            "const e = document.getElementById('explain'); \
+             return e && !e.hidden ? {sentence: document.getElementById('sentence').textContent, \
+               event: document.getElementById('slider').value, \
+               parts: document.querySelectorAll('#breakdown tr').length, \
+               blocks: document.querySelectorAll('#map-recorded rect').length, \
+               shown_error: document.getElementById('error').textContent, \
+               url: window.location.href} : null;",
+        );
+        (!shown.is_null()).then_some(shown)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the view shows no explanation: {} (console: {:?})",
+            browser.eval(
+                "return [window.location.href, document.getElementById('error').textContent];"
+            ),
+            browser.console_errors()
+        )
+    })
+}
