@@ -496,16 +496,6 @@ pub(crate) fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// A recording's metadata file, at most 64 KiB (it is a few hundred bytes).
-fn read_meta(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(path)?
-        .take(64 * 1024)
-        .read_to_string(&mut text)?;
-    Ok(text)
-}
-
 /// Creates `path` (truncating it), readable and writable by the agent only.
 fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -556,7 +546,8 @@ impl RecordingStore {
             files.push(name.clone());
             if let Some(id) = name.strip_suffix(".json")
                 && valid_id(id)
-                && let Ok(text) = read_meta(&entry.path())
+                // A metadata file is a few hundred bytes: a larger one is not the store's.
+                && let Ok(text) = crate::bounded_file::read(&entry.path(), 64 * 1024)
                 && let Ok(stored) = serde_json::from_str::<StoredRecording>(&text)
                 && stored.id == id
                 && std::fs::metadata(dir.join(format!("{id}.{RECORDING}")))
