@@ -918,14 +918,16 @@ impl RecordingStore {
 
     /// What it holds and what it refused.
     pub fn report(&self) -> RecordingsReport {
+        let kept = self.kept();
+        // Counted in place: a scrape copies no recording's entry.
+        let pending = kept.iter().filter(|r| r.archived.is_none()).count();
         let uploads = self.archiving().as_ref().map(|archiving| UploadsReport {
             results: UploadResult::ALL
                 .iter()
                 .map(|r| (r.label(), archiving.results[*r as usize]))
                 .collect(),
-            pending: self.unarchived().len(),
+            pending,
         });
-        let kept = self.kept();
         let refused = self
             .refused
             .0
