@@ -32,6 +32,8 @@ pub mod bounded_file;
 #[cfg(feature = "tools")]
 pub mod demo;
 #[cfg(feature = "tools")]
+pub mod diff;
+#[cfg(feature = "tools")]
 pub mod explain;
 pub mod ingest;
 #[cfg(feature = "webhook")]

@@ -1,9 +1,10 @@
 //! Subcommands: `demo` and `serve` (the agent), `simulate` (a training loop on a simulated
-//! GPU), `replay` (recorded traces: fidelity check and what-if comparison), `explain`, `view`
-//! and `plan` (on recordings, local or archived), `recordings` (the archive's listing),
+//! GPU), `replay` (recorded traces: fidelity check and what-if comparison), `explain`,
+//! `diff`, `view` and `plan` (on recordings, local or archived), `recordings` (the archive's listing),
 //! `webhook` and `copy-hook` (injecting the push hook into pods).
 
 mod agent;
+mod diff;
 mod explain;
 mod plan;
 mod recordings;
@@ -199,6 +200,9 @@ enum Command {
     /// Explain an out-of-memory error of a recording: the request, where the device's memory
     /// was, and which part kept the request from fitting.
     Explain(explain::Args),
+    /// Compare two runs (two recordings, or a recording and a what-if of it): both peaks,
+    /// the difference by source line, what each allocator adds, the iterations side by side.
+    Diff(diff::Args),
     /// Open a recording in the browser: its timeline, the segment map at any event, the
     /// explanation of each OOM, and a what-if configuration beside the recorded one.
     View(view::Args),
@@ -223,6 +227,7 @@ pub(crate) fn run(cli: Cli) -> CliResult {
         Command::Simulate(args) => simulate::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Explain(args) => explain::run(args),
+        Command::Diff(args) => diff::run(args),
         Command::View(args) => view::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Recordings(command) => recordings::run(command),
@@ -294,18 +299,20 @@ impl RecordingArgs {
     pub(crate) fn read(
         &self,
     ) -> Result<std::sync::Arc<gpumem::recording::Recording>, Box<dyn std::error::Error>> {
-        let Some(address) = self.address() else {
-            return Ok(std::sync::Arc::new(self.read.read(&self.trace)?));
+        self.read_other(&self.trace)
+    }
+
+    /// Reads another recording (a file or a store's address) as this one is read.
+    pub(crate) fn read_other(
+        &self,
+        trace: &std::path::Path,
+    ) -> Result<std::sync::Arc<gpumem::recording::Recording>, Box<dyn std::error::Error>> {
+        let Some(address) = address(trace) else {
+            return Ok(std::sync::Arc::new(self.read.read(trace)?));
         };
         // Within the same input bound as a local file; removed once read.
         let fetched = gpumem::archive::fetch(address, self.read.max_input_bytes)?;
         Ok(std::sync::Arc::new(self.read.read(fetched.path())?))
-    }
-
-    /// The store's address the recording was given as, where it was.
-    fn address(&self) -> Option<&str> {
-        let text = self.trace.to_str()?;
-        gpumem::archive::address::object_address(text).map(|_| text)
     }
 
     /// What the replays of `device` share: the memory, order and budget asked for.
@@ -330,10 +337,22 @@ impl RecordingArgs {
 
     /// The recording's name as pages and charts title it (an archived one's address).
     pub(crate) fn name(&self) -> String {
-        match self.address() {
-            Some(address) => address.to_string(),
-            None => file_name(&self.trace),
-        }
+        name(&self.trace)
+    }
+}
+
+/// The store's address a recording was given as, where it was.
+fn address(trace: &std::path::Path) -> Option<&str> {
+    let text = trace.to_str()?;
+    gpumem::archive::address::object_address(text).map(|_| text)
+}
+
+/// A recording's name as pages and charts title it: an archived one's address, else its file
+/// name.
+pub(crate) fn name(trace: &std::path::Path) -> String {
+    match address(trace) {
+        Some(address) => address.to_string(),
+        None => file_name(trace),
     }
 }
 

@@ -3,7 +3,9 @@
 //! match by it.
 //!
 //! A stack's site is, innermost first:
-//! 1. its innermost frame in the program's own code (a Python file outside torch);
+//! 1. its innermost frame in the program's own code (a Python file outside torch, not one
+//!    that `torch.compile` generated: those are named by the program's line that ran them,
+//!    and their lines differ with every compilation);
 //! 2. else its innermost Python frame (torch's own: `torch/nn/modules/linear.py:125 in
 //!    forward`);
 //! 3. else, for a stack of C++ frames only (about half of a training step's allocations: the
@@ -44,8 +46,29 @@ pub fn normalised_path(path: &str) -> Cow<'_, str> {
     Cow::Borrowed(path)
 }
 
-/// The site of `stack` in `recording` (see the module's documentation).
+/// A site in parts: the normalised file of a Python frame and what follows it
+/// (`:125 in forward`), or, for a site without a Python frame, no file and its name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Site {
+    /// The normalised Python file (empty where the site has none).
+    pub file: String,
+    /// The rest: the line and function after the file, else the whole name.
+    pub rest: String,
+}
+
+impl std::fmt::Display for Site {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.file, self.rest)
+    }
+}
+
+/// The site of `stack` in `recording` (see the module's documentation), as text.
 pub fn site_of(recording: &Recording, stack: StackId) -> String {
+    site(recording, stack).to_string()
+}
+
+/// The site of `stack` in `recording`, in parts.
+pub fn site(recording: &Recording, stack: StackId) -> Site {
     let f = &recording.frames;
     let frames = f.frames_of(stack);
     let file = |id: FrameId| f.str(f.get(id).filename);
@@ -53,23 +76,60 @@ pub fn site_of(recording: &Recording, stack: StackId) -> String {
     let own = frames
         .iter()
         .filter(python)
-        .find(|&&id| !file(id).contains("/torch/"));
+        .find(|&&id| !file(id).contains("/torch/") && !generated(file(id)));
     if let Some(&id) = own.or_else(|| frames.iter().find(python)) {
         // As people read it (a compiled graph's node too), its path normalised.
         let described = f.describe(id);
         let path = file(id);
-        let rest = described.strip_prefix(path).unwrap_or(&described);
-        return format!("{}{rest}", normalised_path(path));
+        return match described.strip_prefix(path) {
+            Some(rest) => Site {
+                file: normalised_path(path).into_owned(),
+                rest: rest.to_string(),
+            },
+            None => Site {
+                file: String::new(),
+                rest: described,
+            },
+        };
     }
     let names: Vec<&str> = frames.iter().map(|&id| f.str(f.get(id).name)).collect();
-    match (autograd_node(&names), operator(&names)) {
+    let rest = match (autograd_node(&names), operator(&names)) {
         (Some(node), Some(op)) => format!("backward: {node} (aten::{op})"),
         (Some(node), None) => format!("backward: {node}"),
         (None, Some(op)) => format!("aten::{op}"),
         (None, None) => frames
             .first()
-            .map_or_else(|| "(no stack recorded)".to_string(), |&id| f.describe(id)),
+            .map_or_else(|| NO_STACK.to_string(), |&id| f.describe(id)),
+    };
+    Site {
+        file: String::new(),
+        rest,
     }
+}
+
+/// The site of an allocation whose stack the recording did not keep.
+pub const NO_STACK: &str = "(no stack recorded)";
+
+/// Whether `path` is code `torch.compile` generated: a file under Inductor's cache
+/// (`/tmp/torchinductor_<user>/…`), or one named as Inductor names its output wherever the
+/// cache is (`…/p6/cp6jhjzn….py`: `c` and a long lowercase hash, in a directory named by the
+/// hash's first two characters).
+fn generated(path: &str) -> bool {
+    if path.contains("/torchinductor_") {
+        return true;
+    }
+    let mut parts = path.rsplit('/');
+    let (Some(name), Some(dir)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    let hash = name.strip_suffix(".py").unwrap_or_default();
+    dir.len() == 2
+        && hash.len() >= 40
+        && hash.starts_with('c')
+        && hash.get(1..3) == Some(dir)
+        && hash
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
 /// The innermost autograd node of C++ frame names (`torch::autograd::generated::
@@ -127,6 +187,17 @@ mod tests {
         ] {
             assert_eq!(normalised_path(path), wanted, "{path}");
         }
+    }
+
+    #[test]
+    fn code_torch_compile_generated_is_told_apart_from_the_programs_own() {
+        let hash = "cp6jhjzn335lo2yptjts5dpdcdk4hshtke2lv7btq23fgwnwn4mq";
+        assert!(generated(&format!("/tmp/torchinductor_ana/p6/{hash}.py")));
+        assert!(generated(&format!("/cache/inductor/p6/{hash}.py")));
+        assert!(!generated(&format!("/cache/inductor/xx/{hash}.py")));
+        assert!(!generated("~/assignment1/cs336_basics/model.py"));
+        assert!(!generated("/workspace/ab/cab.py"));
+        assert!(!generated("train.py"));
     }
 
     #[test]

@@ -556,6 +556,16 @@ impl<'a> Cursor<'a> {
         &self.engine.alloc
     }
 
+    /// The blocks the program holds where the cursor stands: each one's recorded address and
+    /// the pointer the replay gave it (the same in a check replay; a what-if's own). Blocks
+    /// freed but waiting on other streams are not held.
+    pub fn held(&self) -> impl Iterator<Item = (u64, crate::device::DevicePtr)> + '_ {
+        self.engine
+            .ptrs
+            .iter()
+            .map(|(&recorded, &ptr)| (recorded, ptr))
+    }
+
     /// Where the replay first differed from the recording, if it did (check replays).
     pub fn divergence(&self) -> Option<&Divergence> {
         self.engine.divergence.as_ref()

@@ -10,6 +10,8 @@
 //! - `GET /api/v1/segments?device=N&event=E[&config=C]`: the segment map just after event E
 //!   (`view::segments`);
 //! - `GET /api/v1/explain?device=N&event=E`: `gpumem explain --at E --json`.
+//! - `GET /api/v1/diff?device=N&config=C`: `gpumem diff --config C --json` (the recording
+//!   against its what-if under `C`).
 //!
 //! # Invariants
 //! - Only requests whose `Host` is the address the view listens on (or `localhost`,
@@ -123,6 +125,7 @@ fn routes_under(prefix: &str) -> Router<ViewState> {
         .route(&format!("{prefix}/api/v1/timeline.svg"), get(timeline))
         .route(&format!("{prefix}/api/v1/segments"), get(segments))
         .route(&format!("{prefix}/api/v1/explain"), get(explain))
+        .route(&format!("{prefix}/api/v1/diff"), get(diff))
 }
 
 /// Refuses (403) a request another site's page sent, before any work is done (a page may send
@@ -280,6 +283,20 @@ async fn segments(
         &params,
         move |view| view.segments(at.device, at.event, at.config.as_deref()),
         |map| json(&map),
+    )
+    .await
+}
+
+async fn diff(
+    State(state): State<ViewState>,
+    params: RawPathParams,
+    Query(of): Query<Of>,
+) -> Response {
+    reply(
+        &state,
+        &params,
+        move |view| view.diff(of.device, of.config.as_deref()),
+        |d| json(&*d),
     )
     .await
 }

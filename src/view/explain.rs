@@ -16,6 +16,7 @@ use crate::allocator::breakdown::Breakdown;
 use crate::allocator::size::format_size;
 use crate::explain::Explanation;
 
+use super::cells::{bytes_cell, optional_text_cell, row, text_cell, value_cell};
 use super::{escape, page};
 
 /// The colours of the breakdown's parts, in [`Breakdown::parts`](crate::allocator::breakdown::Breakdown::parts)'s order.
@@ -23,49 +24,12 @@ const COLOURS: [&str; Breakdown::PARTS] = [
     "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#ffbb78", "#9467bd", "#2ca02c", "#7f7f7f",
 ];
 
-/// A table row: a heading (markup the page writes, never recorded text) and a cell.
-fn row(b: &mut String, heading: &str, cell: String) {
-    let _ = writeln!(b, "<tr><th>{heading}</th>{cell}</tr>");
-}
-
-/// A figure in bytes: readable text, exact value.
-fn bytes_cell(field: &str, bytes: Option<u64>) -> String {
-    match bytes {
-        Some(b) => format!(
-            "<td class=\"num\" data-field=\"{field}\" data-value=\"{b}\" title=\"{b} bytes\">{}</td>",
-            format_size(b)
-        ),
-        None => {
-            format!("<td class=\"num\" data-field=\"{field}\" data-value=\"null\">unknown</td>")
-        }
-    }
-}
-
-/// A plain number or boolean.
-fn value_cell(field: &str, value: impl std::fmt::Display) -> String {
-    format!("<td class=\"num\" data-field=\"{field}\" data-value=\"{value}\">{value}</td>")
-}
-
 /// A pool id, `(a, b)`: each part its own figure (the JSON's two-element list).
 fn pool_id_cell(field: &str, id: PoolId) -> String {
     format!(
         "<td class=\"num\">(<span data-field=\"{field}.0\" data-value=\"{0}\">{0}</span>, <span data-field=\"{field}.1\" data-value=\"{1}\">{1}</span>)</td>",
         id.0, id.1
     )
-}
-
-/// A string: its text is its value.
-fn text_cell(field: &str, text: &str) -> String {
-    let t = escape(text);
-    format!("<td data-field=\"{field}\" data-value=\"{t}\">{t}</td>")
-}
-
-/// A string or null.
-fn optional_text_cell(field: &str, text: Option<&str>) -> String {
-    match text {
-        Some(t) => text_cell(field, t),
-        None => format!("<td data-field=\"{field}\" data-value=\"null\">none</td>"),
-    }
 }
 
 /// The best-fit order the figures were replayed under, and how it was found.

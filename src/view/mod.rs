@@ -1,7 +1,7 @@
-//! Pages and drawings for people: the explanation as one self-contained HTML page, the
-//! timeline SVG, what `gpumem view` serves (the segment map, the recording's state behind its
-//! API, the page's embedded assets), the agent's kept recordings in that view, and the agent's
-//! live page.
+//! Pages and drawings for people: the explanation and the comparison of two runs as
+//! self-contained HTML pages, the timeline SVG, what `gpumem view` serves (the segment map,
+//! the recording's state behind its API, the page's embedded assets), the agent's kept
+//! recordings in that view, and the agent's live page.
 //!
 //! # Invariants
 //! - Every string that came from a recording or a user (file names, frames, configurations)
@@ -12,6 +12,10 @@
 //!   API (`server::view`), so both open the same on an air-gapped machine and a recording
 //!   cannot make them fetch anything.
 
+#[cfg(feature = "tools")]
+mod cells;
+#[cfg(feature = "tools")]
+pub mod diff;
 #[cfg(feature = "tools")]
 pub mod explain;
 #[cfg(feature = "tools")]

@@ -1,6 +1,7 @@
 //! A recording as `gpumem view` serves it: its devices and their moments of interest, the
-//! timeline of a device under one or two configurations, the segment map at any event, and
-//! the explanation of an event. Synchronous; the server calls it off its event loop.
+//! timeline of a device under one or two configurations, the segment map at any event, the
+//! explanation of an event, and the recording compared with a what-if at their peaks
+//! (`diff`). Synchronous; the server calls it off its event loop.
 //!
 //! The recorded configuration is replayed as the fidelity check does (every address as
 //! recorded); a what-if configuration follows the check's readings. One cursor per device
@@ -13,7 +14,8 @@
 //! - A configuration string is at most [`MAX_CONFIG_BYTES`] and must parse; an event index
 //!   must lie in the device's trace: anything else is a [`ViewError::BadRequest`].
 //! - At most [`RecordingView::with_cursors`] cursors ([`MAX_CURSORS`] by default),
-//!   [`MAX_TIMELINES`] timelines and [`MAX_EXPLANATIONS`] explanations are kept (the least
+//!   [`MAX_TIMELINES`] timelines, [`MAX_EXPLANATIONS`] explanations and [`MAX_DIFFS`]
+//!   comparisons are kept (the least
 //!   recently used go first), and one session per device, so memory does not grow
 //!   with requests; each replay's own state is held to the view's `--max-memory-bytes`
 //!   (`Setup::max_memory_bytes`), a kept cursor's too.
@@ -27,6 +29,7 @@ use serde::Serialize;
 use crate::AllocatorConfig;
 use crate::allocator::size::format_size;
 use crate::allocator::{TraceAction, TraceEntry};
+use crate::diff::{Diff, RunSpec};
 use crate::explain::block_stacks::BlockStacks;
 use crate::explain::{
     ExplainError, Explanation, choose, event_of, explain_at, peak_reserved_event,
@@ -46,6 +49,8 @@ pub const MAX_CURSORS: usize = 4;
 pub const MAX_TIMELINES: usize = 16;
 /// Explanations kept.
 pub const MAX_EXPLANATIONS: usize = 32;
+/// Comparisons with a what-if kept.
+pub const MAX_DIFFS: usize = 8;
 /// Points of a timeline run.
 pub const SERIES_POINTS: usize = 1000;
 
@@ -159,6 +164,7 @@ pub struct RecordingView {
     max_cursors: usize,
     timelines: Cache<Key, ReplayReport>,
     explanations: Cache<(u32, usize), Explanation>,
+    diffs: Cache<Key, Diff>,
 }
 
 /// The value of `key`, moved to the back (the most recently used).
@@ -199,6 +205,7 @@ impl RecordingView {
             max_cursors: MAX_CURSORS,
             timelines: Mutex::default(),
             explanations: Mutex::default(),
+            diffs: Mutex::default(),
         }
     }
 
@@ -441,6 +448,39 @@ impl RecordingView {
             e,
             MAX_EXPLANATIONS,
         ))
+    }
+
+    /// `device`'s recording compared with its what-if under `config`, each at its peak
+    /// (`gpumem diff --config`).
+    ///
+    /// # Errors
+    /// [`ViewError`] for a device without a trace, a missing or bad configuration or a replay
+    /// failure.
+    pub fn diff(&self, device: u32, config: Option<&str>) -> Result<Arc<Diff>, ViewError> {
+        self.events(device)?;
+        let Some(text) = config else {
+            return Err(ViewError::BadRequest(
+                "a comparison needs a what-if configuration (config=…)".into(),
+            ));
+        };
+        let key: Key = (device, Some(text.to_string()));
+        if let Some(d) = cached(&self.diffs, &key) {
+            return Ok(d);
+        }
+        let mode = Self::mode(config)?;
+        let session = self.session(device)?;
+        let recorded = RunSpec {
+            name: self.name.clone(),
+            session: &session,
+            mode: Mode::CHECK,
+        };
+        let what_if = RunSpec {
+            name: format!("{} ({text})", self.name),
+            session: &session,
+            mode,
+        };
+        let d = Arc::new(crate::diff::diff(&recorded, &what_if)?);
+        Ok(keep(&self.diffs, key, d, MAX_DIFFS))
     }
 }
 

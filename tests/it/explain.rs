@@ -449,15 +449,15 @@ fn scalars(json: &serde_json::Value, prefix: &str, out: &mut Vec<(String, serde_
 }
 
 /// Opens `page` in Chromium and checks it against `json`: every figure the page shows (its
-/// `data-field` elements) equals the JSON's, every scalar of the JSON is shown (but the
-/// divergence's details and the pinning groups' frame lists), strings are shown as text, the
-/// console has no errors, and no markup from the recording came alive. Returns the DOM's
-/// figures.
-fn check_page(
+/// `data-field` elements) equals the JSON's, every scalar of the JSON is shown (but those
+/// whose paths `hidden` names: details and frame lists), strings are shown as text, the
+/// console has no errors, and no markup from the recording came alive.
+pub(crate) fn check_page(
     browser: &crate::browser::Browser,
     page: &std::path::Path,
     json: &serde_json::Value,
     shot: &str,
+    hidden: &dyn Fn(&str) -> bool,
 ) {
     browser.open(&format!("file://{}", page.display()));
     let shown = browser.eval(
@@ -469,12 +469,7 @@ fn check_page(
     scalars(json, "", &mut expected);
     let expected: std::collections::BTreeMap<_, _> = expected
         .into_iter()
-        .filter(|(path, _)| {
-            let detail = path.starts_with("divergence.") && path != "divergence.index";
-            let stack = (path.starts_with("pinning.") || path.starts_with("growth.kept_at."))
-                && path.contains(".frames.");
-            !detail && !stack
-        })
+        .filter(|(path, _)| !hidden(path))
         .collect();
     let mut seen = std::collections::BTreeSet::new();
     for entry in shown {
@@ -548,7 +543,12 @@ fn the_html_page_shows_the_json_figures_in_chromium() {
                 .arg(&trace),
         );
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-        check_page(&browser, &page, &json, shot);
+        check_page(&browser, &page, &json, shot, &|path| {
+            let detail = path.starts_with("divergence.") && path != "divergence.index";
+            let stack = (path.starts_with("pinning.") || path.starts_with("growth.kept_at."))
+                && path.contains(".frames.");
+            detail || stack
+        });
         if shot == "explain-fragmentation.png" {
             assert_eq!(json["kinds"][0], "fragmentation");
             assert!(json["candidates"].as_array().is_some_and(|c| !c.is_empty()));

@@ -643,6 +643,20 @@ fn outputs_never_go_through_a_link_or_onto_an_input() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("is the input"), "{stderr}");
     assert_eq!(std::fs::read(&trace).expect("read"), original);
+    // A comparison's page onto its second recording: refused too.
+    let other = dir.join("other.json.gz");
+    std::fs::copy(&trace, &other).expect("copied");
+    let out = run(&[
+        &os("diff"),
+        trace.as_os_str(),
+        other.as_os_str(),
+        &os("--html"),
+        other.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is the input"), "{stderr}");
+    assert_eq!(std::fs::read(&other).expect("read"), original);
 
     // A plain output: written whole, nothing left beside it.
     let page = dir.join("page.html");
@@ -1158,6 +1172,14 @@ fn results_that_cannot_be_written_are_an_error() {
         vec!["replay", &oom, "--json"],
         vec!["plan", &tiny],
         vec!["plan", &tiny, "--json"],
+        vec!["diff", &oom, &tiny],
+        vec![
+            "diff",
+            &tiny,
+            "--config",
+            "expandable_segments:True",
+            "--json",
+        ],
         vec!["simulate", "--steps", "2"],
     ];
     for args in &commands {

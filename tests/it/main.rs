@@ -5,6 +5,7 @@ mod archive;
 mod assets;
 mod browser;
 mod common;
+mod diff;
 mod docs;
 mod expandable;
 mod explain;

@@ -197,6 +197,11 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
             "/api/v1/explain?device=0&event=184467440737095516160".to_string(),
             "event",
         ),
+        (
+            "/api/v1/diff?device=0".to_string(),
+            "needs a what-if configuration",
+        ),
+        ("/api/v1/diff?device=0&config=bogus:1".to_string(), "bogus"),
     ] {
         let (status, body) = get_with(port, &path, "127.0.0.1", None).expect("answers");
         assert_eq!(status, 400, "{path}: {body}");
@@ -306,6 +311,37 @@ fn the_view_draws_the_replayed_segments_and_moves_with_the_slider() {
         v.as_u64()
     });
     assert_eq!(compared, Some(2));
+    // The recording against the what-if at their peaks, as `gpumem diff --config` says.
+    let what_if = gpumem::replay::WhatIf::default().under(Some(
+        gpumem::AllocatorConfig::parse("expandable_segments:True").expect("parses"),
+    ));
+    let expected = gpumem::diff::diff(
+        &gpumem::diff::RunSpec {
+            name: "recorded".into(),
+            session: &session,
+            mode: gpumem::replay::Mode::CHECK,
+        },
+        &gpumem::diff::RunSpec {
+            name: "what-if".into(),
+            session: &session,
+            mode: gpumem::replay::Mode::WhatIf(what_if),
+        },
+    )
+    .expect("compares");
+    let shown = wait_for(Duration::from_secs(30), || {
+        let v = browser.eval(
+            "const d = document.getElementById('diff'); \
+             return d.hidden ? null : {sentence: document.getElementById('diff-sentence').textContent, \
+               rows: document.querySelectorAll('#diff-breakdown tr').length};",
+        );
+        (!v.is_null()).then_some(v)
+    })
+    .expect("the comparison is shown");
+    assert_eq!(shown["sentence"], expected.sentence);
+    assert_eq!(
+        shown["rows"], 8,
+        "a heading, six parts and the reserved memory"
+    );
     let errors = browser.console_errors();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     assert_eq!(

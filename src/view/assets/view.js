@@ -38,6 +38,7 @@ async function init() {
   $('apply').addEventListener('click', () => {
     state.whatIf = $('whatif').value.trim();
     loadTimeline();
+    loadDiff();
     requestMaps();
   });
   if (overview.devices.length === 0) {
@@ -80,6 +81,7 @@ async function selectDevice(device, event = null) {
   if (d.peak !== null) jump('peak', d.peak);
   d.ooms.slice(0, 50).forEach((event, i) => jump(`OOM ${i + 1}`, event));
   await loadTimeline();
+  loadDiff();
   const last = Math.max(0, d.events - 1);
   setEvent(event !== null ? Math.min(event, last) : (d.ooms.length ? d.ooms[0] : (d.peak ?? 0)));
 }
@@ -95,6 +97,61 @@ async function loadTimeline() {
     showError(null);
   } catch (error) {
     showError(error);
+  }
+}
+
+// The recording against the what-if, each at its peak (`gpumem diff --config`).
+async function loadDiff() {
+  if (!state.whatIf) {
+    $('diff').hidden = true;
+    return;
+  }
+  try {
+    drawDiff(await get(`api/v1/diff?${query({ config: state.whatIf })}`));
+  } catch (error) {
+    $('diff').hidden = true;
+    showError(error);
+  }
+}
+
+function signed(bytes) {
+  return bytes > 0 ? `+${fmt(bytes)}` : bytes < 0 ? `-${fmt(-bytes)}` : fmt(0);
+}
+
+function drawDiff(d) {
+  $('diff').hidden = false;
+  $('diff-sentence').textContent = d.sentence;
+  const table = $('diff-breakdown');
+  table.replaceChildren();
+  const head = node('tr');
+  for (const h of ['', 'as recorded', 'what-if', 'difference']) head.append(node('th', {}, h));
+  table.append(head);
+  const row = (name, a, b) => {
+    const tr = node('tr', { 'data-part': name });
+    tr.append(node('th', {}, name), cell(fmt(a), true), cell(fmt(b), true), cell(signed(b - a), true));
+    table.append(tr);
+  };
+  const parts = [
+    ['live tensors (requested)', 'requested'],
+    ['rounding of live tensors', 'rounding'],
+    ['cached free, main stream', 'fragmented'],
+    ['cached free, other streams', 'other_streams'],
+    ['cached free, private pools', 'other_pools'],
+    ['freed, waiting on other streams', 'pending_stream_frees'],
+  ];
+  for (const [name, key] of parts) row(name, d.a.breakdown[key], d.b.breakdown[key]);
+  row('reserved at the peak', d.a.peak_reserved.bytes, d.b.peak_reserved.bytes);
+  const sites = $('diff-sites');
+  sites.replaceChildren();
+  const changed = d.sites.filter((s) => s.difference !== 0).slice(0, 10);
+  if (!changed.length) return;
+  const top = node('tr');
+  for (const h of ['difference', 'as recorded', 'what-if', 'live tensors allocated at']) top.append(node('th', {}, h));
+  sites.append(top);
+  for (const s of changed) {
+    const tr = node('tr');
+    tr.append(cell(signed(s.difference), true), cell(fmt(s.a.bytes), true), cell(fmt(s.b.bytes), true), cell(s.site));
+    sites.append(tr);
   }
 }
 

@@ -1,0 +1,695 @@
+//! Two runs compared (`gpumem diff A B`): why B peaks higher, or lower, than A. A run is a
+//! recording replayed exactly, or a what-if of one under another configuration, each under
+//! its own best-fit order (found from it) and on its own device's memory.
+//!
+//! Each run is read at its peak: the first moment its replay reserves the most, at the
+//! trace's start (what the recording held when its trace began) or after an event.
+//! There, the memory its live tensors hold (their blocks, rounding included: a what-if that
+//! rounds otherwise differs there) is grouped by site (`explain::site`: the program's
+//! own line, else torch's Python line, else the autograd node and operator) and set beside
+//! the other run's; a site's file matches across the runs where the two differ only in the
+//! directories above it (`files`). The parts of each run's reserved memory are set side by
+//! side: what live tensors asked for and their rounding, and what the allocator holds beside
+//! them (cached free memory, other streams' and private pools' caches, frees waiting on other
+//! streams), and, where a run repeats iterations (the job's
+//! profiler steps, else the repeating sequence found), each iteration's peaks and what it
+//! keeps past its end.
+//!
+//! # Invariants
+//! - The difference adds up: the sites' differences (live blocks' bytes) plus the
+//!   differences of the cached and pending parts are B's reserved bytes at its peak minus A's
+//!   at its own ([`Diff::reserved_difference`]); the sites' requested bytes add up to the
+//!   breakdown's `requested`.
+//! - No live block is left out: one whose stack the recording did not keep is grouped with
+//!   those of its requested size.
+//! - Sites are listed by the size of their difference, the largest first, then by the larger
+//!   of their two figures and by name; [`Diff::top_share`] is the share of the sum of every
+//!   site's absolute difference that the first [`TOP_SITES`] carry.
+//! - A run's cached parts are read as for a request larger than any cached block on the stream
+//!   holding the most of the default pool (its main stream): `breakdown.fragmented` is all
+//!   the memory cached free on that stream, `breakdown.other_pools` the private pools'.
+//!
+//! # Budgets
+//! - Each run is replayed twice beyond its session's own check replays: one pass through the
+//!   trace for its peaks, one to its peak. Beside the replay's state (held to the session's
+//!   memory budget) a run holds one entry per distinct site, the trace's allocations (a few
+//!   words each, as `explain`'s growth does) and one entry per iteration.
+//! - At most [`MAX_SITES`] sites are listed (the others summed in [`Diff::rest`]) and
+//!   [`MAX_ITERATIONS`] iterations per run; files are matched within `files`' budget.
+
+mod files;
+pub mod text;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::allocator::breakdown::{Accounting, Breakdown, Request};
+use crate::allocator::size::{PoolKind, format_size};
+use crate::allocator::{BlockState, TraceEntry};
+use crate::explain::block_stacks::BlockStacks;
+use crate::explain::site::{NO_STACK, Site, site};
+use crate::iterations::{IterationSource, allocations};
+use crate::recording::frames::StackId;
+use crate::replay::{Divergence, Mode, ReplayError, Session};
+
+/// The sites whose differences [`Diff::top_share`] measures.
+pub const TOP_SITES: usize = 10;
+/// The most sites listed; the others are summed in [`Diff::rest`].
+pub const MAX_SITES: usize = 200;
+/// The most iterations listed per run.
+pub const MAX_ITERATIONS: usize = 64;
+/// Frames kept of a site's example stack.
+const SITE_FRAMES: usize = 8;
+
+/// One run to compare: a session on a recording's device and how to replay it.
+pub struct RunSpec<'a> {
+    /// What to call it (a file's name, with the configuration of a what-if).
+    pub name: String,
+    /// The session.
+    pub session: &'a Session,
+    /// An exact replay ([`Mode::CHECK`]) or a what-if.
+    pub mode: Mode,
+}
+
+/// Two runs compared. See the module's documentation.
+#[derive(Clone, Debug, Serialize)]
+pub struct Diff {
+    /// The first run.
+    pub a: Run,
+    /// The second run.
+    pub b: Run,
+    /// B's reserved bytes at its peak minus A's at its own.
+    pub reserved_difference: i64,
+    /// The bytes B's live tensors hold at its peak (rounded as its allocator rounds) minus
+    /// A's at its own: the sum of the sites' differences.
+    pub live_difference: i64,
+    /// Live tensors by site at the peaks, the largest difference first (at most
+    /// [`MAX_SITES`]).
+    pub sites: Vec<SiteDiff>,
+    /// The sites not listed, summed; absent where every site is listed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rest: Option<Rest>,
+    /// The share (0 to 1) of the sum of every site's absolute difference that the first
+    /// [`TOP_SITES`] sites carry; absent where no site differs.
+    pub top_share: Option<f64>,
+    /// Files that differ only in the directories above them, matched as one file (A's name
+    /// shown).
+    pub files_matched: Vec<FileMatch>,
+    /// The difference in one sentence.
+    pub sentence: String,
+}
+
+/// A run at its peak.
+#[derive(Clone, Debug, Serialize)]
+pub struct Run {
+    /// Its name.
+    pub name: String,
+    /// The device replayed.
+    pub device: u32,
+    /// Whether it is a what-if (the recording replayed under another configuration) rather
+    /// than the recording replayed exactly.
+    pub what_if: bool,
+    /// The configuration replayed, in `PYTORCH_CUDA_ALLOC_CONF` syntax (`(default)`).
+    pub config: String,
+    /// The best-fit order replayed, and how it was found.
+    pub ordering: String,
+    /// Events in its trace.
+    pub events: usize,
+    /// The peak reserved bytes, and the first moment the replay held them: the moment the
+    /// run is read at.
+    pub peak_reserved: Peak,
+    /// The peak allocated bytes (live and waiting-free blocks) and the first moment the
+    /// replay held them.
+    pub peak_allocated: Peak,
+    /// Allocated bytes at the peak reserved.
+    pub allocated: u64,
+    /// Where the reserved memory was at the peak (see the module's invariants for how the
+    /// cached parts are read).
+    pub breakdown: Breakdown,
+    /// The stream holding the most of the default pool at the peak.
+    pub main_stream: u64,
+    /// Out-of-memory errors in its replay (a what-if within the memory the job had can have
+    /// them).
+    pub ooms: u64,
+    /// Where an exact replay first differed from the recording, if it did.
+    pub divergence: Option<Divergence>,
+    /// Its iterations, where it repeats.
+    pub iterations: Option<RunIterations>,
+}
+
+/// A peak: bytes and the event after which they were first held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Peak {
+    /// The bytes.
+    pub bytes: u64,
+    /// The event; `None` at the trace's start, before its first event (the snapshot's
+    /// state where there is no trace).
+    pub event: Option<usize>,
+    /// The iteration (0-based) the event lies in, where it lies in one.
+    pub iteration: Option<usize>,
+}
+
+/// A run's iterations.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunIterations {
+    /// Where they came from: the job's profiler steps or the search.
+    pub source: IterationSource,
+    /// How many were found.
+    pub count: usize,
+    /// The first [`MAX_ITERATIONS`] of them.
+    pub listed: Vec<IterationFigures>,
+}
+
+/// One iteration's figures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct IterationFigures {
+    /// Its step number (`ProfilerStep#N`), where the profiler named it.
+    pub step: Option<u64>,
+    /// Its first event.
+    pub first_event: usize,
+    /// Its events.
+    pub events: usize,
+    /// The most allocated during it.
+    pub peak_allocated: u64,
+    /// The most reserved during it.
+    pub peak_reserved: u64,
+    /// Bytes (rounded) of its allocations still live at its end.
+    pub kept: u64,
+}
+
+/// Live tensors at one site in each run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SiteDiff {
+    /// The site (A's file name where the files were matched).
+    pub site: String,
+    /// A's live tensors there.
+    pub a: Live,
+    /// B's.
+    pub b: Live,
+    /// B's live bytes minus A's.
+    pub difference: i64,
+    /// An example stack, innermost first (B's where B has one), as `file:line in function`
+    /// (at most 8 frames).
+    pub frames: Vec<String>,
+}
+
+/// Live tensors at a site.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Live {
+    /// The bytes their blocks hold (rounded as the run's allocator rounds).
+    pub bytes: u64,
+    /// What they asked for.
+    pub requested: u64,
+    /// How many.
+    pub blocks: usize,
+}
+
+/// The sites not listed, summed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Rest {
+    /// How many.
+    pub sites: usize,
+    /// A's live bytes there.
+    pub a: u64,
+    /// B's.
+    pub b: u64,
+    /// B's minus A's.
+    pub difference: i64,
+}
+
+/// A file of A's and one of B's matched as one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FileMatch {
+    /// A's name for it.
+    pub a: String,
+    /// B's.
+    pub b: String,
+}
+
+/// Compares `a` and `b` (see the module's documentation).
+///
+/// # Errors
+/// A [`ReplayError`] when either run cannot be replayed.
+pub fn diff(a: &RunSpec<'_>, b: &RunSpec<'_>) -> Result<Diff, ReplayError> {
+    let (run_a, sites_a) = read_run(a)?;
+    let (run_b, mut sites_b) = read_run(b)?;
+    let files_matched = files::match_files(
+        sites_a.keys().map(|s| s.file.as_str()),
+        sites_b.keys().map(|s| s.file.as_str()),
+    );
+    if !files_matched.is_empty() {
+        let renamed: FxHashMap<&str, &str> = files_matched
+            .iter()
+            .map(|m| (m.b.as_str(), m.a.as_str()))
+            .collect();
+        let mut merged: FxHashMap<Site, SiteLive> = FxHashMap::default();
+        for (mut s, live) in sites_b {
+            if let Some(&a_name) = renamed.get(s.file.as_str()) {
+                s.file = a_name.to_string();
+            }
+            merged.entry(s).or_default().add(live);
+        }
+        sites_b = merged;
+    }
+    let mut sites: FxHashMap<Site, (SiteLive, SiteLive)> = FxHashMap::default();
+    for (s, live) in sites_a {
+        sites.entry(s).or_default().0 = live;
+    }
+    for (s, live) in sites_b {
+        sites.entry(s).or_default().1 = live;
+    }
+    let mut sites: Vec<SiteDiff> = sites
+        .into_iter()
+        .map(|(s, (a, b))| SiteDiff {
+            site: s.to_string(),
+            difference: signed(b.live.bytes) - signed(a.live.bytes),
+            a: a.live,
+            b: b.live,
+            frames: if b.live.blocks > 0 {
+                b.frames
+            } else {
+                a.frames
+            },
+        })
+        .collect();
+    sites.sort_by(|x, y| {
+        let key = |s: &SiteDiff| (s.difference.unsigned_abs(), s.a.bytes.max(s.b.bytes));
+        key(y).cmp(&key(x)).then_with(|| x.site.cmp(&y.site))
+    });
+    let gross: u128 = sites
+        .iter()
+        .map(|s| u128::from(s.difference.unsigned_abs()))
+        .sum();
+    let top: u128 = sites
+        .iter()
+        .take(TOP_SITES)
+        .map(|s| u128::from(s.difference.unsigned_abs()))
+        .sum();
+    let top_share = (gross > 0).then(|| top as f64 / gross as f64);
+    let live_difference = sites.iter().map(|s| s.difference).sum();
+    let rest = (sites.len() > MAX_SITES).then(|| {
+        let unlisted = &sites[MAX_SITES..];
+        let (a, b) = unlisted.iter().fold((0u64, 0u64), |(a, b), s| {
+            (a.saturating_add(s.a.bytes), b.saturating_add(s.b.bytes))
+        });
+        Rest {
+            sites: unlisted.len(),
+            a,
+            b,
+            difference: signed(b) - signed(a),
+        }
+    });
+    sites.truncate(MAX_SITES);
+    let reserved_difference = signed(run_b.peak_reserved.bytes) - signed(run_a.peak_reserved.bytes);
+    let sentence = sentence(
+        &run_a,
+        &run_b,
+        reserved_difference,
+        live_difference,
+        sites.first(),
+    );
+    Ok(Diff {
+        a: run_a,
+        b: run_b,
+        reserved_difference,
+        live_difference,
+        sites,
+        rest,
+        top_share,
+        files_matched,
+        sentence,
+    })
+}
+
+/// Bytes as a signed figure (no device holds 2^63 bytes; larger saturate).
+fn signed(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+/// A signed byte count as people read it: `+1.50 GiB`, `-512.00 KiB`, `0 B`.
+pub fn format_signed(bytes: i64) -> String {
+    let size = format_size(bytes.unsigned_abs());
+    match bytes.signum() {
+        1 => format!("+{size}"),
+        -1 => format!("-{size}"),
+        _ => size,
+    }
+}
+
+/// The difference in one sentence.
+fn sentence(a: &Run, b: &Run, reserved: i64, live: i64, first: Option<&SiteDiff>) -> String {
+    let direction = match reserved.signum() {
+        1 => format!(
+            "B peaks {} higher than A",
+            format_size(reserved.unsigned_abs())
+        ),
+        -1 => format!(
+            "B peaks {} lower than A",
+            format_size(reserved.unsigned_abs())
+        ),
+        _ => "B peaks as high as A".to_string(),
+    };
+    let beside = reserved - live;
+    let mut s = format!(
+        "{direction} ({} against {} reserved, each at its own peak): live tensors {} (rounding included), what the allocator holds beside them {}.",
+        format_size(b.peak_reserved.bytes),
+        format_size(a.peak_reserved.bytes),
+        format_signed(live),
+        format_signed(beside),
+    );
+    if let Some(site) = first.filter(|s| s.difference != 0) {
+        s.push_str(&format!(
+            " The largest difference is at {} ({}).",
+            site.site,
+            format_signed(site.difference)
+        ));
+    }
+    s
+}
+
+/// A site's live tensors in one run and an example stack.
+#[derive(Clone, Debug, Default)]
+struct SiteLive {
+    live: Live,
+    frames: Vec<String>,
+}
+
+impl SiteLive {
+    fn add(&mut self, other: SiteLive) {
+        self.live.bytes = self.live.bytes.saturating_add(other.live.bytes);
+        self.live.requested = self.live.requested.saturating_add(other.live.requested);
+        self.live.blocks += other.live.blocks;
+        if self.frames.is_empty() {
+            self.frames = other.frames;
+        }
+    }
+}
+
+/// One run read at its peak, and its live tensors by site.
+fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), ReplayError> {
+    let session = spec.session;
+    let recording = session.recording();
+    let device = session.device();
+    let events = session.events();
+    let mut cursor = session.cursor(&spec.mode)?;
+    let config = cursor.allocator().config().clone();
+    let spans = iteration_spans(session, &config);
+    let pass = pass(&mut cursor, spans.as_ref().map(|s| s.spans.as_slice()))?;
+    let moment = pass.reserved.1;
+
+    let mut cursor = session.cursor(&spec.mode)?;
+    let replayed = moment.map_or(0, |event| event + 1);
+    cursor.advance_to(replayed)?;
+    let held: FxHashMap<u64, u64> = cursor.held().map(|(recorded, p)| (p.0, recorded)).collect();
+    let (mut alloc, divergence) = cursor.into_parts();
+    let snapshot = alloc.snapshot();
+    let segments: Vec<_> = snapshot
+        .segments
+        .iter()
+        .filter(|s| s.device == device)
+        .collect();
+
+    // The main stream: the default pool's stream holding the most.
+    let mut by_stream: FxHashMap<u64, u64> = FxHashMap::default();
+    for s in segments.iter().filter(|s| s.segment_pool_id.is_default()) {
+        *by_stream.entry(s.stream.0).or_default() += s.total_size;
+    }
+    let main_stream = by_stream
+        .into_iter()
+        .max_by_key(|&(stream, held)| (held, std::cmp::Reverse(stream)))
+        .map_or(0, |(stream, _)| stream);
+    let request = Request {
+        rounded: u64::MAX,
+        pool: PoolKind::Large,
+        stream: crate::device::StreamId(main_stream),
+    };
+    let mut accounting = Accounting::default();
+    let stacks = BlockStacks::new(
+        recording,
+        device as usize,
+        &events[..replayed.min(events.len())],
+    );
+    let mut sites: FxHashMap<Site, SiteLive> = FxHashMap::default();
+    let f = &recording.frames;
+    for segment in &segments {
+        let blocks = segment
+            .blocks
+            .iter()
+            .map(|b| (b.size, b.requested_size, b.state));
+        let own = segment.segment_pool_id.is_default();
+        accounting.add_segment(request, segment.stream, segment.segment_type, own, blocks);
+        for block in segment
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::ActiveAllocated)
+        {
+            let requested = block.requested_size.min(block.size);
+            let recorded = held.get(&block.address).copied().unwrap_or(block.address);
+            let stack = stacks.of(recorded);
+            let key = if stack == StackId::EMPTY {
+                Site {
+                    file: String::new(),
+                    rest: format!("{NO_STACK}: tensors of {}", format_size(requested)),
+                }
+            } else {
+                site(recording, stack)
+            };
+            let entry = sites.entry(key).or_insert_with(|| SiteLive {
+                live: Live::default(),
+                frames: f
+                    .frames_of(stack)
+                    .iter()
+                    .take(SITE_FRAMES)
+                    .map(|&id| f.describe(id))
+                    .collect(),
+            });
+            entry.live.bytes = entry.live.bytes.saturating_add(block.size);
+            entry.live.requested = entry.live.requested.saturating_add(requested);
+            entry.live.blocks += 1;
+        }
+    }
+    accounting.finish(None, None);
+
+    let iteration_of = |event: Option<usize>| {
+        let event = event?;
+        let spans = &spans.as_ref()?.spans;
+        let k = spans
+            .partition_point(|s| s.first_event <= event)
+            .checked_sub(1)?;
+        (event < spans[k].first_event + spans[k].events).then_some(k)
+    };
+    let peak_reserved = Peak {
+        bytes: pass.reserved.0,
+        event: moment,
+        iteration: iteration_of(moment),
+    };
+    let peak_allocated = Peak {
+        bytes: pass.allocated.0,
+        event: pass.allocated.1,
+        iteration: iteration_of(pass.allocated.1),
+    };
+    let iterations = spans.map(|s| RunIterations {
+        source: s.source,
+        count: s.spans.len(),
+        listed: s
+            .spans
+            .iter()
+            .take(MAX_ITERATIONS)
+            .zip(&pass.iterations)
+            .map(
+                |(span, &(peak_allocated, peak_reserved))| IterationFigures {
+                    peak_allocated,
+                    peak_reserved,
+                    ..*span
+                },
+            )
+            .collect(),
+    });
+    let (what_if, config) = match &spec.mode {
+        Mode::WhatIf(_) => (true, config_label(&config)),
+        Mode::Check { .. } => (false, config_label(&config)),
+    };
+    let ordering = session
+        .ordering()?
+        .map_or_else(|| "not established".to_string(), |o| o.sentence());
+    let run = Run {
+        name: spec.name.clone(),
+        device,
+        what_if,
+        config,
+        ordering,
+        events: events.len(),
+        peak_reserved,
+        peak_allocated,
+        allocated: accounting.allocated,
+        breakdown: accounting.breakdown,
+        main_stream,
+        ooms: pass.ooms,
+        divergence,
+        iterations,
+    };
+    Ok((run, sites))
+}
+
+/// A configuration as the replay's report names it.
+fn config_label(config: &crate::AllocatorConfig) -> String {
+    if config.last_settings.is_empty() {
+        "(default)".to_string()
+    } else {
+        config.last_settings.clone()
+    }
+}
+
+/// A run's iterations as spans of events, with what each keeps (their peaks come from the
+/// pass).
+struct Spans {
+    source: IterationSource,
+    spans: Vec<IterationFigures>,
+}
+
+/// The iterations of the session's trace, allocations rounded under `config`.
+fn iteration_spans(session: &Session, config: &crate::AllocatorConfig) -> Option<Spans> {
+    let events: &[TraceEntry] = session.events();
+    let all = allocations(events, config);
+    let found =
+        crate::iterations::of_recording(session.recording(), session.device(), events, &all)?;
+    let event_at = |b: usize| all.get(b).map_or(events.len(), |a| a.event);
+    let spans = (0..found.count())
+        .map(|k| {
+            let (first, end) = (event_at(found.bounds[k]), event_at(found.bounds[k + 1]));
+            let kept = all[found.range(k)]
+                .iter()
+                .filter(|a| a.freed.is_none_or(|f| f >= end))
+                .fold(0u64, |sum, a| sum.saturating_add(a.size));
+            IterationFigures {
+                step: found.first_step.map(|s| s + k as u64),
+                first_event: first,
+                events: end - first,
+                peak_allocated: 0,
+                peak_reserved: 0,
+                kept,
+            }
+        })
+        .collect();
+    Some(Spans {
+        source: found.source,
+        spans,
+    })
+}
+
+/// What one pass through a replay found.
+struct Pass {
+    /// The peak reserved and the first moment it was held (`None`: the trace's start).
+    reserved: (u64, Option<usize>),
+    /// The peak allocated, likewise.
+    allocated: (u64, Option<usize>),
+    /// Each listed iteration's peak (allocated, reserved).
+    iterations: Vec<(u64, u64)>,
+    /// Out-of-memory errors.
+    ooms: u64,
+}
+
+/// One pass of `cursor` (at the trace's start) through the trace, operation by operation,
+/// reading the allocator's statistics after each, up to the trace's end or where an exact
+/// replay stopped, differing from the recording.
+fn pass(
+    cursor: &mut crate::replay::Cursor<'_>,
+    spans: Option<&[IterationFigures]>,
+) -> Result<Pass, ReplayError> {
+    let spans = spans.unwrap_or_default();
+    let listed = spans.len().min(MAX_ITERATIONS);
+    let read = |c: &crate::replay::Cursor<'_>| {
+        let s = c.allocator().stats();
+        let bytes = |v: i64| u64::try_from(v).unwrap_or(0);
+        (
+            bytes(s.allocated_bytes.all_current()),
+            bytes(s.reserved_bytes.all_current()),
+        )
+    };
+    let (allocated, reserved) = read(cursor);
+    let mut found = Pass {
+        reserved: (reserved, None),
+        allocated: (allocated, None),
+        iterations: vec![(0, 0); listed],
+        ooms: 0,
+    };
+    let mut k = 0;
+    loop {
+        let at = cursor.position();
+        if at >= cursor.len() {
+            break;
+        }
+        cursor.advance_to(at + 1)?;
+        if cursor.position() == at {
+            // An exact replay stops where it differs from the recording.
+            break;
+        }
+        let event = cursor.position() - 1;
+        let (allocated, reserved) = read(cursor);
+        if reserved > found.reserved.0 {
+            found.reserved = (reserved, Some(event));
+        }
+        if allocated > found.allocated.0 {
+            found.allocated = (allocated, Some(event));
+        }
+        // The listed iteration the event lies in (events only move forward).
+        while k < listed && event >= spans[k].first_event + spans[k].events {
+            k += 1;
+        }
+        if k < listed && event >= spans[k].first_event {
+            let peak = &mut found.iterations[k];
+            *peak = (peak.0.max(allocated), peak.1.max(reserved));
+        }
+    }
+    found.ooms = u64::try_from(cursor.allocator().stats().num_ooms.get()).unwrap_or(0);
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::replay::{Setup, WhatIf};
+
+    const MIB: u64 = 1 << 20;
+
+    /// Issue 61, item 2: a run's iterations are the job's profiler steps where it recorded
+    /// them, each with its peak and what it keeps, in both runs of a pair.
+    #[test]
+    fn a_runs_iterations_are_its_profiler_steps() {
+        let (recording, _) = crate::explain::growth::tests::stepped();
+        let session = Session::new(Arc::new(recording), Setup::default()).expect("a session");
+        let spec = |mode| RunSpec {
+            name: "stepped".into(),
+            session: &session,
+            mode,
+        };
+        let expandable = crate::AllocatorConfig::parse("expandable_segments:True").expect("parses");
+        // The hand-made trace records no segments: an exact replay stops at its first
+        // allocation, and says so.
+        let exact = diff(&spec(Mode::CHECK), &spec(Mode::CHECK)).expect("compares");
+        assert_eq!(exact.a.divergence.as_ref().map(|d| d.index), Some(0));
+        // Replayed as the recording's configuration and under another one.
+        let d = diff(
+            &spec(Mode::WhatIf(WhatIf::default())),
+            &spec(Mode::WhatIf(WhatIf::default().under(Some(expandable)))),
+        )
+        .expect("compares");
+        for run in [&d.a, &d.b] {
+            let its = run.iterations.as_ref().expect("iterations");
+            assert_eq!(its.source, IterationSource::ProfilerSteps);
+            assert_eq!(its.count, 4);
+            let steps: Vec<_> = its.listed.iter().map(|i| i.step).collect();
+            assert_eq!(steps, [Some(5), Some(6), Some(7), Some(8)]);
+            // The first keeps its optimizer state and its loss; the others their loss.
+            let kept: Vec<_> = its.listed.iter().map(|i| i.kept).collect();
+            assert_eq!(kept, [3 * MIB, 2 * MIB, 2 * MIB, 2 * MIB]);
+            // What each step had live at once: what earlier steps kept, and its own.
+            let peaks: Vec<_> = its.listed.iter().map(|i| i.peak_allocated / MIB).collect();
+            assert_eq!(peaks, [27, 3 + 26, 5 + 30, 7 + 26]);
+        }
+        // The same program: nothing live differs at the peaks' sites.
+        assert_eq!(d.a.breakdown.requested, d.b.breakdown.requested);
+    }
+}
