@@ -128,6 +128,12 @@ impl Iterations {
         self.bounds.len() - 1
     }
 
+    /// Iteration `k`'s step number (`ProfilerStep#N`), counting on from the first's, where
+    /// the profiler named them and the number does not overflow.
+    pub fn step(&self, k: usize) -> Option<u64> {
+        self.first_step?.checked_add(u64::try_from(k).ok()?)
+    }
+
     /// Iteration `k`'s allocations.
     pub fn range(&self, k: usize) -> std::ops::Range<usize> {
         self.bounds[k]..self.bounds[k + 1]

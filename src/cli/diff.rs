@@ -44,11 +44,6 @@ pub(crate) fn run(args: Args) -> CliResult {
         .as_deref()
         .map(|text| args.a.pytorch.config(text))
         .transpose()?;
-    let recording_a = args.a.read()?;
-    let recording_b = match &args.b {
-        Some(path) => args.a.read_other(path)?,
-        None => std::sync::Arc::clone(&recording_a),
-    };
     let device_of = |r: &gpumem::recording::Recording, which: &str| {
         gpumem::explain::choose(r, args.device, None)
             .map(|c| c.device)
@@ -56,12 +51,22 @@ pub(crate) fn run(args: Args) -> CliResult {
                 format!("{which}'s recording holds neither a trace nor segments of any device")
             })
     };
+    let recording_a = args.a.read()?;
     let session_a = args
         .a
         .session(&recording_a, device_of(&recording_a, "A")?)?;
-    let session_b = args
-        .a
-        .session(&recording_b, device_of(&recording_b, "B")?)?;
+    // B on A's own recording shares A's session: how the recording reads is found once.
+    let session_b = match &args.b {
+        Some(path) => {
+            let recording_b = args.a.read_other(path)?;
+            Some(
+                args.a
+                    .session(&recording_b, device_of(&recording_b, "B")?)?,
+            )
+        }
+        None => None,
+    };
+    let session_b = session_b.as_ref().unwrap_or(&session_a);
     let name_b = args.b.as_deref().map_or_else(|| args.a.name(), super::name);
     let (mode_b, name_b) = match (&config, &args.config) {
         (Some(config), Some(text)) => (
@@ -77,7 +82,7 @@ pub(crate) fn run(args: Args) -> CliResult {
     };
     let b = RunSpec {
         name: name_b,
-        session: &session_b,
+        session: session_b,
         mode: mode_b,
     };
     let d = diff(&a, &b)?;

@@ -21,7 +21,10 @@
 //!   at its own ([`Diff::reserved_difference`]); the sites' requested bytes add up to the
 //!   breakdown's `requested`.
 //! - No live block is left out: one whose stack the recording did not keep is grouped with
-//!   those of its requested size.
+//!   those of exactly its requested size.
+//! - Peaks are read between the replay's operations (a rise and fall within one, which no
+//!   recorded operation makes, would not be seen); an exact replay is read up to where it
+//!   first differs from the recording, and no further.
 //! - Sites are listed by the size of their difference, the largest first, then by the larger
 //!   of their two figures and by name; [`Diff::top_share`] is the share of the sum of every
 //!   site's absolute difference that the first [`TOP_SITES`] carry.
@@ -30,12 +33,18 @@
 //!   the memory cached free on that stream, `breakdown.other_pools` the private pools'.
 //!
 //! # Budgets
-//! - Each run is replayed twice beyond its session's own check replays: one pass through the
-//!   trace for its peaks, one to its peak. Beside the replay's state (held to the session's
-//!   memory budget) a run holds one entry per distinct site, the trace's allocations (a few
-//!   words each, as `explain`'s growth does) and one entry per iteration.
-//! - At most [`MAX_SITES`] sites are listed (the others summed in [`Diff::rest`]) and
-//!   [`MAX_ITERATIONS`] iterations per run; files are matched within `files`' budget.
+//! - Each run is replayed twice beyond its session's own replays (the check replays that
+//!   find how the recording reads; for a what-if of a recording with an OOM, the replay to
+//!   it that finds the memory the job had): one pass through the trace for its peaks,
+//!   operation by operation, and one to its peak. Each replay's state is held to the
+//!   session's memory budget, checked every few thousand events.
+//! - Beside it a run holds one entry per distinct site (at most [`MAX_DISTINCT_SITES`], each
+//!   part of a site's name at most `site::MAX_SITE_PART_BYTES`), the trace's allocations
+//!   twice (a few words each, as `explain`'s growth holds them) and one entry per iteration;
+//!   finding the iterations makes at most `iterations::SCAN_WORK` comparisons.
+//! - At most [`MAX_SITES`] sites are listed (the others summed in [`Diff::rest`]), their
+//!   stacks alone described, and [`MAX_ITERATIONS`] iterations per run; files are matched
+//!   within `files`' budget.
 
 mod files;
 pub mod text;
@@ -60,6 +69,11 @@ pub const MAX_SITES: usize = 200;
 pub const MAX_ITERATIONS: usize = 64;
 /// Frames kept of a site's example stack.
 const SITE_FRAMES: usize = 8;
+/// The most distinct sites a run's live tensors are grouped by; the blocks of any further
+/// site are summed as [`MORE_SITES`].
+pub const MAX_DISTINCT_SITES: usize = 1 << 16;
+/// The site of the blocks past [`MAX_DISTINCT_SITES`].
+pub const MORE_SITES: &str = "(more sites than gpumem keeps apart)";
 
 /// One run to compare: a session on a recording's device and how to replay it.
 pub struct RunSpec<'a> {
@@ -86,7 +100,8 @@ pub struct Diff {
     /// Live tensors by site at the peaks, the largest difference first (at most
     /// [`MAX_SITES`]).
     pub sites: Vec<SiteDiff>,
-    /// The sites not listed, summed; absent where every site is listed.
+    /// The sites not listed, summed; absent where every site is listed (at most
+    /// [`MAX_SITES`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rest: Option<Rest>,
     /// The share (0 to 1) of the sum of every site's absolute difference that the first
@@ -209,6 +224,8 @@ pub struct Live {
 pub struct Rest {
     /// How many.
     pub sites: usize,
+    /// How many of them differ.
+    pub differing: usize,
     /// A's live bytes there.
     pub a: u64,
     /// B's.
@@ -232,74 +249,87 @@ pub struct FileMatch {
 /// A [`ReplayError`] when either run cannot be replayed.
 pub fn diff(a: &RunSpec<'_>, b: &RunSpec<'_>) -> Result<Diff, ReplayError> {
     let (run_a, sites_a) = read_run(a)?;
-    let (run_b, mut sites_b) = read_run(b)?;
+    let (run_b, sites_b) = read_run(b)?;
     let files_matched = files::match_files(
         sites_a.keys().map(|s| s.file.as_str()),
         sites_b.keys().map(|s| s.file.as_str()),
     );
-    if !files_matched.is_empty() {
-        let renamed: FxHashMap<&str, &str> = files_matched
-            .iter()
-            .map(|m| (m.b.as_str(), m.a.as_str()))
-            .collect();
-        let mut merged: FxHashMap<Site, SiteLive> = FxHashMap::default();
-        for (mut s, live) in sites_b {
-            if let Some(&a_name) = renamed.get(s.file.as_str()) {
-                s.file = a_name.to_string();
-            }
-            merged.entry(s).or_default().add(live);
-        }
-        sites_b = merged;
-    }
+    // A matched file of B's is one A's run does not name: renamed, it meets no other of B's.
+    let renamed: FxHashMap<&str, &str> = files_matched
+        .iter()
+        .map(|m| (m.b.as_str(), m.a.as_str()))
+        .collect();
     let mut sites: FxHashMap<Site, (SiteLive, SiteLive)> = FxHashMap::default();
     for (s, live) in sites_a {
         sites.entry(s).or_default().0 = live;
     }
-    for (s, live) in sites_b {
+    for (mut s, live) in sites_b {
+        if let Some(&name) = renamed.get(s.file.as_str()) {
+            s.file = name.to_string();
+        }
         sites.entry(s).or_default().1 = live;
     }
-    let mut sites: Vec<SiteDiff> = sites
-        .into_iter()
-        .map(|(s, (a, b))| SiteDiff {
-            site: s.to_string(),
-            difference: signed(b.live.bytes) - signed(a.live.bytes),
-            a: a.live,
-            b: b.live,
-            frames: if b.live.blocks > 0 {
-                b.frames
-            } else {
-                a.frames
-            },
-        })
-        .collect();
+    let mut sites: Vec<(Site, SiteLive, SiteLive)> =
+        sites.into_iter().map(|(s, (a, b))| (s, a, b)).collect();
+    let difference = |a: &SiteLive, b: &SiteLive| signed(b.live.bytes) - signed(a.live.bytes);
     sites.sort_by(|x, y| {
-        let key = |s: &SiteDiff| (s.difference.unsigned_abs(), s.a.bytes.max(s.b.bytes));
-        key(y).cmp(&key(x)).then_with(|| x.site.cmp(&y.site))
+        let key = |(_, a, b): &(Site, SiteLive, SiteLive)| {
+            (
+                difference(a, b).unsigned_abs(),
+                a.live.bytes.max(b.live.bytes),
+            )
+        };
+        key(y).cmp(&key(x)).then_with(|| x.0.cmp(&y.0))
     });
-    let gross: u128 = sites
-        .iter()
-        .map(|s| u128::from(s.difference.unsigned_abs()))
-        .sum();
-    let top: u128 = sites
-        .iter()
-        .take(TOP_SITES)
-        .map(|s| u128::from(s.difference.unsigned_abs()))
-        .sum();
+    let magnitude =
+        |(_, a, b): &(Site, SiteLive, SiteLive)| u128::from(difference(a, b).unsigned_abs());
+    let gross: u128 = sites.iter().map(magnitude).sum();
+    let top: u128 = sites.iter().take(TOP_SITES).map(magnitude).sum();
     let top_share = (gross > 0).then(|| top as f64 / gross as f64);
-    let live_difference = sites.iter().map(|s| s.difference).sum();
+    let live_difference = sites.iter().map(|(_, a, b)| difference(a, b)).sum();
     let rest = (sites.len() > MAX_SITES).then(|| {
         let unlisted = &sites[MAX_SITES..];
-        let (a, b) = unlisted.iter().fold((0u64, 0u64), |(a, b), s| {
-            (a.saturating_add(s.a.bytes), b.saturating_add(s.b.bytes))
+        let (a_bytes, b_bytes) = unlisted.iter().fold((0u64, 0u64), |(x, y), (_, a, b)| {
+            (
+                x.saturating_add(a.live.bytes),
+                y.saturating_add(b.live.bytes),
+            )
         });
         Rest {
             sites: unlisted.len(),
-            a,
-            b,
-            difference: signed(b) - signed(a),
+            differing: unlisted
+                .iter()
+                .filter(|(_, a, b)| difference(a, b) != 0)
+                .count(),
+            a: a_bytes,
+            b: b_bytes,
+            difference: signed(b_bytes) - signed(a_bytes),
         }
     });
     sites.truncate(MAX_SITES);
+    // Only the listed sites' stacks are described.
+    let frames = |spec: &RunSpec<'_>, stack: StackId| {
+        let f = &spec.session.recording().frames;
+        f.frames_of(stack)
+            .iter()
+            .take(SITE_FRAMES)
+            .map(|&id| f.describe(id))
+            .collect()
+    };
+    let sites: Vec<SiteDiff> = sites
+        .into_iter()
+        .map(|(s, sa, sb)| SiteDiff {
+            site: s.to_string(),
+            difference: difference(&sa, &sb),
+            frames: if sb.live.blocks > 0 {
+                frames(b, sb.stack)
+            } else {
+                frames(a, sa.stack)
+            },
+            a: sa.live,
+            b: sb.live,
+        })
+        .collect();
     let reserved_difference = signed(run_b.peak_reserved.bytes) - signed(run_a.peak_reserved.bytes);
     let sentence = sentence(
         &run_a,
@@ -368,19 +398,18 @@ fn sentence(a: &Run, b: &Run, reserved: i64, live: i64, first: Option<&SiteDiff>
 }
 
 /// A site's live tensors in one run and an example stack.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct SiteLive {
     live: Live,
-    frames: Vec<String>,
+    stack: StackId,
 }
 
-impl SiteLive {
-    fn add(&mut self, other: SiteLive) {
-        self.live.bytes = self.live.bytes.saturating_add(other.live.bytes);
-        self.live.requested = self.live.requested.saturating_add(other.live.requested);
-        self.live.blocks += other.live.blocks;
-        if self.frames.is_empty() {
-            self.frames = other.frames;
+impl Default for SiteLive {
+    /// None: the site is the other run's alone.
+    fn default() -> Self {
+        SiteLive {
+            live: Live::default(),
+            stack: StackId::EMPTY,
         }
     }
 }
@@ -401,11 +430,10 @@ fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), Repl
     let replayed = moment.map_or(0, |event| event + 1);
     cursor.advance_to(replayed)?;
     let held: FxHashMap<u64, u64> = cursor.held().map(|(recorded, p)| (p.0, recorded)).collect();
-    let (mut alloc, divergence) = cursor.into_parts();
-    let snapshot = alloc.snapshot();
-    let segments: Vec<_> = snapshot
-        .segments
-        .iter()
+    let (alloc, _) = cursor.into_parts();
+    let segments: Vec<_> = alloc
+        .segment_infos()
+        .into_iter()
         .filter(|s| s.device == device)
         .collect();
 
@@ -429,8 +457,9 @@ fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), Repl
         device as usize,
         &events[..replayed.min(events.len())],
     );
+    let what_if = matches!(spec.mode, Mode::WhatIf(_));
     let mut sites: FxHashMap<Site, SiteLive> = FxHashMap::default();
-    let f = &recording.frames;
+    let mut site_of: FxHashMap<StackId, Site> = FxHashMap::default();
     for segment in &segments {
         let blocks = segment
             .blocks
@@ -444,24 +473,32 @@ fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), Repl
             .filter(|b| b.state == BlockState::ActiveAllocated)
         {
             let requested = block.requested_size.min(block.size);
-            let recorded = held.get(&block.address).copied().unwrap_or(block.address);
-            let stack = stacks.of(recorded);
-            let key = if stack == StackId::EMPTY {
+            // A what-if's own addresses are not the recording's: only its map names a block.
+            let recorded = held.get(&block.address).copied();
+            let recorded = recorded.or((!what_if).then_some(block.address));
+            let stack = recorded.map_or(StackId::EMPTY, |r| stacks.of(r));
+            let key = if recording.frames.frames_of(stack).is_empty() {
                 Site {
                     file: String::new(),
-                    rest: format!("{NO_STACK}: tensors of {}", format_size(requested)),
+                    rest: format!(
+                        "{NO_STACK}: tensors of {} ({requested} bytes)",
+                        format_size(requested)
+                    ),
+                }
+            } else if site_of.len() >= MAX_DISTINCT_SITES && !site_of.contains_key(&stack) {
+                Site {
+                    file: String::new(),
+                    rest: MORE_SITES.to_string(),
                 }
             } else {
-                site(recording, stack)
+                site_of
+                    .entry(stack)
+                    .or_insert_with(|| site(recording, stack))
+                    .clone()
             };
-            let entry = sites.entry(key).or_insert_with(|| SiteLive {
-                live: Live::default(),
-                frames: f
-                    .frames_of(stack)
-                    .iter()
-                    .take(SITE_FRAMES)
-                    .map(|&id| f.describe(id))
-                    .collect(),
+            let entry = sites.entry(key).or_insert(SiteLive {
+                stack,
+                ..SiteLive::default()
             });
             entry.live.bytes = entry.live.bytes.saturating_add(block.size);
             entry.live.requested = entry.live.requested.saturating_add(requested);
@@ -505,10 +542,7 @@ fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), Repl
             )
             .collect(),
     });
-    let (what_if, config) = match &spec.mode {
-        Mode::WhatIf(_) => (true, config_label(&config)),
-        Mode::Check { .. } => (false, config_label(&config)),
-    };
+    let config = crate::replay::config_label(&config);
     let ordering = session
         .ordering()?
         .map_or_else(|| "not established".to_string(), |o| o.sentence());
@@ -525,19 +559,10 @@ fn read_run(spec: &RunSpec<'_>) -> Result<(Run, FxHashMap<Site, SiteLive>), Repl
         breakdown: accounting.breakdown,
         main_stream,
         ooms: pass.ooms,
-        divergence,
+        divergence: pass.divergence,
         iterations,
     };
     Ok((run, sites))
-}
-
-/// A configuration as the replay's report names it.
-fn config_label(config: &crate::AllocatorConfig) -> String {
-    if config.last_settings.is_empty() {
-        "(default)".to_string()
-    } else {
-        config.last_settings.clone()
-    }
 }
 
 /// A run's iterations as spans of events, with what each keeps (their peaks come from the
@@ -550,19 +575,25 @@ struct Spans {
 /// The iterations of the session's trace, allocations rounded under `config`.
 fn iteration_spans(session: &Session, config: &crate::AllocatorConfig) -> Option<Spans> {
     let events: &[TraceEntry] = session.events();
-    let all = allocations(events, config);
+    // Found under the recording's own rounding, so that a recording and its what-ifs are
+    // split alike; what each iteration keeps is counted under the run's.
+    let recorded = session.recording().config.clone().unwrap_or_default();
+    let found_in = allocations(events, &recorded);
     let found =
-        crate::iterations::of_recording(session.recording(), session.device(), events, &all)?;
-    let event_at = |b: usize| all.get(b).map_or(events.len(), |a| a.event);
+        crate::iterations::of_recording(session.recording(), session.device(), events, &found_in)?;
+    let event_at = |b: usize| found_in.get(b).map_or(events.len(), |a| a.event);
+    let all = allocations(events, config);
     let spans = (0..found.count())
         .map(|k| {
             let (first, end) = (event_at(found.bounds[k]), event_at(found.bounds[k + 1]));
-            let kept = all[found.range(k)]
+            let from = all.partition_point(|a| a.event < first);
+            let to = all.partition_point(|a| a.event < end);
+            let kept = all[from..to]
                 .iter()
                 .filter(|a| a.freed.is_none_or(|f| f >= end))
                 .fold(0u64, |sum, a| sum.saturating_add(a.size));
             IterationFigures {
-                step: found.first_step.map(|s| s + k as u64),
+                step: found.step(k),
                 first_event: first,
                 events: end - first,
                 peak_allocated: 0,
@@ -587,6 +618,8 @@ struct Pass {
     iterations: Vec<(u64, u64)>,
     /// Out-of-memory errors.
     ooms: u64,
+    /// Where an exact replay first differed from the recording (the pass stopped there).
+    divergence: Option<Divergence>,
 }
 
 /// One pass of `cursor` (at the trace's start) through the trace, operation by operation,
@@ -612,6 +645,7 @@ fn pass(
         allocated: (allocated, None),
         iterations: vec![(0, 0); listed],
         ooms: 0,
+        divergence: None,
     };
     let mut k = 0;
     loop {
@@ -620,8 +654,9 @@ fn pass(
             break;
         }
         cursor.advance_to(at + 1)?;
-        if cursor.position() == at {
-            // An exact replay stops where it differs from the recording.
+        if cursor.position() == at || cursor.divergence().is_some() {
+            // An exact replay stops where it differs from the recording; that state is not
+            // the recording's.
             break;
         }
         let event = cursor.position() - 1;
@@ -642,6 +677,7 @@ fn pass(
         }
     }
     found.ooms = u64::try_from(cursor.allocator().stats().num_ooms.get()).unwrap_or(0);
+    found.divergence = cursor.divergence().cloned();
     Ok(found)
 }
 

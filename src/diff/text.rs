@@ -6,7 +6,7 @@ use std::fmt::Write;
 use crate::allocator::breakdown::{Breakdown, Part};
 use crate::allocator::size::format_size;
 
-use super::{Diff, Peak, Run, TOP_SITES, format_signed, signed};
+use super::{Diff, MAX_SITES, Peak, Run, TOP_SITES, format_signed, signed};
 
 /// The parts of the reserved memory compared, with what they are called here (the cached
 /// parts as the module's invariants read them).
@@ -75,7 +75,8 @@ pub fn text(diff: &Diff) -> String {
     let _ = writeln!(
         t,
         "\nLive tensors by site, the largest differences first ({} sites differ in all{}):",
-        diff.sites.iter().filter(|s| s.difference != 0).count() + diff.rest.map_or(0, |r| r.sites),
+        diff.sites.iter().filter(|s| s.difference != 0).count()
+            + diff.rest.map_or(0, |r| r.differing),
         diff.top_share.map_or_else(String::new, |share| format!(
             "; the first {TOP_SITES} carry {:.1}% of the change",
             share * 100.0
@@ -103,9 +104,12 @@ pub fn text(diff: &Diff) -> String {
         .skip(TOP_SITES)
         .filter(|s| s.difference != 0)
         .count()
-        + diff.rest.map_or(0, |r| r.sites);
+        + diff.rest.map_or(0, |r| r.differing);
     if more > 0 {
-        let _ = writeln!(t, "  … and {more} more sites (--json lists them)");
+        let _ = writeln!(
+            t,
+            "  … and {more} more sites differ (--json lists the first {MAX_SITES})"
+        );
     }
     if !diff.files_matched.is_empty() {
         let _ = writeln!(t, "\nFiles matched across the runs (A's name shown):");

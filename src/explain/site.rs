@@ -6,14 +6,17 @@
 //! 1. its innermost frame in the program's own code (a Python file outside torch, not one
 //!    that `torch.compile` generated: those are named by the program's line that ran them,
 //!    and their lines differ with every compilation);
-//! 2. else its innermost Python frame (torch's own: `torch/nn/modules/linear.py:125 in
-//!    forward`);
+//! 2. else its innermost Python frame that was not generated (torch's own:
+//!    `torch/nn/modules/linear.py:125 in forward`);
 //! 3. else, for a stack of C++ frames only (about half of a training step's allocations: the
 //!    autograd engine's backward work, on its own thread), the autograd node and the
 //!    operator that allocated (`backward: MeanBackward0 (aten::div_Scalar)`), or either
 //!    alone;
-//! 4. else its innermost frame as written, or `(no stack recorded)`. No allocation is left
-//!    without a site.
+//! 4. else its innermost frame in code `torch.compile` generated, else its innermost frame
+//!    as written, or `(no stack recorded)`. No allocation is left without a site.
+//!
+//! A site's file and the rest are each at most [`MAX_SITE_PART_BYTES`] (a longer one is cut
+//! and marked `…`), so a site costs a bounded copy whatever the recording's strings.
 //!
 //! Python paths are normalised ([`normalised_path`]): what follows `site-packages/` or
 //! `dist-packages/`, a home directory as `~`, a Python's own library from `python3.N/`.
@@ -73,37 +76,65 @@ pub fn site(recording: &Recording, stack: StackId) -> Site {
     let frames = f.frames_of(stack);
     let file = |id: FrameId| f.str(f.get(id).filename);
     let python = |id: &&FrameId| file(**id).ends_with(".py");
+    let written = |id: &&FrameId| !generated(file(**id));
     let own = frames
         .iter()
         .filter(python)
-        .find(|&&id| !file(id).contains("/torch/") && !generated(file(id)));
-    if let Some(&id) = own.or_else(|| frames.iter().find(python)) {
-        // As people read it (a compiled graph's node too), its path normalised.
-        let described = f.describe(id);
-        let path = file(id);
-        return match described.strip_prefix(path) {
-            Some(rest) => Site {
-                file: normalised_path(path).into_owned(),
-                rest: rest.to_string(),
-            },
-            None => Site {
-                file: String::new(),
-                rest: described,
-            },
-        };
+        .filter(written)
+        .find(|&&id| !file(id).contains("/torch/"));
+    let torch = || frames.iter().filter(python).find(written);
+    if let Some(&id) = own.or_else(torch) {
+        return python_site(recording, id);
     }
     let names: Vec<&str> = frames.iter().map(|&id| f.str(f.get(id).name)).collect();
     let rest = match (autograd_node(&names), operator(&names)) {
         (Some(node), Some(op)) => format!("backward: {node} (aten::{op})"),
         (Some(node), None) => format!("backward: {node}"),
         (None, Some(op)) => format!("aten::{op}"),
-        (None, None) => frames
-            .first()
-            .map_or_else(|| NO_STACK.to_string(), |&id| f.describe(id)),
+        // Generated code alone: its line, the last resort (it differs between compilations).
+        (None, None) => match frames.iter().find(python) {
+            Some(&id) => return python_site(recording, id),
+            None => frames
+                .first()
+                .map_or_else(|| NO_STACK.to_string(), |&id| f.describe(id)),
+        },
     };
     Site {
         file: String::new(),
-        rest,
+        rest: bounded(&rest),
+    }
+}
+
+/// The most bytes of a site's file or rest kept (a recording's strings are any length).
+pub const MAX_SITE_PART_BYTES: usize = 512;
+
+/// `text` within [`MAX_SITE_PART_BYTES`], cut at a character and marked `…` where it was cut.
+fn bounded(text: &str) -> String {
+    if text.len() <= MAX_SITE_PART_BYTES {
+        return text.to_string();
+    }
+    let mut end = MAX_SITE_PART_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+/// The site of a Python frame: its path normalised, then its line and function as people
+/// read them (a compiled graph's node too).
+fn python_site(recording: &Recording, id: FrameId) -> Site {
+    let f = &recording.frames;
+    let described = f.describe(id);
+    let path = f.str(f.get(id).filename);
+    match described.strip_prefix(path) {
+        Some(rest) => Site {
+            file: bounded(&normalised_path(path)),
+            rest: bounded(rest),
+        },
+        None => Site {
+            file: String::new(),
+            rest: bounded(&described),
+        },
     }
 }
 
@@ -198,6 +229,55 @@ mod tests {
         assert!(!generated("~/assignment1/cs336_basics/model.py"));
         assert!(!generated("/workspace/ab/cab.py"));
         assert!(!generated("train.py"));
+    }
+
+    #[test]
+    fn generated_code_names_a_site_only_where_nothing_else_does() {
+        let hash = "cp6jhjzn335lo2yptjts5dpdcdk4hshtke2lv7btq23fgwnwn4mq";
+        let generated = format!("/tmp/torchinductor_ana/p6/{hash}.py");
+        let frame = |file: &str, line: u64, name: &str| serde_json::json!({"filename": file, "line": line, "name": name});
+        let torch = frame(
+            "/env/lib/python3.11/site-packages/torch/autograd/function.py",
+            575,
+            "apply",
+        );
+        let op = frame(
+            "",
+            0,
+            "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)",
+        );
+        let long = format!("/{}/x.py", "d".repeat(4 * MAX_SITE_PART_BYTES));
+        let stacks = [
+            // A compiled backward: its generated frame, beneath torch's.
+            vec![frame(&generated, 900, "call"), torch.clone()],
+            // Generated code and a C++ operator only.
+            vec![op.clone(), frame(&generated, 901, "call")],
+            // Generated code alone.
+            vec![frame(&generated, 902, "call")],
+            vec![frame(&long, 1, "f")],
+        ];
+        let events: Vec<_> = stacks
+            .iter()
+            .enumerate()
+            .map(|(i, frames)| {
+                serde_json::json!({"action": "alloc", "addr": (i + 1) * 512, "size": 512, "stream": 0, "frames": frames})
+            })
+            .collect();
+        let doc = serde_json::json!({"segments": [], "device_traces": [events]});
+        let recording =
+            crate::recording::parse_recording(doc.to_string().as_bytes()).expect("reads");
+        let sites: Vec<Site> = recording.event_stacks[0]
+            .iter()
+            .map(|&stack| site(&recording, stack))
+            .collect();
+        assert_eq!(
+            sites[0].to_string(),
+            "torch/autograd/function.py:575 in apply"
+        );
+        assert_eq!(sites[1].to_string(), "aten::mm");
+        assert_eq!(sites[2].file, generated);
+        assert!(sites[3].file.len() <= MAX_SITE_PART_BYTES + '…'.len_utf8());
+        assert!(sites[3].file.ends_with('…'), "{}", sites[3].file);
     }
 
     #[test]

@@ -144,12 +144,12 @@ pub fn plan(
             if planned.len() > MAX_PERIOD || planned.is_empty() {
                 return Err(PlanningError::NoIteration(format!(
                     "the profiler's step {} holds {} allocations: 1 to {MAX_PERIOD} are planned",
-                    found.first_step.unwrap_or_default() + k as u64,
+                    found.step(k).unwrap_or_default(),
                     planned.len()
                 )));
             }
             source = Some(found.source);
-            step = found.first_step.map(|s| s + k as u64);
+            step = found.step(k);
             found_end = found.bounds.last().copied();
             (planned.start, planned.len(), found.count() - k)
         }

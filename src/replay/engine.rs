@@ -68,6 +68,9 @@ pub(super) struct Engine<'a> {
     pub(super) series_every: usize,
     /// The replay's memory budget (`Setup::max_memory_bytes`).
     max_memory_bytes: Option<u64>,
+    /// Where progress was last reported and the budget last checked: kept between calls,
+    /// so that a replay advanced an operation at a time is checked as often.
+    checked_at: usize,
     /// The most allocated and reserved bytes since the last series point.
     bucket: (u64, u64),
     /// Starts of the release runs that the allocator made inside a malloc (not a user's
@@ -439,6 +442,7 @@ impl<'a> Engine<'a> {
                 .map_or(usize::MAX, |every| every.max(1)),
             bucket: (0, 0),
             max_memory_bytes: options.max_memory_bytes,
+            checked_at: 0,
             releases_in_malloc,
             reservation_spacing: None,
             first_event,
@@ -512,11 +516,10 @@ impl<'a> Engine<'a> {
         let n = self.events.len();
         let until = until.min(n);
         let mut i = self.position;
-        let mut reported = i;
         while i < until && self.divergence.is_none() {
-            if i >= reported + PROGRESS_EVERY {
+            if i >= self.checked_at + PROGRESS_EVERY {
                 progress(i, n);
-                reported = i;
+                self.checked_at = i;
                 self.check_memory(i)?;
             }
             let next = match self.events[i].action {

@@ -351,6 +351,15 @@ fn check_on_capacity(
 }
 
 /// The configuration a replay runs under: the what-if one, else the recorded one.
+/// A configuration as reports name it: its settings, or `(default)`.
+pub fn config_label(config: &AllocatorConfig) -> String {
+    if config.last_settings.is_empty() {
+        "(default)".to_string()
+    } else {
+        config.last_settings.clone()
+    }
+}
+
 fn replayed_config(recording: &Recording, options: &Options) -> AllocatorConfig {
     options
         .config
@@ -680,11 +689,7 @@ fn run_with(
         .copied()
         .flatten();
     let report = ReplayReport {
-        config: if config.last_settings.is_empty() {
-            "(default)".to_string()
-        } else {
-            config.last_settings.clone()
-        },
+        config: config_label(&config),
         events: engine.events.len(),
         start_segments,
         peak_allocated,

@@ -267,11 +267,12 @@ fn sites(b: &mut String, diff: &Diff) {
     if let Some(r) = diff.rest {
         let _ = writeln!(
             b,
-            "<tr>{}{}<td></td><td></td>{}<td></td><td></td><td><span data-field=\"rest.sites\" data-value=\"{3}\">{3}</span> more sites</td></tr>",
+            "<tr>{}{}<td></td><td></td>{}<td></td><td></td><td><span data-field=\"rest.sites\" data-value=\"{3}\">{3}</span> more sites, <span data-field=\"rest.differing\" data-value=\"{4}\">{4}</span> of which differ</td></tr>",
             signed_cell("rest.difference", r.difference),
             bytes_cell("rest.a", Some(r.a)),
             bytes_cell("rest.b", Some(r.b)),
             r.sites,
+            r.differing,
         );
     }
     let _ = writeln!(b, "</table>");
@@ -327,7 +328,7 @@ fn iterations(b: &mut String, diff: &Diff) {
     let heads = "<th>step</th><th>first event</th><th>events</th><th>peak allocated</th><th>peak reserved</th><th>kept</th>";
     let _ = writeln!(
         b,
-        "<table id=\"iterations\"><tr><th></th><th colspan=\"6\">A</th><th colspan=\"6\">B</th></tr><tr><th>#</th>{heads}{heads}</tr>"
+        "<table id=\"iterations\"><tr><th></th><th colspan=\"6\">A</th><th colspan=\"6\">B</th></tr><tr><th>iteration (0-based)</th>{heads}{heads}</tr>"
     );
     for k in 0..n {
         let mut cells = String::new();
@@ -345,7 +346,7 @@ fn iterations(b: &mut String, diff: &Diff) {
                 None => cells.push_str(&"<td></td>".repeat(6)),
             }
         }
-        let _ = writeln!(b, "<tr><th>{}</th>{cells}</tr>", k + 1);
+        let _ = writeln!(b, "<tr><th>{k}</th>{cells}</tr>");
     }
     let _ = writeln!(b, "</table>");
 }

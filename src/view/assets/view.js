@@ -37,8 +37,8 @@ async function init() {
   $('slider').addEventListener('input', () => setEvent(Number($('slider').value)));
   $('apply').addEventListener('click', () => {
     state.whatIf = $('whatif').value.trim();
-    loadTimeline();
-    loadDiff();
+    // The comparison replays the trace four times: asked for once the timeline is drawn.
+    loadTimeline().then(loadDiff);
     requestMaps();
   });
   if (overview.devices.length === 0) {
@@ -100,17 +100,28 @@ async function loadTimeline() {
   }
 }
 
-// The recording against the what-if, each at its peak (`gpumem diff --config`).
+// The recording against the what-if, each at its peak (`gpumem diff --config`). Only the
+// latest request's answer is drawn (another device or configuration may have been asked for
+// meanwhile); its error is shown in the section's own place.
+let diffRequests = 0;
 async function loadDiff() {
+  const asked = ++diffRequests;
+  const current = () => asked === diffRequests;
+  $('diff-error').textContent = '';
   if (!state.whatIf) {
     $('diff').hidden = true;
     return;
   }
   try {
-    drawDiff(await get(`api/v1/diff?${query({ config: state.whatIf })}`));
+    const d = await get(`api/v1/diff?${query({ config: state.whatIf })}`);
+    if (current()) drawDiff(d);
   } catch (error) {
-    $('diff').hidden = true;
-    showError(error);
+    if (!current()) return;
+    $('diff').hidden = false;
+    $('diff-sentence').textContent = '';
+    $('diff-breakdown').replaceChildren();
+    $('diff-sites').replaceChildren();
+    $('diff-error').textContent = String(error.message || error);
   }
 }
 
