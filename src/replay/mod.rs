@@ -746,6 +746,49 @@ mod tests {
     use super::*;
     use crate::allocator::size::LARGE_BUFFER;
 
+    /// A cursor moved one operation at a time (as `diff` moves it) is held to the replay's
+    /// memory budget as one moved at once is: the check is kept between calls.
+    #[test]
+    fn a_cursor_stepped_an_operation_at_a_time_keeps_its_memory_budget() {
+        let mut events = Vec::new();
+        for i in 0..2_000u64 {
+            let (stream, addr) = (i * 7919 % 1_000_003 + 1, 0x7f00_0000_0000 + i * (2 << 20));
+            for action in ["segment_alloc", "alloc", "free_requested", "free_completed"] {
+                let size = if action == "segment_alloc" {
+                    2 << 20
+                } else {
+                    512
+                };
+                events.push(serde_json::json!({"action": action, "addr": addr, "size": size, "stream": stream}));
+            }
+        }
+        let doc = serde_json::json!({"segments": [], "device_traces": [events]});
+        let recording =
+            crate::recording::parse_recording(doc.to_string().as_bytes()).expect("reads");
+        let options = |budget| Options {
+            capacity: Some(1 << 46),
+            check: true,
+            max_memory_bytes: budget,
+            ..Options::default()
+        };
+        let step_through = |budget| -> Result<usize, ReplayError> {
+            let found = Found::named(FitOrder::default());
+            let mut cursor = Cursor::new(&recording, options(budget), FxHashMap::default(), found)?;
+            let mut steps = 0;
+            while cursor.position() < cursor.len() {
+                cursor.advance_to(cursor.position() + 1)?;
+                steps += 1;
+            }
+            Ok(steps)
+        };
+        assert!(step_through(None).is_ok_and(|steps| steps >= 2_000));
+        let err = step_through(Some(1 << 20)).expect_err("bounded");
+        assert!(
+            matches!(err, ReplayError::MemoryBudget { budget, .. } if budget == 1 << 20),
+            "{err}"
+        );
+    }
+
     #[test]
     fn the_inferred_capacity_is_the_largest_that_reserves_the_spacing() {
         let reserves = |c: u64, page: u64| (c + c / 8).div_ceil(page) * page;
