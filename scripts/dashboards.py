@@ -176,7 +176,7 @@ def lineup():
         "A thick 'reserved but unallocated' band with OOMs means fragmentation: try "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A thick 'outside the allocator' band "
         "is invisible to torch.cuda.memory_stats().",
-        (0, 39, 12, 10), targets, "bytes", stacked=True)
+        (0, 47, 12, 10), targets, "bytes", stacked=True)
     p.update(repeat="gpu", repeatDirection="h", maxPerRow=2)
     line = [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
             {"id": "custom.fillOpacity", "value": 0}, {"id": "custom.lineWidth", "value": 2}]
@@ -300,8 +300,27 @@ def overview():
               "bytes", ["instance", "pod_namespace", "pod_name", "pid", "gpu", "kind", "Value #A"],
               {"instance": "node", "pod_namespace": "namespace", "pod_name": "pod",
                "Value #A": "bytes"}, sort="bytes"),
+        timeseries("Recordings kept and not archived yet",
+                   "Memory snapshots jobs uploaded at an OOM (gpumem_push) that the agents keep, "
+                   "and those not archived in object storage yet (--recordings-url). A count "
+                   "not archived that only grows means the archive is unreachable or refuses "
+                   "the agent: see the GpumemRecordingUploadsFailing runbook.",
+                   (0, 38, 12, 8),
+                   [target("A", 'sum by (instance) (gpumem_recordings_stored{cluster=~"$cluster", '
+                                'instance=~"$node"})', "{{instance}} kept"),
+                    target("B", 'sum by (instance) (gpumem_recordings_upload_pending'
+                                '{cluster=~"$cluster", instance=~"$node"})',
+                           "{{instance}} not archived yet")], "short"),
+        timeseries("Archive attempts per second by result",
+                   "Kept recordings written to object storage (uploaded), failed (tried again "
+                   "with backoff), or evicted: they left the spool by its caps before they were "
+                   "archived, and are lost.",
+                   (12, 38, 12, 8),
+                   [target("A", 'sum by (instance, result) (rate(gpumem_recordings_uploaded_total'
+                                '{cluster=~"$cluster", instance=~"$node"}[$__rate_interval]))',
+                           "{{instance}} {{result}}")], "ops"),
         {"type": "row", "title": "Node $node", "collapsed": False, "repeat": "node",
-         "gridPos": {"x": 0, "y": 38, "w": 24, "h": 1}, "panels": []},
+         "gridPos": {"x": 0, "y": 46, "w": 24, "h": 1}, "panels": []},
         lineup(),
     ]
     return dashboard("gpumem-overview", "gpumem / Overview",

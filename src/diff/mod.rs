@@ -56,7 +56,7 @@ use crate::allocator::breakdown::{Accounting, Breakdown, Request};
 use crate::allocator::size::{PoolKind, format_size};
 use crate::allocator::{BlockState, TraceEntry};
 use crate::explain::block_stacks::BlockStacks;
-use crate::explain::site::{NO_STACK, Site, site};
+use crate::explain::site::{NO_STACK, Site, example_frames, site};
 use crate::iterations::{IterationSource, allocations};
 use crate::recording::frames::StackId;
 use crate::replay::{Divergence, Mode, ReplayError, Session};
@@ -67,8 +67,6 @@ pub const TOP_SITES: usize = 10;
 pub const MAX_SITES: usize = 200;
 /// The most iterations listed per run.
 pub const MAX_ITERATIONS: usize = 64;
-/// Frames kept of a site's example stack.
-const SITE_FRAMES: usize = 8;
 /// The most distinct sites a run's live tensors are grouped by; the blocks of any further
 /// site are summed as [`MORE_SITES`].
 pub const MAX_DISTINCT_SITES: usize = 1 << 16;
@@ -308,14 +306,8 @@ pub fn diff(a: &RunSpec<'_>, b: &RunSpec<'_>) -> Result<Diff, ReplayError> {
     });
     sites.truncate(MAX_SITES);
     // Only the listed sites' stacks are described.
-    let frames = |spec: &RunSpec<'_>, stack: StackId| {
-        let f = &spec.session.recording().frames;
-        f.frames_of(stack)
-            .iter()
-            .take(SITE_FRAMES)
-            .map(|&id| f.describe(id))
-            .collect()
-    };
+    let frames =
+        |spec: &RunSpec<'_>, stack: StackId| example_frames(spec.session.recording(), stack);
     let sites: Vec<SiteDiff> = sites
         .into_iter()
         .map(|(s, sa, sb)| SiteDiff {

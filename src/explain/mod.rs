@@ -715,12 +715,9 @@ fn pinning(
 
 /// An empty group for `stack`, named by its frames.
 fn group_of(recording: &Recording, stack: crate::recording::frames::StackId) -> PinGroup {
-    let f = &recording.frames;
-    let name = |id: crate::recording::frames::FrameId| f.describe(id);
-    let frames = f.frames_of(stack);
     PinGroup {
         frame: site::site_of(recording, stack),
-        frames: frames.iter().take(8).map(|&id| name(id)).collect(),
+        frames: site::example_frames(recording, stack),
         blocks: 0,
         live_bytes: 0,
         pinned_free_bytes: 0,

@@ -138,6 +138,20 @@ fn python_site(recording: &Recording, id: FrameId) -> Site {
     }
 }
 
+/// Frames listed of a site's example stack.
+pub const EXAMPLE_FRAMES: usize = 8;
+
+/// The first [`EXAMPLE_FRAMES`] frames of `stack`, innermost first, as `file:line in
+/// function`: the example stack a site is shown with.
+pub fn example_frames(recording: &Recording, stack: StackId) -> Vec<String> {
+    let f = &recording.frames;
+    f.frames_of(stack)
+        .iter()
+        .take(EXAMPLE_FRAMES)
+        .map(|&id| f.describe(id))
+        .collect()
+}
+
 /// The site of an allocation whose stack the recording did not keep.
 pub const NO_STACK: &str = "(no stack recorded)";
 
