@@ -5,7 +5,8 @@
 //! - The queue is the spool itself: what is kept and not archived yet
 //!   (`RecordingStore::unarchived`), so it is bounded by the spool's caps, survives a
 //!   restart of the agent's container, and nothing leaves the spool but by its caps (an
-//!   eviction before archiving is counted `evicted`). A recording is marked archived in its
+//!   eviction before archiving is counted `evicted`; one during the recording's upload,
+//!   only once the upload ends without archiving it). A recording is marked archived in its
 //!   metadata file only once its object and then its sidecar are written: a listing that
 //!   finds a sidecar finds its recording.
 //! - A recording is filed under its pod's namespace and name: as its upload named them, else
@@ -205,19 +206,20 @@ impl Uploads {
                 pass.waiting += 1;
                 continue;
             };
+            self.spool.begin_upload(&kept.id);
             match self.upload(&kept, &key).await {
                 Ok(Some(address)) => {
-                    self.spool.count_upload(UploadResult::Uploaded);
+                    self.spool.end_upload(Some(UploadResult::Uploaded));
                     if let Err(e) = self.spool.archived(&kept.id, &address) {
                         // Noted in memory all the same: not archived again by this agent.
                         tracing::warn!(id = kept.id, error = %e, "could not note an archived recording");
                     }
                     tracing::info!(id = kept.id, address, "recording archived");
                 }
-                // Evicted meanwhile (counted by the spool).
-                Ok(None) => {}
+                // Evicted before it was read (counted by the spool).
+                Ok(None) => self.spool.end_upload(None),
                 Err(e) => {
-                    self.spool.count_upload(UploadResult::Failed);
+                    self.spool.end_upload(Some(UploadResult::Failed));
                     tracing::warn!(id = kept.id, error = %e, "could not archive a recording");
                     pass.failed += 1;
                 }

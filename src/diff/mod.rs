@@ -11,9 +11,8 @@
 //! directories above it (`files`). The parts of each run's reserved memory are set side by
 //! side: what live tensors asked for and their rounding, and what the allocator holds beside
 //! them (cached free memory, other streams' and private pools' caches, frees waiting on other
-//! streams), and, where a run repeats iterations (the job's
-//! profiler steps, else the repeating sequence found), each iteration's peaks and what it
-//! keeps past its end.
+//! streams); and, where a run repeats iterations (the job's profiler steps, else the
+//! repeating sequence found), each iteration's peaks and what it keeps past its end.
 //!
 //! # Invariants
 //! - The difference adds up: the sites' differences (live blocks' bytes) plus the
@@ -103,7 +102,7 @@ pub struct Diff {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rest: Option<Rest>,
     /// The share (0 to 1) of the sum of every site's absolute difference that the first
-    /// [`TOP_SITES`] sites carry; absent where no site differs.
+    /// [`TOP_SITES`] sites carry; `None` (null) where no site differs.
     pub top_share: Option<f64>,
     /// Files that differ only in the directories above them, matched as one file (A's name
     /// shown).

@@ -259,10 +259,19 @@ pub struct RecordingStore {
     evicted_at_open: AtomicU64,
 }
 
-/// The archive's results so far, by [`UploadResult`].
+/// The archive's results so far, by [`UploadResult`], and the upload under way.
 #[derive(Debug, Default)]
 struct Archiving {
     results: [u64; UploadResult::ALL.len()],
+    /// The recording being uploaded, and whether the caps evicted it meanwhile: its loss is
+    /// counted only once its upload ends without archiving it.
+    uploading: Option<(String, bool)>,
+}
+
+impl Archiving {
+    fn count(&mut self, result: UploadResult) {
+        self.results[result as usize] += 1;
+    }
 }
 
 /// What became of an attempt to archive a recording (`gpumem_recordings_uploaded_total`'s
@@ -820,12 +829,15 @@ impl RecordingStore {
     }
 
     /// Removes a recording's files (counted as `evicted` where it was to be archived and was
-    /// not yet).
+    /// not yet; while it is being uploaded, once that upload ends without archiving it).
     fn remove(&self, recording: &StoredRecording) {
         if recording.archived.is_none()
             && let Some(archiving) = &mut *self.archiving()
         {
-            archiving.results[UploadResult::Evicted as usize] += 1;
+            match &mut archiving.uploading {
+                Some((id, evicted)) if *id == recording.id => *evicted = true,
+                _ => archiving.count(UploadResult::Evicted),
+            }
         }
         for name in [
             format!("{}.{RECORDING}", recording.id),
@@ -877,10 +889,29 @@ impl RecordingStore {
             .collect()
     }
 
-    /// Counts an attempt to archive a recording.
-    pub fn count_upload(&self, result: UploadResult) {
+    /// Notes that recording `id` is being uploaded (an upload abandoned before it ended is
+    /// ended here: lost, where it was evicted meanwhile).
+    pub fn begin_upload(&self, id: &str) {
         if let Some(archiving) = &mut *self.archiving() {
-            archiving.results[result as usize] += 1;
+            if let Some((_, true)) = archiving.uploading.take() {
+                archiving.count(UploadResult::Evicted);
+            }
+            archiving.uploading = Some((id.to_string(), false));
+        }
+    }
+
+    /// Counts the end of the upload under way: `Uploaded` or `Failed`, or `None` where its
+    /// recording was gone before it was read. A recording the caps evicted meanwhile is
+    /// counted `evicted` too unless it was archived: it is not tried again.
+    pub fn end_upload(&self, result: Option<UploadResult>) {
+        if let Some(archiving) = &mut *self.archiving() {
+            let evicted = archiving.uploading.take().is_some_and(|(_, e)| e);
+            if let Some(result) = result {
+                archiving.count(result);
+            }
+            if evicted && result != Some(UploadResult::Uploaded) {
+                archiving.count(UploadResult::Evicted);
+            }
         }
     }
 
@@ -1129,11 +1160,13 @@ mod tests {
             ids(store.unarchived()),
             [first.id.clone(), second.id.clone()]
         );
-        store.count_upload(UploadResult::Failed);
+        store.begin_upload(&first.id);
+        store.end_upload(Some(UploadResult::Failed));
+        store.begin_upload(&first.id);
+        store.end_upload(Some(UploadResult::Uploaded));
         store
             .archived(&first.id, "s3://b/k.pickle.gz")
             .expect("noted");
-        store.count_upload(UploadResult::Uploaded);
         assert_eq!(ids(store.unarchived()), std::slice::from_ref(&second.id));
         assert_eq!(
             counts(&store),
@@ -1158,6 +1191,23 @@ mod tests {
         assert_eq!(counts(&reopened).0[2], ("evicted", 0));
         upload(&reopened, &owner(4, Tenant::Process(4))).expect("kept");
         assert_eq!(counts(&reopened).0[2], ("evicted", 1));
+        // Evicted while it was being uploaded: archived all the same, no loss; evicted while
+        // an upload failed, or before it was read, lost.
+        let pid = std::cell::Cell::new(100);
+        let evicted_during = |result: Option<UploadResult>| {
+            let oldest = reopened.unarchived().remove(0);
+            reopened.begin_upload(&oldest.id);
+            pid.set(pid.get() + 1);
+            upload(&reopened, &owner(pid.get(), Tenant::Process(pid.get()))).expect("kept");
+            assert!(reopened.get(&oldest.id).is_none(), "evicted by the count");
+            let before = counts(&reopened).0;
+            reopened.end_upload(result);
+            let after = counts(&reopened).0;
+            (0..3).map(|k| after[k].1 - before[k].1).collect::<Vec<_>>()
+        };
+        assert_eq!(evicted_during(Some(UploadResult::Uploaded)), [1, 0, 0]);
+        assert_eq!(evicted_during(Some(UploadResult::Failed)), [0, 1, 1]);
+        assert_eq!(evicted_during(None), [0, 0, 1]);
         assert_eq!(counts(&reopened).1, 2);
         // A recording evicted meanwhile is not noted again.
         reopened
