@@ -72,11 +72,16 @@ pub fn text(diff: &Diff) -> String {
         .iter()
         .take(TOP_SITES)
         .filter(|s| s.difference != 0);
+    let differing = diff.sites.iter().filter(|s| s.difference != 0).count()
+        + diff.rest.map_or(0, |r| r.differing);
     let _ = writeln!(
         t,
-        "\nLive tensors by site, the largest differences first ({} sites differ in all{}):",
-        diff.sites.iter().filter(|s| s.difference != 0).count()
-            + diff.rest.map_or(0, |r| r.differing),
+        "\nLive tensors by site, the largest differences first ({differing} {} in all{}):",
+        if differing == 1 {
+            "site differs"
+        } else {
+            "sites differ"
+        },
         diff.top_share.map_or_else(String::new, |share| format!(
             "; the first {TOP_SITES} carry {:.1}% of the change",
             share * 100.0
