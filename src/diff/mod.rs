@@ -51,7 +51,7 @@ pub mod text;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::allocator::breakdown::{Accounting, Breakdown, Request};
+use crate::allocator::breakdown::{Accounting, Breakdown, Part, Request};
 use crate::allocator::size::{PoolKind, format_size};
 use crate::allocator::{BlockState, TraceEntry};
 use crate::explain::block_stacks::BlockStacks;
@@ -147,6 +147,25 @@ pub struct Run {
     pub divergence: Option<Divergence>,
     /// Its iterations, where it repeats.
     pub iterations: Option<RunIterations>,
+}
+
+impl Run {
+    /// A part's bytes at the peak (the parts compared are always known).
+    pub fn part(&self, part: Part) -> u64 {
+        self.breakdown.get(part).unwrap_or(0)
+    }
+
+    /// The bytes live tensors' blocks hold at the peak: what they asked for and its rounding.
+    pub fn live_bytes(&self) -> u64 {
+        self.breakdown.requested + self.breakdown.rounding
+    }
+}
+
+impl Diff {
+    /// B's bytes of a part minus A's.
+    pub fn part_difference(&self, part: Part) -> i64 {
+        signed(self.b.part(part)) - signed(self.a.part(part))
+    }
 }
 
 /// A peak: bytes and the event after which they were first held.

@@ -3,10 +3,10 @@
 
 use std::fmt::Write;
 
-use crate::allocator::breakdown::{Breakdown, Part};
+use crate::allocator::breakdown::Part;
 use crate::allocator::size::format_size;
 
-use super::{Diff, MAX_SITES, Peak, Run, TOP_SITES, format_signed, signed};
+use super::{Diff, MAX_SITES, Peak, Run, TOP_SITES, format_signed};
 
 /// The parts of the reserved memory compared, with what they are called here (the cached
 /// parts as the module's invariants read them).
@@ -18,11 +18,6 @@ pub const PARTS: [(Part, &str); 6] = [
     (Part::OtherPools, "cached free, private pools"),
     (Part::PendingStreamFrees, "freed, waiting on other streams"),
 ];
-
-/// A part's bytes in a breakdown (the compared parts are always known).
-pub fn part(b: &Breakdown, part: Part) -> u64 {
-    b.get(part).unwrap_or(0)
-}
 
 /// The text of `diff`.
 pub fn text(diff: &Diff) -> String {
@@ -38,22 +33,20 @@ pub fn text(diff: &Diff) -> String {
         "A", "B", "B - A"
     );
     for (p, name) in PARTS {
-        let (a, b) = (part(&diff.a.breakdown, p), part(&diff.b.breakdown, p));
         let _ = writeln!(
             t,
             "  {name:<37} {:>12} {:>12} {:>12}",
-            format_size(a),
-            format_size(b),
-            format_signed(signed(b) - signed(a))
+            format_size(diff.a.part(p)),
+            format_size(diff.b.part(p)),
+            format_signed(diff.part_difference(p))
         );
         if p == Part::Rounding {
-            let live = |r: &Run| r.breakdown.requested + r.breakdown.rounding;
             let _ = writeln!(
                 t,
                 "  {:<37} {:>12} {:>12} {:>12}",
                 "= live tensors' blocks",
-                format_size(live(&diff.a)),
-                format_size(live(&diff.b)),
+                format_size(diff.a.live_bytes()),
+                format_size(diff.b.live_bytes()),
                 format_signed(diff.live_difference)
             );
         }

@@ -143,7 +143,7 @@ fn bars(b: &mut String, diff: &Diff) {
             "<div style=\"display:flex;align-items:center;margin:.2em 0\"><span style=\"width:1.5em\">{label}</span><div style=\"flex:1;display:flex;height:1.4em\">"
         );
         for ((part, name), colour) in PARTS.iter().zip(COLOURS) {
-            let bytes = crate::diff::text::part(&run.breakdown, *part);
+            let bytes = run.part(*part);
             let width = bytes as f64 / scale * 100.0;
             if width > 0.0 {
                 let _ = write!(
@@ -165,15 +165,11 @@ fn breakdown(b: &mut String, diff: &Diff) {
         "<h2>At the peaks</h2>\n<table id=\"breakdown\"><tr><th></th><th>A</th><th>B</th><th>B − A</th></tr>"
     );
     for ((part, name), colour) in PARTS.iter().zip(COLOURS) {
-        let (a, bb) = (
-            crate::diff::text::part(&diff.a.breakdown, *part),
-            crate::diff::text::part(&diff.b.breakdown, *part),
-        );
+        let (a, bb) = (diff.a.part(*part), diff.b.part(*part));
         let field = part.field();
-        let d = i128::from(bb) - i128::from(a);
         let difference = format!(
             "<td class=\"num\">{}</td>",
-            format_signed(d.clamp(i64::MIN.into(), i64::MAX.into()) as i64)
+            format_signed(diff.part_difference(*part))
         );
         row(
             b,
@@ -185,14 +181,13 @@ fn breakdown(b: &mut String, diff: &Diff) {
             ),
         );
         if *part == Part::Rounding {
-            let live = |r: &Run| r.breakdown.requested + r.breakdown.rounding;
             row(
                 b,
                 "= live tensors' blocks",
                 format!(
                     "<td class=\"num\">{}</td><td class=\"num\">{}</td>{}",
-                    format_size(live(&diff.a)),
-                    format_size(live(&diff.b)),
+                    format_size(diff.a.live_bytes()),
+                    format_size(diff.b.live_bytes()),
                     signed_cell("live_difference", diff.live_difference)
                 ),
             );
