@@ -1,11 +1,12 @@
 //! Plans that hold in live jobs (issue 57). A live job's iterations are not the recorded
 //! ones: requests come out of their recorded order, sizes change within their rounded class
 //! and some across it, allocations are added and others missing, and the job runs one
-//! iteration more or fewer than recorded. The plan made from the recording still serves at
-//! least 95 % of the requests the recorded iterations also have, and the job holds no more
-//! than the caching allocator does on the same live requests.
+//! iteration more or fewer than recorded. Issue 57 asks that the plan made from the
+//! recording still serve at least 95 % of the requests the recorded iterations also have, and
+//! that the job hold no more than the caching allocator does on the same live requests.
 //!
-//! Not yet met (docs/planning.md): the tests are ignored until they pass.
+//! Not yet met everywhere (docs/planning.md, "Plans in live jobs"): those tests are ignored;
+//! the others hold the follower to what it does now, a floor against regressions.
 
 use std::sync::Arc;
 
@@ -220,7 +221,7 @@ fn run(ops: &[Op], from: usize, config: &AllocatorConfig, plan: Option<Arc<Plan>
 
 /// The live job of `recording` in three lengths (as recorded, one iteration fewer, one
 /// more), each against the caching allocator.
-fn holds_live(name: &str, recording: &Recording) {
+fn holds_live(name: &str, recording: &Recording, target: Target, failures: &mut Vec<String>) {
     let config = AllocatorConfig::default();
     let options = PlanOptions {
         config: Some(config.clone()),
@@ -293,14 +294,19 @@ fn holds_live(name: &str, recording: &Recording) {
                 planned.peak_reserved >> 20,
                 caching.peak_reserved >> 20
             );
-            assert!(planned.decided > 0, "{name}: the plan decided no request");
-            assert!(served >= 0.95, "{name} {length} seed {seed}: {served:.3}");
-            assert!(
-                planned.peak_reserved <= caching.peak_reserved,
-                "{name} {length} seed {seed}: {} bytes, the caching allocator {}",
-                planned.peak_reserved,
-                caching.peak_reserved
-            );
+            if planned.decided == 0 {
+                failures.push(format!("{name}: the plan decided no request"));
+            }
+            if served < target.served {
+                failures.push(format!("{name} {length} seed {seed}: {served:.3} served"));
+            }
+            let allowed = caching.peak_reserved as f64 * target.peak + target.slack as f64;
+            if planned.peak_reserved as f64 > allowed {
+                failures.push(format!(
+                    "{name} {length} seed {seed}: {} bytes reserved, the caching allocator {}",
+                    planned.peak_reserved, caching.peak_reserved
+                ));
+            }
         }
     }
 }
@@ -312,29 +318,92 @@ fn bundled(file: &str) -> Recording {
     read_recording(&path).expect("a bundled recording")
 }
 
-#[test]
-#[ignore = "issue 57, open: plans do not yet hold in perturbed live jobs (cs336_lm_compiled_train: 37.7 % served); run with --ignored"]
-fn plans_hold_in_live_jobs_on_bundled_recordings() {
-    for file in [
-        "cs336_lm_compiled_train.noframes.json.gz",
-        "cs336_lm_forward_bf16.noframes.json.gz",
-    ] {
-        holds_live(file, &bundled(file));
+/// What a live job asks of its plan: the share of the recorded requests it serves, and its
+/// peak reserved at most `peak` times the caching allocator's and `slack` bytes.
+#[derive(Clone, Copy)]
+struct Target {
+    served: f64,
+    peak: f64,
+    slack: i64,
+}
+
+/// Issue 57's: 95 % served, never above the caching allocator.
+const ISSUE: Target = Target {
+    served: 0.95,
+    peak: 1.0,
+    slack: 0,
+};
+
+/// What holds now on every recording below but qwen3_gnn, a floor against regressions: 90 %
+/// served, at most 5 % above the caching allocator and one of its 20 MiB segments (a miss
+/// that no free block of the plan holds) (docs/planning.md, "Plans in live jobs").
+const NOW: Target = Target {
+    served: 0.90,
+    peak: 1.05,
+    slack: 20 << 20,
+};
+
+const BUNDLED: [&str; 2] = [
+    "cs336_lm_compiled_train.noframes.json.gz",
+    "cs336_lm_forward_bf16.noframes.json.gz",
+];
+
+const SHARED: [&str; 3] = [
+    "cnn_counterfactual_eor.pickle",
+    "qwen3_gnn_3gpu_expandable_oom_complete.pickle",
+    "toy_transformer_train.pickle",
+];
+
+fn on_bundled(target: Target) {
+    let mut failures = Vec::new();
+    for file in BUNDLED {
+        holds_live(file, &bundled(file), target, &mut failures);
     }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn on_shared(test: &str, names: &[&str], target: Target) {
+    let Some(dir) = shared_traces(test) else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for name in names {
+        let recording = read_recording(&dir.join(name)).expect("reads");
+        holds_live(name, &recording, target, &mut failures);
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]
-#[ignore = "issue 57, open: plans do not yet hold in perturbed live jobs (cnn_counterfactual_eor: 75.9 % served); run with --ignored"]
-fn plans_hold_in_live_jobs_on_shared_recordings() {
-    let Some(dir) = shared_traces("plans_hold_in_live_jobs_on_shared_recordings") else {
-        return;
-    };
-    for name in [
+fn perturbed_live_jobs_mostly_follow_their_plan() {
+    on_bundled(NOW);
+}
+
+#[test]
+fn perturbed_live_jobs_mostly_follow_their_plan_on_shared_recordings() {
+    let names = [
         "cnn_counterfactual_eor.pickle",
-        "qwen3_gnn_3gpu_expandable_oom_complete.pickle",
         "toy_transformer_train.pickle",
-    ] {
-        let recording = read_recording(&dir.join(name)).expect("reads");
-        holds_live(name, &recording);
-    }
+    ];
+    on_shared(
+        "perturbed_live_jobs_mostly_follow_their_plan_on_shared_recordings",
+        &names,
+        NOW,
+    );
+}
+
+#[test]
+#[ignore = "issue 57, open: under 95 % served or above the caching allocator on some seeds (docs/planning.md); run with --ignored"]
+fn plans_hold_in_live_jobs_on_bundled_recordings() {
+    on_bundled(ISSUE);
+}
+
+#[test]
+#[ignore = "issue 57, open: qwen3_gnn serves 82 to 92 % (docs/planning.md); run with --ignored"]
+fn plans_hold_in_live_jobs_on_shared_recordings() {
+    on_shared(
+        "plans_hold_in_live_jobs_on_shared_recordings",
+        &SHARED,
+        ISSUE,
+    );
 }

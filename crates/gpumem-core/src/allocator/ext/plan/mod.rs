@@ -6,10 +6,11 @@
 //! size, its stream and, where planned, an offset inside its stream's region: one segment
 //! per stream, sized so that no two allocations live at once overlap (the planner's work).
 //! At run time the allocator keeps a cursor into the plan:
-//! - A request that matches the entry at the cursor or, the job having skipped some, one of
-//!   the entries after it ([`RESYNC_WINDOW`] in all), by rounded size and stream, is that
-//!   entry. Streams are matched by their handles as the allocator's callers give them: a
-//!   plan made from one process matches another's default stream, not its side streams. A
+//! - A request that matches the entry at the cursor, or one the job skipped a little
+//!   before (it came out of order), or, the job having skipped some, one of the entries
+//!   after the cursor ([`RESYNC_WINDOW`] in all), by rounded size and stream, is that entry.
+//!   Streams are matched by their handles as the allocator's callers give them: a plan
+//!   made from one process matches another's default stream, not its side streams. A
 //!   planned entry is served at its offset when that range of the region is free (a hit). A
 //!   persistent entry (it outlived the planned iteration) goes to its offset when it has one,
 //!   that range is free and the region can be obtained (the planner's bet that it lives
@@ -17,14 +18,18 @@
 //!   the size of one iteration's persistent entries, a new one (or one wholly free again)
 //!   when the current is full. Either is a hit. An entry with neither goes to the caching
 //!   allocator.
-//! - Whole: a planned entry whose range is still taken goes to the smallest free block of
-//!   its region that holds it (a live job's requests are not quite the recorded ones; the
-//!   request stays in the plan's memory), a hit all the same.
-//! - A request that matches none of them, or a planned (not persistent) one whose range is
-//!   still taken (whole: and no free block of the region holds it) or whose region cannot be
-//!   obtained, or a persistent one for which no chunk can be obtained, is a miss: the
-//!   caching allocator serves it, from segments outside the regions. After [`LOST_AFTER`] misses in a row the plan waits for a request
-//!   that matches its first entry, and follows again from there.
+//! - Whole: a live job's requests are not quite the recorded ones. A request the plan cannot
+//!   put where it planned (a planned entry whose range is still taken, a request that
+//!   matches no entry, or comes while the plan waits for its first entry, a persistent entry
+//!   whose current chunk is full) goes to the smallest free block of its stream's region and
+//!   chunks that holds it (ties in the pools' order), a hit all the same: it stays in the
+//!   plan's memory, where the caching allocator would put it beside it.
+//! - A request the plan's held memory cannot hold, or whose region cannot be obtained, or a
+//!   persistent one for which no chunk can be obtained (paged: also a request that matches
+//!   no entry, or a planned one whose range is taken), is a miss: the caching allocator
+//!   serves it, from segments outside the regions. After [`LOST_AFTER`] requests in a row
+//!   that match no entry the plan waits for a request that matches its first entry, and
+//!   follows again from there.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
 //!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
 //!   attempt) gives back the regions and chunks that hold none, so the plan never costs a
@@ -85,6 +90,9 @@
 //!   is lent only to the same stream.
 //!
 //! # Budgets
+//! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] entries; one the plan cannot
+//!   put where it planned scans the free blocks of its stream's region and chunks (each holds
+//!   at most one more free block than live ones).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
@@ -116,9 +124,11 @@ pub const MAX_PLAN_STREAMS: usize = 64;
 /// The largest region: the largest device gpumem models.
 pub const MAX_REGION_BYTES: u64 = crate::allocator::size::MAX_DEVICE_BYTES;
 /// How many entries a request may match: the one expected and those after it (allocations
-/// the job skipped).
+/// the job skipped); and how far back skipped entries are remembered (requests made out of
+/// order).
 pub const RESYNC_WINDOW: usize = 16;
-/// Misses in a row after which the plan waits for its first entry again.
+/// Requests in a row that match no entry after which the plan waits for its first entry
+/// again.
 pub const LOST_AFTER: u32 = 16;
 
 /// The error of a step that finds the plan's record disagreeing with itself (`what`).
@@ -299,6 +309,10 @@ pub(in crate::allocator) struct Following {
     held: BTreeMap<u64, Held>,
     /// The entry the next request is expected to be.
     cursor: usize,
+    /// Entries of this iteration the job skipped (a request matched one after them), at
+    /// most [`RESYNC_WINDOW`] before the last matched: a request made out of order may be
+    /// one of them.
+    skipped: Vec<usize>,
     /// Entries of the current iteration matched so far: the last one's index plus one.
     position: usize,
     /// Whether requests are being matched from the cursor (else: waiting for entry 0).
@@ -389,7 +403,7 @@ impl Held {
 }
 
 /// What the plan says about a request.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Expect {
     /// At `offset` in the region of `regions[region]`.
     Placed { region: usize, offset: u64 },
@@ -477,6 +491,7 @@ impl Following {
             persistent_rest,
             held: BTreeMap::new(),
             cursor: 0,
+            skipped: Vec::new(),
             position: 0,
             following: false,
             misses_in_row: 0,
@@ -508,32 +523,59 @@ impl Following {
     /// What the plan says about a request, and whether it begins an iteration.
     fn match_request(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
         let entries = &self.plan.entries;
-        let matches = |e: &PlanEntry| e.size == size && e.stream == stream;
+        let n = entries.len();
+        let matches = |j: usize| entries[j % n].size == size && entries[j % n].stream == stream;
+        if self.following && !matches(self.cursor) {
+            // A request made out of order: one of the entries skipped a little before.
+            if let Some(k) = self.skipped.iter().position(|&j| matches(j)) {
+                let j = self.skipped.remove(k);
+                self.misses_in_row = 0;
+                return (self.expect(j, stream), false);
+            }
+        }
         let found = if self.following {
-            (0..RESYNC_WINDOW.min(entries.len()))
+            (0..RESYNC_WINDOW.min(n))
                 .map(|k| self.cursor + k)
-                .find(|&j| matches(&entries[j % entries.len()]))
+                .find(|&j| matches(j))
         } else {
-            matches(&entries[0]).then_some(0)
+            matches(0).then_some(0)
         };
         let Some(unwrapped) = found else {
             if !self.following {
                 return (Expect::Idle, false);
             }
             self.misses_in_row += 1;
+            self.paging.unmatched += 1;
             if self.misses_in_row >= LOST_AFTER {
+                self.paging.lost += 1;
                 self.following = false;
                 self.position = 0;
+                self.skipped.clear();
             }
             return (Expect::Miss, false);
         };
-        let j = unwrapped % entries.len();
+        let j = unwrapped % n;
         let begins = !self.following || j < self.position;
+        if begins {
+            self.skipped.clear();
+        } else {
+            // Remembered for a while: the job may make them a little later.
+            self.skipped.extend(self.cursor..j);
+            let oldest = j.saturating_sub(RESYNC_WINDOW);
+            self.skipped.retain(|&s| s >= oldest);
+        }
         self.following = true;
         self.misses_in_row = 0;
-        self.cursor = (j + 1) % entries.len();
+        self.cursor = (j + 1) % n;
         self.position = j + 1;
-        let e = &entries[j];
+        (self.expect(j, stream), begins)
+    }
+
+    /// What entry `j` says about a request on `stream`.
+    fn expect(&self, j: usize, stream: StreamId) -> Expect {
+        let Some(e) = self.plan.entries.get(j) else {
+            return Expect::Miss;
+        };
         // A validated plan has a region for every planned entry's stream and chunks for every
         // persistent one's; were one missing, the entry would go to the caching allocator.
         let at = e.offset.and_then(|offset| {
@@ -541,12 +583,11 @@ impl Following {
             Some((r, offset))
         });
         let chunk = self.chunks.iter().position(|c| c.0 == stream);
-        let expect = match (e.persistent, chunk, at) {
+        match (e.persistent, chunk, at) {
             (true, Some(chunk), tried) => Expect::Persistent { tried, chunk },
             (false, _, Some((region, offset))) => Expect::Placed { region, offset },
             _ => Expect::Unplanned,
-        };
-        (expect, begins)
+        }
     }
 
     /// The base of the region or chunk holding `ptr`.
@@ -654,7 +695,7 @@ impl<D: Device> CachingAllocator<D> {
             Expect::Placed { region, offset } => {
                 match self.place(region, offset, rounded, requested)? {
                     Some(ptr) => Some(ptr),
-                    None => self.place_elsewhere(region, rounded, requested)?,
+                    None => self.place_best_fit(stream, rounded, requested, true, true)?,
                 }
             }
             Expect::Persistent { tried, chunk } => {
@@ -666,8 +707,16 @@ impl<D: Device> CachingAllocator<D> {
                     self.bump(chunk, rounded, requested)?
                 }
             }
-            Expect::Miss => None,
-            Expect::Unplanned | Expect::Idle => {
+            Expect::Miss => self.place_best_fit(stream, rounded, requested, true, true)?,
+            Expect::Idle => {
+                let placed = self.place_best_fit(stream, rounded, requested, true, true)?;
+                if placed.is_none() {
+                    self.planned_mut()?.elsewhere += 1;
+                    return Ok(None);
+                }
+                placed
+            }
+            Expect::Unplanned => {
                 self.planned_mut()?.elsewhere += 1;
                 return Ok(None);
             }
@@ -717,37 +766,43 @@ impl<D: Device> CachingAllocator<D> {
         self.carve(base, base + offset, size, requested)
     }
 
-    /// Whole plans, an entry whose range is taken (a live job's requests are not quite the
-    /// recorded ones): the smallest free block of its region that holds it, at its start,
-    /// so that the request stays in the plan's memory; `Ok(None)` if none does. Linear in
-    /// the region's free blocks, and only when a range is taken.
-    fn place_elsewhere(
+    /// Whole plans, a request the plan cannot put where it planned (its range is taken, it
+    /// matched no entry, its chunk is full): the smallest free block of the stream's held
+    /// memory that holds it, of its region if `region`, of its chunks if `chunks`, at the
+    /// block's start; `Ok(None)` if none does. A live job's requests are not quite the
+    /// recorded ones: this keeps them in the plan's memory. Linear in those free blocks.
+    fn place_best_fit(
         &mut self,
-        r: usize,
+        stream: StreamId,
         size: u64,
         requested: u64,
+        region: bool,
+        chunks: bool,
     ) -> Result<Option<DevicePtr>, AllocError> {
         let planned = self.following()?;
-        let Some(base) = planned.regions.get(r).and_then(|region| region.2) else {
-            return Ok(None);
-        };
         if planned.paged {
             return Ok(None);
         }
-        let fit = planned.held(base)?.free.values().filter_map(|id| {
-            let b = self.blocks.get(id.index())?;
-            (b.size >= size).then_some((b.size, b.ptr))
-        });
-        match fit.min() {
-            Some((_, ptr)) => {
-                let placed = self.carve(base, ptr, size, requested)?;
-                if placed.is_some() {
-                    self.planned_mut()?.paging.elsewhere_in_region += 1;
-                }
-                Ok(placed)
-            }
-            None => Ok(None),
+        // Ties go as in the pools: the lowest address, or the oldest (PyTorch 2.12 on).
+        let order = self.fit_order;
+        let fit = planned
+            .held
+            .iter()
+            .filter(|(_, h)| h.stream == stream && if h.region { region } else { chunks })
+            .flat_map(|(&base, h)| h.free.values().map(move |id| (base, id)))
+            .filter_map(|(base, id)| {
+                let b = self.blocks.get(id.index())?;
+                (b.size >= size).then_some((b.size, order.tie(b.counter, b.ptr), b.ptr, base))
+            })
+            .min();
+        let Some((_, _, ptr, base)) = fit else {
+            return Ok(None);
+        };
+        let placed = self.carve(base, ptr, size, requested)?;
+        if placed.is_some() {
+            self.planned_mut()?.paging.placed_elsewhere += 1;
         }
+        Ok(placed)
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
@@ -768,6 +823,9 @@ impl<D: Device> CachingAllocator<D> {
             {
                 return Ok(Some(ptr));
             }
+        }
+        if let Some(ptr) = self.place_best_fit(stream, size, requested, false, true)? {
+            return Ok(Some(ptr));
         }
         let planned = self.following()?;
         // Of the wholly free chunks large enough, the first by the pools' tie-break: the lowest
@@ -1230,6 +1288,50 @@ mod tests {
         for (i, ((size, stream), want)) in steps.into_iter().enumerate() {
             assert_eq!(following.match_request(size, stream), want, "step {i}");
         }
+    }
+
+    /// Requests made out of order match the entries they skipped, without moving the cursor
+    /// or beginning an iteration; the entry at the cursor comes first, and skipped entries
+    /// are forgotten [`RESYNC_WINDOW`] entries on.
+    #[test]
+    fn a_request_made_out_of_order_matches_the_entry_it_skipped() {
+        let window = RESYNC_WINDOW as u64;
+        let mut entries = vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+            entry(512, S0, Some(1536), false),
+            entry(1024, S0, Some(2048), false),
+        ];
+        entries.extend((0..=window).map(|k| entry(4096 + 512 * k, S0, None, true)));
+        entries.push(entry(1024, S0, Some(512), false));
+        let mut following = following(entries);
+        let placed = |offset| Expect::Placed { region: 0, offset };
+        let persistent = Expect::Persistent {
+            tried: None,
+            chunk: 0,
+        };
+        let steps = [
+            ((512, S0), (placed(0), true)),
+            // The third before the second.
+            ((512, S0), (placed(1536), false)),
+            // The fourth, of the second's size, is at the cursor: it comes first.
+            ((1024, S0), (placed(2048), false)),
+            // Then the second.
+            ((1024, S0), (placed(512), false)),
+            // The first persistent entry skipped.
+            ((4096 + 512, S0), (persistent, false)),
+        ];
+        for (i, ((size, stream), want)) in steps.into_iter().enumerate() {
+            assert_eq!(following.match_request(size, stream), want, "step {i}");
+        }
+        assert_eq!(following.skipped, vec![4]);
+        for k in 2..=window {
+            let got = following.match_request(4096 + 512 * k, S0);
+            assert_eq!(got, (persistent, false), "persistent entry {k}");
+        }
+        assert_eq!(following.skipped, vec![4], "still within the window");
+        assert_eq!(following.match_request(1024, S0), (placed(512), false));
+        assert!(following.skipped.is_empty(), "forgotten past the window");
     }
 
     /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first

@@ -44,9 +44,14 @@ pub struct PlanPaging {
     /// Whole plans: persistent entries served from a block the caching allocator had
     /// cached, before a new chunk.
     pub from_cache: u64,
-    /// Whole plans: entries whose range was taken, served from another free block of their
-    /// region.
-    pub elsewhere_in_region: u64,
+    /// Whole plans: requests served from another free block of their stream's region or
+    /// chunks than planned (a range taken, no entry matched, a chunk full).
+    pub placed_elsewhere: u64,
+    /// Requests that matched none of the entries expected.
+    pub unmatched: u64,
+    /// Times the plan lost its place ([`super::LOST_AFTER`] unmatched requests in a row)
+    /// and waited for its first entry again.
+    pub lost: u64,
     /// Map operations: one per range of pages mapped at once into a region or chunk.
     pub maps: u64,
     /// Pages mapped, lent ones included.
