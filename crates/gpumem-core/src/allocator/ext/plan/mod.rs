@@ -18,12 +18,15 @@
 //!   the size of one iteration's persistent entries, a new one (or one wholly free again)
 //!   when the current is full. Either is a hit. An entry with neither goes to the caching
 //!   allocator.
-//! - Whole: a live job's requests are not quite the recorded ones. A request the plan cannot
-//!   put where it planned (a planned entry whose range is still taken, a request that
-//!   matches no entry, or comes while the plan waits for its first entry, a persistent entry
-//!   whose current chunk is full) goes to the smallest free block of its stream's region and
-//!   chunks that holds it (ties in the pools' order), a hit all the same: it stays in the
-//!   plan's memory, where the caching allocator would put it beside it.
+//! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
+//!   cannot put where it planned goes to the smallest free block that holds it (ties in the
+//!   pools' order), a hit all the same: it stays in the plan's memory, where the caching
+//!   allocator would put it beside it. A planned entry whose range is still taken looks in
+//!   its stream's region and chunks; a persistent entry whose current chunk is full, and a
+//!   request that matches no entry (or comes while the plan waits for its first entry),
+//!   only in its stream's chunks: a request whose lifetime the plan does not know may live
+//!   on, and in a region it would take the range of every later iteration's entries for
+//!   good.
 //! - A request the plan's held memory cannot hold, or whose region cannot be obtained, or a
 //!   persistent one for which no chunk can be obtained (paged: also a request that matches
 //!   no entry, or a planned one whose range is taken), is a miss: the caching allocator
@@ -695,7 +698,7 @@ impl<D: Device> CachingAllocator<D> {
             Expect::Placed { region, offset } => {
                 match self.place(region, offset, rounded, requested)? {
                     Some(ptr) => Some(ptr),
-                    None => self.place_best_fit(stream, rounded, requested, true, true)?,
+                    None => self.place_best_fit(stream, rounded, requested, true)?,
                 }
             }
             Expect::Persistent { tried, chunk } => {
@@ -707,9 +710,10 @@ impl<D: Device> CachingAllocator<D> {
                     self.bump(chunk, rounded, requested)?
                 }
             }
-            Expect::Miss => self.place_best_fit(stream, rounded, requested, true, true)?,
+            // Its lifetime unknown: never in a region, where it could stay for good.
+            Expect::Miss => self.place_best_fit(stream, rounded, requested, false)?,
             Expect::Idle => {
-                let placed = self.place_best_fit(stream, rounded, requested, true, true)?;
+                let placed = self.place_best_fit(stream, rounded, requested, false)?;
                 if placed.is_none() {
                     self.planned_mut()?.elsewhere += 1;
                     return Ok(None);
@@ -766,9 +770,8 @@ impl<D: Device> CachingAllocator<D> {
         self.carve(base, base + offset, size, requested)
     }
 
-    /// Whole plans, a request the plan cannot put where it planned (its range is taken, it
-    /// matched no entry, its chunk is full): the smallest free block of the stream's held
-    /// memory that holds it, of its region if `region`, of its chunks if `chunks`, at the
+    /// Whole plans, a request the plan cannot put where it planned: the smallest free block
+    /// that holds it of its stream's chunks, and of its region if `in_region`, at the
     /// block's start; `Ok(None)` if none does. A live job's requests are not quite the
     /// recorded ones: this keeps them in the plan's memory. Linear in those free blocks.
     fn place_best_fit(
@@ -776,8 +779,7 @@ impl<D: Device> CachingAllocator<D> {
         stream: StreamId,
         size: u64,
         requested: u64,
-        region: bool,
-        chunks: bool,
+        in_region: bool,
     ) -> Result<Option<DevicePtr>, AllocError> {
         let planned = self.following()?;
         if planned.paged {
@@ -788,7 +790,7 @@ impl<D: Device> CachingAllocator<D> {
         let fit = planned
             .held
             .iter()
-            .filter(|(_, h)| h.stream == stream && if h.region { region } else { chunks })
+            .filter(|(_, h)| h.stream == stream && (in_region || !h.region))
             .flat_map(|(&base, h)| h.free.values().map(move |id| (base, id)))
             .filter_map(|(base, id)| {
                 let b = self.blocks.get(id.index())?;
@@ -824,7 +826,7 @@ impl<D: Device> CachingAllocator<D> {
                 return Ok(Some(ptr));
             }
         }
-        if let Some(ptr) = self.place_best_fit(stream, size, requested, false, true)? {
+        if let Some(ptr) = self.place_best_fit(stream, size, requested, false)? {
             return Ok(Some(ptr));
         }
         let planned = self.following()?;
