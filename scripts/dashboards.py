@@ -419,8 +419,9 @@ def allocator():
                "Value #B": "free bytes"}, sort="free bytes"),
         timeseries("Placement plan: hits and misses",
                    "For processes that follow a placement plan (plan:PATH, made by gpumem plan "
-                   "from a recording): requests served at their planned place (hits) and "
-                   "requests the plan expected but the caching allocator served (misses). "
+                   "from a recording): requests served in the plan's memory (hits) and "
+                   "requests the caching allocator served, no free block of the plan's holding "
+                   "them (misses). "
                    "Misses that keep rising mean the job no longer runs the planned iteration: "
                    "make a new plan from a recent recording.", (0, 48, 24, 8),
                    [target("A", f"sum by ({per}, outcome) (rate(gpumem_allocator_plan_requests_total"

@@ -169,7 +169,7 @@ metric!(
     "gpumem_allocator_plan_requests_total",
     Counter,
     &["gpu", "UUID", "pid", "allocator", "outcome"],
-    "Requests a placement plan (plan:PATH) expected: outcome hit (served from its region) or miss (the caching allocator served it). Only for allocators that follow a plan."
+    "Requests while an allocator follows a placement plan (plan:PATH): outcome hit (served from the plan's regions and chunks) or miss (the caching allocator served it). Only for allocators that follow a plan."
 );
 metric!(
     OOMS,

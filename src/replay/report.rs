@@ -88,9 +88,10 @@ pub struct ReplayReport {
     pub alloc_retries: u64,
     /// Allocations that failed.
     pub ooms: u64,
-    /// Requests a placement plan served from its region.
+    /// Requests a placement plan served from its regions and chunks, while followed.
     pub plan_hits: u64,
-    /// Requests a placement plan expected but could not serve.
+    /// Requests a placement plan, while followed, left to the caching allocator: no free
+    /// block of its memory held them.
     pub plan_misses: u64,
     /// What the followed plan did: iterations, the cache given back, and where its regions
     /// and chunks are paged (a device with virtual memory), their maps and unmaps.

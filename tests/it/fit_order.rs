@@ -433,8 +433,8 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
             [b + 8 * GIB, b + GIB, b + 4 * GIB],
             "placed as hinted"
         );
-        // The first two wholly free, the current one full.
-        for &q in &p[..4] {
+        // The first two wholly free, the current one's tail still taken.
+        for &q in &p[..5] {
             free(&mut a, q);
         }
         let got = malloc(&mut a, 4 * MIB, S0);

@@ -12,7 +12,7 @@ use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
 use gpumem::recording::read_recording;
 use gpumem::replay::{Mode, Setup};
-use gpumem::{AllocatorConfig, CachingAllocator};
+use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
 use crate::common::{session, succeeded, temp_dir};
 use crate::support::traces::shared_traces;
@@ -334,7 +334,7 @@ fn a_plan_gives_back_the_cache_it_no_longer_needs_once() {
         let p = a.malloc(4 * MIB, s).expect("fits");
         a.free(p).expect("live");
         if miss {
-            // Larger than the region: the caching allocator's.
+            // Matching no entry, and the plan has no chunk to take it: a miss.
             let q = a.malloc(5 * MIB, s).expect("fits");
             a.free(q).expect("live");
         }
@@ -1119,4 +1119,72 @@ fn a_plans_evaluation_keeps_the_callers_budget() {
         matches!(error, ReplayError::MemoryBudget { budget, .. } if budget == 64 << 20),
         "{error}"
     );
+}
+
+/// A request the plan does not know (no entry of its size) takes a free block of the plan's
+/// chunks, never of its region, however free the region is (its lifetime unknown, it could
+/// take the region's planned ranges for good); where no chunk holds it, it is a miss.
+#[test]
+fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": [
+            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "persistent": true}
+        ]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let region = alloc.malloc(MIB, s).expect("fits");
+    alloc.free(region).expect("live");
+    // The persistent entry: a new chunk of 2 MiB (an iteration's persistent bytes, rounded).
+    let in_region = |p: DevicePtr| p.0 >= region.0 && p.0 < region.0 + 4 * MIB;
+    let kept = alloc.malloc(MIB, s).expect("fits");
+    assert!(!in_region(kept), "in a chunk of its own: {kept:?}");
+    let in_chunk = |p: DevicePtr| p.0 >= kept.0 && p.0 < kept.0 + 2 * MIB;
+    let unknown = alloc.malloc(MIB / 2, s).expect("fits");
+    assert!(in_chunk(unknown), "the chunk's free half: {unknown:?}");
+    let larger = alloc.malloc(3 * MIB / 2, s).expect("fits");
+    assert!(
+        !in_chunk(larger) && !in_region(larger),
+        "the caching allocator's: {larger:?}"
+    );
+    let stats = alloc.stats();
+    assert_eq!(
+        (stats.num_plan_hits.get(), stats.num_plan_misses.get()),
+        (3, 1)
+    );
+    let status = alloc.plan_status().expect("followed");
+    assert_eq!(status.paging.unmatched, 2, "{status:?}");
+    alloc.check_invariants().expect("consistent");
+}
+
+/// A persistent entry whose chunk is full takes a hole a kept tensor left in a chunk (it did
+/// not live on after all) before a new chunk.
+#[test]
+fn a_persistent_entry_fills_a_hole_before_a_new_chunk() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(serde_json::json!({
+        "regions": [],
+        "entries": [
+            {"size": MIB, "stream": 0, "persistent": true},
+            {"size": MIB, "stream": 0, "persistent": true}
+        ]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(MIB, s).expect("fits");
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(second.0, first.0 + MIB, "one chunk of two entries");
+    alloc.free(first).expect("live");
+    // The next iteration: the chunk's tail is taken, its head free.
+    let again = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(again, first, "the hole, not a new chunk");
+    let status = alloc.plan_status().expect("followed");
+    assert_eq!(status.held_bytes, 2 * MIB, "{status:?}");
+    assert_eq!(status.paging.placed_elsewhere, 1, "{status:?}");
+    alloc.check_invariants().expect("consistent");
 }

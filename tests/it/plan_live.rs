@@ -4,6 +4,9 @@
 //! iteration more or fewer than recorded. Issue 57 asks that the plan made from the
 //! recording still serve at least 95 % of the requests the recorded iterations also have, and
 //! that the job hold no more than the caching allocator does on the same live requests.
+//! The live job runs on past its iterations as the recording does (what follows them, an
+//! evaluation or the step that ran out of memory, counts for the peak, not for the share
+//! served: no iteration has those requests).
 //!
 //! Not yet met everywhere (docs/planning.md, "Plans in live jobs"): those tests are ignored;
 //! the others hold the follower to what it does now, a floor against regressions.
@@ -20,7 +23,8 @@ use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
 use crate::support::traces::shared_traces;
 
-/// A live request (`recorded`: the recording has it, perhaps resized) or a free, by id.
+/// A live request (`recorded`: the recorded iterations have it, perhaps resized) or a free,
+/// by id.
 #[derive(Clone, Copy, Debug)]
 enum Op {
     Alloc {
@@ -34,8 +38,10 @@ enum Op {
     },
 }
 
-/// Device 0's default-pool requests and frees, with the event each comes from.
-fn ops_of(recording: &Recording) -> Vec<(Op, usize)> {
+/// Device 0's default-pool requests and frees, with the event each comes from; requests
+/// before event `iterations_end` are the recorded iterations' (after it: what the job did
+/// next, which no iteration has).
+fn ops_of(recording: &Recording, iterations_end: usize) -> Vec<(Op, usize)> {
     let mut live = std::collections::HashMap::new();
     let mut ops = Vec::new();
     for (event, e) in recording.trace(0).iter().enumerate() {
@@ -46,7 +52,7 @@ fn ops_of(recording: &Recording) -> Vec<(Op, usize)> {
             TraceAction::Alloc => {
                 let id = event;
                 live.insert(e.addr, id);
-                let (size, stream, recorded) = (e.size, e.stream, true);
+                let (size, stream, recorded) = (e.size, e.stream, event < iterations_end);
                 ops.push((
                     Op::Alloc {
                         id,
@@ -237,7 +243,7 @@ fn holds_live(name: &str, recording: &Recording, target: Target, failures: &mut 
     // The job starts at the planned iteration (a warm-up before it is another matter: its
     // requests would take the plan's ranges for good).
     let start = planned.events.start;
-    let recorded: Vec<(Op, usize)> = ops_of(recording)
+    let recorded: Vec<(Op, usize)> = ops_of(recording, planned.evaluated.end)
         .into_iter()
         .filter(|&(_, event)| event >= start)
         .collect();
@@ -324,7 +330,7 @@ fn bundled(file: &str) -> Recording {
 struct Target {
     served: f64,
     peak: f64,
-    slack: i64,
+    slack: u64,
 }
 
 /// Issue 57's: 95 % served, never above the caching allocator.
@@ -399,7 +405,7 @@ fn plans_hold_in_live_jobs_on_bundled_recordings() {
 }
 
 #[test]
-#[ignore = "issue 57, open: qwen3_gnn serves 83 to 92 %, toy_transformer peaks 2 MiB above (docs/planning.md); run with --ignored"]
+#[ignore = "issue 57, open: qwen3_gnn serves 76 to 88 %; cnn, qwen3_gnn and toy peak above the caching allocator on 14 of 27 runs (docs/planning.md); run with --ignored"]
 fn plans_hold_in_live_jobs_on_shared_recordings() {
     on_shared(
         "plans_hold_in_live_jobs_on_shared_recordings",

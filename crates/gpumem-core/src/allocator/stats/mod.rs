@@ -82,11 +82,11 @@ pub struct DeviceStats {
     pub num_device_alloc: Counter,
     /// Driver frees (`cudaFree`, or an expandable-segment unmap).
     pub num_device_free: Counter,
-    /// gpumem's own, outside PyTorch's map: requests a placement plan served from its
-    /// region (Note [Planned placement] in `ext/plan/mod.rs`).
+    /// gpumem's own, outside PyTorch's map: requests a followed placement plan served from
+    /// its regions and chunks (Note [Planned placement] in `ext/plan/mod.rs`).
     pub num_plan_hits: Counter,
-    /// gpumem's own: requests the plan expected but could not serve (another size or stream
-    /// than planned, its range still taken, or no region), served by the caching allocator.
+    /// gpumem's own: requests a followed plan could not serve (no free block of its memory
+    /// held them, or no region could be obtained), served by the caching allocator.
     pub num_plan_misses: Counter,
     /// `max_split_size` when the allocator was created (-1: unlimited).
     pub max_split_size: i64,

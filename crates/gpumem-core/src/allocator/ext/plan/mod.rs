@@ -20,17 +20,18 @@
 //!   allocator.
 //! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
 //!   cannot put where it planned goes to the smallest free block that holds it (ties in the
-//!   pools' order), a hit all the same: it stays in the plan's memory, where the caching
-//!   allocator would put it beside it. A planned entry whose range is still taken looks in
-//!   its stream's region and chunks; a persistent entry whose current chunk is full, and a
-//!   request that matches no entry (or comes while the plan waits for its first entry),
-//!   only in its stream's chunks: a request whose lifetime the plan does not know may live
+//!   pools' order), a hit all the same: it stays in the plan's memory instead of taking a
+//!   segment of the caching allocator's beside it. A planned entry whose range is still taken looks in
+//!   its stream's region and chunks; a persistent entry whose current chunk is full (after
+//!   a wholly free chunk), and a request that matches no entry (or comes while the plan
+//!   waits for its first entry), only in its stream's chunks: a request whose lifetime the plan does not know may live
 //!   on, and in a region it would take the range of every later iteration's entries for
 //!   good.
-//! - A request the plan's held memory cannot hold, or whose region cannot be obtained, or a
-//!   persistent one for which no chunk can be obtained (paged: also a request that matches
-//!   no entry, or a planned one whose range is taken), is a miss: the caching allocator
-//!   serves it, from segments outside the regions. After [`LOST_AFTER`] requests in a row
+//! - A request the plan's memory cannot hold (its region cannot be obtained and no free
+//!   block takes it, or no chunk can be obtained; paged: also a request that matches no
+//!   entry, or a planned one whose range is taken) is a miss: the caching allocator serves
+//!   it, from segments outside the regions. A request that comes while the plan waits for its
+//!   first entry is neither a hit nor a miss, wherever it goes. After [`LOST_AFTER`] requests in a row
 //!   that match no entry the plan waits for a request that matches its first entry, and
 //!   follows again from there.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
@@ -93,7 +94,7 @@
 //!   is lent only to the same stream.
 //!
 //! # Budgets
-//! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] entries; one the plan cannot
+//! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan cannot
 //!   put where it planned scans the free blocks of its stream's region and chunks (each holds
 //!   at most one more free block than live ones).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
@@ -312,9 +313,9 @@ pub(in crate::allocator) struct Following {
     held: BTreeMap<u64, Held>,
     /// The entry the next request is expected to be.
     cursor: usize,
-    /// Entries of this iteration the job skipped (a request matched one after them), at
-    /// most [`RESYNC_WINDOW`] before the last matched: a request made out of order may be
-    /// one of them.
+    /// Whole plans: entries of this iteration the job skipped (a request matched one after
+    /// them), at most [`RESYNC_WINDOW`] before the last matched: a request made out of
+    /// order may be one of them.
     skipped: Vec<usize>,
     /// Entries of the current iteration matched so far: the last one's index plus one.
     position: usize,
@@ -508,27 +509,35 @@ impl Following {
     /// Region `r`: its stream, size and base where held.
     fn region_mut(&mut self, r: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
         let region = self.regions.get_mut(r);
-        region.ok_or(internal("no such region"))
+        region.ok_or_else(|| internal("no such region"))
     }
 
     /// Chunk list `c`: its stream, size and current chunk's base.
     fn chunk_mut(&mut self, c: usize) -> Result<&mut (StreamId, u64, Option<u64>), AllocError> {
         let chunk = self.chunks.get_mut(c);
-        chunk.ok_or(internal("no such chunk list"))
+        chunk.ok_or_else(|| internal("no such chunk list"))
     }
 
     /// The held region or chunk at `base`.
     fn held(&self, base: u64) -> Result<&Held, AllocError> {
         let held = self.held.get(&base);
-        held.ok_or(internal("no region or chunk held there"))
+        held.ok_or_else(|| internal("no region or chunk held there"))
     }
 
     /// What the plan says about a request, and whether it begins an iteration.
     fn match_request(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
         let entries = &self.plan.entries;
         let n = entries.len();
-        let matches = |j: usize| entries[j % n].size == size && entries[j % n].stream == stream;
-        if self.following && !matches(self.cursor) {
+        // Entry `j` of the circle, `j` below 2n (the cursor is below n, the window at most n):
+        // no division on the hot path.
+        let wrap = |j: usize| if j >= n { j - n } else { j };
+        let matches = |j: usize| {
+            let e = &entries[wrap(j)];
+            e.size == size && e.stream == stream
+        };
+        // Whole plans only: a paged plan lends what the iteration's rest will not use, from
+        // the last entry matched on.
+        if self.following && !self.paged && !matches(self.cursor) {
             // A request made out of order: one of the entries skipped a little before.
             if let Some(k) = self.skipped.iter().position(|&j| matches(j)) {
                 let j = self.skipped.remove(k);
@@ -557,7 +566,7 @@ impl Following {
             }
             return (Expect::Miss, false);
         };
-        let j = unwrapped % n;
+        let j = wrap(unwrapped);
         let begins = !self.following || j < self.position;
         if begins {
             self.skipped.clear();
@@ -569,7 +578,11 @@ impl Following {
         }
         self.following = true;
         self.misses_in_row = 0;
-        self.cursor = (j + 1) % n;
+        self.cursor = wrap(j + 1);
+        if self.cursor == 0 {
+            // The iteration's last entry: what it skipped is not the next one's.
+            self.skipped.clear();
+        }
         self.position = j + 1;
         (self.expect(j, stream), begins)
     }
@@ -712,13 +725,13 @@ impl<D: Device> CachingAllocator<D> {
             }
             // Its lifetime unknown: never in a region, where it could stay for good.
             Expect::Miss => self.place_best_fit(stream, rounded, requested, false)?,
+            // Not following: neither a hit nor a miss of the plan's, wherever it goes.
             Expect::Idle => {
                 let placed = self.place_best_fit(stream, rounded, requested, false)?;
                 if placed.is_none() {
                     self.planned_mut()?.elsewhere += 1;
-                    return Ok(None);
                 }
-                placed
+                return Ok(placed);
             }
             Expect::Unplanned => {
                 self.planned_mut()?.elsewhere += 1;
@@ -738,13 +751,13 @@ impl<D: Device> CachingAllocator<D> {
     fn planned_mut(&mut self) -> Result<&mut Following, AllocError> {
         self.planned
             .as_deref_mut()
-            .ok_or(internal("no plan is followed"))
+            .ok_or_else(|| internal("no plan is followed"))
     }
 
     fn following(&self) -> Result<&Following, AllocError> {
         self.planned
             .as_deref()
-            .ok_or(internal("no plan is followed"))
+            .ok_or_else(|| internal("no plan is followed"))
     }
 
     /// Allocates `[offset, offset + size)` of region `r`, obtaining the region first if it
@@ -808,8 +821,9 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
-    /// or of a wholly free chunk of the stream, or of a new chunk; `Ok(None)` if no chunk can
-    /// be obtained.
+    /// or of a wholly free chunk of the stream, or (whole plans) in the smallest free block of
+    /// its chunks or the caching allocator's cache from before the plan, or of a new chunk;
+    /// `Ok(None)` if no chunk can be obtained.
     fn bump(
         &mut self,
         c: usize,
@@ -825,9 +839,6 @@ impl<D: Device> CachingAllocator<D> {
             {
                 return Ok(Some(ptr));
             }
-        }
-        if let Some(ptr) = self.place_best_fit(stream, size, requested, false)? {
-            return Ok(Some(ptr));
         }
         let planned = self.following()?;
         // Of the wholly free chunks large enough, the first by the pools' tie-break: the lowest
@@ -850,6 +861,10 @@ impl<D: Device> CachingAllocator<D> {
             && let Some(ptr) = self.carve(base, base, size, requested)?
         {
             self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
+            return Ok(Some(ptr));
+        }
+        // A hole in a chunk (a tensor that did not live on after all) before new memory.
+        if let Some(ptr) = self.place_best_fit(stream, size, requested, false)? {
             return Ok(Some(ptr));
         }
         if let Some(id) = self.cached_from_before(stream, size)? {
@@ -1052,7 +1067,9 @@ impl<D: Device> CachingAllocator<D> {
 
     fn held_free_mut(&mut self, base: u64) -> Result<&mut BTreeMap<u64, BlockId>, AllocError> {
         let held = self.planned_mut()?.held.get_mut(&base);
-        Ok(&mut held.ok_or(internal("no held region or chunk there"))?.free)
+        Ok(&mut held
+            .ok_or_else(|| internal("no held region or chunk there"))?
+            .free)
     }
 
     /// Gives back every wholly free region and chunk (at every cache flush: `empty_cache`,
@@ -1098,7 +1115,7 @@ impl<D: Device> CachingAllocator<D> {
             let held = self.following()?.held(base)?;
             let id = held
                 .head(base)
-                .ok_or(internal("an idle region or chunk without a head block"))?;
+                .ok_or_else(|| internal("an idle region or chunk without a head block"))?;
             if held.paging.is_some() {
                 // Wholly unmapped: its address range goes back.
                 self.release_expandable_segment(id)?;
@@ -1306,6 +1323,7 @@ mod tests {
         ];
         entries.extend((0..=window).map(|k| entry(4096 + 512 * k, S0, None, true)));
         entries.push(entry(1024, S0, Some(512), false));
+        entries.push(entry(3072, S0, Some(0), false));
         let mut following = following(entries);
         let placed = |offset| Expect::Placed { region: 0, offset };
         let persistent = Expect::Persistent {
@@ -1334,6 +1352,22 @@ mod tests {
         assert_eq!(following.skipped, vec![4], "still within the window");
         assert_eq!(following.match_request(1024, S0), (placed(512), false));
         assert!(following.skipped.is_empty(), "forgotten past the window");
+    }
+
+    /// What the iteration's last entries skipped is forgotten when the cursor wraps: a
+    /// request of a skipped entry's size is the next iteration's.
+    #[test]
+    fn skipped_entries_are_forgotten_at_the_iterations_end() {
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+            entry(2048, S0, Some(1536), false),
+        ]);
+        let placed = |offset| Expect::Placed { region: 0, offset };
+        assert_eq!(following.match_request(512, S0), (placed(0), true));
+        assert_eq!(following.match_request(2048, S0), (placed(1536), false));
+        assert!(following.skipped.is_empty(), "the last entry matched");
+        assert_eq!(following.match_request(1024, S0), (placed(512), true));
     }
 
     /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first

@@ -32,8 +32,8 @@ use crate::allocator::pool_id::PoolRef;
 use crate::allocator::size::PoolKind;
 use crate::allocator::{AllocError, CachingAllocator};
 
-/// What a followed plan did so far (Note [Planned placement]); but for `iterations` and
-/// `cache_releases`, all zero where unpaged.
+/// What a followed plan did so far (Note [Planned placement]); the page counts (`maps` on)
+/// are zero where unpaged, `from_cache` and `placed_elsewhere` where paged.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PlanPaging {
     /// Iterations begun: the plan's first entry matched at the start or after the last.
@@ -47,7 +47,7 @@ pub struct PlanPaging {
     /// Whole plans: requests served from another free block of their stream's region or
     /// chunks than planned (a range taken, no entry matched, a chunk full).
     pub placed_elsewhere: u64,
-    /// Requests that matched none of the entries expected.
+    /// Requests that matched none of the entries expected while the plan was followed.
     pub unmatched: u64,
     /// Times the plan lost its place ([`super::LOST_AFTER`] unmatched requests in a row)
     /// and waited for its first entry again.
@@ -147,7 +147,7 @@ impl Following {
     pub(super) fn paging_mut(&mut self, base: u64) -> Result<&mut HeldPages, AllocError> {
         let held = self.held.get_mut(&base);
         held.and_then(|h| h.paging.as_mut())
-            .ok_or(internal("no paged region or chunk there"))
+            .ok_or_else(|| internal("no paged region or chunk there"))
     }
 
     /// The addresses of every lent page still mapped where it was lent from.
@@ -177,9 +177,10 @@ impl<D: Device> CachingAllocator<D> {
         let pool = PoolRef::default_pool(PoolKind::Large);
         let id = self.expandable_block(ptr.0, bytes, PLAN_PAGE, stream, pool)?;
         let pages = HeldPages {
-            segment: self.block(id).expandable.ok_or(internal(
-                "a reservation's block outside an expandable segment",
-            ))?,
+            segment: self
+                .block(id)
+                .expandable
+                .ok_or_else(|| internal("a reservation's block outside an expandable segment"))?,
             unmapped: BTreeMap::from([(ptr.0, id)]),
             stale: BTreeSet::new(),
         };
@@ -319,7 +320,7 @@ impl<D: Device> CachingAllocator<D> {
         let (&ptr, &id) = unmapped
             .range(..=from)
             .next_back()
-            .ok_or(internal("no unmapped block holds the range"))?;
+            .ok_or_else(|| internal("no unmapped block holds the range"))?;
         if ptr == from {
             return Ok(id);
         }
@@ -393,17 +394,17 @@ impl<D: Device> CachingAllocator<D> {
     /// mapped on the device until [`Self::unmap_stale_pages`].
     fn lend(&mut self, base: u64, page: u64) -> Result<PhysicalHandle, AllocError> {
         let held = self.following()?.held.get(&base);
-        let held = held.ok_or(internal("no region or chunk lends there"))?;
+        let held = held.ok_or_else(|| internal("no region or chunk lends there"))?;
         let segment = held
             .paging
             .as_ref()
-            .ok_or(internal("a lender not paged"))?
+            .ok_or_else(|| internal("a lender not paged"))?
             .segment;
         let free = held.free.range(..=page).next_back();
-        let (_, &id) = free.ok_or(internal("no free block holds a spare page"))?;
+        let (_, &id) = free.ok_or_else(|| internal("no free block holds a spare page"))?;
         let handle = self.expandable_segments[segment.index()]
             .detach(page)
-            .ok_or(internal("a mapped page without a handle"))?;
+            .ok_or_else(|| internal("a mapped page without a handle"))?;
         self.mapped_pages -= 1;
         self.mark_unmapped(id, page, PLAN_PAGE);
         self.planned_mut()?.paging_mut(base)?.stale.insert(page);
