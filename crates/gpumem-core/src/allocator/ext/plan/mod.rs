@@ -21,19 +21,19 @@
 //! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
 //!   cannot put where it planned goes to the smallest free block that holds it (ties in the
 //!   pools' order), a hit all the same: it stays in the plan's memory instead of taking a
-//!   segment of the caching allocator's beside it. A planned entry whose range is still taken looks in
-//!   its stream's region and chunks; a persistent entry whose current chunk is full (after
-//!   a wholly free chunk), and a request that matches no entry (or comes while the plan
-//!   waits for its first entry), only in its stream's chunks: a request whose lifetime the plan does not know may live
-//!   on, and in a region it would take the range of every later iteration's entries for
-//!   good.
+//!   segment of the caching allocator's beside it. A planned entry whose range is still
+//!   taken looks in its stream's region and chunks; a persistent entry whose current chunk
+//!   is full (after a wholly free chunk), and a request that matches no entry (or comes
+//!   while the plan waits for its first entry), only in its stream's chunks: a request whose
+//!   lifetime the plan does not know may live on, and in a region it would take the range
+//!   of every later iteration's entries for good.
 //! - A request the plan's memory cannot hold (its region cannot be obtained and no free
 //!   block takes it, or no chunk can be obtained; paged: also a request that matches no
 //!   entry, or a planned one whose range is taken) is a miss: the caching allocator serves
-//!   it, from segments outside the regions. A request that comes while the plan waits for its
-//!   first entry is neither a hit nor a miss, wherever it goes. After [`LOST_AFTER`] requests in a row
-//!   that match no entry the plan waits for a request that matches its first entry, and
-//!   follows again from there.
+//!   it, from segments outside the regions. A request that comes while the plan waits for
+//!   its first entry is neither a hit nor a miss, wherever it goes. After [`LOST_AFTER`]
+//!   requests in a row that match no entry the plan waits for a request that matches its
+//!   first entry, and follows again from there.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
 //!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
 //!   attempt) gives back the regions and chunks that hold none, so the plan never costs a
@@ -94,9 +94,9 @@
 //!   is lent only to the same stream.
 //!
 //! # Budgets
-//! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan cannot
-//!   put where it planned scans the free blocks of its stream's region and chunks (each holds
-//!   at most one more free block than live ones).
+//! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan
+//!   cannot put where it planned scans the free blocks of its stream's region and chunks
+//!   (each holds at most one more free block than live ones).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
