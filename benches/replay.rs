@@ -14,7 +14,7 @@ use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanOptions, plan};
 use gpumem::recording::parse_recording;
 use gpumem::replay::{Mode, Session, Setup, WhatIf};
-use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
+use gpumem::{AllocatorConfig, CachingAllocator};
 
 fn replay_opt125m(c: &mut Criterion) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -70,7 +70,7 @@ fn serve(ops: &[Op], plan: Option<&Arc<Plan>>) -> i64 {
             Some((size, stream)) => ptrs[i] = Some(a.malloc(size, stream).expect("fits")),
             None => {
                 if let Some(p) = ptrs[i].take() {
-                    a.free(DevicePtr(p.0)).expect("live");
+                    a.free(p).expect("live");
                 }
             }
         }

@@ -27,6 +27,12 @@ fn plan_with(fields: serde_json::Value) -> Arc<Plan> {
     Arc::new(parsed.plan())
 }
 
+/// The plan's hits and misses so far.
+fn hits_and_misses(alloc: &CachingAllocator<SimDevice>) -> (i64, i64) {
+    let st = alloc.stats();
+    (st.num_plan_hits.get(), st.num_plan_misses.get())
+}
+
 /// An allocator of a simulated 1 GiB device, with virtual memory or without.
 fn on_sim(virtual_memory: bool) -> CachingAllocator<SimDevice> {
     let device = SimDevice::new(SimConfig {
@@ -227,8 +233,7 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     // Once the range is free again, the region is tried first again.
     let third = alloc.malloc(MIB, s).expect("fits");
     assert_eq!(third, first);
-    let st = alloc.stats();
-    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (5, 0));
+    assert_eq!(hits_and_misses(&alloc), (5, 0));
     alloc.check_invariants().expect("consistent");
 }
 
@@ -262,7 +267,7 @@ fn paged_regions_lend_their_pages_to_kept_memory() {
             st.allocated_bytes.all().peak as u64,
             st.reserved_bytes.all().peak as u64,
         );
-        assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (8, 0));
+        assert_eq!(hits_and_misses(&alloc), (8, 0));
         assert_eq!(
             alloc.device().stats().used_bytes,
             st.reserved_bytes.all().current as u64
@@ -388,8 +393,7 @@ fn an_entry_whose_range_is_taken_stays_in_its_region() {
         third.0 < first.0 || third.0 >= first.0 + 4 * MIB,
         "{third:?}"
     );
-    let st = alloc.stats();
-    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (2, 1));
+    assert_eq!(hits_and_misses(&alloc), (2, 1));
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.placed_elsewhere, 1, "{status:?}");
     alloc.check_invariants().expect("consistent");
@@ -412,7 +416,7 @@ fn a_whole_plans_kept_memory_takes_the_cache_from_before_it() {
         .map(|_| alloc.malloc(4 * MIB, s).expect("fits"))
         .collect();
     let st = alloc.stats();
-    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (4, 0));
+    assert_eq!(hits_and_misses(&alloc), (4, 0));
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.from_cache, 3, "{status:?}");
     assert_eq!(
@@ -472,7 +476,7 @@ fn a_paged_chunk_keeps_what_its_iteration_still_needs() {
     );
     assert_eq!(alloc.device().reservation_count(), 1, "one chunk, grown");
     let st = alloc.stats();
-    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (8, 0));
+    assert_eq!(hits_and_misses(&alloc), (8, 0));
     // Grown page by page: the four kept (24 MiB), the transients in the pages the next
     // kept one takes.
     assert_eq!(st.reserved_bytes.all().peak, 24 * MIB as i64);
@@ -496,8 +500,7 @@ fn a_region_larger_than_the_device_is_a_miss_not_an_error() {
         .malloc(4 * MIB, StreamId(0))
         .expect("served all the same");
     alloc.free(p).expect("live");
-    let st = alloc.stats();
-    assert_eq!((st.num_plan_hits.get(), st.num_plan_misses.get()), (0, 1));
+    assert_eq!(hits_and_misses(&alloc), (0, 1));
     alloc.check_invariants().expect("consistent");
 }
 
@@ -1151,11 +1154,7 @@ fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
         !in_chunk(larger) && !in_region(larger),
         "the caching allocator's: {larger:?}"
     );
-    let stats = alloc.stats();
-    assert_eq!(
-        (stats.num_plan_hits.get(), stats.num_plan_misses.get()),
-        (3, 1)
-    );
+    assert_eq!(hits_and_misses(&alloc), (3, 1));
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.unmatched, 2, "{status:?}");
     alloc.check_invariants().expect("consistent");

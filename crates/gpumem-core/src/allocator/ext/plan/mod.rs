@@ -535,22 +535,24 @@ impl Following {
             let e = &entries[wrap(j)];
             e.size == size && e.stream == stream
         };
-        // Whole plans only: a paged plan lends what the iteration's rest will not use, from
-        // the last entry matched on.
-        if self.following && !self.paged && !matches(self.cursor) {
-            // A request made out of order: one of the entries skipped a little before.
-            if let Some(k) = self.skipped.iter().position(|&j| matches(j)) {
+        let found = if !self.following {
+            matches(0).then_some(0)
+        } else if matches(self.cursor) {
+            Some(self.cursor)
+        } else {
+            // A request made out of order: one of the entries skipped a little before (whole
+            // plans only: a paged plan lends what the iteration's rest will not use, from the
+            // last entry matched on).
+            if !self.paged
+                && let Some(k) = self.skipped.iter().position(|&j| matches(j))
+            {
                 let j = self.skipped.remove(k);
                 self.misses_in_row = 0;
                 return (self.expect(j, stream), false);
             }
-        }
-        let found = if self.following {
-            (0..RESYNC_WINDOW.min(n))
+            (1..RESYNC_WINDOW.min(n))
                 .map(|k| self.cursor + k)
                 .find(|&j| matches(j))
-        } else {
-            matches(0).then_some(0)
         };
         let Some(unwrapped) = found else {
             if !self.following {
