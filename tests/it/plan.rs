@@ -208,8 +208,9 @@ fn bad_plan_files_are_refused_by_name() {
 #[test]
 fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     const MIB: u64 = 1 << 20;
+    // The region is what its entries use: none of it is free for a kept tensor.
     let plan = plan_with(
-        serde_json::json!({"regions": [{"stream": 0, "bytes": 4 * MIB}],
+        serde_json::json!({"regions": [{"stream": 0, "bytes": 2 * MIB}],
             "entries": [{"size": MIB, "stream": 0, "offset": 0, "persistent": true},
                         {"size": MIB, "stream": 0, "offset": MIB}]}),
     );
@@ -223,7 +224,7 @@ fn a_persistent_entry_is_tried_at_its_offset_before_its_chunk() {
     // The next iteration's instance finds its range held by the first: a chunk.
     let second = alloc.malloc(MIB, s).expect("fits");
     assert!(
-        second.0 >= first.0 + 4 * MIB || second.0 + MIB <= first.0,
+        second.0 >= first.0 + 2 * MIB || second.0 + MIB <= first.0,
         "{second:?} outside the region"
     );
     let other = alloc.malloc(MIB, s).expect("fits");
@@ -1133,16 +1134,17 @@ fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
     let plan = plan_with(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": [
-            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": 4 * MIB, "stream": 0, "offset": 0},
             {"size": MIB, "stream": 0, "persistent": true}
         ]
     }));
     let mut alloc = on_sim(false);
     alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
-    let region = alloc.malloc(MIB, s).expect("fits");
+    let region = alloc.malloc(4 * MIB, s).expect("fits");
     alloc.free(region).expect("live");
-    // The persistent entry: a new chunk of 2 MiB (an iteration's persistent bytes, rounded).
+    // The persistent entry: a new chunk of 2 MiB (an iteration's persistent bytes, rounded);
+    // the region is free, but its one entry needs all of it.
     let in_region = |p: DevicePtr| p.0 >= region.0 && p.0 < region.0 + 4 * MIB;
     let kept = alloc.malloc(MIB, s).expect("fits");
     assert!(!in_region(kept), "in a chunk of its own: {kept:?}");
@@ -1152,6 +1154,39 @@ fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
     let larger = alloc.malloc(3 * MIB / 2, s).expect("fits");
     assert!(
         !in_chunk(larger) && !in_region(larger),
+        "the caching allocator's: {larger:?}"
+    );
+    assert_eq!(hits_and_misses(&alloc), (3, 1));
+    let status = alloc.plan_status().expect("followed");
+    assert_eq!(status.paging.unmatched, 2, "{status:?}");
+    alloc.check_invariants().expect("consistent");
+}
+
+/// A request the plan does not know may take a range of the region that none of the
+/// plan's entries needs (here the last MiB, which the planner left over), and no other.
+#[test]
+fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": [
+            {"size": 2 * MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "offset": 2 * MIB}
+        ]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(2 * MIB, s).expect("fits");
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(second.0, first.0 + 2 * MIB, "where planned");
+    alloc.free(second).expect("live");
+    // Free now: [2, 4) MiB, of which the second entry needs [2, 3) in every iteration.
+    let unknown = alloc.malloc(MIB / 2, s).expect("fits");
+    assert_eq!(unknown.0, first.0 + 7 * MIB / 2, "the end no entry needs");
+    let larger = alloc.malloc(3 * MIB / 2, s).expect("fits");
+    assert!(
+        larger.0 + 3 * MIB / 2 <= first.0 || larger.0 >= first.0 + 4 * MIB,
         "the caching allocator's: {larger:?}"
     );
     assert_eq!(hits_and_misses(&alloc), (3, 1));
@@ -1184,6 +1219,38 @@ fn a_persistent_entry_fills_a_hole_before_a_new_chunk() {
     assert_eq!(again, first, "the hole, not a new chunk");
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.held_bytes, 2 * MIB, "{status:?}");
+    assert_eq!(status.paging.placed_elsewhere, 1, "{status:?}");
+    alloc.check_invariants().expect("consistent");
+}
+
+/// A request the plan cannot put where it planned goes where the plan's next entries need
+/// memory last, not where the next one was planned: it displaces none of them.
+#[test]
+fn a_displaced_request_stays_out_of_the_next_entries_way() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": [
+            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "offset": MIB},
+            {"size": MIB, "stream": 0, "offset": 2 * MIB}
+        ]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(MIB, s).expect("fits");
+    // The second's range is the first's, still live; the region's free block [1, 4) MiB is
+    // needed from its start by the third entry, and next by the fourth: its end is not.
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(second.0, first.0 + 3 * MIB, "the range no entry needs");
+    let third = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(third.0, first.0 + MIB, "where planned");
+    let fourth = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(fourth.0, first.0 + 2 * MIB, "where planned");
+    assert_eq!(hits_and_misses(&alloc), (4, 0));
+    let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.placed_elsewhere, 1, "{status:?}");
     alloc.check_invariants().expect("consistent");
 }

@@ -105,8 +105,8 @@ use expandable::ExpandableSegment;
 pub use ext::breakdown;
 use ext::plan::Following;
 pub use ext::plan::{
-    LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan, PlanEntry,
-    PlanError, PlanMode, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
+    LOOKAHEAD, LOST_AFTER, MAX_PLAN_ENTRIES, MAX_PLAN_STREAMS, MAX_REGION_BYTES, PLAN_PAGE, Plan,
+    PlanEntry, PlanError, PlanMode, PlanPaging, PlanRegion, PlanStatus, RESYNC_WINDOW,
 };
 pub use ext::restore::RestoredBlock;
 pub use fit_order::{FitOrder, MAX_ADDRESS, SEGMENT_COUNTERS};

@@ -19,9 +19,10 @@
 //!   when the current is full. Either is a hit. An entry with neither goes to the caching
 //!   allocator.
 //! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
-//!   cannot put where it planned goes to the smallest free block that holds it (ties in the
-//!   pools' order), a hit all the same: it stays in the plan's memory instead of taking a
-//!   segment of the caching allocator's beside it. A planned entry whose range is still
+//!   cannot put where it planned goes to a free range that holds it, the one the plan's
+//!   next entries need last (`elsewhere.rs`), a hit all the same: it stays in the plan's
+//!   memory instead of taking a segment of the caching allocator's beside it, and out of
+//!   the way of the entries after it. A planned entry whose range is still
 //!   taken looks in its stream's region and chunks; a persistent entry whose current chunk
 //!   is full (after a wholly free chunk), and a request that matches no entry (or comes
 //!   while the plan waits for its first entry), only in its stream's chunks: a request whose
@@ -96,7 +97,8 @@
 //! # Budgets
 //! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan
 //!   cannot put where it planned scans the free blocks of its stream's region and chunks
-//!   (each holds at most one more free block than live ones).
+//!   (each holds at most one more free block than live ones) and at most [`LOOKAHEAD`]
+//!   entries, in O(blocks + entries × log blocks).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
@@ -114,10 +116,12 @@ use rustc_hash::FxHashSet;
 
 use crate::allocator::block::{Block, BlockId};
 
+mod elsewhere;
 mod paging;
 use crate::allocator::pool_id::{PoolRef, PoolSlot};
 use crate::allocator::size::{self, MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
 use crate::allocator::{AllocError, CachingAllocator, TraceAction};
+pub use elsewhere::LOOKAHEAD;
 use paging::{HeldPages, last_uses};
 pub use paging::{PLAN_PAGE, PlanPaging};
 
@@ -713,7 +717,7 @@ impl<D: Device> CachingAllocator<D> {
             Expect::Placed { region, offset } => {
                 match self.place(region, offset, rounded, requested)? {
                     Some(ptr) => Some(ptr),
-                    None => self.place_best_fit(stream, rounded, requested, true)?,
+                    None => self.place_elsewhere(stream, rounded, requested, true)?,
                 }
             }
             Expect::Persistent { tried, chunk } => {
@@ -726,10 +730,10 @@ impl<D: Device> CachingAllocator<D> {
                 }
             }
             // Its lifetime unknown: never in a region, where it could stay for good.
-            Expect::Miss => self.place_best_fit(stream, rounded, requested, false)?,
+            Expect::Miss => self.place_elsewhere(stream, rounded, requested, false)?,
             // Not following: neither a hit nor a miss of the plan's, wherever it goes.
             Expect::Idle => {
-                let placed = self.place_best_fit(stream, rounded, requested, false)?;
+                let placed = self.place_elsewhere(stream, rounded, requested, false)?;
                 if placed.is_none() {
                     self.planned_mut()?.elsewhere += 1;
                 }
@@ -785,34 +789,24 @@ impl<D: Device> CachingAllocator<D> {
         self.carve(base, base + offset, size, requested)
     }
 
-    /// Whole plans, a request the plan cannot put where it planned: the smallest free block
-    /// that holds it of its stream's chunks, and of its region if `in_region`, at the
-    /// block's start; `Ok(None)` if none does. A live job's requests are not quite the
-    /// recorded ones: this keeps them in the plan's memory. Linear in those free blocks.
-    fn place_best_fit(
+    /// Whole plans, a request the plan cannot put where it planned: a free range of its
+    /// stream's region and chunks that the plan's next entries need last, or (its lifetime
+    /// not `planned`) not at all (`elsewhere.rs`); `Ok(None)` if none holds it. A live job's
+    /// requests are not quite the recorded ones: this keeps them in the plan's memory.
+    fn place_elsewhere(
         &mut self,
         stream: StreamId,
         size: u64,
         requested: u64,
-        in_region: bool,
+        planned: bool,
     ) -> Result<Option<DevicePtr>, AllocError> {
-        let planned = self.following()?;
-        if planned.paged {
+        let following = self.following()?;
+        if following.paged {
             return Ok(None);
         }
-        // Ties go as in the pools: the lowest address, or the oldest (PyTorch 2.12 on).
-        let order = self.fit_order;
-        let fit = planned
-            .held
-            .iter()
-            .filter(|(_, h)| h.stream == stream && (in_region || !h.region))
-            .flat_map(|(&base, h)| h.free.values().map(move |id| (base, id)))
-            .filter_map(|(base, id)| {
-                let b = self.blocks.get(id.index())?;
-                (b.size >= size).then_some((b.size, order.tie(b.counter, b.ptr), b.ptr, base))
-            })
-            .min();
-        let Some((_, _, ptr, base)) = fit else {
+        let Some((ptr, base)) =
+            following.elsewhere(stream, size, planned, &self.blocks, self.fit_order)
+        else {
             return Ok(None);
         };
         let placed = self.carve(base, ptr, size, requested)?;
@@ -823,8 +817,8 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
-    /// or of a wholly free chunk of the stream, or (whole plans) in the smallest free block of
-    /// its chunks or the caching allocator's cache from before the plan, or of a new chunk;
+    /// or of a wholly free chunk of the stream, or (whole plans) in a free block of its chunks
+    /// (`elsewhere.rs`) or the caching allocator's cache from before the plan, or of a new chunk;
     /// `Ok(None)` if no chunk can be obtained.
     fn bump(
         &mut self,
@@ -866,7 +860,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Some(ptr));
         }
         // A hole in a chunk (a tensor that did not live on after all) before new memory.
-        if let Some(ptr) = self.place_best_fit(stream, size, requested, false)? {
+        if let Some(ptr) = self.place_elsewhere(stream, size, requested, false)? {
             return Ok(Some(ptr));
         }
         if let Some(id) = self.cached_from_before(stream, size)? {

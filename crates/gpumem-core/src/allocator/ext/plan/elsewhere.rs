@@ -1,0 +1,142 @@
+//! Where a whole plan puts a request it cannot put where it planned (Note [Planned
+//! placement], in the parent module): a range of its stream's plan memory chosen to stand in
+//! the way of the plan's own entries as late as possible.
+//!
+//! A live job's requests are not quite the recorded ones (made out of order, resized, added),
+//! and one placed in a range the next entries were planned into displaces them in turn: a
+//! cascade that ends with entries no free block holds. The candidates are the start of every
+//! free block of the stream's region and chunks that holds the request, and in the region
+//! also the end of each; each is ranked by the first of the next [`LOOKAHEAD`] entries whose
+//! planned range it overlaps (none, in a chunk: entries are planned in regions only), the
+//! latest first, then the smallest block, then the pools' tie-break (the lowest address, or
+//! the oldest).
+//!
+//! A request whose lifetime the plan does not know (it matched no entry, or it is kept past
+//! the iteration) may live on, and in a range an entry needs it would displace that entry
+//! in every iteration after: it takes only ranges that none of those entries needs (in a
+//! plan of at most [`LOOKAHEAD`] entries: none of the iteration's).
+//!
+//! # Invariants
+//! - A candidate lies inside one free block of a region or chunk of the request's stream.
+//! - Nothing is changed: the caller carves the range chosen.
+//!
+//! # Budgets
+//! - Time: O(C + L log C) for C free blocks of the stream's region and chunks and the
+//!   L ≤ [`LOOKAHEAD`] entries looked at; a search stops early once every candidate in the
+//!   region has a next use.
+//! - Memory: two vectors of at most 2C candidates, dropped at return.
+
+use std::cmp::Reverse;
+
+use crate::allocator::FitOrder;
+use crate::allocator::block::Block;
+use crate::device::StreamId;
+
+use super::Following;
+
+/// How many entries after the cursor a request placed elsewhere looks at for the plan's
+/// next use of a range.
+pub const LOOKAHEAD: usize = 512;
+
+/// A place a request could go.
+struct Candidate {
+    /// The first entry (from the cursor) whose planned range it overlaps, if any.
+    next_use: Option<usize>,
+    /// The free block's size and tie-break.
+    block: u64,
+    tie: u64,
+    addr: u64,
+    /// The region or chunk holding it.
+    base: u64,
+}
+
+impl Following {
+    /// The range of `size` bytes a request the plan cannot put where it planned goes to, as
+    /// the module documentation ranks them: (address, base of the region or chunk); `None`
+    /// if no free block of the stream's region and chunks holds it (where its lifetime is
+    /// not `planned`, none that the next entries do not need).
+    pub(super) fn elsewhere(
+        &self,
+        stream: StreamId,
+        size: u64,
+        planned: bool,
+        blocks: &slab::Slab<Block>,
+        order: FitOrder,
+    ) -> Option<(u64, u64)> {
+        let region = self
+            .regions
+            .iter()
+            .find(|r| r.0 == stream)
+            .and_then(|r| r.2);
+        let mut candidates = Vec::new();
+        // Candidates in the region, by offset (free blocks are disjoint and by address, and
+        // a block's start comes before its end): (offset, index in `candidates`).
+        let mut in_plan: Vec<(u64, usize)> = Vec::new();
+        for (&base, held) in &self.held {
+            if held.stream != stream || (held.region && Some(base) != region) {
+                continue;
+            }
+            for (&addr, id) in &held.free {
+                let Some(b) = blocks.get(id.index()).filter(|b| b.size >= size) else {
+                    continue;
+                };
+                let tie = order.tie(b.counter, b.ptr);
+                let ends = [addr, addr + b.size - size];
+                let count = if held.region && b.size > size { 2 } else { 1 };
+                for &at in &ends[..count] {
+                    if held.region {
+                        in_plan.push((at - base, candidates.len()));
+                    }
+                    candidates.push(Candidate {
+                        next_use: None,
+                        block: b.size,
+                        tie,
+                        addr: at,
+                        base,
+                    });
+                }
+            }
+        }
+        self.first_uses(stream, size, &in_plan, &mut candidates);
+        let best = candidates
+            .iter()
+            .filter(|c| planned || c.next_use.is_none())
+            .min_by_key(|c| (c.next_use.map(Reverse), c.block, c.tie, c.addr))?;
+        Some((best.addr, best.base))
+    }
+
+    /// Sets each region candidate's next use: the first of the entries from the cursor on
+    /// (at most [`LOOKAHEAD`], around the iteration's end) on `stream` whose planned range
+    /// overlaps `size` bytes from its offset.
+    fn first_uses(
+        &self,
+        stream: StreamId,
+        size: u64,
+        in_plan: &[(u64, usize)],
+        candidates: &mut [Candidate],
+    ) {
+        let entries = &self.plan.entries;
+        let n = entries.len();
+        let mut open = in_plan.len();
+        for k in 0..LOOKAHEAD.min(n) {
+            if open == 0 {
+                break;
+            }
+            let j = self.cursor + k;
+            let e = &entries[if j >= n { j - n } else { j }];
+            let Some(offset) = e.offset.filter(|_| e.stream == stream) else {
+                continue;
+            };
+            // Candidates are `size` long: those overlapping [offset, offset + e.size) start
+            // after offset - size and before its end.
+            let from = in_plan.partition_point(|&(at, _)| at + size <= offset);
+            let to = in_plan.partition_point(|&(at, _)| at < offset + e.size);
+            for &(_, i) in &in_plan[from..to.max(from)] {
+                if candidates[i].next_use.is_none() {
+                    candidates[i].next_use = Some(k);
+                    open -= 1;
+                }
+            }
+        }
+    }
+}
