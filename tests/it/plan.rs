@@ -1254,3 +1254,35 @@ fn a_displaced_request_stays_out_of_the_next_entries_way() {
     assert_eq!(status.paging.placed_elsewhere, 1, "{status:?}");
     alloc.check_invariants().expect("consistent");
 }
+
+/// A chunk filled before its iteration's end (here by a request the plan did not expect) is
+/// followed by one the size of the persistent entries still to come, not a whole
+/// iteration's: the job holds no more than it keeps.
+#[test]
+fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
+    const MIB: u64 = 1 << 20;
+    let kept = serde_json::json!({"size": 2 * MIB, "stream": 0, "persistent": true});
+    let plan = plan_with(serde_json::json!({
+        "regions": [],
+        "entries": [kept, kept, kept, kept]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let held =
+        |alloc: &CachingAllocator<SimDevice>| alloc.plan_status().expect("followed").held_bytes;
+    let first = alloc.malloc(2 * MIB, s).expect("fits");
+    assert_eq!(held(&alloc), 8 * MIB, "an iteration's persistent entries");
+    let unknown = alloc.malloc(5 * MIB, s).expect("fits");
+    assert_eq!(unknown.0, first.0 + 2 * MIB, "the chunk's free part");
+    for _ in 0..3 {
+        alloc.malloc(2 * MIB, s).expect("fits");
+    }
+    assert_eq!(
+        held(&alloc),
+        14 * MIB,
+        "a second chunk for the three entries to come"
+    );
+    assert_eq!(hits_and_misses(&alloc), (5, 0));
+    alloc.check_invariants().expect("consistent");
+}

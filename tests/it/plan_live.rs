@@ -399,13 +399,13 @@ fn perturbed_live_jobs_mostly_follow_their_plan_on_shared_recordings() {
 }
 
 #[test]
-#[ignore = "issue 57, open: above the caching allocator's peak on 5 of 18 runs (docs/planning.md); run with --ignored"]
+#[ignore = "issue 57, open: bf16 above the caching allocator's peak on 1 of 9 runs, 230 against 228 MiB (docs/planning.md); run with --ignored"]
 fn plans_hold_in_live_jobs_on_bundled_recordings() {
     on_bundled(ISSUE);
 }
 
 #[test]
-#[ignore = "issue 57, open: qwen3_gnn serves 76 to 88 %; cnn, qwen3_gnn and toy peak above the caching allocator on 14 of 27 runs (docs/planning.md); run with --ignored"]
+#[ignore = "issue 57, open: qwen3_gnn serves 79 to 91 %; cnn, qwen3_gnn and toy peak above the caching allocator on 8 of 27 runs (docs/planning.md); run with --ignored"]
 fn plans_hold_in_live_jobs_on_shared_recordings() {
     on_shared(
         "plans_hold_in_live_jobs_on_shared_recordings",

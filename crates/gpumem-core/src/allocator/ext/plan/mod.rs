@@ -15,8 +15,9 @@
 //!   persistent entry (it outlived the planned iteration) goes to its offset when it has one,
 //!   that range is free and the region can be obtained (the planner's bet that it lives
 //!   shorter this time), else right after the last one, in a chunk of its stream: a segment
-//!   the size of one iteration's persistent entries, a new one (or one wholly free again)
-//!   when the current is full. Either is a hit. An entry with neither goes to the caching
+//!   the size of what the iteration's persistent entries from it on keep (all of them at the
+//!   iteration's start), a new one (or one wholly free again) when the current is full.
+//!   Either is a hit. An entry with neither goes to the caching
 //!   allocator.
 //! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
 //!   cannot put where it planned goes to a free range that holds it, the one the plan's
@@ -190,7 +191,7 @@ pub struct PlanEntry {
     /// Its offset in the stream's region: where it goes when it is freed within an
     /// iteration, where it is tried first when persistent.
     pub offset: Option<u64>,
-    /// It outlives an iteration: placed one after another in chunks of the stream (each
+    /// It outlives an iteration: placed one after another in chunks of the stream (at most
     /// the size of an iteration's persistent entries), unless its offset is given and that
     /// range is free. An entry with neither goes to the caching allocator.
     pub persistent: bool,
@@ -818,8 +819,9 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
     /// or of a wholly free chunk of the stream, or (whole plans) in a free block of its chunks
-    /// (`elsewhere.rs`) or the caching allocator's cache from before the plan, or of a new chunk;
-    /// `Ok(None)` if no chunk can be obtained.
+    /// (`elsewhere.rs`) or the caching allocator's cache from before the plan, or of a new
+    /// chunk the size of the iteration's persistent entries still to come; `Ok(None)` if no
+    /// chunk can be obtained.
     fn bump(
         &mut self,
         c: usize,
@@ -867,7 +869,10 @@ impl<D: Device> CachingAllocator<D> {
             self.planned_mut()?.paging.from_cache += 1;
             return Ok(Some(self.serve_found_block(id, size, requested)));
         }
-        let mut bytes = bytes.max(size.div_ceil(ROUND_LARGE) * ROUND_LARGE);
+        // What the iteration's rest keeps, not a whole iteration's: a chunk filled early (by
+        // requests the plan did not expect) costs no more than the entries still to come.
+        let rest = self.following()?.persistent_to_come(c).min(bytes);
+        let mut bytes = rest.max(size).div_ceil(ROUND_LARGE) * ROUND_LARGE;
         if self.following()?.paged {
             // Address space is not memory: a paged chunk spans 9/8 of the device, as an
             // expandable segment does, and grows page by page for as long as the job keeps
