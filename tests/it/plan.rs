@@ -1129,7 +1129,7 @@ fn a_plans_evaluation_keeps_the_callers_budget() {
 /// chunks, never of its region, however free the region is (its lifetime unknown, it could
 /// take the region's planned ranges for good); where no chunk holds it, it is a miss.
 #[test]
-fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
+fn a_request_the_plan_does_not_know_stays_out_of_the_ranges_entries_need() {
     const MIB: u64 = 1 << 20;
     let plan = plan_with(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
@@ -1143,8 +1143,8 @@ fn a_request_the_plan_does_not_know_stays_out_of_its_region() {
     let s = StreamId(0);
     let region = alloc.malloc(4 * MIB, s).expect("fits");
     alloc.free(region).expect("live");
-    // The persistent entry: a new chunk of 2 MiB (an iteration's persistent bytes, rounded);
-    // the region is free, but its one entry needs all of it.
+    // The persistent entry: a new chunk of 2 MiB (the persistent entries still to come,
+    // rounded); the region is free, but its one entry needs all of it.
     let in_region = |p: DevicePtr| p.0 >= region.0 && p.0 < region.0 + 4 * MIB;
     let kept = alloc.malloc(MIB, s).expect("fits");
     assert!(!in_region(kept), "in a chunk of its own: {kept:?}");
@@ -1284,5 +1284,32 @@ fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
         "a second chunk for the three entries to come"
     );
     assert_eq!(hits_and_misses(&alloc), (5, 0));
+    alloc.check_invariants().expect("consistent");
+}
+
+/// Where every free range is needed soon, a displaced request takes the one needed last.
+#[test]
+fn a_displaced_request_takes_the_range_needed_last() {
+    const MIB: u64 = 1 << 20;
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": [
+            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "offset": 0},
+            {"size": MIB, "stream": 0, "offset": MIB},
+            {"size": MIB, "stream": 1},
+            {"size": MIB, "stream": 0, "offset": 3 * MIB}
+        ]
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(MIB, s).expect("fits");
+    // Free: [1, 4) MiB. Its start is needed by the next entry, its end two entries on.
+    let second = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(second.0, first.0 + 3 * MIB, "the end, needed later");
+    let third = alloc.malloc(MIB, s).expect("fits");
+    assert_eq!(third.0, first.0 + MIB, "where planned");
+    assert_eq!(hits_and_misses(&alloc), (3, 0));
     alloc.check_invariants().expect("consistent");
 }

@@ -11,20 +11,24 @@
 //! latest first, then the smallest block, then the pools' tie-break (the lowest address, or
 //! the oldest).
 //!
-//! A request whose lifetime the plan does not know (it matched no entry, or it is kept past
-//! the iteration) may live on, and in a range an entry needs it would displace that entry
-//! in every iteration after: it takes only ranges that none of those entries needs (in a
-//! plan of at most [`LOOKAHEAD`] entries: none of the iteration's).
+//! A request whose lifetime the plan does not know (it matched no entry, it is kept past
+//! the iteration, or it came while the plan waits for its first entry) may live on, and in
+//! a range an entry needs it would displace that entry in every iteration after: it takes
+//! only ranges that none of the next [`LOOKAHEAD`] entries needs (in a plan of at most that
+//! many entries: none of the iteration's; in a longer one an entry further on may find it
+//! there, and go elsewhere in turn).
 //!
 //! # Invariants
 //! - A candidate lies inside one free block of a region or chunk of the request's stream.
 //! - Nothing is changed: the caller carves the range chosen.
 //!
 //! # Budgets
-//! - Time: O(C + L log C) for C free blocks of the stream's region and chunks and the
-//!   L ≤ [`LOOKAHEAD`] entries looked at; a search stops early once every candidate in the
+//! - Time: O((C + L) log C) for C free blocks of the stream's region and chunks and the
+//!   L ≤ [`LOOKAHEAD`] entries looked at: each entry finds the candidates it overlaps by
+//!   binary search, and each candidate is marked once (those marked are skipped over,
+//!   pointers halved as they are followed); the search stops once every candidate in the
 //!   region has a next use.
-//! - Memory: two vectors of at most 2C candidates, dropped at return.
+//! - Memory: three vectors of at most 2C + 1 items, dropped at return.
 
 use std::cmp::Reverse;
 
@@ -54,24 +58,20 @@ impl Following {
     /// The range of `size` bytes a request the plan cannot put where it planned goes to, as
     /// the module documentation ranks them: (address, base of the region or chunk); `None`
     /// if no free block of the stream's region and chunks holds it (where its lifetime is
-    /// not `planned`, none that the next entries do not need).
-    pub(super) fn elsewhere(
+    /// not known, none that the next entries do not need).
+    pub(super) fn displaced_range(
         &self,
         stream: StreamId,
         size: u64,
-        planned: bool,
+        lifetime_known: bool,
         blocks: &slab::Slab<Block>,
         order: FitOrder,
     ) -> Option<(u64, u64)> {
-        let region = self
-            .regions
-            .iter()
-            .find(|r| r.0 == stream)
-            .and_then(|r| r.2);
+        let region = self.region_of(stream).and_then(|r| self.regions[r].2);
         let mut candidates = Vec::new();
         // Candidates in the region, by offset (free blocks are disjoint and by address, and
         // a block's start comes before its end): (offset, index in `candidates`).
-        let mut in_plan: Vec<(u64, usize)> = Vec::new();
+        let mut by_offset: Vec<(u64, usize)> = Vec::new();
         for (&base, held) in &self.held {
             if held.stream != stream || (held.region && Some(base) != region) {
                 continue;
@@ -85,7 +85,7 @@ impl Following {
                 let count = if held.region && b.size > size { 2 } else { 1 };
                 for &at in &ends[..count] {
                     if held.region {
-                        in_plan.push((at - base, candidates.len()));
+                        by_offset.push((at - base, candidates.len()));
                     }
                     candidates.push(Candidate {
                         next_use: None,
@@ -97,46 +97,58 @@ impl Following {
                 }
             }
         }
-        self.first_uses(stream, size, &in_plan, &mut candidates);
+        self.next_uses(stream, size, &by_offset, &mut candidates);
         let best = candidates
             .iter()
-            .filter(|c| planned || c.next_use.is_none())
+            .filter(|c| lifetime_known || c.next_use.is_none())
             .min_by_key(|c| (c.next_use.map(Reverse), c.block, c.tie, c.addr))?;
         Some((best.addr, best.base))
     }
 
-    /// Sets each region candidate's next use: the first of the entries from the cursor on
-    /// (at most [`LOOKAHEAD`], around the iteration's end) on `stream` whose planned range
-    /// overlaps `size` bytes from its offset.
-    fn first_uses(
+    /// Sets each region candidate's next use: the first of the entries to come (at most
+    /// [`LOOKAHEAD`], around the iteration's end; from the first while the plan waits for
+    /// it) on `stream` whose planned range overlaps `size` bytes from its offset.
+    fn next_uses(
         &self,
         stream: StreamId,
         size: u64,
-        in_plan: &[(u64, usize)],
+        by_offset: &[(u64, usize)],
         candidates: &mut [Candidate],
     ) {
-        let entries = &self.plan.entries;
-        let n = entries.len();
-        let mut open = in_plan.len();
+        let n = self.plan.entries.len();
+        let start = if self.following { self.cursor } else { 0 };
+        // `unmarked[i]`: a candidate at or after `i` in `by_offset` that may have no next use
+        // yet (`by_offset.len()`: none), so that each is marked once.
+        let mut unmarked: Vec<usize> = (0..=by_offset.len()).collect();
+        let mut open = by_offset.len();
         for k in 0..LOOKAHEAD.min(n) {
             if open == 0 {
                 break;
             }
-            let j = self.cursor + k;
-            let e = &entries[if j >= n { j - n } else { j }];
+            let e = self.entry(start + k);
             let Some(offset) = e.offset.filter(|_| e.stream == stream) else {
                 continue;
             };
             // Candidates are `size` long: those overlapping [offset, offset + e.size) start
             // after offset - size and before its end.
-            let from = in_plan.partition_point(|&(at, _)| at + size <= offset);
-            let to = in_plan.partition_point(|&(at, _)| at < offset + e.size);
-            for &(_, i) in &in_plan[from..to.max(from)] {
-                if candidates[i].next_use.is_none() {
-                    candidates[i].next_use = Some(k);
-                    open -= 1;
-                }
+            let from = by_offset.partition_point(|&(at, _)| at + size <= offset);
+            let to = by_offset.partition_point(|&(at, _)| at < offset + e.size);
+            let mut i = first_unmarked(&mut unmarked, from);
+            while i < to {
+                candidates[by_offset[i].1].next_use = Some(k);
+                unmarked[i] = i + 1;
+                open -= 1;
+                i = first_unmarked(&mut unmarked, i + 1);
             }
         }
     }
+}
+
+/// The first unmarked candidate at or after `i`, halving the path there.
+fn first_unmarked(unmarked: &mut [usize], mut i: usize) -> usize {
+    while unmarked[i] != i {
+        unmarked[i] = unmarked[unmarked[i]];
+        i = unmarked[i];
+    }
+    i
 }

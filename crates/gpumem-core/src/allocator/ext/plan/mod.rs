@@ -17,18 +17,18 @@
 //!   shorter this time), else right after the last one, in a chunk of its stream: a segment
 //!   the size of what the iteration's persistent entries from it on keep (all of them at the
 //!   iteration's start), a new one (or one wholly free again) when the current is full.
-//!   Either is a hit. An entry with neither goes to the caching
-//!   allocator.
+//!   Either is a hit. An entry with neither goes to the caching allocator.
 //! - Whole: a live job's requests are not quite the recorded ones, and a request the plan
-//!   cannot put where it planned goes to a free range that holds it, the one the plan's
-//!   next entries need last (`elsewhere.rs`), a hit all the same: it stays in the plan's
-//!   memory instead of taking a segment of the caching allocator's beside it, and out of
-//!   the way of the entries after it. A planned entry whose range is still
-//!   taken looks in its stream's region and chunks; a persistent entry whose current chunk
-//!   is full (after a wholly free chunk), and a request that matches no entry (or comes
-//!   while the plan waits for its first entry), only in its stream's chunks: a request whose
-//!   lifetime the plan does not know may live on, and in a region it would take the range
-//!   of every later iteration's entries for good.
+//!   cannot put where it planned goes to a free range of its stream's region and chunks that
+//!   holds it, the one the plan's next entries need last (`elsewhere.rs`), a hit all the
+//!   same: it stays in the plan's memory instead of taking a segment of the caching
+//!   allocator's beside it, and out of the way of the entries after it. A planned entry
+//!   whose range is still taken may take any such range; a persistent entry whose current
+//!   chunk is full (after a wholly free chunk), and a request that matches no entry (or
+//!   comes while the plan waits for its first entry), only one that none of the next
+//!   [`LOOKAHEAD`] entries needs: a request whose lifetime the plan does not know may live
+//!   on, and in a range an entry needs it would displace that entry in every later
+//!   iteration.
 //! - A request the plan's memory cannot hold (its region cannot be obtained and no free
 //!   block takes it, or no chunk can be obtained; paged: also a request that matches no
 //!   entry, or a planned one whose range is taken) is a miss: the caching allocator serves
@@ -139,6 +139,11 @@ pub const RESYNC_WINDOW: usize = 16;
 /// Requests in a row that match no entry after which the plan waits for its first entry
 /// again.
 pub const LOST_AFTER: u32 = 16;
+
+/// `j` on a circle of `n`, for `j` below `2n`.
+fn wrap(j: usize, n: usize) -> usize {
+    if j >= n { j - n } else { j }
+}
 
 /// The error of a step that finds the plan's record disagreeing with itself (`what`).
 fn internal(what: &'static str) -> AllocError {
@@ -309,7 +314,8 @@ pub(in crate::allocator) struct Following {
     /// function of the offset (`None`: no entry does). Where a region page lies past its
     /// last use, a chunk may borrow it until the iteration ends.
     last_use: Vec<BTreeMap<u64, Option<usize>>>,
-    /// Per stream with persistent entries: a chunk's size and the chunk bumped now.
+    /// Per stream with persistent entries: an iteration's persistent bytes (the most a whole
+    /// plan's new chunk takes) and the chunk bumped now.
     chunks: Vec<(StreamId, u64, Option<u64>)>,
     /// Per chunk stream: (entry, bytes of the stream's persistent entries from it on), for
     /// each persistent entry in order: what the iteration's rest will bump.
@@ -329,7 +335,7 @@ pub(in crate::allocator) struct Following {
     misses_in_row: u32,
     /// Requests of the default pool the caching allocator served since the iteration began
     /// (misses, entries left to it, requests while not following).
-    elsewhere: u64,
+    served_outside: u64,
     /// Regions and chunks reserve address space and map pages on use.
     paged: bool,
     /// The segment counter when the plan was set: segments below it are the caching
@@ -504,7 +510,7 @@ impl Following {
             position: 0,
             following: false,
             misses_in_row: 0,
-            elsewhere: 0,
+            served_outside: 0,
             paged,
             counter_at_start,
             paging: PlanPaging::default(),
@@ -533,11 +539,9 @@ impl Following {
     fn match_request(&mut self, size: u64, stream: StreamId) -> (Expect, bool) {
         let entries = &self.plan.entries;
         let n = entries.len();
-        // Entry `j` of the circle, `j` below 2n (the cursor is below n, the window at most n):
-        // no division on the hot path.
-        let wrap = |j: usize| if j >= n { j - n } else { j };
+        // The cursor is below n and the window at most n: `wrap` suffices.
         let matches = |j: usize| {
-            let e = &entries[wrap(j)];
+            let e = &entries[wrap(j, n)];
             e.size == size && e.stream == stream
         };
         let found = if !self.following {
@@ -573,7 +577,7 @@ impl Following {
             }
             return (Expect::Miss, false);
         };
-        let j = wrap(unwrapped);
+        let j = wrap(unwrapped, n);
         let begins = !self.following || j < self.position;
         if begins {
             self.skipped.clear();
@@ -585,7 +589,7 @@ impl Following {
         }
         self.following = true;
         self.misses_in_row = 0;
-        self.cursor = wrap(j + 1);
+        self.cursor = wrap(j + 1, n);
         if self.cursor == 0 {
             // The iteration's last entry: what it skipped is not the next one's.
             self.skipped.clear();
@@ -601,16 +605,27 @@ impl Following {
         };
         // A validated plan has a region for every planned entry's stream and chunks for every
         // persistent one's; were one missing, the entry would go to the caching allocator.
-        let at = e.offset.and_then(|offset| {
-            let r = self.regions.iter().position(|r| r.0 == stream)?;
-            Some((r, offset))
-        });
+        let at = e
+            .offset
+            .and_then(|offset| Some((self.region_of(stream)?, offset)));
         let chunk = self.chunks.iter().position(|c| c.0 == stream);
         match (e.persistent, chunk, at) {
             (true, Some(chunk), tried) => Expect::Persistent { tried, chunk },
             (false, _, Some((region, offset))) => Expect::Placed { region, offset },
             _ => Expect::Unplanned,
         }
+    }
+
+    /// Entry `j` of the circle, `j` below twice the entries (a cursor and a window, each
+    /// below their count): no division on the hot path.
+    fn entry(&self, j: usize) -> &PlanEntry {
+        let entries = &self.plan.entries;
+        &entries[wrap(j, entries.len())]
+    }
+
+    /// The region of `stream`, by index.
+    fn region_of(&self, stream: StreamId) -> Option<usize> {
+        self.regions.iter().position(|r| r.0 == stream)
     }
 
     /// The base of the region or chunk holding `ptr`.
@@ -700,9 +715,9 @@ impl<D: Device> CachingAllocator<D> {
         };
         let (expect, begins) = planned.match_request(rounded, stream);
         if begins {
-            let served_alone = planned.paging.iterations > 0 && planned.elsewhere == 0;
+            let served_alone = planned.paging.iterations > 0 && planned.served_outside == 0;
             planned.paging.iterations += 1;
-            planned.elsewhere = 0;
+            planned.served_outside = 0;
             // Neither synchronisations nor frees while a capture is under way (Note [Private
             // pools]): lent pages stay lent (a range over one is a miss) until a boundary
             // outside it.
@@ -730,18 +745,19 @@ impl<D: Device> CachingAllocator<D> {
                     self.bump(chunk, rounded, requested)?
                 }
             }
-            // Its lifetime unknown: never in a region, where it could stay for good.
+            // Its lifetime unknown: only where the next entries will not need it, for it could
+            // stay for good.
             Expect::Miss => self.place_elsewhere(stream, rounded, requested, false)?,
             // Not following: neither a hit nor a miss of the plan's, wherever it goes.
             Expect::Idle => {
                 let placed = self.place_elsewhere(stream, rounded, requested, false)?;
                 if placed.is_none() {
-                    self.planned_mut()?.elsewhere += 1;
+                    self.planned_mut()?.served_outside += 1;
                 }
                 return Ok(placed);
             }
             Expect::Unplanned => {
-                self.planned_mut()?.elsewhere += 1;
+                self.planned_mut()?.served_outside += 1;
                 return Ok(None);
             }
         };
@@ -749,7 +765,7 @@ impl<D: Device> CachingAllocator<D> {
             self.stats.num_plan_hits.bump();
         } else {
             self.stats.num_plan_misses.bump();
-            self.planned_mut()?.elsewhere += 1;
+            self.planned_mut()?.served_outside += 1;
         }
         Ok(placed)
     }
@@ -792,21 +808,21 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Whole plans, a request the plan cannot put where it planned: a free range of its
     /// stream's region and chunks that the plan's next entries need last, or (its lifetime
-    /// not `planned`) not at all (`elsewhere.rs`); `Ok(None)` if none holds it. A live job's
+    /// not known) not at all (`elsewhere.rs`); `Ok(None)` if none holds it. A live job's
     /// requests are not quite the recorded ones: this keeps them in the plan's memory.
     fn place_elsewhere(
         &mut self,
         stream: StreamId,
         size: u64,
         requested: u64,
-        planned: bool,
+        lifetime_known: bool,
     ) -> Result<Option<DevicePtr>, AllocError> {
         let following = self.following()?;
         if following.paged {
             return Ok(None);
         }
         let Some((ptr, base)) =
-            following.elsewhere(stream, size, planned, &self.blocks, self.fit_order)
+            following.displaced_range(stream, size, lifetime_known, &self.blocks, self.fit_order)
         else {
             return Ok(None);
         };
