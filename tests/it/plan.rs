@@ -1126,8 +1126,9 @@ fn a_plans_evaluation_keeps_the_callers_budget() {
 }
 
 /// A request the plan does not know (no entry of its size) takes a free block of the plan's
-/// chunks, never of its region, however free the region is (its lifetime unknown, it could
-/// take the region's planned ranges for good); where no chunk holds it, it is a miss.
+/// chunks, and no range of its region that an entry needs, however free the region is (its
+/// lifetime unknown, it could take that range for good); where no chunk holds it, it is a
+/// miss.
 #[test]
 fn a_request_the_plan_does_not_know_stays_out_of_the_ranges_entries_need() {
     const MIB: u64 = 1 << 20;

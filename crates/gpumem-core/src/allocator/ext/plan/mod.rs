@@ -99,7 +99,7 @@
 //! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan
 //!   cannot put where it planned scans the free blocks of its stream's region and chunks
 //!   (each holds at most one more free block than live ones) and at most [`LOOKAHEAD`]
-//!   entries, in O(blocks + entries × log blocks).
+//!   entries, in O((blocks + entries) × log blocks).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
@@ -196,9 +196,9 @@ pub struct PlanEntry {
     /// Its offset in the stream's region: where it goes when it is freed within an
     /// iteration, where it is tried first when persistent.
     pub offset: Option<u64>,
-    /// It outlives an iteration: placed one after another in chunks of the stream (at most
-    /// the size of an iteration's persistent entries), unless its offset is given and that
-    /// range is free. An entry with neither goes to the caching allocator.
+    /// It outlives an iteration: placed one after another in chunks of the stream (whole:
+    /// each at most the size of an iteration's persistent entries), unless its offset is
+    /// given and that range is free. An entry with neither goes to the caching allocator.
     pub persistent: bool,
 }
 
@@ -834,10 +834,10 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
-    /// or of a wholly free chunk of the stream, or (whole plans) in a free block of its chunks
-    /// (`elsewhere.rs`) or the caching allocator's cache from before the plan, or of a new
-    /// chunk the size of the iteration's persistent entries still to come; `Ok(None)` if no
-    /// chunk can be obtained.
+    /// or of a wholly free chunk of the stream, or (whole plans) in a free range of its chunks
+    /// or region that the next entries do not need (`elsewhere.rs`) or the caching
+    /// allocator's cache from before the plan, or of a new chunk the size of the iteration's
+    /// persistent entries still to come; `Ok(None)` if no chunk can be obtained.
     fn bump(
         &mut self,
         c: usize,
@@ -877,7 +877,8 @@ impl<D: Device> CachingAllocator<D> {
             self.planned_mut()?.chunk_mut(c)?.2 = Some(base);
             return Ok(Some(ptr));
         }
-        // A hole in a chunk (a tensor that did not live on after all) before new memory.
+        // A hole in a chunk (a tensor that did not live on after all), or a range of the
+        // region the next entries do not need, before new memory.
         if let Some(ptr) = self.place_elsewhere(stream, size, requested, false)? {
             return Ok(Some(ptr));
         }
