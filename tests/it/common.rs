@@ -32,6 +32,12 @@ pub fn allocator(capacity: u64, conf: &str) -> CachingAllocator<SimDevice> {
     a
 }
 
+/// A followed plan's hits and misses so far.
+pub fn hits_and_misses<D: Device>(a: &CachingAllocator<D>) -> (i64, i64) {
+    let st = a.stats();
+    (st.num_plan_hits.get(), st.num_plan_misses.get())
+}
+
 pub fn check<D: Device>(a: &CachingAllocator<D>) {
     if let Err(e) = a.check_invariants() {
         panic!("invariant broken: {e}");

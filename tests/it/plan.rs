@@ -14,7 +14,7 @@ use gpumem::recording::read_recording;
 use gpumem::replay::{Mode, Setup};
 use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
 
-use crate::common::{session, succeeded, temp_dir};
+use crate::common::{hits_and_misses, session, succeeded, temp_dir};
 use crate::support::traces::shared_traces;
 
 /// The plan of a plan file with these fields (its format and version added).
@@ -25,12 +25,6 @@ fn plan_with(fields: serde_json::Value) -> Arc<Plan> {
     }
     let parsed = gpumem::plan::parse_plan(&file.to_string()).expect("a valid plan");
     Arc::new(parsed.plan())
-}
-
-/// The plan's hits and misses so far.
-fn hits_and_misses(alloc: &CachingAllocator<SimDevice>) -> (i64, i64) {
-    let st = alloc.stats();
-    (st.num_plan_hits.get(), st.num_plan_misses.get())
 }
 
 /// An allocator of a simulated 1 GiB device, with virtual memory or without.

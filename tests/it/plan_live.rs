@@ -19,8 +19,9 @@ use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanOptions, plan};
 use gpumem::recording::{Recording, read_recording};
 use gpumem::rng::XorShift;
-use gpumem::{AllocatorConfig, CachingAllocator, DevicePtr};
+use gpumem::{AllocatorConfig, CachingAllocator};
 
+use crate::common::hits_and_misses;
 use crate::support::traces::shared_traces;
 
 /// A live request (`recorded`: the recorded iterations have it, perhaps resized) or a free,
@@ -199,12 +200,10 @@ fn run(ops: &[Op], from: usize, config: &AllocatorConfig, plan: Option<Arc<Plan>
                 stream,
                 recorded,
             } => {
-                let st = a.stats();
-                let before = (st.num_plan_hits.get(), st.num_plan_misses.get());
+                let before = hits_and_misses(&a);
                 let p = a.malloc(size, stream).expect("fits");
                 ptrs.insert(id, p);
-                let st = a.stats();
-                let after = (st.num_plan_hits.get(), st.num_plan_misses.get());
+                let after = hits_and_misses(&a);
                 if i >= from && recorded {
                     hits += (after.0 - before.0) as u64;
                     decided += (after.0 + after.1 - before.0 - before.1) as u64;
@@ -212,7 +211,7 @@ fn run(ops: &[Op], from: usize, config: &AllocatorConfig, plan: Option<Arc<Plan>
             }
             Op::Free { id } => {
                 if let Some(p) = ptrs.remove(&id) {
-                    a.free(DevicePtr(p.0)).expect("live");
+                    a.free(p).expect("live");
                 }
             }
         }
