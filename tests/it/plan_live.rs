@@ -404,7 +404,7 @@ fn plans_hold_in_live_jobs_on_bundled_recordings() {
 }
 
 #[test]
-#[ignore = "issue 57, open: qwen3_gnn serves 79 to 91 %; cnn, qwen3_gnn and toy peak above the caching allocator on 8 of 27 runs (docs/planning.md); run with --ignored"]
+#[ignore = "issue 57, open: qwen3_gnn serves 76 to 91 %; cnn, qwen3_gnn and toy peak above the caching allocator on 9 of 27 runs (docs/planning.md); run with --ignored"]
 fn plans_hold_in_live_jobs_on_shared_recordings() {
     on_shared(
         "plans_hold_in_live_jobs_on_shared_recordings",

@@ -580,7 +580,10 @@ impl Following {
         let j = wrap(unwrapped, n);
         let begins = !self.following || j < self.position;
         if begins {
+            // What the iteration before skipped is not this one's; this one's first entries,
+            // passed over (its first request came late), are.
             self.skipped.clear();
+            self.skipped.extend(0..j);
         } else {
             // Remembered for a while: the job may make them a little later.
             self.skipped.extend(self.cursor..j);
@@ -1386,6 +1389,32 @@ mod tests {
         assert_eq!(following.match_request(2048, S0), (placed(1536), false));
         assert!(following.skipped.is_empty(), "the last entry matched");
         assert_eq!(following.match_request(1024, S0), (placed(512), true));
+    }
+
+    /// An iteration whose first request comes after its second: the second begins the
+    /// iteration, and the first, remembered as skipped, matches its own entry (it used to
+    /// begin yet another iteration, and take a later entry of its size from the one meant
+    /// for it, and so on down the iteration).
+    #[test]
+    fn an_iterations_first_request_made_late_matches_its_entry() {
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+            entry(2048, S0, Some(1536), false),
+        ]);
+        let placed = |offset| Expect::Placed { region: 0, offset };
+        for (i, (size, offset)) in [(512, 0), (1024, 512), (2048, 1536)]
+            .into_iter()
+            .enumerate()
+        {
+            let got = following.match_request(size, S0);
+            assert_eq!(got, (placed(offset), i == 0), "entry {i}");
+        }
+        assert_eq!(following.match_request(1024, S0), (placed(512), true));
+        assert_eq!(following.skipped, vec![0]);
+        assert_eq!(following.match_request(512, S0), (placed(0), false));
+        assert_eq!(following.match_request(2048, S0), (placed(1536), false));
+        assert!(following.skipped.is_empty());
     }
 
     /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first
