@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use gpumem::allocator::{PLAN_PAGE, Plan, PlanMode};
+use gpumem::allocator::{LOOKAHEAD, PLAN_PAGE, Plan, PlanMode};
 use gpumem::config::Syntax;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
@@ -1187,6 +1187,30 @@ fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
     assert_eq!(hits_and_misses(&alloc), (3, 1));
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.unmatched, 2, "{status:?}");
+    alloc.check_invariants().expect("consistent");
+}
+
+/// In a plan longer than the lookahead, a request the plan does not know still keeps out of
+/// a range an entry far on needs (here the last entry's, beyond [`LOOKAHEAD`] entries of
+/// requests left to the caching allocator): it could stay there for good.
+#[test]
+fn a_request_the_plan_does_not_know_keeps_out_of_ranges_needed_far_on() {
+    const MIB: u64 = 1 << 20;
+    let mut entries = vec![serde_json::json!({"size": 2 * MIB, "stream": 0, "offset": 0})];
+    entries.extend((0..LOOKAHEAD).map(|_| serde_json::json!({"size": 512, "stream": 0})));
+    entries.push(serde_json::json!({"size": MIB, "stream": 0, "offset": 2 * MIB}));
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 4 * MIB}],
+        "entries": entries
+    }));
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let first = alloc.malloc(2 * MIB, s).expect("fits");
+    // Free: [2, 4) MiB, of which the last entry needs [2, 3) in every iteration.
+    let unknown = alloc.malloc(MIB / 2, s).expect("fits");
+    assert_eq!(unknown.0, first.0 + 7 * MIB / 2, "the end no entry needs");
+    assert_eq!(hits_and_misses(&alloc), (2, 0));
     alloc.check_invariants().expect("consistent");
 }
 

@@ -14,9 +14,8 @@
 //! A request whose lifetime the plan does not know (it matched no entry, it is kept past
 //! the iteration, or it came while the plan waits for its first entry) may live on, and in
 //! a range an entry needs it would displace that entry in every iteration after: it takes
-//! only ranges that none of the next [`LOOKAHEAD`] entries needs (in a plan of at most that
-//! many entries: none of the iteration's; in a longer one an entry further on may find it
-//! there, and go elsewhere in turn).
+//! only chunk space and ranges of the region that no entry of the plan uses
+//! (`Following::last_use`), ranked by block and tie-break alone.
 //!
 //! # Invariants
 //! - A candidate lies inside one free block of a region or chunk of the request's stream.
@@ -27,7 +26,8 @@
 //!   L ≤ [`LOOKAHEAD`] entries looked at: each entry finds the candidates it overlaps by
 //!   binary search, and each candidate is marked once (those marked are skipped over,
 //!   pointers halved as they are followed); the search stops once every candidate in the
-//!   region has a next use.
+//!   region has a next use. A request of unknown lifetime looks at no entry: O(C log E) for
+//!   the E steps of the region's last uses.
 //! - Memory: three vectors of at most 2C + 1 items, dropped at return.
 
 use std::cmp::Reverse;
@@ -67,7 +67,8 @@ impl Following {
         blocks: &slab::Slab<Block>,
         order: FitOrder,
     ) -> Option<(u64, u64)> {
-        let region = self.region_of(stream).and_then(|r| self.regions[r].2);
+        let r = self.region_of(stream);
+        let region = r.and_then(|r| self.regions[r].2);
         let mut candidates = Vec::new();
         // Candidates in the region, by offset (free blocks are disjoint and by address, and
         // a block's start comes before its end): (offset, index in `candidates`).
@@ -85,6 +86,10 @@ impl Following {
                 let count = if held.region && b.size > size { 2 } else { 1 };
                 for &at in &ends[..count] {
                     if held.region {
+                        let unused = r.is_some_and(|r| self.unused(r, at - base, size));
+                        if !lifetime_known && !unused {
+                            continue;
+                        }
                         by_offset.push((at - base, candidates.len()));
                     }
                     candidates.push(Candidate {
@@ -97,12 +102,24 @@ impl Following {
                 }
             }
         }
-        self.next_uses(stream, size, &by_offset, &mut candidates);
+        if lifetime_known {
+            self.next_uses(stream, size, &by_offset, &mut candidates);
+        }
         let best = candidates
             .iter()
-            .filter(|c| lifetime_known || c.next_use.is_none())
             .min_by_key(|c| (c.next_use.map(Reverse), c.block, c.tie, c.addr))?;
         Some((best.addr, best.base))
+    }
+
+    /// Whether no entry's planned range overlaps `[offset, offset + size)` of region `r`:
+    /// no use where it starts, and no step after (equal steps are merged, so a step inside
+    /// is a use).
+    fn unused(&self, r: usize, offset: u64, size: u64) -> bool {
+        let Some(steps) = self.last_use.get(r) else {
+            return false;
+        };
+        let at = steps.range(..=offset).next_back().and_then(|(_, &v)| v);
+        at.is_none() && steps.range(offset + 1..offset + size).next().is_none()
     }
 
     /// Sets each region candidate's next use: the first of the entries to come (at most

@@ -25,8 +25,8 @@
 //!   allocator's beside it, and out of the way of the entries after it. A planned entry
 //!   whose range is still taken may take any such range; a persistent entry whose current
 //!   chunk is full (after a wholly free chunk), and a request that matches no entry (or
-//!   comes while the plan waits for its first entry), only one that none of the next
-//!   [`LOOKAHEAD`] entries needs: a request whose lifetime the plan does not know may live
+//!   comes while the plan waits for its first entry), only chunk space or a range of the
+//!   region that no entry uses: a request whose lifetime the plan does not know may live
 //!   on, and in a range an entry needs it would displace that entry in every later
 //!   iteration.
 //! - A request the plan's memory cannot hold (its region cannot be obtained and no free
@@ -99,7 +99,9 @@
 //! - Time: a request matches among at most 2 × [`RESYNC_WINDOW`] + 1 entries; one the plan
 //!   cannot put where it planned scans the free blocks of its stream's region and chunks
 //!   (each holds at most one more free block than live ones) and at most [`LOOKAHEAD`]
-//!   entries, in O((blocks + entries) × log blocks).
+//!   entries, in O((blocks + entries) × log blocks), or (its lifetime unknown) the region's
+//!   last uses, in O(blocks × log entries). Setting a plan sorts its entries' ranges once
+//!   (O(entries × log entries)).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
@@ -311,8 +313,9 @@ pub(in crate::allocator) struct Following {
     /// Per planned stream: its region's size and base while held.
     regions: Vec<(StreamId, u64, Option<u64>)>,
     /// Per region: the last entry of the iteration that uses each part of it, as a step
-    /// function of the offset (`None`: no entry does). Where a region page lies past its
-    /// last use, a chunk may borrow it until the iteration ends.
+    /// function of the offset (`None`: no entry does), equal steps merged. Paged: where a
+    /// region page lies past its last use, a chunk may borrow it until the iteration ends.
+    /// Whole: a request of unknown lifetime takes only parts no entry uses.
     last_use: Vec<BTreeMap<u64, Option<usize>>>,
     /// Per stream with persistent entries: an iteration's persistent bytes (the most a whole
     /// plan's new chunk takes) and the chunk bumped now.
@@ -462,14 +465,10 @@ impl Following {
             .iter()
             .map(|r| (r.stream, r.bytes, None))
             .collect();
-        let last_use = if paged {
-            regions
-                .iter()
-                .map(|r| last_uses(&plan.entries, r.0))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let last_use = regions
+            .iter()
+            .map(|r| last_uses(&plan.entries, r.0))
+            .collect();
         let mut chunks: Vec<(StreamId, u64, Option<u64>)> = Vec::new();
         for e in plan.entries.iter().filter(|e| e.persistent) {
             match chunks.iter_mut().find(|c| c.0 == e.stream) {
