@@ -142,7 +142,8 @@ pub fn pool_id(pool: u64) -> PoolId {
 /// A random but valid plan: up to 24 entries over the [`STREAMS`], regions of up to 256 MiB,
 /// offsets anywhere inside them (so entries may overlap: a bad plan); of the entries without
 /// an offset (a tenth, and those of streams without a region), half are persistent, and a
-/// fifth of those with one are persistent entries tried there first; whole or paged alike.
+/// fifth of those with one are persistent entries tried there first; whole or paged alike;
+/// what it saved unknown, nothing, or up to 64 MiB (misses' segments held to it).
 pub fn random_plan(seed: u64) -> Plan {
     let mut rng = XorShift::new(seed | 1);
     let mut regions: Vec<PlanRegion> = Vec::new();
@@ -179,10 +180,16 @@ pub fn random_plan(seed: u64) -> Plan {
     } else {
         PlanMode::Paged
     };
+    let saved_bytes = match rng.next_u64() % 3 {
+        0 => None,
+        1 => Some(0),
+        _ => Some(rng.next_u64() % (64 * MIB)),
+    };
     Plan {
         regions,
         entries,
         mode,
+        saved_bytes,
     }
 }
 

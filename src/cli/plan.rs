@@ -124,7 +124,7 @@ pub(crate) fn run(args: Args) -> CliResult {
         events: args.events.clone(),
         mode: args.mode,
     };
-    let planned = plan(&recording, &args.recording.name(), &options)?;
+    let mut planned = plan(&recording, &args.recording.name(), &options)?;
     let shared = Arc::new(planned.plan.clone());
     // Single iteration (or nothing after it): the plan on its own events is the offline
     // bound, labelled as such.
@@ -137,6 +137,8 @@ pub(crate) fn run(args: Args) -> CliResult {
     // The session reads the trace's release runs once; every replay below follows it.
     let session = args.recording.session(&recording, device)?;
     let evaluation = evaluate(&session, config.clone(), &shared, window.clone())?;
+    // Its misses may take the caching allocator's segment sizes within what it saved.
+    planned.plan.saved_bytes = Some(evaluation.saved_bytes());
     let mut rows = Vec::new();
     if args.compare {
         let within = WhatIf::default().on_events(Some(window));

@@ -21,6 +21,14 @@ pub struct Evaluation {
     pub planned: ReplayReport,
 }
 
+impl Evaluation {
+    /// Bytes the plan held less than the caching allocator at their peaks (what
+    /// [`Plan::saved_bytes`] records).
+    pub fn saved_bytes(&self) -> u64 {
+        (self.default.peak_reserved).saturating_sub(self.planned.peak_reserved)
+    }
+}
+
 /// Replays `window` of the session's trace from an empty allocator, under `config` (`None`:
 /// the recorded configuration) and then following `plan` (each a what-if of the session:
 /// on a recording with an OOM, within the memory the job had).

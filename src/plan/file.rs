@@ -3,8 +3,9 @@
 //! within [`MAX_PLAN_FILE_BYTES`] and validated.
 //!
 //! The schema: a region is `{"stream", "bytes"}`; an entry `{"size", "stream"}` with
-//! `"offset"` where it has one and `"persistent": true` where it is; unknown fields are
-//! refused, in the envelope and in every region and entry.
+//! `"offset"` where it has one and `"persistent": true` where it is; the envelope's
+//! `"saved_bytes"` is optional; unknown fields are refused, in the envelope and in every
+//! region and entry.
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -103,11 +104,14 @@ pub(super) fn serialize_plan<S: Serializer>(plan: &Plan, serializer: S) -> Resul
         entries: &'a [PlanEntry],
         #[serde(with = "ModeSchema")]
         mode: PlanMode,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        saved_bytes: Option<u64>,
     }
     Body {
         regions: &plan.regions,
         entries: &plan.entries,
         mode: plan.mode,
+        saved_bytes: plan.saved_bytes,
     }
     .serialize(serializer)
 }
@@ -144,6 +148,10 @@ pub struct PlanFile {
     /// How the regions and chunks hold memory (absent: whole segments).
     #[serde(with = "ModeSchema", default)]
     pub mode: PlanMode,
+    /// Bytes the plan held less than the caching allocator where it was evaluated (absent:
+    /// not known, and the caching allocator serves misses in its own segment sizes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_bytes: Option<u64>,
     /// Where the plan came from and what the planner found (informative only).
     #[serde(default)]
     pub source: Option<PlanSource>,
@@ -158,6 +166,7 @@ impl PlanFile {
             regions: plan.regions.clone(),
             entries: plan.entries.clone(),
             mode: plan.mode,
+            saved_bytes: plan.saved_bytes,
             source,
         }
     }
@@ -168,6 +177,7 @@ impl PlanFile {
             regions: self.regions.clone(),
             entries: self.entries.clone(),
             mode: self.mode,
+            saved_bytes: self.saved_bytes,
         }
     }
 }

@@ -42,6 +42,7 @@ pub(super) fn plan_iteration(
             })
             .collect(),
         mode: PlanMode::default(),
+        saved_bytes: None,
     };
     debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
     (plan, placement.lower_bound, start..end)

@@ -413,6 +413,7 @@ fn a_plan_reuses_its_free_chunks_in_the_pools_order() {
         regions: Vec::new(),
         entries: vec![persistent, persistent],
         mode: PlanMode::Paged,
+        saved_bytes: None,
     });
     for order in [FitOrder::Address, FitOrder::Counter] {
         // Whole-segment chunks: a device without virtual memory (paged chunks grow instead).

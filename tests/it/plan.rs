@@ -575,6 +575,8 @@ fn bundled_recordings_plan_and_replay_alike() {
             figure(default, "peak_reserved")
         );
         assert!(figure(planned, "peak_reserved") >= figure(planned, "peak_allocated"));
+        let saved = figure(default, "peak_reserved") - figure(planned, "peak_reserved");
+        assert_eq!(plan.saved_bytes, Some(saved), "{name}: what the plan saved");
         let replayed = succeeded(
             Command::new(env!("CARGO_BIN_EXE_gpumem"))
                 .arg("replay")
@@ -1188,6 +1190,44 @@ fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
     let status = alloc.plan_status().expect("followed");
     assert_eq!(status.paging.unmatched, 2, "{status:?}");
     alloc.check_invariants().expect("consistent");
+}
+
+/// The caching allocator serves a followed plan's misses in its own segment sizes while its
+/// memory beside the plan stays within what the plan saved, and in segments of the request
+/// rounded up to 2 MiB past it; a plan that does not know what it saved leaves the sizes
+/// as they are.
+#[test]
+fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
+    const MIB: u64 = 1 << 20;
+    // Reserved after a hit and two misses of 3 MiB (a 1-to-10 MiB request: a 20 MiB segment
+    // of PyTorch's, which the second shares).
+    let reserved = |saved: Option<u64>| {
+        let mut plan = serde_json::json!({
+            "regions": [{"stream": 0, "bytes": 2 * MIB}],
+            "entries": [{"size": 2 * MIB, "stream": 0, "offset": 0}]
+        });
+        if let Some(saved) = saved {
+            plan["saved_bytes"] = saved.into();
+        }
+        let mut alloc = on_sim(false);
+        alloc.set_plan(plan_with(plan)).expect("valid");
+        let s = StreamId(0);
+        let mut after = Vec::new();
+        for size in [2 * MIB, 3 * MIB, 3 * MIB] {
+            alloc.malloc(size, s).expect("fits");
+            after.push(alloc.stats().reserved_bytes.all_current() as u64 / MIB);
+        }
+        assert_eq!(hits_and_misses(&alloc), (1, 2), "{saved:?}");
+        alloc.check_invariants().expect("consistent");
+        after
+    };
+    assert_eq!(reserved(None), [2, 22, 22], "PyTorch's sizes");
+    assert_eq!(reserved(Some(20 * MIB)), [2, 22, 22], "within the saving");
+    assert_eq!(
+        reserved(Some(19 * MIB)),
+        [2, 6, 10],
+        "past it: each its own 4 MiB"
+    );
 }
 
 /// In a plan longer than the lookahead, a request the plan does not know still keeps out of

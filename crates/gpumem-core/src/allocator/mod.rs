@@ -512,7 +512,8 @@ impl<D: Device> CachingAllocator<D> {
         stream: StreamId,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
-        let segment_size = size::allocation_size(&self.config, rounded);
+        let sized = size::allocation_size(&self.config, rounded);
+        let segment_size = self.segment_beside_plan(pool, rounded, sized);
         if self.gc_enabled() {
             self.garbage_collect()?;
         }

@@ -163,6 +163,10 @@ pub struct Plan {
     pub entries: Vec<PlanEntry>,
     /// How its regions and chunks hold memory.
     pub mode: PlanMode,
+    /// Bytes the plan held less than the caching allocator on the iterations it was
+    /// evaluated on, where known: what the caching allocator may hold beside it in its own
+    /// segment sizes before a miss's new segment is only the request rounded up to 2 MiB.
+    pub saved_bytes: Option<u64>,
 }
 
 /// How a plan's regions and chunks hold memory: the trade between driver work and memory.
@@ -772,6 +776,37 @@ impl<D: Device> CachingAllocator<D> {
         Ok(placed)
     }
 
+    /// The size of a new segment the caching allocator obtains for a rounded request of
+    /// `pool` (`sized`: PyTorch's size) beside a followed plan that knows what it saved:
+    /// PyTorch's while the memory outside the plan's stays within that saving, else the
+    /// request rounded up to 2 MiB. Misses share the caching allocator's large segments while
+    /// the plan's saving pays for them, and cost no more than they need past it.
+    pub(in crate::allocator) fn segment_beside_plan(
+        &self,
+        pool: PoolRef,
+        rounded: u64,
+        sized: u64,
+    ) -> u64 {
+        let Some(planned) = self.planned.as_deref() else {
+            return sized;
+        };
+        let Some(saved) = planned.plan.saved_bytes else {
+            return sized;
+        };
+        if !pool.owner.is_default() || pool.kind != PoolKind::Large || self.expandable_segments() {
+            return sized;
+        }
+        let held: u64 = (planned.held.values())
+            .map(|h| h.mapped_bytes(&self.blocks))
+            .sum();
+        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
+        if reserved.saturating_sub(held).saturating_add(sized) <= saved {
+            sized
+        } else {
+            sized.min(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE)
+        }
+    }
+
     /// The plan followed: called only where one is (an error otherwise, never a panic).
     fn planned_mut(&mut self) -> Result<&mut Following, AllocError> {
         self.planned
@@ -1289,6 +1324,7 @@ mod tests {
             }],
             entries,
             mode: PlanMode::Whole,
+            saved_bytes: None,
         };
         plan.validate().expect("a valid plan");
         Following::new(Arc::new(plan), false, 0)
