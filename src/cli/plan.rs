@@ -137,8 +137,6 @@ pub(crate) fn run(args: Args) -> CliResult {
     // The session reads the trace's release runs once; every replay below follows it.
     let session = args.recording.session(&recording, device)?;
     let evaluation = evaluate(&session, config.clone(), &shared, window.clone())?;
-    // Its misses may take the caching allocator's segment sizes within what it saved.
-    planned.plan.saved_bytes = Some(evaluation.saved_bytes());
     let mut rows = Vec::new();
     if args.compare {
         let within = WhatIf::default().on_events(Some(window));
@@ -169,6 +167,9 @@ pub(crate) fn run(args: Args) -> CliResult {
         let r = evaluate(&session, config.clone(), &other, evaluation.events.clone())?;
         rows.push(Row::of(&name, &r.planned));
     }
+    // What the plan saved, for the file: its misses may take the caching allocator's segment
+    // sizes within it (every row above followed it without).
+    planned.plan.saved_bytes = Some(evaluation.saved_bytes());
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&planned.file())?;
         super::write_output(path, (text + "\n").as_bytes(), &[&args.recording.trace])?;

@@ -1193,14 +1193,15 @@ fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
 }
 
 /// The caching allocator serves a followed plan's misses in its own segment sizes while its
-/// memory beside the plan stays within what the plan saved, and in segments of the request
-/// rounded up to 2 MiB past it; a plan that does not know what it saved leaves the sizes
-/// as they are.
+/// memory beside the plan has grown by no more than what the plan saved since it began
+/// following (the job's weights come before), and in segments of the request rounded up to
+/// 2 MiB past it; a plan that does not know what it saved leaves the sizes as they are.
 #[test]
 fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
     const MIB: u64 = 1 << 20;
-    // Reserved after a hit and two misses of 3 MiB (a 1-to-10 MiB request: a 20 MiB segment
-    // of PyTorch's, which the second shares).
+    // Reserved (MiB) after 30 MiB of weights (their own segment, before the plan's first
+    // entry), a hit and two misses of 3 MiB (a 1-to-10 MiB request: a 20 MiB segment of
+    // PyTorch's, which the second shares).
     let reserved = |saved: Option<u64>| {
         let mut plan = serde_json::json!({
             "regions": [{"stream": 0, "bytes": 2 * MIB}],
@@ -1213,7 +1214,7 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
         alloc.set_plan(plan_with(plan)).expect("valid");
         let s = StreamId(0);
         let mut after = Vec::new();
-        for size in [2 * MIB, 3 * MIB, 3 * MIB] {
+        for size in [30 * MIB, 2 * MIB, 3 * MIB, 3 * MIB] {
             alloc.malloc(size, s).expect("fits");
             after.push(alloc.stats().reserved_bytes.all_current() as u64 / MIB);
         }
@@ -1221,11 +1222,15 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
         alloc.check_invariants().expect("consistent");
         after
     };
-    assert_eq!(reserved(None), [2, 22, 22], "PyTorch's sizes");
-    assert_eq!(reserved(Some(20 * MIB)), [2, 22, 22], "within the saving");
+    assert_eq!(reserved(None), [30, 32, 52, 52], "PyTorch's sizes");
+    assert_eq!(
+        reserved(Some(20 * MIB)),
+        [30, 32, 52, 52],
+        "within the saving"
+    );
     assert_eq!(
         reserved(Some(19 * MIB)),
-        [2, 6, 10],
+        [30, 32, 36, 40],
         "past it: each its own 4 MiB"
     );
 }

@@ -58,7 +58,7 @@ impl Following {
     /// The range of `size` bytes a request the plan cannot put where it planned goes to, as
     /// the module documentation ranks them: (address, base of the region or chunk); `None`
     /// if no free block of the stream's region and chunks holds it (where its lifetime is
-    /// not known, none that the next entries do not need).
+    /// not known, none that no entry of the plan uses).
     pub(super) fn displaced_range(
         &self,
         stream: StreamId,
@@ -86,8 +86,8 @@ impl Following {
                 let count = if held.region && b.size > size { 2 } else { 1 };
                 for &at in &ends[..count] {
                     if held.region {
-                        let unused = r.is_some_and(|r| self.unused(r, at - base, size));
-                        if !lifetime_known && !unused {
+                        let unused = || r.is_some_and(|r| self.no_entry_uses(r, at - base, size));
+                        if !lifetime_known && !unused() {
                             continue;
                         }
                         by_offset.push((at - base, candidates.len()));
@@ -114,7 +114,7 @@ impl Following {
     /// Whether no entry's planned range overlaps `[offset, offset + size)` of region `r`:
     /// no use where it starts, and no step after (equal steps are merged, so a step inside
     /// is a use).
-    fn unused(&self, r: usize, offset: u64, size: u64) -> bool {
+    fn no_entry_uses(&self, r: usize, offset: u64, size: u64) -> bool {
         let Some(steps) = self.last_use.get(r) else {
             return false;
         };

@@ -36,6 +36,12 @@
 //!   its first entry is neither a hit nor a miss, wherever it goes. After [`LOST_AFTER`]
 //!   requests in a row that match no entry the plan waits for a request that matches its
 //!   first entry, and follows again from there.
+//! - Where the plan knows what it saved ([`Plan::saved_bytes`]), the caching allocator's
+//!   new large segments of the default pool (not expandable) take PyTorch's sizes while its
+//!   memory outside the plan has grown by no more than that since the plan first began
+//!   following (weights and a warm-up's cache come before), and the request rounded up to
+//!   2 MiB past it: misses share a 20 MiB segment while the saving pays for it, and take no
+//!   more than they need after.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
 //!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
 //!   attempt) gives back the regions and chunks that hold none, so the plan never costs a
@@ -164,8 +170,9 @@ pub struct Plan {
     /// How its regions and chunks hold memory.
     pub mode: PlanMode,
     /// Bytes the plan held less than the caching allocator on the iterations it was
-    /// evaluated on, where known: what the caching allocator may hold beside it in its own
-    /// segment sizes before a miss's new segment is only the request rounded up to 2 MiB.
+    /// evaluated on, where known: how much the caching allocator's memory beside it may grow
+    /// in PyTorch's segment sizes, once it follows, before a new segment is only the request
+    /// rounded up to 2 MiB (Note [Planned placement]).
     pub saved_bytes: Option<u64>,
 }
 
@@ -348,6 +355,10 @@ pub(in crate::allocator) struct Following {
     /// The segment counter when the plan was set: segments below it are the caching
     /// allocator's from before (whole plans put persistent entries in their free parts).
     counter_at_start: u32,
+    /// The bytes the caching allocator held outside the plan when the plan first began
+    /// following (the job's weights, its warm-up's cache): misses spend the plan's
+    /// `saved_bytes` beyond them.
+    outside_at_start: Option<u64>,
     paging: PlanPaging,
 }
 
@@ -516,6 +527,7 @@ impl Following {
             served_outside: 0,
             paged,
             counter_at_start,
+            outside_at_start: None,
             paging: PlanPaging::default(),
         }
     }
@@ -720,6 +732,11 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(None);
         };
         let (expect, begins) = planned.match_request(rounded, stream);
+        if begins && planned.outside_at_start.is_none() {
+            let outside = self.outside_plan_bytes();
+            self.planned_mut()?.outside_at_start = Some(outside);
+        }
+        let planned = self.planned_mut()?;
         if begins {
             let served_alone = planned.paging.iterations > 0 && planned.served_outside == 0;
             planned.paging.iterations += 1;
@@ -777,10 +794,12 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// The size of a new segment the caching allocator obtains for a rounded request of
-    /// `pool` (`sized`: PyTorch's size) beside a followed plan that knows what it saved:
-    /// PyTorch's while the memory outside the plan's stays within that saving, else the
-    /// request rounded up to 2 MiB. Misses share the caching allocator's large segments while
-    /// the plan's saving pays for them, and cost no more than they need past it.
+    /// `pool` (`sized`: PyTorch's size) once a plan that knows what it saved has begun
+    /// following (misses, entries left to the caching allocator, requests while the plan
+    /// waits again): PyTorch's while the memory outside the plan has grown by no more than
+    /// that saving since, else the request rounded up to 2 MiB. Misses share the caching
+    /// allocator's large segments while the plan's saving pays for them, and cost no more
+    /// than they need past it. The default pool's large segments only, expandable ones not.
     pub(in crate::allocator) fn segment_beside_plan(
         &self,
         pool: PoolRef,
@@ -790,21 +809,30 @@ impl<D: Device> CachingAllocator<D> {
         let Some(planned) = self.planned.as_deref() else {
             return sized;
         };
-        let Some(saved) = planned.plan.saved_bytes else {
+        let (Some(saved), Some(before)) = (planned.plan.saved_bytes, planned.outside_at_start)
+        else {
             return sized;
         };
         if !pool.owner.is_default() || pool.kind != PoolKind::Large || self.expandable_segments() {
             return sized;
         }
-        let held: u64 = (planned.held.values())
-            .map(|h| h.mapped_bytes(&self.blocks))
-            .sum();
-        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
-        if reserved.saturating_sub(held).saturating_add(sized) <= saved {
+        let grown = self.outside_plan_bytes().saturating_sub(before);
+        if grown.saturating_add(sized) <= saved {
             sized
         } else {
             sized.min(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE)
         }
+    }
+
+    /// Bytes the caching allocator holds outside the plan's regions and chunks.
+    fn outside_plan_bytes(&self) -> u64 {
+        let held = self.planned.as_deref().map_or(0, |planned| {
+            (planned.held.values())
+                .map(|h| h.mapped_bytes(&self.blocks))
+                .sum()
+        });
+        let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
+        reserved.saturating_sub(held)
     }
 
     /// The plan followed: called only where one is (an error otherwise, never a panic).
@@ -872,7 +900,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Allocates `size` bytes at the start of the free tail of the stream's current chunk,
     /// or of a wholly free chunk of the stream, or (whole plans) in a free range of its chunks
-    /// or region that the next entries do not need (`elsewhere.rs`) or the caching
+    /// or region that no entry of the plan uses (`elsewhere.rs`) or the caching
     /// allocator's cache from before the plan, or of a new chunk the size of the iteration's
     /// persistent entries still to come; `Ok(None)` if no chunk can be obtained.
     fn bump(
@@ -915,7 +943,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Some(ptr));
         }
         // A hole in a chunk (a tensor that did not live on after all), or a range of the
-        // region the next entries do not need, before new memory.
+        // region no entry uses, before new memory.
         if let Some(ptr) = self.place_elsewhere(stream, size, requested, false)? {
             return Ok(Some(ptr));
         }
