@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use gpumem::allocator::{LOOKAHEAD, PLAN_PAGE, Plan, PlanMode};
+use gpumem::allocator::{LOOKAHEAD, PLAN_PAGE, Plan, PlanMode, PoolId, RouteKind, StreamFilter};
 use gpumem::config::Syntax;
 use gpumem::device::{SimConfig, SimDevice, StreamId};
 use gpumem::plan::{PlanFileError, PlanOptions, evaluate, plan, read_plan_file};
@@ -1233,6 +1233,33 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
         [30, 32, 36, 40],
         "past it: each its own 4 MiB"
     );
+}
+
+/// The saving is the default pool's: a private pool's segments keep PyTorch's sizes beside
+/// a plan past its saving, while the default pool's misses take the request rounded up.
+#[test]
+fn a_private_pools_segments_keep_pytorchs_sizes_beside_a_plan() {
+    const MIB: u64 = 1 << 20;
+    let mut alloc = on_sim(false);
+    let plan = plan_with(serde_json::json!({
+        "regions": [{"stream": 0, "bytes": 2 * MIB}],
+        "entries": [{"size": 2 * MIB, "stream": 0, "offset": 0}],
+        "saved_bytes": 0
+    }));
+    alloc.set_plan(plan).expect("valid");
+    let s = StreamId(0);
+    let reserved =
+        |a: &CachingAllocator<SimDevice>| a.stats().reserved_bytes.all_current() as u64 / MIB;
+    alloc.malloc(2 * MIB, s).expect("fits");
+    let pool = PoolId(0, 1);
+    (alloc.begin_allocate_to_pool(pool, StreamFilter::Any, RouteKind::MemPool)).expect("routed");
+    alloc.malloc(3 * MIB, s).expect("fits");
+    assert_eq!(reserved(&alloc), 22, "a 20 MiB segment of the pool's");
+    alloc.end_allocate_to_pool(pool).expect("was routed");
+    alloc.malloc(3 * MIB, s).expect("fits");
+    assert_eq!(reserved(&alloc), 26, "the default pool's miss: 4 MiB");
+    assert_eq!(hits_and_misses(&alloc), (1, 1));
+    alloc.check_invariants().expect("consistent");
 }
 
 /// In a plan longer than the lookahead, a request the plan does not know still keeps out of
