@@ -36,6 +36,14 @@ fn on_sim(virtual_memory: bool) -> CachingAllocator<SimDevice> {
     CachingAllocator::new(device, AllocatorConfig::default())
 }
 
+/// An allocator on the simulated device without virtual memory, following the plan of the
+/// file with `fields`.
+fn following_on_sim(fields: serde_json::Value) -> CachingAllocator<SimDevice> {
+    let mut alloc = on_sim(false);
+    alloc.set_plan(plan_with(fields)).expect("valid");
+    alloc
+}
+
 #[test]
 fn the_plan_key_is_gpumem_syntax_only() {
     let refused = AllocatorConfig::parse("expandable_segments:True,plan:/tmp/p.json")
@@ -1128,15 +1136,13 @@ fn a_plans_evaluation_keeps_the_callers_budget() {
 #[test]
 fn a_request_the_plan_does_not_know_stays_out_of_the_ranges_entries_need() {
     const MIB: u64 = 1 << 20;
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": [
             {"size": 4 * MIB, "stream": 0, "offset": 0},
             {"size": MIB, "stream": 0, "persistent": true}
         ]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let region = alloc.malloc(4 * MIB, s).expect("fits");
     alloc.free(region).expect("live");
@@ -1164,15 +1170,13 @@ fn a_request_the_plan_does_not_know_stays_out_of_the_ranges_entries_need() {
 #[test]
 fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
     const MIB: u64 = 1 << 20;
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": [
             {"size": 2 * MIB, "stream": 0, "offset": 0},
             {"size": MIB, "stream": 0, "offset": 2 * MIB}
         ]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(2 * MIB, s).expect("fits");
     let second = alloc.malloc(MIB, s).expect("fits");
@@ -1210,8 +1214,7 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
         if let Some(saved) = saved {
             plan["saved_bytes"] = saved.into();
         }
-        let mut alloc = on_sim(false);
-        alloc.set_plan(plan_with(plan)).expect("valid");
+        let mut alloc = following_on_sim(plan);
         let s = StreamId(0);
         let mut after = Vec::new();
         for size in [30 * MIB, 2 * MIB, 3 * MIB, 3 * MIB] {
@@ -1240,13 +1243,11 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
 #[test]
 fn a_private_pools_segments_keep_pytorchs_sizes_beside_a_plan() {
     const MIB: u64 = 1 << 20;
-    let mut alloc = on_sim(false);
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 2 * MIB}],
         "entries": [{"size": 2 * MIB, "stream": 0, "offset": 0}],
         "saved_bytes": 0
     }));
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let reserved =
         |a: &CachingAllocator<SimDevice>| a.stats().reserved_bytes.all_current() as u64 / MIB;
@@ -1271,12 +1272,10 @@ fn a_request_the_plan_does_not_know_keeps_out_of_ranges_needed_far_on() {
     let mut entries = vec![serde_json::json!({"size": 2 * MIB, "stream": 0, "offset": 0})];
     entries.extend((0..LOOKAHEAD).map(|_| serde_json::json!({"size": 512, "stream": 0})));
     entries.push(serde_json::json!({"size": MIB, "stream": 0, "offset": 2 * MIB}));
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": entries
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(2 * MIB, s).expect("fits");
     // Free: [2, 4) MiB, of which the last entry needs [2, 3) in every iteration.
@@ -1291,15 +1290,13 @@ fn a_request_the_plan_does_not_know_keeps_out_of_ranges_needed_far_on() {
 #[test]
 fn a_persistent_entry_fills_a_hole_before_a_new_chunk() {
     const MIB: u64 = 1 << 20;
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [],
         "entries": [
             {"size": MIB, "stream": 0, "persistent": true},
             {"size": MIB, "stream": 0, "persistent": true}
         ]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(MIB, s).expect("fits");
     let second = alloc.malloc(MIB, s).expect("fits");
@@ -1319,7 +1316,7 @@ fn a_persistent_entry_fills_a_hole_before_a_new_chunk() {
 #[test]
 fn a_displaced_request_stays_out_of_the_next_entries_way() {
     const MIB: u64 = 1 << 20;
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": [
             {"size": MIB, "stream": 0, "offset": 0},
@@ -1328,8 +1325,6 @@ fn a_displaced_request_stays_out_of_the_next_entries_way() {
             {"size": MIB, "stream": 0, "offset": 2 * MIB}
         ]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(MIB, s).expect("fits");
     // The second's range is the first's, still live; the region's free block [1, 4) MiB is
@@ -1353,12 +1348,10 @@ fn a_displaced_request_stays_out_of_the_next_entries_way() {
 fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
     const MIB: u64 = 1 << 20;
     let kept = serde_json::json!({"size": 2 * MIB, "stream": 0, "persistent": true});
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [],
         "entries": [kept, kept, kept, kept]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let held =
         |alloc: &CachingAllocator<SimDevice>| alloc.plan_status().expect("followed").held_bytes;
@@ -1382,7 +1375,7 @@ fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
 #[test]
 fn a_displaced_request_takes_the_range_needed_last() {
     const MIB: u64 = 1 << 20;
-    let plan = plan_with(serde_json::json!({
+    let mut alloc = following_on_sim(serde_json::json!({
         "regions": [{"stream": 0, "bytes": 4 * MIB}],
         "entries": [
             {"size": MIB, "stream": 0, "offset": 0},
@@ -1392,8 +1385,6 @@ fn a_displaced_request_takes_the_range_needed_last() {
             {"size": MIB, "stream": 0, "offset": 3 * MIB}
         ]
     }));
-    let mut alloc = on_sim(false);
-    alloc.set_plan(plan).expect("valid");
     let s = StreamId(0);
     let first = alloc.malloc(MIB, s).expect("fits");
     // Free: [1, 4) MiB. Its start is needed by the next entry, its end two entries on.

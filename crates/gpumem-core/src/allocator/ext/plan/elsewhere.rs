@@ -111,15 +111,10 @@ impl Following {
         Some((best.addr, best.base))
     }
 
-    /// Whether no entry's planned range overlaps `[offset, offset + size)` of region `r`:
-    /// no use where it starts, and no step after (equal steps are merged, so a step inside
-    /// is a use).
+    /// Whether no entry's planned range overlaps `[offset, offset + size)` of region `r`.
     fn no_entry_uses(&self, r: usize, offset: u64, size: u64) -> bool {
-        let Some(steps) = self.last_use.get(r) else {
-            return false;
-        };
-        let at = steps.range(..=offset).next_back().and_then(|(_, &v)| v);
-        at.is_none() && steps.range(offset + 1..offset + size).next().is_none()
+        self.last_uses_over(r, offset, offset + size)
+            .is_some_and(|mut uses| uses.all(|last| last.is_none()))
     }
 
     /// Sets each region candidate's next use: the first of the entries to come (at most

@@ -646,6 +646,11 @@ impl Following {
         self.regions.iter().position(|r| r.0 == stream)
     }
 
+    /// Bytes of device memory its regions and chunks hold (their mapped pages, where paged).
+    fn held_bytes(&self, blocks: &slab::Slab<Block>) -> u64 {
+        self.held.values().map(|h| h.mapped_bytes(blocks)).sum()
+    }
+
     /// The base of the region or chunk holding `ptr`.
     fn held_at(&self, ptr: u64) -> Option<u64> {
         let (&base, held) = self.held.range(..=ptr).next_back()?;
@@ -706,10 +711,9 @@ impl<D: Device> CachingAllocator<D> {
     /// How the plan stands, if one is followed.
     pub fn plan_status(&self) -> Option<PlanStatus> {
         let planned = self.planned.as_ref()?;
-        let held = planned.held.values();
         Some(PlanStatus {
-            held_bytes: held.clone().map(|h| h.mapped_bytes(&self.blocks)).sum(),
-            pinned_bytes: held
+            held_bytes: planned.held_bytes(&self.blocks),
+            pinned_bytes: (planned.held.values())
                 .filter(|h| !h.idle(&self.blocks))
                 .map(|h| h.mapped_bytes(&self.blocks))
                 .sum(),
@@ -826,11 +830,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Bytes the caching allocator holds outside the plan's regions and chunks.
     fn outside_plan_bytes(&self) -> u64 {
-        let held = self.planned.as_deref().map_or(0, |planned| {
-            (planned.held.values())
-                .map(|h| h.mapped_bytes(&self.blocks))
-                .sum()
-        });
+        let held = (self.planned.as_deref()).map_or(0, |planned| planned.held_bytes(&self.blocks));
         let reserved = self.stats.reserved_bytes.all_current().max(0) as u64;
         reserved.saturating_sub(held)
     }

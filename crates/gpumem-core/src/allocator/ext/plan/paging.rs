@@ -118,16 +118,24 @@ impl Following {
     /// Whether no entry of the iteration's rest uses the page at offset `page` of region
     /// `r`: the current entry's position is past the last use of every part of it.
     pub(super) fn past_last_use(&self, r: usize, page: u64) -> bool {
-        if !self.following {
-            return false;
-        }
-        let steps = &self.last_use[r];
-        let first = steps.range(..=page).next_back().map(|(_, &v)| v);
-        let within = steps.range(page + 1..page + PLAN_PAGE).map(|(_, &v)| v);
-        first
-            .into_iter()
-            .chain(within)
-            .all(|last| last.is_none_or(|j| j < self.position))
+        self.following
+            && self
+                .last_uses_over(r, page, page + PLAN_PAGE)
+                .is_some_and(|mut uses| uses.all(|last| last.is_none_or(|j| j < self.position)))
+    }
+
+    /// The last uses over `[from, to)` of region `r` (`to` past `from`): the step of
+    /// [`Following::last_use`] where it starts and every step inside; `None` for no region.
+    pub(super) fn last_uses_over(
+        &self,
+        r: usize,
+        from: u64,
+        to: u64,
+    ) -> Option<impl Iterator<Item = Option<usize>> + '_> {
+        let steps = self.last_use.get(r)?;
+        let first = steps.range(..=from).next_back().map(|(_, &v)| v);
+        let within = steps.range(from + 1..to).map(|(_, &v)| v);
+        Some(first.into_iter().chain(within))
     }
 
     /// Bytes the iteration's rest will bump into chunk `c` (all of it while not following).
