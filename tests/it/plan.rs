@@ -1185,9 +1185,11 @@ fn a_request_the_plan_does_not_know_takes_what_no_entry_needs() {
     // Free now: [2, 4) MiB, of which the second entry needs [2, 3) in every iteration.
     let unknown = alloc.malloc(MIB / 2, s).expect("fits");
     assert_eq!(unknown.0, first.0 + 7 * MIB / 2, "the end no entry needs");
-    let larger = alloc.malloc(3 * MIB / 2, s).expect("fits");
+    // Free [2, 3.5) holds it only over the second entry's range (and it is under half the
+    // entry at the cursor: not that entry resized).
+    let larger = alloc.malloc(3 * MIB / 4, s).expect("fits");
     assert!(
-        larger.0 + 3 * MIB / 2 <= first.0 || larger.0 >= first.0 + 4 * MIB,
+        larger.0 + 3 * MIB / 4 <= first.0 || larger.0 >= first.0 + 4 * MIB,
         "the caching allocator's: {larger:?}"
     );
     assert_eq!(hits_and_misses(&alloc), (3, 1));
@@ -1236,6 +1238,37 @@ fn misses_take_the_caching_allocators_segments_within_what_the_plan_saved() {
         [30, 32, 36, 40],
         "past it: each its own 4 MiB"
     );
+}
+
+/// Past what the plan saved, the caching allocator gives back its whole free segments
+/// beside the plan before it takes a new one: what it cached for misses that are gone is
+/// memory the saving no longer pays for. Within the saving they stay cached, as PyTorch's.
+#[test]
+fn past_the_saving_free_segments_beside_the_plan_go_back_first() {
+    const MIB: u64 = 1 << 20;
+    // Reserved (MiB) after 30 MiB of weights, a hit, a 3 MiB miss (a 20 MiB segment), its
+    // free, and a 24 MiB miss that no cached block holds.
+    let reserved = |saved: u64| {
+        let mut alloc = following_on_sim(serde_json::json!({
+            "regions": [{"stream": 0, "bytes": 2 * MIB}],
+            "entries": [{"size": 2 * MIB, "stream": 0, "offset": 0}],
+            "saved_bytes": saved
+        }));
+        let s = StreamId(0);
+        let mut after = Vec::new();
+        alloc.malloc(30 * MIB, s).expect("fits");
+        alloc.malloc(2 * MIB, s).expect("fits");
+        let miss = alloc.malloc(3 * MIB, s).expect("fits");
+        after.push(alloc.stats().reserved_bytes.all_current() as u64 / MIB);
+        alloc.free(miss).expect("live");
+        alloc.malloc(24 * MIB, s).expect("fits");
+        after.push(alloc.stats().reserved_bytes.all_current() as u64 / MIB);
+        assert_eq!(hits_and_misses(&alloc), (1, 2), "{saved}");
+        alloc.check_invariants().expect("consistent");
+        after
+    };
+    assert_eq!(reserved(50 * MIB), [52, 76], "within the saving: cached");
+    assert_eq!(reserved(20 * MIB), [52, 56], "past it: given back first");
 }
 
 /// The saving is the default pool's: a private pool's segments keep PyTorch's sizes beside

@@ -513,7 +513,7 @@ impl<D: Device> CachingAllocator<D> {
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
         let sized = size::allocation_size(&self.config, rounded);
-        let segment_size = self.segment_beside_plan(pool, rounded, sized);
+        let segment_size = self.segment_beside_plan(pool, rounded, sized)?;
         if self.gc_enabled() {
             self.garbage_collect()?;
         }

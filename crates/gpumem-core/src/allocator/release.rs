@@ -1,7 +1,9 @@
 //! Giving memory back to the driver: the cache flush (`release_cached_blocks`), the release
 //! of cached oversize blocks (`release_available_cached_blocks`) and garbage collection
 //! (`garbage_collect_cached_blocks`); a followed plan also gives back the default pools'
-//! idle segments once (`release_idle_cache`, Note [Planned placement]).
+//! idle segments once (`release_idle_cache`), and the default large pool's whole free
+//! segments before a new one past its saving (`segment_beside_plan`, Note [Planned
+//! placement]).
 //!
 //! # Invariants
 //! - Only whole free segments are freed; of expandable segments only whole free pages are

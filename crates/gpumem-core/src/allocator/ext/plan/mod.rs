@@ -9,6 +9,10 @@
 //! - A request that matches the entry at the cursor, or one the job skipped a little
 //!   before (it came out of order), or, the job having skipped some, one of the entries
 //!   after the cursor ([`RESYNC_WINDOW`] in all), by rounded size and stream, is that entry.
+//!   A request of a whole plan that matches none of them, on the stream of the entry at the
+//!   cursor and from half to one and a half times its size (a tensor resized across its
+//!   class), is that entry, and the cursor stays: had the job added the request, the entry's
+//!   own comes next.
 //!   Streams are matched by their handles as the allocator's callers give them: a plan
 //!   made from one process matches another's default stream, not its side streams. A
 //!   planned entry is served at its offset when that range of the region is free (a hit). A
@@ -40,8 +44,9 @@
 //!   new large segments of the default pool (not expandable) take PyTorch's sizes while its
 //!   memory outside the plan has grown by no more than that since the plan first began
 //!   following (weights and a warm-up's cache come before), and the request rounded up to
-//!   2 MiB past it: misses share a 20 MiB segment while the saving pays for it, and take no
-//!   more than they need after.
+//!   2 MiB past it, once the pool's whole free segments are given back (outside a capture):
+//!   misses share a 20 MiB segment while the saving pays for it; past it, what the caching
+//!   allocator holds beside the plan is what they use, no more.
 //! - A region is obtained from the driver at its first hit and kept while it holds live
 //!   blocks. Every cache flush (`empty_cache`, and the OOM retry chain's before its last
 //!   attempt) gives back the regions and chunks that hold none, so the plan never costs a
@@ -106,8 +111,9 @@
 //!   cannot put where it planned scans the free blocks of its stream's region and chunks
 //!   (each holds at most one more free block than live ones) and at most [`LOOKAHEAD`]
 //!   entries, in O((blocks + entries) × log blocks), or (its lifetime unknown) the region's
-//!   last uses, in O(blocks × log entries). Setting a plan sorts its entries' ranges once
-//!   (O(entries × log entries)).
+//!   last uses, in O(blocks × log entries). A new segment of the caching allocator's past
+//!   the plan's saving scans the default large pool's free blocks once. Setting a plan sorts
+//!   its entries' ranges once (O(entries × log entries)).
 //! - Host memory: the plan and its per-region tables (O(entries)), and per held region or
 //!   chunk its maps of free, unmapped and lent blocks and pages, counted in the allocator's
 //!   `heap_bytes` in constant time. A paged region or chunk is address space, whatever its
@@ -147,6 +153,12 @@ pub const RESYNC_WINDOW: usize = 16;
 /// Requests in a row that match no entry after which the plan waits for its first entry
 /// again.
 pub const LOST_AFTER: u32 = 16;
+
+/// Whether a request of `size` on `stream` that matches no entry may be `entry` resized
+/// across its rounded class: on its stream, between half and one and a half times its size.
+fn resized(entry: &PlanEntry, size: u64, stream: StreamId) -> bool {
+    entry.stream == stream && size >= entry.size / 2 && size <= entry.size + entry.size / 2
+}
 
 /// `j` on a circle of `n`, for `j` below `2n`.
 fn wrap(j: usize, n: usize) -> usize {
@@ -347,6 +359,9 @@ pub(in crate::allocator) struct Following {
     /// Whether requests are being matched from the cursor (else: waiting for entry 0).
     following: bool,
     misses_in_row: u32,
+    /// The entry at the cursor, where a request of another size took it (a tensor resized
+    /// across its class) and the cursor stayed.
+    resized: Option<usize>,
     /// Requests of the default pool the caching allocator served since the iteration began
     /// (misses, entries left to it, requests while not following).
     served_outside: u64,
@@ -524,6 +539,7 @@ impl Following {
             position: 0,
             following: false,
             misses_in_row: 0,
+            resized: None,
             served_outside: 0,
             paged,
             counter_at_start,
@@ -582,6 +598,13 @@ impl Following {
             if !self.following {
                 return (Expect::Idle, false);
             }
+            // A tensor resized across its class: the entry at the cursor, which stays there
+            // (were the request one the job added, the entry's own would come next).
+            if !self.paged && resized(&entries[self.cursor], size, stream) {
+                self.misses_in_row = 0;
+                self.resized = Some(self.cursor);
+                return (self.expect(self.cursor, stream), false);
+            }
             self.misses_in_row += 1;
             self.paging.unmatched += 1;
             if self.misses_in_row >= LOST_AFTER {
@@ -594,19 +617,23 @@ impl Following {
         };
         let j = wrap(unwrapped, n);
         let begins = !self.following || j < self.position;
+        // Passed over: not one a resized request took.
+        let resized = self.resized;
+        let passed = |from: usize| (from..j).filter(move |&k| Some(k) != resized);
         if begins {
             // What the iteration before skipped is not this one's; this one's first entries,
             // passed over (its first request came late), are.
             self.skipped.clear();
-            self.skipped.extend(0..j);
+            self.skipped.extend(passed(0));
         } else {
             // Remembered for a while: the job may make them a little later.
-            self.skipped.extend(self.cursor..j);
+            self.skipped.extend(passed(self.cursor));
             let oldest = j.saturating_sub(RESYNC_WINDOW);
             self.skipped.retain(|&s| s >= oldest);
         }
         self.following = true;
         self.misses_in_row = 0;
+        self.resized = None;
         self.cursor = wrap(j + 1, n);
         if self.cursor == 0 {
             // The iteration's last entry: what it skipped is not the next one's.
@@ -801,31 +828,38 @@ impl<D: Device> CachingAllocator<D> {
     /// `pool` (`sized`: PyTorch's size) once a plan that knows what it saved has begun
     /// following (misses, entries left to the caching allocator, requests while the plan
     /// waits again): PyTorch's while the memory outside the plan has grown by no more than
-    /// that saving since, else the request rounded up to 2 MiB. Misses share the caching
-    /// allocator's large segments while the plan's saving pays for them, and cost no more
-    /// than they need past it. The default pool's large segments only, expandable ones not.
+    /// that saving since, else the request rounded up to 2 MiB, after the pool's whole free
+    /// segments are given back (outside a capture). Misses share the caching allocator's
+    /// large segments while the plan's saving pays for them; past it, the memory beside the
+    /// plan is what its misses use, no more. The default pool's large segments only,
+    /// expandable ones not.
     pub(in crate::allocator) fn segment_beside_plan(
-        &self,
+        &mut self,
         pool: PoolRef,
         rounded: u64,
         sized: u64,
-    ) -> u64 {
+    ) -> Result<u64, AllocError> {
         let Some(planned) = self.planned.as_deref() else {
-            return sized;
+            return Ok(sized);
         };
         let (Some(saved), Some(before)) = (planned.plan.saved_bytes, planned.outside_at_start)
         else {
-            return sized;
+            return Ok(sized);
         };
         if !pool.owner.is_default() || pool.kind != PoolKind::Large || self.expandable_segments() {
-            return sized;
+            return Ok(sized);
         }
         let grown = self.outside_plan_bytes().saturating_sub(before);
         if grown.saturating_add(sized) <= saved {
-            sized
-        } else {
-            sized.min(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE)
+            return Ok(sized);
         }
+        // Past the saving, a whole free segment is memory held beyond what the caching
+        // allocator alone would hold, and none holds this request on its stream (else no new
+        // segment were asked for).
+        if !self.capturing() {
+            self.release_blocks(pool)?;
+        }
+        Ok(sized.min(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE))
     }
 
     /// Bytes the caching allocator holds outside the plan's regions and chunks.
@@ -1478,6 +1512,33 @@ mod tests {
         assert_eq!(following.match_request(512, S0), (placed(0), false));
         assert_eq!(following.match_request(2048, S0), (placed(1536), false));
         assert!(following.skipped.is_empty());
+    }
+
+    /// A request that matches no entry by size, within half the size of the entry at the
+    /// cursor either way, is that entry (a tensor resized across its class) and the cursor
+    /// stays: the next request may be the entry's own (the other was one the job added) or
+    /// the next entry's, which then does not leave the entry behind as skipped. One further
+    /// off is a miss.
+    #[test]
+    fn a_request_resized_across_its_class_takes_the_entry_at_the_cursor() {
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(2048, S0, Some(512), false),
+            entry(1024, S0, Some(2560), false),
+        ]);
+        let placed = |offset| Expect::Placed { region: 0, offset };
+        assert_eq!(following.match_request(512, S0), (placed(0), true));
+        assert_eq!(following.match_request(2560, S0), (placed(512), false));
+        assert_eq!(following.match_request(1024, S0), (placed(2560), false));
+        assert!(following.skipped.is_empty(), "{:?}", following.skipped);
+        // The next iteration: a request the job added, of a size near the entry's, then the
+        // entry's own.
+        assert_eq!(following.match_request(512, S0), (placed(0), true));
+        assert_eq!(following.match_request(1536, S0), (placed(512), false));
+        assert_eq!(following.match_request(2048, S0), (placed(512), false));
+        assert_eq!(following.match_request(4096, S0), (Expect::Miss, false));
+        assert_eq!(following.match_request(1024, S0), (placed(2560), false));
+        assert_eq!(following.paging.unmatched, 1);
     }
 
     /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first
