@@ -157,7 +157,9 @@ pub const LOST_AFTER: u32 = 16;
 /// Whether a request of `size` on `stream` that matches no entry may be `entry` resized
 /// across its rounded class: on its stream, between half and one and a half times its size.
 fn resized(entry: &PlanEntry, size: u64, stream: StreamId) -> bool {
-    entry.stream == stream && size >= entry.size / 2 && size <= entry.size + entry.size / 2
+    entry.stream == stream
+        && size >= entry.size / 2
+        && size <= entry.size.saturating_add(entry.size / 2)
 }
 
 /// `j` on a circle of `n`, for `j` below `2n`.
