@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use rustc_hash::FxHashMap;
 
-use crate::allocator::size::ROUND_LARGE;
+use crate::allocator::size::round_to_large;
 use crate::allocator::{MAX_PLAN_STREAMS, Plan, PlanEntry, PlanMode, PlanRegion};
 use crate::device::StreamId;
 use crate::iterations::{Allocation, placeable};
@@ -143,7 +143,7 @@ fn place_iteration(iteration: &[Allocation], start: usize, length: usize) -> Pla
         for (&i, &o) in indices.iter().zip(&placed) {
             offsets[i] = Some(o);
         }
-        let bytes = top.div_ceil(ROUND_LARGE) * ROUND_LARGE;
+        let bytes = round_to_large(top);
         let persistent: Vec<(usize, usize, u64)> = iteration
             .iter()
             .enumerate()

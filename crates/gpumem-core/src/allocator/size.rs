@@ -112,6 +112,12 @@ fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
     }
 }
 
+/// `bytes` rounded up to a multiple of 2 MiB ([`ROUND_LARGE`]), the granularity of large
+/// segments (saturating).
+pub fn round_to_large(bytes: u64) -> u64 {
+    bytes.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
+}
+
 /// Size of a new segment for a rounded request (`get_allocation_size`): 2 MiB for the small
 /// pool, `large_segment_size` (20 MiB unless configured) up to 10 MiB, else the request
 /// rounded up to 2 MiB.
@@ -121,7 +127,7 @@ pub fn allocation_size(config: &AllocatorConfig, rounded: u64) -> u64 {
     } else if rounded < MIN_LARGE_ALLOC {
         config.large_segment_size
     } else {
-        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
+        round_to_large(rounded)
     }
 }
 

@@ -134,7 +134,7 @@ use crate::allocator::block::{Block, BlockId};
 mod elsewhere;
 mod paging;
 use crate::allocator::pool_id::{PoolRef, PoolSlot};
-use crate::allocator::size::{self, MIN_BLOCK_SIZE, PoolKind, ROUND_LARGE};
+use crate::allocator::size::{self, MIN_BLOCK_SIZE, PoolKind};
 use crate::allocator::{AllocError, CachingAllocator, TraceAction};
 pub use elsewhere::LOOKAHEAD;
 use paging::{HeldPages, last_uses};
@@ -509,10 +509,7 @@ impl Following {
             }
         }
         for c in &mut chunks {
-            c.1 =
-                c.1.div_ceil(ROUND_LARGE)
-                    .saturating_mul(ROUND_LARGE)
-                    .min(MAX_REGION_BYTES);
+            c.1 = size::round_to_large(c.1).min(MAX_REGION_BYTES);
         }
         let persistent_rest = chunks
             .iter()
@@ -861,7 +858,7 @@ impl<D: Device> CachingAllocator<D> {
         if !self.capturing() {
             self.release_blocks(pool)?;
         }
-        Ok(sized.min(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE))
+        Ok(sized.min(size::round_to_large(rounded)))
     }
 
     /// Bytes the caching allocator holds outside the plan's regions and chunks.
@@ -990,7 +987,7 @@ impl<D: Device> CachingAllocator<D> {
         // What the iteration's rest keeps, not a whole iteration's: a chunk filled early (by
         // requests the plan did not expect) costs no more than the entries still to come.
         let rest = self.following()?.persistent_to_come(c).min(bytes);
-        let mut bytes = rest.max(size).div_ceil(ROUND_LARGE) * ROUND_LARGE;
+        let mut bytes = size::round_to_large(rest.max(size));
         if self.following()?.paged {
             // Address space is not memory: a paged chunk spans 9/8 of the device, as an
             // expandable segment does, and grows page by page for as long as the job keeps
@@ -1379,6 +1376,11 @@ mod tests {
         }
     }
 
+    /// What a planned entry at `offset` of region 0 says.
+    fn placed(offset: u64) -> Expect {
+        Expect::Placed { region: 0, offset }
+    }
+
     /// A plan of `entries` with one 4 KiB region on stream 0, followed unpaged.
     fn following(entries: Vec<PlanEntry>) -> Following {
         let plan = Plan {
@@ -1403,7 +1405,6 @@ mod tests {
             entry(2048, S0, None, true),
             entry(512, S1, None, false),
         ]);
-        let placed = |offset| Expect::Placed { region: 0, offset };
         let persistent = Expect::Persistent {
             tried: None,
             chunk: 0,
@@ -1445,7 +1446,6 @@ mod tests {
         entries.push(entry(1024, S0, Some(512), false));
         entries.push(entry(3072, S0, Some(0), false));
         let mut following = following(entries);
-        let placed = |offset| Expect::Placed { region: 0, offset };
         let persistent = Expect::Persistent {
             tried: None,
             chunk: 0,
@@ -1483,7 +1483,6 @@ mod tests {
             entry(1024, S0, Some(512), false),
             entry(2048, S0, Some(1536), false),
         ]);
-        let placed = |offset| Expect::Placed { region: 0, offset };
         assert_eq!(following.match_request(512, S0), (placed(0), true));
         assert_eq!(following.match_request(2048, S0), (placed(1536), false));
         assert!(following.skipped.is_empty(), "the last entry matched");
@@ -1501,7 +1500,6 @@ mod tests {
             entry(1024, S0, Some(512), false),
             entry(2048, S0, Some(1536), false),
         ]);
-        let placed = |offset| Expect::Placed { region: 0, offset };
         for (i, (size, offset)) in [(512, 0), (1024, 512), (2048, 1536)]
             .into_iter()
             .enumerate()
@@ -1528,7 +1526,6 @@ mod tests {
             entry(2048, S0, Some(512), false),
             entry(1024, S0, Some(2560), false),
         ]);
-        let placed = |offset| Expect::Placed { region: 0, offset };
         assert_eq!(following.match_request(512, S0), (placed(0), true));
         assert_eq!(following.match_request(2560, S0), (placed(512), false));
         assert_eq!(following.match_request(1024, S0), (placed(2560), false));
@@ -1551,26 +1548,11 @@ mod tests {
             entry(512, S0, Some(0), false),
             entry(1024, S0, Some(512), false),
         ]);
-        assert_eq!(
-            following.match_request(512, S0).0,
-            Expect::Placed {
-                region: 0,
-                offset: 0
-            }
-        );
+        assert_eq!(following.match_request(512, S0).0, placed(0));
         for _ in 0..LOST_AFTER {
             assert_eq!(following.match_request(4096, S0).0, Expect::Miss);
         }
         assert_eq!(following.match_request(1024, S0).0, Expect::Idle);
-        assert_eq!(
-            following.match_request(512, S0),
-            (
-                Expect::Placed {
-                    region: 0,
-                    offset: 0
-                },
-                true
-            )
-        );
+        assert_eq!(following.match_request(512, S0), (placed(0), true));
     }
 }
