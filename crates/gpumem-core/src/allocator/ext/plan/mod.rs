@@ -13,6 +13,11 @@
 //!   cursor and from half to one and a half times its size (a tensor resized across its
 //!   class), is that entry, and the cursor stays: had the job added the request, the entry's
 //!   own comes next.
+//!   Once the job has made a request out of order or skipped an entry (whole plans), an
+//!   entry placed just before a persistent one of its size and stream is served as a
+//!   persistent one, in a chunk whose size counts it: the follower cannot tell the two
+//!   requests apart, and should the job make them the other way round (or skip the first),
+//!   the tensor it keeps would sit in a range the plan reuses all iteration.
 //!   Streams are matched by their handles as the allocator's callers give them: a plan
 //!   made from one process matches another's default stream, not its side streams. A
 //!   planned entry is served at its offset when that range of the region is free (a hit). A
@@ -160,6 +165,22 @@ fn resized(entry: &PlanEntry, size: u64, stream: StreamId) -> bool {
     entry.stream == stream
         && size >= entry.size / 2
         && size <= entry.size.saturating_add(entry.size / 2)
+}
+
+/// The entries placed in a region just before (on the iteration's circle) a persistent entry
+/// of their size and stream, in order.
+fn before_kept(entries: &[PlanEntry]) -> Vec<usize> {
+    let n = entries.len();
+    (0..n)
+        .filter(|&j| {
+            let (e, next) = (&entries[j], &entries[wrap(j + 1, n)]);
+            n > 1
+                && !e.persistent
+                && e.offset.is_some()
+                && next.persistent
+                && (next.size, next.stream) == (e.size, e.stream)
+        })
+        .collect()
 }
 
 /// `j` on a circle of `n`, for `j` below `2n`.
@@ -342,12 +363,14 @@ pub(in crate::allocator) struct Following {
     /// region page lies past its last use, a chunk may borrow it until the iteration ends.
     /// Whole: a request of unknown lifetime takes only parts no entry uses.
     last_use: Vec<BTreeMap<u64, Option<usize>>>,
-    /// Per stream with persistent entries: an iteration's persistent bytes (the most a whole
-    /// plan's new chunk takes) and the chunk bumped now.
+    /// Per stream with persistent entries: an iteration's persistent bytes, those of
+    /// `before_kept` included (the most a whole plan's new chunk takes), and the chunk bumped
+    /// now.
     chunks: Vec<(StreamId, u64, Option<u64>)>,
-    /// Per chunk stream: (entry, bytes of the stream's persistent entries from it on), for
-    /// each persistent entry in order: what the iteration's rest will bump.
-    persistent_rest: Vec<Vec<(usize, u64)>>,
+    /// Per chunk stream: (entry, bytes of the stream's persistent entries from it on, and
+    /// with those of `before_kept`), for each persistent entry and each of `before_kept` in
+    /// order: what the iteration's rest will bump (once disordered, the second).
+    persistent_rest: Vec<Vec<(usize, u64, u64)>>,
     /// Every region and chunk held, by base.
     held: BTreeMap<u64, Held>,
     /// The entry the next request is expected to be.
@@ -364,6 +387,12 @@ pub(in crate::allocator) struct Following {
     /// The entry at the cursor, where a request of another size took it (a tensor resized
     /// across its class) and the cursor stayed.
     resized: Option<usize>,
+    /// Whole plans: the entries placed in a region just before a persistent one of their
+    /// size and stream, in order (see `disordered`).
+    before_kept: Vec<usize>,
+    /// Whole plans: the job has made a request out of order, or skipped an entry, since the
+    /// plan was set (Note [Planned placement]).
+    disordered: bool,
     /// Requests of the default pool the caching allocator served since the iteration began
     /// (misses, entries left to it, requests while not following).
     served_outside: u64,
@@ -486,7 +515,8 @@ impl Following {
             + (self.regions.capacity() + self.chunks.capacity())
                 * size_of::<(StreamId, u64, Option<u64>)>()
             + last_use * 2 * size_of::<(u64, Option<usize>)>()
-            + rest * size_of::<(usize, u64)>()
+            + rest * size_of::<(usize, u64, u64)>()
+            + self.before_kept.capacity() * size_of::<usize>()
             + self.held.len() * 2 * size_of::<(u64, Held)>()
             + (blocks + pages) * 2 * size_of::<(u64, BlockId)>()
     }
@@ -501,8 +531,18 @@ impl Following {
             .iter()
             .map(|r| last_uses(&plan.entries, r.0))
             .collect();
+        let before_kept = if paged {
+            Vec::new()
+        } else {
+            before_kept(&plan.entries)
+        };
+        // What goes to chunks: persistent entries, and those before one once disordered.
+        let chunked = |j: usize| {
+            let e = &plan.entries[j];
+            (e.persistent || before_kept.binary_search(&j).is_ok()).then_some(e)
+        };
         let mut chunks: Vec<(StreamId, u64, Option<u64>)> = Vec::new();
-        for e in plan.entries.iter().filter(|e| e.persistent) {
+        for e in (0..plan.entries.len()).filter_map(chunked) {
             match chunks.iter_mut().find(|c| c.0 == e.stream) {
                 Some(c) => c.1 = c.1.saturating_add(e.size),
                 None => chunks.push((e.stream, e.size, None)),
@@ -514,13 +554,17 @@ impl Following {
         let persistent_rest = chunks
             .iter()
             .map(|c| {
-                let mut rest: Vec<(usize, u64)> = Vec::new();
-                let mut bytes = 0u64;
-                for (j, e) in plan.entries.iter().enumerate().rev() {
-                    if e.persistent && e.stream == c.0 {
+                let mut rest: Vec<(usize, u64, u64)> = Vec::new();
+                let (mut bytes, mut disordered) = (0u64, 0u64);
+                for j in (0..plan.entries.len()).rev() {
+                    let Some(e) = chunked(j).filter(|e| e.stream == c.0) else {
+                        continue;
+                    };
+                    if e.persistent {
                         bytes = bytes.saturating_add(e.size);
-                        rest.push((j, bytes));
                     }
+                    disordered = disordered.saturating_add(e.size);
+                    rest.push((j, bytes, disordered));
                 }
                 rest.reverse();
                 rest
@@ -539,6 +583,8 @@ impl Following {
             following: false,
             misses_in_row: 0,
             resized: None,
+            before_kept,
+            disordered: false,
             served_outside: 0,
             paged,
             counter_at_start,
@@ -587,11 +633,14 @@ impl Following {
             {
                 let j = self.skipped.remove(k);
                 self.misses_in_row = 0;
+                self.disordered = true;
                 return (self.expect(j, stream), false);
             }
-            (1..RESYNC_WINDOW.min(n))
+            let later = (1..RESYNC_WINDOW.min(n))
                 .map(|k| self.cursor + k)
-                .find(|&j| matches(j))
+                .find(|&j| matches(j));
+            self.disordered |= later.is_some();
+            later
         };
         let Some(unwrapped) = found else {
             if !self.following {
@@ -653,6 +702,13 @@ impl Following {
             .offset
             .and_then(|offset| Some((self.region_of(stream)?, offset)));
         let chunk = self.chunks.iter().position(|c| c.0 == stream);
+        if self.disordered
+            && !e.persistent
+            && let Some(chunk) = chunk
+            && self.before_kept.binary_search(&j).is_ok()
+        {
+            return Expect::Persistent { tried: None, chunk };
+        }
         match (e.persistent, chunk, at) {
             (true, Some(chunk), tried) => Expect::Persistent { tried, chunk },
             (false, _, Some((region, offset))) => Expect::Placed { region, offset },
@@ -1538,6 +1594,50 @@ mod tests {
         assert_eq!(following.match_request(4096, S0), (Expect::Miss, false));
         assert_eq!(following.match_request(1024, S0), (placed(2560), false));
         assert_eq!(following.paging.unmatched, 1);
+    }
+
+    /// An entry just before a persistent one of its size and stream is placed while the job
+    /// makes its requests in order (one it does not know, or resized, is no disorder), and goes
+    /// to a chunk once it has made one out of order (the two may then come the other way round,
+    /// which no follower can see); the chunk's size counts it from then on.
+    #[test]
+    fn an_entry_before_a_kept_one_of_its_size_goes_to_a_chunk_once_the_job_is_disordered() {
+        let mut following = following(vec![
+            entry(512, S0, Some(0), false),
+            entry(1024, S0, Some(512), false),
+            entry(1024, S0, None, true),
+            entry(512, S0, Some(1536), false),
+            entry(2048, S0, Some(2048), false),
+        ]);
+        assert_eq!(following.before_kept, vec![1]);
+        let persistent = Expect::Persistent {
+            tried: None,
+            chunk: 0,
+        };
+        assert_eq!(following.persistent_to_come(0), 1024);
+        for added in [None, Some(8192), Some(1536)] {
+            assert_eq!(following.match_request(512, S0).0, placed(0));
+            if let Some(size) = added {
+                following.match_request(size, S0);
+            }
+            assert_eq!(following.match_request(1024, S0).0, placed(512));
+            assert_eq!(following.match_request(1024, S0).0, persistent);
+            assert_eq!(following.match_request(512, S0).0, placed(1536));
+            assert_eq!(following.match_request(2048, S0).0, placed(2048));
+        }
+        assert!(!following.disordered);
+        // Entry 3's request before entry 1's: from now on entry 1 goes to the chunk.
+        assert_eq!(following.match_request(512, S0).0, placed(0));
+        assert_eq!(following.match_request(512, S0).0, placed(1536));
+        assert_eq!(following.match_request(1024, S0).0, persistent);
+        assert_eq!(following.match_request(1024, S0).0, persistent);
+        assert_eq!(following.match_request(2048, S0).0, placed(2048));
+        assert_eq!(following.match_request(512, S0).0, placed(0));
+        assert_eq!(following.match_request(1024, S0).0, persistent);
+        assert_eq!(following.persistent_to_come(0), 2048);
+        // Paged plans lend pages by the plan's own lifetimes: none of this.
+        let plan = Arc::clone(&following.plan);
+        assert!(Following::new(plan, true, 0).before_kept.is_empty());
     }
 
     /// A followed plan given up after [`LOST_AFTER`] misses in a row waits for its first

@@ -147,8 +147,14 @@ impl Following {
         } else {
             0
         };
-        let i = rest.partition_point(|&(j, _)| j < from);
-        rest.get(i).map_or(0, |&(_, bytes)| bytes)
+        let i = rest.partition_point(|&(j, ..)| j < from);
+        let rest = rest.get(i);
+        rest.map_or(
+            0,
+            |&(_, bytes, disordered)| {
+                if self.disordered { disordered } else { bytes }
+            },
+        )
     }
 
     /// The pages of the paged region or chunk at `base`.
