@@ -148,13 +148,11 @@ impl Following {
             0
         };
         let i = rest.partition_point(|&(j, ..)| j < from);
-        let rest = rest.get(i);
-        rest.map_or(
-            0,
-            |&(_, bytes, disordered)| {
-                if self.disordered { disordered } else { bytes }
-            },
-        )
+        match rest.get(i) {
+            Some(&(_, _, with_before_kept)) if self.disordered => with_before_kept,
+            Some(&(_, bytes, _)) => bytes,
+            None => 0,
+        }
     }
 
     /// The pages of the paged region or chunk at `base`.
