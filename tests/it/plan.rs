@@ -1391,7 +1391,11 @@ fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
     let first = alloc.malloc(2 * MIB, s).expect("fits");
     assert_eq!(held(&alloc), 8 * MIB, "an iteration's persistent entries");
     let unknown = alloc.malloc(5 * MIB, s).expect("fits");
-    assert_eq!(unknown.0, first.0 + 2 * MIB, "the chunk's free part");
+    assert_eq!(
+        unknown.0,
+        first.0 + 3 * MIB,
+        "the end of the chunk's free part"
+    );
     for _ in 0..3 {
         alloc.malloc(2 * MIB, s).expect("fits");
     }
@@ -1400,6 +1404,35 @@ fn a_chunk_filled_early_is_followed_by_one_for_the_rest() {
         14 * MIB,
         "a second chunk for the three entries to come"
     );
+    assert_eq!(hits_and_misses(&alloc), (5, 0));
+    alloc.check_invariants().expect("consistent");
+}
+
+/// A request the plan does not know takes the end of the chunk's free tail, not its start:
+/// the iteration's kept entries fill the tail from the front, and once it is freed, the last
+/// of them fits where it was, in the same chunk.
+#[test]
+fn a_request_the_plan_does_not_know_takes_the_end_of_the_chunks_tail() {
+    const MIB: u64 = 1 << 20;
+    let kept = serde_json::json!({"size": 4 * MIB, "stream": 0, "persistent": true});
+    let mut alloc = following_on_sim(serde_json::json!({
+        "regions": [],
+        "entries": [kept, kept, kept, kept]
+    }));
+    let s = StreamId(0);
+    let first = alloc.malloc(4 * MIB, s).expect("fits");
+    // Less than half an entry's size: not a resized entry.
+    let unknown = alloc.malloc(3 * MIB / 2, s).expect("fits");
+    assert_eq!(unknown.0, first.0 + 29 * MIB / 2, "the tail's end");
+    for k in 1..3 {
+        let next = alloc.malloc(4 * MIB, s).expect("fits");
+        assert_eq!(next.0, first.0 + 4 * k * MIB, "bumped from the front");
+    }
+    alloc.free(unknown).expect("live");
+    let last = alloc.malloc(4 * MIB, s).expect("fits");
+    assert_eq!(last.0, first.0 + 12 * MIB, "where the unknown request was");
+    let status = alloc.plan_status().expect("followed");
+    assert_eq!(status.held_bytes, 16 * MIB, "one chunk: {status:?}");
     assert_eq!(hits_and_misses(&alloc), (5, 0));
     alloc.check_invariants().expect("consistent");
 }

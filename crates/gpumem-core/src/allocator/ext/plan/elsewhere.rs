@@ -6,10 +6,12 @@
 //! and one placed in a range the next entries were planned into displaces them in turn: a
 //! cascade that ends with entries no free block holds. The candidates are the start of every
 //! free block of the stream's region and chunks that holds the request, and in the region
-//! also the end of each; each is ranked by the first of the next [`LOOKAHEAD`] entries whose
-//! planned range it overlaps (none, in a chunk: entries are planned in regions only), the
-//! latest first, then the smallest block, then the pools' tie-break (the lowest address, or
-//! the oldest).
+//! also the end of each. Of the free tail of the chunk being bumped, only its end: the
+//! iteration's kept entries fill that tail from the front, and a request at its start would
+//! send them to a new chunk and leave the tail behind it unused. Each candidate is ranked by
+//! the first of the next [`LOOKAHEAD`] entries whose planned range it overlaps (none, in a
+//! chunk: entries are planned in regions only), the latest first, then the smallest block,
+//! then the pools' tie-break (the lowest address, or the oldest).
 //!
 //! A request whose lifetime the plan does not know (it matched no entry, it is kept past
 //! the iteration, or it came while the plan waits for its first entry) may live on, and in
@@ -69,6 +71,8 @@ impl Following {
     ) -> Option<(u64, u64)> {
         let r = self.region_of(stream);
         let region = r.and_then(|r| self.regions[r].2);
+        // The stream's current chunk: requests to come bump into its free tail from the front.
+        let bumped = (self.chunks.iter()).find_map(|chunk| chunk.2.filter(|_| chunk.0 == stream));
         let mut candidates = Vec::new();
         // Candidates in the region, by offset (free blocks are disjoint and by address, and
         // a block's start comes before its end): (offset, index in `candidates`).
@@ -84,7 +88,10 @@ impl Following {
                 let tie = order.tie(b.counter, b.ptr);
                 let ends = [addr, addr + b.size - size];
                 let count = if held.region && b.size > size { 2 } else { 1 };
-                for &at in &ends[..count] {
+                // The current chunk's tail only at its end, where bumps reach last.
+                let tail = Some(base) == bumped && addr + b.size == base + held.bytes;
+                let ends = if tail { &ends[1..] } else { &ends[..count] };
+                for &at in ends {
                     if held.region {
                         let unused = || r.is_some_and(|r| self.no_entry_uses(r, at - base, size));
                         if !lifetime_known && !unused() {
