@@ -1437,6 +1437,14 @@ mod tests {
         Expect::Placed { region: 0, offset }
     }
 
+    /// What a persistent entry with no offset says: bumped into the chunk of stream 0.
+    fn bumped() -> Expect {
+        Expect::Persistent {
+            tried: None,
+            chunk: 0,
+        }
+    }
+
     /// A plan of `entries` with one 4 KiB region on stream 0, followed unpaged.
     fn following(entries: Vec<PlanEntry>) -> Following {
         let plan = Plan {
@@ -1461,10 +1469,7 @@ mod tests {
             entry(2048, S0, None, true),
             entry(512, S1, None, false),
         ]);
-        let persistent = Expect::Persistent {
-            tried: None,
-            chunk: 0,
-        };
+        let persistent = bumped();
         let steps = [
             // Nothing is followed until the first entry comes.
             ((1024, S0), (Expect::Idle, false)),
@@ -1502,10 +1507,7 @@ mod tests {
         entries.push(entry(1024, S0, Some(512), false));
         entries.push(entry(3072, S0, Some(0), false));
         let mut following = following(entries);
-        let persistent = Expect::Persistent {
-            tried: None,
-            chunk: 0,
-        };
+        let persistent = bumped();
         let steps = [
             ((512, S0), (placed(0), true)),
             // The third before the second.
@@ -1610,10 +1612,7 @@ mod tests {
             entry(2048, S0, Some(2048), false),
         ]);
         assert_eq!(following.before_kept, vec![1]);
-        let persistent = Expect::Persistent {
-            tried: None,
-            chunk: 0,
-        };
+        let persistent = bumped();
         assert_eq!(following.persistent_to_come(0), 1024);
         for added in [None, Some(8192), Some(1536)] {
             assert_eq!(following.match_request(512, S0).0, placed(0));
