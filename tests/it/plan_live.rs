@@ -374,10 +374,10 @@ const ISSUE: Target = Target {
 };
 
 /// What holds now, a floor against regressions (docs/planning.md, "Plans in live jobs"):
-/// 9 runs in 10 meet issue 57's target, and none serves less than 90 % or holds more than
-/// 5/4 of the caching allocator's peak.
+/// 4 runs in 5 of each recording meet issue 57's target, and none serves less than 90 % or
+/// holds more than 5/4 of the caching allocator's peak.
 const NOW: (f64, Target) = (
-    0.9,
+    0.8,
     Target {
         served: 0.9,
         peak: 1.25,
@@ -402,16 +402,16 @@ fn bundled(file: &str) -> Recording {
     read_recording(&path).expect("a bundled recording")
 }
 
-/// The runs of the bundled recordings, and of the shared ones where they are here.
-fn runs(test: &str) -> Vec<Run> {
-    let mut runs = Vec::new();
-    for file in BUNDLED {
-        runs.extend(holds_live(file, &bundled(file)));
-    }
+/// The runs of each bundled recording, and of each shared one where they are here.
+fn runs(test: &str) -> Vec<(&'static str, Vec<Run>)> {
+    let mut runs: Vec<(&str, Vec<Run>)> = BUNDLED
+        .iter()
+        .map(|&file| (file, holds_live(file, &bundled(file))))
+        .collect();
     if let Some(dir) = shared_traces(test) {
         for name in SHARED {
             let recording = read_recording(&dir.join(name)).expect("reads");
-            runs.extend(holds_live(name, &recording));
+            runs.push((name, holds_live(name, &recording)));
         }
     }
     runs
@@ -419,23 +419,28 @@ fn runs(test: &str) -> Vec<Run> {
 
 #[test]
 fn perturbed_live_jobs_mostly_follow_their_plan() {
-    let runs = runs("perturbed_live_jobs_mostly_follow_their_plan");
     let (share, each) = NOW;
-    let short: Vec<String> = runs.iter().filter_map(|r| r.short_of(each)).collect();
+    let mut short = Vec::new();
+    for (name, runs) in runs("perturbed_live_jobs_mostly_follow_their_plan") {
+        short.extend(runs.iter().filter_map(|r| r.short_of(each)));
+        let meet = runs.iter().filter(|r| r.short_of(ISSUE).is_none()).count();
+        eprintln!(
+            "{name}: {meet} of {} runs meet issue 57's target",
+            runs.len()
+        );
+        if (meet as f64) < share * runs.len() as f64 {
+            short.push(format!("{name}: {meet} of {} runs meet it", runs.len()));
+        }
+    }
     assert!(short.is_empty(), "{short:#?}");
-    let meet = runs.iter().filter(|r| r.short_of(ISSUE).is_none()).count();
-    eprintln!("{meet} of {} runs meet issue 57's target", runs.len());
-    assert!(
-        meet as f64 >= share * runs.len() as f64,
-        "{meet} of {} runs meet issue 57's target",
-        runs.len()
-    );
 }
 
 #[test]
 #[ignore = "issue 57, open: 414 of 450 runs meet the target (docs/planning.md); run with --ignored"]
 fn plans_hold_in_live_jobs() {
-    let runs = runs("plans_hold_in_live_jobs");
+    let runs: Vec<Run> = (runs("plans_hold_in_live_jobs").into_iter())
+        .flat_map(|(_, runs)| runs)
+        .collect();
     let short: Vec<String> = runs.iter().filter_map(|r| r.short_of(ISSUE)).collect();
     assert!(
         short.is_empty(),
