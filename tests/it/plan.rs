@@ -1426,7 +1426,7 @@ fn a_request_the_plan_does_not_know_takes_the_end_of_the_chunks_tail() {
     assert_eq!(unknown.0, first.0 + 29 * MIB / 2, "the tail's end");
     for k in 1..3 {
         let next = alloc.malloc(4 * MIB, s).expect("fits");
-        assert_eq!(next.0, first.0 + 4 * k * MIB, "bumped from the front");
+        assert_eq!(next.0, first.0 + 4 * k * MIB, "from the front");
     }
     alloc.free(unknown).expect("live");
     let last = alloc.malloc(4 * MIB, s).expect("fits");

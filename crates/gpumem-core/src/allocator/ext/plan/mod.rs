@@ -1437,7 +1437,8 @@ mod tests {
         Expect::Placed { region: 0, offset }
     }
 
-    /// What a persistent entry with no offset says: bumped into the chunk of stream 0.
+    /// What an entry served in stream 0's chunk says: a persistent one with no offset, or one
+    /// before a kept entry once the job is disordered.
     fn bumped() -> Expect {
         Expect::Persistent {
             tried: None,
