@@ -555,7 +555,7 @@ impl Following {
             .iter()
             .map(|c| {
                 let mut rest: Vec<(usize, u64, u64)> = Vec::new();
-                let (mut bytes, mut disordered) = (0u64, 0u64);
+                let (mut bytes, mut with_before_kept) = (0u64, 0u64);
                 for j in (0..plan.entries.len()).rev() {
                     let Some(e) = chunked(j).filter(|e| e.stream == c.0) else {
                         continue;
@@ -563,8 +563,8 @@ impl Following {
                     if e.persistent {
                         bytes = bytes.saturating_add(e.size);
                     }
-                    disordered = disordered.saturating_add(e.size);
-                    rest.push((j, bytes, disordered));
+                    with_before_kept = with_before_kept.saturating_add(e.size);
+                    rest.push((j, bytes, with_before_kept));
                 }
                 rest.reverse();
                 rest
